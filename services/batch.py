@@ -1,0 +1,83 @@
+"""One training batch: a packed sequence of S tokens and the target's hidden states for it.
+
+This is the contract between the roles. The target builds a Batch, the transport carries it,
+the drafter trains on it (the synthetic source builds the same thing).
+
+    hidden         [S, K*H]  bfloat16   captured layers concatenated on the feature axis
+    input_ids      [S]       int64
+    loss_mask      [S]       bool       True where the token is supervised (assistant tokens)
+    position_ids   [S]       int64      restarts at 0 for every document
+    document_ids   [S]       int64      0, 1, 2 ... per document; -1 marks padding
+    target_labels  [S]       int64      optional: target argmax at j (its guess for token j+1)
+
+Global batch index g (see docs/scheduling in the README): every batch carries its g.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+FIELDS = {
+    "hidden": torch.bfloat16,
+    "input_ids": torch.int64,
+    "loss_mask": torch.bool,
+    "position_ids": torch.int64,
+    "document_ids": torch.int64,
+    "target_labels": torch.int64,
+}
+
+
+class BatchError(ValueError):
+    """A batch whose fields disagree with each other or with the config; names the field."""
+
+
+@dataclass
+class Batch:
+    g: int
+    hidden: torch.Tensor
+    input_ids: torch.Tensor
+    loss_mask: torch.Tensor
+    position_ids: torch.Tensor
+    document_ids: torch.Tensor
+    target_labels: torch.Tensor | None = None
+
+    @property
+    def seq_len(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def num_tokens(self) -> int:
+        """Real (non-padding) tokens."""
+        return int((self.document_ids >= 0).sum())
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {f.name: getattr(self, f.name) for f in fields(self)
+                if f.name != "g" and getattr(self, f.name) is not None}
+
+    def to(self, device, non_blocking: bool = False) -> "Batch":
+        moved = {k: v.to(device, non_blocking=non_blocking) for k, v in self.tensors().items()}
+        return Batch(g=self.g, **moved)
+
+    def validate(self, hidden_width: int | None = None) -> "Batch":
+        """Check dtypes and shapes; raise BatchError naming the first bad field."""
+        s = self.seq_len
+        for name, t in self.tensors().items():
+            if t.dtype != FIELDS[name]:
+                raise BatchError(f"batch g={self.g}: field {name!r} has dtype {t.dtype}, expected {FIELDS[name]}")
+            want_dims = 2 if name == "hidden" else 1
+            if t.dim() != want_dims or t.shape[0] != s:
+                raise BatchError(f"batch g={self.g}: field {name!r} has shape {tuple(t.shape)}, expected first dim {s} and {want_dims} dims")
+        if hidden_width is not None and self.hidden.shape[1] != hidden_width:
+            raise BatchError(f"batch g={self.g}: field 'hidden' has width {self.hidden.shape[1]}, config expects {hidden_width}")
+        return self
+
+    @classmethod
+    def from_tensors(cls, g: int, tensors: dict[str, torch.Tensor]) -> "Batch":
+        unknown = set(tensors) - set(FIELDS)
+        if unknown:
+            raise BatchError(f"batch g={g}: unknown fields {sorted(unknown)}")
+        missing = [n for n in FIELDS if n != "target_labels" and n not in tensors]
+        if missing:
+            raise BatchError(f"batch g={g}: missing fields {missing}")
+        return cls(g=g, **tensors).validate()

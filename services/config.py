@@ -1,0 +1,228 @@
+"""Run configuration: one TOML file, five sections, dotted CLI overrides.
+
+Every default lives here, in the dataclasses below, and nowhere else. docs/config.md
+lists them. This module must not import torch: the launcher uses it and stays light.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+
+class ConfigError(ValueError):
+    """A config file or override is wrong; the message names the key and the source."""
+
+
+@dataclass
+class RunConfig:
+    name: str = "dflash"
+    seed: int = 0
+    epochs: int = 1
+    max_steps: int = 0                 # 0 = run all epochs
+    log_every: int = 1
+    checkpoint_every: int = 500
+    keep_checkpoints: int = 3
+    eval_every: int = 0                # 0 = no held-out evaluation
+    export_at_end: bool = True
+    stall_after_s: float = 300.0       # health: main loop silent this long = stalled
+    max_restarts: int = 3              # per role, over the whole run
+    alloc_conf: str = "expandable_segments:True"   # PYTORCH_CUDA_ALLOC_CONF for GPU workers
+
+
+@dataclass
+class TargetConfig:
+    model_path: str = ""               # local HF directory
+    layer_ids: list[int] = field(default_factory=list)   # empty = DFLASH.md default spread
+    dtype: str = "bfloat16"
+    attn_implementation: str = "sdpa"
+    labels_from_target: bool = False   # labels = target argmax instead of data tokens
+
+
+@dataclass
+class DataConfig:
+    path: str = ""                     # JSONL: chat (messages / conversations) or pre-tokenized
+    eval_path: str = ""                # optional held-out file
+    eval_fraction: float = 0.0         # else: this fraction of documents is held out
+    pack_len: int = 8192
+    max_doc_len: int = 0               # 0 = pack_len; longer documents are split into pieces
+    on_bad_sample: str = "fail"        # "fail" | "skip"
+    shuffle: bool = True
+
+
+@dataclass
+class DrafterConfig:
+    num_layers: int = 5
+    block_size: int = 16
+    num_anchors: int = 512
+    gamma: float = 0.0                 # loss decay; 0 = 7 for B=16, scaled with block size
+    mask_token_id: int = -1            # -1 = tokenizer's mask token, else added <|MASK|>
+    lr: float = 6e-4
+    min_lr_ratio: float = 0.0
+    warmup_ratio: float = 0.04
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    grad_accum: int = 1
+    attention: str = "auto"            # "auto" | "flex" | "dense"; auto = flex on cuda, dense on cpu
+    compile: bool = True
+    loss_chunk: int = 2048             # query rows per lm_head/CE chunk
+    overrides: dict = field(default_factory=dict)   # drafter model config fields to override
+
+
+@dataclass
+class TransportConfig:
+    scheme: str = "ipc"                # "ipc" (one host) | "tcp"
+    host: str = "127.0.0.1"            # tcp bind/connect address; loopback unless configured
+    base_port: int = 29600             # tcp ports: base_port + offset per worker
+    credits: int = 2                   # batches in flight per drafter
+    chunk_bytes: int = 4 << 20         # large tensors travel as a stream of messages this big
+    max_message_bytes: int = 64 << 20  # per ZMQ message; also ZMQ_MAXMSGSIZE
+    max_batch_bytes: int = 4 << 30     # a whole reassembled batch
+    curve_keys_dir: str = ""           # tcp CURVE authentication when set
+    dist_port: int = 29500             # torch.distributed rendezvous port among drafters
+
+
+@dataclass
+class Config:
+    run: RunConfig = field(default_factory=RunConfig)
+    target: TargetConfig = field(default_factory=TargetConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    drafter: DrafterConfig = field(default_factory=DrafterConfig)
+    transport: TransportConfig = field(default_factory=TransportConfig)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+SECTIONS = [f.name for f in dataclasses.fields(Config)]
+
+
+def _section_class(name: str):
+    return {"run": RunConfig, "target": TargetConfig, "data": DataConfig,
+            "drafter": DrafterConfig, "transport": TransportConfig}[name]
+
+
+def _check_type(value, hint, where: str):
+    """Return value coerced to hint (int->float only), or raise ConfigError naming `where`."""
+    origin = typing.get_origin(hint)
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if hint in (int, float, str, bool):
+        if type(value) is not hint:
+            raise ConfigError(f"{where}: expected {hint.__name__}, got {type(value).__name__} {value!r}")
+        return value
+    if origin is list:
+        (item,) = typing.get_args(hint)
+        if not isinstance(value, list):
+            raise ConfigError(f"{where}: expected a list, got {type(value).__name__} {value!r}")
+        return [_check_type(v, item, f"{where}[{i}]") for i, v in enumerate(value)]
+    if hint is dict or origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: expected a table, got {type(value).__name__} {value!r}")
+        return dict(value)
+    raise ConfigError(f"{where}: unsupported type {hint}")  # pragma: no cover
+
+
+def _hints(cls) -> dict:
+    return typing.get_type_hints(cls)
+
+
+def from_dict(data: dict, source: str = "<dict>") -> Config:
+    """Build a Config from nested dicts, rejecting unknown keys and wrong types."""
+    cfg = Config()
+    for section, values in data.items():
+        if section not in SECTIONS:
+            raise ConfigError(f"{source}: unknown section [{section}] (known: {', '.join(SECTIONS)})")
+        if not isinstance(values, dict):
+            raise ConfigError(f"{source}: [{section}] must be a table")
+        _apply_section(cfg, section, values, source)
+    return cfg
+
+
+def _apply_section(cfg: Config, section: str, values: dict, source: str) -> None:
+    target = getattr(cfg, section)
+    hints = _hints(_section_class(section))
+    for key, value in values.items():
+        if key not in hints:
+            raise ConfigError(f"{source}: unknown key {section}.{key} (known: {', '.join(hints)})")
+        setattr(target, key, _check_type(value, hints[key], f"{source}: {section}.{key}"))
+
+
+def parse_override(text: str) -> tuple[str, str, object]:
+    """'drafter.lr=3e-4' -> ('drafter', 'lr', 3e-4). Values are TOML literals; bare words are strings."""
+    if "=" not in text or "." not in text.split("=", 1)[0]:
+        raise ConfigError(f"override {text!r}: expected section.key=value")
+    dotted, raw = text.split("=", 1)
+    section, key = dotted.strip().split(".", 1)
+    try:
+        value = tomllib.loads(f"v = {raw.strip()}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw.strip()
+    return section, key, value
+
+
+def load_config(path: str | Path | None = None, overrides: typing.Iterable[str] = ()) -> Config:
+    """Load a TOML (or a resolved JSON written by the launcher) and apply dotted overrides."""
+    data: dict = {}
+    source = "<defaults>"
+    if path:
+        path = Path(path)
+        source = str(path)
+        if not path.is_file():
+            raise ConfigError(f"config file not found: {path}")
+        try:
+            if path.suffix == ".json":
+                data = json.loads(path.read_text())
+            else:
+                data = tomllib.loads(path.read_text())
+        except (tomllib.TOMLDecodeError, json.JSONDecodeError) as exc:
+            raise ConfigError(f"{path}: {exc}") from None
+    cfg = from_dict(data, source)
+    for text in overrides:
+        section, key, value = parse_override(text)
+        if section not in SECTIONS:
+            raise ConfigError(f"override {text!r}: unknown section [{section}]")
+        _apply_section(cfg, section, {key: value}, "override")
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: Config) -> None:
+    """Cross-field checks that a type check cannot see."""
+    def need(ok: bool, msg: str):
+        if not ok:
+            raise ConfigError(msg)
+    need(cfg.data.on_bad_sample in ("fail", "skip"), f"data.on_bad_sample must be 'fail' or 'skip', got {cfg.data.on_bad_sample!r}")
+    need(cfg.data.pack_len > 0, f"data.pack_len must be > 0, got {cfg.data.pack_len}")
+    need(0.0 <= cfg.data.eval_fraction < 1.0, f"data.eval_fraction must be in [0, 1), got {cfg.data.eval_fraction}")
+    need(cfg.drafter.attention in ("auto", "flex", "dense"), f"drafter.attention must be auto|flex|dense, got {cfg.drafter.attention!r}")
+    need(cfg.drafter.block_size >= 2, f"drafter.block_size must be >= 2, got {cfg.drafter.block_size}")
+    need(cfg.drafter.num_anchors >= 1, f"drafter.num_anchors must be >= 1, got {cfg.drafter.num_anchors}")
+    need(cfg.drafter.num_layers >= 1, f"drafter.num_layers must be >= 1, got {cfg.drafter.num_layers}")
+    need(cfg.transport.scheme in ("ipc", "tcp"), f"transport.scheme must be ipc|tcp, got {cfg.transport.scheme!r}")
+    need(cfg.transport.credits >= 1, f"transport.credits must be >= 1, got {cfg.transport.credits}")
+    need(0 < cfg.transport.chunk_bytes <= cfg.transport.max_message_bytes,
+         "transport.chunk_bytes must be > 0 and <= transport.max_message_bytes")
+    need(cfg.run.epochs >= 1, f"run.epochs must be >= 1, got {cfg.run.epochs}")
+
+
+def dump_json(cfg: Config, path: str | Path) -> None:
+    Path(path).write_text(json.dumps(cfg.to_dict(), indent=2, sort_keys=True))
+
+
+def describe_defaults() -> str:
+    """Markdown table of every key and default, used to write docs/config.md."""
+    lines = ["| key | default |", "| --- | --- |"]
+    for section, cls in ((f.name, _section_class(f.name)) for f in dataclasses.fields(Config)):
+        for key, value in dataclasses.asdict(cls()).items():
+            lines.append(f"| `{section}.{key}` | `{json.dumps(value)}` |")
+    return "\n".join(lines)
+

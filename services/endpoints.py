@@ -1,0 +1,33 @@
+"""Where each worker listens. Every process computes the same names from the run dir and config,
+so no one has to be told another's address.
+
+ipc: socket files in <run_dir>/sock/, a folder only the owner may enter (0700).
+tcp: transport.host (loopback unless configured) and base_port + a fixed offset per worker.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from services.config import TransportConfig
+
+PURPOSES = ("health", "data")
+ROLES = ("target", "drafter")
+_MAX_RANKS = 256   # tcp port layout: base + purpose*2*MAX + role*MAX + rank
+
+
+def socket_dir(run_dir: str | Path) -> Path:
+    """Create (if needed) the private socket folder and return it."""
+    path = Path(run_dir).resolve() / "sock"
+    path.mkdir(parents=True, exist_ok=True)
+    os.chmod(path, 0o700)
+    return path
+
+
+def endpoint(run_dir: str | Path, transport: TransportConfig, role: str, rank: int, purpose: str) -> str:
+    if role not in ROLES or purpose not in PURPOSES or not 0 <= rank < _MAX_RANKS:
+        raise ValueError(f"no endpoint for role={role!r} rank={rank} purpose={purpose!r}")
+    if transport.scheme == "ipc":
+        return f"ipc://{socket_dir(run_dir)}/{role}-{rank}.{purpose}"
+    port = transport.base_port + PURPOSES.index(purpose) * 2 * _MAX_RANKS + ROLES.index(role) * _MAX_RANKS + rank
+    return f"tcp://{transport.host}:{port}"

@@ -1,0 +1,173 @@
+"""Health: a responder thread each worker runs, and the probe client the launcher uses.
+
+The responder owns its own ZMQ socket on its own thread, so it answers while the main loop
+works. The main loop stamps progress; if it stops stamping for longer than `stall_after_s`
+the status says so (`stalled: true`), although the responder itself still answers.
+
+Requests and answers are msgpack maps. Nothing here unpickles. Garbage is counted
+(`bad_messages`) and answered with an error map; it never stops the responder.
+This module must not import torch: the launcher uses the probe.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+
+import msgpack
+import psutil
+import zmq
+
+from services import __version__
+
+STATES = ("starting", "loading", "compiling", "ready", "training", "draining", "stopped", "failed")
+MAX_REQUEST_BYTES = 4096
+
+EXIT_HEALTHY, EXIT_UNHEALTHY, EXIT_UNREACHABLE = 0, 1, 2
+
+
+def secure_socket(sock: zmq.Socket, max_bytes: int) -> None:
+    """Settings every socket in this project gets: no lingering, capped message size."""
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.MAXMSGSIZE, max_bytes)
+
+
+def bind_private(sock: zmq.Socket, endpoint: str) -> None:
+    """Bind, and for ipc make the socket file owner-only (its folder already is)."""
+    sock.bind(endpoint)
+    if endpoint.startswith("ipc://"):
+        os.chmod(endpoint[len("ipc://"):], 0o600)
+
+
+class HealthServer:
+    """Answers status requests on `endpoint` from a daemon thread.
+
+    Main loop API: set(**fields), progress(**fields), bad_message(kind), error(text), close().
+    """
+
+    def __init__(self, endpoint: str, role: str, rank: int, gpu: int | str, stall_after_s: float = 300.0):
+        self.endpoint = endpoint
+        self._lock = threading.Lock()
+        self._status = {
+            "role": role, "rank": rank, "gpu": gpu, "pid": os.getpid(),
+            "host": socket.gethostname(), "version": __version__, "state": "starting",
+            "step": 0, "samples_done": 0, "tokens_per_s": 0.0, "compile_s": 0.0,
+            "gpu_mem_bytes": 0, "bad_messages": 0, "errors": [], "stall_after_s": float(stall_after_s),
+        }
+        self._bad_kinds: dict[str, int] = {}
+        self._last_progress = time.monotonic()
+        self._stop = threading.Event()
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        secure_socket(self._sock, MAX_REQUEST_BYTES)
+        bind_private(self._sock, endpoint)
+        self._thread = threading.Thread(target=self._serve, name="health", daemon=True)
+        self._thread.start()
+
+    # --- main-loop side -------------------------------------------------
+    def set(self, **fields) -> None:
+        if "state" in fields and fields["state"] not in STATES:
+            raise ValueError(f"unknown state {fields['state']!r}")
+        with self._lock:
+            self._status.update(fields)
+
+    def progress(self, **fields) -> None:
+        """Stamp that the main loop is alive, optionally updating fields."""
+        with self._lock:
+            self._status.update(fields)
+            self._last_progress = time.monotonic()
+
+    def bad_message(self, kind: str, detail: str = "") -> bool:
+        """Count a dropped message; True the first time this kind is seen (log it once)."""
+        with self._lock:
+            self._status["bad_messages"] += 1
+            first = kind not in self._bad_kinds
+            self._bad_kinds[kind] = self._bad_kinds.get(kind, 0) + 1
+        return first
+
+    def error(self, text: str) -> None:
+        with self._lock:
+            self._status["errors"] = (self._status["errors"] + [text])[-10:]
+
+    def snapshot(self) -> dict:
+        with self._lock:
+            status = dict(self._status)
+            status["bad_message_kinds"] = dict(self._bad_kinds)
+            age = time.monotonic() - self._last_progress
+        status["last_progress_age_s"] = round(age, 3)
+        status["stalled"] = status["state"] not in ("stopped", "failed") and age > status["stall_after_s"]
+        try:
+            status["rss_bytes"] = psutil.Process().memory_info().rss
+        except psutil.Error:
+            status["rss_bytes"] = 0
+        return status
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2)
+        self._sock.close(linger=0)
+        self._ctx.term()
+
+    # --- responder thread ----------------------------------------------
+    def _serve(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        while not self._stop.is_set():
+            try:
+                if not poller.poll(100):
+                    continue
+                frames = self._sock.recv_multipart()
+            except zmq.ZMQError:
+                if self._stop.is_set():
+                    return
+                continue
+            identity, payload = frames[0], frames[-1]
+            reply = self._answer(payload, len(frames))
+            try:
+                self._sock.send_multipart([identity, b"", msgpack.packb(reply)], zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass  # the asker went away; nothing to do
+
+    def _answer(self, payload: bytes, nframes: int) -> dict:
+        try:
+            request = msgpack.unpackb(payload, raw=False, strict_map_key=True, max_bin_len=0,
+                                      max_str_len=MAX_REQUEST_BYTES, max_array_len=16, max_map_len=16)
+            if not isinstance(request, dict) or request.get("op") != "status" or nframes > 3:
+                raise ValueError("expected {'op': 'status'}")
+        except Exception as exc:  # any garbage: count, answer, carry on
+            self.bad_message("health-request", str(exc))
+            return {"error": f"bad request: {exc}"[:200]}
+        return self.snapshot()
+
+
+def probe(endpoint: str, timeout_s: float = 3.0) -> tuple[int, dict | None, str]:
+    """Ask one worker for its status. Returns (exit code, status or None, one-line reason).
+
+    0 healthy; 1 answered but unhealthy (failed, stopped, or stalled); 2 unreachable or garbage.
+    Never waits longer than timeout_s: poll with a timeout, LINGER 0.
+    """
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.REQ)
+    secure_socket(sock, 1 << 20)
+    try:
+        sock.connect(endpoint)
+        sock.send(msgpack.packb({"op": "status"}))
+        if not sock.poll(int(timeout_s * 1000), zmq.POLLIN):
+            return EXIT_UNREACHABLE, None, f"{endpoint}: no answer within {timeout_s:g}s"
+        raw = sock.recv()
+    except zmq.ZMQError as exc:
+        return EXIT_UNREACHABLE, None, f"{endpoint}: {exc}"
+    finally:
+        sock.close(linger=0)
+    try:
+        status = msgpack.unpackb(raw, raw=False)
+        if not isinstance(status, dict) or "state" not in status:
+            raise ValueError("not a status map")
+    except Exception as exc:
+        return EXIT_UNREACHABLE, None, f"{endpoint}: garbage answer ({exc})"
+    if status["state"] in ("failed", "stopped"):
+        return EXIT_UNHEALTHY, status, f"{endpoint}: state {status['state']}"
+    if status.get("stalled"):
+        return EXIT_UNHEALTHY, status, f"{endpoint}: stalled, no progress for {status['last_progress_age_s']:.0f}s"
+    return EXIT_HEALTHY, status, f"{endpoint}: {status['state']}"
