@@ -1,0 +1,5 @@
+import sys
+
+from launcher.cli import main
+
+sys.exit(main())

@@ -1,0 +1,200 @@
+"""`launcher`: up, status, down, probe (and units, keys, export, report).
+
+The launcher never imports torch: it starts fast, stays small, and can never hold GPU memory.
+Exit codes of `up`: 0 training finished, 1 failed, 2 bad usage or config, 3 stopped before the end.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from launcher import process
+from launcher.supervisor import EXIT_FAILED, EXIT_USAGE, RunFailed, Supervisor
+from launcher.topology import SpecError, parse_gpu_spec
+from services.config import ConfigError, dump_json, load_config
+from services.health import probe
+
+
+class UsageError(Exception):
+    """A one-line error for the user; printed without a traceback, exit 2."""
+
+
+def _read_run(run_dir: Path) -> dict:
+    path = run_dir / "run.json"
+    if not path.is_file():
+        raise UsageError(f"no run in {run_dir} (missing {path}); pass --run-dir")
+    return json.loads(path.read_text())
+
+
+def _make_demo(run_dir: Path) -> list[str]:
+    """Build the demo model and data in a child process (torch stays out of the launcher)."""
+    out = subprocess.run([sys.executable, "-m", "services.demo", "--out", str(run_dir / "demo")],
+                         capture_output=True, text=True)
+    if out.returncode != 0:
+        raise UsageError(f"building the demo failed:\n{out.stderr[-2000:]}")
+    demo = json.loads(out.stdout.strip().splitlines()[-1])
+    return [f'target.model_path="{demo["model_path"]}"', f'data.path="{demo["data_path"]}"', *demo["overrides"]]
+
+
+def cmd_up(args) -> int:
+    if args.device == "cuda":
+        available = process.gpu_count()
+        if available == 0:
+            raise UsageError("--device cuda but no NVIDIA GPU is visible; use --device cpu for a CPU run")
+    else:
+        available = None   # on cpu, GPU numbers are logical slots
+    workers = parse_gpu_spec(args.gpus, available=available, share_gpus=args.share_gpus)
+    cfg = load_config(args.config, args.overrides)          # validate before touching the disk
+    run_dir = Path(args.run_dir or Path("runs") / cfg.run.name).resolve()
+    if (run_dir / "run.json").is_file():
+        old = json.loads((run_dir / "run.json").read_text())
+        if process.alive(old.get("launcher_pid", -1)) and old.get("launcher_pid") != os.getpid():
+            raise UsageError(f"a run is active in {run_dir} (launcher pid {old['launcher_pid']}); "
+                             f"`launcher down --run-dir {run_dir}` first")
+    if (run_dir / "checkpoints").is_dir() and any((run_dir / "checkpoints").iterdir()) and not args.resume:
+        raise UsageError(f"{run_dir} has checkpoints; pass --resume to continue, or choose another --run-dir")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    overrides = list(args.overrides)
+    if args.demo:
+        print("building the demo target and dataset…", flush=True)
+        overrides = _make_demo(run_dir) + overrides
+    cfg = load_config(args.config, overrides)
+    if not cfg.target.model_path:
+        raise UsageError("target.model_path is not set (config [target] model_path, or --demo)")
+    if not cfg.data.path:
+        raise UsageError("data.path is not set (config [data] path, or --demo)")
+    dump_json(cfg, run_dir / "config.json")
+    sup = Supervisor(run_dir, cfg, workers, args.device, resume=args.resume,
+                     ready_timeout_s=args.ready_timeout, stop_timeout_s=args.stop_timeout)
+    sup.install_signal_handlers()
+    print(f"run dir: {run_dir}\nlogs:    {run_dir / 'logs'}/<role>-<rank>.log\n"
+          f"workers: {', '.join(f'{w.name}@gpu{w.gpu}' for w in workers)} ({args.device})", flush=True)
+    try:
+        sup.start_all()
+        sup.wait_ready()
+        code = sup.supervise()
+    except RunFailed as exc:
+        sup.progress.done(f"run failed: {exc}")
+        sup.shutdown()
+        code = EXIT_FAILED
+    print(f"exit {code}; logs in {run_dir / 'logs'}; metrics in {run_dir / 'metrics.jsonl'}", flush=True)
+    return code
+
+
+def _probe_row(w: dict, timeout: float) -> dict:
+    code, status, reason = probe(w["endpoints"]["health"], timeout_s=timeout)
+    row = {"name": w["name"], "gpu": w["gpu"], "pid": w["pid"], "probe": code, "reason": reason}
+    if status:
+        row.update({k: status.get(k) for k in ("state", "step", "samples_done", "tokens_per_s",
+                                                 "last_progress_age_s", "compile_s", "rss_bytes",
+                                                 "gpu_mem_bytes", "bad_messages", "loss", "tau")})
+    return row
+
+
+def cmd_status(args) -> int:
+    run = _read_run(Path(args.run_dir).resolve())
+    rows = [_probe_row(w, args.timeout) for w in run["workers"]]
+    if args.json:
+        print(json.dumps({"launcher_pid": run["launcher_pid"], "launcher_alive": process.alive(run["launcher_pid"]),
+                          "workers": rows}, indent=2))
+    else:
+        cols = ("name", "gpu", "pid", "state", "step", "samples_done", "tokens_per_s", "last_progress_age_s",
+                "rss_bytes", "gpu_mem_bytes", "bad_messages", "probe")
+        table = [cols] + [tuple(_cell(r.get(c)) for c in cols) for r in rows]
+        widths = [max(len(row[i]) for row in table) for i in range(len(cols))]
+        for row in table:
+            print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)))
+        print(f"launcher pid {run['launcher_pid']} {'alive' if process.alive(run['launcher_pid']) else 'not running'}")
+    return max((r["probe"] for r in rows), default=0)
+
+
+def _cell(value) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.1f}"
+    if isinstance(value, int) and value > 1 << 20:
+        return f"{value / (1 << 30):.2f}G"
+    return str(value)
+
+
+def cmd_down(args) -> int:
+    run_dir = Path(args.run_dir).resolve()
+    run = _read_run(run_dir)
+    pid = run["launcher_pid"]
+    if process.alive(pid):
+        os.kill(pid, signal.SIGTERM)     # the launcher stops drafters (checkpoint), then targets
+        deadline = time.monotonic() + args.timeout
+        while process.alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+    leftovers = [w["pid"] for w in run["workers"] if w.get("pid") and process.alive(w["pid"])]
+    hard = process.stop_all(leftovers, deadline_s=10) if leftovers else []
+    if process.alive(pid):
+        process.kill_tree(pid)
+        hard.append(pid)
+    print(f"stopped {run_dir}" + (f"; killed hard: {hard}" if hard else ""))
+    return 0
+
+
+def cmd_probe(args) -> int:
+    code, status, reason = probe(args.endpoint, timeout_s=args.timeout)
+    if args.json:
+        print(json.dumps({"exit": code, "reason": reason, "status": status}, indent=2))
+    else:
+        print(reason)
+    return code
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="launcher", description="DFlash drafter training service")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    up = sub.add_parser("up", help="start targets and drafters, supervise until training ends")
+    up.add_argument("--gpus", required=True, help="e.g. 0-4:target,5-7:drafter")
+    up.add_argument("--config", help="run config (TOML)")
+    up.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    up.add_argument("--demo", action="store_true", help="train on the built-in tiny demo target and dataset")
+    up.add_argument("--run-dir", help="default: runs/<run.name>")
+    up.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in the run dir")
+    up.add_argument("--share-gpus", action="store_true", help="allow several workers on one GPU")
+    up.add_argument("--ready-timeout", type=float, default=3600.0, help="seconds to wait for every worker to be ready")
+    up.add_argument("--stop-timeout", type=float, default=300.0, help="seconds a graceful stop may take")
+    up.add_argument("overrides", nargs="*", metavar="section.key=value")
+    up.set_defaults(func=cmd_up)
+
+    status = sub.add_parser("status", help="probe every worker of a run and print a table")
+    status.add_argument("--run-dir", default="runs/dflash")
+    status.add_argument("--json", action="store_true")
+    status.add_argument("--timeout", type=float, default=2.0)
+    status.set_defaults(func=cmd_status)
+
+    down = sub.add_parser("down", help="stop a run gracefully, then kill what is left")
+    down.add_argument("--run-dir", default="runs/dflash")
+    down.add_argument("--timeout", type=float, default=330.0)
+    down.set_defaults(func=cmd_down)
+
+    pr = sub.add_parser("probe", help="probe one health endpoint: exit 0 healthy, 1 unhealthy/stalled, 2 unreachable")
+    pr.add_argument("endpoint")
+    pr.add_argument("--timeout", type=float, default=3.0)
+    pr.add_argument("--json", action="store_true")
+    pr.set_defaults(func=cmd_probe)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (UsageError, SpecError, ConfigError) as exc:
+        print(f"launcher: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,243 @@
+"""The supervisor: start one process per GPU, wait until all are ready, watch them until training ends.
+
+Policy (docs/operations.md):
+- a target that exits or stalls is restarted with backoff (1, 2, 4 ... 60 s); drafters notice the
+  new process and re-request the batches it owed, so nothing is lost;
+- a drafter that exits non-zero or stalls takes the whole DDP group down; the group restarts from
+  the latest checkpoint (a rank cannot rejoin a running NCCL/gloo group);
+- each role may restart run.max_restarts times over the run; one more failure ends the run (exit 1);
+- SIGINT/SIGTERM: graceful stop (drafters checkpoint and exit, then targets), exit 3;
+- all drafters exit 0: training is done; targets are stopped, exit 0.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+from launcher import process
+from launcher.progress import ProgressLine
+from launcher.topology import Worker, count
+from services.config import Config
+from services.endpoints import endpoint
+from services.health import probe
+
+EXIT_DONE, EXIT_FAILED, EXIT_USAGE, EXIT_STOPPED = 0, 1, 2, 3
+PROBE_EVERY_S = 5.0
+
+
+class RunFailed(RuntimeError):
+    pass
+
+
+class Supervisor:
+    def __init__(self, run_dir: Path, cfg: Config, workers: list[Worker], device: str,
+                 resume: bool = False, ready_timeout_s: float = 3600.0, stop_timeout_s: float = 300.0):
+        self.run_dir, self.cfg, self.workers, self.device = run_dir, cfg, workers, device
+        self.resume = resume
+        self.ready_timeout_s, self.stop_timeout_s = ready_timeout_s, stop_timeout_s
+        self.procs: dict[str, object] = {}
+        self.pids_seen: dict[str, list[int]] = {w.name: [] for w in workers}
+        self.restarts = {"target": 0, "drafter": 0}
+        self.dist_port = process.free_port()
+        self.stopping = False
+        self.progress = ProgressLine()
+
+    # --- starting ----------------------------------------------------------
+    def endpoints(self, w: Worker) -> dict[str, str]:
+        return {p: endpoint(self.run_dir, self.cfg.transport, w.role, w.rank, p) for p in ("health", "data")}
+
+    def argv(self, w: Worker) -> list[str]:
+        argv = [sys.executable, "-m", f"services.{w.role}", "--config", str(self.run_dir / "config.json"),
+                "--run-dir", str(self.run_dir), "--rank", str(w.rank),
+                "--world-size", str(count(self.workers, w.role)), "--device", self.device]
+        if w.role == "drafter" and (self.resume or self.restarts["drafter"]):
+            argv.append("--resume")
+        return argv
+
+    def env(self, w: Worker) -> dict[str, str]:
+        env = dict(os.environ)
+        share = max(1, (os.cpu_count() or 1) // len(self.workers))
+        env.update({
+            "PYTHONUNBUFFERED": "1",
+            "TORCHINDUCTOR_CACHE_DIR": str(self.run_dir / "compile-cache"),
+            "TORCHINDUCTOR_COMPILE_THREADS": str(share),
+            "DFLASH_NUM_TARGETS": str(count(self.workers, "target")),
+            "DFLASH_GPU": str(w.gpu),
+        })
+        if self.device == "cuda":
+            env["CUDA_VISIBLE_DEVICES"] = str(w.gpu)   # inside, the GPU is always cuda:0
+            if self.cfg.run.alloc_conf:
+                env["PYTORCH_CUDA_ALLOC_CONF"] = self.cfg.run.alloc_conf
+        else:
+            env["CUDA_VISIBLE_DEVICES"] = ""              # logical slots; hide any GPU
+            env["OMP_NUM_THREADS"] = str(share)
+        if w.role == "drafter":
+            env.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(self.dist_port),
+                        "RANK": str(w.rank), "WORLD_SIZE": str(count(self.workers, "drafter"))})
+        return env
+
+    def start(self, w: Worker) -> None:
+        proc = process.spawn(self.argv(w), self.env(w), self.run_dir / "logs" / f"{w.name}.log")
+        self.procs[w.name] = proc
+        self.pids_seen[w.name].append(proc.pid)
+        self.write_run_json()
+
+    def start_all(self) -> None:
+        for w in self.workers:
+            self.start(w)
+
+    def write_run_json(self) -> None:
+        info = {
+            "launcher_pid": os.getpid(), "device": self.device, "started": time.time(),
+            "run_dir": str(self.run_dir), "dist_port": self.dist_port, "restarts": self.restarts,
+            "workers": [dict(asdict(w), name=w.name, pid=self.procs[w.name].pid if w.name in self.procs else None,
+                             pids_seen=self.pids_seen[w.name], endpoints=self.endpoints(w))
+                        for w in self.workers],
+        }
+        tmp = self.run_dir / "run.json.tmp"
+        tmp.write_text(json.dumps(info, indent=2))
+        tmp.replace(self.run_dir / "run.json")
+
+    # --- readiness -----------------------------------------------------------
+    def wait_ready(self) -> None:
+        """Block until every worker's health says ready/training; raise RunFailed on an exit or timeout."""
+        deadline = time.monotonic() + self.ready_timeout_s
+        pending = {w.name: w for w in self.workers}
+        while pending:
+            if self.stopping:
+                return
+            for name, w in list(pending.items()):
+                self._check_exited_during_start(w)
+                code, status, _ = probe(self.endpoints(w)["health"], timeout_s=1.0)
+                if status and status.get("state") in ("ready", "training"):
+                    del pending[name]
+                elif status and status.get("state") == "failed":
+                    raise RunFailed(f"{name} failed while starting: {status.get('errors')} (log: {self.log(w)})")
+            if time.monotonic() > deadline:
+                raise RunFailed(f"not ready after {self.ready_timeout_s:.0f}s: {', '.join(pending)}")
+            states = " ".join(f"{n}:{self._state(pending[n])}" for n in sorted(pending))
+            self.progress.show(f"starting… waiting for {states}")
+            time.sleep(0.5)
+        self.progress.done("all workers ready")
+
+    def _state(self, w: Worker) -> str:
+        _, status, _ = probe(self.endpoints(w)["health"], timeout_s=0.5)
+        return status["state"] if status else "?"
+
+    def _check_exited_during_start(self, w: Worker) -> None:
+        rc = self.procs[w.name].poll()
+        if rc is not None and not (w.role == "drafter" and rc == 0):
+            raise RunFailed(f"{w.name} exited with code {rc} while starting; last lines of {self.log(w)}:\n"
+                            + self.tail(w))
+
+    def log(self, w: Worker) -> Path:
+        return self.run_dir / "logs" / f"{w.name}.log"
+
+    def tail(self, w: Worker, lines: int = 15) -> str:
+        try:
+            return "\n".join(self.log(w).read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    # --- supervising ---------------------------------------------------------
+    def supervise(self) -> int:
+        """Watch the run until it ends. Returns the launcher's exit code."""
+        targets = [w for w in self.workers if w.role == "target"]
+        drafters = [w for w in self.workers if w.role == "drafter"]
+        restart_due: dict[str, float] = {}
+        last_probe = 0.0
+        while not self.stopping:
+            now = time.monotonic()
+            stalled: set[str] = set()
+            if now - last_probe > PROBE_EVERY_S:
+                stalled, last_probe = self._stalled_workers(), now
+            for w in targets:
+                rc = self.procs[w.name].poll()
+                if w.name in restart_due:
+                    if now >= restart_due[w.name]:
+                        del restart_due[w.name]
+                        self.start(w)
+                elif rc is not None or w.name in stalled:
+                    why = f"exited with code {rc}" if rc is not None else "stalled"
+                    delay = self._count_restart("target", f"{w.name} {why}")
+                    process.kill_tree(self.procs[w.name].pid)
+                    restart_due[w.name] = now + delay
+            codes = [self.procs[w.name].poll() for w in drafters]
+            if all(rc == 0 for rc in codes):
+                self.progress.done(self._progress_text(drafters, final=True))
+                self.stop_targets()
+                return EXIT_DONE
+            bad = [w for w, rc in zip(drafters, codes) if (rc not in (None, 0)) or w.name in stalled]
+            if bad:
+                self._restart_drafter_group(drafters, bad, codes)
+            self.progress.show(self._progress_text(drafters))
+            time.sleep(0.5)
+        return self.shutdown()
+
+    def _count_restart(self, role: str, why: str) -> float:
+        self.restarts[role] += 1
+        if self.restarts[role] > self.cfg.run.max_restarts:
+            raise RunFailed(f"{why}; {role} restarts exhausted (run.max_restarts={self.cfg.run.max_restarts})")
+        delay = min(60.0, 2.0 ** (self.restarts[role] - 1))
+        self.progress.done(f"{why}; restarting in {delay:.0f}s ({self.restarts[role]}/{self.cfg.run.max_restarts})")
+        return delay
+
+    def _restart_drafter_group(self, drafters: list[Worker], bad: list[Worker], codes: list) -> None:
+        why = ", ".join(f"{w.name} {'stalled' if c is None else f'exited with code {c}'}" for w, c in zip(drafters, codes) if w in bad)
+        delay = self._count_restart("drafter", why)
+        for w in drafters:
+            process.kill_tree(self.procs[w.name].pid)
+        for w in drafters:
+            self.procs[w.name].wait()
+        time.sleep(delay)
+        self.dist_port = process.free_port()   # a fresh rendezvous for the new group
+        for w in drafters:
+            self.start(w)
+
+    def _stalled_workers(self) -> set[str]:
+        stalled = set()
+        for w in self.workers:
+            if self.procs[w.name].poll() is None:
+                _, status, _ = probe(self.endpoints(w)["health"], timeout_s=2.0)
+                if status and status.get("stalled"):
+                    stalled.add(w.name)
+        return stalled
+
+    def _progress_text(self, drafters: list[Worker], final: bool = False) -> str:
+        statuses = [probe(self.endpoints(w)["health"], timeout_s=0.5)[1] for w in drafters]
+        statuses = [s for s in statuses if s]
+        if not statuses:
+            return "training finished" if final else "waiting for drafters…"
+        lead = statuses[0]
+        return self.progress.format(
+            step=lead.get("step", 0), total=lead.get("total_steps", 0),
+            samples=sum(s.get("samples_done", 0) for s in statuses),
+            tokens_per_s=sum(s.get("tokens_per_s", 0.0) for s in statuses),
+            loss=lead.get("loss"), tau=lead.get("tau"))
+
+    # --- stopping ------------------------------------------------------------
+    def request_stop(self, signum, _frame) -> None:
+        self.stopping = True
+
+    def stop_targets(self) -> None:
+        pids = [self.procs[w.name].pid for w in self.workers if w.role == "target"]
+        process.stop_all(pids, deadline_s=30)
+
+    def shutdown(self) -> int:
+        """Graceful stop: drafters first (they checkpoint), then targets, then anything left."""
+        self.progress.done("stopping: drafters checkpoint and exit, then targets")
+        drafters = [self.procs[w.name].pid for w in self.workers if w.role == "drafter" and w.name in self.procs]
+        hard = process.stop_all(drafters, deadline_s=self.stop_timeout_s)
+        self.stop_targets()
+        if hard:
+            self.progress.done(f"killed after {self.stop_timeout_s:.0f}s deadline: pids {hard}")
+        return EXIT_STOPPED
+
+    def install_signal_handlers(self) -> None:
+        signal.signal(signal.SIGINT, self.request_stop)
+        signal.signal(signal.SIGTERM, self.request_stop)

@@ -1,0 +1,53 @@
+"""The batch ledger: which global batch index each step of this rank trained.
+
+One JSONL file per rank under <run_dir>/ledger/. A line is written after the optimizer step that
+used the batch. On resume from a checkpoint at step s, lines for steps >= s are dropped (that work
+is redone from the checkpoint), so the ledger always describes the weights' actual lineage and
+"every batch trained exactly once" can be checked from it.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+
+class Ledger:
+    def __init__(self, run_dir: str | Path, rank: int, start_step: int = 0):
+        self.path = Path(run_dir) / "ledger" / f"drafter-{rank}.jsonl"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._truncate(start_step)
+        self._file = open(self.path, "a")
+
+    def _truncate(self, start_step: int) -> None:
+        if not self.path.exists():
+            return
+        keep = [line for line in self.path.read_text().splitlines()
+                if line.strip() and _step(line) is not None and _step(line) < start_step]
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text("".join(line + "\n" for line in keep))
+        os.replace(tmp, self.path)
+
+    def record(self, step: int, g: int, tokens: int) -> None:
+        self._file.write(json.dumps({"step": step, "g": g, "tokens": tokens}) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def _step(line: str) -> int | None:
+    try:
+        return int(json.loads(line)["step"])
+    except (ValueError, KeyError, TypeError):
+        return None   # a line cut by a crash mid-write: not part of the lineage
+
+
+def read_all(run_dir: str | Path) -> list[dict]:
+    """Every ledger entry of every rank (for tests and reports)."""
+    entries = []
+    for path in sorted((Path(run_dir) / "ledger").glob("drafter-*.jsonl")):
+        for line in path.read_text().splitlines():
+            if _step(line) is not None:
+                entries.append(dict(json.loads(line), rank=int(path.stem.split("-")[1])))
+    return entries

@@ -1,0 +1,146 @@
+"""Where a drafter's batches come from: pulled from the targets over ZMQ.
+
+Scheduling (docs/scheduling.md): at step s, drafter d of D trains global batch g = s·D + d, which
+target g mod T builds. Each drafter keeps `transport.credits` requests in flight, so memory in flight
+is bounded and the next batch is usually there before it is needed. Batch g is a pure function of
+(dataset, config, seed, g), so after a target restarts the drafter simply asks again.
+
+Past the last batch of the run (total batches not divisible by D), a rank trains an empty batch,
+which has zero loss weight, so DDP stays in lockstep without repeating a sample.
+"""
+from __future__ import annotations
+
+import math
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from services.batch import Batch
+from services.config import Config
+from services.endpoints import endpoint
+from services.health import HealthServer, probe
+from services.transport import BatchClient
+
+CHECK_TARGETS_EVERY_S = 2.0
+
+
+class SourceError(RuntimeError):
+    pass
+
+
+class ZmqSource:
+    def __init__(self, cfg: Config, run_dir: str | Path, rank: int, world_size: int,
+                 health: HealthServer | None, start_step: int = 0, split: str = "train"):
+        self.cfg, self.rank, self.world, self.split = cfg, rank, world_size, split
+        num_targets = int(os.environ.get("DFLASH_NUM_TARGETS", "1"))
+        self.data_eps = [endpoint(run_dir, cfg.transport, "target", t, "data") for t in range(num_targets)]
+        self.health_eps = [endpoint(run_dir, cfg.transport, "target", t, "health") for t in range(num_targets)]
+        self.client = BatchClient(self.data_eps, cfg.transport, health, pin_memory=torch.cuda.is_available())
+        self.health = health
+        self.target_pids: list[int | None] = [None] * num_targets
+        self.pending: dict[int, float] = {}      # g -> time requested
+        self.arrived: dict[int, Batch] = {}
+        self.wait_s = 0.0                        # time spent waiting for data (data-wait fraction)
+        self.info = self._ask_info()
+        per_epoch = self.info["num_eval_batches"] if split == "eval" else self.info["num_batches"]
+        epochs = 1 if split == "eval" else cfg.run.epochs
+        self.total_batches = epochs * per_epoch
+        self.total_steps = math.ceil(self.total_batches / world_size)
+        if cfg.run.max_steps and split == "train":
+            self.total_steps = min(self.total_steps, cfg.run.max_steps)
+        self.start_step = start_step
+
+    @property
+    def num_targets(self) -> int:
+        return len(self.data_eps)
+
+    def g_of(self, step: int) -> int:
+        return step * self.world + self.rank
+
+    def target_of(self, g: int) -> int:
+        return g % self.num_targets
+
+    def __iter__(self):
+        for step in range(self.start_step, self.total_steps):
+            self._top_up(step)
+            yield self._take(self.g_of(step))
+
+    # --- requests ----------------------------------------------------------
+    def _top_up(self, step: int) -> None:
+        for s in range(step, min(step + self.cfg.transport.credits, self.total_steps)):
+            g = self.g_of(s)
+            if g < self.total_batches and g not in self.pending and g not in self.arrived:
+                self.client.request(self.target_of(g), g, self.split)
+                self.pending[g] = time.monotonic()
+
+    def _take(self, g: int) -> Batch:
+        if g >= self.total_batches:
+            return self.empty_batch(g)
+        start = last_check = time.monotonic()
+        while g not in self.arrived:
+            for event in self.client.poll(200):
+                self._handle(event)
+            now = time.monotonic()
+            if now - last_check > CHECK_TARGETS_EVERY_S:
+                last_check = now
+                self._resend_to_restarted_targets()
+            if self.health:
+                self.health.progress(state="training", waiting_for_g=g)   # waiting is not a stall
+        self.wait_s += time.monotonic() - start
+        return self.arrived.pop(g)
+
+    def _handle(self, event) -> None:
+        kind = event[0]
+        if kind == "batch":
+            _, _, _, batch = event
+            if batch.g in self.pending:
+                del self.pending[batch.g]
+                self.arrived[batch.g] = batch
+        elif kind == "error":
+            _, target, g, message = event
+            raise SourceError(f"target-{target} refused batch g={g}: {message}")
+
+    def _resend_to_restarted_targets(self) -> None:
+        """A target whose pid changed (or that was unreachable) lost our requests: ask again."""
+        for t in {self.target_of(g) for g in self.pending}:
+            _, status, _ = probe(self.health_eps[t], timeout_s=0.5)
+            pid = status["pid"] if status else None
+            if pid != self.target_pids[t]:
+                if self.target_pids[t] is not None or pid is None:
+                    self.client.forget(t)
+                    for g in sorted(g for g in self.pending if self.target_of(g) == t):
+                        self.client.request(t, g, self.split)
+                        self.pending[g] = time.monotonic()
+                self.target_pids[t] = pid
+
+    def _ask_info(self) -> dict:
+        """Ask target 0 about the dataset; it may still be loading its model, so wait for it."""
+        self.client.request_info(0)
+        asked = time.monotonic()
+        while True:
+            for event in self.client.poll(500):
+                if event[0] == "info":
+                    return event[2]
+            if self.health:
+                self.health.progress(state="starting", waiting_for="target info")
+            if time.monotonic() - asked > 30:   # the request may have gone to a dead socket
+                self.client.forget(0)
+                self.client.request_info(0)
+                asked = time.monotonic()
+
+    def empty_batch(self, g: int) -> Batch:
+        s, width = self.info["seq_len"], self.info["hidden_width"]
+        return Batch(g=g, hidden=torch.zeros(s, width, dtype=torch.bfloat16),
+                     input_ids=torch.zeros(s, dtype=torch.int64), loss_mask=torch.zeros(s, dtype=torch.bool),
+                     position_ids=torch.arange(s, dtype=torch.int64),
+                     document_ids=torch.full((s,), -1, dtype=torch.int64))
+
+    def close(self) -> None:
+        self.client.close()
+
+
+def make_source(cfg: Config, run_dir, rank: int, world_size: int, health: HealthServer | None,
+                start_step: int = 0) -> ZmqSource:
+    return ZmqSource(cfg, run_dir, rank, world_size, health, start_step=start_step)

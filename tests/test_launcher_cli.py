@@ -1,0 +1,87 @@
+"""The launcher as a user runs it: a real console script in a real subprocess."""
+import subprocess
+import sys
+import time
+
+import pytest
+
+from launcher.topology import SpecError, parse_gpu_spec
+
+
+def run_launcher(*args, timeout=60):
+    return subprocess.run([sys.executable, "-m", "launcher", *args], capture_output=True, text=True, timeout=timeout)
+
+
+def test_spec_ranges_lists_and_ranks():
+    workers = parse_gpu_spec("0-4:target,5-7:drafter", available=8)
+    assert [(w.role, w.rank, w.gpu) for w in workers][:2] == [("target", 0, 0), ("target", 1, 1)]
+    assert [w.gpu for w in workers if w.role == "drafter"] == [5, 6, 7]
+    assert [w.rank for w in workers if w.role == "drafter"] == [0, 1, 2]
+    assert [w.gpu for w in parse_gpu_spec("0+3:target,1-2:drafter")] == [0, 3, 1, 2]
+
+
+def test_sharing_needs_the_flag():
+    with pytest.raises(SpecError, match="--share-gpus"):
+        parse_gpu_spec("0:target,0:drafter", available=1)
+    workers = parse_gpu_spec("0:target,0:drafter", available=1, share_gpus=True)
+    assert [w.gpu for w in workers] == [0, 0]
+
+
+@pytest.mark.parametrize("spec, needle", [
+    ("0-4:target,5-9:drafter", "GPU 8 does not exist"),
+    ("0-1:target,1-2:drafter", "GPU 1 is given twice"),
+    ("0:target,1:trainer", "unknown role 'trainer'"),
+    ("0-3:target", "no drafter GPU"),
+    ("0:drafter", "no target GPU"),
+    ("x:target,1:drafter", "'x' is not a GPU number"),
+    ("3-1:target,4:drafter", "empty or negative"),
+    ("0,1:drafter", "expected GPUS:ROLE"),
+    ("", "--gpus is empty"),
+])
+def test_bad_specs(spec, needle):
+    with pytest.raises(SpecError, match=None) as err:
+        parse_gpu_spec(spec, available=8)
+    assert needle in str(err.value)
+
+
+@pytest.mark.parametrize("spec, needle", [
+    ("0-1:target,1:drafter", "given twice"),
+    ("0:target,1:painter", "unknown role"),
+    ("0:target", "no drafter"),
+])
+def test_bad_spec_is_one_line_no_traceback(spec, needle):
+    out = run_launcher("up", "--device", "cpu", "--gpus", spec)
+    assert out.returncode == 2
+    assert needle in out.stderr
+    assert "Traceback" not in out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1
+
+
+def test_bad_config_key_is_one_line(tmp_path):
+    cfg = tmp_path / "run.toml"
+    cfg.write_text("[drafter]\nlearning_rate = 1e-3\n")
+    out = run_launcher("up", "--device", "cpu", "--gpus", "0:target,1:drafter", "--config", str(cfg))
+    assert out.returncode == 2
+    assert "drafter.learning_rate" in out.stderr and str(cfg) in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_missing_model_is_named(tmp_path):
+    out = run_launcher("up", "--device", "cpu", "--gpus", "0:target,1:drafter", "--run-dir", str(tmp_path / "r"),
+                       "data.path=/x.jsonl")
+    assert out.returncode == 2 and "target.model_path" in out.stderr
+
+
+def test_probe_unreachable_returns_2_within_timeout():
+    start = time.monotonic()
+    out = run_launcher("probe", "tcp://127.0.0.1:9", "--timeout", "1.5")
+    elapsed = time.monotonic() - start
+    assert out.returncode == 2
+    assert "no answer" in out.stdout
+    assert elapsed < 10     # interpreter start plus the 1.5 s timeout, never a hang
+
+
+def test_launcher_never_imports_torch():
+    code = "import sys, launcher.cli, launcher.supervisor; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.stdout.strip() == "False"
