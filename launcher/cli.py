@@ -71,7 +71,8 @@ def cmd_up(args) -> int:
         raise UsageError("data.path is not set (config [data] path, or --demo)")
     dump_json(cfg, run_dir / "config.json")
     sup = Supervisor(run_dir, cfg, workers, args.device, resume=args.resume,
-                     ready_timeout_s=args.ready_timeout, stop_timeout_s=args.stop_timeout)
+                     ready_timeout_s=args.ready_timeout,
+                     stop_timeout_s=args.stop_timeout or cfg.run.stop_timeout_s + 30)
     sup.install_signal_handlers()
     print(f"run dir: {run_dir}\nlogs:    {run_dir / 'logs'}/<role>-<rank>.log\n"
           f"workers: {', '.join(f'{w.name}@gpu{w.gpu}' for w in workers)} ({args.device})", flush=True)
@@ -151,6 +152,47 @@ def cmd_probe(args) -> int:
     return code
 
 
+def cmd_units(args) -> int:
+    from launcher.units import UnitsError, render_units
+    try:
+        paths = render_units(args.gpus, args.config, args.out, args.run_dir, python=args.python, device=args.device,
+                             roles=args.roles.split(","), master_addr=args.master, overrides=args.overrides,
+                             start_timeout_s=args.start_timeout, stop_timeout_s=args.stop_timeout)
+    except UnitsError as exc:
+        raise UsageError(str(exc)) from None
+    print("\n".join(str(p) for p in paths))
+    print(f"install: cp -r {args.out}/* /etc/systemd/system/ && systemctl daemon-reload && systemctl start dflash.target")
+    return 0
+
+
+def cmd_keys(args) -> int:
+    from services.curve import CurveError, generate_keys
+    try:
+        paths = generate_keys(args.dir, overwrite=args.force)
+    except CurveError as exc:
+        raise UsageError(str(exc)) from None
+    print("\n".join(str(p) for p in paths))
+    print(f"set transport.curve_keys_dir = \"{Path(args.dir).resolve()}\" on every host (copy the folder, mode 0700)")
+    return 0
+
+
+def cmd_export(args) -> int:
+    """The export reads tensors, so it runs in a child process: the launcher never imports torch."""
+    argv = [sys.executable, "-m", "services.drafter.export", "--checkpoint", args.checkpoint, "--out", args.out,
+            "--dtype", args.dtype]
+    return subprocess.run(argv).returncode
+
+
+def cmd_report(args) -> int:
+    from launcher.report import ReportError, report
+    try:
+        lines, _ = report(args.run_dir, args.out)
+    except ReportError as exc:
+        raise UsageError(str(exc)) from None
+    print("\n".join(lines))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="launcher", description="DFlash drafter training service")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -164,7 +206,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in the run dir")
     up.add_argument("--share-gpus", action="store_true", help="allow several workers on one GPU")
     up.add_argument("--ready-timeout", type=float, default=3600.0, help="seconds to wait for every worker to be ready")
-    up.add_argument("--stop-timeout", type=float, default=300.0, help="seconds a graceful stop may take")
+    up.add_argument("--stop-timeout", type=float, help="seconds a graceful stop may take (default: run.stop_timeout_s + 30)")
     up.add_argument("overrides", nargs="*", metavar="section.key=value")
     up.set_defaults(func=cmd_up)
 
@@ -184,6 +226,36 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--timeout", type=float, default=3.0)
     pr.add_argument("--json", action="store_true")
     pr.set_defaults(func=cmd_probe)
+
+    units = sub.add_parser("units", help="render systemd units for a topology (deploy/systemd)")
+    units.add_argument("--gpus", required=True)
+    units.add_argument("--config", required=True)
+    units.add_argument("--out", required=True, help="folder for the unit files")
+    units.add_argument("--run-dir", required=True)
+    units.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    units.add_argument("--roles", default="target,drafter", help="roles that run on this host")
+    units.add_argument("--master", default="127.0.0.1", help="host of drafter rank 0 (rendezvous)")
+    units.add_argument("--python", default=sys.executable)
+    units.add_argument("--start-timeout", type=int, default=1800)
+    units.add_argument("--stop-timeout", type=int, default=600)
+    units.add_argument("overrides", nargs="*", metavar="section.key=value")
+    units.set_defaults(func=cmd_units)
+
+    keys = sub.add_parser("keys", help="generate CURVE keys for authenticated tcp transport")
+    keys.add_argument("dir")
+    keys.add_argument("--force", action="store_true", help="replace existing keys")
+    keys.set_defaults(func=cmd_keys)
+
+    export = sub.add_parser("export", help="write a checkpoint as an HF-style DFlash drafter (SGLang / vLLM)")
+    export.add_argument("--checkpoint", required=True, help="checkpoint dir, or a run dir (its checkpoints/latest)")
+    export.add_argument("--out", required=True, help="output dir")
+    export.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    export.set_defaults(func=cmd_export)
+
+    rep = sub.add_parser("report", help="plot loss and tau over steps (PNG) and print a summary of a run")
+    rep.add_argument("--run-dir", default="runs/dflash")
+    rep.add_argument("--out", help="PNG path (default <run-dir>/report.png)")
+    rep.set_defaults(func=cmd_report)
     return parser
 
 

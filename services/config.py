@@ -34,6 +34,8 @@ class RunConfig:
     eval_every: int = 0                # 0 = no held-out evaluation
     export_at_end: bool = True
     stall_after_s: float = 300.0       # health: main loop silent this long = stalled
+    startup_stall_after_s: float = 1800.0   # the same while loading the model and compiling
+    stop_timeout_s: float = 300.0      # SIGTERM: finish the step and checkpoint within this, else exit hard
     max_restarts: int = 3              # per role, over the whole run
     alloc_conf: str = "expandable_segments:True"   # PYTORCH_CUDA_ALLOC_CONF for GPU workers
 

@@ -20,8 +20,10 @@ import psutil
 import zmq
 
 from services import __version__
+from services.sdnotify import Notifier
 
 STATES = ("starting", "loading", "compiling", "ready", "training", "draining", "stopped", "failed")
+STARTUP_STATES = ("starting", "loading", "compiling")   # model loads and cold compiles take minutes
 MAX_REQUEST_BYTES = 4096
 
 EXIT_HEALTHY, EXIT_UNHEALTHY, EXIT_UNREACHABLE = 0, 1, 2
@@ -44,9 +46,13 @@ class HealthServer:
     """Answers status requests on `endpoint` from a daemon thread.
 
     Main loop API: set(**fields), progress(**fields), bad_message(kind), error(text), close().
+    Under systemd (Type=notify) the same calls drive sd_notify: state "ready" sends READY=1,
+    progress() sends WATCHDOG=1 and STATUS=, "draining"/"stopped" send STOPPING=1. So the
+    watchdog fires exactly when health would read "stalled".
     """
 
-    def __init__(self, endpoint: str, role: str, rank: int, gpu: int | str, stall_after_s: float = 300.0):
+    def __init__(self, endpoint: str, role: str, rank: int, gpu: int | str, stall_after_s: float = 300.0,
+                 startup_stall_after_s: float = 1800.0):
         self.endpoint = endpoint
         self._lock = threading.Lock()
         self._status = {
@@ -56,7 +62,9 @@ class HealthServer:
             "gpu_mem_bytes": 0, "bad_messages": 0, "errors": [], "stall_after_s": float(stall_after_s),
         }
         self._bad_kinds: dict[str, int] = {}
+        self._stall_after = {"startup": float(startup_stall_after_s), "running": float(stall_after_s)}
         self._last_progress = time.monotonic()
+        self._notify = Notifier()
         self._stop = threading.Event()
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
@@ -71,12 +79,19 @@ class HealthServer:
             raise ValueError(f"unknown state {fields['state']!r}")
         with self._lock:
             self._status.update(fields)
+        state = fields.get("state")
+        if state == "ready":
+            self._notify.ready(f"{self._status['role']}-{self._status['rank']} ready")
+        elif state in ("draining", "stopped"):
+            self._notify.stopping(state)
 
     def progress(self, **fields) -> None:
         """Stamp that the main loop is alive, optionally updating fields."""
         with self._lock:
             self._status.update(fields)
             self._last_progress = time.monotonic()
+            step, rate = self._status["step"], self._status["tokens_per_s"]
+        self._notify.progress(step, rate)
 
     def bad_message(self, kind: str, detail: str = "") -> bool:
         """Count a dropped message; True the first time this kind is seen (log it once)."""
@@ -96,6 +111,7 @@ class HealthServer:
             status["bad_message_kinds"] = dict(self._bad_kinds)
             age = time.monotonic() - self._last_progress
         status["last_progress_age_s"] = round(age, 3)
+        status["stall_after_s"] = self._stall_after["startup" if status["state"] in STARTUP_STATES else "running"]
         status["stalled"] = status["state"] not in ("stopped", "failed") and age > status["stall_after_s"]
         try:
             status["rss_bytes"] = psutil.Process().memory_info().rss
@@ -108,6 +124,7 @@ class HealthServer:
         self._thread.join(timeout=2)
         self._sock.close(linger=0)
         self._ctx.term()
+        self._notify.close()
 
     # --- responder thread ----------------------------------------------
     def _serve(self) -> None:
@@ -125,7 +142,13 @@ class HealthServer:
             identity, payload = frames[0], frames[-1]
             reply = self._answer(payload, len(frames))
             try:
-                self._sock.send_multipart([identity, b"", msgpack.packb(reply)], zmq.NOBLOCK)
+                # default=str: a field the main loop set to a non-msgpack value (numpy int, Path)
+                # must not kill this thread
+                packed = msgpack.packb(reply, default=str)
+            except Exception as exc:
+                packed = msgpack.packb({"error": f"status not serialisable: {exc}"[:200]})
+            try:
+                self._sock.send_multipart([identity, b"", packed], zmq.NOBLOCK)
             except zmq.ZMQError:
                 pass  # the asker went away; nothing to do
 
@@ -162,12 +185,15 @@ def probe(endpoint: str, timeout_s: float = 3.0) -> tuple[int, dict | None, str]
         sock.close(linger=0)
     try:
         status = msgpack.unpackb(raw, raw=False)
-        if not isinstance(status, dict) or "state" not in status:
-            raise ValueError("not a status map")
+        if not isinstance(status, dict) or status.get("state") not in STATES:
+            raise ValueError("not a status map with a known state")
+        age = status.get("last_progress_age_s")
+        if not isinstance(status.get("stalled"), bool) or not isinstance(age, (int, float)):
+            raise ValueError("status map without 'stalled' and 'last_progress_age_s'")
     except Exception as exc:
         return EXIT_UNREACHABLE, None, f"{endpoint}: garbage answer ({exc})"
     if status["state"] in ("failed", "stopped"):
         return EXIT_UNHEALTHY, status, f"{endpoint}: state {status['state']}"
-    if status.get("stalled"):
-        return EXIT_UNHEALTHY, status, f"{endpoint}: stalled, no progress for {status['last_progress_age_s']:.0f}s"
+    if status["stalled"]:
+        return EXIT_UNHEALTHY, status, f"{endpoint}: stalled, no progress for {age:.0f}s"
     return EXIT_HEALTHY, status, f"{endpoint}: {status['state']}"

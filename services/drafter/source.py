@@ -10,6 +10,7 @@ which has zero loss weight, so DDP stays in lockstep without repeating a sample.
 """
 from __future__ import annotations
 
+import json
 import math
 import os
 import time
@@ -20,6 +21,7 @@ import torch
 from services.batch import Batch
 from services.config import Config
 from services.endpoints import endpoint
+from services import lifecycle
 from services.health import HealthServer, probe
 from services.transport import BatchClient
 
@@ -51,6 +53,16 @@ class ZmqSource:
         if cfg.run.max_steps and split == "train":
             self.total_steps = min(self.total_steps, cfg.run.max_steps)
         self.start_step = start_step
+        if rank == 0 and split == "train":
+            self._write_schedule(Path(run_dir), per_epoch)
+
+    def _write_schedule(self, run_dir: Path, per_epoch: int) -> None:
+        """What the run will train, for `launcher status`, reports and the exactly-once check."""
+        schedule = {"batches_per_epoch": per_epoch, "epochs": self.cfg.run.epochs, "total_batches": self.total_batches,
+                    "total_steps": self.total_steps, "drafters": self.world, "targets": self.num_targets}
+        tmp = run_dir / "schedule.json.tmp"
+        tmp.write_text(json.dumps(schedule, indent=2))
+        tmp.replace(run_dir / "schedule.json")
 
     @property
     def num_targets(self) -> int:
@@ -80,6 +92,7 @@ class ZmqSource:
             return self.empty_batch(g)
         start = last_check = time.monotonic()
         while g not in self.arrived:
+            lifecycle.check()
             for event in self.client.poll(200):
                 self._handle(event)
             now = time.monotonic()
@@ -120,6 +133,7 @@ class ZmqSource:
         self.client.request_info(0)
         asked = time.monotonic()
         while True:
+            lifecycle.check()
             for event in self.client.poll(500):
                 if event[0] == "info":
                     return event[2]

@@ -1,0 +1,258 @@
+"""Drafter train-step benchmark: step time, trained tokens/s, peak memory, MFU, time breakdown.
+
+Runs the real training step (services.drafter.train.train_step: anchors, block mask, compiled
+layers with flex attention, chunked loss, AdamW) on synthetic batches at fixed shapes, one GPU,
+no DDP. MFU = useful model FLOPs per second (model.model_flops) / the bf16 matmul rate measured
+in the same run.
+
+    python bench/drafter_step.py                                   # (a) recipe and (b) large
+    python bench/drafter_step.py --shape recipe --steps 20 --out $OUT/drafter_step.json
+    python bench/drafter_step.py --shape custom --hidden 256 --intermediate 512 --heads 4 --kv-heads 2 \\
+        --head-dim 64 --layers 2 --seq-len 1024 --anchors 64 --block-size 16 --vocab 4096 --device cpu
+
+Shapes: (a) recipe = Qwen3-8B: width 4096, 5 layers, 32/8 heads x 128, S 8192, 512 anchors, B 16,
+vocab 151936. (b) large = the user's threaded setup: S 40000, 1024 anchors, B 32, width 5120
+(Qwen3-32B layer shape: 64/8 heads x 128, intermediate 25600).
+Needs no pyzmq.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.peak import matmul_peak_tflops  # noqa: E402
+
+SHAPES = {
+    "recipe": dict(hidden=4096, intermediate=12288, heads=32, kv_heads=8, head_dim=128, layers=5, target_layers=36,
+                   vocab=151936, seq_len=8192, anchors=512, block_size=16),
+    "large": dict(hidden=5120, intermediate=25600, heads=64, kv_heads=8, head_dim=128, layers=5, target_layers=64,
+                  vocab=151936, seq_len=40000, anchors=1024, block_size=32),
+}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", choices=["all", "recipe", "large", "custom"], default="all")
+    for name in ("hidden", "intermediate", "heads", "kv_heads", "head_dim", "layers", "target_layers", "vocab",
+                 "seq_len", "anchors", "block_size"):
+        p.add_argument("--" + name.replace("_", "-"), type=int, help="custom shape (or override a preset)")
+    p.add_argument("--steps", type=int, default=10, help="timed steps")
+    p.add_argument("--warmup-steps", type=int, default=3, help="untimed steps after compile")
+    p.add_argument("--loss-chunk", type=int, default=2048)
+    p.add_argument("--attention", choices=["auto", "flex", "dense"], default="auto")
+    p.add_argument("--no-compile", action="store_true", help="eager layers and loss (flex stays compiled)")
+    p.add_argument("--no-breakdown", action="store_true")
+    p.add_argument("--profile", action="store_true", help="print the top kernels of one step (torch.profiler)")
+    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    p.add_argument("--out", help="write the results as JSON here")
+    return p.parse_args(argv)
+
+
+class Timer:
+    """Wall time of a block, with the device synchronised before and after."""
+
+    def __init__(self, device):
+        self.device = device
+
+    def __call__(self, fn, repeats=1):
+        import torch
+        sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
+        sync()
+        start = time.perf_counter()
+        for _ in range(repeats):
+            fn()
+        sync()
+        return (time.perf_counter() - start) / repeats
+
+
+def shape_from_args(args, name):
+    shape = dict(SHAPES.get(name, {}))
+    for key in ("hidden", "intermediate", "heads", "kv_heads", "head_dim", "layers", "target_layers", "vocab",
+                "seq_len", "anchors", "block_size"):
+        if getattr(args, key) is not None:
+            shape[key] = getattr(args, key)
+    shape.setdefault("target_layers", max(8, shape.get("layers", 1) * 4))
+    missing = [k for k in ("hidden", "intermediate", "heads", "kv_heads", "head_dim", "layers", "vocab", "seq_len",
+                           "anchors", "block_size") if k not in shape]
+    if missing:
+        raise SystemExit(f"--shape custom needs --{' --'.join(m.replace('_', '-') for m in missing)}")
+    return shape
+
+
+def attended_pairs(inputs, block_size: int) -> int:
+    """Query-key pairs the mask keeps: every row of a valid block sees its context prefix and its block."""
+    valid = inputs.anchors >= 0
+    context = (inputs.anchors - inputs.context_starts).clamp(min=0)
+    return int(((context + block_size) * valid).sum()) * block_size
+
+
+def bench_shape(name, shape, args, peak_tflops):
+    import torch
+    from services.config import load_config
+    from services.drafter.anchors import anchor_generator, build_inputs
+    from services.drafter.compile import RecompileWatch, warmup
+    from services.drafter.model import model_flops
+    from services.drafter.synthetic import SyntheticSource
+    from services.drafter.target_head import TargetHead, build_model_config
+    from services.drafter.train import build_train_state, train_step
+
+    device = torch.device("cuda:0" if args.device == "cuda" else "cpu")
+    timer = Timer(device)
+    cfg = load_config(None, [f"data.pack_len={shape['seq_len']}", f"drafter.num_anchors={shape['anchors']}",
+                             f"drafter.block_size={shape['block_size']}", f"drafter.num_layers={shape['layers']}",
+                             f"drafter.compile={'false' if args.no_compile else 'true'}",
+                             f"drafter.loss_chunk={args.loss_chunk}", f"drafter.attention=\"{args.attention}\"",
+                             "drafter.lr=1e-4"])
+    base = dict(hidden_size=shape["hidden"], intermediate_size=shape["intermediate"], num_attention_heads=shape["heads"],
+                num_key_value_heads=shape["kv_heads"], head_dim=shape["head_dim"], vocab_size=shape["vocab"],
+                num_target_layers=shape["target_layers"], rope_theta=1_000_000.0)
+    model_cfg = build_model_config(cfg, base, mask_token_id=shape["vocab"] - 1)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    H, V = model_cfg.hidden_size, model_cfg.vocab_size
+    head = TargetHead(torch.randn(V, H, device=device, dtype=dtype) * 0.02,
+                      torch.randn(V, H, device=device, dtype=dtype) * (4.0 / H))
+    state = build_train_state(cfg, model_cfg, head, device, total_steps=100_000)
+    source = SyntheticSource(model_cfg, shape["seq_len"], device=device)
+    batches = [source.batch(g) for g in range(2)]
+    result = {"shape": name, **shape, "device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu",
+              "torch": torch.__version__, "attention": state.drafter.attention.name, "compile": not args.no_compile,
+              "trainable_params": state.drafter.num_parameters(), "loss_chunk": args.loss_chunk,
+              "matmul_peak_tflops": round(peak_tflops, 1)}
+    print(f"[{name}] {result['trainable_params'] / 1e9:.3f} B trainable params; compiling ...", flush=True)
+
+    result["compile_s"] = round(warmup(state, batches[0]), 1)
+    watch = RecompileWatch()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    times, metrics = [], None
+    for i in range(args.warmup_steps + args.steps):
+        batch = dataclasses.replace(batches[i % 2], g=1000 + i)
+        start = time.perf_counter()
+        metrics = train_step(state, batch)          # ends in a host sync (its metrics)
+        seconds = time.perf_counter() - start
+        if i >= args.warmup_steps:
+            times.append(seconds)
+    step_s = statistics.median(times)
+    inputs = build_inputs(batches[0], num_anchors=shape["anchors"], block_size=shape["block_size"],
+                          mask_token_id=model_cfg.mask_token_id, gamma=state.settings.gamma,
+                          generator=anchor_generator(0, 1000, device))
+    pairs = attended_pairs(inputs, shape["block_size"])
+    flops = model_flops(model_cfg, shape["seq_len"], shape["anchors"], pairs)
+    trained_positions = int((inputs.weights > 0).sum())
+    result.update(
+        step_s=round(step_s, 4), step_s_min=round(min(times), 4), step_s_max=round(max(times), 4),
+        tokens_per_s=round(batches[0].num_tokens / step_s, 1),
+        trained_positions_per_s=round(trained_positions / step_s, 1),
+        sequences_per_s=round(1 / step_s, 3),
+        peak_memory_gib=round(torch.cuda.max_memory_allocated() / 2 ** 30, 2) if device.type == "cuda" else None,
+        model_tflop_per_step=round(flops["total"] / 1e12, 2),
+        flop_split_tflop={k: round(v / 1e12, 2) for k, v in flops.items()},
+        achieved_tflops=round(flops["total"] / step_s / 1e12, 1),
+        mfu=round(flops["total"] / step_s / 1e12 / peak_tflops, 4),
+        mask_density=round(pairs / (inputs.anchors.numel() * shape["block_size"] * (inputs.context_len + inputs.anchors.numel() * shape["block_size"])), 4),
+        recompiles=watch.count, last_loss=round(metrics["loss"], 4))
+
+    if not args.no_breakdown:
+        result["breakdown_s"] = breakdown(state, batches[0], inputs, timer, step_s)
+    if args.profile and device.type == "cuda":
+        from torch.profiler import ProfilerActivity, profile
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            train_step(state, dataclasses.replace(batches[0], g=99))
+            torch.cuda.synchronize()
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25), flush=True)
+    del state, head, batches, source
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return result
+
+
+def breakdown(state, batch, inputs, timer, step_s) -> dict:
+    """Where a step's time goes, each part timed alone at the step's shapes (approximate)."""
+    import torch
+    from services.drafter.anchors import anchor_generator, build_inputs
+    from services.drafter.loss import chunked_cross_entropy
+
+    s, cfg, device = state.settings, state.drafter.cfg, state.device
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+
+    def anchors_and_mask():
+        inp = build_inputs(batch, num_anchors=s.num_anchors, block_size=s.block_size, mask_token_id=s.mask_token_id,
+                           gamma=s.gamma, generator=anchor_generator(0, 7, device))
+        state.drafter.attention.build_mask(inp.anchors, inp.context_starts, s.block_size, inp.context_len)
+
+    parts = {"anchors_blocks_mask": timer(anchors_and_mask, 5)}
+
+    mask = state.drafter.attention.build_mask(inputs.anchors, inputs.context_starts, s.block_size, inputs.context_len)
+    q_len, kv_len = inputs.anchors.numel() * s.block_size, inputs.context_len + inputs.anchors.numel() * s.block_size
+    q = torch.randn(1, cfg.num_attention_heads, q_len, cfg.head_dim, device=device, dtype=dtype, requires_grad=True)
+    k = torch.randn(1, cfg.num_key_value_heads, kv_len, cfg.head_dim, device=device, dtype=dtype, requires_grad=True)
+    v = torch.randn_like(k, requires_grad=True)
+
+    def attention_fwd_bwd():
+        state.drafter.attention(q, k, v, mask).sum().backward()
+
+    timer(attention_fwd_bwd, 2)                                   # compile the standalone kernel first
+    parts["attention_fwd_bwd"] = timer(attention_fwd_bwd, 5) * cfg.num_hidden_layers
+    del q, k, v
+
+    rows = inputs.anchors.numel() * (s.block_size - 1)
+    hidden = torch.randn(rows, cfg.hidden_size, device=device, dtype=dtype, requires_grad=True)
+    labels, weights = inputs.labels.flatten(), inputs.weights.flatten()
+
+    def loss_fwd_bwd():
+        loss, _ = chunked_cross_entropy(hidden, state.head.lm_head, labels, weights, s.loss_chunk, state.chunk_fns)
+        loss.backward()
+
+    timer(loss_fwd_bwd, 1)
+    parts["lm_head_loss_fwd_bwd"] = timer(loss_fwd_bwd, 3)
+    del hidden
+
+    params = list(state.drafter.parameters())
+    for p in params:
+        p.grad = torch.zeros_like(p)
+
+    def optimizer():
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        state.optimizer.step()
+
+    parts["clip_optimizer"] = timer(optimizer, 3)
+    state.optimizer.zero_grad(set_to_none=True)
+    parts["rest"] = step_s - sum(parts.values())
+    parts = {k: round(v, 4) for k, v in parts.items()}
+    parts["fractions"] = {k: round(v / step_s, 3) for k, v in parts.items() if k != "fractions"}
+    return parts
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    import torch
+    device = torch.device("cuda:0" if args.device == "cuda" else "cpu")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("no CUDA device (use --device cpu for a smoke run)")
+    peak = matmul_peak_tflops(device)
+    print(f"bf16 matmul peak measured: {peak:.1f} TFLOP/s", flush=True)
+    names = ["recipe", "large"] if args.shape == "all" else [args.shape]
+    results = []
+    for name in names:
+        r = bench_shape(name, shape_from_args(args, name), args, peak)
+        results.append(r)
+        print(json.dumps(r, indent=1), flush=True)
+        print(f"[{name}] step {r['step_s'] * 1e3:.1f} ms | {r['tokens_per_s']:.0f} tok/s | "
+              f"{r['trained_positions_per_s']:.0f} trained positions/s | peak {r['peak_memory_gib']} GiB | "
+              f"{r['achieved_tflops']} TFLOP/s = MFU {r['mfu'] * 100:.1f}% | compile {r['compile_s']} s | "
+              f"recompiles {r['recompiles']}", flush=True)
+    if args.out:
+        Path(args.out).write_text(json.dumps({"matmul_peak_tflops": peak, "results": results}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# The GPU figures in docs/benchmarks.md come from this script, run on the device host:
+#   bash bench/gpu_suite.sh PART...   (logs and JSON under $OUT, default ./bench-out)
+# Parts: checks drafter target8b target8k target32b large transport transportq isolation e2e
+# pyzmq is not on the GPU image: a wheel in .whl/ is installed into /tmp/site when present.
+set -u
+OUT=${OUT:-bench-out}; mkdir -p "$OUT"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+fi
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+run() { local name=$1 limit=$2; shift 2; echo "== $name: $*"; timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; echo "== $name exit $?"; tail -n 25 "$OUT/$name.log"; }
+for part in "$@"; do case $part in
+  checks)     run flex_check 300 python3 bench/flex_check.py --out "$OUT/flex_check.json"
+              run gpu_tests 240 python3 -m pytest -q -x tests/test_target_model.py tests/test_drafter_attention.py ;;
+  drafter)    run drafter_recipe 300 python3 bench/drafter_step.py --shape recipe --steps 10 --out "$OUT/drafter_recipe.json" ;;
+  large)      run drafter_large 400 python3 bench/drafter_step.py --shape large --steps 5 --out "$OUT/drafter_large.json" ;;
+  target8b)   run target_8b 300 python3 bench/target_capture.py --shapes 8b --seq 8192,32768 --labels --out "$OUT/target_8b.json" ;;
+  target32b)  run target_32b 400 python3 bench/target_capture.py --shapes 32b --seq 8192,32768 --iters 3 --out "$OUT/target_32b.json" ;;
+  transport)  run transport 300 python3 bench/transport.py --out "$OUT/transport.json" ;;
+  target8k)   run target_8b 200 python3 bench/target_capture.py --shapes 8b --seq 8192 --iters 3 --out "$OUT/target_8b.json" ;;
+  e2e)        run e2e 360 python3 bench/e2e_one_gpu.py --work /tmp/e2e --steps 200 --target-json "$OUT/target_8b.json" \
+                  --drafter-json "$OUT/drafter_recipe.json" --out "$OUT/e2e.json" ;;
+  transportq) run transport 120 python3 bench/transport.py --quick --out "$OUT/transport.json" ;;
+  isolation)  run isolation 560 python3 bench/compile_isolation.py --workers 3 --trials 2 --timeout 120 --out "$OUT/isolation.json" ;;
+  *) echo "unknown part $part" ;;
+esac; done

@@ -1,0 +1,99 @@
+"""`launcher report`: a PNG of loss and tau over steps, and a short summary, from <run_dir>/metrics.jsonl.
+
+No torch here. matplotlib is an optional extra (`pip install -e '.[report]'`); without it the
+summary is printed and the message says how to get the plot.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+
+class ReportError(Exception):
+    pass
+
+
+def read_metrics(run_dir: Path) -> tuple[list[dict], list[dict]]:
+    """(train records, eval records) by step; a line cut by a crash is skipped."""
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        raise ReportError(f"no metrics in {run_dir} (missing {path}); is this a run dir?")
+    train, evals = [], []
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+            int(record["step"])
+        except (ValueError, KeyError, TypeError):
+            continue
+        (evals if record.get("eval") else train).append(record)
+    return sorted(train, key=lambda r: r["step"]), sorted(evals, key=lambda r: r["step"])
+
+
+def _pointer(run_dir: Path, name: str) -> str | None:
+    link = run_dir / "checkpoints" / name
+    return os.readlink(link) if link.is_symlink() else None
+
+
+def summary(run_dir: Path, train: list[dict], evals: list[dict]) -> list[str]:
+    lines = [f"run: {run_dir}"]
+    if train:
+        last = train[-1]
+        recent = [r["tokens_per_s"] for r in train[-20:] if "tokens_per_s" in r]
+        lines.append(f"steps: {last['step']} (train records: {len(train)}), samples {last.get('samples_done', '?')}, "
+                     f"tokens {last.get('tokens_done', '?')}")
+        lines.append(f"final train loss {last['loss']:.4f}, tau {last['tau']:.3f}, lr {last.get('lr', 0):.3g}")
+        if recent:
+            wait = [r.get("data_wait_frac", 0.0) for r in train[-20:]]
+            lines.append(f"throughput: {sum(recent) / len(recent):,.0f} tokens/s (last {len(recent)} records), "
+                         f"data wait {100 * sum(wait) / len(wait):.0f}%")
+    else:
+        lines.append("no train records yet")
+    if evals:
+        best = max(evals, key=lambda r: r["tau"])
+        lines.append(f"eval: final loss {evals[-1]['loss']:.4f}, tau {evals[-1]['tau']:.3f}; "
+                     f"best tau {best['tau']:.3f} at step {best['step']}")
+    latest, best_ckpt = _pointer(run_dir, "latest"), _pointer(run_dir, "best")
+    lines.append(f"checkpoints: latest {latest or '-'}, best {best_ckpt or '-'}")
+    export = run_dir / "export"
+    lines.append(f"export: {export}" if (export / "config.json").is_file()
+                 else f"export: none yet (launcher export --checkpoint {run_dir} --out DIR)")
+    return lines
+
+
+def plot(train: list[dict], evals: list[dict], out: Path, title: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")                          # files only, no display
+    import matplotlib.pyplot as plt
+
+    fig, (ax_loss, ax_tau) = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, key, label in ((ax_loss, "loss", "loss"), (ax_tau, "tau", "τ (simulated acceptance length)")):
+        if train:
+            ax.plot([r["step"] for r in train], [r[key] for r in train], label="train", linewidth=1)
+        if evals:
+            ax.plot([r["step"] for r in evals], [r[key] for r in evals], "o-", label="eval (held-out)")
+        ax.set_xlabel("step")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
+def report(run_dir: str | Path, out: str | Path | None = None) -> tuple[list[str], Path | None]:
+    """Summary lines, and the PNG written (None when matplotlib is missing: the last line says so)."""
+    run_dir = Path(run_dir).resolve()
+    train, evals = read_metrics(run_dir)
+    lines = summary(run_dir, train, evals)
+    png = Path(out) if out else run_dir / "report.png"
+    try:
+        plot(train, evals, png, title=run_dir.name)
+    except ImportError:
+        lines.append("plot: matplotlib is not installed; pip install 'dflash-service[report]' "
+                     "(or pip install matplotlib) for the PNG")
+        return lines, None
+    lines.append(f"plot: {png}")
+    return lines, png

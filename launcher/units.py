@@ -1,0 +1,208 @@
+"""Render the systemd units of one run for one host: `launcher units --gpus SPEC --config FILE --out DIR`.
+
+The templates in deploy/systemd/ hold every setting and the reasons for it; this module fills
+in paths and limits, writes one environment file per instance (rank, world size, GPU,
+endpoints) and lists the instances in dflash.target and dflash-drafters.target.
+
+    out_dir/
+      dflash.target                    the run: Wants= every unit below
+      dflash-target@.service           template, instance = GPU index
+      dflash-drafter@.service          template, instance = GPU index
+      dflash-drafters.target           the drafter group: Wants= every rank
+      dflash-drafters-restart.service  restarts the group after one rank failed
+      dflash-env/dflash.env            settings shared by the run's workers
+      dflash-env/dflash-<role>@<gpu>.env  one per instance
+
+The resolved config goes to <run_dir>/config.json, as `launcher up` does. No torch here.
+"""
+from __future__ import annotations
+
+import math
+import os
+import re
+import sys
+from pathlib import Path
+from typing import Iterable
+
+from launcher.topology import ROLES, Worker, count, parse_gpu_spec
+from services.config import dump_json, load_config
+from services.endpoints import endpoint
+
+SRC_DIR = Path(__file__).resolve().parents[1]
+TEMPLATE_DIR = SRC_DIR / "deploy" / "systemd"
+ENV_SUBDIR = "dflash-env"
+START_LIMIT_INTERVAL_S = 3600      # run.max_restarts restarts per hour, then the unit stays failed
+DEVICES = ("cuda", "cpu")
+_SAFE_VALUE = re.compile(r"[A-Za-z0-9_./:@,+=-]*")
+_PLACEHOLDER = re.compile(r"@([A-Z_]+)@")
+
+
+class UnitsError(ValueError):
+    """Units cannot be rendered; the message names the argument or file at fault."""
+
+
+def render_units(gpu_spec: str, config_path: str, out_dir: str, run_dir: str,
+                 python: str = sys.executable, device: str = "cuda", *,
+                 roles: Iterable[str] = ROLES, master_addr: str = "127.0.0.1",
+                 overrides: Iterable[str] = (), start_timeout_s: int = 1800,
+                 stop_timeout_s: int = 600) -> list[Path]:
+    """Write the units and environment files of this host's workers into out_dir; return their paths.
+
+    roles: the roles that run on this host ('target', 'drafter' or both). On a host with only
+      one role, gpu_spec still names every worker of the run (world sizes come from it), and
+      the GPU numbers of the other role refer to the other host.
+    master_addr: the host of drafter rank 0 (torch.distributed rendezvous, port transport.dist_port).
+    start_timeout_s / stop_timeout_s: systemd TimeoutStartSec (load + warm-up) and
+      TimeoutStopSec (finish the step, checkpoint). WatchdogSec is run.stall_after_s.
+    Raises ConfigError (config), SpecError (gpu_spec) or UnitsError (everything else).
+    """
+    roles = tuple(roles)
+    if not roles or any(r not in ROLES for r in roles):
+        raise UnitsError(f"roles must be a non-empty subset of {ROLES}, got {roles}")
+    if device not in DEVICES:
+        raise UnitsError(f"device must be one of {DEVICES}, got {device!r}")
+    python = _unit_path(python, "python")
+    if not os.access(python, os.X_OK):
+        raise UnitsError(f"python {python} is not an executable file")
+    cfg = load_config(config_path, overrides)
+    workers = parse_gpu_spec(gpu_spec, share_gpus=set(roles) != set(ROLES))
+    local = [w for w in workers if w.role in roles]
+    names = [_instance(w) for w in local]
+    if len(set(names)) != len(names):
+        raise UnitsError(f"--gpus {gpu_spec!r}: one GPU holds two {roles} workers; a unit instance is one GPU")
+
+    run_dir = Path(_unit_path(os.path.abspath(run_dir), "run_dir"))
+    out = Path(os.path.abspath(out_dir))
+    env_dir = Path(_unit_path(str(out / ENV_SUBDIR), "out_dir"))
+    for path in (run_dir, out, env_dir):
+        path.mkdir(parents=True, exist_ok=True)
+    config_json = run_dir / "config.json"
+    dump_json(cfg, config_json)
+
+    common = _common_env(cfg, run_dir, config_json, device, len(local), count(workers, "target"))
+    written = [_write(env_dir / "dflash.env", _env_text(common))]
+    for w in local:
+        env = _instance_env(cfg, w, workers, run_dir, device, master_addr)
+        written.append(_write(env_dir / f"{_instance(w)}.env", _env_text(env)))
+    _remove_stale_env(env_dir, keep={p.name for p in written})
+
+    values = {
+        "SRC_DIR": _unit_path(str(SRC_DIR), "source folder"), "ENV_DIR": str(env_dir), "RUN_DIR": str(run_dir),
+        "PYTHON": python, "RUN_NAME": cfg.run.name,
+        "START_LIMIT_INTERVAL_S": str(START_LIMIT_INTERVAL_S), "START_LIMIT_BURST": str(cfg.run.max_restarts + 1),
+        "START_TIMEOUT_S": str(int(start_timeout_s)), "STOP_TIMEOUT_S": str(int(stop_timeout_s)),
+        "RESTART_TIMEOUT_S": str(int(stop_timeout_s) + 120),
+        "WATCHDOG_S": str(math.ceil(cfg.run.stall_after_s)),
+        "WANTS_DRAFTERS": _wants(f"{_instance(w)}.service" for w in local if w.role == "drafter"),
+        "WANTS_RUN": _wants([f"{_instance(w)}.service" for w in local if w.role == "target"]
+                            + (["dflash-drafters.target"] if "drafter" in roles else [])),
+    }
+    templates = ["dflash.target"]
+    if "target" in roles:
+        templates.append("dflash-target@.service")
+    if "drafter" in roles:
+        templates += ["dflash-drafter@.service", "dflash-drafters.target", "dflash-drafters-restart.service"]
+    for name in templates:
+        written.append(_write(out / name, _fill(name, values)))
+    return written
+
+
+def _instance(w: Worker) -> str:
+    return f"dflash-{w.role}@{w.gpu}"
+
+
+def _common_env(cfg, run_dir: Path, config_json: Path, device: str, local_workers: int,
+                num_targets: int) -> dict[str, str]:
+    threads = str(max(1, (os.cpu_count() or 1) // max(1, local_workers)))
+    env = {
+        "DFLASH_RUN_NAME": cfg.run.name,
+        "DFLASH_CONFIG": str(config_json),
+        "DFLASH_RUN_DIR": str(run_dir),
+        "DFLASH_DEVICE": device,
+        "DFLASH_NUM_TARGETS": str(num_targets),   # drafters ask target g mod T for batch g
+        "PYTHONPATH": str(SRC_DIR),
+        "PYTHONUNBUFFERED": "1",
+        "PYTHONFAULTHANDLER": "1",                # a watchdog SIGABRT prints every thread's stack
+        "TORCHINDUCTOR_CACHE_DIR": str(run_dir / "compile-cache"),
+        "TORCHINDUCTOR_COMPILE_THREADS": threads,
+    }
+    if device == "cuda":
+        env["PYTORCH_CUDA_ALLOC_CONF"] = cfg.run.alloc_conf
+    else:
+        env["OMP_NUM_THREADS"] = threads          # CPU workers share the cores
+    if cfg.transport.scheme == "tcp" and cfg.transport.curve_keys_dir:
+        env["DFLASH_CURVE_KEYS_DIR"] = os.path.abspath(cfg.transport.curve_keys_dir)   # for `launcher probe`
+    return env
+
+
+def _instance_env(cfg, w: Worker, workers: list[Worker], run_dir: Path, device: str, master_addr: str) -> dict[str, str]:
+    world = count(workers, w.role)
+    env = {
+        "DFLASH_ROLE": w.role,
+        "DFLASH_RANK": str(w.rank),
+        "DFLASH_WORLD_SIZE": str(world),
+        "DFLASH_GPU": str(w.gpu),
+        # Inside the worker its GPU is always cuda:0, so compile-cache keys match across workers.
+        "CUDA_VISIBLE_DEVICES": str(w.gpu) if device == "cuda" else "",
+        "DFLASH_HEALTH_ENDPOINT": endpoint(run_dir, cfg.transport, w.role, w.rank, "health"),
+        "DFLASH_DATA_ENDPOINT": endpoint(run_dir, cfg.transport, w.role, w.rank, "data"),
+    }
+    if w.role == "drafter":
+        env.update(MASTER_ADDR=master_addr, MASTER_PORT=str(cfg.transport.dist_port),
+                   RANK=str(w.rank), WORLD_SIZE=str(world))
+    return env
+
+
+def _env_text(env: dict[str, str]) -> str:
+    lines = ["# Written by `launcher units`; rendering again replaces this file."]
+    for key, value in env.items():
+        if "\n" in value:
+            raise UnitsError(f"environment value {key}={value!r} has a newline")
+        if not _SAFE_VALUE.fullmatch(value):
+            value = '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+        lines.append(f"{key}={value}")
+    return "\n".join(lines) + "\n"
+
+
+def _wants(units: Iterable[str]) -> str:
+    units = list(units)
+    return f"Wants={' '.join(units)}" if units else ""
+
+
+def _fill(name: str, values: dict[str, str]) -> str:
+    path = TEMPLATE_DIR / name
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise UnitsError(f"unit template {path} not found (render from a source checkout)") from None
+
+    def sub(match: re.Match) -> str:
+        if match.group(1) not in values:
+            raise UnitsError(f"{path}: unknown placeholder {match.group(0)}")
+        return values[match.group(1)]
+    return _PLACEHOLDER.sub(sub, text)
+
+
+def _unit_path(path: str, what: str) -> str:
+    """Absolute paths only, and none that unit-file quoting or specifiers would change."""
+    if not os.path.isabs(path):
+        raise UnitsError(f"{what} must be an absolute path, got {path!r}")
+    bad = set(path) & set(' \t%$"\'\\;')
+    if bad:
+        raise UnitsError(f"{what} {path!r} contains {''.join(sorted(bad))!r}, which unit files would mangle")
+    return path
+
+
+def _write(path: Path, text: str) -> Path:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.chmod(tmp, 0o644)
+    os.replace(tmp, path)
+    return path
+
+
+def _remove_stale_env(env_dir: Path, keep: set[str]) -> None:
+    """Instances of an earlier, larger topology: their files would only mislead."""
+    for path in env_dir.glob("dflash-*@*.env"):
+        if path.name not in keep:
+            path.unlink()

@@ -1,0 +1,169 @@
+"""A self-contained demo: a tiny random-weight Qwen3 target, a tokenizer trained on the spot, and a
+synthetic chat dataset whose assistant replies follow learnable patterns.
+
+    from services.demo import make_demo
+    demo = make_demo("runs/demo-assets")      # dict(model_path, data_path, overrides)
+
+No network, no GPU. Deterministic given the seed and idempotent: an existing, complete demo
+directory (marked by demo.json with the same seed and version) is reused as it is.
+
+The assistant replies are patterns a small drafter picks up fast (counting, repeating the user's
+words, spelling, a fixed greeting), so its simulated acceptance length rises within minutes on CPU.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+from pathlib import Path
+
+DEMO_VERSION = 1
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|MASK|>"]
+
+# ChatML; the {% generation %} markers let transformers return the assistant-token mask.
+CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' -}}"
+    "{%- if message['role'] == 'assistant' -%}"
+    "{% generation %}{{- message['content'] + '<|im_end|>' -}}{% endgeneration %}{{- '\\n' -}}"
+    "{%- else -%}"
+    "{{- message['content'] + '<|im_end|>\\n' -}}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
+)
+
+WORDS = ("apple banana cherry river mountain cloud stone green blue red yellow happy quick slow "
+         "bright dark tiger horse rabbit window garden music paper silver golden ocean forest "
+         "winter summer light shadow dream story number letter train rocket planet coffee bread "
+         "candle mirror bridge castle dragon violin pencil basket lemon orange purple thunder").split()
+GREETING_PROMPTS = ["hi", "hello", "hey there", "good morning", "hello friend", "hi assistant"]
+GREETING_REPLY = "hello ! i am a tiny demo model . how can i help you today ?"
+SYSTEM_PROMPT = "you are a helpful assistant ."
+
+# Model shape: small enough for a CPU demo, a real Qwen3 architecture.
+MODEL_SHAPE = dict(hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=32, max_position_embeddings=4096, tie_word_embeddings=True)
+
+
+def _exchange(rng: random.Random) -> tuple[str, str]:
+    """One user prompt and the assistant reply that follows from it."""
+    kind = rng.choice(["count", "count", "repeat", "repeat", "spell", "greet"])
+    if kind == "count":
+        a = rng.randint(0, 40)
+        b = a + rng.randint(4, 14)
+        return f"count from {a} to {b}", " ".join(str(i) for i in range(a, b + 1))
+    if kind == "repeat":
+        words = " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 9)))
+        return f"repeat after me : {words}", words
+    if kind == "spell":
+        word = rng.choice(WORDS)
+        return f"spell {word}", " ".join(word) + " . done ."
+    return rng.choice(GREETING_PROMPTS), GREETING_REPLY
+
+
+def conversations(n: int, seed: int) -> list[dict]:
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        messages = [{"role": "system", "content": SYSTEM_PROMPT}] if rng.random() < 0.3 else []
+        for _ in range(rng.choice([1, 1, 1, 2, 3])):
+            user, reply = _exchange(rng)
+            messages += [{"role": "user", "content": user}, {"role": "assistant", "content": reply}]
+        out.append({"messages": messages})
+    return out
+
+
+def build_tokenizer(texts: list[str], vocab_size: int = 1024):
+    """A byte-level BPE trained on `texts`, wrapped as a transformers fast tokenizer with ChatML."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(texts, trainer)
+    wrapped = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                      mask_token="<|MASK|>")
+    wrapped.chat_template = CHAT_TEMPLATE
+    return wrapped
+
+
+def build_model(tokenizer, seed: int):
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    vocab = -(-len(tokenizer) // 64) * 64          # round the embedding up, as real checkpoints do
+    config = Qwen3Config(vocab_size=vocab, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                         bos_token_id=None, **MODEL_SHAPE)
+    torch.manual_seed(seed)
+    return Qwen3ForCausalLM(config).eval()
+
+
+def demo_overrides(model_path: str, data_path: str) -> list[str]:
+    """Dotted config overrides for a fast CPU demo (1 target + 2 drafters on 2 cores)."""
+    return [
+        f'target.model_path="{model_path}"',
+        f'data.path="{data_path}"',
+        "target.dtype=float32",          # bf16 matmuls are slow on CPU; the hidden states still travel as bf16
+        "data.pack_len=512",
+        "data.eval_fraction=0.02",
+        "drafter.num_layers=1",
+        "drafter.block_size=8",
+        "drafter.num_anchors=32",
+        "drafter.lr=3e-3",
+        "drafter.warmup_ratio=0.02",
+        "drafter.compile=false",
+        "run.epochs=2",
+        "run.checkpoint_every=100",
+        "run.log_every=10",
+    ]
+
+
+def make_demo(out_dir: str | os.PathLike, seed: int = 0, num_conversations: int = 4000) -> dict:
+    """Create (or reuse) the demo under out_dir; return model_path, data_path and config overrides."""
+    out = Path(out_dir).resolve()
+    model_path, data_path = out / "model", out / "chat.jsonl"
+    marker = out / "demo.json"
+    want = {"version": DEMO_VERSION, "seed": seed, "num_conversations": num_conversations}
+    if not (marker.is_file() and json.loads(marker.read_text()) == want):
+        _build(out, seed, num_conversations)
+        marker.write_text(json.dumps(want))
+    return {"model_path": str(model_path), "data_path": str(data_path),
+            "overrides": demo_overrides(str(model_path), str(data_path))}
+
+
+def _build(out: Path, seed: int, num_conversations: int) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    convs = conversations(num_conversations, seed)
+    texts = [m["content"] for c in convs for m in c["messages"]]
+    tokenizer = build_tokenizer(texts)
+    model = build_model(tokenizer, seed)
+    tmp = out / f".model-{os.getpid()}"          # written aside, then renamed: never a half-made model dir
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    shutil.rmtree(out / "model", ignore_errors=True)
+    os.replace(tmp, out / "model")
+    data_tmp = out / f".chat-{os.getpid()}.jsonl"
+    with open(data_tmp, "w") as f:
+        for c in convs:
+            f.write(json.dumps(c) + "\n")
+    os.replace(data_tmp, out / "chat.jsonl")
+
+
+def main(argv=None) -> None:
+    """python -m services.demo --out DIR: build (or reuse) the demo; print the result as one JSON line."""
+    import argparse
+    p = argparse.ArgumentParser(prog="python -m services.demo", description=main.__doc__)
+    p.add_argument("--out", default="runs/demo-assets")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--conversations", type=int, default=4000)
+    args = p.parse_args(argv)
+    print(json.dumps(make_demo(args.out, seed=args.seed, num_conversations=args.conversations)), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,146 @@
+"""From a packed Batch to the drafter's inputs: anchors, blocks, positions, labels, loss weights.
+
+DFLASH.md, "Blocks, anchors, mask" and "Loss and metrics":
+  - an anchor a is valid when the token after it is supervised (loss_mask[a+1]) and the block
+    a .. a+B-1 fits inside a's document (a real one, not padding);
+  - num_anchors are drawn uniformly without replacement among valid positions and sorted;
+    with fewer valid positions we keep them all and the remaining slots are empty blocks (-1);
+  - block i = [token a_i, mask, mask, ...] at positions pos(a_i) + k;
+  - block position k in 1..B-1 predicts the data token at a+k (or the target's argmax at a+k-1);
+  - weight w_k = exp(-(k-1)/gamma) * loss_mask[a+k] * block valid; position 0 is not trained.
+
+Everything here runs on the batch's device with fixed shapes and no host sync, so the step's
+GPU work is queued without stalls. Padding: the number of anchor slots is rounded up so that
+Q_LEN is a multiple of 128, and the context is padded to a multiple of 128 (zero features,
+position 0, outside every document); padded slots are empty blocks.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from services.drafter.attention import TILE, anchor_context_starts
+
+_KNOWN_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}    # released DFlash help text
+
+
+def loss_gamma(block_size: int, configured: float = 0.0) -> float:
+    """The decay constant: configured if > 0; 7 / 5 / 4 for B = 16 / 10 / 8; else 7 * B / 16."""
+    if configured > 0:
+        return float(configured)
+    return _KNOWN_GAMMA.get(block_size, 7.0 * block_size / 16)
+
+
+def padded_anchor_count(num_anchors: int, block_size: int, tile: int = TILE) -> int:
+    """Smallest count >= num_anchors whose blocks fill whole 128-row query tiles."""
+    step = tile // math.gcd(block_size, tile)
+    return -(-num_anchors // step) * step
+
+
+def padded_context_len(seq_len: int, tile: int = TILE) -> int:
+    return -(-seq_len // tile) * tile
+
+
+@dataclass
+class DrafterInputs:
+    hidden: torch.Tensor              # [C, K*H]  context features, zero rows past seq_len
+    context_positions: torch.Tensor   # [C]
+    block_ids: torch.Tensor           # [N, B]    anchor token then mask tokens
+    block_positions: torch.Tensor     # [N, B]
+    anchors: torch.Tensor             # [N]       sorted; -1 = empty block (at the end)
+    context_starts: torch.Tensor      # [N]       first context index each block may see
+    labels: torch.Tensor              # [N, B-1]  targets of block positions 1..B-1
+    weights: torch.Tensor             # [N, B-1]  fp32 loss weights (0 = not trained)
+    seq_len: int                      # S before padding
+    context_len: int                  # C, padded
+
+    @property
+    def num_anchor_slots(self) -> int:
+        return int(self.anchors.shape[0])
+
+
+def valid_anchor_mask(loss_mask: torch.Tensor, document_ids: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Bool [S]: positions that may anchor a block (see module docstring)."""
+    s = loss_mask.shape[0]
+    valid = torch.zeros(s, dtype=torch.bool, device=loss_mask.device)
+    n = s - block_size + 1                  # anchors with a+B-1 <= S-1
+    if n <= 0:
+        return valid
+    doc = document_ids
+    valid[:n] = (doc[:n] >= 0) & (doc[block_size - 1:] == doc[:n]) & loss_mask[1:n + 1]
+    return valid
+
+
+def sample_anchors(valid: torch.Tensor, num_anchors: int, generator: torch.Generator | None) -> torch.Tensor:
+    """Uniform sample without replacement of up to num_anchors valid positions, sorted, -1 padded.
+
+    Random keys ranked with topk: the same distribution as a random permutation, but fixed
+    shapes and no host sync (the number of valid positions never reaches the CPU).
+    """
+    s = valid.shape[0]
+    if num_anchors > s:
+        raise ValueError(f"num_anchors={num_anchors} is larger than the sequence ({s} tokens)")
+    keys = torch.rand(s, device=valid.device, generator=generator)
+    keys = torch.where(valid, keys, 2.0)
+    picked = torch.topk(keys, num_anchors, largest=False, sorted=False).indices
+    picked = torch.where(valid[picked], picked, s)          # invalid picks sort to the end
+    picked = torch.sort(picked).values
+    return torch.where(picked < s, picked, -1)
+
+
+def anchor_generator(seed: int, g: int, device: torch.device) -> torch.Generator:
+    """Anchors depend only on (seed, g): a batch re-trained after a restart gets the same blocks."""
+    gen = torch.Generator(device=device)
+    gen.manual_seed((seed * 1_000_003 + g) % (2**63 - 1))
+    return gen
+
+
+def build_inputs(batch, *, num_anchors: int, block_size: int, mask_token_id: int, gamma: float,
+                 labels_from_target: bool = False, generator: torch.Generator | None = None,
+                 tile: int = TILE) -> DrafterInputs:
+    """Batch (already on its device) -> DrafterInputs with padded, fixed shapes."""
+    s = batch.seq_len
+    if num_anchors > s:
+        raise ValueError(f"drafter.num_anchors={num_anchors} is larger than the packed sequence ({s} tokens)")
+    if labels_from_target and batch.target_labels is None:
+        raise ValueError(f"batch g={batch.g}: target.labels_from_target is set but the batch has no target_labels")
+    device = batch.input_ids.device
+    B = block_size
+    k = torch.arange(B, device=device)
+
+    valid = valid_anchor_mask(batch.loss_mask, batch.document_ids, B)
+    anchors = sample_anchors(valid, num_anchors, generator)
+    slots = padded_anchor_count(num_anchors, B, tile)
+    anchors = F.pad(anchors, (0, slots - num_anchors), value=-1)
+    real = anchors >= 0
+    a = anchors.clamp(min=0)
+
+    block_ids = torch.full((slots, B), mask_token_id, dtype=torch.long, device=device)
+    block_ids[:, 0] = torch.where(real, batch.input_ids[a], mask_token_id)
+    block_positions = batch.position_ids[a][:, None] + k[None, :]
+
+    label_at = (a[:, None] + k[None, 1:]).clamp(max=s - 1)          # [N, B-1]: a+1 .. a+B-1
+    if labels_from_target:
+        labels = batch.target_labels[label_at - 1]                   # target's guess for a+k, made at a+k-1
+    else:
+        labels = batch.input_ids[label_at]
+    decay = torch.exp(-(k[1:].float() - 1) / gamma)
+    weights = decay[None, :] * batch.loss_mask[label_at].float() * real[:, None].float()
+
+    context_len = padded_context_len(s, tile)
+    pad = context_len - s
+    return DrafterInputs(
+        hidden=F.pad(batch.hidden, (0, 0, 0, pad)),
+        context_positions=F.pad(batch.position_ids, (0, pad)),
+        block_ids=block_ids,
+        block_positions=block_positions,
+        anchors=anchors,
+        context_starts=anchor_context_starts(anchors, batch.document_ids),
+        labels=labels,
+        weights=weights,
+        seq_len=s,
+        context_len=context_len,
+    )

@@ -1,0 +1,252 @@
+"""The DFlash block mask, and two attention backends that apply it.
+
+Layout. Queries are the blocks: Q_LEN = num_anchors * block_size, block i holds rows
+[i*B, (i+1)*B). Keys are [context ; blocks]: KV_LEN = context_len + Q_LEN.
+
+Mask (DFLASH.md). A query in block i, anchor a_i, may attend
+  - context key j when doc_start(a_i) <= j < a_i  (strictly before the anchor, same document),
+  - every key of its own block,
+and nothing else. An empty block (anchor -1) attends nothing.
+
+`visibility()` is the one definition: the dense mask evaluates it over index grids, flex's
+mask_mod calls it per (q_idx, kv_idx). Documents are contiguous runs of one id (packing makes
+them so; `document_starts` checks it), so "same document and before the anchor" is exactly
+"at or after the document's first token and before the anchor".
+
+The flex BlockMask is built directly from the anchors (no create_block_mask, no compile, no
+dense mask): every anchor's visible keys are two intervals, the context prefix and its own
+block; a 128x128 tile is touched when some row's interval reaches into it and full when every
+row of the tile covers it.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+TILE = 128      # flex_attention's sparse block size; Q and KV are padded to multiples of it
+
+
+def document_starts(document_ids: torch.Tensor) -> torch.Tensor:
+    """For each position, the index of the first token of its document. [S] -> [S]."""
+    n = document_ids.shape[0]
+    idx = torch.arange(n, device=document_ids.device)
+    new_run = torch.ones(n, dtype=torch.bool, device=document_ids.device)
+    new_run[1:] = document_ids[1:] != document_ids[:-1]
+    return torch.cummax(torch.where(new_run, idx, 0), dim=0).values
+
+
+def check_documents_contiguous(document_ids: torch.Tensor, what: str = "document_ids") -> None:
+    """Every real document id must form one contiguous run (padding -1 may recur). Host sync."""
+    ids = document_ids.cpu()
+    if ids.numel() == 0:
+        return
+    new_run = torch.ones(ids.shape[0], dtype=torch.bool)
+    new_run[1:] = ids[1:] != ids[:-1]
+    starts = ids[new_run]
+    real = starts[starts >= 0]
+    if real.unique().numel() != real.numel():
+        values, counts = real.unique(return_counts=True)
+        raise ValueError(f"{what}: document id {int(values[counts > 1][0])} appears in more than one run; "
+                         "documents must be contiguous")
+
+
+def anchor_context_starts(anchors: torch.Tensor, document_ids: torch.Tensor | None) -> torch.Tensor:
+    """First visible context index of each anchor's block (its document's start; 0 without documents)."""
+    if document_ids is None:
+        return torch.zeros_like(anchors)
+    starts = document_starts(document_ids)
+    return torch.where(anchors >= 0, starts[anchors.clamp(min=0)], 0)
+
+
+def visibility(anchors: torch.Tensor, context_starts: torch.Tensor, block_size: int, context_len: int):
+    """The DFlash mask as a function of (q_idx, kv_idx) tensors (any broadcastable shapes)."""
+    num_blocks = anchors.shape[0]
+
+    def visible(q_idx, kv_idx):
+        block = q_idx // block_size
+        safe = block.clamp(max=num_blocks - 1)
+        anchor = anchors[safe]
+        valid = (block < num_blocks) & (anchor >= 0)
+        in_context = (kv_idx < context_len) & (kv_idx >= context_starts[safe]) & (kv_idx < anchor)
+        in_own_block = (kv_idx >= context_len) & ((kv_idx - context_len) // block_size == block)
+        return valid & (in_context | in_own_block)
+
+    return visible
+
+
+def flex_mask_mod(anchors, context_starts, block_size: int, context_len: int):
+    visible = visibility(anchors, context_starts, block_size, context_len)
+
+    def dflash_mask_mod(b, h, q_idx, kv_idx):
+        return visible(q_idx, kv_idx)
+
+    return dflash_mask_mod
+
+
+def _check_anchors(anchors: torch.Tensor, block_size: int, context_len: int, document_ids=None) -> None:
+    if anchors.dim() != 1 or anchors.dtype != torch.int64:
+        raise ValueError(f"anchor_positions must be a 1-D int64 tensor, got {anchors.dtype} {tuple(anchors.shape)}")
+    if anchors.numel() == 0:
+        raise ValueError("anchor_positions is empty")
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    limit = context_len if document_ids is None else document_ids.shape[0]
+    if bool((anchors >= limit).any()) or bool((anchors < -1).any()):
+        raise ValueError(f"anchor_positions must be -1 or in [0, {limit}), got min {int(anchors.min())} max {int(anchors.max())}")
+    if document_ids is not None:
+        if document_ids.dim() != 1 or document_ids.shape[0] > context_len:
+            raise ValueError(f"document_ids must be 1-D with at most context_len={context_len} entries, got {tuple(document_ids.shape)}")
+        check_documents_contiguous(document_ids)
+        real = anchors[anchors >= 0]
+        if bool((document_ids[real] < 0).any()):
+            raise ValueError("an anchor lies on padding (document id -1)")
+
+
+def dense_block_mask(anchor_positions: torch.Tensor, block_size: int, context_len: int,
+                     document_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """Bool [num_anchors*block_size, context_len + num_anchors*block_size]; True = may attend.
+
+    anchor_positions: 1-D int64, -1 marks an empty block. document_ids: 1-D over the context
+    (may be shorter than context_len: the rest is padding), contiguous documents.
+    """
+    _check_anchors(anchor_positions, block_size, context_len, document_ids)
+    starts = anchor_context_starts(anchor_positions, document_ids)
+    q_len = anchor_positions.shape[0] * block_size
+    device = anchor_positions.device
+    q_idx = torch.arange(q_len, device=device)[:, None]
+    kv_idx = torch.arange(context_len + q_len, device=device)[None, :]
+    return visibility(anchor_positions, starts, block_size, context_len)(q_idx, kv_idx)
+
+
+def _ceil_div(x, d):
+    return (x + d - 1) // d
+
+
+def block_tiles(anchors: torch.Tensor, context_starts: torch.Tensor, block_size: int, context_len: int,
+                tile: int = TILE) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tile-level view of the mask: (touched, full) bool [Q_LEN/tile, KV_LEN/tile], no host sync."""
+    n = anchors.shape[0]
+    q_len = n * block_size
+    kv_len = context_len + q_len
+    if q_len % tile or context_len % tile:
+        raise ValueError(f"pad first: num_anchors*block_size={q_len} and context_len={context_len} "
+                         f"must be multiples of {tile}")
+    nq, nkv = q_len // tile, kv_len // tile
+    device = anchors.device
+    i = torch.arange(n, device=device)
+    valid = anchors >= 0
+    zero = torch.zeros_like(anchors)
+    # each anchor's rows see two key intervals: its context prefix and its own block
+    own_lo = context_len + i * block_size
+    lo = torch.stack([torch.where(valid, context_starts, zero), torch.where(valid, own_lo, zero)], 1)
+    hi = torch.stack([torch.where(valid, anchors, zero), torch.where(valid, own_lo + block_size, zero)], 1)
+    nonempty = hi > lo
+    touch_lo, touch_hi = lo // tile, _ceil_div(hi, tile)
+    full_lo, full_hi = _ceil_div(lo, tile), hi // tile
+    has_full = nonempty & (full_hi > full_lo)
+
+    # difference arrays over kv tiles, one row per q tile; +1 at an interval's start, -1 past its end
+    touch = torch.zeros(nq * (nkv + 1), dtype=torch.int32, device=device)
+    cover = torch.zeros_like(touch)
+    rows_anchors = torch.zeros(nq, dtype=torch.int32, device=device)
+    rows_valid = torch.zeros_like(rows_anchors)
+    first_q, last_q = (i * block_size) // tile, ((i + 1) * block_size - 1) // tile
+    for t in range((block_size - 1) // tile + 2):           # q tiles one anchor's rows can span
+        q_tile = first_q + t
+        inside = q_tile <= last_q
+        q_tile = q_tile.clamp(max=nq - 1)
+        rows_anchors.index_add_(0, q_tile, inside.int())
+        rows_valid.index_add_(0, q_tile, (inside & valid).int())
+        base = (q_tile * (nkv + 1))[:, None]
+        on = (inside[:, None] & nonempty).int().flatten()
+        touch.index_add_(0, (base + touch_lo).flatten(), on)
+        touch.index_add_(0, (base + touch_hi).flatten(), -on)
+        on_full = (inside[:, None] & has_full).int().flatten()
+        cover.index_add_(0, (base + full_lo).flatten(), on_full)
+        cover.index_add_(0, (base + full_hi).flatten(), -on_full)
+    touched = touch.view(nq, nkv + 1).cumsum(-1)[:, :nkv] > 0
+    covered = cover.view(nq, nkv + 1).cumsum(-1)[:, :nkv]
+    # full: every row of the q tile is a real row, and every anchor in it covers the whole kv tile
+    full = touched & (covered == rows_anchors[:, None]) & (rows_valid == rows_anchors)[:, None]
+    return touched, full
+
+
+def _ordered(tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tiles [nq, nkv] -> (counts [1,1,nq], indices [1,1,nq,nkv]) int32, same order as create_block_mask."""
+    t = tiles.to(torch.int32)
+    counts = t.sum(-1).to(torch.int32)
+    indices = torch.argsort(t, dim=-1, descending=True, stable=True).to(torch.int32)
+    return counts[None, None].contiguous(), indices[None, None].contiguous()
+
+
+def flex_block_mask(anchors: torch.Tensor, context_starts: torch.Tensor, block_size: int, context_len: int,
+                    tile: int = TILE):
+    """The flex BlockMask for sorted-or-not anchors, built from tiles (see block_tiles)."""
+    touched, full = block_tiles(anchors, context_starts, block_size, context_len, tile)
+    kv_num, kv_idx = _ordered(touched & ~full)
+    full_num, full_idx = _ordered(full)
+    q_len = anchors.shape[0] * block_size
+    return BlockMask.from_kv_blocks(
+        kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=tile,
+        mask_mod=flex_mask_mod(anchors, context_starts, block_size, context_len),
+        seq_lengths=(q_len, context_len + q_len))
+
+
+class DenseAttention:
+    """SDPA with the boolean mask. CPU runs and the reference for flex. Memory O(Q*KV)."""
+    name = "dense"
+
+    def build_mask(self, anchors, context_starts, block_size: int, context_len: int) -> torch.Tensor:
+        q_len = anchors.shape[0] * block_size
+        q_idx = torch.arange(q_len, device=anchors.device)[:, None]
+        kv_idx = torch.arange(context_len + q_len, device=anchors.device)[None, :]
+        return visibility(anchors, context_starts, block_size, context_len)(q_idx, kv_idx)
+
+    def __call__(self, q, k, v, mask):
+        # rows that attend nothing (empty blocks) must give 0, not NaN: let them attend
+        # everything, then zero their output (which also zeroes their gradient)
+        attends = mask.any(-1, keepdim=True)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask | ~attends,
+                                             enable_gqa=q.shape[1] != k.shape[1])
+        return out * attends.to(out.dtype)
+
+
+_compiled_flex = None
+
+
+def compiled_flex_attention():
+    """torch.compile(flex_attention), created once per process (never shared across threads)."""
+    global _compiled_flex
+    if _compiled_flex is None:
+        _compiled_flex = torch.compile(flex_attention, dynamic=False)
+    return _compiled_flex
+
+
+class FlexAttention:
+    """Block-sparse flex_attention, compiled in this process. GPU training; CPU forward only."""
+    name = "flex"
+
+    def __init__(self, kernel_options: dict | None = None):
+        self.kernel_options = kernel_options
+
+    def build_mask(self, anchors, context_starts, block_size: int, context_len: int):
+        return flex_block_mask(anchors, context_starts, block_size, context_len)
+
+    def __call__(self, q, k, v, mask):
+        # inside a compiled layer dynamo captures flex_attention itself; eager calls need the
+        # compiled wrapper (uncompiled flex_attention would materialise the dense scores)
+        fn = flex_attention if torch.compiler.is_compiling() else compiled_flex_attention()
+        return fn(q, k, v, block_mask=mask, enable_gqa=q.shape[1] != k.shape[1], kernel_options=self.kernel_options)
+
+
+def make_attention(kind: str, device: torch.device | str):
+    """'flex' | 'dense' | 'auto' (flex on cuda, dense elsewhere: flex has no CPU backward)."""
+    device = torch.device(device)
+    if kind == "auto":
+        kind = "flex" if device.type == "cuda" else "dense"
+    if kind == "flex":
+        return FlexAttention()
+    if kind == "dense":
+        return DenseAttention()
+    raise ValueError(f"drafter.attention must be auto|flex|dense, got {kind!r}")

@@ -1,0 +1,169 @@
+"""Everything around the train steps of one drafter rank: ledger, metrics, evaluation,
+checkpoints, the export at the end.
+
+Every decision that involves a collective (log, evaluate, checkpoint) depends only on state all
+ranks share (step counters, all-reduced results), so the ranks always call the same collectives.
+Rank 0 alone writes shared files; a failed checkpoint write is all-reduced as a flag, so every rank
+agrees on what was saved.
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from services.config import Config
+from services.drafter import checkpoint as ckpt
+from services.drafter.evaluate import evaluate
+from services.drafter.ledger import Ledger
+from services.drafter.metrics import MetricsLog, StepTimes, reduce_train_metrics
+from services.drafter.train import TrainState
+from services.health import HealthServer
+
+
+def say(event: str, **fields) -> None:
+    print(json.dumps({"event": event, **fields}), flush=True)
+
+
+def warn(text: str) -> None:
+    print(f"drafter: warning: {text}", file=sys.stderr, flush=True)
+
+
+def wait_for_all(flag: bool, device: torch.device, health: HealthServer) -> bool:
+    """All-reduce MIN of a flag, stamping health while waiting (rank 0 may be writing for minutes)."""
+    t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=device)
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return bool(flag)
+    work = dist.all_reduce(t, op=dist.ReduceOp.MIN, async_op=True)
+    while not work.is_completed():
+        health.progress()
+        time.sleep(0.05)
+    work.wait()
+    return bool(t.item())
+
+
+class Bookkeeping:
+    def __init__(self, cfg: Config, run_dir: Path, rank: int, world_size: int, state: TrainState,
+                 health: HealthServer, resumed: ckpt.Found | None, eval_batches=None):
+        self.cfg, self.run_dir, self.rank, self.world_size = cfg, Path(run_dir), rank, world_size
+        self.state, self.health, self.eval_batches = state, health, eval_batches
+        self.root = ckpt.checkpoints_dir(run_dir)
+        self.ledger = Ledger(run_dir, rank, start_step=state.micro_step)
+        self.metrics = MetricsLog(run_dir, resume_step=state.step, enabled=rank == 0)
+        self.times = StepTimes()
+        self.saved_step = state.step if resumed else None
+        self.best_tau = resumed.meta.get("best_tau") if resumed else None
+        self.last_eval: dict | None = None
+        self.last_metrics: dict | None = None          # the last optimizer step's metrics (for the final line)
+        self.logged_step = state.step
+        self.closed = False
+
+    # --- per batch ---------------------------------------------------------------------------
+    def after_batch(self, g: int, m: dict, data_s: float, compute_s: float) -> None:
+        """Ledger for every batch; on an optimizer step also metrics, evaluation and checkpoint."""
+        self.ledger.record(self.state.micro_step - 1, g, m["tokens"])
+        self.times.add(data_s, compute_s, m["tokens"])
+        if self.state.micro_step % self.state.settings.grad_accum:
+            return
+        step, run = self.state.step, self.cfg.run
+        self.last_metrics = m
+        if step % max(1, run.log_every) == 0:
+            self.log_metrics(m)
+        new_best = False
+        if run.eval_every > 0 and step % run.eval_every == 0 and self.eval_batches is not None:
+            new_best = self.run_eval()
+        if (run.checkpoint_every > 0 and step % run.checkpoint_every == 0) or new_best:
+            self.checkpoint(set_best=new_best)
+
+    def log_metrics(self, m: dict) -> None:
+        """Collective: one train line, the metrics of every rank's batch of this step combined."""
+        record = {"step": self.state.step, **reduce_train_metrics(m, self.times, self.state.counters(),
+                                                                  self.state.device, self.world_size),
+                  "lr": m["lr"], "grad_norm": round(m["grad_norm"], 6), "time": round(time.time(), 3)}
+        self.metrics.write(record)
+        self.times.reset()
+        self.logged_step = self.state.step
+
+    def run_eval(self) -> bool:
+        """Evaluate the held-out split; True when tau is the best so far (same on every rank)."""
+        start = time.perf_counter()
+        result = evaluate(self.state, self.eval_batches)
+        result = {"step": self.state.step, "eval": True, **result, "eval_s": round(time.perf_counter() - start, 3)}
+        self.metrics.write(result)
+        self.last_eval = result
+        new_best = self.best_tau is None or result["tau"] > self.best_tau
+        if new_best:
+            self.best_tau = result["tau"]
+        self.health.progress(eval_loss=result["loss"], eval_tau=result["tau"], best_tau=self.best_tau)
+        if self.rank == 0:
+            say("eval", step=self.state.step, eval_loss=round(result["loss"], 4), eval_tau=round(result["tau"], 3),
+                best=new_best, batches=result["batches"])
+        return new_best
+
+    # --- checkpoints -----------------------------------------------------------------------------
+    def checkpoint(self, set_best: bool = False) -> bool:
+        """Collective. Rank 0 writes; a failure keeps the previous checkpoint and the run goes on."""
+        state, step = self.state, self.state.step
+        rng = ckpt.gather_rng_states(state.device)
+        ok, path = True, None
+        if self.rank == 0:
+            meta = ckpt.make_meta(state, self.world_size, best_tau=self.best_tau,
+                                  eval=self.last_eval if self.last_eval and self.last_eval["step"] == step else None)
+            blob = {"optimizer": state.optimizer.state_dict(), "scheduler": state.scheduler.state_dict()}
+            start = time.perf_counter()
+            try:
+                path = ckpt.write_checkpoint(self.root, step, weights=state.drafter.state_dict(), optimizer=blob,
+                                             rng=rng, meta=meta, config=self.cfg.to_dict(),
+                                             keep=self.cfg.run.keep_checkpoints, tick=self.health.progress)
+                if set_best:
+                    ckpt.set_best(self.root, path)
+                say("checkpoint", step=step, path=str(path), best=set_best, seconds=round(time.perf_counter() - start, 3))
+            except Exception as exc:
+                ok = False
+                kept = ckpt.pointer(self.root, ckpt.LATEST)
+                message = (f"checkpoint at step {step} was not written ({type(exc).__name__}: {exc}); "
+                           f"{'the previous checkpoint ' + kept.name + ' is kept as latest' if kept else 'no earlier checkpoint exists'}"
+                           "; training goes on")
+                warn(message)
+                self.health.error(message)
+        ok = wait_for_all(ok, state.device, self.health)
+        self.saved_step = step
+        if ok:
+            self.health.progress(last_checkpoint=step)
+        return ok
+
+    # --- the end -------------------------------------------------------------------------------
+    def finish(self, completed: bool) -> None:
+        """Last metrics line, final checkpoint (also on a graceful stop), then, when training
+        completed, the export."""
+        if self.last_metrics is not None and self.logged_step != self.state.step:
+            self.log_metrics(self.last_metrics)
+        if self.saved_step != self.state.step:
+            self.checkpoint()
+        if completed and self.cfg.run.export_at_end and self.rank == 0:
+            from services.drafter.export import export_weights
+            try:
+                out = export_weights(self.state.drafter.state_dict(), self.state.drafter.cfg, self.run_dir / "export",
+                                     provenance={"step": self.state.step})
+                say("exported", step=self.state.step, out=str(out))
+            except Exception as exc:
+                traceback.print_exc()
+                message = f"export at the end of the run failed ({type(exc).__name__}: {exc}); " \
+                          f"run `launcher export --checkpoint {self.root / ckpt.LATEST} --out DIR`"
+                warn(message)
+                self.health.error(message)
+        self.close()
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self.ledger.close()
+        self.metrics.close()
+        if hasattr(self.eval_batches, "close"):
+            self.eval_batches.close()

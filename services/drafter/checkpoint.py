@@ -1,0 +1,346 @@
+"""Checkpoints: write atomically, keep the last few, find the newest good one, restore every rank.
+
+    <run_dir>/checkpoints/
+        step-00000400/              one checkpoint (written as .tmp-step-00000400-<pid>, then renamed)
+            model.safetensors       drafter weights, fp32 (the master weights)
+            optimizer.pt            {"optimizer": AdamW state_dict, "scheduler": LambdaLR state_dict}
+            rng.safetensors         torch CPU (and CUDA) RNG state of every rank: cpu.<rank>, cuda.<rank>
+            state.json              step, micro_step, counters, data position, model config, eval result
+            config.json             the resolved run config
+            manifest.json           format version, sha256 and size of every file above
+        latest -> step-00000400     symlinks, replaced atomically (symlink to a temp name, then rename)
+        best   -> step-00000300     highest held-out tau; never deleted by rotation
+
+Data position: a checkpoint at micro step m means batches g < m*D are done (D drafter ranks), so a
+resume asks for batch m*D + d next. Only rank 0 writes; every rank restores, from the same files.
+A failed write (full disk, quota, I/O error) removes its temp dir and leaves the previous
+checkpoint as latest; the caller reports it and training goes on.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from services.config import Config, ConfigError
+from services.drafter.model import DrafterModelConfig
+
+FORMAT_VERSION = 1
+FILES = ("model.safetensors", "optimizer.pt", "rng.safetensors", "state.json", "config.json")
+LATEST, BEST = "latest", "best"
+
+# Fields whose change makes a checkpoint meaningless for this run: the model's shapes and inputs ...
+MODEL_FIELDS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+                "vocab_size", "num_target_layers", "num_hidden_layers", "target_layer_ids", "block_size",
+                "mask_token_id", "rms_norm_eps", "rope_theta", "attention_bias")
+# ... and what batch g contains and which rank trains it (exactly-once across the resume).
+RUN_FIELDS = ("run.seed", "data.path", "data.eval_path", "data.eval_fraction", "data.pack_len", "data.max_doc_len",
+              "data.shuffle", "drafter.grad_accum", "target.labels_from_target")
+
+
+class CorruptCheckpoint(Exception):
+    """A checkpoint whose files fail their checksums or do not parse."""
+
+
+@dataclass
+class Found:
+    path: Path
+    meta: dict                     # state.json
+    config: dict                   # config.json (the run config that wrote it)
+
+    @property
+    def micro_step(self) -> int:
+        return int(self.meta["micro_step"])
+
+
+def checkpoints_dir(run_dir: str | Path) -> Path:
+    return Path(run_dir) / "checkpoints"
+
+
+def step_name(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+def _step_of(path: Path) -> int | None:
+    try:
+        return int(path.name.split("-", 1)[1]) if path.name.startswith("step-") else None
+    except ValueError:
+        return None
+
+
+def list_checkpoints(root: Path) -> list[Path]:
+    """Finished checkpoint dirs, newest first."""
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if p.is_dir() and not p.is_symlink() and _step_of(p) is not None]
+    return sorted(found, key=_step_of, reverse=True)
+
+
+def pointer(root: Path, name: str) -> Path | None:
+    """Where `latest` / `best` points (None if missing or dangling)."""
+    link = root / name
+    if not link.is_symlink():
+        return None
+    target = root / os.readlink(link)
+    return target if target.is_dir() else None
+
+
+# --- files -------------------------------------------------------------------------------------
+
+def sha256_file(path: Path, tick: Callable[[], None] | None = None) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(8 << 20):
+            digest.update(chunk)
+            if tick:
+                tick()
+    return digest.hexdigest()
+
+
+def _fsync_file(path: Path) -> None:
+    with open(path, "rb+") as f:
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_json(path: Path, data: dict) -> None:
+    with open(path, "w") as f:
+        json.dump(data, f, indent=2, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _point(root: Path, name: str, target: Path) -> None:
+    """Atomically make root/name a relative symlink to target."""
+    tmp = root / f".{name}.tmp"                         # one writer (rank 0): a fixed name leaks nothing
+    if tmp.is_symlink() or tmp.exists():
+        tmp.unlink()
+    os.symlink(target.name, tmp)
+    os.replace(tmp, root / name)
+    _fsync_dir(root)
+
+
+# --- RNG of every rank --------------------------------------------------------------------------
+
+def gather_rng_states(device: torch.device) -> dict[str, torch.Tensor]:
+    """Every rank's torch RNG states (collective: every rank calls it). Tensors through
+    dist.all_gather, no pickle. The train step draws its randomness from per-batch generators
+    (anchors), so these only matter to code that uses the global generators."""
+    states = {"cpu": torch.get_rng_state()}
+    if device.type == "cuda":
+        states["cuda"] = torch.cuda.get_rng_state(device)
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return {f"{kind}.0": t for kind, t in states.items()}
+    comm_device = device if dist.get_backend() == "nccl" else torch.device("cpu")
+    out = {}
+    for kind, local in states.items():
+        parts = [torch.empty_like(local, device=comm_device) for _ in range(dist.get_world_size())]
+        dist.all_gather(parts, local.to(comm_device))
+        out.update({f"{kind}.{r}": p.cpu() for r, p in enumerate(parts)})
+    return out
+
+
+# --- writing (rank 0) ---------------------------------------------------------------------------
+
+def write_checkpoint(root: Path, step: int, *, weights: dict[str, torch.Tensor], optimizer: dict,
+                     rng: dict[str, torch.Tensor], meta: dict, config: dict, keep: int,
+                     tick: Callable[[], None] | None = None) -> Path:
+    """Write step-<step> atomically, point `latest` at it, rotate. Raises on failure after removing
+    the temp dir (the previous checkpoint stays as it was)."""
+    from safetensors.torch import save_file
+
+    tick = tick or (lambda: None)
+    root.mkdir(parents=True, exist_ok=True)
+    for stale in root.glob(".tmp-*"):                    # left by a crash mid-write
+        shutil.rmtree(stale, ignore_errors=True)
+    final = root / step_name(step)
+    tmp = root / f".tmp-{final.name}-{os.getpid()}"
+    tmp.mkdir()
+    try:
+        save_file({k: v.detach().to("cpu", torch.float32).contiguous() for k, v in weights.items()},
+                  str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        tick()
+        torch.save(optimizer, tmp / "optimizer.pt")
+        tick()
+        save_file({k: v.contiguous() for k, v in rng.items()}, str(tmp / "rng.safetensors"))
+        _write_json(tmp / "state.json", meta)
+        _write_json(tmp / "config.json", config)
+        files = {}
+        for name in FILES:
+            _fsync_file(tmp / name)
+            files[name] = {"sha256": sha256_file(tmp / name, tick), "bytes": (tmp / name).stat().st_size}
+        _write_json(tmp / "manifest.json", {"format": FORMAT_VERSION, "step": step, "files": files})
+        _fsync_dir(tmp)
+        if final.exists():                               # a leftover of a run that crashed before `latest` moved
+            trash = root / f".tmp-old-{final.name}-{os.getpid()}"
+            os.rename(final, trash)
+            shutil.rmtree(trash, ignore_errors=True)
+        os.rename(tmp, final)
+        _fsync_dir(root)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    _point(root, LATEST, final)
+    rotate(root, keep)
+    return final
+
+
+def set_best(root: Path, path: Path) -> None:
+    _point(root, BEST, path)
+
+
+def rotate(root: Path, keep: int) -> list[Path]:
+    """Delete all but the newest `keep` checkpoints (0 = keep all); never what latest/best point to."""
+    if keep < 1:
+        return []
+    protected = {p.resolve() for p in (pointer(root, LATEST), pointer(root, BEST)) if p}
+    removed = []
+    for old in list_checkpoints(root)[keep:]:
+        if old.resolve() not in protected:
+            shutil.rmtree(old, ignore_errors=True)
+            removed.append(old)
+    return removed
+
+
+# --- finding and checking ------------------------------------------------------------------------
+
+def verify(path: Path, tick: Callable[[], None] | None = None) -> dict:
+    """The checkpoint's state.json if every file matches the manifest and parses; else CorruptCheckpoint."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        manifest = json.loads((path / "manifest.json").read_text())
+        files = manifest["files"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise CorruptCheckpoint(f"manifest.json unreadable ({exc})") from None
+    if manifest.get("format") != FORMAT_VERSION:
+        raise CorruptCheckpoint(f"manifest format {manifest.get('format')!r}, this code reads {FORMAT_VERSION}")
+    for name in FILES:
+        entry = files.get(name)
+        file = path / name
+        if entry is None or not file.is_file():
+            raise CorruptCheckpoint(f"{name} missing")
+        size = file.stat().st_size
+        if size != entry["bytes"]:
+            raise CorruptCheckpoint(f"{name} has {size} bytes, manifest says {entry['bytes']} (truncated?)")
+        if sha256_file(file, tick) != entry["sha256"]:
+            raise CorruptCheckpoint(f"{name}: sha256 mismatch")
+    for name in ("model.safetensors", "rng.safetensors"):
+        try:
+            with safe_open(str(path / name), framework="pt") as f:
+                f.keys()
+        except (SafetensorError, OSError) as exc:
+            raise CorruptCheckpoint(f"{name}: {exc}") from None
+    try:
+        return json.loads((path / "state.json").read_text())
+    except ValueError as exc:
+        raise CorruptCheckpoint(f"state.json: {exc}") from None
+
+
+def _config_value(cfg: dict, dotted: str):
+    section, key = dotted.split(".")
+    return cfg.get(section, {}).get(key)
+
+
+def compatibility_errors(meta: dict, config: dict, model_cfg: DrafterModelConfig, cfg: Config,
+                         world_size: int) -> list[str]:
+    """'field: checkpoint X, now Y' for every field that makes the checkpoint unusable for this run."""
+    errors = []
+    now_model = model_cfg.to_dict()
+    for key in MODEL_FIELDS:
+        then = meta.get("model", {}).get(key)
+        if then != now_model[key]:
+            errors.append(f"model {key}: checkpoint {then!r}, now {now_model[key]!r}")
+    now_cfg = cfg.to_dict()
+    for dotted in RUN_FIELDS:
+        then, now = _config_value(config, dotted), _config_value(now_cfg, dotted)
+        if then != now:
+            errors.append(f"{dotted}: checkpoint {then!r}, now {now!r}")
+    if meta.get("world_size") != world_size:
+        errors.append(f"drafter ranks: checkpoint {meta.get('world_size')!r}, now {world_size} "
+                      "(batch g goes to rank g mod D: resume with the same number of drafter GPUs)")
+    return errors
+
+
+def find_resume_point(run_dir: str | Path, model_cfg: DrafterModelConfig, cfg: Config, world_size: int,
+                      warn: Callable[[str], None], tick: Callable[[], None] | None = None) -> Found | None:
+    """The checkpoint to resume from: `latest`, or the next older one that verifies (each corrupt one
+    is skipped with a warning). None when there is none at all (start fresh). ConfigError when
+    checkpoints exist but none verifies, or the newest good one belongs to an incompatible config."""
+    root = checkpoints_dir(run_dir)
+    candidates = list_checkpoints(root)
+    latest = pointer(root, LATEST)
+    if latest is not None:
+        candidates = [latest] + [p for p in candidates if p.resolve() != latest.resolve()]
+    problems = []
+    for path in candidates:
+        try:
+            meta = verify(path, tick)
+        except CorruptCheckpoint as exc:
+            problems.append(f"{path.name}: {exc}")
+            nxt = candidates[candidates.index(path) + 1].name if path is not candidates[-1] else None
+            warn(f"checkpoint {path} is corrupt ({exc}); "
+                 + (f"falling back to {nxt}" if nxt else "no older checkpoint left"))
+            continue
+        config = json.loads((path / "config.json").read_text())
+        errors = compatibility_errors(meta, config, model_cfg, cfg, world_size)
+        if errors:
+            raise ConfigError(f"checkpoint {path} was written by an incompatible config: " + "; ".join(errors)
+                              + ". Start a new --run-dir, or move checkpoints/ aside to start fresh")
+        return Found(path, meta, config)
+    if problems:
+        raise ConfigError(f"no usable checkpoint in {root}: " + "; ".join(problems)
+                          + ". Move the folder aside to start fresh")
+    return None
+
+
+# --- restoring (every rank) ------------------------------------------------------------------------
+
+def restore(state, found: Found, rank: int) -> list[str]:
+    """Load weights, optimizer, scheduler, this rank's RNG and the counters into a TrainState.
+    Returns notes worth printing (e.g. a changed lr horizon)."""
+    from safetensors.torch import load_file
+
+    path, notes = found.path, []
+    state.drafter.load_state_dict(load_file(str(path / "model.safetensors"), device="cpu"), strict=True)
+    blob = torch.load(path / "optimizer.pt", map_location=state.device, weights_only=True)
+    state.optimizer.load_state_dict(blob["optimizer"])
+    now = dict(vars(state.scheduler.lr_lambdas[0]))       # this run's warmup/cosine horizon
+    state.scheduler.load_state_dict(blob["scheduler"])
+    then = dict(vars(state.scheduler.lr_lambdas[0]))
+    if then != now:                                   # e.g. run.max_steps changed: keep this run's horizon
+        vars(state.scheduler.lr_lambdas[0]).update(now)
+        for group, base in zip(state.optimizer.param_groups, state.scheduler.base_lrs):
+            group["lr"] = base * state.scheduler.lr_lambdas[0](state.scheduler.last_epoch)
+        notes.append(f"lr schedule changed from {then} to {now}; continuing on the new one")
+    rng = load_file(str(path / "rng.safetensors"))
+    if f"cpu.{rank}" in rng:
+        torch.set_rng_state(rng[f"cpu.{rank}"])
+    if state.device.type == "cuda" and f"cuda.{rank}" in rng:
+        torch.cuda.set_rng_state(rng[f"cuda.{rank}"], state.device)
+    meta = found.meta
+    state.step, state.micro_step = int(meta["step"]), int(meta["micro_step"])
+    state.samples_done, state.tokens_done = int(meta["samples_done"]), int(meta["tokens_done"])
+    return notes
+
+
+def make_meta(state, world_size: int, **extra) -> dict:
+    return {"step": state.step, "micro_step": state.micro_step, "samples_done": state.samples_done,
+            "tokens_done": state.tokens_done, "world_size": world_size,
+            "next_g": state.micro_step * world_size,            # batches g < next_g are done
+            "model": state.drafter.cfg.to_dict(), "time": time.time(), **extra}

@@ -1,0 +1,184 @@
+"""Export a trained drafter in the layout of the released z-lab DFlash drafters.
+
+    <out>/config.json          Qwen3 layer fields + architectures ["DFlashDraftModel"], block_size,
+                               num_target_layers, dflash_config {target_layer_ids, mask_token_id}
+    <out>/model.safetensors    layers.{i}.self_attn.{q,k,v,o}_proj.weight, layers.{i}.self_attn.{q,k}_norm.weight,
+                               layers.{i}.mlp.{gate,up,down}_proj.weight, layers.{i}.{input,post_attention}_layernorm.weight,
+                               fc.weight, hidden_norm.weight, norm.weight        (no embedding, no lm_head)
+
+What the public loaders read (checked against z-lab/dflash `dflash/model.py`, SGLang
+`srt/models/dflash.py` + `speculative/dflash_utils.py`, vLLM `models/qwen3_dflash.py`):
+- architectures ["DFlashDraftModel"] selects the model class in SGLang and vLLM; model_type "qwen3"
+  lets transformers' AutoConfig parse the file.
+- target_layer_ids and mask_token_id: from dflash_config (all three), with top-level fallbacks.
+  vLLM adds 1 to the ids itself (its "aux hidden state" numbering); we store DFlash's numbering.
+- block_size: top level (released drafters) or dflash_config; num_target_layers: top level.
+- layer_types "full_attention" + is_causal false: every draft layer is non-causal (SGLang ENCODER_ONLY,
+  vLLM causal=False); a "sliding_attention" layer would be causal there.
+- Tensor names without a "model." prefix: SGLang resolves either, vLLM prepends "model.".
+- auto_map is left out: it names a remote-code file (dflash.py) that only z-lab's repos ship. For
+  transformers' AutoModel(trust_remote_code=True), copy that file next to config.json and add
+  "auto_map": {"AutoModel": "dflash.DFlashDraftModel"}. SGLang and vLLM do not need it.
+
+Weights are written in bf16 by default, as the released drafters are (`"dtype": "bfloat16"`): the
+engines serve in bf16, and it halves the files. Training keeps fp32 master weights in the
+checkpoints; `--dtype float32` exports those unrounded.
+
+    python -m services.drafter.export --checkpoint runs/x/checkpoints/latest --out runs/x/export
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+
+from services.drafter.model import DrafterModelConfig
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+ARCHITECTURE = "DFlashDraftModel"
+
+
+class ExportError(Exception):
+    pass
+
+
+def hf_config(m: DrafterModelConfig, dtype: str = "bfloat16") -> dict:
+    """config.json of the export: the released drafters' fields, at this drafter's shapes."""
+    return {
+        "architectures": [ARCHITECTURE],
+        "model_type": "qwen3",
+        "attention_bias": m.attention_bias,
+        "attention_dropout": 0.0,
+        "block_size": m.block_size,
+        "dflash_config": {"mask_token_id": m.mask_token_id, "target_layer_ids": list(m.target_layer_ids)},
+        "dtype": dtype,
+        "head_dim": m.head_dim,
+        "hidden_act": "silu",
+        "hidden_size": m.hidden_size,
+        "initializer_range": m.initializer_range,
+        "intermediate_size": m.intermediate_size,
+        "is_causal": False,
+        "layer_types": ["full_attention"] * m.num_hidden_layers,
+        "max_position_embeddings": m.max_position_embeddings,
+        "max_window_layers": m.num_hidden_layers,
+        "num_attention_heads": m.num_attention_heads,
+        "num_hidden_layers": m.num_hidden_layers,
+        "num_key_value_heads": m.num_key_value_heads,
+        "num_target_layers": m.num_target_layers,
+        "rms_norm_eps": m.rms_norm_eps,
+        "rope_scaling": None,
+        "rope_theta": m.rope_theta,
+        "sliding_window": None,
+        "tie_word_embeddings": m.tie_word_embeddings,
+        "use_cache": True,
+        "use_sliding_window": False,
+        "vocab_size": m.vocab_size,
+    }
+
+
+def expected_tensor_names(m: DrafterModelConfig) -> list[str]:
+    per_layer = ["self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+                 "self_attn.o_proj.weight", "self_attn.q_norm.weight", "self_attn.k_norm.weight",
+                 "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
+                 "input_layernorm.weight", "post_attention_layernorm.weight"]
+    if m.attention_bias:
+        per_layer += [f"self_attn.{p}_proj.bias" for p in "qkvo"]
+    names = [f"layers.{i}.{n}" for i in range(m.num_hidden_layers) for n in per_layer]
+    return sorted(names + ["fc.weight", "hidden_norm.weight", "norm.weight"])
+
+
+def _replace_dir(tmp: Path, out: Path) -> None:
+    """Move tmp to out; an existing out must be an earlier export (never someone's other folder)."""
+    if out.exists():
+        try:
+            ours = ARCHITECTURE in json.loads((out / "config.json").read_text()).get("architectures", [])
+        except (OSError, ValueError, AttributeError):
+            ours = False
+        if any(out.iterdir()) and not ours:
+            raise ExportError(f"refusing to replace {out}: it is not empty and not a DFlash export")
+        old = out.with_name(f".{out.name}.old-{os.getpid()}")
+        os.rename(out, old)
+        os.rename(tmp, out)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.rename(tmp, out)
+
+
+def export_weights(weights: dict[str, torch.Tensor], model_cfg: DrafterModelConfig, out_dir: str | Path,
+                   dtype: str = "bfloat16", provenance: dict | None = None) -> Path:
+    """Write config.json + model.safetensors into out_dir (atomically: a temp dir, then rename)."""
+    from safetensors.torch import save_file
+
+    if dtype not in DTYPES:
+        raise ExportError(f"--dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
+    names = expected_tensor_names(model_cfg)
+    if sorted(weights) != names:
+        extra, missing = sorted(set(weights) - set(names)), sorted(set(names) - set(weights))
+        raise ExportError(f"drafter weights do not match the DFlash layout: unexpected {extra}, missing {missing}")
+    out = Path(out_dir).resolve()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        tensors = {k: v.detach().to("cpu", DTYPES[dtype]).contiguous() for k, v in weights.items()}
+        metadata = {"format": "pt", **{k: str(v) for k, v in (provenance or {}).items()}}
+        save_file(tensors, str(tmp / "model.safetensors"), metadata=metadata)
+        (tmp / "config.json").write_text(json.dumps(hf_config(model_cfg, dtype), indent=2, sort_keys=True) + "\n")
+        _replace_dir(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """A checkpoint dir, or a run dir / checkpoints dir (then its `latest`)."""
+    path = Path(path)
+    for candidate in (path, path / "latest", path / "checkpoints" / "latest"):
+        if (candidate / "manifest.json").is_file():
+            return candidate.resolve()
+    raise ExportError(f"{path}: not a checkpoint (no manifest.json), and no checkpoints/latest under it")
+
+
+def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype: str = "bfloat16") -> Path:
+    from safetensors.torch import load_file
+
+    from services.drafter.checkpoint import CorruptCheckpoint, verify
+
+    path = resolve_checkpoint(checkpoint)
+    try:
+        meta = verify(path)
+    except CorruptCheckpoint as exc:
+        raise ExportError(f"checkpoint {path} is corrupt: {exc}") from None
+    model_cfg = DrafterModelConfig(**meta["model"])
+    weights = load_file(str(path / "model.safetensors"))
+    provenance = {"checkpoint": path.name, "step": meta["step"]}
+    if meta.get("eval"):
+        provenance["eval_tau"] = meta["eval"].get("tau")
+    return export_weights(weights, model_cfg, out_dir, dtype, provenance)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m services.drafter.export",
+                                description="Export a drafter checkpoint as an HF-style DFlash drafter dir.")
+    p.add_argument("--checkpoint", required=True, help="checkpoint dir, or a run dir (uses checkpoints/latest)")
+    p.add_argument("--out", required=True, help="output dir (created; an earlier export there is replaced)")
+    p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
+    args = p.parse_args(argv)
+    try:
+        out = export_checkpoint(args.checkpoint, args.out, args.dtype)
+    except ExportError as exc:
+        print(f"export: error: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps({"event": "exported", "out": str(out), "checkpoint": str(resolve_checkpoint(args.checkpoint))}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

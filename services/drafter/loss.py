@@ -1,0 +1,107 @@
+"""Weighted cross-entropy through the frozen lm_head, in chunks, and the acceptance metrics.
+
+The logits of all trained rows (Q_LEN x vocab, about 20 GB in fp32 at seed shapes) never exist:
+rows go through the lm_head `chunk` at a time. Because the loss is the last thing in the step,
+each chunk's input gradient is computed right away in the forward pass, while its logits are at
+hand (softmax minus one-hot, times the row's weight, back through the lm_head), and stored as a
+[rows, H] tensor; backward only scales it. So the lm_head runs twice in all (logits, input grad),
+never a third time to recompute logits, and memory holds one chunk of logits at a time.
+
+    loss = sum_r w_r * CE_r / sum_r w_r          (0 when every weight is 0, with zero grads)
+"""
+from __future__ import annotations
+
+import torch
+
+
+def ce_chunk_loss(h: torch.Tensor, lm_head: torch.Tensor, labels: torch.Tensor, scale: torch.Tensor):
+    """One chunk, no grad: (sum of scale * CE, argmax predictions)."""
+    logits = (h @ lm_head.t()).float()
+    lse = torch.logsumexp(logits, dim=-1)
+    picked = logits.gather(1, labels[:, None])[:, 0]
+    loss = torch.where(scale > 0, (lse - picked) * scale, 0.0).sum()
+    return loss, logits.argmax(-1)
+
+
+def ce_chunk_loss_and_grad(h: torch.Tensor, lm_head: torch.Tensor, labels: torch.Tensor, scale: torch.Tensor):
+    """One chunk: (sum of scale * CE, argmax predictions, d loss / d h)."""
+    logits = (h @ lm_head.t()).float()
+    lse = torch.logsumexp(logits, dim=-1)
+    picked = logits.gather(1, labels[:, None])[:, 0]
+    loss = torch.where(scale > 0, (lse - picked) * scale, 0.0).sum()
+    pred = logits.argmax(-1)
+    probs = torch.exp(logits - lse[:, None])
+    probs.scatter_add_(1, labels[:, None], torch.full_like(picked[:, None], -1.0))   # softmax - onehot
+    grad_h = (probs * scale[:, None]).to(h.dtype) @ lm_head
+    return loss, pred, grad_h
+
+
+class ChunkFns:
+    """The two chunk functions, eager or torch.compile'd (fuses softmax/grad passes on GPU)."""
+
+    def __init__(self, compile: bool = False):
+        self.loss_only, self.loss_and_grad = ce_chunk_loss, ce_chunk_loss_and_grad
+        if compile:
+            self.loss_only = torch.compile(ce_chunk_loss, dynamic=False)
+            self.loss_and_grad = torch.compile(ce_chunk_loss_and_grad, dynamic=False)
+
+
+_EAGER = ChunkFns(compile=False)
+
+
+class _ChunkedCE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, lm_head, labels, scale, chunk, fns):
+        rows = hidden.shape[0]
+        loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        preds = torch.empty(rows, dtype=torch.long, device=hidden.device)
+        want_grad = ctx.needs_input_grad[0]
+        grad = torch.empty_like(hidden) if want_grad else None
+        for start in range(0, rows, chunk):
+            end = min(start + chunk, rows)
+            args = (hidden[start:end], lm_head, labels[start:end], scale[start:end])
+            if want_grad:
+                part, preds[start:end], grad[start:end] = fns.loss_and_grad(*args)
+            else:
+                part, preds[start:end] = fns.loss_only(*args)
+            loss = loss + part
+        ctx.mark_non_differentiable(preds)
+        ctx.save_for_backward(grad if want_grad else hidden.new_empty(0))
+        return loss, preds
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_preds):
+        (grad,) = ctx.saved_tensors
+        return grad * grad_loss.to(grad.dtype), None, None, None, None, None
+
+
+def chunked_cross_entropy(hidden: torch.Tensor, lm_head: torch.Tensor, labels: torch.Tensor,
+                          weights: torch.Tensor, chunk: int = 2048, fns: ChunkFns | None = None):
+    """hidden [R, H], lm_head [V, H] (frozen), labels [R], weights [R] -> (loss, predictions [R]).
+
+    loss = sum(w * CE) / sum(w); 0 with zero gradients when all weights are 0.
+    """
+    if chunk < 1:
+        raise ValueError(f"drafter.loss_chunk must be >= 1, got {chunk}")
+    weights = weights.float()
+    scale = weights / weights.sum().clamp(min=torch.finfo(torch.float32).tiny)
+    return _ChunkedCE.apply(hidden.to(lm_head.dtype), lm_head, labels, scale, chunk, fns or _EAGER)
+
+
+@torch.no_grad()
+def acceptance_metrics(preds: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor) -> dict:
+    """preds/labels/weights [N, B-1] (block positions 1..B-1). Tensors, no host sync.
+
+    accuracy_k: top-1 accuracy at block position k over positions with weight > 0.
+    tau: simulated acceptance length, 1 + mean over trained blocks of the number of consecutive
+    correct predictions from k = 1 (an untrained position ends the run, as a wrong one would).
+    """
+    trained = weights > 0
+    correct = (preds == labels) & trained
+    per_pos = correct.sum(0).float() / trained.sum(0).clamp(min=1).float()
+    blocks = trained.any(1)
+    accepted = torch.cumprod(correct.long(), dim=1).sum(1).float()
+    num_blocks = blocks.sum()
+    tau = 1.0 + (accepted * blocks).sum() / num_blocks.clamp(min=1)
+    accuracy = correct.sum().float() / trained.sum().clamp(min=1).float()
+    return {"accuracy": accuracy, "accuracy_per_position": per_pos, "tau": tau, "trained_blocks": num_blocks}

@@ -1,0 +1,121 @@
+"""Training metrics: averaged over the drafter ranks, written by rank 0 to <run_dir>/metrics.jsonl
+(and TensorBoard event files under <run_dir>/tensorboard when `tensorboard` is installed).
+
+One JSON object per line. Train lines, every run.log_every optimizer steps:
+    step, loss, accuracy, accuracy_per_position, tau, lr, grad_norm, tokens_per_s, samples_done,
+    tokens_done, data_wait_frac, time_data_s, time_compute_s, time_other_s (per step, mean of ranks)
+Eval lines ("eval": true), every run.eval_every steps:
+    step, loss, accuracy, accuracy_per_position, tau, batches, blocks
+On resume from step s, lines with step > s are dropped first, so the curve continues without
+repeats (the ledger does the same for batch indices).
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+METRICS_FILE = "metrics.jsonl"
+
+
+def all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
+    """Sum a few numbers over the drafter ranks (float64; every rank must call it)."""
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t)
+    return t.tolist()
+
+
+def truncate_jsonl(path: Path, keep_through_step: int) -> None:
+    """Drop lines with step > keep_through_step (and lines cut by a crash)."""
+    if not path.exists():
+        return
+    keep = []
+    for line in path.read_text().splitlines():
+        try:
+            if int(json.loads(line)["step"]) <= keep_through_step:
+                keep.append(line)
+        except (ValueError, KeyError, TypeError):
+            continue
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(line + "\n" for line in keep))
+    os.replace(tmp, path)
+
+
+class StepTimes:
+    """Per-rank time accounting between two log points: data wait, train step, everything else."""
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self) -> None:
+        self.start = time.perf_counter()
+        self.data = self.compute = 0.0
+        self.tokens = self.steps = 0
+
+    def add(self, data_s: float, compute_s: float, tokens: int) -> None:
+        self.data += data_s
+        self.compute += compute_s
+        self.tokens += tokens
+        self.steps += 1
+
+
+def reduce_train_metrics(m: dict, times: StepTimes, counters: dict, device: torch.device, world_size: int) -> dict:
+    """This step's metrics of every rank combined (weighted by trained blocks), the run's counters
+    summed over ranks, and the time split per step since the last log (mean over ranks)."""
+    w = float(m["trained_blocks"])
+    wall = time.perf_counter() - times.start
+    local = [m["loss"] * w, m["accuracy"] * w, m["tau"] * w, w, times.tokens, times.data, times.compute, wall,
+             counters["samples_done"], counters["tokens_done"], *[a * w for a in m["accuracy_per_position"]]]
+    s = all_reduce_sum(local, device)
+    blocks, per_step = max(s[3], 1e-9), world_size * max(times.steps, 1)
+    data_s, compute_s, wall_s = s[5] / per_step, s[6] / per_step, s[7] / per_step
+    r = lambda x: round(x, 6)
+    return {"loss": r(s[0] / blocks), "accuracy": r(s[1] / blocks), "tau": r(s[2] / blocks),
+            "accuracy_per_position": [round(a / blocks, 4) for a in s[10:]],
+            "tokens_per_s": round(s[4] / max(s[7] / world_size, 1e-9), 1),
+            "samples_done": int(s[8]), "tokens_done": int(s[9]),
+            "data_wait_frac": r(data_s / max(wall_s, 1e-9)), "time_data_s": r(data_s), "time_compute_s": r(compute_s),
+            "time_other_s": r(max(0.0, wall_s - data_s - compute_s))}
+
+
+class MetricsLog:
+    """Rank 0's metrics.jsonl (+ TensorBoard). Other ranks get an instance that writes nothing."""
+
+    def __init__(self, run_dir: str | Path, resume_step: int, enabled: bool):
+        self.enabled = enabled
+        self.path = Path(run_dir) / METRICS_FILE
+        self.tb = None
+        if not enabled:
+            return
+        truncate_jsonl(self.path, resume_step)
+        self.file = open(self.path, "a")
+        try:
+            import tensorboard  # noqa: F401  (optional extra; torch's writer needs it)
+            from torch.utils.tensorboard import SummaryWriter
+            self.tb = SummaryWriter(str(Path(run_dir) / "tensorboard"), purge_step=resume_step + 1)
+        except ImportError:
+            self.tb = None
+
+    def write(self, record: dict) -> None:
+        if not self.enabled:
+            return
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+        if self.tb is not None:
+            prefix = "eval" if record.get("eval") else "train"
+            for key, value in record.items():
+                if isinstance(value, (int, float)) and not isinstance(value, bool) and key != "step":
+                    self.tb.add_scalar(f"{prefix}/{key}", value, record["step"])
+            for k, a in enumerate(record.get("accuracy_per_position", []), start=1):
+                self.tb.add_scalar(f"{prefix}/accuracy_pos{k}", a, record["step"])
+
+    def close(self) -> None:
+        if self.enabled:
+            self.file.close()
+            if self.tb is not None:
+                self.tb.close()

@@ -1,0 +1,212 @@
+"""The DFlash drafter: a few non-causal Qwen3-style layers conditioned on target hidden states.
+
+    ctx     = hidden_norm(fc(concat of K captured target layers))        [C, H], shared by every layer
+    x       = embed(block tokens)   (anchor token, then mask tokens)      [Q, H]
+    per layer:
+        h   = input_layernorm(x)
+        q   = rope(q_norm(q_proj(h)))                  at the block positions
+        k   = rope(k_norm(k_proj([ctx ; h])))          context at its positions, blocks at pos(a)+k
+        v   = v_proj([ctx ; h])
+        x   = x + o_proj(attention(q, k, v, block mask))
+        x   = x + mlp(post_attention_layernorm(x))
+    out     = norm(x)                                                     [Q, H]
+
+Parameter names follow the released z-lab drafters (layers.{i}.self_attn.q_proj.weight, fc.weight,
+hidden_norm.weight, norm.weight ...), so the export is a plain state_dict. The embedding and lm_head
+belong to the target: they live in TargetHead (target_head.py), never in this module.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class DrafterModelConfig:
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    num_target_layers: int
+    num_hidden_layers: int = 5
+    target_layer_ids: list[int] = field(default_factory=list)
+    block_size: int = 16
+    mask_token_id: int = -1
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    attention_bias: bool = False
+    initializer_range: float = 0.02
+    max_position_embeddings: int = 40960
+    tie_word_embeddings: bool = False
+
+    @property
+    def num_captured(self) -> int:
+        return len(self.target_layer_ids)
+
+    @property
+    def hidden_width(self) -> int:
+        """Width of Batch.hidden: K captured layers of the target's width."""
+        return self.num_captured * self.hidden_size
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def default_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """DFLASH.md: spread from layer 1 to L-3; one draft layer reads L // 2.
+    Python's round (half to even), as the released z-lab helper does, so ids match its drafters."""
+    if num_draft_layers == 1:
+        return [num_target_layers // 2]
+    start, end = 1, num_target_layers - 3
+    return [int(round(start + i * (end - start) / (num_draft_layers - 1))) for i in range(num_draft_layers)]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # statistics in fp32; the result keeps the input dtype (bf16 activations under autocast)
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight * xf).to(x.dtype)
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables [len, head_dim] for integer positions, computed in fp32 (HF Qwen3 layout)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim))
+    freqs = positions.float()[:, None] * inv_freq[None, :]
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [..., len, head_dim]; cos/sin [len, head_dim]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos.to(x.dtype) + rotated * sin.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: DrafterModelConfig):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        bias = cfg.attention_bias
+        self.q_proj = nn.Linear(cfg.hidden_size, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=bias)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+
+    def forward(self, x, ctx, rope, attend, mask):
+        """x [Q, H] block tokens (already layer-normed), ctx [C, H] context features."""
+        q_cos, q_sin, k_cos, k_sin = rope
+        q_len, kv_len = x.shape[0], ctx.shape[0] + x.shape[0]
+        q = self.q_norm(self.q_proj(x).view(1, q_len, self.num_heads, self.head_dim)).transpose(1, 2)
+        # the same k/v projections for context and block; project separately, then concatenate
+        # the (narrower) outputs instead of the inputs
+        k = torch.cat([self.k_proj(ctx), self.k_proj(x)]).view(1, kv_len, self.num_kv_heads, self.head_dim)
+        v = torch.cat([self.v_proj(ctx), self.v_proj(x)]).view(1, kv_len, self.num_kv_heads, self.head_dim)
+        k = self.k_norm(k).transpose(1, 2)                          # [1, kv_heads, KV, head_dim]
+        v = v.transpose(1, 2)
+        q = apply_rope(q, q_cos, q_sin)
+        k = apply_rope(k, k_cos, k_sin)
+        out = attend(q, k, v, mask)                                 # [1, heads, Q, head_dim]
+        return self.o_proj(out.transpose(1, 2).reshape(q_len, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: DrafterModelConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: DrafterModelConfig):
+        super().__init__()
+        self.self_attn = Attention(cfg)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, ctx, rope, attend, mask):
+        x = x + self.self_attn(self.input_layernorm(x), ctx, rope, attend, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DFlashDrafter(nn.Module):
+    """Trainable drafter. state_dict() holds exactly what the export ships."""
+
+    def __init__(self, cfg: DrafterModelConfig, attention=None):
+        super().__init__()
+        if cfg.num_captured < 1:
+            raise ValueError("DrafterModelConfig.target_layer_ids is empty")
+        self.cfg = cfg
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.fc = nn.Linear(cfg.hidden_width, cfg.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.attention = attention      # a backend from attention.py; not a parameter
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self, generator: torch.Generator | None = None):
+        """Qwen3 init: linear weights N(0, initializer_range), norms 1, biases 0."""
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                module.weight.normal_(0.0, self.cfg.initializer_range, generator=generator)
+                if module.bias is not None:
+                    module.bias.zero_()
+            elif isinstance(module, RMSNorm):
+                module.weight.fill_(1.0)
+
+    def forward(self, hidden, block_embeds, context_positions, block_positions, mask):
+        """hidden [C, K*H] target features; block_embeds [Q, H]; positions [C], [Q] -> [Q, H]."""
+        cfg = self.cfg
+        ctx = self.hidden_norm(self.fc(hidden))
+        q_cos, q_sin = rope_cos_sin(block_positions, cfg.head_dim, cfg.rope_theta)
+        k_cos, k_sin = rope_cos_sin(torch.cat([context_positions, block_positions]), cfg.head_dim, cfg.rope_theta)
+        rope = (q_cos, q_sin, k_cos, k_sin)     # keys: context at its positions, blocks at pos(a)+k
+        x = block_embeds
+        for layer in self.layers:
+            x = layer(x, ctx, rope, self.attention, mask)
+        return self.norm(x)
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+
+def model_flops(cfg: DrafterModelConfig, seq_len: int, num_anchors: int, attended_pairs: int) -> dict:
+    """Useful FLOPs of one train step (forward + backward), counted as 2 per multiply-add.
+
+    Trainable matmuls count 3x their forward (forward, input grad, weight grad). fc needs no input
+    grad (2x); the frozen lm_head needs no weight grad (2x) and runs on the B-1 trained rows only.
+    Attention counts only the pairs the mask keeps, 3x forward (recomputation not counted).
+    """
+    H, I, D = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    q_rows = num_anchors * cfg.block_size
+    kv_rows = seq_len + q_rows
+    per_layer = (2 * q_rows * H * cfg.num_attention_heads * D * 2            # q_proj, o_proj
+                 + 2 * kv_rows * H * cfg.num_key_value_heads * D * 2         # k_proj, v_proj
+                 + 2 * q_rows * H * I * 3)                                    # gate, up, down
+    attention = 4 * attended_pairs * cfg.num_attention_heads * D
+    layers = 3 * cfg.num_hidden_layers * (per_layer + attention)
+    fc = 2 * 2 * seq_len * cfg.hidden_width * H
+    lm_head = 2 * 2 * num_anchors * (cfg.block_size - 1) * H * cfg.vocab_size
+    return {"layers": layers, "attention": 3 * cfg.num_hidden_layers * attention, "fc": fc,
+            "lm_head": lm_head, "total": layers + fc + lm_head}
+

@@ -1,0 +1,210 @@
+"""One drafter training step: Batch -> anchors/blocks -> drafter -> chunked loss -> DDP -> AdamW.
+
+Precision: fp32 parameters, bf16 autocast on CUDA (fp32 everywhere on CPU). AdamW then updates
+the fp32 parameters directly, so they are the "fp32 master weights" with no second copy to keep
+in sync, gradients accumulate in fp32 (exact over grad_accum), and DDP, clipping and the
+checkpoint see one set of tensors. The cost is one bf16 cast of each weight per step (autocast
+caches it for the backward), small next to Q_LEN-row matmuls, and fp32 gradient all-reduce.
+The frozen embedding and lm_head are kept in bf16 only (they never need a master copy).
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from services.batch import Batch, BatchError
+from services.config import Config
+from services.drafter.anchors import anchor_generator, build_inputs, loss_gamma
+from services.drafter.attention import check_documents_contiguous, make_attention
+from services.drafter.loss import ChunkFns, acceptance_metrics, chunked_cross_entropy
+from services.drafter.model import DFlashDrafter, DrafterModelConfig
+from services.drafter.target_head import TargetHead
+
+
+@dataclass
+class StepSettings:
+    num_anchors: int
+    block_size: int
+    mask_token_id: int
+    gamma: float
+    labels_from_target: bool
+    loss_chunk: int
+    grad_accum: int
+    grad_clip: float
+    seed: int
+    pack_len: int
+
+    @classmethod
+    def from_config(cls, cfg: Config, model_cfg: DrafterModelConfig) -> "StepSettings":
+        return cls(num_anchors=cfg.drafter.num_anchors, block_size=model_cfg.block_size,
+                   mask_token_id=model_cfg.mask_token_id, gamma=loss_gamma(model_cfg.block_size, cfg.drafter.gamma),
+                   labels_from_target=cfg.target.labels_from_target, loss_chunk=cfg.drafter.loss_chunk,
+                   grad_accum=max(1, cfg.drafter.grad_accum), grad_clip=cfg.drafter.grad_clip,
+                   seed=cfg.run.seed, pack_len=cfg.data.pack_len)
+
+
+class WarmupCosine:
+    """LR multiplier: linear warmup to 1, then cosine down to min_ratio at total_steps."""
+
+    def __init__(self, warmup_steps: int, total_steps: int, min_ratio: float = 0.0):
+        self.warmup_steps, self.total_steps, self.min_ratio = warmup_steps, max(1, total_steps), min_ratio
+
+    def __call__(self, step: int) -> float:
+        if step < self.warmup_steps:
+            return (step + 1) / self.warmup_steps
+        progress = min(1.0, (step - self.warmup_steps) / max(1, self.total_steps - self.warmup_steps))
+        return self.min_ratio + (1 - self.min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+@dataclass
+class TrainState:
+    """Everything a checkpoint needs, in one place."""
+    drafter: DFlashDrafter               # the trainable module (its state_dict is the export)
+    model: nn.Module                     # drafter, or DDP(drafter) with several ranks
+    head: TargetHead                     # frozen embedding + lm_head on the device
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    settings: StepSettings
+    device: torch.device
+    chunk_fns: ChunkFns = field(default_factory=ChunkFns)
+    step: int = 0                        # optimizer steps done
+    micro_step: int = 0                  # batches trained
+    samples_done: int = 0                # documents trained
+    tokens_done: int = 0                 # real (non-padding) context tokens trained
+
+    @property
+    def autocast_dtype(self):
+        return torch.bfloat16 if self.device.type == "cuda" else None
+
+    def counters(self) -> dict:
+        return {"step": self.step, "micro_step": self.micro_step, "samples_done": self.samples_done,
+                "tokens_done": self.tokens_done}
+
+
+def make_scheduler(optimizer, cfg: Config, total_batches: int) -> torch.optim.lr_scheduler.LambdaLR:
+    """Warmup + cosine over the optimizer steps that total_batches (this rank's) make."""
+    optimizer_steps = max(1, total_batches // max(1, cfg.drafter.grad_accum))
+    warmup_steps = math.ceil(cfg.drafter.warmup_ratio * optimizer_steps)
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, WarmupCosine(warmup_steps, optimizer_steps, cfg.drafter.min_lr_ratio))
+
+
+def build_train_state(cfg: Config, model_cfg: DrafterModelConfig, head: TargetHead, device, *,
+                      total_steps: int, world_size: int = 1) -> TrainState:
+    device = torch.device(device)
+    torch.manual_seed(cfg.run.seed)            # identical init on every rank (DDP also broadcasts rank 0's)
+    drafter = DFlashDrafter(model_cfg, attention=make_attention(cfg.drafter.attention, device)).to(device)
+    if cfg.drafter.compile:
+        for layer in drafter.layers:           # one graph, shared by the layers (same code, same shapes)
+            layer.compile(dynamic=False)
+    model: nn.Module = drafter
+    if world_size > 1:
+        model = nn.parallel.DistributedDataParallel(drafter, broadcast_buffers=False, gradient_as_bucket_view=True)
+    optimizer = torch.optim.AdamW(drafter.parameters(), lr=cfg.drafter.lr, weight_decay=cfg.drafter.weight_decay,
+                                  fused=device.type == "cuda")
+    settings = StepSettings.from_config(cfg, model_cfg)
+    scheduler = make_scheduler(optimizer, cfg, total_steps)
+    head = head.to(device, torch.bfloat16 if device.type == "cuda" else torch.float32)
+    return TrainState(drafter=drafter, model=model, head=head, optimizer=optimizer, scheduler=scheduler,
+                      settings=settings, device=device,
+                      chunk_fns=ChunkFns(compile=cfg.drafter.compile and device.type == "cuda"))
+
+
+def check_batch(batch: Batch, state: TrainState) -> Batch:
+    """Shapes and dtypes against the config; values too when the batch is still on the CPU."""
+    s = state.settings
+    batch.validate(hidden_width=state.drafter.cfg.hidden_width)
+    if batch.seq_len != s.pack_len:
+        raise BatchError(f"batch g={batch.g}: field 'input_ids' has {batch.seq_len} tokens, data.pack_len is {s.pack_len}")
+    if s.labels_from_target and batch.target_labels is None:
+        raise BatchError(f"batch g={batch.g}: field 'target_labels' is missing but target.labels_from_target is set")
+    if batch.input_ids.device.type == "cpu":
+        vocab = state.drafter.cfg.vocab_size
+        for name in ("input_ids", "target_labels"):
+            t = getattr(batch, name)
+            if t is not None and t.numel() and (int(t.min()) < 0 or int(t.max()) >= vocab):
+                raise BatchError(f"batch g={batch.g}: field {name!r} has ids outside [0, {vocab})")
+        try:
+            check_documents_contiguous(batch.document_ids, f"batch g={batch.g}: field 'document_ids'")
+        except ValueError as exc:
+            raise BatchError(str(exc)) from None
+    return batch
+
+
+def _documents(document_ids: torch.Tensor) -> torch.Tensor:
+    starts = torch.ones_like(document_ids, dtype=torch.bool)
+    starts[1:] = document_ids[1:] != document_ids[:-1]
+    return (starts & (document_ids >= 0)).sum()
+
+
+def forward_loss(state: TrainState, batch: Batch):
+    """Forward of one batch (on the device): (loss, inputs, predictions [N, B-1])."""
+    s = state.settings
+    inputs = build_inputs(batch, num_anchors=s.num_anchors, block_size=s.block_size, mask_token_id=s.mask_token_id,
+                          gamma=s.gamma, labels_from_target=s.labels_from_target,
+                          generator=anchor_generator(s.seed, batch.g, state.device))
+    mask = state.drafter.attention.build_mask(inputs.anchors, inputs.context_starts, s.block_size, inputs.context_len)
+    compute_dtype = state.autocast_dtype or torch.float32
+    autocast = (torch.autocast("cuda", dtype=state.autocast_dtype) if state.autocast_dtype
+                else contextlib.nullcontext())
+    with autocast:
+        embeds = state.head.embed_tokens(inputs.block_ids.flatten())
+        out = state.model(inputs.hidden.to(compute_dtype), embeds, inputs.context_positions,
+                          inputs.block_positions.flatten(), mask)
+    n, b = inputs.block_ids.shape
+    trained_rows = out.view(n, b, -1)[:, 1:].reshape(n * (b - 1), -1)      # position 0 is not trained
+    loss, preds = chunked_cross_entropy(trained_rows, state.head.lm_head, inputs.labels.flatten(),
+                                        inputs.weights.flatten(), s.loss_chunk, state.chunk_fns)
+    return loss, inputs, preds.view(n, b - 1)
+
+
+def train_step(state: TrainState, batch: Batch, *, dry_run: bool = False) -> dict:
+    """Train on one batch; steps the optimizer every grad_accum batches. Returns plain-number metrics.
+
+    dry_run: forward + backward only (compile warmup); parameters, optimizer, scheduler and
+    counters stay untouched and the gradients are dropped.
+    """
+    s = state.settings
+    batch = check_batch(batch, state)
+    documents, tokens = _documents(batch.document_ids), (batch.document_ids >= 0).sum()
+    batch = batch.to(state.device, non_blocking=True)
+    accumulate = dry_run or (state.micro_step + 1) % s.grad_accum != 0
+    no_sync = getattr(state.model, "no_sync", None)
+    with (no_sync() if (accumulate and not dry_run and no_sync) else contextlib.nullcontext()):
+        loss, inputs, preds = forward_loss(state, batch)
+        (loss / s.grad_accum).backward()
+    if dry_run:
+        state.optimizer.zero_grad(set_to_none=True)
+        return {}
+
+    grad_norm = torch.zeros((), device=state.device)
+    lr = state.optimizer.param_groups[0]["lr"]
+    if not accumulate:
+        max_norm = s.grad_clip if s.grad_clip > 0 else float("inf")
+        grad_norm = torch.nn.utils.clip_grad_norm_(state.drafter.parameters(), max_norm)
+        state.optimizer.step()
+        state.scheduler.step()
+        state.optimizer.zero_grad(set_to_none=True)
+        state.step += 1
+    state.micro_step += 1
+    m = acceptance_metrics(preds, inputs.labels, inputs.weights)
+    scalars = torch.stack([loss.detach().float(), m["accuracy"], m["tau"], grad_norm.float(), m["trained_blocks"].float(),
+                           documents.float().to(state.device), tokens.float().to(state.device)])
+    values = torch.cat([scalars, m["accuracy_per_position"]]).tolist()      # the step's one host sync
+    loss_v, accuracy, tau, grad_norm_v, blocks, documents_v, tokens_v = values[:7]
+    state.samples_done += int(documents_v)
+    state.tokens_done += int(tokens_v)
+    return {"step": state.step, "g": batch.g, "loss": loss_v, "accuracy": accuracy, "tau": tau, "grad_norm": grad_norm_v,
+            "trained_blocks": int(blocks), "lr": lr, "tokens": int(tokens_v), "documents": int(documents_v),
+            "accuracy_per_position": [round(x, 4) for x in values[7:]]}
+
+
+@torch.no_grad()
+def parameter_fingerprint(module: nn.Module) -> str:
+    """A digest of every parameter's exact float64 sum and sum of squares: equal on ranks in lockstep."""
+    import hashlib
+    sums = torch.stack([torch.stack([p.double().sum(), p.double().pow(2).sum()]) for p in module.parameters()])
+    return hashlib.sha256(sums.cpu().numpy().tobytes()).hexdigest()[:16]

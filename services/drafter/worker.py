@@ -1,0 +1,264 @@
+"""The drafter process: one GPU (or CPU slot), one torch.distributed rank among the drafters.
+
+    starting -> loading -> compiling -> ready -> training -> stopped      (or failed)
+                                                     \\-> draining (SIGTERM: finish the step, checkpoint, exit 0)
+
+--resume continues from the newest good checkpoint in <run_dir>/checkpoints (or starts fresh when
+there is none); bookkeeping.py does the ledger, metrics, evaluation, checkpoints and the final export.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from services.config import Config, ConfigError
+from services.endpoints import endpoint
+from services.health import HealthServer
+from services.drafter import checkpoint as ckpt
+from services.drafter.compile import RecompileWatch, warmup
+from services.drafter.evaluate import evaluate
+from services.drafter.bookkeeping import Bookkeeping, warn
+from services.drafter.synthetic import SYNTHETIC_MODEL, SyntheticSource
+from services.drafter.target_head import TargetHead, build_model_config, from_target
+from services.drafter.train import build_train_state, make_scheduler, parameter_fingerprint, train_step
+
+
+class StopFlag:
+    """SIGTERM/SIGINT set a flag; the loop finishes its step and leaves."""
+
+    def __init__(self):
+        self.requested = False
+        signal.signal(signal.SIGTERM, self._set)
+        signal.signal(signal.SIGINT, self._set)
+
+    def _set(self, signum, frame):
+        self.requested = True
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(cfg: Config, rank: int, world_size: int, device: torch.device, backend: str) -> tuple[int, int]:
+    """Rendezvous from MASTER_ADDR/MASTER_PORT/RANK/WORLD_SIZE when the launcher set them; else
+    127.0.0.1:transport.dist_port for a multi-rank run from the CLI, or a free port alone."""
+    rank = int(os.environ.get("RANK", rank))
+    world_size = int(os.environ.get("WORLD_SIZE", world_size))
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(cfg.transport.dist_port if world_size > 1 else _free_port()))
+    if backend == "auto":
+        backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)               # always cuda:0: the launcher sets CUDA_VISIBLE_DEVICES
+    dist.init_process_group(backend, rank=rank, world_size=world_size)
+    return rank, world_size
+
+
+def load_model(cfg: Config, synthetic: bool):
+    """(model config, target head) on the CPU: every config error surfaces here, before GPU work."""
+    if cfg.target.model_path or not synthetic:
+        return from_target(cfg)
+    vocab = cfg.drafter.overrides.get("vocab_size", SYNTHETIC_MODEL["vocab_size"])
+    mask_id = cfg.drafter.mask_token_id if cfg.drafter.mask_token_id >= 0 else vocab - 1
+    model_cfg = build_model_config(cfg, SYNTHETIC_MODEL, mask_id)
+    return model_cfg, TargetHead.random(model_cfg.vocab_size, model_cfg.hidden_size, seed=cfg.run.seed)
+
+
+SYNTHETIC_EVAL_BATCHES = 8
+SYNTHETIC_EVAL_FIRST_G = 1 << 40       # held-out synthetic batches: same data distribution, g never trained
+
+
+class SyntheticEval:
+    """Rank d's share (i*D + d) of the synthetic held-out batches, made lazily on each pass."""
+
+    def __init__(self, source: SyntheticSource, rank: int, world_size: int):
+        self.source, self.rank, self.world_size = source, rank, world_size
+
+    def __iter__(self):
+        for i in range(-(-SYNTHETIC_EVAL_BATCHES // self.world_size)):
+            g = i * self.world_size + self.rank
+            batch = self.source.batch(SYNTHETIC_EVAL_FIRST_G + g)
+            if g >= SYNTHETIC_EVAL_BATCHES:                # the split's end: an empty batch keeps ranks in step
+                batch.loss_mask[:] = False
+            yield batch
+
+
+def make_batches(cfg, model_cfg, run_dir, rank, world_size, health, synthetic, device, max_steps, start_step):
+    if synthetic:
+        total = max_steps * cfg.drafter.grad_accum if max_steps else 1000      # batches this rank trains
+        return SyntheticSource(model_cfg, cfg.data.pack_len, rank=rank, world_size=world_size, seed=cfg.run.seed,
+                               total_steps=total, start_step=start_step, device=device,
+                               with_target_labels=cfg.target.labels_from_target)
+    from services.drafter.source import make_source       # the real (ZMQ) source; imported only when used
+    return make_source(cfg, run_dir, rank, world_size, health, start_step=start_step)
+
+
+def make_eval_batches(cfg, model_cfg, run_dir, rank, world_size, health, synthetic, device):
+    """The held-out split (rank d evaluates batches i*D + d), or None when evaluation is off or empty."""
+    if cfg.run.eval_every <= 0:
+        return None
+    if synthetic:
+        return SyntheticEval(SyntheticSource(model_cfg, cfg.data.pack_len, seed=cfg.run.seed, device=device,
+                                             with_target_labels=cfg.target.labels_from_target), rank, world_size)
+    from services.drafter.source import ZmqSource
+    source = ZmqSource(cfg, run_dir, rank, world_size, health, split="eval")
+    if source.total_batches == 0:
+        warn("run.eval_every is set but the data has no held-out batches (data.eval_fraction / data.eval_path); "
+             "evaluation is off")
+        source.close()
+        return None
+    return source
+
+
+def timed(batches):
+    """Yield (batch, seconds spent waiting for it)."""
+    it = iter(batches)
+    while True:
+        start = time.perf_counter()
+        try:
+            batch = next(it)
+        except StopIteration:
+            return
+        yield batch, time.perf_counter() - start
+
+
+def gpu_memory(device: torch.device) -> int:
+    return int(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else 0
+
+
+def stop_everywhere(local: bool, device: torch.device) -> bool:
+    """Ranks stop together (a lone rank leaving would hang the others in all-reduce)."""
+    flag = torch.tensor([1.0 if local else 0.0], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
+
+
+def find_checkpoint(args, cfg: Config, run_dir: Path, model_cfg, health: HealthServer):
+    """--resume: the newest good checkpoint (None: start fresh). Without --resume, refuse a run dir
+    that has checkpoints (a fresh run there would mix two runs' checkpoints, ledger and metrics)."""
+    world_size = int(os.environ.get("WORLD_SIZE", args.world_size))
+    if not getattr(args, "resume", False):
+        if ckpt.list_checkpoints(ckpt.checkpoints_dir(run_dir)):
+            raise ConfigError(f"{ckpt.checkpoints_dir(run_dir)} has checkpoints: pass --resume to continue "
+                              "from them, or use another --run-dir")
+        return None
+    return ckpt.find_resume_point(run_dir, model_cfg, cfg, world_size, warn, tick=health.progress)
+
+
+def same_everywhere(value: int, device: torch.device) -> bool:
+    t = torch.tensor([value, -value], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t[0]) == -int(t[1]) == value
+
+
+def setup(args, cfg: Config, run_dir: Path, device: torch.device, health: HealthServer, max_steps: int):
+    """loading -> compiling -> ready. Config and checkpoint errors surface before any GPU work."""
+    health.set(state="loading")
+    # a fair share of the cores: several workers oversubscribing them slows every one of them down
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, getattr(args, "workers_on_node", 1))))
+    model_cfg, head = load_model(cfg, args.synthetic)
+    found = find_checkpoint(args, cfg, run_dir, model_cfg, health)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("--device cuda but CUDA is not available")
+    rank, world_size = init_distributed(cfg, args.rank, args.world_size, device, args.dist_backend)
+    if not same_everywhere(found.micro_step if found else -1, device):
+        raise RuntimeError("drafter ranks picked different checkpoints to resume from (is checkpoints/ shared?)")
+    state = build_train_state(cfg, model_cfg, head, device, world_size=world_size, total_steps=max(1, max_steps))
+    # compile before asking for batches: the targets load their models meanwhile
+    health.set(state="compiling")
+    health.progress()                            # compiling is progress too (until the warmup returns)
+    dummy = SyntheticSource(model_cfg, cfg.data.pack_len, seed=cfg.run.seed + 1, device=device,
+                            with_target_labels=cfg.target.labels_from_target).batch(0)
+    compile_s = warmup(state, dummy)
+    if cfg.run.eval_every > 0:                   # the forward-only graph, compiled now rather than mid-run
+        start = time.perf_counter()
+        evaluate(state, [dummy])
+        compile_s += time.perf_counter() - start
+    compile_s = round(compile_s, 3)
+    start_step = found.micro_step if found else 0
+    batches = make_batches(cfg, model_cfg, run_dir, rank, world_size, health, args.synthetic, device, max_steps,
+                           start_step)
+    eval_batches = make_eval_batches(cfg, model_cfg, run_dir, rank, world_size, health, args.synthetic, device)
+    total = min(batches.total_steps, max_steps * cfg.drafter.grad_accum) if max_steps else batches.total_steps
+    state.scheduler = make_scheduler(state.optimizer, cfg, total)     # the real horizon, now that it is known
+    if found:
+        for note in ckpt.restore(state, found, rank):
+            warn(note)
+        print(json.dumps({"event": "resumed", "rank": rank, "checkpoint": str(found.path), **state.counters()}),
+              flush=True)
+    books = Bookkeeping(cfg, run_dir, rank, world_size, state, health, found, eval_batches)
+    health.set(state="ready", compile_s=compile_s, total_steps=total // max(1, cfg.drafter.grad_accum),
+               step=state.step, samples_done=state.samples_done)  # set(): under systemd this also sends READY=1
+    health.progress()
+    print(json.dumps({"event": "ready", "rank": rank, "compile_s": compile_s, "params": state.drafter.num_parameters()}), flush=True)
+    return state, batches, books, compile_s
+
+
+def run(args, cfg: Config) -> int:
+    run_dir, rank = Path(args.run_dir), int(os.environ.get("RANK", args.rank))
+    device = torch.device("cuda:0" if args.device == "cuda" else "cpu")
+    max_steps = args.max_steps if args.max_steps is not None else cfg.run.max_steps
+    gpu = os.environ.get("CUDA_VISIBLE_DEVICES", "0") if device.type == "cuda" else f"cpu-{rank}"
+    health = HealthServer(endpoint(run_dir, cfg.transport, "drafter", rank, "health"), "drafter", rank, gpu,
+                          stall_after_s=cfg.run.stall_after_s,
+                          startup_stall_after_s=cfg.run.startup_stall_after_s)
+    stop, batches, books = StopFlag(), None, None
+    try:
+        state, batches, books, compile_s = setup(args, cfg, run_dir, device, health, max_steps)
+        watch = RecompileWatch()                 # any graph compiled from here on is a recompile
+        health.set(state="training")
+        accum, last, interrupted = state.settings.grad_accum, time.perf_counter(), False
+        for batch, waited in timed(batches):
+            if state.micro_step % accum == 0 and stop_everywhere(stop.requested, device):
+                interrupted = True               # only between optimizer steps: nothing half-accumulated
+                break
+            start = time.perf_counter()
+            m = train_step(state, batch)
+            now = time.perf_counter()
+            elapsed, last = now - last, now
+            stamp = dict(step=state.step, samples_done=state.samples_done, tokens_per_s=round(m["tokens"] / elapsed, 1),
+                         loss=m["loss"], tau=m["tau"], recompiles=watch.count, compile_s=compile_s,
+                         gpu_mem_bytes=gpu_memory(device))
+            health.progress(**stamp)
+            if state.micro_step % max(1, cfg.run.log_every) == 0:
+                print(json.dumps({"rank": rank, **m, **stamp, "step_s": round(elapsed, 4)}), flush=True)
+            books.after_batch(batch.g, m, waited, now - start)     # ledger, metrics, eval, checkpoint
+            if max_steps and state.step >= max_steps:
+                break
+        if interrupted:
+            health.set(state="draining")
+        books.finish(completed=not interrupted)                   # final checkpoint; export when completed
+        print(json.dumps({"event": "stopped", "rank": rank, "signal": interrupted, **state.counters(),
+                          "recompiles": watch.count, "params_digest": parameter_fingerprint(state.drafter)}), flush=True)
+        health.set(state="stopped")
+        return 0
+    except ConfigError as exc:                   # bad config or checkpoint: one clear line
+        health.set(state="failed")
+        health.error(f"config error: {exc}")
+        print(f"drafter rank {rank}: config error: {exc}", file=sys.stderr, flush=True)
+        return 2
+    except Exception as exc:
+        health.set(state="failed")
+        health.error(f"{type(exc).__name__}: {exc}")
+        traceback.print_exc()
+        print(f"drafter rank {rank}: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+        return 1
+    finally:
+        if books is not None:
+            books.close()
+        if hasattr(batches, "close"):
+            batches.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        health.close()

@@ -1,0 +1,5 @@
+import sys
+
+from services.target.worker import main
+
+sys.exit(main())

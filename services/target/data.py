@@ -1,0 +1,231 @@
+"""Read JSONL training data: every line becomes one tokenized document (input_ids + loss_mask).
+
+Accepted line shapes (one JSON object per line; blank lines are ignored):
+  {"messages": [{"role": "user"|"assistant"|"system"|"tool", "content": "..."}, ...]}     OpenAI chat
+  {"conversations": [{"from": "human"|"gpt"|"system"|..., "value": "..."}, ...]}           ShareGPT
+  {"input_ids": [int, ...], "loss_mask": [0|1, ...]}                                       pre-tokenized
+
+Chat lines are formatted with the tokenizer's own chat template. The loss mask covers assistant
+tokens only:
+  - if the template has {% generation %} markers, transformers returns the assistant mask
+    (return_assistant_tokens_mask) and that is used as is;
+  - otherwise ("content search"): render the whole conversation once, find every message's
+    content verbatim in the rendered text, in order, each search starting where the previous
+    message's content ended (so an assistant reply that repeats the user's words is found in the
+    reply, not in the prompt). An assistant span is its content plus the tokenizer's eos_token
+    when that follows right after (optional whitespace between). Tokens whose first character
+    lies in a span are supervised. An assistant reply the template rewrote (not found verbatim)
+    makes the line bad: such templates need {% generation %} markers.
+
+A bad line (bad JSON, missing fields, unknown role, empty conversation, no assistant reply, ids
+outside the vocabulary...) raises DataError "FILE:LINE: reason" with data.on_bad_sample = "fail",
+or is counted and reported with "skip". Nothing is dropped silently.
+"""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+ROLES = ("system", "user", "assistant", "tool")
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant",
+                  "model": "assistant", "system": "system", "tool": "tool", "function": "tool", "observation": "tool"}
+MAX_BAD_EXAMPLES = 20
+_GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
+
+
+class DataError(ValueError):
+    """The dataset cannot be used; the message names the file (and line)."""
+
+
+class SampleError(ValueError):
+    """One line is bad; the reader adds file and line."""
+
+
+@dataclass
+class Document:
+    line: int                 # 1-based line number in its file
+    input_ids: np.ndarray     # int32 [n]
+    loss_mask: np.ndarray     # bool [n]
+
+
+@dataclass
+class BadSamples:
+    count: int = 0
+    examples: list[str] = field(default_factory=list)   # the first MAX_BAD_EXAMPLES "file:line: reason"
+
+    def add(self, message: str) -> None:
+        self.count += 1
+        if len(self.examples) < MAX_BAD_EXAMPLES:
+            self.examples.append(message)
+
+
+# --- one line -> messages ------------------------------------------------------------------------
+
+def _text(content, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):   # OpenAI content parts: text only
+        parts = []
+        for part in content:
+            if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+                raise SampleError(f"{where}: only text content parts are supported, got {str(part)[:80]!r}")
+            parts.append(part["text"])
+        return "".join(parts)
+    raise SampleError(f"{where}: content must be a string, got {type(content).__name__}")
+
+
+def normalize_messages(record: dict) -> list[dict]:
+    """OpenAI or ShareGPT record -> [{"role", "content"}], checked."""
+    if "messages" in record:
+        raw, role_key, text_key, aliases = record["messages"], "role", "content", {r: r for r in ROLES}
+        name = "messages"
+    else:
+        raw, role_key, text_key, aliases = record["conversations"], "from", "value", SHAREGPT_ROLES
+        name = "conversations"
+    if not isinstance(raw, list):
+        raise SampleError(f"'{name}' must be a list, got {type(raw).__name__}")
+    if not raw:
+        raise SampleError(f"empty conversation ('{name}' is [])")
+    messages = []
+    for turn, m in enumerate(raw):
+        where = f"{name}[{turn}]"
+        if not isinstance(m, dict) or role_key not in m or text_key not in m:
+            raise SampleError(f"{where}: expected an object with '{role_key}' and '{text_key}'")
+        role = aliases.get(m[role_key]) if isinstance(m[role_key], str) else None
+        if role is None:
+            raise SampleError(f"{where}: unknown role {m[role_key]!r} (known: {', '.join(sorted(aliases))})")
+        messages.append({"role": role, "content": _text(m[text_key], where)})
+    if not any(m["role"] == "assistant" and m["content"].strip() for m in messages):
+        raise SampleError("no assistant reply: nothing to supervise")
+    return messages
+
+
+# --- messages -> tokens + assistant mask ---------------------------------------------------------
+
+def has_generation_markers(tokenizer) -> bool:
+    template = tokenizer.chat_template
+    return isinstance(template, str) and bool(_GENERATION_TAG.search(template))
+
+
+def chat_tokens(tokenizer, messages: list[dict]) -> tuple[list[int], list[int]]:
+    """Token ids and assistant mask (0/1) of one conversation, with the tokenizer's chat template."""
+    try:
+        if has_generation_markers(tokenizer):
+            enc = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True,
+                                                return_assistant_tokens_mask=True)
+            return list(enc["input_ids"]), list(enc["assistant_masks"])
+        text = tokenizer.apply_chat_template(messages, tokenize=False)
+    except Exception as exc:   # the template itself rejected the conversation (e.g. role order)
+        raise SampleError(f"chat template failed: {exc}") from None
+    return _mask_by_content_search(tokenizer, messages, text)
+
+
+def _mask_by_content_search(tokenizer, messages: list[dict], text: str) -> tuple[list[int], list[int]]:
+    spans, pos = [], 0
+    eos = tokenizer.eos_token or ""
+    for turn, m in enumerate(messages):
+        content = m["content"].strip()
+        if not content:
+            continue
+        at = text.find(content, pos)
+        if at < 0:
+            if m["role"] == "assistant":
+                raise SampleError(f"assistant turn {turn}: reply not found verbatim in the chat template output; "
+                                  "use a chat template with {% generation %} markers")
+            continue   # templates may rewrite system/tool text; only assistant spans matter
+        end = pos = at + len(content)
+        if m["role"] == "assistant":
+            rest = text[end:]
+            gap = len(rest) - len(rest.lstrip(" \t\r\n"))
+            if eos and rest[gap:].startswith(eos):
+                end = pos = end + gap + len(eos)
+            spans.append((at, end))
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    starts = np.array([a for a, _ in enc["offset_mapping"]], dtype=np.int64)
+    mask = np.zeros(len(starts), dtype=bool)
+    for a, b in spans:
+        mask |= (starts >= a) & (starts < b)
+    return list(enc["input_ids"]), mask.astype(np.int64).tolist()
+
+
+def pretokenized(record: dict, vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
+    ids, mask = record["input_ids"], record.get("loss_mask")
+    if mask is None:
+        raise SampleError("pre-tokenized line needs 'loss_mask' next to 'input_ids'")
+    if not isinstance(ids, list) or not isinstance(mask, list):
+        raise SampleError("'input_ids' and 'loss_mask' must be lists")
+    if len(ids) != len(mask):
+        raise SampleError(f"'input_ids' has {len(ids)} entries but 'loss_mask' has {len(mask)}")
+    if not all(type(i) is int for i in ids):
+        raise SampleError("'input_ids' must hold integers only")
+    if not all(v in (0, 1) for v in mask):   # True/False compare equal to 1/0
+        raise SampleError("'loss_mask' must hold 0/1 (or true/false) only")
+    arr = np.asarray(ids, dtype=np.int64)
+    if arr.size and (arr.min() < 0 or arr.max() >= vocab_size):
+        raise SampleError(f"'input_ids' holds ids outside the vocabulary [0, {vocab_size})")
+    if not any(mask):
+        raise SampleError("'loss_mask' is all zero: nothing to supervise")
+    return arr.astype(np.int32), np.asarray(mask, dtype=bool)
+
+
+def line_to_document(text: str, tokenizer, vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
+    try:
+        record = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise SampleError(f"bad JSON: {exc}") from None
+    if not isinstance(record, dict):
+        raise SampleError(f"expected a JSON object, got {type(record).__name__}")
+    if "input_ids" in record:
+        ids, mask = pretokenized(record, vocab_size)
+    elif "messages" in record or "conversations" in record:
+        if not tokenizer.chat_template:
+            raise DataError(f"the tokenizer has no chat template, needed for chat data")
+        ids, mask = chat_tokens(tokenizer, normalize_messages(record))
+        ids, mask = np.asarray(ids, dtype=np.int64), np.asarray(mask, dtype=bool)
+        if ids.size and ids.max() >= vocab_size:
+            raise SampleError(f"the tokenizer produced ids >= the model's vocab_size {vocab_size}")
+        ids = ids.astype(np.int32)
+    else:
+        raise SampleError("expected 'messages', 'conversations', or 'input_ids' + 'loss_mask'; "
+                          f"got keys {sorted(record)[:8]}")
+    if ids.size == 0:
+        raise SampleError("empty document after tokenization")
+    if not mask.any():
+        raise SampleError("no supervised tokens after tokenization")
+    return ids, mask
+
+
+def read_documents(path: str | Path, tokenizer, vocab_size: int, on_bad: str, bad: BadSamples) -> list[Document]:
+    """Every non-blank line of a JSONL file -> Document. Bad lines: raise (fail) or count in `bad` (skip)."""
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"data file not found: {path}")
+    docs = []
+    with open(path, "r", encoding="utf-8", errors="strict") as f:
+        lineno = 0
+        while True:
+            try:
+                text = f.readline()
+            except UnicodeDecodeError as exc:
+                raise DataError(f"{path}:{lineno + 1}: not UTF-8 ({exc})") from None
+            if not text:
+                break
+            lineno += 1
+            if not text.strip():
+                continue
+            try:
+                ids, mask = line_to_document(text, tokenizer, vocab_size)
+            except SampleError as exc:
+                message = f"{path}:{lineno}: {exc}"
+                if on_bad == "fail":
+                    raise DataError(message + " (set data.on_bad_sample=skip to skip bad lines)") from None
+                bad.add(message)
+                continue
+            except DataError as exc:
+                raise DataError(f"{path}:{lineno}: {exc}") from None
+            docs.append(Document(lineno, ids, mask))
+    return docs

@@ -1,0 +1,267 @@
+"""The frozen target: load an HF causal LM and capture the outputs of a few decoder layers.
+
+    target = load_target(cfg.target, device, num_draft_layers=cfg.drafter.num_layers)
+    hidden, labels = target.capture(input_ids, position_ids, document_ids, with_labels=False)
+
+"Layer i" is the *output* of decoder layer i, which is HF `hidden_states[i + 1]` (DFLASH.md; for
+the last layer HF applies the final norm, and so does the capture).
+Forward hooks on the captured layers copy their outputs into one [S, K*H] buffer (layer-id order
+on the feature axis). Without labels the forward stops right after the deepest captured layer
+(the hook raises a private exception), so the layers above it and the lm_head never run. With
+labels the backbone runs to the end and argmax labels are computed in row chunks, so the full
+[S, vocab] logits never exist at once. output_hidden_states is never used here.
+
+Packed rows (several documents in one sequence) must not attend across documents. Every row is
+passed with per-document position ids and the document spans:
+  - target.attn_implementation = "sdpa" (default) runs SDPA once per document with is_causal=True
+    (registered below as "sdpa_packed"): exact, no S x S mask, keeps the fast causal kernels;
+  - flash_attention_* use HF's own varlen path from cu_seq_lens_q/k;
+  - eager / flex_attention: HF detects the packing from the restarting position ids and builds
+    the block-diagonal causal mask itself.
+Models with recurrent (linear-attention) layers, e.g. Qwen3.5, run one forward per document
+instead: transformers 5.17 silently carries their state across documents in a packed row and
+5.24 refuses packed rows without flash-linear-attention. Correct everywhere, slower.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from services.config import TargetConfig
+
+PACKED_SDPA = "sdpa_packed"
+DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
+          "fp16": torch.float16, "float32": torch.float32, "fp32": torch.float32}
+
+
+class TargetLoadError(ValueError):
+    """The target model cannot be loaded or configured; the message names the path or key."""
+
+
+class _StopForward(Exception):
+    """Raised by the deepest capture hook to skip the rest of the forward."""
+
+
+# --- layer ids -----------------------------------------------------------------------------------
+
+def default_layer_ids(num_layers: int, num_draft_layers: int) -> list[int]:
+    """DFLASH.md: spread evenly from 1 to L-3; with one draft layer, L // 2."""
+    if num_draft_layers == 1:
+        return [num_layers // 2]
+    start, end = 1, num_layers - 3
+    span = end - start
+    return [int(round(start + i * span / (num_draft_layers - 1))) for i in range(num_draft_layers)]
+
+
+def resolve_layer_ids(requested: list[int], num_layers: int, num_draft_layers: int) -> list[int]:
+    ids = list(requested) if requested else default_layer_ids(num_layers, num_draft_layers)
+    bad = [i for i in ids if not 0 <= i < num_layers]
+    if bad:
+        raise TargetLoadError(f"target.layer_ids {bad} out of range: the target has {num_layers} decoder layers (0..{num_layers - 1})")
+    if len(set(ids)) != len(ids):
+        raise TargetLoadError(f"target.layer_ids {ids} has duplicates (a {num_layers}-layer target cannot spread "
+                              f"{len(ids)} distinct layers this way); set target.layer_ids explicitly")
+    return sorted(ids)
+
+
+# --- packed attention ----------------------------------------------------------------------------
+
+def _sdpa_packed(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """HF attention function: causal SDPA separately on each document span of the row.
+
+    query [B, Hq, S, D], key/value [B, Hkv, S, D]; returns ([B, S, Hq, D], None) like HF's sdpa.
+    """
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    spans = kwargs.pop("doc_spans", None)
+    if spans is None:
+        raise RuntimeError("sdpa_packed needs doc_spans; this model does not pass attention kwargs through "
+                           "(set target.attn_implementation to 'eager' or 'flex_attention')")
+    window = kwargs.pop("sliding_window", None)
+    b, hq, s, d = query.shape
+    out = query.new_empty(b, s, hq, value.shape[-1])
+    for start, end in spans:
+        mask = None
+        if window is not None and end - start > window:   # a sliding-window layer: band inside the document
+            i = torch.arange(end - start, device=query.device)
+            mask = (i[:, None] >= i[None, :]) & (i[:, None] - i[None, :] < window)
+        o, _ = sdpa_attention_forward(module, query[:, :, start:end], key[:, :, start:end], value[:, :, start:end],
+                                      mask, dropout=0.0, scaling=scaling)
+        out[:, start:end] = o
+    return out, None
+
+
+def _register_packed_sdpa() -> None:
+    from transformers import AttentionInterface
+    AttentionInterface.register(PACKED_SDPA, _sdpa_packed)
+
+
+def document_spans(document_ids: torch.Tensor) -> list[tuple[int, int]]:
+    """Contiguous runs of equal document id (padding, id -1, is one more run) as (start, end)."""
+    ids = document_ids.cpu()
+    cuts = (torch.nonzero(ids[1:] != ids[:-1]).flatten() + 1).tolist()
+    bounds = [0] + cuts + [int(ids.shape[0])]
+    return list(zip(bounds[:-1], bounds[1:]))
+
+
+# --- loading -------------------------------------------------------------------------------------
+
+def load_hf_model(model_path: str | Path, dtype: torch.dtype, attn_implementation: str, device) -> nn.Module:
+    """AutoConfig -> the causal-LM class; composite configs with a text_config load the text model."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    path = Path(model_path)
+    if not str(model_path) or not path.is_dir():
+        raise TargetLoadError(f"target.model_path: model directory not found: {path}")
+    if not (path / "config.json").is_file():
+        raise TargetLoadError(f"target.model_path: no config.json in {path}")
+    config = AutoConfig.from_pretrained(path)
+    text_config = getattr(config, "text_config", None)
+    if text_config is not None:          # Qwen3.5/3.6-style multimodal wrapper: we only need the text model
+        config = text_config
+    if type(config) not in AutoModelForCausalLM._model_mapping:
+        raise TargetLoadError(f"{path}/config.json: model type {config.model_type!r} has no causal-LM class in transformers")
+    impl = attn_implementation
+    if impl == "sdpa":
+        _register_packed_sdpa()
+        impl = PACKED_SDPA
+    model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=dtype, attn_implementation=impl)
+    model.to(device).eval().requires_grad_(False)
+    return model
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The decoder's layer list: model.model.layers for Llama-likes, else the ModuleList of length L."""
+    n = model.config.num_hidden_layers
+    inner = getattr(model, "model", None)
+    if inner is not None and isinstance(getattr(inner, "layers", None), nn.ModuleList) and len(inner.layers) == n:
+        return inner.layers
+    for module in model.modules():
+        if isinstance(module, nn.ModuleList) and len(module) == n:
+            return module
+    raise TargetLoadError(f"cannot find the {n} decoder layers of {type(model).__name__}")
+
+
+@dataclass
+class TargetInfo:
+    layer_ids: list[int]
+    hidden_size: int
+    vocab_size: int
+    num_layers: int
+
+    @property
+    def hidden_width(self) -> int:
+        return len(self.layer_ids) * self.hidden_size
+
+
+class Target:
+    """A frozen HF causal LM with capture hooks on `layer_ids`."""
+
+    def __init__(self, model: nn.Module, layer_ids: list[int], label_chunk: int = 2048):
+        self.model = model
+        self.backbone = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+        self.layers = decoder_layers(model)
+        cfg = model.config
+        self.info = TargetInfo(layer_ids=resolve_layer_ids(layer_ids, len(self.layers), len(layer_ids) or 1),
+                               hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size, num_layers=len(self.layers))
+        self.label_chunk = label_chunk
+        self.device = next(model.parameters()).device
+        self._out: torch.Tensor | None = None
+        self._stop_after = True
+        # recurrent layers cannot keep documents of a packed row apart: one forward per document
+        self.per_document = any(t not in ("full_attention", "sliding_attention")
+                                for t in (getattr(cfg, "layer_types", None) or []))
+        h = self.info.hidden_size
+        deepest = self.info.layer_ids[-1]
+        last = self.info.num_layers - 1
+        for k, i in enumerate(self.info.layer_ids):
+            self.layers[i].register_forward_hook(self._make_hook(slice(k * h, (k + 1) * h), i == deepest, i == last))
+
+    def _make_hook(self, cols: slice, deepest: bool, last: bool):
+        def hook(_module, _args, output):
+            if self._out is None:   # a plain forward of the model, not a capture
+                return
+            hidden = output[0] if isinstance(output, tuple) else output
+            if last:   # HF's hidden_states[L] is the last layer's output after the final norm
+                hidden = self.backbone.norm(hidden)
+            self._out[:, cols].copy_(hidden[0])
+            if deepest and self._stop_after:
+                raise _StopForward
+        return hook
+
+    @torch.no_grad()
+    def capture(self, input_ids: torch.Tensor, position_ids: torch.Tensor, document_ids: torch.Tensor,
+                with_labels: bool = False, out: torch.Tensor | None = None,
+                out_dtype: torch.dtype = torch.bfloat16) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One packed row [S] -> (hidden [S, K*H] on the model's device, argmax labels [S] or None).
+
+        `out` (optional) is a reusable device buffer of that shape; else one is allocated.
+        """
+        s = int(input_ids.shape[0])
+        if out is None:
+            out = torch.empty(s, self.info.hidden_width, dtype=out_dtype, device=self.device)
+        labels = torch.empty(s, dtype=torch.int64, device=self.device) if with_labels else None
+        input_ids, position_ids = input_ids.to(self.device), position_ids.to(self.device)
+        spans = document_spans(document_ids)
+        if not self.per_document:
+            self._forward(input_ids, position_ids, spans, out, labels)
+            return out, labels
+        for a, b in spans:
+            self._forward(input_ids[a:b], position_ids[a:b], [(0, b - a)], out[a:b],
+                          labels[a:b] if labels is not None else None)
+        return out, labels
+
+    def _forward(self, input_ids, position_ids, spans, out, labels) -> None:
+        """Run the backbone on one row; hooks fill `out`; labels (if given) get the argmax."""
+        kwargs = dict(doc_spans=spans)
+        if not self.per_document:   # recurrent layers must not see cu_seq_lens (see top)
+            cu = torch.tensor([a for a, _ in spans] + [int(input_ids.shape[0])], dtype=torch.int32, device=self.device)
+            longest = max(b - a for a, b in spans)
+            kwargs.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest)
+        self._out, self._stop_after = out, labels is None
+        try:
+            result = self.backbone(input_ids=input_ids[None], position_ids=position_ids[None], use_cache=False, **kwargs)
+        except _StopForward:
+            return
+        finally:
+            self._out = None
+        if labels is not None:
+            labels.copy_(self._argmax_labels(result.last_hidden_state[0]))
+
+    def _argmax_labels(self, final_hidden: torch.Tensor) -> torch.Tensor:
+        """argmax of lm_head(final_hidden) in row chunks: never the whole [S, vocab] at once."""
+        lm_head = self.model.get_output_embeddings()
+        labels = torch.empty(final_hidden.shape[0], dtype=torch.int64, device=final_hidden.device)
+        for start in range(0, final_hidden.shape[0], self.label_chunk):
+            rows = slice(start, start + self.label_chunk)
+            labels[rows] = lm_head(final_hidden[rows]).argmax(dim=-1)
+        return labels
+
+
+def load_target(cfg: TargetConfig, device: str | torch.device = "cpu", num_draft_layers: int = 1) -> Target:
+    """Load cfg.model_path and set up capture of cfg.layer_ids (or the default spread for the drafter)."""
+    if cfg.dtype not in DTYPES:
+        raise TargetLoadError(f"target.dtype must be one of {sorted(DTYPES)}, got {cfg.dtype!r}")
+    model = load_hf_model(cfg.model_path, DTYPES[cfg.dtype], cfg.attn_implementation, device)
+    num_layers = len(decoder_layers(model))
+    ids = resolve_layer_ids(cfg.layer_ids, num_layers, num_draft_layers)
+    return Target(model, ids)
+
+
+def capture_to_host(target: Target, row: dict[str, torch.Tensor], with_labels: bool = False,
+                    device_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The worker's capture path: forward + capture on the device, then CPU tensors ready to send.
+
+    On CUDA the hidden states are copied into a pinned host buffer from PyTorch's caching host
+    allocator (reused once nothing holds the previous one); on CPU the capture is already there.
+    """
+    hidden, labels = target.capture(row["input_ids"], row["position_ids"], row["document_ids"],
+                                    with_labels=with_labels, out=device_out)
+    if hidden.device.type != "cuda":
+        return hidden, labels
+    host = torch.empty(hidden.shape, dtype=hidden.dtype, pin_memory=True)
+    host.copy_(hidden, non_blocking=True)
+    labels = labels.to("cpu", non_blocking=True) if labels is not None else None
+    torch.cuda.current_stream().synchronize()
+    return host, labels

@@ -1,0 +1,233 @@
+"""Pack documents into rows of pack_len tokens, cache the result, and serve batch g.
+
+Rules:
+  - Splitting: a document longer than max_doc_len (data.max_doc_len, 0 = pack_len) is cut into
+    pieces of max_doc_len tokens, [0, m), [m, 2m), ...; every piece is a separate document
+    (positions restart at 0; it does not see the piece before it). Pieces are kept even if
+    they hold no supervised token (they simply get no anchors).
+  - Eval split: data.eval_path if set, else a data.eval_fraction of the *lines* of data.path
+    (at least one when the fraction is > 0), chosen by a permutation seeded with run.seed.
+  - Packing: documents, in an order shuffled with run.seed (file order if data.shuffle is off),
+    go best-fit into rows: each into the row with the least room that still fits it, else a
+    new row. Rows keep their documents' order of arrival.
+  - Row layout: document ids 0, 1, 2 ... in the row; positions restart at 0 per document; the
+    tail is padding: document id -1, loss_mask False, the pad token, positions 0, 1, 2 ...
+  - Batch g of the train split: epoch = g // N, index = g % N, row = perm_epoch[index] where
+    perm_epoch is a permutation of the N rows seeded with (run.seed, epoch) (identity if
+    data.shuffle is off). Valid g: 0 <= g < N * run.epochs. Eval batch g is row g, 0 <= g < N_eval.
+So batch g is a pure function of (dataset, tokenizer, config, seed, g): any target can build it.
+
+Cache: <run_dir>/data-cache/<key>.safetensors, key = hash of the data files' size, mtime and
+sha256, the tokenizer, the relevant config and FORMAT_VERSION. Several targets may start at
+once: one builds under an flock while the others wait, and the file appears by atomic rename.
+The file is memory-mapped and rows are sliced from it, so the tokens are not held in RAM.
+"""
+from __future__ import annotations
+
+import bisect
+import fcntl
+import hashlib
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from services.config import Config
+from services.target.data import BadSamples, DataError, Document, read_documents
+
+FORMAT_VERSION = 1
+SPLITS = ("train", "eval")
+_EVAL_SALT, _PACK_SALT = 0xE7A1, 0x9AC4
+
+
+def split_document(doc: Document, max_len: int) -> list[Document]:
+    n = len(doc.input_ids)
+    return [Document(doc.line, doc.input_ids[a:a + max_len], doc.loss_mask[a:a + max_len]) for a in range(0, n, max_len)]
+
+
+def pack_rows(lengths: list[int], pack_len: int) -> list[list[int]]:
+    """Best-fit: each document (by index, in the given order) into the fullest row it still fits."""
+    rows: list[list[int]] = []
+    free: list[tuple[int, int]] = []            # sorted (room left, row)
+    for d, n in enumerate(lengths):
+        if n > pack_len:
+            raise ValueError(f"document {d} has {n} tokens > pack_len {pack_len}")
+        k = bisect.bisect_left(free, (n, -1))
+        if k < len(free):
+            room, r = free.pop(k)
+        else:
+            room, r = pack_len, len(rows)
+            rows.append([])
+        rows[r].append(d)
+        if room - n > 0:
+            bisect.insort(free, (room - n, r))
+    return rows
+
+
+# --- cache key -----------------------------------------------------------------------------------
+
+def file_fingerprint(path: str | Path) -> dict:
+    path = Path(path)
+    st = path.stat()
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": digest.hexdigest()}
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    parts = [type(tokenizer).__name__, backend.to_str() if backend is not None else repr(tokenizer.get_vocab()),
+             json.dumps(tokenizer.chat_template, sort_keys=True), json.dumps(tokenizer.special_tokens_map, sort_keys=True)]
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()
+
+
+def cache_key(cfg: Config, tokenizer, vocab_size: int) -> str:
+    d = cfg.data
+    if not d.path:
+        raise DataError("data.path is not set")
+    if not Path(d.path).is_file():
+        raise DataError(f"data file not found: {d.path}")
+    if d.eval_path and not Path(d.eval_path).is_file():
+        raise DataError(f"eval data file not found: {d.eval_path}")
+    parts = {
+        "format": FORMAT_VERSION, "data": file_fingerprint(d.path),
+        "eval": file_fingerprint(d.eval_path) if d.eval_path else None,
+        "tokenizer": tokenizer_fingerprint(tokenizer), "vocab_size": vocab_size,
+        "pack_len": d.pack_len, "max_doc_len": d.max_doc_len, "eval_fraction": d.eval_fraction,
+        "on_bad_sample": d.on_bad_sample, "shuffle": d.shuffle, "seed": cfg.run.seed,
+    }
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:32]
+
+
+# --- build ---------------------------------------------------------------------------------------
+
+def _pack_split(docs: list[Document], cfg: Config, prefix: str) -> dict[str, np.ndarray]:
+    d = cfg.data
+    max_len = d.max_doc_len or d.pack_len
+    pieces = [p for doc in docs for p in split_document(doc, max_len)]
+    order = (np.random.default_rng([cfg.run.seed, _PACK_SALT]).permutation(len(pieces)) if d.shuffle
+             else np.arange(len(pieces)))
+    pieces = [pieces[i] for i in order]
+    rows = pack_rows([len(p.input_ids) for p in pieces], d.pack_len)
+    flat = [pieces[i] for row in rows for i in row]
+    cat = (lambda xs, dt: np.concatenate(xs).astype(dt)) if flat else (lambda xs, dt: np.zeros(0, dtype=dt))
+    return {
+        f"{prefix}_tokens": cat([p.input_ids for p in flat], np.int32),
+        f"{prefix}_loss_mask": cat([p.loss_mask for p in flat], np.bool_),
+        f"{prefix}_doc_lens": np.array([len(p.input_ids) for p in flat], dtype=np.int32),
+        f"{prefix}_row_docs": np.array([len(row) for row in rows], dtype=np.int32),
+    }
+
+
+def build_index(cfg: Config, tokenizer, vocab_size: int) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    d = cfg.data
+    bad = BadSamples()
+    train = read_documents(d.path, tokenizer, vocab_size, d.on_bad_sample, bad)
+    if d.eval_path:
+        evals = read_documents(d.eval_path, tokenizer, vocab_size, d.on_bad_sample, bad)
+    elif d.eval_fraction > 0 and len(train) > 1:
+        n_eval = min(len(train) - 1, max(1, round(d.eval_fraction * len(train))))
+        chosen = set(np.random.default_rng([cfg.run.seed, _EVAL_SALT]).permutation(len(train))[:n_eval].tolist())
+        evals = [doc for i, doc in enumerate(train) if i in chosen]
+        train = [doc for i, doc in enumerate(train) if i not in chosen]
+    else:
+        evals = []
+    if not train:
+        raise DataError(f"{d.path}: no usable training documents ({bad.count} bad lines skipped)")
+    tensors = {**_pack_split(train, cfg, "train"), **_pack_split(evals, cfg, "eval")}
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
+    meta = {"format": str(FORMAT_VERSION), "bad_samples": str(bad.count), "bad_examples": json.dumps(bad.examples),
+            "pad_id": str(pad_id), "pack_len": str(d.pack_len),
+            "train_samples": str(len(train)), "eval_samples": str(len(evals))}
+    return tensors, meta
+
+
+def open_or_build(cfg: Config, run_dir: str | Path, tokenizer, vocab_size: int, log=None) -> "PackedData":
+    """The run's packed dataset: reuse <run_dir>/data-cache/<key>.safetensors or build it (once, locked)."""
+    from safetensors.numpy import save_file
+    log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+    cache_dir = Path(run_dir) / "data-cache"
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    key = cache_key(cfg, tokenizer, vocab_size)
+    path = cache_dir / f"{key}.safetensors"
+    with open(cache_dir / f"{key}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)     # another target may be building this very index
+        if not path.is_file():
+            t0 = time.monotonic()
+            tensors, meta = build_index(cfg, tokenizer, vocab_size)
+            tmp = cache_dir / f".{key}.{os.getpid()}.tmp"
+            save_file(tensors, str(tmp), metadata=meta)
+            os.replace(tmp, path)
+            log(f"data: built {path.name} in {time.monotonic() - t0:.1f}s")
+    data = PackedData(path, cfg)
+    if data.bad_samples:
+        log(f"data: skipped {data.bad_samples} bad lines; first: " + "; ".join(data.bad_examples[:3]))
+    return data
+
+
+# --- serve ---------------------------------------------------------------------------------------
+
+class _Split:
+    def __init__(self, f, prefix: str):
+        self.tokens, self.loss_mask = f.get_slice(f"{prefix}_tokens"), f.get_slice(f"{prefix}_loss_mask")
+        self.doc_lens = f.get_tensor(f"{prefix}_doc_lens").astype(np.int64)
+        row_docs = f.get_tensor(f"{prefix}_row_docs").astype(np.int64)
+        self.doc_start = np.concatenate([[0], np.cumsum(self.doc_lens)])
+        self.row_start = np.concatenate([[0], np.cumsum(row_docs)])
+        self.num_rows = len(row_docs)
+
+
+class PackedData:
+    """Rows of a built cache file; batch(g, split) -> the tensors of services.batch.Batch minus hidden."""
+
+    def __init__(self, path: str | Path, cfg: Config):
+        from safetensors import safe_open
+        self.path = Path(path)
+        self._file = safe_open(str(path), framework="np")
+        meta = self._file.metadata()
+        if int(meta["format"]) != FORMAT_VERSION:
+            raise DataError(f"{path}: cache format {meta['format']}, expected {FORMAT_VERSION}")
+        self.pack_len, self.pad_id = int(meta["pack_len"]), int(meta["pad_id"])
+        self.bad_samples, self.bad_examples = int(meta["bad_samples"]), json.loads(meta["bad_examples"])
+        self.seed, self.shuffle, self.epochs = cfg.run.seed, cfg.data.shuffle, cfg.run.epochs
+        self.splits = {s: _Split(self._file, s) for s in SPLITS}
+        self._perm: tuple[int, np.ndarray] | None = None
+
+    def num_batches(self, split: str = "train") -> int:
+        """Train: batches per epoch. Eval: all eval batches."""
+        return self.splits[split].num_rows
+
+    def row_of(self, g: int, split: str = "train") -> int:
+        n = self.num_batches(split)
+        limit = n * self.epochs if split == "train" else n
+        if split not in SPLITS or not 0 <= g < limit:
+            raise IndexError(f"batch g={g} out of range for split {split!r}: 0 <= g < {limit}")
+        if split == "eval" or not self.shuffle:
+            return g % n
+        epoch = g // n
+        if self._perm is None or self._perm[0] != epoch:
+            self._perm = (epoch, np.random.default_rng([self.seed, epoch]).permutation(n))
+        return int(self._perm[1][g % n])
+
+    def batch(self, g: int, split: str = "train") -> dict[str, torch.Tensor]:
+        """input_ids, loss_mask, position_ids, document_ids of batch g: [pack_len] each."""
+        sp = self.splits[split] if split in SPLITS else None
+        r = self.row_of(g, split)
+        d0, d1 = sp.row_start[r], sp.row_start[r + 1]
+        t0, t1 = int(sp.doc_start[d0]), int(sp.doc_start[d1])
+        lens = sp.doc_lens[d0:d1]
+        n, pad = t1 - t0, self.pack_len - (t1 - t0)
+        starts = np.repeat(np.cumsum(lens) - lens, lens)
+        positions = np.concatenate([np.arange(n) - starts, np.arange(pad)])
+        doc_ids = np.concatenate([np.repeat(np.arange(len(lens)), lens), np.full(pad, -1)])
+        tokens = np.concatenate([sp.tokens[t0:t1].astype(np.int64), np.full(pad, self.pad_id)])
+        mask = np.concatenate([sp.loss_mask[t0:t1].astype(bool), np.zeros(pad, dtype=bool)])
+        return {"input_ids": torch.from_numpy(tokens), "loss_mask": torch.from_numpy(mask),
+                "position_ids": torch.from_numpy(positions.astype(np.int64)),
+                "document_ids": torch.from_numpy(doc_ids.astype(np.int64))}

@@ -1,0 +1,139 @@
+"""The target worker: one process per target GPU, serving batches of captured hidden states.
+
+    python -m services.target --config FILE --run-dir DIR --rank T --world-size NT [--device cpu|cuda] [k=v ...]
+
+States (health): starting -> loading (model + data index) -> ready -> training (serving) ->
+draining (SIGTERM: finish the batch in hand) -> stopped; failed on an error (exit 1).
+Requests are served in arrival order: "info" -> the dict below; "batch" g -> build row g,
+capture on the device, copy into a pinned host buffer, send. Any rank can build any batch;
+the rank only decides which requests arrive here.
+
+The capture goes into one reused device buffer, then into a pinned host buffer from PyTorch's
+caching host allocator: the transport sends it without a copy, and the buffer goes back to the
+pool, to be reused, once ZMQ has sent it (overwriting a fixed buffer could corrupt a batch that
+is still queued for a slow drafter).
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from services import lifecycle
+from services.batch import Batch
+from services.config import Config, load_config
+from services.endpoints import endpoint
+from services.health import HealthServer
+from services.target.model import capture_to_host, load_target
+from services.target.packing import open_or_build
+from services.transport import BatchServer, Request
+
+log = logging.getLogger("target")
+POLL_MS = 100
+
+
+class TargetWorker:
+    def __init__(self, cfg: Config, run_dir: Path, rank: int, device: torch.device, health: HealthServer):
+        from transformers import AutoTokenizer
+        self.cfg, self.device, self.health = cfg, device, health
+        health.set(state="loading")
+        self.target = load_target(cfg.target, device, num_draft_layers=cfg.drafter.num_layers)
+        tokenizer = AutoTokenizer.from_pretrained(cfg.target.model_path)
+        self.data = open_or_build(cfg, run_dir, tokenizer, self.target.info.vocab_size, log=log.info)
+        info = self.target.info
+        self.info = {
+            "num_batches": self.data.num_batches("train"), "num_eval_batches": self.data.num_batches("eval"),
+            "seq_len": self.data.pack_len, "hidden_width": info.hidden_width, "layer_ids": info.layer_ids,
+            "vocab_size": info.vocab_size, "hidden_size": info.hidden_size,
+            "mask_token_id": tokenizer.mask_token_id if tokenizer.mask_token_id is not None else -1,
+            "model_path": str(cfg.target.model_path), "bad_samples": self.data.bad_samples,
+            "labels_from_target": cfg.target.labels_from_target,
+        }
+        # one reusable device buffer for the captures; on CPU each batch gets its own (it is sent as is)
+        self.device_out = (torch.empty(self.data.pack_len, info.hidden_width, dtype=torch.bfloat16, device=device)
+                           if device.type == "cuda" else None)
+        self.server = BatchServer(endpoint(run_dir, cfg.transport, "target", rank, "data"), cfg.transport, health)
+        self.batches_served = self.samples_done = 0
+        self.tokens_per_s = 0.0
+        health.set(state="ready", **self.info)
+
+    def serve(self, stop: threading.Event) -> None:
+        while not stop.is_set():
+            for request in self.server.poll(POLL_MS):
+                self.answer(request)
+                if stop.is_set():
+                    break          # SIGTERM: the batch in hand is done; the rest will be asked again
+            self.health.progress()   # the loop is alive even when nobody asks
+        self.health.set(state="draining")
+        self.server.close()
+
+    def answer(self, request: Request) -> None:
+        if request.kind == "info":
+            self.server.send_info(request.client, self.info)
+            return
+        try:
+            parts = self.data.batch(request.g, request.split)
+        except IndexError as exc:
+            self.server.send_error(request.client, request.g, str(exc), request.split)
+            return
+        t0 = time.perf_counter()
+        batch = self.build(request.g, parts)
+        self.server.send_batch(request.client, batch, request.split)
+        self.stamp(batch, time.perf_counter() - t0)
+
+    def build(self, g: int, row: dict[str, torch.Tensor]) -> Batch:
+        hidden, labels = capture_to_host(self.target, row, self.cfg.target.labels_from_target, self.device_out)
+        return Batch(g=g, hidden=hidden, target_labels=labels, **row)
+
+    def stamp(self, batch: Batch, seconds: float) -> None:
+        self.batches_served += 1
+        self.samples_done += int(batch.document_ids.max()) + 1
+        rate = batch.num_tokens / max(seconds, 1e-9)
+        self.tokens_per_s = rate if self.batches_served == 1 else 0.9 * self.tokens_per_s + 0.1 * rate
+        gpu_mem = torch.cuda.max_memory_allocated() if self.device.type == "cuda" else 0
+        self.health.progress(state="training", step=self.batches_served, batches_served=self.batches_served,
+                             samples_done=self.samples_done, tokens_per_s=round(self.tokens_per_s, 1),
+                             gpu_mem_bytes=gpu_mem)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m services.target", description=__doc__.split("\n")[0])
+    p.add_argument("--config", required=False, default=None, help="TOML (or resolved JSON) config file")
+    p.add_argument("--run-dir", required=True)
+    p.add_argument("--rank", type=int, default=0)
+    p.add_argument("--world-size", type=int, default=1)
+    p.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda when available")
+    p.add_argument("overrides", nargs="*", help="section.key=value")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s target-{args.rank} %(levelname)s %(message)s")
+    cfg = load_config(args.config, args.overrides)
+    device = torch.device("cuda:0" if (args.device or ("cuda" if torch.cuda.is_available() else "cpu")) == "cuda" else "cpu")
+    gpu = os.environ.get("CUDA_VISIBLE_DEVICES", "0") if device.type == "cuda" else "cpu"
+    run_dir = Path(args.run_dir)
+    health = HealthServer(endpoint(run_dir, cfg.transport, "target", args.rank, "health"), "target", args.rank,
+                          gpu, stall_after_s=cfg.run.stall_after_s,
+                          startup_stall_after_s=cfg.run.startup_stall_after_s)
+    stop = lifecycle.install(grace_s=cfg.run.stop_timeout_s)
+    try:
+        worker = TargetWorker(cfg, run_dir, args.rank, device, health)
+        log.info("ready: %s", {k: v for k, v in worker.info.items() if k != "model_path"})
+        worker.serve(stop)
+        health.set(state="stopped")
+        log.info("stopped after %d batches", worker.batches_served)
+        return 0
+    except Exception as exc:
+        health.set(state="failed")
+        health.error(f"{type(exc).__name__}: {exc}")
+        log.exception("failed")
+        return 1
+    finally:
+        health.close()

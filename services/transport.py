@@ -1,0 +1,403 @@
+"""Batch transport: targets serve batches to drafters that pull them (docs/wire.md, "Streaming").
+
+    drafter DEALER  ->  target ROUTER   request {want: "batch", g, split}  |  request {want: "info"}
+    target ROUTER   ->  drafter DEALER  info {info}  |  error {g, split, message}
+                                        batch {g, split, stream: [tensor specs]}
+                                        chunk {g, split, offset} + <= chunk_bytes of raw bytes  (repeated)
+
+A batch travels as a stream of separate few-MB messages, not one big one: ZMQ moves those
+several times faster (FINDINGS.md). The drafter checks the announced size against
+transport.max_batch_bytes, preallocates one (pinned) buffer, copies each chunk into place and
+hands out the Batch as views of that buffer. Anything malformed is counted and dropped.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import time
+import weakref
+from collections import Counter
+from dataclasses import dataclass
+from typing import Iterator
+
+import numpy as np
+import torch
+import zmq
+
+from services import curve, wire
+from services.batch import FIELDS, Batch, BatchError
+from services.config import TransportConfig
+from services.health import HealthServer, bind_private, secure_socket
+
+log = logging.getLogger(__name__)
+
+SPLITS = ("train", "eval")
+ALIGN = 64                      # byte offset of every tensor in the reassembly buffer
+MAX_REQUEST_BYTES = 64 << 10    # requests are tiny; ZMQ disconnects a peer sending more
+SEND_TIMEOUT_S = 30.0           # longest wait for room in a drafter's queue before giving up
+MAX_MESSAGES_PER_POLL = 1024    # a flood cannot keep poll() from returning
+
+
+@dataclass
+class Request:
+    client: bytes   # ROUTER identity of the asking drafter
+    kind: str       # "batch" | "info"
+    g: int          # global batch index (kind == "batch"); -1 for info
+    split: str      # "train" | "eval"
+
+
+def queue_depth(transport: TransportConfig) -> int:
+    """HWM in messages: room for `credits` whole batches, so a ROUTER never has to wait or drop."""
+    per_batch = math.ceil(transport.max_batch_bytes / transport.chunk_bytes) + wire.MAX_TENSORS + 1
+    return transport.credits * per_batch + 16
+
+
+def layout(specs: list[wire.TensorSpec]) -> tuple[list[int], int]:
+    """Offsets of each tensor in the reassembly buffer (ALIGN-aligned) and its total size."""
+    offsets, total = [], 0
+    for spec in specs:
+        offsets.append(total)
+        total += -(-spec.nbytes // ALIGN) * ALIGN
+    return offsets, total
+
+
+class _Drops:
+    """Counts dropped messages, reports them to health, logs the first of each kind."""
+
+    def __init__(self, health: HealthServer | None):
+        self.health = health
+        self.counts: Counter[str] = Counter()
+
+    def __call__(self, kind: str, detail: str) -> None:
+        self.counts[kind] += 1
+        first = self.health.bad_message(kind, detail) if self.health else self.counts[kind] == 1
+        if first:
+            log.warning("dropped a bad %s message: %s", kind, detail)
+
+
+def _int_field(header: dict, key: str, low: int) -> int:
+    value = header.get(key)
+    if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        raise wire.WireError(f"header field {key!r}: expected an int >= {low}, got {value!r}")
+    return value
+
+
+def _split_field(header: dict) -> str:
+    split = header.get("split")
+    if split not in SPLITS:
+        raise wire.WireError(f"header field 'split': expected one of {SPLITS}, got {split!r}")
+    return split
+
+
+def batch_messages(batch: Batch, split: str, chunk_bytes: int) -> Iterator[list]:
+    """The messages that carry one batch: its announcement, then its bytes in chunks, in order."""
+    tensors = batch.tensors()
+    specs = [wire.spec_of(name, t) for name, t in tensors.items()]
+    key = {"g": batch.g, "split": split}
+    yield wire.encode({"kind": "batch", **key, "stream": [spec.to_wire() for spec in specs]})
+    offsets, _ = layout(specs)
+    for (name, tensor), offset in zip(tensors.items(), offsets):
+        flat = wire.byte_view(name, tensor)
+        for start in range(0, flat.numel(), chunk_bytes):
+            yield wire.encode({"kind": "chunk", **key, "offset": offset + start},
+                              {"bytes": flat[start:start + chunk_bytes]})
+
+
+class BatchServer:
+    """Target side: a ROUTER on the data endpoint. The main loop polls for requests and answers them."""
+
+    def __init__(self, endpoint: str, transport: TransportConfig, health: HealthServer | None = None):
+        self.transport = transport
+        self.drops = _Drops(health)
+        self._health = health
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        secure_socket(self._sock, MAX_REQUEST_BYTES)
+        self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)   # an unknown drafter is an error, not a silent drop
+        self._sock.setsockopt(zmq.SNDHWM, queue_depth(transport))
+        self._sock.setsockopt(zmq.RCVHWM, 1000)
+        if keys := curve.keys_for(transport):   # tcp with transport.curve_keys_dir: encrypted, client key checked
+            curve.apply_server(self._sock, keys)
+        bind_private(self._sock, endpoint)
+        self.endpoint = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)   # resolves tcp port '*'
+
+    def poll(self, timeout_ms: int) -> list[Request]:
+        """Valid requests in arrival order; malformed ones are counted and dropped."""
+        requests: list[Request] = []
+        if not self._sock.poll(timeout_ms, zmq.POLLIN):
+            return requests
+        for _ in range(MAX_MESSAGES_PER_POLL):
+            try:
+                frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                break
+            try:
+                requests.append(self._parse_request(frames))
+            except wire.WireError as exc:
+                self.drops("data-request", str(exc))
+        return requests
+
+    def _parse_request(self, frames) -> Request:
+        client = frames[0].bytes
+        header, _ = wire.decode(frames[1:], max_message_bytes=0)   # requests carry no tensors
+        if header["kind"] != "request":
+            raise wire.WireError(f"header field 'kind': a target only takes requests, got {header['kind']!r}")
+        want = header.get("want")
+        if want == "info":
+            return Request(client, "info", -1, "train")
+        if want == "batch":
+            return Request(client, "batch", _int_field(header, "g", 0), _split_field(header))
+        raise wire.WireError(f"header field 'want': expected 'batch' or 'info', got {want!r}")
+
+    def send_batch(self, client: bytes, batch: Batch, split: str = "train") -> bool:
+        """Stream one batch to a drafter. No copy is made: leave the batch's tensors alone afterwards.
+
+        Returns False when the drafter is gone or its queue stayed full for SEND_TIMEOUT_S
+        (it will ask again); True once every chunk is queued.
+        """
+        return all(self._send(client, frames) for frames in batch_messages(batch, split, self.transport.chunk_bytes))
+
+    def send_info(self, client: bytes, info: dict) -> bool:
+        return self._send(client, wire.encode({"kind": "info", "info": info}))
+
+    def send_error(self, client: bytes, g: int, message: str, split: str = "train") -> bool:
+        return self._send(client, wire.encode({"kind": "error", "g": g, "split": split, "message": message[:1000]}))
+
+    def _send(self, client: bytes, frames: list) -> bool:
+        deadline = time.monotonic() + SEND_TIMEOUT_S
+        while True:
+            try:
+                self._sock.send_multipart([client, *frames], zmq.NOBLOCK, copy=False)
+                return True
+            except zmq.Again:   # this drafter's queue is full: wait for room, bounded
+                if time.monotonic() > deadline:
+                    self._give_up(f"drafter queue full for {SEND_TIMEOUT_S:.0f}s; batch abandoned")
+                    return False
+                self._sock.poll(10, zmq.POLLOUT)
+            except zmq.ZMQError as exc:
+                if exc.errno != zmq.EHOSTUNREACH:
+                    raise
+                self._give_up("drafter disconnected; batch abandoned (it will ask again)")
+                return False
+
+    def _give_up(self, text: str) -> None:
+        log.warning("%s", text)
+        if self._health:
+            self._health.error(text)
+
+    def close(self) -> None:
+        self._sock.close(linger=0)
+        self._ctx.term()
+
+
+class BufferPool:
+    """Reassembly buffers, reused once no tensor made from them is alive.
+
+    Fresh memory page-faults on first touch: copying into a new buffer ran ~5x slower than into
+    a reused one on the 2-core dev box. Each CPU buffer is lent as a numpy view wrapped by
+    torch.from_numpy; every tensor made from it keeps that view alive, and when the last one
+    dies a weakref finalizer puts the memory back. Pinned buffers come from torch's caching
+    host allocator, which already recycles freed blocks.
+    """
+
+    def __init__(self, pin: bool, keep: int):
+        self.pin, self.keep = pin, keep
+        self._free: list[np.ndarray] = []
+
+    def get(self, nbytes: int) -> torch.Tensor:
+        if self.pin:
+            return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        same_size = [i for i, array in enumerate(self._free) if array.nbytes == nbytes]
+        array = self._free.pop(same_size[0]) if same_size else np.empty(nbytes, dtype=np.uint8)
+        lease = array[:]
+        weakref.finalize(lease, self._give_back, array).atexit = False
+        return torch.from_numpy(lease)
+
+    def _give_back(self, array: np.ndarray) -> None:
+        self._free.append(array)
+        if len(self._free) > self.keep:
+            self._free.pop(0)
+
+
+class _Partial:
+    """A batch being put back together: its tensor table, buffer and where the next chunk goes."""
+
+    def __init__(self, specs: list[wire.TensorSpec], max_batch_bytes: int, pool: BufferPool):
+        self.specs = specs
+        self.offsets, total = layout(specs)
+        if total > max_batch_bytes:
+            raise wire.WireError(f"batch of {total} bytes exceeds transport.max_batch_bytes={max_batch_bytes}")
+        self.buffer = pool.get(total)
+        self.index, self.filled = 0, 0    # tensor being filled, bytes of it received
+        self._skip_empty()
+
+    def _skip_empty(self) -> None:
+        while self.index < len(self.specs) and self.filled == self.specs[self.index].nbytes:
+            self.index, self.filled = self.index + 1, 0
+
+    @property
+    def complete(self) -> bool:
+        return self.index == len(self.specs)
+
+    def add(self, offset: int, data: torch.Tensor) -> None:
+        """Copy one chunk into place; chunks must arrive in order, within one tensor."""
+        if self.complete:
+            raise wire.WireError("chunk after the batch was complete")
+        expected = self.offsets[self.index] + self.filled
+        room = self.specs[self.index].nbytes - self.filled
+        if offset != expected or not 0 < data.numel() <= room:
+            raise wire.WireError(f"chunk at offset {offset} with {data.numel()} bytes; expected offset {expected}, at most {room} bytes")
+        # numpy's copy is one plain memcpy on this thread; torch's copy_ would wake its
+        # intra-op thread pool, which then spins against ZMQ's I/O thread on few cores
+        self.buffer.numpy()[offset:offset + data.numel()] = data.numpy()
+        self.filled += data.numel()
+        self._skip_empty()
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {spec.name: wire.tensor_from(self.buffer[off:off + spec.nbytes], spec)
+                for spec, off in zip(self.specs, self.offsets)}
+
+
+class BatchClient:
+    """Drafter side: one DEALER per target. request() asks, poll() returns what completed."""
+
+    def __init__(self, endpoints: list[str], transport: TransportConfig, health: HealthServer | None = None,
+                 pin_memory: bool = False):
+        self.transport = transport
+        self.drops = _Drops(health)
+        self.pool = BufferPool(pin_memory and torch.cuda.is_available(), keep=transport.credits + 2)
+        self._ctx = zmq.Context()
+        self._socks: list[zmq.Socket] = []
+        self._poller = zmq.Poller()
+        for endpoint in endpoints:
+            sock = self._ctx.socket(zmq.DEALER)
+            secure_socket(sock, transport.max_message_bytes)   # per frame: the largest is a chunk's data
+            sock.setsockopt(zmq.RCVHWM, queue_depth(transport))
+            if keys := curve.keys_for(transport):
+                curve.apply_client(sock, keys)
+            sock.connect(endpoint)
+            self._poller.register(sock, zmq.POLLIN)
+            self._socks.append(sock)
+        self._target_of = {sock: i for i, sock in enumerate(self._socks)}
+        self._wanted: set[tuple[int, str, int]] = set()          # (target, split, g) asked, not yet delivered
+        self._info_wanted: Counter[int] = Counter()
+        self._partials: dict[tuple[int, str, int], _Partial] = {}
+
+    def request(self, target: int, g: int, split: str = "train") -> None:
+        if split not in SPLITS or g < 0 or not 0 <= target < len(self._socks):
+            raise ValueError(f"request: bad target={target}, g={g} or split={split!r}")
+        self._wanted.add((target, split, g))
+        self._send(target, {"kind": "request", "want": "batch", "g": g, "split": split})
+
+    def request_info(self, target: int) -> None:
+        self._info_wanted[target] += 1
+        self._send(target, {"kind": "request", "want": "info"})
+
+    def _send(self, target: int, header: dict) -> None:
+        try:
+            self._socks[target].send_multipart(wire.encode(header), zmq.NOBLOCK)
+        except zmq.Again:
+            raise RuntimeError(f"target {target}: request queue full ({header})") from None
+
+    @property
+    def in_progress(self) -> list[tuple[int, str, int]]:
+        """(target, split, g) of the batches half received right now."""
+        return sorted(self._partials)
+
+    def forget(self, target: int) -> None:
+        """Drop half-received batches from this target (it restarted); the caller asks again."""
+        for key in [k for k in self._partials if k[0] == target]:
+            del self._partials[key]
+
+    def poll(self, timeout_ms: int) -> list[tuple]:
+        """Wait up to timeout_ms for at least one event; return all events ready by then.
+
+        ("batch", target, split, Batch) | ("info", target, dict) | ("error", target, g, message)
+        """
+        events: list[tuple] = []
+        deadline = time.monotonic() + timeout_ms / 1000
+        while True:
+            wait_ms = max(0, int((deadline - time.monotonic()) * 1000))
+            for sock, _ in self._poller.poll(wait_ms):
+                self._drain(sock, events)
+            if events or time.monotonic() >= deadline:
+                return events
+
+    def _drain(self, sock: zmq.Socket, events: list) -> None:
+        target = self._target_of[sock]
+        for _ in range(MAX_MESSAGES_PER_POLL):
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            try:
+                self._handle(target, frames, events)
+            except (wire.WireError, BatchError) as exc:
+                self.drops("data-reply", f"target {target}: {exc}")
+            if events:
+                return   # hand the finished batch out now; the rest waits for the next poll
+
+    def _handle(self, target: int, frames, events: list) -> None:
+        header, tensors = wire.decode(frames, self.transport.max_message_bytes)
+        kind = header["kind"]
+        if kind == "info":
+            if not self._info_wanted[target]:
+                return self.drops("data-unrequested", f"target {target}: info nobody asked for")
+            if not isinstance(header.get("info"), dict):
+                raise wire.WireError("header field 'info': expected a map")
+            self._info_wanted[target] -= 1
+            events.append(("info", target, header["info"]))
+            return
+        g = _int_field(header, "g", -1)
+        if kind == "error":
+            message = str(header.get("message", ""))[:1000]
+            key = (target, _split_field(header), g)
+            if g >= 0 and key not in self._wanted:
+                return self.drops("data-unrequested", f"target {target}: error for g={g} nobody asked for")
+            self._wanted.discard(key)
+            self._partials.pop(key, None)
+            events.append(("error", target, g, message))
+            return
+        key = (target, _split_field(header), g)
+        if key not in self._wanted:   # never asked, or already delivered
+            return self.drops("data-unrequested", f"target {target}: {kind} for g={g} not requested")
+        if kind == "batch":
+            self._start(key, header, tensors)
+        elif kind == "chunk":
+            self._add_chunk(key, header, tensors)
+        else:
+            raise wire.WireError(f"header field 'kind': a drafter does not take {kind!r}")
+        partial = self._partials.get(key)
+        if partial is not None and partial.complete:
+            del self._partials[key]
+            batch = Batch.from_tensors(key[2], partial.tensors())   # BatchError: dropped, still wanted
+            self._wanted.discard(key)
+            events.append(("batch", target, key[1], batch))
+
+    def _start(self, key, header: dict, tensors: dict) -> None:
+        if tensors:
+            raise wire.WireError("a batch announcement carries no tensor frames")
+        self._partials.pop(key, None)   # a re-sent batch starts over
+        specs = wire.parse_specs(header.get("stream"), self.transport.max_batch_bytes, field="stream")
+        for spec in specs:
+            if spec.name not in FIELDS or wire.DTYPES[spec.dtype] != FIELDS[spec.name]:
+                raise wire.WireError(f"stream: {spec.name!r} of {spec.dtype} is not a batch field")
+        self._partials[key] = _Partial(specs, self.transport.max_batch_bytes, self.pool)
+
+    def _add_chunk(self, key, header: dict, tensors: dict) -> None:
+        partial = self._partials.get(key)
+        if partial is None:
+            raise wire.WireError(f"chunk for g={key[2]} without its batch announcement")
+        data = tensors.get("bytes")
+        if len(tensors) != 1 or data is None or data.dtype != torch.uint8 or data.dim() != 1:
+            raise wire.WireError("a chunk carries exactly one 1-d uint8 tensor named 'bytes'")
+        try:
+            partial.add(_int_field(header, "offset", 0), data)
+        except wire.WireError:
+            del self._partials[key]   # the stream is broken; it restarts when the batch is asked again
+            raise
+
+    def close(self) -> None:
+        for sock in self._socks:
+            sock.close(linger=0)
+        self._ctx.term()

@@ -1,0 +1,184 @@
+"""Checkpoints with real drafter processes (synthetic data, gloo on CPU): exact resume after SIGKILL
+and after SIGTERM; and the on-disk rules (atomic writes, rotation, pointers, verification).
+Faults (corrupt, incompatible, full disk): test_checkpoint_faults.py."""
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from services.drafter import checkpoint as ckpt
+from services.drafter.ledger import read_all
+
+REPO = Path(__file__).resolve().parents[1]
+SMALL = ["data.pack_len=256", "drafter.num_anchors=16", "drafter.num_layers=1", "drafter.compile=false",
+         "drafter.lr=3e-3", "drafter.warmup_ratio=0.1", "run.log_every=1"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn(run_dir, *args, rank=0, world_size=1, port=None, preexec_fn=None):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHINDUCTOR_", "MASTER_", "RANK", "WORLD_SIZE"))}
+    env.update(PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")
+    if world_size > 1:
+        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
+    return subprocess.Popen([sys.executable, "-m", "services.drafter", "--run-dir", str(run_dir), "--synthetic",
+                             "--device", "cpu", *args], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, preexec_fn=preexec_fn)
+
+
+def run_ranks(run_dir, *args, world_size=2, timeout=180):
+    port = free_port()
+    procs = [spawn(run_dir, *args, rank=r, world_size=world_size, port=port) for r in range(world_size)]
+    outs = [p.communicate(timeout=timeout) for p in procs]
+    for p, (_, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-3000:]
+    return outs
+
+
+def events(out: str) -> list[dict]:
+    return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+
+
+def latest(run_dir) -> Path:
+    return ckpt.pointer(ckpt.checkpoints_dir(run_dir), ckpt.LATEST)
+
+
+def assert_same_training_state(a: Path, b: Path):
+    wa, wb = load_file(str(a / "model.safetensors")), load_file(str(b / "model.safetensors"))
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)       # bit for bit
+    oa = torch.load(a / "optimizer.pt", weights_only=True)["optimizer"]["state"]
+    ob = torch.load(b / "optimizer.pt", weights_only=True)["optimizer"]["state"]
+    assert oa.keys() == ob.keys()
+    assert all(torch.equal(oa[i][k], ob[i][k]) for i in oa for k in oa[i])
+
+
+@pytest.mark.parametrize("world_size, grad_accum", [(2, 1), (1, 2)])
+def test_resume_after_sigkill_equals_uninterrupted_training_bit_for_bit(tmp_path, world_size, grad_accum):
+    N, K = 24, 4
+    args = ["--max-steps", str(N), *SMALL, f"run.checkpoint_every={K}", f"drafter.grad_accum={grad_accum}"]
+    straight = tmp_path / "straight"
+    outs = run_ranks(straight, *args, world_size=world_size)
+    final = [e for e in events(outs[0][0]) if e.get("event") == "stopped"][0]
+    assert final["step"] == N
+
+    broken = tmp_path / "broken"
+    port = free_port()
+    procs = [spawn(broken, *args, rank=r, world_size=world_size, port=port) for r in range(world_size)]
+    saved = False
+    for line in procs[0].stdout:                       # wait for checkpoint K, then two more steps
+        e = json.loads(line) if line.startswith("{") else {}
+        saved = saved or (e.get("event") == "checkpoint" and e["step"] == K)
+        if saved and e.get("step", 0) >= K + 2 and "loss" in e:
+            break
+    for p in procs:
+        p.kill()
+        p.communicate(timeout=30)
+    assert [p.returncode for p in procs] == [-signal.SIGKILL] * world_size
+    killed_at = ckpt._step_of(latest(broken))
+    assert K <= killed_at < N                          # it died mid-run, with steps after its last checkpoint
+
+    outs = run_ranks(broken, "--resume", *args, world_size=world_size)
+    resumed = [e for e in events(outs[0][0]) if e.get("event") == "resumed"][0]
+    assert resumed["step"] == killed_at and resumed["checkpoint"].endswith(ckpt.step_name(killed_at))
+    assert [e for e in events(outs[0][0]) if e.get("event") == "stopped"][0]["params_digest"] == final["params_digest"]
+    assert ckpt._step_of(latest(broken)) == N
+    assert_same_training_state(latest(straight), latest(broken))
+
+    # every batch exactly once over the whole (interrupted) run; the metrics curve has no repeats
+    entries = read_all(broken)
+    assert Counter(e["g"] for e in entries) == Counter(range(world_size * grad_accum * N))
+    steps = [json.loads(line)["step"] for line in (broken / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, N + 1))
+    # the export at the end is the same drafter, in bf16
+    ea, eb = load_file(str(straight / "export" / "model.safetensors")), load_file(str(broken / "export" / "model.safetensors"))
+    assert all(torch.equal(ea[k], eb[k]) and ea[k].dtype == torch.bfloat16 for k in ea)
+
+
+def train_single(run_dir, steps, *extra, resume=False, preexec_fn=None):
+    proc = spawn(run_dir, *(["--resume"] if resume else []), "--max-steps", str(steps), *SMALL,
+                 "run.checkpoint_every=4", *extra, preexec_fn=preexec_fn)
+    out, err = proc.communicate(timeout=120)
+    return proc.returncode, out, err
+
+
+def test_resume_without_checkpoints_starts_fresh(tmp_path):
+    code, out, err = train_single(tmp_path, 3, resume=True)
+    assert code == 0, err[-2000:]
+    assert not [e for e in events(out) if e.get("event") == "resumed"]
+    assert [e for e in events(out) if e.get("event") == "stopped"][0]["step"] == 3
+
+
+def test_sigterm_checkpoints_the_step_in_hand_and_resume_continues_from_it(tmp_path):
+    proc = spawn(tmp_path, "--max-steps", "100000", *SMALL, "run.checkpoint_every=1000")
+    for line in proc.stdout:
+        if line.startswith('{"rank"') and json.loads(line)["step"] >= 3:
+            break
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err[-2000:]
+    stopped = [e for e in events(out) if e.get("event") == "stopped"][0]
+    assert stopped["signal"] is True and latest(tmp_path).name == ckpt.step_name(stopped["step"])
+    assert not (tmp_path / "export").exists()                          # stopped, not finished: no export
+    code, out, err = train_single(tmp_path, stopped["step"] + 2, resume=True)
+    assert code == 0, err[-2000:]
+    assert [e for e in events(out) if e.get("event") == "resumed"][0]["step"] == stopped["step"]
+    assert (tmp_path / "export" / "config.json").is_file()
+    assert Counter(e["g"] for e in read_all(tmp_path)) == Counter(range(stopped["step"] + 2))
+
+
+# --- the on-disk rules, in-process ------------------------------------------------------------------
+
+def write(root, step, keep=3, value=1.0):
+    return ckpt.write_checkpoint(root, step, weights={"w": torch.full((4,), value)}, optimizer={"state": {}},
+                                 rng={"cpu.0": torch.get_rng_state()}, meta={"step": step, "micro_step": step},
+                                 config={}, keep=keep)
+
+
+def test_rotation_keeps_the_newest_and_the_best(tmp_path):
+    root = tmp_path / "checkpoints"
+    for step in (1, 2, 3):
+        write(root, step)
+    ckpt.set_best(root, root / "step-00000001")
+    for step in (4, 5):
+        write(root, step)
+    assert sorted(p.name for p in ckpt.list_checkpoints(root)) == ["step-00000001", "step-00000003",
+                                                                   "step-00000004", "step-00000005"]
+    assert ckpt.pointer(root, "best").name == "step-00000001" and ckpt.pointer(root, "latest").name == "step-00000005"
+    assert os.readlink(root / "latest") == "step-00000005"             # relative: the run dir can move
+
+
+def test_a_crash_mid_write_leaves_latest_alone(tmp_path):
+    root = tmp_path / "checkpoints"
+    write(root, 1)
+    half = root / ".tmp-step-00000002-12345"                            # what a SIGKILL mid-write leaves
+    half.mkdir()
+    (half / "model.safetensors").write_bytes(b"partial")
+    assert ckpt.pointer(root, "latest").name == "step-00000001"
+    assert [p.name for p in ckpt.list_checkpoints(root)] == ["step-00000001"]
+    write(root, 2)                                                      # the next write cleans it up
+    assert not half.exists() and ckpt.pointer(root, "latest").name == "step-00000002"
+
+
+def test_verify_names_what_is_wrong(tmp_path):
+    root = tmp_path / "checkpoints"
+    path = write(root, 1)
+    assert ckpt.verify(path)["step"] == 1
+    (path / "rng.safetensors").unlink()
+    with pytest.raises(ckpt.CorruptCheckpoint, match="rng.safetensors missing"):
+        ckpt.verify(path)
+    path = write(root, 2)
+    (path / "manifest.json").write_text("{not json")
+    with pytest.raises(ckpt.CorruptCheckpoint, match="manifest.json unreadable"):
+        ckpt.verify(path)

@@ -1,0 +1,120 @@
+"""Anchors, blocks, positions, labels and loss weights (DFLASH.md "Blocks, anchors, mask")."""
+import math
+
+import pytest
+import torch
+
+from services.batch import Batch
+from services.drafter.anchors import (build_inputs, loss_gamma, padded_anchor_count, sample_anchors,
+                                      valid_anchor_mask)
+
+MASK = 99
+
+
+def packed_batch(docs, loss_mask, hidden_width=4, g=0, target_labels=None):
+    docs = torch.tensor(docs)
+    s = len(docs)
+    position_ids = torch.zeros(s, dtype=torch.long)
+    for i in range(1, s):
+        position_ids[i] = position_ids[i - 1] + 1 if docs[i] == docs[i - 1] else 0
+    return Batch(g=g, hidden=torch.randn(s, hidden_width).to(torch.bfloat16),
+                 input_ids=torch.arange(s) + 10, loss_mask=torch.tensor(loss_mask, dtype=torch.bool),
+                 position_ids=position_ids, document_ids=docs, target_labels=target_labels)
+
+
+def test_valid_anchors_need_a_supervised_next_token_and_room_in_the_document():
+    docs = [0] * 6 + [1] * 5 + [-1] * 3
+    loss = [0, 1, 1, 1, 1, 1, 0, 0, 1, 1, 1, 0, 0, 0]
+    valid = valid_anchor_mask(torch.tensor(loss, dtype=torch.bool), torch.tensor(docs), block_size=3)
+    # doc 0 (0..5): a+2 <= 5 and loss[a+1] -> a in {0,1,2,3}; doc 1 (6..10): a+2 <= 10, loss[a+1] -> {7, 8}
+    assert torch.nonzero(valid).flatten().tolist() == [0, 1, 2, 3, 7, 8]
+
+
+def test_sampling_is_sorted_unique_valid_and_pads_with_minus_one():
+    valid = torch.zeros(50, dtype=torch.bool)
+    valid[[3, 7, 8, 20, 33, 41]] = True
+    gen = torch.Generator().manual_seed(0)
+    few = sample_anchors(valid, 10, gen)
+    assert few.tolist() == [3, 7, 8, 20, 33, 41, -1, -1, -1, -1]      # fewer valid: keep them all
+    some = sample_anchors(valid, 4, gen)
+    assert len(some) == 4 and some.tolist() == sorted(some.tolist())
+    assert len(set(some.tolist())) == 4 and all(valid[a] for a in some.tolist())
+    with pytest.raises(ValueError, match="num_anchors=51 is larger than the sequence"):
+        sample_anchors(valid, 51, gen)
+
+
+def test_sampling_is_uniform_over_valid_positions():
+    valid = torch.zeros(40, dtype=torch.bool)
+    valid[::2] = True                                                # 20 valid positions
+    gen = torch.Generator().manual_seed(1)
+    counts = torch.zeros(40)
+    for _ in range(2000):
+        counts[sample_anchors(valid, 5, gen)] += 1
+    assert counts[1::2].sum() == 0
+    expected = 2000 * 5 / 20                                         # 500 each
+    assert (counts[::2] - expected).abs().max() < 5 * math.sqrt(expected)
+
+
+def test_padded_anchor_counts_fill_whole_query_tiles():
+    assert padded_anchor_count(512, 16) == 512
+    assert padded_anchor_count(500, 16) == 504                       # 504 * 16 = 63 * 128
+    assert padded_anchor_count(512, 10) == 512 and (padded_anchor_count(100, 10) * 10) % 128 == 0
+    assert padded_anchor_count(3, 256) == 3
+
+
+def test_gamma():
+    assert loss_gamma(16) == 7.0 and loss_gamma(10) == 5.0 and loss_gamma(8) == 4.0
+    assert loss_gamma(32) == 14.0 and loss_gamma(16, configured=3.0) == 3.0
+
+
+def test_blocks_positions_labels_and_weights_by_hand():
+    # doc 0 = positions 0..9, doc 1 = 10..19; supervise everything except 0..2 and 14
+    docs = [0] * 10 + [1] * 10
+    loss = [1] * 20
+    loss[0] = loss[1] = loss[2] = loss[14] = 0
+    batch = packed_batch(docs, loss)
+    gamma = 7.0
+    inp = build_inputs(batch, num_anchors=20, block_size=4, mask_token_id=MASK, gamma=gamma,
+                       generator=torch.Generator().manual_seed(0))
+    valid = [a for a in range(20) if docs[a] == docs[min(a + 3, 19)] and a + 3 < 20 and loss[a + 1]]
+    assert valid == [2, 3, 4, 5, 6, 10, 11, 12, 14, 15, 16]
+    slots = padded_anchor_count(20, 4)                                # 32 slots: 128 query rows
+    assert inp.anchors.tolist() == valid + [-1] * (slots - len(valid))
+    i = valid.index(12)                                               # anchor 12: position 2 in doc 1
+    assert inp.block_ids[i].tolist() == [22, MASK, MASK, MASK]        # input_ids = index + 10
+    assert inp.block_positions[i].tolist() == [2, 3, 4, 5]
+    assert inp.labels[i].tolist() == [23, 24, 25]                     # tokens at a+1 .. a+3
+    decay = [math.exp(-(k - 1) / gamma) for k in (1, 2, 3)]
+    assert torch.allclose(inp.weights[i], torch.tensor([decay[0], 0.0, decay[2]]))   # loss_mask[14] = 0
+    assert inp.context_starts[i] == 10
+    assert inp.weights[len(valid):].abs().sum() == 0                   # empty blocks weigh nothing
+    assert (inp.block_ids[len(valid):] == MASK).all()
+    assert inp.context_len == 128 and inp.hidden.shape == (128, 4) and inp.hidden[20:].abs().sum() == 0
+    assert inp.context_positions[:20].tolist() == batch.position_ids.tolist()
+
+
+def test_target_labels_are_the_targets_argmax_one_before():
+    docs = [0] * 12
+    labels = torch.arange(12) + 500                                  # target's guess for token j+1, made at j
+    batch = packed_batch(docs, [1] * 12, target_labels=labels)
+    inp = build_inputs(batch, num_anchors=2, block_size=4, mask_token_id=MASK, gamma=7.0,
+                       labels_from_target=True, generator=torch.Generator().manual_seed(3))
+    a = int(inp.anchors[0])
+    assert inp.labels[0].tolist() == [500 + a, 501 + a, 502 + a]    # target_labels[a+k-1]
+
+
+def test_bad_inputs_are_named():
+    batch = packed_batch([0] * 8, [1] * 8)
+    with pytest.raises(ValueError, match="num_anchors=9 is larger than the packed sequence"):
+        build_inputs(batch, num_anchors=9, block_size=2, mask_token_id=MASK, gamma=7.0)
+    with pytest.raises(ValueError, match="no target_labels"):
+        build_inputs(batch, num_anchors=2, block_size=2, mask_token_id=MASK, gamma=7.0, labels_from_target=True)
+
+
+def test_same_seed_and_g_give_the_same_anchors():
+    from services.drafter.anchors import anchor_generator
+    batch = packed_batch([0] * 300, [1] * 300)
+    runs = [build_inputs(batch, num_anchors=16, block_size=8, mask_token_id=MASK, gamma=4.0,
+                         generator=anchor_generator(seed, g, torch.device("cpu"))).anchors
+            for seed, g in ((0, 5), (0, 5), (0, 6))]
+    assert torch.equal(runs[0], runs[1]) and not torch.equal(runs[0], runs[2])

@@ -1,0 +1,176 @@
+"""The DFlash block mask: semantics, dense == flex mask_mod == direct BlockMask, and the backends."""
+import math
+
+import pytest
+import torch
+from torch.nn.attention.flex_attention import create_block_mask
+
+from services.drafter.attention import (DenseAttention, FlexAttention, anchor_context_starts, block_tiles,
+                                        dense_block_mask, document_starts, flex_block_mask, flex_mask_mod)
+
+
+def brute_force_mask(anchors, block_size, context_len, document_ids=None):
+    """DFLASH.md's rule, written as loops over (query block, key)."""
+    n = len(anchors)
+    mask = torch.zeros(n * block_size, context_len + n * block_size, dtype=torch.bool)
+    for i, a in enumerate(anchors.tolist()):
+        if a < 0:
+            continue
+        rows = slice(i * block_size, (i + 1) * block_size)
+        for j in range(context_len):
+            same_doc = document_ids is None or (j < len(document_ids) and document_ids[j] == document_ids[a])
+            if j < a and same_doc:
+                mask[rows, j] = True
+        mask[rows, context_len + i * block_size: context_len + (i + 1) * block_size] = True
+    return mask
+
+
+def random_case(seed, block_size, seq_len, num_anchors, num_docs, empty=3):
+    gen = torch.Generator().manual_seed(seed)
+    docs = torch.sort(torch.randint(0, num_docs, (seq_len,), generator=gen)).values
+    docs[-5:] = -1                                              # padding at the end
+    real = torch.nonzero(docs >= 0).flatten()
+    k = min(num_anchors - empty, len(real))
+    anchors = torch.sort(real[torch.randperm(len(real), generator=gen)[:k]]).values
+    return torch.cat([anchors, torch.full((num_anchors - k,), -1)]), docs
+
+
+def test_hand_checked_mask_with_two_documents_and_an_empty_block():
+    docs = torch.tensor([0, 0, 0, 1, 1, 1, -1, -1])
+    anchors = torch.tensor([1, 4, -1])
+    m = dense_block_mask(anchors, block_size=2, context_len=8, document_ids=docs)
+    block0 = [1, 0, 0, 0, 0, 0, 0, 0] + [1, 1, 0, 0, 0, 0]   # context before anchor 1 in doc 0, own block
+    block1 = [0, 0, 0, 1, 0, 0, 0, 0] + [0, 0, 1, 1, 0, 0]   # doc 1 starts at 3: only key 3; own block
+    empty = [0] * 14
+    expected = torch.tensor([block0, block0, block1, block1, empty, empty], dtype=torch.bool)
+    assert torch.equal(m, expected)
+
+
+def test_without_documents_the_whole_prefix_is_visible():
+    m = dense_block_mask(torch.tensor([3]), block_size=2, context_len=5)
+    assert m[0].tolist() == [True, True, True, False, False, True, True]
+
+
+@pytest.mark.parametrize("block_size", [4, 10, 16])
+def test_dense_mask_equals_brute_force(block_size):
+    anchors, docs = random_case(1, block_size, seq_len=90, num_anchors=12, num_docs=4)
+    assert torch.equal(dense_block_mask(anchors, block_size, 96, docs), brute_force_mask(anchors, block_size, 96, docs))
+
+
+def test_document_starts_and_contiguity_check():
+    docs = torch.tensor([0, 0, 1, 1, 1, 2, -1, -1])
+    assert document_starts(docs).tolist() == [0, 0, 2, 2, 2, 5, 6, 6]
+    with pytest.raises(ValueError, match="document id 0 appears in more than one run"):
+        dense_block_mask(torch.tensor([1]), 2, 8, torch.tensor([0, 0, 1, 1, 0, 0, -1, -1]))
+    with pytest.raises(ValueError, match="padding"):
+        dense_block_mask(torch.tensor([7]), 2, 8, docs)
+    with pytest.raises(ValueError, match=r"anchor_positions must be -1 or in \[0, 8\)"):
+        dense_block_mask(torch.tensor([9]), 2, 8, docs)
+
+
+@pytest.mark.parametrize("block_size,seq_len,num_docs", [(8, 300, 3), (10, 700, 1), (16, 1400, 1), (16, 1400, 4),
+                                                           (32, 1000, 2), (256, 300, 2)])
+def test_direct_block_mask_equals_create_block_mask(block_size, seq_len, num_docs):
+    step = 128 // math.gcd(block_size, 128)
+    num_anchors = -(-40 // step) * step
+    context_len = -(-seq_len // 128) * 128
+    anchors, docs = random_case(block_size + seq_len, block_size, seq_len, num_anchors, num_docs)
+    starts = anchor_context_starts(anchors, docs)
+    mask_mod = flex_mask_mod(anchors, starts, block_size, context_len)
+    q_len, kv_len = num_anchors * block_size, context_len + num_anchors * block_size
+
+    # the flex mask_mod, evaluated element by element, is the dense mask
+    q_idx, kv_idx = torch.arange(q_len)[:, None], torch.arange(kv_len)[None, :]
+    dense = dense_block_mask(anchors, block_size, context_len, docs)
+    assert torch.equal(mask_mod(0, 0, q_idx, kv_idx), dense)
+
+    direct = flex_block_mask(anchors, starts, block_size, context_len)
+    reference = create_block_mask(mask_mod, None, None, q_len, kv_len, device="cpu")
+    for name in ("kv_num_blocks", "full_kv_num_blocks", "q_num_blocks", "full_q_num_blocks"):
+        assert torch.equal(getattr(direct, name), getattr(reference, name)), name
+    for name, count in (("kv_indices", "kv_num_blocks"), ("full_kv_indices", "full_kv_num_blocks")):
+        for row, n in enumerate(getattr(direct, count)[0, 0].tolist()):
+            assert torch.equal(getattr(direct, name)[0, 0, row, :n], getattr(reference, name)[0, 0, row, :n])
+    assert torch.equal(direct.to_dense(), reference.to_dense())
+    assert direct.seq_lengths == (q_len, kv_len)
+
+    # every tile the BlockMask skips is all-False in the dense mask, every full tile all-True
+    touched, full = block_tiles(anchors, starts, block_size, context_len)
+    tiles = dense.view(q_len // 128, 128, kv_len // 128, 128)
+    assert torch.equal(tiles.any(3).any(1), touched)
+    assert torch.equal(tiles.all(3).all(1), full)
+
+
+def test_direct_block_mask_has_full_tiles_for_long_contexts():
+    # long single document, late anchors: some context tiles are fully visible to a whole q tile
+    anchors, docs = random_case(5, 16, 1400, 48, 1, empty=0)
+    starts = anchor_context_starts(anchors, docs)
+    _, full = block_tiles(anchors, starts, 16, 1408)
+    assert full.any()
+
+
+def test_block_mask_requires_padded_shapes():
+    with pytest.raises(ValueError, match="multiples of 128"):
+        flex_block_mask(torch.tensor([1, 2, 3]), torch.zeros(3, dtype=torch.long), 16, 256)
+
+
+def test_dense_backend_empty_rows_give_zero_not_nan():
+    torch.manual_seed(0)
+    anchors = torch.tensor([5, -1])
+    mask = dense_block_mask(anchors, 4, 8)
+    q = torch.randn(1, 4, 8, 8, requires_grad=True)
+    k = torch.randn(1, 2, 16, 8, requires_grad=True)
+    v = torch.randn(1, 2, 16, 8, requires_grad=True)
+    out = DenseAttention()(q, k, v, mask)
+    assert torch.isfinite(out).all()
+    assert torch.equal(out[:, :, 4:], torch.zeros_like(out[:, :, 4:]))
+    out.sum().backward()
+    assert torch.isfinite(q.grad).all() and torch.isfinite(k.grad).all()
+    assert torch.equal(q.grad[:, :, 4:], torch.zeros_like(q.grad[:, :, 4:]))
+    # GQA: query heads 0,1 share kv head 0 -> same as repeating kv heads by hand
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q[:, :, :4], k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), attn_mask=mask[:4])
+    assert torch.allclose(out[:, :, :4], ref, atol=1e-6)
+
+
+@pytest.mark.parametrize("compile_layers", [False, True])
+def test_compiled_flex_forward_equals_dense_forward_on_cpu(compile_layers):
+    """Compiled flex_attention (inference works on CPU) against dense SDPA, with GQA and empty blocks;
+    called eagerly (its own compiled wrapper) or from inside compiled layers (captured by dynamo)."""
+    from services.drafter.anchors import build_inputs, valid_anchor_mask
+    from services.drafter.compile import RecompileWatch
+    from services.drafter.model import DFlashDrafter, DrafterModelConfig
+    from services.drafter.synthetic import SyntheticSource
+
+    torch.manual_seed(0)
+    cfg = DrafterModelConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+                             head_dim=8, vocab_size=64, num_target_layers=6, num_hidden_layers=2,
+                             target_layer_ids=[1, 3], block_size=16, mask_token_id=63)
+    source = SyntheticSource(cfg, 200)
+    dense_model = DFlashDrafter(cfg, attention=DenseAttention())
+    flex_model = DFlashDrafter(cfg, attention=FlexAttention())
+    flex_model.load_state_dict(dense_model.state_dict())
+    if compile_layers:
+        for layer in flex_model.layers:
+            layer.compile(dynamic=False)
+    table = torch.randn(64, 32)
+    watch = None
+    for g in (3, 4):
+        batch = source.batch(g)
+        chosen = torch.nonzero(valid_anchor_mask(batch.loss_mask | True, batch.document_ids, 16)).flatten()[::37][:4]
+        batch.loss_mask[:] = False
+        batch.loss_mask[chosen + 1] = True                        # 4 valid anchors, 4 empty blocks
+        inputs = build_inputs(batch, num_anchors=8, block_size=16, mask_token_id=63, gamma=7.0)
+        assert (inputs.anchors == -1).sum() == 4
+        embeds = table[inputs.block_ids.flatten()]
+        outs = []
+        for model in (dense_model, flex_model):
+            mask = model.attention.build_mask(inputs.anchors, inputs.context_starts, 16, inputs.context_len)
+            with torch.no_grad():
+                outs.append(model(inputs.hidden.float(), embeds, inputs.context_positions,
+                                  inputs.block_positions.flatten(), mask))
+        assert torch.isfinite(outs[1]).all()
+        torch.testing.assert_close(outs[1], outs[0], atol=2e-5, rtol=1e-4)
+        if watch is None:
+            watch = RecompileWatch()                               # a second batch must reuse the graphs
+    assert watch.count == 0

@@ -1,0 +1,77 @@
+"""Chunked weighted cross-entropy and the acceptance metrics."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from services.drafter.loss import acceptance_metrics, chunked_cross_entropy
+
+
+def naive_loss(hidden, lm_head, labels, weights):
+    logits = hidden @ lm_head.t()
+    ce = F.cross_entropy(logits.float(), labels, reduction="none")
+    return (ce * weights).sum() / weights.sum(), logits.argmax(-1)
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 64, 1000])
+def test_chunked_equals_full_logits_value_and_grads(chunk):
+    torch.manual_seed(0)
+    rows, H, V = 61, 16, 50
+    hidden = torch.randn(rows, H, dtype=torch.float64, requires_grad=True)
+    lm_head = torch.randn(V, H, dtype=torch.float64)
+    labels = torch.randint(0, V, (rows,))
+    weights = torch.rand(rows, dtype=torch.float64) * (torch.rand(rows) > 0.3)
+
+    loss, preds = chunked_cross_entropy(hidden, lm_head, labels, weights, chunk=chunk)
+    (3.0 * loss).backward()                                         # upstream scale reaches the grad
+    grad = hidden.grad.clone()
+
+    hidden.grad = None
+    ref, ref_preds = naive_loss(hidden, lm_head, labels, weights.float())
+    (3.0 * ref).backward()
+    assert torch.allclose(loss.double(), ref.double(), rtol=1e-6)
+    assert torch.allclose(grad, hidden.grad, rtol=1e-5, atol=1e-7)
+    assert torch.equal(preds, ref_preds)
+
+
+def test_empty_batch_gives_zero_loss_and_zero_grads():
+    hidden = torch.randn(10, 8, requires_grad=True)
+    lm_head = torch.randn(20, 8)
+    loss, _ = chunked_cross_entropy(hidden, lm_head, torch.zeros(10, dtype=torch.long), torch.zeros(10), chunk=3)
+    loss.backward()
+    assert loss.item() == 0.0
+    assert torch.equal(hidden.grad, torch.zeros_like(hidden))
+
+
+def test_no_grad_path_gives_the_same_loss():
+    torch.manual_seed(1)
+    hidden, lm_head = torch.randn(9, 8), torch.randn(20, 8)
+    labels, weights = torch.randint(0, 20, (9,)), torch.rand(9)
+    with torch.no_grad():
+        loss, preds = chunked_cross_entropy(hidden, lm_head, labels, weights, chunk=4)
+    ref, ref_preds = naive_loss(hidden, lm_head, labels, weights)
+    assert torch.allclose(loss, ref, rtol=1e-5) and torch.equal(preds, ref_preds)
+
+
+def test_acceptance_metrics_by_hand():
+    labels = torch.tensor([[1, 2, 3, 4],
+                           [1, 2, 3, 4],
+                           [1, 2, 3, 4],
+                           [1, 2, 3, 4]])
+    preds = torch.tensor([[1, 2, 3, 4],     # 4 accepted
+                          [1, 9, 3, 4],     # 1 accepted (a miss ends the run)
+                          [9, 2, 3, 4],     # 0 accepted
+                          [1, 2, 3, 4]])    # empty block: weights 0, not counted
+    weights = torch.ones(4, 4)
+    weights[3] = 0
+    weights[0, 3] = 0                       # untrained position ends the run too: block 0 accepts 3
+    m = acceptance_metrics(preds, labels, weights)
+    assert m["trained_blocks"].item() == 3
+    assert m["tau"].item() == pytest.approx(1 + (3 + 1 + 0) / 3)
+    # per position k=1..4 over trained positions: k1 2/3, k2 2/3, k3 3/3, k4 2/2
+    assert torch.allclose(m["accuracy_per_position"], torch.tensor([2 / 3, 2 / 3, 1.0, 1.0]))
+    assert m["accuracy"].item() == pytest.approx(9 / 11)
+
+
+def test_acceptance_metrics_with_nothing_trained():
+    m = acceptance_metrics(torch.zeros(2, 3, dtype=torch.long), torch.zeros(2, 3, dtype=torch.long), torch.zeros(2, 3))
+    assert m["trained_blocks"].item() == 0 and m["tau"].item() == 1.0 and m["accuracy"].item() == 0.0

@@ -1,0 +1,91 @@
+"""Real drafter processes: `python -m services.drafter --synthetic --device cpu`, gloo, cold compile cache."""
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from services.config import TransportConfig
+from services.endpoints import endpoint
+from services.health import probe
+
+REPO = Path(__file__).resolve().parents[1]
+SMALL = ["data.pack_len=256", "drafter.num_anchors=16", "drafter.lr=3e-3", "drafter.warmup_ratio=0.1"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn(run_dir, *args, rank=0, world_size=1, port=None):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHINDUCTOR_", "MASTER_", "RANK", "WORLD_SIZE"))}
+    env.update(PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")
+    if world_size > 1:
+        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
+    return subprocess.Popen([sys.executable, "-m", "services.drafter", "--run-dir", str(run_dir), "--synthetic",
+                             "--device", "cpu", *args], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def json_lines(text):
+    return [json.loads(line) for line in text.splitlines() if line.startswith("{")]
+
+
+@pytest.mark.slow
+def test_three_ranks_cold_compile_train_in_lockstep(tmp_path):
+    port = free_port()
+    procs = [spawn(tmp_path, "--max-steps", "25", *SMALL, "drafter.num_layers=1", "drafter.compile=true",
+                   rank=r, world_size=3, port=port) for r in range(3)]
+    outs = [p.communicate(timeout=240) for p in procs]
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-3000:]
+    assert any((tmp_path / "compile-cache").iterdir())                  # the cache was built here, cold
+    digests = set()
+    for rank, (out, _) in enumerate(outs):
+        lines = json_lines(out)
+        ready = [m for m in lines if m.get("event") == "ready"][0]
+        stopped = [m for m in lines if m.get("event") == "stopped"][0]
+        steps = [m for m in lines if "loss" in m]
+        assert ready["compile_s"] > 0 and stopped["recompiles"] == 0 and stopped["step"] == 25
+        assert [m["g"] for m in steps] == [s * 3 + rank for s in range(25)]   # g = s*D + d
+        assert sum(m["loss"] for m in steps[-5:]) < sum(m["loss"] for m in steps[:5]) - 1.0
+        digests.add(stopped["params_digest"])
+    assert len(digests) == 1                                              # identical parameters on all ranks
+
+
+def test_health_while_training_then_sigterm_drains_and_exits_zero(tmp_path):
+    proc = spawn(tmp_path, "--max-steps", "100000", *SMALL, "drafter.compile=false", "run.log_every=1")
+    try:
+        for line in proc.stdout:                                        # wait for a trained step
+            if line.startswith('{"rank"'):
+                break
+        code, status, reason = probe(endpoint(tmp_path, TransportConfig(), "drafter", 0, "health"), 5.0)
+        assert code == 0, reason
+        assert status["state"] == "training" and status["role"] == "drafter" and status["step"] >= 1
+        assert status["tokens_per_s"] > 0 and "loss" in status and "tau" in status and status["recompiles"] == 0
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err[-3000:]
+    stopped = [m for m in json_lines(out) if m.get("event") == "stopped"][0]
+    assert stopped["signal"] is True and 1 <= stopped["step"] < 100000
+
+
+def test_bad_config_fails_fast_with_a_named_error(tmp_path):
+    start = time.monotonic()
+    proc = spawn(tmp_path, "--max-steps", "1", *SMALL, "target.layer_ids=[1, 9]")
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 2
+    assert "target.layer_ids[1] = 9 is out of range: the target has 8 layers" in err
+    assert "Traceback" not in err and time.monotonic() - start < 60
+    proc = spawn(tmp_path, "--max-steps", "1", "data.pack_len=8", "drafter.num_anchors=16")
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 2 and "drafter.num_anchors=16 is larger than data.pack_len=8" in err

@@ -1,0 +1,106 @@
+"""The training step in-process on CPU (dense attention, no compile): learning, bad batches, warmup."""
+import dataclasses
+import math
+
+import pytest
+import torch
+
+from services.batch import BatchError
+from services.config import load_config
+from services.drafter.compile import warmup
+from services.drafter.synthetic import SYNTHETIC_MODEL, SyntheticSource
+from services.drafter.target_head import TargetHead, build_model_config
+from services.drafter.train import WarmupCosine, build_train_state, parameter_fingerprint, train_step
+
+
+def make(*overrides, steps=40):
+    cfg = load_config(None, ["data.pack_len=256", "drafter.num_anchors=16", "drafter.num_layers=2",
+                             "drafter.compile=false", "drafter.lr=3e-3", "drafter.warmup_ratio=0.1", *overrides])
+    model_cfg = build_model_config(cfg, SYNTHETIC_MODEL, mask_token_id=SYNTHETIC_MODEL["vocab_size"] - 1)
+    head = TargetHead.random(model_cfg.vocab_size, model_cfg.hidden_size, seed=0)
+    state = build_train_state(cfg, model_cfg, head, "cpu", total_steps=steps)
+    source = SyntheticSource(model_cfg, cfg.data.pack_len, total_steps=steps,
+                             with_target_labels=cfg.target.labels_from_target)
+    return state, source
+
+
+def test_loss_falls_and_tau_rises_on_synthetic_data():
+    state, source = make()
+    metrics = [train_step(state, batch) for batch in source]
+    first, last = metrics[:5], metrics[-5:]
+    mean = lambda ms, k: sum(m[k] for m in ms) / len(ms)
+    assert mean(last, "loss") < mean(first, "loss") - 0.5
+    assert mean(last, "tau") > mean(first, "tau") + 1.0
+    assert all(math.isfinite(m["loss"]) and m["trained_blocks"] == 16 for m in metrics)
+    assert state.step == 40 and state.micro_step == 40 and state.samples_done > 40
+    assert metrics[-1]["lr"] < metrics[5]["lr"]                          # cosine decay
+    assert len(metrics[0]["accuracy_per_position"]) == 15
+
+
+def test_labels_from_target_train_too():
+    state, source = make("target.labels_from_target=true", steps=3)
+    assert all(math.isfinite(train_step(state, b)["loss"]) for b in source)
+
+
+def test_warmup_leaves_parameters_and_optimizer_untouched():
+    state, source = make(steps=5)
+    before = parameter_fingerprint(state.drafter)
+    seconds = warmup(state, source.batch(0))
+    assert seconds > 0
+    assert parameter_fingerprint(state.drafter) == before
+    assert all(p.grad is None for p in state.drafter.parameters())
+    assert state.optimizer.state_dict()["state"] == {} and state.step == 0 and state.micro_step == 0
+    train_step(state, source.batch(0))
+    assert parameter_fingerprint(state.drafter) != before
+
+
+def test_gradient_accumulation_steps_every_n_batches():
+    state, source = make("drafter.grad_accum=2", steps=4)
+    before = parameter_fingerprint(state.drafter)
+    train_step(state, source.batch(0))
+    assert state.step == 0 and parameter_fingerprint(state.drafter) == before
+    assert any(p.grad is not None for p in state.drafter.parameters())
+    train_step(state, source.batch(1))
+    assert state.step == 1 and state.micro_step == 2 and parameter_fingerprint(state.drafter) != before
+
+
+def test_bad_batches_are_named_before_any_work():
+    state, source = make(steps=2)
+    good = source.batch(0)
+    bad_width = dataclasses.replace(good, hidden=good.hidden[:, :-1])
+    with pytest.raises(BatchError, match="field 'hidden' has width 127, config expects 128"):
+        train_step(state, bad_width)
+    with pytest.raises(BatchError, match="field 'hidden' has dtype torch.float32"):
+        train_step(state, dataclasses.replace(good, hidden=good.hidden.float()))
+    short = source.batch(0).__class__(g=0, **{k: v[:128] for k, v in good.tensors().items()})
+    with pytest.raises(BatchError, match="has 128 tokens, data.pack_len is 256"):
+        train_step(state, short)
+    out_of_vocab = dataclasses.replace(good, input_ids=good.input_ids.clone().fill_(500))
+    with pytest.raises(BatchError, match=r"field 'input_ids' has ids outside \[0, 128\)"):
+        train_step(state, out_of_vocab)
+    split_doc = good.document_ids.clone()
+    split_doc[-1] = 0
+    with pytest.raises(BatchError, match="document id 0 appears in more than one run"):
+        train_step(state, dataclasses.replace(good, document_ids=split_doc))
+    state2, source2 = make("target.labels_from_target=true", steps=2)
+    with pytest.raises(BatchError, match="field 'target_labels' is missing"):
+        train_step(state2, source.batch(0))
+    assert state.step == 0                                              # nothing was trained
+
+
+def test_empty_batch_trains_nothing_and_stays_finite():
+    state, source = make(steps=2)
+    batch = source.batch(0)
+    batch.loss_mask[:] = False                                          # no valid anchor at all
+    before = parameter_fingerprint(state.drafter)
+    m = train_step(state, batch)
+    assert m["loss"] == 0.0 and m["trained_blocks"] == 0 and m["grad_norm"] == 0.0
+    assert all(torch.isfinite(p).all() for p in state.drafter.parameters())
+    assert parameter_fingerprint(state.drafter) == before               # zero grads, no weight decay
+
+
+def test_warmup_cosine_schedule():
+    s = WarmupCosine(warmup_steps=4, total_steps=14, min_ratio=0.1)
+    assert [s(i) for i in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    assert s(9) == pytest.approx(0.1 + 0.9 * 0.5)                       # halfway through the decay
+    assert s(14) == pytest.approx(0.1) and s(100) == pytest.approx(0.1)

@@ -1,0 +1,118 @@
+"""The whole service as a user runs it: `launcher up --demo --device cpu`, real processes, real sockets.
+
+These are the slowest tests (about a minute each on 2 cores): one clean run, one where a target
+is killed mid-run and must be restarted without losing or repeating a batch.
+"""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import psutil
+import pytest
+
+from services.drafter.ledger import read_all
+
+pytestmark = pytest.mark.slow
+DEMO = ["--demo", "--device", "cpu", "--gpus", "0:target,1-2:drafter"]
+
+
+def launcher(run_dir: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "launcher", "up", *DEMO, "--run-dir", str(run_dir), *extra]
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [m for m in map(json.loads, lines) if not m.get("eval")]
+
+
+def assert_exactly_once(run_dir: Path) -> Counter:
+    schedule = json.loads((run_dir / "schedule.json").read_text())
+    expected = min(schedule["total_batches"], schedule["total_steps"] * schedule["drafters"])
+    trained = Counter(entry["g"] for entry in read_all(run_dir))
+    assert sorted(trained) == list(range(expected)), "some batch index was never trained"
+    assert max(trained.values()) == 1, f"trained twice: {[g for g, n in trained.items() if n > 1][:10]}"
+    return trained
+
+
+def all_pids(run_dir: Path) -> list[int]:
+    run = json.loads((run_dir / "run.json").read_text())
+    return [pid for w in run["workers"] for pid in w["pids_seen"]]
+
+
+def assert_no_worker_left(run_dir: Path) -> None:
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"
+                                              for p in all_pids(run_dir)):
+        time.sleep(0.2)
+    left = [p for p in all_pids(run_dir) if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]
+    assert not left, f"workers still running after the launcher exited: {left}"
+
+
+def test_demo_trains_end_to_end(tmp_path):
+    run_dir = tmp_path / "run"
+    out = subprocess.run(launcher(run_dir, "run.epochs=1"), capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "all workers ready" in out.stdout and "training finished" in out.stdout
+
+    run = json.loads((run_dir / "run.json").read_text())
+    pids = {w["name"]: w["pids_seen"] for w in run["workers"]}
+    assert len({p for ps in pids.values() for p in ps}) == 3 and os.getpid() not in pids.values()
+    assert_no_worker_left(run_dir)
+
+    steps = metrics(run_dir)
+    first = sum(m["loss"] for m in steps[:5]) / 5
+    last = sum(m["loss"] for m in steps[-5:]) / 5
+    assert last < first * 0.9, f"loss did not fall: {first:.3f} -> {last:.3f}"
+    assert_exactly_once(run_dir)
+
+
+def test_killed_target_is_restarted_and_nothing_is_lost(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(launcher(run_dir, "run.epochs=1", "transport.credits=3"),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:     # wait until training is under way
+            if (run_dir / "metrics.jsonl").exists() and len(metrics(run_dir)) >= 10:
+                break
+            assert proc.poll() is None, proc.stdout.read()
+            time.sleep(0.2)
+        else:
+            pytest.fail("training never started")
+        target_pid = json.loads((run_dir / "run.json").read_text())["workers"][0]["pid"]
+        os.kill(target_pid, signal.SIGKILL)
+        output, _ = proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, output[-3000:]
+    assert "target-0 exited with code -9; restarting" in output
+    run = json.loads((run_dir / "run.json").read_text())
+    target = next(w for w in run["workers"] if w["name"] == "target-0")
+    assert len(target["pids_seen"]) == 2 and target["pids_seen"][0] == target_pid
+    assert_exactly_once(run_dir)
+    assert_no_worker_left(run_dir)
+
+
+def test_launcher_kill_9_leaves_no_orphans(tmp_path):
+    """kill -9 of the launcher: the kernel's parent-death signal takes the workers down."""
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(launcher(run_dir), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not (run_dir / "run.json").exists():
+        time.sleep(0.2)
+    while time.monotonic() < deadline and len([p for p in all_pids(run_dir) if psutil.pid_exists(p)]) < 3:
+        time.sleep(0.2)
+    pids = all_pids(run_dir)
+    assert len(pids) == 3
+    proc.kill()
+    proc.wait()
+    gone_by = time.monotonic() + 60   # workers finish their step (or their load) and exit
+    while time.monotonic() < gone_by and any(psutil.pid_exists(p) and psutil.Process(p).status() != "zombie" for p in pids):
+        time.sleep(0.5)
+    assert_no_worker_left(run_dir)

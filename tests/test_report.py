@@ -1,0 +1,78 @@
+"""`launcher report` on a real (synthetic, one rank) run: summary, PNG, and the path without matplotlib.
+Neither `report` nor `export` imports torch into the launcher process."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    run = tmp_path_factory.mktemp("report") / "run"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHINDUCTOR_", "MASTER_", "RANK", "WORLD_SIZE"))}
+    out = subprocess.run([sys.executable, "-m", "services.drafter", "--run-dir", str(run), "--synthetic", "--device", "cpu",
+                          "--max-steps", "12", "data.pack_len=256", "drafter.num_anchors=16", "drafter.num_layers=1",
+                          "drafter.compile=false", "drafter.lr=3e-3", "run.eval_every=6", "run.checkpoint_every=6"],
+                         cwd=REPO, env=dict(env, PYTHONPATH=str(REPO)), capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return run
+
+
+def launcher_in_process(*args, block_matplotlib=False):
+    """Run launcher.cli.main in a fresh interpreter; report whether torch got imported."""
+    code = ("import sys, json\n"
+            + ("sys.modules['matplotlib'] = None\n" if block_matplotlib else "")
+            + "from launcher.cli import main\n"
+            + f"code = main({list(args)!r})\n"
+            + "print(json.dumps({'code': code, 'torch': 'torch' in sys.modules}))\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=180)
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    return result, out.stdout, out.stderr
+
+
+def test_report_prints_a_summary_and_writes_a_png(run_dir, tmp_path):
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "curves.png"
+    result, out, err = launcher_in_process("report", "--run-dir", str(run_dir), "--out", str(png))
+    assert result == {"code": 0, "torch": False}, err
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    evals = [r for r in records if r.get("eval")]
+    best = max(evals, key=lambda r: r["tau"])
+    assert "steps: 12" in out and f"best tau {best['tau']:.3f} at step {best['step']}" in out
+    assert "checkpoints: latest step-00000012" in out and f"export: {run_dir / 'export'}" in out
+    assert "tokens/s" in out and f"plot: {png}" in out
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+
+
+def test_report_without_matplotlib_still_summarises_and_says_how_to_get_the_plot(run_dir):
+    result, out, err = launcher_in_process("report", "--run-dir", str(run_dir), block_matplotlib=True)
+    assert result == {"code": 0, "torch": False}, err
+    assert "steps: 12" in out and "matplotlib is not installed" in out and "[report]" in out
+    assert not (run_dir / "report.png").exists()
+
+
+def test_report_on_a_dir_without_metrics_is_one_clear_line(tmp_path):
+    result, out, err = launcher_in_process("report", "--run-dir", str(tmp_path))
+    assert result["code"] == 2 and "no metrics in" in err and "Traceback" not in err
+
+
+def test_export_runs_in_a_child_process(run_dir, tmp_path):
+    result, out, err = launcher_in_process("export", "--checkpoint", str(run_dir / "checkpoints" / "best"),
+                                           "--out", str(tmp_path / "best"))
+    assert result == {"code": 0, "torch": False}, err
+    assert json.loads((tmp_path / "best" / "config.json").read_text())["architectures"] == ["DFlashDraftModel"]
+
+
+def test_tensorboard_events_when_the_extra_is_installed(run_dir):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    events = EventAccumulator(str(run_dir / "tensorboard"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("train/loss")] == list(range(1, 13))
+    assert [e.step for e in events.Scalars("eval/tau")] == [6, 12]
+    assert {"train/tokens_per_s", "train/data_wait_frac", "train/accuracy_pos1", "eval/loss"} <= set(events.Tags()["scalars"])
