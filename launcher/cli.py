@@ -16,7 +16,7 @@ from pathlib import Path
 
 from launcher import process
 from launcher.supervisor import EXIT_FAILED, EXIT_USAGE, RunFailed, Supervisor
-from launcher.topology import SpecError, parse_gpu_spec
+from launcher.topology import SpecError, host_overrides, hosts, parse_gpu_spec
 from services.config import ConfigError, dump_json, load_config
 from services.health import probe
 
@@ -38,8 +38,7 @@ def _make_demo(run_dir: Path) -> list[str]:
                          capture_output=True, text=True)
     if out.returncode != 0:
         raise UsageError(f"building the demo failed:\n{out.stderr[-2000:]}")
-    demo = json.loads(out.stdout.strip().splitlines()[-1])
-    return [f'target.model_path="{demo["model_path"]}"', f'data.path="{demo["data_path"]}"', *demo["overrides"]]
+    return json.loads(out.stdout.strip().splitlines()[-1])["overrides"]
 
 
 def cmd_up(args) -> int:
@@ -49,8 +48,14 @@ def cmd_up(args) -> int:
             raise UsageError("--device cuda but no NVIDIA GPU is visible; use --device cpu for a CPU run")
     else:
         available = None   # on cpu, GPU numbers are logical slots
-    workers = parse_gpu_spec(args.gpus, available=available, share_gpus=args.share_gpus)
-    cfg = load_config(args.config, args.overrides)          # validate before touching the disk
+    workers = parse_gpu_spec(args.gpus, available=available, share_gpus=args.share_gpus, local_host=args.host)
+    named = hosts(workers)
+    if named and args.host not in named:
+        raise UsageError(f"--gpus names hosts {', '.join(named)}: pass --host with the one this launcher runs on")
+    if args.host and not named:
+        raise UsageError("--host is for runs across hosts: name the host of every --gpus group (GPUS:ROLE@HOST)")
+    overrides = host_overrides(workers) + list(args.overrides)
+    cfg = load_config(args.config, overrides)               # validate before touching the disk
     run_dir = Path(args.run_dir or Path("runs") / cfg.run.name).resolve()
     if (run_dir / "run.json").is_file():
         old = json.loads((run_dir / "run.json").read_text())
@@ -60,7 +65,6 @@ def cmd_up(args) -> int:
     if (run_dir / "checkpoints").is_dir() and any((run_dir / "checkpoints").iterdir()) and not args.resume:
         raise UsageError(f"{run_dir} has checkpoints; pass --resume to continue, or choose another --run-dir")
     run_dir.mkdir(parents=True, exist_ok=True)
-    overrides = list(args.overrides)
     if args.demo:
         print("building the demo target and dataset…", flush=True)
         overrides = _make_demo(run_dir) + overrides
@@ -70,12 +74,12 @@ def cmd_up(args) -> int:
     if not cfg.data.path:
         raise UsageError("data.path is not set (config [data] path, or --demo)")
     dump_json(cfg, run_dir / "config.json")
-    sup = Supervisor(run_dir, cfg, workers, args.device, resume=args.resume,
+    sup = Supervisor(run_dir, cfg, workers, args.device, resume=args.resume, host=args.host,
                      ready_timeout_s=args.ready_timeout,
                      stop_timeout_s=args.stop_timeout or cfg.run.stop_timeout_s + 30)
     sup.install_signal_handlers()
     print(f"run dir: {run_dir}\nlogs:    {run_dir / 'logs'}/<role>-<rank>.log\n"
-          f"workers: {', '.join(f'{w.name}@gpu{w.gpu}' for w in workers)} ({args.device})", flush=True)
+          f"workers: {', '.join(f'{w.name}@gpu{w.gpu}' for w in sup.local)} ({args.device})", flush=True)
     try:
         sup.start_all()
         sup.wait_ready()
@@ -88,8 +92,17 @@ def cmd_up(args) -> int:
     return code
 
 
-def _probe_row(w: dict, timeout: float) -> dict:
-    code, status, reason = probe(w["endpoints"]["health"], timeout_s=timeout)
+def _run_keys(run_dir: Path) -> str:
+    """CURVE keys of a run (tcp with transport.curve_keys_dir), from its resolved config."""
+    try:
+        transport = json.loads((run_dir / "config.json").read_text())["transport"]
+    except (OSError, ValueError, KeyError):
+        return ""
+    return transport.get("curve_keys_dir", "") if transport.get("scheme") == "tcp" else ""
+
+
+def _probe_row(w: dict, timeout: float, keys: str) -> dict:
+    code, status, reason = probe(w["endpoints"]["health"], timeout_s=timeout, keys_dir=keys)
     row = {"name": w["name"], "gpu": w["gpu"], "pid": w["pid"], "probe": code, "reason": reason}
     if status:
         row.update({k: status.get(k) for k in ("state", "step", "samples_done", "tokens_per_s",
@@ -99,8 +112,9 @@ def _probe_row(w: dict, timeout: float) -> dict:
 
 
 def cmd_status(args) -> int:
-    run = _read_run(Path(args.run_dir).resolve())
-    rows = [_probe_row(w, args.timeout) for w in run["workers"]]
+    run_dir = Path(args.run_dir).resolve()
+    run = _read_run(run_dir)
+    rows = [_probe_row(w, args.timeout, _run_keys(run_dir)) for w in run["workers"]]
     if args.json:
         print(json.dumps({"launcher_pid": run["launcher_pid"], "launcher_alive": process.alive(run["launcher_pid"]),
                           "workers": rows}, indent=2))
@@ -144,7 +158,7 @@ def cmd_down(args) -> int:
 
 
 def cmd_probe(args) -> int:
-    code, status, reason = probe(args.endpoint, timeout_s=args.timeout)
+    code, status, reason = probe(args.endpoint, timeout_s=args.timeout, keys_dir=args.keys)
     if args.json:
         print(json.dumps({"exit": code, "reason": reason, "status": status}, indent=2))
     else:
@@ -205,6 +219,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--run-dir", help="default: runs/<run.name>")
     up.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in the run dir")
     up.add_argument("--share-gpus", action="store_true", help="allow several workers on one GPU")
+    up.add_argument("--host", default="", help="across hosts: which GPUS:ROLE@HOST host this launcher runs")
     up.add_argument("--ready-timeout", type=float, default=3600.0, help="seconds to wait for every worker to be ready")
     up.add_argument("--stop-timeout", type=float, help="seconds a graceful stop may take (default: run.stop_timeout_s + 30)")
     up.add_argument("overrides", nargs="*", metavar="section.key=value")
@@ -225,6 +240,8 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("endpoint")
     pr.add_argument("--timeout", type=float, default=3.0)
     pr.add_argument("--json", action="store_true")
+    pr.add_argument("--keys", default=os.environ.get("DFLASH_CURVE_KEYS_DIR", ""),
+                    help="CURVE keys folder for a tcp endpoint (default: $DFLASH_CURVE_KEYS_DIR)")
     pr.set_defaults(func=cmd_probe)
 
     units = sub.add_parser("units", help="render systemd units for a topology (deploy/systemd)")

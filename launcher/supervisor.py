@@ -8,6 +8,10 @@ Policy (docs/operations.md):
 - each role may restart run.max_restarts times over the run; one more failure ends the run (exit 1);
 - SIGINT/SIGTERM: graceful stop (drafters checkpoint and exit, then targets), exit 3;
 - all drafters exit 0: training is done; targets are stopped, exit 0.
+
+Across hosts every launcher supervises the workers of its own host. A host with targets only
+ends when every (remote) drafter has reported "stopped" or stayed unreachable for REMOTE_GONE_S.
+A drafter group spread over several hosts is not restarted as one: keep the drafters on one host.
 """
 from __future__ import annotations
 
@@ -22,12 +26,14 @@ from pathlib import Path
 from launcher import process
 from launcher.progress import ProgressLine
 from launcher.topology import Worker, count
+from services import curve
 from services.config import Config
 from services.endpoints import endpoint
 from services.health import probe
 
 EXIT_DONE, EXIT_FAILED, EXIT_USAGE, EXIT_STOPPED = 0, 1, 2, 3
 PROBE_EVERY_S = 5.0
+REMOTE_GONE_S = 30.0
 
 
 class RunFailed(RuntimeError):
@@ -36,20 +42,28 @@ class RunFailed(RuntimeError):
 
 class Supervisor:
     def __init__(self, run_dir: Path, cfg: Config, workers: list[Worker], device: str,
-                 resume: bool = False, ready_timeout_s: float = 3600.0, stop_timeout_s: float = 300.0):
+                 resume: bool = False, ready_timeout_s: float = 3600.0, stop_timeout_s: float = 300.0,
+                 host: str = ""):
         self.run_dir, self.cfg, self.workers, self.device = run_dir, cfg, workers, device
+        self.local = [w for w in workers if w.host == host]      # this host's workers (all of them on one host)
         self.resume = resume
         self.ready_timeout_s, self.stop_timeout_s = ready_timeout_s, stop_timeout_s
         self.procs: dict[str, object] = {}
         self.pids_seen: dict[str, list[int]] = {w.name: [] for w in workers}
         self.restarts = {"target": 0, "drafter": 0}
-        self.dist_port = process.free_port()
+        # one host: a fresh port per drafter group; across hosts every launcher must agree on it
+        self.master_addr = cfg.transport.drafter_hosts[0] if host else "127.0.0.1"
+        self.dist_port = cfg.transport.dist_port if host else process.free_port()
+        self.remote_seen: dict[str, float] = {}     # remote drafter -> last time it answered
         self.stopping = False
         self.progress = ProgressLine()
 
     # --- starting ----------------------------------------------------------
     def endpoints(self, w: Worker) -> dict[str, str]:
         return {p: endpoint(self.run_dir, self.cfg.transport, w.role, w.rank, p) for p in ("health", "data")}
+
+    def probe(self, w: Worker, timeout_s: float) -> tuple[int, dict | None, str]:
+        return probe(self.endpoints(w)["health"], timeout_s=timeout_s, keys_dir=curve.keys_for(self.cfg.transport))
 
     def argv(self, w: Worker) -> list[str]:
         argv = [sys.executable, "-m", f"services.{w.role}", "--config", str(self.run_dir / "config.json"),
@@ -61,7 +75,7 @@ class Supervisor:
 
     def env(self, w: Worker) -> dict[str, str]:
         env = dict(os.environ)
-        share = max(1, (os.cpu_count() or 1) // len(self.workers))
+        share = max(1, (os.cpu_count() or 1) // len(self.local))
         env.update({
             "PYTHONUNBUFFERED": "1",
             "TORCHINDUCTOR_CACHE_DIR": str(self.run_dir / "compile-cache"),
@@ -77,7 +91,7 @@ class Supervisor:
             env["CUDA_VISIBLE_DEVICES"] = ""              # logical slots; hide any GPU
             env["OMP_NUM_THREADS"] = str(share)
         if w.role == "drafter":
-            env.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(self.dist_port),
+            env.update({"MASTER_ADDR": self.master_addr, "MASTER_PORT": str(self.dist_port),
                         "RANK": str(w.rank), "WORLD_SIZE": str(count(self.workers, "drafter"))})
         return env
 
@@ -88,7 +102,7 @@ class Supervisor:
         self.write_run_json()
 
     def start_all(self) -> None:
-        for w in self.workers:
+        for w in self.local:
             self.start(w)
 
     def write_run_json(self) -> None:
@@ -107,13 +121,13 @@ class Supervisor:
     def wait_ready(self) -> None:
         """Block until every worker's health says ready/training; raise RunFailed on an exit or timeout."""
         deadline = time.monotonic() + self.ready_timeout_s
-        pending = {w.name: w for w in self.workers}
+        pending = {w.name: w for w in self.local}
         while pending:
             if self.stopping:
                 return
             for name, w in list(pending.items()):
                 self._check_exited_during_start(w)
-                code, status, _ = probe(self.endpoints(w)["health"], timeout_s=1.0)
+                code, status, _ = self.probe(w, timeout_s=1.0)
                 if status and status.get("state") in ("ready", "training"):
                     del pending[name]
                 elif status and status.get("state") == "failed":
@@ -126,7 +140,7 @@ class Supervisor:
         self.progress.done("all workers ready")
 
     def _state(self, w: Worker) -> str:
-        _, status, _ = probe(self.endpoints(w)["health"], timeout_s=0.5)
+        _, status, _ = self.probe(w, timeout_s=0.5)
         return status["state"] if status else "?"
 
     def _check_exited_during_start(self, w: Worker) -> None:
@@ -147,8 +161,9 @@ class Supervisor:
     # --- supervising ---------------------------------------------------------
     def supervise(self) -> int:
         """Watch the run until it ends. Returns the launcher's exit code."""
-        targets = [w for w in self.workers if w.role == "target"]
-        drafters = [w for w in self.workers if w.role == "drafter"]
+        targets = [w for w in self.local if w.role == "target"]
+        drafters = [w for w in self.local if w.role == "drafter"]
+        everyone = [w for w in self.workers if w.role == "drafter"]
         restart_due: dict[str, float] = {}
         last_probe = 0.0
         while not self.stopping:
@@ -168,16 +183,27 @@ class Supervisor:
                     process.kill_tree(self.procs[w.name].pid)
                     restart_due[w.name] = now + delay
             codes = [self.procs[w.name].poll() for w in drafters]
-            if all(rc == 0 for rc in codes):
-                self.progress.done(self._progress_text(drafters, final=True))
+            if all(rc == 0 for rc in codes) and (drafters or self._remote_drafters_done(everyone)):
+                self.progress.done(self._progress_text(everyone, final=True))
                 self.stop_targets()
                 return EXIT_DONE
             bad = [w for w, rc in zip(drafters, codes) if (rc not in (None, 0)) or w.name in stalled]
             if bad:
                 self._restart_drafter_group(drafters, bad, codes)
-            self.progress.show(self._progress_text(drafters))
+            self.progress.show(self._progress_text(everyone))
             time.sleep(0.5)
         return self.shutdown()
+
+    def _remote_drafters_done(self, drafters: list[Worker]) -> bool:
+        """For a host without drafters: has every drafter finished (stopped, or gone for good)?"""
+        now, done = time.monotonic(), True
+        for w in drafters:
+            _, status, _ = self.probe(w, timeout_s=0.5)
+            if status:
+                self.remote_seen[w.name] = now
+            gone = w.name in self.remote_seen and now - self.remote_seen[w.name] > REMOTE_GONE_S
+            done &= bool(status and status.get("state") == "stopped") or gone
+        return done
 
     def _count_restart(self, role: str, why: str) -> float:
         self.restarts[role] += 1
@@ -201,15 +227,15 @@ class Supervisor:
 
     def _stalled_workers(self) -> set[str]:
         stalled = set()
-        for w in self.workers:
+        for w in self.local:
             if self.procs[w.name].poll() is None:
-                _, status, _ = probe(self.endpoints(w)["health"], timeout_s=2.0)
+                _, status, _ = self.probe(w, timeout_s=2.0)
                 if status and status.get("stalled"):
                     stalled.add(w.name)
         return stalled
 
     def _progress_text(self, drafters: list[Worker], final: bool = False) -> str:
-        statuses = [probe(self.endpoints(w)["health"], timeout_s=0.5)[1] for w in drafters]
+        statuses = [self.probe(w, timeout_s=0.5)[1] for w in drafters]
         statuses = [s for s in statuses if s]
         if not statuses:
             return "training finished" if final else "waiting for drafters…"
@@ -225,13 +251,13 @@ class Supervisor:
         self.stopping = True
 
     def stop_targets(self) -> None:
-        pids = [self.procs[w.name].pid for w in self.workers if w.role == "target"]
+        pids = [self.procs[w.name].pid for w in self.local if w.role == "target"]
         process.stop_all(pids, deadline_s=30)
 
     def shutdown(self) -> int:
         """Graceful stop: drafters first (they checkpoint), then targets, then anything left."""
         self.progress.done("stopping: drafters checkpoint and exit, then targets")
-        drafters = [self.procs[w.name].pid for w in self.workers if w.role == "drafter" and w.name in self.procs]
+        drafters = [self.procs[w.name].pid for w in self.local if w.role == "drafter" and w.name in self.procs]
         hard = process.stop_all(drafters, deadline_s=self.stop_timeout_s)
         self.stop_targets()
         if hard:

@@ -1,7 +1,9 @@
 """GPU spec parsing: '0-4:target,5-7:drafter' -> one Worker per GPU.
 
-Grammar: comma-separated groups `GPUS:ROLE`; GPUS is a number, a range `a-b`, or several joined
-by '+' ('0-1+4:target'). Ranks count up per role in the order the GPUs are written.
+Grammar: comma-separated groups `GPUS:ROLE[@HOST]`; GPUS is a number, a range `a-b`, or several
+joined by '+' ('0-1+4:target'). Ranks count up per role in the order the GPUs are written.
+A run across hosts names the host of every group ('0-7:target@10.0.0.1,0-7:drafter@10.0.0.2');
+every host runs the same command with `--host` saying which one it is.
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ class Worker:
     role: str
     rank: int
     gpu: int
+    host: str = ""          # "" = this host (a single-host run)
 
     @property
     def name(self) -> str:
@@ -41,14 +44,23 @@ def _parse_gpus(text: str, group: str) -> list[int]:
     return gpus
 
 
-def parse_gpu_spec(spec: str, available: int | None = None, share_gpus: bool = False) -> list[Worker]:
-    """Parse spec into workers. `available` = number of GPUs present (None: don't check)."""
+def parse_gpu_spec(spec: str, available: int | None = None, share_gpus: bool = False,
+                   local_host: str = "") -> list[Worker]:
+    """Parse spec into workers. `available` = number of GPUs on this host (None: don't check);
+    only workers on `local_host` are checked against it."""
     if not spec or not spec.strip():
         raise SpecError("--gpus is empty; expected something like 0-4:target,5-7:drafter")
     workers: list[Worker] = []
-    owner: dict[int, str] = {}
-    for group in spec.split(","):
-        group = group.strip()
+    owner: dict[tuple[str, int], str] = {}
+    groups = [g.strip() for g in spec.split(",")]
+    hosted = [g for g in groups if "@" in g]
+    if hosted and len(hosted) != len(groups):
+        raise SpecError(f"--gpus {spec!r}: name the host of every group (GPUS:ROLE@HOST) or of none")
+    for group in groups:
+        group, _, host = group.partition("@")
+        host = host.strip()
+        if hosted and not host:
+            raise SpecError(f"--gpus group {group!r}: empty host after '@'")
         gpus_text, sep, role = group.rpartition(":")
         if not sep or not gpus_text:
             raise SpecError(f"--gpus group {group!r}: expected GPUS:ROLE, e.g. 0-4:target")
@@ -56,14 +68,15 @@ def parse_gpu_spec(spec: str, available: int | None = None, share_gpus: bool = F
         if role not in ROLES:
             raise SpecError(f"--gpus group {group!r}: unknown role {role!r} (roles: {', '.join(ROLES)})")
         for gpu in _parse_gpus(gpus_text, group):
-            if available is not None and gpu >= available:
+            if available is not None and host == local_host and gpu >= available:
                 raise SpecError(f"--gpus: GPU {gpu} does not exist (this machine has {available}: 0-{available - 1})"
                                 if available else f"--gpus: GPU {gpu} does not exist (no GPU found; use --device cpu)")
-            if gpu in owner and not share_gpus:
-                raise SpecError(f"--gpus: GPU {gpu} is given twice ({owner[gpu]} and {role}); pass --share-gpus to allow it")
-            owner.setdefault(gpu, role)
+            where = f"GPU {gpu}" + (f" of {host}" if host else "")
+            if (host, gpu) in owner and not share_gpus:
+                raise SpecError(f"--gpus: {where} is given twice ({owner[host, gpu]} and {role}); pass --share-gpus to allow it")
+            owner.setdefault((host, gpu), role)
             rank = sum(w.role == role for w in workers)
-            workers.append(Worker(role, rank, gpu))
+            workers.append(Worker(role, rank, gpu, host))
     for role in ROLES:
         if not any(w.role == role for w in workers):
             raise SpecError(f"--gpus {spec!r}: no {role} GPU; at least one target and one drafter are needed")
@@ -72,3 +85,18 @@ def parse_gpu_spec(spec: str, available: int | None = None, share_gpus: bool = F
 
 def count(workers: list[Worker], role: str) -> int:
     return sum(w.role == role for w in workers)
+
+
+def hosts(workers: list[Worker]) -> list[str]:
+    """The hosts a spec names, in order of first appearance ([] for a single-host run)."""
+    return list(dict.fromkeys(w.host for w in workers if w.host))
+
+
+def host_overrides(workers: list[Worker]) -> list[str]:
+    """Config overrides that place every worker's endpoints on its host (tcp across hosts)."""
+    if not hosts(workers):
+        return []
+    by_role = {role: [w.host for w in workers if w.role == role] for role in ROLES}
+    return ["transport.scheme=\"tcp\"",
+            f"transport.target_hosts={by_role['target']!r}".replace("'", '"'),
+            f"transport.drafter_hosts={by_role['drafter']!r}".replace("'", '"')]

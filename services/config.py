@@ -83,8 +83,11 @@ class DrafterConfig:
 class TransportConfig:
     scheme: str = "ipc"                # "ipc" (one host) | "tcp"
     host: str = "127.0.0.1"            # tcp bind/connect address; loopback unless configured
+    target_hosts: list[str] = field(default_factory=list)    # per target rank, across hosts; [] = host
+    drafter_hosts: list[str] = field(default_factory=list)   # per drafter rank; [] = host
     base_port: int = 29600             # tcp ports: base_port + offset per worker
     credits: int = 2                   # batches in flight per drafter
+    resend_after_s: float = 300.0      # ask again for a batch not received after this long
     chunk_bytes: int = 4 << 20         # large tensors travel as a stream of messages this big
     max_message_bytes: int = 64 << 20  # per ZMQ message; also ZMQ_MAXMSGSIZE
     max_batch_bytes: int = 4 << 30     # a whole reassembled batch

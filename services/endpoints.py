@@ -2,7 +2,8 @@
 so no one has to be told another's address.
 
 ipc: socket files in <run_dir>/sock/, a folder only the owner may enter (0700).
-tcp: transport.host (loopback unless configured) and base_port + a fixed offset per worker.
+tcp: the worker's host (transport.target_hosts / drafter_hosts by rank when the run spans
+hosts, else transport.host, loopback unless configured) and base_port + a fixed offset per worker.
 """
 from __future__ import annotations
 
@@ -29,5 +30,7 @@ def endpoint(run_dir: str | Path, transport: TransportConfig, role: str, rank: i
         raise ValueError(f"no endpoint for role={role!r} rank={rank} purpose={purpose!r}")
     if transport.scheme == "ipc":
         return f"ipc://{socket_dir(run_dir)}/{role}-{rank}.{purpose}"
+    hosts = transport.target_hosts if role == "target" else transport.drafter_hosts
+    host = hosts[rank] if rank < len(hosts) else transport.host
     port = transport.base_port + PURPOSES.index(purpose) * 2 * _MAX_RANKS + ROLES.index(role) * _MAX_RANKS + rank
-    return f"tcp://{transport.host}:{port}"
+    return f"tcp://{host}:{port}"

@@ -19,7 +19,7 @@ import msgpack
 import psutil
 import zmq
 
-from services import __version__
+from services import __version__, curve
 from services.sdnotify import Notifier
 
 STATES = ("starting", "loading", "compiling", "ready", "training", "draining", "stopped", "failed")
@@ -52,7 +52,7 @@ class HealthServer:
     """
 
     def __init__(self, endpoint: str, role: str, rank: int, gpu: int | str, stall_after_s: float = 300.0,
-                 startup_stall_after_s: float = 1800.0):
+                 startup_stall_after_s: float = 1800.0, keys_dir: str = ""):
         self.endpoint = endpoint
         self._lock = threading.Lock()
         self._status = {
@@ -69,6 +69,8 @@ class HealthServer:
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
         secure_socket(self._sock, MAX_REQUEST_BYTES)
+        if keys_dir:                       # tcp with CURVE keys: only key holders get an answer
+            curve.apply_server(self._sock, keys_dir)
         bind_private(self._sock, endpoint)
         self._thread = threading.Thread(target=self._serve, name="health", daemon=True)
         self._thread.start()
@@ -164,7 +166,7 @@ class HealthServer:
         return self.snapshot()
 
 
-def probe(endpoint: str, timeout_s: float = 3.0) -> tuple[int, dict | None, str]:
+def probe(endpoint: str, timeout_s: float = 3.0, keys_dir: str = "") -> tuple[int, dict | None, str]:
     """Ask one worker for its status. Returns (exit code, status or None, one-line reason).
 
     0 healthy; 1 answered but unhealthy (failed, stopped, or stalled); 2 unreachable or garbage.
@@ -174,6 +176,8 @@ def probe(endpoint: str, timeout_s: float = 3.0) -> tuple[int, dict | None, str]
     sock = ctx.socket(zmq.REQ)
     secure_socket(sock, 1 << 20)
     try:
+        if keys_dir:
+            curve.apply_client(sock, keys_dir)
         sock.connect(endpoint)
         sock.send(msgpack.packb({"op": "status"}))
         if not sock.poll(int(timeout_s * 1000), zmq.POLLIN):

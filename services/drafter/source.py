@@ -21,7 +21,7 @@ import torch
 from services.batch import Batch
 from services.config import Config
 from services.endpoints import endpoint
-from services import lifecycle
+from services import curve, lifecycle
 from services.health import HealthServer, probe
 from services.transport import BatchClient
 
@@ -99,6 +99,7 @@ class ZmqSource:
             if now - last_check > CHECK_TARGETS_EVERY_S:
                 last_check = now
                 self._resend_to_restarted_targets()
+                self._resend_overdue(now)
             if self.health:
                 self.health.progress(state="training", waiting_for_g=g)   # waiting is not a stall
         self.wait_s += time.monotonic() - start
@@ -118,7 +119,7 @@ class ZmqSource:
     def _resend_to_restarted_targets(self) -> None:
         """A target whose pid changed (or that was unreachable) lost our requests: ask again."""
         for t in {self.target_of(g) for g in self.pending}:
-            _, status, _ = probe(self.health_eps[t], timeout_s=0.5)
+            _, status, _ = probe(self.health_eps[t], timeout_s=0.5, keys_dir=curve.keys_for(self.cfg.transport))
             pid = status["pid"] if status else None
             if pid != self.target_pids[t]:
                 if self.target_pids[t] is not None or pid is None:
@@ -127,6 +128,14 @@ class ZmqSource:
                         self.client.request(t, g, self.split)
                         self.pending[g] = time.monotonic()
                 self.target_pids[t] = pid
+
+    def _resend_overdue(self, now: float) -> None:
+        """A stream that broke while its target stayed up (a tcp reconnect, a send that gave up)
+        never completes: ask again. A late duplicate is dropped by the client."""
+        for g, asked in list(self.pending.items()):
+            if now - asked > self.cfg.transport.resend_after_s:
+                self.client.request(self.target_of(g), g, self.split)
+                self.pending[g] = now
 
     def _ask_info(self) -> dict:
         """Ask target 0 about the dataset; it may still be loading its model, so wait for it."""

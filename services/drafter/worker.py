@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from services.config import Config, ConfigError
 from services.endpoints import endpoint
+from services import curve
 from services.health import HealthServer
 from services.drafter import checkpoint as ckpt
 from services.drafter.compile import RecompileWatch, warmup
@@ -212,7 +213,8 @@ def run(args, cfg: Config) -> int:
     gpu = os.environ.get("CUDA_VISIBLE_DEVICES", "0") if device.type == "cuda" else f"cpu-{rank}"
     health = HealthServer(endpoint(run_dir, cfg.transport, "drafter", rank, "health"), "drafter", rank, gpu,
                           stall_after_s=cfg.run.stall_after_s,
-                          startup_stall_after_s=cfg.run.startup_stall_after_s)
+                          startup_stall_after_s=cfg.run.startup_stall_after_s,
+                          keys_dir=curve.keys_for(cfg.transport))
     stop, batches, books = StopFlag(), None, None
     try:
         state, batches, books, compile_s = setup(args, cfg, run_dir, device, health, max_steps)

@@ -28,6 +28,7 @@ from services import lifecycle
 from services.batch import Batch
 from services.config import Config, load_config
 from services.endpoints import endpoint
+from services import curve
 from services.health import HealthServer
 from services.target.model import capture_to_host, load_target
 from services.target.packing import open_or_build
@@ -121,7 +122,8 @@ def main(argv=None) -> int:
     run_dir = Path(args.run_dir)
     health = HealthServer(endpoint(run_dir, cfg.transport, "target", args.rank, "health"), "target", args.rank,
                           gpu, stall_after_s=cfg.run.stall_after_s,
-                          startup_stall_after_s=cfg.run.startup_stall_after_s)
+                          startup_stall_after_s=cfg.run.startup_stall_after_s,
+                          keys_dir=curve.keys_for(cfg.transport))
     stop = lifecycle.install(grace_s=cfg.run.stop_timeout_s)
     try:
         worker = TargetWorker(cfg, run_dir, args.rank, device, health)
