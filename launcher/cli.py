@@ -168,15 +168,28 @@ def cmd_probe(args) -> int:
 
 def cmd_units(args) -> int:
     from launcher.units import UnitsError, render_units
+    roles, master, overrides = args.roles.split(","), args.master, list(args.overrides)
+    workers = parse_gpu_spec(args.gpus, share_gpus=True, local_host=args.host)
+    if hosts(workers):        # GPUS:ROLE@HOST: this host's roles, the tcp endpoints and the rendezvous follow
+        if args.host not in hosts(workers):
+            raise UsageError(f"--gpus names hosts {', '.join(hosts(workers))}: pass --host with this one")
+        roles = sorted({w.role for w in workers if w.host == args.host})
+        master = next(w.host for w in workers if w.role == "drafter")
+        overrides = host_overrides(workers) + overrides
     try:
-        paths = render_units(args.gpus, args.config, args.out, args.run_dir, python=args.python, device=args.device,
-                             roles=args.roles.split(","), master_addr=args.master, overrides=args.overrides,
+        paths = render_units(_strip_hosts(args.gpus),
+                             args.config, args.out, args.run_dir, python=args.python, device=args.device,
+                             roles=roles, master_addr=master, overrides=overrides,
                              start_timeout_s=args.start_timeout, stop_timeout_s=args.stop_timeout)
     except UnitsError as exc:
         raise UsageError(str(exc)) from None
     print("\n".join(str(p) for p in paths))
     print(f"install: cp -r {args.out}/* /etc/systemd/system/ && systemctl daemon-reload && systemctl start dflash.target")
     return 0
+
+
+def _strip_hosts(spec: str) -> str:
+    return ",".join(group.split("@")[0] for group in spec.split(","))
 
 
 def cmd_keys(args) -> int:
@@ -252,6 +265,7 @@ def build_parser() -> argparse.ArgumentParser:
     units.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     units.add_argument("--roles", default="target,drafter", help="roles that run on this host")
     units.add_argument("--master", default="127.0.0.1", help="host of drafter rank 0 (rendezvous)")
+    units.add_argument("--host", default="", help="with GPUS:ROLE@HOST specs: the host these units are for")
     units.add_argument("--python", default=sys.executable)
     units.add_argument("--start-timeout", type=int, default=1800)
     units.add_argument("--stop-timeout", type=int, default=600)

@@ -5,9 +5,8 @@ import json
 
 import numpy as np
 import pytest
-from transformers import AutoTokenizer
 
-from services.demo import CHAT_TEMPLATE, build_tokenizer, conversations
+from services.demo import CHAT_TEMPLATE, conversations
 from services.target.data import BadSamples, DataError, chat_tokens, has_generation_markers, read_documents
 
 VOCAB = 4096
@@ -33,19 +32,6 @@ QWEN3_LIKE = (
     "{%- endif -%}"
     "{%- endfor -%}"
 )
-
-
-@pytest.fixture(scope="module")
-def tok_dir(tmp_path_factory):
-    texts = [m["content"] for c in conversations(300, seed=1) for m in c["messages"]]
-    path = tmp_path_factory.mktemp("tok")
-    build_tokenizer(texts, vocab_size=600).save_pretrained(path)
-    return path
-
-
-@pytest.fixture
-def tokenizer(tok_dir):
-    return AutoTokenizer.from_pretrained(tok_dir)
 
 
 def _write(path, lines):

@@ -13,25 +13,12 @@ from safetensors.numpy import load_file
 from transformers import AutoTokenizer
 
 from services.config import load_config
-from services.demo import build_tokenizer, conversations
+from services.demo import conversations
 from services.target.data import DataError, Document
-from services.target.packing import PackedData, cache_key, open_or_build, pack_rows, split_document
+from services.target.packing import cache_key, open_or_build, pack_rows, split_document
 
 VOCAB = 4096
 REPO = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope="module")
-def tok_dir(tmp_path_factory):
-    texts = [m["content"] for c in conversations(300, seed=1) for m in c["messages"]]
-    path = tmp_path_factory.mktemp("tok")
-    build_tokenizer(texts, vocab_size=600).save_pretrained(path)
-    return path
-
-
-@pytest.fixture
-def tokenizer(tok_dir):
-    return AutoTokenizer.from_pretrained(tok_dir)
 
 
 @pytest.fixture

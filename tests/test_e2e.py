@@ -116,3 +116,42 @@ def test_launcher_kill_9_leaves_no_orphans(tmp_path):
     while time.monotonic() < gone_by and any(psutil.pid_exists(p) and psutil.Process(p).status() != "zombie" for p in pids):
         time.sleep(0.5)
     assert_no_worker_left(run_dir)
+
+
+def test_status_down_and_resume(tmp_path):
+    """`launcher status` sees every worker; `launcher down` stops gracefully (drafters checkpoint);
+    `launcher up --resume` finishes the run, and no batch is trained twice or skipped."""
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(launcher(run_dir, "run.epochs=1"), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not ((run_dir / "metrics.jsonl").exists() and len(metrics(run_dir)) >= 5):
+            assert time.monotonic() < deadline and proc.poll() is None, "training never started"
+            time.sleep(0.2)
+        status = subprocess.run([sys.executable, "-m", "launcher", "status", "--run-dir", str(run_dir), "--json"],
+                                capture_output=True, text=True, timeout=60)
+        assert status.returncode == 0, status.stdout + status.stderr
+        rows = json.loads(status.stdout)["workers"]
+        assert [r["name"] for r in rows] == ["target-0", "drafter-0", "drafter-1"]
+        assert all(r["state"] == "training" and r["probe"] == 0 for r in rows), rows
+        table = subprocess.run([sys.executable, "-m", "launcher", "status", "--run-dir", str(run_dir)],
+                               capture_output=True, text=True, timeout=60).stdout
+        assert "drafter-1" in table and "training" in table
+
+        down = subprocess.run([sys.executable, "-m", "launcher", "down", "--run-dir", str(run_dir)],
+                              capture_output=True, text=True, timeout=400)
+        assert down.returncode == 0 and "killed hard" not in down.stdout, down.stdout
+        output, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 3, output[-2000:]           # stopped before the end
+    assert_no_worker_left(run_dir)
+    stopped_at = max(m["step"] for m in metrics(run_dir))
+    assert (run_dir / "checkpoints" / "latest").exists()
+
+    again = subprocess.run(launcher(run_dir, "run.epochs=1", "--resume"), capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-2000:]
+    steps = [m["step"] for m in metrics(run_dir)]
+    assert steps == sorted(steps) and steps[-1] > stopped_at     # the curve continues, no step twice
+    assert_exactly_once(run_dir)

@@ -85,3 +85,21 @@ def test_launcher_never_imports_torch():
     code = "import sys, launcher.cli, launcher.supervisor; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.stdout.strip() == "False"
+
+
+def test_units_for_one_host_of_a_two_host_spec(tmp_path):
+    cfg = tmp_path / "run.toml"
+    cfg.write_text('[target]\nmodel_path = "/models/m"\n[data]\npath = "/data/d.jsonl"\n')
+    spec = "0-1:target@10.0.0.1,0:drafter@10.0.0.2"
+    out = run_launcher("units", "--gpus", spec, "--host", "10.0.0.2", "--config", str(cfg),
+                       "--out", str(tmp_path / "units"), "--run-dir", str(tmp_path / "run"))
+    assert out.returncode == 0, out.stderr
+    env_dir = tmp_path / "units" / "dflash-env"
+    assert sorted(p.name for p in env_dir.glob("dflash-*@*.env")) == ["dflash-drafter@0.env"]   # only this host's
+    env = (env_dir / "dflash-drafter@0.env").read_text()
+    assert "DFLASH_HEALTH_ENDPOINT=tcp://10.0.0.2:" in env and "MASTER_ADDR=10.0.0.2" in env
+    resolved = (tmp_path / "run" / "config.json").read_text()
+    assert '"10.0.0.1"' in resolved and '"tcp"' in resolved     # workers reach the targets on host A
+    missing = run_launcher("units", "--gpus", spec, "--config", str(cfg), "--out", str(tmp_path / "u2"),
+                           "--run-dir", str(tmp_path / "r2"))
+    assert missing.returncode == 2 and "--host" in missing.stderr

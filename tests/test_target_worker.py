@@ -1,7 +1,6 @@
 """The target worker as a real process: health states, info, batches over real ZMQ, errors, SIGTERM."""
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys

@@ -86,3 +86,46 @@ def test_sigkilled_drafter_resumes_and_every_batch_is_trained_once(tmp_path):
     else:
         png = run_dir / "report.png"
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+
+
+@pytest.mark.slow
+def test_stop_while_waiting_for_data_checkpoints_and_resume_finishes_the_run(tmp_path):
+    """`launcher down` while the drafters wait for a frozen target: they leave the wait, checkpoint
+    and exit 0 (nothing killed hard); `launcher up --resume` then finishes, every batch once."""
+    import psutil
+    steps, run_dir = 60, tmp_path / "run"
+    args = [sys.executable, "-m", "launcher", "up", "--demo", "--device", "cpu", "--gpus", "0:target,1-2:drafter",
+            "--run-dir", str(run_dir), f"run.max_steps={steps}", "run.checkpoint_every=1000", f"run.log_every={LOG_EVERY}"]
+    up = subprocess.Popen(args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        metrics = run_dir / "metrics.jsonl"
+        wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 2, 240, up, "training")
+        run = json.loads((run_dir / "run.json").read_text())
+        pids = {w["name"]: w["pid"] for w in run["workers"]}
+        os.kill(pids["target-0"], signal.SIGSTOP)                # the drafters run dry and wait
+        time.sleep(3)
+        down = subprocess.Popen([sys.executable, "-m", "launcher", "down", "--run-dir", str(run_dir), "--timeout", "120"],
+                                cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        deadline = time.monotonic() + 60
+        while any(psutil.pid_exists(pids[d]) and psutil.Process(pids[d]).status() != "zombie"
+                  for d in ("drafter-0", "drafter-1")) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        os.kill(pids["target-0"], signal.SIGCONT)                # let it see its SIGTERM
+        down_out, _ = down.communicate(timeout=150)
+        out, _ = up.communicate(timeout=150)
+    finally:
+        for p in (up,):
+            if p.poll() is None:
+                p.kill()
+    assert up.returncode == 3, out[-3000:]
+    assert "killed hard" not in down_out, down_out
+    log = (run_dir / "logs" / "drafter-0.log").read_text()
+    stopped = [json.loads(line) for line in log.splitlines() if line.startswith('{"event": "stopped"')][-1]
+    assert stopped["signal"] is True and 0 < stopped["step"] < steps
+    assert os.readlink(run_dir / "checkpoints" / "latest") == f"step-{stopped['step']:08d}"
+
+    again = subprocess.run(args + ["--resume"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, (again.stdout + again.stderr)[-3000:]
+    assert Counter(e["g"] for e in read_all(run_dir)) == Counter(range(2 * steps))
+    logged = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert logged == sorted(set(logged)) and set(range(LOG_EVERY, steps + 1, LOG_EVERY)) <= set(logged)

@@ -60,6 +60,7 @@ class Bookkeeping:
         self.best_tau = resumed.meta.get("best_tau") if resumed else None
         self.last_eval: dict | None = None
         self.last_metrics: dict | None = None          # the last optimizer step's metrics (for the final line)
+        self.boundary = state.counters()               # counters at the last optimizer step: what a checkpoint saves
         self.logged_step = state.step
         self.closed = False
 
@@ -71,7 +72,7 @@ class Bookkeeping:
         if self.state.micro_step % self.state.settings.grad_accum:
             return
         step, run = self.state.step, self.cfg.run
-        self.last_metrics = m
+        self.last_metrics, self.boundary = m, self.state.counters()
         if step % max(1, run.log_every) == 0:
             self.log_metrics(m)
         new_best = False
@@ -93,6 +94,8 @@ class Bookkeeping:
         """Evaluate the held-out split; True when tau is the best so far (same on every rank)."""
         start = time.perf_counter()
         result = evaluate(self.state, self.eval_batches)
+        if not result.pop("complete"):                # a stop came while a rank waited for eval data
+            return False
         result = {"step": self.state.step, "eval": True, **result, "eval_s": round(time.perf_counter() - start, 3)}
         self.metrics.write(result)
         self.last_eval = result
@@ -107,12 +110,14 @@ class Bookkeeping:
 
     # --- checkpoints -----------------------------------------------------------------------------
     def checkpoint(self, set_best: bool = False) -> bool:
-        """Collective. Rank 0 writes; a failure keeps the previous checkpoint and the run goes on."""
+        """Collective. Rank 0 writes; a failure keeps the previous checkpoint and the run goes on.
+        A stop in the middle of gradient accumulation saves the last optimizer step (the partial
+        batches are redone after the resume; their ledger lines are dropped then)."""
         state, step = self.state, self.state.step
         rng = ckpt.gather_rng_states(state.device)
         ok, path = True, None
         if self.rank == 0:
-            meta = ckpt.make_meta(state, self.world_size, best_tau=self.best_tau,
+            meta = ckpt.make_meta(self.boundary, state.drafter.cfg, self.world_size, best_tau=self.best_tau,
                                   eval=self.last_eval if self.last_eval and self.last_eval["step"] == step else None)
             blob = {"optimizer": state.optimizer.state_dict(), "scheduler": state.scheduler.state_dict()}
             start = time.perf_counter()

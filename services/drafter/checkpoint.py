@@ -339,8 +339,8 @@ def restore(state, found: Found, rank: int) -> list[str]:
     return notes
 
 
-def make_meta(state, world_size: int, **extra) -> dict:
-    return {"step": state.step, "micro_step": state.micro_step, "samples_done": state.samples_done,
-            "tokens_done": state.tokens_done, "world_size": world_size,
-            "next_g": state.micro_step * world_size,            # batches g < next_g are done
-            "model": state.drafter.cfg.to_dict(), "time": time.time(), **extra}
+def make_meta(counters: dict, model_cfg: DrafterModelConfig, world_size: int, **extra) -> dict:
+    """state.json: counters of an optimizer-step boundary (TrainState.counters()), model shape, extras."""
+    return {**counters, "world_size": world_size,
+            "next_g": counters["micro_step"] * world_size,     # batches g < next_g are done
+            "model": model_cfg.to_dict(), "time": time.time(), **extra}

@@ -3,12 +3,14 @@
 Every rank evaluates its share of the eval split (batch i*D + d, like training), forward only.
 The numbers are kept as sums (weighted loss, correct and trained positions, accepted tokens,
 blocks), all-reduced, and only then divided, so the result is exact over the whole split and
-the same on every rank. Definitions as in loss.acceptance_metrics.
+the same on every rank. Definitions as in loss.acceptance_metrics. A stop requested while a rank
+waits for eval data ends its pass early; the result then says complete=False on every rank.
 """
 from __future__ import annotations
 
 import torch
 
+from services import lifecycle
 from services.drafter.metrics import all_reduce_sum
 from services.drafter.train import TrainState, check_batch, forward_loss
 
@@ -19,8 +21,16 @@ def evaluate(state: TrainState, batches) -> dict:
     loss_sum = weight_sum = accepted = blocks = 0.0
     correct = torch.zeros(positions, dtype=torch.float64, device=state.device)
     trained = torch.zeros(positions, dtype=torch.float64, device=state.device)
-    count = 0
-    for batch in batches:
+    count, stopped = 0, 0
+    it = iter(batches)
+    while True:
+        try:
+            batch = next(it)
+        except StopIteration:
+            break
+        except lifecycle.Stopped:                       # a stop while waiting for data: still join the sum
+            stopped = 1
+            break
         batch = check_batch(batch, state).to(state.device, non_blocking=True)
         loss, inputs, preds = forward_loss(state, batch)
         weights = inputs.weights
@@ -36,10 +46,11 @@ def evaluate(state: TrainState, batches) -> dict:
         blocks = blocks + in_block.sum().double()
         count += int(w_sum > 0)                        # real batches (not the split's padding)
     local = torch.stack([torch.as_tensor(x, dtype=torch.float64, device=state.device)
-                         for x in (loss_sum, weight_sum, accepted, blocks, count)])
+                         for x in (loss_sum, weight_sum, accepted, blocks, count, stopped)])
     s = all_reduce_sum(torch.cat([local, correct, trained]).tolist(), state.device)
-    loss_total, w_total, acc_total, block_total, batches_total = s[:5]
-    c, t = s[5:5 + positions], s[5 + positions:]
+    loss_total, w_total, acc_total, block_total, batches_total, stops = s[:6]
+    c, t = s[6:6 + positions], s[6 + positions:]
     return {"loss": loss_total / max(w_total, 1e-12), "accuracy": sum(c) / max(sum(t), 1.0),
             "accuracy_per_position": [round(ci / max(ti, 1.0), 4) for ci, ti in zip(c, t)],
-            "tau": 1.0 + acc_total / max(block_total, 1.0), "batches": int(batches_total), "blocks": int(block_total)}
+            "tau": 1.0 + acc_total / max(block_total, 1.0), "batches": int(batches_total), "blocks": int(block_total),
+            "complete": stops == 0}

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
 import sys
 import time
@@ -20,6 +19,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from services import lifecycle
 from services.config import Config, ConfigError
 from services.endpoints import endpoint
 from services import curve
@@ -31,18 +31,6 @@ from services.drafter.bookkeeping import Bookkeeping, warn
 from services.drafter.synthetic import SYNTHETIC_MODEL, SyntheticSource
 from services.drafter.target_head import TargetHead, build_model_config, from_target
 from services.drafter.train import build_train_state, make_scheduler, parameter_fingerprint, train_step
-
-
-class StopFlag:
-    """SIGTERM/SIGINT set a flag; the loop finishes its step and leaves."""
-
-    def __init__(self):
-        self.requested = False
-        signal.signal(signal.SIGTERM, self._set)
-        signal.signal(signal.SIGINT, self._set)
-
-    def _set(self, signum, frame):
-        self.requested = True
 
 
 def _free_port() -> int:
@@ -123,13 +111,17 @@ def make_eval_batches(cfg, model_cfg, run_dir, rank, world_size, health, synthet
 
 
 def timed(batches):
-    """Yield (batch, seconds spent waiting for it)."""
+    """Yield (batch, seconds spent waiting for it). A stop requested while waiting for data
+    yields (None, seconds) and ends: the rank still joins the others' stop vote."""
     it = iter(batches)
     while True:
         start = time.perf_counter()
         try:
             batch = next(it)
         except StopIteration:
+            return
+        except lifecycle.Stopped:
+            yield None, time.perf_counter() - start
             return
         yield batch, time.perf_counter() - start
 
@@ -215,15 +207,15 @@ def run(args, cfg: Config) -> int:
                           stall_after_s=cfg.run.stall_after_s,
                           startup_stall_after_s=cfg.run.startup_stall_after_s,
                           keys_dir=curve.keys_for(cfg.transport))
-    stop, batches, books = StopFlag(), None, None
+    stop, batches, books = lifecycle.install(grace_s=cfg.run.stop_timeout_s), None, None
     try:
         state, batches, books, compile_s = setup(args, cfg, run_dir, device, health, max_steps)
         watch = RecompileWatch()                 # any graph compiled from here on is a recompile
         health.set(state="training")
-        accum, last, interrupted = state.settings.grad_accum, time.perf_counter(), False
+        last, interrupted = time.perf_counter(), False
         for batch, waited in timed(batches):
-            if state.micro_step % accum == 0 and stop_everywhere(stop.requested, device):
-                interrupted = True               # only between optimizer steps: nothing half-accumulated
+            if stop_everywhere(stop.is_set() or batch is None, device):
+                interrupted = True               # the checkpoint is the last optimizer step's state
                 break
             start = time.perf_counter()
             m = train_step(state, batch)
@@ -243,6 +235,9 @@ def run(args, cfg: Config) -> int:
         books.finish(completed=not interrupted)                   # final checkpoint; export when completed
         print(json.dumps({"event": "stopped", "rank": rank, "signal": interrupted, **state.counters(),
                           "recompiles": watch.count, "params_digest": parameter_fingerprint(state.drafter)}), flush=True)
+        health.set(state="stopped")
+        return 0
+    except lifecycle.Stopped:                    # stopped while starting (waiting for a target): nothing to save
         health.set(state="stopped")
         return 0
     except ConfigError as exc:                   # bad config or checkpoint: one clear line

@@ -183,7 +183,7 @@ def line_to_document(text: str, tokenizer, vocab_size: int) -> tuple[np.ndarray,
         ids, mask = pretokenized(record, vocab_size)
     elif "messages" in record or "conversations" in record:
         if not tokenizer.chat_template:
-            raise DataError(f"the tokenizer has no chat template, needed for chat data")
+            raise DataError("the tokenizer has no chat template, needed for chat data")
         ids, mask = chat_tokens(tokenizer, normalize_messages(record))
         ids, mask = np.asarray(ids, dtype=np.int64), np.asarray(mask, dtype=bool)
         if ids.size and ids.max() >= vocab_size:
