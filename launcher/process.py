@@ -29,9 +29,11 @@ def spawn(argv: list[str], env: dict[str, str], log_path: Path) -> subprocess.Po
     log = open(log_path, "ab", buffering=0)
     log.write(f"\n===== {time.strftime('%Y-%m-%d %H:%M:%S')} start: {' '.join(argv)}\n".encode())
     try:
+        # own session: a Ctrl-C in the terminal reaches the launcher only, which then stops the
+        # workers once, gracefully (a second signal would make them exit hard)
         return subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 preexec_fn=_die_with_parent if sys.platform == "linux" else None,
-                                close_fds=True)
+                                close_fds=True, start_new_session=True)
     finally:
         log.close()  # the child holds its own descriptor
 

@@ -84,6 +84,8 @@ class ZmqSource:
         for s in range(step, min(step + self.cfg.transport.credits, self.total_steps)):
             g = self.g_of(s)
             if g < self.total_batches and g not in self.pending and g not in self.arrived:
+                if self.target_pids[self.target_of(g)] is None:
+                    self._target_status(self.target_of(g))    # which incarnation we are asking
                 self.client.request(self.target_of(g), g, self.split)
                 self.pending[g] = time.monotonic()
 
@@ -117,17 +119,25 @@ class ZmqSource:
             raise SourceError(f"target-{target} refused batch g={g}: {message}")
 
     def _resend_to_restarted_targets(self) -> None:
-        """A target whose pid changed (or that was unreachable) lost our requests: ask again."""
+        """A new incarnation of a target knows nothing of what the old one owed us: once it is
+        ready (its data socket bound), ask it again for everything pending. Requests sent while
+        no target was listening are lost, so asking before it is ready does not do."""
         for t in {self.target_of(g) for g in self.pending}:
-            _, status, _ = probe(self.health_eps[t], timeout_s=0.5, keys_dir=curve.keys_for(self.cfg.transport))
-            pid = status["pid"] if status else None
-            if pid != self.target_pids[t]:
-                if self.target_pids[t] is not None or pid is None:
-                    self.client.forget(t)
-                    for g in sorted(g for g in self.pending if self.target_of(g) == t):
-                        self.client.request(t, g, self.split)
-                        self.pending[g] = time.monotonic()
-                self.target_pids[t] = pid
+            known = self.target_pids[t]
+            pid = self._target_status(t)
+            if known is not None and pid is not None and pid != known:
+                self.client.forget(t)
+                for g in sorted(g for g in self.pending if self.target_of(g) == t):
+                    self.client.request(t, g, self.split)
+                    self.pending[g] = time.monotonic()
+
+    def _target_status(self, t: int) -> int | None:
+        """The pid of target t once it is ready (data socket bound), remembered; else None."""
+        _, status, _ = probe(self.health_eps[t], timeout_s=0.5, keys_dir=curve.keys_for(self.cfg.transport))
+        if not status or status.get("state") not in ("ready", "training"):
+            return None
+        self.target_pids[t] = status["pid"]
+        return status["pid"]
 
     def _resend_overdue(self, now: float) -> None:
         """A stream that broke while its target stayed up (a tcp reconnect, a send that gave up)
