@@ -16,7 +16,7 @@ for part in "$@"; do case $part in
   drafter)    run drafter_recipe 300 python3 bench/drafter_step.py --shape recipe --steps 10 --out "$OUT/drafter_recipe.json" ;;
   large)      run drafter_large 400 python3 bench/drafter_step.py --shape large --steps 5 --out "$OUT/drafter_large.json" ;;
   target8b)   run target_8b 300 python3 bench/target_capture.py --shapes 8b --seq 8192,32768 --labels --out "$OUT/target_8b.json" ;;
-  target32b)  run target_32b 400 python3 bench/target_capture.py --shapes 32b --seq 8192,32768 --iters 3 --out "$OUT/target_32b.json" ;;
+  target32b)  run target_32b 280 python3 bench/target_capture.py --shapes 32b --seq 8192 --iters 3 --out "$OUT/target_32b.json" ;;
   transport)  run transport 300 python3 bench/transport.py --out "$OUT/transport.json" ;;
   target8k)   run target_8b 200 python3 bench/target_capture.py --shapes 8b --seq 8192 --iters 3 --out "$OUT/target_8b.json" ;;
   e2e)        run e2e 360 python3 bench/e2e_one_gpu.py --work /tmp/e2e --steps 200 --target-json "$OUT/target_8b.json" \

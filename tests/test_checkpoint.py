@@ -4,9 +4,6 @@ Faults (corrupt, incompatible, full disk): test_checkpoint_faults.py."""
 import json
 import os
 import signal
-import socket
-import subprocess
-import sys
 from collections import Counter
 from pathlib import Path
 
@@ -16,26 +13,10 @@ from safetensors.torch import load_file
 
 from services.drafter import checkpoint as ckpt
 from services.drafter.ledger import read_all
+from tests.drafters import free_port, spawn
 
-REPO = Path(__file__).resolve().parents[1]
 SMALL = ["data.pack_len=256", "drafter.num_anchors=16", "drafter.num_layers=1", "drafter.compile=false",
          "drafter.lr=3e-3", "drafter.warmup_ratio=0.1", "run.log_every=1"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def spawn(run_dir, *args, rank=0, world_size=1, port=None, preexec_fn=None):
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHINDUCTOR_", "MASTER_", "RANK", "WORLD_SIZE"))}
-    env.update(PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")
-    if world_size > 1:
-        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
-    return subprocess.Popen([sys.executable, "-m", "services.drafter", "--run-dir", str(run_dir), "--synthetic",
-                             "--device", "cpu", *args], cwd=REPO, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, preexec_fn=preexec_fn)
 
 
 def run_ranks(run_dir, *args, world_size=2, timeout=180):

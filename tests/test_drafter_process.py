@@ -1,37 +1,16 @@
 """Real drafter processes: `python -m services.drafter --synthetic --device cpu`, gloo, cold compile cache."""
 import json
-import os
 import signal
-import socket
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 
 from services.config import TransportConfig
 from services.endpoints import endpoint
 from services.health import probe
+from tests.drafters import free_port, spawn
 
-REPO = Path(__file__).resolve().parents[1]
 SMALL = ["data.pack_len=256", "drafter.num_anchors=16", "drafter.lr=3e-3", "drafter.warmup_ratio=0.1"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def spawn(run_dir, *args, rank=0, world_size=1, port=None):
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHINDUCTOR_", "MASTER_", "RANK", "WORLD_SIZE"))}
-    env.update(PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")
-    if world_size > 1:
-        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
-    return subprocess.Popen([sys.executable, "-m", "services.drafter", "--run-dir", str(run_dir), "--synthetic",
-                             "--device", "cpu", *args], cwd=REPO, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
 
 
 def json_lines(text):
