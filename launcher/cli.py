@@ -32,6 +32,37 @@ def _read_run(run_dir: Path) -> dict:
     return json.loads(path.read_text())
 
 
+LATEST = Path("runs") / "latest"
+
+
+def _check_inputs(cfg, runs_targets: bool) -> None:
+    """The model and the data, named in the error, before any worker starts (on a host that has them)."""
+    for key, value in (("target.model_path", cfg.target.model_path), ("data.path", cfg.data.path)):
+        if not value:
+            raise UsageError(f"{key} is not set (config file, {key}=..., or --demo)")
+        if runs_targets and not Path(value).exists():
+            raise UsageError(f"{key}: {value} does not exist")
+    if runs_targets and not (Path(cfg.target.model_path) / "config.json").is_file():
+        raise UsageError(f"target.model_path: {cfg.target.model_path} is not a Hugging Face model folder (no config.json)")
+
+
+def _choose_run_dir(args, name: str) -> Path:
+    """--run-dir, else runs/latest for --resume, else a new runs/<run.name>-<time> (runs/latest points to it)."""
+    if args.run_dir:
+        return Path(args.run_dir).resolve()
+    if args.resume:
+        if not LATEST.exists():
+            raise UsageError("--resume without --run-dir needs runs/latest (no earlier run here); pass --run-dir")
+        return LATEST.resolve()
+    run_dir = (Path("runs") / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    tmp = Path("runs") / ".latest.tmp"
+    tmp.unlink(missing_ok=True)
+    tmp.symlink_to(run_dir.name)
+    tmp.replace(LATEST)
+    return run_dir
+
+
 def _make_demo(run_dir: Path) -> list[str]:
     """Build the demo model and data in a child process (torch stays out of the launcher)."""
     out = subprocess.run([sys.executable, "-m", "services.demo", "--out", str(run_dir / "demo")],
@@ -56,7 +87,10 @@ def cmd_up(args) -> int:
         raise UsageError("--host is for runs across hosts: name the host of every --gpus group (GPUS:ROLE@HOST)")
     overrides = host_overrides(workers) + list(args.overrides)
     cfg = load_config(args.config, overrides)               # validate before touching the disk
-    run_dir = Path(args.run_dir or Path("runs") / cfg.run.name).resolve()
+    runs_targets = any(w.role == "target" and w.host == args.host for w in workers)
+    if not args.demo:
+        _check_inputs(cfg, runs_targets)
+    run_dir = _choose_run_dir(args, cfg.run.name)
     if (run_dir / "run.json").is_file():
         old = json.loads((run_dir / "run.json").read_text())
         if process.alive(old.get("launcher_pid", -1)) and old.get("launcher_pid") != os.getpid():
@@ -69,10 +103,7 @@ def cmd_up(args) -> int:
         print("building the demo target and dataset…", flush=True)
         overrides = _make_demo(run_dir) + overrides
     cfg = load_config(args.config, overrides)
-    if not cfg.target.model_path:
-        raise UsageError("target.model_path is not set (config [target] model_path, or --demo)")
-    if not cfg.data.path:
-        raise UsageError("data.path is not set (config [data] path, or --demo)")
+    _check_inputs(cfg, runs_targets)
     dump_json(cfg, run_dir / "config.json")
     sup = Supervisor(run_dir, cfg, workers, args.device, resume=args.resume, host=args.host,
                      ready_timeout_s=args.ready_timeout,
@@ -229,7 +260,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--config", help="run config (TOML)")
     up.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     up.add_argument("--demo", action="store_true", help="train on the built-in tiny demo target and dataset")
-    up.add_argument("--run-dir", help="default: runs/<run.name>")
+    up.add_argument("--run-dir", help="default: a new runs/<run.name>-<time>, linked as runs/latest")
     up.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in the run dir")
     up.add_argument("--share-gpus", action="store_true", help="allow several workers on one GPU")
     up.add_argument("--host", default="", help="across hosts: which GPUS:ROLE@HOST host this launcher runs")
@@ -239,13 +270,13 @@ def build_parser() -> argparse.ArgumentParser:
     up.set_defaults(func=cmd_up)
 
     status = sub.add_parser("status", help="probe every worker of a run and print a table")
-    status.add_argument("--run-dir", default="runs/dflash")
+    status.add_argument("--run-dir", default=str(LATEST), help="default: runs/latest, the last run started here")
     status.add_argument("--json", action="store_true")
     status.add_argument("--timeout", type=float, default=2.0)
     status.set_defaults(func=cmd_status)
 
     down = sub.add_parser("down", help="stop a run gracefully, then kill what is left")
-    down.add_argument("--run-dir", default="runs/dflash")
+    down.add_argument("--run-dir", default=str(LATEST), help="default: runs/latest, the last run started here")
     down.add_argument("--timeout", type=float, default=330.0)
     down.set_defaults(func=cmd_down)
 
@@ -284,7 +315,7 @@ def build_parser() -> argparse.ArgumentParser:
     export.set_defaults(func=cmd_export)
 
     rep = sub.add_parser("report", help="plot loss and tau over steps (PNG) and print a summary of a run")
-    rep.add_argument("--run-dir", default="runs/dflash")
+    rep.add_argument("--run-dir", default=str(LATEST), help="default: runs/latest, the last run started here")
     rep.add_argument("--out", help="PNG path (default <run-dir>/report.png)")
     rep.set_defaults(func=cmd_report)
     return parser

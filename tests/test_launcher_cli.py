@@ -103,3 +103,18 @@ def test_units_for_one_host_of_a_two_host_spec(tmp_path):
     missing = run_launcher("units", "--gpus", spec, "--config", str(cfg), "--out", str(tmp_path / "u2"),
                            "--run-dir", str(tmp_path / "r2"))
     assert missing.returncode == 2 and "--host" in missing.stderr
+
+
+def test_missing_model_folder_and_data_are_named(tmp_path):
+    data = tmp_path / "d.jsonl"
+    data.write_text("{}\n")
+    out = run_launcher("up", "--device", "cpu", "--gpus", "0:target,1:drafter", "--run-dir", str(tmp_path / "r"),
+                       f"target.model_path={tmp_path / 'no-such-model'}", f"data.path={data}")
+    assert out.returncode == 2 and "no-such-model does not exist" in out.stderr and "Traceback" not in out.stderr
+    (tmp_path / "m").mkdir()
+    out = run_launcher("up", "--device", "cpu", "--gpus", "0:target,1:drafter", "--run-dir", str(tmp_path / "r"),
+                       f"target.model_path={tmp_path / 'm'}", f"data.path={tmp_path / 'none.jsonl'}")
+    assert out.returncode == 2 and "data.path" in out.stderr and "none.jsonl" in out.stderr
+    out = run_launcher("up", "--device", "cpu", "--gpus", "0:target,1:drafter", "--run-dir", str(tmp_path / "r"),
+                       f"target.model_path={tmp_path / 'm'}", f"data.path={data}")
+    assert out.returncode == 2 and "no config.json" in out.stderr
