@@ -56,6 +56,7 @@ class Bookkeeping:
         self.ledger = Ledger(run_dir, rank, start_step=state.micro_step)
         self.metrics = MetricsLog(run_dir, resume_step=state.step, enabled=rank == 0)
         self.times = StepTimes()
+        self.window = MetricsWindow()
         self.saved_step = state.step if resumed else None
         self.best_tau = resumed.meta.get("best_tau") if resumed else None
         self.last_eval: dict | None = None
@@ -69,12 +70,13 @@ class Bookkeeping:
         """Ledger for every batch; on an optimizer step also metrics, evaluation and checkpoint."""
         self.ledger.record(self.state.micro_step - 1, g, m["tokens"])
         self.times.add(data_s, compute_s, m["tokens"])
+        self.window.add(m)
         if self.state.micro_step % self.state.settings.grad_accum:
             return
         step, run = self.state.step, self.cfg.run
         self.last_metrics, self.boundary = m, self.state.counters()
         if step % max(1, run.log_every) == 0:
-            self.log_metrics(m)
+            self.log_metrics(self.window.mean(m))
         new_best = False
         if run.eval_every > 0 and step % run.eval_every == 0 and self.eval_batches is not None:
             new_best = self.run_eval()
@@ -88,6 +90,7 @@ class Bookkeeping:
                   "lr": m["lr"], "grad_norm": round(m["grad_norm"], 6), "time": round(time.time(), 3)}
         self.metrics.write(record)
         self.times.reset()
+        self.window = MetricsWindow()
         self.logged_step = self.state.step
 
     def run_eval(self) -> bool:
@@ -147,7 +150,7 @@ class Bookkeeping:
         """Last metrics line, final checkpoint (also on a graceful stop), then, when training
         completed, the export."""
         if self.last_metrics is not None and self.logged_step != self.state.step:
-            self.log_metrics(self.last_metrics)
+            self.log_metrics(self.window.mean(self.last_metrics))
         if self.saved_step != self.state.step:
             self.checkpoint()
         if completed and self.cfg.run.export_at_end and self.rank == 0:
@@ -172,3 +175,32 @@ class Bookkeeping:
         self.metrics.close()
         if hasattr(self.eval_batches, "close"):
             self.eval_batches.close()
+
+
+class MetricsWindow:
+    """Loss, accuracy and τ averaged over every batch since the last metrics line (weighted by
+    trained blocks), so a line every `log_every` steps describes all of them, not just the last."""
+
+    KEYS = ("loss", "accuracy", "tau")
+
+    def __init__(self):
+        self.blocks = 0.0
+        self.sums = dict.fromkeys(self.KEYS, 0.0)
+        self.per_position: list[float] = []
+
+    def add(self, m: dict) -> None:
+        w = float(m["trained_blocks"])
+        self.blocks += w
+        for key in self.KEYS:
+            self.sums[key] += m[key] * w
+        pos = m["accuracy_per_position"]
+        self.per_position = [a + b * w for a, b in zip(self.per_position or [0.0] * len(pos), pos)]
+
+    def mean(self, last: dict) -> dict:
+        """`last` with its averaged fields replaced by the window's means."""
+        if self.blocks <= 0:
+            return last
+        out = dict(last, trained_blocks=self.blocks, **{k: v / self.blocks for k, v in self.sums.items()})
+        out["accuracy_per_position"] = [a / self.blocks for a in self.per_position]
+        return out
+

@@ -1,7 +1,8 @@
 """Training metrics: averaged over the drafter ranks, written by rank 0 to <run_dir>/metrics.jsonl
 (and TensorBoard event files under <run_dir>/tensorboard when `tensorboard` is installed).
 
-One JSON object per line. Train lines, every run.log_every optimizer steps:
+One JSON object per line. Train lines, every run.log_every optimizer steps (loss, accuracy and τ
+averaged over every batch since the previous line, weighted by trained blocks):
     step, loss, accuracy, accuracy_per_position, tau, lr, grad_norm, tokens_per_s, samples_done,
     tokens_done, data_wait_frac, time_data_s, time_compute_s, time_other_s (per step, mean of ranks)
 Eval lines ("eval": true), every run.eval_every steps:
