@@ -16,17 +16,8 @@ class Ledger:
     def __init__(self, run_dir: str | Path, rank: int, start_step: int = 0):
         self.path = Path(run_dir) / "ledger" / f"drafter-{rank}.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._truncate(start_step)
+        truncate_jsonl(self.path, keep_through_step=start_step - 1)
         self._file = open(self.path, "a")
-
-    def _truncate(self, start_step: int) -> None:
-        if not self.path.exists():
-            return
-        keep = [line for line in self.path.read_text().splitlines()
-                if line.strip() and _step(line) is not None and _step(line) < start_step]
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text("".join(line + "\n" for line in keep))
-        os.replace(tmp, self.path)
 
     def record(self, step: int, g: int, tokens: int) -> None:
         self._file.write(json.dumps({"step": step, "g": g, "tokens": tokens}) + "\n")
@@ -34,6 +25,17 @@ class Ledger:
 
     def close(self) -> None:
         self._file.close()
+
+
+def truncate_jsonl(path: Path, keep_through_step: int) -> None:
+    """Drop lines with step > keep_through_step, and lines cut by a crash (ledger and metrics)."""
+    if not path.exists():
+        return
+    keep = [line for line in path.read_text().splitlines()
+            if _step(line) is not None and _step(line) <= keep_through_step]
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(line + "\n" for line in keep))
+    os.replace(tmp, path)
 
 
 def _step(line: str) -> int | None:

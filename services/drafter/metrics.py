@@ -13,12 +13,13 @@ repeats (the ledger does the same for batch indices).
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+from services.drafter.ledger import truncate_jsonl
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -29,22 +30,6 @@ def all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(t)
     return t.tolist()
-
-
-def truncate_jsonl(path: Path, keep_through_step: int) -> None:
-    """Drop lines with step > keep_through_step (and lines cut by a crash)."""
-    if not path.exists():
-        return
-    keep = []
-    for line in path.read_text().splitlines():
-        try:
-            if int(json.loads(line)["step"]) <= keep_through_step:
-                keep.append(line)
-        except (ValueError, KeyError, TypeError):
-            continue
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(line + "\n" for line in keep))
-    os.replace(tmp, path)
 
 
 class StepTimes:
