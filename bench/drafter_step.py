@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.peak import matmul_peak_tflops  # noqa: E402
+from bench.timing import matmul_peak_tflops, timed  # noqa: E402
 
 SHAPES = {
     "recipe": dict(hidden=4096, intermediate=12288, heads=32, kv_heads=8, head_dim=128, layers=5, target_layers=36,
@@ -53,23 +53,6 @@ def parse_args(argv=None):
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     p.add_argument("--out", help="write the results as JSON here")
     return p.parse_args(argv)
-
-
-class Timer:
-    """Wall time of a block, with the device synchronised before and after."""
-
-    def __init__(self, device):
-        self.device = device
-
-    def __call__(self, fn, repeats=1):
-        import torch
-        sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
-        sync()
-        start = time.perf_counter()
-        for _ in range(repeats):
-            fn()
-        sync()
-        return (time.perf_counter() - start) / repeats
 
 
 def shape_from_args(args, name):
@@ -104,7 +87,6 @@ def bench_shape(name, shape, args, peak_tflops):
     from services.drafter.train import build_train_state, train_step
 
     device = torch.device("cuda:0" if args.device == "cuda" else "cpu")
-    timer = Timer(device)
     cfg = load_config(None, [f"data.pack_len={shape['seq_len']}", f"drafter.num_anchors={shape['anchors']}",
                              f"drafter.block_size={shape['block_size']}", f"drafter.num_layers={shape['layers']}",
                              f"drafter.compile={'false' if args.no_compile else 'true'}",
@@ -160,7 +142,7 @@ def bench_shape(name, shape, args, peak_tflops):
         recompiles=watch.count, last_loss=round(metrics["loss"], 4))
 
     if not args.no_breakdown:
-        result["breakdown_s"] = breakdown(state, batches[0], inputs, timer, step_s)
+        result["breakdown_s"] = breakdown(state, batches[0], inputs, step_s)
     if args.profile and device.type == "cuda":
         from torch.profiler import ProfilerActivity, profile
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -173,7 +155,7 @@ def bench_shape(name, shape, args, peak_tflops):
     return result
 
 
-def breakdown(state, batch, inputs, timer, step_s) -> dict:
+def breakdown(state, batch, inputs, step_s) -> dict:
     """Where a step's time goes, each part timed alone at the step's shapes (approximate)."""
     import torch
     from services.drafter.anchors import anchor_generator, build_inputs
@@ -187,7 +169,7 @@ def breakdown(state, batch, inputs, timer, step_s) -> dict:
                            gamma=s.gamma, generator=anchor_generator(0, 7, device))
         state.drafter.attention.build_mask(inp.anchors, inp.context_starts, s.block_size, inp.context_len)
 
-    parts = {"anchors_blocks_mask": timer(anchors_and_mask, 5)}
+    parts = {"anchors_blocks_mask": timed(anchors_and_mask, 5)}
 
     mask = state.drafter.attention.build_mask(inputs.anchors, inputs.context_starts, s.block_size, inputs.context_len)
     q_len, kv_len = inputs.anchors.numel() * s.block_size, inputs.context_len + inputs.anchors.numel() * s.block_size
@@ -198,8 +180,8 @@ def breakdown(state, batch, inputs, timer, step_s) -> dict:
     def attention_fwd_bwd():
         state.drafter.attention(q, k, v, mask).sum().backward()
 
-    timer(attention_fwd_bwd, 2)                                   # compile the standalone kernel first
-    parts["attention_fwd_bwd"] = timer(attention_fwd_bwd, 5) * cfg.num_hidden_layers
+    timed(attention_fwd_bwd, 2)                                   # compile the standalone kernel first
+    parts["attention_fwd_bwd"] = timed(attention_fwd_bwd, 5) * cfg.num_hidden_layers
     del q, k, v
 
     rows = inputs.anchors.numel() * (s.block_size - 1)
@@ -210,8 +192,8 @@ def breakdown(state, batch, inputs, timer, step_s) -> dict:
         loss, _ = chunked_cross_entropy(hidden, state.head.lm_head, labels, weights, s.loss_chunk, state.chunk_fns)
         loss.backward()
 
-    timer(loss_fwd_bwd, 1)
-    parts["lm_head_loss_fwd_bwd"] = timer(loss_fwd_bwd, 3)
+    timed(loss_fwd_bwd, 1)
+    parts["lm_head_loss_fwd_bwd"] = timed(loss_fwd_bwd, 3)
     del hidden
 
     params = list(state.drafter.parameters())
@@ -222,7 +204,7 @@ def breakdown(state, batch, inputs, timer, step_s) -> dict:
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         state.optimizer.step()
 
-    parts["clip_optimizer"] = timer(optimizer, 3)
+    parts["clip_optimizer"] = timed(optimizer, 3)
     state.optimizer.zero_grad(set_to_none=True)
     parts["rest"] = step_s - sum(parts.values())
     parts = {k: round(v, 4) for k, v in parts.items()}

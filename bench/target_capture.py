@@ -21,13 +21,12 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # run as a script from anywhere
-from bench.peak import matmul_peak_tflops  # noqa: E402
+from bench.timing import matmul_peak_tflops, sync, timed  # noqa: E402
 
 SHAPES = {
     "tiny": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=8, num_attention_heads=4,   # CPU smoke test
@@ -37,11 +36,6 @@ SHAPES = {
     "32b": dict(hidden_size=5120, intermediate_size=25600, num_hidden_layers=64, num_attention_heads=64,
                 num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=False),
 }
-
-
-def sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
 
 
 def build_model(shape: str, device: str):
@@ -69,17 +63,6 @@ def flops(model, doc_lens: list[int], layers_run: int, lm_rows: int) -> float:
     s = sum(doc_lens)
     attn = sum(4 * n * n / 2 * c.num_attention_heads * c.head_dim for n in doc_lens)
     return layers_run * (2 * per_layer * s + attn) + 2 * lm * lm_rows
-
-
-def timed(fn, warmup: int, iters: int) -> float:
-    for _ in range(warmup):
-        fn()
-    sync()
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    sync()
-    return (time.perf_counter() - t0) / iters
 
 
 def doc_lengths(seq: int, mode: str, lo: int, hi: int, gen: torch.Generator) -> list[int]:
@@ -117,7 +100,7 @@ def bench_shape(shape: str, seqs: list[int], args) -> list[dict]:
 
         set_attention(model, "sdpa")
         bare_ids = single["input_ids"].to(device)[None]
-        t = timed(lambda: model(input_ids=bare_ids, use_cache=False, logits_to_keep=1), args.warmup, args.iters)
+        t = timed(lambda: model(input_ids=bare_ids, use_cache=False, logits_to_keep=1), args.iters, args.warmup)
         f = flops(model, [seq], L, 1)
         rec["bare"] = {"s": t, "tok_s": seq / t, "tflops": f / t / 1e12, "mfu": f / t / peak}
 
@@ -126,12 +109,12 @@ def bench_shape(shape: str, seqs: list[int], args) -> list[dict]:
         for mode in ("single", "packed"):
             lens = doc_lengths(seq, mode, args.doc_min, args.doc_max, gen)
             row = row_of(lens, model.config.vocab_size, gen)
-            t = timed(lambda: capture_to_host(target, row, False, out), args.warmup, args.iters)
+            t = timed(lambda: capture_to_host(target, row, False, out), args.iters, args.warmup)
             f = flops(model, lens, ids[-1] + 1, 0)
             rec[f"capture_{mode}"] = {"s": t, "tok_s": seq / t, "tflops": f / t / 1e12, "mfu": f / t / peak,
                                       "docs": len(lens), "ratio_vs_bare": rec["bare"]["s"] / t}
             if mode == "packed" and args.labels:
-                t = timed(lambda: capture_to_host(target, row, True, out), args.warmup, args.iters)
+                t = timed(lambda: capture_to_host(target, row, True, out), args.iters, args.warmup)
                 f = flops(model, lens, L, seq)
                 rec["labels_packed"] = {"s": t, "tok_s": seq / t, "tflops": f / t / 1e12, "mfu": f / t / peak,
                                         "ratio_vs_bare": rec["bare"]["s"] / t}
@@ -140,7 +123,7 @@ def bench_shape(shape: str, seqs: list[int], args) -> list[dict]:
             host = torch.empty(out.shape, dtype=out.dtype, pin_memory=device == "cuda")
             host.copy_(out, non_blocking=True)
             sync()
-        t = timed(d2h, args.warmup, args.iters)
+        t = timed(d2h, args.iters, args.warmup)
         nbytes = out.numel() * out.element_size()
         rec["d2h"] = {"s": t, "bytes": nbytes, "gb_s": nbytes / t / 1e9,
                       "share_of_capture": t / rec["capture_packed"]["s"]}

@@ -18,6 +18,7 @@ from launcher import process
 from launcher.supervisor import EXIT_FAILED, EXIT_USAGE, RunFailed, Supervisor
 from launcher.topology import SpecError, host_overrides, hosts, parse_gpu_spec
 from services.config import ConfigError, dump_json, load_config
+from services.files import point
 from services.health import probe
 
 
@@ -56,10 +57,7 @@ def _choose_run_dir(args, name: str) -> Path:
         return LATEST.resolve()
     run_dir = (Path("runs") / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
-    tmp = Path("runs") / ".latest.tmp"
-    tmp.unlink(missing_ok=True)
-    tmp.symlink_to(run_dir.name)
-    tmp.replace(LATEST)
+    point(LATEST, run_dir)
     return run_dir
 
 

@@ -15,7 +15,6 @@ A drafter group spread over several hosts is not restarted as one: keep the draf
 """
 from __future__ import annotations
 
-import json
 import os
 import signal
 import sys
@@ -29,6 +28,7 @@ from launcher.topology import Worker, count
 from services import curve
 from services.config import Config
 from services.endpoints import endpoint
+from services.files import write_json_atomic
 from services.health import probe
 
 EXIT_DONE, EXIT_FAILED, EXIT_USAGE, EXIT_STOPPED = 0, 1, 2, 3
@@ -113,9 +113,7 @@ class Supervisor:
                              pids_seen=self.pids_seen[w.name], endpoints=self.endpoints(w))
                         for w in self.workers],
         }
-        tmp = self.run_dir / "run.json.tmp"
-        tmp.write_text(json.dumps(info, indent=2))
-        tmp.replace(self.run_dir / "run.json")
+        write_json_atomic(self.run_dir / "run.json", info)
 
     # --- readiness -----------------------------------------------------------
     def wait_ready(self) -> None:

@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from services.config import Config, ConfigError
 from services.drafter.model import DrafterModelConfig
+from services.files import fsync_dir, point
 
 FORMAT_VERSION = 1
 FILES = ("model.safetensors", "optimizer.pt", "rng.safetensors", "state.json", "config.json")
@@ -110,29 +111,11 @@ def _fsync_file(path: Path) -> None:
         os.fsync(f.fileno())
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _write_json(path: Path, data: dict) -> None:
     with open(path, "w") as f:
         json.dump(data, f, indent=2, sort_keys=True)
         f.flush()
         os.fsync(f.fileno())
-
-
-def _point(root: Path, name: str, target: Path) -> None:
-    """Atomically make root/name a relative symlink to target."""
-    tmp = root / f".{name}.tmp"                         # one writer (rank 0): a fixed name leaks nothing
-    if tmp.is_symlink() or tmp.exists():
-        tmp.unlink()
-    os.symlink(target.name, tmp)
-    os.replace(tmp, root / name)
-    _fsync_dir(root)
 
 
 # --- RNG of every rank --------------------------------------------------------------------------
@@ -185,23 +168,23 @@ def write_checkpoint(root: Path, step: int, *, weights: dict[str, torch.Tensor],
             _fsync_file(tmp / name)
             files[name] = {"sha256": sha256_file(tmp / name, tick), "bytes": (tmp / name).stat().st_size}
         _write_json(tmp / "manifest.json", {"format": FORMAT_VERSION, "step": step, "files": files})
-        _fsync_dir(tmp)
+        fsync_dir(tmp)
         if final.exists():                               # a leftover of a run that crashed before `latest` moved
             trash = root / f".tmp-old-{final.name}-{os.getpid()}"
             os.rename(final, trash)
             shutil.rmtree(trash, ignore_errors=True)
         os.rename(tmp, final)
-        _fsync_dir(root)
+        fsync_dir(root)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    _point(root, LATEST, final)
+    point(root / LATEST, final)
     rotate(root, keep)
     return final
 
 
 def set_best(root: Path, path: Path) -> None:
-    _point(root, BEST, path)
+    point(root / BEST, path)
 
 
 def rotate(root: Path, keep: int) -> list[Path]:

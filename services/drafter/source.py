@@ -10,7 +10,6 @@ which has zero loss weight, so DDP stays in lockstep without repeating a sample.
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 import time
@@ -21,6 +20,7 @@ import torch
 from services.batch import Batch
 from services.config import Config
 from services.endpoints import endpoint
+from services.files import write_json_atomic
 from services import curve, lifecycle
 from services.health import HealthServer, probe
 from services.transport import BatchClient
@@ -60,9 +60,7 @@ class ZmqSource:
         """What the run will train, for `launcher status`, reports and the exactly-once check."""
         schedule = {"batches_per_epoch": per_epoch, "epochs": self.cfg.run.epochs, "total_batches": self.total_batches,
                     "total_steps": self.total_steps, "drafters": self.world, "targets": self.num_targets}
-        tmp = run_dir / "schedule.json.tmp"
-        tmp.write_text(json.dumps(schedule, indent=2))
-        tmp.replace(run_dir / "schedule.json")
+        write_json_atomic(run_dir / "schedule.json", schedule)
 
     @property
     def num_targets(self) -> int:
