@@ -2,6 +2,7 @@
 # The GPU figures in docs/benchmarks.md come from this script, run on the device host:
 #   bash bench/gpu_suite.sh PART...   (logs and JSON under $OUT, default ./bench-out)
 # Parts: checks drafter target8b target8k target32b large transport transportq isolation e2e
+#        hybridtests hybrid hybridnofla e2ex2 e2ehybrid (the last two need nvidia-h200-x2)
 # pyzmq is not on the GPU image: a wheel in .whl/ is installed into /tmp/site when present.
 set -u
 OUT=${OUT:-bench-out}; mkdir -p "$OUT"
@@ -19,8 +20,17 @@ for part in "$@"; do case $part in
   target32b)  run target_32b 280 python3 bench/target_capture.py --shapes 32b --seq 8192 --iters 3 --out "$OUT/target_32b.json" ;;
   transport)  run transport 300 python3 bench/transport.py --out "$OUT/transport.json" ;;
   target8k)   run target_8b 200 python3 bench/target_capture.py --shapes 8b --seq 8192 --iters 3 --out "$OUT/target_8b.json" ;;
-  e2e)        run e2e 360 python3 bench/e2e_one_gpu.py --work /tmp/e2e --steps 200 --target-json "$OUT/target_8b.json" \
-                  --drafter-json "$OUT/drafter_recipe.json" --out "$OUT/e2e.json" ;;
+  e2e)        run e2e 420 python3 bench/e2e.py --gpus 0:target,0:drafter --shape 8b --work /tmp/e2e8b --steps 200 \
+                  --skip 20 --drafter-json "$OUT/drafter_recipe.json" --out "$OUT/e2e.json" ;;
+  e2ex2)      run e2e_x2 420 python3 bench/e2e.py --gpus 0:target,1:drafter --shape 8b --work /tmp/e2e8b --steps 150 \
+                  --skip 20 --drafter-json "$OUT/drafter_recipe.json" --out "$OUT/e2e_x2.json" ;;
+  e2ehybrid)  run e2e_hybrid 560 python3 bench/e2e.py --gpus 0:target,1:drafter --shape 27b-hybrid --work /tmp/e2e27b \
+                  --steps 50 --skip 10 --conversations 20000 --timeout 420 --out "$OUT/e2e_hybrid.json" ;;
+  hybridtests) run hybrid_tests 300 python3 -m pytest -q tests/test_target_hybrid.py tests/test_target_model.py ;;
+  hybrid)     run target_hybrid 400 python3 bench/target_capture.py --shapes 27b-hybrid --seq 8192 --mixes single,short,medium \
+                  --iters 3 --out "$OUT/target_hybrid.json" ;;
+  hybridnofla) run target_hybrid_nofla 300 python3 bench/target_capture.py --shapes 27b-hybrid --seq 8192 \
+                  --mixes single,medium --iters 1 --warmup 1 --no-fla --out "$OUT/target_hybrid_nofla.json" ;;
   transportq) run transport 120 python3 bench/transport.py --quick --out "$OUT/transport.json" ;;
   isolation)  run isolation 560 python3 bench/compile_isolation.py --workers 3 --trials 2 --timeout 120 --out "$OUT/isolation.json" ;;
   *) echo "unknown part $part" ;;

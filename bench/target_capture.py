@@ -1,20 +1,23 @@
 """Target supply on one GPU: the bare HF forward vs the worker's capture path.
 
     python bench/target_capture.py --shapes 8b,32b --seq 8192,32768 --out bench-target.json
+    python bench/target_capture.py --shapes 27b-hybrid --seq 8192 --mixes single,short,medium
+    python bench/target_capture.py --shapes 27b-hybrid --seq 8192 --mixes single,medium --no-fla
 
-Random-weight Qwen3 models of real shapes, built directly on the GPU in bf16 (no download).
-For each shape and sequence length it times:
+Random-weight models of real shapes (bench/shapes.py), built directly on the GPU in bf16 (no
+download). For each shape and sequence length it times:
   (a) bare     HF forward of the whole row as one causal sequence, logits_to_keep=1
-               (FINDINGS.md's baseline: sdpa, no packing)
-  (b) capture  the worker's path (services.target.model.capture_to_host): packed documents, per-document
-               causal SDPA, hooks on the K captured layers, stop after the deepest, copy into a
-               pinned host buffer; with --docs single (one document per row) and packed
-               (document lengths drawn from --doc-len)
-  (c) labels   (b) packed, plus target argmax labels (full depth + chunked lm_head), with --labels
+  (b) capture  the worker's path (services.target.model.capture_to_host) on a row of one
+               document ("single") or packed documents of a length mix: "short" 50-300 tokens
+               (chat turns), "medium" 512-4096; the path the target chose is printed with it
+  (c) labels   (b) on the first packed mix, plus target argmax labels, with --labels
   d2h          the pinned device-to-host copy of the [S, K*H] capture alone
-and prints tokens/s, TFLOP/s, MFU (against the bf16 matmul rate measured in the same run) and the ratio (b)/(a). Goal: >= 0.95.
-FLOPs count what each path must compute: 2 x params of the layers run (plus lm_head for all rows in
-(c), for one row in (a)) + causal attention (4 * n^2/2 * heads * head_dim per layer per document).
+and prints tokens/s, TFLOP/s, MFU (against the bf16 matmul rate measured in the same run) and the
+ratio to (a) and to the single-document capture. --no-fla hides flash-linear-attention, so hybrid
+models run on transformers' torch fallback (what a user without the kernels gets).
+FLOPs count 2 x params of the layers run (plus lm_head for all rows in (c), for one row in (a))
++ causal attention (4 * n^2/2 * heads * head_dim per full-attention layer per document); the
+Gated DeltaNet recurrence is not counted, so a hybrid's MFU is a slight underestimate.
 """
 from __future__ import annotations
 
@@ -26,23 +29,29 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # run as a script from anywhere
+from bench.shapes import SHAPES, text_config  # noqa: E402
 from bench.timing import matmul_peak_tflops, sync, timed  # noqa: E402
 
-SHAPES = {
-    "tiny": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=8, num_attention_heads=4,   # CPU smoke test
-                 num_key_value_heads=2, head_dim=64, vocab_size=4096, tie_word_embeddings=False),
-    "8b": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
-               num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=False),
-    "32b": dict(hidden_size=5120, intermediate_size=25600, num_hidden_layers=64, num_attention_heads=64,
-                num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=False),
-}
+MIXES = {"single": None, "short": (50, 300), "medium": (512, 4096)}
+
+
+def hide_fla() -> None:
+    """Make `import fla` fail from here on, before transformers looks for it."""
+    import importlib.abc
+
+    class _NoFla(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path=None, target=None):
+            if name == "fla" or name.startswith("fla."):
+                raise ImportError("flash-linear-attention hidden by --no-fla")
+            return None
+    sys.meta_path.insert(0, _NoFla())
 
 
 def build_model(shape: str, device: str):
-    from transformers import AutoModelForCausalLM, Qwen3Config
+    from transformers import AutoModelForCausalLM
     from services.target.model import _register_packed_sdpa
     _register_packed_sdpa()
-    cfg = Qwen3Config(max_position_embeddings=40960, **SHAPES[shape])
+    cfg = text_config(shape)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16, attn_implementation="sdpa")
     return model.eval().requires_grad_(False)
@@ -52,22 +61,19 @@ def set_attention(model, name: str) -> None:
     model.config._attn_implementation = name   # read at call time by the attention modules and mask code
 
 
-def layer_params(model) -> tuple[int, int]:
-    layer = sum(p.numel() for p in model.model.layers[0].parameters())
-    return layer, model.lm_head.weight.numel()
-
-
 def flops(model, doc_lens: list[int], layers_run: int, lm_rows: int) -> float:
     c = model.config
-    per_layer, lm = layer_params(model)
-    s = sum(doc_lens)
+    layers = model.model.layers[:layers_run]
+    params = sum(p.numel() for layer in layers for p in layer.parameters())
+    full = sum(1 for layer in layers if hasattr(layer, "self_attn"))
     attn = sum(4 * n * n / 2 * c.num_attention_heads * c.head_dim for n in doc_lens)
-    return layers_run * (2 * per_layer * s + attn) + 2 * lm * lm_rows
+    return 2 * params * sum(doc_lens) + full * attn + 2 * model.lm_head.weight.numel() * lm_rows
 
 
-def doc_lengths(seq: int, mode: str, lo: int, hi: int, gen: torch.Generator) -> list[int]:
-    if mode == "single":
+def doc_lengths(seq: int, mix: str, gen: torch.Generator) -> list[int]:
+    if MIXES[mix] is None:
         return [seq]
+    lo, hi = MIXES[mix]
     lens, left = [], seq
     while left > 0:
         n = min(left, int(torch.randint(lo, hi + 1, (1,), generator=gen)))
@@ -90,12 +96,12 @@ def bench_shape(shape: str, seqs: list[int], args) -> list[dict]:
     model = build_model(shape, device)
     L = model.config.num_hidden_layers
     ids = default_layer_ids(L, args.layers)
-    target = Target(model, ids)
+    target = None      # made after the first bare forward: that one is transformers' own, unmodified
     gen = torch.Generator().manual_seed(0)
     peak = (args.peak_tflops or matmul_peak_tflops(device)) * 1e12
     results = []
     for seq in seqs:
-        rec = {"shape": shape, "seq_len": seq, "layer_ids": ids, "hidden_width": target.info.hidden_width}
+        rec = {"shape": shape, "seq_len": seq, "layer_ids": ids, "hidden_width": len(ids) * model.config.hidden_size}
         single = row_of([seq], model.config.vocab_size, gen)
 
         set_attention(model, "sdpa")
@@ -103,17 +109,21 @@ def bench_shape(shape: str, seqs: list[int], args) -> list[dict]:
         t = timed(lambda: model(input_ids=bare_ids, use_cache=False, logits_to_keep=1), args.iters, args.warmup)
         f = flops(model, [seq], L, 1)
         rec["bare"] = {"s": t, "tok_s": seq / t, "tflops": f / t / 1e12, "mfu": f / t / peak}
+        target = target or Target(model, ids)   # hybrid models: installs the packed Gated DeltaNet
 
         set_attention(model, "sdpa_packed")
         out = torch.empty(seq, target.info.hidden_width, dtype=torch.bfloat16, device=device)
-        for mode in ("single", "packed"):
-            lens = doc_lengths(seq, mode, args.doc_min, args.doc_max, gen)
+        rec["path"] = target.path
+        for mix in args.mixes.split(","):
+            lens = doc_lengths(seq, mix, gen)
             row = row_of(lens, model.config.vocab_size, gen)
             t = timed(lambda: capture_to_host(target, row, False, out), args.iters, args.warmup)
             f = flops(model, lens, ids[-1] + 1, 0)
-            rec[f"capture_{mode}"] = {"s": t, "tok_s": seq / t, "tflops": f / t / 1e12, "mfu": f / t / peak,
-                                      "docs": len(lens), "ratio_vs_bare": rec["bare"]["s"] / t}
-            if mode == "packed" and args.labels:
+            rec[f"capture_{mix}"] = {"s": t, "tok_s": seq / t, "tflops": f / t / 1e12, "mfu": f / t / peak,
+                                     "docs": len(lens), "ratio_vs_bare": rec["bare"]["s"] / t}
+            if "capture_single" in rec:
+                rec[f"capture_{mix}"]["ratio_vs_single"] = rec["capture_single"]["s"] / t
+            if mix != "single" and args.labels and "labels_packed" not in rec:
                 t = timed(lambda: capture_to_host(target, row, True, out), args.iters, args.warmup)
                 f = flops(model, lens, L, seq)
                 rec["labels_packed"] = {"s": t, "tok_s": seq / t, "tflops": f / t / 1e12, "mfu": f / t / peak,
@@ -125,8 +135,8 @@ def bench_shape(shape: str, seqs: list[int], args) -> list[dict]:
             sync()
         t = timed(d2h, args.iters, args.warmup)
         nbytes = out.numel() * out.element_size()
-        rec["d2h"] = {"s": t, "bytes": nbytes, "gb_s": nbytes / t / 1e9,
-                      "share_of_capture": t / rec["capture_packed"]["s"]}
+        last = rec[f"capture_{args.mixes.split(',')[-1]}"]
+        rec["d2h"] = {"s": t, "bytes": nbytes, "gb_s": nbytes / t / 1e9, "share_of_capture": t / last["s"]}
         rec["peak_mem_gb"] = torch.cuda.max_memory_allocated() / 1e9 if device == "cuda" else 0.0
         results.append(rec)
         print(format_record(rec), flush=True)
@@ -139,11 +149,13 @@ def bench_shape(shape: str, seqs: list[int], args) -> list[dict]:
 
 def format_record(r: dict) -> str:
     def line(name, m):
-        extra = f"  ratio {m['ratio_vs_bare']:.3f}" if "ratio_vs_bare" in m else ""
+        extra = f"  vs bare {m['ratio_vs_bare']:.3f}" if "ratio_vs_bare" in m else ""
+        extra += f"  vs single {m['ratio_vs_single']:.3f}" if "ratio_vs_single" in m else ""
         docs = f"  ({m['docs']} docs)" if "docs" in m else ""
         return f"  {name:16s} {m['tok_s']:10.0f} tok/s  {m['tflops']:6.1f} TFLOP/s  MFU {m['mfu']:.1%}{extra}{docs}"
-    rows = [f"{r['shape']} S={r['seq_len']} layers {r['layer_ids']} (width {r['hidden_width']}), peak mem {r['peak_mem_gb']:.1f} GB"]
-    for name in ("bare", "capture_single", "capture_packed", "labels_packed"):
+    rows = [f"{r['shape']} S={r['seq_len']} layers {r['layer_ids']} (width {r['hidden_width']}), "
+            f"capture path {r['path']}, peak mem {r['peak_mem_gb']:.1f} GB"]
+    for name in ["bare"] + [k for k in r if k.startswith("capture_")] + ["labels_packed"]:
         if name in r:
             rows.append(line(name, r[name]))
     d = r["d2h"]
@@ -154,19 +166,21 @@ def format_record(r: dict) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--shapes", default="8b,32b", help=f"comma list of {sorted(SHAPES)}")
+    p.add_argument("--shapes", default="8b,32b", help=f"comma list of {SHAPES}")
     p.add_argument("--seq", default="8192,32768", help="comma list of packed row lengths")
     p.add_argument("--layers", type=int, default=5, help="captured layers K (DFLASH default spread)")
-    p.add_argument("--doc-min", type=int, default=512)
-    p.add_argument("--doc-max", type=int, default=4096)
+    p.add_argument("--mixes", default="single,medium", help=f"comma list of document-length mixes {sorted(MIXES)}")
+    p.add_argument("--no-fla", action="store_true", help="hide flash-linear-attention (the torch fallback)")
     p.add_argument("--labels", action="store_true", help="also time capture + target argmax labels")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--peak-tflops", type=float, default=0.0, help="bf16 peak for MFU; 0 = measure an 8192^3 matmul in this run")
     p.add_argument("--out", default="", help="write all records as JSON here")
     args = p.parse_args()
-    if not torch.cuda.is_available() and args.shapes != "tiny":
-        sys.exit("this benchmark needs a CUDA GPU (only --shapes tiny runs on CPU, as a smoke test)")
+    if not torch.cuda.is_available() and not set(args.shapes.split(",")) <= {"tiny", "tiny-hybrid"}:
+        sys.exit("this benchmark needs a CUDA GPU (only the tiny shapes run on CPU, as a smoke test)")
+    if args.no_fla:
+        hide_fla()
     torch.set_grad_enabled(False)
     device_name = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     import transformers

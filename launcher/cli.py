@@ -136,7 +136,7 @@ def _probe_row(w: dict, timeout: float, keys: str) -> dict:
     if status:
         row.update({k: status.get(k) for k in ("state", "step", "samples_done", "tokens_per_s",
                                                  "last_progress_age_s", "compile_s", "rss_bytes",
-                                                 "gpu_mem_bytes", "bad_messages", "loss", "tau")})
+                                                 "gpu_mem_bytes", "bad_messages", "loss", "tau", "warning")})
     return row
 
 
@@ -154,6 +154,9 @@ def cmd_status(args) -> int:
         widths = [max(len(row[i]) for row in table) for i in range(len(cols))]
         for row in table:
             print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)))
+        for r in rows:
+            if r.get("warning"):
+                print(f"{r['name']}: warning: {r['warning']}")
         print(f"launcher pid {run['launcher_pid']} {'alive' if process.alive(run['launcher_pid']) else 'not running'}")
     return max((r["probe"] for r in rows), default=0)
 

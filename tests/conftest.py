@@ -17,3 +17,16 @@ def tok_dir(tmp_path_factory):
 @pytest.fixture
 def tokenizer(tok_dir):
     return AutoTokenizer.from_pretrained(tok_dir)
+
+
+@pytest.fixture
+def hf_torch_hybrid(monkeypatch):
+    """transformers' own Qwen3.5 Gated DeltaNet on its pure-torch code, as the reference on CPU.
+
+    Where flash-linear-attention imports (a GPU box), transformers sends even CPU tensors to its
+    Triton kernels; the reference must be the readable torch code, so unwrap those functions.
+    """
+    import inspect
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as m
+    for name in ("causal_conv1d_fn", "torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule"):
+        monkeypatch.setattr(m, name, inspect.unwrap(getattr(m, name)))

@@ -18,12 +18,23 @@ passed with per-document position ids and the document spans:
   - flash_attention_* use HF's own varlen path from cu_seq_lens_q/k;
   - eager / flex_attention: HF detects the packing from the restarting position ids and builds
     the block-diagonal causal mask itself.
-Models with recurrent (linear-attention) layers, e.g. Qwen3.5, run one forward per document
-instead: transformers 5.17 silently carries their state across documents in a packed row and
-5.24 refuses packed rows without flash-linear-attention. Correct everywhere, slower.
+Models with recurrent layers (the Gated DeltaNet of Qwen3.5 / Qwen3.6) need more: their conv and
+recurrence must restart at every document too. The capture path is chosen once, at load:
+  - "packed": no recurrent layers; one forward per row;
+  - "packed-varlen": Gated DeltaNet layers on CUDA with flash-linear-attention installed; one forward
+    per row, the recurrent layers replaced by hybrid.PackedGatedDeltaNet (document-aware conv,
+    chunked kernel with cu_seqlens);
+  - "packed-reference": the same on other devices (CPU), with a plain per-token recurrence per
+    document instead of the kernel (transformers would call fla's Triton kernels on CPU tensors
+    wherever fla imports);
+  - "per-document": CUDA without flash-linear-attention, or recurrent layers of another kind: one
+    forward per document. Exact, and much slower on rows of many short documents; the log and
+    `launcher status` say so, with the fix.
 """
 from __future__ import annotations
 
+import functools
+import inspect
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,6 +42,7 @@ import torch
 from torch import nn
 
 from services.config import TargetConfig
+from services.target import hybrid
 
 PACKED_SDPA = "sdpa_packed"
 DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
@@ -70,9 +82,10 @@ def resolve_layer_ids(requested: list[int], num_layers: int, num_draft_layers: i
 # --- packed attention ----------------------------------------------------------------------------
 
 def _sdpa_packed(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """HF attention function: causal SDPA separately on each document span of the row.
+    """HF attention function: causal attention inside each document span of the row, never across.
 
     query [B, Hq, S, D], key/value [B, Hkv, S, D]; returns ([B, S, Hq, D], None) like HF's sdpa.
+    On CUDA one varlen flash-attention call covers every document; else causal SDPA per document.
     """
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     spans = kwargs.pop("doc_spans", None)
@@ -80,6 +93,11 @@ def _sdpa_packed(module, query, key, value, attention_mask, scaling=None, dropou
         raise RuntimeError("sdpa_packed needs doc_spans; this model does not pass attention kwargs through "
                            "(set target.attn_implementation to 'eager' or 'flex_attention')")
     window = kwargs.pop("sliding_window", None)
+    cu = kwargs.get("cu_seq_lens_q")
+    if window is None and cu is not None and len(spans) > 1 and query.is_cuda and varlen_attention() is not None:
+        out = varlen_attention()(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
+                                 cu, kwargs["max_length_q"], scaling)
+        return out[None], None
     b, hq, s, d = query.shape
     out = query.new_empty(b, s, hq, value.shape[-1])
     for start, end in spans:
@@ -91,6 +109,30 @@ def _sdpa_packed(module, query, key, value, attention_mask, scaling=None, dropou
                                       mask, dropout=0.0, scaling=scaling)
         out[:, start:end] = o
     return out, None
+
+
+@functools.cache
+def varlen_attention():
+    """torch's varlen flash attention (torch >= 2.10) as f(q, k, v, cu, max_len, scale), or None.
+
+    q [T, Hq, D], k/v [T, Hkv, D], causal inside each span of cu. The keyword for "causal" and
+    for grouped KV heads changed between torch releases, so both spellings are handled.
+    """
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    params = inspect.signature(varlen_attn).parameters
+    causal = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
+    gqa = "enable_gqa" in params
+
+    def attend(q, k, v, cu, longest, scale):
+        if k.shape[1] != q.shape[1] and not gqa:
+            k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
+        extra = {"enable_gqa": True} if gqa else {}
+        return varlen_attn(q.contiguous(), k.contiguous(), v.contiguous(), cu, cu, longest, longest,
+                           scale=scale, **causal, **extra)
+    return attend
 
 
 def _register_packed_sdpa() -> None:
@@ -155,10 +197,35 @@ class TargetInfo:
         return len(self.layer_ids) * self.hidden_size
 
 
+FLA_HINT = "pip install fla-core (flash-linear-attention's kernels; needs triton, which CUDA builds of torch bring)"
+
+
+def choose_path(model: nn.Module, layers: nn.ModuleList, device: torch.device,
+                packed_recurrent: bool | None = None) -> tuple[str, hybrid.RowSlot | None]:
+    """The capture path (see the top of this file) and, for packed recurrent layers, their row slot.
+
+    packed_recurrent None picks by itself; False forces one forward per document (transformers' own
+    code: the tests' reference); True forces the packed path even on CUDA without the kernels.
+    """
+    types = set(getattr(model.config, "layer_types", None) or [])
+    if not types - {"full_attention", "sliding_attention"}:
+        return "packed", None
+    kernel = hybrid.fla_delta_rule() if device.type == "cuda" else None
+    # CUDA without the kernels: transformers' chunked torch code per document beats a per-token loop
+    want = (kernel is not None or device.type != "cuda") if packed_recurrent is None else packed_recurrent
+    if not want or types - {"full_attention", "sliding_attention", "linear_attention"}:
+        return "per-document", None
+    slot = hybrid.install(layers, kernel)
+    if slot is None:
+        return "per-document", None
+    return ("packed-varlen" if kernel is not None else "packed-reference"), slot
+
+
 class Target:
     """A frozen HF causal LM with capture hooks on `layer_ids`."""
 
-    def __init__(self, model: nn.Module, layer_ids: list[int], label_chunk: int = 2048):
+    def __init__(self, model: nn.Module, layer_ids: list[int], label_chunk: int = 2048,
+                 packed_recurrent: bool | None = None):
         self.model = model
         self.backbone = model.get_decoder() if hasattr(model, "get_decoder") else model.model
         self.layers = decoder_layers(model)
@@ -169,9 +236,11 @@ class Target:
         self.device = next(model.parameters()).device
         self._out: torch.Tensor | None = None
         self._stop_after = True
-        # recurrent layers cannot keep documents of a packed row apart: one forward per document
-        self.per_document = any(t not in ("full_attention", "sliding_attention")
-                                for t in (getattr(cfg, "layer_types", None) or []))
+        self.path, self._row = choose_path(model, self.layers, self.device, packed_recurrent)
+        self.per_document = self.path == "per-document"
+        # one line for the log and `launcher status` when a hybrid model runs on the slow path
+        self.warning = (f"hybrid target on the slow per-document capture path (one forward per document): {FLA_HINT}"
+                        if self.per_document and self.device.type == "cuda" else "")
         h = self.info.hidden_size
         deepest = self.info.layer_ids[-1]
         last = self.info.num_layers - 1
@@ -214,11 +283,13 @@ class Target:
 
     def _forward(self, input_ids, position_ids, spans, out, labels) -> None:
         """Run the backbone on one row; hooks fill `out`; labels (if given) get the argmax."""
-        kwargs = dict(doc_spans=spans)
-        if not self.per_document:   # recurrent layers must not see cu_seq_lens (see top)
-            cu = torch.tensor([a for a, _ in spans] + [int(input_ids.shape[0])], dtype=torch.int32, device=self.device)
-            longest = max(b - a for a, b in spans)
-            kwargs.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest)
+        cu = torch.tensor([a for a, _ in spans] + [int(input_ids.shape[0])], dtype=torch.int32, device=self.device)
+        longest = max(b - a for a, b in spans)
+        kwargs = dict(doc_spans=spans, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest)
+        if self.per_document:   # transformers' recurrent layers would run cu_seq_lens into the leaky conv
+            kwargs = dict(doc_spans=spans)
+        if self._row is not None:
+            self._row.layout = hybrid.RowLayout(position_ids, cu)
         self._out, self._stop_after = out, labels is None
         try:
             result = self.backbone(input_ids=input_ids[None], position_ids=position_ids[None], use_cache=False, **kwargs)
@@ -226,6 +297,8 @@ class Target:
             return
         finally:
             self._out = None
+            if self._row is not None:
+                self._row.layout = None
         if labels is not None:
             labels.copy_(self._argmax_labels(result.last_hidden_state[0]))
 
@@ -240,7 +313,10 @@ class Target:
 
 
 def load_target(cfg: TargetConfig, device: str | torch.device = "cpu", num_draft_layers: int = 1) -> Target:
-    """Load cfg.model_path and set up capture of cfg.layer_ids (or the default spread for the drafter)."""
+    """Load cfg.model_path and set up capture of cfg.layer_ids (or the default spread for the drafter).
+
+    The capture path is chosen here, once (Target.path); the worker logs it.
+    """
     if cfg.dtype not in DTYPES:
         raise TargetLoadError(f"target.dtype must be one of {sorted(DTYPES)}, got {cfg.dtype!r}")
     model = load_hf_model(cfg.model_path, DTYPES[cfg.dtype], cfg.attn_implementation, device)

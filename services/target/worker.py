@@ -53,8 +53,12 @@ class TargetWorker:
             "vocab_size": info.vocab_size, "hidden_size": info.hidden_size,
             "mask_token_id": tokenizer.mask_token_id if tokenizer.mask_token_id is not None else -1,
             "model_path": str(cfg.target.model_path), "bad_samples": self.data.bad_samples,
-            "labels_from_target": cfg.target.labels_from_target,
+            "labels_from_target": cfg.target.labels_from_target, "capture_path": self.target.path,
         }
+        log.info("capture path: %s", self.target.path)
+        if self.target.warning:
+            log.warning("%s", self.target.warning)
+            health.set(warning=self.target.warning)
         # one reusable device buffer for the captures; on CPU each batch gets its own (it is sent as is)
         self.device_out = (torch.empty(self.data.pack_len, info.hidden_width, dtype=torch.bfloat16, device=device)
                            if device.type == "cuda" else None)

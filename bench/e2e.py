@@ -1,0 +1,164 @@
+"""The whole service on any topology, against what its roles can do alone, measured in one call.
+
+    python bench/e2e.py --gpus 0:target,1:drafter --shape 27b-hybrid --steps 60 --out $OUT/e2e.json
+    python bench/e2e.py --gpus 0:target,0:drafter --shape 8b --steps 200 --drafter-json $OUT/drafter.json
+
+1. Assets: a random-weight target of the shape (bench/shapes.py; hybrid shapes are saved as the
+   composite Qwen3_5ForConditionalGeneration checkpoint, like the real Qwen3.6-27B) with the demo's
+   tokenizer, and the demo's chat data (short documents: about 160 per 8192-token row).
+2. A, the target alone: the worker's own capture path (load_target, the packed data cache,
+   capture_to_host) on the first rows of the same data, on GPU 0. B, the drafter alone, comes from
+   a bench/drafter_step.py JSON of the same call when given (--drafter-json).
+3. The service: `launcher up --gpus SPEC` (with --share-gpus when a GPU holds both roles).
+It prints trained tok/s in steady state (metrics after --skip steps), the drafter data-wait, and
+the efficiency against the ideal: separate GPUs, min(targets x A, drafters x B); shared GPUs, the
+harmonic combination 1 / (1/A + 1/B) per GPU. Without B, the ideal is the target side's alone.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from bench.shapes import HYBRID, SHAPES, checkpoint_config  # noqa: E402
+
+COMMON = ["data.pack_len=8192", "run.epochs=20", "run.checkpoint_every=100000", "run.export_at_end=false",
+          "run.log_every=1", "run.eval_every=0"]
+
+
+def make_assets(work: Path, shape: str, conversations: int) -> tuple[Path, Path]:
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.models.qwen3_5 import Qwen3_5ForConditionalGeneration
+    from services.demo import make_demo
+    demo = make_demo(work / "demo", num_conversations=conversations)
+    model_dir = work / f"{shape}-random"
+    if not (model_dir / "config.json").exists():
+        config = checkpoint_config(shape)
+        cls = Qwen3_5ForConditionalGeneration if shape in HYBRID else AutoModelForCausalLM
+        with torch.device("cuda"):
+            model = cls._from_config(config, dtype=torch.bfloat16)
+        model.save_pretrained(model_dir, max_shard_size="5GB")
+        del model
+        torch.cuda.empty_cache()
+        for f in Path(demo["model_path"]).iterdir():
+            if f.name.startswith(("tokenizer", "chat_template", "special_tokens")):
+                shutil.copy(f, model_dir / f.name)
+    return model_dir, Path(demo["data_path"])
+
+
+def target_alone(overrides: list[str], work: Path, rows: int, warmup: int) -> dict:
+    """A: the target worker's capture path on the run's own packed rows, GPU 0, nothing else running."""
+    import torch
+    from transformers import AutoTokenizer
+    from bench.timing import sync
+    from services.config import load_config
+    from services.target.model import capture_to_host, load_target
+    from services.target.packing import open_or_build
+    cfg = load_config(None, overrides)
+    target = load_target(cfg.target, "cuda:0", num_draft_layers=cfg.drafter.num_layers)
+    tokenizer = AutoTokenizer.from_pretrained(cfg.target.model_path)
+    data = open_or_build(cfg, work / "alone", tokenizer, target.info.vocab_size)
+    out = torch.empty(data.pack_len, target.info.hidden_width, dtype=torch.bfloat16, device="cuda")
+    docs = tokens = 0
+    for g in range(warmup + rows):
+        if g == warmup:
+            sync()
+            start = time.perf_counter()
+        row = data.batch(g)
+        capture_to_host(target, row, cfg.target.labels_from_target, out)
+        if g >= warmup:
+            tokens += int((row["document_ids"] >= 0).sum())
+            docs += int(row["document_ids"].max()) + 1
+    sync()
+    seconds = time.perf_counter() - start
+    result = {"tok_s": tokens / seconds, "rows": rows, "docs_per_row": docs / rows, "path": target.path}
+    del target, out
+    torch.cuda.empty_cache()
+    return result
+
+
+def steady_rate(metrics: list[dict], skip: int) -> dict:
+    """Tokens/s over the steps after `skip`: total tokens / total wall time of those log windows."""
+    rows = [m for m in metrics if not m.get("eval") and m["step"] > skip]
+    if len(rows) < 2:
+        return {}
+    tokens = [b["tokens_done"] - a["tokens_done"] for a, b in zip(rows, rows[1:])]
+    seconds = sum(t / b["tokens_per_s"] for t, b in zip(tokens, rows[1:]) if b["tokens_per_s"] > 0)
+    return {"steps_measured": len(rows) - 1, "tokens_per_s": sum(tokens) / seconds,
+            "data_wait_frac": sum(m["data_wait_frac"] for m in rows) / len(rows),
+            "first_loss": rows[0]["loss"], "last_loss": rows[-1]["loss"], "last_tau": rows[-1]["tau"]}
+
+
+def ideal(spec: str, a: float, b: float | None) -> float:
+    """Separate GPUs: the slower role's sum. A GPU holding both roles: the two take turns."""
+    from launcher.topology import parse_gpu_spec
+    workers = parse_gpu_spec(spec, share_gpus=True)
+    gpus: dict = {}
+    for w in workers:
+        gpus.setdefault(w.gpu, []).append(w.role)
+    shared = [g for g, roles in gpus.items() if len(set(roles)) > 1]
+    if shared and b:
+        return sum(1 / (1 / a + 1 / b) for _ in shared)
+    supply = a * sum(1 for w in workers if w.role == "target")
+    return min(supply, b * sum(1 for w in workers if w.role == "drafter")) if b else supply
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--gpus", default="0:target,1:drafter")
+    ap.add_argument("--shape", default="8b", choices=SHAPES)
+    ap.add_argument("--work", default="/tmp/e2e")
+    ap.add_argument("--steps", type=int, default=100)
+    ap.add_argument("--skip", type=int, default=10, help="steps left out of the steady-state rate")
+    ap.add_argument("--conversations", type=int, default=60000)
+    ap.add_argument("--alone-rows", type=int, default=8, help="rows timed for A")
+    ap.add_argument("--drafter-json", help="bench/drafter_step.py output of this call: B")
+    ap.add_argument("--timeout", type=float, default=540)
+    ap.add_argument("--out")
+    ap.add_argument("overrides", nargs="*", help="extra section.key=value for the run")
+    a = ap.parse_args()
+    work = Path(a.work)
+    t0 = time.time()
+    model_dir, data = make_assets(work, a.shape, a.conversations)
+    print(f"assets ready in {time.time() - t0:.0f}s: {model_dir}", flush=True)
+    overrides = [f'target.model_path="{model_dir}"', f'data.path="{data}"', f"run.max_steps={a.steps}", *COMMON,
+                 *a.overrides]
+    alone = target_alone(overrides, work, a.alone_rows, warmup=2)
+    print(f"A (target alone): {alone}", flush=True)
+    b = json.loads(Path(a.drafter_json).read_text())["results"][0]["tokens_per_s"] if a.drafter_json else None
+
+    run_dir = work / "run"
+    shutil.rmtree(run_dir, ignore_errors=True)
+    from launcher.topology import parse_gpu_spec
+    workers = parse_gpu_spec(a.gpus, share_gpus=True)
+    share = ["--share-gpus"] if len({w.gpu for w in workers}) < len(workers) else []
+    cmd = [sys.executable, "-m", "launcher", "up", "--gpus", a.gpus, *share, "--device", "cuda",
+           "--run-dir", str(run_dir), *overrides]
+    t1 = time.time()
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout)
+        code, out, err = proc.returncode, proc.stdout, proc.stderr
+    except subprocess.TimeoutExpired as exc:
+        code, out, err = "timeout", str(exc.stdout or "")[-3000:], str(exc.stderr or "")[-2000:]
+    print(out[-3000:], err[-2000:], flush=True)
+    metrics_file = run_dir / "metrics.jsonl"
+    metrics = [json.loads(line) for line in metrics_file.read_text().splitlines()] if metrics_file.exists() else []
+    result = {"gpus": a.gpus, "shape": a.shape, "exit": code, "launcher_wall_s": round(time.time() - t1, 1),
+              "target_alone": alone, "drafter_alone_tok_s": b, **steady_rate(metrics, a.skip)}
+    result["ideal_tok_s"] = ideal(a.gpus, alone["tok_s"], b)
+    if "tokens_per_s" in result:
+        result["efficiency"] = result["tokens_per_s"] / result["ideal_tok_s"]
+    print(json.dumps(result, indent=2), flush=True)
+    if a.out:
+        Path(a.out).write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,148 @@
+"""Packed rows through Gated DeltaNet layers (Qwen3.5 / Qwen3.6 hybrids) in one forward, exact.
+
+A packed row holds several documents. The full-attention layers keep them apart per document
+(model.py). A Gated DeltaNet layer mixes tokens in two places, and both must restart at every
+document:
+  - the short causal depthwise conv1d (kernel 4) in front of the recurrence. transformers' own
+    forward runs it over the whole row, so the last kernel-1 tokens of one document leak into the
+    next, and the recurrent state carries the error on (NVIDIA NeMo Automodel PR 2147 measured a
+    layer-output difference of 0.40). Here tap d, which looks d tokens back, is zeroed wherever the
+    token's position inside its document is below d: the row's position ids restart at 0 for each
+    document, so they say exactly where each document begins.
+  - the gated delta rule: flash-linear-attention's chunked kernel with the document boundaries
+    (cu_seqlens), on CUDA. Elsewhere a plain per-token recurrence per document (the reference that
+    the tests check the packed row against).
+Everything else in the layer (projections, gated norm, output projection) is per token and runs
+once over the whole row, which is where the speed comes from: a chat row of 8192 tokens holds
+about 160 documents, and one forward per document ran 18x slower than one forward per row.
+
+The math follows transformers' Qwen3_5GatedDeltaNet (itself from the Qwen3-Next release) and
+flash-linear-attention's `chunk_gated_delta_rule` (github.com/fla-org/flash-linear-attention).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# the layer attributes this forward reads (transformers' Qwen3.5 Gated DeltaNet, 5.x)
+_GDN_PARTS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "conv1d", "dt_bias", "A_log", "norm", "out_proj")
+
+
+@dataclass
+class RowLayout:
+    """Where the documents of the row in flight begin: set by Target before each forward."""
+    positions: torch.Tensor     # [S] int64, restarts at 0 per document
+    cu_seqlens: torch.Tensor    # [N+1] int32 document boundaries (padding is one more document)
+
+
+def fla_delta_rule():
+    """flash-linear-attention's chunked gated delta rule, or None when it cannot be imported."""
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    except Exception:   # not installed, or no triton (CPU-only torch)
+        return None
+    return chunk_gated_delta_rule
+
+
+def is_packable_gdn(module: nn.Module) -> bool:
+    return all(hasattr(module, name) for name in _GDN_PARTS)
+
+
+def document_causal_conv(x: torch.Tensor, weight: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Depthwise causal conv1d + SiLU over a packed row, restarted at every document.
+
+    x [S, C], weight [C, K] (tap K-1 is the current token), positions [S] -> [S, C].
+    The whole row goes through one conv (the fast kernel, as transformers runs it); then only the
+    first K-1 tokens of each document, the ones whose taps reached into the previous document, are
+    computed again with those taps zeroed.
+    """
+    s, c = x.shape
+    k = weight.shape[1]
+    out = F.conv1d(x.T[None], weight[:, None, :].to(x.dtype), padding=k - 1, groups=c)[0, :, :s].T.contiguous()
+    rows = torch.nonzero(positions < k - 1).flatten()
+    exact = torch.zeros(rows.shape[0], c, dtype=torch.float32, device=x.device)
+    for d in range(k):   # tap d reads token t-d, which is in t's document iff position[t] >= d
+        inside = (positions[rows] >= d)[:, None]
+        exact += x[(rows - d).clamp(min=0)].float() * weight[:, k - 1 - d].float() * inside
+    out[rows] = exact.to(out.dtype)
+    return F.silu(out)
+
+
+def _l2norm(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6)
+
+
+def reference_delta_rule(q, k, v, g, beta, cu_seqlens) -> torch.Tensor:
+    """The gated delta rule token by token, restarted at each document (fp32). Slow; CPU and tests.
+
+    q, k [S, H, Dk], v [S, H, Dv], g (log decay) and beta [S, H] -> [S, H, Dv].
+    """
+    q = _l2norm(q.float()) * q.shape[-1] ** -0.5
+    k, v, g, beta = _l2norm(k.float()), v.float(), g.float(), beta.float()
+    out = torch.empty_like(v)
+    bounds = cu_seqlens.tolist()
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        state = q.new_zeros(q.shape[1], q.shape[2], v.shape[2])     # [H, Dk, Dv]
+        for t in range(a, b):
+            state = state * g[t].exp()[:, None, None]
+            delta = (v[t] - torch.einsum("hk,hkv->hv", k[t], state)) * beta[t][:, None]
+            state = state + k[t][:, :, None] * delta[:, None, :]
+            out[t] = torch.einsum("hk,hkv->hv", q[t], state)
+    return out
+
+
+class PackedGatedDeltaNet(nn.Module):
+    """Stands in for one Gated DeltaNet layer of the target; reads the row layout from `row`."""
+
+    def __init__(self, layer: nn.Module, row: "RowSlot", kernel=None):
+        super().__init__()
+        self.layer, self.row, self.kernel = layer, row, kernel
+
+    def forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        m, row = self.layer, self.row.layout
+        if hidden_states.shape[0] != 1:
+            raise ValueError(f"packed Gated DeltaNet takes one row at a time, got a batch of {hidden_states.shape[0]}")
+        x = hidden_states[0]                                                    # [S, hidden]
+        s = x.shape[0]
+        if row is None:   # a plain forward of the model, not a capture: one document
+            row = RowLayout(torch.arange(s, device=x.device), torch.tensor([0, s], dtype=torch.int32, device=x.device))
+        qkv = document_causal_conv(m.in_proj_qkv(x), m.conv1d.weight[:, 0], row.positions)
+        q, k, v = torch.split(qkv, [m.key_dim, m.key_dim, m.value_dim], dim=-1)
+        q, k = q.reshape(s, m.num_k_heads, m.head_k_dim), k.reshape(s, m.num_k_heads, m.head_k_dim)
+        v = v.reshape(s, m.num_v_heads, m.head_v_dim)
+        if m.num_v_heads != m.num_k_heads:   # each key head serves a group of consecutive value heads
+            q = q.repeat_interleave(m.num_v_heads // m.num_k_heads, dim=1)
+            k = k.repeat_interleave(m.num_v_heads // m.num_k_heads, dim=1)
+        beta = m.in_proj_b(x).sigmoid()
+        g = -m.A_log.float().exp() * F.softplus(m.in_proj_a(x).float() + m.dt_bias)
+        if self.kernel is not None:
+            o, _ = self.kernel(q[None], k[None], v[None], g=g[None], beta=beta[None],
+                               use_qk_l2norm_in_kernel=True, cu_seqlens=row.cu_seqlens)
+            o = o[0]
+        else:
+            o = reference_delta_rule(q, k, v, g, beta, row.cu_seqlens)
+        z = m.in_proj_z(x).reshape(s, m.num_v_heads, m.head_v_dim)
+        o = m.norm(o.to(x.dtype).reshape(-1, m.head_v_dim), z.reshape(-1, m.head_v_dim))
+        return m.out_proj(o.reshape(s, m.value_dim))[None]
+
+
+class RowSlot:
+    """The one RowLayout every packed layer of a model reads; the Target fills it per forward."""
+    layout: RowLayout | None = None
+
+
+def install(layers: nn.ModuleList, kernel) -> RowSlot | None:
+    """Swap every Gated DeltaNet of the decoder for the packed version; None if some recurrent
+    layer is of a kind this module does not know (the caller then runs one document at a time)."""
+    mixers = [getattr(layer, "linear_attn", None) for layer in layers]
+    recurrent = [m for m in mixers if m is not None]
+    if not recurrent or not all(is_packable_gdn(m) for m in recurrent):
+        return None
+    slot = RowSlot()
+    for layer, mixer in zip(layers, mixers):
+        if mixer is not None:
+            layer.linear_attn = PackedGatedDeltaNet(mixer, slot, kernel)
+    return slot

@@ -1,0 +1,155 @@
+"""Hybrid targets (Qwen3.5 / Qwen3.6: Gated DeltaNet + full attention) on packed rows.
+
+The reference is always transformers' own forward run on one document at a time. The packed row
+must equal it in every captured layer, including the documents shorter than the conv kernel, and
+the test must notice when the conv leak across documents is put back.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from services.target import hybrid
+from services.target.model import Target, choose_path, decoder_layers
+
+TEXT = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=16, vocab_size=160, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+            linear_value_head_dim=16, linear_conv_kernel_dim=4, max_position_embeddings=512,
+            layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"])
+LAYERS = [0, 1, 2, 3]                 # every layer captured: GDN, GDN, full attention, GDN (final norm)
+LENGTHS = [9, 1, 3, 17, 2, 30, 6]     # documents shorter than the kernel (4) too
+PAD = 5
+
+
+def _hybrid(dtype=torch.float32, device="cpu"):
+    from transformers import AutoModelForCausalLM
+    from transformers.models.qwen3_5 import Qwen3_5TextConfig
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(Qwen3_5TextConfig(**TEXT), dtype=dtype, attn_implementation="sdpa")
+    from services.target.model import PACKED_SDPA, _register_packed_sdpa
+    _register_packed_sdpa()
+    model.config._attn_implementation = PACKED_SDPA
+    return model.to(device).eval().requires_grad_(False)
+
+
+def _row(lengths, pad, seed=1):
+    total = sum(lengths) + pad
+    ids = torch.randint(0, 160, (total,), generator=torch.Generator().manual_seed(seed))
+    pos = torch.cat([torch.arange(n) for n in lengths] + [torch.arange(pad)])
+    doc = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)] + [torch.full((pad,), -1)])
+    return ids, pos, doc
+
+
+def _one_by_one(target, ids, lengths, dtype):
+    """Each document through transformers' own forward, alone."""
+    parts, start = [], 0
+    for n in lengths:
+        hidden, _ = target.capture(ids[start:start + n], torch.arange(n), torch.zeros(n, dtype=torch.long),
+                                   out_dtype=dtype)
+        parts.append(hidden)
+        start += n
+    return torch.cat(parts)
+
+
+def _leaky_conv(x, weight, positions):
+    """What transformers 5.x does on a packed row: one conv over the whole row."""
+    k = weight.shape[1]
+    return F.silu(F.conv1d(x.T[None], weight[:, None, :], padding=k - 1, groups=x.shape[1])[0, :, :x.shape[0]].T)
+
+
+def test_document_conv_equals_conv_of_each_document_alone():
+    gen = torch.Generator().manual_seed(2)
+    lengths, c, k = [5, 1, 2, 9, 3], 12, 4
+    x = torch.randn(sum(lengths), c, generator=gen)
+    w = torch.randn(c, k, generator=gen)
+    pos = torch.cat([torch.arange(n) for n in lengths])
+    packed = hybrid.document_causal_conv(x, w, pos)
+    alone = torch.cat([_leaky_conv(part, w, None) for part in torch.split(x, lengths)])
+    torch.testing.assert_close(packed, alone, rtol=1e-6, atol=1e-6)
+    leaky = _leaky_conv(x, w, pos)
+    assert (leaky - alone).abs().max() > 1e-2     # the control: the plain row conv does leak
+
+
+def test_reference_delta_rule_equals_transformers_chunked_kernel():
+    import inspect
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as m
+    torch_chunk = inspect.unwrap(m.torch_chunk_gated_delta_rule)   # the pure-torch one, never a hub kernel
+    gen = torch.Generator().manual_seed(3)
+    lengths, h, dk, dv = [7, 70], 2, 8, 6
+    s = sum(lengths)
+    q, k = torch.randn(s, h, dk, generator=gen), torch.randn(s, h, dk, generator=gen)
+    v = torch.randn(s, h, dv, generator=gen)
+    g, beta = -torch.rand(s, h, generator=gen), torch.rand(s, h, generator=gen)
+    cu = torch.tensor([0, 7, s], dtype=torch.int32)
+    ours = hybrid.reference_delta_rule(q, k, v, g, beta, cu)
+    for a, b in ((0, 7), (7, s)):
+        theirs, _ = torch_chunk(q[None, a:b], k[None, a:b], v[None, a:b], g=g[None, a:b], beta=beta[None, a:b],
+                                use_qk_l2norm_in_kernel=True)
+        torch.testing.assert_close(ours[a:b], theirs[0], rtol=1e-4, atol=1e-4)
+
+
+def test_paths_chosen_at_load():
+    model = _hybrid()
+    path, slot = choose_path(model, decoder_layers(model), torch.device("cpu"))
+    assert path == "packed-reference" and slot is not None
+    target = Target(_hybrid(), LAYERS, packed_recurrent=False)
+    assert target.path == "per-document" and target.warning == ""    # only CUDA runs warn about the slow path
+    assert Target(_hybrid(), LAYERS).path == "packed-reference"
+
+
+def test_plain_forward_through_packed_layers_is_one_document(hf_torch_hybrid):
+    ids = torch.randint(0, 160, (1, 25), generator=torch.Generator().manual_seed(6))
+    plain, model = _hybrid(), _hybrid()
+    Target(model, LAYERS)                      # installs the packed layers
+    for m in (plain, model):
+        m.config._attn_implementation = "sdpa"
+    want = plain(input_ids=ids).logits
+    torch.testing.assert_close(model(input_ids=ids).logits, want, rtol=1e-4, atol=1e-4)
+
+
+def test_packed_hybrid_row_equals_documents_run_one_by_one(monkeypatch, hf_torch_hybrid):
+    ids, pos, doc = _row(LENGTHS, PAD)
+    reference = _one_by_one(Target(_hybrid(), LAYERS, packed_recurrent=False), ids, LENGTHS, torch.float32)
+    packed_target = Target(_hybrid(), LAYERS)
+    assert packed_target.path == "packed-reference" and not packed_target.per_document
+    packed, _ = packed_target.capture(ids, pos, doc, out_dtype=torch.float32)
+    real = doc >= 0
+    torch.testing.assert_close(packed[real], reference, rtol=1e-4, atol=1e-4)
+
+    monkeypatch.setattr(hybrid, "document_causal_conv", _leaky_conv)   # put the leak back
+    leaky, _ = packed_target.capture(ids, pos, doc, out_dtype=torch.float32)
+    h = TEXT["hidden_size"]
+    first_gdn = (leaky[real][:, :h] - reference[:, :h]).abs().amax(dim=1)
+    assert first_gdn.max() > 1e-3                       # layer 0 already differs (exact: ~1e-8) ...
+    assert first_gdn[:LENGTHS[0]].max() < 1e-6          # ... but never in the first document
+
+
+def test_packed_hybrid_labels_equal_one_by_one(hf_torch_hybrid):
+    ids, pos, doc = _row([20, 3, 11], 0, seed=4)
+    packed_target = Target(_hybrid(), LAYERS)
+    _, labels = packed_target.capture(ids, pos, doc, with_labels=True, out_dtype=torch.float32)
+    alone = Target(_hybrid(), LAYERS, packed_recurrent=False)
+    start = 0
+    for n in (20, 3, 11):
+        _, want = alone.capture(ids[start:start + n], torch.arange(n), torch.zeros(n, dtype=torch.long),
+                                with_labels=True, out_dtype=torch.float32)
+        assert torch.equal(labels[start:start + n], want)
+        start += n
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or hybrid.fla_delta_rule() is None,
+                    reason="needs CUDA and flash-linear-attention")
+def test_cuda_varlen_packed_row_equals_documents_one_by_one(monkeypatch):
+    lengths = [300, 2, 57, 1, 640, 3, 129]
+    ids, pos, doc = _row(lengths, 40, seed=5)
+    target = Target(_hybrid(torch.bfloat16, "cuda"), LAYERS)
+    assert target.path == "packed-varlen"
+    packed, _ = target.capture(ids, pos, doc)
+    reference = _one_by_one(Target(_hybrid(torch.bfloat16, "cuda"), LAYERS, packed_recurrent=False), ids, lengths,
+                            torch.bfloat16)
+    real = (doc >= 0).cuda()
+    torch.testing.assert_close(packed[real].float(), reference.float(), rtol=3e-2, atol=3e-2)
+    monkeypatch.setattr(hybrid, "document_causal_conv", _leaky_conv)
+    leaky, _ = target.capture(ids, pos, doc)
+    assert (leaky[real].float() - reference.float()).abs().max() > 0.1
