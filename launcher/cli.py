@@ -18,6 +18,7 @@ from launcher import process
 from launcher.supervisor import EXIT_FAILED, EXIT_USAGE, RunFailed, Supervisor
 from launcher.topology import SpecError, host_overrides, hosts, parse_gpu_spec
 from services.config import ConfigError, dump_json, load_config
+from services.drafter.plan import Plan
 from services.files import point
 from services.health import probe
 
@@ -134,7 +135,7 @@ def _probe_row(w: dict, timeout: float, keys: str) -> dict:
     code, status, reason = probe(w["endpoints"]["health"], timeout_s=timeout, keys_dir=keys)
     row = {"name": w["name"], "gpu": w["gpu"], "pid": w["pid"], "probe": code, "reason": reason}
     if status:
-        row.update({k: status.get(k) for k in ("state", "step", "samples_done", "tokens_per_s",
+        row.update({k: status.get(k) for k in ("state", "step", "total_steps", "samples_done", "tokens_per_s",
                                                  "last_progress_age_s", "compile_s", "rss_bytes",
                                                  "gpu_mem_bytes", "bad_messages", "loss", "tau", "warning")})
     return row
@@ -144,11 +145,12 @@ def cmd_status(args) -> int:
     run_dir = Path(args.run_dir).resolve()
     run = _read_run(run_dir)
     rows = [_probe_row(w, args.timeout, _run_keys(run_dir)) for w in run["workers"]]
+    plan = _read_plan(run_dir)
     if args.json:
         print(json.dumps({"launcher_pid": run["launcher_pid"], "launcher_alive": process.alive(run["launcher_pid"]),
-                          "workers": rows}, indent=2))
+                          "plan": plan.to_dict() if plan else None, "workers": rows}, indent=2))
     else:
-        cols = ("name", "gpu", "pid", "state", "step", "samples_done", "tokens_per_s", "last_progress_age_s",
+        cols = ("name", "gpu", "pid", "state", "step", "total_steps", "samples_done", "tokens_per_s", "last_progress_age_s",
                 "rss_bytes", "gpu_mem_bytes", "bad_messages", "probe")
         table = [cols] + [tuple(_cell(r.get(c)) for c in cols) for r in rows]
         widths = [max(len(row[i]) for row in table) for i in range(len(cols))]
@@ -157,8 +159,18 @@ def cmd_status(args) -> int:
         for r in rows:
             if r.get("warning"):
                 print(f"{r['name']}: warning: {r['warning']}")
+        if plan:
+            print(f"plan: {plan.describe()}")
         print(f"launcher pid {run['launcher_pid']} {'alive' if process.alive(run['launcher_pid']) else 'not running'}")
     return max((r["probe"] for r in rows), default=0)
+
+
+def _read_plan(run_dir: Path) -> Plan | None:
+    """The run's plan, as drafter rank 0 wrote it to schedule.json once it knew the data."""
+    try:
+        return Plan.from_dict(json.loads((run_dir / "schedule.json").read_text()))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def _cell(value) -> str:

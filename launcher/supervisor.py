@@ -69,8 +69,10 @@ class Supervisor:
         argv = [sys.executable, "-m", f"services.{w.role}", "--config", str(self.run_dir / "config.json"),
                 "--run-dir", str(self.run_dir), "--rank", str(w.rank),
                 "--world-size", str(count(self.workers, w.role)), "--device", self.device]
-        if w.role == "drafter" and (self.resume or self.restarts["drafter"]):
-            argv.append("--resume")
+        if w.role == "drafter":
+            argv += ["--num-targets", str(count(self.workers, "target"))]
+            if self.resume or self.restarts["drafter"]:
+                argv.append("--resume")
         return argv
 
     def env(self, w: Worker) -> dict[str, str]:
@@ -80,7 +82,6 @@ class Supervisor:
             "PYTHONUNBUFFERED": "1",
             "TORCHINDUCTOR_CACHE_DIR": str(self.run_dir / "compile-cache"),
             "TORCHINDUCTOR_COMPILE_THREADS": str(share),
-            "DFLASH_NUM_TARGETS": str(count(self.workers, "target")),
             "DFLASH_GPU": str(w.gpu),
         })
         if self.device == "cuda":
@@ -90,9 +91,8 @@ class Supervisor:
         else:
             env["CUDA_VISIBLE_DEVICES"] = ""              # logical slots; hide any GPU
             env["OMP_NUM_THREADS"] = str(share)
-        if w.role == "drafter":
-            env.update({"MASTER_ADDR": self.master_addr, "MASTER_PORT": str(self.dist_port),
-                        "RANK": str(w.rank), "WORLD_SIZE": str(count(self.workers, "drafter"))})
+        if w.role == "drafter":            # the rendezvous; rank and world size are arguments
+            env.update({"MASTER_ADDR": self.master_addr, "MASTER_PORT": str(self.dist_port)})
         return env
 
     def start(self, w: Worker) -> None:

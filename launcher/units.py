@@ -119,7 +119,7 @@ def _common_env(cfg, run_dir: Path, config_json: Path, device: str, local_worker
         "DFLASH_CONFIG": str(config_json),
         "DFLASH_RUN_DIR": str(run_dir),
         "DFLASH_DEVICE": device,
-        "DFLASH_NUM_TARGETS": str(num_targets),   # drafters ask target g mod T for batch g
+        "DFLASH_NUM_TARGETS": str(num_targets),   # the drafters' --num-targets: batch g comes from target g mod T
         "PYTHONPATH": str(SRC_DIR),
         "PYTHONUNBUFFERED": "1",
         "PYTHONFAULTHANDLER": "1",                # a watchdog SIGABRT prints every thread's stack
@@ -147,9 +147,8 @@ def _instance_env(cfg, w: Worker, workers: list[Worker], run_dir: Path, device: 
         "DFLASH_HEALTH_ENDPOINT": endpoint(run_dir, cfg.transport, w.role, w.rank, "health"),
         "DFLASH_DATA_ENDPOINT": endpoint(run_dir, cfg.transport, w.role, w.rank, "data"),
     }
-    if w.role == "drafter":
-        env.update(MASTER_ADDR=master_addr, MASTER_PORT=str(cfg.transport.dist_port),
-                   RANK=str(w.rank), WORLD_SIZE=str(world))
+    if w.role == "drafter":                        # the rendezvous; rank and world size are arguments
+        env.update(MASTER_ADDR=master_addr, MASTER_PORT=str(cfg.transport.dist_port))
     return env
 
 

@@ -84,6 +84,8 @@ def test_service_settings(tmp_path):
         assert unit["EnvironmentFile"].endswith(f"dflash-env/dflash-{role}@%i.env")
         assert unit["ExecStart"].startswith(f"{sys.executable} -m services.{role} --config ${{DFLASH_CONFIG}}")
         assert unit["ExecStart"].endswith("--resume") == (role == "drafter")
+        assert "--rank ${DFLASH_RANK} --world-size ${DFLASH_WORLD_SIZE}" in unit["ExecStart"]
+        assert ("--num-targets ${DFLASH_NUM_TARGETS}" in unit["ExecStart"]) == (role == "drafter")
         assert unit["ExecStartPost"] == f"{sys.executable} -m launcher probe ${{DFLASH_HEALTH_ENDPOINT}}"
         assert unit["WorkingDirectory"] == str(run.resolve())
     assert not re.search(r"@[A-Z_]+@", "".join(p.read_text() for p in out.rglob("*") if p.is_file()))
@@ -139,7 +141,7 @@ def test_environment_files(tmp_path):
 
     drafter = _env(out / "dflash-env" / "dflash-drafter@6.env")
     assert (drafter["DFLASH_RANK"], drafter["DFLASH_WORLD_SIZE"], drafter["CUDA_VISIBLE_DEVICES"]) == ("1", "3", "6")
-    assert (drafter["RANK"], drafter["WORLD_SIZE"]) == ("1", "3")
+    assert "RANK" not in drafter and "WORLD_SIZE" not in drafter       # the unit passes --rank, --world-size
     assert (drafter["MASTER_ADDR"], drafter["MASTER_PORT"]) == ("127.0.0.1", str(cfg.transport.dist_port))
     assert drafter["DFLASH_HEALTH_ENDPOINT"] == f"ipc://{run}/sock/drafter-1.health"
     assert sorted(p.name for p in (out / "dflash-env").iterdir()) == sorted(
@@ -164,7 +166,7 @@ def test_drafter_host_of_a_two_host_run(tmp_path):
     assert not (out / "dflash-target@.service").exists()
     assert dict(_directives(out / "dflash.target"))["Wants"] == "dflash-drafters.target"
     drafter = _env(out / "dflash-env" / "dflash-drafter@2.env")
-    assert (drafter["DFLASH_RANK"], drafter["WORLD_SIZE"], drafter["MASTER_ADDR"]) == ("2", "3", "10.0.0.2")
+    assert (drafter["DFLASH_RANK"], drafter["DFLASH_WORLD_SIZE"], drafter["MASTER_ADDR"]) == ("2", "3", "10.0.0.2")
     assert drafter["DFLASH_HEALTH_ENDPOINT"] == endpoint("/unused", TransportConfig(scheme="tcp", host="10.0.0.1"), "drafter", 2, "health")
     common = _env(out / "dflash-env" / "dflash.env")
     assert (common["DFLASH_CURVE_KEYS_DIR"], common["DFLASH_NUM_TARGETS"]) == (str(keys), "2")

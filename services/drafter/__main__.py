@@ -1,4 +1,4 @@
-"""python -m services.drafter [--config FILE] [--run-dir DIR] [--rank R --world-size D]
+"""python -m services.drafter [--config FILE] [--run-dir DIR] [--rank R --world-size D] [--num-targets T]
                              [--device cpu|cuda] [--synthetic] [--max-steps N] [--resume] [section.key=value ...]"""
 from __future__ import annotations
 
@@ -13,8 +13,11 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m services.drafter", description="One DFlash drafter training process.")
     p.add_argument("--config", help="TOML config (or the launcher's resolved JSON)")
     p.add_argument("--run-dir", default="runs/drafter", help="run directory: sockets, compile cache, logs")
-    p.add_argument("--rank", type=int, default=0, help="drafter rank (env RANK wins)")
-    p.add_argument("--world-size", type=int, default=1, help="number of drafter ranks (env WORLD_SIZE wins)")
+    # torchrun-style RANK/WORLD_SIZE are read here, once, as defaults; the launcher passes the arguments
+    p.add_argument("--rank", type=int, default=int(os.environ.get("RANK", 0)), help="drafter rank (default env RANK, or 0)")
+    p.add_argument("--world-size", type=int, default=int(os.environ.get("WORLD_SIZE", 1)),
+                   help="number of drafter ranks (default env WORLD_SIZE, or 1)")
+    p.add_argument("--num-targets", type=int, default=1, help="number of target workers (batch g comes from target g mod T)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if os.environ.get("CUDA_VISIBLE_DEVICES") else "cpu")
     p.add_argument("--dist-backend", choices=("auto", "nccl", "gloo"), default="auto",
                    help="auto = nccl on cuda, gloo on cpu; gloo lets several ranks share one GPU")
@@ -35,7 +38,7 @@ def main(argv=None) -> int:
         print(f"drafter: config error: {exc}", file=sys.stderr, flush=True)
         return 2
     os.makedirs(args.run_dir, exist_ok=True)
-    args.workers_on_node = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", args.world_size)))
+    args.workers_on_node = int(os.environ.get("LOCAL_WORLD_SIZE", args.world_size))
     setup_environment(args.run_dir, workers_on_node=args.workers_on_node)   # before torch is imported
     if args.device == "cuda" and cfg.run.alloc_conf:
         os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", cfg.run.alloc_conf)

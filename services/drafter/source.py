@@ -5,13 +5,12 @@ target g mod T builds. Each drafter keeps `transport.credits` requests in flight
 is bounded and the next batch is usually there before it is needed. Batch g is a pure function of
 (dataset, config, seed, g), so after a target restarts the drafter simply asks again.
 
-Past the last batch of the run (total batches not divisible by D), a rank trains an empty batch,
-which has zero loss weight, so DDP stays in lockstep without repeating a sample.
+How many batches each rank trains is the run's plan (plan.py). Past the last batch of the run
+(total batches not divisible by D, or by the last optimizer step's micro-batches), a rank trains an
+empty batch, which has zero loss weight, so DDP stays in lockstep without repeating a sample.
 """
 from __future__ import annotations
 
-import math
-import os
 import time
 from pathlib import Path
 
@@ -21,6 +20,7 @@ from services.batch import Batch
 from services.config import Config
 from services.endpoints import endpoint
 from services.files import write_json_atomic
+from services.drafter.plan import make_plan
 from services import curve, lifecycle
 from services.health import HealthServer, probe
 from services.transport import BatchClient
@@ -33,10 +33,10 @@ class SourceError(RuntimeError):
 
 
 class ZmqSource:
-    def __init__(self, cfg: Config, run_dir: str | Path, rank: int, world_size: int,
-                 health: HealthServer | None, start_step: int = 0, split: str = "train"):
+    def __init__(self, cfg: Config, run_dir: str | Path, rank: int, world_size: int, num_targets: int,
+                 health: HealthServer | None, max_steps: int = 0, start_step: int = 0, split: str = "train"):
+        """max_steps: optimizer steps at most (train only; 0: the whole data)."""
         self.cfg, self.rank, self.world, self.split = cfg, rank, world_size, split
-        num_targets = int(os.environ.get("DFLASH_NUM_TARGETS", "1"))
         self.data_eps = [endpoint(run_dir, cfg.transport, "target", t, "data") for t in range(num_targets)]
         self.health_eps = [endpoint(run_dir, cfg.transport, "target", t, "health") for t in range(num_targets)]
         self.client = BatchClient(self.data_eps, cfg.transport, health, pin_memory=torch.cuda.is_available())
@@ -46,21 +46,15 @@ class ZmqSource:
         self.arrived: dict[int, Batch] = {}
         self.wait_s = 0.0                        # time spent waiting for data (data-wait fraction)
         self.info = self._ask_info()
-        per_epoch = self.info["num_eval_batches"] if split == "eval" else self.info["num_batches"]
-        epochs = 1 if split == "eval" else cfg.run.epochs
-        self.total_batches = epochs * per_epoch
-        self.total_steps = math.ceil(self.total_batches / world_size)
-        if cfg.run.max_steps and split == "train":
-            self.total_steps = min(self.total_steps, cfg.run.max_steps)
+        if split == "eval":
+            self.plan = make_plan(self.info["num_eval_batches"], epochs=1, drafters=world_size)
+        else:
+            self.plan = make_plan(self.info["num_batches"], cfg.run.epochs, world_size, cfg.drafter.grad_accum,
+                                  max_steps)
+        self.total_batches = self.plan.total_batches
         self.start_step = start_step
-        if rank == 0 and split == "train":
-            self._write_schedule(Path(run_dir), per_epoch)
-
-    def _write_schedule(self, run_dir: Path, per_epoch: int) -> None:
-        """What the run will train, for `launcher status`, reports and the exactly-once check."""
-        schedule = {"batches_per_epoch": per_epoch, "epochs": self.cfg.run.epochs, "total_batches": self.total_batches,
-                    "total_steps": self.total_steps, "drafters": self.world, "targets": self.num_targets}
-        write_json_atomic(run_dir / "schedule.json", schedule)
+        if rank == 0 and split == "train":     # for `launcher status`, reports and the exactly-once check
+            write_json_atomic(Path(run_dir) / "schedule.json", {**self.plan.to_dict(), "targets": num_targets})
 
     @property
     def num_targets(self) -> int:
@@ -73,13 +67,13 @@ class ZmqSource:
         return g % self.num_targets
 
     def __iter__(self):
-        for step in range(self.start_step, self.total_steps):
+        for step in range(self.start_step, self.plan.micro_batches):
             self._top_up(step)
             yield self._take(self.g_of(step))
 
     # --- requests ----------------------------------------------------------
     def _top_up(self, step: int) -> None:
-        for s in range(step, min(step + self.cfg.transport.credits, self.total_steps)):
+        for s in range(step, min(step + self.cfg.transport.credits, self.plan.micro_batches)):
             g = self.g_of(s)
             if g < self.total_batches and g not in self.pending and g not in self.arrived:
                 if self.target_pids[self.target_of(g)] is None:
@@ -162,16 +156,13 @@ class ZmqSource:
                 asked = time.monotonic()
 
     def empty_batch(self, g: int) -> Batch:
+        """Zero loss weight; target labels too when the run trains on them (check_batch wants them)."""
         s, width = self.info["seq_len"], self.info["hidden_width"]
+        labels = torch.zeros(s, dtype=torch.int64) if self.cfg.target.labels_from_target else None
         return Batch(g=g, hidden=torch.zeros(s, width, dtype=torch.bfloat16),
                      input_ids=torch.zeros(s, dtype=torch.int64), loss_mask=torch.zeros(s, dtype=torch.bool),
                      position_ids=torch.arange(s, dtype=torch.int64),
-                     document_ids=torch.full((s,), -1, dtype=torch.int64))
+                     document_ids=torch.full((s,), -1, dtype=torch.int64), target_labels=labels)
 
     def close(self) -> None:
         self.client.close()
-
-
-def make_source(cfg: Config, run_dir, rank: int, world_size: int, health: HealthServer | None,
-                start_step: int = 0) -> ZmqSource:
-    return ZmqSource(cfg, run_dir, rank, world_size, health, start_step=start_step)

@@ -85,15 +85,16 @@ class TrainState:
                 "tokens_done": self.tokens_done}
 
 
-def make_scheduler(optimizer, cfg: Config, total_batches: int) -> torch.optim.lr_scheduler.LambdaLR:
-    """Warmup + cosine over the optimizer steps that total_batches (this rank's) make."""
-    optimizer_steps = max(1, total_batches // max(1, cfg.drafter.grad_accum))
+def make_scheduler(optimizer, cfg: Config, optimizer_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+    """Warmup + cosine over the run's optimizer steps (plan.py)."""
+    optimizer_steps = max(1, optimizer_steps)
     warmup_steps = math.ceil(cfg.drafter.warmup_ratio * optimizer_steps)
     return torch.optim.lr_scheduler.LambdaLR(optimizer, WarmupCosine(warmup_steps, optimizer_steps, cfg.drafter.min_lr_ratio))
 
 
 def build_train_state(cfg: Config, model_cfg: DrafterModelConfig, head: TargetHead, device, *,
                       total_steps: int, world_size: int = 1) -> TrainState:
+    """total_steps: optimizer steps, the lr schedule's horizon."""
     device = torch.device(device)
     torch.manual_seed(cfg.run.seed)            # identical init on every rank (DDP also broadcasts rank 0's)
     drafter = DFlashDrafter(model_cfg, attention=make_attention(cfg.drafter.attention, device)).to(device)

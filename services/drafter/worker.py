@@ -27,6 +27,7 @@ from services.health import HealthServer
 from services.drafter import checkpoint as ckpt
 from services.drafter.compile import RecompileWatch, warmup
 from services.drafter.evaluate import evaluate
+from services.drafter.plan import make_plan
 from services.drafter.bookkeeping import Bookkeeping, warn
 from services.drafter.synthetic import SYNTHETIC_MODEL, SyntheticSource
 from services.drafter.target_head import TargetHead, build_model_config, from_target
@@ -39,11 +40,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_distributed(cfg: Config, rank: int, world_size: int, device: torch.device, backend: str) -> tuple[int, int]:
-    """Rendezvous from MASTER_ADDR/MASTER_PORT/RANK/WORLD_SIZE when the launcher set them; else
+def init_distributed(cfg: Config, rank: int, world_size: int, device: torch.device, backend: str) -> None:
+    """Rendezvous at MASTER_ADDR:MASTER_PORT when the launcher set them; else at
     127.0.0.1:transport.dist_port for a multi-rank run from the CLI, or a free port alone."""
-    rank = int(os.environ.get("RANK", rank))
-    world_size = int(os.environ.get("WORLD_SIZE", world_size))
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(cfg.transport.dist_port if world_size > 1 else _free_port()))
     if backend == "auto":
@@ -51,7 +50,6 @@ def init_distributed(cfg: Config, rank: int, world_size: int, device: torch.devi
     if device.type == "cuda":
         torch.cuda.set_device(device)               # always cuda:0: the launcher sets CUDA_VISIBLE_DEVICES
     dist.init_process_group(backend, rank=rank, world_size=world_size)
-    return rank, world_size
 
 
 def load_model(cfg: Config, synthetic: bool):
@@ -83,25 +81,30 @@ class SyntheticEval:
             yield batch
 
 
-def make_batches(cfg, model_cfg, run_dir, rank, world_size, health, synthetic, device, max_steps, start_step):
-    if synthetic:
-        total = max_steps * cfg.drafter.grad_accum if max_steps else 1000      # batches this rank trains
-        return SyntheticSource(model_cfg, cfg.data.pack_len, rank=rank, world_size=world_size, seed=cfg.run.seed,
-                               total_steps=total, start_step=start_step, device=device,
-                               with_target_labels=cfg.target.labels_from_target)
-    from services.drafter.source import make_source       # the real (ZMQ) source; imported only when used
-    return make_source(cfg, run_dir, rank, world_size, health, start_step=start_step)
+def make_batches(args, cfg, model_cfg, health, device, max_steps, start_step):
+    """(this rank's training batches, the run's plan)."""
+    if args.synthetic:
+        plan = make_plan(None, 1, args.world_size, cfg.drafter.grad_accum, max_steps)
+        source = SyntheticSource(model_cfg, cfg.data.pack_len, rank=args.rank, world_size=args.world_size,
+                                 seed=cfg.run.seed, total_steps=plan.micro_batches, start_step=start_step,
+                                 device=device, with_target_labels=cfg.target.labels_from_target)
+        return source, plan
+    from services.drafter.source import ZmqSource       # the real (ZMQ) source; imported only when used
+    source = ZmqSource(cfg, args.run_dir, args.rank, args.world_size, args.num_targets, health, max_steps=max_steps,
+                       start_step=start_step)
+    return source, source.plan
 
 
-def make_eval_batches(cfg, model_cfg, run_dir, rank, world_size, health, synthetic, device):
+def make_eval_batches(args, cfg, model_cfg, health, device):
     """The held-out split (rank d evaluates batches i*D + d), or None when evaluation is off or empty."""
     if cfg.run.eval_every <= 0:
         return None
-    if synthetic:
+    if args.synthetic:
         return SyntheticEval(SyntheticSource(model_cfg, cfg.data.pack_len, seed=cfg.run.seed, device=device,
-                                             with_target_labels=cfg.target.labels_from_target), rank, world_size)
+                                             with_target_labels=cfg.target.labels_from_target),
+                             args.rank, args.world_size)
     from services.drafter.source import ZmqSource
-    source = ZmqSource(cfg, run_dir, rank, world_size, health, split="eval")
+    source = ZmqSource(cfg, args.run_dir, args.rank, args.world_size, args.num_targets, health, split="eval")
     if source.total_batches == 0:
         warn("run.eval_every is set but the data has no held-out batches (data.eval_fraction / data.eval_path); "
              "evaluation is off")
@@ -140,13 +143,12 @@ def stop_everywhere(local: bool, device: torch.device) -> bool:
 def find_checkpoint(args, cfg: Config, run_dir: Path, model_cfg, health: HealthServer):
     """--resume: the newest good checkpoint (None: start fresh). Without --resume, refuse a run dir
     that has checkpoints (a fresh run there would mix two runs' checkpoints, ledger and metrics)."""
-    world_size = int(os.environ.get("WORLD_SIZE", args.world_size))
     if not getattr(args, "resume", False):
         if ckpt.list_checkpoints(ckpt.checkpoints_dir(run_dir)):
             raise ConfigError(f"{ckpt.checkpoints_dir(run_dir)} has checkpoints: pass --resume to continue "
                               "from them, or use another --run-dir")
         return None
-    return ckpt.find_resume_point(run_dir, model_cfg, cfg, world_size, warn, tick=health.progress)
+    return ckpt.find_resume_point(run_dir, model_cfg, cfg, args.world_size, warn, tick=health.progress)
 
 
 def same_everywhere(value: int, device: torch.device) -> bool:
@@ -164,7 +166,8 @@ def setup(args, cfg: Config, run_dir: Path, device: torch.device, health: Health
     found = find_checkpoint(args, cfg, run_dir, model_cfg, health)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("--device cuda but CUDA is not available")
-    rank, world_size = init_distributed(cfg, args.rank, args.world_size, device, args.dist_backend)
+    rank, world_size = args.rank, args.world_size
+    init_distributed(cfg, rank, world_size, device, args.dist_backend)
     if not same_everywhere(found.micro_step if found else -1, device):
         raise RuntimeError("drafter ranks picked different checkpoints to resume from (is checkpoints/ shared?)")
     state = build_train_state(cfg, model_cfg, head, device, world_size=world_size, total_steps=max(1, max_steps))
@@ -180,26 +183,25 @@ def setup(args, cfg: Config, run_dir: Path, device: torch.device, health: Health
         compile_s += time.perf_counter() - start
     compile_s = round(compile_s, 3)
     start_step = found.micro_step if found else 0
-    batches = make_batches(cfg, model_cfg, run_dir, rank, world_size, health, args.synthetic, device, max_steps,
-                           start_step)
-    eval_batches = make_eval_batches(cfg, model_cfg, run_dir, rank, world_size, health, args.synthetic, device)
-    total = min(batches.total_steps, max_steps * cfg.drafter.grad_accum) if max_steps else batches.total_steps
-    state.scheduler = make_scheduler(state.optimizer, cfg, total)     # the real horizon, now that it is known
+    batches, plan = make_batches(args, cfg, model_cfg, health, device, max_steps, start_step)
+    eval_batches = make_eval_batches(args, cfg, model_cfg, health, device)
+    state.scheduler = make_scheduler(state.optimizer, cfg, plan.optimizer_steps)   # the real horizon, now known
     if found:
         for note in ckpt.restore(state, found, rank):
             warn(note)
         print(json.dumps({"event": "resumed", "rank": rank, "checkpoint": str(found.path), **state.counters()}),
               flush=True)
     books = Bookkeeping(cfg, run_dir, rank, world_size, state, health, found, eval_batches)
-    health.set(state="ready", compile_s=compile_s, total_steps=total // max(1, cfg.drafter.grad_accum),
+    health.set(state="ready", compile_s=compile_s, total_steps=plan.optimizer_steps,
                step=state.step, samples_done=state.samples_done)  # set(): under systemd this also sends READY=1
     health.progress()
-    print(json.dumps({"event": "ready", "rank": rank, "compile_s": compile_s, "params": state.drafter.num_parameters()}), flush=True)
+    print(json.dumps({"event": "ready", "rank": rank, "compile_s": compile_s, "params": state.drafter.num_parameters(),
+                      "plan": plan.describe()}), flush=True)
     return state, batches, books, compile_s
 
 
 def run(args, cfg: Config) -> int:
-    run_dir, rank = Path(args.run_dir), int(os.environ.get("RANK", args.rank))
+    run_dir, rank = Path(args.run_dir), args.rank
     device = torch.device("cuda:0" if args.device == "cuda" else "cpu")
     max_steps = args.max_steps if args.max_steps is not None else cfg.run.max_steps
     gpu = os.environ.get("CUDA_VISIBLE_DEVICES", "0") if device.type == "cuda" else f"cpu-{rank}"
@@ -228,8 +230,6 @@ def run(args, cfg: Config) -> int:
             if state.micro_step % max(1, cfg.run.log_every) == 0:
                 print(json.dumps({"rank": rank, **m, **stamp, "step_s": round(elapsed, 4)}), flush=True)
             books.after_batch(batch.g, m, waited, now - start)     # ledger, metrics, eval, checkpoint
-            if max_steps and state.step >= max_steps:
-                break
         if interrupted:
             health.set(state="draining")
         books.finish(completed=not interrupted)                   # final checkpoint; export when completed
