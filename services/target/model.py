@@ -221,6 +221,13 @@ def choose_path(model: nn.Module, layers: nn.ModuleList, device: torch.device,
     return ("packed-varlen" if kernel is not None else "packed-reference"), slot
 
 
+def slow_path_warning(path: str, device: torch.device) -> str:
+    """One line for the log and `launcher status` when a hybrid target runs on the slow path."""
+    if path != "per-document" or device.type != "cuda":
+        return ""
+    return f"hybrid target on the slow per-document capture path (one forward per document): {FLA_HINT}"
+
+
 class Target:
     """A frozen HF causal LM with capture hooks on `layer_ids`."""
 
@@ -238,9 +245,7 @@ class Target:
         self._stop_after = True
         self.path, self._row = choose_path(model, self.layers, self.device, packed_recurrent)
         self.per_document = self.path == "per-document"
-        # one line for the log and `launcher status` when a hybrid model runs on the slow path
-        self.warning = (f"hybrid target on the slow per-document capture path (one forward per document): {FLA_HINT}"
-                        if self.per_document and self.device.type == "cuda" else "")
+        self.warning = slow_path_warning(self.path, self.device)
         h = self.info.hidden_size
         deepest = self.info.layer_ids[-1]
         last = self.info.num_layers - 1
