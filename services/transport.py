@@ -12,8 +12,11 @@ hands out the Batch as views of that buffer. Anything malformed is counted and d
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import math
+import queue
+import threading
 import time
 import weakref
 from collections import Counter
@@ -103,8 +106,25 @@ def batch_messages(batch: Batch, split: str, chunk_bytes: int) -> Iterator[list]
                               {"bytes": flat[start:start + chunk_bytes]})
 
 
+@dataclass
+class _Reply:
+    """Messages for one drafter, sent in order by the I/O thread."""
+    client: bytes
+    messages: Iterator[list]
+    ready: object = None            # a CUDA event: the bytes are in host memory once it has completed
+    release: object = None          # called once ZMQ is done with every frame (the buffer may be reused)
+    started: float = 0.0            # when its first message was queued
+    trackers: list | None = None    # one per message: done once ZMQ has let go of its bytes
+
+
 class BatchServer:
-    """Target side: a ROUTER on the data endpoint. The main loop polls for requests and answers them."""
+    """Target side: a ROUTER on the data endpoint, owned by one I/O thread (vLLM's engine-core pattern).
+
+    The main loop takes requests with poll() and hands replies over with send_*(); the I/O thread
+    receives, validates and queues requests, and streams replies to each drafter without blocking:
+    a drafter whose queue is full is skipped while the others are served, and given up after
+    SEND_TIMEOUT_S (it will ask again). So neither the GPU loop nor the other drafters wait on it.
+    """
 
     def __init__(self, endpoint: str, transport: TransportConfig, health: HealthServer | None = None):
         self.transport = transport
@@ -120,22 +140,116 @@ class BatchServer:
             curve.apply_server(self._sock, keys)
         bind_private(self._sock, endpoint)
         self.endpoint = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)   # resolves tcp port '*'
+        # the main thread wakes the I/O thread through an inproc pair when it hands over a reply
+        self._wake_addr = f"inproc://wake-{id(self)}"
+        self._wake_in = self._ctx.socket(zmq.PAIR)
+        self._wake_in.bind(self._wake_addr)
+        self._wake_out = self._ctx.socket(zmq.PAIR)
+        self._wake_out.connect(self._wake_addr)
+        self._requests: queue.Queue[Request] = queue.Queue()
+        self._outbox: queue.Queue[_Reply] = queue.Queue()
+        self._unsent = 0                         # replies handed over and not yet fully queued in ZMQ
+        self._unsent_lock = threading.Lock()
+        self._closing = threading.Event()
+        self._thread = threading.Thread(target=self._io_loop, name="target-io", daemon=True)
+        self._thread.start()
 
+    # --- main-thread side ---------------------------------------------------------------------
     def poll(self, timeout_ms: int) -> list[Request]:
-        """Valid requests in arrival order; malformed ones are counted and dropped."""
-        requests: list[Request] = []
-        if not self._sock.poll(timeout_ms, zmq.POLLIN):
-            return requests
+        """Valid requests in arrival order, waiting up to timeout_ms for the first."""
+        try:
+            requests = [self._requests.get(timeout=timeout_ms / 1000)]
+        except queue.Empty:
+            return []
+        while True:
+            try:
+                requests.append(self._requests.get_nowait())
+            except queue.Empty:
+                return requests
+
+    def send_batch(self, client: bytes, batch: Batch, split: str = "train", ready=None, release=None) -> None:
+        """Stream one batch to a drafter (no copy: leave its tensors alone until `release` is called).
+
+        `ready` (a CUDA event) is waited for before the first byte goes out; `release` is called
+        once ZMQ no longer needs the batch's memory, also when the drafter is gone.
+        """
+        self._hand_over(_Reply(client, batch_messages(batch, split, self.transport.chunk_bytes), ready, release))
+
+    def send_info(self, client: bytes, info: dict) -> None:
+        self.send_frames(client, wire.encode({"kind": "info", "info": info}))
+
+    def send_error(self, client: bytes, g: int, message: str, split: str = "train") -> None:
+        self.send_frames(client, wire.encode({"kind": "error", "g": g, "split": split, "message": message[:1000]}))
+
+    def send_frames(self, client: bytes, frames: list) -> None:
+        """One raw message, in order with everything else for this drafter."""
+        self._hand_over(_Reply(client, iter([frames])))
+
+    def _hand_over(self, reply: _Reply) -> None:
+        with self._unsent_lock:
+            self._unsent += 1
+        self._outbox.put(reply)
+        self._wake_out.send(b"", zmq.NOBLOCK)
+
+    def flush(self, timeout_s: float) -> bool:
+        """Wait until every reply handed over is queued in ZMQ (or given up); False on timeout."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            with self._unsent_lock:
+                if self._unsent == 0:
+                    return True
+            time.sleep(0.01)
+        return False
+
+    def close(self) -> None:
+        self._closing.set()
+        self._wake_out.send(b"", zmq.NOBLOCK)
+        self._thread.join(timeout=10)
+        self._wake_out.close(linger=0)
+        self._ctx.term()
+
+    # --- I/O thread -----------------------------------------------------------------------------
+    def _io_loop(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        poller.register(self._wake_in, zmq.POLLIN)
+        streams: dict[bytes, list[_Reply]] = {}      # per drafter, in order
+        in_flight: list[_Reply] = []                   # fully queued; waiting for ZMQ to let go of the bytes
+        try:
+            while not self._closing.is_set():
+                progressed = bool(streams) and self._send_some(streams, in_flight)
+                # a reply finished: look again at once; full queues or copies running: shortly; idle: until woken
+                timeout = 0 if progressed else (2 if streams or in_flight else 1000)
+                for sock, _ in poller.poll(timeout):
+                    if sock is self._wake_in:
+                        while self._wake_in.poll(0):
+                            self._wake_in.recv()
+                    else:
+                        self._receive()
+                while True:
+                    try:
+                        reply = self._outbox.get_nowait()
+                    except queue.Empty:
+                        break
+                    streams.setdefault(reply.client, []).append(reply)
+                in_flight[:] = [r for r in in_flight if not self._released_if_done(r)]
+        finally:
+            for reply in [r for rs in streams.values() for r in rs] + in_flight:
+                if reply.release:
+                    reply.release()
+            self._sock.close(linger=0)
+            self._wake_in.close(linger=0)
+
+    def _receive(self) -> None:
         for _ in range(MAX_MESSAGES_PER_POLL):
             try:
                 frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
-                break
+                return
             try:
-                requests.append(self._parse_request(frames))
+                self._requests.put(self._parse_request(frames))
             except wire.WireError as exc:
                 self.drops("data-request", str(exc))
-        return requests
 
     def _parse_request(self, frames) -> Request:
         client = frames[0].bytes
@@ -149,45 +263,60 @@ class BatchServer:
             return Request(client, "batch", _int_field(header, "g", 0), _split_field(header))
         raise wire.WireError(f"header field 'want': expected 'batch' or 'info', got {want!r}")
 
-    def send_batch(self, client: bytes, batch: Batch, split: str = "train") -> bool:
-        """Stream one batch to a drafter. No copy is made: leave the batch's tensors alone afterwards.
+    def _send_some(self, streams: dict[bytes, list[_Reply]], in_flight: list[_Reply]) -> bool:
+        """Advance each drafter's current reply until its queue is full; True if any reply finished."""
+        finished_any = False
+        for client in list(streams):
+            replies = streams[client]
+            reply = replies[0]
+            if reply.ready is not None and not reply.ready.query():
+                continue                       # its copy to host memory is still running on the GPU
+            if not reply.started:
+                reply.started, reply.trackers = time.monotonic(), []
+            outcome = self._stream(reply)
+            if outcome == "full":
+                if time.monotonic() - reply.started <= SEND_TIMEOUT_S:
+                    continue
+                self._give_up(f"drafter queue full for {SEND_TIMEOUT_S:.0f}s; batch abandoned")
+            finished = list(replies) if outcome == "gone" else [reply]   # gone: nothing more reaches it
+            in_flight.extend(finished)
+            del replies[:len(finished)]
+            if not replies:
+                del streams[client]
+            with self._unsent_lock:
+                self._unsent -= len(finished)
+            finished_any = True
+        return finished_any
 
-        Returns False when the drafter is gone or its queue stayed full for SEND_TIMEOUT_S
-        (it will ask again); True once every chunk is queued.
-        """
-        return all(self._send(client, frames) for frames in batch_messages(batch, split, self.transport.chunk_bytes))
-
-    def send_info(self, client: bytes, info: dict) -> bool:
-        return self._send(client, wire.encode({"kind": "info", "info": info}))
-
-    def send_error(self, client: bytes, g: int, message: str, split: str = "train") -> bool:
-        return self._send(client, wire.encode({"kind": "error", "g": g, "split": split, "message": message[:1000]}))
-
-    def _send(self, client: bytes, frames: list) -> bool:
-        deadline = time.monotonic() + SEND_TIMEOUT_S
-        while True:
+    def _stream(self, reply: _Reply) -> str:
+        """Queue the reply's messages in ZMQ: "done", "full" (try again later) or "gone"."""
+        for frames in reply.messages:
             try:
-                self._sock.send_multipart([client, *frames], zmq.NOBLOCK, copy=False)
-                return True
-            except zmq.Again:   # this drafter's queue is full: wait for room, bounded
-                if time.monotonic() > deadline:
-                    self._give_up(f"drafter queue full for {SEND_TIMEOUT_S:.0f}s; batch abandoned")
-                    return False
-                self._sock.poll(10, zmq.POLLOUT)
+                reply.trackers.append(self._sock.send_multipart([reply.client, *frames], zmq.NOBLOCK, copy=False,
+                                                                track=True))
+            except zmq.Again:   # this drafter's queue is full: keep the message for the next round
+                reply.messages = itertools.chain([frames], reply.messages)
+                return "full"
             except zmq.ZMQError as exc:
                 if exc.errno != zmq.EHOSTUNREACH:
                     raise
                 self._give_up("drafter disconnected; batch abandoned (it will ask again)")
-                return False
+                return "gone"
+        return "done"
+
+
+    @staticmethod
+    def _released_if_done(reply: _Reply) -> bool:
+        if any(not t.done for t in reply.trackers or []):
+            return False
+        if reply.release:
+            reply.release()
+        return True
 
     def _give_up(self, text: str) -> None:
         log.warning("%s", text)
         if self._health:
             self._health.error(text)
-
-    def close(self) -> None:
-        self._sock.close(linger=0)
-        self._ctx.term()
 
 
 class BufferPool:

@@ -11,6 +11,7 @@ import select
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -84,7 +85,7 @@ def serve(endpoint: str, health_endpoint: str, mode: str = "normal") -> None:
         if mode == "die" and pending:
             messages = batch_messages(make_batch(pending[0].g, pending[0].split), pending[0].split, CHUNK)
             for frames in itertools.islice(messages, 3):   # announcement + 2 chunks
-                server._send(pending[0].client, frames)
+                server.send_frames(pending[0].client, frames)
             time.sleep(0.5)   # let ZMQ push them out, then die mid-stream
             os.kill(os.getpid(), signal.SIGKILL)
         if mode == "interleave":
@@ -92,12 +93,12 @@ def serve(endpoint: str, health_endpoint: str, mode: str = "normal") -> None:
             for round_robin in itertools.zip_longest(*streams):
                 for request, frames in zip(pending, round_robin):
                     if frames is not None:
-                        server._send(request.client, frames)
+                        server.send_frames(request.client, frames)
             continue
         for request in pending:
             if mode == "liar":
                 for frames in lies(request.g, request.split):
-                    server._send(request.client, frames)
+                    server.send_frames(request.client, frames)
             server.send_batch(request.client, make_batch(request.g, request.split), request.split)
 
 
@@ -290,11 +291,47 @@ def test_target_killed_mid_stream_and_restarted(tmp_path, targets, scheme):
 
 # --- in-process pieces ---------------------------------------------------------------------
 
-def test_send_to_a_drafter_that_is_gone_returns_false():
+def test_a_batch_for_a_drafter_that_is_gone_is_released():
     server = BatchServer("tcp://127.0.0.1:*", transport_cfg())
+    released = threading.Event()
     try:
-        assert server.send_batch(b"no-such-drafter", make_batch(0)) is False
+        server.send_batch(b"no-such-drafter", make_batch(0), release=released.set)
+        assert released.wait(5), "the batch's memory was never handed back"
+        assert server.flush(5)
     finally:
+        server.close()
+
+
+def test_a_drafter_that_does_not_read_holds_up_nobody_else():
+    """One drafter never reads: its queue fills. Another drafter still gets its batch at once."""
+    cfg = transport_cfg(credits=1, max_batch_bytes=1 << 20)       # a short queue per drafter
+    server = BatchServer("tcp://127.0.0.1:*", cfg)
+    ctx = zmq.Context()
+    stuck = ctx.socket(zmq.DEALER)
+    stuck.setsockopt(zmq.RCVHWM, 1)
+    stuck.setsockopt(zmq.RCVBUF, 4096)
+    stuck.connect(server.endpoint)
+    reader = BatchClient([server.endpoint], cfg)
+    try:
+        stuck.send_multipart(wire.encode({"kind": "request", "want": "batch", "g": 0, "split": "train"}))
+        reader.request(0, 7)
+        clients = {}
+        while len(clients) < 2:
+            for request in server.poll(1000):
+                clients[request.g] = request.client
+        for g in range(40):                                       # far more than the stuck queue holds
+            server.send_batch(clients[0], make_batch(g))
+        start = time.monotonic()
+        server.send_batch(clients[7], make_batch(7))
+        events = []
+        while not events and time.monotonic() - start < 10:
+            events = reader.poll(100)
+        assert events and same_batch(events[0][3], make_batch(7))
+        assert time.monotonic() - start < 5, "the reader waited on the stuck drafter"
+    finally:
+        reader.close()
+        stuck.close(linger=0)
+        ctx.term()
         server.close()
 
 

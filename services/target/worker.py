@@ -5,13 +5,13 @@
 States (health): starting -> loading (model + data index) -> ready -> training (serving) ->
 draining (SIGTERM: finish the batch in hand) -> stopped; failed on an error (exit 1).
 Requests are served in arrival order: "info" -> the dict below; "batch" g -> build row g,
-capture on the device, copy into a pinned host buffer, send. Any rank can build any batch;
+queue its capture on the GPU, hand it to the transport's I/O thread. Any rank can build any batch;
 the rank only decides which requests arrive here.
 
-The capture goes into one reused device buffer, then into a pinned host buffer from PyTorch's
-caching host allocator: the transport sends it without a copy, and the buffer goes back to the
-pool, to be reused, once ZMQ has sent it (overwriting a fixed buffer could corrupt a batch that
-is still queued for a slow drafter).
+Nothing in this loop waits for the GPU or the network (ring.py, transport.BatchServer): while the
+GPU runs one forward, this thread builds the next row and queues the next forward; a side stream
+copies finished captures into pinned host slots, and the I/O thread streams them to the drafters
+once copied. The number of slots (transport.credits + 2) bounds the host memory in flight.
 """
 from __future__ import annotations
 
@@ -30,7 +30,8 @@ from services.config import Config, load_config
 from services.endpoints import endpoint
 from services import curve
 from services.health import HealthServer
-from services.target.model import capture_to_host, load_target
+from services.target.model import load_target
+from services.target.ring import CaptureRing
 from services.target.packing import open_or_build
 from services.transport import BatchServer, Request
 
@@ -59,12 +60,12 @@ class TargetWorker:
         if self.target.warning:
             log.warning("%s", self.target.warning)
             health.set(warning=self.target.warning)
-        # one reusable device buffer for the captures; on CPU each batch gets its own (it is sent as is)
-        self.device_out = (torch.empty(self.data.pack_len, info.hidden_width, dtype=torch.bfloat16, device=device)
-                           if device.type == "cuda" else None)
+        # one slot per credit of a drafter that is slow to drain, one being sent, one being filled
+        self.ring = CaptureRing(self.target, self.data.pack_len, cfg.transport.credits + 2, cfg.target.labels_from_target)
         self.server = BatchServer(endpoint(run_dir, cfg.transport, "target", rank, "data"), cfg.transport, health)
         self.batches_served = self.samples_done = 0
         self.tokens_per_s = 0.0
+        self.last_answer = time.perf_counter()
         health.set(state="ready", **self.info)
 
     def serve(self, stop: threading.Event) -> None:
@@ -75,6 +76,7 @@ class TargetWorker:
                     break          # SIGTERM: the batch in hand is done; the rest will be asked again
             self.health.progress()   # the loop is alive even when nobody asks
         self.health.set(state="draining")
+        self.server.flush(timeout_s=10)   # the batches in hand go out
         self.server.close()
 
     def answer(self, request: Request) -> None:
@@ -86,16 +88,16 @@ class TargetWorker:
         except IndexError as exc:
             self.server.send_error(request.client, request.g, str(exc), request.split)
             return
-        t0 = time.perf_counter()
-        batch = self.build(request.g, parts)
-        self.server.send_batch(request.client, batch, request.split)
-        self.stamp(batch, time.perf_counter() - t0)
+        hidden, labels, ready, release = self.ring.capture(parts)
+        batch = Batch(g=request.g, hidden=hidden, target_labels=labels, **parts)
+        self.server.send_batch(request.client, batch, request.split, ready=ready, release=release)
+        self.stamp(batch)
 
-    def build(self, g: int, row: dict[str, torch.Tensor]) -> Batch:
-        hidden, labels = capture_to_host(self.target, row, self.cfg.target.labels_from_target, self.device_out)
-        return Batch(g=g, hidden=hidden, target_labels=labels, **row)
-
-    def stamp(self, batch: Batch, seconds: float) -> None:
+    def stamp(self, batch: Batch) -> None:
+        """Progress for health: the rate is tokens per second between answers (the GPU's pace once
+        the pipeline is full, since capture() waits only when every slot is still in flight)."""
+        now = time.perf_counter()
+        seconds, self.last_answer = now - self.last_answer, now
         self.batches_served += 1
         self.samples_done += int(batch.document_ids.max()) + 1
         rate = batch.num_tokens / max(seconds, 1e-9)
