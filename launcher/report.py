@@ -42,7 +42,8 @@ def summary(run_dir: Path, train: list[dict], evals: list[dict]) -> list[str]:
         recent = [r["tokens_per_s"] for r in train[-20:] if "tokens_per_s" in r]
         lines.append(f"steps: {last['step']} (train records: {len(train)}), samples {last.get('samples_done', '?')}, "
                      f"tokens {last.get('tokens_done', '?')}")
-        lines.append(f"final train loss {last['loss']:.4f}, tau {last['tau']:.3f}, lr {last.get('lr', 0):.3g}")
+        coverage = f", coverage {100 * last['coverage']:.1f}%" if "coverage" in last else ""
+        lines.append(f"final train loss {last['loss']:.4f}, tau {last['tau']:.3f}{coverage}, lr {last.get('lr', 0):.3g}")
         if recent:
             wait = [r.get("data_wait_frac", 0.0) for r in train[-20:]]
             lines.append(f"throughput: {sum(recent) / len(recent):,.0f} tokens/s (last {len(recent)} records), "

@@ -43,7 +43,7 @@ class RunConfig:
 @dataclass
 class TargetConfig:
     model_path: str = ""               # local HF directory
-    layer_ids: list[int] = field(default_factory=list)   # empty = DFLASH.md default spread
+    layer_ids: list[int] = field(default_factory=list)   # empty = the default spread (docs/dflash.md); ascending, no repeats
     dtype: str = "bfloat16"
     attn_implementation: str = "sdpa"
     labels_from_target: bool = False   # labels = target argmax instead of data tokens

@@ -66,7 +66,7 @@ class ExportedDrafter:
 
 
 def dflash_visibility(anchors, document_ids, block_size, context_len):
-    """DFLASH.md: block i (anchor a) sees context j < a in a's document, and its own whole block."""
+    """docs/dflash.md: block i (anchor a) sees context j < a in a's document, and its own whole block."""
     q = len(anchors) * block_size
     visible = torch.zeros(q, context_len + q, dtype=torch.bool)
     for i, a in enumerate(anchors.tolist()):
