@@ -35,6 +35,18 @@ def _pointer(run_dir: Path, name: str) -> str | None:
     return os.readlink(link) if link.is_symlink() else None
 
 
+def describe_export(export: Path) -> str | None:
+    """One line on an export: its step, last/best, and vLLM's num_speculative_tokens (block_size - 1)."""
+    try:
+        record = json.loads((export / "export.json").read_text())
+    except (OSError, ValueError):
+        return None
+    which = " and ".join(w for w in ("last", "best") if record.get(w)) or "neither last nor best"
+    best = "" if record.get("best") or record.get("best_step") is None else f", best is step {record['best_step']}"
+    return (f"export: {export} (step {record['step']}: {which}{best}); "
+            f"vLLM num_speculative_tokens = {record['num_speculative_tokens']} (block_size {record['block_size']} - 1)")
+
+
 def summary(run_dir: Path, train: list[dict], evals: list[dict]) -> list[str]:
     lines = [f"run: {run_dir}"]
     if train:
@@ -57,8 +69,10 @@ def summary(run_dir: Path, train: list[dict], evals: list[dict]) -> list[str]:
     latest, best_ckpt = _pointer(run_dir, "latest"), _pointer(run_dir, "best")
     lines.append(f"checkpoints: latest {latest or '-'}, best {best_ckpt or '-'}")
     export = run_dir / "export"
-    lines.append(f"export: {export}" if (export / "config.json").is_file()
-                 else f"export: none yet (launcher export --checkpoint {run_dir} --out DIR)")
+    if (export / "config.json").is_file():
+        lines.append(describe_export(export) or f"export: {export}")
+    else:
+        lines.append(f"export: none yet (launcher export --checkpoint {run_dir / 'checkpoints' / 'latest'} --out DIR)")
     return lines
 
 

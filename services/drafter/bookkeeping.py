@@ -154,11 +154,13 @@ class Bookkeeping:
         if self.saved_step != self.state.step:
             self.checkpoint()
         if completed and self.cfg.run.export_at_end and self.rank == 0:
-            from services.drafter.export import export_weights
+            from services.drafter.export import export_weights, num_speculative_tokens
             try:
+                record = self.final_export_record()
                 out = export_weights(self.state.drafter.state_dict(), self.state.drafter.cfg, self.run_dir / "export",
-                                     provenance={"step": self.state.step})
-                say("exported", step=self.state.step, out=str(out))
+                                     provenance=record)
+                say("exported", out=str(out), **record,
+                    num_speculative_tokens=num_speculative_tokens(self.state.drafter.cfg.block_size))
             except Exception as exc:
                 traceback.print_exc()
                 message = f"export at the end of the run failed ({type(exc).__name__}: {exc}); " \
@@ -166,6 +168,19 @@ class Bookkeeping:
                 warn(message)
                 self.health.error(message)
         self.close()
+
+    def final_export_record(self) -> dict:
+        """export.json of the export at the end: the last step's weights, and whether that step is
+        also the best one (its held-out τ is the best so far; never when the run did not evaluate)."""
+        from services.drafter.export import export_record
+        step = self.state.step
+        best, latest = ckpt.pointer(self.root, ckpt.BEST), ckpt.pointer(self.root, ckpt.LATEST)
+        best_step = ckpt.step_of(best) if best else None
+        saved = latest is not None and ckpt.step_of(latest) == step       # the final checkpoint was written
+        evaluated_now = self.last_eval is not None and self.last_eval["step"] == step
+        return export_record(step, last=True, best=best_step == step, best_step=best_step,
+                             checkpoint=latest.name if saved else None,
+                             eval_tau=self.last_eval["tau"] if evaluated_now else None)
 
     def close(self) -> None:
         if self.closed:
