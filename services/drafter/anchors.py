@@ -1,6 +1,6 @@
 """From a packed Batch to the drafter's inputs: anchors, blocks, positions, labels, loss weights.
 
-Rules (docs/design.md, "Anchors and blocks", with the upstream sources):
+Rules (docs/dflash.md, "Anchors, blocks, loss", which names the upstream sources):
   - an anchor a is valid when it is supervised and so is the next token of its document
     (loss_mask[a] and loss_mask[a+1], a+1 in a's document). Its block may run past the end of
     the document (or of the packed row): those positions carry no loss weight, and the block
