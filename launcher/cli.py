@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 from launcher import process
+from launcher.report import describe_export
 from launcher.supervisor import EXIT_FAILED, EXIT_USAGE, RunFailed, Supervisor
 from launcher.topology import SpecError, host_overrides, hosts, parse_gpu_spec
 from services.config import ConfigError, dump_json, load_config
@@ -118,6 +119,9 @@ def cmd_up(args) -> int:
         sup.progress.done(f"run failed: {exc}")
         sup.shutdown()
         code = EXIT_FAILED
+    export = describe_export(run_dir / "export")
+    if code == 0 and export:
+        print(export, flush=True)
     print(f"exit {code}; logs in {run_dir / 'logs'}; metrics in {run_dir / 'metrics.jsonl'}", flush=True)
     return code
 

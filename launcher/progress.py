@@ -1,4 +1,4 @@
-"""One live status line for a long run: step, samples, tokens/s, loss, τ, ETA.
+"""One live status line for a long run: step, samples, tokens/s, loss, τ, coverage, ETA.
 
 On a terminal the line redraws in place; in a log (systemd, CI) a full line is printed
 every `every_s` seconds instead, so the journal is readable.
@@ -19,7 +19,7 @@ class ProgressLine:
         self._rate_start: tuple[float, int] | None = None
 
     def format(self, step: int, total: int, samples: int, tokens_per_s: float,
-               loss: float | None, tau: float | None) -> str:
+               loss: float | None, tau: float | None, coverage: float | None = None) -> str:
         now = time.monotonic()
         if self._rate_start is None or step < self._rate_start[1]:
             self._rate_start = (now, step)
@@ -32,6 +32,8 @@ class ProgressLine:
             parts.append(f"loss {loss:.4f}")
         if tau is not None:
             parts.append(f"τ {tau:.2f}")
+        if coverage is not None:                 # supervised tokens the anchor rule can train at k = 1
+            parts.append(f"coverage {100 * coverage:.0f}%")
         parts.append(f"ETA {eta}")
         return " | ".join(parts)
 

@@ -35,6 +35,18 @@ def _pointer(run_dir: Path, name: str) -> str | None:
     return os.readlink(link) if link.is_symlink() else None
 
 
+def describe_export(export: Path) -> str | None:
+    """One line on an export: its step, last/best, and vLLM's num_speculative_tokens (block_size - 1)."""
+    try:
+        record = json.loads((export / "export.json").read_text())
+    except (OSError, ValueError):
+        return None
+    which = " and ".join(w for w in ("last", "best") if record.get(w)) or "neither last nor best"
+    best = "" if record.get("best") or record.get("best_step") is None else f", best is step {record['best_step']}"
+    return (f"export: {export} (step {record['step']}: {which}{best}); "
+            f"vLLM num_speculative_tokens = {record['num_speculative_tokens']} (block_size {record['block_size']} - 1)")
+
+
 def summary(run_dir: Path, train: list[dict], evals: list[dict]) -> list[str]:
     lines = [f"run: {run_dir}"]
     if train:
@@ -42,7 +54,8 @@ def summary(run_dir: Path, train: list[dict], evals: list[dict]) -> list[str]:
         recent = [r["tokens_per_s"] for r in train[-20:] if "tokens_per_s" in r]
         lines.append(f"steps: {last['step']} (train records: {len(train)}), samples {last.get('samples_done', '?')}, "
                      f"tokens {last.get('tokens_done', '?')}")
-        lines.append(f"final train loss {last['loss']:.4f}, tau {last['tau']:.3f}, lr {last.get('lr', 0):.3g}")
+        coverage = f", coverage {100 * last['coverage']:.1f}%" if "coverage" in last else ""
+        lines.append(f"final train loss {last['loss']:.4f}, tau {last['tau']:.3f}{coverage}, lr {last.get('lr', 0):.3g}")
         if recent:
             wait = [r.get("data_wait_frac", 0.0) for r in train[-20:]]
             lines.append(f"throughput: {sum(recent) / len(recent):,.0f} tokens/s (last {len(recent)} records), "
@@ -56,8 +69,10 @@ def summary(run_dir: Path, train: list[dict], evals: list[dict]) -> list[str]:
     latest, best_ckpt = _pointer(run_dir, "latest"), _pointer(run_dir, "best")
     lines.append(f"checkpoints: latest {latest or '-'}, best {best_ckpt or '-'}")
     export = run_dir / "export"
-    lines.append(f"export: {export}" if (export / "config.json").is_file()
-                 else f"export: none yet (launcher export --checkpoint {run_dir} --out DIR)")
+    if (export / "config.json").is_file():
+        lines.append(describe_export(export) or f"export: {export}")
+    else:
+        lines.append(f"export: none yet (launcher export --checkpoint {run_dir / 'checkpoints' / 'latest'} --out DIR)")
     return lines
 
 

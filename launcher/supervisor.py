@@ -242,7 +242,7 @@ class Supervisor:
             step=lead.get("step", 0), total=lead.get("total_steps", 0),
             samples=sum(s.get("samples_done", 0) for s in statuses),
             tokens_per_s=sum(s.get("tokens_per_s", 0.0) for s in statuses),
-            loss=lead.get("loss"), tau=lead.get("tau"))
+            loss=lead.get("loss"), tau=lead.get("tau"), coverage=lead.get("coverage"))
 
     # --- stopping ------------------------------------------------------------
     def request_stop(self, signum, _frame) -> None:

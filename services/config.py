@@ -43,7 +43,7 @@ class RunConfig:
 @dataclass
 class TargetConfig:
     model_path: str = ""               # local HF directory
-    layer_ids: list[int] = field(default_factory=list)   # empty = DFLASH.md default spread
+    layer_ids: list[int] = field(default_factory=list)   # empty = the default spread (docs/dflash.md); ascending, no repeats
     dtype: str = "bfloat16"
     attn_implementation: str = "sdpa"
     labels_from_target: bool = False   # labels = target argmax instead of data tokens
@@ -217,6 +217,20 @@ def validate(cfg: Config) -> None:
     need(0 < cfg.transport.chunk_bytes <= cfg.transport.max_message_bytes,
          "transport.chunk_bytes must be > 0 and <= transport.max_message_bytes")
     need(cfg.run.epochs >= 1, f"run.epochs must be >= 1, got {cfg.run.epochs}")
+    need(ascending(cfg.target.layer_ids), layer_ids_message("target.layer_ids", cfg.target.layer_ids))
+
+
+def ascending(ids: list) -> bool:
+    """Strictly increasing: sorted, no repeats."""
+    return all(a < b for a, b in zip(ids, ids[1:]))
+
+
+def layer_ids_message(key: str, ids: list) -> str:
+    # The target concatenates the captured layers in ascending order whatever the list says, and
+    # the export declares the list as that order: any other order would make engines feed the
+    # features in an order the drafter never saw, with no error anywhere.
+    return (f"{key} {ids} must be in ascending order without repeats (e.g. {sorted(set(ids))}): the captured "
+            "layers are concatenated in ascending order, and the export declares this list as that order")
 
 
 def dump_json(cfg: Config, path: str | Path) -> None:

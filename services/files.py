@@ -32,3 +32,25 @@ def point(link: Path, target: Path) -> None:
     os.symlink(target.name, tmp)
     os.replace(tmp, link)
     fsync_dir(link.parent)
+
+
+def current_umask() -> int:
+    """The process umask, read without changing it (Linux /proc; else set and restore at once)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def default_file_mode(path: str | os.PathLike) -> None:
+    """Give `path` the mode any new file gets here: 0666 minus the umask (0644 under the usual 022).
+
+    safetensors >= 0.8 creates its files 0600, so a serving engine under another account, or in
+    another container, could not read weights whose folder it can read. Files written with open()
+    already follow the umask; this makes the weights agree with them."""
+    os.chmod(path, 0o666 & ~current_umask())

@@ -67,14 +67,14 @@ def test_resume_after_sigkill_equals_uninterrupted_training_bit_for_bit(tmp_path
         p.kill()
         p.communicate(timeout=30)
     assert [p.returncode for p in procs] == [-signal.SIGKILL] * world_size
-    killed_at = ckpt._step_of(latest(broken))
+    killed_at = ckpt.step_of(latest(broken))
     assert K <= killed_at < N                          # it died mid-run, with steps after its last checkpoint
 
     outs = run_ranks(broken, "--resume", *args, world_size=world_size)
     resumed = [e for e in events(outs[0][0]) if e.get("event") == "resumed"][0]
     assert resumed["step"] == killed_at and resumed["checkpoint"].endswith(ckpt.step_name(killed_at))
     assert [e for e in events(outs[0][0]) if e.get("event") == "stopped"][0]["params_digest"] == final["params_digest"]
-    assert ckpt._step_of(latest(broken)) == N
+    assert ckpt.step_of(latest(broken)) == N
     assert_same_training_state(latest(straight), latest(broken))
 
     # every batch exactly once over the whole (interrupted) run; the metrics curve has no repeats

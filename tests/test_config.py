@@ -77,3 +77,17 @@ def test_docs_list_every_key_with_its_default():
     for section, values in Config().to_dict().items():
         for key in values:
             assert f"`{section}.{key}`" in table
+
+
+def test_layer_ids_must_ascend_in_the_config_and_in_drafter_overrides():
+    from services.drafter.synthetic import SYNTHETIC_MODEL
+    from services.drafter.target_head import build_model_config
+
+    assert load_config(None, ["target.layer_ids=[0, 2, 5]"]).target.layer_ids == [0, 2, 5]
+    for ids in ("[2, 0]", "[3, 3]"):
+        with pytest.raises(ConfigError, match=r"target.layer_ids \[\d, \d\] must be in ascending order"):
+            load_config(None, [f"target.layer_ids={ids}"])
+    cfg = load_config(None, ["drafter.num_layers=2"])
+    cfg.drafter.overrides = {"target_layer_ids": [5, 1]}            # the model config's own route to the ids
+    with pytest.raises(ConfigError, match=r"target.layer_ids \[5, 1\] must be in ascending order"):
+        build_model_config(cfg, SYNTHETIC_MODEL, mask_token_id=1)

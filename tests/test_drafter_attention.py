@@ -10,7 +10,7 @@ from services.drafter.attention import (DenseAttention, FlexAttention, anchor_co
 
 
 def brute_force_mask(anchors, block_size, context_len, document_ids=None):
-    """DFLASH.md's rule, written as loops over (query block, key)."""
+    """docs/dflash.md's rule, written as loops over (query block, key)."""
     n = len(anchors)
     mask = torch.zeros(n * block_size, context_len + n * block_size, dtype=torch.bool)
     for i, a in enumerate(anchors.tolist()):
@@ -137,7 +137,7 @@ def test_dense_backend_empty_rows_give_zero_not_nan():
 def test_compiled_flex_forward_equals_dense_forward_on_cpu(compile_layers):
     """Compiled flex_attention (inference works on CPU) against dense SDPA, with GQA and empty blocks;
     called eagerly (its own compiled wrapper) or from inside compiled layers (captured by dynamo)."""
-    from services.drafter.anchors import build_inputs, valid_anchor_mask
+    from services.drafter.anchors import build_inputs
     from services.drafter.compile import RecompileWatch
     from services.drafter.model import DFlashDrafter, DrafterModelConfig
     from services.drafter.synthetic import SyntheticSource
@@ -157,11 +157,16 @@ def test_compiled_flex_forward_equals_dense_forward_on_cpu(compile_layers):
     watch = None
     for g in (3, 4):
         batch = source.batch(g)
-        chosen = torch.nonzero(valid_anchor_mask(batch.loss_mask | True, batch.document_ids, 16)).flatten()[::37][:4]
+        # 4 valid anchors, 4 empty blocks; two blocks run past the end of their document
+        doc = batch.document_ids
+        ends = torch.nonzero((doc[:-1] >= 0) & (doc[1:] != doc[:-1])).flatten()
+        fits = torch.nonzero((doc[:-15] >= 0) & (doc[15:] == doc[:-15])).flatten()     # whole block inside
+        inside = [a for a in fits[::23].tolist() if all(abs(a - e + 3) > 2 for e in ends[:2].tolist())]
+        chosen = torch.cat([ends[:2] - 3, torch.tensor(inside[:2])])
         batch.loss_mask[:] = False
-        batch.loss_mask[chosen + 1] = True                        # 4 valid anchors, 4 empty blocks
+        batch.loss_mask[chosen] = batch.loss_mask[chosen + 1] = True
         inputs = build_inputs(batch, num_anchors=8, block_size=16, mask_token_id=63, gamma=7.0)
-        assert (inputs.anchors == -1).sum() == 4
+        assert torch.equal(inputs.anchors[:4], torch.sort(chosen).values) and (inputs.anchors == -1).sum() == 4
         embeds = table[inputs.block_ids.flatten()]
         outs = []
         for model in (dense_model, flex_model):
@@ -174,3 +179,42 @@ def test_compiled_flex_forward_equals_dense_forward_on_cpu(compile_layers):
         if watch is None:
             watch = RecompileWatch()                               # a second batch must reuse the graphs
     assert watch.count == 0
+
+
+def test_a_block_past_its_documents_end_sees_nothing_of_the_next_document():
+    """Anchor 3 tokens before the end of document 0 with B = 8, document 1 supervised from its start:
+    the block trains a+1..a+3 only, and its output does not change when everything of document 1
+    (features and tokens) changes."""
+    from services.drafter.anchors import build_inputs
+    from services.drafter.model import DFlashDrafter, DrafterModelConfig
+    from services.drafter.synthetic import SyntheticSource
+
+    torch.manual_seed(0)
+    cfg = DrafterModelConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+                             head_dim=8, vocab_size=64, num_target_layers=6, num_hidden_layers=2,
+                             target_layer_ids=[1, 3], block_size=8, mask_token_id=63)
+    model = DFlashDrafter(cfg, attention=DenseAttention())
+    table = torch.randn(64, 32)
+    batch = SyntheticSource(cfg, 200).batch(1)
+    doc = batch.document_ids
+    end = int(torch.nonzero(doc == 0).max())                  # last token of document 0
+    assert doc[end + 8] == 1
+    batch.loss_mask[:] = False
+    batch.loss_mask[end - 3:end + 9] = True                    # anchors end-3..end-1 and end+1..end+7
+
+    def block_output(b):
+        inputs = build_inputs(b, num_anchors=16, block_size=8, mask_token_id=63, gamma=4.0)
+        i = inputs.anchors.tolist().index(end - 3)
+        mask = model.attention.build_mask(inputs.anchors, inputs.context_starts, 8, inputs.context_len)
+        with torch.no_grad():
+            out = model(inputs.hidden.float(), table[inputs.block_ids.flatten()], inputs.context_positions,
+                        inputs.block_positions.flatten(), mask)
+        return out[i * 8:(i + 1) * 8], inputs.weights[i]
+
+    before, weights = block_output(batch)
+    assert (weights[:3] > 0).all() and (weights[3:] == 0).all()          # a+4.. is document 1: no loss
+    later = doc > 0
+    batch.hidden[later] = torch.randn(int(later.sum()), batch.hidden.shape[1]).to(batch.hidden.dtype)
+    batch.input_ids[later] = (batch.input_ids[later] + 7) % 63
+    after, _ = block_output(batch)
+    assert torch.equal(before, after)

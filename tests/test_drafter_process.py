@@ -56,6 +56,10 @@ def test_health_while_training_then_sigterm_drains_and_exits_zero(tmp_path):
     assert proc.returncode == 0, err[-3000:]
     stopped = [m for m in json_lines(out) if m.get("event") == "stopped"][0]
     assert stopped["signal"] is True and 1 <= stopped["step"] < 100000
+    # the anchors' reach is in the health status (the launcher's progress line) and in metrics.jsonl
+    assert 0.8 < status["coverage"] <= 1.0
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert lines and all(0.8 < r["coverage"] <= 1.0 and 0 < r["sampled_coverage"] <= r["coverage"] for r in lines)
 
 
 def test_bad_config_fails_fast_with_a_named_error(tmp_path):

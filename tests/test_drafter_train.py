@@ -88,6 +88,17 @@ def test_bad_batches_are_named_before_any_work():
     assert state.step == 0                                              # nothing was trained
 
 
+def test_the_step_reports_how_many_supervised_tokens_the_anchors_can_and_did_train():
+    state, source = make(steps=1)
+    batch = source.batch(0)
+    loss, doc = batch.loss_mask.tolist(), batch.document_ids.tolist()
+    supervised = sum(loss)
+    reachable = sum(1 for t in range(1, len(loss)) if loss[t] and loss[t - 1] and doc[t] == doc[t - 1] >= 0)
+    m = train_step(state, batch)
+    assert (m["supervised"], m["reachable"], m["sampled"]) == (supervised, reachable, 16)   # 16 = num_anchors
+    assert m["coverage"] == pytest.approx(reachable / supervised) and 0.8 < m["coverage"] < 1.0
+
+
 def test_empty_batch_trains_nothing_and_stays_finite():
     state, source = make(steps=2)
     batch = source.batch(0)
@@ -95,6 +106,7 @@ def test_empty_batch_trains_nothing_and_stays_finite():
     before = parameter_fingerprint(state.drafter)
     m = train_step(state, batch)
     assert m["loss"] == 0.0 and m["trained_blocks"] == 0 and m["grad_norm"] == 0.0
+    assert m["supervised"] == m["reachable"] == m["sampled"] == 0 and m["coverage"] == 0.0
     assert all(torch.isfinite(p).all() for p in state.drafter.parameters())
     assert parameter_fingerprint(state.drafter) == before               # zero grads, no weight decay
 

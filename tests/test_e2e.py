@@ -157,3 +157,41 @@ def test_status_down_and_resume(tmp_path):
     steps = [m["step"] for m in metrics(run_dir)]
     assert steps == sorted(steps) and steps[-1] > stopped_at     # the curve continues, no step twice
     assert_exactly_once(run_dir)
+
+
+def readme_command(start: str) -> list[str]:
+    """The README's command that starts with `start` (after any `cmd &&`), comment dropped, as argv."""
+    import shlex
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    for line in readme.splitlines():
+        command = line.split("&&")[-1].split("#")[0].strip()
+        if command.startswith(start):
+            argv = shlex.split(command)
+            return [sys.executable, "-m", "launcher", *argv[1:]]
+    raise AssertionError(f"README.md has no `{start}` command")
+
+
+def test_the_readme_export_command_works_right_after_the_readme_demo():
+    """README's demo (a few steps of it), then README's export command, as written, from the same folder."""
+    import tempfile
+    with tempfile.TemporaryDirectory(prefix="rd", dir="/tmp") as folder:     # short: ipc paths stay < 108 bytes
+        readme_demo_then_export(Path(folder))
+
+
+def readme_demo_then_export(tmp_path: Path) -> None:
+    repo = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=str(repo))
+    up = subprocess.run(readme_command("launcher up --demo") + ["run.max_steps=4"], cwd=tmp_path, env=env,
+                        capture_output=True, text=True, timeout=600, umask=0o022)
+    assert up.returncode == 0, up.stdout[-3000:] + up.stderr[-3000:]
+    assert "(step 4: last); vLLM num_speculative_tokens = 7 (block_size 8 - 1)" in up.stdout   # the demo's B = 8
+
+    export = readme_command("launcher export")
+    export[export.index("DIR")] = str(tmp_path / "served")
+    out = subprocess.run(export, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120, umask=0o022)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert '"num_speculative_tokens": 7' in out.stdout
+    files = {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "served").iterdir()}
+    assert files == {"config.json": 0o644, "export.json": 0o644, "model.safetensors": 0o644}
+    record = json.loads((tmp_path / "served" / "export.json").read_text())
+    assert (record["step"], record["last"], record["best"]) == (4, True, False)

@@ -2,9 +2,11 @@
 target, exported with `launcher export`, loaded by a small loader written here from the format
 description only (config.json + model.safetensors, plain torch; services.drafter.model is not
 used by it), reproduces the drafter's logits through the target's embedding and lm_head."""
+import dataclasses
 import json
 import math
 import os
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -66,7 +68,7 @@ class ExportedDrafter:
 
 
 def dflash_visibility(anchors, document_ids, block_size, context_len):
-    """DFLASH.md: block i (anchor a) sees context j < a in a's document, and its own whole block."""
+    """docs/dflash.md: block i (anchor a) sees context j < a in a's document, and its own whole block."""
     q = len(anchors) * block_size
     visible = torch.zeros(q, context_len + q, dtype=torch.bool)
     for i, a in enumerate(anchors.tolist()):
@@ -94,16 +96,21 @@ def trained(tmp_path_factory):
                           "--max-steps", "6", f"target.model_path={tmp / 'target'}", f"drafter.mask_token_id={MASK_ID}",
                           "drafter.num_layers=2", "drafter.block_size=8", "data.pack_len=128", "drafter.num_anchors=8",
                           "drafter.compile=false", "drafter.lr=3e-3"],
-                         cwd=REPO, env=dict(env, PYTHONPATH=str(REPO)), capture_output=True, text=True, timeout=180)
+                         cwd=REPO, env=dict(env, PYTHONPATH=str(REPO)), capture_output=True, text=True, timeout=180,
+                         umask=0o022)
     assert out.returncode == 0, out.stderr[-3000:]
     return tmp, run
 
 
-def launcher_export(checkpoint, out, dtype):
+def launcher_export(checkpoint, out, dtype="bfloat16", umask=0o022):
     res = subprocess.run([sys.executable, "-m", "launcher", "export", "--checkpoint", str(checkpoint), "--out", str(out),
-                          "--dtype", dtype], cwd=REPO, capture_output=True, text=True, timeout=120)
+                          "--dtype", dtype], cwd=REPO, capture_output=True, text=True, timeout=120, umask=umask)
     assert res.returncode == 0, res.stderr[-2000:]
-    return Path(out)
+    return Path(out), res.stdout
+
+
+def mode(path):
+    return stat.S_IMODE(path.stat().st_mode)
 
 
 def drafter_and_inputs(run, target_dir, weights_dtype):
@@ -147,7 +154,7 @@ def exported_logits(export_dir, batch, inputs, embed, lm_head):
 @pytest.mark.parametrize("dtype, tensor_dtype", [("float32", torch.float32), ("bfloat16", torch.bfloat16)])
 def test_independent_loader_reproduces_the_drafters_logits(trained, tmp_path, dtype, tensor_dtype):
     target_dir, run = trained[0] / "target", trained[1]
-    export = launcher_export(run, tmp_path / f"export-{dtype}", dtype)
+    export, _ = launcher_export(run, tmp_path / f"export-{dtype}", dtype)
     tensors = load_file(str(export / "model.safetensors"))
     assert {t.dtype for t in tensors.values()} == {tensor_dtype}
     ours, batch, inputs, embed, lm_head = drafter_and_inputs(run, target_dir, tensor_dtype)
@@ -160,7 +167,7 @@ def test_independent_loader_reproduces_the_drafters_logits(trained, tmp_path, dt
 def test_export_layout_matches_the_released_drafters(trained, tmp_path):
     run = trained[1]
     export = run / "export"                                  # written by the run itself at the end
-    assert sorted(p.name for p in export.iterdir()) == ["config.json", "model.safetensors"]
+    assert sorted(p.name for p in export.iterdir()) == ["config.json", "export.json", "model.safetensors"]
     cfg = json.loads((export / "config.json").read_text())
     assert cfg["architectures"] == ["DFlashDraftModel"] and cfg["model_type"] == "qwen3"
     assert cfg["dflash_config"] == {"mask_token_id": MASK_ID, "target_layer_ids": [1, 5]}    # 8 target layers, 2 draft
@@ -194,3 +201,51 @@ def test_export_refuses_a_corrupt_checkpoint_and_a_foreign_dir(trained, tmp_path
                          cwd=REPO, capture_output=True, text=True, timeout=120)
     assert res.returncode == 2 and "not a DFlash export" in res.stderr
     assert (foreign / "notes.txt").read_text() == "keep me"
+
+
+def test_export_files_are_readable_by_other_accounts_and_checkpoints_too(trained, tmp_path):
+    """safetensors writes 0600 by itself; an engine under another account must read the export. Every
+    file gets the mode of a new file here: 0644 under umask 022 (the fixture's), 0640 under 027."""
+    run = trained[1]
+    latest = run / "checkpoints" / "latest"
+    for path in [*(run / "export").iterdir(), *latest.iterdir()]:
+        assert mode(path) == 0o644, f"{path.name}: {oct(mode(path))}"
+    export, _ = launcher_export(latest, tmp_path / "group-only", umask=0o027)
+    assert {p.name: mode(p) for p in export.iterdir()} == {
+        "config.json": 0o640, "export.json": 0o640, "model.safetensors": 0o640}
+
+
+def test_export_records_its_step_and_vllms_setting(trained, tmp_path):
+    run = trained[1]
+    auto = json.loads((run / "export" / "export.json").read_text())       # written by the run at its end
+    assert auto == {"step": 6, "last": True, "best": False, "best_step": None, "checkpoint": "step-00000006",
+                    "eval_tau": None, "block_size": 8, "num_speculative_tokens": 7, "target_layer_ids": [1, 5],
+                    "dtype": "bfloat16"}
+    export, stdout = launcher_export(run / "checkpoints" / "latest", tmp_path / "by-hand")
+    event = json.loads(stdout.splitlines()[0])
+    assert (event["step"], event["last"], event["best"], event["num_speculative_tokens"]) == (6, True, False, 7)
+    assert '"num_speculative_tokens": 7' in stdout and f'"model": "{export}"' in stdout      # the vLLM command
+    assert json.loads((export / "export.json").read_text())["checkpoint"] == "step-00000006"
+
+
+def test_the_export_states_the_layer_order_the_features_were_trained_in(trained, tmp_path):
+    """The target concatenates captured layers in ascending order; a config listing them otherwise is
+    refused (tests/test_config.py), and a model config that still holds them unsorted (a checkpoint
+    from before that check) is exported in the trained, ascending order."""
+    from services.drafter.export import export_weights
+    from services.drafter.model import DrafterModelConfig
+
+    ckpt = trained[1] / "checkpoints" / "latest"
+    model_cfg = DrafterModelConfig(**json.loads((ckpt / "state.json").read_text())["model"])
+    unsorted = dataclasses.replace(model_cfg, target_layer_ids=[5, 1])
+    out = export_weights(load_file(str(ckpt / "model.safetensors")), unsorted, tmp_path / "x")
+    assert json.loads((out / "config.json").read_text())["dflash_config"]["target_layer_ids"] == [1, 5]
+    assert json.loads((out / "export.json").read_text())["target_layer_ids"] == [1, 5]
+
+
+def test_exporting_best_without_evaluation_names_what_to_export(trained, tmp_path):
+    run = trained[1]
+    res = subprocess.run([sys.executable, "-m", "launcher", "export", "--checkpoint", str(run / "checkpoints" / "best"),
+                          "--out", str(tmp_path / "x")], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2 and "run.eval_every > 0" in res.stderr
+    assert f"export {run / 'checkpoints' / 'latest'} instead" in res.stderr

@@ -118,3 +118,15 @@ def test_missing_model_folder_and_data_are_named(tmp_path):
     out = run_launcher("up", "--device", "cpu", "--gpus", "0:target,1:drafter", "--run-dir", str(tmp_path / "r"),
                        f"target.model_path={tmp_path / 'm'}", f"data.path={data}")
     assert out.returncode == 2 and "no config.json" in out.stderr
+
+
+@pytest.mark.parametrize("ids", ["[2, 0]", "[1, 1]"])
+def test_unsorted_or_repeated_layer_ids_are_refused_at_up(tmp_path, ids):
+    """The target concatenates layers in ascending order and the export declares the configured list:
+    any other order would export a drafter that engines feed wrongly, so `up` refuses it (exit 2)."""
+    run_dir = tmp_path / "r"
+    out = run_launcher("up", "--device", "cpu", "--gpus", "0:target,1:drafter", "--run-dir", str(run_dir),
+                       f"target.layer_ids={ids}")
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert f"target.layer_ids {ids} must be in ascending order without repeats" in out.stderr
+    assert not run_dir.exists()                                  # refused before anything was written

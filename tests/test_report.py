@@ -44,7 +44,14 @@ def test_report_prints_a_summary_and_writes_a_png(run_dir, tmp_path):
     evals = [r for r in records if r.get("eval")]
     best = max(evals, key=lambda r: r["tau"])
     assert "steps: 12" in out and f"best tau {best['tau']:.3f} at step {best['step']}" in out
-    assert "checkpoints: latest step-00000012" in out and f"export: {run_dir / 'export'}" in out
+    assert "checkpoints: latest step-00000012" in out and f"export: {run_dir / 'export'} (step 12: last" in out
+    assert "vLLM num_speculative_tokens = 15 (block_size 16 - 1)" in out
+    # the export at the end holds step 12; it is also the best only if step 12's eval was the best
+    record = json.loads((run_dir / "export" / "export.json").read_text())
+    best_step = int(os.readlink(run_dir / "checkpoints" / "best").split("-")[1])
+    assert best_step == best["step"] and record["best_step"] == best_step
+    assert record["best"] == (best_step == 12) and record["last"] and record["step"] == 12
+    assert record["eval_tau"] == [r["tau"] for r in evals if r["step"] == 12][0]
     assert "tokens/s" in out and f"plot: {png}" in out
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
 

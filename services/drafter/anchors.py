@@ -1,13 +1,21 @@
 """From a packed Batch to the drafter's inputs: anchors, blocks, positions, labels, loss weights.
 
-DFLASH.md, "Blocks, anchors, mask" and "Loss and metrics":
-  - an anchor a is valid when the token after it is supervised (loss_mask[a+1]) and the block
-    a .. a+B-1 fits inside a's document (a real one, not padding);
+Rules (docs/dflash.md, "Anchors, blocks, loss", which names the upstream sources):
+  - an anchor a is valid when it is supervised and so is the next token of its document
+    (loss_mask[a] and loss_mask[a+1], a+1 in a's document). Its block may run past the end of
+    the document (or of the packed row): those positions carry no loss weight, and the block
+    still sees context of its own document only (the mask does not change). Requiring the whole
+    block to fit in the document left the last B-1 tokens of every document, and every reply
+    shorter than B, without a first prediction;
   - num_anchors are drawn uniformly without replacement among valid positions and sorted;
     with fewer valid positions we keep them all and the remaining slots are empty blocks (-1);
   - block i = [token a_i, mask, mask, ...] at positions pos(a_i) + k;
   - block position k in 1..B-1 predicts the data token at a+k (or the target's argmax at a+k-1);
-  - weight w_k = exp(-(k-1)/gamma) * loss_mask[a+k] * block valid; position 0 is not trained.
+  - weight w_k = exp(-(k-1)/gamma) * loss_mask[a+k] * [a+k in a's document] * block valid;
+    position 0 is not trained.
+
+Coverage (a metric): the share of supervised tokens that some valid anchor can reach as its
+block's first prediction (k = 1), i.e. that the sampler can ever train at k = 1.
 
 Everything here runs on the batch's device with fixed shapes and no host sync, so the step's
 GPU work is queued without stalls. Padding: the number of anchor slots is rounded up so that
@@ -54,6 +62,8 @@ class DrafterInputs:
     context_starts: torch.Tensor      # [N]       first context index each block may see
     labels: torch.Tensor              # [N, B-1]  targets of block positions 1..B-1
     weights: torch.Tensor             # [N, B-1]  fp32 loss weights (0 = not trained)
+    supervised: torch.Tensor          # []        supervised tokens in the batch
+    reachable: torch.Tensor           # []        of those, first predictions of some valid anchor
     seq_len: int                      # S before padding
     context_len: int                  # C, padded
 
@@ -62,16 +72,20 @@ class DrafterInputs:
         return int(self.anchors.shape[0])
 
 
-def valid_anchor_mask(loss_mask: torch.Tensor, document_ids: torch.Tensor, block_size: int) -> torch.Tensor:
-    """Bool [S]: positions that may anchor a block (see module docstring)."""
-    s = loss_mask.shape[0]
-    valid = torch.zeros(s, dtype=torch.bool, device=loss_mask.device)
-    n = s - block_size + 1                  # anchors with a+B-1 <= S-1
-    if n <= 0:
-        return valid
-    doc = document_ids
-    valid[:n] = (doc[:n] >= 0) & (doc[block_size - 1:] == doc[:n]) & loss_mask[1:n + 1]
+def valid_anchor_mask(loss_mask: torch.Tensor, document_ids: torch.Tensor) -> torch.Tensor:
+    """Bool [S]: positions that may anchor a block: supervised, and so is the next token of the
+    same document. The block size plays no part: a block may run past its document's end."""
+    valid = torch.zeros_like(loss_mask)
+    same_doc = (document_ids[1:] == document_ids[:-1]) & (document_ids[:-1] >= 0)
+    valid[:-1] = loss_mask[:-1] & loss_mask[1:] & same_doc
     return valid
+
+
+def reachable_tokens(loss_mask: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """Bool [S]: supervised tokens that are the first prediction (k = 1) of some valid anchor."""
+    reachable = torch.zeros_like(loss_mask)
+    reachable[1:] = valid[:-1] & loss_mask[1:]
+    return reachable
 
 
 def sample_anchors(valid: torch.Tensor, num_anchors: int, generator: torch.Generator | None) -> torch.Tensor:
@@ -111,7 +125,7 @@ def build_inputs(batch, *, num_anchors: int, block_size: int, mask_token_id: int
     B = block_size
     k = torch.arange(B, device=device)
 
-    valid = valid_anchor_mask(batch.loss_mask, batch.document_ids, B)
+    valid = valid_anchor_mask(batch.loss_mask, batch.document_ids)
     anchors = sample_anchors(valid, num_anchors, generator)
     slots = padded_anchor_count(num_anchors, B, tile)
     anchors = F.pad(anchors, (0, slots - num_anchors), value=-1)
@@ -122,13 +136,16 @@ def build_inputs(batch, *, num_anchors: int, block_size: int, mask_token_id: int
     block_ids[:, 0] = torch.where(real, batch.input_ids[a], mask_token_id)
     block_positions = batch.position_ids[a][:, None] + k[None, :]
 
-    label_at = (a[:, None] + k[None, 1:]).clamp(max=s - 1)          # [N, B-1]: a+1 .. a+B-1
+    label_at = a[:, None] + k[None, 1:]                               # [N, B-1]: a+1 .. a+B-1
+    # a block may run past its document (and the row): those positions are not trained
+    in_doc = (label_at < s) & (batch.document_ids[label_at.clamp(max=s - 1)] == batch.document_ids[a][:, None])
+    label_at = label_at.clamp(max=s - 1)
     if labels_from_target:
         labels = batch.target_labels[label_at - 1]                   # target's guess for a+k, made at a+k-1
     else:
         labels = batch.input_ids[label_at]
     decay = torch.exp(-(k[1:].float() - 1) / gamma)
-    weights = decay[None, :] * batch.loss_mask[label_at].float() * real[:, None].float()
+    weights = decay[None, :] * (batch.loss_mask[label_at] & in_doc & real[:, None]).float()
 
     context_len = padded_context_len(s, tile)
     pad = context_len - s
@@ -141,6 +158,8 @@ def build_inputs(batch, *, num_anchors: int, block_size: int, mask_token_id: int
         context_starts=anchor_context_starts(anchors, batch.document_ids),
         labels=labels,
         weights=weights,
+        supervised=batch.loss_mask.sum(),
+        reachable=reachable_tokens(batch.loss_mask, valid).sum(),
         seq_len=s,
         context_len=context_len,
     )

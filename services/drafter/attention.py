@@ -3,10 +3,13 @@
 Layout. Queries are the blocks: Q_LEN = num_anchors * block_size, block i holds rows
 [i*B, (i+1)*B). Keys are [context ; blocks]: KV_LEN = context_len + Q_LEN.
 
-Mask (DFLASH.md). A query in block i, anchor a_i, may attend
+Mask (docs/dflash.md). A query in block i, anchor a_i, may attend
   - context key j when doc_start(a_i) <= j < a_i  (strictly before the anchor, same document),
   - every key of its own block,
-and nothing else. An empty block (anchor -1) attends nothing.
+and nothing else. An empty block (anchor -1) attends nothing. A block that runs past its
+document's end needs nothing more: its keys are its own anchor and mask tokens and context of its
+own document before the anchor, so nothing outside the document is visible (its positions past
+the end carry no loss weight: anchors.py).
 
 `visibility()` is the one definition: the dense mask evaluates it over index grids, flex's
 mask_mod calls it per (q_idx, kv_idx). Documents are contiguous runs of one id (packing makes

@@ -154,11 +154,13 @@ class Bookkeeping:
         if self.saved_step != self.state.step:
             self.checkpoint()
         if completed and self.cfg.run.export_at_end and self.rank == 0:
-            from services.drafter.export import export_weights
+            from services.drafter.export import export_weights, num_speculative_tokens
             try:
+                record = self.final_export_record()
                 out = export_weights(self.state.drafter.state_dict(), self.state.drafter.cfg, self.run_dir / "export",
-                                     provenance={"step": self.state.step})
-                say("exported", step=self.state.step, out=str(out))
+                                     provenance=record)
+                say("exported", out=str(out), **record,
+                    num_speculative_tokens=num_speculative_tokens(self.state.drafter.cfg.block_size))
             except Exception as exc:
                 traceback.print_exc()
                 message = f"export at the end of the run failed ({type(exc).__name__}: {exc}); " \
@@ -166,6 +168,19 @@ class Bookkeeping:
                 warn(message)
                 self.health.error(message)
         self.close()
+
+    def final_export_record(self) -> dict:
+        """export.json of the export at the end: the last step's weights, and whether that step is
+        also the best one (its held-out τ is the best so far; never when the run did not evaluate)."""
+        from services.drafter.export import export_record
+        step = self.state.step
+        best, latest = ckpt.pointer(self.root, ckpt.BEST), ckpt.pointer(self.root, ckpt.LATEST)
+        best_step = ckpt.step_of(best) if best else None
+        saved = latest is not None and ckpt.step_of(latest) == step       # the final checkpoint was written
+        evaluated_now = self.last_eval is not None and self.last_eval["step"] == step
+        return export_record(step, last=True, best=best_step == step, best_step=best_step,
+                             checkpoint=latest.name if saved else None,
+                             eval_tau=self.last_eval["tau"] if evaluated_now else None)
 
     def close(self) -> None:
         if self.closed:
@@ -179,13 +194,16 @@ class Bookkeeping:
 
 class MetricsWindow:
     """Loss, accuracy and τ averaged over every batch since the last metrics line (weighted by
-    trained blocks), so a line every `log_every` steps describes all of them, not just the last."""
+    trained blocks), so a line every `log_every` steps describes all of them, not just the last;
+    the coverage counts (supervised, reachable, sampled tokens) summed over the same batches."""
 
     KEYS = ("loss", "accuracy", "tau")
+    COUNTS = ("supervised", "reachable", "sampled")
 
     def __init__(self):
         self.blocks = 0.0
         self.sums = dict.fromkeys(self.KEYS, 0.0)
+        self.counts = dict.fromkeys(self.COUNTS, 0)
         self.per_position: list[float] = []
 
     def add(self, m: dict) -> None:
@@ -193,14 +211,15 @@ class MetricsWindow:
         self.blocks += w
         for key in self.KEYS:
             self.sums[key] += m[key] * w
+        for key in self.COUNTS:
+            self.counts[key] += m[key]
         pos = m["accuracy_per_position"]
         self.per_position = [a + b * w for a, b in zip(self.per_position or [0.0] * len(pos), pos)]
 
     def mean(self, last: dict) -> dict:
-        """`last` with its averaged fields replaced by the window's means."""
+        """`last` with its averaged fields replaced by the window's means, its counts by the window's sums."""
         if self.blocks <= 0:
-            return last
-        out = dict(last, trained_blocks=self.blocks, **{k: v / self.blocks for k, v in self.sums.items()})
+            return dict(last, **self.counts) if self.counts["supervised"] else last
+        out = dict(last, trained_blocks=self.blocks, **{k: v / self.blocks for k, v in self.sums.items()}, **self.counts)
         out["accuracy_per_position"] = [a / self.blocks for a in self.per_position]
         return out
-

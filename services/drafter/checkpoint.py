@@ -2,7 +2,7 @@
 
     <run_dir>/checkpoints/
         step-00000400/              one checkpoint (written as .tmp-step-00000400-<pid>, then renamed)
-            model.safetensors       drafter weights, fp32 (the master weights)
+            model.safetensors       drafter weights, fp32 (the master weights); every file 0666 minus the umask
             optimizer.pt            {"optimizer": AdamW state_dict, "scheduler": LambdaLR state_dict}
             rng.safetensors         torch CPU (and CUDA) RNG state of every rank: cpu.<rank>, cuda.<rank>
             state.json              step, micro_step, counters, data position, model config, eval result
@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from services.config import Config, ConfigError
 from services.drafter.model import DrafterModelConfig
-from services.files import fsync_dir, point
+from services.files import default_file_mode, fsync_dir, point
 
 FORMAT_VERSION = 1
 FILES = ("model.safetensors", "optimizer.pt", "rng.safetensors", "state.json", "config.json")
@@ -70,7 +70,7 @@ def step_name(step: int) -> str:
     return f"step-{step:08d}"
 
 
-def _step_of(path: Path) -> int | None:
+def step_of(path: Path) -> int | None:
     try:
         return int(path.name.split("-", 1)[1]) if path.name.startswith("step-") else None
     except ValueError:
@@ -81,8 +81,8 @@ def list_checkpoints(root: Path) -> list[Path]:
     """Finished checkpoint dirs, newest first."""
     if not root.is_dir():
         return []
-    found = [p for p in root.iterdir() if p.is_dir() and not p.is_symlink() and _step_of(p) is not None]
-    return sorted(found, key=_step_of, reverse=True)
+    found = [p for p in root.iterdir() if p.is_dir() and not p.is_symlink() and step_of(p) is not None]
+    return sorted(found, key=step_of, reverse=True)
 
 
 def pointer(root: Path, name: str) -> Path | None:
@@ -161,6 +161,8 @@ def write_checkpoint(root: Path, step: int, *, weights: dict[str, torch.Tensor],
         torch.save(optimizer, tmp / "optimizer.pt")
         tick()
         save_file({k: v.contiguous() for k, v in rng.items()}, str(tmp / "rng.safetensors"))
+        for name in ("model.safetensors", "rng.safetensors"):     # like the other files here (docs/operations.md)
+            default_file_mode(tmp / name)
         _write_json(tmp / "state.json", meta)
         _write_json(tmp / "config.json", config)
         files = {}

@@ -5,6 +5,10 @@
     <out>/model.safetensors    layers.{i}.self_attn.{q,k,v,o}_proj.weight, layers.{i}.self_attn.{q,k}_norm.weight,
                                layers.{i}.mlp.{gate,up,down}_proj.weight, layers.{i}.{input,post_attention}_layernorm.weight,
                                fc.weight, hidden_norm.weight, norm.weight        (no embedding, no lm_head)
+    <out>/export.json          which step it holds, whether that is the run's last and/or best
+                               (held-out τ) step, block_size and vLLM's num_speculative_tokens
+Every file gets the mode of a new file (0644 under the usual umask), so an engine running under
+another account can read the export (safetensors alone would write the weights 0600).
 
 What the public loaders read (checked against z-lab/dflash `dflash/model.py`, SGLang
 `srt/models/dflash.py` + `speculative/dflash_utils.py`, vLLM `models/qwen3_dflash.py`):
@@ -12,6 +16,11 @@ What the public loaders read (checked against z-lab/dflash `dflash/model.py`, SG
   lets transformers' AutoConfig parse the file.
 - target_layer_ids and mask_token_id: from dflash_config (all three), with top-level fallbacks.
   vLLM adds 1 to the ids itself (its "aux hidden state" numbering); we store DFlash's numbering.
+  The engines concatenate the features in the listed order; the target captured them in ascending
+  order (and the config refuses any other), so the ids are written sorted.
+- vLLM takes the block from num_speculative_tokens, which must be block_size - 1 (the anchor plus
+  B - 1 mask slots); SGLang reads block_size from config.json. export.json and the command's
+  output carry the value.
 - block_size: top level (released drafters) or dflash_config; num_target_layers: top level.
 - layer_types "full_attention" + is_causal false: every draft layer is non-causal (SGLang ENCODER_ONLY,
   vLLM causal=False); a "sliding_attention" layer would be causal there.
@@ -41,6 +50,7 @@ from services.drafter.model import DrafterModelConfig
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 ARCHITECTURE = "DFlashDraftModel"
+EXPORT_RECORD = "export.json"
 
 
 class ExportError(Exception):
@@ -55,7 +65,9 @@ def hf_config(m: DrafterModelConfig, dtype: str = "bfloat16") -> dict:
         "attention_bias": m.attention_bias,
         "attention_dropout": 0.0,
         "block_size": m.block_size,
-        "dflash_config": {"mask_token_id": m.mask_token_id, "target_layer_ids": list(m.target_layer_ids)},
+        # sorted: the order the features were concatenated in training (checkpoints written before
+        # unsorted target.layer_ids were refused still hold features in ascending order)
+        "dflash_config": {"mask_token_id": m.mask_token_id, "target_layer_ids": sorted(m.target_layer_ids)},
         "dtype": dtype,
         "head_dim": m.head_dim,
         "hidden_act": "silu",
@@ -79,6 +91,19 @@ def hf_config(m: DrafterModelConfig, dtype: str = "bfloat16") -> dict:
         "use_sliding_window": False,
         "vocab_size": m.vocab_size,
     }
+
+
+def num_speculative_tokens(block_size: int) -> int:
+    """vLLM's setting for a DFlash drafter: the tokens drafted per step, the block minus its anchor."""
+    return block_size - 1
+
+
+def serve_hints(out: Path, block_size: int) -> str:
+    """How to serve the export (printed with it): the block size decides vLLM's setting."""
+    spec = json.dumps({"method": "dflash", "model": str(out), "num_speculative_tokens": num_speculative_tokens(block_size)})
+    return (f"vLLM:   vllm serve <target> --speculative-config '{spec}'\n"
+            f"SGLang: python -m sglang.launch_server --model-path <target> --speculative-algorithm DFLASH "
+            f"--speculative-draft-model-path {out}   (block_size {block_size} from config.json)")
 
 
 def expected_tensor_names(m: DrafterModelConfig) -> list[str]:
@@ -111,8 +136,12 @@ def _replace_dir(tmp: Path, out: Path) -> None:
 
 def export_weights(weights: dict[str, torch.Tensor], model_cfg: DrafterModelConfig, out_dir: str | Path,
                    dtype: str = "bfloat16", provenance: dict | None = None) -> Path:
-    """Write config.json + model.safetensors into out_dir (atomically: a temp dir, then rename)."""
+    """Write config.json, model.safetensors and export.json into out_dir (atomically: a temp dir,
+    then rename). provenance: step, last, best, ... (see export_record), recorded in export.json
+    and in the safetensors metadata."""
     from safetensors.torch import save_file
+
+    from services.files import default_file_mode
 
     if dtype not in DTYPES:
         raise ExportError(f"--dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
@@ -127,9 +156,14 @@ def export_weights(weights: dict[str, torch.Tensor], model_cfg: DrafterModelConf
     tmp.mkdir()
     try:
         tensors = {k: v.detach().to("cpu", DTYPES[dtype]).contiguous() for k, v in weights.items()}
-        metadata = {"format": "pt", **{k: str(v) for k, v in (provenance or {}).items()}}
+        record = {**(provenance or {}), "block_size": model_cfg.block_size, "dtype": dtype,
+                  "num_speculative_tokens": num_speculative_tokens(model_cfg.block_size),
+                  "target_layer_ids": sorted(model_cfg.target_layer_ids)}
+        metadata = {"format": "pt", **{k: json.dumps(v) for k, v in record.items()}}
         save_file(tensors, str(tmp / "model.safetensors"), metadata=metadata)
+        default_file_mode(tmp / "model.safetensors")
         (tmp / "config.json").write_text(json.dumps(hf_config(model_cfg, dtype), indent=2, sort_keys=True) + "\n")
+        (tmp / EXPORT_RECORD).write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
         _replace_dir(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -143,13 +177,25 @@ def resolve_checkpoint(path: str | Path) -> Path:
     for candidate in (path, path / "latest", path / "checkpoints" / "latest"):
         if (candidate / "manifest.json").is_file():
             return candidate.resolve()
+    if path.name == "best" and not path.exists():
+        latest = path.with_name("latest")
+        raise ExportError(f"{path} does not exist: `best` is the checkpoint with the best held-out τ, and only runs "
+                          f"that evaluate (run.eval_every > 0) have one; export {latest} instead")
     raise ExportError(f"{path}: not a checkpoint (no manifest.json), and no checkpoints/latest under it")
+
+
+def export_record(step: int, *, last: bool, best: bool, best_step: int | None, checkpoint: str | None = None,
+                  eval_tau: float | None = None) -> dict:
+    """What export.json says about the weights: their step, and whether that step is the run's last
+    and/or its best (highest held-out τ; best_step is None when the run never evaluated)."""
+    return {"step": step, "last": last, "best": best, "best_step": best_step, "checkpoint": checkpoint,
+            "eval_tau": eval_tau}
 
 
 def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype: str = "bfloat16") -> Path:
     from safetensors.torch import load_file
 
-    from services.drafter.checkpoint import CorruptCheckpoint, verify
+    from services.drafter.checkpoint import BEST, LATEST, CorruptCheckpoint, pointer, step_of, verify
 
     path = resolve_checkpoint(checkpoint)
     try:
@@ -158,9 +204,10 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype: str = 
         raise ExportError(f"checkpoint {path} is corrupt: {exc}") from None
     model_cfg = DrafterModelConfig(**meta["model"])
     weights = load_file(str(path / "model.safetensors"))
-    provenance = {"checkpoint": path.name, "step": meta["step"]}
-    if meta.get("eval"):
-        provenance["eval_tau"] = meta["eval"].get("tau")
+    latest, best = pointer(path.parent, LATEST), pointer(path.parent, BEST)
+    provenance = export_record(int(meta["step"]), last=latest is not None and latest.resolve() == path,
+                               best=best is not None and best.resolve() == path, best_step=step_of(best) if best else None,
+                               checkpoint=path.name, eval_tau=(meta.get("eval") or {}).get("tau"))
     return export_weights(weights, model_cfg, out_dir, dtype, provenance)
 
 
@@ -176,7 +223,10 @@ def main(argv=None) -> int:
     except ExportError as exc:
         print(f"export: error: {exc}", file=sys.stderr)
         return 2
-    print(json.dumps({"event": "exported", "out": str(out), "checkpoint": str(resolve_checkpoint(args.checkpoint))}))
+    record = json.loads((out / EXPORT_RECORD).read_text())
+    print(json.dumps({"event": "exported", "out": str(out), "checkpoint": str(resolve_checkpoint(args.checkpoint)),
+                      **{k: record[k] for k in ("step", "last", "best", "block_size", "num_speculative_tokens")}}))
+    print(serve_hints(out, record["block_size"]))
     return 0
 
 

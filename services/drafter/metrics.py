@@ -3,8 +3,12 @@
 
 One JSON object per line. Train lines, every run.log_every optimizer steps (loss, accuracy and τ
 averaged over every batch since the previous line, weighted by trained blocks):
-    step, loss, accuracy, accuracy_per_position, tau, lr, grad_norm, tokens_per_s, samples_done,
-    tokens_done, data_wait_frac, time_data_s, time_compute_s, time_other_s (per step, mean of ranks)
+    step, loss, accuracy, accuracy_per_position, tau, coverage, sampled_coverage, lr, grad_norm,
+    tokens_per_s, samples_done, tokens_done, data_wait_frac, time_data_s, time_compute_s,
+    time_other_s (per step, mean of ranks)
+coverage: the share of supervised tokens that some valid anchor reaches as its block's first
+prediction (what the anchor rule lets train at all); sampled_coverage: the share that this
+window's sampled blocks did train at k = 1 (bounded by drafter.num_anchors). Both over all ranks.
 Eval lines ("eval": true), every run.eval_every steps:
     step, loss, accuracy, accuracy_per_position, tau, batches, blocks
 On resume from step s, lines with step > s are dropped first, so the curve continues without
@@ -56,13 +60,16 @@ def reduce_train_metrics(m: dict, times: StepTimes, counters: dict, device: torc
     w = float(m["trained_blocks"])
     wall = time.perf_counter() - times.start
     local = [m["loss"] * w, m["accuracy"] * w, m["tau"] * w, w, times.tokens, times.data, times.compute, wall,
-             counters["samples_done"], counters["tokens_done"], *[a * w for a in m["accuracy_per_position"]]]
+             counters["samples_done"], counters["tokens_done"], m["supervised"], m["reachable"], m["sampled"],
+             *[a * w for a in m["accuracy_per_position"]]]
     s = all_reduce_sum(local, device)
     blocks, per_step = max(s[3], 1e-9), world_size * max(times.steps, 1)
     data_s, compute_s, wall_s = s[5] / per_step, s[6] / per_step, s[7] / per_step
     r = lambda x: round(x, 6)
+    supervised = max(s[10], 1.0)
     return {"loss": r(s[0] / blocks), "accuracy": r(s[1] / blocks), "tau": r(s[2] / blocks),
-            "accuracy_per_position": [round(a / blocks, 4) for a in s[10:]],
+            "accuracy_per_position": [round(a / blocks, 4) for a in s[13:]],
+            "coverage": round(s[11] / supervised, 4), "sampled_coverage": round(s[12] / supervised, 4),
             "tokens_per_s": round(s[4] / max(s[7] / world_size, 1e-9), 1),
             "samples_done": int(s[8]), "tokens_done": int(s[9]),
             "data_wait_frac": r(data_s / max(wall_s, 1e-9)), "time_data_s": r(data_s), "time_compute_s": r(compute_s),

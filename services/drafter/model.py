@@ -59,7 +59,7 @@ class DrafterModelConfig:
 
 
 def default_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
-    """DFLASH.md: spread from layer 1 to L-3; one draft layer reads L // 2.
+    """docs/dflash.md: spread from layer 1 to L-3; one draft layer reads L // 2.
     Python's round (half to even), as the released z-lab helper does, so ids match its drafters."""
     if num_draft_layers == 1:
         return [num_target_layers // 2]

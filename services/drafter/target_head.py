@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from services.config import Config, ConfigError
+from services.config import Config, ConfigError, ascending, layer_ids_message
 from services.drafter.model import DrafterModelConfig, default_layer_ids
 
 MASK_TOKEN = "<|MASK|>"
@@ -118,7 +118,7 @@ def validate_model_config(m: DrafterModelConfig, cfg: Config) -> None:
     for i, layer in enumerate(m.target_layer_ids):
         need(isinstance(layer, int) and 0 <= layer < L,
              f"target.layer_ids[{i}] = {layer!r} is out of range: the target has {L} layers (0..{L - 1})")
-    need(len(set(m.target_layer_ids)) == len(m.target_layer_ids), f"target.layer_ids {m.target_layer_ids} has duplicates")
+    need(ascending(m.target_layer_ids), layer_ids_message("target.layer_ids", m.target_layer_ids))
     need(m.num_attention_heads % m.num_key_value_heads == 0,
          f"num_attention_heads={m.num_attention_heads} is not a multiple of num_key_value_heads={m.num_key_value_heads}")
     need(m.head_dim % 2 == 0, f"head_dim={m.head_dim} must be even for RoPE")

@@ -192,15 +192,19 @@ def train_step(state: TrainState, batch: Batch, *, dry_run: bool = False) -> dic
         state.step += 1
     state.micro_step += 1
     m = acceptance_metrics(preds, inputs.labels, inputs.weights)
+    sampled = (inputs.anchors >= 0).sum()               # each sampled block trains one distinct k = 1 token
     scalars = torch.stack([loss.detach().float(), m["accuracy"], m["tau"], grad_norm.float(), m["trained_blocks"].float(),
-                           documents.float().to(state.device), tokens.float().to(state.device)])
+                           documents.float().to(state.device), tokens.float().to(state.device),
+                           inputs.supervised.float(), inputs.reachable.float(), sampled.float()])
     values = torch.cat([scalars, m["accuracy_per_position"]]).tolist()      # the step's one host sync
-    loss_v, accuracy, tau, grad_norm_v, blocks, documents_v, tokens_v = values[:7]
+    loss_v, accuracy, tau, grad_norm_v, blocks, documents_v, tokens_v, supervised, reachable, sampled_v = values[:10]
     state.samples_done += int(documents_v)
     state.tokens_done += int(tokens_v)
     return {"step": state.step, "g": batch.g, "loss": loss_v, "accuracy": accuracy, "tau": tau, "grad_norm": grad_norm_v,
             "trained_blocks": int(blocks), "lr": lr, "tokens": int(tokens_v), "documents": int(documents_v),
-            "accuracy_per_position": [round(x, 4) for x in values[7:]]}
+            "supervised": int(supervised), "reachable": int(reachable), "sampled": int(sampled_v),
+            "coverage": reachable / max(supervised, 1.0),
+            "accuracy_per_position": [round(x, 4) for x in values[10:]]}
 
 
 @torch.no_grad()

@@ -224,7 +224,8 @@ def run(args, cfg: Config) -> int:
             now = time.perf_counter()
             elapsed, last = now - last, now
             stamp = dict(step=state.step, samples_done=state.samples_done, tokens_per_s=round(m["tokens"] / elapsed, 1),
-                         loss=m["loss"], tau=m["tau"], recompiles=watch.count, compile_s=compile_s,
+                         loss=m["loss"], tau=m["tau"], coverage=round(m["coverage"], 4),
+                         recompiles=watch.count, compile_s=compile_s,
                          gpu_mem_bytes=gpu_memory(device))
             health.progress(**stamp)
             if state.micro_step % max(1, cfg.run.log_every) == 0:

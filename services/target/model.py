@@ -3,7 +3,7 @@
     target = load_target(cfg.target, device, num_draft_layers=cfg.drafter.num_layers)
     hidden, labels = target.capture(input_ids, position_ids, document_ids, with_labels=False)
 
-"Layer i" is the *output* of decoder layer i, which is HF `hidden_states[i + 1]` (DFLASH.md; for
+"Layer i" is the *output* of decoder layer i, which is HF `hidden_states[i + 1]` (docs/dflash.md; for
 the last layer HF applies the final norm, and so does the capture).
 Forward hooks on the captured layers copy their outputs into one [S, K*H] buffer (layer-id order
 on the feature axis). Without labels the forward stops right after the deepest captured layer
@@ -60,7 +60,7 @@ class _StopForward(Exception):
 # --- layer ids -----------------------------------------------------------------------------------
 
 def default_layer_ids(num_layers: int, num_draft_layers: int) -> list[int]:
-    """DFLASH.md: spread evenly from 1 to L-3; with one draft layer, L // 2."""
+    """docs/dflash.md: spread evenly from 1 to L-3; with one draft layer, L // 2."""
     if num_draft_layers == 1:
         return [num_layers // 2]
     start, end = 1, num_layers - 3
