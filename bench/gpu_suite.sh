@@ -2,7 +2,7 @@
 # The GPU figures in docs/benchmarks.md come from this script, run on the device host:
 #   bash bench/gpu_suite.sh PART...   (logs and JSON under $OUT, default ./bench-out)
 # Parts: checks drafter target8b target8k target32b large transport transportq isolation e2e
-#        hybridtests hybrid hybridnofla e2ex2 e2ehybrid (the last two need nvidia-h200-x2)
+#        hybridtests hybrid hybridnofla ckptstall e2ex2 e2ehybrid (the last two need nvidia-h200-x2)
 # pyzmq is not on the GPU image: a wheel in .whl/ is installed into /tmp/site when present.
 set -u
 OUT=${OUT:-bench-out}; mkdir -p "$OUT"
@@ -26,6 +26,7 @@ for part in "$@"; do case $part in
                   --skip 20 --drafter-json "$OUT/drafter_recipe.json" --out "$OUT/e2e_x2.json" ;;
   e2ehybrid)  run e2e_hybrid 560 python3 bench/e2e.py --gpus 0:target,1:drafter --shape 27b-hybrid --work /tmp/e2e27b \
                   --steps 50 --skip 10 --conversations 20000 --timeout 420 --out "$OUT/e2e_hybrid.json" ;;
+  ckptstall)  run checkpoint_stall 400 python3 bench/checkpoint_stall.py --out "$OUT/checkpoint_stall.json" ;;
   hybridtests) run hybrid_tests 300 python3 -m pytest -q tests/test_target_hybrid.py tests/test_target_model.py ;;
   hybrid)     run target_hybrid 400 python3 bench/target_capture.py --shapes 27b-hybrid --seq 8192 --mixes single,short,medium \
                   --iters 3 --out "$OUT/target_hybrid.json" ;;

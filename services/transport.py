@@ -6,7 +6,7 @@
                                         chunk {g, split, offset} + <= chunk_bytes of raw bytes  (repeated)
 
 A batch travels as a stream of separate few-MB messages, not one big one: ZMQ moves those
-several times faster (FINDINGS.md). The drafter checks the announced size against
+several times faster (docs/benchmarks.md, "Transport"). The drafter checks the announced size against
 transport.max_batch_bytes, preallocates one (pinned) buffer, copies each chunk into place and
 hands out the Batch as views of that buffer. Anything malformed is counted and dropped.
 """
@@ -332,20 +332,25 @@ class BufferPool:
     def __init__(self, pin: bool, keep: int):
         self.pin, self.keep = pin, keep
         self._free: list[np.ndarray] = []
+        self._lock = threading.Lock()    # get() runs on the I/O thread, _give_back wherever a tensor dies
 
     def get(self, nbytes: int) -> torch.Tensor:
         if self.pin:
             return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-        same_size = [i for i, array in enumerate(self._free) if array.nbytes == nbytes]
-        array = self._free.pop(same_size[0]) if same_size else np.empty(nbytes, dtype=np.uint8)
+        with self._lock:
+            same_size = [i for i, array in enumerate(self._free) if array.nbytes == nbytes]
+            array = self._free.pop(same_size[0]) if same_size else None
+        if array is None:
+            array = np.empty(nbytes, dtype=np.uint8)
         lease = array[:]
         weakref.finalize(lease, self._give_back, array).atexit = False
         return torch.from_numpy(lease)
 
     def _give_back(self, array: np.ndarray) -> None:
-        self._free.append(array)
-        if len(self._free) > self.keep:
-            self._free.pop(0)
+        with self._lock:
+            self._free.append(array)
+            if len(self._free) > self.keep:
+                self._free.pop(0)
 
 
 class _Partial:
@@ -388,7 +393,11 @@ class _Partial:
 
 
 class BatchClient:
-    """Drafter side: one DEALER per target. request() asks, poll() returns what completed."""
+    """Drafter side: one DEALER per target, owned by an I/O thread that receives and reassembles.
+
+    request() asks, poll() returns what completed. Chunks are copied into place on the I/O thread
+    while the training step runs, so a batch that has arrived is whole when the loop asks for it.
+    """
 
     def __init__(self, endpoints: list[str], transport: TransportConfig, health: HealthServer | None = None,
                  pin_memory: bool = False):
@@ -397,7 +406,6 @@ class BatchClient:
         self.pool = BufferPool(pin_memory and torch.cuda.is_available(), keep=transport.credits + 2)
         self._ctx = zmq.Context()
         self._socks: list[zmq.Socket] = []
-        self._poller = zmq.Poller()
         for endpoint in endpoints:
             sock = self._ctx.socket(zmq.DEALER)
             secure_socket(sock, transport.max_message_bytes)   # per frame: the largest is a chunk's data
@@ -405,66 +413,121 @@ class BatchClient:
             if keys := curve.keys_for(transport):
                 curve.apply_client(sock, keys)
             sock.connect(endpoint)
-            self._poller.register(sock, zmq.POLLIN)
             self._socks.append(sock)
         self._target_of = {sock: i for i, sock in enumerate(self._socks)}
+        self._lock = threading.Lock()                              # guards the three below
         self._wanted: set[tuple[int, str, int]] = set()          # (target, split, g) asked, not yet delivered
         self._info_wanted: Counter[int] = Counter()
         self._partials: dict[tuple[int, str, int], _Partial] = {}
+        self._events: queue.Queue[tuple] = queue.Queue()
+        self._outbox: queue.Queue[tuple[int, list]] = queue.Queue()
+        self._wake_addr = f"inproc://wake-{id(self)}"
+        self._wake_in = self._ctx.socket(zmq.PAIR)
+        self._wake_in.bind(self._wake_addr)
+        self._wake_out = self._ctx.socket(zmq.PAIR)
+        self._wake_out.connect(self._wake_addr)
+        self._closing = threading.Event()
+        self._thread = threading.Thread(target=self._io_loop, name="drafter-io", daemon=True)
+        self._thread.start()
 
     def request(self, target: int, g: int, split: str = "train") -> None:
         if split not in SPLITS or g < 0 or not 0 <= target < len(self._socks):
             raise ValueError(f"request: bad target={target}, g={g} or split={split!r}")
-        self._wanted.add((target, split, g))
+        with self._lock:
+            self._wanted.add((target, split, g))
         self._send(target, {"kind": "request", "want": "batch", "g": g, "split": split})
 
     def request_info(self, target: int) -> None:
-        self._info_wanted[target] += 1
+        with self._lock:
+            self._info_wanted[target] += 1
         self._send(target, {"kind": "request", "want": "info"})
 
     def _send(self, target: int, header: dict) -> None:
-        try:
-            self._socks[target].send_multipart(wire.encode(header), zmq.NOBLOCK)
-        except zmq.Again:
-            raise RuntimeError(f"target {target}: request queue full ({header})") from None
+        self._outbox.put((target, wire.encode(header)))
+        self._wake_out.send(b"", zmq.NOBLOCK)
 
     @property
     def in_progress(self) -> list[tuple[int, str, int]]:
         """(target, split, g) of the batches half received right now."""
-        return sorted(self._partials)
+        with self._lock:
+            return sorted(self._partials)
 
     def forget(self, target: int) -> None:
         """Drop half-received batches from this target (it restarted); the caller asks again."""
-        for key in [k for k in self._partials if k[0] == target]:
-            del self._partials[key]
+        with self._lock:
+            for key in [k for k in self._partials if k[0] == target]:
+                del self._partials[key]
 
     def poll(self, timeout_ms: int) -> list[tuple]:
         """Wait up to timeout_ms for at least one event; return all events ready by then.
 
         ("batch", target, split, Batch) | ("info", target, dict) | ("error", target, g, message)
         """
-        events: list[tuple] = []
-        deadline = time.monotonic() + timeout_ms / 1000
+        try:
+            events = [self._events.get(timeout=timeout_ms / 1000)]
+        except queue.Empty:
+            return []
         while True:
-            wait_ms = max(0, int((deadline - time.monotonic()) * 1000))
-            for sock, _ in self._poller.poll(wait_ms):
-                self._drain(sock, events)
-            if events or time.monotonic() >= deadline:
+            try:
+                events.append(self._events.get_nowait())
+            except queue.Empty:
                 return events
 
-    def _drain(self, sock: zmq.Socket, events: list) -> None:
+    def close(self) -> None:
+        self._closing.set()
+        self._wake_out.send(b"", zmq.NOBLOCK)
+        self._thread.join(timeout=10)
+        self._wake_out.close(linger=0)
+        self._ctx.term()
+
+    # --- I/O thread -----------------------------------------------------------------------------
+    def _io_loop(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._wake_in, zmq.POLLIN)
+        for sock in self._socks:
+            poller.register(sock, zmq.POLLIN)
+        unsent: list[tuple[int, list]] = []         # requests that met a full queue: tried again
+        try:
+            while not self._closing.is_set():
+                for sock, _ in poller.poll(10 if unsent else 1000):
+                    if sock is self._wake_in:
+                        while self._wake_in.poll(0):
+                            self._wake_in.recv()
+                    else:
+                        self._drain(sock)
+                while True:
+                    try:
+                        unsent.append(self._outbox.get_nowait())
+                    except queue.Empty:
+                        break
+                unsent = [(t, frames) for t, frames in unsent if not self._try_send(t, frames)]
+        finally:
+            for sock in self._socks:
+                sock.close(linger=0)
+            self._wake_in.close(linger=0)
+
+    def _try_send(self, target: int, frames: list) -> bool:
+        try:
+            self._socks[target].send_multipart(frames, zmq.NOBLOCK)
+            return True
+        except zmq.Again:
+            return False
+
+    def _drain(self, sock: zmq.Socket) -> None:
         target = self._target_of[sock]
         for _ in range(MAX_MESSAGES_PER_POLL):
             try:
                 frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
+            events: list = []
             try:
-                self._handle(target, frames, events)
+                with self._lock:
+                    self._handle(target, frames, events)
             except (wire.WireError, BatchError) as exc:
                 self.drops("data-reply", f"target {target}: {exc}")
-            if events:
-                return   # hand the finished batch out now; the rest waits for the next poll
+            for event in events:
+                self._events.put(event)
 
     def _handle(self, target: int, frames, events: list) -> None:
         header, tensors = wire.decode(frames, self.transport.max_message_bytes)
@@ -525,8 +588,3 @@ class BatchClient:
         except wire.WireError:
             del self._partials[key]   # the stream is broken; it restarts when the batch is asked again
             raise
-
-    def close(self) -> None:
-        for sock in self._socks:
-            sock.close(linger=0)
-        self._ctx.term()

@@ -131,7 +131,7 @@ def test_rotation_keeps_the_newest_and_the_best(tmp_path):
     root = tmp_path / "checkpoints"
     for step in (1, 2, 3):
         write(root, step)
-    ckpt.set_best(root, root / "step-00000001")
+    ckpt.set_best_pointer(root, root / "step-00000001")
     for step in (4, 5):
         write(root, step)
     assert sorted(p.name for p in ckpt.list_checkpoints(root)) == ["step-00000001", "step-00000003",

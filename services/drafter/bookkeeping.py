@@ -14,8 +14,6 @@ import time
 import traceback
 from pathlib import Path
 
-import torch
-import torch.distributed as dist
 
 from services.config import Config
 from services.drafter import checkpoint as ckpt
@@ -34,25 +32,13 @@ def warn(text: str) -> None:
     print(f"drafter: warning: {text}", file=sys.stderr, flush=True)
 
 
-def wait_for_all(flag: bool, device: torch.device, health: HealthServer) -> bool:
-    """All-reduce MIN of a flag, stamping health while waiting (rank 0 may be writing for minutes)."""
-    t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=device)
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return bool(flag)
-    work = dist.all_reduce(t, op=dist.ReduceOp.MIN, async_op=True)
-    while not work.is_completed():
-        health.progress()
-        time.sleep(0.05)
-    work.wait()
-    return bool(t.item())
-
-
 class Bookkeeping:
     def __init__(self, cfg: Config, run_dir: Path, rank: int, world_size: int, state: TrainState,
                  health: HealthServer, resumed: ckpt.Found | None, eval_batches=None):
         self.cfg, self.run_dir, self.rank, self.world_size = cfg, Path(run_dir), rank, world_size
         self.state, self.health, self.eval_batches = state, health, eval_batches
         self.root = ckpt.checkpoints_dir(run_dir)
+        self.writer = ckpt.BackgroundWriter(self.root, cfg.run.keep_checkpoints, state.device)
         self.ledger = Ledger(run_dir, rank, start_step=state.micro_step)
         self.metrics = MetricsLog(run_dir, resume_step=state.step, enabled=rank == 0)
         self.times = StepTimes()
@@ -73,6 +59,8 @@ class Bookkeeping:
         self.window.add(m)
         if self.state.micro_step % self.state.settings.grad_accum:
             return
+        if self.rank == 0:
+            self.report_checkpoint(self.writer.done())
         step, run = self.state.step, self.cfg.run
         self.last_metrics, self.boundary = m, self.state.counters()
         if step % max(1, run.log_every) == 0:
@@ -112,38 +100,39 @@ class Bookkeeping:
         return new_best
 
     # --- checkpoints -----------------------------------------------------------------------------
-    def checkpoint(self, set_best: bool = False) -> bool:
-        """Collective. Rank 0 writes; a failure keeps the previous checkpoint and the run goes on.
+    def checkpoint(self, set_best: bool = False) -> None:
+        """Collective (the RNG gather). Rank 0 snapshots the state into host memory and writes it in
+        the background (checkpoint.BackgroundWriter); training waits only for the snapshot. A
+        failed write keeps the previous checkpoint and the run goes on; it is reported when seen.
         A stop in the middle of gradient accumulation saves the last optimizer step (the partial
         batches are redone after the resume; their ledger lines are dropped then)."""
         state, step = self.state, self.state.step
         rng = ckpt.gather_rng_states(state.device)
-        ok, path = True, None
         if self.rank == 0:
             meta = ckpt.make_meta(self.boundary, state.drafter.cfg, self.world_size, best_tau=self.best_tau,
                                   eval=self.last_eval if self.last_eval and self.last_eval["step"] == step else None)
+            self.report_checkpoint(self.writer.wait())
             blob = {"optimizer": state.optimizer.state_dict(), "scheduler": state.scheduler.state_dict()}
-            start = time.perf_counter()
-            try:
-                path = ckpt.write_checkpoint(self.root, step, weights=state.drafter.state_dict(), optimizer=blob,
-                                             rng=rng, meta=meta, config=self.cfg.to_dict(),
-                                             keep=self.cfg.run.keep_checkpoints, tick=self.health.progress)
-                if set_best:
-                    ckpt.set_best(self.root, path)
-                say("checkpoint", step=step, path=str(path), best=set_best, seconds=round(time.perf_counter() - start, 3))
-            except Exception as exc:
-                ok = False
-                kept = ckpt.pointer(self.root, ckpt.LATEST)
-                message = (f"checkpoint at step {step} was not written ({type(exc).__name__}: {exc}); "
-                           f"{'the previous checkpoint ' + kept.name + ' is kept as latest' if kept else 'no earlier checkpoint exists'}"
-                           "; training goes on")
-                warn(message)
-                self.health.error(message)
-        ok = wait_for_all(ok, state.device, self.health)
+            self.writer.snapshot_and_write(step, weights=state.drafter.state_dict(), optimizer=blob, rng=rng,
+                                           meta=meta, config=self.cfg.to_dict(), set_best=set_best)
         self.saved_step = step
-        if ok:
+
+    def report_checkpoint(self, outcome: dict | None) -> None:
+        """Say how a background write ended (rank 0), once."""
+        if outcome is None:
+            return
+        step = outcome["step"]
+        if outcome["error"] is None:
+            say("checkpoint", step=step, path=str(outcome["path"]), best=outcome["best"],
+                stall_s=outcome["stall_s"], write_s=outcome["write_s"])
             self.health.progress(last_checkpoint=step)
-        return ok
+            return
+        exc, kept = outcome["error"], ckpt.pointer(self.root, ckpt.LATEST)
+        message = (f"checkpoint at step {step} was not written ({type(exc).__name__}: {exc}); "
+                   f"{'the previous checkpoint ' + kept.name + ' is kept as latest' if kept else 'no earlier checkpoint exists'}"
+                   "; training goes on")
+        warn(message)
+        self.health.error(message)
 
     # --- the end -------------------------------------------------------------------------------
     def finish(self, completed: bool) -> None:
@@ -153,6 +142,8 @@ class Bookkeeping:
             self.log_metrics(self.window.mean(self.last_metrics))
         if self.saved_step != self.state.step:
             self.checkpoint()
+        if self.rank == 0:
+            self.report_checkpoint(self.writer.wait())    # the run ends with its checkpoint on disk
         if completed and self.cfg.run.export_at_end and self.rank == 0:
             from services.drafter.export import export_weights, num_speculative_tokens
             try:

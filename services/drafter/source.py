@@ -34,9 +34,14 @@ class SourceError(RuntimeError):
 
 class ZmqSource:
     def __init__(self, cfg: Config, run_dir: str | Path, rank: int, world_size: int, num_targets: int,
-                 health: HealthServer | None, max_steps: int = 0, start_step: int = 0, split: str = "train"):
-        """max_steps: optimizer steps at most (train only; 0: the whole data)."""
+                 health: HealthServer | None, max_steps: int = 0, start_step: int = 0, split: str = "train",
+                 device: torch.device | None = None, check=None):
+        """max_steps: optimizer steps at most (train only; 0: the whole data). device: a CUDA device
+        gets the next batch copied to it on a side stream while the current step runs."""
         self.cfg, self.rank, self.world, self.split = cfg, rank, world_size, split
+        self.copy_stream = torch.cuda.Stream(device) if device is not None and device.type == "cuda" else None
+        self.check = check or (lambda batch: batch)
+        self.staged: dict[int, tuple[Batch, torch.cuda.Event]] = {}   # g -> (batch on the device, copy done)
         self.data_eps = [endpoint(run_dir, cfg.transport, "target", t, "data") for t in range(num_targets)]
         self.health_eps = [endpoint(run_dir, cfg.transport, "target", t, "health") for t in range(num_targets)]
         self.client = BatchClient(self.data_eps, cfg.transport, health, pin_memory=torch.cuda.is_available())
@@ -69,7 +74,29 @@ class ZmqSource:
     def __iter__(self):
         for step in range(self.start_step, self.plan.micro_batches):
             self._top_up(step)
-            yield self._take(self.g_of(step))
+            batch = self._take(self.g_of(step))
+            self._stage(self.g_of(step + 1))
+            yield batch
+
+    def _stage(self, g: int) -> None:
+        """If batch g has arrived, start its copy to the GPU now, on the side stream."""
+        if self.copy_stream is None:
+            return
+        for event in self.client.poll(0):
+            self._handle(event)
+        if g in self.arrived and g not in self.staged:
+            with torch.cuda.stream(self.copy_stream):
+                moved = self.check(self.arrived.pop(g)).to(self.copy_stream.device, non_blocking=True)
+                self.staged[g] = (moved, self.copy_stream.record_event())
+
+    def _from_stage(self, g: int) -> Batch:
+        """The staged batch, safe to use on the compute stream."""
+        batch, copied = self.staged.pop(g)
+        compute = torch.cuda.current_stream()
+        compute.wait_event(copied)
+        for tensor in batch.tensors().values():
+            tensor.record_stream(compute)     # made on the side stream, used and freed on this one
+        return batch
 
     # --- requests ----------------------------------------------------------
     def _top_up(self, step: int) -> None:
@@ -84,6 +111,8 @@ class ZmqSource:
     def _take(self, g: int) -> Batch:
         if g >= self.total_batches:
             return self.empty_batch(g)
+        if g in self.staged:
+            return self._from_stage(g)
         start = last_check = time.monotonic()
         while g not in self.arrived:
             lifecycle.check()

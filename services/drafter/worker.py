@@ -8,6 +8,7 @@ there is none); bookkeeping.py does the ledger, metrics, evaluation, checkpoints
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import socket
@@ -31,7 +32,8 @@ from services.drafter.plan import make_plan
 from services.drafter.bookkeeping import Bookkeeping, warn
 from services.drafter.synthetic import SYNTHETIC_MODEL, SyntheticSource
 from services.drafter.target_head import TargetHead, build_model_config, from_target
-from services.drafter.train import build_train_state, make_scheduler, parameter_fingerprint, train_step
+from services.drafter.train import (build_train_state, check_batch, make_scheduler, parameter_fingerprint,
+                                    train_step)
 
 
 def _free_port() -> int:
@@ -81,8 +83,8 @@ class SyntheticEval:
             yield batch
 
 
-def make_batches(args, cfg, model_cfg, health, device, max_steps, start_step):
-    """(this rank's training batches, the run's plan)."""
+def make_batches(args, cfg, model_cfg, health, device, max_steps, start_step, check=None):
+    """(this rank's training batches, the run's plan). check: validates a batch on the CPU."""
     if args.synthetic:
         plan = make_plan(None, 1, args.world_size, cfg.drafter.grad_accum, max_steps)
         source = SyntheticSource(model_cfg, cfg.data.pack_len, rank=args.rank, world_size=args.world_size,
@@ -91,11 +93,11 @@ def make_batches(args, cfg, model_cfg, health, device, max_steps, start_step):
         return source, plan
     from services.drafter.source import ZmqSource       # the real (ZMQ) source; imported only when used
     source = ZmqSource(cfg, args.run_dir, args.rank, args.world_size, args.num_targets, health, max_steps=max_steps,
-                       start_step=start_step)
+                       start_step=start_step, device=device, check=check)
     return source, source.plan
 
 
-def make_eval_batches(args, cfg, model_cfg, health, device):
+def make_eval_batches(args, cfg, model_cfg, health, device, check=None):
     """The held-out split (rank d evaluates batches i*D + d), or None when evaluation is off or empty."""
     if cfg.run.eval_every <= 0:
         return None
@@ -104,7 +106,8 @@ def make_eval_batches(args, cfg, model_cfg, health, device):
                                              with_target_labels=cfg.target.labels_from_target),
                              args.rank, args.world_size)
     from services.drafter.source import ZmqSource
-    source = ZmqSource(cfg, args.run_dir, args.rank, args.world_size, args.num_targets, health, split="eval")
+    source = ZmqSource(cfg, args.run_dir, args.rank, args.world_size, args.num_targets, health, split="eval",
+                       device=device, check=check)
     if source.total_batches == 0:
         warn("run.eval_every is set but the data has no held-out batches (data.eval_fraction / data.eval_path); "
              "evaluation is off")
@@ -183,8 +186,9 @@ def setup(args, cfg: Config, run_dir: Path, device: torch.device, health: Health
         compile_s += time.perf_counter() - start
     compile_s = round(compile_s, 3)
     start_step = found.micro_step if found else 0
-    batches, plan = make_batches(args, cfg, model_cfg, health, device, max_steps, start_step)
-    eval_batches = make_eval_batches(args, cfg, model_cfg, health, device)
+    check = functools.partial(check_batch, state=state)    # values too, before a batch goes to the GPU early
+    batches, plan = make_batches(args, cfg, model_cfg, health, device, max_steps, start_step, check)
+    eval_batches = make_eval_batches(args, cfg, model_cfg, health, device, check)
     state.scheduler = make_scheduler(state.optimizer, cfg, plan.optimizer_steps)   # the real horizon, now known
     if found:
         for note in ckpt.restore(state, found, rank):
