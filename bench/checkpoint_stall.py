@@ -8,7 +8,9 @@ Builds the real TrainState (services.drafter.train) at the drafter shape for a Q
 (width 5120, intermediate 17408, 24/4 heads x 256, 5 layers, vocab 248320: 1.84 B trainable
 parameters, fp32 master weights + AdamW moments, about 22 GB), trains two steps so the optimizer
 has its state, then takes checkpoints with checkpoint.BackgroundWriter as the worker does:
-  stall_s    what the training thread waits for (the first includes allocating the pinned buffers)
+  prepare_s  allocating the pinned host buffers in the background (the worker does it after step 1)
+  stall_s    what training waits for: the snapshot call plus the copies into host memory on the
+             GPU (timed here by a synchronize right after; in training the next step queues behind them)
   write_s    the background write (files, fsync, sha256 manifest, rename)
   steps      training steps run while the write went on, and their time against steps without it
 With --sync-baseline it also times the synchronous write_checkpoint of the same state (what a
@@ -88,10 +90,23 @@ def main() -> None:
             shutil.rmtree(root / "sync")
             print(f"synchronous checkpoint: training stopped {result['sync_write_s']} s", flush=True)
         writer = ckpt.BackgroundWriter(root / "async", keep=1, device=device)
+        start = time.perf_counter()
+        writer.prepare(state.drafter.state_dict(), blob())      # as the worker does after its first step
+        prepare_steps = []
+        while writer._preparing.is_alive():
+            prepare_steps.append(step(50 + len(prepare_steps)))
+        result["prepare_s"] = round(time.perf_counter() - start, 2)
+        result["steps_during_prepare"] = len(prepare_steps)
+        result["step_s_during_prepare"] = round(statistics.median(prepare_steps), 4) if prepare_steps else None
+        print(f"host buffers allocated in the background in {result['prepare_s']} s", flush=True)
         for n in range(2):
             stall = writer.snapshot_and_write(state.step, weights=state.drafter.state_dict(), optimizer=blob(),
                                               rng={"cpu.0": torch.get_rng_state()}, meta={"step": state.step},
                                               config={}, set_best=False)
+            start = time.perf_counter()
+            if device.type == "cuda":
+                torch.cuda.synchronize()      # the copies into host memory: the next step queues behind them
+            stall += time.perf_counter() - start
             during = []
             while writer._thread is not None and writer._thread.is_alive():
                 during.append(step(100 + n * 1000 + len(during)))

@@ -41,9 +41,9 @@ def make_assets(work: Path, shape: str, conversations: int) -> tuple[Path, Path]
     model_dir = work / f"{shape}-random"
     if not (model_dir / "config.json").exists():
         config = checkpoint_config(shape)
-        cls = Qwen3_5ForConditionalGeneration if shape in HYBRID else AutoModelForCausalLM
-        with torch.device("cuda"):
-            model = cls._from_config(config, dtype=torch.bfloat16)
+        with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+            model = (Qwen3_5ForConditionalGeneration._from_config(config, dtype=torch.bfloat16) if shape in HYBRID
+                     else AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16))
         model.save_pretrained(model_dir, max_shard_size="5GB")
         del model
         torch.cuda.empty_cache()
@@ -62,10 +62,11 @@ def target_alone(overrides: list[str], work: Path, rows: int, warmup: int) -> di
     from services.target.model import capture_to_host, load_target
     from services.target.packing import open_or_build
     cfg = load_config(None, overrides)
-    target = load_target(cfg.target, "cuda:0", num_draft_layers=cfg.drafter.num_layers)
+    device = "cuda:0" if torch.cuda.is_available() else "cpu"
+    target = load_target(cfg.target, device, num_draft_layers=cfg.drafter.num_layers)
     tokenizer = AutoTokenizer.from_pretrained(cfg.target.model_path)
     data = open_or_build(cfg, work / "alone", tokenizer, target.info.vocab_size)
-    out = torch.empty(data.pack_len, target.info.hidden_width, dtype=torch.bfloat16, device="cuda")
+    out = torch.empty(data.pack_len, target.info.hidden_width, dtype=torch.bfloat16, device=device)
     docs = tokens = 0
     for g in range(warmup + rows):
         if g == warmup:
@@ -139,7 +140,9 @@ def main() -> None:
     from launcher.topology import parse_gpu_spec
     workers = parse_gpu_spec(a.gpus, share_gpus=True)
     share = ["--share-gpus"] if len({w.gpu for w in workers}) < len(workers) else []
-    cmd = [sys.executable, "-m", "launcher", "up", "--gpus", a.gpus, *share, "--device", "cuda",
+    import torch
+    device = "cuda" if torch.cuda.is_available() else "cpu"      # cpu: a smoke test of this script
+    cmd = [sys.executable, "-m", "launcher", "up", "--gpus", a.gpus, *share, "--device", device,
            "--run-dir", str(run_dir), *overrides]
     t1 = time.time()
     try:

@@ -39,6 +39,7 @@ class Bookkeeping:
         self.state, self.health, self.eval_batches = state, health, eval_batches
         self.root = ckpt.checkpoints_dir(run_dir)
         self.writer = ckpt.BackgroundWriter(self.root, cfg.run.keep_checkpoints, state.device)
+        self.first_step = state.step
         self.ledger = Ledger(run_dir, rank, start_step=state.micro_step)
         self.metrics = MetricsLog(run_dir, resume_step=state.step, enabled=rank == 0)
         self.times = StepTimes()
@@ -59,9 +60,11 @@ class Bookkeeping:
         self.window.add(m)
         if self.state.micro_step % self.state.settings.grad_accum:
             return
+        step, run = self.state.step, self.cfg.run
         if self.rank == 0:
             self.report_checkpoint(self.writer.done())
-        step, run = self.state.step, self.cfg.run
+            if step == self.first_step + 1:              # the optimizer has its state now: size the buffers
+                self.writer.prepare(self.state.drafter.state_dict(), self.state.optimizer.state_dict())
         self.last_metrics, self.boundary = m, self.state.counters()
         if step % max(1, run.log_every) == 0:
             self.log_metrics(self.window.mean(m))

@@ -222,30 +222,48 @@ class BackgroundWriter:
         self._buffers: dict[str, torch.Tensor] = {}
         self._thread: threading.Thread | None = None
         self._outcome: dict | None = None           # the finished write, until taken by done()
+        self._preparing: threading.Thread | None = None
 
-    def _host(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        """A host copy of `tensor` in the buffer kept for `name` (queued on the current stream)."""
+    def _buffer(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         buf = self._buffers.get(name)
         if buf is None or buf.shape != tensor.shape or buf.dtype != tensor.dtype:
             buf = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=self.device.type == "cuda")
             self._buffers[name] = buf
+        return buf
+
+    def _host(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """A host copy of `tensor` in the buffer kept for `name` (queued on the current stream)."""
+        buf = self._buffer(name, tensor)
         buf.copy_(tensor.detach(), non_blocking=True)
         return buf
 
-    def _host_tree(self, prefix: str, value):
+    def _host_tree(self, prefix: str, value, leaf=None):
+        leaf = leaf or self._host
         if isinstance(value, torch.Tensor):
-            return self._host(prefix, value)
+            return leaf(prefix, value)
         if isinstance(value, dict):
-            return {k: self._host_tree(f"{prefix}.{k}", v) for k, v in value.items()}
+            return {k: self._host_tree(f"{prefix}.{k}", v, leaf) for k, v in value.items()}
         if isinstance(value, (list, tuple)):
-            return type(value)(self._host_tree(f"{prefix}.{i}", v) for i, v in enumerate(value))
+            return type(value)(self._host_tree(f"{prefix}.{i}", v, leaf) for i, v in enumerate(value))
         return copy.deepcopy(value)
+
+    def prepare(self, weights: dict[str, torch.Tensor], optimizer: dict) -> None:
+        """Allocate the host buffers in the background (pinning 20 GB takes seconds), so that even
+        the first checkpoint only copies. Call once the optimizer has its state (after a step)."""
+        shapes = {k: v.float() for k, v in weights.items()}, optimizer
+        self._preparing = threading.Thread(target=lambda: (
+            [self._buffer(f"w.{k}", v) for k, v in shapes[0].items()],
+            self._host_tree("opt", shapes[1], self._buffer)), name="checkpoint-buffers", daemon=True)
+        self._preparing.start()
 
     def snapshot_and_write(self, step: int, *, weights: dict[str, torch.Tensor], optimizer: dict,
                            rng: dict[str, torch.Tensor], meta: dict, config: dict, set_best: bool) -> float:
         """Snapshot now, write in the background. Returns the seconds training was held up."""
         start = time.perf_counter()
         self.wait()                                  # one write at a time (bounded host memory)
+        if self._preparing is not None:
+            self._preparing.join()
+            self._preparing = None
         host_weights = {k: self._host(f"w.{k}", v.float()) for k, v in weights.items()}
         host_optimizer = self._host_tree("opt", optimizer)
         copied = torch.cuda.current_stream().record_event() if self.device.type == "cuda" else None
