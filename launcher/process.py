@@ -46,7 +46,13 @@ def identity(pid: int) -> dict | None:
     """
     try:
         p = psutil.Process(pid)
-        return {"pid": pid, "create_time": p.create_time(), "cmdline": p.cmdline()}
+        cmdline = p.cmdline()
+        for _ in range(100):    # just after exec the kernel shows an empty cmdline for a moment
+            if cmdline:
+                break
+            time.sleep(0.01)
+            cmdline = p.cmdline()
+        return {"pid": pid, "create_time": p.create_time(), "cmdline": cmdline}
     except psutil.Error:
         return None
 
