@@ -4,10 +4,12 @@ import fcntl
 import json
 import os
 import pty
+import shutil
 import signal
 import struct
 import subprocess
 import sys
+import tempfile
 import termios
 import textwrap
 import time
@@ -256,7 +258,9 @@ def test_target_too_shallow_is_a_config_error_before_any_worker(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_run_that_fails_while_starting_does_not_become_latest(tmp_path, sleepers):
+def test_a_run_that_fails_while_starting_does_not_become_latest(sleepers):
+    # a short folder: ipc socket paths under runs/<name>-<time>/sock must stay within 107 bytes
+    tmp_path = Path(tempfile.mkdtemp(prefix="dfl"))
     runs = tmp_path / "runs"
     live = sleepers()
     write_run(runs / "A", process.identity(live.pid), [None, None])
@@ -273,3 +277,4 @@ def test_a_run_that_fails_while_starting_does_not_become_latest(tmp_path, sleepe
         assert outcome["state"] == "failed" and outcome["exit"] == 1 and "bad.jsonl:1" in outcome["reason"], outcome
     status = run_launcher("status", "--timeout", "0.5", cwd=tmp_path)   # runs/latest: still A
     assert status.stdout.startswith(f"run {runs / 'A'}: running"), status.stdout
+    shutil.rmtree(tmp_path)
