@@ -91,7 +91,8 @@ def row_of(doc_lens: list[int], vocab: int, gen: torch.Generator) -> dict[str, t
 
 
 def bench_shape(shape: str, seqs: list[int], args) -> list[dict]:
-    from services.target.model import Target, capture_to_host, default_layer_ids
+    from services.layers import default_layer_ids
+    from services.target.model import Target, capture_to_host
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = build_model(shape, device)
     L = model.config.num_hidden_layers

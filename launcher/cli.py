@@ -2,12 +2,17 @@
 
 The launcher never imports torch: it starts fast, stays small, and can never hold GPU memory.
 Exit codes of `up`: 0 training finished, 1 failed, 2 bad usage or config, 3 stopped before the end.
+
+runs/latest is the last run started here whose workers all became ready (or that finished while
+starting): a run that fails while starting never takes it over from one that trains. `status`
+and `down` default to it, and both name the live runs when the one they reach is not live.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -15,13 +20,16 @@ import time
 from pathlib import Path
 
 from launcher import process
+from launcher.progress import describe_window
 from launcher.report import describe_export
-from launcher.supervisor import EXIT_FAILED, EXIT_USAGE, RunFailed, Supervisor
+from launcher.supervisor import EXIT_DONE, EXIT_FAILED, EXIT_STOPPED, EXIT_USAGE, RunFailed, Supervisor, probe_all
 from launcher.topology import SpecError, host_overrides, hosts, parse_gpu_spec
+from services import __version__
 from services.config import ConfigError, dump_json, load_config
 from services.drafter.plan import Plan
 from services.files import point
 from services.health import probe
+from services.layers import resolve_layer_ids
 
 
 class UsageError(Exception):
@@ -47,20 +55,70 @@ def _check_inputs(cfg, runs_targets: bool) -> None:
             raise UsageError(f"{key}: {value} does not exist")
     if runs_targets and not (Path(cfg.target.model_path) / "config.json").is_file():
         raise UsageError(f"target.model_path: {cfg.target.model_path} is not a Hugging Face model folder (no config.json)")
+    if runs_targets:
+        _check_layers(cfg)
 
 
-def _choose_run_dir(args, name: str) -> Path:
-    """--run-dir, else runs/latest for --resume, else a new runs/<run.name>-<time> (runs/latest points to it)."""
+def _check_layers(cfg) -> None:
+    """The captured layers, from the model's config.json: a target too shallow for drafter.num_layers
+    is a config error now, not a failed worker minutes later."""
+    try:
+        conf = json.loads((Path(cfg.target.model_path) / "config.json").read_text())
+        conf = conf.get("text_config") or conf          # multimodal wrappers: the text model is loaded
+        num_layers = int(conf["num_hidden_layers"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return                                          # an unusual config: the target worker will say
+    try:
+        resolve_layer_ids(cfg.target.layer_ids, num_layers, cfg.drafter.num_layers)
+    except ValueError as exc:
+        raise UsageError(f"target.model_path {cfg.target.model_path}: {exc}") from None
+
+
+def _choose_run_dir(args, name: str) -> tuple[Path, bool]:
+    """(run dir, whether `up` named it): --run-dir, else runs/latest for --resume, else a new
+    runs/<run.name>-<time>, which becomes runs/latest once its workers are ready."""
     if args.run_dir:
-        return Path(args.run_dir).resolve()
+        return Path(args.run_dir).resolve(), False
     if args.resume:
         if not LATEST.exists():
             raise UsageError("--resume without --run-dir needs runs/latest (no earlier run here); pass --run-dir")
-        return LATEST.resolve()
+        return LATEST.resolve(), False
     run_dir = (Path("runs") / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
-    point(LATEST, run_dir)
-    return run_dir
+    return run_dir, True
+
+
+def _resume_command(argv: list[str], run_dir: Path) -> str:
+    """The same `up` command, pointed at this run dir with --resume."""
+    kept, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == "--run-dir":
+            skip = True
+        elif arg != "--resume" and not arg.startswith("--run-dir="):
+            kept.append(arg)
+    return shlex.join(["launcher", *kept, "--run-dir", str(run_dir), "--resume"])
+
+
+def _live_runs(root: Path) -> list[tuple[Path, int]]:
+    """(run dir, launcher pid) of every run under root whose launcher is still running."""
+    live = []
+    for run_json in sorted(root.glob("*/run.json")):
+        if run_json.parent.is_symlink():                # runs/latest: the run itself is listed
+            continue
+        try:
+            launcher = json.loads(run_json.read_text()).get("launcher")
+        except (OSError, ValueError):
+            continue
+        if process.alive(launcher):
+            live.append((run_json.parent, launcher["pid"]))
+    return live
+
+
+def _describe_live(root: Path, but: Path) -> str:
+    others = [f"{d} (launcher pid {pid})" for d, pid in _live_runs(root) if d != but]
+    return f"live runs: {', '.join(others)}" if others else f"no live run in {root}"
 
 
 def _make_demo(run_dir: Path) -> list[str]:
@@ -90,10 +148,10 @@ def cmd_up(args) -> int:
     runs_targets = any(w.role == "target" and w.host == args.host for w in workers)
     if not args.demo:
         _check_inputs(cfg, runs_targets)
-    run_dir = _choose_run_dir(args, cfg.run.name)
+    run_dir, named_here = _choose_run_dir(args, cfg.run.name)
     if (run_dir / "run.json").is_file():
         old = json.loads((run_dir / "run.json").read_text())
-        if process.alive(old.get("launcher_pid", -1)) and old.get("launcher_pid") != os.getpid():
+        if process.alive(old.get("launcher")):          # the recorded launcher itself, not a reused pid
             raise UsageError(f"a run is active in {run_dir} (launcher pid {old['launcher_pid']}); "
                              f"`launcher down --run-dir {run_dir}` first")
     if (run_dir / "checkpoints").is_dir() and any((run_dir / "checkpoints").iterdir()) and not args.resume:
@@ -111,18 +169,24 @@ def cmd_up(args) -> int:
     sup.install_signal_handlers()
     print(f"run dir: {run_dir}\nlogs:    {run_dir / 'logs'}/<role>-<rank>.log\n"
           f"workers: {', '.join(f'{w.name}@gpu{w.gpu}' for w in sup.local)} ({args.device})", flush=True)
+    reason = ""
     try:
         sup.start_all()
         sup.wait_ready()
+        if named_here and not sup.stopping:
+            point(LATEST, run_dir)       # only now: a run that fails while starting never becomes latest
         code = sup.supervise()
     except RunFailed as exc:
         sup.progress.done(f"run failed: {exc}")
         sup.shutdown()
-        code = EXIT_FAILED
+        code, reason = EXIT_FAILED, str(exc).splitlines()[0]
+    sup.record_outcome(code, reason)
     export = describe_export(run_dir / "export")
     if code == 0 and export:
         print(export, flush=True)
     print(f"exit {code}; logs in {run_dir / 'logs'}; metrics in {run_dir / 'metrics.jsonl'}", flush=True)
+    if code == EXIT_STOPPED:
+        print(f"stopped before the end; to continue: {_resume_command(args.argv, run_dir)}", flush=True)
     return code
 
 
@@ -135,37 +199,81 @@ def _run_keys(run_dir: Path) -> str:
     return transport.get("curve_keys_dir", "") if transport.get("scheme") == "tcp" else ""
 
 
-def _probe_row(w: dict, timeout: float, keys: str) -> dict:
-    code, status, reason = probe(w["endpoints"]["health"], timeout_s=timeout, keys_dir=keys)
+STATUS_COLUMNS = ("name", "gpu", "pid", "state", "step", "batches", "tok/s", "samples", "idle_s",
+                  "rss", "gpu_mem", "bad_msgs", "probe")
+STATUS_LEGEND = """\
+step     drafters: optimizer steps done / planned
+batches  targets: batches captured and sent since the worker started
+tok/s    drafters: tokens this rank trained per second over the last metrics window;
+         targets: tokens captured per second of capture (moving average)
+idle_s   seconds since the worker's main loop last made progress"""
+OUTCOME_EXIT = {"finished": EXIT_DONE, "failed": EXIT_FAILED, "stopped": EXIT_STOPPED}
+
+
+def _row(w: dict, result: tuple[int, dict | None, str]) -> dict:
+    code, status, reason = result
     row = {"name": w["name"], "gpu": w["gpu"], "pid": w["pid"], "probe": code, "reason": reason}
     if status:
-        row.update({k: status.get(k) for k in ("state", "step", "total_steps", "samples_done", "tokens_per_s",
-                                                 "last_progress_age_s", "compile_s", "rss_bytes",
-                                                 "gpu_mem_bytes", "bad_messages", "loss", "tau", "warning")})
+        row.update({k: status.get(k) for k in ("state", "step", "total_steps", "batches_served", "samples_done",
+                                                 "tokens_per_s", "last_progress_age_s", "compile_s", "rss_bytes",
+                                                 "gpu_mem_bytes", "bad_messages", "loss", "tau", "window", "warning")})
     return row
+
+
+def _cells(r: dict) -> tuple[str, ...]:
+    drafter = r["name"].startswith("drafter")
+    step = (f"{r['step']}/{r.get('total_steps') or '?'}" if drafter and r.get("step") is not None else "-")
+    return (r["name"], str(r["gpu"]), _cell(r["pid"]), _cell(r.get("state")), step,
+            "-" if drafter else _cell(r.get("batches_served")), _cell(r.get("tokens_per_s")),
+            _cell(r.get("samples_done")), _cell(r.get("last_progress_age_s")), _cell(r.get("rss_bytes")),
+            _cell(r.get("gpu_mem_bytes")), _cell(r.get("bad_messages")), str(r["probe"]))
+
+
+def _outcome(run: dict, live: bool) -> str:
+    outcome = run.get("outcome") or {}
+    if live:
+        return "running"
+    if outcome.get("state") in OUTCOME_EXIT:
+        ended = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(outcome.get("ended", 0)))
+        why = f": {outcome['reason']}" if outcome.get("reason") else ""
+        return f"{outcome['state']}{why} (exit {outcome.get('exit')}, {ended})"
+    return "ended without recording an outcome (launcher killed?)"
 
 
 def cmd_status(args) -> int:
     run_dir = Path(args.run_dir).resolve()
     run = _read_run(run_dir)
-    rows = [_probe_row(w, args.timeout, _run_keys(run_dir)) for w in run["workers"]]
+    results = probe_all([w["endpoints"]["health"] for w in run["workers"]], args.timeout, _run_keys(run_dir))
+    rows = [_row(w, r) for w, r in zip(run["workers"], results)]
     plan = _read_plan(run_dir)
+    live = process.alive(run.get("launcher"))
+    outcome = _outcome(run, live)
+    window = next((r["window"] for r in rows if r.get("window")), None)
     if args.json:
-        print(json.dumps({"launcher_pid": run["launcher_pid"], "launcher_alive": process.alive(run["launcher_pid"]),
+        print(json.dumps({"run_dir": str(run_dir), "launcher_pid": run["launcher_pid"], "launcher_alive": live,
+                          "outcome": run.get("outcome"), "window": window,
                           "plan": plan.to_dict() if plan else None, "workers": rows}, indent=2))
     else:
-        cols = ("name", "gpu", "pid", "state", "step", "total_steps", "samples_done", "tokens_per_s", "last_progress_age_s",
-                "rss_bytes", "gpu_mem_bytes", "bad_messages", "probe")
-        table = [cols] + [tuple(_cell(r.get(c)) for c in cols) for r in rows]
-        widths = [max(len(row[i]) for row in table) for i in range(len(cols))]
+        print(f"run {run_dir}: {outcome}")
+        table = [STATUS_COLUMNS] + [_cells(r) for r in rows]
+        widths = [max(len(row[i]) for row in table) for i in range(len(STATUS_COLUMNS))]
         for row in table:
             print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)))
+        print(STATUS_LEGEND)
+        if window:
+            print(f"metrics {describe_window(window)}, data wait {100 * window['data_wait_frac']:.0f}% "
+                  f"(the metrics.jsonl line of that step)")
         for r in rows:
             if r.get("warning"):
                 print(f"{r['name']}: warning: {r['warning']}")
         if plan:
             print(f"plan: {plan.describe()}")
-        print(f"launcher pid {run['launcher_pid']} {'alive' if process.alive(run['launcher_pid']) else 'not running'}")
+        print(f"launcher pid {run['launcher_pid']} {'alive' if live else 'not running'}")
+        if not live:
+            print(_describe_live(run_dir.parent, run_dir))
+    state = (run.get("outcome") or {}).get("state")
+    if not live and state in OUTCOME_EXIT:
+        return OUTCOME_EXIT[state]       # an ended run: its own exit code, not "every worker unreachable"
     return max((r["probe"] for r in rows), default=0)
 
 
@@ -190,17 +298,25 @@ def _cell(value) -> str:
 def cmd_down(args) -> int:
     run_dir = Path(args.run_dir).resolve()
     run = _read_run(run_dir)
-    pid = run["launcher_pid"]
-    if process.alive(pid):
-        os.kill(pid, signal.SIGTERM)     # the launcher stops drafters (checkpoint), then targets
+    # Only processes whose start time and command line match what `up` recorded are signalled:
+    # a pid in an old run.json may belong to anything by now.
+    launcher = run.get("launcher") if process.alive(run.get("launcher")) else None
+    workers = [w.get("identity") for w in run["workers"] if process.alive(w.get("identity"))]
+    if launcher is None and not workers:
+        print(f"nothing to stop in {run_dir}: {_outcome(run, live=False)}; {_describe_live(run_dir.parent, run_dir)}")
+        return 0
+    if launcher:
+        try:    # psutil re-checks the start time before signalling: a pid reused since is left alone
+            process.verified(launcher).send_signal(signal.SIGTERM)   # drafters checkpoint, then targets stop
+        except (AttributeError, process.psutil.Error):
+            pass
         deadline = time.monotonic() + args.timeout
-        while process.alive(pid) and time.monotonic() < deadline:
+        while process.alive(launcher) and time.monotonic() < deadline:
             time.sleep(0.2)
-    leftovers = [w["pid"] for w in run["workers"] if w.get("pid") and process.alive(w["pid"])]
-    hard = process.stop_all(leftovers, deadline_s=10) if leftovers else []
-    if process.alive(pid):
-        process.kill_tree(pid)
-        hard.append(pid)
+    hard = process.stop_all([w for w in workers if process.alive(w)], deadline_s=10)
+    if process.alive(launcher):
+        process.kill_tree(launcher)
+        hard.append(launcher["pid"])
     print(f"stopped {run_dir}" + (f"; killed hard: {hard}" if hard else ""))
     return 0
 
@@ -268,78 +384,107 @@ def cmd_report(args) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="launcher", description="DFlash drafter training service")
-    sub = parser.add_subparsers(dest="command", required=True)
+class _Help(argparse.HelpFormatter):
+    """--help shows each option's default, unless it is unset or the help already says it."""
 
-    up = sub.add_parser("up", help="start targets and drafters, supervise until training ends")
-    up.add_argument("--gpus", required=True, help="e.g. 0-4:target,5-7:drafter")
-    up.add_argument("--config", help="run config (TOML)")
-    up.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if action.default not in (None, False, "", argparse.SUPPRESS) and "default" not in text and action.option_strings:
+            text += " (default: %(default)s)"
+        return text
+
+
+def build_parser() -> argparse.ArgumentParser:
+    fmt = _Help
+    parser = argparse.ArgumentParser(prog="launcher", description="DFlash drafter training service", formatter_class=fmt)
+    parser.add_argument("--version", action="version", version=f"launcher {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+    latest_help = "run dir (runs/latest: the last run started here whose workers became ready)"
+
+    up = sub.add_parser("up", help="start targets and drafters, supervise until training ends", formatter_class=fmt,
+                        description="Exit codes: 0 training finished, 1 failed, 2 bad usage or config, "
+                                    "3 stopped by a signal before the end (resume with --resume).")
+    up.add_argument("--gpus", required=True,
+                    help="GPUS:ROLE groups, e.g. 0-4:target,5-7:drafter; join GPUs of one role with '+' (0+2:target)")
+    up.add_argument("--config", help="run config (TOML); every key and default is in docs/config.md")
+    up.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                    help="cpu: GPU numbers are logical slots, for tests and the demo")
     up.add_argument("--demo", action="store_true", help="train on the built-in tiny demo target and dataset")
-    up.add_argument("--run-dir", help="default: a new runs/<run.name>-<time>, linked as runs/latest")
-    up.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in the run dir")
+    up.add_argument("--run-dir", help="run folder (default: a new runs/<run.name>-<time>, linked as runs/latest "
+                                      "once its workers are ready)")
+    up.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in the run dir "
+                                                          "(runs/latest without --run-dir)")
     up.add_argument("--share-gpus", action="store_true", help="allow several workers on one GPU")
     up.add_argument("--host", default="", help="across hosts: which GPUS:ROLE@HOST host this launcher runs")
     up.add_argument("--ready-timeout", type=float, default=3600.0, help="seconds to wait for every worker to be ready")
-    up.add_argument("--stop-timeout", type=float, help="seconds a graceful stop may take (default: run.stop_timeout_s + 30)")
-    up.add_argument("overrides", nargs="*", metavar="section.key=value")
+    up.add_argument("--stop-timeout", type=float,
+                    help="seconds a graceful stop may take before workers are killed (default: run.stop_timeout_s + 30)")
+    up.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides, applied after --config")
     up.set_defaults(func=cmd_up)
 
-    status = sub.add_parser("status", help="probe every worker of a run and print a table")
-    status.add_argument("--run-dir", default=str(LATEST), help="default: runs/latest, the last run started here")
-    status.add_argument("--json", action="store_true")
-    status.add_argument("--timeout", type=float, default=2.0)
+    status = sub.add_parser("status", help="probe every worker of a run and print a table", formatter_class=fmt,
+                            description="Exit code: while the run is live, the worst probe (0 healthy, 1 unhealthy, "
+                                        "2 unreachable); once it has ended, its own: 0 finished, 1 failed, 3 stopped.")
+    status.add_argument("--run-dir", default=str(LATEST), help=latest_help)
+    status.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    status.add_argument("--timeout", type=float, default=2.0, help="seconds to wait for each worker (probed in parallel)")
     status.set_defaults(func=cmd_status)
 
-    down = sub.add_parser("down", help="stop a run gracefully, then kill what is left")
-    down.add_argument("--run-dir", default=str(LATEST), help="default: runs/latest, the last run started here")
-    down.add_argument("--timeout", type=float, default=330.0)
+    down = sub.add_parser("down", help="stop a run gracefully, then kill what is left", formatter_class=fmt)
+    down.add_argument("--run-dir", default=str(LATEST), help=latest_help)
+    down.add_argument("--timeout", type=float, default=330.0,
+                      help="seconds the launcher may take to stop gracefully before it is killed")
     down.set_defaults(func=cmd_down)
 
-    pr = sub.add_parser("probe", help="probe one health endpoint: exit 0 healthy, 1 unhealthy/stalled, 2 unreachable")
-    pr.add_argument("endpoint")
-    pr.add_argument("--timeout", type=float, default=3.0)
-    pr.add_argument("--json", action="store_true")
+    pr = sub.add_parser("probe", help="probe one health endpoint: exit 0 healthy, 1 unhealthy/stalled, 2 unreachable",
+                        formatter_class=fmt)
+    pr.add_argument("endpoint", help="health endpoint, e.g. ipc://<run_dir>/sock/drafter-0.health or tcp://HOST:PORT")
+    pr.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for an answer")
+    pr.add_argument("--json", action="store_true", help="print the whole status as JSON")
     pr.add_argument("--keys", default=os.environ.get("DFLASH_CURVE_KEYS_DIR", ""),
                     help="CURVE keys folder for a tcp endpoint (default: $DFLASH_CURVE_KEYS_DIR)")
     pr.set_defaults(func=cmd_probe)
 
-    units = sub.add_parser("units", help="render systemd units for a topology (deploy/systemd)")
-    units.add_argument("--gpus", required=True)
-    units.add_argument("--config", required=True)
+    units = sub.add_parser("units", help="render systemd units for a topology (deploy/systemd)", formatter_class=fmt)
+    units.add_argument("--gpus", required=True, help="the whole run's GPUS:ROLE[@HOST] spec, as for `up`")
+    units.add_argument("--config", required=True, help="run config (TOML)")
     units.add_argument("--out", required=True, help="folder for the unit files")
-    units.add_argument("--run-dir", required=True)
-    units.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    units.add_argument("--run-dir", required=True, help="the run folder the units' workers use")
+    units.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="device the workers train on")
     units.add_argument("--roles", default="target,drafter", help="roles that run on this host")
     units.add_argument("--master", default="127.0.0.1", help="host of drafter rank 0 (rendezvous)")
     units.add_argument("--host", default="", help="with GPUS:ROLE@HOST specs: the host these units are for")
-    units.add_argument("--python", default=sys.executable)
-    units.add_argument("--start-timeout", type=int, default=1800)
-    units.add_argument("--stop-timeout", type=int, default=600)
-    units.add_argument("overrides", nargs="*", metavar="section.key=value")
+    units.add_argument("--python", default=sys.executable, help="interpreter the units run")
+    units.add_argument("--start-timeout", type=int, default=1800, help="systemd TimeoutStartSec: load and warm-up")
+    units.add_argument("--stop-timeout", type=int, default=600, help="systemd TimeoutStopSec: finish the step, checkpoint")
+    units.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides")
     units.set_defaults(func=cmd_units)
 
-    keys = sub.add_parser("keys", help="generate CURVE keys for authenticated tcp transport")
-    keys.add_argument("dir")
+    keys = sub.add_parser("keys", help="generate CURVE keys for authenticated tcp transport", formatter_class=fmt)
+    keys.add_argument("dir", help="folder for the keys (created mode 0700)")
     keys.add_argument("--force", action="store_true", help="replace existing keys")
     keys.set_defaults(func=cmd_keys)
 
-    export = sub.add_parser("export", help="write a checkpoint as an HF-style DFlash drafter (SGLang / vLLM)")
+    export = sub.add_parser("export", help="write a checkpoint as an HF-style DFlash drafter (SGLang / vLLM)",
+                            formatter_class=fmt)
     export.add_argument("--checkpoint", required=True, help="checkpoint dir, or a run dir (its checkpoints/latest)")
     export.add_argument("--out", required=True, help="output dir")
-    export.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    export.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
+                        help="dtype of the exported weights")
     export.set_defaults(func=cmd_export)
 
-    rep = sub.add_parser("report", help="plot loss and tau over steps (PNG) and print a summary of a run")
-    rep.add_argument("--run-dir", default=str(LATEST), help="default: runs/latest, the last run started here")
-    rep.add_argument("--out", help="PNG path (default <run-dir>/report.png)")
+    rep = sub.add_parser("report", help="plot loss and tau over steps (PNG) and print a summary of a run",
+                         formatter_class=fmt)
+    rep.add_argument("--run-dir", default=str(LATEST), help=latest_help)
+    rep.add_argument("--out", help="PNG path (default: <run-dir>/report.png)")
     rep.set_defaults(func=cmd_report)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
+    args.argv = argv             # for the resume hint of `up`
     try:
         return args.func(args)
     except (UsageError, SpecError, ConfigError) as exc:

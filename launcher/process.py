@@ -38,46 +38,76 @@ def spawn(argv: list[str], env: dict[str, str], log_path: Path) -> subprocess.Po
         log.close()  # the child holds its own descriptor
 
 
-def tree(pid: int) -> list[psutil.Process]:
-    """The process and all its descendants (inductor compile workers included)."""
+def identity(pid: int) -> dict | None:
+    """What makes a pid *this* process: its start time and command line, recorded at spawn.
+
+    A pid alone is not enough: after the process ends (or a reboot) the kernel hands the number
+    to any other process, and signalling it would hit that one.
+    """
     try:
-        root = psutil.Process(pid)
+        p = psutil.Process(pid)
+        cmdline = p.cmdline()
+        for _ in range(100):    # just after exec the kernel shows an empty cmdline for a moment
+            if cmdline:
+                break
+            time.sleep(0.01)
+            cmdline = p.cmdline()
+        return {"pid": pid, "create_time": p.create_time(), "cmdline": cmdline}
+    except psutil.Error:
+        return None
+
+
+def verified(ident: dict | None) -> psutil.Process | None:
+    """The live process `ident` recorded, or None when that pid is gone or now belongs to another one."""
+    if not ident or not ident.get("pid"):
+        return None
+    try:
+        p = psutil.Process(ident["pid"])
+        same = abs(p.create_time() - ident["create_time"]) < 0.05 and p.cmdline() == ident["cmdline"]
+        return p if same and p.status() != psutil.STATUS_ZOMBIE else None
+    except (psutil.Error, KeyError, TypeError):
+        return None
+
+
+def tree(ident: dict | None) -> list[psutil.Process]:
+    """The verified process and all its descendants (inductor compile workers included)."""
+    root = verified(ident)
+    if root is None:
+        return []
+    try:
         return [root] + root.children(recursive=True)
     except psutil.NoSuchProcess:
         return []
 
 
-def kill_tree(pid: int, sig: int = signal.SIGKILL) -> None:
-    for proc in reversed(tree(pid)):
+def kill_tree(ident: dict | None, sig: int = signal.SIGKILL) -> None:
+    for proc in reversed(tree(ident)):
         try:
             proc.send_signal(sig)
         except psutil.NoSuchProcess:
             pass
 
 
-def stop_all(pids: list[int], deadline_s: float) -> list[int]:
-    """SIGTERM every tree, wait up to deadline_s, then SIGKILL what is left. Returns pids killed hard."""
-    procs = [p for pid in pids for p in tree(pid)]
+def stop_all(idents: list[dict | None], deadline_s: float) -> list[int]:
+    """SIGTERM every verified tree, wait up to deadline_s, then SIGKILL what is left. Returns pids killed hard."""
+    procs = [p for ident in idents for p in tree(ident)]
     for p in procs:
         try:
             p.send_signal(signal.SIGTERM)
         except psutil.NoSuchProcess:
             pass
-    _, alive = psutil.wait_procs(procs, timeout=deadline_s)
-    for p in alive:
+    _, left = psutil.wait_procs(procs, timeout=deadline_s)
+    for p in left:
         try:
             p.kill()
         except psutil.NoSuchProcess:
             pass
-    psutil.wait_procs(alive, timeout=5)
-    return [p.pid for p in alive]
+    psutil.wait_procs(left, timeout=5)
+    return [p.pid for p in left]
 
 
-def alive(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
+def alive(ident: dict | None) -> bool:
+    return verified(ident) is not None
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -1,12 +1,28 @@
-"""One live status line for a long run: step, samples, tokens/s, loss, τ, coverage, ETA.
+"""One live status line for a long run: step, loss, τ, coverage, trained tokens/s, ETA.
 
-On a terminal the line redraws in place; in a log (systemd, CI) a full line is printed
-every `every_s` seconds instead, so the journal is readable.
+On a terminal the line redraws in place, cut to the terminal's width (a line that wraps can no
+longer be redrawn with '\\r'); in a log (systemd, CI) a full line is printed every `every_s`
+seconds instead, so the journal is readable.
+
+loss, τ and tok/s are those of the last metrics.jsonl line (drafter 0 reports it as `window`):
+all drafter ranks, averaged over the steps since the line before. `launcher status` and
+`launcher report` show the same figures.
 """
 from __future__ import annotations
 
+import shutil
 import sys
 import time
+
+
+def describe_window(window: dict | None) -> str:
+    """'@300 (all ranks, last 10 steps): loss 4.1700 τ 3.59 coverage 91% 11.7 Ktok/s', or '' before the
+    first line. Coverage: the supervised tokens the anchor rule can train at k = 1."""
+    if not window:
+        return ""
+    coverage = f" coverage {100 * window['coverage']:.0f}%" if window.get("coverage") is not None else ""
+    return (f"@{window['step']} (all ranks, last {window.get('steps', '?')} steps): loss {window['loss']:.4f} "
+            f"τ {window['tau']:.2f}{coverage} {window['tokens_per_s'] / 1000:.1f} Ktok/s")
 
 
 class ProgressLine:
@@ -18,8 +34,7 @@ class ProgressLine:
         self._width = 0
         self._rate_start: tuple[float, int] | None = None
 
-    def format(self, step: int, total: int, samples: int, tokens_per_s: float,
-               loss: float | None, tau: float | None, coverage: float | None = None) -> str:
+    def format(self, step: int, total: int, window: dict | None = None) -> str:
         now = time.monotonic()
         if self._rate_start is None or step < self._rate_start[1]:
             self._rate_start = (now, step)
@@ -27,19 +42,14 @@ class ProgressLine:
         rate = (step - s0) / (now - t0) if now > t0 and step > s0 else 0.0
         eta = f"{_duration((total - step) / rate)}" if rate > 0 and total else "?"
         pct = f" {100 * step / total:5.1f}%" if total else ""
-        parts = [f"step {step}/{total or '?'}{pct}", f"samples {samples}", f"{tokens_per_s / 1000:.1f} Ktok/s"]
-        if loss is not None:
-            parts.append(f"loss {loss:.4f}")
-        if tau is not None:
-            parts.append(f"τ {tau:.2f}")
-        if coverage is not None:                 # supervised tokens the anchor rule can train at k = 1
-            parts.append(f"coverage {100 * coverage:.0f}%")
-        parts.append(f"ETA {eta}")
-        return " | ".join(parts)
+        parts = [f"step {step}/{total or '?'}{pct}", describe_window(window), f"ETA {eta}"]
+        return " | ".join(p for p in parts if p)
 
     def show(self, text: str) -> None:
         if self.tty:
-            pad = max(0, self._width - len(text))
+            width = max(10, shutil.get_terminal_size().columns - 1)   # never wrap: '\r' redraws one row only
+            text = text[:width]
+            pad = max(0, min(self._width, width) - len(text))
             self.stream.write("\r" + text + " " * pad)
             self._width = len(text)
             self.stream.flush()

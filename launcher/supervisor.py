@@ -6,7 +6,9 @@ Policy (docs/operations.md):
 - a drafter that exits non-zero or stalls takes the whole DDP group down; the group restarts from
   the latest checkpoint (a rank cannot rejoin a running NCCL/gloo group);
 - each role may restart run.max_restarts times over the run; one more failure ends the run (exit 1);
-- SIGINT/SIGTERM: graceful stop (drafters checkpoint and exit, then targets), exit 3;
+- SIGINT/SIGTERM: graceful stop (drafters checkpoint and exit, then targets), exit 3; a second
+  signal during the stop kills every worker at once (a stuck stop would otherwise wait out
+  --stop-timeout);
 - all drafters exit 0: training is done; targets are stopped, exit 0.
 
 Across hosts every launcher supervises the workers of its own host. A host with targets only
@@ -19,6 +21,7 @@ import os
 import signal
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
 
@@ -40,6 +43,14 @@ class RunFailed(RuntimeError):
     pass
 
 
+def probe_all(endpoints: list[str], timeout_s: float, keys_dir: str = "") -> list[tuple[int, dict | None, str]]:
+    """Probe several health endpoints at once: N dead workers cost one timeout, not N."""
+    if not endpoints:
+        return []
+    with ThreadPoolExecutor(max_workers=min(32, len(endpoints))) as pool:
+        return list(pool.map(lambda e: probe(e, timeout_s=timeout_s, keys_dir=keys_dir), endpoints))
+
+
 class Supervisor:
     def __init__(self, run_dir: Path, cfg: Config, workers: list[Worker], device: str,
                  resume: bool = False, ready_timeout_s: float = 3600.0, stop_timeout_s: float = 300.0,
@@ -49,13 +60,17 @@ class Supervisor:
         self.resume = resume
         self.ready_timeout_s, self.stop_timeout_s = ready_timeout_s, stop_timeout_s
         self.procs: dict[str, object] = {}
+        self.idents: dict[str, dict | None] = {}    # start time + command line of each spawned worker
         self.pids_seen: dict[str, list[int]] = {w.name: [] for w in workers}
+        self.launcher = process.identity(os.getpid())
+        self.started = time.time()
+        self.outcome: dict | None = None
         self.restarts = {"target": 0, "drafter": 0}
         # one host: a fresh port per drafter group; across hosts every launcher must agree on it
         self.master_addr = cfg.transport.drafter_hosts[0] if host else "127.0.0.1"
         self.dist_port = cfg.transport.dist_port if host else process.free_port()
         self.remote_seen: dict[str, float] = {}     # remote drafter -> last time it answered
-        self.stopping = False
+        self.stopping = self.forced = False
         self.progress = ProgressLine()
 
     # --- starting ----------------------------------------------------------
@@ -64,6 +79,9 @@ class Supervisor:
 
     def probe(self, w: Worker, timeout_s: float) -> tuple[int, dict | None, str]:
         return probe(self.endpoints(w)["health"], timeout_s=timeout_s, keys_dir=curve.keys_for(self.cfg.transport))
+
+    def probe_all(self, workers: list[Worker], timeout_s: float) -> list[tuple[int, dict | None, str]]:
+        return probe_all([self.endpoints(w)["health"] for w in workers], timeout_s, curve.keys_for(self.cfg.transport))
 
     def argv(self, w: Worker) -> list[str]:
         argv = [sys.executable, "-m", f"services.{w.role}", "--config", str(self.run_dir / "config.json"),
@@ -98,6 +116,7 @@ class Supervisor:
     def start(self, w: Worker) -> None:
         proc = process.spawn(self.argv(w), self.env(w), self.run_dir / "logs" / f"{w.name}.log")
         self.procs[w.name] = proc
+        self.idents[w.name] = process.identity(proc.pid)
         self.pids_seen[w.name].append(proc.pid)
         self.write_run_json()
 
@@ -107,45 +126,63 @@ class Supervisor:
 
     def write_run_json(self) -> None:
         info = {
-            "launcher_pid": os.getpid(), "device": self.device, "started": time.time(),
+            "launcher_pid": os.getpid(), "launcher": self.launcher, "device": self.device, "started": self.started,
             "run_dir": str(self.run_dir), "dist_port": self.dist_port, "restarts": self.restarts,
+            "outcome": self.outcome or {"state": "running"},
             "workers": [dict(asdict(w), name=w.name, pid=self.procs[w.name].pid if w.name in self.procs else None,
-                             pids_seen=self.pids_seen[w.name], endpoints=self.endpoints(w))
+                             identity=self.idents.get(w.name), pids_seen=self.pids_seen[w.name],
+                             endpoints=self.endpoints(w))
                         for w in self.workers],
         }
         write_json_atomic(self.run_dir / "run.json", info)
 
+    def record_outcome(self, code: int, reason: str = "") -> None:
+        """How the run ended, for `launcher status` after the processes are gone."""
+        state = {EXIT_DONE: "finished", EXIT_STOPPED: "stopped"}.get(code, "failed")
+        self.outcome = {"state": state, "exit": code, "reason": reason, "ended": time.time()}
+        self.write_run_json()
+
     # --- readiness -----------------------------------------------------------
     def wait_ready(self) -> None:
-        """Block until every worker's health says ready/training; raise RunFailed on an exit or timeout."""
+        """Block until every worker's health says ready/training; raise RunFailed on an exit or timeout.
+
+        A drafter that exits 0 before it was seen ready has finished (e.g. --resume of a finished
+        run: it loads the last step, exports and exits); it is not waited for, and once every
+        local drafter has finished there is nothing left to wait for: supervise() ends the run."""
         deadline = time.monotonic() + self.ready_timeout_s
         pending = {w.name: w for w in self.local}
+        drafters = [w for w in self.local if w.role == "drafter"]
         while pending:
             if self.stopping:
                 return
-            for name, w in list(pending.items()):
+            for w in pending.values():
                 self._check_exited_during_start(w)
-                code, status, _ = self.probe(w, timeout_s=1.0)
-                if status and status.get("state") in ("ready", "training"):
-                    del pending[name]
-                elif status and status.get("state") == "failed":
-                    raise RunFailed(f"{name} failed while starting: {status.get('errors')} (log: {self.log(w)})")
+            if drafters and all(self.procs[w.name].poll() == 0 for w in drafters):
+                self.progress.done("every drafter has already finished")
+                return
+            waiting = list(pending.values())
+            states = {}
+            for w, (_, status, _) in zip(waiting, self.probe_all(waiting, timeout_s=1.0)):
+                state = status.get("state") if status else None
+                if state in ("ready", "training") or (w.role == "drafter" and self.procs[w.name].poll() == 0):
+                    del pending[w.name]
+                elif state == "failed":
+                    raise RunFailed(f"{w.name} failed while starting: {status.get('errors')} (log: {self.log(w)})")
+                states[w.name] = state or "?"
             if time.monotonic() > deadline:
                 raise RunFailed(f"not ready after {self.ready_timeout_s:.0f}s: {', '.join(pending)}")
-            states = " ".join(f"{n}:{self._state(pending[n])}" for n in sorted(pending))
-            self.progress.show(f"starting… waiting for {states}")
+            self.progress.show("starting… waiting for " + " ".join(f"{n}:{states[n]}" for n in sorted(pending)))
             time.sleep(0.5)
         self.progress.done("all workers ready")
-
-    def _state(self, w: Worker) -> str:
-        _, status, _ = self.probe(w, timeout_s=0.5)
-        return status["state"] if status else "?"
 
     def _check_exited_during_start(self, w: Worker) -> None:
         rc = self.procs[w.name].poll()
         if rc is not None and not (w.role == "drafter" and rc == 0):
-            raise RunFailed(f"{w.name} exited with code {rc} while starting; last lines of {self.log(w)}:\n"
-                            + self.tail(w))
+            tail = self.tail(w)
+            cause = next((line.strip() for line in reversed(tail.splitlines()) if line.strip()), "")
+            # the first line is the outcome's reason in run.json: it carries the cause, the log follows
+            raise RunFailed(f"{w.name} exited with code {rc} while starting: {cause}\n"
+                            f"last lines of {self.log(w)}:\n{tail}")
 
     def log(self, w: Worker) -> Path:
         return self.run_dir / "logs" / f"{w.name}.log"
@@ -178,7 +215,7 @@ class Supervisor:
                 elif rc is not None or w.name in stalled:
                     why = f"exited with code {rc}" if rc is not None else "stalled"
                     delay = self._count_restart("target", f"{w.name} {why}")
-                    process.kill_tree(self.procs[w.name].pid)
+                    process.kill_tree(self.idents[w.name])
                     restart_due[w.name] = now + delay
             codes = [self.procs[w.name].poll() for w in drafters]
             if all(rc == 0 for rc in codes) and (drafters or self._remote_drafters_done(everyone)):
@@ -195,8 +232,7 @@ class Supervisor:
     def _remote_drafters_done(self, drafters: list[Worker]) -> bool:
         """For a host without drafters: has every drafter finished (stopped, or gone for good)?"""
         now, done = time.monotonic(), True
-        for w in drafters:
-            _, status, _ = self.probe(w, timeout_s=0.5)
+        for w, (_, status, _) in zip(drafters, self.probe_all(drafters, timeout_s=0.5)):
             if status:
                 self.remote_seen[w.name] = now
             gone = w.name in self.remote_seen and now - self.remote_seen[w.name] > REMOTE_GONE_S
@@ -215,7 +251,7 @@ class Supervisor:
         why = ", ".join(f"{w.name} {'stalled' if c is None else f'exited with code {c}'}" for w, c in zip(drafters, codes) if w in bad)
         delay = self._count_restart("drafter", why)
         for w in drafters:
-            process.kill_tree(self.procs[w.name].pid)
+            process.kill_tree(self.idents[w.name])
         for w in drafters:
             self.procs[w.name].wait()
         time.sleep(delay)
@@ -224,41 +260,43 @@ class Supervisor:
             self.start(w)
 
     def _stalled_workers(self) -> set[str]:
-        stalled = set()
-        for w in self.local:
-            if self.procs[w.name].poll() is None:
-                _, status, _ = self.probe(w, timeout_s=2.0)
-                if status and status.get("stalled"):
-                    stalled.add(w.name)
-        return stalled
+        running = [w for w in self.local if self.procs[w.name].poll() is None]
+        return {w.name for w, (_, status, _) in zip(running, self.probe_all(running, timeout_s=2.0))
+                if status and status.get("stalled")}
 
     def _progress_text(self, drafters: list[Worker], final: bool = False) -> str:
-        statuses = [self.probe(w, timeout_s=0.5)[1] for w in drafters]
-        statuses = [s for s in statuses if s]
+        statuses = [status for _, status, _ in self.probe_all(drafters, timeout_s=0.5) if status]
         if not statuses:
             return "training finished" if final else "waiting for drafters…"
         lead = statuses[0]
-        return self.progress.format(
-            step=lead.get("step", 0), total=lead.get("total_steps", 0),
-            samples=sum(s.get("samples_done", 0) for s in statuses),
-            tokens_per_s=sum(s.get("tokens_per_s", 0.0) for s in statuses),
-            loss=lead.get("loss"), tau=lead.get("tau"), coverage=lead.get("coverage"))
+        # loss, τ and tok/s: the last metrics.jsonl line (all ranks, its window), as drafter 0 reports it
+        return self.progress.format(step=lead.get("step", 0), total=lead.get("total_steps", 0),
+                                    window=lead.get("window"))
 
     # --- stopping ------------------------------------------------------------
     def request_stop(self, signum, _frame) -> None:
-        self.stopping = True
+        if not self.stopping:
+            self.stopping = True
+            return
+        # A second Ctrl-C: the user will not wait for the graceful stop. Kill every worker now;
+        # the stop in progress (waiting in stop_all) then sees them gone and returns.
+        if not self.forced:
+            self.forced = True
+            # os.write: print() from a signal handler can collide with the main thread's own print
+            os.write(sys.stderr.fileno(), b"\nsecond signal: killing every worker now (no final checkpoint)\n")
+        for name in self.procs:
+            process.kill_tree(self.idents.get(name))
 
     def stop_targets(self) -> None:
-        pids = [self.procs[w.name].pid for w in self.local if w.role == "target"]
-        process.stop_all(pids, deadline_s=30)
+        process.stop_all([self.idents.get(w.name) for w in self.local if w.role == "target"], deadline_s=30)
 
     def shutdown(self) -> int:
         """Graceful stop: drafters first (they checkpoint), then targets, then anything left."""
-        self.progress.done("stopping: drafters checkpoint and exit, then targets")
-        drafters = [self.procs[w.name].pid for w in self.local if w.role == "drafter" and w.name in self.procs]
+        self.progress.done("stopping: drafters checkpoint and exit, then targets (Ctrl-C again to kill them now)")
+        drafters = [self.idents.get(w.name) for w in self.local if w.role == "drafter" and w.name in self.procs]
         hard = process.stop_all(drafters, deadline_s=self.stop_timeout_s)
         self.stop_targets()
-        if hard:
+        if hard and not self.forced:
             self.progress.done(f"killed after {self.stop_timeout_s:.0f}s deadline: pids {hard}")
         return EXIT_STOPPED
 

@@ -56,14 +56,14 @@ def parse_gpu_spec(spec: str, available: int | None = None, share_gpus: bool = F
     hosted = [g for g in groups if "@" in g]
     if hosted and len(hosted) != len(groups):
         raise SpecError(f"--gpus {spec!r}: name the host of every group (GPUS:ROLE@HOST) or of none")
-    for group in groups:
+    for i, group in enumerate(groups):
         group, _, host = group.partition("@")
         host = host.strip()
         if hosted and not host:
             raise SpecError(f"--gpus group {group!r}: empty host after '@'")
         gpus_text, sep, role = group.rpartition(":")
         if not sep or not gpus_text:
-            raise SpecError(f"--gpus group {group!r}: expected GPUS:ROLE, e.g. 0-4:target")
+            raise SpecError(f"--gpus group {group!r}: expected GPUS:ROLE, e.g. 0-4:target{_join_hint(groups, i)}")
         role = role.strip()
         if role not in ROLES:
             raise SpecError(f"--gpus group {group!r}: unknown role {role!r} (roles: {', '.join(ROLES)})")
@@ -81,6 +81,19 @@ def parse_gpu_spec(spec: str, available: int | None = None, share_gpus: bool = F
         if not any(w.role == role for w in workers):
             raise SpecError(f"--gpus {spec!r}: no {role} GPU; at least one target and one drafter are needed")
     return workers
+
+
+def _join_hint(groups: list[str], i: int) -> str:
+    """'0,1:target' reads as two groups; the user almost surely meant 0+1:target."""
+    bare = []
+    for group in groups[i:]:
+        if ":" in group:
+            gpus, _, role = group.partition(":")
+            return f"; did you mean {'+'.join(bare + [gpus])}:{role}? (',' separates groups, '+' joins GPUs of one role)"
+        if not all(part.strip().replace("-", "").isdigit() for part in group.split("+")):
+            return ""
+        bare.append(group.strip())
+    return ""
 
 
 def count(workers: list[Worker], role: str) -> int:

@@ -9,7 +9,8 @@ from safetensors.torch import save_file
 from services.config import ConfigError, load_config
 from services.drafter.anchors import build_inputs
 from services.drafter.attention import DenseAttention
-from services.drafter.model import DFlashDrafter, DrafterModelConfig, default_layer_ids
+from services.drafter.model import DFlashDrafter, DrafterModelConfig
+from services.layers import default_layer_ids
 from services.drafter.synthetic import SyntheticSource
 from services.drafter.target_head import (build_model_config, from_target, load_text_config,
                                           model_config_from_hf, resolve_mask_token_id)

@@ -5,6 +5,7 @@ is killed mid-run and must be restarted without losing or repeating a batch.
 """
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -135,9 +136,16 @@ def test_status_down_and_resume(tmp_path):
         assert all(r["state"] == "training" and r["probe"] == 0 for r in rows), rows
         assert plan == {k: v for k, v in json.loads((run_dir / "schedule.json").read_text()).items() if k != "targets"}
         assert [r["total_steps"] for r in rows] == [None, plan["optimizer_steps"], plan["optimizer_steps"]]
+        # loss, τ, tok/s: exactly the metrics.jsonl line of that step (all ranks, its window)
+        window = json.loads(status.stdout)["window"]
+        line = next(m for m in metrics(run_dir) if m["step"] == window["step"])
+        assert {k: line[k] for k in ("loss", "tau", "tokens_per_s", "data_wait_frac")} == \
+            {k: window[k] for k in ("loss", "tau", "tokens_per_s", "data_wait_frac")}
+        assert rows[0]["batches_served"] > 0 and rows[1]["tokens_per_s"] > 0
         table = subprocess.run([sys.executable, "-m", "launcher", "status", "--run-dir", str(run_dir)],
                                capture_output=True, text=True, timeout=60).stdout
-        assert "drafter-1" in table and "training" in table
+        assert "drafter-1" in table and "training" in table and f"run {run_dir}: running" in table
+        assert "metrics @" in table and "(all ranks, last " in table
         assert f"plan: {plan['optimizer_steps']} optimizer steps x 1 micro-batches on each of 2 drafters" in table
 
         down = subprocess.run([sys.executable, "-m", "launcher", "down", "--run-dir", str(run_dir)],
@@ -151,11 +159,26 @@ def test_status_down_and_resume(tmp_path):
     assert_no_worker_left(run_dir)
     stopped_at = max(m["step"] for m in metrics(run_dir))
     assert (run_dir / "checkpoints" / "latest").exists()
+    assert json.loads((run_dir / "run.json").read_text())["outcome"]["state"] == "stopped"
+    hint = output.split("stopped before the end; to continue: ")[1].splitlines()[0]
+    resume = [sys.executable, "-m"] + shlex.split(hint)       # the printed command, as the user would paste it
+    assert resume[-3:] == ["--run-dir", str(run_dir), "--resume"] and "run.epochs=1" in resume
 
-    again = subprocess.run(launcher(run_dir, "run.epochs=1", "--resume"), capture_output=True, text=True, timeout=600)
+    again = subprocess.run(resume, capture_output=True, text=True, timeout=600)
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-2000:]
     steps = [m["step"] for m in metrics(run_dir)]
     assert steps == sorted(steps) and steps[-1] > stopped_at     # the curve continues, no step twice
+    assert_exactly_once(run_dir)
+    status = subprocess.run([sys.executable, "-m", "launcher", "status", "--run-dir", str(run_dir), "--timeout", "0.5"],
+                            capture_output=True, text=True, timeout=60)
+    assert status.returncode == 0 and status.stdout.startswith(f"run {run_dir}: finished (exit 0"), status.stdout
+
+    # --resume of a finished run: the drafters load the last step, export and exit 0 at once; the
+    # launcher must end the run then, not wait --ready-timeout for drafters that will never be ready
+    start = time.monotonic()
+    done = subprocess.run(resume + ["--ready-timeout", "500"], capture_output=True, text=True, timeout=400)
+    assert done.returncode == 0 and time.monotonic() - start < 300, done.stdout[-3000:] + done.stderr[-2000:]
+    assert json.loads((run_dir / "run.json").read_text())["outcome"]["state"] == "finished"
     assert_exactly_once(run_dir)
 
 

@@ -35,7 +35,7 @@ def test_sharing_needs_the_flag():
     ("0:drafter", "no target GPU"),
     ("x:target,1:drafter", "'x' is not a GPU number"),
     ("3-1:target,4:drafter", "empty or negative"),
-    ("0,1:drafter", "expected GPUS:ROLE"),
+    ("0,1:drafter", "did you mean 0+1:drafter?"),
     ("", "--gpus is empty"),
 ])
 def test_bad_specs(spec, needle):

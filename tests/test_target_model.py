@@ -10,7 +10,8 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
 
 from services.config import TargetConfig
-from services.target.model import (PACKED_SDPA, Target, TargetLoadError, default_layer_ids, document_spans,
+from services.layers import default_layer_ids
+from services.target.model import (PACKED_SDPA, Target, TargetLoadError, document_spans,
                                    load_hf_model, load_target, resolve_layer_ids)
 
 SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
@@ -65,8 +66,10 @@ def test_default_layer_ids_follow_dflash():
 def test_bad_layer_ids_are_named():
     with pytest.raises(TargetLoadError, match=r"\[6, -1\] out of range.*6 decoder layers"):
         resolve_layer_ids([1, 6, -1], 6, 3)
-    with pytest.raises(TargetLoadError, match="duplicates"):
+    with pytest.raises(TargetLoadError, match="4 decoder layers, too few for drafter.num_layers=3"):
         resolve_layer_ids([], 4, 3)                              # 4 layers cannot spread 3 ids from 1 to 1
+    with pytest.raises(TargetLoadError, match=r"target.layer_ids \[2, 2\] has duplicates"):
+        resolve_layer_ids([2, 2], 6, 2)
 
 
 def test_document_spans():

@@ -80,6 +80,13 @@ class Bookkeeping:
                                                                   self.state.device, self.world_size),
                   "lr": m["lr"], "grad_norm": round(m["grad_norm"], 6), "time": round(time.time(), 3)}
         self.metrics.write(record)
+        # Health carries this very line (every rank has it, all-reduced), so the launcher's live line
+        # and `launcher status` show the figures metrics.jsonl has, not one rank's last step.
+        # tokens_per_s of the worker itself: this rank's tokens over the same window.
+        window = {k: record[k] for k in ("step", "loss", "tau", "coverage", "tokens_per_s", "data_wait_frac")}
+        window["steps"] = self.state.step - self.logged_step
+        self.health.progress(window=window, loss=record["loss"], tau=record["tau"], coverage=record["coverage"],
+                             tokens_per_s=round(self.times.tokens / max(time.perf_counter() - self.times.start, 1e-9), 1))
         self.times.reset()
         self.window = MetricsWindow()
         self.logged_step = self.state.step

@@ -58,15 +58,6 @@ class DrafterModelConfig:
         return dataclasses.asdict(self)
 
 
-def default_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
-    """docs/dflash.md: spread from layer 1 to L-3; one draft layer reads L // 2.
-    Python's round (half to even), as the released z-lab helper does, so ids match its drafters."""
-    if num_draft_layers == 1:
-        return [num_target_layers // 2]
-    start, end = 1, num_target_layers - 3
-    return [int(round(start + i * (end - start) / (num_draft_layers - 1))) for i in range(num_draft_layers)]
-
-
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()

@@ -12,7 +12,8 @@ import torch
 import torch.nn.functional as F
 
 from services.config import Config, ConfigError, ascending, layer_ids_message
-from services.drafter.model import DrafterModelConfig, default_layer_ids
+from services.drafter.model import DrafterModelConfig
+from services.layers import default_layer_ids
 
 MASK_TOKEN = "<|MASK|>"
 _EMBED_NAMES = ("model.embed_tokens.weight", "model.language_model.embed_tokens.weight",

@@ -227,14 +227,15 @@ def run(args, cfg: Config) -> int:
             m = train_step(state, batch)
             now = time.perf_counter()
             elapsed, last = now - last, now
-            stamp = dict(step=state.step, samples_done=state.samples_done, tokens_per_s=round(m["tokens"] / elapsed, 1),
-                         loss=m["loss"], tau=m["tau"], coverage=round(m["coverage"], 4),
-                         recompiles=watch.count, compile_s=compile_s,
-                         gpu_mem_bytes=gpu_memory(device))
+            # loss, τ and tokens/s reach health with each metrics line (books), not per step: one
+            # definition of each figure for metrics.jsonl, the launcher's line and `launcher status`
+            stamp = dict(step=state.step, samples_done=state.samples_done, recompiles=watch.count,
+                         compile_s=compile_s, gpu_mem_bytes=gpu_memory(device))
             health.progress(**stamp)
-            if state.micro_step % max(1, cfg.run.log_every) == 0:
-                print(json.dumps({"rank": rank, **m, **stamp, "step_s": round(elapsed, 4)}), flush=True)
             books.after_batch(batch.g, m, waited, now - start)     # ledger, metrics, eval, checkpoint
+            if state.micro_step % max(1, cfg.run.log_every) == 0:  # this rank's own step, in its log
+                print(json.dumps({"rank": rank, **m, **stamp, "step_tokens_per_s": round(m["tokens"] / elapsed, 1),
+                                  "step_s": round(elapsed, 4)}), flush=True)
         if interrupted:
             health.set(state="draining")
         books.finish(completed=not interrupted)                   # final checkpoint; export when completed

@@ -41,6 +41,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from services import layers
 from services.config import TargetConfig
 from services.target import hybrid
 
@@ -59,24 +60,12 @@ class _StopForward(Exception):
 
 # --- layer ids -----------------------------------------------------------------------------------
 
-def default_layer_ids(num_layers: int, num_draft_layers: int) -> list[int]:
-    """docs/dflash.md: spread evenly from 1 to L-3; with one draft layer, L // 2."""
-    if num_draft_layers == 1:
-        return [num_layers // 2]
-    start, end = 1, num_layers - 3
-    span = end - start
-    return [int(round(start + i * span / (num_draft_layers - 1))) for i in range(num_draft_layers)]
-
-
 def resolve_layer_ids(requested: list[int], num_layers: int, num_draft_layers: int) -> list[int]:
-    ids = list(requested) if requested else default_layer_ids(num_layers, num_draft_layers)
-    bad = [i for i in ids if not 0 <= i < num_layers]
-    if bad:
-        raise TargetLoadError(f"target.layer_ids {bad} out of range: the target has {num_layers} decoder layers (0..{num_layers - 1})")
-    if len(set(ids)) != len(ids):
-        raise TargetLoadError(f"target.layer_ids {ids} has duplicates (a {num_layers}-layer target cannot spread "
-                              f"{len(ids)} distinct layers this way); set target.layer_ids explicitly")
-    return sorted(ids)
+    """services.layers' rule (the launcher checks the same before starting workers)."""
+    try:
+        return layers.resolve_layer_ids(requested, num_layers, num_draft_layers)
+    except ValueError as exc:
+        raise TargetLoadError(str(exc)) from None
 
 
 # --- packed attention ----------------------------------------------------------------------------
