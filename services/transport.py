@@ -106,6 +106,50 @@ def batch_messages(batch: Batch, split: str, chunk_bytes: int) -> Iterator[list]
                               {"bytes": flat[start:start + chunk_bytes]})
 
 
+def _get_all(q: queue.Queue, timeout_s: float) -> list:
+    """Everything in q, waiting up to timeout_s for the first item."""
+    try:
+        items = [q.get(timeout=timeout_s)]
+    except queue.Empty:
+        return []
+    while True:
+        try:
+            items.append(q.get_nowait())
+        except queue.Empty:
+            return items
+
+
+class _IoThread:
+    """Sockets owned by one background thread (ZMQ sockets are not thread-safe): other threads
+    hand it work through queues and wake it through an inproc pair; close() stops and joins it."""
+
+    def _start_io(self, name: str) -> None:
+        self._wake_in = self._ctx.socket(zmq.PAIR)
+        self._wake_in.bind(f"inproc://wake-{id(self)}")
+        self._wake_out = self._ctx.socket(zmq.PAIR)
+        self._wake_out.connect(f"inproc://wake-{id(self)}")
+        self._closing = threading.Event()
+        self._thread = threading.Thread(target=self._io_loop, name=name, daemon=True)
+        self._thread.start()
+
+    def _wake(self) -> None:
+        self._wake_out.send(b"", zmq.NOBLOCK)
+
+    def _woken(self) -> None:
+        while self._wake_in.poll(0):
+            self._wake_in.recv()
+
+    def _io_loop(self) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        self._closing.set()
+        self._wake()
+        self._thread.join(timeout=10)
+        self._wake_out.close(linger=0)
+        self._ctx.term()
+
+
 @dataclass
 class _Reply:
     """Messages for one drafter, sent in order by the I/O thread."""
@@ -117,7 +161,7 @@ class _Reply:
     trackers: list | None = None    # one per message: done once ZMQ has let go of its bytes
 
 
-class BatchServer:
+class BatchServer(_IoThread):
     """Target side: a ROUTER on the data endpoint, owned by one I/O thread (vLLM's engine-core pattern).
 
     The main loop takes requests with poll() and hands replies over with send_*(); the I/O thread
@@ -140,32 +184,16 @@ class BatchServer:
             curve.apply_server(self._sock, keys)
         bind_private(self._sock, endpoint)
         self.endpoint = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)   # resolves tcp port '*'
-        # the main thread wakes the I/O thread through an inproc pair when it hands over a reply
-        self._wake_addr = f"inproc://wake-{id(self)}"
-        self._wake_in = self._ctx.socket(zmq.PAIR)
-        self._wake_in.bind(self._wake_addr)
-        self._wake_out = self._ctx.socket(zmq.PAIR)
-        self._wake_out.connect(self._wake_addr)
         self._requests: queue.Queue[Request] = queue.Queue()
         self._outbox: queue.Queue[_Reply] = queue.Queue()
         self._unsent = 0                         # replies handed over and not yet fully queued in ZMQ
         self._unsent_lock = threading.Lock()
-        self._closing = threading.Event()
-        self._thread = threading.Thread(target=self._io_loop, name="target-io", daemon=True)
-        self._thread.start()
+        self._start_io("target-io")
 
     # --- main-thread side ---------------------------------------------------------------------
     def poll(self, timeout_ms: int) -> list[Request]:
         """Valid requests in arrival order, waiting up to timeout_ms for the first."""
-        try:
-            requests = [self._requests.get(timeout=timeout_ms / 1000)]
-        except queue.Empty:
-            return []
-        while True:
-            try:
-                requests.append(self._requests.get_nowait())
-            except queue.Empty:
-                return requests
+        return _get_all(self._requests, timeout_ms / 1000)
 
     def send_batch(self, client: bytes, batch: Batch, split: str = "train", ready=None, release=None) -> None:
         """Stream one batch to a drafter (no copy: leave its tensors alone until `release` is called).
@@ -189,7 +217,7 @@ class BatchServer:
         with self._unsent_lock:
             self._unsent += 1
         self._outbox.put(reply)
-        self._wake_out.send(b"", zmq.NOBLOCK)
+        self._wake()
 
     def flush(self, timeout_s: float) -> bool:
         """Wait until every reply handed over is queued in ZMQ (or given up); False on timeout."""
@@ -200,13 +228,6 @@ class BatchServer:
                     return True
             time.sleep(0.01)
         return False
-
-    def close(self) -> None:
-        self._closing.set()
-        self._wake_out.send(b"", zmq.NOBLOCK)
-        self._thread.join(timeout=10)
-        self._wake_out.close(linger=0)
-        self._ctx.term()
 
     # --- I/O thread -----------------------------------------------------------------------------
     def _io_loop(self) -> None:
@@ -222,8 +243,7 @@ class BatchServer:
                 timeout = 0 if progressed else (2 if streams or in_flight else 1000)
                 for sock, _ in poller.poll(timeout):
                     if sock is self._wake_in:
-                        while self._wake_in.poll(0):
-                            self._wake_in.recv()
+                        self._woken()
                     else:
                         self._receive()
                 while True:
@@ -392,7 +412,7 @@ class _Partial:
                 for spec, off in zip(self.specs, self.offsets)}
 
 
-class BatchClient:
+class BatchClient(_IoThread):
     """Drafter side: one DEALER per target, owned by an I/O thread that receives and reassembles.
 
     request() asks, poll() returns what completed. Chunks are copied into place on the I/O thread
@@ -421,14 +441,7 @@ class BatchClient:
         self._partials: dict[tuple[int, str, int], _Partial] = {}
         self._events: queue.Queue[tuple] = queue.Queue()
         self._outbox: queue.Queue[tuple[int, list]] = queue.Queue()
-        self._wake_addr = f"inproc://wake-{id(self)}"
-        self._wake_in = self._ctx.socket(zmq.PAIR)
-        self._wake_in.bind(self._wake_addr)
-        self._wake_out = self._ctx.socket(zmq.PAIR)
-        self._wake_out.connect(self._wake_addr)
-        self._closing = threading.Event()
-        self._thread = threading.Thread(target=self._io_loop, name="drafter-io", daemon=True)
-        self._thread.start()
+        self._start_io("drafter-io")
 
     def request(self, target: int, g: int, split: str = "train") -> None:
         if split not in SPLITS or g < 0 or not 0 <= target < len(self._socks):
@@ -444,7 +457,7 @@ class BatchClient:
 
     def _send(self, target: int, header: dict) -> None:
         self._outbox.put((target, wire.encode(header)))
-        self._wake_out.send(b"", zmq.NOBLOCK)
+        self._wake()
 
     @property
     def in_progress(self) -> list[tuple[int, str, int]]:
@@ -463,22 +476,7 @@ class BatchClient:
 
         ("batch", target, split, Batch) | ("info", target, dict) | ("error", target, g, message)
         """
-        try:
-            events = [self._events.get(timeout=timeout_ms / 1000)]
-        except queue.Empty:
-            return []
-        while True:
-            try:
-                events.append(self._events.get_nowait())
-            except queue.Empty:
-                return events
-
-    def close(self) -> None:
-        self._closing.set()
-        self._wake_out.send(b"", zmq.NOBLOCK)
-        self._thread.join(timeout=10)
-        self._wake_out.close(linger=0)
-        self._ctx.term()
+        return _get_all(self._events, timeout_ms / 1000)
 
     # --- I/O thread -----------------------------------------------------------------------------
     def _io_loop(self) -> None:
@@ -491,8 +489,7 @@ class BatchClient:
             while not self._closing.is_set():
                 for sock, _ in poller.poll(10 if unsent else 1000):
                     if sock is self._wake_in:
-                        while self._wake_in.poll(0):
-                            self._wake_in.recv()
+                        self._woken()
                     else:
                         self._drain(sock)
                 while True:
