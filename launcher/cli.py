@@ -16,10 +16,12 @@ import shlex
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 from launcher import process
+from launcher.models import ModelNotFound, resolve_model_path
 from launcher.progress import describe_window
 from launcher.report import describe_export
 from launcher.supervisor import EXIT_DONE, EXIT_FAILED, EXIT_STOPPED, EXIT_USAGE, RunFailed, Supervisor, probe_all
@@ -44,6 +46,15 @@ def _read_run(run_dir: Path) -> dict:
 
 
 LATEST = Path("runs") / "latest"
+
+
+def _with_local_model(cfg):
+    """cfg with a Hugging Face repo id in target.model_path replaced by its local snapshot folder."""
+    try:
+        cfg.target.model_path = resolve_model_path(cfg.target.model_path)
+    except ModelNotFound as exc:
+        raise UsageError(str(exc)) from None
+    return cfg
 
 
 def _check_inputs(cfg, runs_targets: bool) -> None:
@@ -146,8 +157,8 @@ def cmd_up(args) -> int:
     overrides = host_overrides(workers) + list(args.overrides)
     cfg = load_config(args.config, overrides)               # validate before touching the disk
     runs_targets = any(w.role == "target" and w.host == args.host for w in workers)
-    if not args.demo:
-        _check_inputs(cfg, runs_targets)
+    if not args.demo:                                      # drafters read the target's head: every host resolves
+        _check_inputs(_with_local_model(cfg), runs_targets)
     run_dir, named_here = _choose_run_dir(args, cfg.run.name)
     if (run_dir / "run.json").is_file():
         old = json.loads((run_dir / "run.json").read_text())
@@ -160,7 +171,7 @@ def cmd_up(args) -> int:
     if args.demo:
         print("building the demo target and dataset…", flush=True)
         overrides = _make_demo(run_dir) + overrides
-    cfg = load_config(args.config, overrides)
+    cfg = _with_local_model(load_config(args.config, overrides))
     _check_inputs(cfg, runs_targets)
     dump_json(cfg, run_dir / "config.json")
     sup = Supervisor(run_dir, cfg, workers, args.device, resume=args.resume, host=args.host,
@@ -374,6 +385,26 @@ def cmd_export(args) -> int:
     return subprocess.run(argv).returncode
 
 
+def cmd_plan(args) -> int:
+    from launcher import plan
+    if args.gpus < 2:
+        raise UsageError(f"--gpus {args.gpus}: a split needs at least 2 GPUs")
+    overrides = list(args.overrides)
+    with tempfile.TemporaryDirectory(prefix="dflash-plan-") as work:
+        if args.demo:
+            overrides = _make_demo(Path(work)) + overrides
+        cfg = _with_local_model(load_config(args.config, overrides))
+        _check_inputs(cfg, runs_targets=True)
+        overrides += [f'target.model_path="{cfg.target.model_path}"']
+        print(f"measuring each role on one {args.device} device, about {args.seconds:.0f} s each ...", flush=True)
+        try:
+            measured = plan.measure(args.config, args.device, args.seconds, overrides)
+        except RuntimeError as exc:
+            raise UsageError(str(exc)) from None
+    print(plan.describe(measured, args.gpus))
+    return 0
+
+
 def cmd_report(args) -> int:
     from launcher.report import ReportError, report
     try:
@@ -472,6 +503,18 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
                         help="dtype of the exported weights")
     export.set_defaults(func=cmd_export)
+
+    pl = sub.add_parser("plan", help="measure one GPU in each role on your model and data; print the best split",
+                        formatter_class=fmt, description="Runs the target's capture and the drafter's training step "
+                        "for about --seconds each on one device, then prints the expected trained tok/s of every "
+                        "split of --gpus GPUs and which role bounds it.")
+    pl.add_argument("--gpus", type=int, required=True, help="how many GPUs the run will have")
+    pl.add_argument("--config", help="run config (TOML), as for `up`")
+    pl.add_argument("--demo", action="store_true", help="the built-in tiny demo target and dataset")
+    pl.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="where to measure")
+    pl.add_argument("--seconds", type=float, default=60.0, help="time each role about this long")
+    pl.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides, applied after --config")
+    pl.set_defaults(func=cmd_plan)
 
     rep = sub.add_parser("report", help="plot loss and tau over steps (PNG) and print a summary of a run",
                          formatter_class=fmt)

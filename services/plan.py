@@ -1,0 +1,103 @@
+"""Measure what one GPU does in each role, on the user's own model and data (`launcher plan`).
+
+    python -m services.plan --config FILE [--device cuda] [--seconds 60] [section.key=value ...]
+
+Prints one JSON line: the target's capture rate A and the drafter's training rate B, both in
+real (non-padding) tokens per second, measured one after the other on the same device:
+  A  the target worker's own path (load_target, the packed rows of data.path, CaptureRing-free
+     capture_to_host) for about --seconds, after two warm-up rows;
+  B  the drafter's real train step (compiled as in training) on rows of the same shape for about
+     --seconds, counted in the data's mean real tokens per row, since a row costs the drafter
+     the same whatever its padding.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from services.config import load_config
+
+
+def _timed_loop(step, seconds: float, warmup: int = 2) -> tuple[int, float]:
+    """(iterations, seconds) of calls to step(i) after `warmup` untimed ones, for about `seconds`."""
+    for i in range(warmup):
+        step(i)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    start, n = time.perf_counter(), 0
+    while n < 2 or time.perf_counter() - start < seconds:
+        step(warmup + n)
+        n += 1
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return n, time.perf_counter() - start
+
+
+def target_rate(cfg, device: torch.device, seconds: float, work: Path) -> dict:
+    from transformers import AutoTokenizer
+
+    from services.target.model import capture_to_host, load_target
+    from services.target.packing import open_or_build
+    target = load_target(cfg.target, device, num_draft_layers=cfg.drafter.num_layers)
+    tokenizer = AutoTokenizer.from_pretrained(cfg.target.model_path)
+    data = open_or_build(cfg, work, tokenizer, target.info.vocab_size, log=lambda msg: None)
+    rows = data.num_batches("train")
+    out = (torch.empty(data.pack_len, target.info.hidden_width, dtype=torch.bfloat16, device=device)
+           if device.type == "cuda" else None)
+    real = []
+
+    def step(i: int) -> None:
+        row = data.batch(i % rows)
+        capture_to_host(target, row, cfg.target.labels_from_target, out)
+        real.append(int((row["document_ids"] >= 0).sum()))
+    n, elapsed = _timed_loop(step, seconds)
+    tokens = sum(real[-n:])
+    result = {"tok_s": tokens / elapsed, "rows": n, "mean_real_tokens": tokens / n, "path": target.path,
+              "pack_len": data.pack_len}
+    return result
+
+
+def drafter_rate(cfg, device: torch.device, seconds: float, mean_real_tokens: float) -> dict:
+    import dataclasses
+
+    from services.drafter.compile import warmup
+    from services.drafter.synthetic import SyntheticSource
+    from services.drafter.target_head import from_target
+    from services.drafter.train import build_train_state, train_step
+    model_cfg, head = from_target(cfg)
+    state = build_train_state(cfg, model_cfg, head, device, total_steps=1000)
+    batch = SyntheticSource(model_cfg, cfg.data.pack_len, device=device,
+                            with_target_labels=cfg.target.labels_from_target).batch(0)
+    compile_s = warmup(state, batch)
+    n, elapsed = _timed_loop(lambda i: train_step(state, dataclasses.replace(batch, g=i)), seconds, warmup=1)
+    return {"tok_s": n / elapsed * mean_real_tokens, "steps": n, "step_s": elapsed / n, "compile_s": round(compile_s, 1),
+            "trainable_params": state.drafter.num_parameters()}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m services.plan", description=__doc__.split("\n")[0])
+    p.add_argument("--config")
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    p.add_argument("--seconds", type=float, default=60.0, help="time each role about this long")
+    p.add_argument("overrides", nargs="*")
+    args = p.parse_args(argv)
+    cfg = load_config(args.config, args.overrides)
+    device = torch.device("cuda:0" if args.device == "cuda" else "cpu")
+    with tempfile.TemporaryDirectory(prefix="dflash-plan-") as work:
+        target = target_rate(cfg, device, args.seconds, Path(work))
+    if device.type == "cuda":
+        torch.cuda.empty_cache()            # the target model is gone: room for the drafter
+    drafter = drafter_rate(cfg, device, args.seconds, target["mean_real_tokens"])
+    print(json.dumps({"device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu",
+                      "target": target, "drafter": drafter}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
