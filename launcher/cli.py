@@ -342,7 +342,7 @@ def cmd_probe(args) -> int:
 
 
 def cmd_units(args) -> int:
-    from launcher.units import UnitsError, render_units
+    from launcher.units import UnitsError, install_command, render_units
     roles, master, overrides = args.roles.split(","), args.master, list(args.overrides)
     workers = parse_gpu_spec(args.gpus, share_gpus=True, local_host=args.host)
     if hosts(workers):        # GPUS:ROLE@HOST: this host's roles, the tcp endpoints and the rendezvous follow
@@ -355,11 +355,17 @@ def cmd_units(args) -> int:
         paths = render_units(_strip_hosts(args.gpus),
                              args.config, args.out, args.run_dir, python=args.python, device=args.device,
                              roles=roles, master_addr=master, overrides=overrides,
-                             start_timeout_s=args.start_timeout, stop_timeout_s=args.stop_timeout)
+                             start_timeout_s=args.start_timeout, stop_timeout_s=args.stop_timeout,
+                             env_dir=args.env_dir, user=args.user, group=args.group)
     except UnitsError as exc:
         raise UsageError(str(exc)) from None
     print("\n".join(str(p) for p in paths))
-    print(f"install: cp -r {args.out}/* /etc/systemd/system/ && systemctl daemon-reload && systemctl start dflash.target")
+    config = json.loads((Path(args.out) / "dflash-env" / "config.json").read_text())
+    env_dir = os.path.abspath(args.env_dir or f"/etc/dflash/{config['run']['name']}")
+    if not args.user:
+        print("note: the workers will run as root; pass --user (and --group) to run them as an account of their own")
+    print("install: " + install_command(os.path.abspath(args.out), env_dir, os.path.abspath(args.run_dir),
+                                        args.unit_dir, args.user, args.group))
     return 0
 
 
@@ -479,8 +485,14 @@ def build_parser() -> argparse.ArgumentParser:
     units = sub.add_parser("units", help="render systemd units for a topology (deploy/systemd)", formatter_class=fmt)
     units.add_argument("--gpus", required=True, help="the whole run's GPUS:ROLE[@HOST] spec, as for `up`")
     units.add_argument("--config", required=True, help="run config (TOML)")
-    units.add_argument("--out", required=True, help="folder for the unit files")
-    units.add_argument("--run-dir", required=True, help="the run folder the units' workers use")
+    units.add_argument("--out", required=True, help="staging folder for the rendered files (see --env-dir, --unit-dir)")
+    units.add_argument("--run-dir", required=True, help="the run folder the units' workers use (made by the install "
+                                                         "command, not by rendering)")
+    units.add_argument("--env-dir", default="", help="where the environment files and config.json are installed "
+                                                     "(default: /etc/dflash/<run.name>)")
+    units.add_argument("--unit-dir", default="/etc/systemd/system", help="where the unit files are installed")
+    units.add_argument("--user", default="", help="User= of the workers (default: root)")
+    units.add_argument("--group", default="", help="Group= of the workers")
     units.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="device the workers train on")
     units.add_argument("--roles", default="target,drafter", help="roles that run on this host")
     units.add_argument("--master", default="127.0.0.1", help="host of drafter rank 0 (rendezvous)")

@@ -4,7 +4,7 @@ The templates in deploy/systemd/ hold every setting and the reasons for it; this
 in paths and limits, writes one environment file per instance (rank, world size, GPU,
 endpoints) and lists the instances in dflash.target and dflash-drafters.target.
 
-    out_dir/
+    out_dir/                           a staging folder: nothing in the units points into it
       dflash.target                    the run: Wants= every unit below
       dflash-target@.service           template, instance = GPU index
       dflash-drafter@.service          template, instance = GPU index
@@ -12,8 +12,12 @@ endpoints) and lists the instances in dflash.target and dflash-drafters.target.
       dflash-drafters-restart.service  restarts the group after one rank failed
       dflash-env/dflash.env            settings shared by the run's workers
       dflash-env/dflash-<role>@<gpu>.env  one per instance
+      dflash-env/config.json           the resolved run config
 
-The resolved config goes to <run_dir>/config.json, as `launcher up` does. No torch here.
+The units are rendered for where they will be installed: unit files in unit_dir
+(/etc/systemd/system), the dflash-env/ files in env_dir (/etc/dflash/<run.name>), and
+install_command() says how to put them there. Rendering creates nothing outside out_dir (the run
+folder is made by the install command, owned by the workers' user). No torch here.
 """
 from __future__ import annotations
 
@@ -45,7 +49,7 @@ def render_units(gpu_spec: str, config_path: str, out_dir: str, run_dir: str,
                  python: str = sys.executable, device: str = "cuda", *,
                  roles: Iterable[str] = ROLES, master_addr: str = "127.0.0.1",
                  overrides: Iterable[str] = (), start_timeout_s: int = 1800,
-                 stop_timeout_s: int = 600) -> list[Path]:
+                 stop_timeout_s: int = 600, env_dir: str = "", user: str = "", group: str = "") -> list[Path]:
     """Write the units and environment files of this host's workers into out_dir; return their paths.
 
     roles: the roles that run on this host ('target', 'drafter' or both). On a host with only
@@ -54,6 +58,8 @@ def render_units(gpu_spec: str, config_path: str, out_dir: str, run_dir: str,
     master_addr: the host of drafter rank 0 (torch.distributed rendezvous, port transport.dist_port).
     start_timeout_s / stop_timeout_s: systemd TimeoutStartSec (load + warm-up) and
       TimeoutStopSec (finish the step, checkpoint). WatchdogSec is run.stall_after_s.
+    env_dir: where the environment files and config.json will be installed (default
+      /etc/dflash/<run.name>). user / group: User= / Group= of the workers (default: root).
     Raises ConfigError (config), SpecError (gpu_spec) or UnitsError (everything else).
     """
     roles = tuple(roles)
@@ -72,23 +78,27 @@ def render_units(gpu_spec: str, config_path: str, out_dir: str, run_dir: str,
         raise UnitsError(f"--gpus {gpu_spec!r}: one GPU holds two {roles} workers; a unit instance is one GPU")
 
     run_dir = Path(_unit_path(os.path.abspath(run_dir), "run_dir"))
+    env_dir = Path(_unit_path(os.path.abspath(env_dir or f"/etc/dflash/{cfg.run.name}"), "env_dir"))
+    for name, value in (("user", user), ("group", group)):
+        if value and not re.fullmatch(r"[a-z_][a-z0-9_-]*\$?", value):
+            raise UnitsError(f"{name} {value!r} is not a valid user or group name")
     out = Path(os.path.abspath(out_dir))
-    env_dir = Path(_unit_path(str(out / ENV_SUBDIR), "out_dir"))
-    for path in (run_dir, out, env_dir):
-        path.mkdir(parents=True, exist_ok=True)
-    config_json = run_dir / "config.json"
-    dump_json(cfg, config_json)
+    staged = out / ENV_SUBDIR
+    staged.mkdir(parents=True, exist_ok=True)
+    config_json = env_dir / "config.json"
+    dump_json(cfg, staged / "config.json")
 
     common = _common_env(cfg, run_dir, config_json, device, len(local), count(workers, "target"))
-    written = [_write(env_dir / "dflash.env", _env_text(common))]
+    written = [staged / "config.json", _write(staged / "dflash.env", _env_text(common))]
     for w in local:
         env = _instance_env(cfg, w, workers, run_dir, device, master_addr)
-        written.append(_write(env_dir / f"{_instance(w)}.env", _env_text(env)))
-    _remove_stale_env(env_dir, keep={p.name for p in written})
+        written.append(_write(staged / f"{_instance(w)}.env", _env_text(env)))
+    _remove_stale_env(staged, keep={p.name for p in written})
 
     values = {
         "SRC_DIR": _unit_path(str(SRC_DIR), "source folder"), "ENV_DIR": str(env_dir), "RUN_DIR": str(run_dir),
         "PYTHON": python, "RUN_NAME": cfg.run.name,
+        "USER_LINES": "\n".join(f"{key}={value}" for key, value in (("User", user), ("Group", group)) if value),
         "START_LIMIT_INTERVAL_S": str(START_LIMIT_INTERVAL_S), "START_LIMIT_BURST": str(cfg.run.max_restarts + 1),
         "START_TIMEOUT_S": str(int(start_timeout_s)), "STOP_TIMEOUT_S": str(int(stop_timeout_s)),
         "RESTART_TIMEOUT_S": str(int(stop_timeout_s) + 120),
@@ -105,6 +115,15 @@ def render_units(gpu_spec: str, config_path: str, out_dir: str, run_dir: str,
     for name in templates:
         written.append(_write(out / name, _fill(name, values)))
     return written
+
+
+def install_command(out_dir: str, env_dir: str, run_dir: str, unit_dir: str = "/etc/systemd/system",
+                    user: str = "", group: str = "") -> str:
+    """The shell command that installs what render_units staged in out_dir where the units expect it."""
+    owner = (f" -o {user}" if user else "") + (f" -g {group}" if group else "")
+    return (f"install -d -m 0755 {env_dir} {unit_dir} && install -m 0644 {out_dir}/{ENV_SUBDIR}/* {env_dir}/ && "
+            f"install -d -m 0700{owner} {run_dir} && install -m 0644 {out_dir}/*.service {out_dir}/*.target {unit_dir}/ && "
+            f"systemctl daemon-reload && systemctl start dflash.target")
 
 
 def _instance(w: Worker) -> str:

@@ -7,7 +7,6 @@ hosts, else transport.host, loopback unless configured) and base_port + a fixed 
 """
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 from services.config import TransportConfig
@@ -18,11 +17,8 @@ _MAX_RANKS = 256   # tcp port layout: base + purpose*2*MAX + role*MAX + rank
 
 
 def socket_dir(run_dir: str | Path) -> Path:
-    """Create (if needed) the private socket folder and return it."""
-    path = Path(run_dir).resolve() / "sock"
-    path.mkdir(parents=True, exist_ok=True)
-    os.chmod(path, 0o700)
-    return path
+    """The private socket folder of a run (made owner-only by bind_private, when a worker binds)."""
+    return Path(run_dir).resolve() / "sock"
 
 
 def endpoint(run_dir: str | Path, transport: TransportConfig, role: str, rank: int, purpose: str) -> str:

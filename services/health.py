@@ -36,7 +36,11 @@ def secure_socket(sock: zmq.Socket, max_bytes: int) -> None:
 
 
 def bind_private(sock: zmq.Socket, endpoint: str) -> None:
-    """Bind, and for ipc make the socket file owner-only (its folder already is)."""
+    """Bind; for ipc in an owner-only folder (made here if needed), as an owner-only socket file."""
+    if endpoint.startswith("ipc://"):
+        folder = os.path.dirname(endpoint[len("ipc://"):])
+        os.makedirs(folder, mode=0o700, exist_ok=True)
+        os.chmod(folder, 0o700)
     sock.bind(endpoint)
     if endpoint.startswith("ipc://"):
         os.chmod(endpoint[len("ipc://"):], 0o600)

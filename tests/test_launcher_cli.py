@@ -98,7 +98,7 @@ def test_units_for_one_host_of_a_two_host_spec(tmp_path):
     assert sorted(p.name for p in env_dir.glob("dflash-*@*.env")) == ["dflash-drafter@0.env"]   # only this host's
     env = (env_dir / "dflash-drafter@0.env").read_text()
     assert "DFLASH_HEALTH_ENDPOINT=tcp://10.0.0.2:" in env and "MASTER_ADDR=10.0.0.2" in env
-    resolved = (tmp_path / "run" / "config.json").read_text()
+    resolved = (env_dir / "config.json").read_text()   # installed with the env files, not into the run dir
     assert '"10.0.0.1"' in resolved and '"tcp"' in resolved     # workers reach the targets on host A
     missing = run_launcher("units", "--gpus", spec, "--config", str(cfg), "--out", str(tmp_path / "u2"),
                            "--run-dir", str(tmp_path / "r2"))

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from launcher.topology import SpecError
-from launcher.units import UnitsError, render_units
+from launcher.units import UnitsError, install_command, render_units
 from services.config import ConfigError, TransportConfig, load_config
 from services.endpoints import endpoint
 
@@ -30,6 +30,7 @@ def _config(tmp_path: Path, text: str = "") -> Path:
 
 def _render(tmp_path: Path, spec: str = SPEC, config_text: str = "", **kw) -> tuple[Path, Path]:
     out, run = tmp_path / "units", tmp_path / "run"
+    kw.setdefault("env_dir", str(tmp_path / "etc-dflash"))
     render_units(spec, str(_config(tmp_path, config_text)), str(out), str(run), **kw)
     return out, run
 
@@ -81,7 +82,8 @@ def test_service_settings(tmp_path):
         assert unit["WatchdogSec"] == str(math.ceil(120.5))          # run.stall_after_s
         assert unit["TimeoutStopSec"] == "600" and unit["TimeoutStartSec"] == "1800"
         assert unit["StartLimitBurst"] == "3"                           # run.max_restarts + 1
-        assert unit["EnvironmentFile"].endswith(f"dflash-env/dflash-{role}@%i.env")
+        assert unit["EnvironmentFile"] == f"{tmp_path / 'etc-dflash'}/dflash-{role}@%i.env"   # where it is installed
+        assert "User" not in unit and "Group" not in unit
         assert unit["ExecStart"].startswith(f"{sys.executable} -m services.{role} --config ${{DFLASH_CONFIG}}")
         assert unit["ExecStart"].endswith("--resume") == (role == "drafter")
         assert "--rank ${DFLASH_RANK} --world-size ${DFLASH_WORLD_SIZE}" in unit["ExecStart"]
@@ -89,6 +91,8 @@ def test_service_settings(tmp_path):
         assert unit["ExecStartPost"] == f"{sys.executable} -m launcher probe ${{DFLASH_HEALTH_ENDPOINT}}"
         assert unit["WorkingDirectory"] == str(run.resolve())
     assert not re.search(r"@[A-Z_]+@", "".join(p.read_text() for p in out.rglob("*") if p.is_file()))
+    assert str(out) not in "".join(p.read_text() for p in out.rglob("*") if p.is_file())   # staging only
+    assert not run.exists() and not (tmp_path / "etc-dflash").exists()                    # rendering made neither
 
 
 def test_targets_restart_alone_and_drafters_as_a_group(tmp_path):
@@ -120,11 +124,11 @@ def test_targets_restart_alone_and_drafters_as_a_group(tmp_path):
 def test_environment_files(tmp_path):
     out, run = _render(tmp_path)
     run = run.resolve()
-    cfg = load_config(run / "config.json")
+    cfg = load_config(out / "dflash-env" / "config.json")
     assert cfg.run.name == "units-test" and cfg.run.stall_after_s == 120.5
 
     common = _env(out / "dflash-env" / "dflash.env")
-    assert common["DFLASH_CONFIG"] == str(run / "config.json")
+    assert common["DFLASH_CONFIG"] == str(tmp_path / "etc-dflash" / "config.json")
     assert common["DFLASH_RUN_DIR"] == str(run) and common["DFLASH_DEVICE"] == "cuda"
     assert common["TORCHINDUCTOR_CACHE_DIR"] == str(run / "compile-cache")
     assert int(common["TORCHINDUCTOR_COMPILE_THREADS"]) >= 1
@@ -145,7 +149,7 @@ def test_environment_files(tmp_path):
     assert (drafter["MASTER_ADDR"], drafter["MASTER_PORT"]) == ("127.0.0.1", str(cfg.transport.dist_port))
     assert drafter["DFLASH_HEALTH_ENDPOINT"] == f"ipc://{run}/sock/drafter-1.health"
     assert sorted(p.name for p in (out / "dflash-env").iterdir()) == sorted(
-        ["dflash.env"] + [f"dflash-target@{g}.env" for g in range(5)] + [f"dflash-drafter@{g}.env" for g in (5, 6, 7)])
+        ["config.json", "dflash.env"] + [f"dflash-target@{g}.env" for g in range(5)] + [f"dflash-drafter@{g}.env" for g in (5, 6, 7)])
 
 
 def test_cpu_device_hides_gpus(tmp_path):
@@ -177,8 +181,29 @@ def test_drafter_host_of_a_two_host_run(tmp_path):
 def test_rendering_again_for_fewer_gpus_drops_stale_instances(tmp_path):
     out, _ = _render(tmp_path)
     out, _ = _render(tmp_path, "0:target,1:drafter")
-    assert sorted(p.name for p in (out / "dflash-env").iterdir()) == ["dflash-drafter@1.env", "dflash-target@0.env", "dflash.env"]
+    assert sorted(p.name for p in (out / "dflash-env").iterdir()) == [
+        "config.json", "dflash-drafter@1.env", "dflash-target@0.env", "dflash.env"]
     assert dict(_directives(out / "dflash-drafters.target"))["Wants"] == "dflash-drafter@1.service"
+
+
+@needs_systemd
+def test_the_printed_install_puts_everything_where_the_units_look(tmp_path):
+    """The install command, run (without systemctl) into folders under tmp: the installed units
+    verify, read their environment from the installed files, and run as the given account."""
+    out, run = _render(tmp_path, "0:target,1:drafter", user="daemon", group="daemon")
+    for role in ("target", "drafter"):
+        unit = dict(_directives(out / f"dflash-{role}@.service"))
+        assert (unit["User"], unit["Group"]) == ("daemon", "daemon")
+    unit_dir, env_dir = tmp_path / "systemd", tmp_path / "etc-dflash"
+    command = install_command(str(out), str(env_dir), str(run), str(unit_dir), "daemon", "daemon")
+    assert command.endswith("systemctl daemon-reload && systemctl start dflash.target")
+    subprocess.run(command.split(" && systemctl")[0], shell=True, check=True, timeout=60)
+    shutil.rmtree(out)                                   # nothing may depend on the staging folder
+    assert run.is_dir() and (run.stat().st_mode & 0o777) == 0o700
+    assert load_config(env_dir / "config.json").run.name == "units-test"
+    assert _env(env_dir / "dflash.env")["DFLASH_CONFIG"] == str(env_dir / "config.json")
+    result = _verify([unit_dir / "dflash.target", unit_dir / "dflash-target@0.service", unit_dir / "dflash-drafter@1.service"])
+    assert result.returncode == 0 and result.stderr == "", result.stderr
 
 
 def test_bad_arguments_are_named(tmp_path):
@@ -197,3 +222,5 @@ def test_bad_arguments_are_named(tmp_path):
         render_units(SPEC, str(tmp_path / "bad.toml"), out, run)
     with pytest.raises(UnitsError, match="roles must be"):
         render_units(SPEC, config, out, run, roles=("trainer",))
+    with pytest.raises(UnitsError, match="user 'Bad User' is not a valid user or group name"):
+        render_units(SPEC, config, out, run, user="Bad User")
