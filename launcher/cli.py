@@ -332,8 +332,22 @@ def cmd_down(args) -> int:
     return 0
 
 
+def _probe_endpoint(text: str) -> str:
+    """ipc://PATH or tcp://HOST:PORT; a bare path to a socket file means ipc."""
+    if text.startswith(("ipc://", "tcp://")):
+        return text
+    if "://" not in text and Path(text).is_socket():
+        return f"ipc://{Path(text).resolve()}"
+    raise UsageError(f"endpoint {text!r}: expected ipc://PATH, tcp://HOST:PORT or the path of a socket file "
+                     "(e.g. <run_dir>/sock/target-0.health)")
+
+
 def cmd_probe(args) -> int:
-    code, status, reason = probe(args.endpoint, timeout_s=args.timeout, keys_dir=args.keys)
+    from services.curve import CurveError
+    try:
+        code, status, reason = probe(_probe_endpoint(args.endpoint), timeout_s=args.timeout, keys_dir=args.keys)
+    except CurveError as exc:          # a usage error (the keys), not an unhealthy worker: exit 2, one line
+        raise UsageError(f"--keys {args.keys}: {exc}") from None
     if args.json:
         print(json.dumps({"exit": code, "reason": reason, "status": status}, indent=2))
     else:

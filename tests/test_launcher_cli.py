@@ -130,3 +130,26 @@ def test_unsorted_or_repeated_layer_ids_are_refused_at_up(tmp_path, ids):
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert f"target.layer_ids {ids} must be in ascending order without repeats" in out.stderr
     assert not run_dir.exists()                                  # refused before anything was written
+
+
+def test_probe_takes_a_socket_path_and_names_bad_endpoints_and_keys(tmp_path):
+    import os
+
+    from services.curve import generate_keys
+    from services.health import HealthServer
+    path = tmp_path / "sock" / "target-0.health"
+    health = HealthServer(f"ipc://{path}", "target", 0, "cpu")
+    try:
+        health.set(state="ready")
+        out = run_launcher("probe", str(path), "--timeout", "5")
+        assert out.returncode == 0 and "ready" in out.stdout, out.stdout + out.stderr
+    finally:
+        health.close()
+    out = run_launcher("probe", "target-0.health")
+    assert out.returncode == 2 and "expected ipc://PATH, tcp://HOST:PORT or the path of a socket file" in out.stderr
+    keys = tmp_path / "keys"
+    generate_keys(keys)
+    os.chmod(keys / "client.secret", 0o644)
+    out = run_launcher("probe", "tcp://127.0.0.1:9", "--keys", str(keys))
+    assert out.returncode == 2 and "client.secret is readable by others" in out.stderr
+    assert "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) == 1
