@@ -23,13 +23,13 @@ from pathlib import Path
 from launcher import process
 from launcher.models import ModelNotFound, resolve_model_path
 from launcher.progress import describe_window
-from launcher.report import describe_export
+from launcher.report import describe_data, describe_export
 from launcher.supervisor import EXIT_DONE, EXIT_FAILED, EXIT_STOPPED, EXIT_USAGE, RunFailed, Supervisor, probe_all
 from launcher.topology import SpecError, host_overrides, hosts, parse_gpu_spec
 from services import __version__
 from services.config import ConfigError, dump_json, load_config
 from services.drafter.plan import Plan
-from services.files import point
+from services.files import point, write_json_atomic
 from services.health import probe
 from services.layers import resolve_layer_ids
 
@@ -132,6 +132,19 @@ def _describe_live(root: Path, but: Path) -> str:
     return f"live runs: {', '.join(others)}" if others else f"no live run in {root}"
 
 
+def _prepare_data(run_dir: Path) -> None:
+    """Tokenize and pack the data now, in a child process (no torch here, no model weights there):
+    a bad line is one line and exit 2 before any worker starts; the targets reuse the cache."""
+    out = subprocess.run([sys.executable, "-m", "services.target.packing", "--config", str(run_dir / "config.json"),
+                          "--run-dir", str(run_dir)], capture_output=True, text=True)
+    if out.returncode != 0:
+        lines = out.stderr.strip().splitlines() or [f"exit {out.returncode}"]
+        raise UsageError(lines[-1] if out.returncode == 2 else "preparing the data failed:\n" + out.stderr[-2000:])
+    info = json.loads(out.stdout.strip().splitlines()[-1])
+    write_json_atomic(run_dir / "data.json", info)              # for `launcher status` and `launcher report`
+    print(describe_data(info), flush=True)
+
+
 def _make_demo(run_dir: Path) -> list[str]:
     """Build the demo model and data in a child process (torch stays out of the launcher)."""
     out = subprocess.run([sys.executable, "-m", "services.demo", "--out", str(run_dir / "demo")],
@@ -174,6 +187,8 @@ def cmd_up(args) -> int:
     cfg = _with_local_model(load_config(args.config, overrides))
     _check_inputs(cfg, runs_targets)
     dump_json(cfg, run_dir / "config.json")
+    if runs_targets:
+        _prepare_data(run_dir)
     sup = Supervisor(run_dir, cfg, workers, args.device, resume=args.resume, host=args.host,
                      ready_timeout_s=args.ready_timeout,
                      stop_timeout_s=args.stop_timeout or cfg.run.stop_timeout_s + 30)
@@ -279,6 +294,8 @@ def cmd_status(args) -> int:
                 print(f"{r['name']}: warning: {r['warning']}")
         if plan:
             print(f"plan: {plan.describe()}")
+        if (run_dir / "data.json").is_file():
+            print(describe_data(json.loads((run_dir / "data.json").read_text())))
         print(f"launcher pid {run['launcher_pid']} {'alive' if live else 'not running'}")
         if not live:
             print(_describe_live(run_dir.parent, run_dir))

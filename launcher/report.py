@@ -47,6 +47,13 @@ def describe_export(export: Path) -> str | None:
             f"vLLM num_speculative_tokens = {record['num_speculative_tokens']} (block_size {record['block_size']} - 1)")
 
 
+def describe_data(info: dict) -> str:
+    """The data line of `launcher up`, `status` and `report`, from <run_dir>/data.json."""
+    skipped = (f"; skipped {info['bad_samples']} bad lines (data.on_bad_sample=skip), first: "
+               + "; ".join(info["bad_examples"]) if info["bad_samples"] else "; no bad lines")
+    return f"data: {info['train_rows']} training rows, {info['eval_rows']} held-out{skipped}"
+
+
 def summary(run_dir: Path, train: list[dict], evals: list[dict]) -> list[str]:
     lines = [f"run: {run_dir}"]
     if train:
@@ -66,6 +73,8 @@ def summary(run_dir: Path, train: list[dict], evals: list[dict]) -> list[str]:
         best = max(evals, key=lambda r: r["tau"])
         lines.append(f"eval: final loss {evals[-1]['loss']:.4f}, tau {evals[-1]['tau']:.3f}; "
                      f"best tau {best['tau']:.3f} at step {best['step']}")
+    if (run_dir / "data.json").is_file():
+        lines.append(describe_data(json.loads((run_dir / "data.json").read_text())))
     latest, best_ckpt = _pointer(run_dir, "latest"), _pointer(run_dir, "best")
     lines.append(f"checkpoints: latest {latest or '-'}, best {best_ckpt or '-'}")
     export = run_dir / "export"

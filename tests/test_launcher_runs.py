@@ -278,3 +278,33 @@ def test_a_run_that_fails_while_starting_does_not_become_latest(sleepers):
     status = run_launcher("status", "--timeout", "0.5", cwd=tmp_path)   # runs/latest: still A
     assert status.stdout.startswith(f"run {runs / 'A'}: running"), status.stdout
     shutil.rmtree(tmp_path)
+
+
+@pytest.mark.slow
+def test_a_bad_data_line_stops_up_before_any_worker_and_skips_are_reported(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    good = '{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello there"}]}\n'
+    bad.write_text(good * 20 + "not json\n" + good * 20)
+    start = time.monotonic()
+    out = run_launcher("up", "--demo", "--device", "cpu", "--gpus", "0:target,1:drafter", f"data.path={bad}",
+                       "--run-dir", str(tmp_path / "run"), cwd=tmp_path, timeout=400)
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert "bad.jsonl:21:" in out.stderr and len(out.stderr.strip().splitlines()) == 1 and "Traceback" not in out.stderr
+    assert not (tmp_path / "run" / "run.json").exists() and not (tmp_path / "run" / "logs").exists()   # no worker
+    assert time.monotonic() - start < 200
+
+    proc = subprocess.Popen([sys.executable, "-m", "launcher", "up", "--demo", "--device", "cpu", "--gpus",
+                             "0:target,1:drafter", f"data.path={bad}", "data.on_bad_sample=skip", "--run-dir",
+                             str(tmp_path / "skip")], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    try:
+        lines = [proc.stdout.readline() for _ in range(3)]
+        line = next(l for l in lines if l.startswith("data: "))
+        assert "skipped 1 bad lines (data.on_bad_sample=skip), first: " in line and "bad.jsonl:21:" in line, line
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=300)
+    data = json.loads((tmp_path / "skip" / "data.json").read_text())
+    assert data["bad_samples"] == 1 and data["train_rows"] >= 1
+    status = run_launcher("status", "--run-dir", str(tmp_path / "skip"), "--timeout", "0.5", cwd=tmp_path)
+    assert "data: " in status.stdout and "skipped 1 bad lines" in status.stdout, status.stdout + status.stderr

@@ -231,3 +231,39 @@ class PackedData:
         return {"input_ids": torch.from_numpy(tokens), "loss_mask": torch.from_numpy(mask),
                 "position_ids": torch.from_numpy(positions.astype(np.int64)),
                 "document_ids": torch.from_numpy(doc_ids.astype(np.int64))}
+
+
+# --- `launcher up` builds the index before any worker starts ------------------------------------
+
+def prepare(cfg: Config, run_dir: str | Path) -> "PackedData":
+    """Tokenize and pack cfg.data into the run's cache, with the tokenizer and vocabulary of the
+    target's config, not its weights: a bad line stops the run in seconds, before a 27B model
+    loads, and the target workers then open the same cache file (same key)."""
+    from transformers import AutoConfig, AutoTokenizer
+    config = AutoConfig.from_pretrained(cfg.target.model_path)
+    vocab_size = getattr(config, "text_config", config).vocab_size
+    tokenizer = AutoTokenizer.from_pretrained(cfg.target.model_path)
+    return open_or_build(cfg, run_dir, tokenizer, vocab_size, log=lambda msg: None)
+
+
+def main(argv=None) -> int:
+    """python -m services.target.packing --config FILE --run-dir DIR: one JSON line, or one error line, exit 2."""
+    import argparse
+
+    from services.config import load_config
+    p = argparse.ArgumentParser(prog="python -m services.target.packing", description="build the run's data index")
+    p.add_argument("--config", required=True)
+    p.add_argument("--run-dir", required=True)
+    args = p.parse_args(argv)
+    try:
+        data = prepare(load_config(args.config), args.run_dir)
+    except DataError as exc:
+        print(f"data: {exc}", file=sys.stderr, flush=True)
+        return 2
+    print(json.dumps({"train_rows": data.num_batches("train"), "eval_rows": data.num_batches("eval"),
+                      "bad_samples": data.bad_samples, "bad_examples": data.bad_examples[:3]}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
