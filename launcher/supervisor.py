@@ -29,6 +29,8 @@ from launcher import process
 from launcher.progress import ProgressLine
 from launcher.topology import Worker, count
 from services import curve
+from services.endpoints import free_port
+from services.files import cpu_share
 from services.config import Config
 from services.endpoints import endpoint
 from services.files import write_json_atomic
@@ -68,7 +70,7 @@ class Supervisor:
         self.restarts = {"target": 0, "drafter": 0}
         # one host: a fresh port per drafter group; across hosts every launcher must agree on it
         self.master_addr = cfg.transport.drafter_hosts[0] if host else "127.0.0.1"
-        self.dist_port = cfg.transport.dist_port if host else process.free_port()
+        self.dist_port = cfg.transport.dist_port if host else free_port()
         self.remote_seen: dict[str, float] = {}     # remote drafter -> last time it answered
         self.stopping = self.forced = False
         self.progress = ProgressLine()
@@ -95,7 +97,7 @@ class Supervisor:
 
     def env(self, w: Worker) -> dict[str, str]:
         env = dict(os.environ)
-        share = max(1, (os.cpu_count() or 1) // len(self.local))
+        share = cpu_share(len(self.local))
         env.update({
             "PYTHONUNBUFFERED": "1",
             "TORCHINDUCTOR_CACHE_DIR": str(self.run_dir / "compile-cache"),
@@ -255,7 +257,7 @@ class Supervisor:
         for w in drafters:
             self.procs[w.name].wait()
         time.sleep(delay)
-        self.dist_port = process.free_port()   # a fresh rendezvous for the new group
+        self.dist_port = free_port()   # a fresh rendezvous for the new group
         for w in drafters:
             self.start(w)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-ROLES = ("target", "drafter")
+from services.endpoints import ROLES   # one list of roles: endpoints, units, the spec
 
 
 class SpecError(ValueError):

@@ -31,6 +31,7 @@ from typing import Iterable
 from launcher.topology import ROLES, Worker, count, parse_gpu_spec
 from services.config import dump_json, load_config
 from services.endpoints import endpoint
+from services.files import cpu_share, write_text_atomic
 
 SRC_DIR = Path(__file__).resolve().parents[1]
 TEMPLATE_DIR = SRC_DIR / "deploy" / "systemd"
@@ -132,7 +133,7 @@ def _instance(w: Worker) -> str:
 
 def _common_env(cfg, run_dir: Path, config_json: Path, device: str, local_workers: int,
                 num_targets: int) -> dict[str, str]:
-    threads = str(max(1, (os.cpu_count() or 1) // max(1, local_workers)))
+    threads = str(cpu_share(local_workers))
     env = {
         "DFLASH_RUN_NAME": cfg.run.name,
         "DFLASH_CONFIG": str(config_json),
@@ -212,11 +213,7 @@ def _unit_path(path: str, what: str) -> str:
 
 
 def _write(path: Path, text: str) -> Path:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.chmod(tmp, 0o644)
-    os.replace(tmp, path)
-    return path
+    return write_text_atomic(path, text, mode=0o644)
 
 
 def _remove_stale_env(env_dir: Path, keep: set[str]) -> None:

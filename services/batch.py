@@ -18,6 +18,8 @@ from dataclasses import dataclass, fields
 
 import torch
 
+SPLITS = ("train", "eval")      # which data a batch comes from: training rows or held-out rows
+
 FIELDS = {
     "hidden": torch.bfloat16,
     "input_ids": torch.int64,

@@ -4,9 +4,11 @@ A reader never sees a half-written file or a missing pointer: write aside, then 
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from pathlib import Path
+from typing import Callable
 
 
 def fsync_dir(path: Path) -> None:
@@ -18,10 +20,35 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def write_json_atomic(path: Path, data: dict) -> None:
+def write_text_atomic(path: Path, text: str, mode: int | None = None) -> Path:
+    """Write `text` beside `path`, then rename it into place (with `mode`, if given)."""
     tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(data, indent=2))
+    tmp.write_text(text)
+    if mode is not None:
+        os.chmod(tmp, mode)
     os.replace(tmp, path)
+    return path
+
+
+def write_json_atomic(path: Path, data: dict) -> None:
+    write_text_atomic(path, json.dumps(data, indent=2))
+
+
+def sha256_file(path: Path, tick: Callable[[], None] | None = None) -> str:
+    """The file's sha256, read in 8 MB chunks; `tick` is called after each (health stays fresh)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(8 << 20):
+            digest.update(chunk)
+            if tick:
+                tick()
+    return digest.hexdigest()
+
+
+def cpu_share(workers: int) -> int:
+    """The cores each of `workers` processes on this machine may use (threads, compile workers):
+    several workers oversubscribing the cores slow every one of them down."""
+    return max(1, (os.cpu_count() or 1) // max(1, workers))
 
 
 def point(link: Path, target: Path) -> None:

@@ -28,13 +28,12 @@ import torch
 import zmq
 
 from services import curve, wire
-from services.batch import FIELDS, Batch, BatchError
+from services.batch import FIELDS, SPLITS, Batch, BatchError
 from services.config import TransportConfig
 from services.health import HealthServer, bind_private, secure_socket
 
 log = logging.getLogger(__name__)
 
-SPLITS = ("train", "eval")
 ALIGN = 64                      # byte offset of every tensor in the reassembly buffer
 MAX_REQUEST_BYTES = 64 << 10    # requests are tiny; ZMQ disconnects a peer sending more
 SEND_TIMEOUT_S = 30.0           # longest wait for room in a drafter's queue before giving up

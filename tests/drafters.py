@@ -1,17 +1,10 @@
 """Starting real drafter processes from tests: `python -m services.drafter [--synthetic] --device cpu`."""
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def spawn(run_dir, *args, rank=0, world_size=1, port=None, preexec_fn=None, synthetic=True):

@@ -13,7 +13,8 @@ from safetensors.torch import load_file
 
 from services.drafter import checkpoint as ckpt
 from services.drafter.ledger import read_all
-from tests.drafters import free_port, spawn
+from services.endpoints import free_port
+from tests.drafters import spawn
 
 SMALL = ["data.pack_len=256", "drafter.num_anchors=16", "drafter.num_layers=1", "drafter.compile=false",
          "drafter.lr=3e-3", "drafter.warmup_ratio=0.1", "run.log_every=1"]

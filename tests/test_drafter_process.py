@@ -8,7 +8,8 @@ import pytest
 from services.config import TransportConfig
 from services.endpoints import endpoint
 from services.health import probe
-from tests.drafters import free_port, spawn
+from services.endpoints import free_port
+from tests.drafters import spawn
 
 SMALL = ["data.pack_len=256", "drafter.num_anchors=16", "drafter.lr=3e-3", "drafter.warmup_ratio=0.1"]
 

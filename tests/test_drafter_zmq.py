@@ -10,7 +10,8 @@ import pytest
 
 from services.demo import make_demo
 from services.drafter.ledger import read_all
-from tests.drafters import REPO, free_port, spawn
+from services.endpoints import free_port
+from tests.drafters import REPO, spawn
 
 pytestmark = pytest.mark.slow
 DRAFTERS = 2

@@ -19,7 +19,6 @@ checkpoint as latest; the caller reports it and training goes on.
 from __future__ import annotations
 
 import copy
-import hashlib
 import json
 import os
 import shutil
@@ -34,7 +33,7 @@ import torch.distributed as dist
 
 from services.config import Config, ConfigError
 from services.drafter.model import DrafterModelConfig
-from services.files import default_file_mode, fsync_dir, point
+from services.files import default_file_mode, fsync_dir, point, sha256_file
 
 FORMAT_VERSION = 1
 FILES = ("model.safetensors", "optimizer.pt", "rng.safetensors", "state.json", "config.json")
@@ -97,16 +96,6 @@ def pointer(root: Path, name: str) -> Path | None:
 
 
 # --- files -------------------------------------------------------------------------------------
-
-def sha256_file(path: Path, tick: Callable[[], None] | None = None) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(8 << 20):
-            digest.update(chunk)
-            if tick:
-                tick()
-    return digest.hexdigest()
-
 
 def _fsync_file(path: Path) -> None:
     with open(path, "rb+") as f:

@@ -11,13 +11,15 @@ import os
 import time
 from pathlib import Path
 
+from services.files import cpu_share
+
 
 def setup_environment(run_dir: str | Path, workers_on_node: int) -> dict:
     """Set the inductor cache dir and compile-thread cap unless the environment already does.
     Call before the first torch.compile (ideally before importing torch)."""
     cache_dir = os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(run_dir).resolve() / "compile-cache"))
     Path(cache_dir).mkdir(parents=True, exist_ok=True)
-    threads = max(1, (os.cpu_count() or 1) // max(1, workers_on_node))
+    threads = cpu_share(workers_on_node)
     threads = int(os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", str(threads)))
     import sys
     if "torch._inductor.config" in sys.modules:        # already imported: its default is already decided

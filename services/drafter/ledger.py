@@ -8,8 +8,9 @@ is redone from the checkpoint), so the ledger always describes the weights' actu
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
+
+from services.files import write_text_atomic
 
 
 class Ledger:
@@ -33,9 +34,7 @@ def truncate_jsonl(path: Path, keep_through_step: int) -> None:
         return
     keep = [line for line in path.read_text().splitlines()
             if _step(line) is not None and _step(line) <= keep_through_step]
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(line + "\n" for line in keep))
-    os.replace(tmp, path)
+    write_text_atomic(path, "".join(line + "\n" for line in keep))
 
 
 def _step(line: str) -> int | None:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import functools
 import json
 import os
-import socket
 import sys
 import time
 import traceback
@@ -22,7 +21,8 @@ import torch.distributed as dist
 
 from services import lifecycle
 from services.config import Config, ConfigError
-from services.endpoints import endpoint
+from services.endpoints import endpoint, free_port
+from services.files import cpu_share
 from services import curve
 from services.health import HealthServer
 from services.drafter import checkpoint as ckpt
@@ -36,17 +36,11 @@ from services.drafter.train import (build_train_state, check_batch, make_schedul
                                     train_step)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def init_distributed(cfg: Config, rank: int, world_size: int, device: torch.device, backend: str) -> None:
     """Rendezvous at MASTER_ADDR:MASTER_PORT when the launcher set them; else at
     127.0.0.1:transport.dist_port for a multi-rank run from the CLI, or a free port alone."""
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(cfg.transport.dist_port if world_size > 1 else _free_port()))
+    os.environ.setdefault("MASTER_PORT", str(cfg.transport.dist_port if world_size > 1 else free_port()))
     if backend == "auto":
         backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
@@ -164,7 +158,7 @@ def setup(args, cfg: Config, run_dir: Path, device: torch.device, health: Health
     """loading -> compiling -> ready. Config and checkpoint errors surface before any GPU work."""
     health.set(state="loading")
     # a fair share of the cores: several workers oversubscribing them slows every one of them down
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, getattr(args, "workers_on_node", 1))))
+    torch.set_num_threads(cpu_share(args.workers_on_node))
     model_cfg, head = load_model(cfg, args.synthetic)
     found = find_checkpoint(args, cfg, run_dir, model_cfg, health)
     if device.type == "cuda" and not torch.cuda.is_available():

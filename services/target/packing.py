@@ -36,11 +36,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from services.batch import SPLITS
 from services.config import Config
+from services.files import sha256_file
 from services.target.data import BadSamples, DataError, Document, read_documents
 
 FORMAT_VERSION = 1
-SPLITS = ("train", "eval")
 _EVAL_SALT, _PACK_SALT = 0xE7A1, 0x9AC4
 
 
@@ -73,11 +74,7 @@ def pack_rows(lengths: list[int], pack_len: int) -> list[list[int]]:
 def file_fingerprint(path: str | Path) -> dict:
     path = Path(path)
     st = path.stat()
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            digest.update(chunk)
-    return {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": digest.hexdigest()}
+    return {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": sha256_file(path)}
 
 
 def tokenizer_fingerprint(tokenizer) -> str:
