@@ -224,8 +224,3 @@ def decode(frames, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> tuple[
             raise WireError(f"tensors[{i}] ({spec.name!r}): header says {spec.nbytes} bytes, frame has {len(view)}")
         tensors[spec.name] = tensor_from(view, spec)
     return header, tensors
-
-
-def set_max_message_size(sock: zmq.Socket, max_message_bytes: int) -> None:
-    """Let ZMQ itself refuse (and disconnect) any peer sending a frame larger than this."""
-    sock.setsockopt(zmq.MAXMSGSIZE, int(max_message_bytes))

@@ -182,16 +182,6 @@ def test_a_wire_error_is_a_value_error_for_callers_that_catch_broadly():
     assert issubclass(WireError, ValueError)
 
 
-def test_set_max_message_size_sets_the_socket_option():
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    try:
-        wire.set_max_message_size(sock, 12345)
-        assert sock.getsockopt(zmq.MAXMSGSIZE) == 12345
-    finally:
-        sock.close(linger=0)
-        ctx.term()
-
 
 # --- property tests: nothing but WireError, and nothing big allocated -----------------
 

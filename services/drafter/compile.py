@@ -34,12 +34,9 @@ def graphs_compiled() -> int:
 
 
 class RecompileWatch:
-    """Counts graphs compiled after `arm()` (call it once warmup is done): should stay 0."""
+    """Counts graphs compiled after it is made (make it once warmup is done): should stay 0."""
 
     def __init__(self):
-        self.baseline = graphs_compiled()
-
-    def arm(self) -> None:
         self.baseline = graphs_compiled()
 
     @property
