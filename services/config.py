@@ -237,11 +237,8 @@ def dump_json(cfg: Config, path: str | Path) -> None:
     Path(path).write_text(json.dumps(cfg.to_dict(), indent=2, sort_keys=True))
 
 
-def describe_defaults() -> str:
-    """Markdown table of every key and default, used to write docs/config.md."""
-    lines = ["| key | default |", "| --- | --- |"]
-    for section, cls in ((f.name, _section_class(f.name)) for f in dataclasses.fields(Config)):
-        for key, value in dataclasses.asdict(cls()).items():
-            lines.append(f"| `{section}.{key}` | `{json.dumps(value)}` |")
-    return "\n".join(lines)
+def describe_defaults() -> dict[str, str]:
+    """Every key with its default as JSON ("section.key" -> "8192"): what docs/config.md lists."""
+    return {f"{f.name}.{key}": json.dumps(value)
+            for f in dataclasses.fields(Config) for key, value in dataclasses.asdict(_section_class(f.name)()).items()}
 
