@@ -30,3 +30,18 @@ def hf_torch_hybrid(monkeypatch):
     from transformers.models.qwen3_5 import modeling_qwen3_5 as m
     for name in ("causal_conv1d_fn", "torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule"):
         monkeypatch.setattr(m, name, inspect.unwrap(getattr(m, name)))
+
+
+# Test files that start real workers (targets, drafters, the launcher over them) run as the
+# "slow" set; the rest is the fast set a developer runs after each change:
+#   python3 -m pytest -q -m "not slow" tests       (seconds)     python3 -m pytest -q tests   (everything)
+END_TO_END = {"test_e2e", "test_demo", "test_training_lifecycle", "test_multihost", "test_drafter_zmq",
+              "test_drafter_process", "test_checkpoint", "test_checkpoint_faults", "test_target_worker",
+              "test_report", "test_launcher_runs", "test_launcher_plan", "test_export", "test_transport",
+              "test_checkpoint_background"}
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if item.module.__name__.split(".")[-1] in END_TO_END:
+            item.add_marker(pytest.mark.slow)

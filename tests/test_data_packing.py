@@ -190,6 +190,7 @@ print("ROWS", data.num_batches(), data.path.name)
 """
 
 
+@pytest.mark.slow
 def test_concurrent_targets_share_one_build(tmp_path, data_file, tok_dir):
     procs = [subprocess.Popen([sys.executable, "-c", BUILD_SCRIPT, str(data_file), str(tmp_path / "run"), str(tok_dir)],
                               cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(3)]

@@ -133,6 +133,7 @@ def test_dense_backend_empty_rows_give_zero_not_nan():
     assert torch.allclose(out[:, :, :4], ref, atol=1e-6)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("compile_layers", [False, True])
 def test_compiled_flex_forward_equals_dense_forward_on_cpu(compile_layers):
     """Compiled flex_attention (inference works on CPU) against dense SDPA, with GQA and empty blocks;

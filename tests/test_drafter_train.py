@@ -24,6 +24,7 @@ def make(*overrides, steps=40):
     return state, source
 
 
+@pytest.mark.slow
 def test_loss_falls_and_tau_rises_on_synthetic_data():
     state, source = make()
     metrics = [train_step(state, batch) for batch in source]
