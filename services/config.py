@@ -57,6 +57,8 @@ class DataConfig:
     pack_len: int = 8192
     max_doc_len: int = 0               # 0 = pack_len; longer documents are split into pieces
     on_bad_sample: str = "fail"        # "fail" | "skip"
+    max_line_bytes: int = 8 << 20      # a longer JSONL line is a bad sample (never read whole)
+    max_doc_tokens: int = 1 << 20      # a longer tokenized document is a bad sample
     shuffle: bool = True
 
 
@@ -206,6 +208,8 @@ def validate(cfg: Config) -> None:
         if not ok:
             raise ConfigError(msg)
     need(cfg.data.on_bad_sample in ("fail", "skip"), f"data.on_bad_sample must be 'fail' or 'skip', got {cfg.data.on_bad_sample!r}")
+    need(cfg.data.max_line_bytes > 0 and cfg.data.max_doc_tokens > 0,
+         "data.max_line_bytes and data.max_doc_tokens must be > 0")
     need(cfg.data.pack_len > 0, f"data.pack_len must be > 0, got {cfg.data.pack_len}")
     need(0.0 <= cfg.data.eval_fraction < 1.0, f"data.eval_fraction must be in [0, 1), got {cfg.data.eval_fraction}")
     need(cfg.drafter.attention in ("auto", "flex", "dense"), f"drafter.attention must be auto|flex|dense, got {cfg.drafter.attention!r}")
