@@ -25,7 +25,7 @@ from launcher.report import describe_export
 from launcher.supervisor import EXIT_DONE, EXIT_FAILED, EXIT_STOPPED, EXIT_USAGE, RunFailed, Supervisor, probe_all
 from launcher.topology import SpecError, host_overrides, hosts, parse_gpu_spec
 from services import __version__
-from services.config import ConfigError, dump_json, load_config
+from services.config import ConfigError, dump_json, load_config, plaintext_warning
 from services.drafter.plan import Plan
 from services.files import point
 from services.health import probe
@@ -145,6 +145,8 @@ def cmd_up(args) -> int:
         raise UsageError("--host is for runs across hosts: name the host of every --gpus group (GPUS:ROLE@HOST)")
     overrides = host_overrides(workers) + list(args.overrides)
     cfg = load_config(args.config, overrides)               # validate before touching the disk
+    if warning := plaintext_warning(cfg.transport):
+        print(f"launcher: warning: {warning}", file=sys.stderr, flush=True)
     runs_targets = any(w.role == "target" and w.host == args.host for w in workers)
     if not args.demo:
         _check_inputs(cfg, runs_targets)

@@ -6,6 +6,7 @@ lists them. This module must not import torch: the launcher uses it and stays li
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import json
 import sys
 import typing
@@ -94,6 +95,7 @@ class TransportConfig:
     max_message_bytes: int = 64 << 20  # per ZMQ message; also ZMQ_MAXMSGSIZE
     max_batch_bytes: int = 4 << 30     # a whole reassembled batch
     curve_keys_dir: str = ""           # tcp CURVE authentication when set
+    allow_plaintext: bool = False      # tcp without keys on a non-loopback address (trusted network only)
     dist_port: int = 29500             # torch.distributed rendezvous port among drafters
 
 
@@ -220,8 +222,40 @@ def validate(cfg: Config) -> None:
     need(cfg.transport.credits >= 1, f"transport.credits must be >= 1, got {cfg.transport.credits}")
     need(0 < cfg.transport.chunk_bytes <= cfg.transport.max_message_bytes,
          "transport.chunk_bytes must be > 0 and <= transport.max_message_bytes")
+    need(not plaintext_hosts(cfg.transport, loopback=False) or cfg.transport.allow_plaintext,
+         f"transport.scheme=tcp on {', '.join(plaintext_hosts(cfg.transport, loopback=False))} without "
+         "transport.curve_keys_dir: anyone who reaches that address could read hidden states and feed the drafters "
+         "batches. Make keys with `launcher keys DIR` and set transport.curve_keys_dir=DIR on every host, or set "
+         "transport.allow_plaintext=true on a network you trust completely")
     need(cfg.run.epochs >= 1, f"run.epochs must be >= 1, got {cfg.run.epochs}")
     need(ascending(cfg.target.layer_ids), layer_ids_message("target.layer_ids", cfg.target.layer_ids))
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False          # a host name may resolve anywhere: treated as reachable from outside
+
+
+def plaintext_hosts(transport: TransportConfig, loopback: bool) -> list[str]:
+    """The tcp hosts of this run that would carry data in the clear (no CURVE keys): the loopback
+    ones (loopback=True) or the others."""
+    if transport.scheme != "tcp" or transport.curve_keys_dir:
+        return []
+    hosts = dict.fromkeys((transport.target_hosts or [transport.host]) + (transport.drafter_hosts or [transport.host]))
+    return [h for h in hosts if _is_loopback(h) == loopback]
+
+
+def plaintext_warning(transport: TransportConfig) -> str:
+    """A warning for tcp without keys ("" when there is nothing to warn about)."""
+    hosts = plaintext_hosts(transport, loopback=True) + plaintext_hosts(transport, loopback=False)
+    if not hosts:
+        return ""
+    return (f"plaintext tcp on {', '.join(hosts)}: any local user (and, off loopback, anyone on the network) "
+            "can connect to the workers and read hidden states; set transport.curve_keys_dir (`launcher keys DIR`)")
 
 
 def ascending(ids: list) -> bool:
