@@ -53,9 +53,9 @@ class Bookkeeping:
         self.closed = False
 
     # --- per batch ---------------------------------------------------------------------------
-    def after_batch(self, g: int, m: dict, data_s: float, compute_s: float) -> None:
+    def after_batch(self, g: int, m: dict, data_s: float, compute_s: float, provenance: dict | None = None) -> None:
         """Ledger for every batch; on an optimizer step also metrics, evaluation and checkpoint."""
-        self.ledger.record(self.state.micro_step - 1, g, m["tokens"])
+        self.ledger.record(self.state.micro_step - 1, g, m["tokens"], provenance)
         self.times.add(data_s, compute_s, m["tokens"])
         self.window.add(m)
         if self.state.micro_step % self.state.settings.grad_accum:

@@ -232,7 +232,8 @@ def run(args, cfg: Config) -> int:
             stamp = dict(step=state.step, samples_done=state.samples_done, recompiles=watch.count,
                          compile_s=compile_s, gpu_mem_bytes=gpu_memory(device))
             health.progress(**stamp)
-            books.after_batch(batch.g, m, waited, now - start)     # ledger, metrics, eval, checkpoint
+            provenance = batches.provenance_of(batch.g) if hasattr(batches, "provenance_of") else None
+            books.after_batch(batch.g, m, waited, now - start, provenance)   # ledger, metrics, eval, checkpoint
             if state.micro_step % max(1, cfg.run.log_every) == 0:  # this rank's own step, in its log
                 print(json.dumps({"rank": rank, **m, **stamp, "step_tokens_per_s": round(m["tokens"] / elapsed, 1),
                                   "step_s": round(elapsed, 4)}), flush=True)
