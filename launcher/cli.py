@@ -171,17 +171,8 @@ def cmd_up(args) -> int:
     sup.install_signal_handlers()
     print(f"run dir: {run_dir}\nlogs:    {run_dir / 'logs'}/<role>-<rank>.log\n"
           f"workers: {', '.join(f'{w.name}@gpu{w.gpu}' for w in sup.local)} ({args.device})", flush=True)
-    reason = ""
-    try:
-        sup.start_all()
-        sup.wait_ready()
-        if named_here and not sup.stopping:
-            point(LATEST, run_dir)       # only now: a run that fails while starting never becomes latest
-        code = sup.supervise()
-    except RunFailed as exc:
-        sup.progress.done(f"run failed: {exc}")
-        sup.shutdown()
-        code, reason = EXIT_FAILED, str(exc).splitlines()[0]
+    # runs/latest only once ready: a run that fails while starting never becomes latest
+    code, reason = run_supervised(sup, on_ready=lambda: point(LATEST, run_dir) if named_here else None)
     sup.record_outcome(code, reason)
     export = describe_export(run_dir / "export")
     if code == 0 and export:
@@ -190,6 +181,21 @@ def cmd_up(args) -> int:
     if code == EXIT_STOPPED:
         print(f"stopped before the end; to continue: {_resume_command(args.argv, run_dir)}", flush=True)
     return code
+
+
+def run_supervised(sup: Supervisor, on_ready=lambda: None) -> tuple[int, str]:
+    """Start every worker, wait until they are ready, supervise until the run ends. A failure
+    (a worker, a full disk...) stops every worker. Returns (exit code, reason of a failure)."""
+    try:
+        sup.start_all()
+        sup.wait_ready()
+        if not sup.stopping:
+            on_ready()
+        return sup.supervise(), ""
+    except RunFailed as exc:
+        sup.progress.done(f"run failed: {exc}")
+        sup.shutdown()
+        return EXIT_FAILED, str(exc).splitlines()[0]
 
 
 def _run_keys(run_dir: Path) -> str:

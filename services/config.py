@@ -36,6 +36,7 @@ class RunConfig:
     export_at_end: bool = True
     stall_after_s: float = 300.0       # health: main loop silent this long = stalled
     startup_stall_after_s: float = 1800.0   # the same while loading the model and compiling
+    unresponsive_after_s: float = 60.0  # a live worker whose health has answered before and then not this long (frozen)
     stop_timeout_s: float = 300.0      # SIGTERM: finish the step and checkpoint within this, else exit hard
     max_restarts: int = 3              # per role, over the whole run
     alloc_conf: str = "expandable_segments:True"   # PYTORCH_CUDA_ALLOC_CONF for GPU workers
@@ -227,6 +228,7 @@ def validate(cfg: Config) -> None:
          "transport.curve_keys_dir: anyone who reaches that address could read hidden states and feed the drafters "
          "batches. Make keys with `launcher keys DIR` and set transport.curve_keys_dir=DIR on every host, or set "
          "transport.allow_plaintext=true on a network you trust completely")
+    need(cfg.run.unresponsive_after_s > 0, f"run.unresponsive_after_s must be > 0, got {cfg.run.unresponsive_after_s}")
     need(cfg.run.epochs >= 1, f"run.epochs must be >= 1, got {cfg.run.epochs}")
     need(ascending(cfg.target.layer_ids), layer_ids_message("target.layer_ids", cfg.target.layer_ids))
 

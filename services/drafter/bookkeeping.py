@@ -123,6 +123,9 @@ class Bookkeeping:
                                   eval=self.last_eval if self.last_eval and self.last_eval["step"] == step else None)
             self.report_checkpoint(self.writer.wait())
             blob = {"optimizer": state.optimizer.state_dict(), "scheduler": state.scheduler.state_dict()}
+            if low := ckpt.space_warning(self.root, ckpt.checkpoint_bytes(state.drafter.state_dict(), blob)):
+                warn(low)
+                self.health.error(low)
             self.writer.snapshot_and_write(step, weights=state.drafter.state_dict(), optimizer=blob, rng=rng,
                                            meta=meta, config=self.cfg.to_dict(), set_best=set_best)
         self.saved_step = step
