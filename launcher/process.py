@@ -110,13 +110,6 @@ def alive(ident: dict | None) -> bool:
     return verified(ident) is not None
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
 def gpu_count() -> int:
     """GPUs the NVIDIA driver shows, read without CUDA: /proc, else nvidia-smi, else 0."""
     proc_dir = Path("/proc/driver/nvidia/gpus")
