@@ -27,7 +27,7 @@ from launcher.report import describe_data, describe_export
 from launcher.supervisor import EXIT_DONE, EXIT_FAILED, EXIT_STOPPED, EXIT_USAGE, RunFailed, Supervisor, probe_all
 from launcher.topology import SpecError, host_overrides, hosts, parse_gpu_spec
 from services import __version__
-from services.config import ConfigError, dump_json, load_config
+from services.config import ConfigError, dump_json, load_config, plaintext_warning
 from services.drafter.plan import Plan
 from services.files import point, write_json_atomic
 from services.health import probe
@@ -169,6 +169,8 @@ def cmd_up(args) -> int:
         raise UsageError("--host is for runs across hosts: name the host of every --gpus group (GPUS:ROLE@HOST)")
     overrides = host_overrides(workers) + list(args.overrides)
     cfg = load_config(args.config, overrides)               # validate before touching the disk
+    if warning := plaintext_warning(cfg.transport):
+        print(f"launcher: warning: {warning}", file=sys.stderr, flush=True)
     runs_targets = any(w.role == "target" and w.host == args.host for w in workers)
     if not args.demo:                                      # drafters read the target's head: every host resolves
         _check_inputs(_with_local_model(cfg), runs_targets)
@@ -195,17 +197,8 @@ def cmd_up(args) -> int:
     sup.install_signal_handlers()
     print(f"run dir: {run_dir}\nlogs:    {run_dir / 'logs'}/<role>-<rank>.log\n"
           f"workers: {', '.join(f'{w.name}@gpu{w.gpu}' for w in sup.local)} ({args.device})", flush=True)
-    reason = ""
-    try:
-        sup.start_all()
-        sup.wait_ready()
-        if named_here and not sup.stopping:
-            point(LATEST, run_dir)       # only now: a run that fails while starting never becomes latest
-        code = sup.supervise()
-    except RunFailed as exc:
-        sup.progress.done(f"run failed: {exc}")
-        sup.shutdown()
-        code, reason = EXIT_FAILED, str(exc).splitlines()[0]
+    # runs/latest only once ready: a run that fails while starting never becomes latest
+    code, reason = run_supervised(sup, on_ready=lambda: point(LATEST, run_dir) if named_here else None)
     sup.record_outcome(code, reason)
     export = describe_export(run_dir / "export")
     if code == 0 and export:
@@ -214,6 +207,21 @@ def cmd_up(args) -> int:
     if code == EXIT_STOPPED:
         print(f"stopped before the end; to continue: {_resume_command(args.argv, run_dir)}", flush=True)
     return code
+
+
+def run_supervised(sup: Supervisor, on_ready=lambda: None) -> tuple[int, str]:
+    """Start every worker, wait until they are ready, supervise until the run ends. A failure
+    (a worker, a full disk...) stops every worker. Returns (exit code, reason of a failure)."""
+    try:
+        sup.start_all()
+        sup.wait_ready()
+        if not sup.stopping:
+            on_ready()
+        return sup.supervise(), ""
+    except RunFailed as exc:
+        sup.progress.done(f"run failed: {exc}")
+        sup.shutdown()
+        return EXIT_FAILED, str(exc).splitlines()[0]
 
 
 def _run_keys(run_dir: Path) -> str:

@@ -1,10 +1,16 @@
 """The supervisor: start one process per GPU, wait until all are ready, watch them until training ends.
 
 Policy (docs/operations.md):
-- a target that exits or stalls is restarted with backoff (1, 2, 4 ... 60 s); drafters notice the
-  new process and re-request the batches it owed, so nothing is lost;
-- a drafter that exits non-zero or stalls takes the whole DDP group down; the group restarts from
-  the latest checkpoint (a rank cannot rejoin a running NCCL/gloo group);
+- a worker is in trouble when it exits, stalls (its health says no progress for run.stall_after_s)
+  or is unresponsive: its pid lives but its health, which answered before, has not answered for
+  run.unresponsive_after_s (SIGSTOP, a hung interpreter: the health thread is frozen too);
+- a target in trouble is restarted with backoff (1, 2, 4 ... 60 s): SIGTERM, and SIGKILL when that
+  does nothing within KILL_AFTER_S; drafters notice the new process and re-request the batches it
+  owed, so nothing is lost;
+- a drafter in trouble takes the whole DDP group down; the group restarts from the latest
+  checkpoint (a rank cannot rejoin a running NCCL/gloo group). A drafter that only *stalls* while
+  a target is in trouble (or was, within run.stall_after_s) is waiting for it, not at fault: it is
+  left alone, so a hung target never uses up the drafters' restarts;
 - each role may restart run.max_restarts times over the run; one more failure ends the run (exit 1);
 - SIGINT/SIGTERM: graceful stop (drafters checkpoint and exit, then targets), exit 3; a second
   signal during the stop kills every worker at once (a stuck stop would otherwise wait out
@@ -17,6 +23,7 @@ A drafter group spread over several hosts is not restarted as one: keep the draf
 """
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import sys
@@ -29,20 +36,27 @@ from launcher import process
 from launcher.progress import ProgressLine
 from launcher.topology import Worker, count
 from services import curve
-from services.endpoints import free_port
 from services.files import cpu_share
 from services.config import Config
-from services.endpoints import endpoint
+from services.endpoints import endpoint, socket_dir
 from services.files import write_json_atomic
 from services.health import probe
 
 EXIT_DONE, EXIT_FAILED, EXIT_USAGE, EXIT_STOPPED = 0, 1, 2, 3
 PROBE_EVERY_S = 5.0
 REMOTE_GONE_S = 30.0
+KILL_AFTER_S = 5.0        # a worker in trouble gets SIGTERM, then SIGKILL (a frozen one ignores SIGTERM)
 
 
 class RunFailed(RuntimeError):
     pass
+
+
+def cannot_write(path: Path, exc: OSError) -> str:
+    """One line for a file the launcher cannot write (a full disk above all)."""
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return f"no space left on {path.parent} (writing {path.name}); free space, then resume with --resume"
+    return f"cannot write {path}: {exc.strerror or exc}"
 
 
 def probe_all(endpoints: list[str], timeout_s: float, keys_dir: str = "") -> list[tuple[int, dict | None, str]]:
@@ -68,10 +82,18 @@ class Supervisor:
         self.started = time.time()
         self.outcome: dict | None = None
         self.restarts = {"target": 0, "drafter": 0}
-        # one host: a fresh port per drafter group; across hosts every launcher must agree on it
+        # Every drafter on this host (always so on one host): the group meets in a file in the
+        # private socket folder, and opens no TCP port. Across hosts: at the drafter host of the
+        # spec, port transport.dist_port, which every launcher knows.
+        self.local_group = all(w.host == host for w in workers if w.role == "drafter")
         self.master_addr = cfg.transport.drafter_hosts[0] if host else "127.0.0.1"
-        self.dist_port = cfg.transport.dist_port if host else free_port()
+        self.dist_port = cfg.transport.dist_port
+        self.groups_started = 0
         self.remote_seen: dict[str, float] = {}     # remote drafter -> last time it answered
+        self.answered: set[str] = set()              # workers whose health answered since they started
+        self.silent_since: dict[str, float] = {}     # ... and has not answered since this time
+        self.target_trouble_at = -float("inf")       # the last time a target was in trouble or not ready
+        self.last_state: dict[str, str] = {}         # each worker's state at the last probe
         self.stopping = self.forced = False
         self.progress = ProgressLine()
 
@@ -111,25 +133,51 @@ class Supervisor:
         else:
             env["CUDA_VISIBLE_DEVICES"] = ""              # logical slots; hide any GPU
             env["OMP_NUM_THREADS"] = str(share)
-        if w.role == "drafter":            # the rendezvous; rank and world size are arguments
+        if w.role == "drafter" and self.local_group:     # the rendezvous; rank and world size are arguments
+            env["DFLASH_DIST_STORE"] = str(self.dist_store())
+        elif w.role == "drafter":
             env.update({"MASTER_ADDR": self.master_addr, "MASTER_PORT": str(self.dist_port)})
         return env
 
+    def dist_store(self) -> Path:
+        """The drafter group's FileStore: a fresh file for each start of the group (a group that
+        died leaves its file behind, and a new group must not read the old one's keys)."""
+        return self.run_dir / "sock" / f"dist-{self.groups_started}.store"
+
     def start(self, w: Worker) -> None:
-        proc = process.spawn(self.argv(w), self.env(w), self.run_dir / "logs" / f"{w.name}.log")
+        try:
+            proc = process.spawn(self.argv(w), self.env(w), self.log(w))
+        except OSError as exc:          # a full disk: the worker could not log anything, so is not started
+            raise RunFailed(cannot_write(self.log(w), exc)) from None
         self.procs[w.name] = proc
         self.idents[w.name] = process.identity(proc.pid)
+        self.answered.discard(w.name)
+        self.silent_since.pop(w.name, None)
+        self.last_state.pop(w.name, None)
         self.pids_seen[w.name].append(proc.pid)
         self.write_run_json()
 
     def start_all(self) -> None:
+        self._new_dist_store()
         for w in self.local:
             self.start(w)
 
+    def _new_dist_store(self) -> None:
+        if self.local_group:
+            self.dist_store().unlink(missing_ok=True)
+            self.groups_started += 1
+            socket_dir(self.run_dir)                      # the private folder (0700) it lives in
+
     def write_run_json(self) -> None:
+        try:
+            self._write_run_json()
+        except OSError as exc:
+            raise RunFailed(cannot_write(self.run_dir / "run.json", exc)) from None
+
+    def _write_run_json(self) -> None:
         info = {
             "launcher_pid": os.getpid(), "launcher": self.launcher, "device": self.device, "started": self.started,
-            "run_dir": str(self.run_dir), "dist_port": self.dist_port, "restarts": self.restarts,
+            "run_dir": str(self.run_dir), "dist_port": None if self.local_group else self.dist_port, "restarts": self.restarts,
             "outcome": self.outcome or {"state": "running"},
             "workers": [dict(asdict(w), name=w.name, pid=self.procs[w.name].pid if w.name in self.procs else None,
                              identity=self.idents.get(w.name), pids_seen=self.pids_seen[w.name],
@@ -142,7 +190,10 @@ class Supervisor:
         """How the run ended, for `launcher status` after the processes are gone."""
         state = {EXIT_DONE: "finished", EXIT_STOPPED: "stopped"}.get(code, "failed")
         self.outcome = {"state": state, "exit": code, "reason": reason, "ended": time.time()}
-        self.write_run_json()
+        try:
+            self._write_run_json()
+        except OSError as exc:          # the run has ended anyway; say why its outcome is not on disk
+            self.progress.done(f"outcome not recorded: {cannot_write(self.run_dir / 'run.json', exc)}")
 
     # --- readiness -----------------------------------------------------------
     def wait_ready(self) -> None:
@@ -205,28 +256,33 @@ class Supervisor:
         last_probe = 0.0
         while not self.stopping:
             now = time.monotonic()
-            stalled: set[str] = set()
+            trouble: dict[str, tuple[str, str]] = {}
             if now - last_probe > PROBE_EVERY_S:
-                stalled, last_probe = self._stalled_workers(), now
+                trouble, last_probe = self._troubled_workers(), now
             for w in targets:
                 rc = self.procs[w.name].poll()
+                if w.name in restart_due or self.last_state.get(w.name) not in ("ready", "training"):
+                    self.target_trouble_at = now           # down, or loading again: drafters wait for it
                 if w.name in restart_due:
                     if now >= restart_due[w.name]:
                         del restart_due[w.name]
                         self.start(w)
-                elif rc is not None or w.name in stalled:
-                    why = f"exited with code {rc}" if rc is not None else "stalled"
+                elif rc is not None or w.name in trouble:
+                    self.target_trouble_at = now
+                    why = f"exited with code {rc}" if rc is not None else trouble[w.name][1]
                     delay = self._count_restart("target", f"{w.name} {why}")
-                    process.kill_tree(self.idents[w.name])
+                    process.stop_all([self.idents[w.name]], deadline_s=KILL_AFTER_S)   # itself, not its peers
                     restart_due[w.name] = now + delay
+            if now - self.target_trouble_at < self.cfg.run.stall_after_s:      # drafters wait for it: not their fault
+                trouble = {n: t for n, t in trouble.items() if t[0] != "stalled" or not n.startswith("drafter")}
             codes = [self.procs[w.name].poll() for w in drafters]
             if all(rc == 0 for rc in codes) and (drafters or self._remote_drafters_done(everyone)):
                 self.progress.done(self._progress_text(everyone, final=True))
                 self.stop_targets()
                 return EXIT_DONE
-            bad = [w for w, rc in zip(drafters, codes) if (rc not in (None, 0)) or w.name in stalled]
+            bad = [w for w, rc in zip(drafters, codes) if (rc not in (None, 0)) or w.name in trouble]
             if bad:
-                self._restart_drafter_group(drafters, bad, codes)
+                self._restart_drafter_group(drafters, bad, codes, trouble)
             self.progress.show(self._progress_text(everyone))
             time.sleep(0.5)
         return self.shutdown()
@@ -249,22 +305,37 @@ class Supervisor:
         self.progress.done(f"{why}; restarting in {delay:.0f}s ({self.restarts[role]}/{self.cfg.run.max_restarts})")
         return delay
 
-    def _restart_drafter_group(self, drafters: list[Worker], bad: list[Worker], codes: list) -> None:
-        why = ", ".join(f"{w.name} {'stalled' if c is None else f'exited with code {c}'}" for w, c in zip(drafters, codes) if w in bad)
+    def _restart_drafter_group(self, drafters: list[Worker], bad: list[Worker], codes: list,
+                               trouble: dict[str, tuple[str, str]]) -> None:
+        why = ", ".join(f"{w.name} {trouble[w.name][1] if c is None else f'exited with code {c}'}"
+                        for w, c in zip(drafters, codes) if w in bad)
         delay = self._count_restart("drafter", why)
         for w in drafters:
             process.kill_tree(self.idents[w.name])
         for w in drafters:
             self.procs[w.name].wait()
         time.sleep(delay)
-        self.dist_port = free_port()   # a fresh rendezvous for the new group
+        self._new_dist_store()                 # a fresh rendezvous for the new group
         for w in drafters:
             self.start(w)
 
-    def _stalled_workers(self) -> set[str]:
+    def _troubled_workers(self) -> dict[str, tuple[str, str]]:
+        """Running workers that are stalled or unresponsive: name -> (kind, why)."""
         running = [w for w in self.local if self.procs[w.name].poll() is None]
-        return {w.name for w, (_, status, _) in zip(running, self.probe_all(running, timeout_s=2.0))
-                if status and status.get("stalled")}
+        now, trouble = time.monotonic(), {}
+        for w, (_, status, _) in zip(running, self.probe_all(running, timeout_s=2.0)):
+            if status is not None:
+                self.answered.add(w.name)
+                self.last_state[w.name] = status.get("state")
+                self.silent_since.pop(w.name, None)
+                if status.get("stalled"):
+                    trouble[w.name] = ("stalled", f"stalled (no progress for {status['last_progress_age_s']:.0f}s)")
+            elif w.name in self.answered:       # before its first answer it may still be importing torch
+                silent = now - self.silent_since.setdefault(w.name, now)
+                if silent >= self.cfg.run.unresponsive_after_s:
+                    trouble[w.name] = ("unresponsive", f"unresponsive (its pid lives, its health has not "
+                                                       f"answered for {silent:.0f}s)")
+        return trouble
 
     def _progress_text(self, drafters: list[Worker], final: bool = False) -> str:
         statuses = [status for _, status, _ in self.probe_all(drafters, timeout_s=0.5) if status]

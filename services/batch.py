@@ -14,6 +14,7 @@ Global batch index g (see docs/scheduling in the README): every batch carries it
 """
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, fields
 
 import torch
@@ -28,6 +29,15 @@ FIELDS = {
     "document_ids": torch.int64,
     "target_labels": torch.int64,
 }
+
+
+def token_digest(input_ids: torch.Tensor) -> str:
+    """Provenance of a batch's content: blake2b-128 of its token ids as little-endian int64 bytes.
+
+    Recorded in the ledger with the target incarnation that served it, so an audit can rebuild
+    batch g from the data and check that what was trained is what the data says."""
+    ids = input_ids.detach().to("cpu", torch.int64).contiguous()
+    return hashlib.blake2b(ids.numpy().tobytes(), digest_size=16).hexdigest()
 
 
 class BatchError(ValueError):

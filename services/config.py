@@ -6,6 +6,7 @@ lists them. This module must not import torch: the launcher uses it and stays li
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import json
 import sys
 import typing
@@ -35,6 +36,7 @@ class RunConfig:
     export_at_end: bool = True
     stall_after_s: float = 300.0       # health: main loop silent this long = stalled
     startup_stall_after_s: float = 1800.0   # the same while loading the model and compiling
+    unresponsive_after_s: float = 60.0  # a live worker whose health has answered before and then not this long (frozen)
     stop_timeout_s: float = 300.0      # SIGTERM: finish the step and checkpoint within this, else exit hard
     max_restarts: int = 3              # per role, over the whole run
     alloc_conf: str = "expandable_segments:True"   # PYTORCH_CUDA_ALLOC_CONF for GPU workers
@@ -57,6 +59,8 @@ class DataConfig:
     pack_len: int = 8192
     max_doc_len: int = 0               # 0 = pack_len; longer documents are split into pieces
     on_bad_sample: str = "fail"        # "fail" | "skip"
+    max_line_bytes: int = 8 << 20      # a longer JSONL line is a bad sample (never read whole)
+    max_doc_tokens: int = 1 << 20      # a longer tokenized document is a bad sample
     shuffle: bool = True
 
 
@@ -92,6 +96,7 @@ class TransportConfig:
     max_message_bytes: int = 64 << 20  # per ZMQ message; also ZMQ_MAXMSGSIZE
     max_batch_bytes: int = 4 << 30     # a whole reassembled batch
     curve_keys_dir: str = ""           # tcp CURVE authentication when set
+    allow_plaintext: bool = False      # tcp without keys on a non-loopback address (trusted network only)
     dist_port: int = 29500             # torch.distributed rendezvous port among drafters
 
 
@@ -206,6 +211,8 @@ def validate(cfg: Config) -> None:
         if not ok:
             raise ConfigError(msg)
     need(cfg.data.on_bad_sample in ("fail", "skip"), f"data.on_bad_sample must be 'fail' or 'skip', got {cfg.data.on_bad_sample!r}")
+    need(cfg.data.max_line_bytes > 0 and cfg.data.max_doc_tokens > 0,
+         "data.max_line_bytes and data.max_doc_tokens must be > 0")
     need(cfg.data.pack_len > 0, f"data.pack_len must be > 0, got {cfg.data.pack_len}")
     need(0.0 <= cfg.data.eval_fraction < 1.0, f"data.eval_fraction must be in [0, 1), got {cfg.data.eval_fraction}")
     need(cfg.drafter.attention in ("auto", "flex", "dense"), f"drafter.attention must be auto|flex|dense, got {cfg.drafter.attention!r}")
@@ -216,8 +223,41 @@ def validate(cfg: Config) -> None:
     need(cfg.transport.credits >= 1, f"transport.credits must be >= 1, got {cfg.transport.credits}")
     need(0 < cfg.transport.chunk_bytes <= cfg.transport.max_message_bytes,
          "transport.chunk_bytes must be > 0 and <= transport.max_message_bytes")
+    need(not plaintext_hosts(cfg.transport, loopback=False) or cfg.transport.allow_plaintext,
+         f"transport.scheme=tcp on {', '.join(plaintext_hosts(cfg.transport, loopback=False))} without "
+         "transport.curve_keys_dir: anyone who reaches that address could read hidden states and feed the drafters "
+         "batches. Make keys with `launcher keys DIR` and set transport.curve_keys_dir=DIR on every host, or set "
+         "transport.allow_plaintext=true on a network you trust completely")
+    need(cfg.run.unresponsive_after_s > 0, f"run.unresponsive_after_s must be > 0, got {cfg.run.unresponsive_after_s}")
     need(cfg.run.epochs >= 1, f"run.epochs must be >= 1, got {cfg.run.epochs}")
     need(ascending(cfg.target.layer_ids), layer_ids_message("target.layer_ids", cfg.target.layer_ids))
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False          # a host name may resolve anywhere: treated as reachable from outside
+
+
+def plaintext_hosts(transport: TransportConfig, loopback: bool) -> list[str]:
+    """The tcp hosts of this run that would carry data in the clear (no CURVE keys): the loopback
+    ones (loopback=True) or the others."""
+    if transport.scheme != "tcp" or transport.curve_keys_dir:
+        return []
+    hosts = dict.fromkeys((transport.target_hosts or [transport.host]) + (transport.drafter_hosts or [transport.host]))
+    return [h for h in hosts if _is_loopback(h) == loopback]
+
+
+def plaintext_warning(transport: TransportConfig) -> str:
+    """A warning for tcp without keys ("" when there is nothing to warn about)."""
+    hosts = plaintext_hosts(transport, loopback=True) + plaintext_hosts(transport, loopback=False)
+    if not hosts:
+        return ""
+    return (f"plaintext tcp on {', '.join(hosts)}: any local user (and, off loopback, anyone on the network) "
+            "can connect to the workers and read hidden states; set transport.curve_keys_dir (`launcher keys DIR`)")
 
 
 def ascending(ids: list) -> bool:

@@ -1,21 +1,31 @@
 """Batch transport: targets serve batches to drafters that pull them (docs/wire.md, "Streaming").
 
-    drafter DEALER  ->  target ROUTER   request {want: "batch", g, split}  |  request {want: "info"}
-    target ROUTER   ->  drafter DEALER  info {info}  |  error {g, split, message}
-                                        batch {g, split, stream: [tensor specs]}
+    drafter DEALER  ->  target ROUTER   request {want: "batch", g, split, incarnation}  |  request {want: "info"}
+    target ROUTER   ->  drafter DEALER  info {info}  |  error {g, split, message, incarnation}
+                                        batch {g, split, incarnation, digest, stream: [tensor specs]}
                                         chunk {g, split, offset} + <= chunk_bytes of raw bytes  (repeated)
 
 A batch travels as a stream of separate few-MB messages, not one big one: ZMQ moves those
 several times faster (docs/benchmarks.md, "Transport"). The drafter checks the announced size against
 transport.max_batch_bytes, preallocates one (pinned) buffer, copies each chunk into place and
 hands out the Batch as views of that buffer. Anything malformed is counted and dropped.
+
+Provenance: every target process has an incarnation (pid + random nonce, also on its health
+status). The drafter asks a target for a batch naming the incarnation it believes it talks to;
+the target announces each batch with its own incarnation and the digest of the token ids. A batch
+(or error) from an incarnation the drafter did not ask is dropped and counted
+("data-incarnation"), a digest that does not match the ids too; what was accepted is handed out
+with its provenance, which the drafter writes to its ledger. When a target's incarnation changes,
+the drafter reconnect()s: the old connection may lead to whatever process holds it now.
 """
 from __future__ import annotations
 
 import itertools
 import logging
 import math
+import os
 import queue
+import secrets
 import threading
 import time
 import weakref
@@ -28,7 +38,7 @@ import torch
 import zmq
 
 from services import curve, wire
-from services.batch import FIELDS, SPLITS, Batch, BatchError
+from services.batch import FIELDS, SPLITS, Batch, BatchError, token_digest
 from services.config import TransportConfig
 from services.health import HealthServer, bind_private, secure_socket
 
@@ -38,6 +48,7 @@ ALIGN = 64                      # byte offset of every tensor in the reassembly 
 MAX_REQUEST_BYTES = 64 << 10    # requests are tiny; ZMQ disconnects a peer sending more
 SEND_TIMEOUT_S = 30.0           # longest wait for room in a drafter's queue before giving up
 MAX_MESSAGES_PER_POLL = 1024    # a flood cannot keep poll() from returning
+MAX_INCARNATION_LEN = 64
 
 
 @dataclass
@@ -46,6 +57,12 @@ class Request:
     kind: str       # "batch" | "info"
     g: int          # global batch index (kind == "batch"); -1 for info
     split: str      # "train" | "eval"
+    incarnation: str = ""   # the target incarnation the drafter believes it asks ("" if it did not say)
+
+
+def new_incarnation() -> str:
+    """This process's incarnation: its pid (for people) and a nonce (a reused pid is another one)."""
+    return f"{os.getpid()}-{secrets.token_hex(8)}"
 
 
 def queue_depth(transport: TransportConfig) -> int:
@@ -91,12 +108,22 @@ def _split_field(header: dict) -> str:
     return split
 
 
-def batch_messages(batch: Batch, split: str, chunk_bytes: int) -> Iterator[list]:
-    """The messages that carry one batch: its announcement, then its bytes in chunks, in order."""
+def _incarnation_field(header: dict) -> str:
+    value = header.get("incarnation", "")
+    if not isinstance(value, str) or len(value) > MAX_INCARNATION_LEN:
+        raise wire.WireError(f"header field 'incarnation': expected a string of at most {MAX_INCARNATION_LEN} "
+                             f"characters, got {str(value)[:80]!r}")
+    return value
+
+
+def batch_messages(batch: Batch, split: str, chunk_bytes: int, incarnation: str = "") -> Iterator[list]:
+    """The messages that carry one batch: its announcement (with its provenance), then its bytes
+    in chunks, in order."""
     tensors = batch.tensors()
     specs = [wire.spec_of(name, t) for name, t in tensors.items()]
     key = {"g": batch.g, "split": split}
-    yield wire.encode({"kind": "batch", **key, "stream": [spec.to_wire() for spec in specs]})
+    yield wire.encode({"kind": "batch", **key, "incarnation": incarnation, "digest": token_digest(batch.input_ids),
+                       "stream": [spec.to_wire() for spec in specs]})
     offsets, _ = layout(specs)
     for (name, tensor), offset in zip(tensors.items(), offsets):
         flat = wire.byte_view(name, tensor)
@@ -173,6 +200,9 @@ class BatchServer(_IoThread):
         self.transport = transport
         self.drops = _Drops(health)
         self._health = health
+        self.incarnation = new_incarnation()
+        if health:
+            health.set(incarnation=self.incarnation)     # drafters learn it here, before they ask
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
         secure_socket(self._sock, MAX_REQUEST_BYTES)
@@ -200,13 +230,15 @@ class BatchServer(_IoThread):
         `ready` (a CUDA event) is waited for before the first byte goes out; `release` is called
         once ZMQ no longer needs the batch's memory, also when the drafter is gone.
         """
-        self._hand_over(_Reply(client, batch_messages(batch, split, self.transport.chunk_bytes), ready, release))
+        self._hand_over(_Reply(client, batch_messages(batch, split, self.transport.chunk_bytes, self.incarnation),
+                               ready, release))
 
     def send_info(self, client: bytes, info: dict) -> None:
         self.send_frames(client, wire.encode({"kind": "info", "info": info}))
 
     def send_error(self, client: bytes, g: int, message: str, split: str = "train") -> None:
-        self.send_frames(client, wire.encode({"kind": "error", "g": g, "split": split, "message": message[:1000]}))
+        self.send_frames(client, wire.encode({"kind": "error", "g": g, "split": split, "message": message[:1000],
+                                              "incarnation": self.incarnation}))
 
     def send_frames(self, client: bytes, frames: list) -> None:
         """One raw message, in order with everything else for this drafter."""
@@ -279,7 +311,7 @@ class BatchServer(_IoThread):
         if want == "info":
             return Request(client, "info", -1, "train")
         if want == "batch":
-            return Request(client, "batch", _int_field(header, "g", 0), _split_field(header))
+            return Request(client, "batch", _int_field(header, "g", 0), _split_field(header), _incarnation_field(header))
         raise wire.WireError(f"header field 'want': expected 'batch' or 'info', got {want!r}")
 
     def _send_some(self, streams: dict[bytes, list[_Reply]], in_flight: list[_Reply]) -> bool:
@@ -382,6 +414,7 @@ class _Partial:
             raise wire.WireError(f"batch of {total} bytes exceeds transport.max_batch_bytes={max_batch_bytes}")
         self.buffer = pool.get(total)
         self.index, self.filled = 0, 0    # tensor being filled, bytes of it received
+        self.provenance: dict = {}        # incarnation and digest, from the announcement
         self._skip_empty()
 
     def _skip_empty(self) -> None:
@@ -424,30 +457,42 @@ class BatchClient(_IoThread):
         self.drops = _Drops(health)
         self.pool = BufferPool(pin_memory and torch.cuda.is_available(), keep=transport.credits + 2)
         self._ctx = zmq.Context()
-        self._socks: list[zmq.Socket] = []
-        for endpoint in endpoints:
-            sock = self._ctx.socket(zmq.DEALER)
-            secure_socket(sock, transport.max_message_bytes)   # per frame: the largest is a chunk's data
-            sock.setsockopt(zmq.RCVHWM, queue_depth(transport))
-            if keys := curve.keys_for(transport):
-                curve.apply_client(sock, keys)
-            sock.connect(endpoint)
-            self._socks.append(sock)
+        self._endpoints = list(endpoints)
+        self._socks = [self._connect(endpoint) for endpoint in self._endpoints]
         self._target_of = {sock: i for i, sock in enumerate(self._socks)}
         self._lock = threading.Lock()                              # guards the three below
-        self._wanted: set[tuple[int, str, int]] = set()          # (target, split, g) asked, not yet delivered
+        # (target, split, g) asked, not yet delivered -> the incarnation asked (None: any)
+        self._wanted: dict[tuple[int, str, int], str | None] = {}
         self._info_wanted: Counter[int] = Counter()
         self._partials: dict[tuple[int, str, int], _Partial] = {}
         self._events: queue.Queue[tuple] = queue.Queue()
-        self._outbox: queue.Queue[tuple[int, list]] = queue.Queue()
+        self._outbox: queue.Queue[tuple[int, list | None]] = queue.Queue()    # frames None: reconnect
         self._start_io("drafter-io")
 
-    def request(self, target: int, g: int, split: str = "train") -> None:
+    def _connect(self, endpoint: str) -> zmq.Socket:
+        sock = self._ctx.socket(zmq.DEALER)
+        secure_socket(sock, self.transport.max_message_bytes)   # per frame: the largest is a chunk's data
+        sock.setsockopt(zmq.RCVHWM, queue_depth(self.transport))
+        if keys := curve.keys_for(self.transport):
+            curve.apply_client(sock, keys)
+        sock.connect(endpoint)
+        return sock
+
+    def request(self, target: int, g: int, split: str = "train", incarnation: str | None = None) -> None:
+        """Ask for batch g; with `incarnation`, only that target incarnation's answer is taken."""
         if split not in SPLITS or g < 0 or not 0 <= target < len(self._socks):
             raise ValueError(f"request: bad target={target}, g={g} or split={split!r}")
         with self._lock:
-            self._wanted.add((target, split, g))
-        self._send(target, {"kind": "request", "want": "batch", "g": g, "split": split})
+            self._wanted[(target, split, g)] = incarnation
+        header = {"kind": "request", "want": "batch", "g": g, "split": split}
+        self._send(target, {**header, "incarnation": incarnation} if incarnation else header)
+
+    def reconnect(self, target: int) -> None:
+        """Close the connection to this target and connect afresh (its process was replaced: the
+        old connection may lead to whatever now holds it). Requests sent before are void."""
+        self.forget(target)
+        self._outbox.put((target, None))
+        self._wake()
 
     def request_info(self, target: int) -> None:
         with self._lock:
@@ -473,7 +518,7 @@ class BatchClient(_IoThread):
     def poll(self, timeout_ms: int) -> list[tuple]:
         """Wait up to timeout_ms for at least one event; return all events ready by then.
 
-        ("batch", target, split, Batch) | ("info", target, dict) | ("error", target, g, message)
+        ("batch", target, split, Batch, {incarnation, digest}) | ("info", target, dict) | ("error", target, g, message)
         """
         return _get_all(self._events, timeout_ms / 1000)
 
@@ -493,14 +538,27 @@ class BatchClient(_IoThread):
                         self._drain(sock)
                 while True:
                     try:
-                        unsent.append(self._outbox.get_nowait())
+                        target, frames = self._outbox.get_nowait()
                     except queue.Empty:
                         break
+                    if frames is None:
+                        unsent = [(t, f) for t, f in unsent if t != target]
+                        self._reconnect(target, poller)
+                    else:
+                        unsent.append((target, frames))
                 unsent = [(t, frames) for t, frames in unsent if not self._try_send(t, frames)]
         finally:
             for sock in self._socks:
                 sock.close(linger=0)
             self._wake_in.close(linger=0)
+
+    def _reconnect(self, target: int, poller: zmq.Poller) -> None:
+        old = self._socks[target]
+        poller.unregister(old)
+        old.close(linger=0)
+        self._socks[target] = self._connect(self._endpoints[target])
+        self._target_of = {sock: i for i, sock in enumerate(self._socks)}
+        poller.register(self._socks[target], zmq.POLLIN)
 
     def _try_send(self, target: int, frames: list) -> bool:
         try:
@@ -542,7 +600,9 @@ class BatchClient(_IoThread):
             key = (target, _split_field(header), g)
             if g >= 0 and key not in self._wanted:
                 return self.drops("data-unrequested", f"target {target}: error for g={g} nobody asked for")
-            self._wanted.discard(key)
+            if g >= 0 and not self._from_asked(key, _incarnation_field(header)):
+                return
+            self._wanted.pop(key, None)
             self._partials.pop(key, None)
             events.append(("error", target, g, message))
             return
@@ -550,6 +610,9 @@ class BatchClient(_IoThread):
         if key not in self._wanted:   # never asked, or already delivered
             return self.drops("data-unrequested", f"target {target}: {kind} for g={g} not requested")
         if kind == "batch":
+            if not self._from_asked(key, _incarnation_field(header)):
+                self._partials.pop(key, None)
+                return
             self._start(key, header, tensors)
         elif kind == "chunk":
             self._add_chunk(key, header, tensors)
@@ -559,18 +622,34 @@ class BatchClient(_IoThread):
         if partial is not None and partial.complete:
             del self._partials[key]
             batch = Batch.from_tensors(key[2], partial.tensors())   # BatchError: dropped, still wanted
-            self._wanted.discard(key)
-            events.append(("batch", target, key[1], batch))
+            if token_digest(batch.input_ids) != partial.provenance["digest"]:
+                raise wire.WireError(f"batch g={key[2]}: token ids do not match the announced digest")
+            del self._wanted[key]
+            events.append(("batch", target, key[1], batch, partial.provenance))
+
+    def _from_asked(self, key, incarnation: str) -> bool:
+        """Is this answer from the incarnation the request named? Else it is dropped and counted."""
+        asked = self._wanted[key]
+        if asked is None or incarnation == asked:
+            return True
+        self.drops("data-incarnation", f"target {key[0]}: g={key[2]} from incarnation {incarnation!r}, "
+                                       f"asked {asked!r}")
+        return False
 
     def _start(self, key, header: dict, tensors: dict) -> None:
         if tensors:
             raise wire.WireError("a batch announcement carries no tensor frames")
         self._partials.pop(key, None)   # a re-sent batch starts over
+        digest = header.get("digest")
+        if not isinstance(digest, str) or len(digest) != 32:
+            raise wire.WireError(f"header field 'digest': expected 32 hex characters, got {str(digest)[:80]!r}")
         specs = wire.parse_specs(header.get("stream"), self.transport.max_batch_bytes, field="stream")
         for spec in specs:
             if spec.name not in FIELDS or wire.DTYPES[spec.dtype] != FIELDS[spec.name]:
                 raise wire.WireError(f"stream: {spec.name!r} of {spec.dtype} is not a batch field")
-        self._partials[key] = _Partial(specs, self.transport.max_batch_bytes, self.pool)
+        partial = _Partial(specs, self.transport.max_batch_bytes, self.pool)
+        partial.provenance = {"incarnation": _incarnation_field(header), "digest": digest}
+        self._partials[key] = partial
 
     def _add_chunk(self, key, header: dict, tensors: dict) -> None:
         partial = self._partials.get(key)

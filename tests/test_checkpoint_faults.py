@@ -68,3 +68,32 @@ def test_full_disk_keeps_the_previous_checkpoint_and_training_goes_on(tmp_path):
     code, out, err = train_single(tmp_path, 12, resume=True)            # space again: resumes from step 4
     assert code == 0, err[-2000:]
     assert [e for e in events(out) if e.get("event") == "resumed"][0]["step"] == 4
+
+
+# --- a disk that is really full (a small tmpfs) ----------------------------------------------------------
+
+from tests.test_hardening import small_disk  # noqa: E402,F401  (fixture)
+
+
+def test_a_write_that_fills_the_disk_says_so_with_the_space_needed(small_disk):
+    import pytest
+    import torch
+    root = small_disk("1m") / "checkpoints"
+    weights = {"w": torch.zeros(1 << 20)}                           # 4 MB in fp32: cannot fit
+    with pytest.raises(OSError, match=rf"^\[Errno 28\] no space left on {root}, need about 0\.004 GB"):
+        ckpt.write_checkpoint(root, 4, weights=weights, optimizer={}, rng={"cpu.0": torch.zeros(4)},
+                              meta={"step": 4}, config={}, keep=3)
+    assert sorted(p.name for p in root.iterdir()) == []              # the half-written temp dir is gone
+
+
+def test_checkpoints_on_a_filling_disk_warn_ahead_then_skip_with_the_space_needed(small_disk):
+    run_dir = small_disk("1m") / "run"
+    code, out, err = train_single(run_dir, 12)
+    assert code == 0, err[-3000:]
+    root = ckpt.checkpoints_dir(run_dir)
+    assert f"disk almost full: " in err and f"GB free on {root}, a checkpoint needs about 0.001 GB" in err, err
+    assert f"checkpoint at step 8 was not written (OSError: [Errno 28] no space left on {root}, need about" in err
+    assert "the previous checkpoint step-00000004 is kept as latest; training goes on" in err
+    assert "Traceback" not in err and "unexpected pos" not in err
+    assert [e for e in events(out) if e.get("event") == "stopped"][0]["step"] == 12
+    assert latest(run_dir).name == "step-00000004" and ckpt.verify(root / "step-00000004")["step"] == 4

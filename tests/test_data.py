@@ -140,3 +140,56 @@ def test_missing_file_and_missing_template(tmp_path, tokenizer):
     path = _write(tmp_path / "d.jsonl", [{"messages": MULTI_TURN}])
     with pytest.raises(DataError, match=f"{path}:1: .*no chat template"):
         read_documents(path, tokenizer, VOCAB, "skip", BadSamples())   # not a per-line problem: never skipped
+
+
+# --- hostile files (issue 19): each is one bad line, named, and skippable ----------------------------------
+
+def _hostile(tmp_path, middle: bytes):
+    good = (json.dumps({"messages": MULTI_TURN}) + "\n").encode()
+    path = tmp_path / "hostile.jsonl"
+    path.write_bytes(good + middle + b"\n" + good)
+    return path
+
+
+HOSTILE = [
+    (b"[" * 100_000 + b"]" * 100_000, "nested too deeply", {}),
+    (b'{"messages": [{"role": "user", "content": "caf\xe9"}]}', "not UTF-8", {}),
+    (json.dumps({"input_ids": [1] * 5000, "loss_mask": [1] * 5000}).encode(), "longer than data.max_line_bytes=4096",
+     {"max_line_bytes": 4096}),
+    (json.dumps({"input_ids": [1] * 500, "loss_mask": [1] * 500}).encode(),
+     "document of 500 tokens is longer than data.max_doc_tokens=100", {"max_doc_tokens": 100}),
+]
+
+
+@pytest.mark.parametrize("middle,reason,limits", HOSTILE, ids=["deep", "utf8", "long-line", "long-doc"])
+def test_hostile_line_fails_naming_file_and_line_or_is_skipped(tmp_path, tokenizer, middle, reason, limits):
+    path = _hostile(tmp_path, middle)
+    with pytest.raises(DataError, match=rf"^{path}:2: .*{reason}.*data.on_bad_sample=skip"):
+        read_documents(path, tokenizer, VOCAB, "fail", BadSamples(), **limits)
+    bad = BadSamples()
+    docs = read_documents(path, tokenizer, VOCAB, "skip", bad, **limits)
+    assert [d.line for d in docs] == [1, 3] and bad.count == 1        # the line after the bad one is read as usual
+    assert bad.examples[0].startswith(f"{path}:2: ") and reason in bad.examples[0]
+
+
+def test_a_line_over_the_limit_is_never_read_whole(tmp_path):
+    """A 50 MB line with the default 8 MiB limit: skipped without its bytes ever being in memory
+    (in a fresh process, so the peak RSS measured is this read's alone)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    good = json.dumps({"input_ids": [1, 2, 3], "loss_mask": [0, 1, 1]}).encode() + b"\n"
+    path = tmp_path / "long.jsonl"
+    path.write_bytes(good + b'{"input_ids": [' + b"1," * (25 << 20) + b'1]}\n' + good)
+    # VmHWM: this process's peak (ru_maxrss would carry the pytest parent's peak over the exec)
+    code = ("import re, sys; from services.target.data import BadSamples, read_documents\n"
+            "peak = lambda: int(re.search(r'VmHWM:\\s+(\\d+)', open('/proc/self/status').read())[1])\n"
+            "before = peak()\n"
+            "bad = BadSamples(); docs = read_documents(sys.argv[1], None, 10, 'skip', bad)\n"
+            "grown = (peak() - before) // 1024\n"
+            "print([d.line for d in docs], bad.count, grown)")
+    out = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=120,
+                         cwd=Path(__file__).resolve().parents[1])
+    lines, count, grown_mb = out.stdout.rsplit(" ", 2) if out.returncode == 0 else (out.stderr, 0, 0)
+    assert lines == "[1, 3]" and count == "1", out.stdout + out.stderr
+    assert int(grown_mb) < 30, f"peak memory grew by {grown_mb} MB reading past a 50 MB line"

@@ -89,7 +89,7 @@ def test_launcher_never_imports_torch():
 
 def test_units_for_one_host_of_a_two_host_spec(tmp_path):
     cfg = tmp_path / "run.toml"
-    cfg.write_text('[target]\nmodel_path = "/models/m"\n[data]\npath = "/data/d.jsonl"\n')
+    cfg.write_text('[target]\nmodel_path = "/models/m"\n[data]\npath = "/data/d.jsonl"\n[transport]\nallow_plaintext = true\n')
     spec = "0-1:target@10.0.0.1,0:drafter@10.0.0.2"
     out = run_launcher("units", "--gpus", spec, "--host", "10.0.0.2", "--config", str(cfg),
                        "--out", str(tmp_path / "units"), "--run-dir", str(tmp_path / "run"))
@@ -153,3 +153,24 @@ def test_probe_takes_a_socket_path_and_names_bad_endpoints_and_keys(tmp_path):
     out = run_launcher("probe", "tcp://127.0.0.1:9", "--keys", str(keys))
     assert out.returncode == 2 and "client.secret is readable by others" in out.stderr
     assert "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) == 1
+
+
+def test_plaintext_tcp_off_loopback_is_refused_and_on_loopback_warned(tmp_path):
+    """Issue 19, 5: tcp without CURVE keys. Every run below stops at the missing model (exit 2) at the
+    latest, before any worker or socket exists; what matters is what is said before that."""
+    def up(host, *extra):
+        return run_launcher("up", "--device", "cpu", "--gpus", f"0:target@{host},1:drafter@{host}", "--host", host,
+                            "--run-dir", str(tmp_path / "r"), *extra)
+    out = up("10.0.0.1")
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1, out.stderr
+    assert "transport.scheme=tcp on 10.0.0.1 without transport.curve_keys_dir" in out.stderr
+    assert "transport.allow_plaintext=true" in out.stderr and not (tmp_path / "r").exists()
+
+    allowed = up("10.0.0.1", "transport.allow_plaintext=true")         # said explicitly: runs, with a warning
+    assert "warning: plaintext tcp on 10.0.0.1" in allowed.stderr and "target.model_path is not set" in allowed.stderr
+    loopback = up("127.0.0.1")
+    assert "warning: plaintext tcp on 127.0.0.1" in loopback.stderr, loopback.stderr
+    assert "target.model_path is not set" in loopback.stderr
+    keys = up("10.0.0.1", f"transport.curve_keys_dir={tmp_path / 'keys'}")
+    assert "plaintext" not in keys.stderr and "target.model_path is not set" in keys.stderr, keys.stderr

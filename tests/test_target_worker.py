@@ -136,7 +136,7 @@ def test_worker_sends_target_labels_when_configured(tmp_path, demo):
     try:
         _wait_state(proc, endpoint(run, cfg.transport, "target", 0, "health"), ("ready",))
         client.request(0, 3)
-        (kind, _, _, batch), = _events(client, 1)
+        (kind, _, _, batch, _), = _events(client, 1)
         assert kind == "batch" and batch.target_labels is not None and batch.target_labels.dtype == torch.int64
         from transformers import AutoModelForCausalLM
         model = AutoModelForCausalLM.from_pretrained(demo["model_path"], dtype=torch.float32).eval()

@@ -21,7 +21,7 @@ import torch
 import zmq
 
 from services import curve, wire
-from services.batch import Batch
+from services.batch import Batch, token_digest
 from services.config import TransportConfig
 from services.health import HealthServer, probe
 from services.transport import BatchClient, BatchServer, BufferPool, batch_messages, layout
@@ -67,6 +67,7 @@ def serve(endpoint: str, health_endpoint: str, mode: str = "normal") -> None:
     mode "interleave": batches asked for together go out with their chunks interleaved.
     mode "liar":       every batch is preceded by a fixed sequence of bad messages (see LIES).
     mode "die":        the first batch stops after 2 chunks: the process SIGKILLs itself.
+    mode "impostor":   answers every request with batch 0 relabelled as the batch asked for.
     """
     health = HealthServer(health_endpoint, role="target", rank=0, gpu="cpu", stall_after_s=60)
     server = BatchServer(endpoint, transport_cfg(), health)
@@ -96,6 +97,11 @@ def serve(endpoint: str, health_endpoint: str, mode: str = "normal") -> None:
                         server.send_frames(request.client, frames)
             continue
         for request in pending:
+            if mode == "impostor":
+                fake = make_batch(0, request.split)
+                fake.g = request.g
+                server.send_batch(request.client, fake, request.split)
+                continue
             if mode == "liar":
                 for frames in lies(request.g, request.split):
                     server.send_frames(request.client, frames)
@@ -377,4 +383,66 @@ def test_tcp_with_curve_keys_serves_key_holders_only(tmp_path):
     finally:
         good.close()
         stranger.close()
+        server.close()
+
+
+def test_a_replaced_target_is_noticed_and_its_impostor_ignored(tmp_path, targets):
+    """Issue 19, 1: a local process kills the target and binds its ipc path at once. Its batches
+    (relabelled copies of batch 0) carry another incarnation than the one asked for: dropped and
+    counted. When the real target is back, the drafter connects afresh and gets the real batch."""
+    real = Target(tmp_path, "ipc", "target-0")
+    targets.append(real)
+    client = BatchClient([real.endpoint], transport_cfg())
+    try:
+        first = real.status()["incarnation"]
+        assert first.startswith(f"{real.proc.pid}-")
+        client.request(0, 0, incarnation=first)
+        (event,) = collect(client, 1)
+        assert same_batch(event[3], make_batch(0))
+        assert event[4] == {"incarnation": first, "digest": token_digest(make_batch(0).input_ids)}
+
+        real.proc.kill()
+        real.proc.wait(10)
+        impostor = Target(tmp_path, "ipc", "target-0", mode="impostor", endpoint=real.endpoint)
+        targets.append(impostor)
+        client.request(0, 3, incarnation=first)           # the drafter still believes in the first target
+        deadline = time.monotonic() + 20
+        while not client.drops.counts["data-incarnation"] and time.monotonic() < deadline:
+            assert client.poll(200) == [], "a batch from the impostor was taken"
+        assert client.drops.counts["data-incarnation"] >= 1
+
+        back = Target(tmp_path, "ipc", "target-0", endpoint=real.endpoint)     # the supervisor's restart
+        targets.append(back)
+        second = back.status()["incarnation"]
+        assert second != first and impostor.proc.poll() is None   # the impostor still holds the old connection
+        client.reconnect(0)
+        client.request(0, 3, incarnation=second)
+        events = collect(client, 1)
+        assert len(events) == 1 and same_batch(events[0][3], make_batch(3)), events
+        assert events[0][4]["incarnation"] == second
+    finally:
+        client.close()
+
+
+def test_a_batch_whose_ids_do_not_match_its_digest_is_dropped(tmp_path):
+    """The digest is checked on arrival: a batch whose token ids changed on the way is not taken."""
+    endpoint = f"ipc://{tmp_path}/t.data"
+    server = BatchServer(endpoint, transport_cfg())
+    client = BatchClient([endpoint], transport_cfg())
+    try:
+        client.request(0, 1)
+        request = None
+        while request is None:
+            request = next(iter(server.poll(100)), None)
+        messages = list(batch_messages(make_batch(1), "train", CHUNK, server.incarnation))
+        header = msgpack.unpackb(messages[0][0])
+        header["digest"] = token_digest(make_batch(2).input_ids)
+        del header["v"], header["tensors"]
+        server.send_frames(request.client, wire.encode(header))
+        for frames in messages[1:]:
+            server.send_frames(request.client, frames)
+        assert collect(client, 1, timeout_s=3) == []
+        assert client.drops.counts["data-reply"] == 1
+    finally:
+        client.close()
         server.close()

@@ -53,9 +53,9 @@ class Bookkeeping:
         self.closed = False
 
     # --- per batch ---------------------------------------------------------------------------
-    def after_batch(self, g: int, m: dict, data_s: float, compute_s: float) -> None:
+    def after_batch(self, g: int, m: dict, data_s: float, compute_s: float, provenance: dict | None = None) -> None:
         """Ledger for every batch; on an optimizer step also metrics, evaluation and checkpoint."""
-        self.ledger.record(self.state.micro_step - 1, g, m["tokens"])
+        self.ledger.record(self.state.micro_step - 1, g, m["tokens"], provenance)
         self.times.add(data_s, compute_s, m["tokens"])
         self.window.add(m)
         if self.state.micro_step % self.state.settings.grad_accum:
@@ -123,6 +123,9 @@ class Bookkeeping:
                                   eval=self.last_eval if self.last_eval and self.last_eval["step"] == step else None)
             self.report_checkpoint(self.writer.wait())
             blob = {"optimizer": state.optimizer.state_dict(), "scheduler": state.scheduler.state_dict()}
+            if low := ckpt.space_warning(self.root, ckpt.checkpoint_bytes(state.drafter.state_dict(), blob)):
+                warn(low)
+                self.health.error(low)
             self.writer.snapshot_and_write(step, weights=state.drafter.state_dict(), optimizer=blob, rng=rng,
                                            meta=meta, config=self.cfg.to_dict(), set_best=set_best)
         self.saved_step = step

@@ -3,7 +3,9 @@
 One JSONL file per rank under <run_dir>/ledger/. A line is written after the optimizer step that
 used the batch. On resume from a checkpoint at step s, lines for steps >= s are dropped (that work
 is redone from the checkpoint), so the ledger always describes the weights' actual lineage and
-"every batch trained exactly once" can be checked from it.
+"every batch trained exactly once" can be checked from it. Each line also names the target
+incarnation that served the batch and the digest of its token ids (services/batch.token_digest),
+so an audit can tell which process produced what, and rebuild batch g to compare.
 """
 from __future__ import annotations
 
@@ -20,8 +22,10 @@ class Ledger:
         truncate_jsonl(self.path, keep_through_step=start_step - 1)
         self._file = open(self.path, "a")
 
-    def record(self, step: int, g: int, tokens: int) -> None:
-        self._file.write(json.dumps({"step": step, "g": g, "tokens": tokens}) + "\n")
+    def record(self, step: int, g: int, tokens: int, provenance: dict | None = None) -> None:
+        """provenance: {incarnation, digest}: which target process served batch g, and a digest of
+        its token ids (none for an empty batch, or a synthetic one)."""
+        self._file.write(json.dumps({"step": step, "g": g, "tokens": tokens, **(provenance or {})}) + "\n")
         self._file.flush()
 
     def close(self) -> None:

@@ -8,6 +8,11 @@ is bounded and the next batch is usually there before it is needed. Batch g is a
 How many batches each rank trains is the run's plan (plan.py). Past the last batch of the run
 (total batches not divisible by D, or by the last optimizer step's micro-batches), a rank trains an
 empty batch, which has zero loss weight, so DDP stays in lockstep without repeating a sample.
+
+Provenance (transport.py): each request names the target incarnation learned from its health
+socket, and only that incarnation's answer is taken. A request for a target whose incarnation is
+not known yet (still loading) waits until it is. When a target's incarnation changes (it was
+restarted), the connection to it is dropped and made afresh before anything is asked again.
 """
 from __future__ import annotations
 
@@ -47,8 +52,11 @@ class ZmqSource:
         self.client = BatchClient(self.data_eps, cfg.transport, health, pin_memory=torch.cuda.is_available())
         self.health = health
         self.target_pids: list[int | None] = [None] * num_targets
+        self.incarnations: list[str | None] = [None] * num_targets    # learned from health
         self.pending: dict[int, float] = {}      # g -> time requested
+        self.deferred: set[int] = set()          # pending, not asked yet: its target's incarnation is unknown
         self.arrived: dict[int, Batch] = {}
+        self.provenance: dict[int, dict] = {}    # g -> {incarnation, digest} of the batch that arrived
         self.wait_s = 0.0                        # time spent waiting for data (data-wait fraction)
         self.info = self._ask_info()
         if split == "eval":
@@ -103,10 +111,24 @@ class ZmqSource:
         for s in range(step, min(step + self.cfg.transport.credits, self.plan.micro_batches)):
             g = self.g_of(s)
             if g < self.total_batches and g not in self.pending and g not in self.arrived:
-                if self.target_pids[self.target_of(g)] is None:
-                    self._target_status(self.target_of(g))    # which incarnation we are asking
-                self.client.request(self.target_of(g), g, self.split)
                 self.pending[g] = time.monotonic()
+                self._ask(g)
+
+    def _ask(self, g: int) -> None:
+        """Request g from the incarnation of its target we know; defer it while we know none."""
+        t = self.target_of(g)
+        if self.incarnations[t] is None:
+            self._target_status(t)
+        if self.incarnations[t] is None:
+            self.deferred.add(g)
+            return
+        self.deferred.discard(g)
+        self.client.request(t, g, self.split, incarnation=self.incarnations[t])
+        self.pending[g] = time.monotonic()
+
+    def provenance_of(self, g: int) -> dict:
+        """{incarnation, digest} of batch g as it arrived (for the ledger); {} for an empty batch."""
+        return self.provenance.pop(g, {})
 
     def _take(self, g: int) -> Batch:
         if g >= self.total_batches:
@@ -114,6 +136,8 @@ class ZmqSource:
         if g in self.staged:
             return self._from_stage(g)
         start = last_check = time.monotonic()
+        if self.deferred:
+            last_check = 0.0                     # look for the targets we could not ask at once
         while g not in self.arrived:
             lifecycle.check()
             for event in self.client.poll(200):
@@ -122,6 +146,8 @@ class ZmqSource:
             if now - last_check > CHECK_TARGETS_EVERY_S:
                 last_check = now
                 self._resend_to_restarted_targets()
+                for deferred in sorted(self.deferred):
+                    self._ask(deferred)
                 self._resend_overdue(now)
             if self.health:
                 self.health.progress(state="training", waiting_for_g=g)   # waiting is not a stall
@@ -131,42 +157,44 @@ class ZmqSource:
     def _handle(self, event) -> None:
         kind = event[0]
         if kind == "batch":
-            _, _, _, batch = event
+            _, _, _, batch, provenance = event
             if batch.g in self.pending:
                 del self.pending[batch.g]
                 self.arrived[batch.g] = batch
+                if self.split == "train":        # the ledger's; evaluation keeps none
+                    self.provenance[batch.g] = provenance
         elif kind == "error":
             _, target, g, message = event
             raise SourceError(f"target-{target} refused batch g={g}: {message}")
 
     def _resend_to_restarted_targets(self) -> None:
         """A new incarnation of a target knows nothing of what the old one owed us: once it is
-        ready (its data socket bound), ask it again for everything pending. Requests sent while
-        no target was listening are lost, so asking before it is ready does not do."""
-        for t in {self.target_of(g) for g in self.pending}:
-            known = self.target_pids[t]
-            pid = self._target_status(t)
-            if known is not None and pid is not None and pid != known:
-                self.client.forget(t)
+        ready (its data socket bound), drop the connection (it may lead to whatever process took
+        the old socket over), connect afresh and ask the new incarnation for everything pending.
+        Requests sent while no target was listening are lost, so asking before it is ready does not do."""
+        for t in {self.target_of(g) for g in self.pending if g not in self.deferred}:
+            known = self.incarnations[t]
+            self._target_status(t)
+            if known is not None and self.incarnations[t] != known:
+                self.client.reconnect(t)
                 for g in sorted(g for g in self.pending if self.target_of(g) == t):
-                    self.client.request(t, g, self.split)
-                    self.pending[g] = time.monotonic()
+                    self._ask(g)
 
     def _target_status(self, t: int) -> int | None:
-        """The pid of target t once it is ready (data socket bound), remembered; else None."""
+        """The pid of target t once it is ready (data socket bound), remembered with its
+        incarnation; else None."""
         _, status, _ = probe(self.health_eps[t], timeout_s=0.5, keys_dir=curve.keys_for(self.cfg.transport))
-        if not status or status.get("state") not in ("ready", "training"):
+        if not status or status.get("state") not in ("ready", "training") or not status.get("incarnation"):
             return None
-        self.target_pids[t] = status["pid"]
+        self.target_pids[t], self.incarnations[t] = status["pid"], str(status["incarnation"])
         return status["pid"]
 
     def _resend_overdue(self, now: float) -> None:
         """A stream that broke while its target stayed up (a tcp reconnect, a send that gave up)
         never completes: ask again. A late duplicate is dropped by the client."""
         for g, asked in list(self.pending.items()):
-            if now - asked > self.cfg.transport.resend_after_s:
-                self.client.request(self.target_of(g), g, self.split)
-                self.pending[g] = now
+            if g not in self.deferred and now - asked > self.cfg.transport.resend_after_s:
+                self._ask(g)
 
     def _ask_info(self) -> dict:
         """Ask target 0 about the dataset; it may still be loading its model, so wait for it."""

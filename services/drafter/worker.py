@@ -9,19 +9,24 @@ there is none); bookkeeping.py does the ledger, metrics, evaluation, checkpoints
 from __future__ import annotations
 
 import functools
+import ipaddress
 import json
 import os
+import socket
 import sys
 import time
 import traceback
+from datetime import timedelta
 from pathlib import Path
+
+import psutil
 
 import torch
 import torch.distributed as dist
 
 from services import lifecycle
 from services.config import Config, ConfigError
-from services.endpoints import endpoint, free_port
+from services.endpoints import endpoint
 from services.files import cpu_share
 from services import curve
 from services.health import HealthServer
@@ -36,16 +41,59 @@ from services.drafter.train import (build_train_state, check_batch, make_schedul
                                     train_step)
 
 
+def _loopback(address: str) -> bool:
+    try:
+        return ipaddress.ip_address(address).is_loopback
+    except ValueError:
+        return address == "localhost"
+
+
+def _interface_of(address: str) -> str | None:
+    """The network interface that holds `address` (gloo and NCCL bind their own sockets to it)."""
+    for name, addrs in psutil.net_if_addrs().items():
+        if any(a.address == address for a in addrs):
+            return name
+    return None
+
+
+def _tcp_store(address: str, port: int, rank: int, world_size: int):
+    """A TCPStore whose server (rank 0) listens on `address` alone. TCPStore binds every interface
+    by itself; handing it a socket bound here keeps the rendezvous off the others."""
+    if rank != 0:
+        return dist.TCPStore(address, port, world_size, False, timedelta(minutes=30))
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind((address, port))
+    listener.listen(128)
+    return dist.TCPStore(address, listener.getsockname()[1], world_size, True, timedelta(minutes=30),
+                         master_listen_fd=listener.detach())      # the store owns the socket from here
+
+
 def init_distributed(cfg: Config, rank: int, world_size: int, device: torch.device, backend: str) -> None:
-    """Rendezvous at MASTER_ADDR:MASTER_PORT when the launcher set them; else at
-    127.0.0.1:transport.dist_port for a multi-rank run from the CLI, or a free port alone."""
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(cfg.transport.dist_port if world_size > 1 else free_port()))
+    """Join the drafter group without opening a port beyond what the run needs (docs/operations.md,
+    "Threat model and guarantees"):
+    - DFLASH_DIST_STORE (the launcher sets it when every drafter is on this host): a FileStore in
+      the private run dir, and gloo's and NCCL's own sockets on loopback: no port off loopback;
+    - else MASTER_ADDR:MASTER_PORT (across hosts: the drafter host from the spec), the store bound
+      to that address only, and gloo/NCCL on the interface that holds it;
+    - else (a rank started by hand) 127.0.0.1:transport.dist_port, or any free port when alone."""
     if backend == "auto":
         backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(device)               # always cuda:0: the launcher sets CUDA_VISIBLE_DEVICES
-    dist.init_process_group(backend, rank=rank, world_size=world_size)
+    store_path = os.environ.get("DFLASH_DIST_STORE")
+    address = "127.0.0.1" if store_path else os.environ.get("MASTER_ADDR", "127.0.0.1")
+    interface = "lo" if _loopback(address) else _interface_of(address)
+    if interface:
+        for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+            os.environ.setdefault(name, interface)
+    if store_path:
+        store = dist.FileStore(store_path, world_size)
+    else:
+        port = int(os.environ.get("MASTER_PORT", cfg.transport.dist_port if world_size > 1 else 0))
+        store = _tcp_store(address, port, rank, world_size)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
 
 
 def load_model(cfg: Config, synthetic: bool):
@@ -226,7 +274,8 @@ def run(args, cfg: Config) -> int:
             stamp = dict(step=state.step, samples_done=state.samples_done, recompiles=watch.count,
                          compile_s=compile_s, gpu_mem_bytes=gpu_memory(device))
             health.progress(**stamp)
-            books.after_batch(batch.g, m, waited, now - start)     # ledger, metrics, eval, checkpoint
+            provenance = batches.provenance_of(batch.g) if hasattr(batches, "provenance_of") else None
+            books.after_batch(batch.g, m, waited, now - start, provenance)   # ledger, metrics, eval, checkpoint
             if state.micro_step % max(1, cfg.run.log_every) == 0:  # this rank's own step, in its log
                 print(json.dumps({"rank": rank, **m, **stamp, "step_tokens_per_s": round(m["tokens"] / elapsed, 1),
                                   "step_s": round(elapsed, 4)}), flush=True)

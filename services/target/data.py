@@ -17,9 +17,12 @@ tokens only:
     lies in a span are supervised. An assistant reply the template rewrote (not found verbatim)
     makes the line bad: such templates need {% generation %} markers.
 
-A bad line (bad JSON, missing fields, unknown role, empty conversation, no assistant reply, ids
-outside the vocabulary...) raises DataError "FILE:LINE: reason" with data.on_bad_sample = "fail",
-or is counted and reported with "skip". Nothing is dropped silently.
+A bad line (bad JSON, JSON nested deeper than Python can parse, invalid UTF-8, a line longer than
+data.max_line_bytes, a document longer than data.max_doc_tokens, missing fields, unknown role,
+empty conversation, no assistant reply, ids outside the vocabulary...) raises DataError
+"FILE:LINE: reason" with data.on_bad_sample = "fail", or is counted and reported with "skip".
+Nothing is dropped silently. The two limits exist because a single 50 MB line took a minute and
+4 GB of memory to tokenize: a line over the limit is never read into memory whole.
 """
 from __future__ import annotations
 
@@ -172,11 +175,14 @@ def pretokenized(record: dict, vocab_size: int) -> tuple[np.ndarray, np.ndarray]
     return arr.astype(np.int32), np.asarray(mask, dtype=bool)
 
 
-def line_to_document(text: str, tokenizer, vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
+def line_to_document(text: str, tokenizer, vocab_size: int,
+                     max_doc_tokens: int = 0) -> tuple[np.ndarray, np.ndarray]:
     try:
         record = json.loads(text)
     except json.JSONDecodeError as exc:
         raise SampleError(f"bad JSON: {exc}") from None
+    except RecursionError:        # json's C parser recurses once per level: 100 000 "[" exhaust the stack
+        raise SampleError("bad JSON: nested too deeply to parse") from None
     if not isinstance(record, dict):
         raise SampleError(f"expected a JSON object, got {type(record).__name__}")
     if "input_ids" in record:
@@ -194,31 +200,50 @@ def line_to_document(text: str, tokenizer, vocab_size: int) -> tuple[np.ndarray,
                           f"got keys {sorted(record)[:8]}")
     if ids.size == 0:
         raise SampleError("empty document after tokenization")
+    if max_doc_tokens and ids.size > max_doc_tokens:
+        raise SampleError(f"document of {ids.size} tokens is longer than data.max_doc_tokens={max_doc_tokens}")
     if not mask.any():
         raise SampleError("no supervised tokens after tokenization")
     return ids, mask
 
 
-def read_documents(path: str | Path, tokenizer, vocab_size: int, on_bad: str, bad: BadSamples) -> list[Document]:
+def _lines(f, max_line_bytes: int):
+    """(line number, bytes of the line or None when it is longer than max_line_bytes).
+
+    A line over the limit is skipped in bounded pieces, never held in memory whole."""
+    lineno = 0
+    while True:
+        raw = f.readline(max_line_bytes + 1)
+        if not raw:
+            return
+        lineno += 1
+        if len(raw) <= max_line_bytes or raw.endswith(b"\n") and len(raw) == max_line_bytes + 1:
+            yield lineno, raw
+            continue
+        while raw and not raw.endswith(b"\n"):
+            raw = f.readline(1 << 20)
+        yield lineno, None
+
+
+def read_documents(path: str | Path, tokenizer, vocab_size: int, on_bad: str, bad: BadSamples,
+                   max_line_bytes: int = 8 << 20, max_doc_tokens: int = 0) -> list[Document]:
     """Every non-blank line of a JSONL file -> Document. Bad lines: raise (fail) or count in `bad` (skip)."""
     path = Path(path)
     if not path.is_file():
         raise DataError(f"data file not found: {path}")
     docs = []
-    with open(path, "r", encoding="utf-8", errors="strict") as f:
-        lineno = 0
-        while True:
+    with open(path, "rb") as f:      # bytes: a line that is not UTF-8 is one bad line, not a failed file
+        for lineno, raw in _lines(f, max_line_bytes):
             try:
-                text = f.readline()
-            except UnicodeDecodeError as exc:
-                raise DataError(f"{path}:{lineno + 1}: not UTF-8 ({exc})") from None
-            if not text:
-                break
-            lineno += 1
-            if not text.strip():
-                continue
-            try:
-                ids, mask = line_to_document(text, tokenizer, vocab_size)
+                if raw is None:
+                    raise SampleError(f"line longer than data.max_line_bytes={max_line_bytes}")
+                try:
+                    text = raw.decode("utf-8")
+                except UnicodeDecodeError as exc:
+                    raise SampleError(f"not UTF-8 ({exc})") from None
+                if not text.strip():
+                    continue
+                ids, mask = line_to_document(text, tokenizer, vocab_size, max_doc_tokens)
             except SampleError as exc:
                 message = f"{path}:{lineno}: {exc}"
                 if on_bad == "fail":

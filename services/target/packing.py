@@ -97,7 +97,8 @@ def cache_key(cfg: Config, tokenizer, vocab_size: int) -> str:
         "eval": file_fingerprint(d.eval_path) if d.eval_path else None,
         "tokenizer": tokenizer_fingerprint(tokenizer), "vocab_size": vocab_size,
         "pack_len": d.pack_len, "max_doc_len": d.max_doc_len, "eval_fraction": d.eval_fraction,
-        "on_bad_sample": d.on_bad_sample, "shuffle": d.shuffle, "seed": cfg.run.seed,
+        "on_bad_sample": d.on_bad_sample, "max_line_bytes": d.max_line_bytes, "max_doc_tokens": d.max_doc_tokens,
+        "shuffle": d.shuffle, "seed": cfg.run.seed,
     }
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:32]
 
@@ -125,9 +126,10 @@ def _pack_split(docs: list[Document], cfg: Config, prefix: str) -> dict[str, np.
 def build_index(cfg: Config, tokenizer, vocab_size: int) -> tuple[dict[str, np.ndarray], dict[str, str]]:
     d = cfg.data
     bad = BadSamples()
-    train = read_documents(d.path, tokenizer, vocab_size, d.on_bad_sample, bad)
+    limits = dict(max_line_bytes=d.max_line_bytes, max_doc_tokens=d.max_doc_tokens)
+    train = read_documents(d.path, tokenizer, vocab_size, d.on_bad_sample, bad, **limits)
     if d.eval_path:
-        evals = read_documents(d.eval_path, tokenizer, vocab_size, d.on_bad_sample, bad)
+        evals = read_documents(d.eval_path, tokenizer, vocab_size, d.on_bad_sample, bad, **limits)
     elif d.eval_fraction > 0 and len(train) > 1:
         n_eval = min(len(train) - 1, max(1, round(d.eval_fraction * len(train))))
         chosen = set(np.random.default_rng([cfg.run.seed, _EVAL_SALT]).permutation(len(train))[:n_eval].tolist())
