@@ -109,7 +109,7 @@ def test_mask_token_resolution(tmp_path):
 
 def test_bad_target_configs_are_named(tmp_path):
     save_qwen3(tmp_path, tied=False, shard=False)
-    with pytest.raises(ConfigError, match=r"target.layer_ids\[1\] = 8 is out of range: the target has 8 layers"):
+    with pytest.raises(ConfigError, match=r"target.layer_ids \[8\] out of range: the target has 8 decoder layers"):
         from_target(config_for(tmp_path, "target.layer_ids=[1, 8]"))
     with pytest.raises(ConfigError, match="mask token id 96 is outside the embedding"):
         from_target(config_for(tmp_path, "drafter.mask_token_id=96"))

@@ -82,3 +82,21 @@ def test_target_labels_with_a_split_the_drafters_do_not_divide(tmp_path, demo):
     evals = metrics(tmp_path, evals=True)
     assert [e["step"] for e in evals] == [4, 8] and all(e["batches"] == 7 for e in evals)   # 7 real of 8 evaluated
     assert len(metrics(tmp_path, evals=False)) == 8
+
+
+def test_a_drafter_whose_config_disagrees_with_its_target_refuses_to_train(tmp_path, demo):
+    """The handshake: the target packs rows of 256 tokens, the drafter was told 128. It stops at
+    connect with exit 2 naming the field and both values, before training on anything."""
+    target = subprocess.Popen([sys.executable, "-m", "services.target", "--run-dir", str(tmp_path), "--rank", "0",
+                               "--world-size", "1", "--device", "cpu", *demo["overrides"], *SMALL],
+                              cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    drafter = spawn(tmp_path, "--num-targets", "1", *demo["overrides"], *SMALL, "data.pack_len=128", synthetic=False)
+    try:
+        out, err = drafter.communicate(timeout=300)
+    finally:
+        drafter.kill()
+        target.send_signal(signal.SIGTERM)
+        target.communicate(timeout=60)
+    assert drafter.returncode == 2, err[-2000:]
+    assert "disagree on seq_len: target 256, drafter 128" in err and "config_digest: target" in err
+    assert not (tmp_path / "ledger").exists() or not read_all(tmp_path)

@@ -27,8 +27,10 @@ from services.endpoints import endpoint
 from services.files import write_json_atomic
 from services.drafter.plan import make_plan
 from services import curve, lifecycle
+from services.handshake import TargetInfo
 from services.health import HealthServer, probe
 from services.transport import BatchClient
+from services.wire import WireError
 
 CHECK_TARGETS_EVERY_S = 2.0
 
@@ -60,9 +62,9 @@ class ZmqSource:
         self.wait_s = 0.0                        # time spent waiting for data (data-wait fraction)
         self.info = self._ask_info()
         if split == "eval":
-            self.plan = make_plan(self.info["num_eval_batches"], epochs=1, drafters=world_size)
+            self.plan = make_plan(self.info.num_eval_batches, epochs=1, drafters=world_size)
         else:
-            self.plan = make_plan(self.info["num_batches"], cfg.run.epochs, world_size, cfg.drafter.grad_accum,
+            self.plan = make_plan(self.info.num_batches, cfg.run.epochs, world_size, cfg.drafter.grad_accum,
                                   max_steps)
         self.total_batches = self.plan.total_batches
         self.start_step = start_step
@@ -196,7 +198,7 @@ class ZmqSource:
             if g not in self.deferred and now - asked > self.cfg.transport.resend_after_s:
                 self._ask(g)
 
-    def _ask_info(self) -> dict:
+    def _ask_info(self) -> TargetInfo:
         """Ask target 0 about the dataset; it may still be loading its model, so wait for it."""
         self.client.request_info(0)
         asked = time.monotonic()
@@ -204,7 +206,11 @@ class ZmqSource:
             lifecycle.check()
             for event in self.client.poll(500):
                 if event[0] == "info":
-                    return event[2]
+                    try:
+                        return TargetInfo.from_wire(event[2])
+                    except WireError as exc:            # counted and dropped; asked again below
+                        self.client.drops("data-reply", f"target 0: {exc}")
+                        asked = 0.0
             if self.health:
                 self.health.progress(state="starting", waiting_for="target info")
             if time.monotonic() - asked > 30:   # the request may have gone to a dead socket
@@ -214,7 +220,7 @@ class ZmqSource:
 
     def empty_batch(self, g: int) -> Batch:
         """Zero loss weight; target labels too when the run trains on them (check_batch wants them)."""
-        s, width = self.info["seq_len"], self.info["hidden_width"]
+        s, width = self.info.seq_len, self.info.hidden_width
         labels = torch.zeros(s, dtype=torch.int64) if self.cfg.target.labels_from_target else None
         return Batch(g=g, hidden=torch.zeros(s, width, dtype=torch.bfloat16),
                      input_ids=torch.zeros(s, dtype=torch.int64), loss_mask=torch.zeros(s, dtype=torch.bool),

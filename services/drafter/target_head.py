@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from services.config import Config, ConfigError, ascending, layer_ids_message
 from services.drafter.model import DrafterModelConfig
-from services.layers import default_layer_ids
+from services.layers import default_layer_ids, resolve_layer_ids
 
 MASK_TOKEN = "<|MASK|>"
 _EMBED_NAMES = ("model.embed_tokens.weight", "model.language_model.embed_tokens.weight",
@@ -115,10 +115,10 @@ def validate_model_config(m: DrafterModelConfig, cfg: Config) -> None:
     def need(ok, msg):
         if not ok:
             raise ConfigError(msg)
-    L = m.num_target_layers
-    for i, layer in enumerate(m.target_layer_ids):
-        need(isinstance(layer, int) and 0 <= layer < L,
-             f"target.layer_ids[{i}] = {layer!r} is out of range: the target has {L} layers (0..{L - 1})")
+    try:                                         # the target's rule (services/layers.py), on the drafter's side
+        resolve_layer_ids(m.target_layer_ids, m.num_target_layers, len(m.target_layer_ids))
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     need(ascending(m.target_layer_ids), layer_ids_message("target.layer_ids", m.target_layer_ids))
     need(m.num_attention_heads % m.num_key_value_heads == 0,
          f"num_attention_heads={m.num_attention_heads} is not a multiple of num_key_value_heads={m.num_key_value_heads}")

@@ -29,6 +29,7 @@ from services.config import Config, ConfigError
 from services.endpoints import endpoint
 from services.files import cpu_share
 from services import curve
+from services.handshake import batch_config_digest
 from services.health import HealthServer
 from services.drafter import checkpoint as ckpt
 from services.drafter.compile import RecompileWatch, warmup
@@ -230,6 +231,10 @@ def setup(args, cfg: Config, run_dir: Path, device: torch.device, health: Health
     start_step = found.micro_step if found else 0
     check = functools.partial(check_batch, state=state)    # values too, before a batch goes to the GPU early
     batches, plan = make_batches(args, cfg, model_cfg, health, device, max_steps, start_step, check)
+    if hasattr(batches, "info"):                 # the targets' handshake, against this drafter's model
+        batches.info.check(hidden_size=model_cfg.hidden_size, vocab_size=model_cfg.vocab_size,
+                           layer_ids=model_cfg.target_layer_ids, seq_len=cfg.data.pack_len,
+                           labels_from_target=cfg.target.labels_from_target, config_digest=batch_config_digest(cfg))
     eval_batches = make_eval_batches(args, cfg, model_cfg, health, device, check)
     state.scheduler = make_scheduler(state.optimizer, cfg, plan.optimizer_steps)   # the real horizon, now known
     if found:

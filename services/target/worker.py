@@ -29,6 +29,7 @@ from services.batch import Batch
 from services.config import Config, load_config
 from services.endpoints import endpoint
 from services import curve
+from services.handshake import TargetInfo, batch_config_digest
 from services.health import HealthServer
 from services.target.model import load_target
 from services.target.ring import CaptureRing
@@ -48,14 +49,14 @@ class TargetWorker:
         tokenizer = AutoTokenizer.from_pretrained(cfg.target.model_path)
         self.data = open_or_build(cfg, run_dir, tokenizer, self.target.info.vocab_size, log=log.info)
         info = self.target.info
-        self.info = {
-            "num_batches": self.data.num_batches("train"), "num_eval_batches": self.data.num_batches("eval"),
-            "seq_len": self.data.pack_len, "hidden_width": info.hidden_width, "layer_ids": info.layer_ids,
-            "vocab_size": info.vocab_size, "hidden_size": info.hidden_size,
-            "mask_token_id": tokenizer.mask_token_id if tokenizer.mask_token_id is not None else -1,
-            "model_path": str(cfg.target.model_path), "bad_samples": self.data.bad_samples,
-            "labels_from_target": cfg.target.labels_from_target, "capture_path": self.target.path,
-        }
+        self.info = TargetInfo(
+            num_batches=self.data.num_batches("train"), num_eval_batches=self.data.num_batches("eval"),
+            seq_len=self.data.pack_len, hidden_size=info.hidden_size, layer_ids=info.layer_ids,
+            vocab_size=info.vocab_size,
+            mask_token_id=tokenizer.mask_token_id if tokenizer.mask_token_id is not None else -1,
+            labels_from_target=cfg.target.labels_from_target, config_digest=batch_config_digest(cfg),
+            model_path=str(cfg.target.model_path), capture_path=self.target.path,
+            bad_samples=self.data.bad_samples).to_wire()
         log.info("capture path: %s", self.target.path)
         if self.target.warning:
             log.warning("%s", self.target.warning)

@@ -1,0 +1,81 @@
+"""What a target tells a drafter when it connects, and the drafter's check of it (no torch here).
+
+The target answers an "info" request with TargetInfo.to_wire(); the drafter parses it with
+from_wire() (every field's type checked; a bad one is a WireError naming it) and then
+check()s it against its own model and config before training on a single batch. Like vLLM's
+EngineCoreReadyResponse, the answer carries a digest of the config that decides what a batch
+contains, so a target and a drafter started from different configs refuse each other at once
+instead of training on mismatched data.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass
+
+from services.config import ConfigError
+from services.wire import WireError
+
+# the config keys that decide what batch g holds: both sides must agree on every one of them
+BATCH_KEYS = {"run": ("seed", "epochs"), "target": ("layer_ids", "labels_from_target", "dtype"),
+              "data": ("path", "eval_path", "eval_fraction", "pack_len", "max_doc_len", "on_bad_sample", "shuffle")}
+
+
+class HandshakeError(ConfigError):
+    """The target and this drafter disagree; the message names the field and both values."""
+
+
+def batch_config_digest(cfg) -> str:
+    """sha256 (16 hex) of the config keys in BATCH_KEYS."""
+    picked = {s: {k: getattr(getattr(cfg, s), k) for k in keys} for s, keys in BATCH_KEYS.items()}
+    return hashlib.sha256(json.dumps(picked, sort_keys=True).encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class TargetInfo:
+    num_batches: int            # training rows per epoch
+    num_eval_batches: int       # held-out rows
+    seq_len: int                # data.pack_len
+    hidden_size: int            # the target's width H
+    layer_ids: list[int]        # captured layers, ascending: the feature order of `hidden`
+    vocab_size: int
+    mask_token_id: int          # the tokenizer's, or -1
+    labels_from_target: bool
+    config_digest: str          # batch_config_digest of the target's config
+    model_path: str
+    capture_path: str           # packed | packed-varlen | packed-reference | per-document
+    bad_samples: int            # data lines skipped under data.on_bad_sample = "skip"
+
+    @property
+    def hidden_width(self) -> int:
+        return len(self.layer_ids) * self.hidden_size
+
+    def to_wire(self) -> dict:
+        return {**dataclasses.asdict(self), "hidden_width": self.hidden_width}
+
+    @classmethod
+    def from_wire(cls, data) -> "TargetInfo":
+        if not isinstance(data, dict):
+            raise WireError(f"info: expected a map, got {type(data).__name__}")
+        values = {}
+        for f in dataclasses.fields(cls):
+            value = data.get(f.name)
+            want = {"int": int, "bool": bool, "str": str, "list[int]": list}[f.type]
+            ok = isinstance(value, want) and (want is bool or not isinstance(value, bool))
+            if want is list:
+                ok = ok and all(isinstance(i, int) and not isinstance(i, bool) for i in value)
+            if not ok:
+                raise WireError(f"info field {f.name!r}: expected {f.type}, got {value!r}")
+            values[f.name] = value
+        return cls(**values)
+
+    def check(self, *, hidden_size: int, vocab_size: int, layer_ids: list[int], seq_len: int,
+              labels_from_target: bool, config_digest: str) -> None:
+        """Raise HandshakeError unless this target feeds a drafter built with these values."""
+        mine = dict(hidden_size=hidden_size, vocab_size=vocab_size, layer_ids=list(layer_ids), seq_len=seq_len,
+                    labels_from_target=labels_from_target, config_digest=config_digest)
+        wrong = [f"{k}: target {getattr(self, k)!r}, drafter {v!r}" for k, v in mine.items() if getattr(self, k) != v]
+        if wrong:
+            raise HandshakeError(f"target {self.model_path} and this drafter disagree on " + "; ".join(wrong)
+                                 + " (were they started from the same config?)")
