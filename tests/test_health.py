@@ -50,10 +50,19 @@ def worker(tmp_path):
     proc.wait(10)
 
 
+def _until(endpoint: str, condition, timeout_s: float = 10.0):
+    """Probe until condition(code, status) holds; the last probe's (code, status, reason)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        code, status, reason = probe(endpoint, 3)
+        if condition(code, status) or time.monotonic() > deadline:
+            return code, status, reason
+        time.sleep(0.05)
+
+
 def test_healthy_worker_answers_with_its_status(worker):
     proc, endpoint, _ = worker
-    time.sleep(0.2)
-    code, status, reason = probe(endpoint, 3)
+    code, status, reason = _until(endpoint, lambda c, s: c == EXIT_HEALTHY and s["step"] > 0)
     assert code == EXIT_HEALTHY, reason
     assert (status["role"], status["rank"], status["gpu"], status["pid"]) == ("drafter", 1, 3, proc.pid)
     assert status["state"] == "training" and status["stalled"] is False
@@ -66,15 +75,13 @@ def test_healthy_worker_answers_with_its_status(worker):
 
 def test_stalled_main_loop_reads_as_unhealthy_although_the_responder_answers(worker):
     _, endpoint, stall_file = worker
-    assert probe(endpoint, 3)[0] == EXIT_HEALTHY
+    assert _until(endpoint, lambda c, s: c == EXIT_HEALTHY)[0] == EXIT_HEALTHY
     stall_file.touch()
-    time.sleep(0.8)
-    code, status, reason = probe(endpoint, 3)
+    code, status, reason = _until(endpoint, lambda c, s: c == EXIT_UNHEALTHY)
     assert code == EXIT_UNHEALTHY and "stalled" in reason
     assert status["stalled"] is True and status["last_progress_age_s"] > 0.5
     stall_file.unlink()        # the loop recovers: healthy again
-    time.sleep(0.2)
-    assert probe(endpoint, 3)[0] == EXIT_HEALTHY
+    assert _until(endpoint, lambda c, s: c == EXIT_HEALTHY)[0] == EXIT_HEALTHY
 
 
 def test_killed_worker_is_unreachable_within_the_timeout(worker):

@@ -19,6 +19,19 @@ REPO = Path(__file__).resolve().parents[1]
 STEPS, CHECKPOINT_EVERY, LOG_EVERY, EVAL_EVERY = 120, 20, 5, 40
 
 
+def drafter_stuck(run_dir: Path) -> bool:
+    """drafter-0 waits for a batch and makes no step for a second (its status, not a fixed sleep)."""
+    from services.endpoints import endpoint
+    from services.config import load_config
+    from services.health import probe
+    health = endpoint(run_dir, load_config(run_dir / "config.json").transport, "drafter", 0, "health")
+    first = probe(health, 2)[1] or {}
+    time.sleep(1.0)
+    second = probe(health, 2)[1] or {}
+    return "waiting_for_g" in second and first.get("step") == second.get("step") \
+        and first.get("waiting_for_g") == second.get("waiting_for_g")
+
+
 def wait_for(predicate, timeout, proc, what):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -103,7 +116,7 @@ def test_stop_while_waiting_for_data_checkpoints_and_resume_finishes_the_run(tmp
         run = json.loads((run_dir / "run.json").read_text())
         pids = {w["name"]: w["pid"] for w in run["workers"]}
         os.kill(pids["target-0"], signal.SIGSTOP)                # the drafters run dry and wait
-        time.sleep(3)
+        wait_for(lambda: drafter_stuck(run_dir), 120, up, "drafter-0 to wait for a batch that cannot come")
         down = subprocess.Popen([sys.executable, "-m", "launcher", "down", "--run-dir", str(run_dir), "--timeout", "120"],
                                 cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         deadline = time.monotonic() + 60

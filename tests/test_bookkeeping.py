@@ -1,0 +1,44 @@
+"""What runs only inside the drafter process, tested on its own: the metrics window and the
+jsonl truncation a resume relies on."""
+import json
+
+import pytest
+
+from services.drafter.bookkeeping import MetricsWindow
+from services.drafter.ledger import truncate_jsonl
+
+
+def _step(loss, tau, blocks, supervised=10, reachable=9, sampled=5, per_position=(1.0, 0.5)):
+    return dict(loss=loss, accuracy=0.5, tau=tau, trained_blocks=blocks, supervised=supervised, reachable=reachable,
+                sampled=sampled, accuracy_per_position=list(per_position), step=7, lr=1e-3)
+
+
+def test_the_window_weights_every_batch_by_its_blocks_and_sums_the_counts():
+    window = MetricsWindow()
+    window.add(_step(loss=4.0, tau=2.0, blocks=10, per_position=(1.0, 0.0)))
+    window.add(_step(loss=1.0, tau=5.0, blocks=30, per_position=(0.0, 1.0)))
+    last = _step(loss=1.0, tau=5.0, blocks=30)
+    mean = window.mean(last)
+    assert mean["loss"] == pytest.approx((4.0 * 10 + 1.0 * 30) / 40) and mean["tau"] == pytest.approx(4.25)
+    assert mean["trained_blocks"] == 40 and mean["accuracy_per_position"] == pytest.approx([0.25, 0.75])
+    assert (mean["supervised"], mean["reachable"], mean["sampled"]) == (20, 18, 10)
+    assert mean["step"] == 7 and mean["lr"] == 1e-3                   # the rest is the last step's
+
+
+def test_an_empty_window_gives_back_the_last_step():
+    window = MetricsWindow()
+    window.add(_step(loss=2.0, tau=1.0, blocks=0, supervised=0, reachable=0, sampled=0))
+    last = _step(loss=2.0, tau=1.0, blocks=0, supervised=0, reachable=0, sampled=0)
+    assert window.mean(last) == last
+
+
+def test_truncate_keeps_the_lineage_up_to_a_step_and_drops_a_line_cut_by_a_crash(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    lines = [json.dumps({"step": s, "loss": 1.0 / s}) for s in range(1, 6)]
+    path.write_text("\n".join(lines) + "\n" + '{"step": 6, "lo')         # the last write was cut short
+    truncate_jsonl(path, keep_through_step=3)
+    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2, 3]
+    truncate_jsonl(path, keep_through_step=10)                           # nothing past the end: unchanged
+    assert len(path.read_text().splitlines()) == 3
+    truncate_jsonl(tmp_path / "missing.jsonl", 3)                        # nothing to truncate: no file made
+    assert not (tmp_path / "missing.jsonl").exists()
