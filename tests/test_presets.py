@@ -54,12 +54,12 @@ def test_the_27b_preset_trains_on_the_demo_with_a_scaled_window(tmp_path):
     full), block 16; what cannot fit the demo is scaled: the window (2048 of a 4096 pack -> 48 of the
     demo's 512, shorter than most demo documents, so it bites), the ids of the 4-layer target, its
     mask token, and heads the 128-wide demo target can carry. At the demo's lr (3e-3) five layers did
-    not learn in 120 steps (all-full did not either); 1e-3 with 128 anchors does."""
+    not learn in 120 steps (all-full did not either); 1e-3 does (tau 1.1 -> 2.4 in 80 steps)."""
     run_dir = tmp_path / "run"
     scaled = ["drafter.num_layers=5", "drafter.block_size=16", "drafter.sliding_window=48",
-              "target.layer_ids=[0, 1, 2]", "drafter.mask_token_id=-1", "drafter.num_anchors=128",
+              "target.layer_ids=[0, 1, 2]", "drafter.mask_token_id=-1", "drafter.num_anchors=64",
               "drafter.overrides={num_attention_heads=4, num_key_value_heads=2, head_dim=32}",
-              "drafter.lr=1e-3", "run.max_steps=120", "run.log_every=1"]
+              "drafter.lr=1e-3", "run.max_steps=80", "run.log_every=1"]
     cmd = [sys.executable, "-m", "launcher", "up", "--demo", "--device", "cpu", "--gpus", "0:target,1:drafter",
            "--config", str(PRESETS / "qwen3.6-27b.toml"), "--run-dir", str(run_dir), *scaled]
     out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
@@ -71,7 +71,7 @@ def test_the_27b_preset_trains_on_the_demo_with_a_scaled_window(tmp_path):
         7.0, 1.0, "qwen3.6-27b-dflash")
     steps = [m for m in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if not m.get("eval")]
     first, last = (sum(m["loss"] for m in part) / len(part) for part in (steps[:5], steps[-5:]))
-    assert len(steps) == 120 and last < first * 0.9, f"loss did not fall: {first:.3f} -> {last:.3f}"
+    assert len(steps) == 80 and last < first * 0.9, f"loss did not fall: {first:.3f} -> {last:.3f}"
     tau_first, tau_last = (sum(m["tau"] for m in part) / len(part) for part in (steps[:5], steps[-5:]))
     assert tau_last > tau_first + 0.5, f"tau did not rise: {tau_first:.2f} -> {tau_last:.2f}"
     export = json.loads((run_dir / "export" / "config.json").read_text())
