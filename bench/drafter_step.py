@@ -12,7 +12,18 @@ in the same run.
 
 Shapes: (a) recipe = Qwen3-8B: width 4096, 5 layers, 32/8 heads x 128, S 8192, 512 anchors, B 16,
 vocab 151936. (b) large = the user's threaded setup: S 40000, 1024 anchors, B 32, width 5120
-(Qwen3-32B layer shape: 64/8 heads x 128, intermediate 25600).
+(Qwen3-32B layer shape: 64/8 heads x 128, intermediate 25600). (c) qwen36 = the Qwen3.6-27B recipe
+drafter (presets/qwen3.6-27b.toml): width 5120, intermediate 17408, 32/8 heads x 128, 5 layers,
+vocab 248320, at the seeds' shape S 40000, 1024 anchors, B 32 (--seq-len 8192 for the short pack).
+
+Layout: --layout full (every layer full_attention) or hybrid (4 sliding_attention + 1 full, window
+--window, 2048 by default: the 27B preset); --layout both runs each shape twice and prints the
+hybrid/full step-time ratio. The layout changes only the attention (mask and attended pairs).
+
+    python bench/drafter_step.py --shape qwen36 --layout both --seq-len 40000 --steps 5
+    python bench/drafter_step.py --shape custom --hidden 64 --intermediate 128 --heads 4 --kv-heads 2 \
+        --head-dim 16 --layers 5 --seq-len 512 --anchors 32 --block-size 8 --vocab 512 --window 48 \
+        --layout both --device cpu --steps 2 --warmup-steps 1 --no-compile       # CPU smoke test
 Needs no pyzmq.
 """
 from __future__ import annotations
@@ -34,12 +45,17 @@ SHAPES = {
                    vocab=151936, seq_len=8192, anchors=512, block_size=16),
     "large": dict(hidden=5120, intermediate=25600, heads=64, kv_heads=8, head_dim=128, layers=5, target_layers=64,
                   vocab=151936, seq_len=40000, anchors=1024, block_size=32),
+    "qwen36": dict(hidden=5120, intermediate=17408, heads=32, kv_heads=8, head_dim=128, layers=5, target_layers=64,
+                   vocab=248320, seq_len=40000, anchors=1024, block_size=32),
 }
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--shape", choices=["all", "recipe", "large", "custom"], default="all")
+    p.add_argument("--shape", choices=["all", "recipe", "large", "qwen36", "custom"], default="all")
+    p.add_argument("--layout", choices=["full", "hybrid", "both"], default="full",
+                   help="full: every layer full_attention; hybrid: 4 sliding + 1 full (the 27B preset)")
+    p.add_argument("--window", type=int, default=2048, help="sliding_window of the hybrid layout")
     for name in ("hidden", "intermediate", "heads", "kv_heads", "head_dim", "layers", "target_layers", "vocab",
                  "seq_len", "anchors", "block_size"):
         p.add_argument("--" + name.replace("_", "-"), type=int, help="custom shape (or override a preset)")
@@ -69,14 +85,29 @@ def shape_from_args(args, name):
     return shape
 
 
-def attended_pairs(inputs, block_size: int) -> int:
-    """Query-key pairs the mask keeps: every row of a valid block sees its context prefix and its block."""
+def layout_overrides(layout: str, layers: int, window: int) -> list[str]:
+    if layout == "full":
+        return []
+    types = ["sliding_attention"] * (layers - 1) + ["full_attention"]
+    return ["drafter.layer_types=" + json.dumps(types), f"drafter.sliding_window={window}"]
+
+
+def attended_pairs(inputs, block_size: int, window: int | None = None) -> int:
+    """Query-key pairs the mask keeps: each row of a valid block sees its context prefix and its block;
+    with a window, the row at block offset k sees at most window - 1 - k context keys, and block keys
+    from offset k - window + 1 on (attention.visibility)."""
     valid = inputs.anchors >= 0
     context = (inputs.anchors - inputs.context_starts).clamp(min=0)
-    return int(((context + block_size) * valid).sum()) * block_size
+    if window is None:
+        return int(((context + block_size) * valid).sum()) * block_size
+    import torch
+    k = torch.arange(block_size, device=context.device)
+    seen = context[:, None].clamp(max=(window - 1 - k).clamp(min=0)[None, :])
+    own = block_size - (k - window + 1).clamp(min=0)
+    return int(((seen + own[None, :]) * valid[:, None]).sum())
 
 
-def bench_shape(name, shape, args, peak_tflops):
+def bench_shape(name, shape, args, peak_tflops, layout="full"):
     import torch
     from services.config import load_config
     from services.drafter.anchors import anchor_generator, build_inputs
@@ -91,7 +122,7 @@ def bench_shape(name, shape, args, peak_tflops):
                              f"drafter.block_size={shape['block_size']}", f"drafter.num_layers={shape['layers']}",
                              f"drafter.compile={'false' if args.no_compile else 'true'}",
                              f"drafter.loss_chunk={args.loss_chunk}", f"drafter.attention=\"{args.attention}\"",
-                             "drafter.lr=1e-4"])
+                             "drafter.lr=1e-4", *layout_overrides(layout, shape["layers"], args.window)])
     base = dict(hidden_size=shape["hidden"], intermediate_size=shape["intermediate"], num_attention_heads=shape["heads"],
                 num_key_value_heads=shape["kv_heads"], head_dim=shape["head_dim"], vocab_size=shape["vocab"],
                 num_target_layers=shape["target_layers"], rope_theta=1_000_000.0)
@@ -103,11 +134,12 @@ def bench_shape(name, shape, args, peak_tflops):
     state = build_train_state(cfg, model_cfg, head, device, total_steps=100_000)
     source = SyntheticSource(model_cfg, shape["seq_len"], device=device)
     batches = [source.batch(g) for g in range(2)]
-    result = {"shape": name, **shape, "device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu",
+    result = {"shape": name, **shape, "layout": layout, "layer_types": model_cfg.layer_types,
+              "sliding_window": model_cfg.sliding_window, "device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu",
               "torch": torch.__version__, "attention": state.drafter.attention.name, "compile": not args.no_compile,
               "trainable_params": state.drafter.num_parameters(), "loss_chunk": args.loss_chunk,
               "matmul_peak_tflops": round(peak_tflops, 1)}
-    print(f"[{name}] {result['trainable_params'] / 1e9:.3f} B trainable params; compiling ...", flush=True)
+    print(f"[{name} {layout}] {result['trainable_params'] / 1e9:.3f} B trainable params; compiling ...", flush=True)
 
     result["compile_s"] = round(warmup(state, batches[0]), 1)
     watch = RecompileWatch()
@@ -125,8 +157,9 @@ def bench_shape(name, shape, args, peak_tflops):
     inputs = build_inputs(batches[0], num_anchors=shape["anchors"], block_size=shape["block_size"],
                           mask_token_id=model_cfg.mask_token_id, gamma=state.settings.gamma,
                           generator=anchor_generator(0, 1000, device))
-    pairs = attended_pairs(inputs, shape["block_size"])
+    pairs = {kind: attended_pairs(inputs, shape["block_size"], model_cfg.window(kind)) for kind in set(model_cfg.layer_types)}
     flops = model_flops(model_cfg, shape["seq_len"], shape["anchors"], pairs)
+    all_pairs = sum(pairs[kind] for kind in model_cfg.layer_types) / model_cfg.num_hidden_layers     # per layer
     trained_positions = int((inputs.weights > 0).sum())
     result.update(
         step_s=round(step_s, 4), step_s_min=round(min(times), 4), step_s_max=round(max(times), 4),
@@ -138,7 +171,7 @@ def bench_shape(name, shape, args, peak_tflops):
         flop_split_tflop={k: round(v / 1e12, 2) for k, v in flops.items()},
         achieved_tflops=round(flops["total"] / step_s / 1e12, 1),
         mfu=round(flops["total"] / step_s / 1e12 / peak_tflops, 4),
-        mask_density=round(pairs / (inputs.anchors.numel() * shape["block_size"] * (inputs.context_len + inputs.anchors.numel() * shape["block_size"])), 4),
+        mask_density=round(all_pairs / (inputs.anchors.numel() * shape["block_size"] * (inputs.context_len + inputs.anchors.numel() * shape["block_size"])), 4),
         recompiles=watch.count, last_loss=round(metrics["loss"], 4))
 
     if not args.no_breakdown:
@@ -167,21 +200,22 @@ def breakdown(state, batch, inputs, step_s) -> dict:
     def anchors_and_mask():
         inp = build_inputs(batch, num_anchors=s.num_anchors, block_size=s.block_size, mask_token_id=s.mask_token_id,
                            gamma=s.gamma, generator=anchor_generator(0, 7, device))
-        state.drafter.attention.build_mask(inp.anchors, inp.context_starts, s.block_size, inp.context_len)
+        state.drafter.build_masks(inp.anchors, inp.context_starts, inp.context_len)
 
     parts = {"anchors_blocks_mask": timed(anchors_and_mask, 5)}
 
-    mask = state.drafter.attention.build_mask(inputs.anchors, inputs.context_starts, s.block_size, inputs.context_len)
+    masks = state.drafter.build_masks(inputs.anchors, inputs.context_starts, inputs.context_len)
     q_len, kv_len = inputs.anchors.numel() * s.block_size, inputs.context_len + inputs.anchors.numel() * s.block_size
     q = torch.randn(1, cfg.num_attention_heads, q_len, cfg.head_dim, device=device, dtype=dtype, requires_grad=True)
     k = torch.randn(1, cfg.num_key_value_heads, kv_len, cfg.head_dim, device=device, dtype=dtype, requires_grad=True)
     v = torch.randn_like(k, requires_grad=True)
 
-    def attention_fwd_bwd():
-        state.drafter.attention(q, k, v, mask).sum().backward()
+    def attention_fwd_bwd():                                      # one pass per layer, with its type's mask
+        for kind in cfg.layer_types:
+            state.drafter.attention(q, k, v, masks[kind]).sum().backward()
 
-    timed(attention_fwd_bwd, 2)                                   # compile the standalone kernel first
-    parts["attention_fwd_bwd"] = timed(attention_fwd_bwd, 5) * cfg.num_hidden_layers
+    timed(attention_fwd_bwd, 2)                                   # compile the standalone kernels first
+    parts["attention_fwd_bwd"] = timed(attention_fwd_bwd, 5)
     del q, k, v
 
     rows = inputs.anchors.numel() * (s.block_size - 1)
@@ -222,15 +256,24 @@ def main(argv=None):
     peak = matmul_peak_tflops(device)
     print(f"bf16 matmul peak measured: {peak:.1f} TFLOP/s", flush=True)
     names = ["recipe", "large"] if args.shape == "all" else [args.shape]
+    layouts = ["full", "hybrid"] if args.layout == "both" else [args.layout]
     results = []
     for name in names:
-        r = bench_shape(name, shape_from_args(args, name), args, peak)
-        results.append(r)
-        print(json.dumps(r, indent=1), flush=True)
-        print(f"[{name}] step {r['step_s'] * 1e3:.1f} ms | {r['tokens_per_s']:.0f} tok/s | "
-              f"{r['trained_positions_per_s']:.0f} trained positions/s | peak {r['peak_memory_gib']} GiB | "
-              f"{r['achieved_tflops']} TFLOP/s = MFU {r['mfu'] * 100:.1f}% | compile {r['compile_s']} s | "
-              f"recompiles {r['recompiles']}", flush=True)
+        by_layout = {}
+        for layout in layouts:
+            r = bench_shape(name, shape_from_args(args, name), args, peak, layout)
+            results.append(r)
+            by_layout[layout] = r
+            print(json.dumps(r, indent=1), flush=True)
+            print(f"[{name} {layout}] step {r['step_s'] * 1e3:.1f} ms | {r['tokens_per_s']:.0f} tok/s | "
+                  f"{r['trained_positions_per_s']:.0f} trained positions/s | peak {r['peak_memory_gib']} GiB | "
+                  f"{r['achieved_tflops']} TFLOP/s = MFU {r['mfu'] * 100:.1f}% | compile {r['compile_s']} s | "
+                  f"recompiles {r['recompiles']}", flush=True)
+        if len(by_layout) == 2:
+            full, hybrid = by_layout["full"], by_layout["hybrid"]
+            print(f"[{name}] hybrid (window {args.window}) vs full: step {hybrid['step_s'] / full['step_s']:.3f}x, "
+                  f"i.e. {full['step_s'] / hybrid['step_s']:.2f}x faster; attention TFLOP "
+                  f"{hybrid['flop_split_tflop']['attention']} vs {full['flop_split_tflop']['attention']}", flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps({"matmul_peak_tflops": peak, "results": results}, indent=2))
     return 0

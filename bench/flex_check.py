@@ -1,9 +1,11 @@
 """Flex attention against the dense reference on the GPU, and 3 drafter processes on one GPU.
 
 Part 1: attention forward AND gradients, flex (compiled, BlockMask built directly from the
-        anchors) vs dense SDPA, at several shapes incl. GQA, padded S and empty blocks. The
-        reference is dense in fp32; flex in bf16 passes when its error is within a small factor
-        of dense-in-bf16's error (the usual flex_attention test criterion).
+        anchors) vs dense SDPA, at several shapes incl. GQA, padded S and empty blocks, with and
+        without a sliding window (the windowed mask of sliding_attention layers, incl. the 27B
+        preset's 2048 at S 8192 and S 40000 with 1024 anchors, B 32). The reference is dense in
+        fp32; flex in bf16 passes when its error is within a small factor of dense-in-bf16's error
+        (the usual flex_attention test criterion).
 Part 2: the whole drafter (compiled layers, flex, bf16 autocast) vs the eager dense drafter:
         loss and parameter gradients.
 Part 3: the compiled loss chunk vs the eager one.
@@ -12,6 +14,9 @@ Part 4: 3 `python -m services.drafter --synthetic --device cuda` processes on th
         all exit 0, identical parameters, 0 recompiles, loss falls. Needs pyzmq (health endpoint).
 
     python bench/flex_check.py [--skip-processes] [--out FILE]
+    python bench/flex_check.py --windows-only                 # only the windowed attention checks
+    python bench/flex_check.py --device cpu                   # smoke test: small windowed shapes, forward
+                                                              # only (flex has no backward on CPU)
 
 Prints max errors and PASS/FAIL per check; exit status 0 only when every check passed.
 """
@@ -55,42 +60,62 @@ def random_anchors(seq_len, num_anchors, block_size, num_docs, empty, gen):
     return torch.cat([anchors, torch.full((num_anchors - k,), -1)]), docs
 
 
-def attention_check(seq_len, num_anchors, block_size, heads, kv_heads, head_dim, num_docs=3, empty=4):
+def attention_check(seq_len, num_anchors, block_size, heads, kv_heads, head_dim, num_docs=3, empty=4, window=None,
+                    device="cuda"):
     gen = torch.Generator().manual_seed(seq_len + num_anchors)
-    dev = torch.device("cuda:0")
+    dev = torch.device("cuda:0" if device == "cuda" else "cpu")
+    backward = dev.type == "cuda"                               # flex_attention has no CPU backward
     anchors, docs = random_anchors(seq_len, num_anchors, block_size, num_docs, empty, gen)
     anchors, docs = anchors.to(dev), docs.to(dev)
     context_len = -(-seq_len // 128) * 128
     starts = anchor_context_starts(anchors, docs)
     q_len, kv_len = num_anchors * block_size, context_len + num_anchors * block_size
     flex, dense = FlexAttention(), DenseAttention()
-    flex_mask = flex.build_mask(anchors, starts, block_size, context_len)
-    dense_mask = dense.build_mask(anchors, starts, block_size, context_len)
+    flex_mask = flex.build_mask(anchors, starts, block_size, context_len, window)
+    dense_mask = dense.build_mask(anchors, starts, block_size, context_len, window)
     q = torch.randn(1, heads, q_len, head_dim, device=dev)
     k = torch.randn(1, kv_heads, kv_len, head_dim, device=dev)
     v = torch.randn(1, kv_heads, kv_len, head_dim, device=dev)
     grad_out = torch.randn(1, heads, q_len, head_dim, device=dev)
 
     def run(backend, mask, dtype):
-        qq, kk, vv = (t.to(dtype).detach().requires_grad_(True) for t in (q, k, v))
+        qq, kk, vv = (t.to(dtype).detach().requires_grad_(backward) for t in (q, k, v))
+        if not backward:
+            with torch.no_grad():
+                return [backend(qq, kk, vv, mask).float()]
         out = backend(qq, kk, vv, mask)
         out.backward(grad_out.to(dtype))
         return [t.float() for t in (out, qq.grad, kk.grad, vv.grad)]
 
+    low = torch.bfloat16 if backward else torch.float32         # CPU: fp32 throughout, forward only
     reference = run(dense, dense_mask, torch.float32)
-    dense_bf16 = run(dense, dense_mask, torch.bfloat16)
-    flex_bf16 = run(flex, flex_mask, torch.bfloat16)
-    names = ("out", "dq", "dk", "dv")
+    dense_bf16 = run(dense, dense_mask, low)
+    flex_bf16 = run(flex, flex_mask, low)
+    names = ("out", "dq", "dk", "dv")[:len(reference)]
     errors = {n: round(float((f - r).abs().max()), 5) for n, f, r in zip(names, flex_bf16, reference)}
     baseline = {n: round(float((d - r).abs().max()), 5) for n, d, r in zip(names, dense_bf16, reference)}
     empty_rows_zero = bool((flex_bf16[0][:, :, (anchors < 0).repeat_interleave(block_size)] == 0).all())
     ok = empty_rows_zero and all(errors[n] <= 3 * baseline[n] + 1e-2 for n in names)
-    return record(f"attention S={seq_len} anchors={num_anchors} B={block_size} heads={heads}/{kv_heads}x{head_dim}",
-                  ok, flex_err=errors, dense_bf16_err=baseline, empty_rows_zero=empty_rows_zero)
+    return record(f"attention S={seq_len} anchors={num_anchors} B={block_size} heads={heads}/{kv_heads}x{head_dim}"
+                  f" window={window} {dev.type}{'' if backward else ' forward only'}",
+                  ok, flex_err=errors, dense_low_err=baseline, empty_rows_zero=empty_rows_zero)
 
 
-def model_check():
-    """Whole drafter: compiled layers + flex + autocast vs eager dense + autocast, same weights, same batch."""
+def window_checks(device="cuda"):
+    """The windowed mask (sliding_attention layers), flex vs dense."""
+    if device == "cpu":                                         # smoke: small shapes, forward only
+        attention_check(600, 32, 16, 4, 2, 32, window=48, device="cpu")
+        attention_check(700, 64, 10, 4, 1, 32, num_docs=2, window=7, device="cpu")      # window < block
+        return
+    attention_check(4096, 256, 16, 32, 8, 128, num_docs=2, window=1000)
+    attention_check(3000, 64, 10, 16, 2, 64, num_docs=5, window=7)                 # window < block, B=10
+    attention_check(8192, 1024, 32, 32, 8, 128, num_docs=1, window=2048)           # the 27B preset at S 8192
+    attention_check(40000, 1024, 32, 32, 8, 128, num_docs=1, window=2048)          # ... and at S 40000
+
+
+def model_check(hybrid=False):
+    """Whole drafter: compiled layers + flex + autocast vs eager dense + autocast, same weights, same batch;
+    hybrid: a sliding layer (window 300) before a full one."""
     from services.config import load_config
     from services.drafter.synthetic import SYNTHETIC_MODEL, SyntheticSource
     from services.drafter.target_head import TargetHead, build_model_config
@@ -99,6 +124,8 @@ def model_check():
     overrides = ["data.pack_len=2000", "drafter.num_anchors=100", "drafter.block_size=16", "drafter.num_layers=2",
                  "drafter.overrides={hidden_size=512, intermediate_size=1024, num_attention_heads=8, "
                  "num_key_value_heads=2, head_dim=64, vocab_size=4096}"]
+    if hybrid:
+        overrides += ['drafter.layer_types=["sliding_attention", "full_attention"]', "drafter.sliding_window=300"]
     states = {}
     for kind, compile_ in (("dense", "false"), ("flex", "true")):
         cfg = load_config(None, overrides + [f"drafter.attention=\"{kind}\"", f"drafter.compile={compile_}"])
@@ -115,7 +142,8 @@ def model_check():
         grads[kind] = torch.cat([p.grad.flatten() for p in st.drafter.parameters()])
     cos = float(torch.nn.functional.cosine_similarity(grads["flex"], grads["dense"], dim=0))
     rel = abs(losses["flex"] - losses["dense"]) / abs(losses["dense"])
-    return record("drafter compiled+flex vs eager dense (bf16 autocast)", rel < 1e-2 and cos > 0.99,
+    return record(f"drafter compiled+flex vs eager dense (bf16 autocast){' hybrid' if hybrid else ''}",
+                  rel < 1e-2 and cos > 0.99,
                   loss_flex=round(losses["flex"], 5), loss_dense=round(losses["dense"], 5), grad_cosine=round(cos, 5))
 
 
@@ -183,20 +211,29 @@ def processes_check(steps: int = 20):
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--skip-processes", action="store_true")
+    p.add_argument("--windows-only", action="store_true", help="only the windowed attention checks")
+    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     p.add_argument("--out", help="write results as JSON here")
     args = p.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("FAIL  no CUDA device")
+    if args.device == "cpu":
+        window_checks("cpu")
+    elif not torch.cuda.is_available():
+        print("FAIL  no CUDA device (use --device cpu for a smoke run)")
         return 1
-    print(f"torch {torch.__version__} on {torch.cuda.get_device_name(0)}", flush=True)
-    attention_check(1000, 64, 16, 32, 8, 128)                  # GQA 4:1, S padded to 1024
-    attention_check(4096, 256, 16, 32, 8, 128, num_docs=2)     # recipe head layout, longer context
-    attention_check(2000, 64, 32, 8, 8, 128)                   # MHA, B=32
-    attention_check(3000, 64, 10, 16, 2, 64, num_docs=5)       # B=10 (anchors padded to 64), GQA 8:1
-    model_check()
-    loss_check()
-    if not args.skip_processes:
-        processes_check()
+    else:
+        print(f"torch {torch.__version__} on {torch.cuda.get_device_name(0)}", flush=True)
+        if not args.windows_only:
+            attention_check(1000, 64, 16, 32, 8, 128)                  # GQA 4:1, S padded to 1024
+            attention_check(4096, 256, 16, 32, 8, 128, num_docs=2)     # recipe head layout, longer context
+            attention_check(2000, 64, 32, 8, 8, 128)                   # MHA, B=32
+            attention_check(3000, 64, 10, 16, 2, 64, num_docs=5)       # B=10 (anchors padded to 64), GQA 8:1
+        window_checks()
+        if not args.windows_only:
+            model_check()
+            model_check(hybrid=True)
+            loss_check()
+            if not args.skip_processes:
+                processes_check()
     failed = [r["check"] for r in RESULTS if not r["pass"]]
     print(f"\n{len(RESULTS) - len(failed)}/{len(RESULTS)} checks passed" + (f"; FAILED: {failed}" if failed else ""))
     if args.out:

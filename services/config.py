@@ -77,6 +77,8 @@ class DrafterConfig:
     weight_decay: float = 0.0
     grad_clip: float = 1.0
     grad_accum: int = 1
+    layer_types: list[str] = field(default_factory=list)   # per layer: full_attention | sliding_attention; [] = all full
+    sliding_window: int = 0            # W of the sliding_attention layers (0 = none; docs/dflash.md)
     attention: str = "auto"            # "auto" | "flex" | "dense"; auto = flex on cuda, dense on cpu
     compile: bool = True
     loss_chunk: int = 2048             # query rows per lm_head/CE chunk
@@ -231,6 +233,34 @@ def validate(cfg: Config) -> None:
     need(cfg.run.unresponsive_after_s > 0, f"run.unresponsive_after_s must be > 0, got {cfg.run.unresponsive_after_s}")
     need(cfg.run.epochs >= 1, f"run.epochs must be >= 1, got {cfg.run.epochs}")
     need(ascending(cfg.target.layer_ids), layer_ids_message("target.layer_ids", cfg.target.layer_ids))
+    need(cfg.drafter.sliding_window >= 0, f"drafter.sliding_window must be > 0 (or 0 for none), got {cfg.drafter.sliding_window}")
+    try:
+        check_layout(cfg.drafter.layer_types or [FULL] * cfg.drafter.num_layers, cfg.drafter.sliding_window or None,
+                     cfg.drafter.num_layers, prefix="drafter.")
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+FULL, SLIDING = "full_attention", "sliding_attention"
+
+
+def check_layout(layer_types: list, sliding_window, num_layers: int, prefix: str = "") -> None:
+    """Draft-layer attention layout, with the rules of SpecForge's resolve_dflash_attention_layout
+    (docs/dflash.md): known types only, one per layer, a window > 0 exactly when a layer slides.
+    ValueError naming the key (prefix + layer_types / sliding_window)."""
+    if len(layer_types) != num_layers:
+        raise ValueError(f"{prefix}layer_types has {len(layer_types)} entries, but the drafter has {num_layers} layers")
+    for i, kind in enumerate(layer_types):
+        if kind not in (FULL, SLIDING):
+            raise ValueError(f"{prefix}layer_types[{i}] = {kind!r}: unknown layer type (known: {FULL}, {SLIDING})")
+    if sliding_window is not None and (isinstance(sliding_window, bool) or not isinstance(sliding_window, int)
+                                       or sliding_window <= 0):
+        raise ValueError(f"{prefix}sliding_window must be an integer > 0, got {sliding_window!r}")
+    if SLIDING in layer_types and sliding_window is None:
+        raise ValueError(f"{prefix}layer_types has {SLIDING} layers but {prefix}sliding_window is not set")
+    if SLIDING not in layer_types and sliding_window is not None:
+        raise ValueError(f"{prefix}sliding_window = {sliding_window} is set but no layer in {prefix}layer_types "
+                         f"is {SLIDING}")
 
 
 def _is_loopback(host: str) -> bool:

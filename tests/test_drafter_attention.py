@@ -9,19 +9,25 @@ from services.drafter.attention import (DenseAttention, FlexAttention, anchor_co
                                         dense_block_mask, document_starts, flex_block_mask, flex_mask_mod)
 
 
-def brute_force_mask(anchors, block_size, context_len, document_ids=None):
-    """docs/dflash.md's rule, written as loops over (query block, key)."""
+def brute_force_mask(anchors, block_size, context_len, document_ids=None, window=None):
+    """docs/dflash.md's rule, written as loops over (query, key). With a window W, the query at block
+    offset k (position a + k) sees only keys less than W positions before it: context j with
+    a + k - j < W, block offsets o with k - o < W (SpecForge's create_dflash_sdpa_mask)."""
     n = len(anchors)
     mask = torch.zeros(n * block_size, context_len + n * block_size, dtype=torch.bool)
+    near = lambda query_pos, key_pos: window is None or query_pos - key_pos < window
     for i, a in enumerate(anchors.tolist()):
         if a < 0:
             continue
-        rows = slice(i * block_size, (i + 1) * block_size)
-        for j in range(context_len):
-            same_doc = document_ids is None or (j < len(document_ids) and document_ids[j] == document_ids[a])
-            if j < a and same_doc:
-                mask[rows, j] = True
-        mask[rows, context_len + i * block_size: context_len + (i + 1) * block_size] = True
+        for k in range(block_size):
+            row = i * block_size + k
+            for j in range(context_len):
+                same_doc = document_ids is None or (j < len(document_ids) and document_ids[j] == document_ids[a])
+                if j < a and same_doc and near(a + k, j):
+                    mask[row, j] = True
+            for o in range(block_size):
+                if near(k, o):
+                    mask[row, context_len + i * block_size + o] = True
     return mask
 
 
@@ -51,10 +57,35 @@ def test_without_documents_the_whole_prefix_is_visible():
     assert m[0].tolist() == [True, True, True, False, False, True, True]
 
 
+def test_hand_checked_sliding_window_mask():
+    """W = 3, B = 2: the anchor row (position a) sees a-2, a-1; the next row (a+1) sees only a-1; the
+    window stops at the document start; the block stays whole (W >= B)."""
+    docs = torch.tensor([0, 0, 0, 0, 0, 1, 1, 1])
+    m = dense_block_mask(torch.tensor([4, 6]), block_size=2, context_len=8, document_ids=docs, window=3)
+    expected = [[0, 0, 1, 1, 0, 0, 0, 0] + [1, 1, 0, 0],     # block 0, k=0: keys 2, 3
+                [0, 0, 0, 1, 0, 0, 0, 0] + [1, 1, 0, 0],     # block 0, k=1: key 3 only
+                [0, 0, 0, 0, 0, 1, 0, 0] + [0, 0, 1, 1],     # block 1: document 1 starts at 5
+                [0, 0, 0, 0, 0, 1, 0, 0] + [0, 0, 1, 1]]
+    assert torch.equal(m, torch.tensor(expected, dtype=torch.bool))
+    # a window smaller than the block also bounds the block itself on the left (never on the right)
+    m1 = dense_block_mask(torch.tensor([4]), block_size=3, context_len=5, window=1)
+    assert m1.int().tolist() == [[0] * 5 + [1, 1, 1], [0] * 5 + [0, 1, 1], [0] * 5 + [0, 0, 1]]
+
+
+def test_bad_windows_are_refused():
+    for window in (0, -3, 2.5, True):
+        with pytest.raises(ValueError, match="sliding window must be None or an int >= 1"):
+            dense_block_mask(torch.tensor([3]), 2, 8, window=window)
+        with pytest.raises(ValueError, match="sliding window must be None or an int >= 1"):
+            flex_block_mask(torch.tensor([3] * 64), torch.zeros(64, dtype=torch.long), 2, 128, window=window)
+
+
+@pytest.mark.parametrize("window", [None, 1, 3, 7, 20])
 @pytest.mark.parametrize("block_size", [4, 10, 16])
-def test_dense_mask_equals_brute_force(block_size):
+def test_dense_mask_equals_brute_force(block_size, window):
     anchors, docs = random_case(1, block_size, seq_len=90, num_anchors=12, num_docs=4)
-    assert torch.equal(dense_block_mask(anchors, block_size, 96, docs), brute_force_mask(anchors, block_size, 96, docs))
+    assert torch.equal(dense_block_mask(anchors, block_size, 96, docs, window),
+                       brute_force_mask(anchors, block_size, 96, docs, window))
 
 
 def test_document_starts_and_contiguity_check():
@@ -68,23 +99,28 @@ def test_document_starts_and_contiguity_check():
         dense_block_mask(torch.tensor([9]), 2, 8, docs)
 
 
-@pytest.mark.parametrize("block_size,seq_len,num_docs", [(8, 300, 3), (10, 700, 1), (16, 1400, 1), (16, 1400, 4),
-                                                           (32, 1000, 2), (256, 300, 2)])
-def test_direct_block_mask_equals_create_block_mask(block_size, seq_len, num_docs):
+@pytest.mark.parametrize("block_size,seq_len,num_docs,window", [
+    (8, 300, 3, None), (10, 700, 1, None), (16, 1400, 1, None), (16, 1400, 4, None), (32, 1000, 2, None),
+    (256, 300, 2, None),
+    # windows: wider than a tile, narrower than a tile, narrower than the block, anchors across q tiles
+    (16, 1400, 1, 300), (16, 1400, 4, 100), (10, 700, 1, 129), (8, 300, 3, 5), (32, 1000, 2, 20), (256, 300, 2, 150)])
+def test_direct_block_mask_equals_create_block_mask(block_size, seq_len, num_docs, window):
     step = 128 // math.gcd(block_size, 128)
     num_anchors = -(-40 // step) * step
     context_len = -(-seq_len // 128) * 128
     anchors, docs = random_case(block_size + seq_len, block_size, seq_len, num_anchors, num_docs)
     starts = anchor_context_starts(anchors, docs)
-    mask_mod = flex_mask_mod(anchors, starts, block_size, context_len)
+    mask_mod = flex_mask_mod(anchors, starts, block_size, context_len, window)
     q_len, kv_len = num_anchors * block_size, context_len + num_anchors * block_size
 
     # the flex mask_mod, evaluated element by element, is the dense mask
     q_idx, kv_idx = torch.arange(q_len)[:, None], torch.arange(kv_len)[None, :]
-    dense = dense_block_mask(anchors, block_size, context_len, docs)
+    dense = dense_block_mask(anchors, block_size, context_len, docs, window)
     assert torch.equal(mask_mod(0, 0, q_idx, kv_idx), dense)
+    if window is not None and context_len <= 768:       # the Python loops are slow at larger shapes
+        assert torch.equal(dense, brute_force_mask(anchors, block_size, context_len, docs, window))
 
-    direct = flex_block_mask(anchors, starts, block_size, context_len)
+    direct = flex_block_mask(anchors, starts, block_size, context_len, window=window)
     reference = create_block_mask(mask_mod, None, None, q_len, kv_len, device="cpu")
     for name in ("kv_num_blocks", "full_kv_num_blocks", "q_num_blocks", "full_q_num_blocks"):
         assert torch.equal(getattr(direct, name), getattr(reference, name)), name
@@ -95,7 +131,7 @@ def test_direct_block_mask_equals_create_block_mask(block_size, seq_len, num_doc
     assert direct.seq_lengths == (q_len, kv_len)
 
     # every tile the BlockMask skips is all-False in the dense mask, every full tile all-True
-    touched, full = block_tiles(anchors, starts, block_size, context_len)
+    touched, full = block_tiles(anchors, starts, block_size, context_len, window=window)
     tiles = dense.view(q_len // 128, 128, kv_len // 128, 128)
     assert torch.equal(tiles.any(3).any(1), touched)
     assert torch.equal(tiles.all(3).all(1), full)
@@ -134,10 +170,13 @@ def test_dense_backend_empty_rows_give_zero_not_nan():
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("layout", [None, (["sliding_attention", "full_attention"], 20)])
 @pytest.mark.parametrize("compile_layers", [False, True])
-def test_compiled_flex_forward_equals_dense_forward_on_cpu(compile_layers):
+def test_compiled_flex_forward_equals_dense_forward_on_cpu(compile_layers, layout):
     """Compiled flex_attention (inference works on CPU) against dense SDPA, with GQA and empty blocks;
-    called eagerly (its own compiled wrapper) or from inside compiled layers (captured by dynamo)."""
+    called eagerly (its own compiled wrapper) or from inside compiled layers (captured by dynamo);
+    all-full, and a sliding layer (window 20 < the context) before a full one. Flex has no backward
+    on CPU: its gradients are checked on the GPU (bench/flex_check.py)."""
     from services.drafter.anchors import build_inputs
     from services.drafter.compile import RecompileWatch
     from services.drafter.model import DFlashDrafter, DrafterModelConfig
@@ -146,7 +185,8 @@ def test_compiled_flex_forward_equals_dense_forward_on_cpu(compile_layers):
     torch.manual_seed(0)
     cfg = DrafterModelConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
                              head_dim=8, vocab_size=64, num_target_layers=6, num_hidden_layers=2,
-                             target_layer_ids=[1, 3], block_size=16, mask_token_id=63)
+                             target_layer_ids=[1, 3], block_size=16, mask_token_id=63,
+                             **({} if layout is None else {"layer_types": layout[0], "sliding_window": layout[1]}))
     source = SyntheticSource(cfg, 200)
     dense_model = DFlashDrafter(cfg, attention=DenseAttention())
     flex_model = DFlashDrafter(cfg, attention=FlexAttention())
@@ -171,10 +211,10 @@ def test_compiled_flex_forward_equals_dense_forward_on_cpu(compile_layers):
         embeds = table[inputs.block_ids.flatten()]
         outs = []
         for model in (dense_model, flex_model):
-            mask = model.attention.build_mask(inputs.anchors, inputs.context_starts, 16, inputs.context_len)
+            masks = model.build_masks(inputs.anchors, inputs.context_starts, inputs.context_len)
             with torch.no_grad():
                 outs.append(model(inputs.hidden.float(), embeds, inputs.context_positions,
-                                  inputs.block_positions.flatten(), mask))
+                                  inputs.block_positions.flatten(), masks))
         assert torch.isfinite(outs[1]).all()
         torch.testing.assert_close(outs[1], outs[0], atol=2e-5, rtol=1e-4)
         if watch is None:

@@ -124,7 +124,8 @@ def test_bad_target_configs_are_named(tmp_path):
 
 
 def reference_block_outputs(drafter, inputs, embeds):
-    """Each valid block on its own, with HF Qwen3 modules: keys = its context prefix + itself."""
+    """Each valid block on its own, with HF Qwen3 modules: keys = its context prefix + itself; in a
+    sliding_attention layer, only keys less than sliding_window positions before the query."""
     from transformers import Qwen3Config
     from transformers.models.qwen3.modeling_qwen3 import (Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding,
                                                           apply_rotary_pos_emb)
@@ -166,7 +167,11 @@ def reference_block_outputs(drafter, inputs, embeds):
             _, k = apply_rotary_pos_emb(k[None], k[None], cos, sin)
             k = k[0].repeat_interleave(heads // kv_heads, 0)
             v = v.repeat_interleave(heads // kv_heads, 0)
-            attn = torch.softmax(q[0] @ k.transpose(1, 2) / D ** 0.5, -1) @ v
+            scores = q[0] @ k.transpose(1, 2) / D ** 0.5
+            if c.layer_types[layer] == "sliding_attention":
+                too_far = pos[0, -B:, None] - pos[0, None, :] >= c.sliding_window
+                scores = scores.masked_fill(too_far, float("-inf"))
+            attn = torch.softmax(scores, -1) @ v
             x = x + lin(p + "self_attn.o_proj.weight", attn.transpose(0, 1).reshape(B, heads * D))
             mlp = Qwen3MLP(hf)
             for n in ("gate_proj", "up_proj", "down_proj"):
@@ -176,11 +181,14 @@ def reference_block_outputs(drafter, inputs, embeds):
     return outs
 
 
-def test_drafter_forward_matches_a_per_block_hf_reference():
+@pytest.mark.parametrize("layer_types, window", [([], None), (["sliding_attention", "full_attention"], 3),
+                                                  (["full_attention", "sliding_attention"], 6)])
+def test_drafter_forward_matches_a_per_block_hf_reference(layer_types, window):
     torch.manual_seed(0)
     cfg = DrafterModelConfig(hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2,
                              head_dim=8, vocab_size=64, num_target_layers=8, num_hidden_layers=2,
-                             target_layer_ids=[1, 3, 5], block_size=4, mask_token_id=63, rope_theta=10000.0)
+                             target_layer_ids=[1, 3, 5], block_size=4, mask_token_id=63, rope_theta=10000.0,
+                             layer_types=layer_types, sliding_window=window)
     drafter = DFlashDrafter(cfg, attention=DenseAttention())
     for p in drafter.parameters():                      # make norms non-trivial
         p.data.add_(torch.randn_like(p) * 0.05)
@@ -189,9 +197,9 @@ def test_drafter_forward_matches_a_per_block_hf_reference():
                           generator=torch.Generator().manual_seed(0))
     assert len(set(batch.document_ids[inputs.anchors[inputs.anchors >= 0]].tolist())) > 1   # several documents
     embeds = torch.randn(64, 32)[inputs.block_ids.flatten()]
-    mask = drafter.attention.build_mask(inputs.anchors, inputs.context_starts, 4, inputs.context_len)
+    masks = drafter.build_masks(inputs.anchors, inputs.context_starts, inputs.context_len)
     with torch.no_grad():
-        out = drafter(inputs.hidden.float(), embeds, inputs.context_positions, inputs.block_positions.flatten(), mask)
+        out = drafter(inputs.hidden.float(), embeds, inputs.context_positions, inputs.block_positions.flatten(), masks)
         ref = reference_block_outputs(drafter, inputs, embeds)
     assert len(ref) >= 5
     for i, expected in ref.items():
@@ -203,3 +211,72 @@ def test_synthetic_model_config_and_overrides():
     cfg = load_config(None, ["drafter.overrides={hidden_size=48, num_hidden_layers=1}", "target.layer_ids=[2]"])
     m = build_model_config(cfg, SYNTHETIC_MODEL, mask_token_id=5)
     assert m.hidden_size == 48 and m.num_hidden_layers == 1 and m.target_layer_ids == [2] and m.hidden_width == 48
+
+
+def test_a_window_keeps_context_beyond_it_out():
+    """One sliding layer, W = 5, B = 4: the block of anchor a sees context a-4 .. a-1 (its anchor row,
+    at position a, counts itself in the window); changing the features of a-5 changes nothing,
+    changing those of a-4 changes the block; with full attention a-5 is visible."""
+    from services.drafter.attention import anchor_context_starts
+    outputs = {}
+    for kind, window in (("sliding_attention", 5), ("full_attention", None)):
+        torch.manual_seed(0)
+        cfg = DrafterModelConfig(hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2,
+                                 head_dim=8, vocab_size=64, num_target_layers=8, num_hidden_layers=1,
+                                 target_layer_ids=[3], block_size=4, mask_token_id=63, layer_types=[kind],
+                                 sliding_window=window)
+        drafter = DFlashDrafter(cfg, attention=DenseAttention())
+        anchors, a = torch.tensor([20]), 20
+        hidden = torch.randn(32, 32)
+        embeds, positions = torch.randn(4, 32), torch.arange(32)
+        masks = drafter.build_masks(anchors, anchor_context_starts(anchors, None), 32)
+
+        def run(h):
+            with torch.no_grad():
+                return drafter(h, embeds, positions, torch.arange(a, a + 4), masks)
+
+        base = run(hidden)
+        outputs[kind] = {}
+        for j in (a - 5, a - 4):
+            changed = hidden.clone()
+            changed[j] += 1.0
+            outputs[kind][j] = not torch.equal(run(changed), base)
+    assert outputs["sliding_attention"] == {15: False, 16: True}
+    assert outputs["full_attention"] == {15: True, 16: True}
+
+
+@pytest.mark.parametrize("layer_types, window, message", [
+    (["full_attention", "sliding"], 8, r"layer_types\[1\] = 'sliding': unknown layer type"),
+    (["sliding_attention", "full_attention"], None, "sliding_attention layers but sliding_window is not set"),
+    (["sliding_attention", "full_attention"], 0, "sliding_window must be an integer > 0, got 0"),
+    (["sliding_attention", "full_attention"], -1, "sliding_window must be an integer > 0, got -1"),
+    (["full_attention", "full_attention"], 8, "sliding_window = 8 is set but no layer"),
+    (["sliding_attention"], 8, "layer_types has 1 entries, but the drafter has 2 layers"),
+])
+def test_bad_attention_layouts_are_refused(layer_types, window, message):
+    with pytest.raises(ValueError, match=message):
+        DrafterModelConfig(hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2,
+                           head_dim=8, vocab_size=64, num_target_layers=8, num_hidden_layers=2, target_layer_ids=[3],
+                           layer_types=layer_types, sliding_window=window)
+
+
+def test_layout_errors_name_the_config_key():
+    from services.drafter.synthetic import SYNTHETIC_MODEL
+    with pytest.raises(ConfigError, match=r"drafter.layer_types\[0\] = 'swa': unknown layer type"):
+        load_config(None, ["drafter.num_layers=2", 'drafter.layer_types=["swa", "full_attention"]'])
+    with pytest.raises(ConfigError, match="drafter.layer_types has sliding_attention layers but drafter.sliding_window"):
+        load_config(None, ["drafter.num_layers=2", 'drafter.layer_types=["sliding_attention", "full_attention"]'])
+    with pytest.raises(ConfigError, match="drafter.sliding_window must be > 0"):
+        load_config(None, ["drafter.sliding_window=-4"])
+    with pytest.raises(ConfigError, match="drafter.sliding_window = 64 is set but no layer"):
+        load_config(None, ["drafter.sliding_window=64"])
+    with pytest.raises(ConfigError, match="drafter.layer_types has 1 entries, but the drafter has 5 layers"):
+        load_config(None, ['drafter.layer_types=["full_attention"]'])
+    # drafter.overrides reach the model config, and are checked there
+    cfg = load_config(None, ["drafter.num_layers=2", "drafter.overrides={sliding_window=16}"])
+    with pytest.raises(ConfigError, match="drafter model config: sliding_window = 16 is set but no layer"):
+        build_model_config(cfg, SYNTHETIC_MODEL, mask_token_id=5)
+    cfg = load_config(None, ["drafter.num_layers=2", 'drafter.layer_types=["sliding_attention", "full_attention"]',
+                             "drafter.sliding_window=16"])
+    m = build_model_config(cfg, SYNTHETIC_MODEL, mask_token_id=5)
+    assert m.layer_types == ["sliding_attention", "full_attention"] and m.sliding_window == 16

@@ -43,13 +43,17 @@ class ExportedDrafter:
         self.w = {k: v.float() for k, v in load_file(str(path / "model.safetensors")).items()}
 
     def __call__(self, context, context_pos, block_embeds, block_pos, visible):
-        """context [C, K*H] target features; block_embeds [Q, H]; visible [Q, C+Q] bool -> hidden [Q, H]."""
+        """context [C, K*H] target features; block_embeds [Q, H]; visible [Q, C+Q] bool -> hidden [Q, H].
+        A layer whose layer_types entry is "sliding_attention" also hides every key sliding_window or
+        more positions before the query (the engines' left window bound, as config.json states it)."""
         c, w = self.cfg, self.w
         eps, d, nh, nkv = c["rms_norm_eps"], c["head_dim"], c["num_attention_heads"], c["num_key_value_heads"]
         ctx = rms_norm(context @ w["fc.weight"].T, w["hidden_norm.weight"], eps)
         kv_pos = torch.cat([context_pos, block_pos])
+        near = block_pos[:, None] - kv_pos[None, :] < (c["sliding_window"] or 0)
         x = block_embeds
         for i in range(c["num_hidden_layers"]):
+            layer_visible = visible & near if c["layer_types"][i] == "sliding_attention" else visible
             p = lambda name: w[f"layers.{i}.{name}.weight"]
             h = rms_norm(x, p("input_layernorm"), eps)
             both = torch.cat([ctx, h])
@@ -60,7 +64,7 @@ class ExportedDrafter:
             k = rope(rms_norm(k, p("self_attn.k_norm"), eps), kv_pos, c["rope_theta"])
             k, v = k.repeat_interleave(nh // nkv, 0), v.repeat_interleave(nh // nkv, 0)
             scores = (q @ k.transpose(1, 2)) / math.sqrt(d)
-            attn = scores.masked_fill(~visible, float("-inf")).softmax(-1) @ v
+            attn = scores.masked_fill(~layer_visible, float("-inf")).softmax(-1) @ v
             x = x + attn.transpose(0, 1).reshape(len(x), nh * d) @ p("self_attn.o_proj").T
             h = rms_norm(x, p("post_attention_layernorm"), eps)
             x = x + (F.silu(h @ p("mlp.gate_proj").T) * (h @ p("mlp.up_proj").T)) @ p("mlp.down_proj").T
@@ -81,10 +85,11 @@ def dflash_visibility(anchors, document_ids, block_size, context_len):
 
 # --- the test ------------------------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory):
+HYBRID = ['drafter.layer_types=["sliding_attention", "full_attention"]', "drafter.sliding_window=5"]
+
+
+def train_drafter(tmp, *extra):
     """A tiny random Qwen3 target on disk, and a drafter process trained against its head."""
-    tmp = tmp_path_factory.mktemp("export")
     torch.manual_seed(0)
     target = Qwen3ForCausalLM(Qwen3Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=8,
                                           num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -95,11 +100,22 @@ def trained(tmp_path_factory):
     out = subprocess.run([sys.executable, "-m", "services.drafter", "--run-dir", str(run), "--synthetic", "--device", "cpu",
                           "--max-steps", "6", f"target.model_path={tmp / 'target'}", f"drafter.mask_token_id={MASK_ID}",
                           "drafter.num_layers=2", "drafter.block_size=8", "data.pack_len=128", "drafter.num_anchors=8",
-                          "drafter.compile=false", "drafter.lr=3e-3"],
+                          "drafter.compile=false", "drafter.lr=3e-3", *extra],
                          cwd=REPO, env=dict(env, PYTHONPATH=str(REPO)), capture_output=True, text=True, timeout=180,
                          umask=0o022)
     assert out.returncode == 0, out.stderr[-3000:]
     return tmp, run
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    return train_drafter(tmp_path_factory.mktemp("export"))
+
+
+@pytest.fixture(scope="module")
+def trained_hybrid(tmp_path_factory):
+    """The same with a sliding layer (window 5, narrower than the block of 8) before a full one."""
+    return train_drafter(tmp_path_factory.mktemp("export-hybrid"), *HYBRID)
 
 
 def launcher_export(checkpoint, out, dtype="bfloat16", umask=0o022):
@@ -132,9 +148,9 @@ def drafter_and_inputs(run, target_dir, weights_dtype):
                           generator=anchor_generator(0, 5, torch.device("cpu")))
     real = inputs.anchors >= 0
     with torch.no_grad():
-        mask = drafter.attention.build_mask(inputs.anchors, inputs.context_starts, 8, inputs.context_len)
+        masks = drafter.build_masks(inputs.anchors, inputs.context_starts, inputs.context_len)
         out = drafter(inputs.hidden.float(), F.embedding(inputs.block_ids.flatten(), embed),
-                      inputs.context_positions, inputs.block_positions.flatten(), mask)
+                      inputs.context_positions, inputs.block_positions.flatten(), masks)
     logits = (out.view(len(real), 8, -1)[real] @ lm_head.T)
     return logits, batch, inputs, embed, lm_head
 
@@ -164,6 +180,27 @@ def test_independent_loader_reproduces_the_drafters_logits(trained, tmp_path, dt
     assert torch.equal(ours.argmax(-1), theirs.argmax(-1))
 
 
+def test_a_hybrid_export_round_trips_with_its_window(trained_hybrid, tmp_path):
+    """Sliding + full layers: config.json carries the layout as vLLM and transformers read it, and the
+    independent loader, applying the window from config.json, reproduces the drafter's logits, which
+    differ from what the same weights give with the window ignored."""
+    target_dir, run = trained_hybrid[0] / "target", trained_hybrid[1]
+    export, _ = launcher_export(run, tmp_path / "export", "float32")
+    cfg = json.loads((export / "config.json").read_text())
+    assert cfg["layer_types"] == ["sliding_attention", "full_attention"] and cfg["sliding_window"] == 5
+    assert cfg["use_sliding_window"] is True and cfg["is_causal"] is False
+    hf = AutoConfig.from_pretrained(export)                   # transformers keeps the window (use_sliding_window)
+    assert hf.layer_types == ["sliding_attention", "full_attention"] and hf.sliding_window == 5
+
+    ours, batch, inputs, embed, lm_head = drafter_and_inputs(run, target_dir, torch.float32)
+    theirs = exported_logits(export, batch, inputs, embed, lm_head)
+    assert ours.shape == theirs.shape and ours.shape[0] >= 4
+    assert torch.allclose(ours, theirs, atol=2e-4, rtol=1e-4), (ours - theirs).abs().max()
+    unwindowed = dict(cfg, layer_types=["full_attention"] * 2, sliding_window=None, use_sliding_window=False)
+    (export / "config.json").write_text(json.dumps(unwindowed))
+    assert not torch.allclose(ours, exported_logits(export, batch, inputs, embed, lm_head), atol=1e-3)
+
+
 def test_export_layout_matches_the_released_drafters(trained, tmp_path):
     run = trained[1]
     export = run / "export"                                  # written by the run itself at the end
@@ -173,6 +210,7 @@ def test_export_layout_matches_the_released_drafters(trained, tmp_path):
     assert cfg["dflash_config"] == {"mask_token_id": MASK_ID, "target_layer_ids": [1, 5]}    # 8 target layers, 2 draft
     assert cfg["block_size"] == 8 and cfg["num_target_layers"] == 8 and cfg["num_hidden_layers"] == 2
     assert cfg["layer_types"] == ["full_attention"] * 2 and cfg["is_causal"] is False and cfg["dtype"] == "bfloat16"
+    assert cfg["sliding_window"] is None and cfg["use_sliding_window"] is False
     names = set(load_file(str(export / "model.safetensors")))
     per_layer = {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "self_attn.q_norm",
                  "self_attn.k_norm", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj", "input_layernorm",

@@ -6,7 +6,13 @@ Layout. Queries are the blocks: Q_LEN = num_anchors * block_size, block i holds 
 Mask (docs/dflash.md). A query in block i, anchor a_i, may attend
   - context key j when doc_start(a_i) <= j < a_i  (strictly before the anchor, same document),
   - every key of its own block,
-and nothing else. An empty block (anchor -1) attends nothing. A block that runs past its
+and nothing else. An empty block (anchor -1) attends nothing.
+
+Sliding window W (a `sliding_attention` layer; docs/dflash.md "Sliding-window layers"): the query at
+block offset k sits at position a_i + k and sees only keys within W positions of itself, counting
+itself: context j >= a_i + k - (W - 1), and block offsets o >= k - (W - 1). Nothing bounds it on the
+right: the whole block stays visible (SpecForge's training mask; with W >= B, as in every published
+config, only the context bound bites). A block that runs past its
 document's end needs nothing more: its keys are its own anchor and mask tokens and context of its
 own document before the anchor, so nothing outside the document is visible (its positions past
 the end carry no loss weight: anchors.py).
@@ -18,8 +24,8 @@ them so; `document_starts` checks it), so "same document and before the anchor" 
 
 The flex BlockMask is built directly from the anchors (no create_block_mask, no compile, no
 dense mask): every anchor's visible keys are two intervals, the context prefix and its own
-block; a 128x128 tile is touched when some row's interval reaches into it and full when every
-row of the tile covers it.
+block (per row with a window: the lower bounds grow by one per block offset); a 128x128 tile is
+touched when some row's interval reaches into it and full when every row of the tile covers it.
 """
 from __future__ import annotations
 
@@ -62,8 +68,15 @@ def anchor_context_starts(anchors: torch.Tensor, document_ids: torch.Tensor | No
     return torch.where(anchors >= 0, starts[anchors.clamp(min=0)], 0)
 
 
-def visibility(anchors: torch.Tensor, context_starts: torch.Tensor, block_size: int, context_len: int):
-    """The DFlash mask as a function of (q_idx, kv_idx) tensors (any broadcastable shapes)."""
+def check_window(window) -> None:
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ValueError(f"sliding window must be None or an int >= 1, got {window!r}")
+
+
+def visibility(anchors: torch.Tensor, context_starts: torch.Tensor, block_size: int, context_len: int,
+               window: int | None = None):
+    """The DFlash mask as a function of (q_idx, kv_idx) tensors (any broadcastable shapes).
+    window: None (full attention) or W (sliding: keys within W positions of the query, itself included)."""
     num_blocks = anchors.shape[0]
 
     def visible(q_idx, kv_idx):
@@ -73,13 +86,17 @@ def visibility(anchors: torch.Tensor, context_starts: torch.Tensor, block_size: 
         valid = (block < num_blocks) & (anchor >= 0)
         in_context = (kv_idx < context_len) & (kv_idx >= context_starts[safe]) & (kv_idx < anchor)
         in_own_block = (kv_idx >= context_len) & ((kv_idx - context_len) // block_size == block)
+        if window is not None:
+            offset = q_idx % block_size                     # the query sits at position anchor + offset
+            in_context = in_context & (kv_idx >= anchor + offset - (window - 1))
+            in_own_block = in_own_block & ((kv_idx - context_len) % block_size >= offset - (window - 1))
         return valid & (in_context | in_own_block)
 
     return visible
 
 
-def flex_mask_mod(anchors, context_starts, block_size: int, context_len: int):
-    visible = visibility(anchors, context_starts, block_size, context_len)
+def flex_mask_mod(anchors, context_starts, block_size: int, context_len: int, window: int | None = None):
+    visible = visibility(anchors, context_starts, block_size, context_len, window)
 
     def dflash_mask_mod(b, h, q_idx, kv_idx):
         return visible(q_idx, kv_idx)
@@ -107,19 +124,20 @@ def _check_anchors(anchors: torch.Tensor, block_size: int, context_len: int, doc
 
 
 def dense_block_mask(anchor_positions: torch.Tensor, block_size: int, context_len: int,
-                     document_ids: torch.Tensor | None = None) -> torch.Tensor:
+                     document_ids: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
     """Bool [num_anchors*block_size, context_len + num_anchors*block_size]; True = may attend.
 
     anchor_positions: 1-D int64, -1 marks an empty block. document_ids: 1-D over the context
-    (may be shorter than context_len: the rest is padding), contiguous documents.
+    (may be shorter than context_len: the rest is padding), contiguous documents. window: see visibility.
     """
     _check_anchors(anchor_positions, block_size, context_len, document_ids)
+    check_window(window)
     starts = anchor_context_starts(anchor_positions, document_ids)
     q_len = anchor_positions.shape[0] * block_size
     device = anchor_positions.device
     q_idx = torch.arange(q_len, device=device)[:, None]
     kv_idx = torch.arange(context_len + q_len, device=device)[None, :]
-    return visibility(anchor_positions, starts, block_size, context_len)(q_idx, kv_idx)
+    return visibility(anchor_positions, starts, block_size, context_len, window)(q_idx, kv_idx)
 
 
 def _ceil_div(x, d):
@@ -127,7 +145,7 @@ def _ceil_div(x, d):
 
 
 def block_tiles(anchors: torch.Tensor, context_starts: torch.Tensor, block_size: int, context_len: int,
-                tile: int = TILE) -> tuple[torch.Tensor, torch.Tensor]:
+                tile: int = TILE, window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Tile-level view of the mask: (touched, full) bool [Q_LEN/tile, KV_LEN/tile], no host sync."""
     n = anchors.shape[0]
     q_len = n * block_size
@@ -135,19 +153,23 @@ def block_tiles(anchors: torch.Tensor, context_starts: torch.Tensor, block_size:
     if q_len % tile or context_len % tile:
         raise ValueError(f"pad first: num_anchors*block_size={q_len} and context_len={context_len} "
                          f"must be multiples of {tile}")
+    check_window(window)
     nq, nkv = q_len // tile, kv_len // tile
     device = anchors.device
     i = torch.arange(n, device=device)
     valid = anchors >= 0
     zero = torch.zeros_like(anchors)
-    # each anchor's rows see two key intervals: its context prefix and its own block
     own_lo = context_len + i * block_size
-    lo = torch.stack([torch.where(valid, context_starts, zero), torch.where(valid, own_lo, zero)], 1)
     hi = torch.stack([torch.where(valid, anchors, zero), torch.where(valid, own_lo + block_size, zero)], 1)
-    nonempty = hi > lo
-    touch_lo, touch_hi = lo // tile, _ceil_div(hi, tile)
-    full_lo, full_hi = _ceil_div(lo, tile), hi // tile
-    has_full = nonempty & (full_hi > full_lo)
+
+    def lower_bounds(k):
+        """Each anchor's two key intervals start here for its row at block offset k (see visibility)."""
+        if window is None:
+            ctx, own = context_starts, own_lo
+        else:
+            ctx = torch.maximum(context_starts, anchors + k - (window - 1))
+            own = own_lo + (k - (window - 1)).clamp(min=0)
+        return torch.stack([torch.where(valid, ctx, zero), torch.where(valid, own, zero)], 1)
 
     # difference arrays over kv tiles, one row per q tile; +1 at an interval's start, -1 past its end
     touch = torch.zeros(nq * (nkv + 1), dtype=torch.int32, device=device)
@@ -159,6 +181,15 @@ def block_tiles(anchors: torch.Tensor, context_starts: torch.Tensor, block_size:
         q_tile = first_q + t
         inside = q_tile <= last_q
         q_tile = q_tile.clamp(max=nq - 1)
+        # the anchor's rows in this q tile are block offsets k_first..k_last; a window's lower bound
+        # grows with k, so the first row sees the most (touched) and the last the least (full)
+        k_first = (q_tile * tile - i * block_size).clamp(min=0)
+        k_last = ((q_tile + 1) * tile - 1 - i * block_size).clamp(max=block_size - 1)
+        lo_any, lo_all = lower_bounds(k_first), lower_bounds(k_last)
+        nonempty, has_full = hi > lo_any, hi > lo_all
+        touch_lo, touch_hi = lo_any // tile, _ceil_div(hi, tile)
+        full_lo, full_hi = _ceil_div(lo_all, tile), hi // tile
+        has_full = has_full & (full_hi > full_lo)
         rows_anchors.index_add_(0, q_tile, inside.int())
         rows_valid.index_add_(0, q_tile, (inside & valid).int())
         base = (q_tile * (nkv + 1))[:, None]
@@ -166,6 +197,7 @@ def block_tiles(anchors: torch.Tensor, context_starts: torch.Tensor, block_size:
         touch.index_add_(0, (base + touch_lo).flatten(), on)
         touch.index_add_(0, (base + touch_hi).flatten(), -on)
         on_full = (inside[:, None] & has_full).int().flatten()
+        full_lo, full_hi = torch.where(has_full, full_lo, 0), torch.where(has_full, full_hi, 0)
         cover.index_add_(0, (base + full_lo).flatten(), on_full)
         cover.index_add_(0, (base + full_hi).flatten(), -on_full)
     touched = touch.view(nq, nkv + 1).cumsum(-1)[:, :nkv] > 0
@@ -184,15 +216,15 @@ def _ordered(tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def flex_block_mask(anchors: torch.Tensor, context_starts: torch.Tensor, block_size: int, context_len: int,
-                    tile: int = TILE):
+                    tile: int = TILE, window: int | None = None):
     """The flex BlockMask for sorted-or-not anchors, built from tiles (see block_tiles)."""
-    touched, full = block_tiles(anchors, context_starts, block_size, context_len, tile)
+    touched, full = block_tiles(anchors, context_starts, block_size, context_len, tile, window)
     kv_num, kv_idx = _ordered(touched & ~full)
     full_num, full_idx = _ordered(full)
     q_len = anchors.shape[0] * block_size
     return BlockMask.from_kv_blocks(
         kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=tile,
-        mask_mod=flex_mask_mod(anchors, context_starts, block_size, context_len),
+        mask_mod=flex_mask_mod(anchors, context_starts, block_size, context_len, window),
         seq_lengths=(q_len, context_len + q_len))
 
 
@@ -200,11 +232,13 @@ class DenseAttention:
     """SDPA with the boolean mask. CPU runs and the reference for flex. Memory O(Q*KV)."""
     name = "dense"
 
-    def build_mask(self, anchors, context_starts, block_size: int, context_len: int) -> torch.Tensor:
+    def build_mask(self, anchors, context_starts, block_size: int, context_len: int,
+                   window: int | None = None) -> torch.Tensor:
+        check_window(window)
         q_len = anchors.shape[0] * block_size
         q_idx = torch.arange(q_len, device=anchors.device)[:, None]
         kv_idx = torch.arange(context_len + q_len, device=anchors.device)[None, :]
-        return visibility(anchors, context_starts, block_size, context_len)(q_idx, kv_idx)
+        return visibility(anchors, context_starts, block_size, context_len, window)(q_idx, kv_idx)
 
     def __call__(self, q, k, v, mask):
         # rows that attend nothing (empty blocks) must give 0, not NaN: let them attend
@@ -233,8 +267,8 @@ class FlexAttention:
     def __init__(self, kernel_options: dict | None = None):
         self.kernel_options = kernel_options
 
-    def build_mask(self, anchors, context_starts, block_size: int, context_len: int):
-        return flex_block_mask(anchors, context_starts, block_size, context_len)
+    def build_mask(self, anchors, context_starts, block_size: int, context_len: int, window: int | None = None):
+        return flex_block_mask(anchors, context_starts, block_size, context_len, window=window)
 
     def __call__(self, q, k, v, mask):
         # inside a compiled layer dynamo captures flex_attention itself; eager calls need the

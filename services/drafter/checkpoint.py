@@ -45,7 +45,7 @@ LATEST, BEST = "latest", "best"
 # Fields whose change makes a checkpoint meaningless for this run: the model's shapes and inputs ...
 MODEL_FIELDS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
                 "vocab_size", "num_target_layers", "num_hidden_layers", "target_layer_ids", "block_size",
-                "mask_token_id", "rms_norm_eps", "rope_theta", "attention_bias")
+                "mask_token_id", "rms_norm_eps", "rope_theta", "attention_bias", "layer_types", "sliding_window")
 # ... and what batch g contains and which rank trains it (exactly-once across the resume).
 RUN_FIELDS = ("run.seed", "data.path", "data.eval_path", "data.eval_fraction", "data.pack_len", "data.max_doc_len",
               "data.shuffle", "drafter.grad_accum", "target.labels_from_target")
@@ -406,8 +406,11 @@ def compatibility_errors(meta: dict, config: dict, model_cfg: DrafterModelConfig
     """'field: checkpoint X, now Y' for every field that makes the checkpoint unusable for this run."""
     errors = []
     now_model = model_cfg.to_dict()
+    then_model = dict(meta.get("model", {}))
+    if "num_hidden_layers" in then_model and "layer_types" not in then_model:     # written before sliding layers
+        then_model["layer_types"] = ["full_attention"] * then_model["num_hidden_layers"]
     for key in MODEL_FIELDS:
-        then = meta.get("model", {}).get(key)
+        then = then_model.get(key)
         if then != now_model[key]:
             errors.append(f"model {key}: checkpoint {then!r}, now {now_model[key]!r}")
     now_cfg = cfg.to_dict()

@@ -1,4 +1,4 @@
-"""Per-process compile setup (DESIGN.md "Compile").
+"""Per-process compile setup (docs/design.md "Drafter", docs/benchmarks.md "Compile isolation").
 
 Each drafter process compiles for itself: its own dynamo/inductor state, a compile cache shared
 on the node's disk, a share of the CPU cores for inductor's compile workers. Shapes are fixed

@@ -22,8 +22,14 @@ What the public loaders read (checked against z-lab/dflash `dflash/model.py`, SG
   B - 1 mask slots); SGLang reads block_size from config.json. export.json and the command's
   output carry the value.
 - block_size: top level (released drafters) or dflash_config; num_target_layers: top level.
-- layer_types "full_attention" + is_causal false: every draft layer is non-causal (SGLang ENCODER_ONLY,
-  vLLM causal=False); a "sliding_attention" layer would be causal there.
+- layer_types, sliding_window, use_sliding_window: the drafter's layout (docs/dflash.md "Sliding-window
+  layers"). vLLM (`_resolve_layer_attention`) gives layer i the top-level sliding_window when
+  layer_types[i] is "sliding_attention"; transformers' Qwen3Config keeps sliding_window only when
+  use_sliding_window is true, so it is true exactly when some layer slides. sliding_window is null
+  for an all-full drafter. Mixed layouts need vLLM's V2 model runner (VLLM_USE_V2_MODEL_RUNNER=1).
+- is_causal false, written explicitly: every draft layer is non-causal inside its block, as trained.
+  Unset, vLLM (`_dflash_layer_causal`) and SpecForge (`resolve_dflash_is_causal`, "the way SGLang's
+  DFlash model does") would make the sliding layers causal.
 - Tensor names without a "model." prefix: SGLang resolves either, vLLM prepends "model.".
 - auto_map is left out: it names a remote-code file (dflash.py) that only z-lab's repos ship. For
   transformers' AutoModel(trust_remote_code=True), copy that file next to config.json and add
@@ -75,7 +81,7 @@ def hf_config(m: DrafterModelConfig, dtype: str = "bfloat16") -> dict:
         "initializer_range": m.initializer_range,
         "intermediate_size": m.intermediate_size,
         "is_causal": False,
-        "layer_types": ["full_attention"] * m.num_hidden_layers,
+        "layer_types": list(m.layer_types),
         "max_position_embeddings": m.max_position_embeddings,
         "max_window_layers": m.num_hidden_layers,
         "num_attention_heads": m.num_attention_heads,
@@ -85,10 +91,10 @@ def hf_config(m: DrafterModelConfig, dtype: str = "bfloat16") -> dict:
         "rms_norm_eps": m.rms_norm_eps,
         "rope_scaling": None,
         "rope_theta": m.rope_theta,
-        "sliding_window": None,
+        "sliding_window": m.sliding_window,
         "tie_word_embeddings": m.tie_word_embeddings,
         "use_cache": True,
-        "use_sliding_window": False,
+        "use_sliding_window": m.sliding_window is not None,
         "vocab_size": m.vocab_size,
     }
 

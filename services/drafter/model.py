@@ -2,12 +2,12 @@
 
     ctx     = hidden_norm(fc(concat of K captured target layers))        [C, H], shared by every layer
     x       = embed(block tokens)   (anchor token, then mask tokens)      [Q, H]
-    per layer:
+    per layer (full_attention, or sliding_attention with a window: layer_types, sliding_window):
         h   = input_layernorm(x)
         q   = rope(q_norm(q_proj(h)))                  at the block positions
         k   = rope(k_norm(k_proj([ctx ; h])))          context at its positions, blocks at pos(a)+k
         v   = v_proj([ctx ; h])
-        x   = x + o_proj(attention(q, k, v, block mask))
+        x   = x + o_proj(attention(q, k, v, the block mask of the layer's type))
         x   = x + mlp(post_attention_layernorm(x))
     out     = norm(x)                                                     [Q, H]
 
@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from services.config import FULL, SLIDING, check_layout
 
 
 @dataclass
@@ -44,6 +46,16 @@ class DrafterModelConfig:
     initializer_range: float = 0.02
     max_position_embeddings: int = 40960
     tie_word_embeddings: bool = False
+    layer_types: list[str] = field(default_factory=list)   # per draft layer; empty = all full_attention
+    sliding_window: int | None = None                        # W of the sliding_attention layers
+
+    def __post_init__(self):
+        if not self.layer_types:
+            self.layer_types = [FULL] * self.num_hidden_layers
+        check_layout(self.layer_types, self.sliding_window, self.num_hidden_layers)
+
+    def window(self, layer_type: str) -> int | None:
+        return self.sliding_window if layer_type == SLIDING else None
 
     @property
     def num_captured(self) -> int:
@@ -165,28 +177,40 @@ class DFlashDrafter(nn.Module):
             elif isinstance(module, RMSNorm):
                 module.weight.fill_(1.0)
 
-    def forward(self, hidden, block_embeds, context_positions, block_positions, mask):
-        """hidden [C, K*H] target features; block_embeds [Q, H]; positions [C], [Q] -> [Q, H]."""
+    def build_masks(self, anchors, context_starts, context_len: int) -> dict:
+        """One block mask per layer type in use, from the attention backend: {layer_type: mask}."""
+        return {kind: self.attention.build_mask(anchors, context_starts, self.cfg.block_size, context_len,
+                                                self.cfg.window(kind))
+                for kind in sorted(set(self.cfg.layer_types))}
+
+    def forward(self, hidden, block_embeds, context_positions, block_positions, masks):
+        """hidden [C, K*H] target features; block_embeds [Q, H]; positions [C], [Q] -> [Q, H].
+        masks: build_masks' dict, or one mask when every layer is full_attention."""
         cfg = self.cfg
+        if not isinstance(masks, dict):
+            if SLIDING in cfg.layer_types:
+                raise ValueError("this drafter has sliding_attention layers: pass build_masks' dict, one mask per type")
+            masks = {FULL: masks}
         ctx = self.hidden_norm(self.fc(hidden))
         q_cos, q_sin = rope_cos_sin(block_positions, cfg.head_dim, cfg.rope_theta)
         k_cos, k_sin = rope_cos_sin(torch.cat([context_positions, block_positions]), cfg.head_dim, cfg.rope_theta)
         rope = (q_cos, q_sin, k_cos, k_sin)     # keys: context at its positions, blocks at pos(a)+k
         x = block_embeds
-        for layer in self.layers:
-            x = layer(x, ctx, rope, self.attention, mask)
+        for layer, kind in zip(self.layers, cfg.layer_types):
+            x = layer(x, ctx, rope, self.attention, masks[kind])
         return self.norm(x)
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
 
 
-def model_flops(cfg: DrafterModelConfig, seq_len: int, num_anchors: int, attended_pairs: int) -> dict:
+def model_flops(cfg: DrafterModelConfig, seq_len: int, num_anchors: int, attended_pairs: dict) -> dict:
     """Useful FLOPs of one train step (forward + backward), counted as 2 per multiply-add.
 
     Trainable matmuls count 3x their forward (forward, input grad, weight grad). fc needs no input
     grad (2x); the frozen lm_head needs no weight grad (2x) and runs on the B-1 trained rows only.
-    Attention counts only the pairs the mask keeps, 3x forward (recomputation not counted).
+    Attention counts only the pairs the mask keeps ({layer_type: pairs}), 3x forward (recomputation
+    not counted).
     """
     H, I, D = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     q_rows = num_anchors * cfg.block_size
@@ -194,10 +218,10 @@ def model_flops(cfg: DrafterModelConfig, seq_len: int, num_anchors: int, attende
     per_layer = (2 * q_rows * H * cfg.num_attention_heads * D * 2            # q_proj, o_proj
                  + 2 * kv_rows * H * cfg.num_key_value_heads * D * 2         # k_proj, v_proj
                  + 2 * q_rows * H * I * 3)                                    # gate, up, down
-    attention = 4 * attended_pairs * cfg.num_attention_heads * D
-    layers = 3 * cfg.num_hidden_layers * (per_layer + attention)
+    attention = sum(4 * attended_pairs[kind] * cfg.num_attention_heads * D for kind in cfg.layer_types)
+    layers = 3 * (cfg.num_hidden_layers * per_layer + attention)
     fc = 2 * 2 * seq_len * cfg.hidden_width * H
     lm_head = 2 * 2 * num_anchors * (cfg.block_size - 1) * H * cfg.vocab_size
-    return {"layers": layers, "attention": 3 * cfg.num_hidden_layers * attention, "fc": fc,
+    return {"layers": layers, "attention": 3 * attention, "fc": fc,
             "lm_head": lm_head, "total": layers + fc + lm_head}
 

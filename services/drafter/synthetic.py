@@ -41,7 +41,7 @@ class SyntheticSource:
 
     def __iter__(self):
         for step in range(self.start_step, self.total_steps):
-            yield self.batch(step * self.world_size + self.rank)   # DESIGN.md: g = s*D + d
+            yield self.batch(step * self.world_size + self.rank)   # docs/design.md "Scheduling": g = s*D + d
 
     def batch(self, g: int) -> Batch:
         S = self.pack_len

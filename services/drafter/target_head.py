@@ -97,7 +97,8 @@ def build_model_config(cfg: Config, base: dict, mask_token_id: int = -1) -> Draf
     fields = {f.name for f in dataclasses.fields(DrafterModelConfig)}
     values = dict(base)
     values.update(num_hidden_layers=cfg.drafter.num_layers, block_size=cfg.drafter.block_size,
-                  mask_token_id=mask_token_id)
+                  mask_token_id=mask_token_id, layer_types=list(cfg.drafter.layer_types),
+                  sliding_window=cfg.drafter.sliding_window or None)
     if cfg.target.layer_ids:
         values["target_layer_ids"] = list(cfg.target.layer_ids)
     for key, value in cfg.drafter.overrides.items():
@@ -106,7 +107,10 @@ def build_model_config(cfg: Config, base: dict, mask_token_id: int = -1) -> Draf
         values[key] = value
     if not values.get("target_layer_ids"):
         values["target_layer_ids"] = default_layer_ids(values["num_target_layers"], values["num_hidden_layers"])
-    model_cfg = DrafterModelConfig(**values)
+    try:
+        model_cfg = DrafterModelConfig(**values)
+    except ValueError as exc:          # the attention layout (check_layout), after drafter.overrides
+        raise ConfigError(f"drafter model config: {exc}") from None
     validate_model_config(model_cfg, cfg)
     return model_cfg
 

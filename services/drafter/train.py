@@ -147,14 +147,14 @@ def forward_loss(state: TrainState, batch: Batch):
     inputs = build_inputs(batch, num_anchors=s.num_anchors, block_size=s.block_size, mask_token_id=s.mask_token_id,
                           gamma=s.gamma, labels_from_target=s.labels_from_target,
                           generator=anchor_generator(s.seed, batch.g, state.device))
-    mask = state.drafter.attention.build_mask(inputs.anchors, inputs.context_starts, s.block_size, inputs.context_len)
+    masks = state.drafter.build_masks(inputs.anchors, inputs.context_starts, inputs.context_len)
     compute_dtype = state.autocast_dtype or torch.float32
     autocast = (torch.autocast("cuda", dtype=state.autocast_dtype) if state.autocast_dtype
                 else contextlib.nullcontext())
     with autocast:
         embeds = state.head.embed_tokens(inputs.block_ids.flatten())
         out = state.model(inputs.hidden.to(compute_dtype), embeds, inputs.context_positions,
-                          inputs.block_positions.flatten(), mask)
+                          inputs.block_positions.flatten(), masks)
     n, b = inputs.block_ids.shape
     trained_rows = out.view(n, b, -1)[:, 1:].reshape(n * (b - 1), -1)      # position 0 is not trained
     loss, preds = chunked_cross_entropy(trained_rows, state.head.lm_head, inputs.labels.flatten(),
