@@ -10,7 +10,7 @@ the drafter trains on it (the synthetic source builds the same thing).
     document_ids   [S]       int64      0, 1, 2 ... per document; -1 marks padding
     target_labels  [S]       int64      optional: target argmax at j (its guess for token j+1)
 
-Global batch index g (see docs/scheduling in the README): every batch carries its g.
+Global batch index g (docs/design.md, "Scheduling"): every batch carries its g.
 """
 from __future__ import annotations
 

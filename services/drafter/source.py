@@ -1,6 +1,6 @@
 """Where a drafter's batches come from: pulled from the targets over ZMQ.
 
-Scheduling (docs/scheduling.md): at step s, drafter d of D trains global batch g = s·D + d, which
+Scheduling (docs/design.md, "Scheduling"): at step s, drafter d of D trains global batch g = s·D + d, which
 target g mod T builds. Each drafter keeps `transport.credits` requests in flight, so memory in flight
 is bounded and the next batch is usually there before it is needed. Batch g is a pure function of
 (dataset, config, seed, g), so after a target restarts the drafter simply asks again.
