@@ -142,7 +142,9 @@ class Supervisor:
     def dist_store(self) -> Path:
         """The drafter group's FileStore: a fresh file for each start of the group (a group that
         died leaves its file behind, and a new group must not read the old one's keys)."""
-        return self.run_dir / "sock" / f"dist-{self.groups_started}.store"
+        folder = socket_dir(self.run_dir)     # private: made here too, since a tcp run binds no ipc socket in it
+        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+        return folder / f"dist-{self.groups_started}.store"
 
     def start(self, w: Worker) -> None:
         try:
