@@ -32,6 +32,9 @@ class RunConfig:
     checkpoint_every: int = 500
     keep_checkpoints: int = 3
     eval_every: int = 0                # 0 = no held-out evaluation
+    spec_eval_prompts: int = 16        # real speculative decoding on held-out prompts (rank 0, local target); 0 = off
+    spec_eval_max_new_tokens: int = 128
+    spec_eval_budget_s: float = 60.0   # per evaluation; prompts past it are left for the next one
     export_at_end: bool = True
     stall_after_s: float = 300.0       # health: main loop silent this long = stalled
     startup_stall_after_s: float = 1800.0   # the same while loading the model and compiling
@@ -216,6 +219,9 @@ def validate(cfg: Config) -> None:
     need(cfg.transport.credits >= 1, f"transport.credits must be >= 1, got {cfg.transport.credits}")
     need(0 < cfg.transport.chunk_bytes <= cfg.transport.max_message_bytes,
          "transport.chunk_bytes must be > 0 and <= transport.max_message_bytes")
+    need(cfg.run.spec_eval_prompts >= 0, f"run.spec_eval_prompts must be >= 0, got {cfg.run.spec_eval_prompts}")
+    need(cfg.run.spec_eval_max_new_tokens >= 1,
+         f"run.spec_eval_max_new_tokens must be >= 1, got {cfg.run.spec_eval_max_new_tokens}")
     need(cfg.run.epochs >= 1, f"run.epochs must be >= 1, got {cfg.run.epochs}")
     need(ascending(cfg.target.layer_ids), layer_ids_message("target.layer_ids", cfg.target.layer_ids))
 

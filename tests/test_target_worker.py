@@ -27,7 +27,7 @@ START_TIMEOUT_S = 90
 
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory):
-    return make_demo(tmp_path_factory.mktemp("demo"), num_conversations=300)
+    return make_demo(tmp_path_factory.mktemp("demo"), num_conversations=300, target_steps=0)
 
 
 def _start(run_dir: Path, overrides: list[str]) -> subprocess.Popen:
