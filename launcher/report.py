@@ -2,7 +2,7 @@
 
 Real acceptance (greedy speculative decoding with the target, services/drafter/speculative.py) is
 plotted on the τ axes, in the same unit (tokens per verify step): the lines training wrote
-("spec": true) and the last `launcher eval` (spec_eval.jsonl). `launcher report --eval` runs
+(acceptance.jsonl) and the last `launcher eval` (spec_eval.jsonl). `launcher report --eval` runs
 `launcher eval` on the run's latest checkpoint first.
 
 No torch here. matplotlib is an optional extra (`pip install -e '.[report]'`); without it the
@@ -31,15 +31,14 @@ def read_metrics(run_dir: Path) -> tuple[list[dict], list[dict]]:
             int(record["step"])
         except (ValueError, KeyError, TypeError):
             continue
-        if not record.get("spec"):
-            (evals if record.get("eval") else train).append(record)
+        (evals if record.get("eval") else train).append(record)
     return sorted(train, key=lambda r: r["step"]), sorted(evals, key=lambda r: r["step"])
 
 
 def read_spec(run_dir: Path) -> tuple[list[dict], dict | None]:
     """(real-acceptance lines of training by step, the last `launcher eval` result or None)."""
     spec, last_eval = [], None
-    for path in (run_dir / "metrics.jsonl", run_dir / "spec_eval.jsonl"):
+    for path in (run_dir / "acceptance.jsonl", run_dir / "spec_eval.jsonl"):
         if not path.is_file():
             continue
         for line in path.read_text().splitlines():
@@ -126,7 +125,8 @@ def plot(train: list[dict], evals: list[dict], out: Path, title: str, spec: list
     import matplotlib.pyplot as plt
 
     fig, (ax_loss, ax_tau) = plt.subplots(1, 2, figsize=(11, 4))
-    for ax, key, label in ((ax_loss, "loss", "loss"), (ax_tau, "tau", "τ (simulated acceptance length)")):
+    tau_label = "τ (teacher-forced) and real acceptance, tokens per step"
+    for ax, key, label in ((ax_loss, "loss", "loss"), (ax_tau, "tau", tau_label)):
         if train:
             ax.plot([r["step"] for r in train], [r[key] for r in train], label="train", linewidth=1)
         if evals:

@@ -49,7 +49,7 @@ class TargetConfig:
     layer_ids: list[int] = field(default_factory=list)   # empty = the default spread (docs/dflash.md); ascending, no repeats
     dtype: str = "bfloat16"
     attn_implementation: str = "sdpa"
-    labels_from_target: bool = False   # labels = target argmax instead of data tokens
+    labels_from_target: bool = True    # labels = target argmax, not data tokens (docs/operations.md#which-labels)
 
 
 @dataclass

@@ -28,7 +28,7 @@ def launcher(run_dir: Path, *extra: str) -> list[str]:
 
 def metrics(run_dir: Path) -> list[dict]:
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    return [m for m in map(json.loads, lines) if not m.get("eval") and not m.get("spec")]
+    return [m for m in map(json.loads, lines) if not m.get("eval")]
 
 
 def assert_exactly_once(run_dir: Path) -> Counter:
@@ -72,7 +72,7 @@ def test_demo_trains_end_to_end(tmp_path):
 
     # real acceptance at the end: printed, lossless, and far above the controls on the same prompts
     assert "real acceptance (step" in out.stdout
-    spec = [m for m in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if m.get("spec")]
+    spec = [json.loads(line) for line in (run_dir / "acceptance.jsonl").read_text().splitlines()]
     assert any(not m.get("final") for m in spec)               # also during training, after each evaluation
     final = spec[-1]
     assert final.get("final") and final["step"] == steps[-1]["step"]

@@ -86,14 +86,15 @@ def test_tensorboard_events_when_the_extra_is_installed(run_dir):
 
 
 def test_report_shows_real_acceptance_beside_tau(run_dir, tmp_path):
-    """Real-acceptance lines (training's and `launcher eval`'s) are summarised and plotted on the τ axes."""
+    """Real-acceptance lines (training's acceptance.jsonl, `launcher eval`'s spec_eval.jsonl) are summarised
+    and plotted on the τ axes."""
     import shutil
     copy = tmp_path / "run"
     shutil.copytree(run_dir, copy, symlinks=True, ignore=shutil.ignore_patterns("sock"))   # no sockets
     fig = {"prompts": 4, "steps": 10, "tokens": 40, "acceptance_per_step": 3.5, "acceptance_per_prompt": 3.75,
            "tokens_per_forward": 2.86, "lossless": 4, "seconds": 1.0}
     control = dict(fig, acceptance_per_step=1.0, acceptance_per_prompt=1.0, tokens_per_forward=0.9)
-    with open(copy / "metrics.jsonl", "a") as f:
+    with open(copy / "acceptance.jsonl", "a") as f:
         f.write(json.dumps({"step": 6, "spec": True, **fig}) + "\n")
         f.write(json.dumps({"step": 12, "spec": True, "final": True, **fig, "repeat_last": control,
                             "random": control}) + "\n")

@@ -18,10 +18,16 @@ from pathlib import Path
 from services.config import Config
 from services.drafter import checkpoint as ckpt
 from services.drafter.evaluate import evaluate
-from services.drafter.ledger import Ledger
+from services.drafter.ledger import Ledger, truncate_jsonl
 from services.drafter.metrics import MetricsLog, StepTimes, reduce_train_metrics
 from services.drafter.train import TrainState
 from services.health import HealthServer
+
+
+# Real acceptance (speculative.py), rank 0, after each evaluation and at the end of a completed run
+# (that one with "final": true and the repeat_last and random controls): step, prompts, steps,
+# tokens, acceptance_per_step, acceptance_per_prompt, tokens_per_forward, lossless, seconds.
+ACCEPTANCE_FILE = "acceptance.jsonl"
 
 
 def say(event: str, **fields) -> None:
@@ -51,6 +57,9 @@ class Bookkeeping:
         self.boundary = state.counters()               # counters at the last optimizer step: what a checkpoint saves
         self.logged_step = state.step
         self.spec = None                               # SpecEval once loaded; False when unavailable
+        self.acceptance = self.run_dir / ACCEPTANCE_FILE
+        if rank == 0:
+            truncate_jsonl(self.acceptance, state.step)  # a resume continues the curve, as metrics.jsonl does
         self.closed = False
 
     # --- per batch ---------------------------------------------------------------------------
@@ -151,7 +160,8 @@ class Bookkeeping:
             return None
         self.health.progress()
         record = {"step": self.state.step, "spec": True, **({"final": True} if final else {}), **result}
-        self.metrics.write(record)
+        with open(self.acceptance, "a") as f:
+            f.write(json.dumps(record) + "\n")
         say("spec_eval", step=self.state.step, final=final,
             acceptance_per_prompt=round(result["acceptance_per_prompt"], 3),
             acceptance_per_step=round(result["acceptance_per_step"], 3),

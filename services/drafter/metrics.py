@@ -11,10 +11,6 @@ prediction (what the anchor rule lets train at all); sampled_coverage: the share
 window's sampled blocks did train at k = 1 (bounded by drafter.num_anchors). Both over all ranks.
 Eval lines ("eval": true), every run.eval_every steps:
     step, loss, accuracy, accuracy_per_position, tau, batches, blocks
-Real-acceptance lines ("spec": true), rank 0 only, after each evaluation and at the end (the end's
-with "final": true and the repeat_last and random controls; speculative.py defines the figures):
-    step, prompts, steps, tokens, acceptance_per_step, acceptance_per_prompt, tokens_per_forward,
-    lossless, seconds
 On resume from step s, lines with step > s are dropped first, so the curve continues without
 repeats (the ledger does the same for batch indices).
 """
@@ -104,7 +100,7 @@ class MetricsLog:
         self.file.write(json.dumps(record) + "\n")
         self.file.flush()
         if self.tb is not None:
-            prefix = "spec" if record.get("spec") else "eval" if record.get("eval") else "train"
+            prefix = "eval" if record.get("eval") else "train"
             for key, value in record.items():
                 if isinstance(value, (int, float)) and not isinstance(value, bool) and key != "step":
                     self.tb.add_scalar(f"{prefix}/{key}", value, record["step"])

@@ -376,7 +376,10 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--no-controls", action="store_true", help="skip the repeat-last and random-drafter controls")
     p.add_argument("--json", action="store_true", help="print the result as one JSON line")
+    p.add_argument("--threads", type=int, default=1, help="CPU threads (tiny demo models decode fastest on one)")
     args = p.parse_args(argv)
+    if args.device == "cpu":
+        torch.set_num_threads(args.threads)
     run_dir = Path(args.run_dir)
     try:
         cfg = load_config(run_dir / "config.json")

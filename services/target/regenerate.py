@@ -111,9 +111,14 @@ class SGLangEngine:
 ENGINES = {"hf": HFEngine, "vllm": VLLMEngine, "sglang": SGLangEngine}
 
 
-def regenerate(engine, items: list[tuple[dict, list | None]], max_new_tokens: int, batch_size: int) -> list[dict]:
+def regenerate(engine, items: list[tuple[dict, list | None]], max_new_tokens: int, batch_size: int,
+               counts: dict | None = None) -> list[dict]:
     """Rewrite every assistant turn, round by round: round r regenerates each conversation's r-th
-    assistant turn, seeing the turns before it as already rewritten."""
+    assistant turn, seeing the turns before it as already rewritten. An empty reply (the target
+    ends the turn at once) keeps the data's reply: a turn without text has nothing to train;
+    counts["empty"] says how many."""
+    counts = counts if counts is not None else {}
+    counts.setdefault("empty", 0)
     convs = [list(m) if m is not None else None for _, m in items]
     rounds = max((sum(m["role"] == "assistant" for m in c) for c in convs if c), default=0)
     for r in range(rounds):
@@ -124,7 +129,10 @@ def regenerate(engine, items: list[tuple[dict, list | None]], max_new_tokens: in
                 where.append((ci, turns[r]))
         replies = engine.generate([convs[ci][:mi] for ci, mi in where], max_new_tokens, batch_size)
         for (ci, mi), reply in zip(where, replies):
-            convs[ci][mi] = {"role": "assistant", "content": reply}
+            if reply:
+                convs[ci][mi] = {"role": "assistant", "content": reply}
+            else:
+                counts["empty"] += 1
     return [{"messages": c} if c is not None else record for (record, _), c in zip(items, convs)]
 
 
@@ -146,7 +154,8 @@ def main(argv=None) -> int:
     start = time.perf_counter()
     items = read_conversations(args.data, shard, num_shards)
     engine = ENGINES[args.engine](args.model, device, args.temperature)
-    records = regenerate(engine, items, args.max_new_tokens, args.batch_size)
+    counts = {}
+    records = regenerate(engine, items, args.max_new_tokens, args.batch_size, counts)
     out = Path(args.out)
     tmp = out.with_name(f".{out.name}.tmp")
     with open(tmp, "w", encoding="utf-8") as f:
@@ -154,7 +163,8 @@ def main(argv=None) -> int:
             f.write(json.dumps(record, ensure_ascii=False) + "\n")
     tmp.replace(out)
     print(json.dumps({"event": "regenerated", "out": str(out), "lines": len(records),
-                      "chat": sum(m is not None for _, m in items), "engine": args.engine, "device": device,
+                      "chat": sum(m is not None for _, m in items), "empty_replies_kept": counts["empty"],
+                      "engine": args.engine, "device": device,
                       "seconds": round(time.perf_counter() - start, 2)}), flush=True)
     return 0
 
