@@ -1,4 +1,4 @@
-"""`launcher`: up, status, down, probe (and units, keys, export, report).
+"""`launcher`: up, status, down, probe (and units, keys, export, report, eval, regenerate).
 
 The launcher never imports torch: it starts fast, stays small, and can never hold GPU memory.
 Exit codes of `up`: 0 training finished, 1 failed, 2 bad usage or config, 3 stopped before the end.
@@ -23,7 +23,7 @@ from pathlib import Path
 from launcher import process
 from launcher.models import ModelNotFound, resolve_model_path
 from launcher.progress import describe_window
-from launcher.report import describe_data, describe_export
+from launcher.report import describe_data, describe_export, describe_spec, read_spec
 from launcher.supervisor import EXIT_DONE, EXIT_FAILED, EXIT_STOPPED, EXIT_USAGE, RunFailed, Supervisor, probe_all
 from launcher.topology import SpecError, host_overrides, hosts, parse_gpu_spec
 from services import __version__
@@ -203,6 +203,9 @@ def cmd_up(args) -> int:
     export = describe_export(run_dir / "export")
     if code == 0 and export:
         print(export, flush=True)
+    final = [r for r in read_spec(run_dir)[0] if r.get("final")]
+    if code == 0 and final:
+        print("\n".join(describe_spec(final[-1], f"step {final[-1]['step']}, end of training")), flush=True)
     print(f"exit {code}; logs in {run_dir / 'logs'}; metrics in {run_dir / 'metrics.jsonl'}", flush=True)
     if code == EXIT_STOPPED:
         print(f"stopped before the end; to continue: {_resume_command(args.argv, run_dir)}", flush=True)
@@ -447,11 +450,63 @@ def cmd_plan(args) -> int:
         except RuntimeError as exc:
             raise UsageError(str(exc)) from None
     print(plan.describe(measured, args.gpus))
+
+
+def _eval_argv(args, run_dir: str, checkpoint: str | None) -> list[str]:
+    argv = [sys.executable, "-m", "services.drafter.speculative", "--run-dir", run_dir,
+            "--prompts", str(args.prompts), "--max-new-tokens", str(args.max_new_tokens)]
+    if checkpoint:
+        argv += ["--checkpoint", checkpoint]
+    if args.eval_device:
+        argv += ["--device", args.eval_device]
+    return argv
+
+
+def cmd_eval(args) -> int:
+    """Real speculative decoding loads the target and the drafter: a child process (no torch here)."""
+    argv = _eval_argv(args, args.run_dir, args.checkpoint)
+    argv += ["--no-controls"] if args.no_controls else []
+    argv += ["--json"] if args.json else []
+    return subprocess.run(argv).returncode
+
+
+def cmd_regenerate(args) -> int:
+    """One child per GPU (a shard of the lines each), then the shards interleaved back in input order."""
+    out = Path(args.out).resolve()
+    if not Path(args.data).is_file():
+        raise UsageError(f"--data {args.data} does not exist")
+    if not (Path(args.model) / "config.json").is_file():
+        raise UsageError(f"--model {args.model} is not a Hugging Face model folder (no config.json)")
+    gpus = [w.gpu for w in parse_gpu_spec(f"{args.gpus}:target", share_gpus=True)] if args.device == "cuda" else [None]
+    base = [sys.executable, "-m", "services.target.regenerate", "--model", args.model, "--data", args.data,
+            "--engine", args.engine, "--device", args.device, "--batch-size", str(args.batch_size),
+            "--max-new-tokens", str(args.max_new_tokens), "--temperature", str(args.temperature)]
+    parts = [out.with_name(f".{out.name}.part{i}") for i in range(len(gpus))]
+    children = []
+    for i, (gpu, part) in enumerate(zip(gpus, parts)):
+        env = dict(os.environ, **({"CUDA_VISIBLE_DEVICES": str(gpu)} if gpu is not None else {}))
+        children.append(subprocess.Popen(base + ["--out", str(part), "--shard", f"{i}/{len(gpus)}"], env=env))
+    codes = [c.wait() for c in children]
+    if any(codes):
+        raise UsageError(f"regeneration failed (exit codes {codes}); the input is unchanged")
+    shards = [part.read_text(encoding="utf-8").splitlines() for part in parts]
+    with open(out, "w", encoding="utf-8") as f:
+        for row in range(max(len(s) for s in shards)):
+            for s in shards:
+                if row < len(s):
+                    f.write(s[row] + "\n")
+    for part in parts:
+        part.unlink()
+    print(f"wrote {out}; train on it with data.path=\"{out}\" (and target.labels_from_target=false)")
     return 0
 
 
 def cmd_report(args) -> int:
     from launcher.report import ReportError, report
+    if args.eval:
+        code = subprocess.run(_eval_argv(args, args.run_dir, None)).returncode
+        if code != 0:
+            return code
     try:
         lines, _ = report(args.run_dir, args.out)
     except ReportError as exc:
@@ -571,8 +626,47 @@ def build_parser() -> argparse.ArgumentParser:
                          formatter_class=fmt)
     rep.add_argument("--run-dir", default=str(LATEST), help=latest_help)
     rep.add_argument("--out", help="PNG path (default: <run-dir>/report.png)")
+    rep.add_argument("--eval", action="store_true",
+                     help="first run `launcher eval` on the run's latest checkpoint (loads the target)")
+    _eval_options(rep)
     rep.set_defaults(func=cmd_report)
+
+    rg = sub.add_parser("regenerate", help="rewrite a chat JSONL's assistant turns with the target (data step)",
+                        formatter_class=fmt,
+                        description="Every assistant turn regenerated by the target, greedy by default, so the "
+                                    "drafter trains on what the target writes (docs/operations.md#which-labels).")
+    rg.add_argument("--model", required=True, help="the target (local HF folder)")
+    rg.add_argument("--data", required=True, help="chat JSONL (messages or conversations lines)")
+    rg.add_argument("--out", required=True, help="JSONL to write")
+    rg.add_argument("--gpus", default="0", help="GPUs to generate on, one shard each (e.g. 0-7; the targets' GPUs)")
+    rg.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: one process, no GPU")
+    rg.add_argument("--engine", choices=("hf", "vllm", "sglang"), default="hf",
+                    help="hf: batched transformers generate; vllm / sglang when installed")
+    rg.add_argument("--batch-size", type=int, default=32, help="prompts per HF generate call")
+    rg.add_argument("--max-new-tokens", type=int, default=1024, help="longest reply")
+    rg.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    rg.set_defaults(func=cmd_regenerate)
+
+    ev = sub.add_parser("eval", help="real speculative decoding of a drafter with its target on held-out prompts",
+                        formatter_class=fmt,
+                        description="Greedy DFlash decoding with the run's target (target.model_path) on held-out "
+                                    "prompts of its data: acceptance per prompt and per step, tokens per target "
+                                    "forward, and whether the output equals plain greedy decoding; with the "
+                                    "repeat-last-token and random-drafter controls on the same prompts. Appends "
+                                    "to <run-dir>/spec_eval.jsonl.")
+    ev.add_argument("--checkpoint", help="checkpoint dir, export dir or run dir (default: <run-dir>/checkpoints/latest)")
+    ev.add_argument("--run-dir", default=str(LATEST), help=latest_help + "; its config names the target and data")
+    ev.add_argument("--no-controls", action="store_true", help="skip the repeat-last and random-drafter controls")
+    ev.add_argument("--json", action="store_true", help="print one JSON line")
+    _eval_options(ev)
+    ev.set_defaults(func=cmd_eval)
     return parser
+
+
+def _eval_options(p) -> None:
+    p.add_argument("--prompts", type=int, default=32, help="held-out prompts to decode")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="new tokens per prompt at most")
+    p.add_argument("--eval-device", help="device for the target and drafter (default: cuda if available, else cpu)")
 
 
 def main(argv: list[str] | None = None) -> int:

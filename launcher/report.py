@@ -1,5 +1,10 @@
 """`launcher report`: a PNG of loss and tau over steps, and a short summary, from <run_dir>/metrics.jsonl.
 
+Real acceptance (greedy speculative decoding with the target, services/drafter/speculative.py) is
+plotted on the τ axes, in the same unit (tokens per verify step): the lines training wrote
+(acceptance.jsonl) and the last `launcher eval` (spec_eval.jsonl). `launcher report --eval` runs
+`launcher eval` on the run's latest checkpoint first.
+
 No torch here. matplotlib is an optional extra (`pip install -e '.[report]'`); without it the
 summary is printed and the message says how to get the plot.
 """
@@ -28,6 +33,35 @@ def read_metrics(run_dir: Path) -> tuple[list[dict], list[dict]]:
             continue
         (evals if record.get("eval") else train).append(record)
     return sorted(train, key=lambda r: r["step"]), sorted(evals, key=lambda r: r["step"])
+
+
+def read_spec(run_dir: Path) -> tuple[list[dict], dict | None]:
+    """(real-acceptance lines of training by step, the last `launcher eval` result or None)."""
+    spec, last_eval = [], None
+    for path in (run_dir / "acceptance.jsonl", run_dir / "spec_eval.jsonl"):
+        if not path.is_file():
+            continue
+        for line in path.read_text().splitlines():
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if record.get("spec") and "step" in record:
+                spec.append(record)
+            elif record.get("event") == "spec_eval":
+                last_eval = record
+    return sorted(spec, key=lambda r: r["step"]), last_eval
+
+
+def describe_spec(record: dict, what: str) -> list[str]:
+    """Real acceptance in words: the drafter's, and its controls' when the record has them."""
+    def line(name, r):
+        return (f"  {name:<12} {r['acceptance_per_prompt']:.2f} per prompt, {r['acceptance_per_step']:.2f} per step, "
+                f"{r['tokens_per_forward']:.2f} tokens per target forward, lossless {r.get('lossless', '?')}/{r['prompts']}")
+    lines = [f"real acceptance ({what}; greedy speculative decoding of {record['prompts']} held-out prompts):",
+             line("drafter", record)]
+    lines += [line(name.replace("_", "-"), record[name]) for name in ("repeat_last", "random") if name in record]
+    return lines
 
 
 def _pointer(run_dir: Path, name: str) -> str | None:
@@ -75,6 +109,15 @@ def summary(run_dir: Path, train: list[dict], evals: list[dict]) -> list[str]:
                      f"best tau {best['tau']:.3f} at step {best['step']}")
     if (run_dir / "data.json").is_file():
         lines.append(describe_data(json.loads((run_dir / "data.json").read_text())))
+    spec, last_eval = read_spec(run_dir)
+    if spec:
+        last = spec[-1]
+        lines += describe_spec(last, f"step {last['step']}{', end of training' if last.get('final') else ''}")
+    if last_eval:
+        lines += describe_spec(last_eval, f"`launcher eval` of {last_eval.get('drafter', '?')}")
+    if spec or last_eval:
+        lines.append("  (τ above is teacher-forced on the labels; real acceptance is what the target accepts: "
+                     "docs/operations.md#tau-and-real-acceptance)")
     latest, best_ckpt = _pointer(run_dir, "latest"), _pointer(run_dir, "best")
     lines.append(f"checkpoints: latest {latest or '-'}, best {best_ckpt or '-'}")
     export = run_dir / "export"
@@ -85,17 +128,26 @@ def summary(run_dir: Path, train: list[dict], evals: list[dict]) -> list[str]:
     return lines
 
 
-def plot(train: list[dict], evals: list[dict], out: Path, title: str) -> None:
+def plot(train: list[dict], evals: list[dict], out: Path, title: str, spec: list[dict] = ()) -> None:
     import matplotlib
     matplotlib.use("Agg")                          # files only, no display
     import matplotlib.pyplot as plt
 
     fig, (ax_loss, ax_tau) = plt.subplots(1, 2, figsize=(11, 4))
-    for ax, key, label in ((ax_loss, "loss", "loss"), (ax_tau, "tau", "τ (simulated acceptance length)")):
+    tau_label = "τ (teacher-forced) and real acceptance, tokens per step"
+    for ax, key, label in ((ax_loss, "loss", "loss"), (ax_tau, "tau", tau_label)):
         if train:
             ax.plot([r["step"] for r in train], [r[key] for r in train], label="train", linewidth=1)
         if evals:
             ax.plot([r["step"] for r in evals], [r[key] for r in evals], "o-", label="eval (held-out)")
+        if key == "tau" and spec:       # the same unit: tokens committed per verify step
+            ax.plot([r["step"] for r in spec], [r["acceptance_per_step"] for r in spec], "s-",
+                    label="real acceptance (spec. decoding)")
+            final = spec[-1]
+            for name, style in (("repeat_last", ":"), ("random", "--")):
+                if name in final:
+                    ax.axhline(final[name]["acceptance_per_step"], linestyle=style, color="gray",
+                               label=f"{name.replace('_', '-')} control")
         ax.set_xlabel("step")
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
@@ -114,7 +166,7 @@ def report(run_dir: str | Path, out: str | Path | None = None) -> tuple[list[str
     lines = summary(run_dir, train, evals)
     png = Path(out) if out else run_dir / "report.png"
     try:
-        plot(train, evals, png, title=run_dir.name)
+        plot(train, evals, png, title=run_dir.name, spec=read_spec(run_dir)[0])
     except ImportError:
         lines.append("plot: matplotlib is not installed; pip install 'dflash-service[report]' "
                      "(or pip install matplotlib) for the PNG")

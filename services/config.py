@@ -33,6 +33,9 @@ class RunConfig:
     checkpoint_every: int = 500
     keep_checkpoints: int = 3
     eval_every: int = 0                # 0 = no held-out evaluation
+    spec_eval_prompts: int = 16        # real speculative decoding on held-out prompts (rank 0, local target); 0 = off
+    spec_eval_max_new_tokens: int = 128
+    spec_eval_budget_s: float = 60.0   # per evaluation; prompts past it are left for the next one
     export_at_end: bool = True
     stall_after_s: float = 300.0       # health: main loop silent this long = stalled
     startup_stall_after_s: float = 1800.0   # the same while loading the model and compiling
@@ -48,7 +51,7 @@ class TargetConfig:
     layer_ids: list[int] = field(default_factory=list)   # empty = the default spread (docs/dflash.md); ascending, no repeats
     dtype: str = "bfloat16"
     attn_implementation: str = "sdpa"
-    labels_from_target: bool = False   # labels = target argmax instead of data tokens
+    labels_from_target: bool = True    # labels = target argmax, not data tokens (docs/operations.md#which-labels)
 
 
 @dataclass
@@ -231,6 +234,9 @@ def validate(cfg: Config) -> None:
          "batches. Make keys with `launcher keys DIR` and set transport.curve_keys_dir=DIR on every host, or set "
          "transport.allow_plaintext=true on a network you trust completely")
     need(cfg.run.unresponsive_after_s > 0, f"run.unresponsive_after_s must be > 0, got {cfg.run.unresponsive_after_s}")
+    need(cfg.run.spec_eval_prompts >= 0, f"run.spec_eval_prompts must be >= 0, got {cfg.run.spec_eval_prompts}")
+    need(cfg.run.spec_eval_max_new_tokens >= 1,
+         f"run.spec_eval_max_new_tokens must be >= 1, got {cfg.run.spec_eval_max_new_tokens}")
     need(cfg.run.epochs >= 1, f"run.epochs must be >= 1, got {cfg.run.epochs}")
     need(ascending(cfg.target.layer_ids), layer_ids_message("target.layer_ids", cfg.target.layer_ids))
     need(cfg.drafter.sliding_window >= 0, f"drafter.sliding_window must be > 0 (or 0 for none), got {cfg.drafter.sliding_window}")

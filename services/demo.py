@@ -1,5 +1,5 @@
-"""A self-contained demo: a tiny random-weight Qwen3 target, a tokenizer trained on the spot, and a
-synthetic chat dataset whose assistant replies follow learnable patterns.
+"""A self-contained demo: a tiny Qwen3 target trained on the spot on its data, a tokenizer trained on
+the spot, and a synthetic chat dataset whose assistant replies follow learnable patterns.
 
     from services.demo import make_demo
     demo = make_demo("runs/demo-assets")      # dict(model_path, data_path, overrides)
@@ -9,6 +9,10 @@ directory (marked by demo.json with the same seed and version) is reused as it i
 
 The assistant replies are patterns a small drafter picks up fast (counting, repeating the user's
 words, spelling, a fixed greeting), so its simulated acceptance length rises within minutes on CPU.
+The target is trained on them for TARGET_STEPS steps, so its greedy output follows the data
+(greetings and counting well, echoing and spelling partly) instead of one token repeated, and the
+demo's real acceptance (speculative decoding, printed at the end of `launcher up --demo`) tests
+the drafter against a target that writes varied text.
 """
 from __future__ import annotations
 
@@ -18,7 +22,8 @@ import random
 import shutil
 from pathlib import Path
 
-DEMO_VERSION = 1
+DEMO_VERSION = 2
+TARGET_STEPS = 300          # teaching the target its data: about a minute on 2 cores, one thread
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|MASK|>"]
 
@@ -102,6 +107,45 @@ def build_model(tokenizer, seed: int):
     return Qwen3ForCausalLM(config).eval()
 
 
+def train_target(model, tokenizer, convs: list[dict], steps: int, seed: int, batch_size: int = 16, lr: float = 3e-3):
+    """Teach the tiny target its data: next-token loss on the assistant tokens, AdamW, warmup + cosine.
+    A fixed number of steps on a seeded sample, so the weights are a function of the seed. A target
+    that models its data is what makes the demo's acceptance mean something: a random target's
+    greedy output is one token repeated, which a drafter that repeats the last token predicts."""
+    import math
+
+    import torch
+
+    from services.target.data import chat_tokens
+    torch.manual_seed(seed)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)        # tiny matmuls: one thread is as fast, and 10x faster on a busy machine
+    docs = [chat_tokens(tokenizer, c["messages"]) for c in convs]
+    rng = random.Random(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    warmup = max(1, steps // 10)
+    model.train()
+    for step in range(steps):
+        for group in opt.param_groups:
+            group["lr"] = lr * min((step + 1) / warmup, 0.5 * (1 + math.cos(math.pi * step / steps)))
+        batch = rng.sample(docs, min(batch_size, len(docs)))
+        width = max(len(ids) for ids, _ in batch)
+        ids = torch.full((len(batch), width), tokenizer.pad_token_id)
+        labels = torch.full((len(batch), width), -100)
+        attention = torch.zeros((len(batch), width), dtype=torch.long)
+        for i, (tokens, mask) in enumerate(batch):
+            t = torch.tensor(tokens)
+            ids[i, :len(t)], attention[i, :len(t)] = t, 1
+            labels[i, :len(t)] = torch.where(torch.tensor(mask, dtype=torch.bool), t, -100)
+        loss = model(input_ids=ids, attention_mask=attention, labels=labels).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    torch.set_num_threads(threads)
+    return model.eval(), float(loss.detach())
+
+
 def demo_overrides(model_path: str, data_path: str) -> list[str]:
     """Dotted config overrides for a fast CPU demo (1 target + 2 drafters on 2 cores)."""
     return [
@@ -119,28 +163,37 @@ def demo_overrides(model_path: str, data_path: str) -> list[str]:
         "run.epochs=2",
         "run.checkpoint_every=100",
         "run.log_every=10",
+        "run.eval_every=100",            # held-out τ and real acceptance, plotted side by side by `launcher report`
+        "run.spec_eval_prompts=32",      # real acceptance on held-out prompts; at the end with its controls
+        "run.spec_eval_max_new_tokens=64",
     ]
 
 
-def make_demo(out_dir: str | os.PathLike, seed: int = 0, num_conversations: int = 4000) -> dict:
-    """Create (or reuse) the demo under out_dir; return model_path, data_path and config overrides."""
+def make_demo(out_dir: str | os.PathLike, seed: int = 0, num_conversations: int = 4000,
+              target_steps: int = TARGET_STEPS) -> dict:
+    """Create (or reuse) the demo under out_dir; return model_path, data_path and config overrides.
+    target_steps: training steps of the target on its data (0: random weights, for tests that
+    only need a loadable model)."""
     out = Path(out_dir).resolve()
     model_path, data_path = out / "model", out / "chat.jsonl"
     marker = out / "demo.json"
-    want = {"version": DEMO_VERSION, "seed": seed, "num_conversations": num_conversations}
+    want = {"version": DEMO_VERSION, "seed": seed, "num_conversations": num_conversations,
+            "target_steps": target_steps}
     if not (marker.is_file() and json.loads(marker.read_text()) == want):
-        _build(out, seed, num_conversations)
+        _build(out, seed, num_conversations, target_steps)
         marker.write_text(json.dumps(want))
     return {"model_path": str(model_path), "data_path": str(data_path),
             "overrides": demo_overrides(str(model_path), str(data_path))}
 
 
-def _build(out: Path, seed: int, num_conversations: int) -> None:
+def _build(out: Path, seed: int, num_conversations: int, target_steps: int) -> None:
     out.mkdir(parents=True, exist_ok=True)
     convs = conversations(num_conversations, seed)
     texts = [m["content"] for c in convs for m in c["messages"]]
     tokenizer = build_tokenizer(texts)
     model = build_model(tokenizer, seed)
+    if target_steps > 0:
+        model, _ = train_target(model, tokenizer, convs, target_steps, seed)
     tmp = out / f".model-{os.getpid()}"          # written aside, then renamed: never a half-made model dir
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)
@@ -161,8 +214,10 @@ def main(argv=None) -> None:
     p.add_argument("--out", default="runs/demo-assets")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--conversations", type=int, default=4000)
+    p.add_argument("--target-steps", type=int, default=TARGET_STEPS, help="0: an untrained (random) target")
     args = p.parse_args(argv)
-    print(json.dumps(make_demo(args.out, seed=args.seed, num_conversations=args.conversations)), flush=True)
+    print(json.dumps(make_demo(args.out, seed=args.seed, num_conversations=args.conversations,
+                               target_steps=args.target_steps)), flush=True)
 
 
 if __name__ == "__main__":

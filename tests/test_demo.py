@@ -29,21 +29,22 @@ def _files(demo):
 
 
 def test_demo_is_deterministic_and_idempotent(tmp_path):
-    a = make_demo(tmp_path / "a", num_conversations=N)
-    b = make_demo(tmp_path / "b", num_conversations=N)
+    a = make_demo(tmp_path / "a", num_conversations=N, target_steps=3)       # a few steps: training is deterministic too
+    b = make_demo(tmp_path / "b", num_conversations=N, target_steps=3)
     fa, fb = _files(a), _files(b)
     assert fa["data"] == fb["data"] and fa["tokenizer"] == fb["tokenizer"] and fa["config"] == fb["config"]
     assert fa["weights"].keys() == fb["weights"].keys()
     assert all(torch.equal(fa["weights"][k], fb["weights"][k]) for k in fa["weights"])
     stamp = Path(a["data_path"]).stat().st_mtime_ns
-    assert make_demo(tmp_path / "a", num_conversations=N) == a           # reused, not rebuilt
+    assert make_demo(tmp_path / "a", num_conversations=N, target_steps=3) == a           # reused, not rebuilt
     assert Path(a["data_path"]).stat().st_mtime_ns == stamp
-    other = make_demo(tmp_path / "c", seed=1, num_conversations=N)
+    other = make_demo(tmp_path / "c", seed=1, num_conversations=N, target_steps=0)
     assert Path(other["data_path"]).read_bytes() != fa["data"]
 
 
 def test_demo_cli_prints_one_json_line(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "services.demo", "--out", str(tmp_path / "d"), "--conversations", "50"],
+    out = subprocess.run([sys.executable, "-m", "services.demo", "--out", str(tmp_path / "d"), "--conversations", "50",
+                          "--target-steps", "0"],
                          cwd=REPO, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     demo = json.loads(out.stdout.strip().splitlines()[-1])
@@ -51,7 +52,7 @@ def test_demo_cli_prints_one_json_line(tmp_path):
 
 
 def test_demo_target_and_data_load_with_its_overrides(tmp_path):
-    demo = make_demo(tmp_path / "demo", num_conversations=N)
+    demo = make_demo(tmp_path / "demo", num_conversations=N, target_steps=0)
     cfg = load_config(None, demo["overrides"] + ["data.eval_fraction=0.1"])
     assert cfg.target.model_path == demo["model_path"] and cfg.data.path == demo["data_path"]
     assert cfg.target.dtype == "float32" and cfg.drafter.num_layers == 1 and cfg.data.pack_len <= 512

@@ -148,7 +148,7 @@ def demo_rows(tmp_path_factory):
     from services.target.packing import open_or_build
 
     tmp = tmp_path_factory.mktemp("demo")
-    demo = make_demo(tmp / "demo")
+    demo = make_demo(tmp / "demo", target_steps=0)          # the data and tokenizer only
     cfg = load_config(None, demo["overrides"])
     tokenizer = AutoTokenizer.from_pretrained(demo["model_path"])
     data = open_or_build(cfg, tmp / "run", tokenizer, len(tokenizer), log=lambda _m: None)

@@ -66,7 +66,7 @@ def test_gradient_accumulation_steps_every_n_batches():
 
 
 def test_bad_batches_are_named_before_any_work():
-    state, source = make(steps=2)
+    state, source = make("target.labels_from_target=false", steps=2)      # batches without target labels
     good = source.batch(0)
     bad_width = dataclasses.replace(good, hidden=good.hidden[:, :-1])
     with pytest.raises(BatchError, match="field 'hidden' has width 127, config expects 128"):

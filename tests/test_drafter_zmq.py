@@ -22,7 +22,7 @@ SMALL = ["data.pack_len=256", "data.eval_fraction=0.3", "run.epochs=1", "drafter
 
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory):
-    return make_demo(tmp_path_factory.mktemp("demo"), num_conversations=100)
+    return make_demo(tmp_path_factory.mktemp("demo"), num_conversations=100, target_steps=0)   # transport only
 
 
 def train_over_zmq(run_dir, overrides: list[str]) -> list[dict]:

@@ -70,6 +70,26 @@ def test_demo_trains_end_to_end(tmp_path):
     assert last < first * 0.9, f"loss did not fall: {first:.3f} -> {last:.3f}"
     assert_exactly_once(run_dir)
 
+    # real acceptance at the end: printed, lossless, and far above the controls on the same prompts
+    assert "real acceptance (step" in out.stdout
+    spec = [json.loads(line) for line in (run_dir / "acceptance.jsonl").read_text().splitlines()]
+    assert any(not m.get("final") for m in spec)               # also during training, after each evaluation
+    final = spec[-1]
+    assert final.get("final") and final["step"] == steps[-1]["step"]
+    assert final["lossless"] == final["prompts"] == final["repeat_last"]["lossless"] == final["random"]["lossless"]
+    assert final["acceptance_per_prompt"] >= 2 * final["random"]["acceptance_per_prompt"]
+    assert final["acceptance_per_prompt"] > final["repeat_last"]["acceptance_per_prompt"]
+
+    # `launcher eval` of the export: the same loop, run from the CLI with the target loaded
+    ev = subprocess.run([sys.executable, "-m", "launcher", "eval", "--run-dir", str(run_dir), "--checkpoint",
+                         str(run_dir / "export"), "--prompts", "8", "--max-new-tokens", "32"],
+                        capture_output=True, text=True, timeout=600)
+    assert ev.returncode == 0, ev.stderr[-3000:]
+    assert "drafter     acceptance" in ev.stdout and "lossless 8/8 prompts" in ev.stdout, ev.stdout
+    record = json.loads((run_dir / "spec_eval.jsonl").read_text().splitlines()[-1])
+    assert record["prompts"] == 8 and record["lossless"] == 8 and record["random"]["lossless"] == 8
+    assert record["acceptance_per_prompt"] > record["repeat_last"]["acceptance_per_prompt"]
+
 
 def test_killed_target_is_restarted_and_nothing_is_lost(tmp_path):
     run_dir = tmp_path / "run"

@@ -83,3 +83,25 @@ def test_tensorboard_events_when_the_extra_is_installed(run_dir):
     assert [e.step for e in events.Scalars("train/loss")] == list(range(1, 13))
     assert [e.step for e in events.Scalars("eval/tau")] == [6, 12]
     assert {"train/tokens_per_s", "train/data_wait_frac", "train/accuracy_pos1", "eval/loss"} <= set(events.Tags()["scalars"])
+
+
+def test_report_shows_real_acceptance_beside_tau(run_dir, tmp_path):
+    """Real-acceptance lines (training's acceptance.jsonl, `launcher eval`'s spec_eval.jsonl) are summarised
+    and plotted on the τ axes."""
+    import shutil
+    copy = tmp_path / "run"
+    shutil.copytree(run_dir, copy, symlinks=True, ignore=shutil.ignore_patterns("sock"))   # no sockets
+    fig = {"prompts": 4, "steps": 10, "tokens": 40, "acceptance_per_step": 3.5, "acceptance_per_prompt": 3.75,
+           "tokens_per_forward": 2.86, "lossless": 4, "seconds": 1.0}
+    control = dict(fig, acceptance_per_step=1.0, acceptance_per_prompt=1.0, tokens_per_forward=0.9)
+    with open(copy / "acceptance.jsonl", "a") as f:
+        f.write(json.dumps({"step": 6, "spec": True, **fig}) + "\n")
+        f.write(json.dumps({"step": 12, "spec": True, "final": True, **fig, "repeat_last": control,
+                            "random": control}) + "\n")
+    (copy / "spec_eval.jsonl").write_text(json.dumps({"event": "spec_eval", "drafter": "export X", **fig}) + "\n")
+    result, out, err = launcher_in_process("report", "--run-dir", str(copy), "--out", str(tmp_path / "p.png"))
+    assert result["code"] == 0, err
+    assert "real acceptance (step 12, end of training;" in out and "real acceptance (`launcher eval` of export X" in out
+    assert "drafter      3.75 per prompt, 3.50 per step, 2.86 tokens per target forward, lossless 4/4" in out
+    assert "random       1.00 per prompt" in out and "repeat-last  1.00 per prompt" in out
+    assert "steps: 12" in out                      # spec lines are not train lines

@@ -27,7 +27,7 @@ START_TIMEOUT_S = 90
 
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory):
-    return make_demo(tmp_path_factory.mktemp("demo"), num_conversations=300)
+    return make_demo(tmp_path_factory.mktemp("demo"), num_conversations=300, target_steps=0)
 
 
 def _start(run_dir: Path, overrides: list[str]) -> subprocess.Popen:
@@ -61,7 +61,8 @@ def _events(client: BatchClient, want: int, timeout=60.0) -> list[tuple]:
 def test_worker_serves_info_batches_errors_and_stops_on_sigterm(tmp_path, demo):
     data = tmp_path / "data.jsonl"
     data.write_text(Path(demo["data_path"]).read_text() + "{ a broken line\n")
-    overrides = demo["overrides"] + [f"data.path={data}", "data.on_bad_sample=skip", "data.pack_len=256"]
+    overrides = demo["overrides"] + [f"data.path={data}", "data.on_bad_sample=skip", "data.pack_len=256",
+                                     "target.labels_from_target=false"]          # the early-exit path
     cfg = load_config(None, overrides)
     run = tmp_path / "run"
     health_ep = endpoint(run, cfg.transport, "target", 0, "health")

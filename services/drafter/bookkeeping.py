@@ -18,10 +18,16 @@ from pathlib import Path
 from services.config import Config
 from services.drafter import checkpoint as ckpt
 from services.drafter.evaluate import evaluate
-from services.drafter.ledger import Ledger
+from services.drafter.ledger import Ledger, truncate_jsonl
 from services.drafter.metrics import MetricsLog, StepTimes, reduce_train_metrics
 from services.drafter.train import TrainState
 from services.health import HealthServer
+
+
+# Real acceptance (speculative.py), rank 0, after each evaluation and at the end of a completed run
+# (that one with "final": true and the repeat_last and random controls): step, prompts, steps,
+# tokens, acceptance_per_step, acceptance_per_prompt, tokens_per_forward, lossless, seconds.
+ACCEPTANCE_FILE = "acceptance.jsonl"
 
 
 def say(event: str, **fields) -> None:
@@ -50,6 +56,10 @@ class Bookkeeping:
         self.last_metrics: dict | None = None          # the last optimizer step's metrics (for the final line)
         self.boundary = state.counters()               # counters at the last optimizer step: what a checkpoint saves
         self.logged_step = state.step
+        self.spec = None                               # SpecEval once loaded; False when unavailable
+        self.acceptance = self.run_dir / ACCEPTANCE_FILE
+        if rank == 0:
+            truncate_jsonl(self.acceptance, state.step)  # a resume continues the curve, as metrics.jsonl does
         self.closed = False
 
     # --- per batch ---------------------------------------------------------------------------
@@ -107,7 +117,59 @@ class Bookkeeping:
         if self.rank == 0:
             say("eval", step=self.state.step, eval_loss=round(result["loss"], 4), eval_tau=round(result["tau"], 3),
                 best=new_best, batches=result["batches"])
+        self.run_spec_eval()
         return new_best
+
+    # --- real speculative decoding ------------------------------------------------------------
+    def spec_eval(self):
+        """Rank 0's SpecEval: the target loaded next to the drafter, once. Only when the target's
+        folder is on this host (the drafter has only its embedding and lm_head otherwise) and
+        run.spec_eval_prompts > 0; the other ranks go on to the next step and wait there, so the
+        budget bounds their wait."""
+        if self.spec is None:
+            self.spec = False
+            path, run = self.cfg.target.model_path, self.cfg.run
+            if self.rank != 0 or run.spec_eval_prompts <= 0 or not path or not (Path(path) / "config.json").is_file():
+                return None
+            try:
+                from services.drafter.speculative import SpecEval
+                self.spec = SpecEval(self.cfg, self.state.device, prompts=run.spec_eval_prompts,
+                                     max_new_tokens=run.spec_eval_max_new_tokens)
+                if not self.spec.prompts:
+                    warn("real speculative decoding is off: the held-out data has no chat prompts")
+                    self.spec = False
+            except Exception as exc:        # never fatal: the run trains without it
+                warn(f"real speculative decoding is off: {type(exc).__name__}: {exc}")
+                self.spec = False
+        return self.spec or None
+
+    def run_spec_eval(self, final: bool = False) -> dict | None:
+        """Real acceptance of the current weights on held-out prompts (rank 0), into metrics.jsonl.
+        The final one also decodes the same prompts with the repeat-last and random controls."""
+        spec = self.spec_eval()
+        if spec is None:
+            return None
+        self.health.progress()
+        try:
+            result = spec.evaluate(self.state.drafter.state_dict(), self.state.drafter.cfg, controls=final,
+                                   budget_s=self.cfg.run.spec_eval_budget_s, seed=self.cfg.run.seed,
+                                   tick=self.health.progress)
+        except Exception as exc:
+            warn(f"real speculative decoding failed and is off: {type(exc).__name__}: {exc}")
+            self.spec = False
+            return None
+        self.health.progress()
+        record = {"step": self.state.step, "spec": True, **({"final": True} if final else {}), **result}
+        with open(self.acceptance, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        say("spec_eval", step=self.state.step, final=final,
+            acceptance_per_prompt=round(result["acceptance_per_prompt"], 3),
+            acceptance_per_step=round(result["acceptance_per_step"], 3),
+            tokens_per_forward=round(result["tokens_per_forward"], 3), lossless=result["lossless"],
+            prompts=result["prompts"], seconds=result["seconds"],
+            **{f"{k}_acceptance_per_prompt": round(result[k]["acceptance_per_prompt"], 3)
+               for k in ("repeat_last", "random") if k in result})
+        return record
 
     # --- checkpoints -----------------------------------------------------------------------------
     def checkpoint(self, set_best: bool = False) -> None:
@@ -171,6 +233,8 @@ class Bookkeeping:
                           f"run `launcher export --checkpoint {self.root / ckpt.LATEST} --out DIR`"
                 warn(message)
                 self.health.error(message)
+        if completed and self.rank == 0:
+            self.run_spec_eval(final=True)        # after the export: a failure here costs nothing saved
         self.close()
 
     def final_export_record(self) -> dict:

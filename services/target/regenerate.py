@@ -1,0 +1,173 @@
+"""Regenerate the assistant turns of a chat JSONL with the target: the data the target would write.
+
+A DFlash drafter is trained to predict the target. Its labels are the data's tokens by default;
+when the target would not have written those replies, the drafter learns text the target never
+produces. Three ways to line the labels up with the target (docs/operations.md#which-labels):
+  - data labels (target.labels_from_target=false): right when the data *is* the target's output;
+  - target labels (target.labels_from_target=true): the target's teacher-forced argmax on the data,
+    computed during capture; no extra pass, but the context is still the data's text;
+  - this step: every assistant turn rewritten by the target (greedy by default), turn by turn, each
+    turn seeing the earlier turns as the target wrote them; then train with data labels. Context
+    and labels are then exactly what the target produces in real decoding.
+
+    python -m services.target.regenerate --model PATH --data IN.jsonl --out OUT.jsonl
+        [--batch-size 32] [--max-new-tokens 1024] [--engine hf|vllm|sglang] [--device cuda|cpu]
+        [--shard I/N]
+
+Engines: batched HF `generate` (default, left padding); vLLM or SGLang when installed (their own
+batching, much faster on GPU). `launcher regenerate --gpus 0-3` runs one shard per GPU (lines
+i, i+N, ...) and interleaves the shards back into the input order. Lines that are not chat
+(pre-tokenized) are copied unchanged. Output lines are OpenAI-style {"messages": [...]}.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+
+def read_conversations(path: str | Path, shard: int = 0, num_shards: int = 1) -> list[tuple[dict, list | None]]:
+    """(record, messages or None for non-chat lines) of this shard's non-blank lines, in file order."""
+    from services.target.data import normalize_messages
+    out = []
+    lines = [t for t in Path(path).read_text(encoding="utf-8").splitlines() if t.strip()]
+    for text in lines[shard::num_shards]:
+        record = json.loads(text)
+        chat = isinstance(record, dict) and ("messages" in record or "conversations" in record)
+        out.append((record, normalize_messages(record) if chat else None))
+    return out
+
+
+class HFEngine:
+    """Batched greedy (or sampled) HF generate, left-padded, prompts sorted by length."""
+
+    def __init__(self, model_path: str, device: str, temperature: float):
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+        self.torch = torch
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self.tokenizer.padding_side = "left"
+        dtype = torch.float32 if device == "cpu" else torch.bfloat16
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device).eval()
+        self.device, self.temperature = device, temperature
+        self.pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
+
+    def generate(self, conversations: list[list[dict]], max_new_tokens: int, batch_size: int) -> list[str]:
+        torch = self.torch
+        prompts = [self.tokenizer.apply_chat_template(m, tokenize=True, add_generation_prompt=True,
+                                                      return_dict=True)["input_ids"] for m in conversations]
+        order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+        replies = [""] * len(prompts)
+        sampling = {"do_sample": True, "temperature": self.temperature} if self.temperature > 0 else \
+            {"do_sample": False, "temperature": None, "top_p": None, "top_k": None}
+        for start in range(0, len(order), batch_size):
+            chunk = order[start:start + batch_size]
+            width = max(len(prompts[i]) for i in chunk)
+            ids = torch.full((len(chunk), width), self.pad, dtype=torch.long)
+            mask = torch.zeros((len(chunk), width), dtype=torch.long)
+            for row, i in enumerate(chunk):
+                ids[row, width - len(prompts[i]):] = torch.tensor(prompts[i])
+                mask[row, width - len(prompts[i]):] = 1
+            with torch.no_grad():
+                out = self.model.generate(ids.to(self.device), attention_mask=mask.to(self.device),
+                                          max_new_tokens=max_new_tokens, pad_token_id=self.pad,
+                                          eos_token_id=self.tokenizer.eos_token_id, **sampling)
+            for row, i in enumerate(chunk):
+                replies[i] = self.tokenizer.decode(out[row, width:], skip_special_tokens=True).strip()
+        return replies
+
+
+class VLLMEngine:
+    """vLLM's offline LLM.chat (not exercised by the tests: vLLM needs a GPU)."""
+
+    def __init__(self, model_path: str, device: str, temperature: float):
+        from vllm import LLM
+        self.llm, self.temperature = LLM(model=model_path), temperature
+
+    def generate(self, conversations, max_new_tokens, batch_size):
+        from vllm import SamplingParams
+        params = SamplingParams(temperature=self.temperature, max_tokens=max_new_tokens)
+        return [o.outputs[0].text.strip() for o in self.llm.chat(conversations, params, use_tqdm=False)]
+
+
+class SGLangEngine:
+    """SGLang's offline Engine (not exercised by the tests: SGLang needs a GPU)."""
+
+    def __init__(self, model_path: str, device: str, temperature: float):
+        import sglang
+        from transformers import AutoTokenizer
+        self.engine, self.temperature = sglang.Engine(model_path=model_path), temperature
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+
+    def generate(self, conversations, max_new_tokens, batch_size):
+        prompts = [self.tokenizer.apply_chat_template(m, tokenize=False, add_generation_prompt=True)
+                   for m in conversations]
+        out = self.engine.generate(prompts, {"temperature": self.temperature, "max_new_tokens": max_new_tokens})
+        return [o["text"].strip() for o in out]
+
+
+ENGINES = {"hf": HFEngine, "vllm": VLLMEngine, "sglang": SGLangEngine}
+
+
+def regenerate(engine, items: list[tuple[dict, list | None]], max_new_tokens: int, batch_size: int,
+               counts: dict | None = None) -> list[dict]:
+    """Rewrite every assistant turn, round by round: round r regenerates each conversation's r-th
+    assistant turn, seeing the turns before it as already rewritten. An empty reply (the target
+    ends the turn at once) keeps the data's reply: a turn without text has nothing to train;
+    counts["empty"] says how many."""
+    counts = counts if counts is not None else {}
+    counts.setdefault("empty", 0)
+    convs = [list(m) if m is not None else None for _, m in items]
+    rounds = max((sum(m["role"] == "assistant" for m in c) for c in convs if c), default=0)
+    for r in range(rounds):
+        where = []                                  # (conversation, message index) of each r-th assistant turn
+        for ci, c in enumerate(convs):
+            turns = [i for i, m in enumerate(c or []) if m["role"] == "assistant"]
+            if len(turns) > r:
+                where.append((ci, turns[r]))
+        replies = engine.generate([convs[ci][:mi] for ci, mi in where], max_new_tokens, batch_size)
+        for (ci, mi), reply in zip(where, replies):
+            if reply:
+                convs[ci][mi] = {"role": "assistant", "content": reply}
+            else:
+                counts["empty"] += 1
+    return [{"messages": c} if c is not None else record for (record, _), c in zip(items, convs)]
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m services.target.regenerate", description=__doc__.split("\n")[0])
+    p.add_argument("--model", required=True, help="the target (local HF folder)")
+    p.add_argument("--data", required=True, help="chat JSONL to regenerate")
+    p.add_argument("--out", required=True, help="JSONL to write")
+    p.add_argument("--engine", choices=sorted(ENGINES), default="hf")
+    p.add_argument("--device", default="")
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--max-new-tokens", type=int, default=1024)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (what greedy decoding will see)")
+    p.add_argument("--shard", default="0/1", help="I/N: this process regenerates lines I, I+N, ...")
+    args = p.parse_args(argv)
+    import torch
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    shard, num_shards = (int(x) for x in args.shard.split("/"))
+    start = time.perf_counter()
+    items = read_conversations(args.data, shard, num_shards)
+    engine = ENGINES[args.engine](args.model, device, args.temperature)
+    counts = {}
+    records = regenerate(engine, items, args.max_new_tokens, args.batch_size, counts)
+    out = Path(args.out)
+    tmp = out.with_name(f".{out.name}.tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        for record in records:
+            f.write(json.dumps(record, ensure_ascii=False) + "\n")
+    tmp.replace(out)
+    print(json.dumps({"event": "regenerated", "out": str(out), "lines": len(records),
+                      "chat": sum(m is not None for _, m in items), "empty_replies_kept": counts["empty"],
+                      "engine": args.engine, "device": device,
+                      "seconds": round(time.perf_counter() - start, 2)}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
