@@ -17,9 +17,10 @@ from dataclasses import dataclass
 from services.config import ConfigError
 from services.wire import WireError
 
-# the config keys that decide what batch g holds: both sides must agree on every one of them
-BATCH_KEYS = {"run": ("seed", "epochs"), "target": ("layer_ids", "labels_from_target", "dtype"),
-              "data": ("path", "eval_path", "eval_fraction", "pack_len", "max_doc_len", "on_bad_sample", "shuffle")}
+# the config keys that decide what batch g holds: both sides must agree on every one of them.
+# File paths are left out: hosts of one run may mount the same data at different places.
+BATCH_KEYS = {"run": ("seed", "epochs"), "target": ("layer_ids", "labels_from_target"),
+              "data": ("eval_fraction", "pack_len", "max_doc_len", "on_bad_sample", "shuffle")}
 
 
 class HandshakeError(ConfigError):

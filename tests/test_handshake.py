@@ -42,3 +42,4 @@ def test_the_digest_follows_what_a_batch_holds_and_nothing_else():
     assert batch_config_digest(load_config(None, ["data.pack_len=4096"])) != base
     assert batch_config_digest(load_config(None, ["run.seed=1"])) != base
     assert batch_config_digest(load_config(None, ["drafter.lr=1e-3", "run.log_every=5"])) == base
+    assert batch_config_digest(load_config(None, ['data.path="/mnt/b/chat.jsonl"'])) == base    # hosts mount apart
