@@ -64,7 +64,7 @@ def main() -> None:
     head = TargetHead(torch.randn(a.vocab, a.hidden, device=device, dtype=dtype) * 0.02,
                       torch.randn(a.vocab, a.hidden, device=device, dtype=dtype) * (4.0 / a.hidden))
     state = build_train_state(cfg, model_cfg, head, device, total_steps=1000)
-    batch = SyntheticSource(model_cfg, a.seq_len, device=device).batch(0)
+    batch = SyntheticSource(model_cfg, a.seq_len, device=device, with_target_labels=cfg.target.labels_from_target).batch(0)
 
     def step(i: int) -> float:
         start = time.perf_counter()

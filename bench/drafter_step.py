@@ -132,7 +132,7 @@ def bench_shape(name, shape, args, peak_tflops, layout="full"):
     head = TargetHead(torch.randn(V, H, device=device, dtype=dtype) * 0.02,
                       torch.randn(V, H, device=device, dtype=dtype) * (4.0 / H))
     state = build_train_state(cfg, model_cfg, head, device, total_steps=100_000)
-    source = SyntheticSource(model_cfg, shape["seq_len"], device=device)
+    source = SyntheticSource(model_cfg, shape["seq_len"], device=device, with_target_labels=cfg.target.labels_from_target)
     batches = [source.batch(g) for g in range(2)]
     result = {"shape": name, **shape, "layout": layout, "layer_types": model_cfg.layer_types,
               "sliding_window": model_cfg.sliding_window, "device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu",

@@ -133,7 +133,7 @@ def model_check(hybrid=False):
         head = TargetHead.random(model_cfg.vocab_size, model_cfg.hidden_size, seed=0)
         states[kind] = build_train_state(cfg, model_cfg, head, "cuda", total_steps=10)
     states["flex"].drafter.load_state_dict(states["dense"].drafter.state_dict())
-    batch = SyntheticSource(model_cfg, 2000, device="cuda").batch(5)
+    batch = SyntheticSource(model_cfg, 2000, device="cuda", with_target_labels=cfg.target.labels_from_target).batch(5)
     losses, grads = {}, {}
     for kind, st in states.items():
         loss, _, _ = forward_loss(st, batch)
