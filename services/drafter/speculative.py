@@ -286,6 +286,10 @@ class SpecEval:
                              f"[{model_cfg.vocab_size}, {model_cfg.hidden_size}]")
         return TargetHead(embed.detach(), lm_head.detach())
 
+    def proposer(self, weights: dict | None, model_cfg: DrafterModelConfig) -> DrafterProposer:
+        """The drafter (weights; None: its random initial weights) as evaluated here, with the target's head."""
+        return DrafterProposer(eval_drafter(weights, model_cfg, self.device, self.dtype), self.head(model_cfg))
+
     def run(self, propose, block_size: int, layer_ids: list[int], budget_s: float = 0.0, tick=None) -> dict:
         # references inside the budget too: the first evaluation computes them
         start, refs = time.perf_counter(), []
@@ -303,8 +307,7 @@ class SpecEval:
     def evaluate(self, weights: dict, model_cfg: DrafterModelConfig, *, controls: bool = False,
                  budget_s: float = 0.0, seed: int = 0, tick=None) -> dict:
         """The drafter's figures; with controls also those of repeat-last and a random drafter."""
-        head = self.head(model_cfg)
-        propose = DrafterProposer(eval_drafter(weights, model_cfg, self.device, self.dtype), head)
+        propose = self.proposer(weights, model_cfg)
         result = self.run(propose, model_cfg.block_size, model_cfg.target_layer_ids, budget_s, tick)
         if controls:
             n = result["prompts"]
@@ -313,7 +316,7 @@ class SpecEval:
                 result["repeat_last"] = self.run(RepeatLast(model_cfg.block_size), model_cfg.block_size,
                                                  model_cfg.target_layer_ids, tick=tick)
                 torch.manual_seed(seed)
-                random = DrafterProposer(eval_drafter(None, model_cfg, self.device, self.dtype), head)
+                random = self.proposer(None, model_cfg)
                 result["random"] = self.run(random, model_cfg.block_size, model_cfg.target_layer_ids, tick=tick)
             finally:
                 self.prompts = saved
