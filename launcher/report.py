@@ -85,7 +85,7 @@ def describe_data(info: dict) -> str:
     """The data line of `launcher up`, `status` and `report`, from <run_dir>/data.json."""
     skipped = (f"; skipped {info['bad_samples']} bad lines (data.on_bad_sample=skip), first: "
                + "; ".join(info["bad_examples"]) if info["bad_samples"] else "; no bad lines")
-    return f"data: {info['train_rows']} training rows, {info['eval_rows']} held-out{skipped}"
+    return f"data: {info['train_rows']} training rows, {info['eval_rows']} held-out rows{skipped}"
 
 
 def summary(run_dir: Path, train: list[dict], evals: list[dict]) -> list[str]:
