@@ -145,9 +145,10 @@ def _prepare_data(run_dir: Path) -> None:
     print(describe_data(info), flush=True)
 
 
-def _make_demo(run_dir: Path) -> list[str]:
-    """Build the demo model and data in a child process (torch stays out of the launcher)."""
-    out = subprocess.run([sys.executable, "-m", "services.demo", "--out", str(run_dir / "demo")],
+def _make_demo() -> list[str]:
+    """Build (or reuse, from the demo cache) the demo model and data in a child process (torch
+    stays out of the launcher)."""
+    out = subprocess.run([sys.executable, "-m", "services.demo"],
                          capture_output=True, text=True)
     if out.returncode != 0:
         raise UsageError(f"building the demo failed:\n{out.stderr[-2000:]}")
@@ -184,8 +185,8 @@ def cmd_up(args) -> int:
         raise UsageError(f"{run_dir} has checkpoints; pass --resume to continue, or choose another --run-dir")
     run_dir.mkdir(parents=True, exist_ok=True)
     if args.demo:
-        print("building the demo target and dataset…", flush=True)
-        overrides = _make_demo(run_dir) + overrides
+        print("building the demo target and dataset (once; then reused from the demo cache)…", flush=True)
+        overrides = _make_demo() + overrides
     cfg = _with_local_model(load_config(args.config, overrides))
     _check_inputs(cfg, runs_targets)
     dump_json(cfg, run_dir / "config.json")
@@ -440,7 +441,7 @@ def cmd_plan(args) -> int:
     overrides = list(args.overrides)
     with tempfile.TemporaryDirectory(prefix="dflash-plan-") as work:
         if args.demo:
-            overrides = _make_demo(Path(work)) + overrides
+            overrides = _make_demo() + overrides
         cfg = _with_local_model(load_config(args.config, overrides))
         _check_inputs(cfg, runs_targets=True)
         overrides += [f'target.model_path="{cfg.target.model_path}"']

@@ -2,7 +2,7 @@
 the spot, and a synthetic chat dataset whose assistant replies follow learnable patterns.
 
     from services.demo import make_demo
-    demo = make_demo("runs/demo-assets")      # dict(model_path, data_path, overrides)
+    demo = make_demo(cache_dir())      # dict(model_path, data_path, overrides)
 
 No network, no GPU. Deterministic given the seed and idempotent: an existing, complete demo
 directory (marked by demo.json with the same seed and version) is reused as it is.
@@ -16,6 +16,7 @@ the drafter against a target that writes varied text.
 """
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import random
@@ -169,6 +170,13 @@ def demo_overrides(model_path: str, data_path: str) -> list[str]:
     ]
 
 
+def cache_dir() -> Path:
+    """Where `launcher up --demo` keeps the demo: built once per machine and demo version (teaching
+    the target takes about a minute on 2 cores), then reused by every demo run."""
+    root = os.environ.get("DFLASH_CACHE_DIR") or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dflash"
+    return Path(root) / f"demo-v{DEMO_VERSION}"
+
+
 def make_demo(out_dir: str | os.PathLike, seed: int = 0, num_conversations: int = 4000,
               target_steps: int = TARGET_STEPS) -> dict:
     """Create (or reuse) the demo under out_dir; return model_path, data_path and config overrides.
@@ -179,9 +187,13 @@ def make_demo(out_dir: str | os.PathLike, seed: int = 0, num_conversations: int 
     marker = out / "demo.json"
     want = {"version": DEMO_VERSION, "seed": seed, "num_conversations": num_conversations,
             "target_steps": target_steps}
-    if not (marker.is_file() and json.loads(marker.read_text()) == want):
-        _build(out, seed, num_conversations, target_steps)
-        marker.write_text(json.dumps(want))
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / ".lock", "w") as lock:       # demo runs started together build it once
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (marker.is_file() and json.loads(marker.read_text()) == want):
+            marker.unlink(missing_ok=True)       # a build cut short leaves no marker: rebuilt next time
+            _build(out, seed, num_conversations, target_steps)
+            marker.write_text(json.dumps(want))
     return {"model_path": str(model_path), "data_path": str(data_path),
             "overrides": demo_overrides(str(model_path), str(data_path))}
 
@@ -211,12 +223,13 @@ def main(argv=None) -> None:
     """python -m services.demo --out DIR: build (or reuse) the demo; print the result as one JSON line."""
     import argparse
     p = argparse.ArgumentParser(prog="python -m services.demo", description=main.__doc__)
-    p.add_argument("--out", default="runs/demo-assets")
+    p.add_argument("--out", default=None, help="where to build it (default: the demo cache, %(default)s: "
+                   "$DFLASH_CACHE_DIR/demo-v<N>, else ~/.cache/dflash/demo-v<N>)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--conversations", type=int, default=4000)
     p.add_argument("--target-steps", type=int, default=TARGET_STEPS, help="0: an untrained (random) target")
     args = p.parse_args(argv)
-    print(json.dumps(make_demo(args.out, seed=args.seed, num_conversations=args.conversations,
+    print(json.dumps(make_demo(args.out or cache_dir(), seed=args.seed, num_conversations=args.conversations,
                                target_steps=args.target_steps)), flush=True)
 
 

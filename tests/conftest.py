@@ -1,8 +1,20 @@
 """Fixtures shared by several test files."""
+import atexit
+import os
+import shutil
+import tempfile
+
 import pytest
 from transformers import AutoTokenizer
 
 from services.demo import build_tokenizer, conversations
+
+
+# `launcher up --demo` builds the demo once per cache and reuses it: one cache for this test
+# session (the first demo test builds it), none of it in the user's ~/.cache
+if "DFLASH_CACHE_DIR" not in os.environ:
+    os.environ["DFLASH_CACHE_DIR"] = tempfile.mkdtemp(prefix="dflash-test-cache-")
+    atexit.register(shutil.rmtree, os.environ["DFLASH_CACHE_DIR"], True)
 
 
 @pytest.fixture(scope="session")
