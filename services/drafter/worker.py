@@ -92,15 +92,15 @@ class DrafterWorker:
                                                total_steps=max(1, self.max_steps))
         self.compile_s = self.compile(model_cfg)      # before asking for batches: the targets load meanwhile
         check = functools.partial(check_batch, state=state)    # values too, before a batch goes to the GPU early
-        where = (cfg, self.run_dir, rank, self.world_size, args.num_targets, model_cfg, health, device)
-        self.batches, plan = train_batches(*where, synthetic=args.synthetic, max_steps=self.max_steps,
+        source_args = (cfg, self.run_dir, rank, self.world_size, args.num_targets, model_cfg, health, device)
+        self.batches, plan = train_batches(*source_args, synthetic=args.synthetic, max_steps=self.max_steps,
                                            start_step=found.micro_step if found else 0, check=check)
         if hasattr(self.batches, "info"):             # the targets' handshake, against this drafter's model
             self.batches.info.check(hidden_size=model_cfg.hidden_size, vocab_size=model_cfg.vocab_size,
                                     layer_ids=model_cfg.target_layer_ids, seq_len=cfg.data.pack_len,
                                     labels_from_target=cfg.target.labels_from_target,
                                     config_digest=batch_config_digest(cfg))
-        held_out = eval_batches(*where, synthetic=args.synthetic, check=check)
+        held_out = eval_batches(*source_args, synthetic=args.synthetic, check=check)
         state.scheduler = make_scheduler(state.optimizer, cfg, plan.optimizer_steps)   # the real horizon, now known
         if found:
             for note in ckpt.restore(state, found, rank):
