@@ -43,7 +43,7 @@ class LineFormat(logging.Formatter):
         return "\n".join(f"{head} {line}" for line in text.splitlines() or [""])
 
 
-def setup(role: str, rank: int) -> None:
+def setup_logging(role: str, rank: int) -> None:
     """The process's logging: text (this process's loggers, the libraries', Python warnings) to
     stderr, events to stdout, both in the format above. Call once, first thing in main()."""
     form = LineFormat(f"{role}-{rank}")

@@ -18,7 +18,7 @@ def streams(monkeypatch):
     monkeypatch.setattr("sys.stderr", err)
     root = logging.getLogger()
     saved = root.handlers[:], root.level
-    log.setup("drafter", 3)
+    log.setup_logging("drafter", 3)
     yield out, err
     root.handlers[:], _ = saved
     root.setLevel(saved[1])

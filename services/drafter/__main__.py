@@ -31,9 +31,10 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from services import exits, log                           # no torch in here
+    from services import exits                                # no torch in here
     from services.config import ConfigError, load_config
-    log.setup("drafter", args.rank)
+    from services.log import setup_logging
+    setup_logging("drafter", args.rank)
     try:
         cfg = load_config(args.config, args.overrides)
     except ConfigError as exc:                                 # bad config: one clear line, no traceback

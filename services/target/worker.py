@@ -25,13 +25,13 @@ from pathlib import Path
 import torch
 
 from services import exits, lifecycle
-from services import log as logs
 from services.batch import Batch
 from services.config import Config, ConfigError, load_config
 from services.endpoints import endpoint
 from services import curve
 from services.handshake import TargetInfo, batch_config_digest
 from services.health import HealthServer
+from services.log import event, setup_logging
 from services.target.model import load_target
 from services.target.ring import CaptureRing
 from services.target.packing import open_or_build
@@ -123,7 +123,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    logs.setup("target", args.rank)
+    setup_logging("target", args.rank)
     try:
         cfg = load_config(args.config, args.overrides)
     except ConfigError as exc:                    # bad config: one clear line, no traceback
@@ -138,10 +138,10 @@ def main(argv=None) -> int:
     stop = lifecycle.install(grace_s=cfg.run.stop_timeout_s)
     try:
         worker = TargetWorker(cfg, run_dir, args.rank, device, health)
-        logs.event("ready", rank=args.rank, **{k: v for k, v in worker.info.items() if k != "model_path"})
+        event("ready", rank=args.rank, **{k: v for k, v in worker.info.items() if k != "model_path"})
         worker.serve(stop)
         health.set(state="stopped")
-        logs.event("stopped", rank=args.rank, batches_served=worker.batches_served)
+        event("stopped", rank=args.rank, batches_served=worker.batches_served)
         return exits.OK
     except Exception as exc:                      # a config error, or a crash
         return exits.exit_code(exc, health)
