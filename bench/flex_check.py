@@ -38,6 +38,7 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 
 from services.drafter.attention import DenseAttention, FlexAttention, anchor_context_starts  # noqa: E402
+from services.log import events  # noqa: E402
 
 RESULTS: list[dict] = []
 
@@ -195,10 +196,9 @@ def processes_check(steps: int = 20):
     codes = [p.returncode for p in procs]
     summary, digests, falls = [], set(), []
     for rank, (out, err) in enumerate(outs):
-        lines = [json.loads(x) for x in out.splitlines() if x.startswith("{")]
-        ready = next((m for m in lines if m.get("event") == "ready"), {})
-        stopped = next((m for m in lines if m.get("event") == "stopped"), {})
-        losses = [m["loss"] for m in lines if "loss" in m]
+        ready = next(iter(events(out, "ready")), {})
+        stopped = next(iter(events(out, "stopped")), {})
+        losses = [m["loss"] for m in events(out, "step")]
         digests.add(stopped.get("params_digest"))
         falls.append(len(losses) >= 10 and sum(losses[-5:]) < sum(losses[:5]))
         summary.append({"rank": rank, "rc": codes[rank], "compile_s": ready.get("compile_s"),

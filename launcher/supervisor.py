@@ -41,6 +41,7 @@ from services.config import Config
 from services.endpoints import endpoint, socket_dir
 from services.files import write_json_atomic
 from services.health import probe
+from services.log import message_of
 
 EXIT_DONE, EXIT_FAILED, EXIT_USAGE, EXIT_STOPPED = 0, 1, 2, 3
 PROBE_EVERY_S = 5.0
@@ -236,7 +237,7 @@ class Supervisor:
         rc = self.procs[w.name].poll()
         if rc is not None and not (w.role == "drafter" and rc == 0):
             tail = self.tail(w)
-            cause = next((line.strip() for line in reversed(tail.splitlines()) if line.strip()), "")
+            cause = next((message_of(line.strip()) for line in reversed(tail.splitlines()) if line.strip()), "")
             # the first line is the outcome's reason in run.json: it carries the cause, the log follows
             raise RunFailed(f"{w.name} exited with code {rc} while starting: {cause}\n"
                             f"last lines of {self.log(w)}:\n{tail}")

@@ -7,13 +7,15 @@ signal always end it. A second signal exits at once.
 """
 from __future__ import annotations
 
+import logging
 import os
 import signal
-import sys
 import threading
 
 STOP = threading.Event()
 EXIT_HARD = 143
+
+log = logging.getLogger("worker")
 
 
 class Stopped(Exception):
@@ -25,8 +27,7 @@ def install(grace_s: float = 600.0) -> threading.Event:
         if STOP.is_set():
             os._exit(EXIT_HARD)
         STOP.set()
-        print(f"signal {signal.Signals(signum).name}: finishing the current step, exiting within {grace_s:.0f}s",
-              file=sys.stderr, flush=True)
+        log.warning("signal %s: finishing the current step, exiting within %.0fs", signal.Signals(signum).name, grace_s)
         timer = threading.Timer(grace_s, lambda: os._exit(EXIT_HARD))
         timer.daemon = True
         timer.start()

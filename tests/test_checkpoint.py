@@ -14,6 +14,7 @@ from safetensors.torch import load_file
 from services.drafter import checkpoint as ckpt
 from services.drafter.ledger import read_all
 from services.endpoints import free_port
+from services.log import events, parse_event
 from tests.drafters import spawn
 
 SMALL = ["data.pack_len=256", "drafter.num_anchors=16", "drafter.num_layers=1", "drafter.compile=false",
@@ -27,10 +28,6 @@ def run_ranks(run_dir, *args, world_size=2, timeout=180):
     for p, (_, err) in zip(procs, outs):
         assert p.returncode == 0, err[-3000:]
     return outs
-
-
-def events(out: str) -> list[dict]:
-    return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
 
 
 def latest(run_dir) -> Path:
@@ -60,9 +57,9 @@ def test_resume_after_sigkill_equals_uninterrupted_training_bit_for_bit(tmp_path
     procs = [spawn(broken, *args, rank=r, world_size=world_size, port=port) for r in range(world_size)]
     saved = False
     for line in procs[0].stdout:                       # wait for checkpoint K, then two more steps
-        e = json.loads(line) if line.startswith("{") else {}
+        e = parse_event(line) or {}
         saved = saved or (e.get("event") == "checkpoint" and e["step"] == K)
-        if saved and e.get("step", 0) >= K + 2 and "loss" in e:
+        if saved and e.get("event") == "step" and e["step"] >= K + 2:
             break
     for p in procs:
         p.kill()
@@ -105,7 +102,8 @@ def test_resume_without_checkpoints_starts_fresh(tmp_path):
 def test_sigterm_checkpoints_the_step_in_hand_and_resume_continues_from_it(tmp_path):
     proc = spawn(tmp_path, "--max-steps", "100000", *SMALL, "run.checkpoint_every=1000")
     for line in proc.stdout:
-        if line.startswith('{"rank"') and json.loads(line)["step"] >= 3:
+        e = parse_event(line) or {}
+        if e.get("event") == "step" and e["step"] >= 3:
             break
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=60)

@@ -4,7 +4,8 @@ import json
 import resource
 
 from services.drafter import checkpoint as ckpt
-from tests.test_checkpoint import events, latest, train_single
+from services.log import events
+from tests.test_checkpoint import latest, train_single
 
 
 def test_corrupt_or_truncated_latest_falls_back_to_the_previous_one_with_a_warning(tmp_path):

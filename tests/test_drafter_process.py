@@ -8,14 +8,11 @@ import pytest
 from services.config import TransportConfig
 from services.endpoints import endpoint
 from services.health import probe
+from services.log import events, parse_event
 from services.endpoints import free_port
 from tests.drafters import spawn
 
 SMALL = ["data.pack_len=256", "drafter.num_anchors=16", "drafter.lr=3e-3", "drafter.warmup_ratio=0.1"]
-
-
-def json_lines(text):
-    return [json.loads(line) for line in text.splitlines() if line.startswith("{")]
 
 
 @pytest.mark.slow
@@ -29,10 +26,9 @@ def test_three_ranks_cold_compile_train_in_lockstep(tmp_path):
     assert any((tmp_path / "compile-cache").iterdir())                  # the cache was built here, cold
     digests = set()
     for rank, (out, _) in enumerate(outs):
-        lines = json_lines(out)
-        ready = [m for m in lines if m.get("event") == "ready"][0]
-        stopped = [m for m in lines if m.get("event") == "stopped"][0]
-        steps = [m for m in lines if "loss" in m]
+        ready, = events(out, "ready")
+        stopped, = events(out, "stopped")
+        steps = events(out, "step")
         assert ready["compile_s"] > 0 and stopped["recompiles"] == 0 and stopped["step"] == 25
         assert [m["g"] for m in steps] == [s * 3 + rank for s in range(25)]   # g = s*D + d
         assert sum(m["loss"] for m in steps[-5:]) < sum(m["loss"] for m in steps[:5]) - 1.0
@@ -44,7 +40,7 @@ def test_health_while_training_then_sigterm_drains_and_exits_zero(tmp_path):
     proc = spawn(tmp_path, "--max-steps", "100000", *SMALL, "drafter.compile=false", "run.log_every=1")
     try:
         for line in proc.stdout:                                        # wait for a trained step
-            if line.startswith('{"rank"'):
+            if (parse_event(line) or {}).get("event") == "step":
                 break
         code, status, reason = probe(endpoint(tmp_path, TransportConfig(), "drafter", 0, "health"), 5.0)
         assert code == 0, reason
@@ -55,7 +51,7 @@ def test_health_while_training_then_sigterm_drains_and_exits_zero(tmp_path):
     finally:
         proc.kill()
     assert proc.returncode == 0, err[-3000:]
-    stopped = [m for m in json_lines(out) if m.get("event") == "stopped"][0]
+    stopped, = events(out, "stopped")
     assert stopped["signal"] is True and 1 <= stopped["step"] < 100000
     # the anchors' reach is in the health status (the launcher's progress line) and in metrics.jsonl
     assert 0.8 < status["coverage"] <= 1.0

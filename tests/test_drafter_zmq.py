@@ -11,6 +11,7 @@ import pytest
 from services.demo import make_demo
 from services.drafter.ledger import read_all
 from services.endpoints import free_port
+from services.log import events
 from tests.drafters import REPO, spawn
 
 pytestmark = pytest.mark.slow
@@ -43,8 +44,7 @@ def train_over_zmq(run_dir, overrides: list[str]) -> list[dict]:
     stopped = []
     for p, (out, err) in zip(drafters, outs):
         assert p.returncode == 0, err[-3000:]
-        lines = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
-        stopped += [m for m in lines if m.get("event") == "stopped"]
+        stopped += events(out, "stopped")
     assert len(stopped) == DRAFTERS
     return stopped
 

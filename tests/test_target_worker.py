@@ -17,6 +17,7 @@ from services.config import load_config
 from services.demo import make_demo
 from services.endpoints import endpoint
 from services.health import probe
+from services import log
 from services.target.model import load_target
 from services.target.packing import open_or_build
 from services.transport import BatchClient
@@ -119,7 +120,9 @@ def test_worker_serves_info_batches_errors_and_stops_on_sigterm(tmp_path, demo):
 
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0
-        assert "stopped after 4 batches" in proc.stderr.read()
+        ready, stopped = log.events(proc.stdout.read())
+        assert ready["event"] == "ready" and ready["num_batches"] == info["num_batches"]
+        assert stopped == {"event": "stopped", "rank": 0, "batches_served": 4}
     finally:
         if client:
             client.close()
@@ -156,9 +159,18 @@ def test_worker_sends_target_labels_when_configured(tmp_path, demo):
         proc.wait()
 
 
-def test_worker_fails_clearly_without_a_model(tmp_path, demo):
-    overrides = demo["overrides"] + [f"target.model_path={tmp_path / 'missing-model'}"]
-    proc = _start(tmp_path / "run", overrides)
+@pytest.mark.parametrize("bad, message", [
+    ("target.model_path={missing}", "model directory not found: {missing}"),
+    ("target.layer_ids=[1, 9]", "target.layer_ids [9] out of range: the target has 4 decoder layers"),
+    ("target.no_such_key=1", "unknown key target.no_such_key"),
+])
+def test_a_config_error_is_exit_2_with_one_clear_line(tmp_path, demo, bad, message):
+    """As in the drafter (test_drafter_process.py): exit 2, one line naming the error, no traceback."""
+    missing = tmp_path / "missing-model"
+    proc = _start(tmp_path / "run", demo["overrides"] + [bad.format(missing=missing)])
     _, err = proc.communicate(timeout=60)
-    assert proc.returncode == 1
-    assert f"model directory not found: {tmp_path / 'missing-model'}" in err
+    assert proc.returncode == 2, err[-3000:]
+    assert "Traceback" not in err
+    line, = [line for line in err.splitlines() if " error " in line]
+    assert line.split(" ", 3)[1:3] == ["target-0", "error"]
+    assert " error config error: " in line and message.format(missing=missing) in line

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from services.drafter.ledger import read_all
+from services.log import events
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS, CHECKPOINT_EVERY, LOG_EVERY, EVAL_EVERY = 120, 20, 5, 40
@@ -67,7 +68,7 @@ def test_sigkilled_drafter_resumes_and_every_batch_is_trained_once(tmp_path):
     run = json.loads((run_dir / "run.json").read_text())
     assert run["restarts"]["drafter"] == 1
     log = (run_dir / "logs" / "drafter-0.log").read_text()
-    resumed = [json.loads(line) for line in log.splitlines() if line.startswith('{"event": "resumed"')]
+    resumed = events(log, "resumed")
     assert len(resumed) == 1 and resumed[0]["step"] % CHECKPOINT_EVERY == 0 and 0 < resumed[0]["step"] < STEPS
 
     # exactly once: the ledger of the weights' lineage holds every batch index once
@@ -133,7 +134,7 @@ def test_stop_while_waiting_for_data_checkpoints_and_resume_finishes_the_run(tmp
     assert up.returncode == 3, out[-3000:]
     assert "killed hard" not in down_out, down_out
     log = (run_dir / "logs" / "drafter-0.log").read_text()
-    stopped = [json.loads(line) for line in log.splitlines() if line.startswith('{"event": "stopped"')][-1]
+    stopped = events(log, "stopped")[-1]
     assert stopped["signal"] is True and 0 < stopped["step"] < steps
     assert os.readlink(run_dir / "checkpoints" / "latest") == f"step-{stopped['step']:08d}"
 

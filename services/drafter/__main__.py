@@ -31,19 +31,21 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from services.config import ConfigError, load_config      # no torch in here
+    from services import exits                                # no torch in here
+    from services.config import ConfigError, load_config
+    from services.log import setup_logging
+    setup_logging("drafter", args.rank)
     try:
         cfg = load_config(args.config, args.overrides)
     except ConfigError as exc:                                 # bad config: one clear line, no traceback
-        print(f"drafter: config error: {exc}", file=sys.stderr, flush=True)
-        return 2
+        return exits.exit_code(exc)
     os.makedirs(args.run_dir, exist_ok=True)
-    args.workers_on_node = int(os.environ.get("LOCAL_WORLD_SIZE", args.world_size))
-    setup_environment(args.run_dir, workers_on_node=args.workers_on_node)   # before torch is imported
+    workers_on_node = int(os.environ.get("LOCAL_WORLD_SIZE", args.world_size))
+    setup_environment(args.run_dir, workers_on_node=workers_on_node)   # before torch is imported
     if args.device == "cuda" and cfg.run.alloc_conf:
         os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", cfg.run.alloc_conf)
     from services.drafter.worker import run
-    return run(args, cfg)
+    return run(args, cfg, workers_on_node)
 
 
 if __name__ == "__main__":

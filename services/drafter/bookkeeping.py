@@ -9,19 +9,19 @@ agrees on what was saved.
 from __future__ import annotations
 
 import json
-import sys
+import logging
 import time
-import traceback
 from pathlib import Path
-
 
 from services.config import Config
 from services.drafter import checkpoint as ckpt
+from services.drafter.collectives import gather_rng_states
 from services.drafter.evaluate import evaluate
 from services.drafter.ledger import Ledger, truncate_jsonl
 from services.drafter.metrics import MetricsLog, StepTimes, reduce_train_metrics
 from services.drafter.train import TrainState
 from services.health import HealthServer
+from services.log import event
 
 
 # Real acceptance (speculative.py), rank 0, after each evaluation and at the end of a completed run
@@ -30,12 +30,7 @@ from services.health import HealthServer
 ACCEPTANCE_FILE = "acceptance.jsonl"
 
 
-def say(event: str, **fields) -> None:
-    print(json.dumps({"event": event, **fields}), flush=True)
-
-
-def warn(text: str) -> None:
-    print(f"drafter: warning: {text}", file=sys.stderr, flush=True)
+log = logging.getLogger("drafter")
 
 
 class Bookkeeping:
@@ -115,7 +110,7 @@ class Bookkeeping:
             self.best_tau = result["tau"]
         self.health.progress(eval_loss=result["loss"], eval_tau=result["tau"], best_tau=self.best_tau)
         if self.rank == 0:
-            say("eval", step=self.state.step, eval_loss=round(result["loss"], 4), eval_tau=round(result["tau"], 3),
+            event("eval", step=self.state.step, eval_loss=round(result["loss"], 4), eval_tau=round(result["tau"], 3),
                 best=new_best, batches=result["batches"])
         self.run_spec_eval()
         return new_best
@@ -136,10 +131,10 @@ class Bookkeeping:
                 self.spec = SpecEval(self.cfg, self.state.device, prompts=run.spec_eval_prompts,
                                      max_new_tokens=run.spec_eval_max_new_tokens)
                 if not self.spec.prompts:
-                    warn("real speculative decoding is off: the held-out data has no chat prompts")
+                    log.warning("real speculative decoding is off: the held-out data has no chat prompts")
                     self.spec = False
             except Exception as exc:        # never fatal: the run trains without it
-                warn(f"real speculative decoding is off: {type(exc).__name__}: {exc}")
+                log.warning(f"real speculative decoding is off: {type(exc).__name__}: {exc}")
                 self.spec = False
         return self.spec or None
 
@@ -155,14 +150,14 @@ class Bookkeeping:
                                    budget_s=self.cfg.run.spec_eval_budget_s, seed=self.cfg.run.seed,
                                    tick=self.health.progress)
         except Exception as exc:
-            warn(f"real speculative decoding failed and is off: {type(exc).__name__}: {exc}")
+            log.warning(f"real speculative decoding failed and is off: {type(exc).__name__}: {exc}")
             self.spec = False
             return None
         self.health.progress()
         record = {"step": self.state.step, "spec": True, **({"final": True} if final else {}), **result}
         with open(self.acceptance, "a") as f:
             f.write(json.dumps(record) + "\n")
-        say("spec_eval", step=self.state.step, final=final,
+        event("spec_eval", step=self.state.step, final=final,
             acceptance_per_prompt=round(result["acceptance_per_prompt"], 3),
             acceptance_per_step=round(result["acceptance_per_step"], 3),
             tokens_per_forward=round(result["tokens_per_forward"], 3), lossless=result["lossless"],
@@ -179,14 +174,14 @@ class Bookkeeping:
         A stop in the middle of gradient accumulation saves the last optimizer step (the partial
         batches are redone after the resume; their ledger lines are dropped then)."""
         state, step = self.state, self.state.step
-        rng = ckpt.gather_rng_states(state.device)
+        rng = gather_rng_states(state.device)
         if self.rank == 0:
             meta = ckpt.make_meta(self.boundary, state.drafter.cfg, self.world_size, best_tau=self.best_tau,
                                   eval=self.last_eval if self.last_eval and self.last_eval["step"] == step else None)
             self.report_checkpoint(self.writer.wait())
             blob = {"optimizer": state.optimizer.state_dict(), "scheduler": state.scheduler.state_dict()}
             if low := ckpt.space_warning(self.root, ckpt.checkpoint_bytes(state.drafter.state_dict(), blob)):
-                warn(low)
+                log.warning(low)
                 self.health.error(low)
             self.writer.snapshot_and_write(step, weights=state.drafter.state_dict(), optimizer=blob, rng=rng,
                                            meta=meta, config=self.cfg.to_dict(), set_best=set_best)
@@ -198,7 +193,7 @@ class Bookkeeping:
             return
         step = outcome["step"]
         if outcome["error"] is None:
-            say("checkpoint", step=step, path=str(outcome["path"]), best=outcome["best"],
+            event("checkpoint", step=step, path=str(outcome["path"]), best=outcome["best"],
                 stall_s=outcome["stall_s"], write_s=outcome["write_s"])
             self.health.progress(last_checkpoint=step)
             return
@@ -206,7 +201,7 @@ class Bookkeeping:
         message = (f"checkpoint at step {step} was not written ({type(exc).__name__}: {exc}); "
                    f"{'the previous checkpoint ' + kept.name + ' is kept as latest' if kept else 'no earlier checkpoint exists'}"
                    "; training goes on")
-        warn(message)
+        log.warning(message)
         self.health.error(message)
 
     # --- the end -------------------------------------------------------------------------------
@@ -225,13 +220,12 @@ class Bookkeeping:
                 record = self.final_export_record()
                 out = export_weights(self.state.drafter.state_dict(), self.state.drafter.cfg, self.run_dir / "export",
                                      provenance=record)
-                say("exported", out=str(out), **record,
+                event("exported", out=str(out), **record,
                     num_speculative_tokens=num_speculative_tokens(self.state.drafter.cfg.block_size))
             except Exception as exc:
-                traceback.print_exc()
                 message = f"export at the end of the run failed ({type(exc).__name__}: {exc}); " \
                           f"run `launcher export --checkpoint {self.root / ckpt.LATEST} --out DIR`"
-                warn(message)
+                log.warning("%s", message, exc_info=exc)
                 self.health.error(message)
         if completed and self.rank == 0:
             self.run_spec_eval(final=True)        # after the export: a failure here costs nothing saved

@@ -32,7 +32,6 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-import torch.distributed as dist
 
 from services.config import Config, ConfigError
 from services.drafter.model import DrafterModelConfig
@@ -172,26 +171,6 @@ def _out_of_space(exc: BaseException, root: Path) -> bool:
     if isinstance(exc, Exception) and "No space left on device" in str(exc):
         return True
     return isinstance(exc, Exception) and free_bytes(root) < (1 << 20)
-
-
-# --- RNG of every rank --------------------------------------------------------------------------
-
-def gather_rng_states(device: torch.device) -> dict[str, torch.Tensor]:
-    """Every rank's torch RNG states (collective: every rank calls it). Tensors through
-    dist.all_gather, no pickle. The train step draws its randomness from per-batch generators
-    (anchors), so these only matter to code that uses the global generators."""
-    states = {"cpu": torch.get_rng_state()}
-    if device.type == "cuda":
-        states["cuda"] = torch.cuda.get_rng_state(device)
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return {f"{kind}.0": t for kind, t in states.items()}
-    comm_device = device if dist.get_backend() == "nccl" else torch.device("cpu")
-    out = {}
-    for kind, local in states.items():
-        parts = [torch.empty_like(local, device=comm_device) for _ in range(dist.get_world_size())]
-        dist.all_gather(parts, local.to(comm_device))
-        out.update({f"{kind}.{r}": p.cpu() for r, p in enumerate(parts)})
-    return out
 
 
 # --- writing (rank 0) ---------------------------------------------------------------------------

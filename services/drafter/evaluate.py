@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from services import lifecycle
-from services.drafter.metrics import all_reduce_sum
+from services.drafter.collectives import all_reduce_sum
 from services.drafter.train import TrainState, check_batch, forward_loss
 
 

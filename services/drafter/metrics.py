@@ -21,19 +21,11 @@ import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
+from services.drafter.collectives import all_reduce_sum
 from services.drafter.ledger import truncate_jsonl
 
 METRICS_FILE = "metrics.jsonl"
-
-
-def all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
-    """Sum a few numbers over the drafter ranks (float64; every rank must call it)."""
-    t = torch.tensor(values, dtype=torch.float64, device=device)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(t)
-    return t.tolist()
 
 
 class StepTimes:

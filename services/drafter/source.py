@@ -1,4 +1,5 @@
-"""Where a drafter's batches come from: pulled from the targets over ZMQ.
+"""Where a drafter's batches come from: pulled from the targets over ZMQ (ZmqSource), or made up
+(--synthetic: synthetic.py). train_batches and eval_batches pick the source for a run.
 
 Scheduling (docs/design.md, "Scheduling"): at step s, drafter d of D trains global batch g = s·D + d, which
 target g mod T builds. Each drafter keeps `transport.credits` requests in flight, so memory in flight
@@ -16,6 +17,7 @@ restarted), the connection to it is dropped and made afresh before anything is a
 """
 from __future__ import annotations
 
+import logging
 import time
 from pathlib import Path
 
@@ -25,7 +27,9 @@ from services.batch import Batch
 from services.config import Config
 from services.endpoints import endpoint
 from services.files import write_json_atomic
-from services.drafter.plan import make_plan
+from services.drafter.model import DrafterModelConfig
+from services.drafter.plan import Plan, make_plan
+from services.drafter.synthetic import SyntheticEval, SyntheticSource
 from services import curve, lifecycle
 from services.handshake import TargetInfo
 from services.health import HealthServer, probe
@@ -33,6 +37,8 @@ from services.transport import BatchClient
 from services.wire import WireError
 
 CHECK_TARGETS_EVERY_S = 2.0
+
+log = logging.getLogger("drafter")
 
 
 class SourceError(RuntimeError):
@@ -229,3 +235,37 @@ class ZmqSource:
 
     def close(self) -> None:
         self.client.close()
+
+
+def train_batches(cfg: Config, run_dir: Path, rank: int, world_size: int, num_targets: int,
+                  model_cfg: DrafterModelConfig, health: HealthServer, device: torch.device, *, synthetic: bool,
+                  max_steps: int, start_step: int, check=None) -> tuple[ZmqSource | SyntheticSource, Plan]:
+    """(this rank's training batches from start_step on, the run's plan). check: validates a batch on the CPU."""
+    if synthetic:
+        plan = make_plan(None, 1, world_size, cfg.drafter.grad_accum, max_steps)
+        source = SyntheticSource(model_cfg, cfg.data.pack_len, rank=rank, world_size=world_size,
+                                 seed=cfg.run.seed, total_steps=plan.micro_batches, start_step=start_step,
+                                 device=device, with_target_labels=cfg.target.labels_from_target)
+        return source, plan
+    source = ZmqSource(cfg, run_dir, rank, world_size, num_targets, health, max_steps=max_steps,
+                       start_step=start_step, device=device, check=check)
+    return source, source.plan
+
+
+def eval_batches(cfg: Config, run_dir: Path, rank: int, world_size: int, num_targets: int,
+                 model_cfg: DrafterModelConfig, health: HealthServer, device: torch.device, *, synthetic: bool,
+                 check=None) -> ZmqSource | SyntheticEval | None:
+    """The held-out split (rank d evaluates batches i*D + d), or None when evaluation is off or empty."""
+    if cfg.run.eval_every <= 0:
+        return None
+    if synthetic:
+        return SyntheticEval(SyntheticSource(model_cfg, cfg.data.pack_len, seed=cfg.run.seed, device=device,
+                                             with_target_labels=cfg.target.labels_from_target),
+                             rank, world_size)
+    source = ZmqSource(cfg, run_dir, rank, world_size, num_targets, health, split="eval", device=device, check=check)
+    if source.total_batches == 0:
+        log.warning("run.eval_every is set but the data has no held-out batches (data.eval_fraction / "
+                    "data.eval_path); evaluation is off")
+        source.close()
+        return None
+    return source

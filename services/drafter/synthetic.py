@@ -67,3 +67,22 @@ class SyntheticSource:
         labels = self.next_token[input_ids] if self.with_target_labels else None
         return Batch(g=g, hidden=hidden, input_ids=input_ids, loss_mask=loss_mask.to(self.device),
                      position_ids=pos, document_ids=doc, target_labels=labels)
+
+
+EVAL_BATCHES = 8
+EVAL_FIRST_G = 1 << 40        # held-out synthetic batches: same data distribution, g never trained
+
+
+class SyntheticEval:
+    """Rank d's share (i*D + d) of the synthetic held-out batches, made lazily on each pass."""
+
+    def __init__(self, source: SyntheticSource, rank: int, world_size: int):
+        self.source, self.rank, self.world_size = source, rank, world_size
+
+    def __iter__(self):
+        for i in range(-(-EVAL_BATCHES // self.world_size)):
+            g = i * self.world_size + self.rank
+            batch = self.source.batch(EVAL_FIRST_G + g)
+            if g >= EVAL_BATCHES:                  # the split's end: an empty batch keeps ranks in step
+                batch.loss_mask[:] = False
+            yield batch

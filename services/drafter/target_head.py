@@ -214,3 +214,15 @@ def from_target(cfg: Config) -> tuple[DrafterModelConfig, TargetHead]:
     model_cfg = build_model_config(cfg, model_config_from_hf(text, tie), mask_id)
     head = load_target_head(cfg.target.model_path, model_cfg.vocab_size, model_cfg.hidden_size, tie)
     return model_cfg, head
+
+
+def model_and_head(cfg: Config, synthetic: bool) -> tuple[DrafterModelConfig, TargetHead]:
+    """(model config, target head) on the CPU: every config error surfaces here, before GPU work.
+    A synthetic run without a target checkpoint gets a random head of SYNTHETIC_MODEL's shape."""
+    from services.drafter.synthetic import SYNTHETIC_MODEL
+    if cfg.target.model_path or not synthetic:
+        return from_target(cfg)
+    vocab = cfg.drafter.overrides.get("vocab_size", SYNTHETIC_MODEL["vocab_size"])
+    mask_id = cfg.drafter.mask_token_id if cfg.drafter.mask_token_id >= 0 else vocab - 1
+    model_cfg = build_model_config(cfg, SYNTHETIC_MODEL, mask_id)
+    return model_cfg, TargetHead.random(model_cfg.vocab_size, model_cfg.hidden_size, seed=cfg.run.seed)

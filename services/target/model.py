@@ -42,7 +42,7 @@ import torch
 from torch import nn
 
 from services import layers
-from services.config import TargetConfig
+from services.config import ConfigError, TargetConfig
 from services.target import hybrid
 
 PACKED_SDPA = "sdpa_packed"
@@ -50,8 +50,8 @@ DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.f
           "fp16": torch.float16, "float32": torch.float32, "fp32": torch.float32}
 
 
-class TargetLoadError(ValueError):
-    """The target model cannot be loaded or configured; the message names the path or key."""
+class TargetLoadError(ConfigError):
+    """The target model cannot be loaded as configured; the message names the path or key (exit 2)."""
 
 
 class _StopForward(Exception):

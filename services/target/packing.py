@@ -28,6 +28,7 @@ import bisect
 import fcntl
 import hashlib
 import json
+import logging
 import os
 import sys
 import time
@@ -150,7 +151,7 @@ def build_index(cfg: Config, tokenizer, vocab_size: int) -> tuple[dict[str, np.n
 def open_or_build(cfg: Config, run_dir: str | Path, tokenizer, vocab_size: int, log=None) -> "PackedData":
     """The run's packed dataset: reuse <run_dir>/data-cache/<key>.safetensors or build it (once, locked)."""
     from safetensors.numpy import save_file
-    log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+    log = log or logging.getLogger("target").info
     cache_dir = Path(run_dir) / "data-cache"
     cache_dir.mkdir(parents=True, exist_ok=True)
     key = cache_key(cfg, tokenizer, vocab_size)

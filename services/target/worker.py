@@ -3,7 +3,7 @@
     python -m services.target --config FILE --run-dir DIR --rank T --world-size NT [--device cpu|cuda] [k=v ...]
 
 States (health): starting -> loading (model + data index) -> ready -> training (serving) ->
-draining (SIGTERM: finish the batch in hand) -> stopped; failed on an error (exit 1).
+draining (SIGTERM: finish the batch in hand) -> stopped; failed on an error (exit codes: services/exits.py).
 Requests are served in arrival order: "info" -> the dict below; "batch" g -> build row g,
 queue its capture on the GPU, hand it to the transport's I/O thread. Any rank can build any batch;
 the rank only decides which requests arrive here.
@@ -24,13 +24,14 @@ from pathlib import Path
 
 import torch
 
-from services import lifecycle
+from services import exits, lifecycle
 from services.batch import Batch
-from services.config import Config, load_config
+from services.config import Config, ConfigError, load_config
 from services.endpoints import endpoint
 from services import curve
 from services.handshake import TargetInfo, batch_config_digest
 from services.health import HealthServer
+from services.log import event, setup_logging
 from services.target.model import load_target
 from services.target.ring import CaptureRing
 from services.target.packing import open_or_build
@@ -47,7 +48,7 @@ class TargetWorker:
         health.set(state="loading")
         self.target = load_target(cfg.target, device, num_draft_layers=cfg.drafter.num_layers)
         tokenizer = AutoTokenizer.from_pretrained(cfg.target.model_path)
-        self.data = open_or_build(cfg, run_dir, tokenizer, self.target.info.vocab_size, log=log.info)
+        self.data = open_or_build(cfg, run_dir, tokenizer, self.target.info.vocab_size)
         info = self.target.info
         self.info = TargetInfo(
             num_batches=self.data.num_batches("train"), num_eval_batches=self.data.num_batches("eval"),
@@ -122,8 +123,11 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s target-{args.rank} %(levelname)s %(message)s")
-    cfg = load_config(args.config, args.overrides)
+    setup_logging("target", args.rank)
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ConfigError as exc:                    # bad config: one clear line, no traceback
+        return exits.exit_code(exc)
     device = torch.device("cuda:0" if (args.device or ("cuda" if torch.cuda.is_available() else "cpu")) == "cuda" else "cpu")
     gpu = os.environ.get("CUDA_VISIBLE_DEVICES", "0") if device.type == "cuda" else "cpu"
     run_dir = Path(args.run_dir)
@@ -134,15 +138,12 @@ def main(argv=None) -> int:
     stop = lifecycle.install(grace_s=cfg.run.stop_timeout_s)
     try:
         worker = TargetWorker(cfg, run_dir, args.rank, device, health)
-        log.info("ready: %s", {k: v for k, v in worker.info.items() if k != "model_path"})
+        event("ready", rank=args.rank, **{k: v for k, v in worker.info.items() if k != "model_path"})
         worker.serve(stop)
         health.set(state="stopped")
-        log.info("stopped after %d batches", worker.batches_served)
-        return 0
-    except Exception as exc:
-        health.set(state="failed")
-        health.error(f"{type(exc).__name__}: {exc}")
-        log.exception("failed")
-        return 1
+        event("stopped", rank=args.rank, batches_served=worker.batches_served)
+        return exits.OK
+    except Exception as exc:                      # a config error, or a crash
+        return exits.exit_code(exc, health)
     finally:
         health.close()

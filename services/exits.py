@@ -1,0 +1,37 @@
+"""How a worker process ends: the same exit codes in every role (docs/operations.md, "Logs and exit codes").
+
+    0  finished, or stopped by a signal (a drafter saves its checkpoint first)
+    1  crashed: anything unexpected; the traceback is in the log, its last line names the error
+    2  config error: a bad config, checkpoint or handshake; one line says what, no traceback
+
+143 is a hard exit (lifecycle.py: a second signal, or the stop deadline passed).
+"""
+from __future__ import annotations
+
+import logging
+
+from services import lifecycle
+from services.config import ConfigError
+
+OK, CRASHED, CONFIG = 0, 1, 2
+
+log = logging.getLogger("worker")
+
+
+def exit_code(exc: BaseException, health=None) -> int:
+    """Log why the worker ends with `exc` and return its exit code; the health status says it too."""
+    if isinstance(exc, lifecycle.Stopped):      # stopped while starting (waiting for a target): nothing to save
+        if health is not None:
+            health.set(state="stopped")
+        return OK
+    if isinstance(exc, ConfigError):
+        message, code = f"config error: {exc}", CONFIG
+        log.error("%s", message)
+    else:
+        message, code = f"{type(exc).__name__}: {exc}", CRASHED
+        log.error("crashed", exc_info=exc)
+        log.error("%s", message)                # the last line: the cause the launcher reports
+    if health is not None:
+        health.set(state="failed")
+        health.error(message)
+    return code
