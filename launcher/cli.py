@@ -16,7 +16,6 @@ import shlex
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -439,17 +438,16 @@ def cmd_plan(args) -> int:
     if args.gpus < 2:
         raise UsageError(f"--gpus {args.gpus}: a split needs at least 2 GPUs")
     overrides = list(args.overrides)
-    with tempfile.TemporaryDirectory(prefix="dflash-plan-") as work:
-        if args.demo:
-            overrides = _make_demo() + overrides
-        cfg = _with_local_model(load_config(args.config, overrides))
-        _check_inputs(cfg, runs_targets=True)
-        overrides += [f'target.model_path="{cfg.target.model_path}"']
-        print(f"measuring each role on one {args.device} device, about {args.seconds:.0f} s each ...", flush=True)
-        try:
-            measured = plan.measure(args.config, args.device, args.seconds, overrides)
-        except RuntimeError as exc:
-            raise UsageError(str(exc)) from None
+    if args.demo:
+        overrides = _make_demo() + overrides
+    cfg = _with_local_model(load_config(args.config, overrides))
+    _check_inputs(cfg, runs_targets=True)
+    overrides += [f'target.model_path="{cfg.target.model_path}"']
+    print(f"measuring each role on one {args.device} device, about {args.seconds:.0f} s each ...", flush=True)
+    try:
+        measured = plan.measure(args.config, args.device, args.seconds, overrides)
+    except RuntimeError as exc:
+        raise UsageError(str(exc)) from None
     print(plan.describe(measured, args.gpus))
 
 
