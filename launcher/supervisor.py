@@ -167,11 +167,11 @@ class Supervisor:
 
     def _new_dist_store(self) -> None:
         if self.local_group:
+            self.dist_store().unlink(missing_ok=True)     # the last group's file, done with
             self.groups_started += 1
-            # the path a new group will use: an earlier launch of this run dir may have left it
+            # the path the new group will use: an earlier launch of this run dir may have left it
             # behind (its count started at 0 too), and stale keys send gloo to dead ports
             self.dist_store().unlink(missing_ok=True)
-            socket_dir(self.run_dir)                      # the private folder (0700) it lives in
 
     def write_run_json(self) -> None:
         try:
