@@ -210,10 +210,8 @@ def heldout_prompts(cfg, tokenizer, limit: int) -> list[list[int]]:
     lines the target holds out, packing.build_index's rule): each conversation up to its last
     assistant turn, with the chat template's generation prompt. Pre-tokenized lines carry no
     prompt and are skipped. Without a held-out split, the last lines of data.path are used."""
-    import numpy as np
-
     from services.target.data import normalize_messages
-    from services.target.packing import _EVAL_SALT
+    from services.target.packing import held_out_indices
 
     d = cfg.data
     path = d.eval_path or d.path
@@ -221,9 +219,7 @@ def heldout_prompts(cfg, tokenizer, limit: int) -> list[list[int]]:
     if not d.eval_path:
         if d.eval_fraction > 0 and len(lines) > 1:
             # the same choice as the target's split (exact when no line is skipped as bad)
-            n_eval = min(len(lines) - 1, max(1, round(d.eval_fraction * len(lines))))
-            chosen = np.random.default_rng([cfg.run.seed, _EVAL_SALT]).permutation(len(lines))[:n_eval]
-            lines = [lines[i] for i in sorted(chosen.tolist())]
+            lines = [lines[i] for i in held_out_indices(len(lines), d.eval_fraction, cfg.run.seed)]
         else:
             lines = lines[::-1]
     prompts = []
@@ -343,10 +339,9 @@ def load_weights(path: str | Path) -> tuple[dict, DrafterModelConfig, str]:
     from safetensors.torch import load_file
 
     path = Path(path)
-    config = path / "config.json"
-    if config.is_file() and "DFlashDraftModel" in json.loads(config.read_text()).get("architectures", []):
-        return load_file(str(path / "model.safetensors")), model_config_from_export(json.loads(config.read_text())), \
-            f"export {path.resolve()}"
+    conf = json.loads((path / "config.json").read_text()) if (path / "config.json").is_file() else {}
+    if "DFlashDraftModel" in conf.get("architectures", []):
+        return load_file(str(path / "model.safetensors")), model_config_from_export(conf), f"export {path.resolve()}"
     from services.drafter.checkpoint import verify
     from services.drafter.export import resolve_checkpoint
     ckpt = resolve_checkpoint(path)

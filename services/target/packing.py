@@ -124,6 +124,13 @@ def _pack_split(docs: list[Document], cfg: Config, prefix: str) -> dict[str, np.
     }
 
 
+def held_out_indices(count: int, fraction: float, seed: int) -> list[int]:
+    """Which of `count` documents (count > 1, fraction > 0) form the held-out split: at least one,
+    never all; sorted. The speculative-decoding eval picks its prompts with it too."""
+    n_eval = min(count - 1, max(1, round(fraction * count)))
+    return sorted(np.random.default_rng([seed, _EVAL_SALT]).permutation(count)[:n_eval].tolist())
+
+
 def build_index(cfg: Config, tokenizer, vocab_size: int) -> tuple[dict[str, np.ndarray], dict[str, str]]:
     d = cfg.data
     bad = BadSamples()
@@ -132,8 +139,7 @@ def build_index(cfg: Config, tokenizer, vocab_size: int) -> tuple[dict[str, np.n
     if d.eval_path:
         evals = read_documents(d.eval_path, tokenizer, vocab_size, d.on_bad_sample, bad, **limits)
     elif d.eval_fraction > 0 and len(train) > 1:
-        n_eval = min(len(train) - 1, max(1, round(d.eval_fraction * len(train))))
-        chosen = set(np.random.default_rng([cfg.run.seed, _EVAL_SALT]).permutation(len(train))[:n_eval].tolist())
+        chosen = set(held_out_indices(len(train), d.eval_fraction, cfg.run.seed))
         evals = [doc for i, doc in enumerate(train) if i in chosen]
         train = [doc for i, doc in enumerate(train) if i not in chosen]
     else:
