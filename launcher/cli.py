@@ -487,6 +487,8 @@ def cmd_regenerate(args) -> int:
         children.append(subprocess.Popen(base + ["--out", str(part), "--shard", f"{i}/{len(gpus)}"], env=env))
     codes = [c.wait() for c in children]
     if any(codes):
+        for part in parts:
+            part.unlink(missing_ok=True)
         raise UsageError(f"regeneration failed (exit codes {codes}); the input is unchanged")
     shards = [part.read_text(encoding="utf-8").splitlines() for part in parts]
     with open(out, "w", encoding="utf-8") as f:

@@ -23,7 +23,7 @@ def fsync_dir(path: Path) -> None:
 def write_text_atomic(path: Path, text: str, mode: int | None = None) -> Path:
     """Write `text` beside `path`, then rename it into place (with `mode`, if given)."""
     tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
+    tmp.write_text(text, encoding="utf-8")
     if mode is not None:
         os.chmod(tmp, mode)
     os.replace(tmp, path)

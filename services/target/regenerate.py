@@ -27,16 +27,22 @@ import sys
 import time
 from pathlib import Path
 
+from services.files import write_text_atomic
+
 
 def read_conversations(path: str | Path, shard: int = 0, num_shards: int = 1) -> list[tuple[dict, list | None]]:
-    """(record, messages or None for non-chat lines) of this shard's non-blank lines, in file order."""
-    from services.target.data import normalize_messages
+    """(record, messages or None for non-chat lines) of this shard's non-blank lines, in file order.
+    A line that is not JSON, or a chat that is malformed, is a DataError naming file:line."""
+    from services.target.data import DataError, normalize_messages
     out = []
-    lines = [t for t in Path(path).read_text(encoding="utf-8").splitlines() if t.strip()]
-    for text in lines[shard::num_shards]:
-        record = json.loads(text)
-        chat = isinstance(record, dict) and ("messages" in record or "conversations" in record)
-        out.append((record, normalize_messages(record) if chat else None))
+    lines = [(n, t) for n, t in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1) if t.strip()]
+    for number, text in lines[shard::num_shards]:
+        try:
+            record = json.loads(text)
+            chat = isinstance(record, dict) and ("messages" in record or "conversations" in record)
+            out.append((record, normalize_messages(record) if chat else None))
+        except ValueError as exc:                   # bad JSON, or a SampleError: nothing is written
+            raise DataError(f"{path}:{number}: {exc}") from None
     return out
 
 
@@ -152,16 +158,15 @@ def main(argv=None) -> int:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     shard, num_shards = (int(x) for x in args.shard.split("/"))
     start = time.perf_counter()
-    items = read_conversations(args.data, shard, num_shards)
+    try:
+        items = read_conversations(args.data, shard, num_shards)
+    except ValueError as exc:                       # a broken line: one line naming it, exit 2
+        print(f"regenerate: error: {exc}", file=sys.stderr, flush=True)
+        return 2
     engine = ENGINES[args.engine](args.model, device, args.temperature)
     counts = {}
     records = regenerate(engine, items, args.max_new_tokens, args.batch_size, counts)
-    out = Path(args.out)
-    tmp = out.with_name(f".{out.name}.tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        for record in records:
-            f.write(json.dumps(record, ensure_ascii=False) + "\n")
-    tmp.replace(out)
+    out = write_text_atomic(Path(args.out), "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
     print(json.dumps({"event": "regenerated", "out": str(out), "lines": len(records),
                       "chat": sum(m is not None for _, m in items), "empty_replies_kept": counts["empty"],
                       "engine": args.engine, "device": device,
