@@ -223,7 +223,7 @@ def main(argv=None) -> None:
     """python -m services.demo --out DIR: build (or reuse) the demo; print the result as one JSON line."""
     import argparse
     p = argparse.ArgumentParser(prog="python -m services.demo", description=main.__doc__)
-    p.add_argument("--out", default=None, help="where to build it (default: the demo cache, %(default)s: "
+    p.add_argument("--out", default=None, help="where to build it (default: the demo cache, "
                    "$DFLASH_CACHE_DIR/demo-v<N>, else ~/.cache/dflash/demo-v<N>)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--conversations", type=int, default=4000)
