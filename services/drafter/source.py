@@ -59,7 +59,6 @@ class ZmqSource:
         self.health_eps = [endpoint(run_dir, cfg.transport, "target", t, "health") for t in range(num_targets)]
         self.client = BatchClient(self.data_eps, cfg.transport, health, pin_memory=torch.cuda.is_available())
         self.health = health
-        self.target_pids: list[int | None] = [None] * num_targets
         self.incarnations: list[str | None] = [None] * num_targets    # learned from health
         self.pending: dict[int, float] = {}      # g -> time requested
         self.deferred: set[int] = set()          # pending, not asked yet: its target's incarnation is unknown
@@ -126,7 +125,7 @@ class ZmqSource:
         """Request g from the incarnation of its target we know; defer it while we know none."""
         t = self.target_of(g)
         if self.incarnations[t] is None:
-            self._target_status(t)
+            self._learn_incarnation(t)
         if self.incarnations[t] is None:
             self.deferred.add(g)
             return
@@ -182,20 +181,17 @@ class ZmqSource:
         Requests sent while no target was listening are lost, so asking before it is ready does not do."""
         for t in {self.target_of(g) for g in self.pending if g not in self.deferred}:
             known = self.incarnations[t]
-            self._target_status(t)
+            self._learn_incarnation(t)
             if known is not None and self.incarnations[t] != known:
                 self.client.reconnect(t)
                 for g in sorted(g for g in self.pending if self.target_of(g) == t):
                     self._ask(g)
 
-    def _target_status(self, t: int) -> int | None:
-        """The pid of target t once it is ready (data socket bound), remembered with its
-        incarnation; else None."""
+    def _learn_incarnation(self, t: int) -> None:
+        """Remember target t's incarnation once it is ready (data socket bound); else keep the last known."""
         _, status, _ = probe(self.health_eps[t], timeout_s=0.5, keys_dir=curve.keys_for(self.cfg.transport))
-        if not status or status.get("state") not in ("ready", "training") or not status.get("incarnation"):
-            return None
-        self.target_pids[t], self.incarnations[t] = status["pid"], str(status["incarnation"])
-        return status["pid"]
+        if status and status.get("state") in ("ready", "training") and status.get("incarnation"):
+            self.incarnations[t] = str(status["incarnation"])
 
     def _resend_overdue(self, now: float) -> None:
         """A stream that broke while its target stayed up (a tcp reconnect, a send that gave up)
