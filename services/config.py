@@ -269,13 +269,14 @@ def check_layout(layer_types: list, sliding_window, num_layers: int, prefix: str
                          f"is {SLIDING}")
 
 
-def _is_loopback(host: str) -> bool:
+def is_loopback(host: str) -> bool:
+    """localhost or a loopback address (a host name may resolve anywhere: not loopback)."""
     if host == "localhost":
         return True
     try:
         return ipaddress.ip_address(host.strip("[]")).is_loopback
     except ValueError:
-        return False          # a host name may resolve anywhere: treated as reachable from outside
+        return False
 
 
 def plaintext_hosts(transport: TransportConfig, loopback: bool) -> list[str]:
@@ -284,7 +285,7 @@ def plaintext_hosts(transport: TransportConfig, loopback: bool) -> list[str]:
     if transport.scheme != "tcp" or transport.curve_keys_dir:
         return []
     hosts = dict.fromkeys((transport.target_hosts or [transport.host]) + (transport.drafter_hosts or [transport.host]))
-    return [h for h in hosts if _is_loopback(h) == loopback]
+    return [h for h in hosts if is_loopback(h) == loopback]
 
 
 def plaintext_warning(transport: TransportConfig) -> str:

@@ -6,7 +6,6 @@ train.py (the model wrapper).
 """
 from __future__ import annotations
 
-import ipaddress
 import os
 import socket
 from datetime import timedelta
@@ -15,14 +14,7 @@ import psutil
 import torch
 import torch.distributed as dist
 
-from services.config import Config
-
-
-def _loopback(address: str) -> bool:
-    try:
-        return ipaddress.ip_address(address).is_loopback
-    except ValueError:
-        return address == "localhost"
+from services.config import Config, is_loopback
 
 
 def _interface_of(address: str) -> str | None:
@@ -61,7 +53,7 @@ def join(cfg: Config, rank: int, world_size: int, device: torch.device, backend:
         torch.cuda.set_device(device)               # always cuda:0: the launcher sets CUDA_VISIBLE_DEVICES
     store_path = os.environ.get("DFLASH_DIST_STORE")
     address = "127.0.0.1" if store_path else os.environ.get("MASTER_ADDR", "127.0.0.1")
-    interface = "lo" if _loopback(address) else _interface_of(address)
+    interface = "lo" if is_loopback(address) else _interface_of(address)
     if interface:
         for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
             os.environ.setdefault(name, interface)
