@@ -77,3 +77,7 @@ def test_the_27b_preset_trains_on_the_demo_with_a_scaled_window(tmp_path):
     export = json.loads((run_dir / "export" / "config.json").read_text())
     assert export["layer_types"] == ["sliding_attention"] * 4 + ["full_attention"]
     assert export["sliding_window"] == 48 and export["use_sliding_window"] is True and export["block_size"] == 16
+    # real speculative decoding with the windows applied: lossless, and above the random-drafter control
+    final = json.loads((run_dir / "acceptance.jsonl").read_text().splitlines()[-1])
+    assert final["final"] and final["lossless"] == final["prompts"] > 0, final
+    assert final["acceptance_per_prompt"] > final["random"]["acceptance_per_prompt"], final

@@ -7,8 +7,8 @@ import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from services.drafter.model import DrafterModelConfig
-from services.drafter.speculative import (Decoded, DrafterProposer, RepeatLast, eval_drafter, greedy_generate,
-                                          speculative_generate, summarize)
+from services.drafter.speculative import (Decoded, DrafterProposer, RepeatLast, block_masks, eval_drafter,
+                                          greedy_generate, speculative_generate, summarize)
 from services.drafter.target_head import TargetHead
 
 VOCAB, LAYERS, B = 96, 4, 4
@@ -99,3 +99,52 @@ def test_lossless_with_random_drafter_and_repeat_last(target):
             out = decode(target, propose, p, max_new=24)
             assert out.tokens == ref
             assert sum(out.steps) + 1 == len(ref) and all(1 <= s <= B for s in out.steps)
+
+
+def test_a_sliding_window_drafter_drafts_as_it_was_trained(target):
+    """Inference applies each sliding layer's window exactly as the training mask does (one block,
+    anchored at the decoding position), and the window matters: the same weights with all layers
+    full draft from other features. Decoding stays lossless."""
+    import dataclasses
+
+    from services.drafter.attention import DenseAttention
+    from services.drafter.model import DFlashDrafter
+    cfg = DrafterModelConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                             head_dim=16, vocab_size=VOCAB, num_target_layers=LAYERS, num_hidden_layers=2,
+                             target_layer_ids=LAYER_IDS, block_size=B, mask_token_id=VOCAB - 1,
+                             layer_types=["sliding_attention", "full_attention"], sliding_window=3)
+    head = TargetHead(target.get_input_embeddings().weight.detach(), target.lm_head.weight.detach())
+    torch.manual_seed(5)
+    trained = DFlashDrafter(cfg, attention=DenseAttention()).eval()
+    weights = trained.state_dict()
+    start = 9
+    features = torch.randn(start, len(LAYER_IDS) * 64, generator=torch.Generator().manual_seed(6))
+    block = torch.full((B,), VOCAB - 1)
+    block[0] = 7
+    args = (features, head.embed_tokens(block), torch.arange(start), torch.arange(start, start + B))
+    with torch.no_grad():
+        want = trained(*args, trained.build_masks(torch.tensor([start]), torch.tensor([0]), start))
+        sliding = DrafterProposer(eval_drafter(weights, cfg, "cpu"), head)
+        full_cfg = dataclasses.replace(cfg, layer_types=["full_attention"] * 2, sliding_window=None)
+        full = DrafterProposer(eval_drafter(weights, full_cfg, "cpu"), head)
+        got = sliding.drafter(*args, block_masks(cfg, start, "cpu"))
+        unwindowed = full.drafter(*args, {"full_attention": None})
+    assert torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
+    assert (unwindowed - want).abs().max() > 1e-3                  # the window changed what was seen
+    p = prompt(30, n=10)
+    ref = greedy_generate(target, p, 20)
+    assert decode(target, sliding, p, max_new=20).tokens == ref
+
+
+def test_an_exported_sliding_window_drafter_loads_with_its_window(tmp_path):
+    """`launcher eval --checkpoint EXPORT` reads the layout back: its windows, not all-full layers."""
+    from services.drafter.export import export_weights
+    from services.drafter.model import DFlashDrafter
+    from services.drafter.speculative import load_weights
+    cfg = DrafterModelConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                             head_dim=16, vocab_size=VOCAB, num_target_layers=LAYERS, num_hidden_layers=2,
+                             target_layer_ids=LAYER_IDS, block_size=B, mask_token_id=VOCAB - 1,
+                             layer_types=["sliding_attention", "full_attention"], sliding_window=3)
+    out = export_weights(DFlashDrafter(cfg).state_dict(), cfg, tmp_path / "export", dtype="float32")
+    _, loaded, what = load_weights(out)
+    assert what.startswith("export ") and loaded.layer_types == cfg.layer_types and loaded.sliding_window == 3

@@ -6,7 +6,8 @@ does (DFlash, arXiv 2602.06036), and counts what the target really accepts:
 
     prefill   target(prompt) -> hidden features of the captured layers, first token = argmax
     step      block = [last accepted token, mask x (B-1)]  at positions start .. start+B-1
-              drafter(features of every accepted token, block) -> B-1 drafted tokens (one pass)
+              drafter(features of every accepted token, block) -> B-1 drafted tokens (one pass;
+              a sliding_attention layer sees only its window, as in training)
               target(block) in one forward (KV cache of the accepted context) -> greedy tokens
               accept the longest prefix of the drafts equal to the target's greedy tokens, plus
               the target's own next token; keep the target's features of the accepted tokens
@@ -38,13 +39,25 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from services.drafter.attention import DenseAttention
 from services.drafter.model import DFlashDrafter, DrafterModelConfig
 from services.drafter.target_head import TargetHead
 
 
-def full_attention(q, k, v, mask):
-    """Inference attention: every block query sees the whole accepted context and its own block."""
-    return F.scaled_dot_product_attention(q, k, v, enable_gqa=q.shape[1] != k.shape[1])
+def inference_attention(q, k, v, mask):
+    """Inference attention: a block's queries see the whole accepted context and their own block
+    (mask None, full_attention layers), or what the layer's window mask keeps (sliding_attention)."""
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+
+
+def block_masks(cfg: DrafterModelConfig, start: int, device) -> dict:
+    """{layer type: mask} for one block at position `start` over the `start` accepted tokens before
+    it: None for full layers; for sliding ones training's own window mask (attention.visibility)
+    with the block's anchor at `start` and its document from position 0."""
+    anchors, doc_starts = torch.tensor([start], device=device), torch.zeros(1, dtype=torch.long, device=device)
+    return {kind: None if cfg.window(kind) is None else
+            DenseAttention().build_mask(anchors, doc_starts, cfg.block_size, start, cfg.window(kind))
+            for kind in set(cfg.layer_types)}
 
 
 # --- proposers: (features [start, K*H], last token, start) -> B-1 drafted token ids --------------------
@@ -62,7 +75,8 @@ class DrafterProposer:
         block[0] = last_token
         dtype = self.head.embed.dtype
         out = self.drafter(features.to(dtype), self.head.embed_tokens(block),
-                           torch.arange(start, device=device), torch.arange(start, start + B, device=device), None)
+                           torch.arange(start, device=device), torch.arange(start, start + B, device=device),
+                           block_masks(self.cfg, start, device))
         return (out[1:] @ self.head.lm_head.t()).argmax(-1)
 
 
@@ -78,7 +92,7 @@ class RepeatLast:
 
 def eval_drafter(weights: dict, cfg: DrafterModelConfig, device, dtype=torch.float32) -> DFlashDrafter:
     """An uncompiled copy for decoding (context lengths change every step: no recompiles in training's graph)."""
-    drafter = DFlashDrafter(cfg, attention=full_attention)
+    drafter = DFlashDrafter(cfg, attention=inference_attention)
     if weights is not None:
         drafter.load_state_dict(weights)
     return drafter.to(device=device, dtype=dtype).eval()
@@ -360,7 +374,8 @@ def model_config_from_export(conf: dict) -> DrafterModelConfig:
         target_layer_ids=list(dflash.get("target_layer_ids", conf.get("target_layer_ids", []))),
         block_size=conf["block_size"], mask_token_id=dflash.get("mask_token_id", conf.get("mask_token_id", -1)),
         rms_norm_eps=conf["rms_norm_eps"], rope_theta=conf["rope_theta"], attention_bias=conf["attention_bias"],
-        max_position_embeddings=conf["max_position_embeddings"], tie_word_embeddings=conf["tie_word_embeddings"])
+        max_position_embeddings=conf["max_position_embeddings"], tie_word_embeddings=conf["tie_word_embeddings"],
+        layer_types=list(conf.get("layer_types") or []), sliding_window=conf.get("sliding_window"))
 
 
 def main(argv=None) -> int:
