@@ -88,7 +88,8 @@ def describe_data(info: dict) -> str:
     return f"data: {info['train_rows']} training rows, {info['eval_rows']} held-out rows{skipped}"
 
 
-def summary(run_dir: Path, train: list[dict], evals: list[dict]) -> list[str]:
+def summary(run_dir: Path, train: list[dict], evals: list[dict], spec: list[dict],
+            last_eval: dict | None) -> list[str]:
     lines = [f"run: {run_dir}"]
     if train:
         last = train[-1]
@@ -109,7 +110,6 @@ def summary(run_dir: Path, train: list[dict], evals: list[dict]) -> list[str]:
                      f"best tau {best['tau']:.3f} at step {best['step']}")
     if (run_dir / "data.json").is_file():
         lines.append(describe_data(json.loads((run_dir / "data.json").read_text())))
-    spec, last_eval = read_spec(run_dir)
     if spec:
         last = spec[-1]
         lines += describe_spec(last, f"step {last['step']}{', end of training' if last.get('final') else ''}")
@@ -163,10 +163,11 @@ def report(run_dir: str | Path, out: str | Path | None = None) -> tuple[list[str
     """Summary lines, and the PNG written (None when matplotlib is missing: the last line says so)."""
     run_dir = Path(run_dir).resolve()
     train, evals = read_metrics(run_dir)
-    lines = summary(run_dir, train, evals)
+    spec, last_eval = read_spec(run_dir)
+    lines = summary(run_dir, train, evals, spec, last_eval)
     png = Path(out) if out else run_dir / "report.png"
     try:
-        plot(train, evals, png, title=run_dir.name, spec=read_spec(run_dir)[0])
+        plot(train, evals, png, title=run_dir.name, spec=spec)
     except ImportError:
         lines.append("plot: matplotlib is not installed; pip install 'dflash-service[report]' "
                      "(or pip install matplotlib) for the PNG")
