@@ -23,86 +23,105 @@ class ConfigError(ValueError):
     """A config file or override is wrong; the message names the key and the source."""
 
 
+# Every key says what it decides about batch g (services/runspec.py derives the checks from it):
+#   "content"   the tokens of batch g: the packed data's cache key, the target/drafter handshake, resume
+#   "path"      a data file whose contents decide batch g: cache key (by fingerprint) and resume, not the
+#               handshake (hosts of one run may mount the same data at different places)
+#   "capture"   what the target computes for batch g (features, labels): handshake and resume
+#   "range"     which g exist: the handshake
+#   "schedule"  which optimizer step trains batch g: resume
+#   ""          nothing about batch g
+BATCH_KINDS = ("content", "path", "capture", "range", "schedule", "")
+
+
+def setting(default=None, *, batch: str, factory=None):
+    """A config key with its default and what it decides about batch g (BATCH_KINDS)."""
+    if batch not in BATCH_KINDS:
+        raise ValueError(f"batch={batch!r}: expected one of {BATCH_KINDS}")
+    meta = {"batch": batch}
+    return field(default_factory=factory, metadata=meta) if factory else field(default=default, metadata=meta)
+
+
 @dataclass
 class RunConfig:
-    name: str = "dflash"
-    seed: int = 0
-    epochs: int = 1
-    max_steps: int = 0                 # 0 = run all epochs
-    log_every: int = 1
-    checkpoint_every: int = 500
-    keep_checkpoints: int = 3
-    eval_every: int = 0                # 0 = no held-out evaluation
-    spec_eval_prompts: int = 16        # real speculative decoding on held-out prompts (rank 0, local target); 0 = off
-    spec_eval_max_new_tokens: int = 128
-    spec_eval_budget_s: float = 60.0   # per evaluation; prompts past it are left for the next one
-    export_at_end: bool = True
-    stall_after_s: float = 300.0       # health: main loop silent this long = stalled
-    startup_stall_after_s: float = 1800.0   # the same while loading the model and compiling
-    unresponsive_after_s: float = 60.0  # a live worker whose health has answered before and then not this long (frozen)
-    stop_timeout_s: float = 300.0      # SIGTERM: finish the step and checkpoint within this, else exit hard
-    max_restarts: int = 3              # per role, over the whole run
-    alloc_conf: str = "expandable_segments:True"   # PYTORCH_CUDA_ALLOC_CONF for GPU workers
+    name: str = setting("dflash", batch="")
+    seed: int = setting(0, batch="content")
+    epochs: int = setting(1, batch="range")
+    max_steps: int = setting(0, batch="")                 # 0 = run all epochs
+    log_every: int = setting(1, batch="")
+    checkpoint_every: int = setting(500, batch="")
+    keep_checkpoints: int = setting(3, batch="")
+    eval_every: int = setting(0, batch="")                # 0 = no held-out evaluation
+    spec_eval_prompts: int = setting(16, batch="")        # real speculative decoding on held-out prompts (rank 0, local target); 0 = off
+    spec_eval_max_new_tokens: int = setting(128, batch="")
+    spec_eval_budget_s: float = setting(60.0, batch="")   # per evaluation; prompts past it are left for the next one
+    export_at_end: bool = setting(True, batch="")
+    stall_after_s: float = setting(300.0, batch="")       # health: main loop silent this long = stalled
+    startup_stall_after_s: float = setting(1800.0, batch="")   # the same while loading the model and compiling
+    unresponsive_after_s: float = setting(60.0, batch="")  # a live worker whose health has answered before and then not this long (frozen)
+    stop_timeout_s: float = setting(300.0, batch="")      # SIGTERM: finish the step and checkpoint within this, else exit hard
+    max_restarts: int = setting(3, batch="")              # per role, over the whole run
+    alloc_conf: str = setting("expandable_segments:True", batch="")   # PYTORCH_CUDA_ALLOC_CONF for GPU workers
 
 
 @dataclass
 class TargetConfig:
-    model_path: str = ""               # local HF directory
-    layer_ids: list[int] = field(default_factory=list)   # empty = the default spread (docs/dflash.md); ascending, no repeats
-    dtype: str = "bfloat16"
-    attn_implementation: str = "sdpa"
-    labels_from_target: bool = True    # labels = target argmax, not data tokens (docs/operations.md#which-labels)
+    model_path: str = setting("", batch="")               # local HF directory
+    layer_ids: list[int] = setting(factory=list, batch="capture")   # empty = the default spread (docs/dflash.md); ascending, no repeats
+    dtype: str = setting("bfloat16", batch="")
+    attn_implementation: str = setting("sdpa", batch="")
+    labels_from_target: bool = setting(True, batch="capture")    # labels = target argmax, not data tokens (docs/operations.md#which-labels)
 
 
 @dataclass
 class DataConfig:
-    path: str = ""                     # JSONL: chat (messages / conversations) or pre-tokenized
-    eval_path: str = ""                # optional held-out file
-    eval_fraction: float = 0.0         # else: this fraction of documents is held out
-    pack_len: int = 8192
-    max_doc_len: int = 0               # 0 = pack_len; longer documents are split into pieces
-    on_bad_sample: str = "fail"        # "fail" | "skip"
-    max_line_bytes: int = 8 << 20      # a longer JSONL line is a bad sample (never read whole)
-    max_doc_tokens: int = 1 << 20      # a longer tokenized document is a bad sample
-    shuffle: bool = True
+    path: str = setting("", batch="path")                     # JSONL: chat (messages / conversations) or pre-tokenized
+    eval_path: str = setting("", batch="path")                # optional held-out file
+    eval_fraction: float = setting(0.0, batch="content")         # else: this fraction of documents is held out
+    pack_len: int = setting(8192, batch="content")
+    max_doc_len: int = setting(0, batch="content")               # 0 = pack_len; longer documents are split into pieces
+    on_bad_sample: str = setting("fail", batch="content")        # "fail" | "skip"
+    max_line_bytes: int = setting(8 << 20, batch="content")      # a longer JSONL line is a bad sample (never read whole)
+    max_doc_tokens: int = setting(1 << 20, batch="content")      # a longer tokenized document is a bad sample
+    shuffle: bool = setting(True, batch="content")
 
 
 @dataclass
 class DrafterConfig:
-    num_layers: int = 5
-    block_size: int = 16
-    num_anchors: int = 512
-    gamma: float = 0.0                 # loss decay; 0 = 7 for B=16, scaled with block size
-    mask_token_id: int = -1            # -1 = tokenizer's mask token, else added <|MASK|>
-    lr: float = 6e-4
-    min_lr_ratio: float = 0.0
-    warmup_ratio: float = 0.04
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0
-    grad_accum: int = 1
-    layer_types: list[str] = field(default_factory=list)   # per layer: full_attention | sliding_attention; [] = all full
-    sliding_window: int = 0            # W of the sliding_attention layers (0 = none; docs/dflash.md)
-    attention: str = "auto"            # "auto" | "flex" | "dense"; auto = flex on cuda, dense on cpu
-    compile: bool = True
-    loss_chunk: int = 2048             # query rows per lm_head/CE chunk
-    overrides: dict = field(default_factory=dict)   # drafter model config fields to override
+    num_layers: int = setting(5, batch="")
+    block_size: int = setting(16, batch="")
+    num_anchors: int = setting(512, batch="")
+    gamma: float = setting(0.0, batch="")                 # loss decay; 0 = 7 for B=16, scaled with block size
+    mask_token_id: int = setting(-1, batch="")            # -1 = tokenizer's mask token, else added <|MASK|>
+    lr: float = setting(6e-4, batch="")
+    min_lr_ratio: float = setting(0.0, batch="")
+    warmup_ratio: float = setting(0.04, batch="")
+    weight_decay: float = setting(0.0, batch="")
+    grad_clip: float = setting(1.0, batch="")
+    grad_accum: int = setting(1, batch="schedule")
+    layer_types: list[str] = setting(factory=list, batch="")   # per layer: full_attention | sliding_attention; [] = all full
+    sliding_window: int = setting(0, batch="")            # W of the sliding_attention layers (0 = none; docs/dflash.md)
+    attention: str = setting("auto", batch="")            # "auto" | "flex" | "dense"; auto = flex on cuda, dense on cpu
+    compile: bool = setting(True, batch="")
+    loss_chunk: int = setting(2048, batch="")             # query rows per lm_head/CE chunk
+    overrides: dict = setting(factory=dict, batch="")   # drafter model config fields to override
 
 
 @dataclass
 class TransportConfig:
-    scheme: str = "ipc"                # "ipc" (one host) | "tcp"
-    host: str = "127.0.0.1"            # tcp bind/connect address; loopback unless configured
-    target_hosts: list[str] = field(default_factory=list)    # per target rank, across hosts; [] = host
-    drafter_hosts: list[str] = field(default_factory=list)   # per drafter rank; [] = host
-    base_port: int = 29600             # tcp ports: base_port + offset per worker
-    credits: int = 2                   # batches in flight per drafter
-    resend_after_s: float = 300.0      # ask again for a batch not received after this long
-    chunk_bytes: int = 4 << 20         # large tensors travel as a stream of messages this big
-    max_message_bytes: int = 64 << 20  # per ZMQ message; also ZMQ_MAXMSGSIZE
-    max_batch_bytes: int = 4 << 30     # a whole reassembled batch
-    curve_keys_dir: str = ""           # tcp CURVE authentication when set
-    allow_plaintext: bool = False      # tcp without keys on a non-loopback address (trusted network only)
-    dist_port: int = 29500             # torch.distributed rendezvous port among drafters
+    scheme: str = setting("ipc", batch="")                # "ipc" (one host) | "tcp"
+    host: str = setting("127.0.0.1", batch="")            # tcp bind/connect address; loopback unless configured
+    target_hosts: list[str] = setting(factory=list, batch="")    # per target rank, across hosts; [] = host
+    drafter_hosts: list[str] = setting(factory=list, batch="")   # per drafter rank; [] = host
+    base_port: int = setting(29600, batch="")             # tcp ports: base_port + offset per worker
+    credits: int = setting(2, batch="")                   # batches in flight per drafter
+    resend_after_s: float = setting(300.0, batch="")      # ask again for a batch not received after this long
+    chunk_bytes: int = setting(4 << 20, batch="")         # large tensors travel as a stream of messages this big
+    max_message_bytes: int = setting(64 << 20, batch="")  # per ZMQ message; also ZMQ_MAXMSGSIZE
+    max_batch_bytes: int = setting(4 << 30, batch="")     # a whole reassembled batch
+    curve_keys_dir: str = setting("", batch="")           # tcp CURVE authentication when set
+    allow_plaintext: bool = setting(False, batch="")      # tcp without keys on a non-loopback address (trusted network only)
+    dist_port: int = setting(29500, batch="")             # torch.distributed rendezvous port among drafters
 
 
 @dataclass

@@ -14,13 +14,10 @@ import hashlib
 import json
 from dataclasses import dataclass
 
+from services import runspec
 from services.config import ConfigError
 from services.wire import WireError
 
-# the config keys that decide what batch g holds: both sides must agree on every one of them.
-# File paths are left out: hosts of one run may mount the same data at different places.
-BATCH_KEYS = {"run": ("seed", "epochs"), "target": ("layer_ids", "labels_from_target"),
-              "data": ("eval_fraction", "pack_len", "max_doc_len", "on_bad_sample", "shuffle")}
 
 
 class HandshakeError(ConfigError):
@@ -28,8 +25,10 @@ class HandshakeError(ConfigError):
 
 
 def batch_config_digest(cfg) -> str:
-    """sha256 (16 hex) of the config keys in BATCH_KEYS."""
-    picked = {s: {k: getattr(getattr(cfg, s), k) for k in keys} for s, keys in BATCH_KEYS.items()}
+    """sha256 (16 hex) of the config keys that decide what batch g holds (runspec.HANDSHAKE_KINDS):
+    both sides must agree on every one of them. File paths are left out: hosts of one run may mount
+    the same data at different places."""
+    picked = runspec.values(cfg, runspec.HANDSHAKE_KINDS)
     return hashlib.sha256(json.dumps(picked, sort_keys=True).encode()).hexdigest()[:16]
 
 

@@ -33,6 +33,7 @@ from typing import Callable
 
 import torch
 
+from services import runspec
 from services.config import Config, ConfigError
 from services.drafter.model import DrafterModelConfig
 from services.files import default_file_mode, fsync_dir, point, sha256_file
@@ -46,8 +47,7 @@ MODEL_FIELDS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_
                 "vocab_size", "num_target_layers", "num_hidden_layers", "target_layer_ids", "block_size",
                 "mask_token_id", "rms_norm_eps", "rope_theta", "attention_bias", "layer_types", "sliding_window")
 # ... and what batch g contains and which rank trains it (exactly-once across the resume).
-RUN_FIELDS = ("run.seed", "data.path", "data.eval_path", "data.eval_fraction", "data.pack_len", "data.max_doc_len",
-              "data.shuffle", "drafter.grad_accum", "target.labels_from_target")
+RUN_FIELDS = tuple(runspec.keys_deciding(runspec.RESUME_KINDS))
 
 
 class CorruptCheckpoint(Exception):

@@ -37,6 +37,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from services import runspec
 from services.batch import SPLITS
 from services.config import Config
 from services.files import sha256_file
@@ -93,14 +94,11 @@ def cache_key(cfg: Config, tokenizer, vocab_size: int) -> str:
         raise DataError(f"data file not found: {d.path}")
     if d.eval_path and not Path(d.eval_path).is_file():
         raise DataError(f"eval data file not found: {d.eval_path}")
-    parts = {
-        "format": FORMAT_VERSION, "data": file_fingerprint(d.path),
-        "eval": file_fingerprint(d.eval_path) if d.eval_path else None,
-        "tokenizer": tokenizer_fingerprint(tokenizer), "vocab_size": vocab_size,
-        "pack_len": d.pack_len, "max_doc_len": d.max_doc_len, "eval_fraction": d.eval_fraction,
-        "on_bad_sample": d.on_bad_sample, "max_line_bytes": d.max_line_bytes, "max_doc_tokens": d.max_doc_tokens,
-        "shuffle": d.shuffle, "seed": cfg.run.seed,
-    }
+    # every key marked as deciding batch g's tokens; data files by their contents, not their paths
+    keys = runspec.values(cfg, runspec.CACHE_KINDS)
+    files = set(runspec.keys_deciding(("path",)))
+    parts = {"format": FORMAT_VERSION, "tokenizer": tokenizer_fingerprint(tokenizer), "vocab_size": vocab_size,
+             **{k: (file_fingerprint(v) if v else None) if k in files else v for k, v in keys.items()}}
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:32]
 
 
