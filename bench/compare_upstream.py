@@ -86,7 +86,7 @@ def compare(ours: list[Decoded], theirs: list[Decoded]) -> dict:
 
 
 def main(argv=None) -> int:
-    from services.config import load_config
+    from services.config import describe_prompts, load_config
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--upstream", required=True, help="path to z-lab's dflash/model.py (fetched by you)")
     p.add_argument("--run-dir", default="runs/latest", help="the run: its config.json names the target and the data")
@@ -133,7 +133,7 @@ def main(argv=None) -> int:
     if args.json:
         print(json.dumps(result))
         return 0
-    print(f"{what}: {len(spec.prompts)} held-out prompts, block {model_cfg.block_size}, greedy, up to "
+    print(f"{what}: {describe_prompts(len(spec.prompts), spec.held_out)}, block {model_cfg.block_size}, greedy, up to "
           f"{args.max_new_tokens} new tokens; upstream {args.upstream} (sha256 {digest[:12]})")
     print(f"{'loop':<9} {'per prompt':>10} {'per step':>9} {'tok/fwd':>8} {'lossless':>9} {'steps':>6} {'seconds':>8}")
     for name in ("project", "upstream"):

@@ -2,7 +2,9 @@
 # The GPU figures in docs/benchmarks.md come from this script, run on the device host:
 #   bash bench/gpu_suite.sh PART...   (logs and JSON under $OUT, default ./bench-out)
 # Parts: checks drafter target8b target8k target32b large transport transportq isolation e2e
-#        hybridtests hybrid hybridnofla ckptstall e2ex2 e2ehybrid (the last two need nvidia-h200-x2)
+#        hybridtests hybrid hybridnofla ckptstall demo demohybrid fp32 e2ex2 e2ehybrid (the last two need nvidia-h200-x2)
+# demo / demohybrid: the README demo (and the hybrid demo) with --device cuda end to end, from a fresh
+# demo cache and run dir under /tmp; fp32: the demo's target in float32 on CUDA (per-document SDPA), briefly.
 # pyzmq is not on the GPU image: a wheel in .whl/ is installed into /tmp/site when present.
 set -u
 OUT=${OUT:-bench-out}; mkdir -p "$OUT"
@@ -11,6 +13,12 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 run() { local name=$1 limit=$2; shift 2; echo "== $name: $*"; timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; echo "== $name exit $?"; tail -n 25 "$OUT/$name.log"; }
+# demo NAME LIMIT KIND [overrides]: `launcher up --demo [KIND]` on GPU 0 (target and drafter sharing it), fresh
+# cache and run dir; the launcher's output is $OUT/NAME.log, the workers' logs are copied to $OUT/NAME-logs
+demo() { local name=$1 limit=$2 kind=$3 work=/tmp/dflash-$1; shift 3; rm -rf "$work"; mkdir -p "$work"
+  run "$name" "$limit" env DFLASH_CACHE_DIR="$work/cache" python3 -m launcher up --demo $kind --device cuda \
+      --gpus 0:target,0:drafter --share-gpus --run-dir "$work/run" "$@"
+  cp -r "$work/run/logs" "$OUT/$name-logs" 2>/dev/null; grep -h "packed attention\|capture path" "$work"/run/logs/target-*.log; }
 for part in "$@"; do case $part in
   checks)     run flex_check 300 python3 bench/flex_check.py --out "$OUT/flex_check.json"
               run gpu_tests 240 python3 -m pytest -q -x tests/test_target_model.py tests/test_drafter_attention.py ;;
@@ -32,6 +40,9 @@ for part in "$@"; do case $part in
                   --iters 3 --out "$OUT/target_hybrid.json" ;;
   hybridnofla) run target_hybrid_nofla 300 python3 bench/target_capture.py --shapes 27b-hybrid --seq 8192 \
                   --mixes single,medium --iters 1 --warmup 1 --no-fla --out "$OUT/target_hybrid_nofla.json" ;;
+  demo)       demo demo 560 "" ;;
+  demohybrid) demo demo_hybrid 560 hybrid ;;
+  fp32)       demo demo_fp32 400 "" target.dtype=float32 run.max_steps=40 run.spec_eval_prompts=8 ;;
   transportq) run transport 120 python3 bench/transport.py --quick --out "$OUT/transport.json" ;;
   isolation)  run isolation 560 python3 bench/compile_isolation.py --workers 3 --trials 2 --timeout 120 --out "$OUT/isolation.json" ;;
   *) echo "unknown part $part" ;;

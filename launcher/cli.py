@@ -21,6 +21,7 @@ from pathlib import Path
 
 from launcher import process
 from launcher.models import ModelNotFound, resolve_model_path
+from launcher.preflight import check_resume, preflight, resumed_line, staged
 from launcher.progress import describe_window
 from launcher.report import describe_data, describe_export, describe_spec, read_spec
 from launcher.supervisor import EXIT_DONE, EXIT_FAILED, EXIT_STOPPED, EXIT_USAGE, RunFailed, Supervisor, probe_all
@@ -86,16 +87,15 @@ def _check_layers(cfg) -> None:
 
 def _choose_run_dir(args, name: str) -> tuple[Path, bool]:
     """(run dir, whether `up` named it): --run-dir, else runs/latest for --resume, else a new
-    runs/<run.name>-<time>, which becomes runs/latest once its workers are ready."""
+    runs/<run.name>-<time>, which becomes runs/latest once its workers are ready. Not made here:
+    a new folder appears only once the checks pass (preflight.staged)."""
     if args.run_dir:
         return Path(args.run_dir).resolve(), False
     if args.resume:
         if not LATEST.exists():
             raise UsageError("--resume without --run-dir needs runs/latest (no earlier run here); pass --run-dir")
         return LATEST.resolve(), False
-    run_dir = (Path("runs") / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
-    run_dir.mkdir(parents=True, exist_ok=True)
-    return run_dir, True
+    return (Path("runs") / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}").resolve(), True
 
 
 def _resume_command(argv: list[str], run_dir: Path) -> str:
@@ -144,10 +144,10 @@ def _prepare_data(run_dir: Path) -> None:
     print(describe_data(info), flush=True)
 
 
-def _make_demo() -> list[str]:
+def _make_demo(device: str) -> list[str]:
     """Build (or reuse, from the demo cache) the demo model and data in a child process (torch
-    stays out of the launcher)."""
-    out = subprocess.run([sys.executable, "-m", "services.demo"],
+    stays out of the launcher); its config suits the device (bfloat16 target on cuda)."""
+    out = subprocess.run([sys.executable, "-m", "services.demo", "--device", device],
                          capture_output=True, text=True)
     if out.returncode != 0:
         raise UsageError(f"building the demo failed:\n{out.stderr[-2000:]}")
@@ -175,6 +175,8 @@ def cmd_up(args) -> int:
     if not args.demo:                                      # drafters read the target's head: every host resolves
         _check_inputs(_with_local_model(cfg), runs_targets)
     run_dir, named_here = _choose_run_dir(args, cfg.run.name)
+    if args.resume:
+        check_resume(run_dir)
     if (run_dir / "run.json").is_file():
         old = json.loads((run_dir / "run.json").read_text())
         if process.alive(old.get("launcher")):          # the recorded launcher itself, not a reused pid
@@ -182,15 +184,16 @@ def cmd_up(args) -> int:
                              f"`launcher down --run-dir {run_dir}` first")
     if (run_dir / "checkpoints").is_dir() and any((run_dir / "checkpoints").iterdir()) and not args.resume:
         raise UsageError(f"{run_dir} has checkpoints; pass --resume to continue, or choose another --run-dir")
-    run_dir.mkdir(parents=True, exist_ok=True)
     if args.demo:
         print("building the demo target and dataset (once; then reused from the demo cache)…", flush=True)
-        overrides = _make_demo() + overrides
+        overrides = _make_demo(args.device) + overrides
     cfg = _with_local_model(load_config(args.config, overrides))
     _check_inputs(cfg, runs_targets)
-    dump_json(cfg, run_dir / "config.json")
-    if runs_targets:
-        _prepare_data(run_dir)
+    preflight(cfg, args.device, runs_targets)
+    with staged(run_dir) as where:                  # a new run dir appears only once the data is ready
+        dump_json(cfg, where / "config.json")
+        if runs_targets:
+            _prepare_data(where)
     sup = Supervisor(run_dir, cfg, workers, args.device, resume=args.resume, host=args.host,
                      ready_timeout_s=args.ready_timeout,
                      stop_timeout_s=args.stop_timeout or cfg.run.stop_timeout_s + 30)
@@ -198,7 +201,7 @@ def cmd_up(args) -> int:
     print(f"run dir: {run_dir}\nlogs:    {run_dir / 'logs'}/<role>-<rank>.log\n"
           f"workers: {', '.join(f'{w.name}@gpu{w.gpu}' for w in sup.local)} ({args.device})", flush=True)
     # runs/latest only once ready: a run that fails while starting never becomes latest
-    code, reason = run_supervised(sup, on_ready=lambda: point(LATEST, run_dir) if named_here else None)
+    code, reason = run_supervised(sup, on_ready=_when_ready(sup, run_dir, named_here, args.resume))
     sup.record_outcome(code, reason)
     export = describe_export(run_dir / "export")
     if code == 0 and export:
@@ -210,6 +213,17 @@ def cmd_up(args) -> int:
     if code == EXIT_STOPPED:
         print(f"stopped before the end; to continue: {_resume_command(args.argv, run_dir)}", flush=True)
     return code
+
+
+def _when_ready(sup: Supervisor, run_dir: Path, named_here: bool, resume: bool):
+    """Once every worker is ready: a new run becomes runs/latest; a resume says what it resumed."""
+    def ready() -> None:
+        if named_here:
+            point(LATEST, run_dir)
+        first = next((w for w in sup.local if w.role == "drafter" and w.rank == 0), None)
+        if resume and first is not None and (line := resumed_line(sup.log(first))):
+            print(line, flush=True)
+    return ready
 
 
 def run_supervised(sup: Supervisor, on_ready=lambda: None) -> tuple[int, str]:
@@ -435,20 +449,23 @@ def cmd_export(args) -> int:
 
 def cmd_plan(args) -> int:
     from launcher import plan
-    if args.gpus < 2:
-        raise UsageError(f"--gpus {args.gpus}: a split needs at least 2 GPUs")
+    try:
+        gpus = plan.plan_gpus(args.gpus)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
     overrides = list(args.overrides)
     if args.demo:
-        overrides = _make_demo() + overrides
+        overrides = _make_demo(args.device) + overrides
     cfg = _with_local_model(load_config(args.config, overrides))
     _check_inputs(cfg, runs_targets=True)
+    preflight(cfg, args.device, runs_targets=True)
     overrides += [f'target.model_path="{cfg.target.model_path}"']
     print(f"measuring each role on one {args.device} device, about {args.seconds:.0f} s each ...", flush=True)
     try:
         measured = plan.measure(args.config, args.device, args.seconds, overrides)
     except RuntimeError as exc:
         raise UsageError(str(exc)) from None
-    print(plan.describe(measured, args.gpus))
+    print(plan.describe(measured, gpus))
 
 
 def _eval_argv(args, run_dir: str, checkpoint: str | None) -> list[str]:
@@ -615,7 +632,8 @@ def build_parser() -> argparse.ArgumentParser:
                         formatter_class=fmt, description="Runs the target's capture and the drafter's training step "
                         "for about --seconds each on one device, then prints the expected trained tok/s of every "
                         "split of --gpus GPUs and which role bounds it.")
-    pl.add_argument("--gpus", type=int, required=True, help="how many GPUs the run will have")
+    pl.add_argument("--gpus", required=True, help="the GPUs the run will have: a count (8), GPU numbers (0-7) "
+                                                  "or an `up` spec (0-4:target,5-7:drafter)")
     pl.add_argument("--config", help="run config (TOML), as for `up`")
     pl.add_argument("--demo", action="store_true", help="the built-in tiny demo target and dataset")
     pl.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="where to measure")
@@ -667,7 +685,9 @@ def build_parser() -> argparse.ArgumentParser:
 def _eval_options(p) -> None:
     p.add_argument("--prompts", type=int, default=32, help="held-out prompts to decode")
     p.add_argument("--max-new-tokens", type=int, default=128, help="new tokens per prompt at most")
-    p.add_argument("--eval-device", help="device for the target and drafter (default: cuda if available, else cpu)")
+    p.add_argument("--device", "--eval-device", dest="eval_device",
+                   help="device for the target and drafter, e.g. cuda, cuda:1, cpu (default: cuda if available, "
+                        "else cpu; --eval-device is the older name)")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -38,8 +38,29 @@ def measure(config: str | None, device: str, seconds: float, overrides: list[str
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def describe(measured: dict, num_gpus: int) -> str:
+def plan_gpus(text: str) -> list[int]:
+    """`plan --gpus`: a count (8: GPUs 0-7), GPU numbers (0-7, 0-3+6) or an `up` spec
+    (0-4:target,5-7:drafter: its GPUs, whatever the roles). ValueError naming what is wrong."""
+    from launcher.topology import SpecError, _parse_gpus, parse_gpu_spec
+    text = text.strip()
+    if text.isdigit():
+        gpus = list(range(int(text)))
+    elif "@" in text:
+        raise ValueError(f"--gpus {text}: plan measures one host; give this host's GPUs without @HOST")
+    else:
+        try:
+            gpus = sorted({w.gpu for w in parse_gpu_spec(text, share_gpus=True)} if ":" in text
+                          else set(_parse_gpus(text, text)))
+        except SpecError as exc:
+            raise ValueError(str(exc)) from None
+    if len(gpus) < 2:
+        raise ValueError(f"--gpus {text}: a split needs at least 2 GPUs")
+    return gpus
+
+
+def describe(measured: dict, gpus: list[int]) -> str:
     a, b = measured["target"]["tok_s"], measured["drafter"]["tok_s"]
+    num_gpus = len(gpus)
     rows = splits(num_gpus, a, b)
     pick = best(rows)
     lines = [f"one {measured['device']}: target {a:,.0f} tok/s ({measured['target']['path']} capture, "
@@ -51,9 +72,16 @@ def describe(measured: dict, num_gpus: int) -> str:
         lines.append(f"{r['targets']:>3}:{r['drafters']:<4}  {r['tok_s']:>14,.0f}  {r['bound']:<9}  "
                      f"{r['target_busy']:>10.0%}  {r['drafter_busy']:>11.0%}{mark}")
     t = pick["targets"]
-    lines.append(f"use: --gpus {_gpus(0, t - 1)}:target,{_gpus(t, num_gpus - 1)}:drafter")
+    lines.append(f"use: --gpus {_spec(gpus[:t])}:target,{_spec(gpus[t:])}:drafter")
     return "\n".join(lines)
 
 
-def _gpus(first: int, last: int) -> str:
-    return str(first) if first == last else f"{first}-{last}"
+def _spec(gpus: list[int]) -> str:
+    """[0, 1, 2, 5] -> '0-2+5'."""
+    runs: list[list[int]] = []
+    for gpu in gpus:
+        if runs and gpu == runs[-1][-1] + 1:
+            runs[-1].append(gpu)
+        else:
+            runs.append([gpu])
+    return "+".join(str(r[0]) if len(r) == 1 else f"{r[0]}-{r[-1]}" for r in runs)

@@ -14,6 +14,8 @@ import json
 import os
 from pathlib import Path
 
+from services.config import describe_prompts
+
 
 class ReportError(Exception):
     pass
@@ -58,7 +60,8 @@ def describe_spec(record: dict, what: str) -> list[str]:
     def line(name, r):
         return (f"  {name:<12} {r['acceptance_per_prompt']:.2f} per prompt, {r['acceptance_per_step']:.2f} per step, "
                 f"{r['tokens_per_forward']:.2f} tokens per target forward, lossless {r.get('lossless', '?')}/{r['prompts']}")
-    lines = [f"real acceptance ({what}; greedy speculative decoding of {record['prompts']} held-out prompts):",
+    prompts = describe_prompts(record["prompts"], record.get("held_out"))
+    lines = [f"real acceptance ({what}; greedy speculative decoding of {prompts}):",
              line("drafter", record)]
     lines += [line(name.replace("_", "-"), record[name]) for name in ("repeat_last", "random") if name in record]
     return lines

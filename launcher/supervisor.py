@@ -227,6 +227,8 @@ class Supervisor:
                 elif state == "failed":
                     raise RunFailed(f"{w.name} failed while starting: {status.get('errors')} (log: {self.log(w)})")
                 states[w.name] = state or "?"
+            if not pending:
+                break
             if time.monotonic() > deadline:
                 raise RunFailed(f"not ready after {self.ready_timeout_s:.0f}s: {', '.join(pending)}")
             self.progress.show("starting… waiting for " + " ".join(f"{n}:{states[n]}" for n in sorted(pending)))

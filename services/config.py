@@ -239,6 +239,11 @@ def validate(cfg: Config) -> None:
          "data.max_line_bytes and data.max_doc_tokens must be > 0")
     need(cfg.data.pack_len > 0, f"data.pack_len must be > 0, got {cfg.data.pack_len}")
     need(0.0 <= cfg.data.eval_fraction < 1.0, f"data.eval_fraction must be in [0, 1), got {cfg.data.eval_fraction}")
+    need(0 <= cfg.data.max_doc_len <= cfg.data.pack_len,
+         f"data.max_doc_len={cfg.data.max_doc_len} is larger than data.pack_len={cfg.data.pack_len}: a document "
+         "piece must fit in one row (0 = pack_len)")
+    need(cfg.target.dtype in TARGET_DTYPES, f"target.dtype must be one of {', '.join(TARGET_DTYPES)}, got {cfg.target.dtype!r}")
+    need(cfg.drafter.grad_accum >= 1, f"drafter.grad_accum must be >= 1, got {cfg.drafter.grad_accum}")
     need(cfg.drafter.attention in ("auto", "flex", "dense"), f"drafter.attention must be auto|flex|dense, got {cfg.drafter.attention!r}")
     need(cfg.drafter.block_size >= 2, f"drafter.block_size must be >= 2, got {cfg.drafter.block_size}")
     need(cfg.drafter.num_anchors >= 1, f"drafter.num_anchors must be >= 1, got {cfg.drafter.num_anchors}")
@@ -267,6 +272,7 @@ def validate(cfg: Config) -> None:
 
 
 FULL, SLIDING = "full_attention", "sliding_attention"
+TARGET_DTYPES = ("bfloat16", "bf16", "float16", "fp16", "float32", "fp32")   # services/target/model.py's DTYPES
 
 
 def check_layout(layer_types: list, sliding_window, num_layers: int, prefix: str = "") -> None:
@@ -327,6 +333,21 @@ def layer_ids_message(key: str, ids: list) -> str:
     # features in an order the drafter never saw, with no error anywhere.
     return (f"{key} {ids} must be in ascending order without repeats (e.g. {sorted(set(ids))}): the captured "
             "layers are concatenated in ascending order, and the export declares this list as that order")
+
+
+def has_held_out_split(data: DataConfig) -> bool:
+    """Whether the run holds data out (data.eval_path, or data.eval_fraction > 0)."""
+    return bool(data.eval_path) or data.eval_fraction > 0
+
+
+def describe_prompts(count: int, held_out: bool | None) -> str:
+    """The prompts real acceptance was measured on, in words that say where they came from
+    (held_out None: a record from before this was recorded)."""
+    if held_out is None:
+        return f"{count} prompts"
+    if held_out:
+        return f"{count} held-out prompts"
+    return f"{count} training prompts (no held-out split: set data.eval_fraction or data.eval_path)"
 
 
 def dump_json(cfg: Config, path: str | Path) -> None:

@@ -47,7 +47,8 @@ def generate_keys(keys_dir: str | Path, overwrite: bool = False) -> list[Path]:
     keys_dir = Path(keys_dir)
     existing = [keys_dir / name for name in KEY_FILES if (keys_dir / name).exists()]
     if existing and not overwrite:
-        raise CurveError(f"{existing[0]} already exists; pass overwrite=True (--force) to replace the keys")
+        raise CurveError(f"{existing[0]} already exists; pass --force to replace the keys "
+                         "(workers that use the old ones must be restarted)")
     keys_dir.mkdir(parents=True, exist_ok=True)
     os.chmod(keys_dir, 0o700)
     written = []

@@ -147,12 +147,14 @@ def train_target(model, tokenizer, convs: list[dict], steps: int, seed: int, bat
     return model.eval(), float(loss.detach())
 
 
-def demo_overrides(model_path: str, data_path: str) -> list[str]:
-    """Dotted config overrides for a fast CPU demo (1 target + 2 drafters on 2 cores)."""
+def demo_overrides(model_path: str, data_path: str, device: str = "cpu") -> list[str]:
+    """Dotted config overrides for a fast CPU demo (1 target + 2 drafters on 2 cores); on CUDA the
+    target runs in bfloat16, as real targets do."""
     return [
         f'target.model_path="{model_path}"',
         f'data.path="{data_path}"',
-        "target.dtype=float32",          # bf16 matmuls are slow on CPU; the hidden states still travel as bf16
+        # bf16 matmuls are slow on CPU; the hidden states still travel as bf16
+        "target.dtype=bfloat16" if device == "cuda" else "target.dtype=float32",
         "data.pack_len=512",
         "data.eval_fraction=0.02",
         "drafter.num_layers=1",
@@ -178,7 +180,7 @@ def cache_dir() -> Path:
 
 
 def make_demo(out_dir: str | os.PathLike, seed: int = 0, num_conversations: int = 4000,
-              target_steps: int = TARGET_STEPS) -> dict:
+              target_steps: int = TARGET_STEPS, device: str = "cpu") -> dict:
     """Create (or reuse) the demo under out_dir; return model_path, data_path and config overrides.
     target_steps: training steps of the target on its data (0: random weights, for tests that
     only need a loadable model)."""
@@ -195,7 +197,7 @@ def make_demo(out_dir: str | os.PathLike, seed: int = 0, num_conversations: int 
             _build(out, seed, num_conversations, target_steps)
             marker.write_text(json.dumps(want))
     return {"model_path": str(model_path), "data_path": str(data_path),
-            "overrides": demo_overrides(str(model_path), str(data_path))}
+            "overrides": demo_overrides(str(model_path), str(data_path), device)}
 
 
 def _build(out: Path, seed: int, num_conversations: int, target_steps: int) -> None:
@@ -228,9 +230,10 @@ def main(argv=None) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--conversations", type=int, default=4000)
     p.add_argument("--target-steps", type=int, default=TARGET_STEPS, help="0: an untrained (random) target")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="the device the demo will train on")
     args = p.parse_args(argv)
     print(json.dumps(make_demo(args.out or cache_dir(), seed=args.seed, num_conversations=args.conversations,
-                               target_steps=args.target_steps)), flush=True)
+                               target_steps=args.target_steps, device=args.device)), flush=True)
 
 
 if __name__ == "__main__":

@@ -100,7 +100,7 @@ def test_reads_openai_sharegpt_and_pretokenized(tmp_path, tokenizer):
 
 
 BAD_LINES = [
-    ("{not json", "bad JSON"),
+    ("{not json", "invalid JSON"),
     ("[1, 2]", "expected a JSON object"),
     ({"text": "hello"}, "expected 'messages', 'conversations'"),
     ({"messages": []}, "empty conversation"),
@@ -114,6 +114,15 @@ BAD_LINES = [
     ({"input_ids": [1, 2], "loss_mask": [0, 0]}, "nothing to supervise"),
     ({"input_ids": [1, 2]}, "needs 'loss_mask'"),
 ]
+
+
+def test_invalid_json_names_file_line_and_character_not_json_inner_line(tmp_path, tokenizer):
+    path = tmp_path / "data.jsonl"
+    path.write_text('{"messages": [{"role": "user", "content": "hi"}\n{"messages": [1,, 2]}\n')
+    bad = BadSamples()
+    read_documents(path, tokenizer, VOCAB, "skip", bad)
+    assert bad.examples == [f"{path}:1: invalid JSON: Expecting ',' delimiter at the end of the line",
+                            f"{path}:2: invalid JSON: Expecting value at character 17"]
 
 
 @pytest.mark.parametrize("line,reason", BAD_LINES)

@@ -142,11 +142,11 @@ def test_eval_split_from_fraction_and_from_file(tmp_path, data_file, tokenizer):
 def test_bad_samples_are_counted_in_the_index(tmp_path, data_file, tokenizer):
     with open(data_file, "a") as f:
         f.write("{broken\n")
-    with pytest.raises(DataError, match=f"{data_file}:301: bad JSON"):
+    with pytest.raises(DataError, match=f"{data_file}:301: invalid JSON"):
         open_or_build(_cfg(data_file), tmp_path / "run", tokenizer, VOCAB, log=_quiet)
     logged = []
     data = open_or_build(_cfg(data_file, "data.on_bad_sample=skip"), tmp_path / "run", tokenizer, VOCAB, log=logged.append)
-    assert data.bad_samples == 1 and data.bad_examples[0].startswith(f"{data_file}:301: bad JSON")
+    assert data.bad_samples == 1 and data.bad_examples[0].startswith(f"{data_file}:301: invalid JSON")
     assert any("skipped 1 bad lines" in m for m in logged)
     again = open_or_build(_cfg(data_file, "data.on_bad_sample=skip"), tmp_path / "run", tokenizer, VOCAB, log=_quiet)
     assert again.bad_samples == 1                                    # still reported when read from the cache

@@ -184,8 +184,10 @@ def test_status_down_and_resume(tmp_path):
     resume = [sys.executable, "-m"] + shlex.split(hint)       # the printed command, as the user would paste it
     assert resume[-3:] == ["--run-dir", str(run_dir), "--resume"] and "run.epochs=1" in resume
 
+    saved = (run_dir / "checkpoints" / "latest").resolve()
     again = subprocess.run(resume, capture_output=True, text=True, timeout=600)
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-2000:]
+    assert f"resumed from step {int(saved.name.split('-')[1])} ({saved})" in again.stdout, again.stdout[-3000:]
     steps = [m["step"] for m in metrics(run_dir)]
     assert steps == sorted(steps) and steps[-1] > stopped_at     # the curve continues, no step twice
     assert_exactly_once(run_dir)
@@ -199,6 +201,9 @@ def test_status_down_and_resume(tmp_path):
     done = subprocess.run(resume + ["--ready-timeout", "500"], capture_output=True, text=True, timeout=400)
     assert done.returncode == 0 and time.monotonic() - start < 300, done.stdout[-3000:] + done.stderr[-2000:]
     assert json.loads((run_dir / "run.json").read_text())["outcome"]["state"] == "finished"
+    assert f"resumed from step {steps[-1]} " in done.stdout, done.stdout[-3000:]
+    finals = [line for line in (run_dir / "acceptance.jsonl").read_text().splitlines() if '"final": true' in line]
+    assert len(finals) == 1, finals                      # the finished run's final eval is not run again
     assert_exactly_once(run_dir)
 
 

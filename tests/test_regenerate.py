@@ -65,6 +65,7 @@ def test_launcher_regenerate_writes_the_lines_in_input_order(tok_dir, tmp_path):
                           "--data", str(data), "--out", str(tmp_path / "regen.jsonl"), "--device", "cpu",
                           "--max-new-tokens", "6"], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
+    assert "Loading weights" not in out.stderr + out.stdout          # transformers' bars are silenced
     lines = [json.loads(t) for t in (tmp_path / "regen.jsonl").read_text().splitlines()]
     assert len(lines) == 4 and lines[1] == CHATS[1]
     assert lines[3]["messages"][0] == {"role": "user", "content": "repeat after me : red stone"}
@@ -79,4 +80,5 @@ def test_a_broken_line_is_named_and_nothing_is_written(tok_dir, tmp_path):
                          cwd=REPO, capture_output=True, text=True, timeout=300)
     assert out.returncode == 2, out.stderr[-2000:]
     assert f"regenerate: error: {data}:3: " in out.stderr and "Traceback" not in out.stderr, out.stderr
+    assert f"{data}:3: invalid JSON: Expecting ',' delimiter at the end of the line" in out.stderr, out.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["chat.jsonl", "model"]     # no output, no parts

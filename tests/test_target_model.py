@@ -12,7 +12,8 @@ from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
 from services.config import TargetConfig
 from services.layers import default_layer_ids
 from services.target.model import (PACKED_SDPA, Target, TargetLoadError, document_spans,
-                                   load_hf_model, load_target, resolve_layer_ids)
+                                   load_hf_model, load_target, packed_attention, resolve_layer_ids,
+                                   varlen_attention)
 
 SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
              num_key_value_heads=2, vocab_size=160, max_position_embeddings=512)
@@ -198,6 +199,39 @@ def test_cuda_bf16_packed_capture(model_dir):
     for n in lengths:
         alone, _ = target.capture(ids[start:start + n], *_one_doc(n))
         torch.testing.assert_close(packed[start:start + n].float(), alone.float(), rtol=2e-2, atol=2e-2)
+        start += n
+
+
+def test_packed_attention_is_chosen_at_load_from_device_and_dtype(model_dir):
+    """The varlen flash kernel takes fp16/bf16 only: a float32 target on CUDA must take the exact
+    per-document SDPA path (before, its first capture raised 'FlashAttention only support fp16 and
+    bf16'). The choice reads the loaded model, so it is checked here without a GPU."""
+    cuda = torch.device("cuda")
+    fp32 = load_hf_model(model_dir, torch.float32, "sdpa", "cpu")
+    varlen, why = packed_attention(fp32, cuda)
+    assert not varlen and "SDPA per document" in why and "float32" in why
+    bf16 = load_hf_model(model_dir, torch.bfloat16, "sdpa", "cpu")
+    assert packed_attention(bf16, cuda)[0] == (varlen_attention() is not None)
+    assert packed_attention(bf16, torch.device("cpu")) == (False, "SDPA per document")
+    with pytest.raises(TargetLoadError, match="target.attn_implementation=flash_attention_2 needs target.dtype"):
+        load_target(TargetConfig(model_path=str(model_dir), dtype="float32", attn_implementation="flash_attention_2"))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_fp32_packed_capture_equals_each_document_alone(model_dir):
+    target = load_target(TargetConfig(model_path=str(model_dir), dtype="float32", layer_ids=[1, 3]), "cuda:0")
+    assert not target.varlen and "float32" in target.attention
+    lengths, pad = [100, 300, 57], 31
+    ids = torch.randint(0, 160, (sum(lengths) + pad,), generator=torch.Generator().manual_seed(8))
+    pos, doc = _packed(lengths, pad)
+    packed, labels = target.capture(ids, pos, doc, with_labels=True, out_dtype=torch.float32)
+    assert packed.is_cuda and packed.dtype == torch.float32
+    start = 0
+    for n in lengths:
+        alone, alone_labels = target.capture(ids[start:start + n], *_one_doc(n), with_labels=True,
+                                             out_dtype=torch.float32)
+        torch.testing.assert_close(packed[start:start + n], alone, rtol=1e-4, atol=1e-4)
+        assert torch.equal(labels[start:start + n], alone_labels)
         start += n
 
 

@@ -227,9 +227,25 @@ class Bookkeeping:
                           f"run `launcher export --checkpoint {self.root / ckpt.LATEST} --out DIR`"
                 log.warning("%s", message, exc_info=exc)
                 self.health.error(message)
-        if completed and self.rank == 0:
+        if completed and self.rank == 0 and not self.final_acceptance_recorded():
             self.run_spec_eval(final=True)        # after the export: a failure here costs nothing saved
         self.close()
+
+    def final_acceptance_recorded(self) -> bool:
+        """A resume of a finished run ends at the same step with the same weights: its final real
+        acceptance is already in acceptance.jsonl, and a second line would count it twice."""
+        try:
+            lines = self.acceptance.read_text().splitlines()
+        except OSError:
+            return False
+        for line in lines:
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if record.get("final") and record.get("step") == self.state.step:
+                return True
+        return False
 
     def final_export_record(self) -> dict:
         """export.json of the export at the end: the last step's weights, and whether that step is

@@ -39,6 +39,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from services.config import describe_prompts, has_held_out_split
 from services.drafter.attention import DenseAttention
 from services.drafter.model import DFlashDrafter, DrafterModelConfig
 from services.drafter.target_head import TargetHead
@@ -279,6 +280,7 @@ class SpecEval:
         self.max_new_tokens = max_new_tokens
         self.stop_ids = stop_token_ids(self.tokenizer, self.target)
         self.prompts = heldout_prompts(cfg, self.tokenizer, prompts)
+        self.held_out = has_held_out_split(cfg.data)      # else the prompts are the last training lines
         self._references: list[list[int]] = []
 
     def references(self, n: int) -> list[list[int]]:
@@ -330,6 +332,7 @@ class SpecEval:
                 result["random"] = self.run(random, model_cfg.block_size, model_cfg.target_layer_ids, tick=tick)
             finally:
                 self.prompts = saved
+        result["held_out"] = self.held_out
         return result
 
 
@@ -381,7 +384,8 @@ def model_config_from_export(conf: dict) -> DrafterModelConfig:
 def main(argv=None) -> int:
     from services.config import load_config
     p = argparse.ArgumentParser(prog="launcher eval", description="Real (greedy) speculative decoding of a drafter "
-                                "with its target on held-out prompts of the run's data.")
+                                "with its target on held-out prompts of the run's data (without a held-out "
+                                "split: its last training lines).")
     p.add_argument("--run-dir", default="runs/latest", help="the run: its config.json names the target and the data")
     p.add_argument("--checkpoint", help="checkpoint dir, export dir, or run dir (default: <run-dir>/checkpoints/latest)")
     p.add_argument("--prompts", type=int, default=32, help="held-out prompts to decode")
@@ -391,6 +395,8 @@ def main(argv=None) -> int:
     p.add_argument("--json", action="store_true", help="print the result as one JSON line")
     p.add_argument("--threads", type=int, default=1, help="CPU threads (tiny demo models decode fastest on one)")
     args = p.parse_args(argv)
+    from transformers.utils import logging as hf_logging
+    hf_logging.disable_progress_bar()               # no "Loading weights" bars in the launcher's output
     if args.device == "cpu":
         torch.set_num_threads(args.threads)
     run_dir = Path(args.run_dir)
@@ -411,7 +417,7 @@ def main(argv=None) -> int:
     if args.json:
         print(json.dumps(record))
     else:
-        print(f"{what}: {result['prompts']} held-out prompts, block {model_cfg.block_size}, "
+        print(f"{what}: {describe_prompts(result['prompts'], result['held_out'])}, block {model_cfg.block_size}, "
               f"greedy, up to {args.max_new_tokens} new tokens")
         print(describe(result))
     return 0

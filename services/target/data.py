@@ -17,7 +17,7 @@ tokens only:
     lies in a span are supervised. An assistant reply the template rewrote (not found verbatim)
     makes the line bad: such templates need {% generation %} markers.
 
-A bad line (bad JSON, JSON nested deeper than Python can parse, invalid UTF-8, a line longer than
+A bad line (invalid JSON, JSON nested deeper than Python can parse, invalid UTF-8, a line longer than
 data.max_line_bytes, a document longer than data.max_doc_tokens, missing fields, unknown role,
 empty conversation, no assistant reply, ids outside the vocabulary...) raises DataError
 "FILE:LINE: reason" with data.on_bad_sample = "fail", or is counted and reported with "skip".
@@ -175,14 +175,21 @@ def pretokenized(record: dict, vocab_size: int) -> tuple[np.ndarray, np.ndarray]
     return arr.astype(np.int32), np.asarray(mask, dtype=bool)
 
 
+def parse_json_line(text: str):
+    """One JSONL line's value; SampleError "invalid JSON: <what> at character N" (json's own
+    "line 2 column 1" counts lines inside this one line, its newline included)."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        where = "at the end of the line" if exc.pos >= len(text.rstrip()) else f"at character {exc.pos + 1}"
+        raise SampleError(f"invalid JSON: {exc.msg} {where}") from None
+    except RecursionError:        # json's C parser recurses once per level: 100 000 "[" exhaust the stack
+        raise SampleError("invalid JSON: nested too deeply to parse") from None
+
+
 def line_to_document(text: str, tokenizer, vocab_size: int,
                      max_doc_tokens: int = 0) -> tuple[np.ndarray, np.ndarray]:
-    try:
-        record = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise SampleError(f"bad JSON: {exc}") from None
-    except RecursionError:        # json's C parser recurses once per level: 100 000 "[" exhaust the stack
-        raise SampleError("bad JSON: nested too deeply to parse") from None
+    record = parse_json_line(text)
     if not isinstance(record, dict):
         raise SampleError(f"expected a JSON object, got {type(record).__name__}")
     if "input_ids" in record:

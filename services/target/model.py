@@ -14,7 +14,10 @@ labels the backbone runs to the end and argmax labels are computed in row chunks
 Packed rows (several documents in one sequence) must not attend across documents. Every row is
 passed with per-document position ids and the document spans:
   - target.attn_implementation = "sdpa" (default) runs SDPA once per document with is_causal=True
-    (registered below as "sdpa_packed"): exact, no S x S mask, keeps the fast causal kernels;
+    (registered below as "sdpa_packed"): exact, no S x S mask, keeps the fast causal kernels; on
+    CUDA in float16/bfloat16 one varlen flash-attention call covers the whole row instead (chosen
+    at load by packed_attention and logged; a float32 target keeps SDPA per document, since the
+    varlen kernel takes half precision only);
   - flash_attention_* use HF's own varlen path from cu_seq_lens_q/k;
   - eager / flex_attention: HF detects the packing from the restarting position ids and builds
     the block-diagonal causal mask itself.
@@ -35,6 +38,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,6 +49,7 @@ from services import layers
 from services.config import ConfigError, TargetConfig
 from services.target import hybrid
 
+log = logging.getLogger("target")
 PACKED_SDPA = "sdpa_packed"
 DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
           "fp16": torch.float16, "float32": torch.float32, "fp32": torch.float32}
@@ -74,7 +79,8 @@ def _sdpa_packed(module, query, key, value, attention_mask, scaling=None, dropou
     """HF attention function: causal attention inside each document span of the row, never across.
 
     query [B, Hq, S, D], key/value [B, Hkv, S, D]; returns ([B, S, Hq, D], None) like HF's sdpa.
-    On CUDA one varlen flash-attention call covers every document; else causal SDPA per document.
+    With packed_varlen=True (chosen at load by packed_attention) one varlen flash-attention call
+    covers every document; else causal SDPA per document.
     """
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     spans = kwargs.pop("doc_spans", None)
@@ -83,7 +89,7 @@ def _sdpa_packed(module, query, key, value, attention_mask, scaling=None, dropou
                            "(set target.attn_implementation to 'eager' or 'flex_attention')")
     window = kwargs.pop("sliding_window", None)
     cu = kwargs.get("cu_seq_lens_q")
-    if window is None and cu is not None and len(spans) > 1 and query.is_cuda and varlen_attention() is not None:
+    if kwargs.pop("packed_varlen", False) and window is None and cu is not None and len(spans) > 1:
         out = varlen_attention()(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
                                  cu, kwargs["max_length_q"], scaling)
         return out[None], None
@@ -210,6 +216,29 @@ def choose_path(model: nn.Module, layers: nn.ModuleList, device: torch.device,
     return ("packed-varlen" if kernel is not None else "packed-reference"), slot
 
 
+VARLEN_DTYPES = (torch.float16, torch.bfloat16)     # what the varlen flash-attention kernel takes
+
+
+def packed_attention(model: nn.Module, device: torch.device) -> tuple[bool, str]:
+    """(varlen, description) of the attention of packed rows, chosen once at load.
+
+    varlen: one varlen flash-attention call per row (sdpa_packed on CUDA, fp16/bf16, torch with the
+    kernel). Otherwise sdpa_packed runs causal SDPA per document: exact in any dtype, so a
+    float32 target on CUDA takes that path instead of failing in the kernel."""
+    impl = getattr(model.config, "_attn_implementation", None)
+    if impl != PACKED_SDPA:
+        return False, f"{impl} (transformers' own packed-sequence handling)"
+    dtype = next(model.parameters()).dtype
+    if device.type != "cuda":
+        return False, "SDPA per document"
+    if varlen_attention() is None:
+        return False, "SDPA per document (this torch has no varlen flash attention: torch >= 2.10 has)"
+    if dtype not in VARLEN_DTYPES:
+        return False, (f"SDPA per document (target.dtype {str(dtype).removeprefix('torch.')}: the varlen "
+                       "flash-attention kernel takes float16/bfloat16 only; exact, slower on rows of many documents)")
+    return True, "varlen flash attention (one call per row)"
+
+
 def slow_path_warning(path: str, device: torch.device) -> str:
     """One line for the log and `launcher status` when a hybrid target runs on the slow path."""
     if path != "per-document" or device.type != "cuda":
@@ -234,6 +263,7 @@ class Target:
         self._stop_after = True
         self.path, self._row = choose_path(model, self.layers, self.device, packed_recurrent)
         self.per_document = self.path == "per-document"
+        self.varlen, self.attention = packed_attention(model, self.device)
         self.warning = slow_path_warning(self.path, self.device)
         h = self.info.hidden_size
         deepest = self.info.layer_ids[-1]
@@ -279,7 +309,8 @@ class Target:
         """Run the backbone on one row; hooks fill `out`; labels (if given) get the argmax."""
         cu = torch.tensor([a for a, _ in spans] + [int(input_ids.shape[0])], dtype=torch.int32, device=self.device)
         longest = max(b - a for a, b in spans)
-        kwargs = dict(doc_spans=spans, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest)
+        kwargs = dict(doc_spans=spans, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest,
+                      packed_varlen=self.varlen)
         if self.per_document:   # transformers' recurrent layers would run cu_seq_lens into the leaky conv
             kwargs = dict(doc_spans=spans)
         if self._row is not None:
@@ -313,10 +344,15 @@ def load_target(cfg: TargetConfig, device: str | torch.device = "cpu", num_draft
     """
     if cfg.dtype not in DTYPES:
         raise TargetLoadError(f"target.dtype must be one of {sorted(DTYPES)}, got {cfg.dtype!r}")
+    if cfg.attn_implementation.startswith("flash_attention") and DTYPES[cfg.dtype] not in VARLEN_DTYPES:
+        raise TargetLoadError(f"target.attn_implementation={cfg.attn_implementation} needs target.dtype bfloat16 "
+                              f"or float16, got {cfg.dtype} (or use target.attn_implementation=sdpa)")
     model = load_hf_model(cfg.model_path, DTYPES[cfg.dtype], cfg.attn_implementation, device)
     num_layers = len(decoder_layers(model))
     ids = resolve_layer_ids(cfg.layer_ids, num_layers, num_draft_layers)
-    return Target(model, ids)
+    target = Target(model, ids)
+    log.info("packed attention: %s", target.attention)
+    return target
 
 
 def capture_to_host(target: Target, row: dict[str, torch.Tensor], with_labels: bool = False,

@@ -244,10 +244,19 @@ def prepare(cfg: Config, run_dir: str | Path) -> "PackedData":
     target's config, not its weights: a bad line stops the run in seconds, before a 27B model
     loads, and the target workers then open the same cache file (same key)."""
     from transformers import AutoConfig, AutoTokenizer
-    config = AutoConfig.from_pretrained(cfg.target.model_path)
-    vocab_size = getattr(config, "text_config", config).vocab_size
-    tokenizer = AutoTokenizer.from_pretrained(cfg.target.model_path)
+    try:
+        config = AutoConfig.from_pretrained(cfg.target.model_path)
+        vocab_size = getattr(config, "text_config", config).vocab_size
+        tokenizer = AutoTokenizer.from_pretrained(cfg.target.model_path)
+    except Exception as exc:        # one line naming the folder, not transformers' traceback
+        first = (str(exc).strip().splitlines() or [""])[0]
+        raise ModelFilesError(f"target.model_path: cannot load the config and tokenizer of {cfg.target.model_path}: "
+                              f"{type(exc).__name__}: {first}") from None
     return open_or_build(cfg, run_dir, tokenizer, vocab_size, log=lambda msg: None)
+
+
+class ModelFilesError(DataError):
+    """The target folder's config or tokenizer does not load (named by its key, not as data)."""
 
 
 def main(argv=None) -> int:
@@ -262,7 +271,7 @@ def main(argv=None) -> int:
     try:
         data = prepare(load_config(args.config), args.run_dir)
     except DataError as exc:
-        print(f"data: {exc}", file=sys.stderr, flush=True)
+        print(exc if isinstance(exc, ModelFilesError) else f"data: {exc}", file=sys.stderr, flush=True)
         return 2
     print(json.dumps({"train_rows": data.num_batches("train"), "eval_rows": data.num_batches("eval"),
                       "bad_samples": data.bad_samples, "bad_examples": data.bad_examples[:3]}), flush=True)

@@ -33,12 +33,12 @@ from services.files import write_text_atomic
 def read_conversations(path: str | Path, shard: int = 0, num_shards: int = 1) -> list[tuple[dict, list | None]]:
     """(record, messages or None for non-chat lines) of this shard's non-blank lines, in file order.
     A line that is not JSON, or a chat that is malformed, is a DataError naming file:line."""
-    from services.target.data import DataError, normalize_messages
+    from services.target.data import DataError, normalize_messages, parse_json_line
     out = []
     lines = [(n, t) for n, t in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1) if t.strip()]
     for number, text in lines[shard::num_shards]:
         try:
-            record = json.loads(text)
+            record = parse_json_line(text)
             chat = isinstance(record, dict) and ("messages" in record or "conversations" in record)
             out.append((record, normalize_messages(record) if chat else None))
         except ValueError as exc:                   # bad JSON, or a SampleError: nothing is written
@@ -155,6 +155,8 @@ def main(argv=None) -> int:
     p.add_argument("--shard", default="0/1", help="I/N: this process regenerates lines I, I+N, ...")
     args = p.parse_args(argv)
     import torch
+    from transformers.utils import logging as hf_logging
+    hf_logging.disable_progress_bar()               # no "Loading weights" bars in the launcher's output
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     shard, num_shards = (int(x) for x in args.shard.split("/"))
     start = time.perf_counter()

@@ -1,0 +1,178 @@
+"""What `launcher up` checks before it makes the run folder, and what it says about a resume.
+
+Every check here needs no worker and no torch (config keys against each other and against the
+device, the model folder's files, the data files' first line), so a mistake costs one line and
+exit 2 in a second, not a failed worker minutes later. Each error names the key or file.
+
+A new run folder is made only once everything before the workers has passed: `up` prepares the
+run (config.json, the tokenized data) in a hidden sibling folder and renames it into place at
+the end (`staged`). A start refused before any worker is started leaves no folder behind. Once
+workers have started, the folder stays whatever happens: it holds run.json with the outcome and
+the workers' logs, which name the cause of a failed start.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+from pathlib import Path
+
+from services.config import Config, ConfigError
+from services.log import events
+
+# A tokenizer folder has at least one of these (fast tokenizers: tokenizer.json; sentencepiece
+# models: tokenizer.model / spiece.model; BPE and WordPiece vocabularies; tiktoken files).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "spiece.model", "sentencepiece.bpe.model",
+                   "vocab.json", "vocab.txt")
+CHAT_TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json", "additional_chat_templates")
+HALF_DTYPES = ("bfloat16", "bf16", "float16", "fp16")
+SCAN_LINES = 1000          # blank lines skipped at most while looking for a data file's first line
+
+
+class PreflightError(ConfigError):
+    """A check before the run folder failed; one line naming the key or file (exit 2)."""
+
+
+def preflight(cfg: Config, device: str, runs_targets: bool) -> None:
+    """Every check of `up` that needs no worker (after config.validate and the input checks)."""
+    check_sizes(cfg)
+    check_attention(cfg, device)
+    if not runs_targets:            # another host's targets read the model and the data
+        return
+    chat = [f"{key} {path}" for key, path in (("data.path", cfg.data.path), ("data.eval_path", cfg.data.eval_path))
+            if path and first_line_is_chat(check_data_file(key, path))]
+    check_tokenizer(Path(cfg.target.model_path), chat[0] if chat else "")
+    check_batch_bytes(cfg)
+
+
+def check_sizes(cfg: Config) -> None:
+    d = cfg.drafter
+    if d.num_anchors > cfg.data.pack_len:
+        raise PreflightError(f"drafter.num_anchors={d.num_anchors} is larger than data.pack_len={cfg.data.pack_len}: "
+                             "a row of pack_len tokens holds at most pack_len anchors; lower drafter.num_anchors")
+    if d.block_size > cfg.data.pack_len:
+        raise PreflightError(f"drafter.block_size={d.block_size} is larger than data.pack_len={cfg.data.pack_len}")
+
+
+def check_attention(cfg: Config, device: str) -> None:
+    if cfg.drafter.attention == "flex" and device != "cuda":
+        raise PreflightError(f"drafter.attention=flex needs --device cuda (flex attention has no backward on "
+                             f"{device}); use drafter.attention=auto or dense")
+    if cfg.target.attn_implementation.startswith("flash_attention") and cfg.target.dtype not in HALF_DTYPES:
+        raise PreflightError(f"target.attn_implementation={cfg.target.attn_implementation} needs target.dtype "
+                             f"bfloat16 or float16, got {cfg.target.dtype} (or use target.attn_implementation=sdpa)")
+
+
+def check_data_file(key: str, path: str) -> bytes:
+    """The file's first non-blank line (at most 1 MiB of it); PreflightError for a missing, odd or empty file."""
+    p = Path(path)
+    if not p.exists():
+        raise PreflightError(f"{key}: {path} does not exist")
+    if not p.is_file():
+        raise PreflightError(f"{key}: {path} is not a file (expected JSONL: one sample per line)")
+    try:
+        with open(p, "rb") as f:
+            for _ in range(SCAN_LINES):
+                line = f.readline(1 << 20)
+                if not line:
+                    break
+                if line.strip():
+                    return line
+            else:
+                return b""          # only blank lines so far: the data preparation reads on
+    except OSError as exc:
+        raise PreflightError(f"{key}: cannot read {path}: {exc.strerror or exc}") from None
+    raise PreflightError(f"{key}: {path} is empty (no JSONL lines)")
+
+
+def first_line_is_chat(line: bytes) -> bool:
+    """A chat record (messages / conversations). A line that does not parse is the data
+    preparation's to name, with its line number."""
+    try:
+        record = json.loads(line)
+    except (ValueError, RecursionError):
+        return False
+    return isinstance(record, dict) and ("messages" in record or "conversations" in record)
+
+
+def check_tokenizer(folder: Path, chat_data: str = "") -> None:
+    """The target folder has tokenizer files, and a chat template when chat_data ("data.path FILE") needs one."""
+    names = {p.name for p in folder.iterdir()}
+    if not names & set(TOKENIZER_FILES) and not any(n.endswith(".tiktoken") for n in names):
+        raise PreflightError(f"target.model_path: no tokenizer in {folder} (none of {', '.join(TOKENIZER_FILES)}): "
+                             "save the model's tokenizer there (tokenizer.save_pretrained(FOLDER))")
+    if chat_data and not has_chat_template(folder, names):
+        raise PreflightError(f"target.model_path: the tokenizer in {folder} has no chat template, needed for the chat "
+                             f"lines of {chat_data}: add chat_template.jinja (or tokenizer_config.json's chat_template), "
+                             "or give pre-tokenized lines")
+
+
+def has_chat_template(folder: Path, names: set[str]) -> bool:
+    if names & set(CHAT_TEMPLATE_FILES):
+        return True
+    try:
+        conf = json.loads((folder / "tokenizer_config.json").read_text())
+    except OSError:
+        return False
+    except ValueError:
+        return True                 # unreadable here: loading the tokenizer will say what is wrong
+    return not isinstance(conf, dict) or bool(conf.get("chat_template"))
+
+
+def check_batch_bytes(cfg: Config) -> None:
+    """One batch's hidden states (bf16 on the wire) must fit transport.max_batch_bytes, or every
+    batch would be dropped by the drafters."""
+    try:
+        conf = json.loads((Path(cfg.target.model_path) / "config.json").read_text())
+        hidden = int((conf.get("text_config") or conf)["hidden_size"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return                      # an unusual config: the target worker will say
+    layers = len(cfg.target.layer_ids) or cfg.drafter.num_layers
+    need = cfg.data.pack_len * layers * hidden * 2
+    if need > cfg.transport.max_batch_bytes:
+        raise PreflightError(f"transport.max_batch_bytes={cfg.transport.max_batch_bytes} is smaller than one batch's "
+                             f"hidden states ({need} bytes: data.pack_len={cfg.data.pack_len} x {layers} layers x "
+                             f"hidden_size {hidden} x 2 bytes); raise transport.max_batch_bytes or lower data.pack_len")
+
+
+# --- the run folder ---------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def staged(run_dir: Path):
+    """The folder to prepare the run in. A new run dir is prepared in a hidden sibling, renamed
+    into place when the block ends without an error, removed when it raises (Ctrl-C included);
+    an existing run dir (a resume, or a folder made beforehand) is prepared in place."""
+    if run_dir.is_dir():
+        yield run_dir
+        return
+    run_dir.parent.mkdir(parents=True, exist_ok=True)
+    stage = run_dir.with_name(f".{run_dir.name}.starting-{os.getpid()}")
+    shutil.rmtree(stage, ignore_errors=True)
+    stage.mkdir()
+    try:
+        yield stage
+    except BaseException:
+        shutil.rmtree(stage, ignore_errors=True)
+        raise
+    os.rename(stage, run_dir)
+
+
+# --- resume -----------------------------------------------------------------------------------
+
+def check_resume(run_dir: Path) -> None:
+    if not run_dir.is_dir():
+        raise PreflightError(f"--resume: {run_dir} does not exist, so there is nothing to resume; "
+                             "leave out --resume to start a new run there")
+
+
+def resumed_line(drafter_log: Path) -> str:
+    """What drafter rank 0 resumed from, read from its log since its last start (the `resumed` event)."""
+    try:
+        text = drafter_log.read_text(errors="replace")
+    except OSError:
+        return ""
+    found = events(text[text.rfind("\n===== "):], "resumed")
+    if not found:
+        return f"no checkpoint in {drafter_log.parent.parent / 'checkpoints'}: training starts at step 0"
+    return f"resumed from step {found[-1]['step']} ({found[-1]['checkpoint']})"
