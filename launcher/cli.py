@@ -46,6 +46,7 @@ def _read_run(run_dir: Path) -> dict:
 
 
 LATEST = Path("runs") / "latest"
+DEMOS = ("dense", "hybrid")          # services.demo.VARIANTS (the launcher never imports torch)
 
 
 def _with_local_model(cfg):
@@ -144,10 +145,11 @@ def _prepare_data(run_dir: Path) -> None:
     print(describe_data(info), flush=True)
 
 
-def _make_demo(device: str) -> list[str]:
+def _make_demo(device: str, variant: str = "dense") -> list[str]:
     """Build (or reuse, from the demo cache) the demo model and data in a child process (torch
-    stays out of the launcher); its config suits the device (bfloat16 target on cuda)."""
-    out = subprocess.run([sys.executable, "-m", "services.demo", "--device", device],
+    stays out of the launcher); its config suits the device (bfloat16 target on cuda).
+    variant: dense (a Qwen3) or hybrid (a Qwen3.5-family Gated DeltaNet)."""
+    out = subprocess.run([sys.executable, "-m", "services.demo", "--device", device, "--variant", variant],
                          capture_output=True, text=True)
     if out.returncode != 0:
         raise UsageError(f"building the demo failed:\n{out.stderr[-2000:]}")
@@ -186,7 +188,7 @@ def cmd_up(args) -> int:
         raise UsageError(f"{run_dir} has checkpoints; pass --resume to continue, or choose another --run-dir")
     if args.demo:
         print("building the demo target and dataset (once; then reused from the demo cache)…", flush=True)
-        overrides = _make_demo(args.device) + overrides
+        overrides = _make_demo(args.device, args.demo) + overrides
     cfg = _with_local_model(load_config(args.config, overrides))
     _check_inputs(cfg, runs_targets)
     preflight(cfg, args.device, runs_targets)
@@ -455,7 +457,7 @@ def cmd_plan(args) -> int:
         raise UsageError(str(exc)) from None
     overrides = list(args.overrides)
     if args.demo:
-        overrides = _make_demo(args.device) + overrides
+        overrides = _make_demo(args.device, args.demo) + overrides
     cfg = _with_local_model(load_config(args.config, overrides))
     _check_inputs(cfg, runs_targets=True)
     preflight(cfg, args.device, runs_targets=True)
@@ -558,7 +560,9 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--config", help="run config (TOML); every key and default is in docs/config.md")
     up.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                     help="cpu: GPU numbers are logical slots, for tests and the demo")
-    up.add_argument("--demo", action="store_true", help="train on the built-in tiny demo target and dataset")
+    up.add_argument("--demo", nargs="?", const="dense", choices=DEMOS, metavar="{dense,hybrid}",
+                    help="train on the built-in tiny demo target and dataset: dense (default) a Qwen3, "
+                         "hybrid a Qwen3.5-family Gated DeltaNet hybrid")
     up.add_argument("--run-dir", help="run folder (default: a new runs/<run.name>-<time>, linked as runs/latest "
                                       "once its workers are ready)")
     up.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in the run dir "
@@ -635,7 +639,8 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--gpus", required=True, help="the GPUs the run will have: a count (8), GPU numbers (0-7) "
                                                   "or an `up` spec (0-4:target,5-7:drafter)")
     pl.add_argument("--config", help="run config (TOML), as for `up`")
-    pl.add_argument("--demo", action="store_true", help="the built-in tiny demo target and dataset")
+    pl.add_argument("--demo", nargs="?", const="dense", choices=DEMOS, metavar="{dense,hybrid}",
+                    help="the built-in tiny demo target and dataset (dense by default, or hybrid)")
     pl.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="where to measure")
     pl.add_argument("--seconds", type=float, default=60.0, help="time each role about this long")
     pl.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides, applied after --config")

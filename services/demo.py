@@ -1,8 +1,14 @@
-"""A self-contained demo: a tiny Qwen3 target trained on the spot on its data, a tokenizer trained on
+"""A self-contained demo: a tiny target trained on the spot on its data, a tokenizer trained on
 the spot, and a synthetic chat dataset whose assistant replies follow learnable patterns.
 
     from services.demo import make_demo
-    demo = make_demo(cache_dir())      # dict(model_path, data_path, overrides)
+    demo = make_demo(cache_dir())                        # dict(model_path, data_path, overrides)
+    demo = make_demo(cache_dir("hybrid"), variant="hybrid")
+
+Two targets (`variant`): "dense", a Qwen3 (Qwen3ForCausalLM), and "hybrid", the Qwen3.5 / Qwen3.6
+family: Gated DeltaNet (linear_attention) layers and a full-attention layer, saved as the composite
+multimodal checkpoint Qwen3_5ForConditionalGeneration (text_config + a minimal vision_config) as
+Qwen3.6-27B is. Same data, same tokenizer file, same training recipe.
 
 No network, no GPU. Deterministic given the seed and idempotent: an existing, complete demo
 directory (marked by demo.json with the same seed and version) is reused as it is.
@@ -16,6 +22,7 @@ the drafter against a target that writes varied text.
 """
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
@@ -25,6 +32,7 @@ from pathlib import Path
 
 DEMO_VERSION = 2
 TARGET_STEPS = 300          # teaching the target its data: about a minute on 2 cores, one thread
+VARIANTS = ("dense", "hybrid")
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|MASK|>"]
 
@@ -52,6 +60,14 @@ SYSTEM_PROMPT = "you are a helpful assistant ."
 # Model shape: small enough for a CPU demo, a real Qwen3 architecture.
 MODEL_SHAPE = dict(hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
                    num_key_value_heads=2, head_dim=32, max_position_embeddings=4096, tie_word_embeddings=True)
+# The hybrid: the same widths; Gated DeltaNet, Gated DeltaNet, full attention, Gated DeltaNet (every 3rd
+# layer full attention; the drafter's default captured layer, 2, is the full-attention one, so a
+# capture runs both kinds). Untied lm_head and key/value head ratio 2, as in the real family.
+HYBRID_SHAPE = dict(MODEL_SHAPE, tie_word_embeddings=False, linear_num_key_heads=2, linear_num_value_heads=4,
+                    linear_key_head_dim=32, linear_value_head_dim=32, linear_conv_kernel_dim=4,
+                    layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"])
+VISION_SHAPE = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=4,
+                    num_position_embeddings=16)       # present as in the real checkpoint; never run
 
 
 def _exchange(rng: random.Random) -> tuple[str, str]:
@@ -98,14 +114,37 @@ def build_tokenizer(texts: list[str], vocab_size: int = 1024):
     return wrapped
 
 
-def build_model(tokenizer, seed: int):
+def build_model(tokenizer, seed: int, variant: str = "dense"):
     import torch
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration, Qwen3Config, Qwen3ForCausalLM
     vocab = -(-len(tokenizer) // 64) * 64          # round the embedding up, as real checkpoints do
-    config = Qwen3Config(vocab_size=vocab, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-                         bos_token_id=None, **MODEL_SHAPE)
+    ids = dict(vocab_size=vocab, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+               bos_token_id=None)
     torch.manual_seed(seed)
-    return Qwen3ForCausalLM(config).eval()
+    if variant == "dense":
+        return Qwen3ForCausalLM(Qwen3Config(**ids, **MODEL_SHAPE)).eval()
+    vision = dict(VISION_SHAPE, out_hidden_size=HYBRID_SHAPE["hidden_size"])
+    config = Qwen3_5Config(text_config=dict(**ids, **HYBRID_SHAPE), vision_config=vision, tie_word_embeddings=False)
+    return Qwen3_5ForConditionalGeneration(config).eval()
+
+
+@contextlib.contextmanager
+def torch_linear_attention():
+    """transformers' pure-torch Gated DeltaNet code while the hybrid target trains on the CPU:
+    where flash-linear-attention imports, transformers would send these CPU tensors to Triton."""
+    import inspect
+
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as qwen3_5
+    names = ("causal_conv1d_fn", "causal_conv1d_update", "torch_chunk_gated_delta_rule",
+             "torch_recurrent_gated_delta_rule")
+    saved = {name: getattr(qwen3_5, name) for name in names}
+    try:
+        for name, fn in saved.items():
+            setattr(qwen3_5, name, inspect.unwrap(fn))
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(qwen3_5, name, fn)
 
 
 def train_target(model, tokenizer, convs: list[dict], steps: int, seed: int, batch_size: int = 16, lr: float = 3e-3):
@@ -138,7 +177,7 @@ def train_target(model, tokenizer, convs: list[dict], steps: int, seed: int, bat
             t = torch.tensor(tokens)
             ids[i, :len(t)], attention[i, :len(t)] = t, 1
             labels[i, :len(t)] = torch.where(torch.tensor(mask, dtype=torch.bool), t, -100)
-        loss = model(input_ids=ids, attention_mask=attention, labels=labels).loss
+        loss = model(input_ids=ids, attention_mask=attention, labels=labels, use_cache=False).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
@@ -172,46 +211,54 @@ def demo_overrides(model_path: str, data_path: str, device: str = "cpu") -> list
     ]
 
 
-def cache_dir() -> Path:
-    """Where `launcher up --demo` keeps the demo: built once per machine and demo version (teaching
-    the target takes about a minute on 2 cores), then reused by every demo run."""
+def cache_dir(variant: str = "dense") -> Path:
+    """Where `launcher up --demo [hybrid]` keeps the demo: built once per machine, demo version and
+    variant (teaching the target takes a minute or two on 2 cores), then reused by every demo run."""
     root = os.environ.get("DFLASH_CACHE_DIR") or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dflash"
-    return Path(root) / f"demo-v{DEMO_VERSION}"
+    return Path(root) / (f"demo-v{DEMO_VERSION}" + ("" if variant == "dense" else f"-{variant}"))
 
 
 def make_demo(out_dir: str | os.PathLike, seed: int = 0, num_conversations: int = 4000,
-              target_steps: int = TARGET_STEPS, device: str = "cpu") -> dict:
+              target_steps: int = TARGET_STEPS, variant: str = "dense", device: str = "cpu") -> dict:
     """Create (or reuse) the demo under out_dir; return model_path, data_path and config overrides.
     target_steps: training steps of the target on its data (0: random weights, for tests that
-    only need a loadable model)."""
+    only need a loadable model). variant: "dense" or "hybrid" (see the top of this file)."""
+    if variant not in VARIANTS:
+        raise ValueError(f"demo variant must be one of {', '.join(VARIANTS)}, got {variant!r}")
     out = Path(out_dir).resolve()
     model_path, data_path = out / "model", out / "chat.jsonl"
     marker = out / "demo.json"
     want = {"version": DEMO_VERSION, "seed": seed, "num_conversations": num_conversations,
-            "target_steps": target_steps}
+            "target_steps": target_steps, "variant": variant}
     out.mkdir(parents=True, exist_ok=True)
     with open(out / ".lock", "w") as lock:       # demo runs started together build it once
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not (marker.is_file() and json.loads(marker.read_text()) == want):
             marker.unlink(missing_ok=True)       # a build cut short leaves no marker: rebuilt next time
-            _build(out, seed, num_conversations, target_steps)
+            _build(out, seed, num_conversations, target_steps, variant)
             marker.write_text(json.dumps(want))
     return {"model_path": str(model_path), "data_path": str(data_path),
             "overrides": demo_overrides(str(model_path), str(data_path), device)}
 
 
-def _build(out: Path, seed: int, num_conversations: int, target_steps: int) -> None:
+def _build(out: Path, seed: int, num_conversations: int, target_steps: int, variant: str) -> None:
+    from transformers import AutoTokenizer
     out.mkdir(parents=True, exist_ok=True)
     convs = conversations(num_conversations, seed)
     texts = [m["content"] for c in convs for m in c["messages"]]
     tokenizer = build_tokenizer(texts)
-    model = build_model(tokenizer, seed)
-    if target_steps > 0:
-        model, _ = train_target(model, tokenizer, convs, target_steps, seed)
+    model = build_model(tokenizer, seed, variant)
     tmp = out / f".model-{os.getpid()}"          # written aside, then renamed: never a half-made model dir
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
+    model.config.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
+    # the target learns on the tokens the service will feed it: AutoTokenizer picks its class by the
+    # model type (Qwen3.5's splits digits one by one, unlike the trained tokenizer object)
+    tokenizer = AutoTokenizer.from_pretrained(tmp)
+    if target_steps > 0:
+        with torch_linear_attention() if variant == "hybrid" else contextlib.nullcontext():
+            model, _ = train_target(model, tokenizer, convs, target_steps, seed)
+    model.save_pretrained(tmp)
     shutil.rmtree(out / "model", ignore_errors=True)
     os.replace(tmp, out / "model")
     data_tmp = out / f".chat-{os.getpid()}.jsonl"
@@ -226,14 +273,17 @@ def main(argv=None) -> None:
     import argparse
     p = argparse.ArgumentParser(prog="python -m services.demo", description=main.__doc__)
     p.add_argument("--out", default=None, help="where to build it (default: the demo cache, "
-                   "$DFLASH_CACHE_DIR/demo-v<N>, else ~/.cache/dflash/demo-v<N>)")
+                   "$DFLASH_CACHE_DIR/demo-v<N>[-hybrid], else ~/.cache/dflash/demo-v<N>[-hybrid])")
+    p.add_argument("--variant", choices=VARIANTS, default="dense",
+                   help="dense: a Qwen3 target; hybrid: a Qwen3.5-family Gated DeltaNet hybrid (composite checkpoint)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--conversations", type=int, default=4000)
     p.add_argument("--target-steps", type=int, default=TARGET_STEPS, help="0: an untrained (random) target")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="the device the demo will train on")
     args = p.parse_args(argv)
-    print(json.dumps(make_demo(args.out or cache_dir(), seed=args.seed, num_conversations=args.conversations,
-                               target_steps=args.target_steps, device=args.device)), flush=True)
+    demo = make_demo(args.out or cache_dir(args.variant), seed=args.seed, num_conversations=args.conversations,
+                     target_steps=args.target_steps, variant=args.variant, device=args.device)
+    print(json.dumps(demo), flush=True)
 
 
 if __name__ == "__main__":

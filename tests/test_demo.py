@@ -77,3 +77,37 @@ def test_demo_target_and_data_load_with_its_overrides(tmp_path):
         table[context][nxt] += 1
     results = [bool(table.get(c)) and table[c].most_common(1)[0][0] == nxt for c, nxt in triples("eval")]
     assert len(results) > 200 and sum(results) / len(results) > 0.5
+
+
+def test_hybrid_demo_is_a_composite_checkpoint_whose_trained_weights_the_target_loads(tmp_path):
+    """The hybrid demo: Qwen3_5ForConditionalGeneration on disk (text_config + vision_config, keys
+    under model.language_model. / model.visual.), and the target's loader returns the text model
+    with the trained weights (not freshly initialized ones where a key prefix was missed)."""
+    from services.demo import build_model, conversations, torch_linear_attention, train_target
+    from services.target.model import load_hf_model
+    demo = make_demo(tmp_path / "hybrid", num_conversations=N, target_steps=3, variant="hybrid")
+    config = json.loads(Path(demo["model_path"], "config.json").read_text())
+    assert config["architectures"] == ["Qwen3_5ForConditionalGeneration"] and "vision_config" in config
+    assert {"linear_attention", "full_attention"} <= set(config["text_config"]["layer_types"])
+    keys = load_file(str(Path(demo["model_path"]) / "model.safetensors")).keys()
+    assert any(k.startswith("model.language_model.layers.") for k in keys) and "lm_head.weight" in keys
+    assert any(k.startswith("model.visual.") for k in keys)
+
+    tokenizer = AutoTokenizer.from_pretrained(demo["model_path"])     # the tokenizer the service loads
+    assert tokenizer.mask_token == "<|MASK|>" and has_generation_markers(tokenizer)
+    untrained = build_model(tokenizer, 0, "hybrid")
+    with torch_linear_attention():      # the trained model, made again: the build is deterministic
+        trained, _ = train_target(build_model(tokenizer, 0, "hybrid"), tokenizer, conversations(N, 0), 3, 0)
+    loaded = load_hf_model(demo["model_path"], torch.float32, "sdpa", "cpu")
+    assert type(loaded).__name__ == "Qwen3_5ForCausalLM"
+    ids = torch.tensor([tokenizer("count from 3 to 9 , then spell apple").input_ids])
+    with torch.no_grad():
+        want = trained(input_ids=ids).logits
+        got = loaded(input_ids=ids, doc_spans=[(0, ids.shape[1])]).logits
+        fresh = untrained(input_ids=ids).logits
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert (fresh - want).abs().max() > 1e-3            # the control: three steps moved the weights
+
+    cfg = load_config(None, demo["overrides"])
+    target = load_target(cfg.target, "cpu", cfg.drafter.num_layers)
+    assert target.path == "packed-reference" and target.info.layer_ids == [2]      # layer 2: full attention

@@ -174,3 +174,15 @@ def test_plaintext_tcp_off_loopback_is_refused_and_on_loopback_warned(tmp_path):
     assert "target.model_path is not set" in loopback.stderr
     keys = up("10.0.0.1", f"transport.curve_keys_dir={tmp_path / 'keys'}")
     assert "plaintext" not in keys.stderr and "target.model_path is not set" in keys.stderr, keys.stderr
+
+
+def test_demo_takes_an_optional_variant_and_names_a_bad_one():
+    from launcher.cli import DEMOS, build_parser
+    from services.demo import VARIANTS
+    assert DEMOS == VARIANTS                  # the launcher's copy of the list (it never imports torch)
+    parser = build_parser()
+    demo = lambda *argv: parser.parse_args(["up", "--gpus", "0:target", *argv]).demo    # noqa: E731
+    assert demo("--demo") == demo("--demo", "dense") == "dense" and demo("--demo", "hybrid") == "hybrid"
+    assert demo() is None and demo("--demo", "--device", "cpu") == "dense"
+    out = run_launcher("up", "--demo", "moe", "--gpus", "0:target,1:drafter", "--device", "cpu")
+    assert out.returncode == 2 and "argument --demo: invalid choice: 'moe'" in out.stderr

@@ -89,6 +89,24 @@ def test_reference_delta_rule_equals_transformers_chunked_kernel():
         torch.testing.assert_close(ours[a:b], theirs[0], rtol=1e-4, atol=1e-4)
 
 
+def test_chunked_delta_rule_equals_the_rule_token_by_token():
+    """The CPU path's chunked form against the definition: documents shorter than a chunk, exactly
+    one chunk, spanning several, one token; and the state really restarts at each document."""
+    gen = torch.Generator().manual_seed(7)
+    lengths, h, dk, dv, chunk = [1, 8, 3, 17, 9, 16, 2], 3, 8, 5, 8
+    s = sum(lengths)
+    q, k = torch.randn(s, h, dk, generator=gen), torch.randn(s, h, dk, generator=gen)
+    v = torch.randn(s, h, dv, generator=gen)
+    g, beta = -2 * torch.rand(s, h, generator=gen), torch.rand(s, h, generator=gen)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    want = hybrid.token_by_token_delta_rule(q, k, v, g, beta, cu)
+    torch.testing.assert_close(hybrid.reference_delta_rule(q, k, v, g, beta, cu, chunk=chunk), want,
+                               rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(hybrid.reference_delta_rule(q, k, v, g, beta, cu), want, rtol=1e-5, atol=1e-5)
+    one_document = hybrid.reference_delta_rule(q, k, v, g, beta, torch.tensor([0, s], dtype=torch.int32), chunk=chunk)
+    assert (one_document[lengths[0]:] - want[lengths[0]:]).abs().max() > 1e-2    # the control: no restart, no match
+
+
 def test_paths_chosen_at_load():
     model = _hybrid()
     path, slot = choose_path(model, decoder_layers(model), torch.device("cpu"))

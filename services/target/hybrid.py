@@ -10,8 +10,9 @@ document:
     token's position inside its document is below d: the row's position ids restart at 0 for each
     document, so they say exactly where each document begins.
   - the gated delta rule: flash-linear-attention's chunked kernel with the document boundaries
-    (cu_seqlens), on CUDA. Elsewhere a plain per-token recurrence per document (the reference that
-    the tests check the packed row against).
+    (cu_seqlens), on CUDA. Elsewhere the same chunked form in plain torch, restarted per document
+    (reference_delta_rule; the tests check it against the rule token by token and against
+    transformers' own chunked torch code).
 Everything else in the layer (projections, gated norm, output projection) is per token and runs
 once over the whole row, which is where the speed comes from: a chat row of 8192 tokens holds
 about 160 documents, and one forward per document ran 18x slower than one forward per row.
@@ -101,14 +102,64 @@ def recurrent_delta_rule(q, k, v, g, beta, state, keep_states: bool = False):
     return out, state, states
 
 
-def reference_delta_rule(q, k, v, g, beta, cu_seqlens) -> torch.Tensor:
-    """recurrent_delta_rule restarted at each document: [S, H, Dv]."""
+def token_by_token_delta_rule(q, k, v, g, beta, cu_seqlens) -> torch.Tensor:
+    """The gated delta rule as defined, one token at a time (recurrent_delta_rule), restarted at each
+    document (fp32): [S, H, Dv]. Slow: the definition that the chunked form below is checked against."""
     out = torch.empty(v.shape, dtype=torch.float32, device=v.device)
     bounds = cu_seqlens.tolist()
     for a, b in zip(bounds[:-1], bounds[1:]):
         zero = torch.zeros(q.shape[1], q.shape[2], v.shape[2], device=q.device)     # [H, Dk, Dv]
         out[a:b] = recurrent_delta_rule(q[a:b], k[a:b], v[a:b], g[a:b], beta[a:b], zero)[0]
     return out
+
+
+def reference_delta_rule(q, k, v, g, beta, cu_seqlens, chunk: int = 64) -> torch.Tensor:
+    """The gated delta rule in chunks, restarted at each document (fp32): the CPU capture path.
+
+    Same arguments and result as token_by_token_delta_rule, in the chunked (WY) form of
+    transformers' torch_chunk_gated_delta_rule and fla's kernel. Every document is cut into pieces
+    of at most `chunk` tokens, zero-padded at the end (a padded token changes no state: k = 0,
+    decay 1); everything inside a piece runs for all pieces of the row at once, and only the state
+    passed from one piece to the next is a loop, reset where a document begins.
+    """
+    scale = q.shape[-1] ** -0.5
+    q, k = _l2norm(q.float()) * scale, _l2norm(k.float())
+    v, g, beta = v.float(), g.float(), beta.float()
+    bounds = cu_seqlens.tolist()
+    pieces = [(s, min(chunk, b - s), s == a) for a, b in zip(bounds[:-1], bounds[1:]) for s in range(a, b, chunk)]
+    starts = torch.tensor([p[0] for p in pieces], device=q.device)
+    lens = torch.tensor([p[1] for p in pieces], device=q.device)
+    offset = torch.arange(chunk, device=q.device)
+    valid = offset[None] < lens[:, None]                                    # [N, C]
+    index = torch.where(valid, starts[:, None] + offset[None], 0)
+
+    def pieces_of(x):   # [S, H, ...] -> [N, H, C, ...], zero past each piece's end
+        x = x[index] * valid.view(*valid.shape, *[1] * (x.dim() - 1))
+        return x.transpose(1, 2)
+    q, k, v, g, beta = (pieces_of(x) for x in (q, k, v, g, beta))
+    g = g.cumsum(-1)                                                        # [N, H, C]
+    causal = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
+    decay = (g[..., :, None] - g[..., None, :]).masked_fill(~causal, float("-inf")).exp()
+    k_beta = k * beta[..., None]
+    # the WY form: T = (I + strictly-lower(beta k k^T decay))^-1 folds the in-piece recurrence
+    eye = torch.eye(chunk, device=q.device)
+    t = torch.linalg.solve_triangular(eye + (k_beta @ k.transpose(-1, -2) * decay).tril(-1), eye, upper=False)
+    u = t @ (v * beta[..., None])                                           # [N, H, C, Dv]
+    w = t @ (k_beta * g.exp()[..., None])                                   # [N, H, C, Dk]
+    inside = q @ k.transpose(-1, -2) * decay                                # [N, H, C, C]
+    q_decayed = q * g.exp()[..., None]
+    k_to_end = k * (g[..., -1:] - g).exp()[..., None]
+    out = torch.empty_like(u)
+    state = q.new_zeros(q.shape[1], q.shape[3], v.shape[3])                 # [H, Dk, Dv]
+    for i, (_, _, first) in enumerate(pieces):
+        if first:
+            state = torch.zeros_like(state)
+        v_new = u[i] - w[i] @ state
+        out[i] = q_decayed[i] @ state + inside[i] @ v_new
+        state = state * g[i, :, -1].exp()[:, None, None] + k_to_end[i].transpose(-1, -2) @ v_new
+    result = out.new_empty(int(bounds[-1]), out.shape[1], out.shape[3])
+    result[index[valid]] = out.transpose(1, 2)[valid]
+    return result
 
 
 class PackedGatedDeltaNet(nn.Module):
