@@ -4,8 +4,11 @@
 One JSON object per line. Train lines, every run.log_every optimizer steps (loss, accuracy and τ
 averaged over every batch since the previous line, weighted by trained blocks):
     step, loss, accuracy, accuracy_per_position, tau, coverage, sampled_coverage, lr, grad_norm,
-    tokens_per_s, samples_done, tokens_done, data_wait_frac, time_data_s, time_compute_s,
-    time_other_s (per step, mean of ranks)
+    tokens_per_s, window_tokens, window_s, samples_done, tokens_done, data_wait_frac, time_data_s,
+    time_compute_s, time_other_s (per batch, mean of ranks), time (unix seconds)
+window_tokens: tokens all ranks trained since the line before; window_s: that window's wall time
+(mean of ranks); tokens_per_s = window_tokens / window_s, so a rate over several lines is
+sum(window_tokens) / sum(window_s) (what `launcher report` prints).
 coverage: the share of supervised tokens that some valid anchor reaches as its block's first
 prediction (what the anchor rule lets train at all); sampled_coverage: the share that this
 window's sampled blocks did train at k = 1 (bounded by drafter.num_anchors). Both over all ranks.
@@ -63,6 +66,7 @@ def reduce_train_metrics(m: dict, times: StepTimes, counters: dict, device: torc
             "accuracy_per_position": [round(a / blocks, 4) for a in s[13:]],
             "coverage": round(s[11] / supervised, 4), "sampled_coverage": round(s[12] / supervised, 4),
             "tokens_per_s": round(s[4] / max(s[7] / world_size, 1e-9), 1),
+            "window_tokens": int(s[4]), "window_s": r(s[7] / world_size),
             "samples_done": int(s[8]), "tokens_done": int(s[9]),
             "data_wait_frac": r(data_s / max(wall_s, 1e-9)), "time_data_s": r(data_s), "time_compute_s": r(compute_s),
             "time_other_s": r(max(0.0, wall_s - data_s - compute_s))}
