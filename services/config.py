@@ -42,6 +42,7 @@ class RunConfig:
     unresponsive_after_s: float = 60.0  # a live worker whose health has answered before and then not this long (frozen)
     stop_timeout_s: float = 300.0      # SIGTERM: finish the step and checkpoint within this, else exit hard
     max_restarts: int = 3              # per role, over the whole run
+    wandb_project: str = ""            # Weights & Biases project (the `wandb` extra); "" = off
     alloc_conf: str = "expandable_segments:True"   # PYTORCH_CUDA_ALLOC_CONF for GPU workers
 
 
