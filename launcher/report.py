@@ -85,7 +85,11 @@ def describe_data(info: dict) -> str:
     """The data line of `launcher up`, `status` and `report`, from <run_dir>/data.json."""
     skipped = (f"; skipped {info['bad_samples']} bad lines (data.on_bad_sample=skip), first: "
                + "; ".join(info["bad_examples"]) if info["bad_samples"] else "; no bad lines")
-    return f"data: {info['train_rows']} training rows, {info['eval_rows']} held-out rows{skipped}"
+    line = f"data: {info['train_rows']} training rows, {info['eval_rows']} held-out rows{skipped}"
+    if info.get("chat_prompts") == 0:            # pre-tokenized only: nothing for speculative decoding to prompt
+        line += ("\nreal acceptance: off, the held-out data has no chat lines (pre-tokenized lines carry no "
+                 "prompt to decode); τ is still measured. For it, add chat lines or a chat data.eval_path")
+    return line
 
 
 def throughput(train: list[dict], last: int) -> tuple[float, float, int, float] | None:
@@ -130,7 +134,7 @@ def summary(run_dir: Path, train: list[dict], evals: list[dict], spec: list[dict
         lines.append(f"eval: final loss {evals[-1]['loss']:.4f}, tau {evals[-1]['tau']:.3f}; "
                      f"best tau {best['tau']:.3f} at step {best['step']}")
     if (run_dir / "data.json").is_file():
-        lines.append(describe_data(json.loads((run_dir / "data.json").read_text())))
+        lines += describe_data(json.loads((run_dir / "data.json").read_text())).splitlines()
     if spec:
         last = spec[-1]
         lines += describe_spec(last, f"step {last['step']}{', end of training' if last.get('final') else ''}")
