@@ -489,35 +489,17 @@ def cmd_eval(args) -> int:
 
 
 def cmd_regenerate(args) -> int:
-    """One child per GPU (a shard of the lines each), then the shards interleaved back in input order."""
-    out = Path(args.out).resolve()
+    """launcher/regenerate.py: one child per GPU, a progress line, the summary of what changed."""
+    from launcher import regenerate
     if not Path(args.data).is_file():
         raise UsageError(f"--data {args.data} does not exist")
     if not (Path(args.model) / "config.json").is_file():
         raise UsageError(f"--model {args.model} is not a Hugging Face model folder (no config.json)")
-    gpus = [w.gpu for w in parse_gpu_spec(f"{args.gpus}:target", share_gpus=True)] if args.device == "cuda" else [None]
-    base = [sys.executable, "-m", "services.target.regenerate", "--model", args.model, "--data", args.data,
-            "--engine", args.engine, "--device", args.device, "--batch-size", str(args.batch_size),
-            "--max-new-tokens", str(args.max_new_tokens), "--temperature", str(args.temperature)]
-    parts = [out.with_name(f".{out.name}.part{i}") for i in range(len(gpus))]
-    children = []
-    for i, (gpu, part) in enumerate(zip(gpus, parts)):
-        env = dict(os.environ, **({"CUDA_VISIBLE_DEVICES": str(gpu)} if gpu is not None else {}))
-        children.append(subprocess.Popen(base + ["--out", str(part), "--shard", f"{i}/{len(gpus)}"], env=env))
-    codes = [c.wait() for c in children]
-    if any(codes):
-        for part in parts:
-            part.unlink(missing_ok=True)
-        raise UsageError(f"regeneration failed (exit codes {codes}); the input is unchanged")
-    shards = [part.read_text(encoding="utf-8").splitlines() for part in parts]
-    with open(out, "w", encoding="utf-8") as f:
-        for row in range(max(len(s) for s in shards)):
-            for s in shards:
-                if row < len(s):
-                    f.write(s[row] + "\n")
-    for part in parts:
-        part.unlink()
-    print(f"wrote {out}; train on it with data.path=\"{out}\" (and target.labels_from_target=false)")
+    args.gpu_list = [w.gpu for w in parse_gpu_spec(f"{args.gpus}:target", share_gpus=True)] if args.device == "cuda" else []
+    try:
+        regenerate.run(args)
+    except regenerate.RegenerateError as exc:
+        raise UsageError(str(exc)) from None
     return 0
 
 

@@ -1,12 +1,17 @@
-"""One live status line for a long run: step, loss, τ, coverage, trained tokens/s, ETA.
+"""One live status line for a long run: step and ETA first, then loss, τ, coverage, trained tokens/s.
 
-On a terminal the line redraws in place, cut to the terminal's width (a line that wraps can no
-longer be redrawn with '\\r'); in a log (systemd, CI) a full line is printed every `every_s`
-seconds instead, so the journal is readable.
+    step 305/1000 30.5% ETA 3m02s | loss 4.170 τ 3.59 cov 91% 11.7 Ktok/s
 
-loss, τ and tok/s are those of the last metrics.jsonl line (drafter 0 reports it as `window`):
-all drafter ranks, averaged over the steps since the line before. `launcher status` and
-`launcher report` show the same figures.
+It fits 80 columns for runs up to 100 000 steps, so a terminal cuts nothing that matters. On a
+terminal the line redraws in place, cut to the terminal's width (a line that wraps can no longer
+be redrawn with '\\r'); in a log (systemd, CI, a file) a line is printed at most every `every_s`
+seconds and only when it changed, so a pause (an evaluation, a checkpoint) adds no lines.
+
+The ETA counts training time, not the clock: the drafter's `train_s` (seconds in batches: data
+wait and train step, not evaluations or checkpoints), so it neither grows during a pause nor
+drops after one. loss, τ and tok/s are those of the last metrics.jsonl line (drafter 0 reports it
+as `window`): all drafter ranks, averaged over the steps since the line before. `launcher status`
+(describe_window, with the window's step and length) and `launcher report` show the same figures.
 """
 from __future__ import annotations
 
@@ -25,25 +30,36 @@ def describe_window(window: dict | None) -> str:
             f"τ {window['tau']:.2f}{coverage} {window['tokens_per_s'] / 1000:.1f} Ktok/s")
 
 
+def compact_window(window: dict | None) -> str:
+    """The live line's part of describe_window: 'loss 4.170 τ 3.59 cov 91% 11.7 Ktok/s'."""
+    if not window:
+        return ""
+    coverage = f" cov {100 * window['coverage']:.0f}%" if window.get("coverage") is not None else ""
+    return f"loss {window['loss']:.3f} τ {window['tau']:.2f}{coverage} {window['tokens_per_s'] / 1000:.1f} Ktok/s"
+
+
 class ProgressLine:
     def __init__(self, stream=None, every_s: float = 10.0):
         self.stream = stream or sys.stdout
         self.tty = self.stream.isatty()
         self.every_s = every_s
-        self._last_print = 0.0
+        self._last_print = float("-inf")        # the first line is always due
+        self._last_text = ""
         self._width = 0
         self._rate_start: tuple[float, int] | None = None
 
-    def format(self, step: int, total: int, window: dict | None = None) -> str:
-        now = time.monotonic()
-        if self._rate_start is None or step < self._rate_start[1]:
-            self._rate_start = (now, step)
+    def format(self, step: int, total: int, window: dict | None = None, train_s: float | None = None) -> str:
+        """train_s: the drafter's seconds of training so far (its health's `train_s`); without it
+        the ETA falls back to the clock since the first call."""
+        clock = time.monotonic() if train_s is None else train_s
+        if self._rate_start is None or step < self._rate_start[1] or clock < self._rate_start[0]:
+            self._rate_start = (clock, step)       # first sight, or a restarted drafter
         t0, s0 = self._rate_start
-        rate = (step - s0) / (now - t0) if now > t0 and step > s0 else 0.0
-        eta = f"{_duration((total - step) / rate)}" if rate > 0 and total else "?"
-        pct = f" {100 * step / total:5.1f}%" if total else ""
-        parts = [f"step {step}/{total or '?'}{pct}", describe_window(window), f"ETA {eta}"]
-        return " | ".join(p for p in parts if p)
+        rate = (step - s0) / (clock - t0) if clock > t0 and step > s0 else 0.0
+        eta = _duration((total - step) / rate) if rate > 0 and total else "?"
+        pct = f" {100 * step / total:.1f}%" if total else ""
+        head = f"step {step}/{total or '?'}{pct} ETA {eta}"
+        return " | ".join(p for p in (head, compact_window(window)) if p)
 
     def show(self, text: str) -> None:
         if self.tty:
@@ -53,8 +69,8 @@ class ProgressLine:
             self.stream.write("\r" + text + " " * pad)
             self._width = len(text)
             self.stream.flush()
-        elif time.monotonic() - self._last_print >= self.every_s:
-            self._last_print = time.monotonic()
+        elif text != self._last_text and time.monotonic() - self._last_print >= self.every_s:
+            self._last_print, self._last_text = time.monotonic(), text
             print(text, file=self.stream, flush=True)
 
     def done(self, text: str) -> None:

@@ -89,7 +89,32 @@ def describe_data(info: dict) -> str:
     """The data line of `launcher up`, `status` and `report`, from <run_dir>/data.json."""
     skipped = (f"; skipped {info['bad_samples']} bad lines (data.on_bad_sample=skip), first: "
                + "; ".join(info["bad_examples"]) if info["bad_samples"] else "; no bad lines")
-    return f"data: {info['train_rows']} training rows, {info['eval_rows']} held-out rows{skipped}"
+    line = f"data: {info['train_rows']} training rows, {info['eval_rows']} held-out rows{skipped}"
+    if info.get("chat_prompts") == 0:            # pre-tokenized only: nothing for speculative decoding to prompt
+        line += ("\nreal acceptance: off, the held-out data has no chat lines (pre-tokenized lines carry no "
+                 "prompt to decode); τ is still measured. For it, add chat lines or a chat data.eval_path")
+    return line
+
+
+def throughput(train: list[dict], last: int) -> tuple[float, float, int, float] | None:
+    """(tokens/s, data-wait share, records, seconds) over the last `last` train records: their tokens
+    over their time, not the mean of their rates (that one gives a short fast window the weight of a
+    long one); the data wait weighted by time the same way.
+    Each record's window is window_tokens over window_s; in files written before those fields,
+    the tokens since the previous record over them at the record's rate (tokens_per_s)."""
+    tokens = seconds = waited = 0.0
+    windows = 0
+    for prev, r in list(zip([None] + train, train))[-last:]:
+        if "window_tokens" in r and "window_s" in r:
+            n, s = r["window_tokens"], r["window_s"]
+        elif prev is not None and r.get("tokens_per_s") and "tokens_done" in r and "tokens_done" in prev:
+            n = r["tokens_done"] - prev["tokens_done"]
+            s = n / r["tokens_per_s"]
+        else:
+            continue
+        tokens, seconds, windows = tokens + n, seconds + s, windows + 1
+        waited += s * r.get("data_wait_frac", 0.0)
+    return (tokens / seconds, waited / seconds, windows, seconds) if seconds > 0 else None
 
 
 def summary(run_dir: Path, train: list[dict], evals: list[dict], spec: list[dict],
@@ -97,15 +122,15 @@ def summary(run_dir: Path, train: list[dict], evals: list[dict], spec: list[dict
     lines = [f"run: {run_dir}"]
     if train:
         last = train[-1]
-        recent = [r["tokens_per_s"] for r in train[-20:] if "tokens_per_s" in r]
+        rate = throughput(train, last=20)
         lines.append(f"steps: {last['step']} (train records: {len(train)}), samples {last.get('samples_done', '?')}, "
                      f"tokens {last.get('tokens_done', '?')}")
         coverage = f", coverage {100 * last['coverage']:.1f}%" if "coverage" in last else ""
         lines.append(f"final train loss {last['loss']:.4f}, tau {last['tau']:.3f}{coverage}, lr {last.get('lr', 0):.3g}")
-        if recent:
-            wait = [r.get("data_wait_frac", 0.0) for r in train[-20:]]
-            lines.append(f"throughput: {sum(recent) / len(recent):,.0f} tokens/s (last {len(recent)} records), "
-                         f"data wait {100 * sum(wait) / len(wait):.0f}%")
+        if rate:
+            tokens_per_s, wait, windows, seconds = rate
+            lines.append(f"throughput: {tokens_per_s:,.0f} tokens/s (tokens ÷ time of the last {windows} records, "
+                         f"{seconds:,.0f} s), data wait {100 * wait:.0f}%")
     else:
         lines.append("no train records yet")
     if evals:
@@ -113,7 +138,7 @@ def summary(run_dir: Path, train: list[dict], evals: list[dict], spec: list[dict
         lines.append(f"eval: final loss {evals[-1]['loss']:.4f}, tau {evals[-1]['tau']:.3f}; "
                      f"best tau {best['tau']:.3f} at step {best['step']}")
     if (run_dir / "data.json").is_file():
-        lines.append(describe_data(json.loads((run_dir / "data.json").read_text())))
+        lines += describe_data(json.loads((run_dir / "data.json").read_text())).splitlines()
     if spec:
         last = spec[-1]
         lines += describe_spec(last, f"step {last['step']}{', end of training' if last.get('final') else ''}")
@@ -132,14 +157,18 @@ def summary(run_dir: Path, train: list[dict], evals: list[dict], spec: list[dict
     return lines
 
 
-def plot(train: list[dict], evals: list[dict], out: Path, title: str, spec: list[dict] = ()) -> None:
+def figure(train: list[dict], evals: list[dict], title: str, spec: list[dict] = ()):
+    """The report's matplotlib figure: loss, and τ beside real acceptance, over steps. Each axes says
+    what it shows in its title and its unit in a short y label (a long vertical label runs past the
+    axes into the figure's title)."""
     import matplotlib
     matplotlib.use("Agg")                          # files only, no display
     import matplotlib.pyplot as plt
 
-    fig, (ax_loss, ax_tau) = plt.subplots(1, 2, figsize=(11, 4))
-    tau_label = "τ (teacher-forced) and real acceptance, tokens per step"
-    for ax, key, label in ((ax_loss, "loss", "loss"), (ax_tau, "tau", tau_label)):
+    fig, (ax_loss, ax_tau) = plt.subplots(1, 2, figsize=(11, 4.4))
+    panels = ((ax_loss, "loss", "loss", "loss"),
+              (ax_tau, "tau", "τ (teacher-forced) and real acceptance", "tokens per verify step"))
+    for ax, key, heading, unit in panels:
         if train:
             ax.plot([r["step"] for r in train], [r[key] for r in train], label="train", linewidth=1)
         if evals:
@@ -152,12 +181,19 @@ def plot(train: list[dict], evals: list[dict], out: Path, title: str, spec: list
                 if name in final:
                     ax.axhline(final[name]["acceptance_per_step"], linestyle=style, color="gray",
                                label=f"{name.replace('_', '-')} control")
+        ax.set_title(heading, fontsize="medium")
         ax.set_xlabel("step")
-        ax.set_ylabel(label)
+        ax.set_ylabel(unit)
         ax.grid(alpha=0.3)
         ax.legend()
     fig.suptitle(title)
     fig.tight_layout()
+    return fig
+
+
+def plot(train: list[dict], evals: list[dict], out: Path, title: str, spec: list[dict] = ()) -> None:
+    import matplotlib.pyplot as plt
+    fig = figure(train, evals, title, spec)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=110)
     plt.close(fig)

@@ -351,7 +351,7 @@ class Supervisor:
         lead = statuses[0]
         # loss, τ and tok/s: the last metrics.jsonl line (all ranks, its window), as drafter 0 reports it
         return self.progress.format(step=lead.get("step", 0), total=lead.get("total_steps", 0),
-                                    window=lead.get("window"))
+                                    window=lead.get("window"), train_s=lead.get("train_s"))
 
     # --- stopping ------------------------------------------------------------
     def request_stop(self, signum, _frame) -> None:

@@ -61,6 +61,7 @@ class RunConfig:
     unresponsive_after_s: float = setting(60.0, batch="")  # a live worker whose health has answered before and then not this long (frozen)
     stop_timeout_s: float = setting(300.0, batch="")      # SIGTERM: finish the step and checkpoint within this, else exit hard
     max_restarts: int = setting(3, batch="")              # per role, over the whole run
+    wandb_project: str = setting("", batch="")            # Weights & Biases project (the `wandb` extra); "" = off
     alloc_conf: str = setting("expandable_segments:True", batch="")   # PYTORCH_CUDA_ALLOC_CONF for GPU workers
 
 

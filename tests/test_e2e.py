@@ -3,6 +3,7 @@
 These are the slowest tests (about a minute each on 2 cores): one clean run, one where a target
 is killed mid-run and must be restarted without losing or repeating a batch.
 """
+import importlib.util
 import json
 import os
 import shlex
@@ -79,6 +80,14 @@ def test_demo_trains_end_to_end(tmp_path):
     assert final["lossless"] == final["prompts"] == final["repeat_last"]["lossless"] == final["random"]["lossless"]
     assert final["acceptance_per_prompt"] >= 2 * final["random"]["acceptance_per_prompt"]
     assert final["acceptance_per_prompt"] > final["repeat_last"]["acceptance_per_prompt"]
+    if importlib.util.find_spec("tensorboard"):                # the same figures as TensorBoard scalars
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+        events = EventAccumulator(str(run_dir / "tensorboard"))
+        events.Reload()
+        assert [(e.step, e.value) for e in events.Scalars("spec/acceptance_per_prompt")] == \
+            [(r["step"], pytest.approx(r["acceptance_per_prompt"])) for r in spec]
+        assert events.Scalars("spec/random/acceptance_per_prompt")[-1].value == \
+            pytest.approx(final["random"]["acceptance_per_prompt"])
 
     # `launcher eval` of the export: the same loop, run from the CLI with the target loaded
     ev = subprocess.run([sys.executable, "-m", "launcher", "eval", "--run-dir", str(run_dir), "--checkpoint",

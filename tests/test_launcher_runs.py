@@ -150,7 +150,7 @@ def test_live_line_shows_the_metrics_window():
     from launcher.progress import ProgressLine
     window = {"step": 300, "loss": 4.17, "tau": 3.59, "tokens_per_s": 11700.0, "data_wait_frac": 0.1, "steps": 10}
     text = ProgressLine().format(step=305, total=1000, window=window)
-    assert "@300 (all ranks, last 10 steps): loss 4.1700 τ 3.59 11.7 Ktok/s" in text and text.startswith("step 305/1000")
+    assert text.startswith("step 305/1000 30.5% ETA ") and text.endswith(" | loss 4.170 τ 3.59 11.7 Ktok/s")
 
 
 # --- 9: signals, terminal, help -------------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """`launcher regenerate`: every assistant turn rewritten by the target, turn by turn, with batched HF
 generate; checked against one-prompt-at-a-time greedy decoding of a tiny real Qwen3 made on the spot."""
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -69,6 +70,33 @@ def test_launcher_regenerate_writes_the_lines_in_input_order(tok_dir, tmp_path):
     lines = [json.loads(t) for t in (tmp_path / "regen.jsonl").read_text().splitlines()]
     assert len(lines) == 4 and lines[1] == CHATS[1]
     assert lines[3]["messages"][0] == {"role": "user", "content": "repeat after me : red stone"}
+    # what it does, while and after: 4 assistant turns in 3 chat lines; the pre-tokenized line is named
+    said = out.stdout
+    assert "regenerating 4 assistant turns in 3 chat lines" in said and "regenerating: " in said, said
+    assert re.search(r"^regenerated \d assistant turns in 3 chat lines in \dm\d\ds \(hf, the CPU\)$", said, re.M), said
+    assert "1 pre-tokenized lines copied unchanged" in said and f"wrote {tmp_path / 'regen.jsonl'}: 4 lines" in said
+    assert "target.labels_from_target=true" in said and "labels_from_target=false" not in said   # a copied line
+    assert ".part" not in said + out.stderr and '"event"' not in said                        # no internal paths
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["chat.jsonl", "model", "regen.jsonl"]
+
+
+def test_all_chat_data_is_advised_data_labels_and_pre_tokenized_only_data_is_refused(tok_dir, tmp_path):
+    make_model(tok_dir, tmp_path / "model")
+    chat, tokens = tmp_path / "chat.jsonl", tmp_path / "tokens.jsonl"
+    chat.write_text(json.dumps(CHATS[0]) + "\n")
+    tokens.write_text(json.dumps(CHATS[1]) + "\n" + json.dumps(CHATS[1]) + "\n")
+    def regen(data):
+        return subprocess.run([sys.executable, "-m", "launcher", "regenerate", "--model", str(tmp_path / "model"),
+                               "--data", str(data), "--out", str(tmp_path / "regen.jsonl"), "--device", "cpu",
+                               "--max-new-tokens", "4"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    out = regen(chat)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "target.labels_from_target=false: every reply is now the target's own" in out.stdout
+    assert "pre-tokenized" not in out.stdout.split("\n", 1)[1]
+    (tmp_path / "regen.jsonl").unlink()
+    out = regen(tokens)
+    assert out.returncode == 2 and f"{tokens} has no chat lines (2 pre-tokenized lines)" in out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1 and not (tmp_path / "regen.jsonl").exists()
 
 
 def test_a_broken_line_is_named_and_nothing_is_written(tok_dir, tmp_path):
@@ -79,6 +107,6 @@ def test_a_broken_line_is_named_and_nothing_is_written(tok_dir, tmp_path):
                           "--data", str(data), "--out", str(tmp_path / "regen.jsonl"), "--device", "cpu"],
                          cwd=REPO, capture_output=True, text=True, timeout=300)
     assert out.returncode == 2, out.stderr[-2000:]
-    assert f"regenerate: error: {data}:3: " in out.stderr and "Traceback" not in out.stderr, out.stderr
+    assert f"launcher: error: {data}:3: " in out.stderr and "Traceback" not in out.stderr, out.stderr
     assert f"{data}:3: invalid JSON: Expecting ',' delimiter at the end of the line" in out.stderr, out.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["chat.jsonl", "model"]     # no output, no parts

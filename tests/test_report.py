@@ -53,6 +53,9 @@ def test_report_prints_a_summary_and_writes_a_png(run_dir, tmp_path):
     assert record["best"] == (best_step == 12) and record["last"] and record["step"] == 12
     assert record["eval_tau"] == [r["tau"] for r in evals if r["step"] == 12][0]
     assert "tokens/s" in out and f"plot: {png}" in out
+    train = [r for r in records if not r.get("eval")]          # each line's window: tokens since the line before
+    assert all(r["window_tokens"] == r["tokens_done"] - p["tokens_done"] and r["window_s"] > 0
+               for p, r in zip(train, train[1:]))
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
 
 
@@ -83,6 +86,10 @@ def test_tensorboard_events_when_the_extra_is_installed(run_dir):
     assert [e.step for e in events.Scalars("train/loss")] == list(range(1, 13))
     assert [e.step for e in events.Scalars("eval/tau")] == [6, 12]
     assert {"train/tokens_per_s", "train/data_wait_frac", "train/accuracy_pos1", "eval/loss"} <= set(events.Tags()["scalars"])
+    assert "train/time" not in events.Tags()["scalars"]                   # the wall time of each point instead
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in records if not r.get("eval")]
+    assert [e.wall_time for e in events.Scalars("train/loss")] == pytest.approx([r["time"] for r in train])
 
 
 def test_report_shows_real_acceptance_beside_tau(run_dir, tmp_path):

@@ -42,7 +42,8 @@ class Bookkeeping:
         self.writer = ckpt.BackgroundWriter(self.root, cfg.run.keep_checkpoints, state.device)
         self.first_step = state.step
         self.ledger = Ledger(run_dir, rank, start_step=state.micro_step)
-        self.metrics = MetricsLog(run_dir, resume_step=state.step, enabled=rank == 0)
+        self.metrics = MetricsLog(run_dir, resume_step=state.step, enabled=rank == 0,
+                                  wandb_project=cfg.run.wandb_project, config=cfg.to_dict())
         self.times = StepTimes()
         self.window = MetricsWindow()
         self.saved_step = state.step if resumed else None
@@ -157,6 +158,7 @@ class Bookkeeping:
         record = {"step": self.state.step, "spec": True, **({"final": True} if final else {}), **result}
         with open(self.acceptance, "a") as f:
             f.write(json.dumps(record) + "\n")
+        self.metrics.plot("spec", record)               # TensorBoard / W&B: spec/acceptance_per_prompt, …
         event("spec_eval", step=self.state.step, final=final,
             acceptance_per_prompt=round(result["acceptance_per_prompt"], 3),
             acceptance_per_step=round(result["acceptance_per_step"], 3),

@@ -1,11 +1,15 @@
 """Training metrics: averaged over the drafter ranks, written by rank 0 to <run_dir>/metrics.jsonl
-(and TensorBoard event files under <run_dir>/tensorboard when `tensorboard` is installed).
+(and as TensorBoard scalars under <run_dir>/tensorboard when `tensorboard` is installed, and to
+Weights & Biases when run.wandb_project is set: wandb_log.py).
 
 One JSON object per line. Train lines, every run.log_every optimizer steps (loss, accuracy and τ
 averaged over every batch since the previous line, weighted by trained blocks):
     step, loss, accuracy, accuracy_per_position, tau, coverage, sampled_coverage, lr, grad_norm,
-    tokens_per_s, samples_done, tokens_done, data_wait_frac, time_data_s, time_compute_s,
-    time_other_s (per step, mean of ranks)
+    tokens_per_s, window_tokens, window_s, samples_done, tokens_done, data_wait_frac, time_data_s,
+    time_compute_s, time_other_s (per batch, mean of ranks), time (unix seconds)
+window_tokens: tokens all ranks trained since the line before; window_s: that window's wall time
+(mean of ranks); tokens_per_s = window_tokens / window_s, so a rate over several lines is
+sum(window_tokens) / sum(window_s) (what `launcher report` prints).
 coverage: the share of supervised tokens that some valid anchor reaches as its block's first
 prediction (what the anchor rule lets train at all); sampled_coverage: the share that this
 window's sampled blocks did train at k = 1 (bounded by drafter.num_anchors). Both over all ranks.
@@ -63,20 +67,45 @@ def reduce_train_metrics(m: dict, times: StepTimes, counters: dict, device: torc
             "accuracy_per_position": [round(a / blocks, 4) for a in s[13:]],
             "coverage": round(s[11] / supervised, 4), "sampled_coverage": round(s[12] / supervised, 4),
             "tokens_per_s": round(s[4] / max(s[7] / world_size, 1e-9), 1),
+            "window_tokens": int(s[4]), "window_s": r(s[7] / world_size),
             "samples_done": int(s[8]), "tokens_done": int(s[9]),
             "data_wait_frac": r(data_s / max(wall_s, 1e-9)), "time_data_s": r(data_s), "time_compute_s": r(compute_s),
             "time_other_s": r(max(0.0, wall_s - data_s - compute_s))}
 
 
-class MetricsLog:
-    """Rank 0's metrics.jsonl (+ TensorBoard). Other ranks get an instance that writes nothing."""
+def scalars(prefix: str, record: dict) -> dict[str, float]:
+    """The plottable figures of a metrics or acceptance line, as TensorBoard / W&B tags: numbers only,
+    not the step, the clock or flags; accuracy per position as accuracy_pos1…; the controls of a final
+    acceptance line as spec/random/… and spec/repeat_last/…; lossless also as a share of the prompts."""
+    out = {}
+    for key, value in record.items():
+        if isinstance(value, dict):
+            out.update(scalars(f"{prefix}/{key}", value))
+        elif isinstance(value, (int, float)) and not isinstance(value, bool) and key not in ("step", "time"):
+            out[f"{prefix}/{key}"] = value
+    for k, a in enumerate(record.get("accuracy_per_position", []), start=1):
+        out[f"{prefix}/accuracy_pos{k}"] = a
+    if "lossless" in record and record.get("prompts"):
+        out[f"{prefix}/lossless_frac"] = record["lossless"] / record["prompts"]
+    return out
 
-    def __init__(self, run_dir: str | Path, resume_step: int, enabled: bool):
+
+class MetricsLog:
+    """Rank 0's metrics.jsonl, plus TensorBoard (when installed) and W&B (when run.wandb_project is
+    set): the same figures, train/… and eval/… from metrics.jsonl, spec/… from acceptance.jsonl (real
+    acceptance), at the optimizer step, with the line's `time` as the wall time. Other ranks get an
+    instance that writes nothing."""
+
+    def __init__(self, run_dir: str | Path, resume_step: int, enabled: bool, wandb_project: str = "",
+                 config: dict | None = None):
         self.enabled = enabled
         self.path = Path(run_dir) / METRICS_FILE
-        self.tb = None
+        self.tb = self.wandb = None
         if not enabled:
             return
+        if wandb_project:                  # first: a missing package stops the start before any file is touched
+            from services.drafter.wandb_log import WandbLog
+            self.wandb = WandbLog(run_dir, wandb_project, config or {})
         truncate_jsonl(self.path, resume_step)
         self.file = open(self.path, "a")
         try:
@@ -87,20 +116,28 @@ class MetricsLog:
             self.tb = None
 
     def write(self, record: dict) -> None:
+        """A metrics.jsonl line (train, or eval with "eval": true)."""
         if not self.enabled:
             return
         self.file.write(json.dumps(record) + "\n")
         self.file.flush()
+        self.plot("eval" if record.get("eval") else "train", record)
+
+    def plot(self, prefix: str, record: dict) -> None:
+        """The line's figures to TensorBoard and W&B (the caller writes the line's file)."""
+        if not self.enabled:
+            return
+        values, step = scalars(prefix, record), record["step"]
         if self.tb is not None:
-            prefix = "eval" if record.get("eval") else "train"
-            for key, value in record.items():
-                if isinstance(value, (int, float)) and not isinstance(value, bool) and key != "step":
-                    self.tb.add_scalar(f"{prefix}/{key}", value, record["step"])
-            for k, a in enumerate(record.get("accuracy_per_position", []), start=1):
-                self.tb.add_scalar(f"{prefix}/accuracy_pos{k}", a, record["step"])
+            for tag, value in values.items():
+                self.tb.add_scalar(tag, value, step, walltime=record.get("time"))
+        if self.wandb is not None:
+            self.wandb.log(values, step)
 
     def close(self) -> None:
         if self.enabled:
             self.file.close()
             if self.tb is not None:
                 self.tb.close()
+            if self.wandb is not None:
+                self.wandb.close()

@@ -74,6 +74,7 @@ class DrafterWorker:
         self.workers_on_node = workers_on_node
         self.batches = self.books = None
         self.compile_s, self.recompiles = 0.0, None
+        self.train_s = 0.0          # seconds in batches (data wait + step), not in evals or checkpoints: the ETA's clock
 
     # --- loading -> compiling -> ready ---------------------------------------------------------
     def setup(self) -> None:
@@ -158,7 +159,9 @@ class DrafterWorker:
         # loss, τ and tokens/s reach health with each metrics line (books), not per step: one
         # definition of each figure for metrics.jsonl, the launcher's line and `launcher status`
         state = self.state
+        self.train_s += waited_s + compute_s
         stamp = dict(step=state.step, samples_done=state.samples_done, recompiles=self.recompiles.count,
+                     train_s=round(self.train_s, 3),
                      compile_s=self.compile_s, gpu_mem_bytes=gpu_memory(self.device))
         self.health.progress(**stamp)
         provenance = self.batches.provenance_of(g) if hasattr(self.batches, "provenance_of") else None

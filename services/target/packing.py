@@ -129,6 +129,34 @@ def held_out_indices(count: int, fraction: float, seed: int) -> list[int]:
     return sorted(np.random.default_rng([seed, _EVAL_SALT]).permutation(count)[:n_eval].tolist())
 
 
+def heldout_chats(cfg: Config, limit: int) -> list[list[dict]]:
+    """Up to `limit` conversations of the held-out split, each cut before its last assistant turn:
+    the prompts of real acceptance (services/drafter/speculative.py). The split is data.eval_path,
+    else the data.eval_fraction lines held_out_indices picks (exact when no line is skipped as bad),
+    else the last lines of data.path. Pre-tokenized lines carry no prompt and are skipped."""
+    from services.target.data import normalize_messages
+    d = cfg.data
+    lines = [t for t in Path(d.eval_path or d.path).read_text(encoding="utf-8").splitlines() if t.strip()]
+    if not d.eval_path:
+        if d.eval_fraction > 0 and len(lines) > 1:
+            lines = [lines[i] for i in held_out_indices(len(lines), d.eval_fraction, cfg.run.seed)]
+        else:
+            lines = lines[::-1]
+    chats = []
+    for text in lines:
+        if len(chats) >= limit:
+            break
+        try:
+            record = json.loads(text)
+            messages = normalize_messages(record) if ("messages" in record or "conversations" in record) else None
+        except Exception:
+            continue
+        turns = [i for i, m in enumerate(messages or []) if m["role"] == "assistant"]
+        if turns:
+            chats.append(messages[:turns[-1]])
+    return chats
+
+
 def build_index(cfg: Config, tokenizer, vocab_size: int) -> tuple[dict[str, np.ndarray], dict[str, str]]:
     d = cfg.data
     bad = BadSamples()
@@ -269,12 +297,16 @@ def main(argv=None) -> int:
     p.add_argument("--run-dir", required=True)
     args = p.parse_args(argv)
     try:
-        data = prepare(load_config(args.config), args.run_dir)
+        cfg = load_config(args.config)
+        data = prepare(cfg, args.run_dir)
     except DataError as exc:
         print(exc if isinstance(exc, ModelFilesError) else f"data: {exc}", file=sys.stderr, flush=True)
         return 2
+    # real acceptance needs chat prompts: None when it is off by config (run.spec_eval_prompts = 0)
+    chat_prompts = len(heldout_chats(cfg, cfg.run.spec_eval_prompts)) if cfg.run.spec_eval_prompts > 0 else None
     print(json.dumps({"train_rows": data.num_batches("train"), "eval_rows": data.num_batches("eval"),
-                      "bad_samples": data.bad_samples, "bad_examples": data.bad_examples[:3]}), flush=True)
+                      "bad_samples": data.bad_samples, "bad_examples": data.bad_examples[:3],
+                      "chat_prompts": chat_prompts}), flush=True)
     return 0
 
 

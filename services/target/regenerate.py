@@ -18,6 +18,11 @@ Engines: batched HF `generate` (default, left padding); vLLM or SGLang when inst
 batching, much faster on GPU). `launcher regenerate --gpus 0-3` runs one shard per GPU (lines
 i, i+N, ...) and interleaves the shards back into the input order. Lines that are not chat
 (pre-tokenized) are copied unchanged. Output lines are OpenAI-style {"messages": [...]}.
+
+Stdout is JSON lines: {"event": "progress", "done": D, "total": T} (assistant turns) after each
+generate batch, and one {"event": "regenerated", ...} at the end with what changed: lines, chat
+lines, pre_tokenized lines copied unchanged, turns rewritten, empty_replies_kept. `launcher
+regenerate` reads them for its progress line and summary.
 """
 from __future__ import annotations
 
@@ -60,7 +65,7 @@ class HFEngine:
         self.device, self.temperature = device, temperature
         self.pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
 
-    def generate(self, conversations: list[list[dict]], max_new_tokens: int, batch_size: int) -> list[str]:
+    def generate(self, conversations: list[list[dict]], max_new_tokens: int, batch_size: int, tick=None) -> list[str]:
         torch = self.torch
         prompts = [self.tokenizer.apply_chat_template(m, tokenize=True, add_generation_prompt=True,
                                                       return_dict=True)["input_ids"] for m in conversations]
@@ -82,6 +87,8 @@ class HFEngine:
                                           eos_token_id=self.tokenizer.eos_token_id, **sampling)
             for row, i in enumerate(chunk):
                 replies[i] = self.tokenizer.decode(out[row, width:], skip_special_tokens=True).strip()
+            if tick:
+                tick(len(chunk))
         return replies
 
 
@@ -92,10 +99,13 @@ class VLLMEngine:
         from vllm import LLM
         self.llm, self.temperature = LLM(model=model_path), temperature
 
-    def generate(self, conversations, max_new_tokens, batch_size):
+    def generate(self, conversations, max_new_tokens, batch_size, tick=None):
         from vllm import SamplingParams
         params = SamplingParams(temperature=self.temperature, max_tokens=max_new_tokens)
-        return [o.outputs[0].text.strip() for o in self.llm.chat(conversations, params, use_tqdm=False)]
+        replies = [o.outputs[0].text.strip() for o in self.llm.chat(conversations, params, use_tqdm=False)]
+        if tick:
+            tick(len(replies))
+        return replies
 
 
 class SGLangEngine:
@@ -107,22 +117,29 @@ class SGLangEngine:
         self.engine, self.temperature = sglang.Engine(model_path=model_path), temperature
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
 
-    def generate(self, conversations, max_new_tokens, batch_size):
+    def generate(self, conversations, max_new_tokens, batch_size, tick=None):
         prompts = [self.tokenizer.apply_chat_template(m, tokenize=False, add_generation_prompt=True)
                    for m in conversations]
         out = self.engine.generate(prompts, {"temperature": self.temperature, "max_new_tokens": max_new_tokens})
+        if tick:
+            tick(len(out))
         return [o["text"].strip() for o in out]
 
 
 ENGINES = {"hf": HFEngine, "vllm": VLLMEngine, "sglang": SGLangEngine}
 
 
+def assistant_turns(items: list[tuple[dict, list | None]]) -> int:
+    """How many assistant turns regenerate() rewrites (its progress total)."""
+    return sum(m["role"] == "assistant" for _, messages in items for m in messages or [])
+
+
 def regenerate(engine, items: list[tuple[dict, list | None]], max_new_tokens: int, batch_size: int,
-               counts: dict | None = None) -> list[dict]:
+               counts: dict | None = None, tick=None) -> list[dict]:
     """Rewrite every assistant turn, round by round: round r regenerates each conversation's r-th
     assistant turn, seeing the turns before it as already rewritten. An empty reply (the target
     ends the turn at once) keeps the data's reply: a turn without text has nothing to train;
-    counts["empty"] says how many."""
+    counts["empty"] says how many. tick(n): n more turns done."""
     counts = counts if counts is not None else {}
     counts.setdefault("empty", 0)
     convs = [list(m) if m is not None else None for _, m in items]
@@ -133,7 +150,7 @@ def regenerate(engine, items: list[tuple[dict, list | None]], max_new_tokens: in
             turns = [i for i, m in enumerate(c or []) if m["role"] == "assistant"]
             if len(turns) > r:
                 where.append((ci, turns[r]))
-        replies = engine.generate([convs[ci][:mi] for ci, mi in where], max_new_tokens, batch_size)
+        replies = engine.generate([convs[ci][:mi] for ci, mi in where], max_new_tokens, batch_size, tick=tick)
         for (ci, mi), reply in zip(where, replies):
             if reply:
                 convs[ci][mi] = {"role": "assistant", "content": reply}
@@ -166,11 +183,18 @@ def main(argv=None) -> int:
         print(f"regenerate: error: {exc}", file=sys.stderr, flush=True)
         return 2
     engine = ENGINES[args.engine](args.model, device, args.temperature)
-    counts = {}
-    records = regenerate(engine, items, args.max_new_tokens, args.batch_size, counts)
+    counts, done, total = {}, 0, assistant_turns(items)
+
+    def tick(n: int) -> None:
+        nonlocal done
+        done += n
+        print(json.dumps({"event": "progress", "done": done, "total": total}), flush=True)
+
+    records = regenerate(engine, items, args.max_new_tokens, args.batch_size, counts, tick=tick)
     out = write_text_atomic(Path(args.out), "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
-    print(json.dumps({"event": "regenerated", "out": str(out), "lines": len(records),
-                      "chat": sum(m is not None for _, m in items), "empty_replies_kept": counts["empty"],
+    chat = sum(m is not None for _, m in items)
+    print(json.dumps({"event": "regenerated", "out": str(out), "lines": len(records), "chat": chat,
+                      "pre_tokenized": len(records) - chat, "turns": total, "empty_replies_kept": counts["empty"],
                       "engine": args.engine, "device": device,
                       "seconds": round(time.perf_counter() - start, 2)}), flush=True)
     return 0

@@ -1,0 +1,133 @@
+"""`launcher regenerate`: one child per GPU (services/target/regenerate.py, a shard of the lines
+each), a live line while they work, the shards interleaved back into input order, and a summary
+of what changed.
+
+The data is read here first (no torch): a broken line, or data without a chat line (nothing to
+regenerate), is one line and exit 2 before any model loads. The children's JSON progress lines
+feed one line: assistant turns done / total, turns per second, ETA (from the first batch on, so
+the model load does not count). Their shards are hidden files beside --out, removed at the end.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from launcher.progress import ProgressLine, _duration
+from services.target.regenerate import assistant_turns, read_conversations
+
+
+class RegenerateError(Exception):
+    """Bad input or a failed child: one line for the user, exit 2."""
+
+
+def _follow(child: subprocess.Popen, state: dict) -> None:
+    """Read one child's stdout: progress and the final record into `state`; other text to stderr."""
+    for line in child.stdout:
+        try:
+            record = json.loads(line)
+            event = record.get("event")
+        except (ValueError, AttributeError):
+            event = None
+        if event == "progress":
+            state["done"] = int(record["done"])
+        elif event == "regenerated":
+            state["final"] = record
+        else:
+            sys.stderr.write(line)
+
+
+def progress_text(done: int, total: int, rate: float) -> str:
+    eta = _duration((total - done) / rate) if rate > 0 else "?"
+    pct = 100 * done / total if total else 100.0
+    return f"regenerating: {done}/{total} assistant turns ({pct:.1f}%), {rate:.1f} turns/s, ETA {eta}"
+
+
+def advice(out: Path, pre_tokenized: int) -> str:
+    """How to train on the output. Data labels are the target's own replies only when every line
+    was regenerated; copied pre-tokenized lines keep the data's tokens, so then the target labels."""
+    if pre_tokenized:
+        return (f"train on it with data.path=\"{out}\" and target.labels_from_target=true (the default): its "
+                f"{pre_tokenized} pre-tokenized lines keep the data's tokens, and only the target's labels "
+                "match what it would write there")
+    return (f"train on it with data.path=\"{out}\" and target.labels_from_target=false: every reply is now "
+            "the target's own, so the data's labels are the target's")
+
+
+def run(args) -> None:
+    """Regenerate args.data into args.out, then print what changed. Raises RegenerateError."""
+    data, out = Path(args.data), Path(args.out).resolve()
+    try:
+        items = read_conversations(data)
+    except ValueError as exc:                         # names file:line
+        raise RegenerateError(str(exc)) from None
+    chat = sum(m is not None for _, m in items)
+    if not chat:
+        raise RegenerateError(f"{data} has no chat lines ({len(items)} pre-tokenized lines): regeneration rewrites "
+                              f"assistant turns of chat text; train on {data} as it is (target.labels_from_target="
+                              "true, the default, has the target label it)")
+    total = assistant_turns(items)
+    gpus = [str(g) for g in args.gpu_list] if args.device == "cuda" else [None]
+    base = [sys.executable, "-m", "services.target.regenerate", "--model", args.model, "--data", str(data),
+            "--engine", args.engine, "--device", args.device, "--batch-size", str(args.batch_size),
+            "--max-new-tokens", str(args.max_new_tokens), "--temperature", str(args.temperature)]
+    parts = [out.with_name(f".{out.name}.part{i}") for i in range(len(gpus))]
+    where = f"{len(gpus)} GPUs" if len(gpus) > 1 else (f"GPU {gpus[0]}" if gpus[0] is not None else "the CPU")
+    line = ProgressLine()
+    line.done(f"regenerating {total} assistant turns in {chat} chat lines of {data} on {where} "
+              f"({len(items) - chat} pre-tokenized lines are copied unchanged)")
+    start, children, states, readers = time.monotonic(), [], [], []
+    try:
+        for i, (gpu, part) in enumerate(zip(gpus, parts)):
+            env = dict(os.environ, **({"CUDA_VISIBLE_DEVICES": gpu} if gpu is not None else {}))
+            child = subprocess.Popen(base + ["--out", str(part), "--shard", f"{i}/{len(gpus)}"], env=env,
+                                     stdout=subprocess.PIPE, text=True)
+            children.append(child)
+            states.append({"done": 0, "final": None})
+            readers.append(threading.Thread(target=_follow, args=(child, states[-1]), daemon=True))
+            readers[-1].start()
+        first: tuple[float, int] | None = None        # (time, turns) at the first batch done
+        while any(c.poll() is None for c in children):
+            done = sum(s["done"] for s in states)
+            if done and first is None:
+                first = (time.monotonic(), done)
+            elapsed = time.monotonic() - first[0] if first else 0.0
+            rate = (done - first[1]) / elapsed if first and elapsed > 0 else 0.0
+            line.show(progress_text(done, total, rate))
+            time.sleep(0.5)
+        for reader in readers:
+            reader.join(timeout=10)
+        codes = [c.wait() for c in children]
+        if any(codes) or any(s["final"] is None for s in states):
+            raise RegenerateError(f"regeneration failed (exit codes {codes}; the error is above); "
+                                  f"{out.name} was not written")
+        shards = [part.read_text(encoding="utf-8").splitlines() for part in parts]
+        tmp = out.with_name(f".{out.name}.tmp")
+        with open(tmp, "w", encoding="utf-8") as f:
+            for row in range(max(len(s) for s in shards)):
+                for s in shards:
+                    if row < len(s):
+                        f.write(s[row] + "\n")
+        os.replace(tmp, out)
+    finally:
+        for child in children:
+            if child.poll() is None:
+                child.kill()
+                child.wait()
+        for part in parts:
+            part.unlink(missing_ok=True)
+    finals = [s["final"] for s in states]
+    empty, pre_tokenized = sum(f["empty_replies_kept"] for f in finals), sum(f["pre_tokenized"] for f in finals)
+    lines = [f"regenerated {sum(f['turns'] for f in finals) - empty} assistant turns in {chat} chat lines "
+             f"in {_duration(time.monotonic() - start)} ({args.engine}, {where})"]
+    if empty:
+        lines.append(f"{empty} replies came back empty: those turns keep the data's text")
+    if pre_tokenized:
+        lines.append(f"{pre_tokenized} pre-tokenized lines copied unchanged (no text to regenerate)")
+    lines += [f"wrote {out}: {sum(f['lines'] for f in finals)} lines, in input order", advice(out, pre_tokenized)]
+    for text in lines:
+        line.done(text)

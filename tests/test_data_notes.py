@@ -1,0 +1,56 @@
+"""Data that turns real acceptance off says so where the user looks: the `data:` line that `launcher
+up` prints at the start, and `launcher status` and `report` show (from <run_dir>/data.json)."""
+import json
+
+import pytest
+from transformers import AutoTokenizer, Qwen3Config
+
+from launcher.report import describe_data, report
+from services.config import dump_json, load_config
+from services.target import packing
+CHAT = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello there ."}]}
+TOKENS = {"input_ids": list(range(5, 45)), "loss_mask": [0] * 10 + [1] * 30}
+
+
+@pytest.fixture
+def model_dir(tok_dir, tmp_path):
+    """A target folder as far as packing reads it: its config and tokenizer (no weights needed)."""
+    tokenizer = AutoTokenizer.from_pretrained(tok_dir)
+    Qwen3Config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                num_attention_heads=2, num_key_value_heads=1, head_dim=16).save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    return tmp_path / "model"
+
+
+def pack(capsys, tmp_path, model_dir, lines, *extra):
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    cfg = load_config(None, [f"data.path={data}", f"target.model_path={model_dir}", "data.pack_len=64", *extra])
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    dump_json(cfg, run_dir / "config.json")
+    code = packing.main(["--config", str(run_dir / "config.json"), "--run-dir", str(run_dir)])   # what `up` runs
+    out = capsys.readouterr()
+    assert code == 0, out.err[-2000:]
+    return json.loads(out.out.strip().splitlines()[-1]), run_dir
+
+
+def test_pre_tokenized_only_data_says_real_acceptance_is_off(capsys, tmp_path, model_dir):
+    info, run_dir = pack(capsys, tmp_path, model_dir, [TOKENS] * 6)
+    assert info["chat_prompts"] == 0
+    text = describe_data(info)
+    assert text.startswith("data: ") and "\nreal acceptance: off, the held-out data has no chat lines" in text
+    (run_dir / "data.json").write_text(json.dumps(info))                    # what `launcher up` keeps
+    (run_dir / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 5.0, "tau": 1.0}) + "\n")
+    lines, _ = report(run_dir, out=tmp_path / "p.png")
+    assert any(line.startswith("real acceptance: off, the held-out data has no chat lines") for line in lines)
+
+
+def test_chat_data_counts_its_prompts_and_says_nothing_more(capsys, tmp_path, model_dir):
+    info, _ = pack(capsys, tmp_path, model_dir, [TOKENS, CHAT, TOKENS, CHAT, CHAT], "run.spec_eval_prompts=2")
+    assert info["chat_prompts"] == 2 and "real acceptance" not in describe_data(info)
+
+
+def test_real_acceptance_turned_off_by_config_is_not_a_warning(capsys, tmp_path, model_dir):
+    info, _ = pack(capsys, tmp_path, model_dir, [TOKENS] * 4, "run.spec_eval_prompts=0")
+    assert info["chat_prompts"] is None and "real acceptance" not in describe_data(info)
