@@ -42,3 +42,16 @@ def test_truncate_keeps_the_lineage_up_to_a_step_and_drops_a_line_cut_by_a_crash
     assert len(path.read_text().splitlines()) == 3
     truncate_jsonl(tmp_path / "missing.jsonl", 3)                        # nothing to truncate: no file made
     assert not (tmp_path / "missing.jsonl").exists()
+
+
+def test_a_resume_on_fewer_drafters_cuts_the_ledger_of_the_ranks_it_no_longer_has(tmp_path):
+    from services.drafter.ledger import Ledger, read_all
+    for rank in range(3):                                              # a launch on 3 drafters, 6 steps
+        ledger = Ledger(tmp_path, rank)
+        for step in range(6):
+            ledger.record(step, step * 3 + rank, 10)
+        ledger.close()
+    Ledger(tmp_path, 1, start_step=4, world_size=2).close()            # rank 1 cuts its own file only
+    assert max(e["step"] for e in read_all(tmp_path) if e["rank"] == 2) == 5
+    Ledger(tmp_path, 0, start_step=4, world_size=2).close()            # resumed at step 4 on 2 drafters
+    assert sorted(e["g"] for e in read_all(tmp_path)) == list(range(12))   # steps 0-3 of every rank, nothing after

@@ -113,7 +113,25 @@ def test_empty_batch_trains_nothing_and_stays_finite():
 
 
 def test_warmup_cosine_schedule():
-    s = WarmupCosine(warmup_steps=4, total_steps=14, min_ratio=0.1)
+    s = WarmupCosine(warmup=4, total=14, min_ratio=0.1)
     assert [s(i) for i in range(4)] == [0.25, 0.5, 0.75, 1.0]
     assert s(9) == pytest.approx(0.1 + 0.9 * 0.5)                       # halfway through the decay
     assert s(14) == pytest.approx(0.1) and s(100) == pytest.approx(0.1)
+
+
+def test_the_lr_follows_the_batches_trained_so_a_resume_on_another_split_continues_the_curve():
+    from services.drafter.plan import make_plan
+    from services.drafter.train import make_scheduler
+    cfg = load_config(None, ["drafter.warmup_ratio=0.1", "drafter.min_lr_ratio=0.1"])
+    curve = lambda plan: make_scheduler(torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0), cfg,
+                                        plan.optimizer_steps, plan).lr_lambdas[0]
+    two = make_plan(400, 1, drafters=2, grad_accum=2)                 # 100 steps of 4 batches
+    by_steps = WarmupCosine(warmup=10, total=100, min_ratio=0.1)       # the same run, one unit per step
+    assert [curve(two)(k) for k in range(100)] == pytest.approx([by_steps(k) for k in range(100)])
+    one = make_plan(400, 1, drafters=1, grad_accum=2, first_step=40, first_g=160)   # 120 more steps of 2
+    assert one.optimizer_steps == 160
+    assert curve(one)(40) == pytest.approx(curve(two)(40))              # where the data is, not where the steps are
+    assert curve(one)(100) == pytest.approx(curve(two)(70))             # 280 batches in, either way
+    assert curve(one)(160) == pytest.approx(0.1)                        # and it ends with the data
+    restarted = make_scheduler(torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0), cfg, 160).lr_lambdas[0]
+    assert abs(restarted(40) - curve(two)(40)) > 0.1                    # a step clock would have jumped

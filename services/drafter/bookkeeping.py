@@ -35,13 +35,15 @@ log = logging.getLogger("drafter")
 
 class Bookkeeping:
     def __init__(self, cfg: Config, run_dir: Path, rank: int, world_size: int, state: TrainState,
-                 health: HealthServer, resumed: ckpt.Found | None, eval_batches=None):
+                 health: HealthServer, resumed: ckpt.Found | None, eval_batches=None, plan=None):
+        """plan: the run's (plan.py), for the batches a checkpoint has done; None: one split from the start."""
         self.cfg, self.run_dir, self.rank, self.world_size = cfg, Path(run_dir), rank, world_size
+        self.plan = plan
         self.state, self.health, self.eval_batches = state, health, eval_batches
         self.root = ckpt.checkpoints_dir(run_dir)
         self.writer = ckpt.BackgroundWriter(self.root, cfg.run.keep_checkpoints, state.device)
         self.first_step = state.step
-        self.ledger = Ledger(run_dir, rank, start_step=state.micro_step)
+        self.ledger = Ledger(run_dir, rank, start_step=state.micro_step, world_size=world_size)
         self.metrics = MetricsLog(run_dir, resume_step=state.step, enabled=rank == 0,
                                   wandb_project=cfg.run.wandb_project, config=cfg.to_dict())
         self.times = StepTimes()
@@ -179,7 +181,9 @@ class Bookkeeping:
         state, step = self.state, self.state.step
         rng = gather_rng_states(state.device)
         if self.rank == 0:
-            meta = ckpt.make_meta(self.boundary, state.drafter.cfg, self.world_size, best_tau=self.best_tau,
+            done = self.plan.batches_done(self.boundary["micro_step"]) if self.plan else None
+            meta = ckpt.make_meta(self.boundary, state.drafter.cfg, self.world_size, batches_done=done,
+                                  best_tau=self.best_tau,
                                   eval=self.last_eval if self.last_eval and self.last_eval["step"] == step else None)
             self.report_checkpoint(self.writer.wait())
             blob = {"optimizer": state.optimizer.state_dict(), "scheduler": state.scheduler.state_dict()}

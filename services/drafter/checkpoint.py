@@ -11,8 +11,10 @@
         latest -> step-00000400     symlinks, replaced atomically (symlink to a temp name, then rename)
         best   -> step-00000300     highest held-out tau; never deleted by rotation
 
-Data position: a checkpoint at micro step m means batches g < m*D are done (D drafter ranks), so a
-resume asks for batch m*D + d next. Only rank 0 writes; every rank restores, from the same files.
+Data position: state.json's next_g says how many global batches are done (every g < next_g, all
+ranks finished them: a checkpoint is taken between optimizer steps only). A resume on any number of
+drafters D asks for g = next_g + (m - m_ckpt)·D + d next (plan.py). Only rank 0 writes; every rank
+restores, from the same files.
 A failed write (full disk, quota, I/O error) removes its temp dir and leaves the previous
 checkpoint as latest; the caller reports it and training goes on. A full disk says so: "no space
 left on <folder>, need about N GB" (torch.save's own error for it is a cryptic "unexpected pos"),
@@ -63,6 +65,11 @@ class Found:
     @property
     def micro_step(self) -> int:
         return int(self.meta["micro_step"])
+
+    @property
+    def batches_done(self) -> int:
+        """Global batches g < this are trained (next_g; every checkpoint has it)."""
+        return int(self.meta.get("next_g", self.micro_step * int(self.meta.get("world_size", 1))))
 
 
 def checkpoints_dir(run_dir: str | Path) -> Path:
@@ -397,9 +404,7 @@ def compatibility_errors(meta: dict, config: dict, model_cfg: DrafterModelConfig
         then, now = _config_value(config, dotted), _config_value(now_cfg, dotted)
         if then != now:
             errors.append(f"{dotted}: checkpoint {then!r}, now {now!r}")
-    if meta.get("world_size") != world_size:
-        errors.append(f"drafter ranks: checkpoint {meta.get('world_size')!r}, now {world_size} "
-                      "(batch g goes to rank g mod D: resume with the same number of drafter GPUs)")
+    # the number of drafter ranks may change: the schedule continues from the batches done (plan.py)
     return errors
 
 
@@ -446,15 +451,19 @@ def restore(state, found: Found, rank: int) -> list[str]:
     state.drafter.load_state_dict(load_file(str(path / "model.safetensors"), device="cpu"), strict=True)
     blob = torch.load(path / "optimizer.pt", map_location=state.device, weights_only=True)
     state.optimizer.load_state_dict(blob["optimizer"])
-    now = dict(vars(state.scheduler.lr_lambdas[0]))       # this run's warmup/cosine horizon
-    state.scheduler.load_state_dict(blob["scheduler"])
-    then = dict(vars(state.scheduler.lr_lambdas[0]))
-    if then != now:                                   # e.g. run.max_steps changed: keep this run's horizon
-        vars(state.scheduler.lr_lambdas[0]).update(now)
-        for group, base in zip(state.optimizer.param_groups, state.scheduler.base_lrs):
-            group["lr"] = base * state.scheduler.lr_lambdas[0](state.scheduler.last_epoch)
-        notes.append(f"lr schedule changed from {then} to {now}; continuing on the new one")
+    curve = state.scheduler.lr_lambdas[0]
+    now = dict(vars(curve))                           # this run's schedule: its horizon, and its clock from here
+    state.scheduler.load_state_dict(blob["scheduler"])   # the step count (and the saved schedule's fields)
+    then = {k: vars(curve).get(k) for k in curve.horizon()}
+    vars(curve).clear()
+    vars(curve).update(now)
+    for group, base in zip(state.optimizer.param_groups, state.scheduler.base_lrs):
+        group["lr"] = base * curve(state.scheduler.last_epoch)
+    if then != curve.horizon():                       # e.g. run.max_steps changed, or the split (rounding)
+        notes.append(f"lr schedule changed from {then} to {curve.horizon()} (in batches); continuing on the new one")
     rng = load_file(str(path / "rng.safetensors"))
+    # a rank the checkpoint did not have (more drafters now) keeps its seeded generators: a train
+    # step draws nothing from them (anchors are seeded by (seed, g), there is no dropout)
     if f"cpu.{rank}" in rng:
         torch.set_rng_state(rng[f"cpu.{rank}"])
     if state.device.type == "cuda" and f"cuda.{rank}" in rng:
@@ -465,8 +474,12 @@ def restore(state, found: Found, rank: int) -> list[str]:
     return notes
 
 
-def make_meta(counters: dict, model_cfg: DrafterModelConfig, world_size: int, **extra) -> dict:
-    """state.json: counters of an optimizer-step boundary (TrainState.counters()), model shape, extras."""
+def make_meta(counters: dict, model_cfg: DrafterModelConfig, world_size: int, batches_done: int | None = None,
+              **extra) -> dict:
+    """state.json: counters of an optimizer-step boundary (TrainState.counters()), model shape, extras.
+    batches_done: global batches done at that boundary (Plan.batches_done; default: one split from
+    the start)."""
+    done = counters["micro_step"] * world_size if batches_done is None else batches_done
     return {**counters, "world_size": world_size,
-            "next_g": counters["micro_step"] * world_size,     # batches g < next_g are done
+            "next_g": done,                                    # batches g < next_g are done
             "model": model_cfg.to_dict(), "time": time.time(), **extra}

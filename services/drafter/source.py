@@ -1,10 +1,12 @@
 """Where a drafter's batches come from: pulled from the targets over ZMQ (ZmqSource), or made up
 (--synthetic: synthetic.py). train_batches and eval_batches pick the source for a run.
 
-Scheduling (docs/design.md, "Scheduling"): at step s, drafter d of D trains global batch g = s·D + d, which
-target g mod T builds. Each drafter keeps `transport.credits` requests in flight, so memory in flight
-is bounded and the next batch is usually there before it is needed. Batch g is a pure function of
-(dataset, config, seed, g), so after a target restarts the drafter simply asks again.
+Scheduling (docs/design.md, "Scheduling"): at micro-step m, drafter d of D trains global batch
+g = g0 + (m - m0)·D + d (plan.Plan.g_of: g = m·D + d from the start, g0 = the batches a resumed
+checkpoint had done), which target g mod T builds. Each drafter keeps `transport.credits` requests
+in flight, so memory in flight is bounded and the next batch is usually there before it is needed.
+Batch g is a pure function of (dataset, config, seed, g), so after a target restarts the drafter
+simply asks again.
 
 How many batches each rank trains is the run's plan (plan.py). Past the last batch of the run
 (total batches not divisible by D, or by the last optimizer step's micro-batches), a rank trains an
@@ -48,8 +50,10 @@ class SourceError(RuntimeError):
 class ZmqSource:
     def __init__(self, cfg: Config, run_dir: str | Path, rank: int, world_size: int, num_targets: int,
                  health: HealthServer | None, max_steps: int = 0, start_step: int = 0, split: str = "train",
-                 device: torch.device | None = None, check=None):
-        """max_steps: optimizer steps at most (train only; 0: the whole data). device: a CUDA device
+                 device: torch.device | None = None, check=None, first_g: int | None = None):
+        """max_steps: optimizer steps at most (train only; 0: the whole data). start_step, first_g: a
+        resume's micro-step and the batches its checkpoint had done (plan.py; None: start_step·D, one
+        split from the start). device: a CUDA device
         gets the next batch copied to it on a side stream while the current step runs."""
         self.cfg, self.rank, self.world, self.split = cfg, rank, world_size, split
         self.copy_stream = torch.cuda.Stream(device) if device is not None and device.type == "cuda" else None
@@ -69,8 +73,10 @@ class ZmqSource:
         if split == "eval":
             self.plan = make_plan(self.info.num_eval_batches, epochs=1, drafters=world_size)
         else:
-            self.plan = make_plan(self.info.num_batches, cfg.run.epochs, world_size, cfg.drafter.grad_accum,
-                                  max_steps)
+            accum = max(1, cfg.drafter.grad_accum)
+            first_g = start_step * world_size if first_g is None else first_g
+            self.plan = make_plan(self.info.num_batches, cfg.run.epochs, world_size, accum, max_steps,
+                                  first_step=start_step // accum, first_g=first_g)
         self.total_batches = self.plan.total_batches
         self.start_step = start_step
         if rank == 0 and split == "train":     # for `launcher status`, reports and the exactly-once check
@@ -81,7 +87,7 @@ class ZmqSource:
         return len(self.data_eps)
 
     def g_of(self, step: int) -> int:
-        return step * self.world + self.rank
+        return self.plan.g_of(step, self.rank)
 
     def target_of(self, g: int) -> int:
         return g % self.num_targets
@@ -235,16 +241,21 @@ class ZmqSource:
 
 def train_batches(cfg: Config, run_dir: Path, rank: int, world_size: int, num_targets: int,
                   model_cfg: DrafterModelConfig, health: HealthServer, device: torch.device, *, synthetic: bool,
-                  max_steps: int, start_step: int, check=None) -> tuple[ZmqSource | SyntheticSource, Plan]:
-    """(this rank's training batches from start_step on, the run's plan). check: validates a batch on the CPU."""
+                  max_steps: int, start_step: int, first_g: int | None = None,
+                  check=None) -> tuple[ZmqSource | SyntheticSource, Plan]:
+    """(this rank's training batches from micro-step start_step on, the run's plan). first_g: batches
+    done before start_step (a resume: the checkpoint's, whatever split wrote it). check: validates a
+    batch on the CPU."""
+    first_g = start_step * world_size if first_g is None else first_g
     if synthetic:
-        plan = make_plan(None, 1, world_size, cfg.drafter.grad_accum, max_steps)
+        accum = max(1, cfg.drafter.grad_accum)
+        plan = make_plan(None, 1, world_size, accum, max_steps, first_step=start_step // accum, first_g=first_g)
         source = SyntheticSource(model_cfg, cfg.data.pack_len, rank=rank, world_size=world_size,
                                  seed=cfg.run.seed, total_steps=plan.micro_batches, start_step=start_step,
-                                 device=device, with_target_labels=cfg.target.labels_from_target)
+                                 device=device, with_target_labels=cfg.target.labels_from_target, first_g=first_g)
         return source, plan
     source = ZmqSource(cfg, run_dir, rank, world_size, num_targets, health, max_steps=max_steps,
-                       start_step=start_step, device=device, check=check)
+                       start_step=start_step, device=device, check=check, first_g=first_g)
     return source, source.plan
 
 

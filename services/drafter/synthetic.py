@@ -23,9 +23,11 @@ _FEATURE_RANK = 64
 class SyntheticSource:
     def __init__(self, model_cfg: DrafterModelConfig, pack_len: int, *, rank: int = 0, world_size: int = 1,
                  seed: int = 0, total_steps: int = 1000, start_step: int = 0, device="cpu",
-                 with_target_labels: bool = False):
+                 with_target_labels: bool = False, first_g: int | None = None):
+        """first_g: batches done before start_step (a resume's checkpoint; default start_step·world_size)."""
         self.cfg, self.pack_len, self.rank, self.world_size = model_cfg, pack_len, rank, world_size
         self.seed, self.total_steps, self.start_step = seed, total_steps, start_step
+        self.first_g = start_step * world_size if first_g is None else first_g
         self.device = torch.device(device)
         self.with_target_labels = with_target_labels
         gen = torch.Generator().manual_seed(seed + 7919)
@@ -41,7 +43,8 @@ class SyntheticSource:
 
     def __iter__(self):
         for step in range(self.start_step, self.total_steps):
-            yield self.batch(step * self.world_size + self.rank)   # docs/design.md "Scheduling": g = s*D + d
+            # docs/design.md "Scheduling" (plan.Plan.g_of): g = g0 + (m - m0)·D + d
+            yield self.batch(self.first_g + (step - self.start_step) * self.world_size + self.rank)
 
     def batch(self, g: int) -> Batch:
         S = self.pack_len

@@ -48,16 +48,26 @@ class StepSettings:
 
 
 class WarmupCosine:
-    """LR multiplier: linear warmup to 1, then cosine down to min_ratio at total_steps."""
+    """LR multiplier: linear warmup to 1, then cosine down to min_ratio at `total`.
 
-    def __init__(self, warmup_steps: int, total_steps: int, min_ratio: float = 0.0):
-        self.warmup_steps, self.total_steps, self.min_ratio = warmup_steps, max(1, total_steps), min_ratio
+    Its clock counts units (make_scheduler: global batches trained): optimizer step k is at
+    first + (k - first_step)·per_step. With the defaults a unit is an optimizer step."""
+
+    def __init__(self, warmup: int, total: int, min_ratio: float = 0.0, per_step: int = 1,
+                 first_step: int = 0, first: int = 0):
+        self.warmup, self.total, self.min_ratio = warmup, max(1, total), min_ratio
+        self.per_step, self.first_step, self.first = max(1, per_step), first_step, first
 
     def __call__(self, step: int) -> float:
-        if step < self.warmup_steps:
-            return (step + 1) / self.warmup_steps
-        progress = min(1.0, (step - self.warmup_steps) / max(1, self.total_steps - self.warmup_steps))
+        done = self.first + (step - self.first_step) * self.per_step
+        if done < self.warmup:
+            return min(1.0, (done + self.per_step) / self.warmup)
+        progress = min(1.0, (done - self.warmup) / max(1, self.total - self.warmup))
         return self.min_ratio + (1 - self.min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    def horizon(self) -> dict:
+        """What a resume compares (the clock's origin moves with every resume; the curve does not)."""
+        return {"warmup": self.warmup, "total": self.total, "min_ratio": self.min_ratio}
 
 
 @dataclass
@@ -85,11 +95,19 @@ class TrainState:
                 "tokens_done": self.tokens_done}
 
 
-def make_scheduler(optimizer, cfg: Config, optimizer_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
-    """Warmup + cosine over the run's optimizer steps (plan.py)."""
-    optimizer_steps = max(1, optimizer_steps)
-    warmup_steps = math.ceil(cfg.drafter.warmup_ratio * optimizer_steps)
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, WarmupCosine(warmup_steps, optimizer_steps, cfg.drafter.min_lr_ratio))
+def make_scheduler(optimizer, cfg: Config, optimizer_steps: int, plan=None) -> torch.optim.lr_scheduler.LambdaLR:
+    """Warmup + cosine over the run (plan.py). With the plan, the clock is global batches trained,
+    not optimizer steps: a resume on another number of drafters (another batch per step) continues
+    the curve where the data is, and it ends with the data (docs/design.md, "Scheduling")."""
+    if plan is None:                          # one unit per optimizer step (before the plan is known)
+        per_step, first_step, first, total = 1, 0, 0, max(1, optimizer_steps)
+    else:
+        per_step, first_step, first = plan.batches_per_step, plan.first_step, plan.first_g
+        total = max(per_step, plan.horizon_batches)
+    steps = total // per_step if total % per_step == 0 else total / per_step      # exact for one split
+    warmup = math.ceil(cfg.drafter.warmup_ratio * steps) * per_step
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, WarmupCosine(warmup, total, cfg.drafter.min_lr_ratio, per_step, first_step, first))
 
 
 def build_train_state(cfg: Config, model_cfg: DrafterModelConfig, head: TargetHead, device, *,

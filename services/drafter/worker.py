@@ -10,7 +10,7 @@ One batch: `batches` (source.py: ZmqSource pulls batch g from target g mod T) ->
 metrics, evaluation, checkpoints). What every rank does together is in collectives.py.
 
 --resume continues from the newest good checkpoint in <run_dir>/checkpoints (or starts fresh when
-there is none).
+there is none), on any number of drafter ranks: the schedule continues from the batches it had done.
 """
 from __future__ import annotations
 
@@ -95,19 +95,20 @@ class DrafterWorker:
         check = functools.partial(check_batch, state=state)    # values too, before a batch goes to the GPU early
         source_args = (cfg, self.run_dir, rank, self.world_size, args.num_targets, model_cfg, health, device)
         self.batches, plan = train_batches(*source_args, synthetic=args.synthetic, max_steps=self.max_steps,
-                                           start_step=found.micro_step if found else 0, check=check)
+                                           start_step=found.micro_step if found else 0,
+                                           first_g=found.batches_done if found else 0, check=check)
         if hasattr(self.batches, "info"):             # the targets' handshake, against this drafter's model
             self.batches.info.check(hidden_size=model_cfg.hidden_size, vocab_size=model_cfg.vocab_size,
                                     layer_ids=model_cfg.target_layer_ids, seq_len=cfg.data.pack_len,
                                     labels_from_target=cfg.target.labels_from_target,
                                     config_digest=batch_config_digest(cfg))
         held_out = eval_batches(*source_args, synthetic=args.synthetic, check=check)
-        state.scheduler = make_scheduler(state.optimizer, cfg, plan.optimizer_steps)   # the real horizon, now known
+        state.scheduler = make_scheduler(state.optimizer, cfg, plan.optimizer_steps, plan)   # the real horizon, now known
         if found:
             for note in ckpt.restore(state, found, rank):
                 log.warning("%s", note)
             event("resumed", rank=rank, checkpoint=str(found.path), **state.counters())
-        self.books = Bookkeeping(cfg, self.run_dir, rank, self.world_size, state, health, found, held_out)
+        self.books = Bookkeeping(cfg, self.run_dir, rank, self.world_size, state, health, found, held_out, plan=plan)
         health.set(state="ready", compile_s=self.compile_s, total_steps=plan.optimizer_steps,
                    step=state.step, samples_done=state.samples_done)  # set(): under systemd this also sends READY=1
         health.progress()
