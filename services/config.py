@@ -79,6 +79,7 @@ class DrafterConfig:
     warmup_ratio: float = 0.04
     weight_decay: float = 0.0
     grad_clip: float = 1.0
+    max_nonfinite_steps: int = 8       # optimizer steps skipped in a row (non-finite data or gradient) before the run stops
     grad_accum: int = 1
     layer_types: list[str] = field(default_factory=list)   # per layer: full_attention | sliding_attention; [] = all full
     sliding_window: int = 0            # W of the sliding_attention layers (0 = none; docs/dflash.md)
@@ -223,6 +224,8 @@ def validate(cfg: Config) -> None:
     need(cfg.drafter.attention in ("auto", "flex", "dense"), f"drafter.attention must be auto|flex|dense, got {cfg.drafter.attention!r}")
     need(cfg.drafter.block_size >= 2, f"drafter.block_size must be >= 2, got {cfg.drafter.block_size}")
     need(cfg.drafter.num_anchors >= 1, f"drafter.num_anchors must be >= 1, got {cfg.drafter.num_anchors}")
+    need(cfg.drafter.max_nonfinite_steps >= 1,
+         f"drafter.max_nonfinite_steps must be >= 1, got {cfg.drafter.max_nonfinite_steps}")
     need(cfg.drafter.num_layers >= 1, f"drafter.num_layers must be >= 1, got {cfg.drafter.num_layers}")
     need(cfg.transport.scheme in ("ipc", "tcp"), f"transport.scheme must be ipc|tcp, got {cfg.transport.scheme!r}")
     need(cfg.transport.credits >= 1, f"transport.credits must be >= 1, got {cfg.transport.credits}")
@@ -286,15 +289,6 @@ def plaintext_hosts(transport: TransportConfig, loopback: bool) -> list[str]:
         return []
     hosts = dict.fromkeys((transport.target_hosts or [transport.host]) + (transport.drafter_hosts or [transport.host]))
     return [h for h in hosts if is_loopback(h) == loopback]
-
-
-def plaintext_warning(transport: TransportConfig) -> str:
-    """A warning for tcp without keys ("" when there is nothing to warn about)."""
-    hosts = plaintext_hosts(transport, loopback=True) + plaintext_hosts(transport, loopback=False)
-    if not hosts:
-        return ""
-    return (f"plaintext tcp on {', '.join(hosts)}: any local user (and, off loopback, anyone on the network) "
-            "can connect to the workers and read hidden states; set transport.curve_keys_dir (`launcher keys DIR`)")
 
 
 def ascending(ids: list) -> bool:

@@ -174,3 +174,20 @@ def test_plaintext_tcp_off_loopback_is_refused_and_on_loopback_warned(tmp_path):
     assert "target.model_path is not set" in loopback.stderr
     keys = up("10.0.0.1", f"transport.curve_keys_dir={tmp_path / 'keys'}")
     assert "plaintext" not in keys.stderr and "target.model_path is not set" in keys.stderr, keys.stderr
+
+
+def test_plaintext_is_refused_for_a_rank_past_the_host_lists(tmp_path):
+    """The check reads the endpoints every rank will bind: target-1 is past target_hosts, so it binds
+    transport.host. Refused (exit 2, one line naming that endpoint) before any run dir or socket exists."""
+    from services.config import load_config
+    from services.endpoints import endpoint
+    out = run_launcher("up", "--device", "cpu", "--gpus", "0-1:target,2:drafter", "--run-dir", str(tmp_path / "r"),
+                       "transport.scheme=tcp", 'transport.target_hosts=["127.0.0.1"]',
+                       'transport.drafter_hosts=["127.0.0.1"]', "transport.host=10.77.0.1")
+    plain = ["transport.scheme=tcp", "transport.host=10.77.0.1", "transport.allow_plaintext=true"]
+    bound = endpoint(tmp_path, load_config(None, plain).transport,
+                     "target", 1, "health")
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    assert out.stderr.strip().splitlines() == [out.stderr.strip()], out.stderr
+    assert f"target-1 would bind {bound} in plaintext (and 1 more sockets off loopback)" in out.stderr, out.stderr
+    assert not (tmp_path / "r").exists()
