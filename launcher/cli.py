@@ -27,7 +27,8 @@ from launcher.report import describe_data, describe_export, describe_spec, read_
 from launcher.supervisor import EXIT_DONE, EXIT_FAILED, EXIT_STOPPED, EXIT_USAGE, RunFailed, Supervisor, probe_all
 from launcher.topology import SpecError, host_overrides, hosts, parse_gpu_spec
 from services import __version__
-from services.config import ConfigError, dump_json, load_config, plaintext_warning
+from services.config import ConfigError, dump_json, load_config
+from services.endpoints import plaintext_problems
 from services.drafter.plan import Plan
 from services.files import point, write_json_atomic
 from services.health import probe
@@ -171,7 +172,11 @@ def cmd_up(args) -> int:
         raise UsageError("--host is for runs across hosts: name the host of every --gpus group (GPUS:ROLE@HOST)")
     overrides = host_overrides(workers) + list(args.overrides)
     cfg = load_config(args.config, overrides)               # validate before touching the disk
-    if warning := plaintext_warning(cfg.transport):
+    refusal, warning = plaintext_problems(cfg.transport, sum(w.role == "target" for w in workers),
+                                          sum(w.role == "drafter" for w in workers))   # every rank's real endpoint
+    if refusal:
+        raise UsageError(refusal)
+    if warning:
         print(f"launcher: warning: {warning}", file=sys.stderr, flush=True)
     runs_targets = any(w.role == "target" and w.host == args.host for w in workers)
     if not args.demo:                                      # drafters read the target's head: every host resolves
@@ -269,7 +274,8 @@ def _row(w: dict, result: tuple[int, dict | None, str]) -> dict:
     if status:
         row.update({k: status.get(k) for k in ("state", "step", "total_steps", "batches_served", "samples_done",
                                                  "tokens_per_s", "last_progress_age_s", "compile_s", "rss_bytes",
-                                                 "gpu_mem_bytes", "bad_messages", "loss", "tau", "window", "warning")})
+                                                 "gpu_mem_bytes", "bad_messages", "loss", "tau", "window", "warning",
+                                                 "bad_message_kinds", "integrity", "content_check")})
     return row
 
 
@@ -319,6 +325,9 @@ def cmd_status(args) -> int:
         for r in rows:
             if r.get("warning"):
                 print(f"{r['name']}: warning: {r['warning']}")
+            if (books := r.get("integrity") or {}).get("nonfinite_batches") or books.get("skipped_steps"):
+                print(f"{r['name']}: {books['nonfinite_batches']} non-finite batches skipped, {books['skipped_steps']} "
+                      f"optimizer steps skipped; last: {books['last_nonfinite'] or 'another rank'}")
         if plan:
             print(f"plan: {plan.describe()}")
         if (run_dir / "data.json").is_file():

@@ -99,6 +99,7 @@ class DrafterConfig:
     warmup_ratio: float = setting(0.04, batch="")
     weight_decay: float = setting(0.0, batch="")
     grad_clip: float = setting(1.0, batch="")
+    max_nonfinite_steps: int = setting(8, batch="")   # optimizer steps skipped in a row (non-finite data or gradient) before the run stops
     grad_accum: int = setting(1, batch="schedule")
     layer_types: list[str] = setting(factory=list, batch="")   # per layer: full_attention | sliding_attention; [] = all full
     sliding_window: int = setting(0, batch="")            # W of the sliding_attention layers (0 = none; docs/dflash.md)
@@ -248,6 +249,8 @@ def validate(cfg: Config) -> None:
     need(cfg.drafter.attention in ("auto", "flex", "dense"), f"drafter.attention must be auto|flex|dense, got {cfg.drafter.attention!r}")
     need(cfg.drafter.block_size >= 2, f"drafter.block_size must be >= 2, got {cfg.drafter.block_size}")
     need(cfg.drafter.num_anchors >= 1, f"drafter.num_anchors must be >= 1, got {cfg.drafter.num_anchors}")
+    need(cfg.drafter.max_nonfinite_steps >= 1,
+         f"drafter.max_nonfinite_steps must be >= 1, got {cfg.drafter.max_nonfinite_steps}")
     need(cfg.drafter.num_layers >= 1, f"drafter.num_layers must be >= 1, got {cfg.drafter.num_layers}")
     need(cfg.transport.scheme in ("ipc", "tcp"), f"transport.scheme must be ipc|tcp, got {cfg.transport.scheme!r}")
     need(cfg.transport.credits >= 1, f"transport.credits must be >= 1, got {cfg.transport.credits}")
@@ -312,15 +315,6 @@ def plaintext_hosts(transport: TransportConfig, loopback: bool) -> list[str]:
         return []
     hosts = dict.fromkeys((transport.target_hosts or [transport.host]) + (transport.drafter_hosts or [transport.host]))
     return [h for h in hosts if is_loopback(h) == loopback]
-
-
-def plaintext_warning(transport: TransportConfig) -> str:
-    """A warning for tcp without keys ("" when there is nothing to warn about)."""
-    hosts = plaintext_hosts(transport, loopback=True) + plaintext_hosts(transport, loopback=False)
-    if not hosts:
-        return ""
-    return (f"plaintext tcp on {', '.join(hosts)}: any local user (and, off loopback, anyone on the network) "
-            "can connect to the workers and read hidden states; set transport.curve_keys_dir (`launcher keys DIR`)")
 
 
 def ascending(ids: list) -> bool:

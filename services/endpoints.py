@@ -10,7 +10,7 @@ from __future__ import annotations
 import socket
 from pathlib import Path
 
-from services.config import TransportConfig
+from services.config import TransportConfig, is_loopback
 
 PURPOSES = ("health", "data")
 ROLES = ("target", "drafter")
@@ -38,3 +38,35 @@ def endpoint(run_dir: str | Path, transport: TransportConfig, role: str, rank: i
     host = hosts[rank] if rank < len(hosts) else transport.host
     port = transport.base_port + PURPOSES.index(purpose) * 2 * _MAX_RANKS + ROLES.index(role) * _MAX_RANKS + rank
     return f"tcp://{host}:{port}"
+
+
+def plaintext_binds(transport: TransportConfig, num_targets: int, num_drafters: int) -> list[tuple[str, str]]:
+    """(worker, endpoint) of every tcp socket the run's ranks will bind without CURVE keys: the
+    endpoints themselves, so a rank past transport.target_hosts / drafter_hosts (on transport.host)
+    is seen too."""
+    if transport.scheme != "tcp" or transport.curve_keys_dir:
+        return []
+    return [(f"{role}-{rank}", endpoint(".", transport, role, rank, purpose))
+            for role, count in (("target", num_targets), ("drafter", num_drafters))
+            for rank in range(count) for purpose in PURPOSES]
+
+
+def plaintext_problems(transport: TransportConfig, num_targets: int, num_drafters: int) -> tuple[str, str]:
+    """(refusal, warning) for the run's plaintext tcp sockets; "" where there is nothing to say.
+    Off loopback without keys is refused unless transport.allow_plaintext says otherwise."""
+    binds = plaintext_binds(transport, num_targets, num_drafters)
+    host = lambda ep: ep[len("tcp://"):].rsplit(":", 1)[0]     # noqa: E731
+    off = [(worker, ep) for worker, ep in binds if not is_loopback(host(ep))]
+    refusal = ""
+    if off and not transport.allow_plaintext:
+        worker, ep = off[0]
+        others = f" (and {len(off) - 1} more sockets off loopback)" if len(off) > 1 else ""
+        refusal = (f"{worker} would bind {ep} in plaintext{others}: transport.scheme=tcp without "
+                   "transport.curve_keys_dir lets anyone who reaches that address read hidden states and feed the "
+                   "drafters batches. Make keys with `launcher keys DIR` and set transport.curve_keys_dir=DIR, or set "
+                   "transport.allow_plaintext=true on a network you trust completely")
+    hosts = list(dict.fromkeys(host(ep) for _, ep in binds))
+    warning = (f"plaintext tcp on {', '.join(hosts)}: any local user (and, off loopback, anyone on the network) "
+               "can connect to the workers and read hidden states; set transport.curve_keys_dir (`launcher keys DIR`)"
+               if hosts else "")
+    return refusal, warning

@@ -46,6 +46,7 @@ class TargetInfo:
     model_path: str
     capture_path: str           # packed | packed-varlen | packed-reference | per-document
     bad_samples: int            # data lines skipped under data.on_bad_sample = "skip"
+    data_key: str = ""          # the packed-data cache key: drafters check batch content against it
 
     @property
     def hidden_width(self) -> int:

@@ -17,6 +17,13 @@ the target announces each batch with its own incarnation and the digest of the t
 ("data-incarnation"), a digest that does not match the ids too; what was accepted is handed out
 with its provenance, which the drafter writes to its ledger. When a target's incarnation changes,
 the drafter reconnect()s: the old connection may lead to whatever process holds it now.
+
+Content: what a sender says about itself can be replayed by any process that took its socket
+over, so the drafter also names the digest batch g must have (from its own copy of the data,
+source.py) and an announcement with another digest is dropped at once ("data-content", counted
+with the incarnation it claimed), before a byte of it is reassembled. Both drops hand the
+drafter a "rejected" event, so it asks again on a fresh connection instead of waiting for a
+resend.
 """
 from __future__ import annotations
 
@@ -461,8 +468,9 @@ class BatchClient(_IoThread):
         self._socks = [self._connect(endpoint) for endpoint in self._endpoints]
         self._target_of = {sock: i for i, sock in enumerate(self._socks)}
         self._lock = threading.Lock()                              # guards the three below
-        # (target, split, g) asked, not yet delivered -> the incarnation asked (None: any)
-        self._wanted: dict[tuple[int, str, int], str | None] = {}
+        # (target, split, g) asked, not yet delivered -> (the incarnation asked, the digest its ids
+        # must have); None: any
+        self._wanted: dict[tuple[int, str, int], tuple[str | None, str | None]] = {}
         self._info_wanted: Counter[int] = Counter()
         self._partials: dict[tuple[int, str, int], _Partial] = {}
         self._events: queue.Queue[tuple] = queue.Queue()
@@ -478,12 +486,14 @@ class BatchClient(_IoThread):
         sock.connect(endpoint)
         return sock
 
-    def request(self, target: int, g: int, split: str = "train", incarnation: str | None = None) -> None:
-        """Ask for batch g; with `incarnation`, only that target incarnation's answer is taken."""
+    def request(self, target: int, g: int, split: str = "train", incarnation: str | None = None,
+                digest: str | None = None) -> None:
+        """Ask for batch g; with `incarnation`, only that target incarnation's answer is taken; with
+        `digest`, only a batch whose token ids have that digest (services.batch.token_digest)."""
         if split not in SPLITS or g < 0 or not 0 <= target < len(self._socks):
             raise ValueError(f"request: bad target={target}, g={g} or split={split!r}")
         with self._lock:
-            self._wanted[(target, split, g)] = incarnation
+            self._wanted[(target, split, g)] = (incarnation, digest)
         header = {"kind": "request", "want": "batch", "g": g, "split": split}
         self._send(target, {**header, "incarnation": incarnation} if incarnation else header)
 
@@ -519,6 +529,8 @@ class BatchClient(_IoThread):
         """Wait up to timeout_ms for at least one event; return all events ready by then.
 
         ("batch", target, split, Batch, {incarnation, digest}) | ("info", target, dict) | ("error", target, g, message)
+        | ("rejected", target, split, g, why): an answer to a request was dropped (another incarnation,
+        other content); the request stays wanted, and is best asked again on a fresh connection
         """
         return _get_all(self._events, timeout_ms / 1000)
 
@@ -600,7 +612,7 @@ class BatchClient(_IoThread):
             key = (target, _split_field(header), g)
             if g >= 0 and key not in self._wanted:
                 return self.drops("data-unrequested", f"target {target}: error for g={g} nobody asked for")
-            if g >= 0 and not self._from_asked(key, _incarnation_field(header)):
+            if g >= 0 and not self._from_asked(key, _incarnation_field(header), events):
                 return
             self._wanted.pop(key, None)
             self._partials.pop(key, None)
@@ -610,7 +622,8 @@ class BatchClient(_IoThread):
         if key not in self._wanted:   # never asked, or already delivered
             return self.drops("data-unrequested", f"target {target}: {kind} for g={g} not requested")
         if kind == "batch":
-            if not self._from_asked(key, _incarnation_field(header)):
+            if not self._from_asked(key, _incarnation_field(header), events) or \
+                    not self._has_content(key, header, events):
                 self._partials.pop(key, None)
                 return
             self._start(key, header, tensors)
@@ -627,13 +640,26 @@ class BatchClient(_IoThread):
             del self._wanted[key]
             events.append(("batch", target, key[1], batch, partial.provenance))
 
-    def _from_asked(self, key, incarnation: str) -> bool:
+    def _from_asked(self, key, incarnation: str, events: list) -> bool:
         """Is this answer from the incarnation the request named? Else it is dropped and counted."""
-        asked = self._wanted[key]
+        asked = self._wanted[key][0]
         if asked is None or incarnation == asked:
             return True
-        self.drops("data-incarnation", f"target {key[0]}: g={key[2]} from incarnation {incarnation!r}, "
-                                       f"asked {asked!r}")
+        why = f"target {key[0]}: g={key[2]} from incarnation {incarnation!r}, asked {asked!r}"
+        self.drops("data-incarnation", why)
+        events.append(("rejected", key[0], key[1], key[2], why))
+        return False
+
+    def _has_content(self, key, header: dict, events: list) -> bool:
+        """Does the announced digest name the content the request asked for? (The ids are checked
+        against the announced digest once they are in.) Else it is dropped and counted."""
+        expected, announced = self._wanted[key][1], header.get("digest")
+        if expected is None or announced == expected:
+            return True
+        why = (f"target {key[0]}: {key[1]} g={key[2]} has token digest {str(announced)[:40]!r}, the data says "
+               f"{expected!r} (sent as incarnation {_incarnation_field(header)!r})")
+        self.drops("data-content", why)
+        events.append(("rejected", key[0], key[1], key[2], why))
         return False
 
     def _start(self, key, header: dict, tensors: dict) -> None:

@@ -51,7 +51,8 @@ END_TO_END = {"test_e2e", "test_demo", "test_training_lifecycle", "test_multihos
               "test_drafter_process", "test_checkpoint", "test_checkpoint_faults", "test_target_worker",
               "test_report", "test_launcher_runs", "test_launcher_plan", "test_export", "test_transport",
               "test_checkpoint_background", "test_demo_hybrid",
-              "test_quickstart", "test_elastic_resume"}
+              "test_quickstart", "test_elastic_resume",
+              "test_integrity"}
 
 
 def pytest_collection_modifyitems(items):

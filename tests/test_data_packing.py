@@ -201,3 +201,25 @@ def test_concurrent_targets_share_one_build(tmp_path, data_file, tok_dir):
     assert sum("built" in out for out, _ in outs) == 1                # exactly one of them built it
     leftovers = [p.name for p in (tmp_path / "run" / "data-cache").iterdir() if p.name.endswith(".tmp")]
     assert leftovers == []
+
+
+def test_published_digests_name_every_batch_as_the_packed_data_does(tmp_path, data_file, tokenizer):
+    """<key>.digests.safetensors is written with the cache; a drafter checks batch content against
+    the cache where it has it, else against those digests, else says it cannot."""
+    from services.batch import token_digest
+    from services.drafter.source import batch_content
+    from services.target.packing import PublishedDigests, digests_path
+    cfg = _cfg(data_file, "data.eval_fraction=0.1")
+    data = open_or_build(cfg, tmp_path / "run", tokenizer, VOCAB, log=_quiet)
+    published = PublishedDigests(digests_path(data.path), cfg)
+    for split, limit in (("train", data.num_batches() * 3), ("eval", data.num_batches("eval"))):
+        assert limit > 0
+        for g in range(limit):
+            assert published.digest(g, split) == data.digest(g, split) == token_digest(data.batch(g, split)["input_ids"])
+    assert len({published.digest(g) for g in range(data.num_batches())}) == data.num_batches()
+    content, how = batch_content(cfg, tmp_path / "run", data.key)
+    assert how == "packed data" and content.digest(5) == data.digest(5)
+    data.path.unlink()                                   # a drafter host with the digests only
+    content, how = batch_content(cfg, tmp_path / "run", data.key)
+    assert how == "published digests" and content.digest(5) == published.digest(5)
+    assert batch_content(cfg, tmp_path / "run", "0" * 32) == (None, "off")

@@ -13,12 +13,12 @@ from services.drafter.target_head import TargetHead, build_model_config
 from services.drafter.train import WarmupCosine, build_train_state, parameter_fingerprint, train_step
 
 
-def make(*overrides, steps=40):
+def make(*overrides, steps=40, device="cpu"):
     cfg = load_config(None, ["data.pack_len=256", "drafter.num_anchors=16", "drafter.num_layers=2",
                              "drafter.compile=false", "drafter.lr=3e-3", "drafter.warmup_ratio=0.1", *overrides])
     model_cfg = build_model_config(cfg, SYNTHETIC_MODEL, mask_token_id=SYNTHETIC_MODEL["vocab_size"] - 1)
     head = TargetHead.random(model_cfg.vocab_size, model_cfg.hidden_size, seed=0)
-    state = build_train_state(cfg, model_cfg, head, "cpu", total_steps=steps)
+    state = build_train_state(cfg, model_cfg, head, device, total_steps=steps)
     source = SyntheticSource(model_cfg, cfg.data.pack_len, total_steps=steps,
                              with_target_labels=cfg.target.labels_from_target)
     return state, source
@@ -135,3 +135,41 @@ def test_the_lr_follows_the_batches_trained_so_a_resume_on_another_split_continu
     assert curve(one)(160) == pytest.approx(0.1)                        # and it ends with the data
     restarted = make_scheduler(torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0), cfg, 160).lr_lambdas[0]
     assert abs(restarted(40) - curve(two)(40)) > 0.1                    # a step clock would have jumped
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="the fused-AdamW skip (found_inf) runs on CUDA only"))])
+def test_a_non_finite_batch_is_skipped_named_and_never_reaches_the_weights(device):
+    """inf in one captured layer's features: the optimizer step is skipped (weights and AdamW state
+    untouched; on CUDA inside fused AdamW), the batch counts for nothing and names the layer; the
+    next good batch trains."""
+    state, source = make(steps=3, device=device)
+    train_step(state, source.batch(0))
+    before = parameter_fingerprint(state.drafter)
+    steps_before = [s["step"].item() for s in state.optimizer.state.values()]
+    bad = source.batch(1)
+    ids = state.drafter.cfg.target_layer_ids
+    width = bad.hidden.shape[1] // len(ids)
+    bad.hidden[7, width * (len(ids) - 1)] = float("inf")          # the last captured layer only
+    m = train_step(state, bad)
+    assert m["skipped_step"] and m["nonfinite"] == f"non-finite hidden states of captured layer {ids[-1]}"
+    assert m["tokens"] == m["trained_blocks"] == 0 and m["grad_norm"] == 0.0 and math.isfinite(m["loss"])
+    assert parameter_fingerprint(state.drafter) == before
+    assert [s["step"].item() for s in state.optimizer.state.values()] == steps_before
+    assert all(torch.isfinite(p).all() for p in state.drafter.parameters())
+    good = train_step(state, source.batch(2))
+    assert not good["skipped_step"] and "nonfinite" not in good and parameter_fingerprint(state.drafter) != before
+
+
+def test_non_finite_weights_are_never_written(tmp_path):
+    from services.drafter import checkpoint as ckpt
+    from services.drafter.export import ExportError, export_weights
+    state, _ = make(steps=1)
+    weights = state.drafter.state_dict()
+    name = next(iter(weights))
+    weights[name] = weights[name].clone().fill_(float("nan"))
+    with pytest.raises(ValueError, match=f"checkpoint at step 5 not written: non-finite values in 1 weight tensor.*{name}"):
+        ckpt.write_checkpoint(tmp_path / "ck", 5, weights=weights, optimizer={}, rng={}, meta={}, config={}, keep=2)
+    with pytest.raises(ExportError, match=f"export not written: non-finite values .*{name}"):
+        export_weights(weights, state.drafter.cfg, tmp_path / "export")
+    assert not (tmp_path / "export").exists() and not any((tmp_path / "ck").glob("step-*"))

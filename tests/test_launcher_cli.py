@@ -186,3 +186,20 @@ def test_demo_takes_an_optional_variant_and_names_a_bad_one():
     assert demo() is None and demo("--demo", "--device", "cpu") == "dense"
     out = run_launcher("up", "--demo", "moe", "--gpus", "0:target,1:drafter", "--device", "cpu")
     assert out.returncode == 2 and "argument --demo: invalid choice: 'moe'" in out.stderr
+
+
+def test_plaintext_is_refused_for_a_rank_past_the_host_lists(tmp_path):
+    """The check reads the endpoints every rank will bind: target-1 is past target_hosts, so it binds
+    transport.host. Refused (exit 2, one line naming that endpoint) before any run dir or socket exists."""
+    from services.config import load_config
+    from services.endpoints import endpoint
+    out = run_launcher("up", "--device", "cpu", "--gpus", "0-1:target,2:drafter", "--run-dir", str(tmp_path / "r"),
+                       "transport.scheme=tcp", 'transport.target_hosts=["127.0.0.1"]',
+                       'transport.drafter_hosts=["127.0.0.1"]', "transport.host=10.77.0.1")
+    plain = ["transport.scheme=tcp", "transport.host=10.77.0.1", "transport.allow_plaintext=true"]
+    bound = endpoint(tmp_path, load_config(None, plain).transport,
+                     "target", 1, "health")
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    assert out.stderr.strip().splitlines() == [out.stderr.strip()], out.stderr
+    assert f"target-1 would bind {bound} in plaintext (and 1 more sockets off loopback)" in out.stderr, out.stderr
+    assert not (tmp_path / "r").exists()

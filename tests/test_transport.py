@@ -406,10 +406,14 @@ def test_a_replaced_target_is_noticed_and_its_impostor_ignored(tmp_path, targets
         impostor = Target(tmp_path, "ipc", "target-0", mode="impostor", endpoint=real.endpoint)
         targets.append(impostor)
         client.request(0, 3, incarnation=first)           # the drafter still believes in the first target
-        deadline = time.monotonic() + 20
+        deadline, rejected = time.monotonic() + 20, []
         while not client.drops.counts["data-incarnation"] and time.monotonic() < deadline:
-            assert client.poll(200) == [], "a batch from the impostor was taken"
+            events = client.poll(200)
+            assert all(e[0] == "rejected" for e in events), "a batch from the impostor was taken"
+            rejected += events
         assert client.drops.counts["data-incarnation"] >= 1
+        rejected += client.poll(200)          # the drop is handed on, so the drafter asks again at once
+        assert rejected and rejected[0][:4] == ("rejected", 0, "train", 3), rejected
 
         back = Target(tmp_path, "ipc", "target-0", endpoint=real.endpoint)     # the supervisor's restart
         targets.append(back)
@@ -443,6 +447,30 @@ def test_a_batch_whose_ids_do_not_match_its_digest_is_dropped(tmp_path):
             server.send_frames(request.client, frames)
         assert collect(client, 1, timeout_s=3) == []
         assert client.drops.counts["data-reply"] == 1
+    finally:
+        client.close()
+        server.close()
+
+
+def test_a_batch_with_other_content_than_the_data_says_is_dropped_and_handed_on(tmp_path):
+    """The request names the digest batch g must have: batch 0 relabelled as 1 (self-consistent, from
+    the incarnation asked) is dropped as data-content, and the drafter is told at once."""
+    endpoint = f"ipc://{tmp_path}/t.data"
+    server = BatchServer(endpoint, transport_cfg())
+    client = BatchClient([endpoint], transport_cfg())
+    try:
+        client.request(0, 1, incarnation=server.incarnation, digest=token_digest(make_batch(1).input_ids))
+        request = None
+        while request is None:
+            request = next(iter(server.poll(100)), None)
+        fake = make_batch(0)
+        fake.g = 1
+        server.send_batch(request.client, fake)
+        server.send_batch(request.client, make_batch(1))
+        events = collect(client, 2, timeout_s=5)
+        assert [e[0] for e in events] == ["rejected", "batch"], events
+        assert events[0][1:4] == (0, "train", 1) and server.incarnation in events[0][4]
+        assert same_batch(events[1][3], make_batch(1)) and client.drops.counts["data-content"] == 1
     finally:
         client.close()
         server.close()

@@ -33,6 +33,10 @@ ACCEPTANCE_FILE = "acceptance.jsonl"
 log = logging.getLogger("drafter")
 
 
+class NonFiniteError(RuntimeError):
+    """Too many optimizer steps in a row were skipped for non-finite data or gradients."""
+
+
 class Bookkeeping:
     def __init__(self, cfg: Config, run_dir: Path, rank: int, world_size: int, state: TrainState,
                  health: HealthServer, resumed: ckpt.Found | None, eval_batches=None, plan=None):
@@ -59,13 +63,19 @@ class Bookkeeping:
         if rank == 0:
             truncate_jsonl(self.acceptance, state.step)  # a resume continues the curve, as metrics.jsonl does
         self.closed = False
+        # non-finite batches (this rank's) and skipped optimizer steps (every rank's alike): health "integrity"
+        self.integrity = {"nonfinite_batches": 0, "skipped_steps": 0, "last_nonfinite": ""}
+        self.skipped_in_a_row = 0
 
     # --- per batch ---------------------------------------------------------------------------
     def after_batch(self, g: int, m: dict, data_s: float, compute_s: float, provenance: dict | None = None) -> None:
         """Ledger for every batch; on an optimizer step also metrics, evaluation and checkpoint."""
+        if m.get("nonfinite"):
+            provenance = {**(provenance or {}), "skipped": m["nonfinite"]}
         self.ledger.record(self.state.micro_step - 1, g, m["tokens"], provenance)
         self.times.add(data_s, compute_s, m["tokens"])
         self.window.add(m)
+        self.check_finite(g, m)
         if self.state.micro_step % self.state.settings.grad_accum:
             return
         step, run = self.state.step, self.cfg.run
@@ -81,6 +91,34 @@ class Bookkeeping:
             new_best = self.run_eval()
         if (run.checkpoint_every > 0 and step % run.checkpoint_every == 0) or new_best:
             self.checkpoint(set_best=new_best)
+
+    def check_finite(self, g: int, m: dict) -> None:
+        """Count and name a non-finite batch; stop the run after drafter.max_nonfinite_steps skipped
+        optimizer steps in a row. m["skipped_step"] is the same on every rank (all-reduced
+        gradients), so every rank stops at the same step, before any collective of it."""
+        books, changed = self.integrity, False
+        if m.get("nonfinite"):
+            books["nonfinite_batches"] += 1
+            books["last_nonfinite"] = f"{m['nonfinite']} (batch g={g}, step {self.state.step})"
+            changed = True
+            if books["nonfinite_batches"] <= 3 or books["nonfinite_batches"] % 100 == 0:
+                log.warning("skipped batch g=%d: %s (%d so far)", g, m["nonfinite"], books["nonfinite_batches"])
+        if self.state.micro_step % self.state.settings.grad_accum == 0:
+            if m.get("skipped_step"):
+                books["skipped_steps"] += 1
+                self.skipped_in_a_row += 1
+                changed = True
+                log.warning("optimizer step %d skipped: non-finite gradient norm", self.state.step)
+            else:
+                self.skipped_in_a_row = 0
+        if changed:
+            self.health.progress(integrity=dict(books))
+        limit = self.cfg.drafter.max_nonfinite_steps
+        if self.skipped_in_a_row >= limit:
+            cause = books["last_nonfinite"] or "non-finite gradients from another drafter rank's batches (see its log)"
+            raise NonFiniteError(f"{self.skipped_in_a_row} optimizer steps in a row skipped "
+                                 f"(drafter.max_nonfinite_steps={limit}): {cause}; no weights were updated "
+                                 "from them and none were saved")
 
     def log_metrics(self, m: dict) -> None:
         """Collective: one train line, the metrics of every rank's batch of this step combined."""

@@ -56,6 +56,17 @@ class CorruptCheckpoint(Exception):
     """A checkpoint whose files fail their checksums or do not parse."""
 
 
+def nonfinite_tensors(weights: dict[str, torch.Tensor]) -> list[str]:
+    """Names of the tensors holding a NaN or an infinity: such weights are never written."""
+    return [name for name, t in weights.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+
+
+def refuse_nonfinite(weights: dict[str, torch.Tensor], what: str) -> None:
+    if bad := nonfinite_tensors(weights):
+        raise ValueError(f"{what} not written: non-finite values in {len(bad)} weight tensor(s), "
+                         f"e.g. {', '.join(bad[:3])}")
+
+
 @dataclass
 class Found:
     path: Path
@@ -190,6 +201,7 @@ def write_checkpoint(root: Path, step: int, *, weights: dict[str, torch.Tensor],
     from safetensors.torch import save_file
 
     tick = tick or (lambda: None)
+    refuse_nonfinite(weights, f"checkpoint at step {step}")
     root.mkdir(parents=True, exist_ok=True)
     for stale in root.glob(".tmp-*"):                    # left by a crash mid-write
         shutil.rmtree(stale, ignore_errors=True)

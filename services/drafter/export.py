@@ -155,6 +155,9 @@ def export_weights(weights: dict[str, torch.Tensor], model_cfg: DrafterModelConf
     if sorted(weights) != names:
         extra, missing = sorted(set(weights) - set(names)), sorted(set(names) - set(weights))
         raise ExportError(f"drafter weights do not match the DFlash layout: unexpected {extra}, missing {missing}")
+    from services.drafter.checkpoint import nonfinite_tensors
+    if bad := nonfinite_tensors(weights):
+        raise ExportError(f"export not written: non-finite values in {len(bad)} weight tensor(s), e.g. {', '.join(bad[:3])}")
     out = Path(out_dir).resolve()
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")

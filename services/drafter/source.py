@@ -16,6 +16,12 @@ Provenance (transport.py): each request names the target incarnation learned fro
 socket, and only that incarnation's answer is taken. A request for a target whose incarnation is
 not known yet (still loading) waits until it is. When a target's incarnation changes (it was
 restarted), the connection to it is dropped and made afresh before anything is asked again.
+
+Content: what a target says about itself can be replayed by a process that took its socket over,
+so each request also names the token digest batch g must have, read from this host's copy of the
+packed data (or its published digests, packing.py); the transport drops any other content
+("data-content") and any other incarnation ("data-incarnation") and says so at once, and the
+request is asked again on a fresh connection REASK_AFTER_S later (whoever holds the socket by then).
 """
 from __future__ import annotations
 
@@ -35,16 +41,28 @@ from services.drafter.synthetic import SyntheticEval, SyntheticSource
 from services import curve, lifecycle
 from services.handshake import TargetInfo
 from services.health import HealthServer, probe
+from services.target.packing import PackedData, PublishedDigests, digests_path
 from services.transport import BatchClient
 from services.wire import WireError
 
 CHECK_TARGETS_EVERY_S = 2.0
+REASK_AFTER_S = 0.5          # after a dropped answer: ask again on a fresh connection this much later
 
 log = logging.getLogger("drafter")
 
 
 class SourceError(RuntimeError):
     pass
+
+
+def batch_content(cfg: Config, run_dir: str | Path, data_key: str) -> tuple[PackedData | PublishedDigests | None, str]:
+    """What tells this host which token ids batch g has: (its .digest(g, split), how)."""
+    cache = Path(run_dir) / "data-cache" / f"{data_key}.safetensors"
+    if data_key and cache.is_file():
+        return PackedData(cache, cfg), "packed data"
+    if data_key and digests_path(cache).is_file():
+        return PublishedDigests(digests_path(cache), cfg), "published digests"
+    return None, "off"
 
 
 class ZmqSource:
@@ -70,6 +88,14 @@ class ZmqSource:
         self.provenance: dict[int, dict] = {}    # g -> {incarnation, digest} of the batch that arrived
         self.wait_s = 0.0                        # time spent waiting for data (data-wait fraction)
         self.info = self._ask_info()
+        self.content, how = batch_content(cfg, run_dir, self.info.data_key)
+        self.retry_at: dict[int, float] = {}     # target -> when to ask it again on a fresh connection
+        if health:
+            health.set(content_check=how)
+        if self.content is None and split == "train":
+            log.warning("batch content is not checked: neither the packed data nor its digests (%s) are on this "
+                        "host; only the provenance a target claims is", digests_path(
+                            Path(run_dir) / "data-cache" / f"{self.info.data_key or '<key>'}.safetensors"))
         if split == "eval":
             self.plan = make_plan(self.info.num_eval_batches, epochs=1, drafters=world_size)
         else:
@@ -136,7 +162,8 @@ class ZmqSource:
             self.deferred.add(g)
             return
         self.deferred.discard(g)
-        self.client.request(t, g, self.split, incarnation=self.incarnations[t])
+        digest = self.content.digest(g, self.split) if self.content is not None else None
+        self.client.request(t, g, self.split, incarnation=self.incarnations[t], digest=digest)
         self.pending[g] = time.monotonic()
 
     def provenance_of(self, g: int) -> dict:
@@ -156,6 +183,7 @@ class ZmqSource:
             for event in self.client.poll(200):
                 self._handle(event)
             now = time.monotonic()
+            self._reask_dropped(now)
             if now - last_check > CHECK_TARGETS_EVERY_S:
                 last_check = now
                 self._resend_to_restarted_targets()
@@ -176,9 +204,24 @@ class ZmqSource:
                 self.arrived[batch.g] = batch
                 if self.split == "train":        # the ledger's; evaluation keeps none
                     self.provenance[batch.g] = provenance
+        elif kind == "rejected":
+            target = event[1]
+            self.retry_at.setdefault(target, time.monotonic() + REASK_AFTER_S)
         elif kind == "error":
             _, target, g, message = event
             raise SourceError(f"target-{target} refused batch g={g}: {message}")
+
+    def _reask_dropped(self, now: float) -> None:
+        """A target's answer was dropped: whoever answered holds a connection the real target may
+        not; connect afresh and ask again for everything pending there (its incarnation looked up again)."""
+        for t, due in list(self.retry_at.items()):
+            if now < due:
+                continue
+            del self.retry_at[t]
+            self._learn_incarnation(t)
+            self.client.reconnect(t)
+            for g in sorted(g for g in self.pending if self.target_of(g) == t):
+                self._ask(g)
 
     def _resend_to_restarted_targets(self) -> None:
         """A new incarnation of a target knows nothing of what the old one owed us: once it is

@@ -6,6 +6,12 @@ in sync, gradients accumulate in fp32 (exact over grad_accum), and DDP, clipping
 checkpoint see one set of tensors. The cost is one bf16 cast of each weight per step (autocast
 caches it for the backward), small next to Q_LEN-row matmuls, and fp32 gradient all-reduce.
 The frozen embedding and lm_head are kept in bf16 only (they never need a master copy).
+
+Finite or not at all: each step checks its features and loss (isfinite, on the device) and a
+batch that fails scales its loss by NaN, so its gradient is NaN and DDP's own all-reduce carries
+that to every rank; the optimizer step is skipped when the all-reduced gradient norm is not
+finite, on every rank alike (on CUDA inside fused AdamW, from a device flag: no host sync; on
+the CPU by a plain test). The flags travel in the step's one host sync, after the update.
 """
 from __future__ import annotations
 
@@ -194,17 +200,27 @@ def train_step(state: TrainState, batch: Batch, *, dry_run: bool = False) -> dic
     no_sync = getattr(state.model, "no_sync", None)
     with (no_sync() if (accumulate and not dry_run and no_sync) else contextlib.nullcontext()):
         loss, inputs, preds = forward_loss(state, batch)
-        (loss / s.grad_accum).backward()
+        features_ok = torch.isfinite(inputs.hidden).all()
+        batch_ok = features_ok & torch.isfinite(loss)
+        # a bad batch makes its whole gradient NaN: the all-reduce tells every rank (NaN * 0 is NaN too)
+        poison = torch.where(batch_ok, 1.0, float("nan")).to(loss.dtype)
+        (loss * poison / s.grad_accum).backward()
     if dry_run:
         state.optimizer.zero_grad(set_to_none=True)
         return {}
 
     grad_norm = torch.zeros((), device=state.device)
+    step_ok = torch.ones((), dtype=torch.bool, device=state.device)
     lr = state.optimizer.param_groups[0]["lr"]
     if not accumulate:
         max_norm = s.grad_clip if s.grad_clip > 0 else float("inf")
         grad_norm = torch.nn.utils.clip_grad_norm_(state.drafter.parameters(), max_norm)
-        state.optimizer.step()
+        step_ok = torch.isfinite(grad_norm)               # the same on every rank: the gradients are all-reduced
+        if state.optimizer.defaults.get("fused"):
+            state.optimizer.found_inf = (~step_ok).float()   # fused AdamW skips the update on the device
+            state.optimizer.step()
+        elif bool(step_ok):                                # CPU (not fused): nothing queued, nothing to wait for
+            state.optimizer.step()
         state.scheduler.step()
         state.optimizer.zero_grad(set_to_none=True)
         state.step += 1
@@ -213,16 +229,33 @@ def train_step(state: TrainState, batch: Batch, *, dry_run: bool = False) -> dic
     sampled = (inputs.anchors >= 0).sum()               # each sampled block trains one distinct k = 1 token
     scalars = torch.stack([loss.detach().float(), m["accuracy"], m["tau"], grad_norm.float(), m["trained_blocks"].float(),
                            documents.float().to(state.device), tokens.float().to(state.device),
-                           inputs.supervised.float(), inputs.reachable.float(), sampled.float()])
+                           inputs.supervised.float(), inputs.reachable.float(), sampled.float(),
+                           features_ok.float(), batch_ok.float(), step_ok.float()])
     values = torch.cat([scalars, m["accuracy_per_position"]]).tolist()      # the step's one host sync
     loss_v, accuracy, tau, grad_norm_v, blocks, documents_v, tokens_v, supervised, reachable, sampled_v = values[:10]
-    state.samples_done += int(documents_v)
-    state.tokens_done += int(tokens_v)
-    return {"step": state.step, "g": batch.g, "loss": loss_v, "accuracy": accuracy, "tau": tau, "grad_norm": grad_norm_v,
-            "trained_blocks": int(blocks), "lr": lr, "tokens": int(tokens_v), "documents": int(documents_v),
-            "supervised": int(supervised), "reachable": int(reachable), "sampled": int(sampled_v),
-            "coverage": reachable / max(supervised, 1.0),
-            "accuracy_per_position": [round(x, 4) for x in values[10:]]}
+    features_fine, batch_fine, step_fine = (v == 1.0 for v in values[10:13])
+    out = {"step": state.step, "g": batch.g, "loss": loss_v, "accuracy": accuracy, "tau": tau, "grad_norm": grad_norm_v,
+           "trained_blocks": int(blocks), "lr": lr, "tokens": int(tokens_v), "documents": int(documents_v),
+           "supervised": int(supervised), "reachable": int(reachable), "sampled": int(sampled_v),
+           "coverage": reachable / max(supervised, 1.0),
+           "accuracy_per_position": [round(x, 4) for x in values[13:]], "skipped_step": not step_fine}
+    if not batch_fine:       # not trained: nothing of it in the counters or the metrics, and why
+        out.update(loss=0.0, accuracy=0.0, tau=1.0, trained_blocks=0, tokens=0, documents=0, supervised=0,
+                   reachable=0, sampled=0, coverage=0.0, accuracy_per_position=[0.0] * len(out["accuracy_per_position"]),
+                   nonfinite=nonfinite_reason(batch, state) if not features_fine else "non-finite loss")
+    if not step_fine:
+        out["grad_norm"] = 0.0
+    state.samples_done += out["documents"]
+    state.tokens_done += out["tokens"]
+    return out
+
+
+def nonfinite_reason(batch: Batch, state: TrainState) -> str:
+    """Which captured layers of a batch's hidden states are not finite (run only when one is)."""
+    ids = state.drafter.cfg.target_layer_ids
+    per_layer = torch.isfinite(batch.hidden.reshape(batch.hidden.shape[0], len(ids), -1)).all(-1).all(0).tolist()
+    bad = [layer for layer, fine in zip(ids, per_layer) if not fine]
+    return f"non-finite hidden states of captured layer{'s' if len(bad) > 1 else ''} {', '.join(map(str, bad))}"
 
 
 @torch.no_grad()

@@ -166,6 +166,8 @@ class DrafterWorker:
                      compile_s=self.compile_s, gpu_mem_bytes=gpu_memory(self.device))
         self.health.progress(**stamp)
         provenance = self.batches.provenance_of(g) if hasattr(self.batches, "provenance_of") else None
+        if m.get("nonfinite") and hasattr(self.batches, "target_of"):
+            m["nonfinite"] += f" from target-{self.batches.target_of(g)}"
         self.books.after_batch(g, m, waited_s, compute_s, provenance)   # ledger, metrics, eval, checkpoint
         if state.micro_step % max(1, self.cfg.run.log_every) == 0:     # this rank's own step, in its log
             event("step", **{"rank": self.rank, **m, **stamp, "step_tokens_per_s": round(m["tokens"] / elapsed_s, 1),

@@ -21,6 +21,12 @@ Cache: <run_dir>/data-cache/<key>.safetensors, key = hash of the data files' siz
 sha256, the tokenizer, the relevant config and FORMAT_VERSION. Several targets may start at
 once: one builds under an flock while the others wait, and the file appears by atomic rename.
 The file is memory-mapped and rows are sliced from it, so the tokens are not held in RAM.
+
+Published digests: next to the cache, <key>.digests.safetensors holds the token digest
+(services.batch.token_digest) of every row of both splits. A drafter checks each batch it is
+sent against the packed data where the cache is on its host, else against this file (copy it to
+a drafter host's <run_dir>/data-cache/): content that a process which took a target's socket
+over sent in its name is dropped (services/drafter/source.py).
 """
 from __future__ import annotations
 
@@ -38,7 +44,7 @@ import numpy as np
 import torch
 
 from services import runspec
-from services.batch import SPLITS
+from services.batch import SPLITS, token_digest
 from services.config import Config
 from services.files import sha256_file
 from services.target.data import BadSamples, DataError, Document, read_documents
@@ -197,7 +203,12 @@ def open_or_build(cfg: Config, run_dir: str | Path, tokenizer, vocab_size: int, 
             save_file(tensors, str(tmp), metadata=meta)
             os.replace(tmp, path)
             log(f"data: built {path.name} in {time.monotonic() - t0:.1f}s")
-    data = PackedData(path, cfg)
+        data = PackedData(path, cfg)
+        digests = digests_path(path)
+        if not digests.is_file():
+            tmp = cache_dir / f".{key}.{os.getpid()}.digests.tmp"
+            save_file({f"{s}_row_digests": data.row_digests(s) for s in SPLITS}, str(tmp))
+            os.replace(tmp, digests)
     if data.bad_samples:
         log(f"data: skipped {data.bad_samples} bad lines; first: " + "; ".join(data.bad_examples[:3]))
     return data
@@ -215,7 +226,51 @@ class _Split:
         self.num_rows = len(row_docs)
 
 
-class PackedData:
+def digests_path(cache: Path) -> Path:
+    return cache.with_name(cache.name.replace(".safetensors", ".digests.safetensors"))
+
+
+class _RowOrder:
+    """Which row of a split batch g is (the rules above); needs num_batches(), seed, shuffle, epochs."""
+    seed: int
+    shuffle: bool
+    epochs: int
+    _perm: tuple[int, np.ndarray] | None = None
+
+    def num_batches(self, split: str = "train") -> int:
+        raise NotImplementedError
+
+    def row_of(self, g: int, split: str = "train") -> int:
+        n = self.num_batches(split)
+        limit = n * self.epochs if split == "train" else n
+        if split not in SPLITS or not 0 <= g < limit:
+            raise IndexError(f"batch g={g} out of range for split {split!r}: 0 <= g < {limit}")
+        if split == "eval" or not self.shuffle:
+            return g % n
+        epoch = g // n
+        if self._perm is None or self._perm[0] != epoch:
+            self._perm = (epoch, np.random.default_rng([self.seed, epoch]).permutation(n))
+        return int(self._perm[1][g % n])
+
+
+class PublishedDigests(_RowOrder):
+    """<key>.digests.safetensors: digest(g, split) without the packed data."""
+
+    def __init__(self, path: str | Path, cfg: Config):
+        from safetensors.numpy import load_file
+        self.path = Path(path)
+        tensors = load_file(str(path))
+        self.rows = {s: tensors[f"{s}_row_digests"] for s in SPLITS}
+        self.seed, self.shuffle, self.epochs = cfg.run.seed, cfg.data.shuffle, cfg.run.epochs
+
+    def num_batches(self, split: str = "train") -> int:
+        return len(self.rows[split])
+
+    def digest(self, g: int, split: str = "train") -> str:
+        return bytes(self.rows[split][self.row_of(g, split)]).hex()
+
+
+class PackedData(_RowOrder):
     """Rows of a built cache file; batch(g, split) -> the tensors of services.batch.Batch minus hidden."""
 
     def __init__(self, path: str | Path, cfg: Config):
@@ -235,22 +290,28 @@ class PackedData:
         """Train: batches per epoch. Eval: all eval batches."""
         return self.splits[split].num_rows
 
-    def row_of(self, g: int, split: str = "train") -> int:
-        n = self.num_batches(split)
-        limit = n * self.epochs if split == "train" else n
-        if split not in SPLITS or not 0 <= g < limit:
-            raise IndexError(f"batch g={g} out of range for split {split!r}: 0 <= g < {limit}")
-        if split == "eval" or not self.shuffle:
-            return g % n
-        epoch = g // n
-        if self._perm is None or self._perm[0] != epoch:
-            self._perm = (epoch, np.random.default_rng([self.seed, epoch]).permutation(n))
-        return int(self._perm[1][g % n])
+    @property
+    def key(self) -> str:
+        """The cache key (the file's name): drafters find the same data by it."""
+        return self.path.name.removesuffix(".safetensors")
+
+    def digest(self, g: int, split: str = "train") -> str:
+        """token_digest of batch g's input_ids."""
+        return token_digest(self.batch(g, split)["input_ids"])
+
+    def row_digests(self, split: str) -> np.ndarray:
+        """[rows, 16] uint8: the token digest of every row of a split, in row order."""
+        out = np.zeros((self.num_batches(split), 16), dtype=np.uint8)
+        for r in range(len(out)):
+            out[r] = np.frombuffer(bytes.fromhex(token_digest(self.row(r, split)["input_ids"])), dtype=np.uint8)
+        return out
 
     def batch(self, g: int, split: str = "train") -> dict[str, torch.Tensor]:
         """input_ids, loss_mask, position_ids, document_ids of batch g: [pack_len] each."""
-        sp = self.splits[split] if split in SPLITS else None
-        r = self.row_of(g, split)
+        return self.row(self.row_of(g, split), split)
+
+    def row(self, r: int, split: str = "train") -> dict[str, torch.Tensor]:
+        sp = self.splits[split]
         d0, d1 = sp.row_start[r], sp.row_start[r + 1]
         t0, t1 = int(sp.doc_start[d0]), int(sp.doc_start[d1])
         lens = sp.doc_lens[d0:d1]

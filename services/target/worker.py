@@ -57,7 +57,7 @@ class TargetWorker:
             mask_token_id=tokenizer.mask_token_id if tokenizer.mask_token_id is not None else -1,
             labels_from_target=cfg.target.labels_from_target, config_digest=batch_config_digest(cfg),
             model_path=str(cfg.target.model_path), capture_path=self.target.path,
-            bad_samples=self.data.bad_samples).to_wire()
+            bad_samples=self.data.bad_samples, data_key=self.data.key).to_wire()
         log.info("capture path: %s", self.target.path)
         if self.target.warning:
             log.warning("%s", self.target.warning)
