@@ -15,7 +15,7 @@ from services.drafter.target_head import TargetHead
 from services.drafter.verifier import LocalVerifier
 from services.target.hybrid import ROLLBACKS
 from tests.greedy import hf_greedy_generate
-from tests.tiny_targets import DENSE_LAYER_IDS, HYBRID_LAYER_IDS, VOCAB, dense_target, hybrid_target, plain_hf, prompt
+from tests.tiny_targets import HYBRID_DEVICES, DENSE_LAYER_IDS, HYBRID_LAYER_IDS, VOCAB, dense_target, hybrid_target, plain_hf, prompt
 
 B = 4
 LAYERS = 4
@@ -27,9 +27,9 @@ def dense():
     return dense_target()
 
 
-@pytest.fixture(scope="module")
-def hybrid():
-    return hybrid_target()
+@pytest.fixture(scope="module", params=HYBRID_DEVICES)
+def hybrid(request):
+    return hybrid_target(device=request.param)
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +48,7 @@ class Oracle:
         assert last_token == self.sequence[start] and features.shape[0] == start   # context: positions < start
         drafts = self.sequence[start + 1:start + self.block_size] + [0] * self.block_size
         drafts = [t if j < self.correct else (t + 1) % VOCAB for j, t in enumerate(drafts[:self.block_size - 1])]
-        return torch.tensor(drafts)
+        return torch.tensor(drafts, device=features.device)
 
 
 def decode(verifier, propose, p, max_new=16, stops=()):
@@ -67,7 +67,7 @@ def random_drafter(target, layer_ids, block_size=B, seed=3):
     model = target.model
     head = TargetHead(model.get_input_embeddings().weight.detach(), model.lm_head.weight.detach())
     torch.manual_seed(seed)
-    return DrafterProposer(eval_drafter(None, cfg, "cpu"), head)
+    return DrafterProposer(eval_drafter(None, cfg, target.device), head)
 
 
 @pytest.mark.parametrize("correct, steps", [(0, [1] * 15), (2, [3] * 5), (B - 1, [4, 4, 4, 3])])

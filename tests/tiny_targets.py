@@ -1,8 +1,10 @@
 """Tiny random targets for the decoding tests, made on the spot and wrapped in the training Target:
-a dense Qwen3 and a Qwen3.5 hybrid (Gated DeltaNet, every 4th layer full attention), fp32 on CPU,
-attention through the packed SDPA function as load_target sets it up."""
+a dense Qwen3 and a Qwen3.5 hybrid (Gated DeltaNet, every 4th layer full attention), fp32 on CPU
+(the hybrid also on CUDA, where flash-linear-attention's kernels run it), attention through the
+packed SDPA function as load_target sets it up."""
 from contextlib import contextmanager
 
+import pytest
 import torch
 
 from services.target.model import PACKED_SDPA, Target, _register_packed_sdpa
@@ -30,7 +32,17 @@ def dense_target(seed: int = 0) -> Target:
     return _wrap(Qwen3ForCausalLM(cfg), DENSE_LAYER_IDS)
 
 
-def hybrid_target(seed: int = 0) -> Target:
+def cuda_with_kernels() -> bool:
+    from services.target.hybrid import fla_delta_rule
+    return torch.cuda.is_available() and fla_delta_rule() is not None
+
+
+# the devices a hybrid decoding test runs on: CUDA only where the kernels are (the GPU path users run)
+HYBRID_DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not cuda_with_kernels(), reason="needs CUDA and flash-linear-attention"))]
+
+
+def hybrid_target(seed: int = 0, device: str = "cpu") -> Target:
     from transformers.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5TextConfig
     torch.manual_seed(seed)
     cfg = Qwen3_5TextConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=8,
@@ -38,8 +50,8 @@ def hybrid_target(seed: int = 0) -> Target:
                             linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
                             linear_conv_kernel_dim=4, max_position_embeddings=512, layer_types=HYBRID_TYPES,
                             tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=0)
-    target = _wrap(Qwen3_5ForCausalLM(cfg), HYBRID_LAYER_IDS)
-    assert target.path == "packed-reference"
+    target = _wrap(Qwen3_5ForCausalLM(cfg).to(device), HYBRID_LAYER_IDS)
+    assert target.path == ("packed-reference" if device == "cpu" else "packed-varlen")
     return target
 
 

@@ -45,6 +45,20 @@ class RowLayout:
     cu_seqlens: torch.Tensor    # [N+1] int32 document boundaries (padding is one more document)
 
 
+def fla_recurrent_rule():
+    """flash-linear-attention's fused recurrent gated delta rule (one kernel, for the few tokens of a
+    decoding step), or None when it cannot be imported."""
+    try:
+        from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
+    except Exception:
+        return None
+    return fused_recurrent_gated_delta_rule
+
+
+# a decoding step of at most this many tokens runs the fused recurrent kernel, a longer one (a prefill) the chunked one
+RECURRENT_TOKENS = 64
+
+
 def fla_delta_rule():
     """flash-linear-attention's chunked gated delta rule, or None when it cannot be imported."""
     try:
@@ -168,6 +182,7 @@ class PackedGatedDeltaNet(nn.Module):
     def __init__(self, layer: nn.Module, row: "RowSlot", kernel=None, index: int = 0):
         super().__init__()
         self.layer, self.row, self.kernel, self.index = layer, row, kernel, index
+        self.recurrent_kernel = fla_recurrent_rule() if kernel is not None else None
 
     def forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         m, row = self.layer, self.row.layout
@@ -212,9 +227,29 @@ class PackedGatedDeltaNet(nn.Module):
         """The delta rule over one sequence from `state` -> (out [T, H, Dv], final state), kernel or torch."""
         if self.kernel is None:
             return recurrent_delta_rule(q, k, v, g, beta, state)[:2]
-        o, final = self.kernel(q[None], k[None], v[None], g=g[None], beta=beta[None], initial_state=state[None],
-                               output_final_state=True, use_qk_l2norm_in_kernel=True)
+        few = self.recurrent_kernel is not None and q.shape[0] <= RECURRENT_TOKENS
+        rule = self.recurrent_kernel if few else self.kernel
+        o, final = rule(q[None], k[None], v[None], g=g[None], beta=beta[None], initial_state=state[None],
+                        output_final_state=True, use_qk_l2norm_in_kernel=True)
         return o[0], final[0]
+
+    def states_per_token(self, q, k, v, g, beta, state):
+        """The rule over a block from `state` -> (out [T, H, Dv], the state after every token [T, H, Dk, Dv]).
+
+        With the fused recurrent kernel: one call over the T prefixes of the block as T sequences
+        (lengths 1..T, each from `state`), whose final states are the states after each token and
+        whose longest one gives the block's output; else token by token in torch.
+        """
+        if self.recurrent_kernel is None:
+            out, _, states = recurrent_delta_rule(q, k, v, g, beta, state, keep_states=True)
+            return out, states
+        t = q.shape[0]
+        index = torch.cat([torch.arange(n) for n in range(1, t + 1)]).to(q.device)
+        cu = torch.tensor([n * (n + 1) // 2 for n in range(t + 1)], dtype=torch.long, device=q.device)
+        o, states = self.recurrent_kernel(q[index][None], k[index][None], v[index][None], g=g[index][None],
+                                          beta=beta[index][None], initial_state=state[None].expand(t, *state.shape).contiguous(),
+                                          output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=cu)
+        return o[0, -t:], states
 
     def _decode(self, x, decode: "DecodeState") -> torch.Tensor:
         """Incremental decoding: x [T, hidden] are the tokens after the layer's state in `decode`."""
@@ -231,7 +266,7 @@ class PackedGatedDeltaNet(nn.Module):
             o, state.recurrent = self.run_rule(q, k, v, g, beta, state.recurrent)
             state.conv = window[mixed.shape[0]:]
         elif decode.rollback == "per-token":
-            o, _, state.block_states = recurrent_delta_rule(q, k, v, g, beta, state.recurrent, keep_states=True)
+            o, state.block_states = self.states_per_token(q, k, v, g, beta, state.recurrent)
         else:
             o, state.block_final = self.run_rule(q, k, v, g, beta, state.recurrent)
             state.block_inputs = (q, k, v, g, beta)
