@@ -19,6 +19,7 @@ from services.drafter.speculative import (Decoded, DrafterProposer, RepeatLast, 
                                           greedy_reference)
 from services.drafter.target_head import TargetHead
 from services.drafter.verifier import LocalVerifier
+from services.target.hybrid import ROLLBACKS
 
 
 def load_eval_target(cfg, device: torch.device):
@@ -29,7 +30,7 @@ def load_eval_target(cfg, device: torch.device):
 
 class SpecEval:
     def __init__(self, cfg, device, *, prompts: int, max_new_tokens: int, target=None, tokenizer=None,
-                 rollback: str = "refeed"):
+                 rollback: str = ROLLBACKS[0]):
         from transformers import AutoTokenizer
         self.device = torch.device(device)
         self.tokenizer = tokenizer or AutoTokenizer.from_pretrained(cfg.target.model_path)

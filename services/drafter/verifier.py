@@ -15,6 +15,7 @@ from typing import Protocol
 
 from services.target.decode import DecodeSession, Step
 from services.target.model import Target
+from services.target.hybrid import ROLLBACKS
 
 
 class Verifier(Protocol):
@@ -28,7 +29,7 @@ class Verifier(Protocol):
 class LocalVerifier:
     """A DecodeSession per prompt on a Target loaded by services.target.model.load_target."""
 
-    def __init__(self, target: Target, rollback: str = "refeed"):
+    def __init__(self, target: Target, rollback: str = ROLLBACKS[0]):
         self.target, self.rollback = target, rollback
         self.session: DecodeSession | None = None
 

@@ -16,8 +16,8 @@ State after commit(n) equals the state after feeding exactly the committed token
     crop touches nothing else;
   - Gated DeltaNet layers (Qwen3.5 / Qwen3.6): hybrid.PackedGatedDeltaNet in decode mode; the conv
     tail and the fp32 recurrent state live in this session (hybrid.DecodeState). `rollback` picks
-    how a rejected suffix is undone: "refeed" (default) re-runs the delta rule over the committed
-    prefix from the state before the block, "per-token" keeps the state after each block token.
+    how a rejected suffix is undone: "per-token" (default) keeps the state after each block token,
+    "refeed" re-runs the delta rule over the committed prefix from the state before the block.
     docs/operations.md says which is faster where, measured by bench/verify_step.py.
 Other layer kinds with recurrent state are refused with their name: no silent wrong rollback.
 """
@@ -87,7 +87,7 @@ def check_decodable(target: Target) -> None:
 class DecodeSession:
     """One prompt's incremental decoding state on `target` (see the top of this file)."""
 
-    def __init__(self, target: Target, rollback: str = "refeed"):
+    def __init__(self, target: Target, rollback: str = hybrid.ROLLBACKS[0]):
         check_decodable(target)
         self.target = target
         self.state = hybrid.DecodeState(rollback)
