@@ -40,10 +40,7 @@ def test_hybrid_demo_trains_exports_and_evaluates(tmp_path):
     assert evals[-1]["tau"] >= max(3.0, 2 * steps[0]["tau"]), (steps[0]["tau"], evals[-1]["tau"])
     assert (run_dir / "export" / "model.safetensors").is_file()
 
-    # --- from here on the asserts wait for the rollback of Gated DeltaNet state in speculative
-    # --- decoding: until it lands the in-training real acceptance switches itself off with a
-    # --- warning ("real speculative decoding failed and is off") and `launcher eval` fails in
-    # --- cache.crop. These are the figures the hybrid demo must reach.
+    # real acceptance on the hybrid: the Gated DeltaNet state rolls back after every rejected draft
     spec = [json.loads(line) for line in (run_dir / "acceptance.jsonl").read_text().splitlines()] \
         if (run_dir / "acceptance.jsonl").is_file() else []
     assert spec and spec[-1].get("final"), "no real acceptance at the end of the run: " + \
@@ -58,7 +55,8 @@ def test_hybrid_demo_trains_exports_and_evaluates(tmp_path):
                          str(run_dir / "export"), "--prompts", "8", "--max-new-tokens", "32"],
                         capture_output=True, text=True, timeout=600)
     assert ev.returncode == 0, ev.stderr[-3000:]
-    assert "lossless 8/8 prompts" in ev.stdout, ev.stdout
+    drafter_line = next(line for line in ev.stdout.splitlines() if line.startswith("drafter"))
+    assert drafter_line.endswith("lossless 8/8"), ev.stdout
     record = json.loads((run_dir / "spec_eval.jsonl").read_text().splitlines()[-1])
     assert record["prompts"] == 8 and record["lossless"] == 8 and record["random"]["lossless"] == 8
     assert record["acceptance_per_prompt"] >= 2 * record["random"]["acceptance_per_prompt"]
