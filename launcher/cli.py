@@ -23,6 +23,7 @@ from launcher import process
 from launcher.models import ModelNotFound, resolve_model_path
 from launcher.progress import describe_window
 from launcher.report import describe_data, describe_export, describe_spec, read_spec
+from launcher.runlock import RunDirBusy, lock_run_dir
 from launcher.supervisor import EXIT_DONE, EXIT_FAILED, EXIT_STOPPED, EXIT_USAGE, RunFailed, Supervisor, probe_all
 from launcher.topology import SpecError, host_overrides, hosts, parse_gpu_spec
 from services import __version__
@@ -175,6 +176,10 @@ def cmd_up(args) -> int:
     if not args.demo:                                      # drafters read the target's head: every host resolves
         _check_inputs(_with_local_model(cfg), runs_targets)
     run_dir, named_here = _choose_run_dir(args, cfg.run.name)
+    try:
+        lock_run_dir(run_dir)              # before anything is written there: one launcher per run dir
+    except RunDirBusy as exc:
+        raise UsageError(str(exc)) from None
     if (run_dir / "run.json").is_file():
         old = json.loads((run_dir / "run.json").read_text())
         if process.alive(old.get("launcher")):          # the recorded launcher itself, not a reused pid
@@ -249,7 +254,8 @@ OUTCOME_EXIT = {"finished": EXIT_DONE, "failed": EXIT_FAILED, "stopped": EXIT_ST
 
 def _row(w: dict, result: tuple[int, dict | None, str]) -> dict:
     code, status, reason = result
-    row = {"name": w["name"], "gpu": w["gpu"], "pid": w["pid"], "probe": code, "reason": reason}
+    row = {"name": w["name"], "gpu": w["gpu"], "pid": w["pid"], "probe": code, "reason": reason,
+           "last_exit": w.get("last_exit")}
     if status:
         row.update({k: status.get(k) for k in ("state", "step", "total_steps", "batches_served", "samples_done",
                                                  "tokens_per_s", "last_progress_age_s", "compile_s", "rss_bytes",
@@ -303,6 +309,7 @@ def cmd_status(args) -> int:
         for r in rows:
             if r.get("warning"):
                 print(f"{r['name']}: warning: {r['warning']}")
+        _print_last_exits(rows)
         if plan:
             print(f"plan: {plan.describe()}")
         if (run_dir / "data.json").is_file():
@@ -314,6 +321,14 @@ def cmd_status(args) -> int:
     if not live and state in OUTCOME_EXIT:
         return OUTCOME_EXIT[state]       # an ended run: its own exit code, not "every worker unreachable"
     return max((r["probe"] for r in rows), default=0)
+
+
+def _print_last_exits(rows: list[dict]) -> None:
+    """Each worker's last exit after it was started (the launcher's words: signal or error line)."""
+    for r in rows:
+        if last := r.get("last_exit"):
+            at = time.strftime("%H:%M:%S", time.localtime(last.get("at", 0)))
+            print(f"{r['name']}: last exit at {at}, code {last['code']}: {last['cause']}")
 
 
 def _read_plan(run_dir: Path) -> Plan | None:
