@@ -18,6 +18,7 @@ one sender's duplicate.
 """
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import signal
@@ -82,7 +83,16 @@ def install(grace_s: float = 600.0) -> threading.Event:
 
     for signum in (*STOP_SIGNALS, PARENT_DIED):
         signal.signal(signum, on_signal)
+    atexit.register(_ignore_while_exiting)
     return STOP
+
+
+def _ignore_while_exiting() -> None:
+    """The work is done (the checkpoint written): a repeat that arrives while the interpreter shuts
+    down must not kill it with an unlisted code. Python gives signals back their default action
+    (terminate) at shutdown unless they are ignored."""
+    for signum in (*STOP_SIGNALS, PARENT_DIED):
+        signal.signal(signum, signal.SIG_IGN)
 
 
 def watch_with_sender(on_signal) -> None:

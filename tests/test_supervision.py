@@ -125,3 +125,33 @@ def test_the_run_dir_lock_names_its_holder_and_dies_with_it(tmp_path):
     lock_run_dir(run_dir)                       # kill -9 released it; the file now names this process
     assert (run_dir / "launcher.lock").read_text() == f"{os.getpid()}\n"
     assert oct((run_dir / "launcher.lock").stat().st_mode & 0o777) == "0o600"
+
+
+LATE = textwrap.dedent("""
+    import time
+    from services import lifecycle
+    stop = lifecycle.install()
+    print("ready", flush=True)
+
+    class Slow:              # work left for the interpreter's shutdown (a big model's teardown)
+        def __del__(self):
+            time.sleep(1.5)
+
+    slow = Slow()
+    stop.wait()
+    print("done", flush=True)
+""")
+
+
+def test_a_repeat_while_the_interpreter_shuts_down_does_not_kill_it():
+    """Python gives signals back their default action (terminate) at shutdown: a repeat arriving
+    then, after the checkpoint was written, must not end the worker with -15 instead of 0."""
+    proc = subprocess.Popen([sys.executable, "-c", LATE], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                            text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert proc.stdout.readline() == "ready\n"
+    proc.send_signal(signal.SIGTERM)
+    assert proc.stdout.readline() == "done\n"
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(PARENT_DIED)
+    assert proc.wait(timeout=30) == 0
