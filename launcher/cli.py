@@ -24,6 +24,7 @@ from launcher.models import ModelNotFound, resolve_model_path
 from launcher.preflight import check_resume, preflight, resumed_line, staged
 from launcher.progress import describe_window
 from launcher.report import describe_data, describe_export, describe_spec, read_spec
+from launcher.runlock import RunDirBusy, lock_run_dir
 from launcher.supervisor import EXIT_DONE, EXIT_FAILED, EXIT_STOPPED, EXIT_USAGE, RunFailed, Supervisor, probe_all
 from launcher.topology import SpecError, host_overrides, hosts, parse_gpu_spec
 from services import __version__
@@ -184,6 +185,9 @@ def cmd_up(args) -> int:
     run_dir, named_here = _choose_run_dir(args, cfg.run.name)
     if args.resume:
         check_resume(run_dir)
+    locked = run_dir.is_dir()          # one launcher per run dir: an existing one is locked before anything
+    if locked:                         # is written in it, a new one as soon as it exists (after `staged`)
+        _lock(run_dir)
     if (run_dir / "run.json").is_file():
         old = json.loads((run_dir / "run.json").read_text())
         if process.alive(old.get("launcher")):          # the recorded launcher itself, not a reused pid
@@ -201,6 +205,8 @@ def cmd_up(args) -> int:
         dump_json(cfg, where / "config.json")
         if runs_targets:
             _prepare_data(where)
+    if not locked:
+        _lock(run_dir)
     sup = Supervisor(run_dir, cfg, workers, args.device, resume=args.resume, host=args.host,
                      ready_timeout_s=args.ready_timeout,
                      stop_timeout_s=args.stop_timeout or cfg.run.stop_timeout_s + 30)
@@ -220,6 +226,13 @@ def cmd_up(args) -> int:
     if code == EXIT_STOPPED:
         print(f"stopped before the end; to continue: {_resume_command(args.argv, run_dir)}", flush=True)
     return code
+
+
+def _lock(run_dir: Path) -> None:
+    try:
+        lock_run_dir(run_dir)
+    except RunDirBusy as exc:
+        raise UsageError(str(exc)) from None
 
 
 def _when_ready(sup: Supervisor, run_dir: Path, named_here: bool, resume: bool):
@@ -270,7 +283,8 @@ OUTCOME_EXIT = {"finished": EXIT_DONE, "failed": EXIT_FAILED, "stopped": EXIT_ST
 
 def _row(w: dict, result: tuple[int, dict | None, str]) -> dict:
     code, status, reason = result
-    row = {"name": w["name"], "gpu": w["gpu"], "pid": w["pid"], "probe": code, "reason": reason}
+    row = {"name": w["name"], "gpu": w["gpu"], "pid": w["pid"], "probe": code, "reason": reason,
+           "last_exit": w.get("last_exit")}
     if status:
         row.update({k: status.get(k) for k in ("state", "step", "total_steps", "batches_served", "samples_done",
                                                  "tokens_per_s", "last_progress_age_s", "compile_s", "rss_bytes",
@@ -328,6 +342,7 @@ def cmd_status(args) -> int:
             if (books := r.get("integrity") or {}).get("nonfinite_batches") or books.get("skipped_steps"):
                 print(f"{r['name']}: {books['nonfinite_batches']} non-finite batches skipped, {books['skipped_steps']} "
                       f"optimizer steps skipped; last: {books['last_nonfinite'] or 'another rank'}")
+        _print_last_exits(rows)
         if plan:
             print(f"plan: {plan.describe()}")
         if (run_dir / "data.json").is_file():
@@ -339,6 +354,14 @@ def cmd_status(args) -> int:
     if not live and state in OUTCOME_EXIT:
         return OUTCOME_EXIT[state]       # an ended run: its own exit code, not "every worker unreachable"
     return max((r["probe"] for r in rows), default=0)
+
+
+def _print_last_exits(rows: list[dict]) -> None:
+    """Each worker's last exit after it was started (the launcher's words: signal or error line)."""
+    for r in rows:
+        if last := r.get("last_exit"):
+            at = time.strftime("%H:%M:%S", time.localtime(last.get("at", 0)))
+            print(f"{r['name']}: last exit at {at}, code {last['code']}: {last['cause']}")
 
 
 def _read_plan(run_dir: Path) -> Plan | None:

@@ -155,7 +155,12 @@ def staged(run_dir: Path):
     except BaseException:
         shutil.rmtree(stage, ignore_errors=True)
         raise
-    os.rename(stage, run_dir)
+    try:
+        os.rename(stage, run_dir)
+    except OSError:                  # another launcher made it meanwhile: that run is the one
+        shutil.rmtree(stage, ignore_errors=True)
+        raise PreflightError(f"{run_dir} appeared while this launcher prepared it: another launcher is starting "
+                             "there; choose another --run-dir") from None
 
 
 # --- resume -----------------------------------------------------------------------------------

@@ -1,8 +1,10 @@
 """Starting and stopping worker processes. No torch here: the launcher never touches CUDA.
 
 Workers are exec'd (subprocess: fork+exec, never a bare fork of this interpreter) with
-PR_SET_PDEATHSIG, so the kernel sends them SIGTERM if the launcher dies, even by kill -9.
-A worker that gets SIGTERM finishes its step and exits; if it hangs, its own deadline kills it.
+PR_SET_PDEATHSIG, so the kernel signals them if the launcher dies, even by kill -9. That signal
+is lifecycle.PARENT_DIED, not SIGTERM: the kernel sends it once per launcher thread the worker
+is handed to, and a worker counts any number of them as one stop request (services/lifecycle.py).
+A worker that gets it, or SIGTERM, finishes its step and exits; if it hangs, its own deadline kills it.
 """
 from __future__ import annotations
 
@@ -15,12 +17,15 @@ from pathlib import Path
 
 import psutil
 
+from services.lifecycle import PARENT_DIED, STOP_SIGNALS
+
 PR_SET_PDEATHSIG = 1
 
 
 def _die_with_parent() -> None:  # runs in the child between fork and exec
     libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    libc.prctl(PR_SET_PDEATHSIG, PARENT_DIED, 0, 0, 0)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)   # the launcher blocks them (lifecycle.watch_with_sender)
 
 
 def spawn(argv: list[str], env: dict[str, str], log_path: Path) -> subprocess.Popen:
@@ -30,7 +35,7 @@ def spawn(argv: list[str], env: dict[str, str], log_path: Path) -> subprocess.Po
     log.write(f"\n===== {time.strftime('%Y-%m-%d %H:%M:%S')} start: {' '.join(argv)}\n".encode())
     try:
         # own session: a Ctrl-C in the terminal reaches the launcher only, which then stops the
-        # workers once, gracefully (a second signal would make them exit hard)
+        # workers once, gracefully
         return subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 preexec_fn=_die_with_parent if sys.platform == "linux" else None,
                                 close_fds=True, start_new_session=True)

@@ -12,9 +12,12 @@ Policy (docs/operations.md):
   a target is in trouble (or was, within run.stall_after_s) is waiting for it, not at fault: it is
   left alone, so a hung target never uses up the drafters' restarts;
 - each role may restart run.max_restarts times over the run; one more failure ends the run (exit 1);
+  a failure no restart can mend (out of memory, a config error, the same error line twice in a
+  row: launcher/causes.py) ends it at once, saying what to change;
 - SIGINT/SIGTERM: graceful stop (drafters checkpoint and exit, then targets), exit 3; a second
   signal during the stop kills every worker at once (a stuck stop would otherwise wait out
-  --stop-timeout);
+  --stop-timeout), but only from a person: 2 s or more after the first, and not from a sender
+  that sent that signal already (services/lifecycle.py, StopRequests);
 - all drafters exit 0: training is done; targets are stopped, exit 0.
 
 Across hosts every launcher supervises the workers of its own host. A host with targets only
@@ -25,7 +28,6 @@ from __future__ import annotations
 
 import errno
 import os
-import signal
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -33,6 +35,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from launcher import process
+from launcher.causes import exit_cause, read_log
 from launcher.progress import ProgressLine
 from launcher.topology import Worker, count
 from services import curve
@@ -41,7 +44,7 @@ from services.config import Config
 from services.endpoints import endpoint, socket_dir
 from services.files import write_json_atomic
 from services.health import probe
-from services.log import message_of
+from services.lifecycle import StopRequests, describe, watch_with_sender
 
 EXIT_DONE, EXIT_FAILED, EXIT_USAGE, EXIT_STOPPED = 0, 1, 2, 3
 PROBE_EVERY_S = 5.0
@@ -96,6 +99,8 @@ class Supervisor:
         self.target_trouble_at = -float("inf")       # the last time a target was in trouble or not ready
         self.last_state: dict[str, str] = {}         # each worker's state at the last probe
         self.stopping = self.forced = False
+        self.stop_requests = StopRequests()
+        self.last_exit: dict[str, dict] = {}          # each worker's last exit: code, cause, time
         self.progress = ProgressLine()
 
     # --- starting ----------------------------------------------------------
@@ -186,7 +191,7 @@ class Supervisor:
             "outcome": self.outcome or {"state": "running"},
             "workers": [dict(asdict(w), name=w.name, pid=self.procs[w.name].pid if w.name in self.procs else None,
                              identity=self.idents.get(w.name), pids_seen=self.pids_seen[w.name],
-                             endpoints=self.endpoints(w))
+                             endpoints=self.endpoints(w), last_exit=self.last_exit.get(w.name))
                         for w in self.workers],
         }
         write_json_atomic(self.run_dir / "run.json", info)
@@ -238,11 +243,27 @@ class Supervisor:
     def _check_exited_during_start(self, w: Worker) -> None:
         rc = self.procs[w.name].poll()
         if rc is not None and not (w.role == "drafter" and rc == 0):
-            tail = self.tail(w)
-            cause = next((message_of(line.strip()) for line in reversed(tail.splitlines()) if line.strip()), "")
+            cause = self.exit_cause(w, rc)
+            advice = f"; {cause.fatal}" if cause.fatal and rc != 2 else ""
             # the first line is the outcome's reason in run.json: it carries the cause, the log follows
-            raise RunFailed(f"{w.name} exited with code {rc} while starting: {cause}\n"
-                            f"last lines of {self.log(w)}:\n{tail}")
+            raise RunFailed(f"{w.name} exited with code {rc} while starting: {cause.text}{advice}\n"
+                            f"last lines of {self.log(w)}:\n{self.tail(w)}")
+
+    def exit_cause(self, w: Worker, rc: int):
+        """Why w exited (kept for run.json and `launcher status`)."""
+        previous = self.last_exit.get(w.name, {}).get("cause", "")
+        cause = exit_cause(w.role, rc, read_log(self.log(w)), previous)
+        self.last_exit[w.name] = {"code": rc, "cause": cause.text, "fatal": cause.fatal, "at": time.time()}
+        return cause
+
+    def exited(self, w: Worker, rc: int) -> str:
+        """The launcher's line for a worker that exited after it was ready; RunFailed when no
+        restart can help."""
+        cause = self.exit_cause(w, rc)
+        line = f"{w.name} exited with code {rc} on gpu {w.gpu}: {cause.text}"
+        if cause.fatal:
+            raise RunFailed(f"{line}; {cause.fatal}")
+        return line
 
     def log(self, w: Worker) -> Path:
         return self.run_dir / "logs" / f"{w.name}.log"
@@ -276,8 +297,8 @@ class Supervisor:
                         self.start(w)
                 elif rc is not None or w.name in trouble:
                     self.target_trouble_at = now
-                    why = f"exited with code {rc}" if rc is not None else trouble[w.name][1]
-                    delay = self._count_restart("target", f"{w.name} {why}")
+                    why = self.exited(w, rc) if rc is not None else f"{w.name} {trouble[w.name][1]}"
+                    delay = self._count_restart("target", why)
                     process.stop_all([self.idents[w.name]], deadline_s=KILL_AFTER_S)   # itself, not its peers
                     restart_due[w.name] = now + delay
             if now - self.target_trouble_at < self.cfg.run.stall_after_s:      # drafters wait for it: not their fault
@@ -314,8 +335,17 @@ class Supervisor:
 
     def _restart_drafter_group(self, drafters: list[Worker], bad: list[Worker], codes: list,
                                trouble: dict[str, tuple[str, str]]) -> None:
-        why = ", ".join(f"{w.name} {trouble[w.name][1] if c is None else f'exited with code {c}'}"
-                        for w, c in zip(drafters, codes) if w in bad)
+        whys, fatal = [], None
+        for w, c in zip(drafters, codes):
+            if w in bad:
+                try:
+                    whys.append(f"{w.name} {trouble[w.name][1]}" if c is None else self.exited(w, c))
+                except RunFailed as exc:
+                    whys.append(str(exc))
+                    fatal = fatal or exc
+        why = ", ".join(whys)
+        if fatal:
+            raise RunFailed(why)
         delay = self._count_restart("drafter", why)
         for w in drafters:
             process.kill_tree(self.idents[w.name])
@@ -354,15 +384,20 @@ class Supervisor:
                                     window=lead.get("window"), train_s=lead.get("train_s"))
 
     # --- stopping ------------------------------------------------------------
-    def request_stop(self, signum, _frame) -> None:
-        if not self.stopping:
+    def request_stop(self, signum: int, sender: int = 0) -> None:
+        verdict = self.stop_requests.classify(signum, sender)
+        if verdict == "stop":
             self.stopping = True
+            return
+        if verdict == "repeat":      # GNU timeout signals the launcher, then its process group
+            # os.write: print() from a signal handler can collide with the main thread's own print
+            os.write(sys.stderr.fileno(), f"\n{describe(signum, sender)} again: the same stop request, "
+                                          f"still stopping gracefully\n".encode())
             return
         # A second Ctrl-C: the user will not wait for the graceful stop. Kill every worker now;
         # the stop in progress (waiting in stop_all) then sees them gone and returns.
         if not self.forced:
             self.forced = True
-            # os.write: print() from a signal handler can collide with the main thread's own print
             os.write(sys.stderr.fileno(), b"\nsecond signal: killing every worker now (no final checkpoint)\n")
         for name in self.procs:
             process.kill_tree(self.idents.get(name))
@@ -372,7 +407,8 @@ class Supervisor:
 
     def shutdown(self) -> int:
         """Graceful stop: drafters first (they checkpoint), then targets, then anything left."""
-        self.progress.done("stopping: drafters checkpoint and exit, then targets (Ctrl-C again to kill them now)")
+        self.progress.done("stopping: drafters checkpoint and exit, then targets "
+                           "(Ctrl-C again, 2 s or more later, to kill them now)")
         drafters = [self.idents.get(w.name) for w in self.local if w.role == "drafter" and w.name in self.procs]
         hard = process.stop_all(drafters, deadline_s=self.stop_timeout_s)
         self.stop_targets()
@@ -381,5 +417,5 @@ class Supervisor:
         return EXIT_STOPPED
 
     def install_signal_handlers(self) -> None:
-        signal.signal(signal.SIGINT, self.request_stop)
-        signal.signal(signal.SIGTERM, self.request_stop)
+        """Before any thread starts: SIGINT/SIGTERM are read with their sender (lifecycle.watch_with_sender)."""
+        watch_with_sender(self.request_stop)

@@ -4,7 +4,7 @@
     1  crashed: anything unexpected; the traceback is in the log, its last line names the error
     2  config error: a bad config, checkpoint or handshake; one line says what, no traceback
 
-143 is a hard exit (lifecycle.py: a second signal, or the stop deadline passed).
+143 is a hard exit (lifecycle.py: a stop signal from a second sender, or the stop deadline passed).
 """
 from __future__ import annotations
 
@@ -18,6 +18,12 @@ OK, CRASHED, CONFIG = 0, 1, 2
 log = logging.getLogger("worker")
 
 
+def error_name(exc: BaseException) -> str:
+    """The exception's name as users search for it: torch.OutOfMemoryError, ValueError."""
+    cls = type(exc)
+    return f"{cls.__module__}.{cls.__qualname__}" if cls.__module__.split(".")[0] == "torch" else cls.__qualname__
+
+
 def exit_code(exc: BaseException, health=None) -> int:
     """Log why the worker ends with `exc` and return its exit code; the health status says it too."""
     if isinstance(exc, lifecycle.Stopped):      # stopped while starting (waiting for a target): nothing to save
@@ -28,7 +34,7 @@ def exit_code(exc: BaseException, health=None) -> int:
         message, code = f"config error: {exc}", CONFIG
         log.error("%s", message)
     else:
-        message, code = f"{type(exc).__name__}: {exc}", CRASHED
+        message, code = f"{error_name(exc)}: {exc}", CRASHED
         log.error("crashed", exc_info=exc)
         log.error("%s", message)                # the last line: the cause the launcher reports
     if health is not None:

@@ -120,7 +120,7 @@ def test_killed_target_is_restarted_and_nothing_is_lost(tmp_path):
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 0, output[-3000:]
-    assert "target-0 exited with code -9; restarting" in output
+    assert "target-0 exited with code -9 on gpu 0: killed by SIGKILL (often the kernel's OOM killer: see `dmesg`); restarting" in output
     run = json.loads((run_dir / "run.json").read_text())
     target = next(w for w in run["workers"] if w["name"] == "target-0")
     assert len(target["pids_seen"]) == 2 and target["pids_seen"][0] == target_pid

@@ -188,11 +188,13 @@ def test_second_ctrl_c_kills_a_stuck_stop(tmp_path):
         time.sleep(1.0)
         proc.send_signal(signal.SIGINT)
         assert "Ctrl-C again" in proc.stdout.readline()            # the graceful stop has begun, and hangs
-        time.sleep(1.0)
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(signal.SIGINT)                             # the same sender again: the same request
+        time.sleep(2.5)
+        subprocess.run(["kill", "-INT", str(proc.pid)], check=True)   # another sender, later: a person
         out, err = proc.communicate(timeout=30)                     # not the 300 s stop timeout
     finally:
         proc.kill()
+    assert f"SIGINT from pid {os.getpid()} again: the same stop request" in err
     assert "second signal: killing every worker now" in err
     assert out.split()[:2] == ["exit", "3"] and float(out.split()[2]) < 20, out
     assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids)
