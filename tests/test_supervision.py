@@ -113,6 +113,7 @@ HOLD = textwrap.dedent("""
 def test_the_run_dir_lock_names_its_holder_and_dies_with_it(tmp_path):
     from launcher.runlock import RunDirBusy, lock_run_dir
     run_dir = tmp_path / "run"
+    run_dir.mkdir()                             # `up` locks a run dir once it exists
     holder = subprocess.Popen([sys.executable, "-c", HOLD, str(run_dir)], stdout=subprocess.PIPE, text=True,
                               env=dict(os.environ, PYTHONPATH=str(ROOT)))
     try:
