@@ -75,41 +75,66 @@ def _l2norm(x: torch.Tensor) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6)
 
 
-def reference_delta_rule(q, k, v, g, beta, cu_seqlens) -> torch.Tensor:
-    """The gated delta rule token by token, restarted at each document (fp32). Slow; CPU and tests.
+def recurrent_delta_rule(q, k, v, g, beta, state, keep_states: bool = False):
+    """The gated delta rule token by token from `state` (fp32). Slow; CPU, tests and per-token states.
 
-    q, k [S, H, Dk], v [S, H, Dv], g (log decay) and beta [S, H] -> [S, H, Dv].
+    q, k [T, H, Dk], v [T, H, Dv], g (log decay) and beta [T, H], state [H, Dk, Dv] ->
+    (out [T, H, Dv], final state [H, Dk, Dv], the state after every token [T, H, Dk, Dv] or None).
     """
     q = _l2norm(q.float()) * q.shape[-1] ** -0.5
     k, v, g, beta = _l2norm(k.float()), v.float(), g.float(), beta.float()
     out = torch.empty_like(v)
+    states = v.new_empty(v.shape[0], *state.shape) if keep_states else None
+    for t in range(q.shape[0]):
+        state = state * g[t].exp()[:, None, None]
+        delta = (v[t] - torch.einsum("hk,hkv->hv", k[t], state)) * beta[t][:, None]
+        state = state + k[t][:, :, None] * delta[:, None, :]
+        out[t] = torch.einsum("hk,hkv->hv", q[t], state)
+        if states is not None:
+            states[t] = state
+    return out, state, states
+
+
+def reference_delta_rule(q, k, v, g, beta, cu_seqlens) -> torch.Tensor:
+    """recurrent_delta_rule restarted at each document: [S, H, Dv]."""
+    out = torch.empty(v.shape, dtype=torch.float32, device=v.device)
     bounds = cu_seqlens.tolist()
     for a, b in zip(bounds[:-1], bounds[1:]):
-        state = q.new_zeros(q.shape[1], q.shape[2], v.shape[2])     # [H, Dk, Dv]
-        for t in range(a, b):
-            state = state * g[t].exp()[:, None, None]
-            delta = (v[t] - torch.einsum("hk,hkv->hv", k[t], state)) * beta[t][:, None]
-            state = state + k[t][:, :, None] * delta[:, None, :]
-            out[t] = torch.einsum("hk,hkv->hv", q[t], state)
+        zero = torch.zeros(q.shape[1], q.shape[2], v.shape[2], device=q.device)     # [H, Dk, Dv]
+        out[a:b] = recurrent_delta_rule(q[a:b], k[a:b], v[a:b], g[a:b], beta[a:b], zero)[0]
     return out
 
 
 class PackedGatedDeltaNet(nn.Module):
     """Stands in for one Gated DeltaNet layer of the target; reads the row layout from `row`."""
 
-    def __init__(self, layer: nn.Module, row: "RowSlot", kernel=None):
+    def __init__(self, layer: nn.Module, row: "RowSlot", kernel=None, index: int = 0):
         super().__init__()
-        self.layer, self.row, self.kernel = layer, row, kernel
+        self.layer, self.row, self.kernel, self.index = layer, row, kernel, index
 
     def forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         m, row = self.layer, self.row.layout
         if hidden_states.shape[0] != 1:
             raise ValueError(f"packed Gated DeltaNet takes one row at a time, got a batch of {hidden_states.shape[0]}")
         x = hidden_states[0]                                                    # [S, hidden]
+        if self.row.decode is not None:
+            return self._decode(x, self.row.decode)[None]
         s = x.shape[0]
         if row is None:   # a plain forward of the model, not a capture: one document
             row = RowLayout(torch.arange(s, device=x.device), torch.tensor([0, s], dtype=torch.int32, device=x.device))
         qkv = document_causal_conv(m.in_proj_qkv(x), m.conv1d.weight[:, 0], row.positions)
+        q, k, v, g, beta = self._rule_inputs(x, qkv)
+        if self.kernel is not None:
+            o, _ = self.kernel(q[None], k[None], v[None], g=g[None], beta=beta[None],
+                               use_qk_l2norm_in_kernel=True, cu_seqlens=row.cu_seqlens)
+            o = o[0]
+        else:
+            o = reference_delta_rule(q, k, v, g, beta, row.cu_seqlens)
+        return self._output(x, o)[None]
+
+    def _rule_inputs(self, x, qkv):
+        """The conv output [S, C] and the layer input [S, hidden] -> the delta rule's q, k, v, g, beta."""
+        m, s = self.layer, x.shape[0]
         q, k, v = torch.split(qkv, [m.key_dim, m.key_dim, m.value_dim], dim=-1)
         q, k = q.reshape(s, m.num_k_heads, m.head_k_dim), k.reshape(s, m.num_k_heads, m.head_k_dim)
         v = v.reshape(s, m.num_v_heads, m.head_v_dim)
@@ -118,20 +143,99 @@ class PackedGatedDeltaNet(nn.Module):
             k = k.repeat_interleave(m.num_v_heads // m.num_k_heads, dim=1)
         beta = m.in_proj_b(x).sigmoid()
         g = -m.A_log.float().exp() * F.softplus(m.in_proj_a(x).float() + m.dt_bias)
-        if self.kernel is not None:
-            o, _ = self.kernel(q[None], k[None], v[None], g=g[None], beta=beta[None],
-                               use_qk_l2norm_in_kernel=True, cu_seqlens=row.cu_seqlens)
-            o = o[0]
-        else:
-            o = reference_delta_rule(q, k, v, g, beta, row.cu_seqlens)
+        return q, k, v, g, beta
+
+    def _output(self, x, o):
+        m, s = self.layer, x.shape[0]
         z = m.in_proj_z(x).reshape(s, m.num_v_heads, m.head_v_dim)
         o = m.norm(o.to(x.dtype).reshape(-1, m.head_v_dim), z.reshape(-1, m.head_v_dim))
-        return m.out_proj(o.reshape(s, m.value_dim))[None]
+        return m.out_proj(o.reshape(s, m.value_dim))
+
+    def run_rule(self, q, k, v, g, beta, state):
+        """The delta rule over one sequence from `state` -> (out [T, H, Dv], final state), kernel or torch."""
+        if self.kernel is None:
+            return recurrent_delta_rule(q, k, v, g, beta, state)[:2]
+        o, final = self.kernel(q[None], k[None], v[None], g=g[None], beta=beta[None], initial_state=state[None],
+                               output_final_state=True, use_qk_l2norm_in_kernel=True)
+        return o[0], final[0]
+
+    def _decode(self, x, decode: "DecodeState") -> torch.Tensor:
+        """Incremental decoding: x [T, hidden] are the tokens after the layer's state in `decode`."""
+        m = self.layer
+        state = decode.layers.get(self.index)
+        if state is None:
+            state = decode.layers[self.index] = LayerState.empty(m, x)
+        mixed = m.in_proj_qkv(x)                                                # [T, C]
+        window = torch.cat([state.conv, mixed])                                 # the K-1 inputs before, then T
+        w = m.conv1d.weight[:, 0]
+        qkv = F.silu(F.conv1d(window.T[None], w[:, None, :].to(x.dtype), groups=w.shape[0])[0].T)
+        q, k, v, g, beta = self._rule_inputs(x, qkv)
+        if not decode.verifying:                                                # prefill: committed at once
+            o, state.recurrent = self.run_rule(q, k, v, g, beta, state.recurrent)
+            state.conv = window[mixed.shape[0]:]
+        elif decode.rollback == "per-token":
+            o, _, state.block_states = recurrent_delta_rule(q, k, v, g, beta, state.recurrent, keep_states=True)
+        else:
+            o, state.block_final = self.run_rule(q, k, v, g, beta, state.recurrent)
+            state.block_inputs = (q, k, v, g, beta)
+        state.block_conv = mixed if decode.verifying else None
+        return self._output(x, o)
+
+
+ROLLBACKS = ("refeed", "per-token")
+
+
+@dataclass
+class LayerState:
+    """One Gated DeltaNet layer's decode state for one sequence, and the verified block not yet committed."""
+    conv: torch.Tensor                          # [K-1, C] the last K-1 conv inputs (zeros before the first token)
+    recurrent: torch.Tensor                     # [H, Dk, Dv] fp32, after the committed tokens
+    block_conv: torch.Tensor | None = None      # [T, C] the block's conv inputs
+    block_states: torch.Tensor | None = None    # per-token: [T, H, Dk, Dv] the state after each block token
+    block_inputs: tuple | None = None           # refeed: the block's (q, k, v, g, beta)
+    block_final: torch.Tensor | None = None     # refeed: the state after the whole block
+
+    @staticmethod
+    def empty(m: nn.Module, x: torch.Tensor) -> "LayerState":
+        conv = x.new_zeros(m.conv1d.weight.shape[-1] - 1, m.conv1d.weight.shape[0])
+        return LayerState(conv, torch.zeros(m.num_v_heads, m.head_k_dim, m.head_v_dim, device=x.device))
+
+    def commit(self, n: int, layer: "PackedGatedDeltaNet") -> None:
+        """Keep the first n tokens of the verified block: the state after exactly those tokens."""
+        window = torch.cat([self.conv, self.block_conv[:n]])
+        self.conv = window[window.shape[0] - self.conv.shape[0]:]
+        if self.block_states is not None:
+            self.recurrent = self.block_states[n - 1]
+        elif n == self.block_conv.shape[0]:
+            self.recurrent = self.block_final
+        else:   # re-feed the committed prefix from the state before the block
+            self.recurrent = layer.run_rule(*(t[:n] for t in self.block_inputs), self.recurrent)[1]
+        self.block_conv = self.block_states = self.block_inputs = self.block_final = None
+
+
+class DecodeState:
+    """Every Gated DeltaNet layer's state for one decoded sequence (set on the RowSlot per forward).
+
+    verifying False: the tokens fed are committed at once (a prefill); True: they are a block that
+    commit(n) then cuts to its first n tokens, by `rollback`:
+      - "refeed": the block runs as one sequence (the kernel on CUDA); its delta-rule inputs are kept,
+        and commit re-runs the rule over the first n of them from the state before the block
+        (the inputs of a committed token do not depend on the tokens after it);
+      - "per-token": the rule runs token by token and keeps the state after each; commit picks one.
+    """
+
+    def __init__(self, rollback: str = "refeed"):
+        if rollback not in ROLLBACKS:
+            raise ValueError(f"rollback must be one of {ROLLBACKS}, got {rollback!r}")
+        self.rollback, self.verifying = rollback, False
+        self.layers: dict[int, LayerState] = {}
 
 
 class RowSlot:
-    """The one RowLayout every packed layer of a model reads; the Target fills it per forward."""
+    """What every packed layer of a model reads: the Target fills it per forward. layout: the packed
+    row of a capture; decode: a DecodeState (services/target/decode.py), which takes precedence."""
     layout: RowLayout | None = None
+    decode: DecodeState | None = None
 
 
 def install(layers: nn.ModuleList, kernel) -> RowSlot | None:
@@ -142,7 +246,7 @@ def install(layers: nn.ModuleList, kernel) -> RowSlot | None:
     if not recurrent or not all(is_packable_gdn(m) for m in recurrent):
         return None
     slot = RowSlot()
-    for layer, mixer in zip(layers, mixers):
+    for i, (layer, mixer) in enumerate(zip(layers, mixers)):
         if mixer is not None:
-            layer.linear_attn = PackedGatedDeltaNet(mixer, slot, kernel)
+            layer.linear_attn = PackedGatedDeltaNet(mixer, slot, kernel, index=i)
     return slot

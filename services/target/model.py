@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -82,6 +83,8 @@ def _sdpa_packed(module, query, key, value, attention_mask, scaling=None, dropou
         raise RuntimeError("sdpa_packed needs doc_spans; this model does not pass attention kwargs through "
                            "(set target.attn_implementation to 'eager' or 'flex_attention')")
     window = kwargs.pop("sliding_window", None)
+    if key.shape[2] != query.shape[2]:   # decoding on top of a KV cache (decode.py)
+        return _sdpa_cached(module, query, key, value, spans, window, scaling)
     cu = kwargs.get("cu_seq_lens_q")
     if window is None and cu is not None and len(spans) > 1 and query.is_cuda and varlen_attention() is not None:
         out = varlen_attention()(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
@@ -98,6 +101,22 @@ def _sdpa_packed(module, query, key, value, attention_mask, scaling=None, dropou
                                       mask, dropout=0.0, scaling=scaling)
         out[:, start:end] = o
     return out, None
+
+
+def _sdpa_cached(module, query, key, value, spans, window, scaling):
+    """q_len new tokens after k_len - q_len cached ones, one document: causal aligned bottom-right
+    (query i is at position k_len - q_len + i), banded for a sliding-window layer."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    q_len, k_len = query.shape[2], key.shape[2]
+    if len(spans) != 1:
+        raise RuntimeError(f"sdpa_packed on a KV cache takes one document, got {len(spans)} spans")
+    mask = None                          # one new token that sees every cached one needs none
+    if q_len > 1 or (window is not None and window < k_len):
+        i = torch.arange(k_len - q_len, k_len, device=query.device)[:, None]
+        j = torch.arange(k_len, device=query.device)[None, :]
+        mask = (j <= i) if window is None else (j <= i) & (i - j < window)
+    return sdpa_attention_forward(module, query, key, value, None if mask is None else mask[None, None],
+                                  dropout=0.0, scaling=scaling, is_causal=False)
 
 
 @functools.cache
@@ -240,6 +259,21 @@ class Target:
         last = self.info.num_layers - 1
         for k, i in enumerate(self.info.layer_ids):
             self.layers[i].register_forward_hook(self._make_hook(slice(k * h, (k + 1) * h), i == deepest, i == last))
+
+    @property
+    def row_slot(self) -> hybrid.RowSlot | None:
+        """The slot the packed Gated DeltaNet layers read (None: no packed recurrent layers)."""
+        return self._row
+
+    @contextmanager
+    def capturing_into(self, out: torch.Tensor):
+        """For one full forward (to the final norm, nothing skipped), the hooks write the captured
+        layers into out [S, K*H]: decode.py's forwards, with the KV cache and logits."""
+        self._out, self._stop_after = out, False
+        try:
+            yield out
+        finally:
+            self._out = None
 
     def _make_hook(self, cols: slice, deepest: bool, last: bool):
         def hook(_module, _args, output):
