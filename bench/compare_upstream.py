@@ -36,7 +36,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))     # `python bench/compare_upstream.py` from a checkout
 
-from services.drafter.speculative import Decoded, SpecEval, load_weights, speculative_generate, summarize  # noqa: E402
+from services.drafter.eval_cli import load_weights  # noqa: E402
+from services.drafter.spec_eval import SpecEval  # noqa: E402
+from services.drafter.speculative import Decoded, speculative_generate, summarize  # noqa: E402
 
 
 def load_upstream(path: str):
@@ -65,12 +67,15 @@ def load_upstream_drafter(module, export: Path, dtype):
 
 
 def upstream_generate(module, drafter, target, prompt: list[int], max_new_tokens: int, stop_ids) -> Decoded:
-    """One prompt through z-lab's loop, as a Decoded (the prefill is a target forward, then one per step)."""
+    """One prompt through z-lab's loop, as a Decoded (the prefill is a target forward, then one per step).
+    target: the HF model of SpecEval's Target, run with HF's own sdpa (upstream passes no document spans)."""
     ids = torch.tensor([prompt], dtype=torch.long, device=target.device)
+    saved, target.config._attn_implementation = target.config._attn_implementation, "sdpa"
     with warnings.catch_warnings():                                      # transformers' past_key_values rename
         warnings.simplefilter("ignore", FutureWarning)
         out = module.dflash_generate(drafter, target, ids, max_new_tokens, list(stop_ids), temperature=0.0,
                                      return_stats=True)
+    target.config._attn_implementation = saved
     steps = [int(n) for n in out.acceptance_lengths]
     return Decoded(out.output_ids[0, len(prompt):].tolist(), steps, 1 + len(steps))
 
@@ -112,17 +117,16 @@ def main(argv=None) -> int:
     if not spec.prompts:
         raise SystemExit(f"compare_upstream: error: no chat prompts in the held-out data of {run_dir}")
     references = spec.references(len(spec.prompts))
-    layer_ids = sorted(model_cfg.target_layer_ids)
 
     propose, ours, t0 = spec.proposer(weights, model_cfg), [], time.perf_counter()
     for prompt in spec.prompts:
-        ours.append(speculative_generate(spec.target, propose, prompt, block_size=model_cfg.block_size,
-                                         layer_ids=layer_ids, max_new_tokens=args.max_new_tokens,
+        ours.append(speculative_generate(spec.verifier, propose, prompt, max_new_tokens=args.max_new_tokens,
                                          stop_ids=spec.stop_ids))
     ours_s = time.perf_counter() - t0
     drafter, theirs, t0 = load_upstream_drafter(module, export, spec.dtype), [], time.perf_counter()
     for prompt in spec.prompts:
-        theirs.append(upstream_generate(module, drafter, spec.target, prompt, args.max_new_tokens, spec.stop_ids))
+        theirs.append(upstream_generate(module, drafter, spec.target.model, prompt, args.max_new_tokens,
+                                        spec.stop_ids))
     theirs_s = time.perf_counter() - t0
 
     result = {"drafter": what, "upstream_sha256": digest, "block_size": model_cfg.block_size,

@@ -452,7 +452,7 @@ def cmd_plan(args) -> int:
 
 
 def _eval_argv(args, run_dir: str, checkpoint: str | None) -> list[str]:
-    argv = [sys.executable, "-m", "services.drafter.speculative", "--run-dir", run_dir,
+    argv = [sys.executable, "-m", "services.drafter.eval_cli", "--run-dir", run_dir,
             "--prompts", str(args.prompts), "--max-new-tokens", str(args.max_new_tokens)]
     if checkpoint:
         argv += ["--checkpoint", checkpoint]

@@ -55,9 +55,10 @@ def read_spec(run_dir: Path) -> tuple[list[dict], dict | None]:
 
 def describe_spec(record: dict, what: str) -> list[str]:
     """Real acceptance in words: the drafter's, and its controls' when the record has them."""
+    from services.drafter.lossless import describe_lossless
     def line(name, r):
         return (f"  {name:<12} {r['acceptance_per_prompt']:.2f} per prompt, {r['acceptance_per_step']:.2f} per step, "
-                f"{r['tokens_per_forward']:.2f} tokens per target forward, lossless {r.get('lossless', '?')}/{r['prompts']}")
+                f"{r['tokens_per_forward']:.2f} tokens per target forward, {describe_lossless(r)}")
     lines = [f"real acceptance ({what}; greedy speculative decoding of {record['prompts']} held-out prompts):",
              line("drafter", record)]
     lines += [line(name.replace("_", "-"), record[name]) for name in ("repeat_last", "random") if name in record]

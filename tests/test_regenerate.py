@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 
-from services.drafter.speculative import greedy_generate
+from tests.greedy import hf_greedy_generate as greedy_generate
 from services.target.regenerate import HFEngine, read_conversations, regenerate
 
 REPO = Path(__file__).resolve().parents[1]

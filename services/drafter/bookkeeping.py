@@ -127,7 +127,7 @@ class Bookkeeping:
             if self.rank != 0 or run.spec_eval_prompts <= 0 or not path or not (Path(path) / "config.json").is_file():
                 return None
             try:
-                from services.drafter.speculative import SpecEval
+                from services.drafter.spec_eval import SpecEval
                 self.spec = SpecEval(self.cfg, self.state.device, prompts=run.spec_eval_prompts,
                                      max_new_tokens=run.spec_eval_max_new_tokens)
                 if not self.spec.prompts:
@@ -161,6 +161,7 @@ class Bookkeeping:
             acceptance_per_prompt=round(result["acceptance_per_prompt"], 3),
             acceptance_per_step=round(result["acceptance_per_step"], 3),
             tokens_per_forward=round(result["tokens_per_forward"], 3), lossless=result["lossless"],
+            near_ties=result["near_ties"],
             prompts=result["prompts"], seconds=result["seconds"],
             **{f"{k}_acceptance_per_prompt": round(result[k]["acceptance_per_prompt"], 3)
                for k in ("repeat_last", "random") if k in result})

@@ -4,42 +4,42 @@ The teacher-forced τ of training and evaluation (loss.acceptance_metrics) score
 blocks against the *labels* at sampled anchors. This module runs the drafter the way an engine
 does (DFlash, arXiv 2602.06036), and counts what the target really accepts:
 
-    prefill   target(prompt) -> hidden features of the captured layers, first token = argmax
+    prefill   verifier.prefill(prompt) -> features of the captured layers, first token = argmax
     step      block = [last accepted token, mask x (B-1)]  at positions start .. start+B-1
               drafter(features of every accepted token, block) -> B-1 drafted tokens (one pass;
               a sliding_attention layer sees only its window, as in training)
-              target(block) in one forward (KV cache of the accepted context) -> greedy tokens
+              verifier.verify([last accepted token] + drafts), one target forward -> greedy tokens
               accept the longest prefix of the drafts equal to the target's greedy tokens, plus
-              the target's own next token; keep the target's features of the accepted tokens
-              and crop its cache to them
+              the target's own next token; verifier.commit(accepted + 1) keeps those block tokens
+              (KV cache and recurrent state rolled back to them) and their features are kept
 
-Greedy verification makes the output the target's own greedy output whatever the drafter does
-(lossless); `evaluate_prompts` checks that against plain greedy decoding on every prompt.
+The Verifier (verifier.py) is the target; a local one runs the training Target's DecodeSession.
+Greedy verification makes the output the target's own greedy output whatever the drafter does;
+`evaluate_prompts` checks that against plain greedy decoding through the same Verifier, one token
+per forward, on every prompt (lossless.py says how a difference reads: near-tie or bug).
 
 Figures (summarize):
   acceptance_per_step     tokens committed per verify step (accepted drafts + 1), pooled over all steps
   acceptance_per_prompt   the same per prompt, then averaged over prompts (z-lab's benchmark figure)
   tokens_per_forward      new tokens / target forwards (the prefill included); plain greedy is 1.0
-  lossless                prompts whose output equals plain greedy decoding, of all prompts
+  lossless                prompts whose output equals plain greedy decoding, of all prompts;
+                          near_ties and differences (lossless.py) for the others
 
 Controls, on the same prompts: "repeat-last" drafts the last accepted token B-1 times; "random"
 is a drafter of the same shape with its initial (random) weights.
 
-    python -m services.drafter.speculative --run-dir runs/latest [--checkpoint DIR] [--prompts 32]
+`launcher eval` (eval_cli.py) runs it on a drafter; spec_eval.SpecEval holds the target and prompts.
 """
 from __future__ import annotations
 
-import argparse
-import json
-import sys
 import time
-from dataclasses import dataclass
-from pathlib import Path
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
 from services.drafter.attention import DenseAttention
+from services.drafter.lossless import first_difference, lossless_figures
 from services.drafter.model import DFlashDrafter, DrafterModelConfig
 from services.drafter.target_head import TargetHead
 
@@ -70,11 +70,10 @@ class DrafterProposer:
         self.block_size = drafter.cfg.block_size
 
     def __call__(self, features: torch.Tensor, last_token: int, start: int) -> torch.Tensor:
-        B, device = self.block_size, features.device
+        B, device, dtype = self.block_size, self.head.embed.device, self.head.embed.dtype
         block = torch.full((B,), self.cfg.mask_token_id, dtype=torch.long, device=device)
         block[0] = last_token
-        dtype = self.head.embed.dtype
-        out = self.drafter(features.to(dtype), self.head.embed_tokens(block),
+        out = self.drafter(features.to(device=device, dtype=dtype), self.head.embed_tokens(block),
                            torch.arange(start, device=device), torch.arange(start, start + B, device=device),
                            block_masks(self.cfg, start, device))
         return (out[1:] @ self.head.lm_head.t()).argmax(-1)
@@ -87,7 +86,7 @@ class RepeatLast:
         self.block_size = block_size
 
     def __call__(self, features, last_token, start):
-        return torch.full((self.block_size - 1,), last_token, dtype=torch.long, device=features.device)
+        return torch.full((self.block_size - 1,), last_token, dtype=torch.long)
 
 
 def eval_drafter(weights: dict, cfg: DrafterModelConfig, device, dtype=torch.float32) -> DFlashDrafter:
@@ -105,87 +104,65 @@ class Decoded:
     tokens: list[int]          # the new tokens (prompt excluded)
     steps: list[int]           # tokens committed by each verify forward: accepted drafts + 1
     target_forwards: int       # the prefill and one per step
+    margins: list[float] = field(default_factory=list)      # per token: top-1 - top-2 logit of the forward that chose it
+    tolerances: list[float] = field(default_factory=list)   # per token: that forward's rounding tolerance
 
 
-def target_forward(target, ids: torch.Tensor, start: int, cache, layer_ids: list[int]):
-    """ids [n] at positions start..start+n-1 on top of `cache` -> (logits [n, V], features [n, K*H]).
-    Layer i is HF hidden_states[i + 1], as captured for training (services/target/model.py)."""
-    positions = torch.arange(start, start + ids.shape[0], device=ids.device)
-    out = target(input_ids=ids[None], position_ids=positions[None], use_cache=True, output_hidden_states=True,
-                 **{_cache_kwarg(target): cache})
-    features = torch.cat([out.hidden_states[i + 1][0] for i in layer_ids], dim=-1)
-    return out.logits[0], features
-
-
-def _cache_kwarg(target) -> str:
-    """transformers 5.x renamed past_key_values to cache."""
-    import inspect
-    return "cache" if "cache" in inspect.signature(target.forward).parameters else "past_key_values"
-
-
-def _crop(cache, length: int) -> None:
-    """Keep the first `length` positions (a negative argument means "remove" in every transformers version)."""
-    remove = cache.get_seq_length() - length
-    if remove > 0:
-        cache.crop(-remove)
-
-
-def _new_cache(target):
-    from transformers import DynamicCache
-    return DynamicCache(config=target.config)
+def _take(step, n: int) -> tuple[list[int], list[float], list[float]]:
+    return step.greedy[:n].tolist(), step.margin[:n].tolist(), step.tolerance[:n].tolist()
 
 
 @torch.no_grad()
-def speculative_generate(target, propose, prompt_ids: list[int], *, block_size: int, layer_ids: list[int],
-                         max_new_tokens: int, stop_ids=()) -> Decoded:
-    """Greedy DFlash decoding of one prompt; `propose` drafts block_size-1 tokens per step."""
-    device = next(target.parameters()).device
+def speculative_generate(verifier, propose, prompt_ids: list[int], *, max_new_tokens: int, stop_ids=()) -> Decoded:
+    """Greedy DFlash decoding of one prompt; `propose` drafts the block's B-1 tokens per step."""
     stop = set(stop_ids)
-    cache = _new_cache(target)
-    prompt = torch.tensor(prompt_ids, dtype=torch.long, device=device)
-    logits, features = target_forward(target, prompt, 0, cache, layer_ids)
-    tokens = [int(logits[-1].argmax())]
-    steps, forwards = [], 1
+    step = verifier.prefill(prompt_ids)
+    features = step.features
+    out = Decoded([int(step.greedy[-1])], [], 1, [float(step.margin[-1])], [float(step.tolerance[-1])])
     start = len(prompt_ids)                        # position of the last accepted token (not yet in the cache)
-    while len(tokens) < max_new_tokens and tokens[-1] not in stop:
-        drafts = propose(features, tokens[-1], start)
-        block = torch.cat([torch.tensor([tokens[-1]], device=device), drafts.to(device)])
-        logits, block_features = target_forward(target, block, start, cache, layer_ids)
-        forwards += 1
-        greedy = logits.argmax(-1)                 # greedy[j]: the target's token after block[:j+1]
-        accepted = int(torch.cumprod((drafts == greedy[:-1]).long(), 0).sum())
-        new = drafts[:accepted].tolist() + [int(greedy[accepted])]
+    while len(out.tokens) < max_new_tokens and out.tokens[-1] not in stop:
+        drafts = propose(features, out.tokens[-1], start).tolist()
+        step = verifier.verify([out.tokens[-1]] + drafts)
+        out.target_forwards += 1
+        greedy, margins, tolerances = _take(step, len(drafts) + 1)   # greedy[j]: the token after block[:j+1]
+        accepted = next((j for j, (d, g) in enumerate(zip(drafts, greedy)) if d != g), len(drafts))
+        new = drafts[:accepted] + [greedy[accepted]]
         for n, token in enumerate(new):            # a stop token or the length limit ends the output
-            if token in stop or len(tokens) + n + 1 >= max_new_tokens:
+            if token in stop or len(out.tokens) + n + 1 >= max_new_tokens:
                 new = new[:n + 1]
                 break
-        tokens += new
-        steps.append(len(new))
-        # the cache and features keep block[:accepted+1], which are now committed tokens; the
-        # target's next token is the next block's first token and enters the cache with it
+        out.tokens += new
+        out.margins += margins[:len(new)]
+        out.tolerances += tolerances[:len(new)]
+        out.steps.append(len(new))
+        # block[:accepted+1] are now committed tokens; the target's next token is the next
+        # block's first token and enters the cache with it
+        verifier.commit(accepted + 1)
         start += accepted + 1
-        _crop(cache, start)
-        features = torch.cat([features, block_features[:accepted + 1]])
-    return Decoded(tokens, steps, forwards)
+        features = torch.cat([features, step.features[:accepted + 1].to(features.device)])
+    return out
 
 
 @torch.no_grad()
-def greedy_generate(target, prompt_ids: list[int], max_new_tokens: int, stop_ids=()) -> list[int]:
-    """The reference: HF generate, plain greedy, one token per target forward."""
-    device = next(target.parameters()).device
-    ids = torch.tensor([prompt_ids], dtype=torch.long, device=device)
-    stops = list(stop_ids)
-    out = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
-                          eos_token_id=stops or None, pad_token_id=stops[0] if stops else 0,
-                          temperature=None, top_p=None, top_k=None)
-    new = out[0, len(prompt_ids):].tolist()
-    for n, token in enumerate(new):
-        if token in stops:
-            return new[:n + 1]
-    return new
+def greedy_reference(verifier, prompt_ids: list[int], max_new_tokens: int, stop_ids=()) -> Decoded:
+    """Plain greedy decoding, one token per target forward through the same verifier: prefill,
+    then verify([token]) + commit(1) per token. Its margins say where the target nearly ties."""
+    stop = set(stop_ids)
+    step = verifier.prefill(prompt_ids)
+    out = Decoded([int(step.greedy[-1])], [], 1, [float(step.margin[-1])], [float(step.tolerance[-1])])
+    while len(out.tokens) < max_new_tokens and out.tokens[-1] not in stop:
+        step = verifier.verify([out.tokens[-1]])
+        verifier.commit(1)
+        out.target_forwards += 1
+        out.steps.append(1)
+        token, margin, tolerance = _take(step, 1)
+        out.tokens += token
+        out.margins += margin
+        out.tolerances += tolerance
+    return out
 
 
-def summarize(results: list[Decoded], references: list[list[int]] | None = None, seconds: float = 0.0) -> dict:
+def summarize(results: list[Decoded], references: list[Decoded] | None = None, seconds: float = 0.0) -> dict:
     """The figures of a set of decoded prompts (module docstring)."""
     steps = [s for r in results for s in r.steps]
     per_prompt = [sum(r.steps) / len(r.steps) for r in results if r.steps]
@@ -197,13 +174,14 @@ def summarize(results: list[Decoded], references: list[list[int]] | None = None,
                                   / max(1, sum(r.target_forwards for r in results))),
            "seconds": round(seconds, 3)}
     if references is not None:
-        out["lossless"] = sum(r.tokens == ref for r, ref in zip(results, references))
+        out.update(lossless_figures([first_difference(r.tokens, ref.tokens, r.margins, r.tolerances,
+                                                      ref.margins, ref.tolerances)
+                                     for r, ref in zip(results, references)]))
     return out
 
 
-def evaluate_prompts(target, propose, prompts: list[list[int]], references: list[list[int]], *, block_size: int,
-                     layer_ids: list[int], max_new_tokens: int, stop_ids=(), budget_s: float = 0.0,
-                     tick=None) -> dict:
+def evaluate_prompts(verifier, propose, prompts: list[list[int]], references: list[Decoded], *,
+                     max_new_tokens: int, stop_ids=(), budget_s: float = 0.0, tick=None) -> dict:
     """Decode prompts in order until done or past budget_s (0 = no limit); figures over those decoded.
     tick: called after every prompt (a worker's health heartbeat)."""
     start, results = time.perf_counter(), []
@@ -212,210 +190,20 @@ def evaluate_prompts(target, propose, prompts: list[list[int]], references: list
             break
         if tick:
             tick()
-        results.append(speculative_generate(target, propose, prompt, block_size=block_size, layer_ids=layer_ids,
-                                            max_new_tokens=max_new_tokens, stop_ids=stop_ids))
+        results.append(speculative_generate(verifier, propose, prompt, max_new_tokens=max_new_tokens,
+                                            stop_ids=stop_ids))
     return summarize(results, references[:len(results)], time.perf_counter() - start)
-
-
-# --- held-out prompts -----------------------------------------------------------------------------
-
-def heldout_prompts(cfg, tokenizer, limit: int) -> list[list[int]]:
-    """Prompts from the held-out split of the run's data (data.eval_path, else the data.eval_fraction
-    lines the target holds out, packing.build_index's rule): each conversation up to its last
-    assistant turn, with the chat template's generation prompt. Pre-tokenized lines carry no
-    prompt and are skipped. Without a held-out split, the last lines of data.path are used."""
-    from services.target.data import normalize_messages
-    from services.target.packing import held_out_indices
-
-    d = cfg.data
-    path = d.eval_path or d.path
-    lines = [t for t in Path(path).read_text(encoding="utf-8").splitlines() if t.strip()]
-    if not d.eval_path:
-        if d.eval_fraction > 0 and len(lines) > 1:
-            # the same choice as the target's split (exact when no line is skipped as bad)
-            lines = [lines[i] for i in held_out_indices(len(lines), d.eval_fraction, cfg.run.seed)]
-        else:
-            lines = lines[::-1]
-    prompts = []
-    for text in lines:
-        if len(prompts) >= limit:
-            break
-        try:
-            record = json.loads(text)
-            messages = normalize_messages(record) if ("messages" in record or "conversations" in record) else None
-        except Exception:
-            continue
-        if not messages:
-            continue
-        last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
-        ids = tokenizer.apply_chat_template(messages[:last], tokenize=True, add_generation_prompt=True,
-                                            return_dict=True)["input_ids"]
-        prompts.append(list(ids))
-    return prompts
-
-
-def stop_token_ids(tokenizer, target) -> list[int]:
-    ids = {tokenizer.eos_token_id}
-    eos = getattr(getattr(target, "generation_config", None), "eos_token_id", None)
-    ids.update(eos if isinstance(eos, list) else [eos])
-    return sorted(i for i in ids if i is not None)
-
-
-# --- one evaluation of a drafter, with its target loaded ------------------------------------------
-
-class SpecEval:
-    """The target, its held-out prompts and their plain greedy outputs, made once; then any
-    drafter (weights) can be evaluated on them."""
-
-    def __init__(self, cfg, device, *, prompts: int, max_new_tokens: int, target=None, tokenizer=None):
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-        self.device = torch.device(device)
-        self.tokenizer = tokenizer or AutoTokenizer.from_pretrained(cfg.target.model_path)
-        if target is None:
-            dtype = torch.float32 if self.device.type == "cpu" else torch.bfloat16
-            target = AutoModelForCausalLM.from_pretrained(cfg.target.model_path, dtype=dtype).to(self.device)
-        self.target = target.eval()
-        self.dtype = next(self.target.parameters()).dtype
-        self.max_new_tokens = max_new_tokens
-        self.stop_ids = stop_token_ids(self.tokenizer, self.target)
-        self.prompts = heldout_prompts(cfg, self.tokenizer, prompts)
-        self._references: list[list[int]] = []
-
-    def references(self, n: int) -> list[list[int]]:
-        """Plain greedy outputs of the first n prompts (computed once, reused at every evaluation)."""
-        while len(self._references) < min(n, len(self.prompts)):
-            prompt = self.prompts[len(self._references)]
-            self._references.append(greedy_generate(self.target, prompt, self.max_new_tokens, self.stop_ids))
-        return self._references[:n]
-
-    def head(self, model_cfg: DrafterModelConfig) -> TargetHead:
-        embed = self.target.get_input_embeddings().weight
-        lm_head = self.target.get_output_embeddings().weight
-        if tuple(embed.shape) != (model_cfg.vocab_size, model_cfg.hidden_size):
-            raise ValueError(f"the target's embedding is {tuple(embed.shape)}, the drafter expects "
-                             f"[{model_cfg.vocab_size}, {model_cfg.hidden_size}]")
-        return TargetHead(embed.detach(), lm_head.detach())
-
-    def proposer(self, weights: dict | None, model_cfg: DrafterModelConfig) -> DrafterProposer:
-        """The drafter (weights; None: its random initial weights) as evaluated here, with the target's head."""
-        return DrafterProposer(eval_drafter(weights, model_cfg, self.device, self.dtype), self.head(model_cfg))
-
-    def run(self, propose, block_size: int, layer_ids: list[int], budget_s: float = 0.0, tick=None) -> dict:
-        # references inside the budget too: the first evaluation computes them
-        start, refs = time.perf_counter(), []
-        for i in range(len(self.prompts)):
-            if budget_s > 0 and refs and time.perf_counter() - start > budget_s / 2:
-                break
-            refs = self.references(i + 1)
-            if tick:
-                tick()
-        left = 0.0 if budget_s <= 0 else max(1e-3, budget_s - (time.perf_counter() - start))
-        return evaluate_prompts(self.target, propose, self.prompts[:len(refs)], refs, block_size=block_size,
-                                layer_ids=sorted(layer_ids), max_new_tokens=self.max_new_tokens,
-                                stop_ids=self.stop_ids, budget_s=left, tick=tick)
-
-    def evaluate(self, weights: dict, model_cfg: DrafterModelConfig, *, controls: bool = False,
-                 budget_s: float = 0.0, seed: int = 0, tick=None) -> dict:
-        """The drafter's figures; with controls also those of repeat-last and a random drafter."""
-        propose = self.proposer(weights, model_cfg)
-        result = self.run(propose, model_cfg.block_size, model_cfg.target_layer_ids, budget_s, tick)
-        if controls:
-            n = result["prompts"]
-            saved, self.prompts = self.prompts, self.prompts[:n]          # the same prompts as the drafter
-            try:
-                result["repeat_last"] = self.run(RepeatLast(model_cfg.block_size), model_cfg.block_size,
-                                                 model_cfg.target_layer_ids, tick=tick)
-                torch.manual_seed(seed)
-                random = self.proposer(None, model_cfg)
-                result["random"] = self.run(random, model_cfg.block_size, model_cfg.target_layer_ids, tick=tick)
-            finally:
-                self.prompts = saved
-        return result
 
 
 def describe(result: dict) -> str:
     """One line per drafter: the figures a user reads."""
+    from services.drafter.lossless import describe_lossless
+
     def line(name, r):
         return (f"{name:<11} acceptance {r['acceptance_per_prompt']:.2f} per prompt, {r['acceptance_per_step']:.2f} "
-                f"per step; {r['tokens_per_forward']:.2f} tokens per target forward; "
-                f"lossless {r.get('lossless', '?')}/{r['prompts']} prompts")
+                f"per step; {r['tokens_per_forward']:.2f} tokens per target forward; {describe_lossless(r)}")
     lines = [line("drafter", result)]
     for name in ("repeat_last", "random"):
         if name in result:
             lines.append(line(name.replace("_", "-"), result[name]))
     return "\n".join(lines)
-
-
-# --- loading a drafter ----------------------------------------------------------------------------
-
-def load_weights(path: str | Path) -> tuple[dict, DrafterModelConfig, str]:
-    """(weights, model config, what) from a checkpoint dir, a run dir (its checkpoints/latest) or an export."""
-    from safetensors.torch import load_file
-
-    path = Path(path)
-    conf = json.loads((path / "config.json").read_text()) if (path / "config.json").is_file() else {}
-    if "DFlashDraftModel" in conf.get("architectures", []):
-        return load_file(str(path / "model.safetensors")), model_config_from_export(conf), f"export {path.resolve()}"
-    from services.drafter.checkpoint import verify
-    from services.drafter.export import resolve_checkpoint
-    ckpt = resolve_checkpoint(path)
-    meta = verify(ckpt)
-    return load_file(str(ckpt / "model.safetensors")), DrafterModelConfig(**meta["model"]), \
-        f"checkpoint {ckpt} (step {meta['step']})"
-
-
-def model_config_from_export(conf: dict) -> DrafterModelConfig:
-    dflash = conf.get("dflash_config") or {}
-    return DrafterModelConfig(
-        hidden_size=conf["hidden_size"], intermediate_size=conf["intermediate_size"],
-        num_attention_heads=conf["num_attention_heads"], num_key_value_heads=conf["num_key_value_heads"],
-        head_dim=conf["head_dim"], vocab_size=conf["vocab_size"], num_target_layers=conf["num_target_layers"],
-        num_hidden_layers=conf["num_hidden_layers"],
-        target_layer_ids=list(dflash.get("target_layer_ids", conf.get("target_layer_ids", []))),
-        block_size=conf["block_size"], mask_token_id=dflash.get("mask_token_id", conf.get("mask_token_id", -1)),
-        rms_norm_eps=conf["rms_norm_eps"], rope_theta=conf["rope_theta"], attention_bias=conf["attention_bias"],
-        max_position_embeddings=conf["max_position_embeddings"], tie_word_embeddings=conf["tie_word_embeddings"],
-        layer_types=list(conf.get("layer_types") or []), sliding_window=conf.get("sliding_window"))
-
-
-def main(argv=None) -> int:
-    from services.config import load_config
-    p = argparse.ArgumentParser(prog="launcher eval", description="Real (greedy) speculative decoding of a drafter "
-                                "with its target on held-out prompts of the run's data.")
-    p.add_argument("--run-dir", default="runs/latest", help="the run: its config.json names the target and the data")
-    p.add_argument("--checkpoint", help="checkpoint dir, export dir, or run dir (default: <run-dir>/checkpoints/latest)")
-    p.add_argument("--prompts", type=int, default=32, help="held-out prompts to decode")
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--no-controls", action="store_true", help="skip the repeat-last and random-drafter controls")
-    p.add_argument("--json", action="store_true", help="print the result as one JSON line")
-    p.add_argument("--threads", type=int, default=1, help="CPU threads (tiny demo models decode fastest on one)")
-    args = p.parse_args(argv)
-    if args.device == "cpu":
-        torch.set_num_threads(args.threads)
-    run_dir = Path(args.run_dir)
-    try:
-        cfg = load_config(run_dir / "config.json")
-        weights, model_cfg, what = load_weights(args.checkpoint or run_dir)
-    except Exception as exc:                    # a bad run dir or checkpoint: one line for the user
-        print(f"eval: error: {exc}", file=sys.stderr)
-        return 2
-    spec = SpecEval(cfg, args.device, prompts=args.prompts, max_new_tokens=args.max_new_tokens)
-    if not spec.prompts:
-        print(f"eval: error: no chat prompts in the held-out data of {run_dir}", file=sys.stderr)
-        return 2
-    result = spec.evaluate(weights, model_cfg, controls=not args.no_controls, seed=cfg.run.seed)
-    record = {"event": "spec_eval", "drafter": what, "block_size": model_cfg.block_size, **result}
-    with open(run_dir / "spec_eval.jsonl", "a") as f:           # `launcher report` shows the latest
-        f.write(json.dumps({**record, "time": round(time.time(), 3)}) + "\n")
-    if args.json:
-        print(json.dumps(record))
-    else:
-        print(f"{what}: {result['prompts']} held-out prompts, block {model_cfg.block_size}, "
-              f"greedy, up to {args.max_new_tokens} new tokens")
-        print(describe(result))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,0 +1,103 @@
+"""`launcher eval`: real (greedy) speculative decoding of a drafter with its target on held-out prompts.
+
+    python -m services.drafter.eval_cli --run-dir runs/latest [--checkpoint DIR] [--prompts 32]
+
+The drafter comes from a checkpoint dir, a run dir (its checkpoints/latest) or an export; the
+target and the data from the run's config.json. The record is appended to <run-dir>/spec_eval.jsonl.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from services.drafter.model import DrafterModelConfig
+from services.drafter.speculative import describe
+from services.target.hybrid import ROLLBACKS
+
+
+# --- loading a drafter ----------------------------------------------------------------------------
+
+def load_weights(path: str | Path) -> tuple[dict, DrafterModelConfig, str]:
+    """(weights, model config, what) from a checkpoint dir, a run dir (its checkpoints/latest) or an export."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    conf = json.loads((path / "config.json").read_text()) if (path / "config.json").is_file() else {}
+    if "DFlashDraftModel" in conf.get("architectures", []):
+        return load_file(str(path / "model.safetensors")), model_config_from_export(conf), f"export {path.resolve()}"
+    from services.drafter.checkpoint import verify
+    from services.drafter.export import resolve_checkpoint
+    ckpt = resolve_checkpoint(path)
+    meta = verify(ckpt)
+    return load_file(str(ckpt / "model.safetensors")), DrafterModelConfig(**meta["model"]), \
+        f"checkpoint {ckpt} (step {meta['step']})"
+
+
+def model_config_from_export(conf: dict) -> DrafterModelConfig:
+    dflash = conf.get("dflash_config") or {}
+    return DrafterModelConfig(
+        hidden_size=conf["hidden_size"], intermediate_size=conf["intermediate_size"],
+        num_attention_heads=conf["num_attention_heads"], num_key_value_heads=conf["num_key_value_heads"],
+        head_dim=conf["head_dim"], vocab_size=conf["vocab_size"], num_target_layers=conf["num_target_layers"],
+        num_hidden_layers=conf["num_hidden_layers"],
+        target_layer_ids=list(dflash.get("target_layer_ids", conf.get("target_layer_ids", []))),
+        block_size=conf["block_size"], mask_token_id=dflash.get("mask_token_id", conf.get("mask_token_id", -1)),
+        rms_norm_eps=conf["rms_norm_eps"], rope_theta=conf["rope_theta"], attention_bias=conf["attention_bias"],
+        max_position_embeddings=conf["max_position_embeddings"], tie_word_embeddings=conf["tie_word_embeddings"],
+        layer_types=list(conf.get("layer_types") or []), sliding_window=conf.get("sliding_window"))
+
+
+def main(argv=None) -> int:
+    from services.config import load_config
+    p = argparse.ArgumentParser(prog="launcher eval", description="Real (greedy) speculative decoding of a drafter "
+                                "with its target on held-out prompts of the run's data.")
+    p.add_argument("--run-dir", default="runs/latest", help="the run: its config.json names the target and the data")
+    p.add_argument("--checkpoint", help="checkpoint dir, export dir, or run dir (default: <run-dir>/checkpoints/latest)")
+    p.add_argument("--prompts", type=int, default=32, help="held-out prompts to decode")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--no-controls", action="store_true", help="skip the repeat-last and random-drafter controls")
+    p.add_argument("--json", action="store_true", help="print the result as one JSON line")
+    p.add_argument("--threads", type=int, default=1, help="CPU threads (tiny demo models decode fastest on one)")
+    p.add_argument("--rollback", choices=ROLLBACKS, default=ROLLBACKS[0],
+                   help="how a hybrid target's Gated DeltaNet state drops rejected drafts (docs/operations.md)")
+    args = p.parse_args(argv)
+    if args.device == "cpu":
+        torch.set_num_threads(args.threads)
+    run_dir = Path(args.run_dir)
+    try:
+        cfg = load_config(run_dir / "config.json")
+        weights, model_cfg, what = load_weights(args.checkpoint or run_dir)
+    except Exception as exc:                    # a bad run dir or checkpoint: one line for the user
+        print(f"eval: error: {exc}", file=sys.stderr)
+        return 2
+    from services.drafter.spec_eval import SpecEval
+    try:
+        spec = SpecEval(cfg, args.device, prompts=args.prompts, max_new_tokens=args.max_new_tokens,
+                        rollback=args.rollback)
+    except Exception as exc:                    # the target cannot be loaded or decoded: one line
+        print(f"eval: error: {exc}", file=sys.stderr)
+        return 2
+    if not spec.prompts:
+        print(f"eval: error: no chat prompts in the held-out data of {run_dir}", file=sys.stderr)
+        return 2
+    result = spec.evaluate(weights, model_cfg, controls=not args.no_controls, seed=cfg.run.seed)
+    record = {"event": "spec_eval", "drafter": what, "block_size": model_cfg.block_size, **result}
+    with open(run_dir / "spec_eval.jsonl", "a") as f:           # `launcher report` shows the latest
+        f.write(json.dumps({**record, "time": round(time.time(), 3)}) + "\n")
+    if args.json:
+        print(json.dumps(record))
+    else:
+        print(f"{what}: {result['prompts']} held-out prompts, block {model_cfg.block_size}, "
+              f"greedy, up to {args.max_new_tokens} new tokens")
+        print(describe(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,91 @@
+"""One evaluation of drafters by real speculative decoding: the target, its held-out prompts and
+their plain greedy outputs, made once; then any drafter (weights) is decoded on them.
+
+The target is loaded by services.target.model.load_target (the training capture's own loader,
+hooks and packed Gated DeltaNet layers) in fp32 on CPU and in target.dtype elsewhere, and runs
+through a LocalVerifier (verifier.py).
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import torch
+
+from services.drafter.model import DrafterModelConfig
+from services.drafter.prompts import heldout_prompts, stop_token_ids
+from services.drafter.speculative import (Decoded, DrafterProposer, RepeatLast, eval_drafter, evaluate_prompts,
+                                          greedy_reference)
+from services.drafter.target_head import TargetHead
+from services.drafter.verifier import LocalVerifier
+
+
+def load_eval_target(cfg, device: torch.device):
+    from services.target.model import load_target
+    target_cfg = dataclasses.replace(cfg.target, dtype="float32") if device.type == "cpu" else cfg.target
+    return load_target(target_cfg, device, num_draft_layers=cfg.drafter.num_layers)
+
+
+class SpecEval:
+    def __init__(self, cfg, device, *, prompts: int, max_new_tokens: int, target=None, tokenizer=None,
+                 rollback: str = "refeed"):
+        from transformers import AutoTokenizer
+        self.device = torch.device(device)
+        self.tokenizer = tokenizer or AutoTokenizer.from_pretrained(cfg.target.model_path)
+        self.target = target if target is not None else load_eval_target(cfg, self.device)   # a Target
+        self.verifier = LocalVerifier(self.target, rollback)
+        self.dtype = self.target.model.dtype
+        self.max_new_tokens = max_new_tokens
+        self.stop_ids = stop_token_ids(self.tokenizer, self.target.model)
+        self.prompts = heldout_prompts(cfg, self.tokenizer, prompts)
+        self._references: list[Decoded] = []
+
+    def references(self, n: int) -> list[Decoded]:
+        """Plain greedy outputs of the first n prompts (computed once, reused at every evaluation)."""
+        while len(self._references) < min(n, len(self.prompts)):
+            prompt = self.prompts[len(self._references)]
+            self._references.append(greedy_reference(self.verifier, prompt, self.max_new_tokens, self.stop_ids))
+        return self._references[:n]
+
+    def head(self, model_cfg: DrafterModelConfig) -> TargetHead:
+        embed = self.target.model.get_input_embeddings().weight
+        lm_head = self.target.model.get_output_embeddings().weight
+        if tuple(embed.shape) != (model_cfg.vocab_size, model_cfg.hidden_size):
+            raise ValueError(f"the target's embedding is {tuple(embed.shape)}, the drafter expects "
+                             f"[{model_cfg.vocab_size}, {model_cfg.hidden_size}]")
+        if sorted(model_cfg.target_layer_ids) != list(self.target.info.layer_ids):
+            raise ValueError(f"the drafter reads target layers {sorted(model_cfg.target_layer_ids)}, the target "
+                             f"captures {self.target.info.layer_ids} (target.layer_ids of the run's config)")
+        return TargetHead(embed.detach(), lm_head.detach())
+
+    def proposer(self, weights: dict | None, model_cfg: DrafterModelConfig) -> DrafterProposer:
+        """The drafter (weights; None: its random initial weights) as evaluated here, with the target's head."""
+        return DrafterProposer(eval_drafter(weights, model_cfg, self.device, self.dtype), self.head(model_cfg))
+
+    def run(self, propose, budget_s: float = 0.0, tick=None) -> dict:
+        # references inside the budget too: the first evaluation computes them
+        start, refs = time.perf_counter(), []
+        for i in range(len(self.prompts)):
+            if budget_s > 0 and refs and time.perf_counter() - start > budget_s / 2:
+                break
+            refs = self.references(i + 1)
+            if tick:
+                tick()
+        left = 0.0 if budget_s <= 0 else max(1e-3, budget_s - (time.perf_counter() - start))
+        return evaluate_prompts(self.verifier, propose, self.prompts[:len(refs)], refs,
+                                max_new_tokens=self.max_new_tokens, stop_ids=self.stop_ids, budget_s=left, tick=tick)
+
+    def evaluate(self, weights: dict, model_cfg: DrafterModelConfig, *, controls: bool = False,
+                 budget_s: float = 0.0, seed: int = 0, tick=None) -> dict:
+        """The drafter's figures; with controls also those of repeat-last and a random drafter."""
+        result = self.run(self.proposer(weights, model_cfg), budget_s, tick)
+        if controls:
+            n = result["prompts"]
+            saved, self.prompts = self.prompts, self.prompts[:n]          # the same prompts as the drafter
+            try:
+                result["repeat_last"] = self.run(RepeatLast(model_cfg.block_size), tick=tick)
+                torch.manual_seed(seed)
+                result["random"] = self.run(self.proposer(None, model_cfg), tick=tick)
+            finally:
+                self.prompts = saved
+        return result
