@@ -50,7 +50,7 @@ def hf_torch_hybrid(monkeypatch):
 END_TO_END = {"test_e2e", "test_demo", "test_training_lifecycle", "test_multihost", "test_drafter_zmq",
               "test_drafter_process", "test_checkpoint", "test_checkpoint_faults", "test_target_worker",
               "test_report", "test_launcher_runs", "test_launcher_plan", "test_export", "test_transport",
-              "test_checkpoint_background"}
+              "test_checkpoint_background", "test_verify"}
 
 
 def pytest_collection_modifyitems(items):

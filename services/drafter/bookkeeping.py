@@ -53,6 +53,7 @@ class Bookkeeping:
         self.boundary = state.counters()               # counters at the last optimizer step: what a checkpoint saves
         self.logged_step = state.step
         self.spec = None                               # SpecEval once loaded; False when unavailable
+        self.models_in_process = None                  # HF models in this process, counted at the first real eval
         self.acceptance = self.run_dir / ACCEPTANCE_FILE
         if rank == 0:
             truncate_jsonl(self.acceptance, state.step)  # a resume continues the curve, as metrics.jsonl does
@@ -156,9 +157,10 @@ class Bookkeeping:
             log.warning(f"real speculative decoding failed and is off: {type(exc).__name__}: {exc}")
             self.spec = False
             return None
-        if "target_models_in_process" not in self.health.snapshot():     # once: the targets verify, not this process
+        if self.models_in_process is None:      # once: the targets verify, this process holds no target model
             from services.drafter.remote_eval import models_in_process
-            self.health.set(target_models_in_process=models_in_process(), spec_eval_verifier="target workers")
+            self.models_in_process = models_in_process()
+            self.health.set(target_models_in_process=self.models_in_process, spec_eval_verifier="target workers")
         self.health.progress(spec_eval_seconds_per_prompt=result.get("seconds_per_prompt"),
                              spec_eval_skipped=result.get("skipped", 0))
         record = {"step": self.state.step, "spec": True, **({"final": True} if final else {}), **result}
@@ -170,6 +172,7 @@ class Bookkeeping:
             tokens_per_forward=round(result["tokens_per_forward"], 3), lossless=result["lossless"],
             near_ties=result["near_ties"],
             prompts=result["prompts"], seconds=result["seconds"], skipped=result.get("skipped", 0),
+            seconds_per_prompt=result.get("seconds_per_prompt"), target_models_in_process=self.models_in_process,
             **{f"{k}_acceptance_per_prompt": round(result[k]["acceptance_per_prompt"], 3)
                for k in ("repeat_last", "random") if k in result})
         return record
