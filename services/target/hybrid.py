@@ -16,6 +16,12 @@ Everything else in the layer (projections, gated norm, output projection) is per
 once over the whole row, which is where the speed comes from: a chat row of 8192 tokens holds
 about 160 documents, and one forward per document ran 18x slower than one forward per row.
 
+Decoding (services/target/decode.py) uses the same modules in a decode mode: when the slot holds
+a DecodeState, each layer continues from its conv tail and fp32 recurrent state instead of
+restarting, and a verified block can be cut back to its first n tokens (DecodeState says how).
+transformers' own cache layers for linear attention are not used: their past-state recording
+differs between 5.x releases.
+
 The math follows transformers' Qwen3_5GatedDeltaNet (itself from the Qwen3-Next release) and
 flash-linear-attention's `chunk_gated_delta_rule` (github.com/fla-org/flash-linear-attention).
 """

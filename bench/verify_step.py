@@ -1,0 +1,172 @@
+"""Speculative verification on one GPU: time per verify step of a hybrid target, by rollback method.
+
+    python bench/verify_step.py                                   # 27b-hybrid shape, all 64 layers
+    python bench/verify_step.py --layers 16 --context 1024        # a quarter of the layers
+    python bench/verify_step.py --lossless                        # tiny hybrid: spec decoding == greedy
+
+A random-weight model of a real shape (bench/shapes.py), built on the GPU in bf16, wrapped in the
+training Target (services/target/model.py: packed Gated DeltaNet layers, flash-linear-attention's
+kernel when it imports) and decoded through services/target/decode.py's DecodeSession. After a
+prefill of --context tokens, each step verifies a block of --block tokens and commits k of them
+(k cycles through 1, B/4, B/2, B: rejected drafts, partly and fully accepted), for each method:
+  refeed      the block runs as one sequence; commit re-runs the delta rule over the kept prefix
+  per-token   the rule runs token by token and keeps every state; commit picks one
+and, as the yardstick, a plain one-token forward (verify([t]) + commit(1), the greedy reference).
+Prints one JSON object: milliseconds per verify, per commit, per step, and peak memory.
+
+--lossless runs real speculative decoding on the tiny-hybrid shape (bf16 on CUDA, the kernels when
+they import; lm_head scaled by --logit-scale for a peaked target like a trained one) with a
+random drafter (drafts mostly rejected), drafts equal to the greedy reference (all accepted) and
+drafts right for 2 tokens then wrong, under both methods, against plain greedy decoding through
+the same session; exit status 1 when a prompt differs by more than a near-tie.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # run as a script from anywhere
+from bench.shapes import HYBRID, text_config  # noqa: E402
+from bench.timing import sync  # noqa: E402
+from services import layers as layer_rule  # noqa: E402
+from services.target import hybrid  # noqa: E402
+from services.target.decode import DecodeSession  # noqa: E402
+from services.target.model import PACKED_SDPA, Target, _register_packed_sdpa  # noqa: E402
+
+
+def build_target(shape: str, num_layers: int | None, device: str, dtype: torch.dtype, logit_scale: float = 1.0):
+    from transformers import AutoModelForCausalLM
+    cfg = text_config(shape)
+    if num_layers:
+        cfg.num_hidden_layers = num_layers
+        cfg.layer_types = cfg.layer_types[:num_layers]
+    _register_packed_sdpa()
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation="sdpa")
+    model.config._attn_implementation = PACKED_SDPA
+    if logit_scale != 1.0:
+        with torch.no_grad():
+            model.lm_head.weight.mul_(logit_scale)
+    ids = layer_rule.resolve_layer_ids([], cfg.num_hidden_layers, 5)
+    return Target(model.eval().requires_grad_(False), ids)
+
+
+def time_steps(target: Target, method: str, context: list[int], block: int, iters: int, gen) -> dict:
+    session = DecodeSession(target, method)
+    session.prefill(context)
+    keeps = [1, max(1, block // 4), max(1, block // 2), block]
+    verify_s = commit_s = 0.0
+    for i in range(iters + 2):                                   # two warmup steps
+        ids = torch.randint(0, target.info.vocab_size, (block,), generator=gen).tolist()
+        sync()
+        t0 = time.perf_counter()
+        session.verify(ids)
+        sync()
+        t1 = time.perf_counter()
+        session.commit(keeps[i % len(keeps)])
+        sync()
+        if i >= 2:
+            verify_s, commit_s = verify_s + t1 - t0, commit_s + time.perf_counter() - t1
+    ms = lambda s: round(1000 * s / iters, 3)  # noqa: E731
+    return {"verify_ms": ms(verify_s), "commit_ms": ms(commit_s), "step_ms": ms(verify_s + commit_s)}
+
+
+def bench_steps(args) -> dict:
+    device = args.device
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    target = build_target(args.shape, args.layers, device, dtype)
+    gen = torch.Generator().manual_seed(1)
+    context = torch.randint(0, target.info.vocab_size, (args.context,), generator=gen).tolist()
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    result = {"shape": args.shape, "layers": target.info.num_layers, "context": args.context, "block": args.block,
+              "iters": args.iters, "dtype": str(dtype).removeprefix("torch."), "capture_path": target.path,
+              "fla": hybrid.fla_delta_rule() is not None, "device": torch.cuda.get_device_name() if device == "cuda"
+              else "cpu", "torch": torch.__version__, "transformers": __import__("transformers").__version__}
+    for method in hybrid.ROLLBACKS:
+        result[method] = time_steps(target, method, context, args.block, args.iters, gen)
+    result["plain_one_token"] = time_steps(target, "refeed", context, 1, args.iters, gen)
+    if device == "cuda":
+        result["peak_memory_gib"] = round(torch.cuda.max_memory_allocated() / 2 ** 30, 2)
+    return result
+
+
+class Oracle:
+    """Drafts the greedy reference's continuation: right for `correct` drafts of each block, then wrong."""
+
+    def __init__(self, sequence: list[int], correct: int, block: int, vocab: int):
+        self.sequence, self.correct, self.block, self.vocab = sequence, correct, block, vocab
+
+    def __call__(self, features, last_token, start):
+        drafts = (self.sequence[start + 1:start + self.block] + [0] * self.block)[:self.block - 1]
+        return torch.tensor([t if j < self.correct else (t + 1) % self.vocab for j, t in enumerate(drafts)])
+
+
+def bench_lossless(args) -> dict:
+    from services.drafter.lossless import describe_lossless, is_lossless
+    from services.drafter.model import DrafterModelConfig
+    from services.drafter.speculative import (DrafterProposer, eval_drafter, greedy_reference, speculative_generate,
+                                              summarize)
+    from services.drafter.target_head import TargetHead
+    from services.drafter.verifier import LocalVerifier
+    device = args.device
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    target = build_target("tiny-hybrid", None, device, dtype, args.logit_scale)
+    shape, block = HYBRID["tiny-hybrid"], args.block
+    cfg = DrafterModelConfig(hidden_size=shape["hidden_size"], intermediate_size=shape["intermediate_size"],
+                             num_attention_heads=4, num_key_value_heads=2, head_dim=64, vocab_size=shape["vocab_size"],
+                             num_target_layers=target.info.num_layers, num_hidden_layers=1,
+                             target_layer_ids=target.info.layer_ids, block_size=block, mask_token_id=0)
+    model = target.model
+    head = TargetHead(model.get_input_embeddings().weight.detach(), model.lm_head.weight.detach())
+    torch.manual_seed(3)
+    random = DrafterProposer(eval_drafter(None, cfg, device, dtype), head)
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, shape["vocab_size"], (int(n),), generator=gen).tolist()
+               for n in torch.randint(8, 200, (args.prompts,), generator=gen)]
+    out = {"shape": "tiny-hybrid", "dtype": str(dtype).removeprefix("torch."), "capture_path": target.path,
+           "fla": hybrid.fla_delta_rule() is not None, "block": block, "prompts": args.prompts,
+           "max_new_tokens": args.max_new_tokens, "logit_scale": args.logit_scale, "ok": True}
+    for method in hybrid.ROLLBACKS:
+        verifier = LocalVerifier(target, method)
+        refs = [greedy_reference(verifier, p, args.max_new_tokens) for p in prompts]
+        for name, make in (("random", lambda ref, p: random),
+                           ("all-accepted", lambda ref, p: Oracle(p + ref.tokens, block - 1, block, shape["vocab_size"])),
+                           ("2-then-wrong", lambda ref, p: Oracle(p + ref.tokens, 2, block, shape["vocab_size"]))):
+            decoded = [speculative_generate(verifier, make(ref, p), p, max_new_tokens=args.max_new_tokens)
+                       for ref, p in zip(refs, prompts)]
+            s = summarize(decoded, refs)
+            out[f"{method}/{name}"] = {"summary": describe_lossless(s), "acceptance_per_step": round(
+                s["acceptance_per_step"], 3), "lossless": s["lossless"], "near_ties": s["near_ties"],
+                "differences": s["differences"]}
+            out["ok"] = out["ok"] and is_lossless(s)
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shape", default="27b-hybrid", choices=sorted(HYBRID))
+    p.add_argument("--layers", type=int, default=None, help="decoder layers (default: the shape's; fewer to fit)")
+    p.add_argument("--context", type=int, default=1536, help="prompt tokens before the timed steps")
+    p.add_argument("--block", type=int, default=16, help="block size B (verified tokens per step)")
+    p.add_argument("--iters", type=int, default=12, help="timed steps per method")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--lossless", action="store_true", help="the tiny-hybrid lossless check instead of the timing")
+    p.add_argument("--prompts", type=int, default=8, help="--lossless: prompts")
+    p.add_argument("--max-new-tokens", type=int, default=48, help="--lossless: tokens per prompt")
+    p.add_argument("--logit-scale", type=float, default=20.0, help="--lossless: lm_head scale (a peaked target)")
+    args = p.parse_args(argv)
+    with torch.no_grad():
+        result = bench_lossless(args) if args.lossless else bench_steps(args)
+    print(json.dumps(result))
+    return 0 if result.get("ok", True) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
