@@ -2,6 +2,7 @@
 
     python bench/e2e.py --gpus 0:target,1:drafter --shape 27b-hybrid --steps 60 --out $OUT/e2e.json
     python bench/e2e.py --gpus 0:target,0:drafter --shape 8b --steps 200 --drafter-json $OUT/drafter.json
+    python bench/e2e.py --gpus 0:target,0:drafter --share-gpus --shape 27b-hybrid --steps 40 --eval-every 10 --no-alone
 
 1. Assets: a random-weight target of the shape (bench/shapes.py; hybrid shapes are saved as the
    composite Qwen3_5ForConditionalGeneration checkpoint, like the real Qwen3.6-27B) with the demo's
@@ -13,6 +14,13 @@
 It prints trained tok/s in steady state (metrics after --skip steps), the drafter data-wait, and
 the efficiency against the ideal: separate GPUs, min(targets x A, drafters x B); shared GPUs, the
 harmonic combination 1 / (1/A + 1/B) per GPU. Without B, the ideal is the target side's alone.
+A runs in a child process, so its model and CUDA context are gone before the service starts.
+
+With --eval-every E the run evaluates every E steps (held-out tau and real acceptance, verified by
+the target worker), and the same run gives the eval on/off comparison: trained tok/s over the steps
+whose log window holds no evaluation (off) and over all steps including the evaluations (on), drafter
+rank 0's peak GPU memory before the first evaluation (off) and at the end (on), and the real-
+acceptance eval's seconds per prompt (drafter-0's spec_eval events).
 """
 from __future__ import annotations
 
@@ -85,6 +93,48 @@ def target_alone(overrides: list[str], work: Path, rows: int, warmup: int) -> di
     return result
 
 
+def target_alone_in_child(overrides: list[str], work: Path, rows: int, warmup: int) -> dict:
+    """target_alone in a spawned process: when it returns, its GPU memory is free for the service."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(target_alone, overrides, work, rows, warmup).result()
+
+
+def eval_on_off(run_dir: Path, metrics: list[dict], every: int, skip: int) -> dict:
+    """The eval on/off comparison of one run with run.eval_every = every (module docstring)."""
+    rows = [m for m in metrics if not m.get("eval") and m["step"] > skip]
+    after_eval = [m for m in rows if (m["step"] - 1) % every == 0 and m["step"] > 1]   # window holds an eval
+    def rate(ms):
+        tokens = sum(m["tokens_done"] - p["tokens_done"] for p, m in zip(ms, ms[1:]) if m["step"] == p["step"] + 1)
+        seconds = sum((m["tokens_done"] - p["tokens_done"]) / m["tokens_per_s"] for p, m in zip(ms, ms[1:])
+                      if m["step"] == p["step"] + 1 and m["tokens_per_s"] > 0)
+        return tokens / seconds if seconds else None
+    off = [m for m in rows if m not in after_eval]
+    events = []
+    log_file = run_dir / "logs" / "drafter-0.log"
+    for line in (log_file.read_text().splitlines() if log_file.exists() else []):
+        if '"event": ' in line:
+            try:
+                events.append(json.loads(line.split(" ", 2)[2]))
+            except (IndexError, json.JSONDecodeError):
+                pass
+    steps = [e for e in events if e.get("event") == "step"]
+    specs = [e for e in events if e.get("event") == "spec_eval" and not e.get("final")]
+    first_eval = every
+    peak_off = max((e.get("gpu_mem_bytes", 0) for e in steps if e["step"] <= first_eval), default=0)
+    peak_on = max((e.get("gpu_mem_bytes", 0) for e in steps), default=0)
+    on, off_rate = rate(rows), rate(off)
+    return {"eval_every": every, "tok_s_eval_off": off_rate, "tok_s_eval_on": on,
+            "tok_s_ratio": on / off_rate if on and off_rate else None,
+            "drafter0_peak_gib_eval_off": round(peak_off / 2 ** 30, 3),
+            "drafter0_peak_gib_eval_on": round(peak_on / 2 ** 30, 3),
+            "spec_evals": len(specs), "spec_seconds_per_prompt": [e.get("seconds_per_prompt") for e in specs],
+            "spec_seconds": [e.get("seconds") for e in specs], "spec_skipped": [e.get("skipped") for e in specs],
+            "spec_acceptance_per_step": [e.get("acceptance_per_step") for e in specs],
+            "target_models_in_drafter0": [e.get("target_models_in_process") for e in specs]}
+
+
 def steady_rate(metrics: list[dict], skip: int) -> dict:
     """Tokens/s over the steps after `skip`: total tokens / total wall time of those log windows."""
     rows = [m for m in metrics if not m.get("eval") and m["step"] > skip]
@@ -121,6 +171,12 @@ def main() -> None:
     ap.add_argument("--conversations", type=int, default=60000)
     ap.add_argument("--alone-rows", type=int, default=8, help="rows timed for A")
     ap.add_argument("--drafter-json", help="bench/drafter_step.py output of this call: B")
+    ap.add_argument("--eval-every", type=int, default=0,
+                    help="evaluate every N steps (held-out tau + real acceptance) and report eval on/off")
+    ap.add_argument("--spec-prompts", type=int, default=4, help="real-acceptance prompts per evaluation")
+    ap.add_argument("--share-gpus", action="store_true", help="accepted for clarity: a GPU that holds both roles "
+                    "is always shared")
+    ap.add_argument("--no-alone", action="store_true", help="skip A, the target alone (saves a model load)")
     ap.add_argument("--timeout", type=float, default=540)
     ap.add_argument("--out")
     ap.add_argument("overrides", nargs="*", help="extra section.key=value for the run")
@@ -129,9 +185,13 @@ def main() -> None:
     t0 = time.time()
     model_dir, data = make_assets(work, a.shape, a.conversations)
     print(f"assets ready in {time.time() - t0:.0f}s: {model_dir}", flush=True)
-    overrides = [f'target.model_path="{model_dir}"', f'data.path="{data}"', f"run.max_steps={a.steps}", *COMMON,
-                 *a.overrides]
-    alone = target_alone(overrides, work, a.alone_rows, warmup=2)
+    overrides = [f'target.model_path="{model_dir}"', f'data.path="{data}"', f"run.max_steps={a.steps}", *COMMON]
+    if a.eval_every > 0:
+        overrides += [f"run.eval_every={a.eval_every}", "data.eval_fraction=0.01",
+                      f"run.spec_eval_prompts={a.spec_prompts}", "run.spec_eval_max_new_tokens=64",
+                      "run.spec_eval_budget_s=30"]
+    overrides += a.overrides
+    alone = None if a.no_alone else target_alone_in_child(overrides, work, a.alone_rows, warmup=2)
     print(f"A (target alone): {alone}", flush=True)
     b = json.loads(Path(a.drafter_json).read_text())["results"][0]["tokens_per_s"] if a.drafter_json else None
 
@@ -155,8 +215,11 @@ def main() -> None:
     metrics = [json.loads(line) for line in metrics_file.read_text().splitlines()] if metrics_file.exists() else []
     result = {"gpus": a.gpus, "shape": a.shape, "exit": code, "launcher_wall_s": round(time.time() - t1, 1),
               "target_alone": alone, "drafter_alone_tok_s": b, **steady_rate(metrics, a.skip)}
-    result["ideal_tok_s"] = ideal(a.gpus, alone["tok_s"], b)
-    if "tokens_per_s" in result:
+    if a.eval_every > 0:
+        result["eval_on_off"] = eval_on_off(run_dir, metrics, a.eval_every, a.skip)
+    if alone:
+        result["ideal_tok_s"] = ideal(a.gpus, alone["tok_s"], b)
+    if "tokens_per_s" in result and alone:
         result["efficiency"] = result["tokens_per_s"] / result["ideal_tok_s"]
     print(json.dumps(result, indent=2), flush=True)
     if a.out:

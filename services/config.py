@@ -52,9 +52,11 @@ class RunConfig:
     checkpoint_every: int = setting(500, batch="")
     keep_checkpoints: int = setting(3, batch="")
     eval_every: int = setting(0, batch="")                # 0 = no held-out evaluation
-    spec_eval_prompts: int = setting(16, batch="")        # real speculative decoding on held-out prompts (rank 0, local target); 0 = off
+    spec_eval_prompts: int = setting(16, batch="")        # real speculative decoding on held-out prompts (rank 0, verified by the targets); 0 = off
     spec_eval_max_new_tokens: int = setting(128, batch="")
     spec_eval_budget_s: float = setting(60.0, batch="")   # per evaluation; prompts past it are left for the next one
+    spec_eval_target_share: float = setting(0.25, batch="")   # verify work's share of a target's time while drafters ask for batches
+    spec_eval_sessions: int = setting(4, batch="")         # decode sessions a target holds at once (LRU; each holds a prompt's KV/state)
     export_at_end: bool = setting(True, batch="")
     stall_after_s: float = setting(300.0, batch="")       # health: main loop silent this long = stalled
     startup_stall_after_s: float = setting(1800.0, batch="")   # the same while loading the model and compiling
@@ -263,6 +265,9 @@ def validate(cfg: Config) -> None:
          "transport.allow_plaintext=true on a network you trust completely")
     need(cfg.run.unresponsive_after_s > 0, f"run.unresponsive_after_s must be > 0, got {cfg.run.unresponsive_after_s}")
     need(cfg.run.spec_eval_prompts >= 0, f"run.spec_eval_prompts must be >= 0, got {cfg.run.spec_eval_prompts}")
+    need(0 < cfg.run.spec_eval_target_share <= 1,
+         f"run.spec_eval_target_share must be in (0, 1], got {cfg.run.spec_eval_target_share}")
+    need(cfg.run.spec_eval_sessions >= 1, f"run.spec_eval_sessions must be >= 1, got {cfg.run.spec_eval_sessions}")
     need(cfg.run.spec_eval_max_new_tokens >= 1,
          f"run.spec_eval_max_new_tokens must be >= 1, got {cfg.run.spec_eval_max_new_tokens}")
     need(cfg.run.epochs >= 1, f"run.epochs must be >= 1, got {cfg.run.epochs}")

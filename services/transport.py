@@ -4,6 +4,7 @@
     target ROUTER   ->  drafter DEALER  info {info}  |  error {g, split, message, incarnation}
                                         batch {g, split, incarnation, digest, stream: [tensor specs]}
                                         chunk {g, split, offset} + <= chunk_bytes of raw bytes  (repeated)
+    and verify / verified (services/verify.py): real acceptance, verified by the target itself.
 
 A batch travels as a stream of separate few-MB messages, not one big one: ZMQ moves those
 several times faster (docs/benchmarks.md, "Transport"). The drafter checks the announced size against
@@ -44,7 +45,7 @@ import numpy as np
 import torch
 import zmq
 
-from services import curve, wire
+from services import curve, verify, wire
 from services.batch import FIELDS, SPLITS, Batch, BatchError, token_digest
 from services.config import TransportConfig
 from services.health import HealthServer, bind_private, secure_socket
@@ -52,7 +53,7 @@ from services.health import HealthServer, bind_private, secure_socket
 log = logging.getLogger(__name__)
 
 ALIGN = 64                      # byte offset of every tensor in the reassembly buffer
-MAX_REQUEST_BYTES = 64 << 10    # requests are tiny; ZMQ disconnects a peer sending more
+MAX_REQUEST_BYTES = 1 << 20     # a verify prompt's ids at most (int64); ZMQ disconnects a peer sending more
 SEND_TIMEOUT_S = 30.0           # longest wait for room in a drafter's queue before giving up
 MAX_MESSAGES_PER_POLL = 1024    # a flood cannot keep poll() from returning
 MAX_INCARNATION_LEN = 64
@@ -65,6 +66,7 @@ class Request:
     g: int          # global batch index (kind == "batch"); -1 for info
     split: str      # "train" | "eval"
     incarnation: str = ""   # the target incarnation the drafter believes it asks ("" if it did not say)
+    verify: verify.VerifyRequest | None = None   # kind == "verify"
 
 
 def new_incarnation() -> str:
@@ -203,8 +205,10 @@ class BatchServer(_IoThread):
     SEND_TIMEOUT_S (it will ask again). So neither the GPU loop nor the other drafters wait on it.
     """
 
-    def __init__(self, endpoint: str, transport: TransportConfig, health: HealthServer | None = None):
+    def __init__(self, endpoint: str, transport: TransportConfig, health: HealthServer | None = None,
+                 verify_limits: verify.VerifyLimits | None = None):
         self.transport = transport
+        self.verify_limits = verify_limits       # None: verify requests are refused (counted and dropped)
         self.drops = _Drops(health)
         self._health = health
         self.incarnation = new_incarnation()
@@ -250,6 +254,10 @@ class BatchServer(_IoThread):
     def send_frames(self, client: bytes, frames: list) -> None:
         """One raw message, in order with everything else for this drafter."""
         self._hand_over(_Reply(client, iter([frames])))
+
+    def send_messages(self, client: bytes, messages: list[list]) -> None:
+        """Several raw messages, in this order (a verify answer in parts)."""
+        self._hand_over(_Reply(client, iter(messages)))
 
     def _hand_over(self, reply: _Reply) -> None:
         with self._unsent_lock:
@@ -311,9 +319,14 @@ class BatchServer(_IoThread):
 
     def _parse_request(self, frames) -> Request:
         client = frames[0].bytes
-        header, _ = wire.decode(frames[1:], max_message_bytes=0)   # requests carry no tensors
+        header, tensors = wire.decode(frames[1:], max_message_bytes=MAX_REQUEST_BYTES)
+        if header["kind"] == "verify":
+            return Request(client, "verify", -1, "train", _incarnation_field(header),
+                           verify.parse_verify(header, tensors, self.verify_limits))
         if header["kind"] != "request":
-            raise wire.WireError(f"header field 'kind': a target only takes requests, got {header['kind']!r}")
+            raise wire.WireError(f"header field 'kind': a target only takes requests and verify, got {header['kind']!r}")
+        if tensors:
+            raise wire.WireError("a request carries no tensors")
         want = header.get("want")
         if want == "info":
             return Request(client, "info", -1, "train")

@@ -19,7 +19,7 @@ import torch
 import zmq
 
 VERSION = 1
-KINDS = frozenset({"request", "info", "batch", "chunk", "error"})
+KINDS = frozenset({"request", "info", "batch", "chunk", "error", "verify", "verified"})
 DTYPES = {
     "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp64": torch.float64,
     "int8": torch.int8, "int16": torch.int16, "int32": torch.int32, "int64": torch.int64,

@@ -52,7 +52,8 @@ END_TO_END = {"test_e2e", "test_demo", "test_training_lifecycle", "test_multihos
               "test_report", "test_launcher_runs", "test_launcher_plan", "test_export", "test_transport",
               "test_checkpoint_background", "test_demo_hybrid",
               "test_quickstart", "test_elastic_resume",
-              "test_integrity", "test_exit_causes", "test_stop_signals"}
+              "test_integrity", "test_exit_causes", "test_stop_signals",
+              "test_verify"}
 
 
 def pytest_collection_modifyitems(items):

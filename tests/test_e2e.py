@@ -88,6 +88,10 @@ def test_demo_trains_end_to_end(tmp_path):
             [(r["step"], pytest.approx(r["acceptance_per_prompt"])) for r in spec]
         assert events.Scalars("spec/random/acceptance_per_prompt")[-1].value == \
             pytest.approx(final["random"]["acceptance_per_prompt"])
+    # verified by the target worker: drafter rank 0 never held a target model
+    events = [json.loads(line.split(" ", 2)[2]) for line in (run_dir / "logs" / "drafter-0.log").read_text().splitlines()
+              if '"event": "spec_eval"' in line]
+    assert events and all(e["target_models_in_process"] == 0 and e["skipped"] == 0 for e in events)
 
     # `launcher eval` of the export: the same loop, run from the CLI with the target loaded
     ev = subprocess.run([sys.executable, "-m", "launcher", "eval", "--run-dir", str(run_dir), "--checkpoint",

@@ -24,7 +24,7 @@ from services import curve, wire
 from services.batch import Batch, token_digest
 from services.config import TransportConfig
 from services.health import HealthServer, probe
-from services.transport import BatchClient, BatchServer, BufferPool, batch_messages, layout
+from services.transport import MAX_REQUEST_BYTES, BatchClient, BatchServer, BufferPool, batch_messages, layout
 
 ROOT = Path(__file__).resolve().parents[1]
 SEQ, WIDTH, N_BATCHES = 300, 640, 8
@@ -234,7 +234,7 @@ def test_garbage_sent_to_a_target_is_counted_and_dropped(tmp_path, targets):
         huge = ctx.socket(zmq.DEALER)      # over the target's MAXMSGSIZE: ZMQ drops the peer itself
         huge.setsockopt(zmq.LINGER, 0)
         huge.connect(target.endpoint)
-        huge.send(b"\x00" * (1 << 20))
+        huge.send(b"\x00" * (MAX_REQUEST_BYTES + 1))
         client = BatchClient([target.endpoint], transport_cfg())
         try:
             client.request(0, 3)

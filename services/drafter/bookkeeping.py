@@ -39,11 +39,14 @@ class NonFiniteError(RuntimeError):
 
 class Bookkeeping:
     def __init__(self, cfg: Config, run_dir: Path, rank: int, world_size: int, state: TrainState,
-                 health: HealthServer, resumed: ckpt.Found | None, eval_batches=None, plan=None):
-        """plan: the run's (plan.py), for the batches a checkpoint has done; None: one split from the start."""
+                 health: HealthServer, resumed: ckpt.Found | None, eval_batches=None, plan=None,
+                 num_targets: int = 0):
+        """plan: the run's (plan.py), for the batches a checkpoint has done; None: one split from the start.
+        num_targets: the target workers that verify real acceptance (0: a local target, synthetic runs)."""
         self.cfg, self.run_dir, self.rank, self.world_size = cfg, Path(run_dir), rank, world_size
         self.plan = plan
         self.state, self.health, self.eval_batches = state, health, eval_batches
+        self.num_targets = num_targets                 # the target workers that verify the real-acceptance eval
         self.root = ckpt.checkpoints_dir(run_dir)
         self.writer = ckpt.BackgroundWriter(self.root, cfg.run.keep_checkpoints, state.device)
         self.first_step = state.step
@@ -59,6 +62,7 @@ class Bookkeeping:
         self.boundary = state.counters()               # counters at the last optimizer step: what a checkpoint saves
         self.logged_step = state.step
         self.spec = None                               # SpecEval once loaded; False when unavailable
+        self.models_in_process = None                  # HF models in this process, counted at the first real eval
         self.acceptance = self.run_dir / ACCEPTANCE_FILE
         if rank == 0:
             truncate_jsonl(self.acceptance, state.step)  # a resume continues the curve, as metrics.jsonl does
@@ -158,21 +162,23 @@ class Bookkeeping:
 
     # --- real speculative decoding ------------------------------------------------------------
     def spec_eval(self):
-        """Rank 0's SpecEval: the target loaded next to the drafter, once. Only when the target's
-        folder is on this host (the drafter has only its embedding and lm_head otherwise) and
-        run.spec_eval_prompts > 0; the other ranks go on to the next step and wait there, so the
-        budget bounds their wait."""
+        """Rank 0's RemoteSpecEval, made once: the target workers verify (remote_eval.py), this rank
+        proposes with the head it trains with; no target model is loaded here. Only with
+        run.spec_eval_prompts > 0 and targets to ask (not --synthetic); the other ranks go on to the
+        next step and wait there, so the budget bounds their wait."""
         if self.spec is None:
             self.spec = False
             path, run = self.cfg.target.model_path, self.cfg.run
-            if self.rank != 0 or run.spec_eval_prompts <= 0 or not path or not (Path(path) / "config.json").is_file():
+            if self.rank != 0 or run.spec_eval_prompts <= 0 or self.num_targets <= 0 or not path:
                 return None
             try:
-                from services.drafter.spec_eval import SpecEval
-                self.spec = SpecEval(self.cfg, self.state.device, prompts=run.spec_eval_prompts,
-                                     max_new_tokens=run.spec_eval_max_new_tokens)
+                from services.drafter.remote_eval import RemoteSpecEval
+                self.spec = RemoteSpecEval(self.cfg, self.run_dir, self.num_targets, self.state.head,
+                                           self.state.drafter.cfg, self.health, prompts=run.spec_eval_prompts,
+                                           max_new_tokens=run.spec_eval_max_new_tokens)
                 if not self.spec.prompts:
                     log.warning("real speculative decoding is off: the held-out data has no chat prompts")
+                    self.spec.close()
                     self.spec = False
             except Exception as exc:        # never fatal: the run trains without it
                 log.warning(f"real speculative decoding is off: {type(exc).__name__}: {exc}")
@@ -194,7 +200,12 @@ class Bookkeeping:
             log.warning(f"real speculative decoding failed and is off: {type(exc).__name__}: {exc}")
             self.spec = False
             return None
-        self.health.progress()
+        if self.models_in_process is None:      # once: the targets verify, this process holds no target model
+            from services.drafter.remote_eval import models_in_process
+            self.models_in_process = models_in_process()
+            self.health.set(target_models_in_process=self.models_in_process, spec_eval_verifier="target workers")
+        self.health.progress(spec_eval_seconds_per_prompt=result.get("seconds_per_prompt"),
+                             spec_eval_skipped=result.get("skipped", 0))
         record = {"step": self.state.step, "spec": True, **({"final": True} if final else {}), **result}
         with open(self.acceptance, "a") as f:
             f.write(json.dumps(record) + "\n")
@@ -204,7 +215,8 @@ class Bookkeeping:
             acceptance_per_step=round(result["acceptance_per_step"], 3),
             tokens_per_forward=round(result["tokens_per_forward"], 3), lossless=result["lossless"],
             near_ties=result["near_ties"],
-            prompts=result["prompts"], seconds=result["seconds"],
+            prompts=result["prompts"], seconds=result["seconds"], skipped=result.get("skipped", 0),
+            seconds_per_prompt=result.get("seconds_per_prompt"), target_models_in_process=self.models_in_process,
             **{f"{k}_acceptance_per_prompt": round(result[k]["acceptance_per_prompt"], 3)
                for k in ("repeat_last", "random") if k in result})
         return record
@@ -311,6 +323,8 @@ class Bookkeeping:
         self.closed = True
         self.ledger.close()
         self.metrics.close()
+        if self.spec:
+            self.spec.close()
         if hasattr(self.eval_batches, "close"):
             self.eval_batches.close()
 

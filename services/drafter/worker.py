@@ -108,7 +108,8 @@ class DrafterWorker:
             for note in ckpt.restore(state, found, rank):
                 log.warning("%s", note)
             event("resumed", rank=rank, checkpoint=str(found.path), **state.counters())
-        self.books = Bookkeeping(cfg, self.run_dir, rank, self.world_size, state, health, found, held_out, plan=plan)
+        self.books = Bookkeeping(cfg, self.run_dir, rank, self.world_size, state, health, found, held_out, plan=plan,
+                                 num_targets=0 if args.synthetic else args.num_targets)
         health.set(state="ready", compile_s=self.compile_s, total_steps=plan.optimizer_steps,
                    step=state.step, samples_done=state.samples_done)  # set(): under systemd this also sends READY=1
         health.progress()

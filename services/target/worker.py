@@ -5,8 +5,9 @@
 States (health): starting -> loading (model + data index) -> ready -> training (serving) ->
 draining (SIGTERM: finish the batch in hand) -> stopped; failed on an error (exit codes: services/exits.py).
 Requests are served in arrival order: "info" -> the dict below; "batch" g -> build row g,
-queue its capture on the GPU, hand it to the transport's I/O thread. Any rank can build any batch;
-the rank only decides which requests arrive here.
+queue its capture on the GPU, hand it to the transport's I/O thread; "verify" -> a step of the
+drafters' real-acceptance eval on this process's own target (verifying.py, which bounds its share
+of the target's time). Any rank can build any batch; the rank only decides which requests arrive here.
 
 Nothing in this loop waits for the GPU or the network (ring.py, transport.BatchServer): while the
 GPU runs one forward, this thread builds the next row and queues the next forward; a side stream
@@ -34,6 +35,7 @@ from services.health import HealthServer
 from services.log import event, setup_logging
 from services.target.model import load_target
 from services.target.ring import CaptureRing
+from services.target.verifying import VerifyService, verify_limits
 from services.target.packing import open_or_build
 from services.transport import BatchServer, Request
 
@@ -64,7 +66,9 @@ class TargetWorker:
             health.set(warning=self.target.warning)
         # one slot per credit of a drafter that is slow to drain, one being sent, one being filled
         self.ring = CaptureRing(self.target, self.data.pack_len, cfg.transport.credits + 2, cfg.target.labels_from_target)
-        self.server = BatchServer(endpoint(run_dir, cfg.transport, "target", rank, "data"), cfg.transport, health)
+        self.server = BatchServer(endpoint(run_dir, cfg.transport, "target", rank, "data"), cfg.transport, health,
+                                  verify_limits=verify_limits(cfg, info.vocab_size))
+        self.verify = VerifyService(self.target, self.server, cfg, health)
         self.batches_served = self.samples_done = 0
         self.tokens_per_s = 0.0
         self.last_answer = time.perf_counter()
@@ -72,10 +76,11 @@ class TargetWorker:
 
     def serve(self, stop: threading.Event) -> None:
         while not stop.is_set():
-            for request in self.server.poll(POLL_MS):
+            for request in self.server.poll(5 if self.verify.waiting else POLL_MS):
                 self.answer(request)
                 if stop.is_set():
                     break          # SIGTERM: the batch in hand is done; the rest will be asked again
+            self.verify.run_waiting()
             self.health.progress()   # the loop is alive even when nobody asks
         self.health.set(state="draining")
         self.server.flush(timeout_s=10)   # the batches in hand go out
@@ -85,6 +90,10 @@ class TargetWorker:
         if request.kind == "info":
             self.server.send_info(request.client, self.info)
             return
+        if request.kind == "verify":
+            self.verify.submit(request)
+            return
+        self.verify.saw_batch_request()
         try:
             parts = self.data.batch(request.g, request.split)
         except IndexError as exc:

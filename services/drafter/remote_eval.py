@@ -1,0 +1,155 @@
+"""Real acceptance during training, verified by the target workers (docs/operations.md, "Real
+acceptance during training"): drafter rank 0 proposes, the targets verify; no drafter loads the target.
+
+    spec = RemoteSpecEval(cfg, run_dir, num_targets, head, model_cfg, health, prompts=16, max_new_tokens=128)
+    result = spec.evaluate(weights, model_cfg, controls=False, budget_s=60)
+
+Prompt i (and its plain greedy reference) goes to target i mod T, so the eval's load is spread
+over the targets and a prompt and its reference meet the same process. The drafter proposes with
+the target's embedding and lm_head it already trains with (TargetHead on its device).
+
+Failures never stop the run or hang it: every call has a timeout (verify.CALL_TIMEOUT_S); a prompt
+whose session is lost (its target restarted, or evicted it) is decoded once more from the start on
+the target's current incarnation, then skipped and counted (`skipped`); a target that did not
+answer in time, or is not serving, is left out for the rest of that evaluation.
+"""
+from __future__ import annotations
+
+import gc
+import itertools
+import logging
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+from services.drafter.prompts import heldout_prompts, stop_token_ids
+from services.drafter.spec_eval import SpecEval
+from services.drafter.speculative import greedy_reference, speculative_generate, summarize
+from services.endpoints import endpoint
+from services.target.decode import Step
+from services.transport import _Drops
+from services.verify import TargetUnavailable, VerifyClient, VerifyError
+
+log = logging.getLogger("drafter")
+
+
+class RemoteVerifier:
+    """The Verifier of speculative.py over one session on a target worker. verify() is the whole
+    step there (the target commits the accepted prefix + 1 itself), so commit(n) only checks that
+    the loop kept the same tokens."""
+
+    def __init__(self, client: VerifyClient, target: int, session: int, device, features: bool = True):
+        self.client, self.target, self.session, self.device, self.features = client, target, session, device, features
+        self.committed = 0
+        self.opened = False
+
+    def _step(self, reply) -> Step:
+        features = reply.features.to(self.device) if reply.features is not None else None
+        return Step(torch.tensor(reply.greedy), torch.tensor(reply.margin), torch.tensor(reply.tolerance), features)
+
+    def prefill(self, prompt_ids: list[int]) -> Step:
+        self.opened = True
+        return self._step(self.client.open(self.target, self.session, prompt_ids, self.features))
+
+    def verify(self, block_ids: list[int]) -> Step:
+        reply = self.client.step(self.target, self.session, block_ids, self.features)
+        self.committed = reply.committed
+        return self._step(reply)
+
+    def commit(self, n: int) -> None:
+        if n != self.committed:
+            raise VerifyError(f"the target committed {self.committed} tokens of the block, the loop {n}")
+
+    def close(self) -> None:
+        if self.opened:
+            self.client.close_session(self.target, self.session)
+
+
+def models_in_process() -> int:
+    """HF models alive in this process (the eval must not need one: the targets verify)."""
+    from transformers import PreTrainedModel
+    return sum(isinstance(o, PreTrainedModel) for o in gc.get_objects())
+
+
+class RemoteSpecEval(SpecEval):
+    def __init__(self, cfg, run_dir, num_targets: int, head, model_cfg, health, *, prompts: int, max_new_tokens: int):
+        from transformers import AutoTokenizer, GenerationConfig
+        t = cfg.transport
+        self.device, self.head_on_device = head.embed.device, head
+        self.dtype = head.embed.dtype
+        self.client = VerifyClient([endpoint(run_dir, t, "target", i, "data") for i in range(num_targets)],
+                                   [endpoint(run_dir, t, "target", i, "health") for i in range(num_targets)],
+                                   t, width=len(model_cfg.target_layer_ids) * model_cfg.hidden_size,
+                                   drops=_Drops(health))
+        self.tokenizer = AutoTokenizer.from_pretrained(cfg.target.model_path)
+        try:
+            generation = GenerationConfig.from_pretrained(cfg.target.model_path)
+        except (OSError, ValueError):
+            generation = None
+        self.stop_ids = stop_token_ids(self.tokenizer, SimpleNamespace(generation_config=generation))
+        self.max_new_tokens = max_new_tokens
+        every = heldout_prompts(cfg, self.tokenizer, prompts)
+        self.prompts = [p for p in every if len(p) <= cfg.data.pack_len]     # what a target accepts
+        if len(self.prompts) < len(every):
+            log.warning("real acceptance: %d held-out prompts longer than data.pack_len=%d are left out",
+                        len(every) - len(self.prompts), cfg.data.pack_len)
+        self._refs: dict[int, object] = {}
+        self._sessions = itertools.count(1)
+        self.down: set[int] = set()
+        self.skipped = 0
+
+    def head(self, model_cfg):
+        return self.head_on_device
+
+    def close(self) -> None:
+        self.client.close()
+
+    def _attempt(self, index: int, decode, features: bool):
+        """decode(verifier) for prompt `index` on its target: once more after a lost session; None if given up."""
+        target = index % self.client.num_targets
+        for attempt in range(2):
+            if target in self.down:
+                break
+            verifier = RemoteVerifier(self.client, target, next(self._sessions), self.device, features)
+            try:
+                return decode(verifier)
+            except TargetUnavailable as exc:
+                log.warning("real acceptance: prompt %d: %s; target %d is left out of this evaluation", index, exc,
+                            target)
+                self.down.add(target)
+            except VerifyError as exc:
+                log.warning("real acceptance: prompt %d, attempt %d: %s", index, attempt + 1, exc)
+            finally:
+                verifier.close()
+        self.skipped += 1
+        return None
+
+    def _reference(self, index: int):
+        if index not in self._refs:
+            ref = self._attempt(index, lambda v: greedy_reference(v, self.prompts[index], self.max_new_tokens,
+                                                                  self.stop_ids), features=False)
+            if ref is None:
+                return None
+            self._refs[index] = ref
+        return self._refs[index]
+
+    def run(self, propose, budget_s: float = 0.0, tick=None) -> dict:
+        """Prompts in order until done or past budget_s (0: no limit); the figures of those decoded."""
+        start, results, refs = time.perf_counter(), [], []
+        self.down, self.skipped = set(), 0
+        for index, prompt in enumerate(self.prompts):
+            if budget_s > 0 and (results or self.skipped) and time.perf_counter() - start > budget_s:
+                break
+            if tick:
+                tick()
+            ref = self._reference(index)
+            out = None if ref is None else self._attempt(index, lambda v: speculative_generate(
+                v, propose, prompt, max_new_tokens=self.max_new_tokens, stop_ids=self.stop_ids), features=True)
+            if out is not None:
+                results.append(out)
+                refs.append(ref)
+        seconds = time.perf_counter() - start
+        return {**summarize(results, refs, seconds), "skipped": self.skipped,
+                "seconds_per_prompt": round(seconds / max(1, len(results)), 3)}

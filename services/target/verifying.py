@@ -1,0 +1,140 @@
+"""Verify requests on the target worker: decode sessions for real acceptance (services/verify.py).
+
+The target that serves batches also runs the eval's target forwards, so no drafter holds a copy
+of the target. Each session is a DecodeSession (decode.py) over the worker's own Target, keyed by
+(drafter connection, session id): another connection cannot touch it.
+
+Bounds:
+  - sessions: at most run.spec_eval_sessions at once; opening one more closes the least recently
+    used (its owner gets "unknown session" and opens it again); a session untouched for
+    SESSION_IDLE_S is freed (its drafter died or gave up).
+  - time: verify work takes at most run.spec_eval_target_share of the target's wall time over the
+    last SHARE_WINDOW_S while drafters ask for batches (a batch request in that window). Past the
+    share, verify requests wait (in arrival order, at most MAX_WAITING) and batch requests go
+    first; with no batch asked for in the window they run at once.
+Answers carry this process's incarnation and the request id; the drafter checks both.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict, deque
+
+from services import verify
+from services.target.decode import DecodeSession
+from services.transport import BatchServer, Request
+
+log = logging.getLogger("target")
+SESSION_IDLE_S = 120.0
+SHARE_WINDOW_S = 10.0
+MAX_WAITING = 256
+
+
+def verify_limits(cfg, vocab_size: int) -> verify.VerifyLimits:
+    """What a verify request may ask of this target, from the run's config."""
+    return verify.VerifyLimits(max_prompt=cfg.data.pack_len, max_block=cfg.drafter.block_size,
+                               max_length=cfg.data.pack_len + cfg.run.spec_eval_max_new_tokens + cfg.drafter.block_size,
+                               vocab_size=vocab_size)
+
+
+class VerifyService:
+    def __init__(self, target, server: BatchServer, cfg, health):
+        self.target, self.server, self.health = target, server, health
+        self.limits = server.verify_limits
+        self.max_sessions, self.share = cfg.run.spec_eval_sessions, cfg.run.spec_eval_target_share
+        self.sessions: OrderedDict[tuple[bytes, int], tuple[DecodeSession, float]] = OrderedDict()
+        self.waiting: deque[Request] = deque()
+        self.spent: deque[tuple[float, float]] = deque()     # (end time, seconds) of verify work in the window
+        self.last_batch_request = float("-inf")
+        self.counts = {"verify_requests": 0, "verify_tokens": 0, "verify_deferred": 0, "verify_evicted": 0,
+                       "verify_refused": 0}
+        self.seconds = 0.0
+
+    # --- the worker loop's side ---------------------------------------------------------------
+    def saw_batch_request(self) -> None:
+        self.last_batch_request = time.monotonic()
+
+    def submit(self, request: Request) -> None:
+        """Answer now if the share allows, else queue behind the other waiting ones."""
+        if self.waiting or not self._may_run():
+            if len(self.waiting) >= MAX_WAITING:
+                self.server.drops("verify-request", f"more than {MAX_WAITING} verify requests waiting; dropped")
+                return
+            self.counts["verify_deferred"] += 1
+            self.waiting.append(request)
+            return
+        self.answer(request)
+
+    def run_waiting(self) -> None:
+        """Answer the waiting requests the share allows; free idle sessions."""
+        while self.waiting and self._may_run():
+            self.answer(self.waiting.popleft())
+        now = time.monotonic()
+        for key in [k for k, (_, used) in self.sessions.items() if now - used > SESSION_IDLE_S]:
+            del self.sessions[key]
+            log.info("verify session %d freed after %.0fs idle", key[1], SESSION_IDLE_S)
+
+    def _may_run(self) -> bool:
+        now = time.monotonic()
+        while self.spent and self.spent[0][0] < now - SHARE_WINDOW_S:
+            self.spent.popleft()
+        if now - self.last_batch_request > SHARE_WINDOW_S:
+            return True                               # nobody is asking for batches
+        return sum(s for _, s in self.spent) < self.share * SHARE_WINDOW_S
+
+    # --- one request --------------------------------------------------------------------------
+    def answer(self, request: Request) -> None:
+        start = time.perf_counter()
+        r = request.verify
+        try:
+            messages = self._run(request.client, r)
+        except verify.SessionLost as exc:
+            self.counts["verify_refused"] += 1
+            self.server.drops("verify-session", str(exc))      # counted; answered so the drafter reopens at once
+            messages = [verify.error_frames(r, self.server.incarnation, str(exc), code="session")]
+        except (ValueError, RuntimeError) as exc:               # e.g. a session grown past its bound
+            self.counts["verify_refused"] += 1
+            self.sessions.pop((request.client, r.session), None)
+            self.server.drops("verify-request", f"verify {r.op}: {exc}")
+            messages = [verify.error_frames(r, self.server.incarnation, f"{type(exc).__name__}: {exc}")]
+        self.server.send_messages(request.client, messages)
+        seconds = time.perf_counter() - start
+        self.spent.append((time.monotonic(), seconds))
+        self.seconds += seconds
+        self.counts["verify_requests"] += 1
+        self.health.set(verify_sessions=len(self.sessions), verify_s=round(self.seconds, 3),
+                        verify_waiting=len(self.waiting), **self.counts)
+
+    def _run(self, client: bytes, r: verify.VerifyRequest) -> list[list]:
+        key, incarnation = (client, r.session), self.server.incarnation
+        if r.op == "close":
+            self.sessions.pop(key, None)
+            return [verify.closed_frames(r, incarnation)]
+        if r.op == "open":
+            self.sessions.pop(key, None)
+            while len(self.sessions) >= self.max_sessions:
+                self.sessions.popitem(last=False)
+                self.counts["verify_evicted"] += 1
+            session = DecodeSession(self.target)
+            step = session.prefill(r.ids)
+            self.sessions[key] = (session, time.monotonic())
+            self.counts["verify_tokens"] += len(r.ids)
+            return verify.reply_messages(r, incarnation, len(r.ids), step.greedy[-1:].cpu(), step.margin[-1:].cpu(),
+                                         step.tolerance[-1:].cpu(), step.features.cpu() if r.features else None,
+                                         self.server.transport.chunk_bytes)
+        if key not in self.sessions:
+            raise verify.SessionLost(f"unknown verify session {r.session}")
+        session, _ = self.sessions.pop(key)
+        if session.length + len(r.ids) > self.limits.max_length:
+            raise ValueError(f"session {r.session} would hold {session.length + len(r.ids)} tokens; at most "
+                             f"{self.limits.max_length} (data.pack_len + run.spec_eval_max_new_tokens + block)")
+        step = session.verify(r.ids)
+        greedy = step.greedy.cpu()
+        drafts = r.ids[1:]
+        accepted = next((j for j, d in enumerate(drafts) if d != int(greedy[j])), len(drafts))
+        session.commit(accepted + 1)
+        self.sessions[key] = (session, time.monotonic())       # most recently used last
+        self.counts["verify_tokens"] += len(r.ids)
+        features = step.features[:accepted + 1].cpu() if r.features else None
+        return verify.reply_messages(r, incarnation, accepted + 1, greedy, step.margin.cpu(), step.tolerance.cpu(),
+                                     features, self.server.transport.chunk_bytes)

@@ -1,0 +1,316 @@
+"""Verification by the target workers: the messages and the drafter's client (docs/wire.md, "Verify").
+
+    drafter DEALER -> target ROUTER   verify {op: "open", id, session, incarnation, features} + ids (the prompt)
+                                      verify {op: "step", id, session, incarnation, features} + ids (last token + drafts)
+                                      verify {op: "close", id, session, incarnation}
+    target ROUTER -> drafter DEALER   verified {op, id, session, incarnation, committed, part, parts, row}
+                                        + greedy, margin, tolerance (part 0) + features rows (every part)
+                                      verified {op, id, session, incarnation, error, code}
+
+A step is one round trip: the target verifies the block, accepts the longest prefix of the drafts
+equal to its own greedy tokens, commits accepted + 1 tokens itself and answers with its greedy
+tokens for the whole block, how many it committed and the captured features of those. A 1-token
+block is a plain greedy step (the reference decoding). The features of a long prompt can exceed
+one message; they travel as parts of at most transport.chunk_bytes of rows each, in order.
+
+Everything is validated before anything the size of a tensor is allocated: the target checks each
+request against VerifyLimits (from the run's config) on its I/O thread; the client checks each
+reply against what it asked (sizes it knows from its own request). A reply from an incarnation the
+client did not ask is dropped and counted, and the call fails at once with TargetRestarted: the
+session lived in the old process.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+import zmq
+
+from services import curve, wire
+from services.config import TransportConfig
+from services.health import probe, secure_socket
+
+OPS = ("open", "step", "close")
+MAX_ID = (1 << 63) - 1
+CALL_TIMEOUT_S = 30.0            # one call: a verify step is milliseconds, a prefill at most seconds
+FEATURE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+class VerifyError(RuntimeError):
+    """A verify call failed (the target refused it, or its answer was broken); the prompt is given up."""
+
+
+class SessionLost(VerifyError):
+    """The target no longer holds the session (restarted, evicted or timed out)."""
+
+
+class TargetRestarted(SessionLost):
+    """The answer came from another incarnation than the one asked: a new process, without the session."""
+
+
+class TargetUnavailable(VerifyError):
+    """The target is not serving (loading, restarting, gone) or did not answer in time."""
+
+
+# --- requests (target side parses, drafter side builds) -----------------------------------------------
+
+@dataclass(frozen=True)
+class VerifyLimits:
+    max_prompt: int        # prompt tokens (data.pack_len)
+    max_block: int         # tokens per step (drafter.block_size)
+    max_length: int        # a session's committed tokens at most (prompt + new tokens + a block)
+    vocab_size: int
+
+
+@dataclass
+class VerifyRequest:
+    op: str
+    id: int
+    session: int
+    ids: list[int]
+    features: bool          # send the committed tokens' features back
+
+
+def _bounded_int(header: dict, key: str) -> int:
+    value = header.get(key)
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_ID:
+        raise wire.WireError(f"verify field {key!r}: expected an int in [0, 2^63), got {str(value)[:40]!r}")
+    return value
+
+
+def parse_verify(header: dict, tensors: dict, limits: VerifyLimits | None) -> VerifyRequest:
+    """A verify request, checked against the limits (WireError naming the field)."""
+    if limits is None:
+        raise wire.WireError("verify: this target does not serve verify requests")
+    op = header.get("op")
+    if op not in OPS:
+        raise wire.WireError(f"verify field 'op': expected one of {OPS}, got {str(op)[:40]!r}")
+    features = header.get("features", True)
+    if not isinstance(features, bool):
+        raise wire.WireError(f"verify field 'features': expected a bool, got {str(features)[:40]!r}")
+    request = VerifyRequest(op, _bounded_int(header, "id"), _bounded_int(header, "session"), [], features)
+    if op == "close":
+        if tensors:
+            raise wire.WireError("verify close carries no tensors")
+        return request
+    ids = tensors.get("ids")
+    if len(tensors) != 1 or ids is None or ids.dtype != torch.int64 or ids.dim() != 1:
+        raise wire.WireError(f"verify {op}: expected exactly one 1-d int64 tensor 'ids', got "
+                             f"{[(n, str(t.dtype), list(t.shape)) for n, t in tensors.items()]}")
+    most = limits.max_prompt if op == "open" else limits.max_block
+    if not 1 <= ids.numel() <= most:
+        raise wire.WireError(f"verify {op}: {ids.numel()} ids; expected 1..{most} "
+                             f"({'data.pack_len' if op == 'open' else 'drafter.block_size'})")
+    if int(ids.min()) < 0 or int(ids.max()) >= limits.vocab_size:
+        raise wire.WireError(f"verify {op}: a token id outside [0, {limits.vocab_size})")
+    request.ids = ids.tolist()
+    return request
+
+
+def request_frames(op: str, call_id: int, session: int, incarnation: str, ids: list[int] | None = None,
+                   features: bool = True) -> list:
+    header = {"kind": "verify", "op": op, "id": call_id, "session": session, "incarnation": incarnation,
+              "features": features}
+    return wire.encode(header, {} if ids is None else {"ids": torch.tensor(ids, dtype=torch.int64)})
+
+
+# --- replies (target side builds, drafter side parses) ------------------------------------------------
+
+def reply_messages(request: VerifyRequest, incarnation: str, committed: int, greedy: torch.Tensor,
+                   margin: torch.Tensor, tolerance: torch.Tensor, features: torch.Tensor | None,
+                   chunk_bytes: int) -> list[list]:
+    """The messages of one answer: part 0 with the per-position tensors, the features in row parts."""
+    head = {"kind": "verified", "op": request.op, "id": request.id, "session": request.session,
+            "incarnation": incarnation, "committed": committed}
+    rows = 0 if features is None else features.shape[0]
+    per_part = max(1, chunk_bytes // max(1, features[0].numel() * features.element_size())) if rows else 1
+    parts = max(1, math.ceil(rows / per_part))
+    messages = []
+    for part in range(parts):
+        tensors = {"greedy": greedy, "margin": margin, "tolerance": tolerance} if part == 0 else {}
+        if features is not None:
+            tensors["features"] = features[part * per_part:(part + 1) * per_part]
+        messages.append(wire.encode({**head, "part": part, "parts": parts, "row": part * per_part}, tensors))
+    return messages
+
+
+def closed_frames(request: VerifyRequest, incarnation: str) -> list:
+    return wire.encode({"kind": "verified", "op": "close", "id": request.id, "session": request.session,
+                        "incarnation": incarnation, "committed": 0})
+
+
+def error_frames(request: VerifyRequest, incarnation: str, message: str, code: str = "refused") -> list:
+    """code "session": the session is unknown here (the client opens a new one); else "refused"."""
+    return wire.encode({"kind": "verified", "op": request.op, "id": request.id, "session": request.session,
+                        "incarnation": incarnation, "error": message[:1000], "code": code})
+
+
+@dataclass
+class Reply:
+    greedy: list[int]              # [n] the target's greedy token after each position (open: after the prompt)
+    margin: list[float]            # [n] top-1 minus top-2 logit there
+    tolerance: list[float]         # [n] the logits' rounding there (a smaller margin is a near-tie)
+    committed: int                 # tokens the target committed (open: the prompt's length)
+    features: torch.Tensor | None  # [committed, width] the captured features of the committed tokens
+
+
+class _Assembly:
+    """One answer being received: every part checked against what was asked before it is kept."""
+
+    def __init__(self, op: str, sent: int, width: int, features: bool):
+        self.op, self.sent, self.width, self.want_features = op, sent, width, features
+        self.reply: Reply | None = None
+        self.next_part, self.parts, self.filled = 0, 0, 0
+
+    def add(self, header: dict, tensors: dict) -> bool:
+        """Take one part; True when the answer is complete."""
+        part, parts, row = (_bounded_int(header, k) for k in ("part", "parts", "row"))
+        if part != self.next_part or (part and parts != self.parts) or row != self.filled:
+            raise wire.WireError(f"verified part {part}/{parts} at row {row}; expected part {self.next_part} "
+                                 f"at row {self.filled}")
+        if part == 0:
+            self._first(header, tensors, parts)
+        rows = tensors.get("features")
+        if self.want_features:
+            expected = self.reply.committed
+            if (rows is None or rows.dtype not in FEATURE_DTYPES or rows.dim() != 2 or rows.shape[1] != self.width
+                    or self.filled + rows.shape[0] > expected):
+                raise wire.WireError(f"verified features: expected rows of width {self.width} ({expected} in all), "
+                                     f"got {None if rows is None else (str(rows.dtype), list(rows.shape))}")
+            if self.reply.features is None:
+                self.reply.features = torch.empty(expected, self.width, dtype=rows.dtype)   # sized by our request
+            self.reply.features[self.filled:self.filled + rows.shape[0]] = rows
+            self.filled += rows.shape[0]
+        elif rows is not None:
+            raise wire.WireError("verified: features nobody asked for")
+        self.next_part += 1
+        if self.next_part < self.parts:
+            return False
+        if self.want_features and self.filled != self.reply.committed:
+            raise wire.WireError(f"verified: {self.filled} feature rows for {self.reply.committed} committed tokens")
+        return True
+
+    def _first(self, header: dict, tensors: dict, parts: int) -> None:
+        if not 1 <= parts <= self.sent:             # every part carries at least one row
+            raise wire.WireError(f"verified field 'parts': {parts}, expected 1..{self.sent}")
+        n = 1 if self.op == "open" else self.sent
+        committed = _bounded_int(header, "committed")
+        if not 1 <= committed <= self.sent or (self.op == "open" and committed != self.sent):
+            raise wire.WireError(f"verified field 'committed': {committed} for {self.sent} tokens sent")
+        checks = {"greedy": torch.int64, "margin": torch.float32, "tolerance": torch.float32}
+        for name, dtype in checks.items():
+            t = tensors.get(name)
+            if t is None or t.dtype != dtype or list(t.shape) != [n]:
+                raise wire.WireError(f"verified {name!r}: expected {dtype} of shape [{n}], got "
+                                     f"{None if t is None else (str(t.dtype), list(t.shape))}")
+        self.parts = parts
+        self.reply = Reply(tensors["greedy"].tolist(), tensors["margin"].tolist(), tensors["tolerance"].tolist(),
+                           committed, None)
+
+
+class VerifyClient:
+    """Drafter side: one DEALER per target, used by the thread that evaluates (calls are synchronous).
+
+    Each call names the target incarnation learned from its health socket; a call to a target that
+    is not serving fails at once (TargetUnavailable), one that gets no answer in CALL_TIMEOUT_S too.
+    """
+
+    def __init__(self, data_eps: list[str], health_eps: list[str], transport: TransportConfig, width: int,
+                 drops=None, timeout_s: float = CALL_TIMEOUT_S):
+        self.data_eps, self.health_eps, self.transport, self.width = data_eps, health_eps, transport, width
+        self.drops = drops or (lambda kind, detail: None)
+        self.timeout_s = timeout_s
+        self._ctx = zmq.Context()
+        self._socks: dict[int, zmq.Socket] = {}
+        self.incarnations: dict[int, str] = {}
+        self._ids = itertools.count(1)
+
+    @property
+    def num_targets(self) -> int:
+        return len(self.data_eps)
+
+    def refresh(self, target: int) -> str:
+        """The target's incarnation now (reconnecting when it changed); TargetUnavailable when not serving."""
+        _, status, why = probe(self.health_eps[target], timeout_s=2.0, keys_dir=curve.keys_for(self.transport))
+        if not status or status.get("state") not in ("ready", "training") or not status.get("incarnation"):
+            raise TargetUnavailable(f"target {target} is not serving ({status.get('state') if status else why})")
+        incarnation = str(status["incarnation"])
+        if self.incarnations.get(target) not in (None, incarnation):
+            self._reconnect(target)         # the old connection may lead to whatever holds the socket now
+        self.incarnations[target] = incarnation
+        return incarnation
+
+    def open(self, target: int, session: int, prompt: list[int], features: bool = True) -> Reply:
+        self.refresh(target)
+        return self._call(target, "open", session, prompt, features)
+
+    def step(self, target: int, session: int, block: list[int], features: bool = True) -> Reply:
+        return self._call(target, "step", session, block, features)
+
+    def close_session(self, target: int, session: int) -> None:
+        """Free the session on the target; best effort (an answer is waited for, briefly)."""
+        try:
+            self._call(target, "close", session, None, False, timeout_s=min(self.timeout_s, 5.0))
+        except VerifyError:
+            pass
+
+    def _socket(self, target: int) -> zmq.Socket:
+        if target not in self._socks:
+            sock = self._ctx.socket(zmq.DEALER)
+            secure_socket(sock, self.transport.max_message_bytes)
+            if keys := curve.keys_for(self.transport):
+                curve.apply_client(sock, keys)
+            sock.connect(self.data_eps[target])
+            self._socks[target] = sock
+        return self._socks[target]
+
+    def _reconnect(self, target: int) -> None:
+        sock = self._socks.pop(target, None)
+        if sock is not None:
+            sock.close(linger=0)
+
+    def _call(self, target: int, op: str, session: int, ids, features: bool, timeout_s: float | None = None):
+        incarnation = self.incarnations.get(target) or self.refresh(target)
+        call_id = next(self._ids)
+        sock = self._socket(target)
+        sock.send_multipart(request_frames(op, call_id, session, incarnation, ids, features))
+        assembly = _Assembly(op, len(ids or ()), self.width, features)
+        deadline = time.monotonic() + (timeout_s or self.timeout_s)
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not sock.poll(int(left * 1000) + 1, zmq.POLLIN):
+                self._reconnect(target)      # a late answer must not be read as the next call's
+                raise TargetUnavailable(f"target {target}: no answer to verify {op} within {timeout_s or self.timeout_s:g}s")
+            frames = sock.recv_multipart(copy=False)
+            try:
+                header, tensors = wire.decode(frames, self.transport.max_message_bytes)
+                if header["kind"] != "verified":
+                    raise wire.WireError(f"header field 'kind': expected 'verified', got {header['kind']!r}")
+                if header.get("id") != call_id:
+                    self.drops("data-unrequested", f"target {target}: verify answer to id {str(header.get('id'))[:24]}")
+                    continue
+                if header.get("incarnation") != incarnation:
+                    self.drops("data-incarnation", f"target {target}: verify answer from incarnation "
+                                                   f"{str(header.get('incarnation'))[:64]!r}, asked {incarnation!r}")
+                    self.incarnations.pop(target, None)
+                    self._reconnect(target)
+                    raise TargetRestarted(f"target {target} was restarted; session {session} is gone")
+                if "error" in header:
+                    message = str(header["error"])[:1000]
+                    raise (SessionLost if header.get("code") == "session" else VerifyError)(
+                        f"target {target}: verify {op}: {message}")
+                if op == "close" or assembly.add(header, tensors):
+                    return assembly.reply
+            except wire.WireError as exc:
+                self.drops("data-reply", f"target {target}: {exc}")
+                self._reconnect(target)
+                raise VerifyError(f"target {target}: broken verify answer: {exc}") from None
+
+    def close(self) -> None:
+        for sock in self._socks.values():
+            sock.close(linger=0)
+        self._socks.clear()
+        self._ctx.term()

@@ -1,0 +1,74 @@
+"""The verify messages without processes: a request is checked against the target's limits, an
+answer against the client's own call, before anything is kept (services/verify.py)."""
+import pytest
+import torch
+
+from services import wire
+from services.verify import VerifyLimits, VerifyRequest, _Assembly, parse_verify, reply_messages, request_frames
+
+LIMITS = VerifyLimits(max_prompt=16, max_block=4, max_length=40, vocab_size=100)
+
+
+def parsed(frames):
+    header, tensors = wire.decode(frames, 1 << 20)
+    return parse_verify(header, tensors, LIMITS)
+
+
+def test_a_good_request_parses_and_each_bad_field_is_named():
+    r = parsed(request_frames("step", 3, 9, "inc", [1, 2, 3]))
+    assert (r.op, r.id, r.session, r.ids, r.features) == ("step", 3, 9, [1, 2, 3], True)
+    bad = {
+        "ids": request_frames("open", 1, 1, "", list(range(17))),          # longer than max_prompt
+        "block": request_frames("step", 1, 1, "", [1] * 5),                 # longer than max_block
+        "vocab": request_frames("open", 1, 1, "", [1, 100]),
+        "op": wire.encode({"kind": "verify", "op": "run", "id": 1, "session": 1}),
+        "id": wire.encode({"kind": "verify", "op": "close", "id": True, "session": 1}),
+        "features": wire.encode({"kind": "verify", "op": "open", "id": 1, "session": 1, "features": "yes"},
+                                {"ids": torch.ones(2, dtype=torch.int64)}),
+        "dtype": wire.encode({"kind": "verify", "op": "open", "id": 1, "session": 1},
+                             {"ids": torch.ones(2, dtype=torch.int32)}),
+    }
+    for name, frames in bad.items():
+        with pytest.raises(wire.WireError):
+            parsed(frames)
+    with pytest.raises(wire.WireError, match="does not serve"):
+        header, tensors = wire.decode(request_frames("close", 1, 1, ""), 0)
+        parse_verify(header, tensors, None)
+
+
+def _answer(op, sent, committed, rows, width=8, chunk_bytes=64):
+    request = VerifyRequest(op, 5, 2, [], True)
+    n = 1 if op == "open" else sent
+    features = torch.arange(rows * width, dtype=torch.float32).reshape(rows, width)
+    return reply_messages(request, "inc", committed, torch.zeros(n, dtype=torch.int64), torch.ones(n),
+                          torch.zeros(n), features, chunk_bytes), features
+
+
+def _receive(messages, op, sent, width=8):
+    assembly = _Assembly(op, sent, width, True)
+    done = False
+    for frames in messages:
+        header, tensors = wire.decode(frames)
+        done = assembly.add(header, tensors)
+    return done, assembly.reply
+
+
+def test_a_prompt_answer_in_parts_is_put_back_together():
+    messages, features = _answer("open", 10, 10, 10)          # 32 bytes a row, 64-byte parts: 5 parts
+    assert len(messages) == 5
+    done, reply = _receive(messages, "open", 10)
+    assert done and reply.committed == 10 and torch.equal(reply.features, features)
+
+
+def test_answers_that_disagree_with_the_call_are_refused():
+    messages, _ = _answer("open", 10, 10, 10)
+    with pytest.raises(wire.WireError, match="part"):
+        _receive([messages[0], messages[2]], "open", 10)      # a part missing
+    with pytest.raises(wire.WireError, match="committed"):
+        _receive(_answer("step", 4, 5, 5)[0], "step", 4)       # committed more than was sent
+    with pytest.raises(wire.WireError, match="committed"):
+        _receive(_answer("open", 10, 9, 9)[0], "open", 10)     # a prefill commits the whole prompt
+    with pytest.raises(wire.WireError, match="width"):
+        _receive(_answer("step", 4, 2, 2)[0], "step", 4, width=16)
+    with pytest.raises(wire.WireError, match="rows"):
+        _receive(_answer("step", 4, 2, 3)[0], "step", 4)       # more feature rows than committed tokens
