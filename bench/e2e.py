@@ -40,15 +40,20 @@ COMMON = ["data.pack_len=8192", "run.epochs=20", "run.checkpoint_every=100000", 
           "run.log_every=1", "run.eval_every=0"]
 
 
-def make_assets(work: Path, shape: str, conversations: int) -> tuple[Path, Path]:
+def make_assets(work: Path, shape: str, conversations: int, layers: int = 0) -> tuple[Path, Path]:
     import torch
     from transformers import AutoModelForCausalLM
     from transformers.models.qwen3_5 import Qwen3_5ForConditionalGeneration
     from services.demo import make_demo
     demo = make_demo(work / "demo", num_conversations=conversations)
-    model_dir = work / f"{shape}-random"
+    model_dir = work / (f"{shape}-random" + (f"-{layers}layers" if layers else ""))
     if not (model_dir / "config.json").exists():
         config = checkpoint_config(shape)
+        text = getattr(config, "text_config", config)
+        if layers:              # the first `layers` decoder layers of the shape, same mix of layer types
+            text.num_hidden_layers = layers
+            if getattr(text, "layer_types", None):
+                text.layer_types = text.layer_types[:layers]
         with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
             model = (Qwen3_5ForConditionalGeneration._from_config(config, dtype=torch.bfloat16) if shape in HYBRID
                      else AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16))
@@ -167,6 +172,7 @@ def main() -> None:
     ap.add_argument("--shape", default="8b", choices=SHAPES)
     ap.add_argument("--work", default="/tmp/e2e")
     ap.add_argument("--steps", type=int, default=100)
+    ap.add_argument("--layers", type=int, default=0, help="keep the shape's first N decoder layers (0: all)")
     ap.add_argument("--skip", type=int, default=10, help="steps left out of the steady-state rate")
     ap.add_argument("--conversations", type=int, default=60000)
     ap.add_argument("--alone-rows", type=int, default=8, help="rows timed for A")
@@ -183,7 +189,7 @@ def main() -> None:
     a = ap.parse_args()
     work = Path(a.work)
     t0 = time.time()
-    model_dir, data = make_assets(work, a.shape, a.conversations)
+    model_dir, data = make_assets(work, a.shape, a.conversations, a.layers)
     print(f"assets ready in {time.time() - t0:.0f}s: {model_dir}", flush=True)
     overrides = [f'target.model_path="{model_dir}"', f'data.path="{data}"', f"run.max_steps={a.steps}", *COMMON]
     if a.eval_every > 0:

@@ -24,6 +24,7 @@ from types import SimpleNamespace
 
 import torch
 
+from services.config import has_held_out_split
 from services.drafter.prompts import heldout_prompts, stop_token_ids
 from services.drafter.spec_eval import SpecEval
 from services.drafter.speculative import greedy_reference, speculative_generate, summarize
@@ -92,6 +93,7 @@ class RemoteSpecEval(SpecEval):
         self.max_new_tokens = max_new_tokens
         every = heldout_prompts(cfg, self.tokenizer, prompts)
         self.prompts = [p for p in every if len(p) <= cfg.data.pack_len]     # what a target accepts
+        self.held_out = has_held_out_split(cfg.data)      # else the prompts are the last training lines
         if len(self.prompts) < len(every):
             log.warning("real acceptance: %d held-out prompts longer than data.pack_len=%d are left out",
                         len(every) - len(self.prompts), cfg.data.pack_len)
