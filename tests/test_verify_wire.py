@@ -72,3 +72,19 @@ def test_answers_that_disagree_with_the_call_are_refused():
         _receive(_answer("step", 4, 2, 2)[0], "step", 4, width=16)
     with pytest.raises(wire.WireError, match="rows"):
         _receive(_answer("step", 4, 2, 3)[0], "step", 4)       # more feature rows than committed tokens
+
+
+def test_counting_models_in_the_process_survives_dead_weak_proxies():
+    """torch.compile on CUDA leaves weakref proxies whose objects are gone; isinstance on one raises
+    ReferenceError, which once crashed drafter rank 0's eval (the same error twice: the run failed)."""
+    import weakref
+    from services.drafter.remote_eval import models_in_process
+
+    class Thing:
+        pass
+    thing = Thing()
+    holder = [weakref.proxy(thing)]
+    del thing
+    with pytest.raises(ReferenceError):
+        isinstance(holder[0], int)
+    assert models_in_process() == 0

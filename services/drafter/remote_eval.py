@@ -71,7 +71,13 @@ class RemoteVerifier:
 def models_in_process() -> int:
     """HF models alive in this process (the eval must not need one: the targets verify)."""
     from transformers import PreTrainedModel
-    return sum(isinstance(o, PreTrainedModel) for o in gc.get_objects())
+
+    def is_model(o) -> bool:
+        try:
+            return isinstance(o, PreTrainedModel)
+        except ReferenceError:      # a weakref.proxy whose object is gone (torch.compile leaves some): not a model
+            return False
+    return sum(map(is_model, gc.get_objects()))
 
 
 class RemoteSpecEval(SpecEval):
