@@ -18,6 +18,7 @@ import psutil
 import pytest
 
 from tests.test_e2e import all_pids, assert_exactly_once, assert_no_worker_left, launcher, metrics
+from tests.waiting import wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -46,14 +47,6 @@ def open_ports_off_loopback(pids: list[int]) -> list[str]:
 def live_pids(run_dir: Path) -> list[int]:
     run = json.loads((run_dir / "run.json").read_text())
     return [w["pid"] for w in run["workers"] if w["pid"]]
-
-
-def wait_for(condition, what: str, proc: subprocess.Popen, timeout_s: float = 240) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert proc.poll() is None, f"the run ended while waiting for {what}"
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.3)
 
 
 def worker_pids(run_dir: Path, name: str) -> list[int]:

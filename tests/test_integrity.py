@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests.test_e2e import assert_exactly_once, assert_no_worker_left, launcher, metrics
+from tests.waiting import wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -53,14 +54,6 @@ def impostor(run_dir: str, report: str) -> None:
                 server.send_batch(request.client, dataclasses.replace(real[request.split], g=request.g), request.split)
                 answered[request.split].append(request.g)
                 Path(report).write_text(json.dumps({"killed": pid, "incarnation": incarnation, "answered": answered}))
-
-
-def wait_for(condition, what: str, proc: subprocess.Popen, timeout_s: float = 300) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert proc.poll() is None, f"the run ended while waiting for {what}"
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.2)
 
 
 @pytest.mark.slow
