@@ -46,14 +46,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from services import layers
+from services import dtypes, layers
 from services.config import ConfigError, TargetConfig
 from services.target import hybrid
 
 log = logging.getLogger("target")
 PACKED_SDPA = "sdpa_packed"
-DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
-          "fp16": torch.float16, "float32": torch.float32, "fp32": torch.float32}
+DTYPES = dtypes.TARGET
 
 
 class TargetLoadError(ConfigError):
