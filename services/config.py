@@ -281,7 +281,7 @@ def validate(cfg: Config) -> None:
 
 
 FULL, SLIDING = "full_attention", "sliding_attention"
-TARGET_DTYPES = ("bfloat16", "bf16", "float16", "fp16", "float32", "fp32")   # services/target/model.py's DTYPES
+TARGET_DTYPES = ("bfloat16", "bf16", "float16", "fp16", "float32", "fp32")   # services/dtypes.py maps them to torch's
 
 
 def check_layout(layer_types: list, sliding_window, num_layers: int, prefix: str = "") -> None:

@@ -32,8 +32,26 @@ def batch_config_digest(cfg) -> str:
     return hashlib.sha256(json.dumps(picked, sort_keys=True).encode()).hexdigest()[:16]
 
 
+class CapturedWidth:
+    """hidden_width, the one definition: the captured layers' states side by side, K·H wide."""
+
+    @property
+    def hidden_width(self) -> int:
+        return len(self.layer_ids) * self.hidden_size
+
+
+@dataclass
+class CaptureShape(CapturedWidth):
+    """What a loaded target captures (services/target/model.py): its layers, their width, its vocabulary."""
+    layer_ids: list[int]        # resolved: ascending, within [0, num_layers)
+    hidden_size: int
+    vocab_size: int
+    num_layers: int
+
+
 @dataclass(frozen=True)
-class TargetInfo:
+class TargetInfo(CapturedWidth):
+    """What a target answers to "info": its CaptureShape (less num_layers) and its data."""
     num_batches: int            # training rows per epoch
     num_eval_batches: int       # held-out rows
     seq_len: int                # data.pack_len
@@ -48,9 +66,9 @@ class TargetInfo:
     bad_samples: int            # data lines skipped under data.on_bad_sample = "skip"
     data_key: str = ""          # the packed-data cache key: drafters check batch content against it
 
-    @property
-    def hidden_width(self) -> int:
-        return len(self.layer_ids) * self.hidden_size
+    @classmethod
+    def of(cls, shape: CaptureShape, **rest) -> "TargetInfo":
+        return cls(hidden_size=shape.hidden_size, layer_ids=list(shape.layer_ids), vocab_size=shape.vocab_size, **rest)
 
     def to_wire(self) -> dict:
         return {**dataclasses.asdict(self), "hidden_width": self.hidden_width}

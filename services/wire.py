@@ -18,13 +18,11 @@ import msgpack
 import torch
 import zmq
 
+from services import dtypes
+
 VERSION = 1
 KINDS = frozenset({"request", "info", "batch", "chunk", "error", "verify", "verified"})
-DTYPES = {
-    "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp64": torch.float64,
-    "int8": torch.int8, "int16": torch.int16, "int32": torch.int32, "int64": torch.int64,
-    "uint8": torch.uint8, "bool": torch.bool,
-}
+DTYPES = dtypes.WIRE
 DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 
 MAX_HEADER_BYTES = 64 << 10          # frame 0

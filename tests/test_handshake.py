@@ -2,7 +2,7 @@
 import pytest
 
 from services.config import load_config
-from services.handshake import HandshakeError, TargetInfo, batch_config_digest
+from services.handshake import CaptureShape, HandshakeError, TargetInfo, batch_config_digest
 from services.wire import WireError
 
 
@@ -25,6 +25,14 @@ def test_the_wire_form_round_trips_and_every_field_is_typed():
         TargetInfo.from_wire({**wire, "labels_from_target": 1})
     with pytest.raises(WireError, match="expected a map"):
         TargetInfo.from_wire([1, 2])
+
+
+def test_the_info_is_built_from_what_the_target_captures():
+    shape = CaptureShape(layer_ids=[0, 2, 5], hidden_size=48, vocab_size=99, num_layers=6)
+    info = _info(hidden_size=1, layer_ids=[0], vocab_size=1)
+    built = TargetInfo.of(shape, **{k: v for k, v in vars(info).items() if k not in ("hidden_size", "layer_ids", "vocab_size")})
+    assert (built.layer_ids, built.hidden_size, built.vocab_size) == ([0, 2, 5], 48, 99)
+    assert built.hidden_width == shape.hidden_width == 3 * 48 and built.to_wire()["hidden_width"] == 144
 
 
 def test_check_names_every_disagreement_with_both_values():

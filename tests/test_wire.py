@@ -39,6 +39,17 @@ def as_bytes(frames) -> list[bytes]:
     return [bytes(f) for f in frames]
 
 
+def test_dtype_names_are_the_ones_docs_wire_md_lists():
+    # one table (services/dtypes.py) gives the wire, target.dtype and export --dtype their names
+    from services.config import TARGET_DTYPES
+    from services.drafter import export
+    from services.target import model
+    assert list(wire.DTYPES) == ["bf16", "fp16", "fp32", "fp64", "int8", "int16", "int32", "int64", "uint8", "bool"]
+    assert wire.DTYPES["bf16"] is torch.bfloat16 and wire.DTYPE_NAMES[torch.float32] == "fp32"
+    assert tuple(model.DTYPES) == TARGET_DTYPES and model.DTYPES["fp16"] is model.DTYPES["float16"] is torch.float16
+    assert list(export.DTYPES) == ["bfloat16", "float16", "float32"]
+
+
 @pytest.mark.parametrize("dtype", list(wire.DTYPES.values()), ids=list(wire.DTYPES))
 def test_round_trip_every_dtype_and_shape(dtype):
     tensors = {f"t{i}": random_tensor(dtype, shape, seed=i) for i, shape in enumerate(SHAPES)}

@@ -325,7 +325,7 @@ class Bookkeeping:
         self.metrics.close()
         if self.spec:
             self.spec.close()
-        if hasattr(self.eval_batches, "close"):
+        if self.eval_batches is not None:
             self.eval_batches.close()
 
 

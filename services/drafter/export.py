@@ -52,9 +52,10 @@ from pathlib import Path
 
 import torch
 
+from services import dtypes
 from services.drafter.model import DrafterModelConfig
 
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+DTYPES = dtypes.EXPORT
 ARCHITECTURE = "DFlashDraftModel"
 EXPORT_RECORD = "export.json"
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
+from typing import Iterator, Protocol
 
 import torch
 
@@ -39,7 +40,7 @@ from services.drafter.model import DrafterModelConfig
 from services.drafter.plan import Plan, make_plan
 from services.drafter.synthetic import SyntheticEval, SyntheticSource
 from services import curve, lifecycle
-from services.handshake import TargetInfo
+from services.handshake import TargetInfo, batch_config_digest
 from services.health import HealthServer, probe
 from services.target.packing import PackedData, PublishedDigests, digests_path
 from services.transport import BatchClient
@@ -53,6 +54,24 @@ log = logging.getLogger("drafter")
 
 class SourceError(RuntimeError):
     pass
+
+
+class BatchSource(Protocol):
+    """What the drafter worker asks of its training batches: ZmqSource, or SyntheticSource (which has
+    no targets, so its hooks do nothing)."""
+
+    def __iter__(self) -> Iterator[Batch]: ...
+
+    def check_targets(self, model_cfg: DrafterModelConfig) -> None:
+        """Raise HandshakeError unless the targets feed a drafter of this model and config."""
+
+    def provenance_of(self, g: int) -> dict | None:
+        """What the ledger records of where batch g came from (None: nothing to record)."""
+
+    def target_of(self, g: int) -> int | None:
+        """The target that built batch g (None: no target did)."""
+
+    def close(self) -> None: ...
 
 
 def batch_content(cfg: Config, run_dir: str | Path, data_key: str) -> tuple[PackedData | PublishedDigests | None, str]:
@@ -117,6 +136,12 @@ class ZmqSource:
 
     def target_of(self, g: int) -> int:
         return g % self.num_targets
+
+    def check_targets(self, model_cfg: DrafterModelConfig) -> None:
+        """The targets' handshake, against this drafter's model and config."""
+        self.info.check(hidden_size=model_cfg.hidden_size, vocab_size=model_cfg.vocab_size,
+                        layer_ids=model_cfg.target_layer_ids, seq_len=self.cfg.data.pack_len,
+                        labels_from_target=self.cfg.target.labels_from_target, config_digest=batch_config_digest(self.cfg))
 
     def __iter__(self):
         for step in range(self.start_step, self.plan.micro_batches):
@@ -285,7 +310,7 @@ class ZmqSource:
 def train_batches(cfg: Config, run_dir: Path, rank: int, world_size: int, num_targets: int,
                   model_cfg: DrafterModelConfig, health: HealthServer, device: torch.device, *, synthetic: bool,
                   max_steps: int, start_step: int, first_g: int | None = None,
-                  check=None) -> tuple[ZmqSource | SyntheticSource, Plan]:
+                  check=None) -> tuple[BatchSource, Plan]:
     """(this rank's training batches from micro-step start_step on, the run's plan). first_g: batches
     done before start_step (a resume: the checkpoint's, whatever split wrote it). check: validates a
     batch on the CPU."""

@@ -46,6 +46,19 @@ class SyntheticSource:
             # docs/design.md "Scheduling" (plan.Plan.g_of): g = g0 + (m - m0)·D + d
             yield self.batch(self.first_g + (step - self.start_step) * self.world_size + self.rank)
 
+    # services/drafter/source.py's BatchSource: no targets, so nothing to check, record or close
+    def check_targets(self, model_cfg: DrafterModelConfig) -> None:
+        pass
+
+    def provenance_of(self, g: int) -> None:
+        return None
+
+    def target_of(self, g: int) -> None:
+        return None
+
+    def close(self) -> None:
+        pass
+
     def batch(self, g: int) -> Batch:
         S = self.pack_len
         gen = torch.Generator().manual_seed(self.seed * 1_000_003 + g + 1)
@@ -89,3 +102,6 @@ class SyntheticEval:
             if g >= EVAL_BATCHES:                  # the split's end: an empty batch keeps ranks in step
                 batch.loss_mask[:] = False
             yield batch
+
+    def close(self) -> None:
+        pass

@@ -28,7 +28,6 @@ from services import curve, exits, lifecycle
 from services.config import Config, ConfigError
 from services.endpoints import endpoint
 from services.files import cpu_share
-from services.handshake import batch_config_digest
 from services.health import HealthServer
 from services.log import event
 from services.drafter import checkpoint as ckpt
@@ -36,7 +35,7 @@ from services.drafter import collectives
 from services.drafter.bookkeeping import Bookkeeping
 from services.drafter.compile import RecompileWatch, warmup
 from services.drafter.evaluate import evaluate
-from services.drafter.source import eval_batches, train_batches
+from services.drafter.source import BatchSource, eval_batches, train_batches
 from services.drafter.synthetic import SyntheticSource
 from services.drafter.target_head import model_and_head
 from services.drafter.train import (build_train_state, check_batch, make_scheduler, parameter_fingerprint,
@@ -72,7 +71,8 @@ class DrafterWorker:
         self.run_dir, self.rank, self.world_size = Path(args.run_dir), args.rank, args.world_size
         self.max_steps = args.max_steps if args.max_steps is not None else cfg.run.max_steps
         self.workers_on_node = workers_on_node
-        self.batches = self.books = None
+        self.batches: BatchSource | None = None
+        self.books = None
         self.compile_s, self.recompiles = 0.0, None
         self.train_s = 0.0          # seconds in batches (data wait + step), not in evals or checkpoints: the ETA's clock
 
@@ -97,11 +97,7 @@ class DrafterWorker:
         self.batches, plan = train_batches(*source_args, synthetic=args.synthetic, max_steps=self.max_steps,
                                            start_step=found.micro_step if found else 0,
                                            first_g=found.batches_done if found else 0, check=check)
-        if hasattr(self.batches, "info"):             # the targets' handshake, against this drafter's model
-            self.batches.info.check(hidden_size=model_cfg.hidden_size, vocab_size=model_cfg.vocab_size,
-                                    layer_ids=model_cfg.target_layer_ids, seq_len=cfg.data.pack_len,
-                                    labels_from_target=cfg.target.labels_from_target,
-                                    config_digest=batch_config_digest(cfg))
+        self.batches.check_targets(model_cfg)        # the targets' handshake, against this drafter's model
         held_out = eval_batches(*source_args, synthetic=args.synthetic, check=check)
         state.scheduler = make_scheduler(state.optimizer, cfg, plan.optimizer_steps, plan)   # the real horizon, now known
         if found:
@@ -166,9 +162,9 @@ class DrafterWorker:
                      train_s=round(self.train_s, 3),
                      compile_s=self.compile_s, gpu_mem_bytes=gpu_memory(self.device))
         self.health.progress(**stamp)
-        provenance = self.batches.provenance_of(g) if hasattr(self.batches, "provenance_of") else None
-        if m.get("nonfinite") and hasattr(self.batches, "target_of"):
-            m["nonfinite"] += f" from target-{self.batches.target_of(g)}"
+        provenance, target = self.batches.provenance_of(g), self.batches.target_of(g)
+        if m.get("nonfinite") and target is not None:
+            m["nonfinite"] += f" from target-{target}"
         self.books.after_batch(g, m, waited_s, compute_s, provenance)   # ledger, metrics, eval, checkpoint
         if state.micro_step % max(1, self.cfg.run.log_every) == 0:     # this rank's own step, in its log
             event("step", **{"rank": self.rank, **m, **stamp, "step_tokens_per_s": round(m["tokens"] / elapsed_s, 1),
@@ -185,7 +181,7 @@ class DrafterWorker:
     def close(self) -> None:
         if self.books is not None:
             self.books.close()
-        if hasattr(self.batches, "close"):
+        if self.batches is not None:
             self.batches.close()
         collectives.leave()
 

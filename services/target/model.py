@@ -40,20 +40,19 @@ import functools
 import inspect
 import logging
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from services import layers
+from services import dtypes, layers
 from services.config import ConfigError, TargetConfig
+from services.handshake import CaptureShape
 from services.target import hybrid
 
 log = logging.getLogger("target")
 PACKED_SDPA = "sdpa_packed"
-DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
-          "fp16": torch.float16, "float32": torch.float32, "fp32": torch.float32}
+DTYPES = dtypes.TARGET
 
 
 class TargetLoadError(ConfigError):
@@ -199,18 +198,6 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     raise TargetLoadError(f"cannot find the {n} decoder layers of {type(model).__name__}")
 
 
-@dataclass
-class TargetInfo:
-    layer_ids: list[int]
-    hidden_size: int
-    vocab_size: int
-    num_layers: int
-
-    @property
-    def hidden_width(self) -> int:
-        return len(self.layer_ids) * self.hidden_size
-
-
 FLA_HINT = "pip install fla-core (flash-linear-attention's kernels; needs triton, which CUDA builds of torch bring)"
 
 
@@ -274,8 +261,8 @@ class Target:
         self.backbone = model.get_decoder() if hasattr(model, "get_decoder") else model.model
         self.layers = decoder_layers(model)
         cfg = model.config
-        self.info = TargetInfo(layer_ids=resolve_layer_ids(layer_ids, len(self.layers), len(layer_ids) or 1),
-                               hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size, num_layers=len(self.layers))
+        self.info = CaptureShape(layer_ids=resolve_layer_ids(layer_ids, len(self.layers), len(layer_ids) or 1),
+                                 hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size, num_layers=len(self.layers))
         self.label_chunk = label_chunk
         self.device = next(model.parameters()).device
         self._out: torch.Tensor | None = None

@@ -52,10 +52,9 @@ class TargetWorker:
         tokenizer = AutoTokenizer.from_pretrained(cfg.target.model_path)
         self.data = open_or_build(cfg, run_dir, tokenizer, self.target.info.vocab_size)
         info = self.target.info
-        self.info = TargetInfo(
-            num_batches=self.data.num_batches("train"), num_eval_batches=self.data.num_batches("eval"),
-            seq_len=self.data.pack_len, hidden_size=info.hidden_size, layer_ids=info.layer_ids,
-            vocab_size=info.vocab_size,
+        self.info = TargetInfo.of(
+            info, num_batches=self.data.num_batches("train"), num_eval_batches=self.data.num_batches("eval"),
+            seq_len=self.data.pack_len,
             mask_token_id=tokenizer.mask_token_id if tokenizer.mask_token_id is not None else -1,
             labels_from_target=cfg.target.labels_from_target, config_digest=batch_config_digest(cfg),
             model_path=str(cfg.target.model_path), capture_path=self.target.path,
