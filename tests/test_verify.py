@@ -244,3 +244,21 @@ def test_a_target_restarted_mid_eval_costs_a_prompt_never_a_hang(demo, tmp_path)
     finally:
         client.close()
         w.stop(signal.SIGKILL)
+
+
+def test_controls_decode_exactly_the_prompts_the_drafter_decoded(worker):
+    """A second target that is not serving: its prompts (1, 3) are skipped; the controls run on
+    prompts 0 and 2, the ones the drafter decoded, not on the first two (0 and a skipped 1)."""
+    cfg = worker.cfg
+    model_cfg, head = from_target(cfg)
+    spec = RemoteSpecEval(cfg, worker.run_dir, 2, head, model_cfg, None, prompts=4, max_new_tokens=6)
+    try:
+        assert len(spec.prompts) == 4
+        result = spec.evaluate(None, model_cfg, controls=True)
+        assert result["prompts"] == 2 and result["skipped"] == 2 and result["indices"] == [0, 2]
+        for name in ("repeat_last", "random"):
+            control = result[name]
+            assert control["skipped"] == 0 and control["indices"] == [0, 2], (name, control)
+            assert control["prompts"] == 2 and control["lossless"] == 2
+    finally:
+        spec.close()

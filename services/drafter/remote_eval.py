@@ -143,21 +143,24 @@ class RemoteSpecEval(SpecEval):
             self._refs[index] = ref
         return self._refs[index]
 
-    def run(self, propose, budget_s: float = 0.0, tick=None) -> dict:
-        """Prompts in order until done or past budget_s (0: no limit); the figures of those decoded."""
-        start, results, refs = time.perf_counter(), [], []
+    def run(self, propose, budget_s: float = 0.0, tick=None, indices: list[int] | None = None) -> dict:
+        """Prompts in order (those of `indices`, else all) until done or past budget_s (0: no limit);
+        the figures of those decoded, and their `indices` (a skipped prompt is not among them)."""
+        start, results, refs, decoded = time.perf_counter(), [], [], []
         self.down, self.skipped = set(), 0
-        for index, prompt in enumerate(self.prompts):
+        for index in (range(len(self.prompts)) if indices is None else indices):
             if budget_s > 0 and (results or self.skipped) and time.perf_counter() - start > budget_s:
                 break
             if tick:
                 tick()
+            prompt = self.prompts[index]
             ref = self._reference(index)
             out = None if ref is None else self._attempt(index, lambda v: speculative_generate(
                 v, propose, prompt, max_new_tokens=self.max_new_tokens, stop_ids=self.stop_ids), features=True)
             if out is not None:
                 results.append(out)
                 refs.append(ref)
+                decoded.append(index)
         seconds = time.perf_counter() - start
-        return {**summarize(results, refs, seconds), "skipped": self.skipped,
+        return {**summarize(results, refs, seconds), "skipped": self.skipped, "indices": decoded,
                 "seconds_per_prompt": round(seconds / max(1, len(results)), 3)}

@@ -65,7 +65,15 @@ class SpecEval:
         """The drafter (weights; None: its random initial weights) as evaluated here, with the target's head."""
         return DrafterProposer(eval_drafter(weights, model_cfg, self.device, self.dtype), self.head(model_cfg))
 
-    def run(self, propose, budget_s: float = 0.0, tick=None) -> dict:
+    def run(self, propose, budget_s: float = 0.0, tick=None, indices: list[int] | None = None) -> dict:
+        """Prompts in order (those of `indices`, else all) until done or past budget_s (0: no limit);
+        the figures of those decoded, and their `indices`."""
+        if indices is not None:             # references are cached: the drafter's run computed them
+            refs = self.references(max(indices, default=-1) + 1)
+            result = evaluate_prompts(self.verifier, propose, [self.prompts[i] for i in indices],
+                                      [refs[i] for i in indices], max_new_tokens=self.max_new_tokens,
+                                      stop_ids=self.stop_ids, budget_s=budget_s, tick=tick)
+            return {**result, "indices": list(indices[:result["prompts"]])}
         # references inside the budget too: the first evaluation computes them
         start, refs = time.perf_counter(), []
         for i in range(len(self.prompts)):
@@ -75,21 +83,19 @@ class SpecEval:
             if tick:
                 tick()
         left = 0.0 if budget_s <= 0 else max(1e-3, budget_s - (time.perf_counter() - start))
-        return evaluate_prompts(self.verifier, propose, self.prompts[:len(refs)], refs,
-                                max_new_tokens=self.max_new_tokens, stop_ids=self.stop_ids, budget_s=left, tick=tick)
+        result = evaluate_prompts(self.verifier, propose, self.prompts[:len(refs)], refs,
+                                  max_new_tokens=self.max_new_tokens, stop_ids=self.stop_ids, budget_s=left, tick=tick)
+        return {**result, "indices": list(range(result["prompts"]))}
 
     def evaluate(self, weights: dict, model_cfg: DrafterModelConfig, *, controls: bool = False,
                  budget_s: float = 0.0, seed: int = 0, tick=None) -> dict:
-        """The drafter's figures; with controls also those of repeat-last and a random drafter."""
+        """The drafter's figures; with controls also those of repeat-last and a random drafter, on
+        exactly the prompts the drafter decoded (not the first n: a skipped prompt is no control's)."""
         result = self.run(self.proposer(weights, model_cfg), budget_s, tick)
         if controls:
-            n = result["prompts"]
-            saved, self.prompts = self.prompts, self.prompts[:n]          # the same prompts as the drafter
-            try:
-                result["repeat_last"] = self.run(RepeatLast(model_cfg.block_size), tick=tick)
-                torch.manual_seed(seed)
-                result["random"] = self.run(self.proposer(None, model_cfg), tick=tick)
-            finally:
-                self.prompts = saved
+            decoded = result["indices"]
+            result["repeat_last"] = self.run(RepeatLast(model_cfg.block_size), tick=tick, indices=decoded)
+            torch.manual_seed(seed)
+            result["random"] = self.run(self.proposer(None, model_cfg), tick=tick, indices=decoded)
         result["held_out"] = self.held_out
         return result
