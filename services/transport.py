@@ -541,7 +541,7 @@ class BatchClient(_IoThread):
     def poll(self, timeout_ms: int) -> list[tuple]:
         """Wait up to timeout_ms for at least one event; return all events ready by then.
 
-        ("batch", target, split, Batch, {incarnation, digest}) | ("info", target, dict) | ("error", target, g, message)
+        ("batch", target, split, Batch, {incarnation, digest}) | ("info", target, dict) | ("error", target, g, message, incarnation)
         | ("rejected", target, split, g, why): an answer to a request was dropped (another incarnation,
         other content); the request stays wanted, and is best asked again on a fresh connection
         """
@@ -629,7 +629,7 @@ class BatchClient(_IoThread):
                 return
             self._wanted.pop(key, None)
             self._partials.pop(key, None)
-            events.append(("error", target, g, message))
+            events.append(("error", target, g, message, _incarnation_field(header)))
             return
         key = (target, _split_field(header), g)
         if key not in self._wanted:   # never asked, or already delivered

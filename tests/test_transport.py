@@ -203,7 +203,7 @@ def test_batches_arrive_complete_and_bit_identical(tmp_path, targets, scheme, mo
             assert same_batch(batch, make_batch(g, split)), (split, g)
             # views into one reassembly buffer: no copy after reassembly
             assert batch.hidden.untyped_storage().data_ptr() == batch.input_ids.untyped_storage().data_ptr()
-        assert errors == [("error", 0, 99, "g=99 is past the end")]
+        assert [e[:4] for e in errors] == [("error", 0, 99, "g=99 is past the end")]
         assert not client.drops.counts
         assert sum(t.status()["bad_messages"] for t in targets) == 0
     finally:

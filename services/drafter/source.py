@@ -22,6 +22,8 @@ so each request also names the token digest batch g must have, read from this ho
 packed data (or its published digests, packing.py); the transport drops any other content
 ("data-content") and any other incarnation ("data-incarnation") and says so at once, and the
 request is asked again on a fresh connection REASK_AFTER_S later (whoever holds the socket by then).
+An error for a batch the handshake says exists is no real target's either: it is dropped the same
+way ("data-error-claim"); an error for a batch out of range stops the drafter (SourceError).
 """
 from __future__ import annotations
 
@@ -233,8 +235,19 @@ class ZmqSource:
             target = event[1]
             self.retry_at.setdefault(target, time.monotonic() + REASK_AFTER_S)
         elif kind == "error":
-            _, target, g, message = event
+            _, target, g, message, incarnation = event
+            if 0 <= g < self._num_batches():    # a real target has it: whoever said otherwise is not one
+                self.client.drops("data-error-claim", f"target {target}: an error for {self.split} g={g}, which "
+                                  f"the data has (sent as incarnation {incarnation!r}): {message[:200]}")
+                self.retry_at.setdefault(target, time.monotonic() + REASK_AFTER_S)
+                return
             raise SourceError(f"target-{target} refused batch g={g}: {message}")
+
+    def _num_batches(self) -> int:
+        """Batches of this split that exist (the handshake's): train g < num_batches · run.epochs."""
+        if self.split == "eval":
+            return self.info.num_eval_batches
+        return self.info.num_batches * self.cfg.run.epochs
 
     def _reask_dropped(self, now: float) -> None:
         """A target's answer was dropped: whoever answered holds a connection the real target may
