@@ -1,5 +1,6 @@
 """The docs say what the software does and what was measured, where and with which command: no
 issue numbers, no words about how the project was made; the quickstart's config files load."""
+import os
 import re
 from pathlib import Path
 
@@ -10,8 +11,10 @@ from services.config import load_config
 REPO = Path(__file__).resolve().parents[1]
 DOCS = sorted((REPO / "docs").glob("*.md")) + [REPO / "README.md"]
 ISSUE_REF = re.compile(r"\bissues?[ -]?#?\d+|(?<![\w&/])#\d+(?![\w-])", re.IGNORECASE)
+# a folder beside a developer's checkout, which users do not have: docs must not point there
+OUTSIDE_FOLDER = os.path.join("..", "shared")
 PROCESS_WORDS = ("this session", "other helpers", "helpers' tests", "dev/ci vm", "the user's split",
-                 "threaded design", "../shared")
+                 "threaded design", OUTSIDE_FOLDER)
 
 
 def fenced_blocks(path: Path) -> list[tuple[str, str]]:
