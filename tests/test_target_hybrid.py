@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from services.target import hybrid
 from services.target.model import Target, choose_path, decoder_layers, slow_path_warning
+from services.target.row import RowSlot
 
 TEXT = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
             head_dim=16, vocab_size=160, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
@@ -109,14 +110,16 @@ def test_chunked_delta_rule_equals_the_rule_token_by_token():
 
 def test_paths_chosen_at_load():
     model = _hybrid()
-    path, slot = choose_path(model, decoder_layers(model), torch.device("cpu"))
-    assert path == "packed-reference" and slot is not None
+    slot = RowSlot()
+    path, packed = choose_path(model, decoder_layers(model), torch.device("cpu"), slot)
+    assert path == "packed-reference" and packed
+    assert all(layer.linear_attn.row is slot for layer in decoder_layers(model) if hasattr(layer, "linear_attn"))
     target = Target(_hybrid(), LAYERS, packed_recurrent=False)
     assert target.path == "per-document" and target.warning == ""    # only CUDA runs warn about the slow path
     assert Target(_hybrid(), LAYERS).path == "packed-reference"
     if hybrid.fla_delta_rule() is None:     # CUDA without the kernels: per-document, and it says so
         model = _hybrid()
-        assert choose_path(model, decoder_layers(model), torch.device("cuda")) == ("per-document", None)
+        assert choose_path(model, decoder_layers(model), torch.device("cuda"), RowSlot()) == ("per-document", False)
     warning = slow_path_warning("per-document", torch.device("cuda"))
     assert "per-document" in warning and "pip install fla-core" in warning
     assert slow_path_warning("packed-varlen", torch.device("cuda")) == ""

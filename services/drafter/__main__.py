@@ -6,7 +6,7 @@ import argparse
 import os
 import sys
 
-from services.drafter.compile import setup_environment
+from services.compile import setup_environment
 
 
 def parse_args(argv=None):

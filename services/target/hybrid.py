@@ -34,15 +34,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from services.target.row import RowLayout, RowSlot
+
 # the layer attributes this forward reads (transformers' Qwen3.5 Gated DeltaNet, 5.x)
 _GDN_PARTS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "conv1d", "dt_bias", "A_log", "norm", "out_proj")
-
-
-@dataclass
-class RowLayout:
-    """Where the documents of the row in flight begin: set by Target before each forward."""
-    positions: torch.Tensor     # [S] int64, restarts at 0 per document
-    cu_seqlens: torch.Tensor    # [N+1] int32 document boundaries (padding is one more document)
 
 
 def fla_recurrent_rule():
@@ -140,6 +135,7 @@ def reference_delta_rule(q, k, v, g, beta, cu_seqlens, chunk: int = 64) -> torch
     q, k = _l2norm(q.float()) * scale, _l2norm(k.float())
     v, g, beta = v.float(), g.float(), beta.float()
     bounds = cu_seqlens.tolist()
+    chunk = min(chunk, max(b - a for a, b in zip(bounds[:-1], bounds[1:])))   # rows of short documents pad less
     pieces = [(s, min(chunk, b - s), s == a) for a, b in zip(bounds[:-1], bounds[1:]) for s in range(a, b, chunk)]
     starts = torch.tensor([p[0] for p in pieces], device=q.device)
     lens = torch.tensor([p[1] for p in pieces], device=q.device)
@@ -176,6 +172,26 @@ def reference_delta_rule(q, k, v, g, beta, cu_seqlens, chunk: int = 64) -> torch
     return result
 
 
+def _layout(row: RowSlot, x: torch.Tensor) -> RowLayout:
+    # a plain forward of the model, not a capture: one document
+    return row.layout if row.layout is not None else RowLayout.one_document(x.shape[0], x.device)
+
+
+@torch.compiler.disable
+def conv_in_documents(row: RowSlot, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """document_causal_conv on the row in flight (its boundaries vary from row to row: not traced)."""
+    return document_causal_conv(x, weight, _layout(row, x).positions)
+
+
+@torch.compiler.disable
+def rule_in_documents(row: RowSlot, kernel, q, k, v, g, beta) -> torch.Tensor:
+    """The gated delta rule restarted at each document of the row in flight: [S, H, Dv]."""
+    cu = _layout(row, q).cu_seqlens
+    if kernel is None:
+        return reference_delta_rule(q, k, v, g, beta, cu)
+    return kernel(q[None], k[None], v[None], g=g[None], beta=beta[None], use_qk_l2norm_in_kernel=True, cu_seqlens=cu)[0][0]
+
+
 class PackedGatedDeltaNet(nn.Module):
     """Stands in for one Gated DeltaNet layer of the target; reads the row layout from `row`."""
 
@@ -185,23 +201,15 @@ class PackedGatedDeltaNet(nn.Module):
         self.recurrent_kernel = fla_recurrent_rule() if kernel is not None else None
 
     def forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-        m, row = self.layer, self.row.layout
+        m = self.layer
         if hidden_states.shape[0] != 1:
             raise ValueError(f"packed Gated DeltaNet takes one row at a time, got a batch of {hidden_states.shape[0]}")
         x = hidden_states[0]                                                    # [S, hidden]
         if self.row.decode is not None:
             return self._decode(x, self.row.decode)[None]
-        s = x.shape[0]
-        if row is None:   # a plain forward of the model, not a capture: one document
-            row = RowLayout(torch.arange(s, device=x.device), torch.tensor([0, s], dtype=torch.int32, device=x.device))
-        qkv = document_causal_conv(m.in_proj_qkv(x), m.conv1d.weight[:, 0], row.positions)
+        qkv = conv_in_documents(self.row, m.in_proj_qkv(x), m.conv1d.weight[:, 0])
         q, k, v, g, beta = self._rule_inputs(x, qkv)
-        if self.kernel is not None:
-            o, _ = self.kernel(q[None], k[None], v[None], g=g[None], beta=beta[None],
-                               use_qk_l2norm_in_kernel=True, cu_seqlens=row.cu_seqlens)
-            o = o[0]
-        else:
-            o = reference_delta_rule(q, k, v, g, beta, row.cu_seqlens)
+        o = rule_in_documents(self.row, self.kernel, q, k, v, g, beta)
         return self._output(x, o)[None]
 
     def _rule_inputs(self, x, qkv):
@@ -323,22 +331,14 @@ class DecodeState:
         self.layers: dict[int, LayerState] = {}
 
 
-class RowSlot:
-    """What every packed layer of a model reads: the Target fills it per forward. layout: the packed
-    row of a capture; decode: a DecodeState (services/target/decode.py), which takes precedence."""
-    layout: RowLayout | None = None
-    decode: DecodeState | None = None
-
-
-def install(layers: nn.ModuleList, kernel) -> RowSlot | None:
-    """Swap every Gated DeltaNet of the decoder for the packed version; None if some recurrent
-    layer is of a kind this module does not know (the caller then runs one document at a time)."""
+def install(layers: nn.ModuleList, kernel, slot: RowSlot) -> bool:
+    """Swap every Gated DeltaNet of the decoder for the packed version reading `slot`; False if some
+    recurrent layer is of a kind this module does not know (the caller then runs one document at a time)."""
     mixers = [getattr(layer, "linear_attn", None) for layer in layers]
     recurrent = [m for m in mixers if m is not None]
     if not recurrent or not all(is_packable_gdn(m) for m in recurrent):
-        return None
-    slot = RowSlot()
+        return False
     for i, (layer, mixer) in enumerate(zip(layers, mixers)):
         if mixer is not None:
             layer.linear_attn = PackedGatedDeltaNet(mixer, slot, kernel, index=i)
-    return slot
+    return True

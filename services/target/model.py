@@ -49,6 +49,7 @@ from services import dtypes, layers
 from services.config import ConfigError, TargetConfig
 from services.handshake import CaptureShape
 from services.target import hybrid
+from services.target.row import RowLayout, RowSlot
 
 log = logging.getLogger("target")
 PACKED_SDPA = "sdpa_packed"
@@ -75,25 +76,31 @@ def resolve_layer_ids(requested: list[int], num_layers: int, num_draft_layers: i
 
 # --- packed attention ----------------------------------------------------------------------------
 
+@torch.compiler.disable        # reads the row's document spans: not traced (compiled.py)
 def _sdpa_packed(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """HF attention function: causal attention inside each document span of the row, never across.
 
     query [B, Hq, S, D], key/value [B, Hkv, S, D]; returns ([B, S, Hq, D], None) like HF's sdpa.
-    With packed_varlen=True (chosen at load by packed_attention) one varlen flash-attention call
-    covers every document; else causal SDPA per document.
+    The spans come from the row slot the Target tagged the attention module with (a capture), or
+    from a doc_spans argument (decode.py, plain forwards). With layout.varlen (chosen at load by
+    packed_attention) one varlen flash-attention call covers every document; else causal SDPA per
+    document.
     """
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
-    spans = kwargs.pop("doc_spans", None)
+    spans, layout = kwargs.pop("doc_spans", None), None
     if spans is None:
-        raise RuntimeError("sdpa_packed needs doc_spans; this model does not pass attention kwargs through "
-                           "(set target.attn_implementation to 'eager' or 'flex_attention')")
+        slot = getattr(module, "row_slot", None)
+        layout = slot.layout if slot is not None else None
+        if layout is None:
+            raise RuntimeError("sdpa_packed needs the row's document spans: run the model through Target.capture "
+                               "or pass doc_spans (or set target.attn_implementation to 'eager' or 'flex_attention')")
+        spans = layout.spans
     window = kwargs.pop("sliding_window", None)
     if key.shape[2] != query.shape[2]:   # decoding on top of a KV cache (decode.py)
         return _sdpa_cached(module, query, key, value, spans, window, scaling)
-    cu = kwargs.get("cu_seq_lens_q")
-    if kwargs.pop("packed_varlen", False) and window is None and cu is not None and len(spans) > 1:
+    if layout is not None and layout.varlen and window is None and len(spans) > 1:
         out = varlen_attention()(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
-                                 cu, kwargs["max_length_q"], scaling)
+                                 layout.cu_seqlens, layout.longest, scaling)
         return out[None], None
     b, hq, s, d = query.shape
     out = query.new_empty(b, s, hq, value.shape[-1])
@@ -201,25 +208,24 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
 FLA_HINT = "pip install fla-core (flash-linear-attention's kernels; needs triton, which CUDA builds of torch bring)"
 
 
-def choose_path(model: nn.Module, layers: nn.ModuleList, device: torch.device,
-                packed_recurrent: bool | None = None) -> tuple[str, hybrid.RowSlot | None]:
-    """The capture path (see the top of this file) and, for packed recurrent layers, their row slot.
+def choose_path(model: nn.Module, layers: nn.ModuleList, device: torch.device, slot: RowSlot,
+                packed_recurrent: bool | None = None) -> tuple[str, bool]:
+    """The capture path (see the top of this file), and whether packed recurrent layers read `slot`.
 
     packed_recurrent None picks by itself; False forces one forward per document (transformers' own
     code: the tests' reference); True forces the packed path even on CUDA without the kernels.
     """
     types = set(getattr(model.config, "layer_types", None) or [])
     if not types - {"full_attention", "sliding_attention"}:
-        return "packed", None
+        return "packed", False
     kernel = hybrid.fla_delta_rule() if device.type == "cuda" else None
     # CUDA without the kernels: transformers' chunked torch code per document beats a per-token loop
     want = (kernel is not None or device.type != "cuda") if packed_recurrent is None else packed_recurrent
     if not want or types - {"full_attention", "sliding_attention", "linear_attention"}:
-        return "per-document", None
-    slot = hybrid.install(layers, kernel)
-    if slot is None:
-        return "per-document", None
-    return ("packed-varlen" if kernel is not None else "packed-reference"), slot
+        return "per-document", False
+    if not hybrid.install(layers, kernel, slot):
+        return "per-document", False
+    return ("packed-varlen" if kernel is not None else "packed-reference"), True
 
 
 VARLEN_DTYPES = (torch.float16, torch.bfloat16)     # what the varlen flash-attention kernel takes
@@ -267,9 +273,16 @@ class Target:
         self.device = next(model.parameters()).device
         self._out: torch.Tensor | None = None
         self._stop_after = True
-        self.path, self._row = choose_path(model, self.layers, self.device, packed_recurrent)
+        self.slot = RowSlot()
+        for module in self.layers.modules():       # what _sdpa_packed reads the row's spans from
+            if type(module).__name__.endswith("Attention"):
+                module.row_slot = self.slot
+        self.path, recurrent = choose_path(model, self.layers, self.device, self.slot, packed_recurrent)
+        self._row = self.slot if recurrent else None
         self.per_document = self.path == "per-document"
         self.varlen, self.attention = packed_attention(model, self.device)
+        self.compiled = ""                          # the torch.compile backend of the layers, "" = eager
+        self.hf_varlen = str(getattr(model.config, "_attn_implementation", "")).startswith("flash_attention")
         self.warning = slow_path_warning(self.path, self.device)
         h = self.info.hidden_size
         deepest = self.info.layer_ids[-1]
@@ -278,9 +291,15 @@ class Target:
             self.layers[i].register_forward_hook(self._make_hook(slice(k * h, (k + 1) * h), i == deepest, i == last))
 
     @property
-    def row_slot(self) -> hybrid.RowSlot | None:
+    def row_slot(self) -> RowSlot | None:
         """The slot the packed Gated DeltaNet layers read (None: no packed recurrent layers)."""
         return self._row
+
+    def compile(self, backend: str = "inductor") -> None:
+        """Compile every decoder layer for captures (compiled.py); decoding keeps the eager layers."""
+        from services.target.compiled import compile_layers
+        compile_layers(self.layers, self.slot, backend)
+        self.slot.compiled, self.compiled = True, backend
 
     @contextmanager
     def capturing_into(self, out: torch.Tensor):
@@ -329,13 +348,11 @@ class Target:
     def _forward(self, input_ids, position_ids, spans, out, labels) -> None:
         """Run the backbone on one row; hooks fill `out`; labels (if given) get the argmax."""
         cu = torch.tensor([a for a, _ in spans] + [int(input_ids.shape[0])], dtype=torch.int32, device=self.device)
-        longest = max(b - a for a, b in spans)
-        kwargs = dict(doc_spans=spans, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest,
-                      packed_varlen=self.varlen)
-        if self.per_document:   # transformers' recurrent layers would run cu_seq_lens into the leaky conv
-            kwargs = dict(doc_spans=spans)
-        if self._row is not None:
-            self._row.layout = hybrid.RowLayout(position_ids, cu)
+        self.slot.layout = RowLayout(position_ids, cu, spans, self.varlen)
+        kwargs = {}
+        if self.hf_varlen and not self.per_document:   # transformers' own flash-attention varlen path reads the boundaries from kwargs
+            longest = self.slot.layout.longest
+            kwargs = dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest)
         self._out, self._stop_after = out, labels is None
         try:
             result = self.backbone(input_ids=input_ids[None], position_ids=position_ids[None], use_cache=False, **kwargs)
@@ -343,8 +360,7 @@ class Target:
             return
         finally:
             self._out = None
-            if self._row is not None:
-                self._row.layout = None
+            self.slot.layout = None
         if labels is not None:
             labels.copy_(self._argmax_labels(result.last_hidden_state[0]))
 

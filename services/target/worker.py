@@ -33,6 +33,8 @@ from services import curve
 from services.handshake import TargetInfo, batch_config_digest
 from services.health import HealthServer
 from services.log import event, setup_logging
+from services.compile import RecompileWatch, setup_environment
+from services.target.compiled import compile_and_warm_up
 from services.target.model import load_target
 from services.target.ring import CaptureRing
 from services.target.verifying import VerifyService, verify_limits
@@ -63,6 +65,9 @@ class TargetWorker:
         if self.target.warning:
             log.warning("%s", self.target.warning)
             health.set(warning=self.target.warning)
+        self.compile_s = compile_and_warm_up(self.target, cfg.target.compile, self.data.pack_len,
+                                             cfg.target.labels_from_target)
+        self.recompiles = RecompileWatch()       # a graph compiled from here on is a recompile (should stay 0)
         # one slot per credit of a drafter that is slow to drain, one being sent, one being filled
         self.ring = CaptureRing(self.target, self.data.pack_len, cfg.transport.credits + 2, cfg.target.labels_from_target)
         self.server = BatchServer(endpoint(run_dir, cfg.transport, "target", rank, "data"), cfg.transport, health,
@@ -71,7 +76,7 @@ class TargetWorker:
         self.batches_served = self.samples_done = 0
         self.tokens_per_s = 0.0
         self.last_answer = time.perf_counter()
-        health.set(state="ready", **self.info)
+        health.set(state="ready", compile_s=round(self.compile_s, 1), compiled=bool(self.target.compiled), **self.info)
 
     def serve(self, stop: threading.Event) -> None:
         while not stop.is_set():
@@ -115,7 +120,7 @@ class TargetWorker:
         gpu_mem = torch.cuda.max_memory_allocated() if self.device.type == "cuda" else 0
         self.health.progress(state="training", step=self.batches_served, batches_served=self.batches_served,
                              samples_done=self.samples_done, tokens_per_s=round(self.tokens_per_s, 1),
-                             gpu_mem_bytes=gpu_mem)
+                             gpu_mem_bytes=gpu_mem, recompiles=self.recompiles.count)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -139,6 +144,8 @@ def main(argv=None) -> int:
     device = torch.device("cuda:0" if (args.device or ("cuda" if torch.cuda.is_available() else "cpu")) == "cuda" else "cpu")
     gpu = os.environ.get("CUDA_VISIBLE_DEVICES", "0") if device.type == "cuda" else "cpu"
     run_dir = Path(args.run_dir)
+    if cfg.target.compile != "off":            # the run's compile cache, this process's share of the cores
+        setup_environment(run_dir, workers_on_node=int(os.environ.get("LOCAL_WORLD_SIZE", args.world_size)))
     health = HealthServer(endpoint(run_dir, cfg.transport, "target", args.rank, "health"), "target", args.rank,
                           gpu, stall_after_s=cfg.run.stall_after_s,
                           startup_stall_after_s=cfg.run.startup_stall_after_s,

@@ -1,0 +1,95 @@
+"""Regional compile of the target's decoder layers (target.compile; docs/benchmarks.md "Compiled capture").
+
+Every decoder layer's forward is torch.compile'd on its own, as torchtitan compiles its blocks: the
+norms, rotary, gates, SwiGLU and residual adds around the GEMMs fuse into fewer kernels. What
+varies from row to row (where the documents begin) stays outside the graphs: the attention function
+and the Gated DeltaNet conv and kernel read it from the row slot (row.py) inside functions marked
+torch.compiler.disable. Every row has pack_len tokens, so the graphs compiled on the warmup row
+serve every later row (graphs_compiled() counts; the worker reports recompiles after warmup).
+Decoding forwards (decode.py: a KV cache and a few tokens) and plain forwards keep the eager layers.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+from torch import nn
+
+from services.target.row import RowSlot
+
+log = logging.getLogger("target")
+
+
+def compile_layers(layers: nn.ModuleList, slot: RowSlot, backend: str = "inductor") -> None:
+    """Compile each decoder layer's capture forward; the eager forward stays for everything else."""
+    import torch._dynamo
+    # layers of one kind share their graph; room for a model whose layers all differ
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 2 * len(layers))
+    for layer in layers:
+        layer.forward = _capture_or_eager(slot, layer.forward, torch.compile(layer.forward, dynamic=False,
+                                                                             backend=backend))
+
+
+def _capture_or_eager(slot: RowSlot, eager, compiled):
+    def forward(*args, **kwargs):
+        if slot.compiled and slot.layout is not None and slot.decode is None:
+            return compiled(*args, **kwargs)
+        return eager(*args, **kwargs)
+    return forward
+
+
+def why_not(target, setting: str) -> str:
+    """"" if target.compile = `setting` compiles this target, else why it does not."""
+    from services.target.model import PACKED_SDPA
+    if setting == "off":
+        return "target.compile=off"
+    if setting == "auto" and target.device.type != "cuda":
+        return "target.compile=auto compiles on CUDA only"
+    if getattr(target.model.config, "_attn_implementation", None) != PACKED_SDPA:
+        return "target.compile needs target.attn_implementation=sdpa (the packed attention that keeps rows apart)"
+    if target.per_document:
+        return "target.compile does not serve the per-document capture path"
+    return ""
+
+
+def warmup_row(pack_len: int, vocab_size: int) -> dict[str, torch.Tensor]:
+    """A made-up row of pack_len tokens in a few documents: the shapes every real row has."""
+    lengths = [pack_len // 8] * 7
+    lengths.append(pack_len - sum(lengths))
+    lengths = [n for n in lengths if n > 0]
+    gen = torch.Generator().manual_seed(0)
+    return {"input_ids": torch.randint(0, vocab_size, (pack_len,), generator=gen),
+            "position_ids": torch.cat([torch.arange(n) for n in lengths]),
+            "document_ids": torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])}
+
+
+def compile_and_warm_up(target, setting: str, pack_len: int, with_labels: bool, backend: str = "inductor") -> float:
+    """Compile the target's layers as `setting` asks and run the warmup row through them twice (the
+    second proves the graphs are reused), so that `ready` means compiled. Returns the seconds spent.
+
+    With "auto" a compile that fails leaves the eager layers and logs why; with "on" it raises."""
+    reason = why_not(target, setting)
+    if reason:
+        if setting == "on":
+            raise ValueError(reason)
+        log.info("eager target layers: %s", reason)
+        return 0.0
+    start = time.perf_counter()
+    target.compile(backend)
+    row = warmup_row(pack_len, target.info.vocab_size)
+    try:
+        for _ in range(2):
+            target.capture(row["input_ids"], row["position_ids"], row["document_ids"], with_labels=with_labels)
+        if target.device.type == "cuda":
+            torch.cuda.synchronize(target.device)
+    except Exception as exc:
+        if setting == "on":
+            raise
+        target.slot.compiled, target.compiled = False, ""
+        log.warning("target.compile=auto: compiling the layers failed (%s: %s); capturing with the eager layers",
+                    type(exc).__name__, str(exc).splitlines()[0][:300] if str(exc) else "")
+        return time.perf_counter() - start
+    seconds = time.perf_counter() - start
+    log.info("compiled the target's layers (%s) in %.1f s", backend, seconds)
+    return seconds

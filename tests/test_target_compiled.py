@@ -1,0 +1,105 @@
+"""services/target/compiled.py: the target's decoder layers compiled for captures.
+
+On tiny random targets (dense Qwen3 and the Qwen3.5 hybrid; fp32): captures through the compiled
+layers equal the eager ones on rows of different document counts, and after the first row no graph
+is compiled again (the row's boundaries reach the layers through the row slot, never as arguments).
+CPU runs dynamo with the aot_eager backend (what decides recompiles is dynamo's guards; inductor's
+C++ compile would only add minutes here); CUDA runs inductor, the workers' backend."""
+import random
+
+import pytest
+import torch
+
+from services.compile import graphs_compiled
+from services.target.compiled import compile_and_warm_up, warmup_row, why_not
+from services.target.decode import DecodeSession
+from tests.tiny_targets import HYBRID_DEVICES, VOCAB, dense_target, hybrid_target, prompt
+
+S = 96
+
+
+def backend(device: str) -> str:
+    return "inductor" if device == "cuda" else "aot_eager"
+
+
+def random_row(rng: random.Random) -> dict[str, torch.Tensor]:
+    lengths, left, longest = [], S, rng.choice([3, 8, 24, S])
+    while left:
+        n = min(left, rng.randint(1, longest))
+        lengths.append(n)
+        left -= n
+    return {"input_ids": torch.randint(0, VOCAB, (S,), generator=torch.Generator().manual_seed(rng.randint(0, 1 << 30))),
+            "position_ids": torch.cat([torch.arange(n) for n in lengths]),
+            "document_ids": torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])}
+
+
+def capture(target, row, labels=True):
+    return target.capture(row["input_ids"], row["position_ids"], row["document_ids"], with_labels=labels,
+                          out_dtype=torch.float32)
+
+
+@pytest.mark.parametrize("device", HYBRID_DEVICES)
+@pytest.mark.parametrize("make", [dense_target, hybrid_target], ids=["dense", "hybrid"])
+def test_compiled_capture_equals_eager_and_later_rows_compile_nothing_new(make, device):
+    eager = _on(make, device)
+    compiled = _on(make, device)
+    assert compile_and_warm_up(compiled, "on", S, with_labels=True, backend=backend(device)) > 0
+    assert compiled.compiled == backend(device)
+    baseline = graphs_compiled()
+    assert baseline > 0                                               # the warmup did compile
+    rng = random.Random(0)
+    counts = set()
+    tol = dict(rtol=1e-4, atol=1e-4) if device == "cuda" else dict(rtol=1e-5, atol=1e-5)
+    # 50 rows; the hybrid on CPU runs its plain-torch reference recurrence, piece by piece: 12 rows there
+    rows = 12 if make is hybrid_target and device == "cpu" else 50
+    for i in range(rows):
+        row = random_row(rng)
+        counts.add(int(row["document_ids"].max()) + 1)
+        got, got_labels = capture(compiled, row, labels=i % 2 == 0)
+        if i % 5 == 0:                                                # every 5th row against the eager layers
+            want, want_labels = capture(eager, row)
+            torch.testing.assert_close(got, want, **tol)
+            if got_labels is not None:
+                assert torch.equal(got_labels, want_labels)
+    assert len(counts) > rows // 5                                           # rows really differed in document count
+    assert graphs_compiled() == baseline                              # 0 recompiles
+
+
+def _on(make, device):
+    if make is hybrid_target:
+        return hybrid_target(device=device)
+    target = make()
+    target.model.to(device)
+    target.device = torch.device(device)
+    return target
+
+
+@pytest.mark.parametrize("device", HYBRID_DEVICES)
+def test_decoding_on_a_compiled_target_runs_the_eager_layers(device):
+    compiled, eager = hybrid_target(device=device), hybrid_target(device=device)
+    compile_and_warm_up(compiled, "on", S, with_labels=False, backend=backend(device))
+    baseline = graphs_compiled()
+    steps = []
+    for target in (compiled, eager):
+        session = DecodeSession(target)
+        first = session.prefill(prompt(3))
+        block = session.verify(prompt(4, 5))
+        session.commit(2)
+        steps.append((first.greedy, block.greedy, session.verify(prompt(5, 3)).greedy))
+    assert all(torch.equal(a, b) for a, b in zip(*steps))
+    assert graphs_compiled() == baseline                              # decoding shapes never reached the compiler
+
+
+def test_when_the_target_is_not_compiled():
+    cpu = dense_target()
+    assert why_not(cpu, "off") == "target.compile=off"
+    assert "CUDA only" in why_not(cpu, "auto")
+    assert why_not(cpu, "on") == ""
+    assert compile_and_warm_up(cpu, "auto", S, with_labels=False) == 0.0 and not cpu.compiled
+    per_document = hybrid_target()
+    per_document.per_document = True
+    with pytest.raises(ValueError, match="per-document"):
+        compile_and_warm_up(per_document, "on", S, with_labels=False)
+    row = warmup_row(S, VOCAB)
+    assert row["input_ids"].shape == (S,) and int(row["document_ids"].max()) == 7
+    assert row["position_ids"].tolist()[:S // 8 + 1] == list(range(S // 8)) + [0]
