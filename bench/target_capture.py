@@ -12,6 +12,12 @@ download). For each shape and sequence length it times:
                (chat turns), "medium" 512-4096; the path the target chose is printed with it
   (c) labels   (b) on the first packed mix, plus target argmax labels, with --labels
   d2h          the pinned device-to-host copy of the [S, K*H] capture alone
+  (d) compiled (b) again with the decoder layers compiled (--compile; services/target/compiled.py):
+               tok/s side by side with (b) in the same run, the compile seconds, the largest
+               difference of the captured features from the eager ones on the same row, and the
+               graphs compiled over --recompile-rows further rows of random document counts (0 = none)
+--profile FILE writes torch.profiler's kernel table of one capture of the last mix (eager, and
+compiled with --compile) there.
 and prints tokens/s, TFLOP/s, MFU (against the bf16 matmul rate measured in the same run) and the
 ratio to (a) and to the single-document capture. --no-fla hides flash-linear-attention, so hybrid
 models run on transformers' torch fallback (what a user without the kernels gets).
@@ -138,6 +144,10 @@ def bench_shape(shape: str, seqs: list[int], args) -> list[dict]:
         nbytes = out.numel() * out.element_size()
         last = rec[f"capture_{args.mixes.split(',')[-1]}"]
         rec["d2h"] = {"s": t, "bytes": nbytes, "gb_s": nbytes / t / 1e9, "share_of_capture": t / last["s"]}
+        if args.profile:
+            profile(target, row, out, args.profile, f"{shape} S={seq} eager")
+        if args.compile:
+            compiled_records(target, rec, seq, model, ids, out, gen, peak, args)
         rec["peak_mem_gb"] = torch.cuda.max_memory_allocated() / 1e9 if device == "cuda" else 0.0
         results.append(rec)
         print(format_record(rec), flush=True)
@@ -148,17 +158,63 @@ def bench_shape(shape: str, seqs: list[int], args) -> list[dict]:
     return results
 
 
+def compiled_records(target, rec: dict, seq: int, model, ids, out, gen, peak, args) -> None:
+    """(d): the same rows through the compiled layers, then rows of random document counts."""
+    from services.compile import graphs_compiled
+    from services.target.compiled import compile_and_warm_up
+    from services.target.model import capture_to_host
+    rec["compile_s"] = compile_and_warm_up(target, "on", seq, with_labels=False)
+    gen_rows = torch.Generator().manual_seed(0)    # the rows of (b) again: same seed, same draws
+    for mix in args.mixes.split(","):
+        lens = doc_lengths(seq, mix, gen_rows)
+        row = row_of(lens, model.config.vocab_size, gen_rows)
+        target.slot.compiled = False
+        want = capture_to_host(target, row, False, out)[0].float()
+        target.slot.compiled = True
+        got = capture_to_host(target, row, False, out)[0].float()
+        t = timed(lambda: capture_to_host(target, row, False, out), args.iters, args.warmup)
+        f = flops(model, lens, ids[-1] + 1, 0)
+        eager = rec[f"capture_{mix}"]
+        rec[f"compiled_{mix}"] = {"s": t, "tok_s": seq / t, "tflops": f / t / 1e12, "mfu": f / t / peak,
+                                  "docs": len(lens), "ratio_vs_eager": eager["s"] / t,
+                                  "max_rel_diff": float(((got - want).norm(dim=-1) / want.norm(dim=-1)).max())}
+    before = graphs_compiled()
+    for _ in range(args.recompile_rows):
+        mix = ["single", "short", "medium"][int(torch.randint(0, 3, (1,), generator=gen))]
+        capture_to_host(target, row_of(doc_lengths(seq, mix, gen), model.config.vocab_size, gen), False, out)
+    rec["recompiles"] = {"rows": args.recompile_rows, "graphs_compiled": graphs_compiled() - before}
+    if args.profile:
+        profile(target, row, out, args.profile, f"compiled {len(lens)} docs")
+
+
+def profile(target, row, out, path: str, title: str) -> None:
+    from torch.profiler import ProfilerActivity
+    from services.target.model import capture_to_host
+    with torch.profiler.profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        capture_to_host(target, row, False, out)
+        sync()
+    table = prof.key_averages().table(sort_by="cuda_time_total" if torch.cuda.is_available() else "cpu_time_total",
+                                      row_limit=30, max_name_column_width=70)
+    with open(path, "a") as f:
+        f.write(f"== {title}\n{table}\n")
+
+
 def format_record(r: dict) -> str:
     def line(name, m):
         extra = f"  vs bare {m['ratio_vs_bare']:.3f}" if "ratio_vs_bare" in m else ""
         extra += f"  vs single {m['ratio_vs_single']:.3f}" if "ratio_vs_single" in m else ""
+        extra += f"  vs eager {m['ratio_vs_eager']:.3f} (features max rel diff {m['max_rel_diff']:.1e})" \
+            if "ratio_vs_eager" in m else ""
         docs = f"  ({m['docs']} docs)" if "docs" in m else ""
         return f"  {name:16s} {m['tok_s']:10.0f} tok/s  {m['tflops']:6.1f} TFLOP/s  MFU {m['mfu']:.1%}{extra}{docs}"
     rows = [f"{r['shape']} S={r['seq_len']} layers {r['layer_ids']} (width {r['hidden_width']}), "
             f"capture path {r['path']}, peak mem {r['peak_mem_gb']:.1f} GB"]
-    for name in ["bare"] + [k for k in r if k.startswith("capture_")] + ["labels_packed"]:
+    for name in ["bare"] + [k for k in r if k.startswith(("capture_", "compiled_"))] + ["labels_packed"]:
         if name in r:
             rows.append(line(name, r[name]))
+    if "recompiles" in r:
+        rows.append(f"  compile          {r['compile_s']:.1f} s before the first row; "
+                    f"{r['recompiles']['graphs_compiled']} graphs compiled over {r['recompiles']['rows']} later rows")
     d = r["d2h"]
     rows.append(f"  d2h              {d['bytes'] / 1e6:8.0f} MB in {d['s'] * 1e3:.1f} ms = {d['gb_s']:.1f} GB/s, "
                 f"{d['share_of_capture']:.1%} of the packed capture")
@@ -173,6 +229,9 @@ def main() -> None:
     p.add_argument("--mixes", default="single,medium", help=f"comma list of document-length mixes {sorted(MIXES)}")
     p.add_argument("--no-fla", action="store_true", help="hide flash-linear-attention (the torch fallback)")
     p.add_argument("--labels", action="store_true", help="also time capture + target argmax labels")
+    p.add_argument("--compile", action="store_true", help="also time the capture with compiled layers (d)")
+    p.add_argument("--recompile-rows", type=int, default=20, help="rows of random document counts after (d)")
+    p.add_argument("--profile", default="", help="append torch.profiler kernel tables here")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--peak-tflops", type=float, default=0.0, help="bf16 peak for MFU; 0 = measure an 8192^3 matmul in this run")
