@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 
 from services.drafter import checkpoint as ckpt
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _state(n: int, value: float) -> tuple[dict, dict]:
@@ -50,7 +50,7 @@ KILLED_WRITER = """
 import sys, time, torch
 from pathlib import Path
 from services.drafter import checkpoint as ckpt
-from tests.test_checkpoint_background import _state, _write
+from tests.e2e.test_checkpoint_background import _state, _write
 root = Path(sys.argv[1])
 writer = ckpt.BackgroundWriter(root, keep=3, device=torch.device("cpu"))
 _write(writer, 1, *_state(1000, 1.0))

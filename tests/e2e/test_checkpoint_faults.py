@@ -5,7 +5,7 @@ import resource
 
 from services.drafter import checkpoint as ckpt
 from services.log import events
-from tests.test_checkpoint import latest, train_single
+from tests.e2e.test_checkpoint import latest, train_single
 
 
 def test_corrupt_or_truncated_latest_falls_back_to_the_previous_one_with_a_warning(tmp_path):
@@ -73,7 +73,6 @@ def test_full_disk_keeps_the_previous_checkpoint_and_training_goes_on(tmp_path):
 
 # --- a disk that is really full (a small tmpfs) ----------------------------------------------------------
 
-from tests.test_hardening import small_disk  # noqa: E402,F401  (fixture)
 
 
 def test_a_write_that_fills_the_disk_says_so_with_the_space_needed(small_disk):

@@ -17,7 +17,7 @@ from services.target.data import has_generation_markers
 from services.target.model import load_target
 from services.target.packing import open_or_build
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 N = 1000
 
 

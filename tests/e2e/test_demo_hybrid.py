@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_e2e import assert_exactly_once, assert_no_worker_left, metrics
+from tests.e2e.test_launcher_demo import assert_exactly_once, assert_no_worker_left, metrics
 
 pytestmark = pytest.mark.slow
 DEMO = ["--demo", "hybrid", "--device", "cpu", "--gpus", "0:target,1-2:drafter"]

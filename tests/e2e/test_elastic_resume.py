@@ -14,9 +14,9 @@ import pytest
 
 from services.drafter.ledger import read_all
 from services.log import events
-from tests.test_training_lifecycle import drafter_stuck, wait_for
+from tests.e2e.test_training_lifecycle import drafter_stuck, wait_for
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 STEPS, LOG_EVERY = 30, 2
 SMALL = [f"run.max_steps={STEPS}", f"run.log_every={LOG_EVERY}", "run.checkpoint_every=1000", "run.eval_every=0",
          "run.spec_eval_prompts=0", "data.pack_len=256", "drafter.num_anchors=16"]

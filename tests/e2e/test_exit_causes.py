@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 pytestmark = pytest.mark.slow
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 ONE_DRAFTER = ["--demo", "--device", "cpu", "--gpus", "0:target,1:drafter"]
 
 

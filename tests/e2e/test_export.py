@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 from transformers import AutoConfig, Qwen3Config, Qwen3ForCausalLM
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 VOCAB, MASK_ID = 160, 159
 
 
@@ -268,7 +268,7 @@ def test_export_records_its_step_and_vllms_setting(trained, tmp_path):
 
 def test_the_export_states_the_layer_order_the_features_were_trained_in(trained, tmp_path):
     """The target concatenates captured layers in ascending order; a config listing them otherwise is
-    refused (tests/test_config.py), and a model config that still holds them unsorted (a checkpoint
+    refused (tests/unit/test_config.py), and a model config that still holds them unsorted (a checkpoint
     from before that check) is exported in the trained, ascending order."""
     from services.drafter.export import export_weights
     from services.drafter.model import DrafterModelConfig

@@ -17,10 +17,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_e2e import assert_exactly_once, assert_no_worker_left, launcher, metrics
+from tests.e2e.test_launcher_demo import assert_exactly_once, assert_no_worker_left, launcher, metrics
 from tests.waiting import wait_for
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def impostor(run_dir: str, report: str) -> None:
@@ -73,7 +73,7 @@ def test_a_same_uid_takeover_replaying_the_incarnation_trains_nothing_and_does_n
         fake = None
         try:
             wait_for(lambda: (run_dir / "metrics.jsonl").exists() and len(metrics(run_dir)) >= 1, "training", proc)
-            fake = subprocess.Popen([sys.executable, "-c", "import sys; from tests.test_integrity import impostor; "
+            fake = subprocess.Popen([sys.executable, "-c", "import sys; from tests.e2e.test_integrity import impostor; "
                                      "impostor(sys.argv[1], sys.argv[2])", str(run_dir), str(report)],
                                     cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)))
             proc.wait(timeout=900)
@@ -189,7 +189,7 @@ def test_an_error_for_a_batch_that_exists_is_dropped_and_asked_again(tmp_path):
     from services.drafter.source import SourceError, ZmqSource
     from services.target.packing import PackedData
     from services.transport import BatchServer
-    from tests.test_verify import Worker, _overrides
+    from tests.e2e.test_verify import Worker, _overrides
 
     demo = make_demo(tmp_path / "demo", num_conversations=300, target_steps=0)
     w = Worker(tmp_path / "run", _overrides(demo, demo["model_path"]) + ["transport.credits=1"])

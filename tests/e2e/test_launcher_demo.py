@@ -223,7 +223,7 @@ def test_status_down_and_resume(tmp_path):
 def readme_command(start: str) -> list[str]:
     """The README's command that starts with `start` (after any `cmd &&`), comment dropped, as argv."""
     import shlex
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     for line in readme.splitlines():
         command = line.split("&&")[-1].split("#")[0].strip()
         if command.startswith(start):
@@ -240,7 +240,7 @@ def test_the_readme_export_command_works_right_after_the_readme_demo():
 
 
 def readme_demo_then_export(tmp_path: Path) -> None:
-    repo = Path(__file__).resolve().parents[1]
+    repo = Path(__file__).resolve().parents[2]
     env = dict(os.environ, PYTHONPATH=str(repo))
     up = subprocess.run(readme_command("launcher up --demo") + ["run.max_steps=4"], cwd=tmp_path, env=env,
                         capture_output=True, text=True, timeout=600, umask=0o022)

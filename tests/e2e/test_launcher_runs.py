@@ -20,7 +20,7 @@ import pytest
 
 from launcher import process
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def run_launcher(*args, cwd=None, timeout=120):

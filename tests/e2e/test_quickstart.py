@@ -11,9 +11,9 @@ import tempfile
 from pathlib import Path
 
 from services.demo import make_demo
-from tests.test_docs import quickstart_block
+from tests.unit.test_docs import quickstart_block
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_the_cpu_walkthrough_runs_as_written(tmp_path):

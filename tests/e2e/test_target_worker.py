@@ -22,7 +22,7 @@ from services.target.model import load_target
 from services.target.packing import open_or_build
 from services.transport import BatchClient
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 START_TIMEOUT_S = 90
 
 

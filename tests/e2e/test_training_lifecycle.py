@@ -16,7 +16,7 @@ import pytest
 from services.drafter.ledger import read_all
 from services.log import events
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 STEPS, CHECKPOINT_EVERY, LOG_EVERY, EVAL_EVERY = 120, 20, 5, 40
 
 

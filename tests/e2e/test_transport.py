@@ -26,7 +26,7 @@ from services.config import TransportConfig
 from services.health import HealthServer, probe
 from services.transport import MAX_REQUEST_BYTES, BatchClient, BatchServer, BufferPool, batch_messages, layout
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SEQ, WIDTH, N_BATCHES = 300, 640, 8
 CHUNK = 64 << 10     # hidden is 300 x 640 bf16 = 375 KiB: 6 chunks
 
@@ -142,7 +142,7 @@ class Target:
         sock_dir.mkdir(mode=0o700, exist_ok=True)
         self.health = f"ipc://{sock_dir}/{name}.health"
         endpoint = endpoint or (f"ipc://{sock_dir}/{name}.data" if scheme == "ipc" else "tcp://127.0.0.1:*")
-        code = "import json, sys; from tests.test_transport import serve; serve(*json.loads(sys.argv[1]))"
+        code = "import json, sys; from tests.e2e.test_transport import serve; serve(*json.loads(sys.argv[1]))"
         self.proc = subprocess.Popen([sys.executable, "-c", code, json.dumps([endpoint, self.health, mode])],
                                      cwd=ROOT, stdout=subprocess.PIPE, text=True,
                                      env={**os.environ, "PYTHONPATH": str(ROOT)})

@@ -1,5 +1,5 @@
-"""Issue 19 on the CPU demo, real processes: no port off loopback, frozen workers restarted (and
-only they), provenance in the ledger; and the launcher on a disk that is full."""
+"""Frozen workers on the CPU demo, real processes: restarted (and only they), no port off loopback,
+provenance in the ledger."""
 from __future__ import annotations
 
 import ipaddress
@@ -8,19 +8,16 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import tempfile
-import textwrap
-import time
 from pathlib import Path
 
 import psutil
 import pytest
 
-from tests.test_e2e import all_pids, assert_exactly_once, assert_no_worker_left, launcher, metrics
+from tests.e2e.test_launcher_demo import all_pids, assert_exactly_once, assert_no_worker_left, launcher, metrics
 from tests.waiting import wait_for
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def open_ports_off_loopback(pids: list[int]) -> list[str]:
@@ -114,82 +111,3 @@ def test_frozen_workers_are_restarted_alone_and_no_port_opens_off_loopback():
         served_by = [str(p) for p in worker_pids(run_dir, "target-0")]
         assert incarnations <= set(served_by) and served_by[-1] in incarnations, incarnations   # the new target served
         assert all(re.fullmatch(r"[0-9a-f]{32}", e["digest"]) for e in entries)
-
-
-# --- a full disk ------------------------------------------------------------------------------------
-
-@pytest.fixture
-def small_disk(tmp_path):
-    """small_disk(size) -> a fresh tmpfs of that size: a real file system that really fills up."""
-    mounted = []
-
-    def mount(size: str) -> Path:
-        path = tmp_path / f"disk{len(mounted)}"
-        path.mkdir()
-        done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(path)],
-                              capture_output=True, text=True)
-        if done.returncode:
-            pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
-        mounted.append(path)
-        return path
-    yield mount
-    for path in mounted:
-        subprocess.run(["umount", "-l", str(path)], capture_output=True)
-
-
-def fill(folder: Path) -> None:
-    """Take every free byte of the file system that holds folder."""
-    with open(folder / "filler", "wb", buffering=0) as f:
-        for size in (1 << 20, 4096, 1):
-            try:
-                while True:
-                    f.write(b"\0" * size)
-            except OSError:
-                pass
-
-
-FAKE_RUN = textwrap.dedent("""
-    import sys, time
-    from pathlib import Path
-    from launcher.cli import run_supervised
-    from launcher.supervisor import Supervisor
-    from launcher.topology import parse_gpu_spec
-    from services.config import load_config
-
-    WORKER = ("import sys, time; from services.health import HealthServer; "
-              "h = HealthServer(sys.argv[1], 'target', 0, 0); h.set(state='ready')\\n"
-              "while True: h.progress(); time.sleep(0.2)")
-
-    class Fake(Supervisor):
-        def argv(self, w):            # a worker that is ready at once and stays healthy
-            return [sys.executable, "-c", WORKER, self.endpoints(w)["health"]]
-
-    sup = Fake(Path(sys.argv[1]), load_config(None, []), parse_gpu_spec("0:target,1:drafter"), "cpu")
-    code, reason = run_supervised(sup, on_ready=lambda: print("ready", *[p.pid for p in sup.procs.values()], flush=True))
-    sup.record_outcome(code, reason)
-    print("exit", code, flush=True)
-""")
-
-
-def test_a_launcher_that_cannot_write_fails_the_run_in_one_line_and_stops_the_workers(small_disk):
-    run_dir = small_disk("8m") / "run"
-    proc = subprocess.Popen([sys.executable, "-c", FAKE_RUN, str(run_dir)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))
-    try:
-        line = ""
-        while not line.startswith("ready"):
-            line = proc.stdout.readline()
-            assert line or proc.poll() is None, proc.stderr.read()
-        target, drafter = map(int, line.split()[1:])
-        fill(run_dir.parent)
-        os.kill(target, signal.SIGKILL)               # its restart needs a log and run.json: no room
-        out, err = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert out.splitlines()[-1] == "exit 1", out + err
-    assert "Traceback" not in err and "Errno" not in out + err, err
-    failed = [line for line in out.splitlines() if line.startswith("run failed:")]
-    assert len(failed) == 1 and f"no space left on {run_dir}" in failed[0], out
-    assert "outcome not recorded: no space left on" in out
-    assert not psutil.pid_exists(drafter) or psutil.Process(drafter).status() == psutil.STATUS_ZOMBIE

@@ -33,7 +33,7 @@ from services.health import probe
 from services.transport import BatchClient
 from services.verify import SessionLost, TargetUnavailable, VerifyClient, VerifyError
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 PROMPTS, NEW = 3, 12
 
 

@@ -16,7 +16,7 @@ import zmq
 from services.config import TransportConfig
 from services.curve import CurveError, KEY_FILES, apply_client, apply_server, generate_keys, keys_for
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 ENV = dict(os.environ, PYTHONPATH=str(REPO))
 
 # Answers every message with b"pong:" + message until an authenticated "quit";

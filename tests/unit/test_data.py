@@ -198,7 +198,7 @@ def test_a_line_over_the_limit_is_never_read_whole(tmp_path):
             "grown = (peak() - before) // 1024\n"
             "print([d.line for d in docs], bad.count, grown)")
     out = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=120,
-                         cwd=Path(__file__).resolve().parents[1])
+                         cwd=Path(__file__).resolve().parents[2])
     lines, count, grown_mb = out.stdout.rsplit(" ", 2) if out.returncode == 0 else (out.stderr, 0, 0)
     assert lines == "[1, 3]" and count == "1", out.stdout + out.stderr
     assert int(grown_mb) < 30, f"peak memory grew by {grown_mb} MB reading past a 50 MB line"

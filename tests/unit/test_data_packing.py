@@ -18,7 +18,7 @@ from services.target.data import DataError, Document
 from services.target.packing import cache_key, open_or_build, pack_rows, split_document
 
 VOCAB = 4096
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture

@@ -16,7 +16,7 @@ import zmq
 
 from services.health import EXIT_HEALTHY, EXIT_UNHEALTHY, EXIT_UNREACHABLE, HealthServer, probe
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 # A worker main loop: stamps progress every 50 ms until the stall file appears.
 WORKER = """

@@ -14,7 +14,7 @@ from launcher.preflight import resumed_line
 from launcher.report import describe_spec
 from services.demo import demo_overrides
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CHAT = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello there"}]}
 SPEC = ["up", "--device", "cpu", "--gpus", "0:target,1:drafter"]
 

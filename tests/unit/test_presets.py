@@ -13,7 +13,7 @@ from bench.shapes import text_config
 from services.config import load_config
 from services.drafter.target_head import build_model_config, model_config_from_hf
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 PRESETS = REPO / "presets"
 
 

@@ -12,7 +12,7 @@ from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 from tests.greedy import hf_greedy_generate as greedy_generate
 from services.target.regenerate import HFEngine, read_conversations, regenerate
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 CHATS = [
     {"messages": [{"role": "user", "content": "count from 3 to 9"}, {"role": "assistant", "content": "3 4 5 6 7 8 9"}]},
     {"input_ids": [1, 2, 3], "loss_mask": [0, 1, 1]},

@@ -79,7 +79,7 @@ def test_keys_not_marked_as_deciding_tokens_leave_the_packed_data_alone(data_fil
     for section, f in ALL_KEYS:
         dotted = f"{section}.{f.name}"
         if section not in ("run", "data", "target") or f.metadata["batch"] == "path" or dotted == "target.model_path":
-            continue                                     # files: by content (tests/test_data_packing.py)
+            continue                                     # files: by content (tests/unit/test_data_packing.py)
         try:
             cfg = load_config(None, base_args + [_changed(dotted)])
         except Exception:

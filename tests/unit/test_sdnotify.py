@@ -15,7 +15,7 @@ import pytest
 from services import sdnotify
 from services.sdnotify import Notifier
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 # A stand-in for a worker's main loop, using the real Notifier: load, ready, train, stall, stop.
 WORKER = textwrap.dedent("""

@@ -15,7 +15,7 @@ from launcher.causes import exit_cause, last_error_line, read_log
 from services import exits
 from services.lifecycle import PARENT_DIED, StopRequests
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 # A worker process as the launcher starts one (process.spawn: its log, its start line), logging in
 # the workers' format and ending through services/exits.py like every worker.
