@@ -21,7 +21,7 @@ demo() { local name=$1 limit=$2 kind=$3 work=/tmp/dflash-$1; shift 3; rm -rf "$w
   cp -r "$work/run/logs" "$OUT/$name-logs" 2>/dev/null; grep -h "packed attention\|capture path" "$work"/run/logs/target-*.log; }
 for part in "$@"; do case $part in
   checks)     run flex_check 300 python3 bench/flex_check.py --out "$OUT/flex_check.json"
-              run gpu_tests 240 python3 -m pytest -q -x tests/test_target_model.py tests/test_drafter_attention.py ;;
+              run gpu_tests 240 python3 -m pytest -q -x tests/unit/test_target_model.py tests/unit/test_drafter_attention.py ;;
   drafter)    run drafter_recipe 300 python3 bench/drafter_step.py --shape recipe --steps 10 --out "$OUT/drafter_recipe.json" ;;
   large)      run drafter_large 400 python3 bench/drafter_step.py --shape large --steps 5 --out "$OUT/drafter_large.json" ;;
   target8b)   run target_8b 300 python3 bench/target_capture.py --shapes 8b --seq 8192,32768 --labels --out "$OUT/target_8b.json" ;;
@@ -35,7 +35,7 @@ for part in "$@"; do case $part in
   e2ehybrid)  run e2e_hybrid 560 python3 bench/e2e.py --gpus 0:target,1:drafter --shape 27b-hybrid --work /tmp/e2e27b \
                   --steps 50 --skip 10 --conversations 20000 --timeout 420 --out "$OUT/e2e_hybrid.json" ;;
   ckptstall)  run checkpoint_stall 400 python3 bench/checkpoint_stall.py --out "$OUT/checkpoint_stall.json" ;;
-  hybridtests) run hybrid_tests 300 python3 -m pytest -q tests/test_target_hybrid.py tests/test_target_model.py ;;
+  hybridtests) run hybrid_tests 300 python3 -m pytest -q tests/unit/test_target_hybrid.py tests/unit/test_target_model.py ;;
   hybrid)     run target_hybrid 400 python3 bench/target_capture.py --shapes 27b-hybrid --seq 8192 --mixes single,short,medium \
                   --iters 3 --out "$OUT/target_hybrid.json" ;;
   hybridnofla) run target_hybrid_nofla 300 python3 bench/target_capture.py --shapes 27b-hybrid --seq 8192 \

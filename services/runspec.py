@@ -1,7 +1,7 @@
 """What decides batch g, read once from the marks on the config keys (services/config.py `setting`).
 
 Three checks need the same facts and derive them here, so a key added to the config is covered by
-all of them as soon as it is marked (and tests/test_runspec.py fails for a key with no mark):
+all of them as soon as it is marked (and tests/unit/test_runspec.py fails for a key with no mark):
   - the packed data's cache key (services/target/packing.py): "content" keys and "path" files;
   - the target/drafter handshake digest (services/handshake.py): "content", "capture", "range";
   - the resume check of a checkpoint (services/drafter/checkpoint.py): "content", "path", "capture",

@@ -1,8 +1,10 @@
-"""Fixtures shared by several test files."""
+"""Fixtures shared by several test files, and the folder rules: tests/unit is fast, tests/e2e slow."""
 import atexit
 import os
 import shutil
+import subprocess
 import tempfile
+from pathlib import Path
 
 import pytest
 from transformers import AutoTokenizer
@@ -44,19 +46,47 @@ def hf_torch_hybrid(monkeypatch):
         monkeypatch.setattr(m, name, inspect.unwrap(getattr(m, name)))
 
 
-# Test files that start real workers (targets, drafters, the launcher over them) run as the
-# "slow" set; the rest is the fast set a developer runs after each change:
-#   python3 -m pytest -q -m "not slow" tests       (seconds)     python3 -m pytest -q tests   (everything)
-END_TO_END = {"test_e2e", "test_demo", "test_training_lifecycle", "test_multihost", "test_drafter_zmq",
-              "test_drafter_process", "test_checkpoint", "test_checkpoint_faults", "test_target_worker",
-              "test_report", "test_launcher_runs", "test_launcher_plan", "test_export", "test_transport",
-              "test_checkpoint_background", "test_demo_hybrid",
-              "test_quickstart", "test_elastic_resume",
-              "test_integrity", "test_exit_causes", "test_stop_signals",
-              "test_verify"}
+@pytest.fixture
+def small_disk(tmp_path):
+    """small_disk(size) -> a fresh tmpfs of that size: a real file system that really fills up."""
+    mounted = []
+
+    def mount(size: str) -> Path:
+        path = tmp_path / f"disk{len(mounted)}"
+        path.mkdir()
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(path)],
+                              capture_output=True, text=True)
+        if done.returncode:
+            pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
+        mounted.append(path)
+        return path
+    yield mount
+    for path in mounted:
+        subprocess.run(["umount", "-l", str(path)], capture_output=True)
+
+
+# The folder decides what is slow. tests/e2e: files that start real workers or launchers (targets,
+# drafters, the launcher over them), the "slow" set; tests/unit: the fast set a developer runs after
+# each change (a test there that is itself slow carries @pytest.mark.slow):
+#   python3 -m pytest -q -m "not slow" tests       (about a minute)     python3 -m pytest -q tests   (everything)
+TESTS = Path(__file__).resolve().parent
+E2E = TESTS / "e2e"
+
+
+class Misplaced(pytest.File):
+    """A test file directly in tests/, in neither set: it fails collection, so it cannot go unnoticed."""
+
+    def collect(self):
+        raise self.CollectError(f"tests/{self.path.name}: put it in tests/unit (fast) or tests/e2e (it starts "
+                                f"real workers or launchers: the slow set), not directly in tests/")
+
+
+def pytest_pycollect_makemodule(module_path, parent):
+    if module_path.parent == TESTS:
+        return Misplaced.from_parent(parent, path=module_path)
 
 
 def pytest_collection_modifyitems(items):
     for item in items:
-        if item.module.__name__.split(".")[-1] in END_TO_END:
+        if item.path.is_relative_to(E2E):
             item.add_marker(pytest.mark.slow)

@@ -1,0 +1,238 @@
+"""Nothing wrong reaches the weights, on the CPU demo with real processes: a same-uid process that
+takes a target's socket over and replays its incarnation gets none of its batches trained, and
+the held-out eval does not wait for it; a target with inf in its weights stops the run with an
+error naming it and the captured layer, and nothing non-finite is saved; an `error` claimed for a
+batch that exists is dropped and asked again."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.test_launcher_demo import assert_exactly_once, assert_no_worker_left, launcher, metrics
+from tests.waiting import wait_for
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def impostor(run_dir: str, report: str) -> None:
+    """Run as its own process: fetch batch 0 of both splits from target-0 as a drafter would, SIGKILL
+    target-0, bind its data socket at once and answer every batch request with batch 0's real
+    frames relabelled as the batch asked for, under the killed target's own incarnation."""
+    from services.config import load_config
+    from services.endpoints import endpoint
+    from services.health import probe
+    from services.transport import BatchClient, BatchServer
+
+    run = Path(run_dir)
+    cfg = load_config(run / "config.json")
+    data, health = (endpoint(run, cfg.transport, "target", 0, p) for p in ("data", "health"))
+    _, status, _ = probe(health)
+    incarnation, pid = status["incarnation"], status["pid"]
+    client = BatchClient([data], cfg.transport)
+    real = {}
+    for split in ("train", "eval"):
+        client.request(0, 0, split, incarnation=incarnation)
+    while len(real) < 2:
+        real.update({event[2]: event[3] for event in client.poll(200) if event[0] == "batch"})
+    client.close()
+    os.kill(pid, signal.SIGKILL)
+    server = BatchServer(data, cfg.transport)
+    server.incarnation = incarnation                   # the killed target's, as it announced it
+    answered: dict[str, list[int]] = {"train": [], "eval": []}
+    Path(report).write_text(json.dumps({"killed": pid, "incarnation": incarnation, "answered": answered}))
+    while True:
+        for request in server.poll(100):
+            if request.kind == "batch":
+                server.send_batch(request.client, dataclasses.replace(real[request.split], g=request.g), request.split)
+                answered[request.split].append(request.g)
+                Path(report).write_text(json.dumps({"killed": pid, "incarnation": incarnation, "answered": answered}))
+
+
+@pytest.mark.slow
+def test_a_same_uid_takeover_replaying_the_incarnation_trains_nothing_and_does_not_stall_the_eval():
+    from services.batch import token_digest
+    from services.config import load_config
+    from services.drafter.ledger import read_all
+    from services.target.packing import PackedData
+
+    with tempfile.TemporaryDirectory(prefix="i25", dir="/tmp") as folder:       # short: ipc paths < 108 bytes
+        run_dir, log, report = Path(folder) / "run", Path(folder) / "out.txt", Path(folder) / "impostor.json"
+        with open(log, "w") as out:
+            proc = subprocess.Popen(launcher(run_dir, "run.epochs=1", "run.eval_every=8", "run.spec_eval_prompts=0",
+                                             "run.checkpoint_every=0", "transport.credits=4"),
+                                    stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+        fake = None
+        try:
+            wait_for(lambda: (run_dir / "metrics.jsonl").exists() and len(metrics(run_dir)) >= 1, "training", proc)
+            fake = subprocess.Popen([sys.executable, "-c", "import sys; from tests.e2e.test_integrity import impostor; "
+                                     "impostor(sys.argv[1], sys.argv[2])", str(run_dir), str(report)],
+                                    cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+            proc.wait(timeout=900)
+        finally:
+            for p in (proc, fake):
+                if p is not None and p.poll() is None:
+                    p.kill()
+                    p.wait()
+        text = log.read_text()
+        assert proc.returncode == 0, text[-3000:]
+        took_over = json.loads(report.read_text())
+        answered = took_over["answered"]
+        assert answered["train"], f"no drafter asked the impostor for a batch: the test proves nothing ({took_over})"
+
+        # every batch trained is the batch the data says: no relabelled batch 0 reached the weights
+        cfg = load_config(run_dir / "config.json")
+        (cache,) = [p for p in (run_dir / "data-cache").glob("*.safetensors") if ".digests." not in p.name]
+        data = PackedData(cache, cfg)
+        entries = [e for e in read_all(run_dir) if e["tokens"]]
+        wrong = [(e["g"], e["incarnation"]) for e in entries if e["digest"] != token_digest(data.batch(e["g"])["input_ids"])]
+        assert not wrong, f"{len(wrong)} trained batches whose tokens are not batch g's (g, incarnation): {wrong[:5]}"
+        assert_exactly_once(run_dir)
+
+        # the impostor's answers were dropped and counted as content, with the incarnation it claimed
+        logs = "".join((run_dir / "logs" / f"drafter-{r}.log").read_text() for r in (0, 1))
+        assert "dropped a bad data-content message" in logs and took_over["incarnation"] in logs, logs[-3000:]
+
+        # the held-out evaluation did not wait for the impostor
+        evals = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+                 if json.loads(line).get("eval")]
+        assert evals and max(e["eval_s"] for e in evals) < 60, [e["eval_s"] for e in evals]
+        assert_no_worker_left(run_dir)
+
+
+def poisoned_demo_target(out: Path, layer: int) -> Path:
+    """A copy of the demo's (real, tiny) target with inf in one decoder layer's MLP weights."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from services.demo import cache_dir, make_demo
+    model = Path(make_demo(cache_dir())["model_path"])
+    shutil.copytree(model, out)
+    (weights,) = out.glob("*.safetensors")
+    tensors = load_file(str(weights))
+    name = f"model.layers.{layer}.mlp.down_proj.weight"
+    tensors[name] = torch.full_like(tensors[name], float("inf"))
+    save_file(tensors, str(weights), metadata={"format": "pt"})
+    return out
+
+
+@pytest.mark.slow
+def test_a_target_with_inf_weights_stops_the_run_naming_it_and_nothing_non_finite_is_saved():
+    """Layer 1 of the target is poisoned; captured layers 0 and 2: layer 0's features are finite,
+    layer 2's are not. Every step is skipped, `launcher status` counts it, the run ends with an
+    error naming the target and the layer, and every checkpoint on disk is finite."""
+    from safetensors.torch import load_file
+
+    with tempfile.TemporaryDirectory(prefix="i25p", dir="/tmp") as folder:
+        folder = Path(folder)
+        model = poisoned_demo_target(folder / "poisoned", layer=1)
+        run_dir, log = folder / "run", folder / "out.txt"
+        with open(log, "w") as out:
+            proc = subprocess.Popen(launcher(run_dir, f'target.model_path="{model}"', "target.layer_ids=[0,2]",
+                                             "run.max_restarts=0", "drafter.max_nonfinite_steps=12",
+                                             "run.checkpoint_every=4", "run.spec_eval_prompts=0", "run.epochs=1"),
+                                    stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+        seen = None
+        try:
+            deadline = time.monotonic() + 600
+            while proc.poll() is None and time.monotonic() < deadline:
+                if seen is None and (run_dir / "run.json").is_file():
+                    status = subprocess.run([sys.executable, "-m", "launcher", "status", "--run-dir", str(run_dir),
+                                             "--json"], capture_output=True, text=True, cwd=ROOT,
+                                            env=dict(os.environ, PYTHONPATH=str(ROOT)))
+                    try:
+                        rows = json.loads(status.stdout)["workers"]
+                    except ValueError:
+                        rows = []
+                    counts = [r.get("integrity") or {} for r in rows if r["name"].startswith("drafter")]
+                    if counts and all(c.get("nonfinite_batches", 0) >= 1 for c in counts):
+                        seen = counts
+                time.sleep(0.5)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+        text = log.read_text()
+        assert proc.returncode != 0, text[-3000:]
+        assert seen and all(c["skipped_steps"] >= 1 and "captured layer 2" in c["last_nonfinite"] for c in seen), seen
+        last_lines = [(run_dir / "logs" / f"drafter-{r}.log").read_text().strip().splitlines()[-1] for r in (0, 1)]
+        for line in last_lines:
+            assert "NonFiniteError: 12 optimizer steps in a row skipped" in line, last_lines
+            assert "non-finite hidden states of captured layer 2 from target-0" in line, last_lines
+        assert not (run_dir / "export").exists()
+        saved = sorted((run_dir / "checkpoints").glob("step-*/model.safetensors"))
+        assert saved, "no checkpoint was written while the steps were skipped"
+        for path in saved:
+            assert all(bool(t.isfinite().all()) for t in load_file(str(path)).values()), path
+
+
+@pytest.mark.slow
+def test_an_error_for_a_batch_that_exists_is_dropped_and_asked_again(tmp_path):
+    """A process that took target-0's socket over under its incarnation answers every request with
+    an `error`: for a g the handshake says exists that is no real target's answer, so the drafter's
+    source counts it (data-error-claim), asks again and trains the real batch once the target is
+    back; an error for a g out of range still stops it."""
+    import threading
+
+    from services.batch import token_digest
+    from services.demo import make_demo
+    from services.drafter.source import SourceError, ZmqSource
+    from services.target.packing import PackedData
+    from services.transport import BatchServer
+    from tests.e2e.test_verify import Worker, _overrides
+
+    demo = make_demo(tmp_path / "demo", num_conversations=300, target_steps=0)
+    w = Worker(tmp_path / "run", _overrides(demo, demo["model_path"]) + ["transport.credits=1"])
+    first = w.start()
+    source = ZmqSource(w.cfg, w.run_dir, 0, 1, 1, None)
+    claimed: list[int] = []
+
+    def impostor_then_target_back():
+        server = BatchServer(w.data_ep, w.cfg.transport)
+        server.incarnation = first["incarnation"]              # the killed target's, as it announced it
+        while len(claimed) < 3:
+            for request in server.poll(100):
+                if request.kind == "batch":
+                    server.send_error(request.client, request.g, f"batch g={request.g} out of range", request.split)
+                    claimed.append(request.g)
+        server.close()
+        w.start()                                              # the real target again, on the same socket
+
+    try:
+        batches = iter(source)
+        assert next(batches).g == 0                            # from the real target: its incarnation is known
+        assert source.total_batches > 1
+        w.stop(signal.SIGKILL)
+        thread = threading.Thread(target=impostor_then_target_back, daemon=True)
+        thread.start()
+        batch = next(batches)                                  # asked of the impostor first
+        thread.join(timeout=180)
+        assert set(claimed) == {1}, claimed
+        drops = source.client.drops.counts["data-error-claim"]
+        assert 1 <= drops <= len(claimed), (drops, claimed)
+        (cache,) = [p for p in (w.run_dir / "data-cache").glob("*.safetensors") if ".digests." not in p.name]
+        assert batch.g == 1 and token_digest(batch.input_ids) == token_digest(
+            PackedData(cache, w.cfg).batch(1)["input_ids"])
+        # a g out of range: the real target's error, which stops the source as before
+        beyond = source.info.num_batches * w.cfg.run.epochs
+        source.pending[beyond] = time.monotonic()
+        source.client.request(0, beyond, incarnation=source.incarnations[0])
+        with pytest.raises(SourceError, match=f"g={beyond}"):
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                for event in source.client.poll(200):
+                    source._handle(event)
+        assert source.client.drops.counts["data-error-claim"] == drops
+    finally:
+        source.close()
+        w.stop(signal.SIGKILL)

@@ -1,0 +1,142 @@
+"""One graceful stop per stop request, and one launcher per run dir, on the real demo (CPU).
+
+kill -9 of the launcher: the kernel sends each worker the parent-death signal once for every
+launcher thread the worker is handed to on its way to init; every drafter must still finish its
+step, write the checkpoint and exit 0. A signal sent twice by one sender (GNU timeout signals the
+launcher, then its process group) is one stop too."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from services.log import events
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[2]
+ENV = dict(os.environ, PYTHONPATH=str(ROOT))
+
+
+def up_args(run_dir: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "launcher", "up", "--demo", "--device", "cpu", "--gpus", "0:target,1-2:drafter",
+            "--run-dir", str(run_dir), "run.epochs=50", "run.checkpoint_every=100000", *extra]
+
+
+def training(run_dir: Path, lines: int = 2) -> bool:
+    metrics = run_dir / "metrics.jsonl"
+    return metrics.exists() and len(metrics.read_text().splitlines()) >= lines
+
+
+# The launcher's orphans come to this process (a child subreaper), so their exit codes can be read.
+KILL_9 = textwrap.dedent("""
+    import ctypes, json, os, signal, subprocess, sys, time
+    from pathlib import Path
+    ctypes.CDLL(None).prctl(36, 1, 0, 0, 0)                  # PR_SET_CHILD_SUBREAPER
+    run_dir = Path(sys.argv[1])
+    launcher = subprocess.Popen(sys.argv[2:], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    metrics, deadline = run_dir / "metrics.jsonl", time.monotonic() + 300
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    pids = {w["name"]: w["pid"] for w in json.loads((run_dir / "run.json").read_text())["workers"]}
+    launcher.kill()
+    launcher.wait()
+    codes, deadline = {}, time.monotonic() + 120
+    while len(codes) < len(pids) and time.monotonic() < deadline:
+        for name, pid in pids.items():
+            if name in codes:
+                continue
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                codes[name] = os.waitstatus_to_exitcode(status)
+        time.sleep(0.1)
+    for name, pid in pids.items():
+        if name not in codes:
+            os.kill(pid, signal.SIGKILL)
+            codes[name] = "still running"
+    print(json.dumps(codes))
+""")
+
+
+def test_kill_9_of_the_launcher_every_drafter_checkpoints_and_exits_0(tmp_path):
+    run_dir = tmp_path / "run"
+    out = subprocess.run([sys.executable, "-c", KILL_9, str(run_dir), *up_args(run_dir)], capture_output=True,
+                         text=True, timeout=600, env=ENV)
+    assert out.returncode == 0, out.stderr[-3000:]
+    codes = json.loads(out.stdout.strip().splitlines()[-1])
+    assert codes == {"target-0": 0, "drafter-0": 0, "drafter-1": 0}, codes     # nothing hard (143), nothing lost
+    stops = []
+    for rank in (0, 1):
+        log = (run_dir / "logs" / f"drafter-{rank}.log").read_text()
+        assert "parent-death signal (the launcher died): finishing the current step" in log
+        assert "exiting now" not in log
+        stops.append(events(log, "stopped")[-1])
+    assert all(s["signal"] is True for s in stops) and stops[0]["step"] == stops[1]["step"] > 0
+    assert os.readlink(run_dir / "checkpoints" / "latest") == f"step-{stops[0]['step']:08d}"
+
+
+def wait_training(run_dir: Path, proc: subprocess.Popen, lines: int = 2) -> dict[str, int]:
+    deadline = time.monotonic() + 300
+    while not training(run_dir, lines):
+        assert time.monotonic() < deadline and proc.poll() is None, "training never started"
+        time.sleep(0.2)
+    return {w["name"]: w["pid"] for w in json.loads((run_dir / "run.json").read_text())["workers"]}
+
+
+def stopped_once(run_dir: Path) -> dict:
+    """drafter-0 began one graceful stop, never exited hard, and checkpointed the step it stopped at."""
+    log = (run_dir / "logs" / "drafter-0.log").read_text().split("\n===== ")[-1]      # its latest start
+    assert log.count(": finishing the current step") == 1 and "exiting now" not in log, log[-3000:]
+    stopped = events(log, "stopped")[-1]
+    assert stopped["signal"] is True and stopped["step"] > 0
+    assert os.readlink(run_dir / "checkpoints" / "latest") == f"step-{stopped['step']:08d}"
+    return stopped
+
+
+def test_one_stop_per_request_and_one_launcher_per_run_dir(tmp_path):
+    run_dir = tmp_path / "run"
+    first = subprocess.Popen(up_args(run_dir), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             text=True, env=ENV)
+    try:
+        lock = run_dir / "launcher.lock"
+        deadline = time.monotonic() + 30
+        while not (lock.exists() and lock.read_text().strip() == str(first.pid)):     # about a second
+            assert time.monotonic() < deadline and first.poll() is None
+            time.sleep(0.05)
+        busy = f"another launcher is running on {run_dir} (pid {first.pid})"
+        for extra in ((), ("--resume",)):          # a second `up` on the same run dir, before anything is written
+            second = subprocess.run(up_args(run_dir, *extra), cwd=ROOT, capture_output=True, text=True,
+                                    timeout=120, env=ENV)
+            assert second.returncode == 2 and busy in second.stderr, second.stdout + second.stderr
+        pids = wait_training(run_dir, first)
+        assert json.loads((run_dir / "run.json").read_text())["launcher_pid"] == first.pid
+        os.kill(pids["drafter-0"], signal.SIGTERM)     # a worker: twice by one sender within the debounce
+        time.sleep(0.3)                                # (sooner, the kernel may merge the two into one)
+        os.kill(pids["drafter-0"], signal.SIGTERM)
+        out, _ = first.communicate(timeout=300)
+    finally:
+        if first.poll() is None:
+            first.kill()
+    assert first.returncode == 0 and "exited with code" not in out, out[-3000:]   # the group stopped, exit 0
+    step = stopped_once(run_dir)["step"]
+
+    logged = len((run_dir / "metrics.jsonl").read_text().splitlines())
+    again = subprocess.Popen(up_args(run_dir, "--resume"), cwd=ROOT, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True, env=ENV)
+    try:
+        wait_training(run_dir, again, lines=logged + 2)     # the resumed run trains
+        os.kill(again.pid, signal.SIGTERM)         # the launcher, as GNU timeout does: the pid, then the group
+        time.sleep(0.3)                            # (sooner, the kernel may merge the two into one)
+        os.kill(again.pid, signal.SIGTERM)
+        out, _ = again.communicate(timeout=300)
+    finally:
+        if again.poll() is None:
+            again.kill()
+    assert again.returncode == 3, out[-3000:]                  # stopped, gracefully
+    assert f"SIGTERM from pid {os.getpid()} again: the same stop request" in out
+    assert "second signal" not in out and "killed after" not in out
+    assert stopped_once(run_dir)["step"] > step

@@ -1,0 +1,176 @@
+"""The target worker as a real process: health states, info, batches over real ZMQ, errors, SIGTERM."""
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import msgpack
+import pytest
+import torch
+import zmq
+from transformers import AutoTokenizer
+
+from services.config import load_config
+from services.demo import make_demo
+from services.endpoints import endpoint
+from services.health import probe
+from services import log
+from services.target.model import load_target
+from services.target.packing import open_or_build
+from services.transport import BatchClient
+
+REPO = Path(__file__).resolve().parents[2]
+START_TIMEOUT_S = 90
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory):
+    return make_demo(tmp_path_factory.mktemp("demo"), num_conversations=300, target_steps=0)
+
+
+def _start(run_dir: Path, overrides: list[str]) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "services.target", "--run-dir", str(run_dir), "--rank", "0", "--world-size", "1",
+           "--device", "cpu", *overrides]
+    return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _wait_state(proc, health_ep, states, timeout=START_TIMEOUT_S) -> dict:
+    deadline = time.monotonic() + timeout
+    seen = []
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, f"target exited early: {proc.communicate()[1][-3000:]}"
+        _, status, _ = probe(health_ep, timeout_s=1.0)
+        if status:
+            seen.append(status["state"])
+            if status["state"] in states:
+                return status
+        time.sleep(0.1)
+    raise AssertionError(f"no state in {states} within {timeout}s; saw {seen[-5:]}")
+
+
+def _events(client: BatchClient, want: int, timeout=60.0) -> list[tuple]:
+    out, deadline = [], time.monotonic() + timeout
+    while len(out) < want and time.monotonic() < deadline:
+        out += client.poll(200)
+    assert len(out) >= want, f"got {len(out)} of {want} replies"
+    return out
+
+
+def test_worker_serves_info_batches_errors_and_stops_on_sigterm(tmp_path, demo):
+    data = tmp_path / "data.jsonl"
+    data.write_text(Path(demo["data_path"]).read_text() + "{ a broken line\n")
+    overrides = demo["overrides"] + [f"data.path={data}", "data.on_bad_sample=skip", "data.pack_len=256",
+                                     "target.labels_from_target=false"]          # the early-exit path
+    cfg = load_config(None, overrides)
+    run = tmp_path / "run"
+    health_ep = endpoint(run, cfg.transport, "target", 0, "health")
+    proc = _start(run, overrides)
+    client = None
+    try:
+        status = _wait_state(proc, health_ep, ("ready",))
+        assert status["bad_samples"] == 1 and status["role"] == "target" and status["gpu"] == "cpu"
+
+        client = BatchClient([endpoint(run, cfg.transport, "target", 0, "data")], cfg.transport)
+        client.request_info(0)
+        (kind, target, info), = _events(client, 1)
+        assert kind == "info" and target == 0
+        tokenizer = AutoTokenizer.from_pretrained(demo["model_path"])
+        assert info["layer_ids"] == [2] and info["hidden_size"] == 128 and info["hidden_width"] == 128
+        assert info["seq_len"] == 256 and info["mask_token_id"] == tokenizer.mask_token_id != -1
+        assert info["num_batches"] > 2 and info["num_eval_batches"] >= 1 and info["bad_samples"] == 1
+        assert info["vocab_size"] == 704 and info["model_path"] == demo["model_path"]
+
+        # garbage on the data socket is counted and dropped; the worker keeps serving
+        rogue = zmq.Context.instance().socket(zmq.DEALER)
+        rogue.setsockopt(zmq.LINGER, 0)
+        rogue.connect(endpoint(run, cfg.transport, "target", 0, "data"))
+        rogue.send_multipart([msgpack.packb({"kind": "request", "want": "everything"})])
+        rogue.send(b"\x00not msgpack")
+
+        total = info["num_batches"] * cfg.run.epochs
+        for g in (0, 1, info["num_batches"] + 1):
+            client.request(0, g)
+        client.request(0, 0, "eval")
+        client.request(0, total)                                    # one past the end
+        events = _events(client, 5)
+        batches = {(e[2], e[3].g): e[3] for e in events if e[0] == "batch"}
+        errors = [e for e in events if e[0] == "error"]
+        assert sorted(batches) == [("eval", 0), ("train", 0), ("train", 1), ("train", info["num_batches"] + 1)]
+        assert len(errors) == 1 and errors[0][2] == total and "out of range" in errors[0][3]
+
+        # the batches are what this process computes for the same g from the same cache
+        data_local = open_or_build(cfg, run, tokenizer, info["vocab_size"], log=lambda _m: None)
+        target = load_target(cfg.target, "cpu", cfg.drafter.num_layers)
+        for (split, g), batch in batches.items():
+            batch.validate(hidden_width=info["hidden_width"])
+            assert batch.target_labels is None and batch.hidden.dtype == torch.bfloat16
+            row = data_local.batch(g, split)
+            for name, tensor in row.items():
+                assert torch.equal(getattr(batch, name), tensor), name
+            hidden, _ = target.capture(row["input_ids"], row["position_ids"], row["document_ids"])
+            assert torch.equal(batch.hidden, hidden)
+
+        status = _wait_state(proc, health_ep, ("training",))
+        assert status["batches_served"] == 4 and status["step"] == 4
+        assert status["samples_done"] == sum(int(b.document_ids.max()) + 1 for b in batches.values())
+        assert status["tokens_per_s"] > 0 and status["bad_messages"] >= 2 and not status["stalled"]
+
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+        ready, stopped = log.events(proc.stdout.read())
+        assert ready["event"] == "ready" and ready["num_batches"] == info["num_batches"]
+        assert stopped == {"event": "stopped", "rank": 0, "batches_served": 4}
+    finally:
+        if client:
+            client.close()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_worker_sends_target_labels_when_configured(tmp_path, demo):
+    overrides = demo["overrides"] + ["target.labels_from_target=true", "data.pack_len=128"]
+    cfg = load_config(None, overrides)
+    run = tmp_path / "run"
+    proc = _start(run, overrides)
+    client = BatchClient([endpoint(run, cfg.transport, "target", 0, "data")], cfg.transport)
+    try:
+        _wait_state(proc, endpoint(run, cfg.transport, "target", 0, "health"), ("ready",))
+        client.request(0, 3)
+        (kind, _, _, batch, _), = _events(client, 1)
+        assert kind == "batch" and batch.target_labels is not None and batch.target_labels.dtype == torch.int64
+        from transformers import AutoModelForCausalLM
+        model = AutoModelForCausalLM.from_pretrained(demo["model_path"], dtype=torch.float32).eval()
+        real = batch.document_ids >= 0
+        start = 0
+        for d in range(int(batch.document_ids.max()) + 1):   # each document alone through the stock HF model
+            n = int((batch.document_ids == d).sum())
+            with torch.no_grad():
+                logits = model(input_ids=batch.input_ids[start:start + n][None]).logits[0]
+            assert torch.equal(batch.target_labels[start:start + n], logits.argmax(-1))
+            start += n
+        assert start == int(real.sum())
+    finally:
+        client.close()
+        proc.kill()
+        proc.wait()
+
+
+@pytest.mark.parametrize("bad, message", [
+    ("target.model_path={missing}", "model directory not found: {missing}"),
+    ("target.layer_ids=[1, 9]", "target.layer_ids [9] out of range: the target has 4 decoder layers"),
+    ("target.no_such_key=1", "unknown key target.no_such_key"),
+])
+def test_a_config_error_is_exit_2_with_one_clear_line(tmp_path, demo, bad, message):
+    """As in the drafter (test_drafter_process.py): exit 2, one line naming the error, no traceback."""
+    missing = tmp_path / "missing-model"
+    proc = _start(tmp_path / "run", demo["overrides"] + [bad.format(missing=missing)])
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 2, err[-3000:]
+    assert "Traceback" not in err
+    line, = [line for line in err.splitlines() if " error " in line]
+    assert line.split(" ", 3)[1:3] == ["target-0", "error"]
+    assert " error config error: " in line and message.format(missing=missing) in line

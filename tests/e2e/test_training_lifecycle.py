@@ -1,0 +1,145 @@
+"""The whole lifecycle through the launcher, on the built-in demo (1 target + 2 drafters, CPU):
+a drafter is SIGKILLed mid-run, the supervisor restarts the drafter group with --resume, and the
+run still trains every batch exactly once, continues its loss curve, evaluates, keeps the best
+checkpoint, exports, and `launcher report` summarises and plots it."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from services.drafter.ledger import read_all
+from services.log import events
+
+REPO = Path(__file__).resolve().parents[2]
+STEPS, CHECKPOINT_EVERY, LOG_EVERY, EVAL_EVERY = 120, 20, 5, 40
+
+
+def drafter_stuck(run_dir: Path) -> bool:
+    """drafter-0 waits for a batch and makes no step for a second (its status, not a fixed sleep)."""
+    from services.endpoints import endpoint
+    from services.config import load_config
+    from services.health import probe
+    health = endpoint(run_dir, load_config(run_dir / "config.json").transport, "drafter", 0, "health")
+    first = probe(health, 2)[1] or {}
+    time.sleep(1.0)
+    second = probe(health, 2)[1] or {}
+    return "waiting_for_g" in second and first.get("step") == second.get("step") \
+        and first.get("waiting_for_g") == second.get("waiting_for_g")
+
+
+def wait_for(predicate, timeout, proc, what):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        assert proc.poll() is None, f"launcher exited ({proc.returncode}) while waiting for {what}"
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+@pytest.mark.slow
+def test_sigkilled_drafter_resumes_and_every_batch_is_trained_once(tmp_path):
+    run_dir = tmp_path / "run"
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "launcher", "up", "--demo", "--device", "cpu", "--gpus", "0:target,1-2:drafter",
+         "--run-dir", str(run_dir), f"run.max_steps={STEPS}", f"run.checkpoint_every={CHECKPOINT_EVERY}",
+         f"run.log_every={LOG_EVERY}", f"run.eval_every={EVAL_EVERY}"],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        latest = run_dir / "checkpoints" / "latest"
+        wait_for(latest.is_symlink, 240, launcher, "the first checkpoint")
+        run = json.loads((run_dir / "run.json").read_text())
+        victim = [w for w in run["workers"] if w["name"] == "drafter-1"][0]["pid"]
+        os.kill(victim, signal.SIGKILL)
+        out, err = launcher.communicate(timeout=300)
+    finally:
+        if launcher.poll() is None:
+            launcher.send_signal(signal.SIGTERM)
+            launcher.communicate(timeout=60)
+    assert launcher.returncode == 0, (out + err)[-4000:]
+    assert "drafter-1 exited with code -9" in out + err
+
+    run = json.loads((run_dir / "run.json").read_text())
+    assert run["restarts"]["drafter"] == 1
+    log = (run_dir / "logs" / "drafter-0.log").read_text()
+    resumed = events(log, "resumed")
+    assert len(resumed) == 1 and resumed[0]["step"] % CHECKPOINT_EVERY == 0 and 0 < resumed[0]["step"] < STEPS
+
+    # exactly once: the ledger of the weights' lineage holds every batch index once
+    entries = read_all(run_dir)
+    assert Counter(e["g"] for e in entries) == Counter(range(2 * STEPS))
+    # the loss curve continues from the checkpoint: each logged step once, in order
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in records if not r.get("eval")]
+    assert [r["step"] for r in train] == list(range(LOG_EVERY, STEPS + 1, LOG_EVERY))
+    assert all(r["loss"] > 0 and 1.0 <= r["tau"] and r["tokens_per_s"] > 0 and 0 <= r["data_wait_frac"] <= 1
+               and len(r["accuracy_per_position"]) == 7 for r in train)
+    assert train[-1]["loss"] < train[0]["loss"]
+    evals = [r for r in records if r.get("eval")]
+    assert [r["step"] for r in evals] == list(range(EVAL_EVERY, STEPS + 1, EVAL_EVERY)) and evals[0]["batches"] >= 1
+    best = max(evals, key=lambda r: r["tau"])
+    assert os.readlink(run_dir / "checkpoints" / "best") == f"step-{best['step']:08d}"
+    assert os.readlink(run_dir / "checkpoints" / "latest") == f"step-{STEPS:08d}"
+    assert json.loads((run_dir / "export" / "config.json").read_text())["architectures"] == ["DFlashDraftModel"]
+
+    report = subprocess.run([sys.executable, "-m", "launcher", "report", "--run-dir", str(run_dir)],
+                            cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert report.returncode == 0, report.stderr
+    assert f"steps: {STEPS}" in report.stdout and f"best tau {best['tau']:.3f} at step {best['step']}" in report.stdout
+    assert f"export: {run_dir / 'export'}" in report.stdout
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert "matplotlib is not installed" in report.stdout
+    else:
+        png = run_dir / "report.png"
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+
+
+@pytest.mark.slow
+def test_stop_while_waiting_for_data_checkpoints_and_resume_finishes_the_run(tmp_path):
+    """`launcher down` while the drafters wait for a frozen target: they leave the wait, checkpoint
+    and exit 0 (nothing killed hard); `launcher up --resume` then finishes, every batch once."""
+    import psutil
+    steps, run_dir = 60, tmp_path / "run"
+    args = [sys.executable, "-m", "launcher", "up", "--demo", "--device", "cpu", "--gpus", "0:target,1-2:drafter",
+            "--run-dir", str(run_dir), f"run.max_steps={steps}", "run.checkpoint_every=1000", f"run.log_every={LOG_EVERY}"]
+    up = subprocess.Popen(args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        metrics = run_dir / "metrics.jsonl"
+        wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 2, 240, up, "training")
+        run = json.loads((run_dir / "run.json").read_text())
+        pids = {w["name"]: w["pid"] for w in run["workers"]}
+        os.kill(pids["target-0"], signal.SIGSTOP)                # the drafters run dry and wait
+        wait_for(lambda: drafter_stuck(run_dir), 120, up, "drafter-0 to wait for a batch that cannot come")
+        down = subprocess.Popen([sys.executable, "-m", "launcher", "down", "--run-dir", str(run_dir), "--timeout", "120"],
+                                cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        deadline = time.monotonic() + 60
+        while any(psutil.pid_exists(pids[d]) and psutil.Process(pids[d]).status() != "zombie"
+                  for d in ("drafter-0", "drafter-1")) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        os.kill(pids["target-0"], signal.SIGCONT)                # let it see its SIGTERM
+        down_out, _ = down.communicate(timeout=150)
+        out, _ = up.communicate(timeout=150)
+    finally:
+        for p in (up,):
+            if p.poll() is None:
+                p.kill()
+    assert up.returncode == 3, out[-3000:]
+    assert "killed hard" not in down_out, down_out
+    log = (run_dir / "logs" / "drafter-0.log").read_text()
+    stopped = events(log, "stopped")[-1]
+    assert stopped["signal"] is True and 0 < stopped["step"] < steps
+    assert os.readlink(run_dir / "checkpoints" / "latest") == f"step-{stopped['step']:08d}"
+
+    again = subprocess.run(args + ["--resume"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, (again.stdout + again.stderr)[-3000:]
+    assert Counter(e["g"] for e in read_all(run_dir)) == Counter(range(2 * steps))
+    logged = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert logged == sorted(set(logged)) and set(range(LOG_EVERY, steps + 1, LOG_EVERY)) <= set(logged)

@@ -1,0 +1,264 @@
+"""Real acceptance verified by a real target worker process (services/verify.py, target/verifying.py,
+drafter/remote_eval.py), on a tiny dense Qwen3 and a tiny Qwen3.5 hybrid (Gated DeltaNet + full
+attention), random weights, fp32 on CPU.
+
+Speculative decoding through the worker must equal plain greedy decoding (through the same worker)
+on every prompt, for a random drafter (most drafts rejected: the rollback case) and a drafter that
+is mostly right; the figures equal those of the same loop on the target loaded in this process.
+Hostile verify messages are counted and dropped while the worker keeps serving batches; a target
+restarted mid-eval costs a retried or skipped prompt, never a hang.
+"""
+from __future__ import annotations
+
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import msgpack
+import pytest
+import torch
+import zmq
+
+from services import wire
+from services.config import load_config
+from services.demo import make_demo
+from services.drafter.remote_eval import RemoteSpecEval
+from services.drafter.spec_eval import SpecEval
+from services.drafter.target_head import from_target
+from services.endpoints import endpoint
+from services.health import probe
+from services.transport import BatchClient
+from services.verify import SessionLost, TargetUnavailable, VerifyClient, VerifyError
+
+REPO = Path(__file__).resolve().parents[2]
+PROMPTS, NEW = 3, 12
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory):
+    return make_demo(tmp_path_factory.mktemp("demo"), num_conversations=300, target_steps=0)
+
+
+def hybrid_model(demo, out: Path) -> str:
+    """A tiny random Qwen3.5 hybrid with the demo's tokenizer, saved like a checkpoint."""
+    from transformers import AutoTokenizer
+    from transformers.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+    tokenizer = AutoTokenizer.from_pretrained(demo["model_path"])
+    torch.manual_seed(0)
+    cfg = Qwen3_5TextConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                            num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_num_key_heads=2,
+                            linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+                            linear_conv_kernel_dim=4, max_position_embeddings=1024, tie_word_embeddings=False,
+                            layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"],
+                            eos_token_id=tokenizer.eos_token_id, pad_token_id=0)
+    model = Qwen3_5ForCausalLM(cfg)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(20)      # a spread of logits: greedy output is not one token repeated
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return str(out)
+
+
+class Worker:
+    """A target worker process on a run dir, and its endpoints."""
+
+    def __init__(self, run_dir: Path, overrides: list[str]):
+        self.run_dir, self.overrides = run_dir, overrides
+        self.cfg = load_config(None, overrides)
+        self.health_ep = endpoint(run_dir, self.cfg.transport, "target", 0, "health")
+        self.data_ep = endpoint(run_dir, self.cfg.transport, "target", 0, "data")
+        self.proc = None
+
+    def start(self) -> dict:
+        cmd = [sys.executable, "-m", "services.target", "--run-dir", str(self.run_dir), "--device", "cpu",
+               *self.overrides]
+        self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        return self.wait_ready()
+
+    def wait_ready(self, timeout=120) -> dict:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, self.proc.communicate()[1][-3000:]
+            _, status, _ = probe(self.health_ep, timeout_s=1.0)
+            if status and status["state"] in ("ready", "training"):
+                return status
+            time.sleep(0.2)
+        raise AssertionError("the target worker did not get ready")
+
+    def status(self) -> dict:
+        _, status, _ = probe(self.health_ep, timeout_s=5.0)
+        return status
+
+    def stop(self, sig=signal.SIGTERM) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            self.proc.wait(timeout=60)
+
+
+def _overrides(demo, model_path: str) -> list[str]:
+    return demo["overrides"] + [f'target.model_path="{model_path}"', "data.pack_len=256",
+                                f"run.spec_eval_max_new_tokens={NEW}", "drafter.block_size=4"]
+
+
+@pytest.fixture(scope="module", params=["dense", "hybrid"])
+def worker(request, demo, tmp_path_factory):
+    root = tmp_path_factory.mktemp(request.param)
+    path = demo["model_path"] if request.param == "dense" else hybrid_model(demo, root / "model")
+    w = Worker(root / "run", _overrides(demo, path))
+    w.start()
+    yield w
+    w.stop()
+
+
+class MostlyRight:
+    """A 'trained' drafter: drafts the target's greedy continuation (the reference) with one wrong
+    token at the end of every block, so each step commits B-1 tokens."""
+
+    def __init__(self, spec: RemoteSpecEval, block_size: int):
+        self.spec, self.block_size, self.sequence = spec, block_size, None
+
+    def __call__(self, features, last_token, start):
+        for i, prompt in enumerate(self.spec.prompts):            # a prompt's first step: find its sequence
+            ref = self.spec._refs.get(i)
+            if ref is not None and start == len(prompt) and last_token == ref.tokens[0]:
+                self.sequence = prompt + ref.tokens
+        drafts = (self.sequence[start + 1:start + self.block_size] + [0] * self.block_size)[:self.block_size - 1]
+        drafts[-1] = (drafts[-1] + 1) % 100
+        return torch.tensor(drafts, device=features.device)
+
+
+def test_speculative_decoding_through_the_worker_equals_greedy(worker):
+    cfg = worker.cfg
+    model_cfg, head = from_target(cfg)
+    spec = RemoteSpecEval(cfg, worker.run_dir, 1, head, model_cfg, None, prompts=PROMPTS, max_new_tokens=NEW)
+    try:
+        assert len(spec.prompts) == PROMPTS
+        torch.manual_seed(0)
+        random = spec.run(spec.proposer(None, model_cfg))                   # random drafter: most drafts rejected
+        assert random["prompts"] == PROMPTS and random["skipped"] == 0
+        assert random["lossless"] == PROMPTS and random["differences"] == [], random["differences"]
+        assert random["acceptance_per_step"] < 1.5
+        right = spec.run(MostlyRight(spec, model_cfg.block_size))
+        assert right["lossless"] == PROMPTS and right["differences"] == []
+        assert right["acceptance_per_step"] > 2.0                            # B-1 = 3 per step but at the end
+        # the references really are the target's greedy output: the same loop on the target loaded here
+        local = SpecEval(cfg, "cpu", prompts=PROMPTS, max_new_tokens=NEW)
+        local_refs = local.references(PROMPTS)
+        assert [r.tokens for r in local_refs] == [spec._refs[i].tokens for i in range(PROMPTS)]
+        torch.manual_seed(0)
+        local_random = local.run(local.proposer(None, model_cfg))
+        assert local_random["acceptance_per_step"] == pytest.approx(random["acceptance_per_step"])
+        status = worker.status()
+        assert status["verify_requests"] > 0 and status["verify_sessions"] == 0     # every session closed
+        assert status["bad_messages"] == 0
+    finally:
+        spec.close()
+
+
+def _send(sock, header: dict, tensors: dict | None = None) -> None:
+    sock.send_multipart(wire.encode(header, tensors))
+
+
+def test_hostile_verify_messages_are_counted_and_dropped(worker):
+    cfg, before = worker.cfg, worker.status()["bad_message_kinds"]
+    rogue = zmq.Context.instance().socket(zmq.DEALER)
+    rogue.setsockopt(zmq.LINGER, 0)
+    rogue.connect(worker.data_ep)
+    head = {"kind": "verify", "id": 1, "session": 7, "incarnation": ""}
+    ids = lambda n, dtype=torch.int64: {"ids": torch.ones(n, dtype=dtype)}
+    hostile = [
+        ({**head, "op": "explode"}, ids(3)),                          # unknown op
+        ({**head, "op": "open"}, ids(3, torch.float32)),              # wrong dtype
+        ({**head, "op": "open"}, ids(cfg.data.pack_len + 1)),         # prompt longer than data.pack_len
+        ({**head, "op": "open"}, {"ids": torch.tensor([1, 10 ** 6])}),  # a token outside the vocabulary
+        ({**head, "op": "open", "id": -1}, ids(3)),                   # a bad id
+        ({**head, "op": "open", "session": "x"}, ids(3)),             # a session that is no int
+        ({**head, "op": "open", "features": 1}, ids(3)),              # features not a bool
+        ({**head, "op": "open"}, {"ids": torch.ones(2, 2, dtype=torch.int64)}),   # not 1-d
+        ({**head, "op": "close"}, ids(1)),                            # close with tensors
+    ]
+    for header, tensors in hostile:
+        _send(rogue, header, tensors)
+    rogue.send_multipart([msgpack.packb({"kind": "verify", "v": 1, "tensors": [], "op": "step"}), b"x"])
+    # a well-formed step for a session nobody opened: counted, and answered (the drafter reopens at once)
+    _send(rogue, {**head, "op": "step"}, ids(2))
+    assert rogue.poll(20000), "no answer to a step on an unknown session"
+    answer, _ = wire.decode(rogue.recv_multipart())
+    assert answer["kind"] == "verified" and answer["code"] == "session" and answer["id"] == 1
+    # a block longer than drafter.block_size on a real session
+    client = VerifyClient([worker.data_ep], [worker.health_ep], cfg.transport, width=0, timeout_s=5)
+    client.open(0, 1, [5, 6, 7], features=False)
+    with pytest.raises(VerifyError):                              # dropped: no answer, the call times out
+        client.step(0, 1, [5] * (cfg.drafter.block_size + 1), features=False)
+    client.close_session(0, 1)
+    after = worker.status()["bad_message_kinds"]
+    assert after.get("data-request", 0) - before.get("data-request", 0) == len(hostile) + 2
+    assert after.get("verify-session", 0) - before.get("verify-session", 0) == 1
+    # the worker keeps serving: batches and a fresh session
+    batches = BatchClient([worker.data_ep], cfg.transport)
+    try:
+        batches.request(0, 0, incarnation=worker.status()["incarnation"])
+        deadline, got = time.monotonic() + 60, []
+        while not got and time.monotonic() < deadline:
+            got = [e for e in batches.poll(200) if e[0] == "batch"]
+        assert got and got[0][3].g == 0
+    finally:
+        batches.close()
+    reply = client.open(0, 2, [5, 6, 7], features=False)
+    assert reply.committed == 3 and len(reply.greedy) == 1
+    client.close_session(0, 2)
+    client.close()
+    rogue.close()
+
+
+def test_a_target_restarted_mid_eval_costs_a_prompt_never_a_hang(demo, tmp_path):
+    w = Worker(tmp_path / "run", _overrides(demo, demo["model_path"]))
+    first = w.start()
+    cfg = w.cfg
+    model_cfg, head = from_target(cfg)
+    client = VerifyClient([w.data_ep], [w.health_ep], cfg.transport, width=128, timeout_s=10)
+    try:
+        reply = client.open(0, 1, [5, 6, 7, 8])
+        assert reply.features.shape == (4, 128)
+        w.stop(signal.SIGKILL)
+        second = w.start()                                         # a new incarnation on the same endpoint
+        assert second["incarnation"] != first["incarnation"]
+        start = time.monotonic()
+        with pytest.raises((SessionLost, TargetUnavailable)):      # the session lived in the old process
+            client.step(0, 1, [reply.greedy[-1], 1, 2, 3])
+        assert time.monotonic() - start < 15
+        # the eval goes on with the new incarnation
+        spec = RemoteSpecEval(cfg, w.run_dir, 1, head, model_cfg, None, prompts=2, max_new_tokens=6)
+        result = spec.run(spec.proposer(None, model_cfg))
+        assert result["prompts"] == 2 and result["skipped"] == 0 and result["lossless"] == 2
+        # with the target gone, the eval skips its prompts at once
+        w.stop(signal.SIGKILL)
+        start = time.monotonic()
+        spec._refs.clear()
+        gone = spec.run(spec.proposer(None, model_cfg))
+        assert gone["prompts"] == 0 and gone["skipped"] >= 1 and time.monotonic() - start < 30
+        spec.close()
+    finally:
+        client.close()
+        w.stop(signal.SIGKILL)
+
+
+def test_controls_decode_exactly_the_prompts_the_drafter_decoded(worker):
+    """A second target that is not serving: its prompts (1, 3) are skipped; the controls run on
+    prompts 0 and 2, the ones the drafter decoded, not on the first two (0 and a skipped 1)."""
+    cfg = worker.cfg
+    model_cfg, head = from_target(cfg)
+    spec = RemoteSpecEval(cfg, worker.run_dir, 2, head, model_cfg, None, prompts=4, max_new_tokens=6)
+    try:
+        assert len(spec.prompts) == 4
+        result = spec.evaluate(None, model_cfg, controls=True)
+        assert result["prompts"] == 2 and result["skipped"] == 2 and result["indices"] == [0, 2]
+        for name in ("repeat_last", "random"):
+            control = result[name]
+            assert control["skipped"] == 0 and control["indices"] == [0, 2], (name, control)
+            assert control["prompts"] == 2 and control["lossless"] == 2
+    finally:
+        spec.close()

@@ -1,0 +1,99 @@
+import json
+import re
+
+import pytest
+
+from services.config import Config, ConfigError, describe_defaults, dump_json, load_config
+
+
+def write(tmp_path, text, name="run.toml"):
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def test_defaults_and_overrides(tmp_path):
+    path = write(tmp_path, '[drafter]\nlr = 1e-3\nnum_layers = 2\n[target]\nlayer_ids = [1, 3]\n')
+    cfg = load_config(path, ["drafter.lr=3e-4", "data.pack_len=1024", "target.model_path=/models/x"])
+    assert cfg.drafter.lr == 3e-4            # override wins over the file
+    assert cfg.drafter.num_layers == 2       # file wins over the default
+    assert cfg.target.layer_ids == [1, 3]
+    assert cfg.data.pack_len == 1024
+    assert cfg.target.model_path == "/models/x"   # bare words are strings
+    assert cfg.drafter.block_size == Config().drafter.block_size
+
+
+def test_int_is_accepted_for_float(tmp_path):
+    cfg = load_config(write(tmp_path, "[drafter]\nlr = 1\n"))
+    assert cfg.drafter.lr == 1.0 and isinstance(cfg.drafter.lr, float)
+
+
+@pytest.mark.parametrize("text, needle", [
+    ("[drafter]\nlrr = 1.0\n", "drafter.lrr"),
+    ("[nope]\nx = 1\n", "[nope]"),
+    ('[drafter]\nnum_layers = "five"\n', "drafter.num_layers"),
+    ("[target]\nlayer_ids = [1, \"a\"]\n", "target.layer_ids[1]"),
+    ("[data]\non_bad_sample = \"ignore\"\n", "data.on_bad_sample"),
+    ("[drafter\n", "run.toml"),
+])
+def test_bad_files_name_the_key_and_file(tmp_path, text, needle):
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert needle in str(err.value)
+    if needle.startswith(("drafter", "[nope]", "target")):
+        assert str(path) in str(err.value)
+
+
+@pytest.mark.parametrize("override, needle", [
+    ("drafter.lr", "section.key=value"),
+    ("lr=1", "section.key=value"),
+    ("bogus.lr=1", "[bogus]"),
+    ("drafter.compile=3", "drafter.compile"),
+])
+def test_bad_overrides(override, needle):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [override])
+    assert needle in str(err.value)
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "absent.toml")
+
+
+def test_resolved_json_round_trip(tmp_path):
+    cfg = load_config(None, ["drafter.num_anchors=64", "target.layer_ids=[2]"])
+    dump_json(cfg, tmp_path / "config.json")
+    again = load_config(tmp_path / "config.json")
+    assert again == cfg
+    assert json.loads((tmp_path / "config.json").read_text())["drafter"]["num_anchors"] == 64
+
+
+def test_docs_describe_every_key_with_its_default():
+    from pathlib import Path
+    docs = (Path(__file__).parents[2] / "docs" / "config.md").read_text()
+    rows = {}
+    for line in docs.splitlines():
+        cells = [c.strip() for c in re.split(r"(?<!\\)\|", line.strip().strip("|"))]   # a \| stays in its cell
+        if len(cells) == 3 and cells[0].startswith("`") and "." in cells[0]:
+            rows[cells[0].strip("`")] = (cells[1].strip("`"), cells[2])
+    expected = describe_defaults()
+    assert set(rows) == set(expected), f"docs/config.md: missing {set(expected) - set(rows)}, unknown {set(rows) - set(expected)}"
+    for key, (default, meaning) in rows.items():
+        assert default == expected[key], f"docs/config.md: {key} default {default}, the code says {expected[key]}"
+        assert len(meaning) > 10, f"docs/config.md: {key} has no description"
+
+
+def test_layer_ids_must_ascend_in_the_config_and_in_drafter_overrides():
+    from services.drafter.synthetic import SYNTHETIC_MODEL
+    from services.drafter.target_head import build_model_config
+
+    assert load_config(None, ["target.layer_ids=[0, 2, 5]"]).target.layer_ids == [0, 2, 5]
+    for ids in ("[2, 0]", "[3, 3]"):
+        with pytest.raises(ConfigError, match=r"target.layer_ids \[\d, \d\] must be in ascending order"):
+            load_config(None, [f"target.layer_ids={ids}"])
+    cfg = load_config(None, ["drafter.num_layers=2"])
+    cfg.drafter.overrides = {"target_layer_ids": [5, 1]}            # the model config's own route to the ids
+    with pytest.raises(ConfigError, match=r"target.layer_ids \[5, 1\] must be in ascending order"):
+        build_model_config(cfg, SYNTHETIC_MODEL, mask_token_id=1)

@@ -1,0 +1,205 @@
+"""What `launcher up` refuses before it makes a run folder (one line, exit 2, no folder left behind),
+and the small things it says: a resume, the prompts of real acceptance, `keys`, `plan --gpus`."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from launcher.plan import describe, plan_gpus
+from launcher.preflight import resumed_line
+from launcher.report import describe_spec
+from services.demo import demo_overrides
+
+ROOT = Path(__file__).resolve().parents[2]
+CHAT = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello there"}]}
+SPEC = ["up", "--device", "cpu", "--gpus", "0:target,1:drafter"]
+
+
+def launcher(*args, cwd, timeout=120):
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    return subprocess.run([sys.executable, "-m", "launcher", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=cwd, env=env)
+
+
+@pytest.fixture
+def model(tmp_path, tok_dir):
+    """A target folder as `up` reads it before any worker: config.json and the tokenizer (no weights)."""
+    path = tmp_path / "model"
+    shutil.copytree(tok_dir, path)
+    (path / "config.json").write_text(json.dumps({"model_type": "qwen3", "num_hidden_layers": 8, "hidden_size": 64,
+                                                  "vocab_size": 640}))
+    return path
+
+
+@pytest.fixture
+def data(tmp_path):
+    path = tmp_path / "chat.jsonl"
+    path.write_text(json.dumps(CHAT) + "\n")
+    return path
+
+
+def refused(tmp_path, *args) -> str:
+    """Run `up` in tmp_path (runs/ under it); it must exit 2 with one line and leave no folder; the line."""
+    out = launcher(*SPEC, *args, cwd=tmp_path)
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr
+    runs = tmp_path / "runs"
+    assert not runs.exists() or not list(runs.iterdir()), list(runs.iterdir())     # no orphan, no staging folder
+    return out.stderr.strip()
+
+
+def test_a_model_folder_without_tokenizer_files_is_one_line(tmp_path, model, data):
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        (model / name).unlink()
+    line = refused(tmp_path, f"target.model_path={model}", f"data.path={data}")
+    assert f"target.model_path: no tokenizer in {model}" in line
+
+
+def test_chat_data_needs_a_chat_template(tmp_path, model, data):
+    (model / "chat_template.jinja").unlink()
+    line = refused(tmp_path, f"target.model_path={model}", f"data.path={data}")
+    assert f"the tokenizer in {model} has no chat template, needed for the chat lines of data.path {data}" in line
+    pretokenized = tmp_path / "ids.jsonl"                  # pre-tokenized lines need no template: not refused for it
+    pretokenized.write_text(json.dumps({"input_ids": [1, 2, 3], "loss_mask": [0, 1, 1]}) + "\n")
+    line = refused(tmp_path, f"target.model_path={model}", f"data.path={pretokenized}", "drafter.attention=flex")
+    assert "chat template" not in line and "drafter.attention=flex needs --device cuda" in line
+
+
+def test_a_tokenizer_that_does_not_load_is_one_line_and_leaves_no_folder(tmp_path, model, data):
+    (model / "tokenizer.json").write_text("{not a tokenizer")
+    line = refused(tmp_path, f"target.model_path={model}", f"data.path={data}")
+    assert line.startswith(f"launcher: error: target.model_path: cannot load the config and tokenizer of {model}: ")
+
+
+def test_a_bad_data_line_leaves_no_run_folder(tmp_path, model):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps(CHAT) + "\n" + '{"messages": [\n')
+    line = refused(tmp_path, f"target.model_path={model}", f"data.path={bad}")
+    assert f"{bad}:2: invalid JSON: Expecting value at the end of the line" in line
+
+
+@pytest.mark.parametrize("overrides, needle", [
+    (["data.pack_len=8"], "drafter.num_anchors=512 is larger than data.pack_len=8"),
+    (["data.pack_len=64", "drafter.num_anchors=8", "drafter.block_size=128"],
+     "drafter.block_size=128 is larger than data.pack_len=64"),
+    (["drafter.attention=flex"], "drafter.attention=flex needs --device cuda"),
+    (["transport.max_batch_bytes=1000000", "transport.chunk_bytes=1000000"],
+     "transport.max_batch_bytes=1000000 is smaller than one batch's hidden states (5242880 bytes: data.pack_len=8192"),
+    (["data.max_doc_len=10000"], "data.max_doc_len=10000 is larger than data.pack_len=8192"),
+    (["drafter.grad_accum=0"], "drafter.grad_accum must be >= 1"),
+    (["target.dtype=float64"], "target.dtype must be one of"),
+    (["target.attn_implementation=flash_attention_2", "target.dtype=float32"],
+     "target.attn_implementation=flash_attention_2 needs target.dtype bfloat16 or float16"),
+])
+def test_config_sizes_and_the_device_are_checked_before_any_folder(tmp_path, model, data, overrides, needle):
+    line = refused(tmp_path, f"target.model_path={model}", f"data.path={data}", *overrides)
+    assert needle in line
+
+
+def test_empty_or_odd_data_files_are_named(tmp_path, model):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n\n")
+    assert f"data.path: {empty} is empty (no JSONL lines)" in refused(tmp_path, f"target.model_path={model}",
+                                                                      f"data.path={empty}")
+    assert f"data.path: {tmp_path} is not a file" in refused(tmp_path, f"target.model_path={model}",
+                                                            f"data.path={tmp_path}")
+    good = tmp_path / "good.jsonl"
+    good.write_text(json.dumps(CHAT) + "\n")
+    line = refused(tmp_path, f"target.model_path={model}", f"data.path={good}", f"data.eval_path={tmp_path / 'no.jsonl'}")
+    assert f"data.eval_path: {tmp_path / 'no.jsonl'} does not exist" in line
+
+
+def test_resume_of_a_run_dir_that_does_not_exist_is_refused(tmp_path, model, data):
+    line = refused(tmp_path, f"target.model_path={model}", f"data.path={data}", "--resume",
+                   "--run-dir", str(tmp_path / "runs" / "nope"))
+    assert f"--resume: {tmp_path / 'runs' / 'nope'} does not exist, so there is nothing to resume" in line
+
+
+def test_the_launcher_says_what_a_drafter_resumed_from(tmp_path):
+    import logging
+
+    from services.log import EVENTS, LineFormat
+
+    def line(logger: str, message: str) -> str:      # as a worker's log has it (services.log's format)
+        return LineFormat("drafter-0").format(logging.LogRecord(logger, logging.INFO, "", 0, message, None, None)) + "\n"
+    log = tmp_path / "logs" / "drafter-0.log"
+    log.parent.mkdir()
+    resumed = {"event": "resumed", "rank": 0, "checkpoint": "/r/checkpoints/step-00000040", "step": 40, "micro_step": 80}
+    log.write_text("\n===== 2026-01-01 00:00:00 start: drafter\n" + line(EVENTS.name, json.dumps(resumed))
+                   + "\n===== 2026-01-01 00:10:00 start: drafter\n" + line("drafter", "loading"))
+    assert resumed_line(log) == f"no checkpoint in {tmp_path / 'checkpoints'}: training starts at step 0"
+    with open(log, "a") as f:          # only what this start of the worker logged counts
+        f.write(line(EVENTS.name, json.dumps(dict(resumed, step=60))))
+    assert resumed_line(log) == "resumed from step 60 (/r/checkpoints/step-00000040)"
+
+
+def test_real_acceptance_on_training_prompts_says_so():
+    record = {"prompts": 16, "acceptance_per_prompt": 3.0, "acceptance_per_step": 2.5, "tokens_per_forward": 2.0,
+              "lossless": 16}
+    assert "16 training prompts (no held-out split: set data.eval_fraction or data.eval_path)" in \
+        describe_spec(dict(record, held_out=False), "step 9")[0]
+    assert "16 held-out prompts" in describe_spec(dict(record, held_out=True), "step 9")[0]
+    assert "held-out" not in describe_spec(record, "step 9")[0]          # older records: not claimed either way
+
+
+def test_the_demo_target_is_bfloat16_on_cuda():
+    assert "target.dtype=bfloat16" in demo_overrides("/m", "/d.jsonl", "cuda")
+    assert "target.dtype=float32" in demo_overrides("/m", "/d.jsonl", "cpu")
+
+
+def test_keys_says_force(tmp_path):
+    assert launcher("keys", str(tmp_path / "k"), cwd=tmp_path).returncode == 0
+    again = launcher("keys", str(tmp_path / "k"), cwd=tmp_path)
+    assert again.returncode == 2 and "pass --force to replace the keys" in again.stderr
+    assert "overwrite=True" not in again.stderr
+    assert launcher("keys", str(tmp_path / "k"), "--force", cwd=tmp_path).returncode == 0
+
+
+def test_plan_gpus_takes_a_count_a_list_or_an_up_spec():
+    assert plan_gpus("4") == plan_gpus("0-3") == plan_gpus("0-2:target,3:drafter") == [0, 1, 2, 3]
+    assert plan_gpus("2+4-5") == [2, 4, 5]
+    for bad, needle in (("1", "at least 2 GPUs"), ("0-1:painter", "unknown role"), ("0:target@h,1:drafter@h", "@HOST")):
+        with pytest.raises(ValueError, match=needle):
+            plan_gpus(bad)
+    measured = {"device": "cuda", "target": {"tok_s": 100.0, "path": "packed", "mean_real_tokens": 10},
+                "drafter": {"tok_s": 100.0, "step_s": 0.1}}
+    assert describe(measured, [2, 4, 5, 6]).endswith("use: --gpus 2+4:target,5-6:drafter")
+
+
+def test_eval_takes_device_like_every_other_command(tmp_path):
+    from launcher.cli import build_parser
+    for flag in ("--device", "--eval-device"):
+        args = build_parser().parse_args(["eval", flag, "cuda:1"])
+        assert args.eval_device == "cuda:1"
+
+
+def test_wait_ready_never_shows_an_empty_waiting_list(capsys):
+    import tempfile
+
+    from launcher.supervisor import Supervisor
+    from launcher.topology import parse_gpu_spec
+    from services.config import load_config
+    from services.health import HealthServer
+    run_dir = Path(tempfile.mkdtemp(prefix="dfl"))             # short: ipc socket paths stay < 108 bytes
+    workers = parse_gpu_spec("0:target,1:drafter")
+    sup = Supervisor(run_dir, load_config(None, []), workers, "cpu")
+    servers = [HealthServer(sup.endpoints(w)["health"], w.role, w.rank, "cpu") for w in workers]
+    sup.procs = {w.name: subprocess.Popen(["sleep", "60"]) for w in workers}
+    try:
+        for server in servers:
+            server.set(state="ready")
+        sup.wait_ready()
+    finally:
+        for server in servers:
+            server.close()
+        for proc in sup.procs.values():
+            proc.kill()
+            proc.wait()
+        shutil.rmtree(run_dir)
+    out = capsys.readouterr().out
+    assert "all workers ready" in out
+    assert all(line.strip() != "starting… waiting for" for line in out.splitlines()), out
