@@ -177,10 +177,29 @@ def _layout(row: RowSlot, x: torch.Tensor) -> RowLayout:
     return row.layout if row.layout is not None else RowLayout.one_document(x.shape[0], x.device)
 
 
-@torch.compiler.disable
 def conv_in_documents(row: RowSlot, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """document_causal_conv on the row in flight (its boundaries vary from row to row: not traced)."""
+    """The document-restarted conv on the row in flight. Eager: document_causal_conv (one conv
+    kernel, then the few tokens at document starts again). Compiled: the same sum of K shifted taps
+    in one fused kernel, each tap masked where it would reach into the previous document; only the
+    positions tensor [S] enters the graph, so no shape depends on the row's documents."""
+    if torch.compiler.is_compiling():
+        return masked_tap_conv(x, weight, row.layout.positions)
+    return _eager_conv(row, x, weight)
+
+
+@torch.compiler.disable
+def _eager_conv(row: RowSlot, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return document_causal_conv(x, weight, _layout(row, x).positions)
+
+
+def masked_tap_conv(x: torch.Tensor, weight: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """document_causal_conv as K shifted, masked taps (fp32): x [S, C], weight [C, K], positions [S]."""
+    k = weight.shape[1]
+    out = x.float() * weight[:, k - 1].float()
+    for d in range(1, k):     # tap d reads token t-d, which is in t's document iff position[t] >= d
+        back = F.pad(x[:-d], (0, 0, d, 0)).float()
+        out = out + back * weight[:, k - 1 - d].float() * (positions >= d)[:, None]
+    return F.silu(out.to(x.dtype))
 
 
 @torch.compiler.disable

@@ -68,6 +68,7 @@ def test_document_conv_equals_conv_of_each_document_alone():
     packed = hybrid.document_causal_conv(x, w, pos)
     alone = torch.cat([_leaky_conv(part, w, None) for part in torch.split(x, lengths)])
     torch.testing.assert_close(packed, alone, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(hybrid.masked_tap_conv(x, w, pos), alone, rtol=1e-6, atol=1e-6)   # the compiled form
     leaky = _leaky_conv(x, w, pos)
     assert (leaky - alone).abs().max() > 1e-2     # the control: the plain row conv does leak
 
