@@ -10,7 +10,8 @@ process one after another on the same weights:
   compiled        every decoder layer torch.compile'd on its own (regional compile, as torchtitan does)
   fp8             every nn.Linear inside the decoder layers as FP8 (e4m3) with rowwise scales:
                   weights quantized once, activations per row at run time, torch._scaled_mm
-  fp8+compiled    both
+                  (services/target/fp8.py, what target.quantize=fp8 does to a bf16 checkpoint)
+  fp8+compiled    both (the compiled layers fuse the activations' quantization)
 For FP8 it also prints, per layer output, the relative error and cosine against bf16 on the same row.
 This is a measurement of headroom, not the worker's path: the capture keeps eager bf16 unless a
 variant pays (docs/benchmarks.md).
@@ -24,51 +25,11 @@ import time
 from pathlib import Path
 
 import torch
-from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.shapes import text_config  # noqa: E402
 from bench.timing import timed  # noqa: E402
-
-FP8 = torch.float8_e4m3fn
-FP8_MAX = torch.finfo(FP8).max
-
-
-def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[M, K] -> (fp8 [M, K], fp32 scale [M, 1]) with x ~= fp8 * scale per row."""
-    scale = x.abs().amax(dim=-1, keepdim=True).float().clamp(min=1e-12) / FP8_MAX
-    return (x.float() / scale).to(FP8), scale
-
-
-class FP8Linear(nn.Module):
-    def __init__(self, linear: nn.Linear):
-        super().__init__()
-        w, scale = quantize_rows(linear.weight.detach())
-        self.weight, self.scale = w, scale.t().contiguous()           # [N, K] fp8, [1, N]
-        self.bias = linear.bias
-        self.quantize = quantize_rows
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, x.shape[-1])
-        xq, sx = self.quantize(rows)
-        out = torch._scaled_mm(xq, self.weight.t(), scale_a=sx, scale_b=self.scale, bias=self.bias,
-                               out_dtype=x.dtype)
-        return out.reshape(*x.shape[:-1], out.shape[-1])
-
-
-def to_fp8(layers: nn.ModuleList, compiled_quantize: bool) -> int:
-    quantize = torch.compile(quantize_rows, dynamic=False) if compiled_quantize else quantize_rows
-    n = 0
-    for layer in layers:
-        for name, module in list(layer.named_modules()):
-            if isinstance(module, nn.Linear) and module.in_features % 16 == 0 and module.out_features % 16 == 0:
-                parent = layer.get_submodule(name.rsplit(".", 1)[0]) if "." in name else layer
-                fp8 = FP8Linear(module)
-                fp8.quantize = quantize
-                setattr(parent, name.rsplit(".", 1)[-1], fp8)
-                n += 1
-    torch.cuda.empty_cache()
-    return n
+from services.target import fp8  # noqa: E402
 
 
 def build(shape: str, layers: int):
@@ -108,7 +69,9 @@ def main() -> None:
     for variant in args.variants.split(","):
         if "fp8" in variant and not results.get("fp8_linears"):
             reference = [h.float() for h in run().hidden_states[1:]]
-            results["fp8_linears"] = to_fp8(layers, compiled_quantize="compiled" in variant)
+            summary = fp8.quantize_decoder(model, layers)
+            results["fp8_linears"], results["fp8_summary"] = summary["rowwise"], str(summary)
+            print(summary, flush=True)
         for layer, forward in zip(layers, eager_forwards):
             layer.forward = forward
         if "compiled" in variant:

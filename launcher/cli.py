@@ -517,6 +517,7 @@ def cmd_eval(args) -> int:
     argv = _eval_argv(args, args.run_dir, args.checkpoint)
     argv += ["--no-controls"] if args.no_controls else []
     argv += ["--json"] if args.json else []
+    argv += [f"--set={item}" for item in args.set]
     return subprocess.run(argv).returncode
 
 
@@ -696,6 +697,8 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--run-dir", default=str(LATEST), help=latest_help + "; its config names the target and data")
     ev.add_argument("--no-controls", action="store_true", help="skip the repeat-last and random-drafter controls")
     ev.add_argument("--json", action="store_true", help="print one JSON line")
+    ev.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                    help="override a key of the run's config for this evaluation, e.g. target.quantize=none")
     _eval_options(ev)
     ev.set_defaults(func=cmd_eval)
     return parser

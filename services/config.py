@@ -72,6 +72,7 @@ class TargetConfig:
     model_path: str = setting("", batch="")               # local HF directory
     layer_ids: list[int] = setting(factory=list, batch="capture")   # empty = the default spread (docs/dflash.md); ascending, no repeats
     dtype: str = setting("bfloat16", batch="")
+    quantize: str = setting("none", batch="")             # "fp8": decoder linears in FP8 (docs/operations.md#fp8-targets)
     attn_implementation: str = setting("sdpa", batch="")
     compile: str = setting("auto", batch="")       # "auto" (on CUDA) | "on" | "off": regional torch.compile of the layers
     labels_from_target: bool = setting(True, batch="capture")    # labels = target argmax, not data tokens (docs/operations.md#which-labels)
@@ -250,6 +251,8 @@ def validate(cfg: Config) -> None:
     need(cfg.target.dtype in TARGET_DTYPES, f"target.dtype must be one of {', '.join(TARGET_DTYPES)}, got {cfg.target.dtype!r}")
     need(cfg.target.compile in TARGET_COMPILE, f"target.compile must be one of {', '.join(TARGET_COMPILE)}, "
          f"got {cfg.target.compile!r}")
+    need(cfg.target.quantize in TARGET_QUANTIZE,
+         f"target.quantize must be one of {', '.join(TARGET_QUANTIZE)}, got {cfg.target.quantize!r}")
     need(cfg.drafter.grad_accum >= 1, f"drafter.grad_accum must be >= 1, got {cfg.drafter.grad_accum}")
     need(cfg.drafter.attention in ("auto", "flex", "dense"), f"drafter.attention must be auto|flex|dense, got {cfg.drafter.attention!r}")
     need(cfg.drafter.block_size >= 2, f"drafter.block_size must be >= 2, got {cfg.drafter.block_size}")
@@ -286,6 +289,7 @@ def validate(cfg: Config) -> None:
 FULL, SLIDING = "full_attention", "sliding_attention"
 TARGET_COMPILE = ("auto", "on", "off")
 TARGET_DTYPES = ("bfloat16", "bf16", "float16", "fp16", "float32", "fp32")   # services/dtypes.py maps them to torch's
+TARGET_QUANTIZE = ("none", "fp8")
 
 
 def check_layout(layer_types: list, sliding_window, num_layers: int, prefix: str = "") -> None:

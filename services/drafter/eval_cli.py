@@ -68,6 +68,9 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=1, help="CPU threads (tiny demo models decode fastest on one)")
     p.add_argument("--rollback", choices=ROLLBACKS, default=ROLLBACKS[0],
                    help="how a hybrid target's Gated DeltaNet state drops rejected drafts (docs/operations.md)")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override a key of the run's config for this evaluation, e.g. target.quantize=none "
+                        "(verify an FP8-trained drafter with the bf16 target); repeatable")
     args = p.parse_args(argv)
     from transformers.utils import logging as hf_logging
     hf_logging.disable_progress_bar()               # no "Loading weights" bars in the launcher's output
@@ -75,7 +78,7 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
     run_dir = Path(args.run_dir)
     try:
-        cfg = load_config(run_dir / "config.json")
+        cfg = load_config(run_dir / "config.json", args.set)
         weights, model_cfg, what = load_weights(args.checkpoint or run_dir)
     except Exception as exc:                    # a bad run dir or checkpoint: one line for the user
         print(f"eval: error: {exc}", file=sys.stderr)
@@ -91,7 +94,8 @@ def main(argv=None) -> int:
         print(f"eval: error: no chat prompts in the held-out data of {run_dir}", file=sys.stderr)
         return 2
     result = spec.evaluate(weights, model_cfg, controls=not args.no_controls, seed=cfg.run.seed)
-    record = {"event": "spec_eval", "drafter": what, "block_size": model_cfg.block_size, **result}
+    record = {"event": "spec_eval", "drafter": what, "block_size": model_cfg.block_size, **result,
+              **({"overrides": args.set} if args.set else {})}
     with open(run_dir / "spec_eval.jsonl", "a") as f:           # `launcher report` shows the latest
         f.write(json.dumps({**record, "time": round(time.time(), 3)}) + "\n")
     if args.json:

@@ -46,9 +46,9 @@ import torch
 from torch import nn
 
 from services import dtypes, layers
-from services.config import ConfigError, TargetConfig
+from services.config import TARGET_QUANTIZE as QUANTIZE, ConfigError, TargetConfig
 from services.handshake import CaptureShape
-from services.target import hybrid
+from services.target import fp8, hybrid
 from services.target.row import RowLayout, RowSlot
 
 log = logging.getLogger("target")
@@ -188,8 +188,12 @@ def load_hf_model(model_path: str | Path, dtype: torch.dtype, attn_implementatio
     if impl == "sdpa":
         _register_packed_sdpa()
         impl = PACKED_SDPA
-    model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=dtype, attn_implementation=impl)
+    checkpoint = fp8.BlockScaledCheckpoint.open(path)          # None unless config.json declares FP8 blocks
+    with fp8.loading(checkpoint, config):
+        model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=dtype, attn_implementation=impl)
     model.to(device).eval().requires_grad_(False)
+    if checkpoint is not None:                                 # the FP8 weights, exactly fp8 * scale_inv
+        checkpoint.dequantize_into(model)
     return model
 
 
@@ -384,7 +388,11 @@ def load_target(cfg: TargetConfig, device: str | torch.device = "cpu", num_draft
     if cfg.attn_implementation.startswith("flash_attention") and DTYPES[cfg.dtype] not in VARLEN_DTYPES:
         raise TargetLoadError(f"target.attn_implementation={cfg.attn_implementation} needs target.dtype bfloat16 "
                               f"or float16, got {cfg.dtype} (or use target.attn_implementation=sdpa)")
+    if cfg.quantize not in QUANTIZE:
+        raise TargetLoadError(f"target.quantize must be one of {', '.join(QUANTIZE)}, got {cfg.quantize!r}")
     model = load_hf_model(cfg.model_path, DTYPES[cfg.dtype], cfg.attn_implementation, device)
+    if cfg.quantize == "fp8":                                  # decoder linears in FP8 (services/target/fp8.py)
+        log.info("%s", fp8.quantize_target(model, decoder_layers(model), cfg.model_path))
     num_layers = len(decoder_layers(model))
     ids = resolve_layer_ids(cfg.layer_ids, num_layers, num_draft_layers)
     target = Target(model, ids)

@@ -1,0 +1,378 @@
+"""FP8 (e4m3) decoder linears for the target, and FP8 checkpoints in the published block-scaled layout.
+
+    print(quantize_target(model, decoder_layers(model), model_path))     # target.quantize = "fp8"
+
+FP8Linear computes y = x W^T (+ b) with W stored as float8_e4m3fn and x quantized at every call
+(dynamic activations), in one of two layouts:
+  rowwise  one scale per output row of W (amax / 448, quantized once at load) and one per token row
+           of x: how a bf16 checkpoint runs in FP8;
+  block    W in 128 x 128 blocks with an FP8 checkpoint's own scales, x in groups of 128 columns per
+           token: how vLLM and SGLang serve Qwen's FP8 checkpoints.
+The GEMM is torch's scaled matmul (torch._scaled_mm rowwise, torch.nn.functional.scaled_mm block-
+scaled) where this device runs it for the layer's shape, checked once per shape at load against the
+plain math. Elsewhere the plain math runs: dequantize both operands, matmul in float32, round to the
+output dtype (the CPU's block layout, so the tests run the real quantization). On CUDA a layer
+whose block-scaled GEMM does not run is requantized rowwise from its dequantized weight, and a GPU
+with no FP8 GEMM at all is an error, never a silent slow path.
+
+The checkpoint layout (Qwen3-*-FP8, Qwen3.6-27B-FP8, DeepSeek-V3): config.json has
+"quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+"weight_block_size": [128, 128]}, and each quantized linear stores <name>.weight float8_e4m3fn [N, K]
+with <name>.weight_scale_inv float32 [ceil(N/128), ceil(K/128)]: real weight = fp8 * scale_inv per
+block. The tensors' dtypes say which linears are quantized (modules_to_not_convert only lists them).
+transformers loads the rest of the checkpoint with its own FP8 quantizer bypassed (that one needs
+accelerate, and a GPU for anything but dequantizing); the FP8 tensors are read here with
+safetensors and their dequantized values written into the model's parameters.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import logging
+from collections import Counter
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from services.config import ConfigError
+
+log = logging.getLogger("target")
+FP8 = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8).max          # 448
+ALIGN = 16                              # torch's scaled GEMMs take K and N in multiples of 16
+TINY = 1e-12                            # amax floor: an all-zero row gets a tiny scale, not 0 / 0
+SCALE_SUFFIX = "_scale_inv"             # <name>.weight -> <name>.weight_scale_inv
+
+
+class CheckpointError(ConfigError):
+    """An FP8 checkpoint that cannot load as it is; the message names the tensor and the file."""
+
+
+# --- quantization --------------------------------------------------------------------------------
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[M, K] -> (fp8 [M, K], float32 scale [M, 1]) with x ~= fp8 * scale per row."""
+    scale = x.abs().amax(dim=-1, keepdim=True).float().clamp(min=TINY) / FP8_MAX
+    return (x / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+
+
+def quantize_blocks(x: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """[R, C] -> (fp8 [R, C], float32 scale [ceil(R/br), ceil(C/bc)]) with x ~= fp8 * scale per
+    br x bc block; the last blocks of a dimension that is not a multiple may be partial."""
+    (r, c), (br, bc) = x.shape, block
+    padded = F.pad(x, (0, -c % bc, 0, -r % br)) if r % br or c % bc else x
+    tiles = padded.unflatten(1, (-1, bc)).unflatten(0, (-1, br))            # [R/br, br, C/bc, bc]
+    scale = tiles.abs().amax(dim=(1, 3)).float().clamp(min=TINY) / FP8_MAX
+    q = (tiles / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8).flatten(2).flatten(0, 1)
+    return (q[:r, :c].contiguous() if q.shape != x.shape else q), scale
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """fp8 [R, C] and its scales per br x bc block -> float32 [R, C] (rowwise: block (1, C))."""
+    r, c = q.shape
+    return q.float() * scale.float().repeat_interleave(block[0], 0)[:r].repeat_interleave(block[1], 1)[:, :c]
+
+
+class FP8Linear(nn.Module):
+    """nn.Linear with an FP8 weight; `kernel` says whether torch's scaled GEMM runs it (else the
+    plain math of the module docstring)."""
+
+    def __init__(self, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None,
+                 bias: torch.Tensor | None, kernel: bool):
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.block = tuple(block) if block else (1, self.in_features)       # rowwise: one block per row
+        self.rowwise, self.kernel, self.bias = block is None, kernel, bias
+        self.register_buffer("weight", weight)
+        self.register_buffer("weight_scale", scale.float())
+        self.register_buffer("kernel_scale", self._kernel_scale() if kernel else None)
+
+    @classmethod
+    def rowwise_of(cls, weight: torch.Tensor, bias: torch.Tensor | None, kernel: bool) -> "FP8Linear":
+        w, scale = quantize_rows(weight.detach())
+        return cls(w, scale, None, bias, kernel)
+
+    def _kernel_scale(self) -> torch.Tensor:
+        if self.rowwise:
+            return self.weight_scale.t().contiguous()                       # [1, N]
+        # cuBLAS wants the 128x128 scales as [ceil(K/128) rounded up to 4, ceil(N/128)], K-major
+        return F.pad(self.weight_scale, (0, -self.weight_scale.shape[1] % 4)).t()
+
+    def extra_repr(self) -> str:
+        layout = "rowwise" if self.rowwise else f"block {self.block[0]}x{self.block[1]}"
+        return f"in={self.in_features}, out={self.out_features}, {layout}, {'kernel' if self.kernel else 'plain math'}"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        out = self._rowwise(rows, x.dtype) if self.rowwise else self._block(rows, x.dtype)
+        if self.bias is not None:
+            out = out + self.bias
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+    def _rowwise(self, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        xq, sx = quantize_rows(rows)
+        if self.kernel:
+            return torch._scaled_mm(xq, self.weight.t(), scale_a=sx, scale_b=self.kernel_scale, out_dtype=dtype)
+        return self._plain(xq, sx, (1, self.in_features), dtype)
+
+    def _block(self, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        m, group = rows.shape[0], (1, self.block[1])
+        if not self.kernel:
+            return self._plain(*quantize_blocks(rows, group), group, dtype)
+        rows = F.pad(rows, (0, 0, 0, -m % 4)) if m % 4 else rows            # cuBLAS: token count a multiple of 4
+        xq, sx = quantize_blocks(rows, group)
+        recipe = F.ScalingType
+        return F.scaled_mm(xq, self.weight.t(), sx.t().contiguous().t(), recipe.BlockWise1x128,   # scales token-major
+                           self.kernel_scale, recipe.BlockWise128x128, output_dtype=dtype)[:m]
+
+    def _plain(self, xq, sx, group, dtype) -> torch.Tensor:
+        w = dequantize(self.weight, self.weight_scale, self.block)
+        return (dequantize(xq, sx, group) @ w.t()).to(dtype)
+
+
+@functools.cache
+def runs_kernel(layout: str, n: int, k: int, device: str, dtype: torch.dtype) -> bool:
+    """Whether torch's scaled GEMM of `layout` ("rowwise" | "block", 128x128) runs on `device` for an
+    [n, k] weight and agrees with the plain math (any failure of the kernel means no)."""
+    gen = torch.Generator(device).manual_seed(0)
+    weight = torch.randn(n, k, generator=gen, device=device, dtype=dtype)
+    x = torch.randn(61, k, generator=gen, device=device, dtype=dtype)          # 61 rows: the padding path too
+    try:
+        layers = [FP8Linear.rowwise_of(weight, None, kernel) if layout == "rowwise" else
+                  FP8Linear(*quantize_blocks(weight, (128, 128)), (128, 128), None, kernel) for kernel in (True, False)]
+        got, want = (layer(x).float() for layer in layers)
+    except Exception as exc:     # noqa: BLE001 - no kernel for this layout, shape, dtype or device
+        log.debug("no %s FP8 GEMM for [%d, %d] %s on %s: %s", layout, n, k, dtype, device, exc)
+        return False
+    return bool(torch.isfinite(got).all()) and float((got - want).norm() / want.norm().clamp(min=TINY)) < 0.02
+
+
+# --- swapping the decoder's linears --------------------------------------------------------------
+
+class Summary(Counter):
+    """How many decoder linears went which way, for the log."""
+    WORDS = {"block": "with the checkpoint's block scales", "requantized": "requantized rowwise from the "
+             "checkpoint's blocks (no block-scaled FP8 GEMM here)", "rowwise": "quantized rowwise"}
+
+    def __str__(self) -> str:
+        fp8 = [f"{self[kind]} {words}" for kind, words in self.WORDS.items() if self[kind]]
+        text = f"target.quantize=fp8: {sum(self[k] for k in self.WORDS)} decoder linears in FP8 ({', '.join(fp8) or 'none'})"
+        if self["kept"]:
+            text += (f", {self['kept']} kept in the target dtype (a dimension not a multiple of {ALIGN}, "
+                     "or left unquantized by the checkpoint)")
+        return text + f"; GEMM: torch scaled_mm for {self['kernel']}, plain torch math for {self['plain']}"
+
+
+def quantize_decoder(model: nn.Module, layers: nn.ModuleList, blocks=None, keep_blocks: bool | None = None) -> Summary:
+    """Swap every nn.Linear inside `layers` (the decoder: never the embeddings or lm_head) for an FP8Linear.
+
+    blocks(name) -> (fp8 weight, scale_inv, block) of a linear an FP8 checkpoint stores block-scaled,
+    None for one it keeps in high precision; blocks None: every linear is quantized rowwise.
+    keep_blocks: keep the checkpoint's blocks (True), requantize them rowwise (False), or None: keep
+    them where the block-scaled GEMM runs, and on the CPU (plain math either way)."""
+    inside = {id(m) for layer in layers for m in layer.modules()}
+    summary = Summary()
+    for name, module in list(model.named_modules()):
+        if id(module) in inside and isinstance(module, nn.Linear):
+            fp8 = _fp8_linear(module, blocks(name + ".weight") if blocks else None, blocks is not None,
+                              keep_blocks, summary)
+            if fp8 is not None:
+                parent, _, child = name.rpartition(".")
+                setattr(model.get_submodule(parent), child, fp8)
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()            # the bf16 weights just freed: a drafter on the same GPU may use them
+    return summary
+
+
+def _fp8_linear(module: nn.Linear, stored, from_checkpoint: bool, keep_blocks, summary: Summary) -> FP8Linear | None:
+    (n, k), w = module.weight.shape, module.weight
+    device, dtype = w.device, w.dtype
+    kind = "rowwise"
+    if from_checkpoint:
+        if stored is None:
+            summary["kept"] += 1
+            return None
+        q, scale, block = (stored[0].to(device), stored[1].to(device), stored[2])
+        kernel = tuple(block) == (128, 128) and runs_kernel("block", n, k, str(device), dtype)
+        if keep_blocks or (keep_blocks is None and (kernel or device.type == "cpu")):
+            summary.update(["block", "kernel" if kernel else "plain"])
+            return FP8Linear(q, scale, block, module.bias, kernel)
+        kind, w = "requantized", dequantize(q, scale, block)
+    if n % ALIGN or k % ALIGN:
+        summary["kept"] += 1
+        return None
+    kernel = runs_kernel("rowwise", n, k, str(device), dtype)
+    if not kernel and device.type == "cuda":
+        raise ConfigError(f"target.quantize=fp8: this GPU runs no FP8 GEMM (torch._scaled_mm, rowwise, {dtype}); "
+                          "FP8 needs compute capability 8.9 or newer (L40S, H100, H200, B200), or set target.quantize=none")
+    summary.update([kind, "kernel" if kernel else "plain"])
+    return FP8Linear.rowwise_of(w, module.bias, kernel)
+
+
+def quantize_target(model: nn.Module, layers: nn.ModuleList, model_path: str | Path) -> Summary:
+    """target.quantize = "fp8": an FP8 checkpoint's linears with their blocks, a bf16 one's rowwise."""
+    checkpoint = BlockScaledCheckpoint.open(model_path)
+    return quantize_decoder(model, layers, checkpoint.blocks_for(model) if checkpoint else None)
+
+
+# --- the block-scaled checkpoint -----------------------------------------------------------------
+
+def quantization_config(model_path: str | Path) -> dict | None:
+    """config.json's quantization_config (top level, or a composite checkpoint's text_config)."""
+    try:
+        config = json.loads((Path(model_path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None                          # load_hf_model reports a missing or broken config.json
+    return config.get("quantization_config") or (config.get("text_config") or {}).get("quantization_config")
+
+
+def _block_size(spec: dict, where: Path) -> tuple[int, int]:
+    """The weight block of an FP8 quantization_config, or CheckpointError for what does not load."""
+    def bad(what: str):
+        return CheckpointError(f"{where}: quantization_config.{what}; block-scaled e4m3 with dynamic activations loads")
+    if str(spec.get("fmt", "e4m3")).lower() != "e4m3":
+        raise bad(f"fmt = {spec['fmt']!r}")
+    if str(spec.get("activation_scheme", "dynamic")).lower() != "dynamic":
+        raise bad(f"activation_scheme = {spec['activation_scheme']!r} (static input scales are not supported)")
+    if spec.get("scale_fmt", "float") != "float":
+        raise bad(f"scale_fmt = {spec['scale_fmt']!r}")
+    block = spec.get("weight_block_size") or [128, 128]          # transformers' default for quant_method fp8
+    if not isinstance(block, list) or len(block) != 2 or not all(isinstance(b, int) and b > 0 for b in block):
+        raise bad(f"weight_block_size = {block!r} (expected two positive integers)")
+    return tuple(block)
+
+
+class BlockScaledCheckpoint:
+    """The FP8 tensors of a checkpoint whose config.json declares quant_method "fp8": headers are
+    read and checked at open (before the model loads), data on demand."""
+
+    def __init__(self, root: Path, block: tuple[int, int], files: dict[str, Path], weights: dict[str, list[int]]):
+        self.root, self.block = root, block
+        self.files = files            # every FP8 weight key and its scale key -> the file that holds it
+        self.weights = weights        # FP8 weight key -> [N, K]
+
+    @classmethod
+    def open(cls, model_path: str | Path) -> "BlockScaledCheckpoint | None":
+        """None where config.json declares no FP8 quantization (other methods are transformers' own)."""
+        root = Path(model_path)
+        spec = quantization_config(root)
+        if not spec or spec.get("quant_method") != "fp8":
+            return None
+        block = _block_size(spec, root / "config.json")
+        headers = _headers(root)                                  # key -> (file, dtype, shape)
+        files, weights = {}, {}
+        for key, (file, dtype, shape) in headers.items():
+            if not dtype.startswith("F8"):
+                continue
+            if dtype != "F8_E4M3" or not key.endswith(".weight") or len(shape) != 2:
+                raise CheckpointError(f"{file}: {key} is {dtype} {shape}; only 2-D linear weights in float8_e4m3fn "
+                                      "(<name>.weight) load")
+            _check_scale(key, shape, block, headers, file)
+            files[key], files[key + SCALE_SUFFIX], weights[key] = file, headers[key + SCALE_SUFFIX][0], shape
+        return cls(root, block, files, weights)
+
+    def parameters_of(self, model: nn.Module) -> dict[str, str]:
+        """model parameter name -> the checkpoint's FP8 weight key, for every FP8 weight the model has.
+        A composite checkpoint's text weights (model.language_model.*) are the text model's model.*;
+        the keys transformers skips for this model (vision tower, MTP layers) are skipped here too."""
+        import re
+        params = dict(model.named_parameters())
+        skipped = [re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_unexpected", None) or []]
+        found = {}
+        for key, shape in self.weights.items():
+            names = [key, key.replace("model.language_model.", "model.", 1), key.removeprefix("language_model.")]
+            name = next((n for n in names if n in params), None)
+            if name is None:
+                if any(p.search(key) for p in skipped):
+                    continue
+                raise CheckpointError(f"{self.files[key]}: FP8 tensor {key} matches no parameter of {type(model).__name__}")
+            if list(params[name].shape) != shape:
+                raise CheckpointError(f"{self.files[key]}: {key} has shape {shape}, the model's {name} "
+                                      f"{list(params[name].shape)}")
+            found[name] = key
+        return found
+
+    def read(self, key: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(fp8 weight, float32 scale_inv) of an FP8 weight key, on the CPU."""
+        from safetensors import safe_open
+        out = []
+        for k in (key, key + SCALE_SUFFIX):
+            with safe_open(str(self.files[k]), framework="pt", device="cpu") as f:
+                out.append(f.get_tensor(k))
+        return out[0], out[1].float()
+
+    @torch.no_grad()
+    def dequantize_into(self, model: nn.Module) -> int:
+        """Write fp8 * scale_inv (per block, rounded to the parameter's dtype) into the model's
+        parameters, on their device; returns how many."""
+        names = self.parameters_of(model)
+        for name, key in names.items():
+            param = model.get_parameter(name)
+            q, scale = self.read(key)
+            param.copy_(dequantize(q.to(param.device), scale.to(param.device), self.block))
+        log.info("FP8 checkpoint (%dx%d blocks): %d linears dequantized to %s", *self.block, len(names),
+                 str(next(model.parameters()).dtype).removeprefix("torch."))
+        return len(names)
+
+    def blocks_for(self, model: nn.Module):
+        """The `blocks` argument of quantize_decoder for this checkpoint and model."""
+        names = self.parameters_of(model)
+        return lambda name: (*self.read(names[name]), self.block) if name in names else None
+
+
+def _headers(root: Path) -> dict[str, tuple[Path, str, list[int]]]:
+    """Every tensor of the checkpoint's safetensors files: key -> (file, dtype, shape); no data read."""
+    from safetensors import safe_open
+    files = sorted(root.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{root}: config.json declares FP8 (quantization_config) but there is no *.safetensors "
+                              "file; FP8 checkpoints load from safetensors")
+    out = {}
+    for file in files:
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for key in f.keys():
+                piece = f.get_slice(key)
+                out[key] = (file, piece.get_dtype(), list(piece.get_shape()))
+    return out
+
+
+def _check_scale(key: str, shape: list[int], block: tuple[int, int], headers: dict, file: Path) -> None:
+    scale_key = key + SCALE_SUFFIX
+    want = [-(-shape[0] // block[0]), -(-shape[1] // block[1])]
+    if scale_key not in headers:
+        raise CheckpointError(f"{file}: {key} is float8_e4m3fn but {scale_key} is missing (its {block[0]}x{block[1]} "
+                              f"block scales, shape {want})")
+    scale_file, dtype, got = headers[scale_key]
+    if got != want or dtype not in ("F32", "BF16", "F16"):
+        raise CheckpointError(f"{scale_file}: {scale_key} is {dtype} {got}, expected float32 {want} for {key} {shape} "
+                              f"in {block[0]}x{block[1]} blocks")
+
+
+@contextlib.contextmanager
+def loading(checkpoint: BlockScaledCheckpoint | None, config):
+    """Around transformers' from_pretrained of `config`: for an FP8 checkpoint, its quantizer is
+    bypassed (quantization_config taken off the config) and the scale tensors, read by this module,
+    are expected keys, not a warning. The FP8 weights arrive cast without their scales, and
+    dequantize_into then overwrites them."""
+    if checkpoint is None:
+        yield
+        return
+    from transformers import AutoModelForCausalLM
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    cls = AutoModelForCausalLM._model_mapping[type(config)]
+    own = cls.__dict__.get("_keys_to_ignore_on_load_unexpected", _UNSET)
+    cls._keys_to_ignore_on_load_unexpected = [*(cls._keys_to_ignore_on_load_unexpected or []), r"\.weight_scale_inv$"]
+    try:
+        yield
+    finally:
+        if own is _UNSET:
+            del cls._keys_to_ignore_on_load_unexpected
+        else:
+            cls._keys_to_ignore_on_load_unexpected = own
+
+
+_UNSET = object()

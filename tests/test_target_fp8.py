@@ -1,0 +1,375 @@
+"""FP8 targets: the FP8 linear against bf16, checkpoints in the published block-scaled layout (made
+here from tiny random models: a dense Qwen3 and the composite Qwen3.5 hybrid) loaded through
+load_target, the captured features' drift from bf16, and malformed checkpoints refused in one line.
+
+Shapes have partial blocks (hidden 160 = 128 + 32, intermediate 288 = 2 x 128 + 32), as the layout
+allows. The bounds on FP8's error: e4m3 keeps 3 mantissa bits, so each element of an operand is off
+by at most 2^-4 of its value (about 2.5 % RMS), and a product of two quantized operands by about
+3.5 % RMS (measured: 3.5 %): one linear's output within 0.1, while a wrong scale (a factor 2, a
+block read transposed) is off by 50 % or more. A captured layer is the sum of the errors of the
+quantized GEMMs run before it, two in sequence per decoder layer (attention in and out, MLP in and
+out): about sqrt(2 x 3) x 3.5 % = 8.6 % after three layers of these random models (measured 4-9 %),
+so features within 0.15, cosine above 0.98.
+"""
+import json
+import math
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from services.config import ConfigError, TargetConfig
+from services.target import fp8
+from services.target.model import decoder_layers, load_target
+
+E4M3 = torch.float8_e4m3fn
+BLOCK = 128
+VOCAB = 96
+SPEC = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [BLOCK, BLOCK],
+        "modules_to_not_convert": ["lm_head"]}
+
+
+# --- a block-scaled checkpoint, written the way the published ones are ---------------------------
+
+def block_quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block by block: scale = amax / 448, fp8 = w / scale (the reference for the layout)."""
+    n, k = w.shape
+    q = torch.empty(n, k, dtype=E4M3)
+    scale = torch.empty(math.ceil(n / BLOCK), math.ceil(k / BLOCK))
+    for i in range(scale.shape[0]):
+        for j in range(scale.shape[1]):
+            rows, cols = slice(i * BLOCK, (i + 1) * BLOCK), slice(j * BLOCK, (j + 1) * BLOCK)
+            tile = w[rows, cols].float()
+            scale[i, j] = tile.abs().max().clamp(min=1e-12) / 448
+            q[rows, cols] = (tile / scale[i, j]).to(E4M3)
+    return q, scale
+
+
+def block_dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    out = torch.empty(q.shape)
+    for i in range(scale.shape[0]):
+        for j in range(scale.shape[1]):
+            rows, cols = slice(i * BLOCK, (i + 1) * BLOCK), slice(j * BLOCK, (j + 1) * BLOCK)
+            out[rows, cols] = q[rows, cols].float() * scale[i, j]
+    return out
+
+
+def dense_model():
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    torch.manual_seed(0)
+    cfg = Qwen3Config(vocab_size=VOCAB, hidden_size=160, intermediate_size=288, num_hidden_layers=3,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=512,
+                      tie_word_embeddings=False)
+    return Qwen3ForCausalLM(cfg).eval()
+
+
+def hybrid_model():
+    """The composite multimodal checkpoint of the Qwen3.5 / 3.6 family (text under model.language_model.)."""
+    from transformers.models.qwen3_5 import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+    torch.manual_seed(0)
+    config = Qwen3_5Config(
+        text_config=dict(hidden_size=160, intermediate_size=288, num_hidden_layers=4, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=32, vocab_size=VOCAB, linear_num_key_heads=2,
+                         linear_num_value_heads=4, linear_key_head_dim=32, linear_value_head_dim=32,
+                         layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"]),
+        vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=160),
+        tie_word_embeddings=False)
+    return Qwen3_5ForConditionalGeneration(config).eval()
+
+
+def write_fp8_checkpoint(model: nn.Module, path, extra: tuple[str, ...] = ()) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """save_pretrained, then every nn.Linear but lm_head as float8_e4m3fn + weight_scale_inv (a
+    composite's vision tower too), and `extra` [288, 160] FP8 weights the text model does not have
+    (MTP layers, as the Qwen3.5 family ships them). Returns the FP8 tensors."""
+    model.save_pretrained(path)
+    tensors = load_file(str(path / "model.safetensors"))
+    linears = [name + ".weight" for name, m in model.named_modules() if isinstance(m, nn.Linear) and name != "lm_head"]
+    tensors.update({key: torch.randn(288, 160) * 0.02 for key in extra})
+    quantized = {}
+    for key in linears + list(extra):
+        quantized[key] = block_quantize(tensors[key])
+        tensors[key], tensors[key + "_scale_inv"] = quantized[key]
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"] = SPEC
+    (path / "config.json").write_text(json.dumps(config))
+    return quantized
+
+
+@pytest.fixture(scope="module")
+def dense_fp8(tmp_path_factory):
+    path = tmp_path_factory.mktemp("dense-fp8")
+    return path, write_fp8_checkpoint(dense_model(), path)
+
+
+@pytest.fixture(scope="module")
+def hybrid_fp8(tmp_path_factory):
+    path = tmp_path_factory.mktemp("hybrid-fp8")
+    return path, write_fp8_checkpoint(hybrid_model(), path, extra=("mtp.layers.0.mlp.up_proj.weight",))
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    got, want = got.detach(), want.detach()
+    return float((got.float() - want.float()).norm() / want.float().norm())
+
+
+def one_doc(n: int):
+    return torch.arange(n), torch.zeros(n, dtype=torch.long)
+
+
+# --- quantization and the FP8 linear ------------------------------------------------------------
+
+def test_block_quantization_is_the_published_layout_with_partial_blocks():
+    w = torch.randn(288, 160) * 0.02
+    w[5, 7] = 0.9                                            # one block with an outlier
+    q, scale = fp8.quantize_blocks(w, (BLOCK, BLOCK))
+    want_q, want_scale = block_quantize(w)
+    assert q.dtype == E4M3 and scale.shape == (3, 2)
+    assert torch.equal(scale, want_scale) and torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+    assert torch.equal(fp8.dequantize(q, scale, (BLOCK, BLOCK)), block_dequantize(q, scale))
+    # e4m3's widest step is 32 units at the top (256..448), so no element is off by more than 16 x scale
+    error = (w - block_dequantize(q, scale)).abs()
+    assert (error <= 16 * scale.repeat_interleave(BLOCK, 0)[:288].repeat_interleave(BLOCK, 1)[:, :160]).all()
+    rows, row_scale = fp8.quantize_rows(w)
+    assert row_scale.shape == (288, 1) and ((w - rows.float() * row_scale).abs() <= 16 * row_scale).all()
+    zero, zero_scale = fp8.quantize_rows(torch.zeros(3, 32))                 # all-zero rows: zeros, not NaN
+    assert torch.isfinite(zero_scale).all() and not zero.float().any()
+
+
+@pytest.mark.parametrize("layout", ["rowwise", "block"])
+def test_fp8_linear_is_close_to_the_bf16_one(layout):
+    torch.manual_seed(1)
+    linear = nn.Linear(160, 288, bias=True).to(torch.bfloat16)
+    x = torch.randn(2, 37, 160, dtype=torch.bfloat16)
+    want = x.float() @ linear.weight.float().t() + linear.bias.float()
+    if layout == "rowwise":
+        kernels = [fp8.runs_kernel("rowwise", 288, 160, "cpu", torch.bfloat16), False]
+        layers = [fp8.FP8Linear.rowwise_of(linear.weight, linear.bias, k) for k in kernels]
+    else:
+        q, scale = block_quantize(linear.weight)
+        layers = [fp8.FP8Linear(q, scale, (BLOCK, BLOCK), linear.bias, False)]
+    outs = [layer(x) for layer in layers]
+    for out in outs:
+        assert out.shape == (2, 37, 288) and out.dtype == torch.bfloat16
+        assert 1e-3 < rel_err(out, want) < 0.1              # quantized for real, and within e4m3's error
+    if len(outs) == 2:                                      # torch._scaled_mm and the plain math: the same operands
+        assert rel_err(outs[0], outs[1]) < 5e-3
+
+
+def test_quantize_decoder_swaps_the_decoder_linears_only():
+    model = dense_model().to(torch.bfloat16)
+    layers = decoder_layers(model)
+    linears = sum(isinstance(m, nn.Linear) for layer in layers for m in layer.modules())
+    summary = fp8.quantize_decoder(model, layers)
+    assert summary["rowwise"] == linears == 7 * 3 and summary["kept"] == 0
+    assert sum(isinstance(m, fp8.FP8Linear) for m in model.modules()) == linears
+    assert isinstance(model.lm_head, nn.Linear) and model.lm_head.weight.dtype == torch.bfloat16
+    assert model.model.embed_tokens.weight.dtype == torch.bfloat16
+    assert "21 decoder linears in FP8 (21 quantized rowwise)" in str(summary)
+
+
+# --- FP8 checkpoints ------------------------------------------------------------------------------
+
+def test_dense_fp8_checkpoint_loads_its_exact_weights(dense_fp8, capfd):
+    from transformers import Qwen3ForCausalLM
+    path, quantized = dense_fp8
+    capfd.readouterr()
+    target = load_target(TargetConfig(model_path=str(path), dtype="float32", layer_ids=[1, 2]))
+    assert "weight_scale_inv" not in capfd.readouterr().err        # read here, not an "unexpected key" report
+    assert "_keys_to_ignore_on_load_unexpected" not in Qwen3ForCausalLM.__dict__   # transformers' class as it was
+    params = dict(target.model.named_parameters())
+    assert len(quantized) == 21
+    for key, (q, scale) in quantized.items():
+        assert torch.equal(params[key], block_dequantize(q, scale)), key
+    original = load_file(str(path / "model.safetensors"))
+    assert torch.equal(params["lm_head.weight"], original["lm_head.weight"])       # kept in high precision
+    bf16 = load_target(TargetConfig(model_path=str(path), dtype="bfloat16", layer_ids=[1, 2]))
+    q, scale = quantized["model.layers.2.mlp.down_proj.weight"]
+    assert torch.equal(bf16.model.model.layers[2].mlp.down_proj.weight, block_dequantize(q, scale).to(torch.bfloat16))
+
+
+def test_composite_hybrid_fp8_checkpoint_loads_the_text_model(hybrid_fp8):
+    path, quantized = hybrid_fp8
+    target = load_target(TargetConfig(model_path=str(path), dtype="float32", layer_ids=[1, 2]))
+    assert type(target.model).__name__ == "Qwen3_5ForCausalLM" and target.path == "packed-reference"
+    assert type(target.model)._keys_to_ignore_on_load_unexpected == [r"^mtp.*", r"^model.visual.*"]   # restored
+    params = dict(target.model.named_parameters())
+    text = {k: v for k, v in quantized.items() if k.startswith("model.language_model.")}
+    assert len(text) == 2 * (5 + 3) + 2 * (4 + 3)          # Gated DeltaNet and attention layers, with their MLPs
+    assert any(k.startswith("model.visual.") for k in quantized) and "mtp.layers.0.mlp.up_proj.weight" in quantized
+    for key, (q, scale) in text.items():
+        name = key.replace("model.language_model.", "model.")
+        name = name if name in params else name.replace(".linear_attn.", ".linear_attn.layer.")   # the packed stand-in
+        assert torch.equal(params[name], block_dequantize(q, scale)), key
+    ids = torch.randint(0, VOCAB, (40,), generator=torch.Generator().manual_seed(3))
+    hidden, _ = target.capture(ids, *one_doc(40), out_dtype=torch.float32)
+    assert torch.isfinite(hidden).all() and hidden.shape == (40, 2 * 160)
+
+
+@pytest.mark.parametrize("which", ["dense", "hybrid"])
+def test_fp8_target_capture_drifts_from_bf16_by_a_small_measured_amount(which, dense_fp8, hybrid_fp8, tmp_path):
+    """A bf16 checkpoint with target.quantize=fp8 (rowwise) against the same checkpoint in bf16 (dense);
+    an FP8 checkpoint with its blocks against its dequantized bf16 weights (dense and hybrid)."""
+    path, _ = dense_fp8 if which == "dense" else hybrid_fp8
+    if which == "dense":
+        dense_model().save_pretrained(tmp_path / "bf16")
+    ids = torch.randint(0, VOCAB, (36,), generator=torch.Generator().manual_seed(4))
+    pos = torch.cat([torch.arange(16), torch.arange(20)])                        # a packed row of two documents
+    doc = torch.cat([torch.zeros(16, dtype=torch.long), torch.ones(20, dtype=torch.long)])
+
+    def capture(model_path, quantize):
+        target = load_target(TargetConfig(model_path=str(model_path), dtype="bfloat16", quantize=quantize,
+                                          layer_ids=[1, 2]))
+        return target, target.capture(ids, pos, doc)[0]
+
+    for model_path in ((tmp_path / "bf16", path) if which == "dense" else (path,)):
+        _, ref = capture(model_path, "none")
+        target, got = capture(model_path, "fp8")
+        layouts = {m.rowwise for m in target.model.modules() if isinstance(m, fp8.FP8Linear)}
+        assert layouts == ({True} if model_path != path else {False})   # bf16: rowwise; FP8 checkpoint: its blocks
+        for k in range(2):
+            cols = slice(k * 160, (k + 1) * 160)
+            drift = rel_err(got[:, cols], ref[:, cols])
+            cosine = float(torch.nn.functional.cosine_similarity(got[:, cols].float(), ref[:, cols].float(), dim=-1).min())
+            print(f"{which} {model_path.name} layer {k + 1}: rel err {drift:.4f}, min cosine {cosine:.5f}")
+            assert 1e-3 < drift < 0.15 and cosine > 0.98
+
+
+def test_fp8_checkpoint_requantized_rowwise_where_blocks_do_not_run(dense_fp8):
+    path, _ = dense_fp8
+    blocks = load_target(TargetConfig(model_path=str(path), dtype="bfloat16", quantize="fp8", layer_ids=[1, 2]))
+    target = load_target(TargetConfig(model_path=str(path), dtype="bfloat16", layer_ids=[1, 2]))
+    checkpoint = fp8.BlockScaledCheckpoint.open(path)
+    summary = fp8.quantize_decoder(target.model, target.layers, checkpoint.blocks_for(target.model), keep_blocks=False)
+    assert summary["requantized"] == 21 and "requantized rowwise" in str(summary)
+    assert all(m.rowwise for m in target.model.modules() if isinstance(m, fp8.FP8Linear))
+    ids = torch.randint(0, VOCAB, (30,), generator=torch.Generator().manual_seed(5))
+    a, b = blocks.capture(ids, *one_doc(30))[0], target.capture(ids, *one_doc(30))[0]
+    assert 1e-3 < rel_err(b, a) < 0.15
+
+
+# --- malformed checkpoints ------------------------------------------------------------------------
+
+def _broken_copy(path, tmp_path, edit) -> str:
+    out = tmp_path / "broken"
+    out.mkdir()
+    (out / "config.json").write_text((path / "config.json").read_text())
+    tensors = load_file(str(path / "model.safetensors"))
+    edit(tensors)
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return str(out)
+
+
+@pytest.mark.parametrize("fault, words", [
+    ("missing-scale", r"model\.layers\.1\.mlp\.up_proj\.weight is float8_e4m3fn but "
+                      r"model\.layers\.1\.mlp\.up_proj\.weight_scale_inv is missing"),
+    ("scale-shape", r"model\.layers\.0\.self_attn\.k_proj\.weight_scale_inv is F32 \[2, 2\], expected float32 \[1, 2\]"),
+    ("e5m2", r"model\.layers\.0\.mlp\.gate_proj\.weight is F8_E5M2"),
+])
+def test_a_malformed_fp8_checkpoint_is_one_line_naming_the_tensor_and_file(fault, words, dense_fp8, tmp_path):
+    path, _ = dense_fp8
+
+    def edit(t):
+        if fault == "missing-scale":
+            del t["model.layers.1.mlp.up_proj.weight_scale_inv"]
+        elif fault == "scale-shape":
+            t["model.layers.0.self_attn.k_proj.weight_scale_inv"] = torch.ones(2, 2)
+        else:
+            key = "model.layers.0.mlp.gate_proj.weight"
+            t[key] = t[key].float().to(torch.float8_e5m2)
+    broken = _broken_copy(path, tmp_path, edit)
+    with pytest.raises(ConfigError, match=words) as info:
+        load_target(TargetConfig(model_path=broken, dtype="float32", layer_ids=[1, 2]))
+    message = str(info.value)
+    assert "\n" not in message and f"{broken}/model.safetensors" in message
+
+
+def test_an_unsupported_fp8_config_names_the_key(dense_fp8, tmp_path):
+    path, _ = dense_fp8
+    broken = _broken_copy(path, tmp_path, lambda t: None)
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"] = dict(SPEC, activation_scheme="static")
+    (tmp_path / "broken" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match=r"config\.json: quantization_config\.activation_scheme = 'static'"):
+        load_target(TargetConfig(model_path=broken, dtype="float32", layer_ids=[1, 2]))
+    with pytest.raises(ConfigError, match="target.quantize must be one of none, fp8, got 'int8'"):
+        load_target(TargetConfig(model_path=str(path), quantize="int8", layer_ids=[1, 2]))
+
+
+def test_eval_takes_the_target_precision_to_verify_with(tmp_path, capsys):
+    """launcher eval --set target.quantize=...: the run's config with that key changed, checked as any
+    override is (a drafter trained on FP8 features, verified by the bf16 target or the reverse)."""
+    from services.config import Config, dump_json
+    from services.drafter import eval_cli
+    dump_json(Config(), tmp_path / "config.json")
+    assert eval_cli.main(["--run-dir", str(tmp_path), "--set", "target.quantize=int8"]) == 2
+    assert "eval: error: target.quantize must be one of none, fp8, got 'int8'" in capsys.readouterr().err
+    assert eval_cli.main(["--run-dir", str(tmp_path), "--set", "target.quantize=fp8"]) == 2   # no checkpoint here
+    assert "target.quantize" not in capsys.readouterr().err
+
+
+# --- on the GPU: torch's scaled GEMMs against the plain math -------------------------------------
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@needs_cuda
+def test_cuda_rowwise_fp8_gemm_runs_and_agrees_with_the_plain_math():
+    if torch.cuda.get_device_capability() < (8, 9):
+        model = dense_model().to("cuda", torch.bfloat16)
+        with pytest.raises(ConfigError, match="this GPU runs no FP8 GEMM"):
+            fp8.quantize_decoder(model, decoder_layers(model))
+        return
+    torch.manual_seed(2)
+    weight = torch.randn(1024, 5120, device="cuda", dtype=torch.bfloat16) * 0.02
+    x = torch.randn(1000, 5120, device="cuda", dtype=torch.bfloat16)
+    assert fp8.runs_kernel("rowwise", 1024, 5120, "cuda:0", torch.bfloat16)
+    got, want = (fp8.FP8Linear.rowwise_of(weight, None, kernel)(x) for kernel in (True, False))
+    assert rel_err(got, want) < 5e-3 and 1e-3 < rel_err(got, x.float() @ weight.float().t()) < 0.1
+
+
+@needs_cuda
+def test_cuda_block_scaled_gemm_where_it_runs_agrees_with_the_plain_math():
+    """Where the probe finds the block-scaled GEMM, it agrees on another shape and row count than the
+    probe's; where it does not, loading an FP8 checkpoint requantizes rowwise (said in the summary)."""
+    torch.manual_seed(3)
+    weight = torch.randn(3072, 5120, device="cuda", dtype=torch.bfloat16) * 0.02
+    x = torch.randn(999, 5120, device="cuda", dtype=torch.bfloat16)
+    q, scale = fp8.quantize_blocks(weight, (BLOCK, BLOCK))
+    runs = fp8.runs_kernel("block", 3072, 5120, "cuda:0", torch.bfloat16)
+    print(f"block-scaled FP8 GEMM on {torch.cuda.get_device_name()}, torch {torch.__version__}: {runs}")
+    if runs:
+        got, want = (fp8.FP8Linear(q, scale, (BLOCK, BLOCK), None, kernel)(x) for kernel in (True, False))
+        assert rel_err(got, want) < 5e-3
+    model = dense_model().to("cuda", torch.bfloat16)
+    blocks = {name + ".weight": (*fp8.quantize_blocks(m.weight, (BLOCK, BLOCK)), (BLOCK, BLOCK))
+              for name, m in model.named_modules() if isinstance(m, nn.Linear)}
+    summary = fp8.quantize_decoder(model, decoder_layers(model), blocks.get)
+    assert summary["block"] + summary["requantized"] == 21 and summary["plain"] == 0
+
+
+@needs_cuda
+def test_cuda_fp8_checkpoint_loads_and_captures_close_to_bf16(dense_fp8):
+    path, _ = dense_fp8
+    ids = torch.randint(0, VOCAB, (64,), generator=torch.Generator().manual_seed(6))
+    ref, got = (load_target(TargetConfig(model_path=str(path), dtype="bfloat16", quantize=q, layer_ids=[1, 2]),
+                            "cuda:0").capture(ids, *one_doc(64))[0] for q in ("none", "fp8"))
+    assert got.is_cuda and 1e-3 < rel_err(got, ref) < 0.15
+
+
+# --- the benchmark, as a CPU smoke test -----------------------------------------------------------
+
+def test_precision_benchmark_runs_on_cpu_at_the_tiny_shape(tmp_path, capsys):
+    from bench import target_precision
+    out = tmp_path / "precision.json"
+    result = target_precision.main(["--shape", "tiny", "--keep-layers", "4", "--layers", "1", "--seq", "64",
+                                    "--mixes", "single", "--iters", "1", "--warmup", "0", "--out", str(out)])
+    assert json.loads(out.read_text())["precisions"].keys() == {"bf16", "fp8", "fp8-block"}
+    runs = result["precisions"]
+    assert "quantized rowwise" in runs["fp8"]["summary"] and "block scales" in runs["fp8-block"]["summary"]
+    for name in ("fp8", "fp8-block"):
+        drift = runs[name]["mixes"]["single"]["drift"]
+        assert len(drift) == 1 and all(1e-3 < d["rel_err"] < 0.2 and d["cos_mean"] > 0.98 for d in drift)
+    assert all(d["rel_err"] == 0 for d in runs["bf16"]["mixes"]["single"]["drift"])   # bf16 against itself
+    assert "drift against bf16 on the same row" in capsys.readouterr().out
