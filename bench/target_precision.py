@@ -32,7 +32,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # run as a script from anywhere
 from bench.shapes import SHAPES  # noqa: E402
-from bench.target_capture import MIXES, build_model, doc_lengths, row_of, set_attention  # noqa: E402
+from bench.target_capture import MIXES, build_model, doc_lengths, drift, row_of, set_attention  # noqa: E402
 from bench.timing import sync, timed  # noqa: E402
 
 PRECISIONS = ("bf16", "fp8", "fp8-block")
@@ -68,17 +68,6 @@ def set_precision(model, layers, bf16_linears, precision: str) -> str:
     return str(fp8.quantize_decoder(model, layers, as_fp8_checkpoint if precision == "fp8-block" else None))
 
 
-def drift(got: torch.Tensor, ref: torch.Tensor, hidden: int) -> list[dict]:
-    """Per captured layer (columns of `hidden`): relative error, mean and minimum cosine over tokens."""
-    out = []
-    for k in range(ref.shape[1] // hidden):
-        g, r = got[:, k * hidden:(k + 1) * hidden].float(), ref[:, k * hidden:(k + 1) * hidden].float()
-        cos = torch.nn.functional.cosine_similarity(g, r, dim=-1)
-        out.append({"rel_err": float((g - r).norm() / r.norm()), "cos_mean": float(cos.mean()),
-                    "cos_min": float(cos.min())})
-    return out
-
-
 def run(args) -> dict:
     from services.layers import default_layer_ids
     from services.target.model import Target, capture_to_host, decoder_layers
@@ -95,12 +84,16 @@ def run(args) -> dict:
     gen = torch.Generator().manual_seed(0)
     rows = {mix: row_of(doc_lengths(args.seq, mix, gen), model.config.vocab_size, gen) for mix in args.mixes.split(",")}
     out = torch.empty(args.seq, target.info.hidden_width, dtype=torch.bfloat16, device=device)
-    reference = {mix: capture_to_host(target, row, False, out)[0].clone() for mix, row in rows.items()}
+    reference = {mix: capture_to_host(target, row, False, out)[0].clone() for mix, row in rows.items()}   # eager bf16
     result = {"shape": args.shape, "seq": args.seq, "decoder_layers": len(layers), "layer_ids": ids,
               "path": target.path, "precisions": {}}
     for precision in args.precision.split(","):
         start = time.perf_counter()
         summary = set_precision(model, layers, bf16_linears, precision)
+        if args.compile:                      # the layers hold other modules now: compile them again
+            from services.target.compiled import compile_and_warm_up
+            rec_compile = compile_and_warm_up(target, "on", args.seq, with_labels=False)
+            summary += f", compiled in {rec_compile:.0f} s"
         sync()
         rec = {"summary": summary, "quantize_s": time.perf_counter() - start, "mixes": {}}
         if device == "cuda":
@@ -152,6 +145,7 @@ def main(argv=None) -> dict:
     p.add_argument("--layers", type=int, default=5, help="captured layers K (DFLASH default spread)")
     p.add_argument("--mixes", default="single,short", help=f"comma list of document-length mixes {sorted(MIXES)}")
     p.add_argument("--precision", default=",".join(PRECISIONS), help=f"comma list of {PRECISIONS}")
+    p.add_argument("--compile", action="store_true", help="compile the layers for each precision (target.compile)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--out", default="", help="write the result as JSON here")

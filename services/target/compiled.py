@@ -27,8 +27,8 @@ def compile_layers(layers: nn.ModuleList, slot: RowSlot, backend: str = "inducto
     # layers of one kind share their graph; room for a model whose layers all differ
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 2 * len(layers))
     for layer in layers:
-        layer.forward = _capture_or_eager(slot, layer.forward, torch.compile(layer.forward, dynamic=False,
-                                                                             backend=backend))
+        eager = layer.__dict__.setdefault("eager_forward", layer.forward)    # compiling again wraps the eager one
+        layer.forward = _capture_or_eager(slot, eager, torch.compile(eager, dynamic=False, backend=backend))
 
 
 def _capture_or_eager(slot: RowSlot, eager, compiled):
