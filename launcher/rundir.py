@@ -13,6 +13,7 @@ from pathlib import Path
 
 from launcher import process
 from launcher.errors import UsageError
+from launcher.preflight import check_resume
 from launcher.runlock import RunDirBusy, lock_run_dir
 from launcher.supervisor import EXIT_DONE, EXIT_FAILED, EXIT_STOPPED
 
@@ -89,3 +90,22 @@ def lock(run_dir: Path) -> None:
         lock_run_dir(run_dir)
     except RunDirBusy as exc:
         raise UsageError(str(exc)) from None
+
+
+def claim(run_dir: Path, resume: bool) -> bool:
+    """Refuse a run dir that another launcher runs in, or that has checkpoints without --resume.
+    One launcher per run dir: an existing one is locked here, before anything is written in it;
+    a new one as soon as it exists (after `staged`). Returns whether it was locked here."""
+    if resume:
+        check_resume(run_dir)
+    locked = run_dir.is_dir()
+    if locked:
+        lock(run_dir)
+    if (run_dir / "run.json").is_file():
+        old = json.loads((run_dir / "run.json").read_text())
+        if process.alive(old.get("launcher")):          # the recorded launcher itself, not a reused pid
+            raise UsageError(f"a run is active in {run_dir} (launcher pid {old['launcher_pid']}); "
+                             f"`launcher down --run-dir {run_dir}` first")
+    if (run_dir / "checkpoints").is_dir() and any((run_dir / "checkpoints").iterdir()) and not resume:
+        raise UsageError(f"{run_dir} has checkpoints; pass --resume to continue, or choose another --run-dir")
+    return locked

@@ -4,16 +4,15 @@ Exit codes: 0 training finished, 1 failed, 2 bad usage or config, 3 stopped befo
 """
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
 from launcher import process
 from launcher.errors import UsageError
 from launcher.inputs import check_inputs, make_demo, prepare_data, with_local_model
-from launcher.preflight import check_resume, preflight, resumed_line, staged
+from launcher.preflight import preflight, resumed_line, staged
 from launcher.report import describe_export, describe_spec, read_spec
-from launcher.rundir import LATEST, choose_run_dir, lock, resume_command
+from launcher.rundir import LATEST, choose_run_dir, claim, lock, resume_command
 from launcher.supervisor import EXIT_FAILED, EXIT_STOPPED, RunFailed, Supervisor
 from launcher.topology import host_overrides, hosts, parse_gpu_spec
 from services.config import dump_json, load_config
@@ -46,23 +45,11 @@ def cmd_up(args) -> int:
     if not args.demo:                                      # drafters read the target's head: every host resolves
         check_inputs(with_local_model(cfg), runs_targets)
     run_dir, named_here = choose_run_dir(args, cfg.run.name)
-    if args.resume:
-        check_resume(run_dir)
-    locked = run_dir.is_dir()          # one launcher per run dir: an existing one is locked before anything
-    if locked:                         # is written in it, a new one as soon as it exists (after `staged`)
-        lock(run_dir)
-    if (run_dir / "run.json").is_file():
-        old = json.loads((run_dir / "run.json").read_text())
-        if process.alive(old.get("launcher")):          # the recorded launcher itself, not a reused pid
-            raise UsageError(f"a run is active in {run_dir} (launcher pid {old['launcher_pid']}); "
-                             f"`launcher down --run-dir {run_dir}` first")
-    if (run_dir / "checkpoints").is_dir() and any((run_dir / "checkpoints").iterdir()) and not args.resume:
-        raise UsageError(f"{run_dir} has checkpoints; pass --resume to continue, or choose another --run-dir")
-    if args.demo:
+    locked = claim(run_dir, args.resume)
+    if args.demo:           # built once the user's config and run dir passed; the user's overrides win over its own
         print("building the demo target and dataset (once; then reused from the demo cache)…", flush=True)
-        overrides = make_demo(args.device, args.demo) + overrides
-    cfg = with_local_model(load_config(args.config, overrides))
-    check_inputs(cfg, runs_targets)
+        cfg = with_local_model(load_config(args.config, make_demo(args.device, args.demo) + overrides))
+        check_inputs(cfg, runs_targets)
     preflight(cfg, args.device, runs_targets)
     with staged(run_dir) as where:                  # a new run dir appears only once the data is ready
         dump_json(cfg, where / "config.json")
