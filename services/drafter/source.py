@@ -35,6 +35,7 @@ from typing import Iterator, Protocol
 import torch
 
 from services.batch import Batch
+from services.batch_client import BatchClient
 from services.config import Config
 from services.endpoints import endpoint
 from services.files import write_json_atomic
@@ -45,7 +46,6 @@ from services import curve, lifecycle
 from services.handshake import TargetInfo, batch_config_digest
 from services.health import HealthServer, probe
 from services.target.packing import PackedData, PublishedDigests, digests_path
-from services.transport import BatchClient
 from services.wire import WireError
 
 CHECK_TARGETS_EVERY_S = 2.0
