@@ -93,9 +93,9 @@ def cmd_export(args) -> int:
 
 
 def cmd_plan(args) -> int:
-    from launcher import plan
+    from launcher import gpu_split
     try:
-        gpus = plan.plan_gpus(args.gpus)
+        gpus = gpu_split.plan_gpus(args.gpus)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     overrides = list(args.overrides)
@@ -107,10 +107,10 @@ def cmd_plan(args) -> int:
     overrides += [f'target.model_path="{cfg.target.model_path}"']
     print(f"measuring each role on one {args.device} device, about {args.seconds:.0f} s each ...", flush=True)
     try:
-        measured = plan.measure(args.config, args.device, args.seconds, overrides)
+        measured = gpu_split.measure(args.config, args.device, args.seconds, overrides)
     except RuntimeError as exc:
         raise UsageError(str(exc)) from None
-    print(plan.describe(measured, gpus))
+    print(gpu_split.describe(measured, gpus))
 
 
 def _eval_argv(args, run_dir: str, checkpoint: str | None) -> list[str]:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from launcher.plan import describe, plan_gpus
+from launcher.gpu_split import describe, plan_gpus
 from launcher.preflight import resumed_line
 from launcher.report import describe_spec
 from services.demo import demo_overrides

@@ -44,7 +44,7 @@ class Bookkeeping:
     def __init__(self, cfg: Config, run_dir: Path, rank: int, world_size: int, state: TrainState,
                  health: HealthServer, resumed: ckpt.Found | None, eval_batches=None, plan=None,
                  num_targets: int = 0):
-        """plan: the run's (plan.py), for the batches a checkpoint has done; None: one split from the start.
+        """plan: the run's (schedule.py), for the batches a checkpoint has done; None: one split from the start.
         num_targets: the target workers that verify real acceptance (0: a local target, synthetic runs)."""
         self.cfg, self.run_dir, self.rank, self.world_size = cfg, Path(run_dir), rank, world_size
         self.plan = plan

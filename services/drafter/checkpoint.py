@@ -13,7 +13,7 @@
 
 Data position: state.json's next_g says how many global batches are done (every g < next_g, all
 ranks finished them: a checkpoint is taken between optimizer steps only). A resume on any number of
-drafters D asks for g = next_g + (m - m_ckpt)·D + d next (plan.py). Only rank 0 writes; every rank
+drafters D asks for g = next_g + (m - m_ckpt)·D + d next (schedule.py). Only rank 0 writes; every rank
 restores, from the same files.
 A failed write (full disk, quota, I/O error) removes its temp dir and leaves the previous
 checkpoint as latest; the caller reports it and training goes on. A full disk says so: "no space

@@ -35,5 +35,5 @@ def compatibility_errors(meta: dict, config: dict, model_cfg: DrafterModelConfig
         then, now = _config_value(config, dotted), _config_value(now_cfg, dotted)
         if then != now:
             errors.append(f"{dotted}: checkpoint {then!r}, now {now!r}")
-    # the number of drafter ranks may change: the schedule continues from the batches done (plan.py)
+    # the number of drafter ranks may change: the schedule continues from the batches done (schedule.py)
     return errors
