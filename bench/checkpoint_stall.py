@@ -7,7 +7,7 @@
 Builds the real TrainState (services.drafter.train) at the drafter shape for a Qwen3.6-27B target
 (width 5120, intermediate 17408, 24/4 heads x 256, 5 layers, vocab 248320: 1.84 B trainable
 parameters, fp32 master weights + AdamW moments, about 22 GB), trains two steps so the optimizer
-has its state, then takes checkpoints with checkpoint.BackgroundWriter as the worker does:
+has its state, then takes checkpoints with checkpoint_writer.BackgroundWriter as the worker does:
   prepare_s  allocating the pinned host buffers in the background (the worker does it after step 1)
   stall_s    what training waits for: the snapshot call plus the copies into host memory on the
              GPU (timed here by a synchronize right after; in training the next step queues behind them)
@@ -49,6 +49,7 @@ def main() -> None:
     import torch
     from services.config import load_config
     from services.drafter import checkpoint as ckpt
+    from services.drafter.checkpoint_writer import BackgroundWriter
     from services.drafter.synthetic import SyntheticSource
     from services.drafter.target_head import TargetHead, build_model_config
     from services.drafter.train import build_train_state, train_step
@@ -89,7 +90,7 @@ def main() -> None:
             result["sync_write_s"] = round(time.perf_counter() - start, 2)
             shutil.rmtree(root / "sync")
             print(f"synchronous checkpoint: training stopped {result['sync_write_s']} s", flush=True)
-        writer = ckpt.BackgroundWriter(root / "async", keep=1, device=device)
+        writer = BackgroundWriter(root / "async", keep=1, device=device)
         start = time.perf_counter()
         writer.prepare(state.drafter.state_dict(), blob())      # as the worker does after its first step
         prepare_steps = []

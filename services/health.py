@@ -1,4 +1,5 @@
-"""Health: a responder thread each worker runs, and the probe client the launcher uses.
+"""Health: a responder thread each worker runs, the probe client the launcher uses, and Drops,
+which counts the bad messages a worker drops and reports them here.
 
 The responder owns its own ZMQ socket on its own thread, so it answers while the main loop
 works. The main loop stamps progress; if it stops stamping for longer than `stall_after_s`
@@ -10,10 +11,12 @@ This module must not import torch: the launcher uses the probe.
 """
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import threading
 import time
+from collections import Counter
 
 import msgpack
 import psutil
@@ -21,29 +24,15 @@ import zmq
 
 from services import __version__, curve
 from services.sdnotify import Notifier
+from services.sockets import bind_private, secure_socket
+
+log = logging.getLogger(__name__)
 
 STATES = ("starting", "loading", "compiling", "ready", "training", "draining", "stopped", "failed")
 STARTUP_STATES = ("starting", "loading", "compiling")   # model loads and cold compiles take minutes
 MAX_REQUEST_BYTES = 4096
 
 EXIT_HEALTHY, EXIT_UNHEALTHY, EXIT_UNREACHABLE = 0, 1, 2
-
-
-def secure_socket(sock: zmq.Socket, max_bytes: int) -> None:
-    """Settings every socket in this project gets: no lingering, capped message size."""
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.MAXMSGSIZE, max_bytes)
-
-
-def bind_private(sock: zmq.Socket, endpoint: str) -> None:
-    """Bind; for ipc in an owner-only folder (made here if needed), as an owner-only socket file."""
-    if endpoint.startswith("ipc://"):
-        folder = os.path.dirname(endpoint[len("ipc://"):])
-        os.makedirs(folder, mode=0o700, exist_ok=True)
-        os.chmod(folder, 0o700)
-    sock.bind(endpoint)
-    if endpoint.startswith("ipc://"):
-        os.chmod(endpoint[len("ipc://"):], 0o600)
 
 
 class HealthServer:
@@ -168,6 +157,20 @@ class HealthServer:
             self.bad_message("health-request", str(exc))
             return {"error": f"bad request: {exc}"[:200]}
         return self.snapshot()
+
+
+class Drops:
+    """Counts dropped messages, reports them to health, logs the first of each kind."""
+
+    def __init__(self, health: HealthServer | None):
+        self.health = health
+        self.counts: Counter[str] = Counter()
+
+    def __call__(self, kind: str, detail: str) -> None:
+        self.counts[kind] += 1
+        first = self.health.bad_message(kind, detail) if self.health else self.counts[kind] == 1
+        if first:
+            log.warning("dropped a bad %s message: %s", kind, detail)
 
 
 def probe(endpoint: str, timeout_s: float = 3.0, keys_dir: str = "") -> tuple[int, dict | None, str]:

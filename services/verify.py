@@ -31,7 +31,8 @@ import zmq
 
 from services import curve, wire
 from services.config import TransportConfig
-from services.health import probe, secure_socket
+from services.health import probe
+from services.sockets import secure_socket
 
 OPS = ("open", "step", "close")
 MAX_ID = (1 << 63) - 1

@@ -15,6 +15,8 @@ from pathlib import Path
 
 from services.config import Config
 from services.drafter import checkpoint as ckpt
+from services.drafter.checkpoint_space import checkpoint_bytes, space_warning
+from services.drafter.checkpoint_writer import BackgroundWriter
 from services.drafter.collectives import gather_rng_states
 from services.drafter.evaluate import evaluate
 from services.drafter.ledger import Ledger, truncate_jsonl
@@ -42,14 +44,14 @@ class Bookkeeping:
     def __init__(self, cfg: Config, run_dir: Path, rank: int, world_size: int, state: TrainState,
                  health: HealthServer, resumed: ckpt.Found | None, eval_batches=None, plan=None,
                  num_targets: int = 0):
-        """plan: the run's (plan.py), for the batches a checkpoint has done; None: one split from the start.
+        """plan: the run's (schedule.py), for the batches a checkpoint has done; None: one split from the start.
         num_targets: the target workers that verify real acceptance (0: a local target, synthetic runs)."""
         self.cfg, self.run_dir, self.rank, self.world_size = cfg, Path(run_dir), rank, world_size
         self.plan = plan
         self.state, self.health, self.eval_batches = state, health, eval_batches
         self.num_targets = num_targets                 # the target workers that verify the real-acceptance eval
         self.root = ckpt.checkpoints_dir(run_dir)
-        self.writer = ckpt.BackgroundWriter(self.root, cfg.run.keep_checkpoints, state.device)
+        self.writer = BackgroundWriter(self.root, cfg.run.keep_checkpoints, state.device)
         self.first_step = state.step
         self.ledger = Ledger(run_dir, rank, start_step=state.micro_step, world_size=world_size)
         self.metrics = MetricsLog(run_dir, resume_step=state.step, enabled=rank == 0,
@@ -225,7 +227,7 @@ class Bookkeeping:
     # --- checkpoints -----------------------------------------------------------------------------
     def checkpoint(self, set_best: bool = False) -> None:
         """Collective (the RNG gather). Rank 0 snapshots the state into host memory and writes it in
-        the background (checkpoint.BackgroundWriter); training waits only for the snapshot. A
+        the background (checkpoint_writer.BackgroundWriter); training waits only for the snapshot. A
         failed write keeps the previous checkpoint and the run goes on; it is reported when seen.
         A stop in the middle of gradient accumulation saves the last optimizer step (the partial
         batches are redone after the resume; their ledger lines are dropped then)."""
@@ -238,7 +240,7 @@ class Bookkeeping:
                                   eval=self.last_eval if self.last_eval and self.last_eval["step"] == step else None)
             self.report_checkpoint(self.writer.wait())
             blob = {"optimizer": state.optimizer.state_dict(), "scheduler": state.scheduler.state_dict()}
-            if low := ckpt.space_warning(self.root, ckpt.checkpoint_bytes(state.drafter.state_dict(), blob)):
+            if low := space_warning(self.root, checkpoint_bytes(state.drafter.state_dict(), blob)):
                 log.warning(low)
                 self.health.error(low)
             self.writer.snapshot_and_write(step, weights=state.drafter.state_dict(), optimizer=blob, rng=rng,

@@ -13,21 +13,20 @@
 
 Data position: state.json's next_g says how many global batches are done (every g < next_g, all
 ranks finished them: a checkpoint is taken between optimizer steps only). A resume on any number of
-drafters D asks for g = next_g + (m - m_ckpt)·D + d next (plan.py). Only rank 0 writes; every rank
+drafters D asks for g = next_g + (m - m_ckpt)·D + d next (schedule.py). Only rank 0 writes; every rank
 restores, from the same files.
 A failed write (full disk, quota, I/O error) removes its temp dir and leaves the previous
 checkpoint as latest; the caller reports it and training goes on. A full disk says so: "no space
 left on <folder>, need about N GB" (torch.save's own error for it is a cryptic "unexpected pos"),
-and the free space is checked before each write (space_warning, ensure_space).
+and the free space is checked before each write (checkpoint_space.py).
+Here: the files, writing, finding and restoring; written in the background by
+checkpoint_writer.BackgroundWriter; whether one fits this run, checkpoint_compat.py.
 """
 from __future__ import annotations
 
-import copy
-import errno
 import json
 import os
 import shutil
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,22 +34,15 @@ from typing import Callable
 
 import torch
 
-from services import runspec
 from services.config import Config, ConfigError
+from services.drafter.checkpoint_compat import compatibility_errors
+from services.drafter.checkpoint_space import checkpoint_bytes, no_space, out_of_space
 from services.drafter.model import DrafterModelConfig
 from services.files import default_file_mode, fsync_dir, point, sha256_file
 
 FORMAT_VERSION = 1
 FILES = ("model.safetensors", "optimizer.pt", "rng.safetensors", "state.json", "config.json")
 LATEST, BEST = "latest", "best"
-
-# Fields whose change makes a checkpoint meaningless for this run: the model's shapes and inputs ...
-MODEL_FIELDS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
-                "vocab_size", "num_target_layers", "num_hidden_layers", "target_layer_ids", "block_size",
-                "mask_token_id", "rms_norm_eps", "rope_theta", "attention_bias", "layer_types", "sliding_window")
-# ... and what batch g contains and which rank trains it (exactly-once across the resume).
-RUN_FIELDS = tuple(runspec.keys_deciding(runspec.RESUME_KINDS))
-
 
 class CorruptCheckpoint(Exception):
     """A checkpoint whose files fail their checksums or do not parse."""
@@ -129,68 +121,6 @@ def _write_json(path: Path, data: dict) -> None:
         os.fsync(f.fileno())
 
 
-# --- disk space ---------------------------------------------------------------------------------
-
-ROOM_FOR_WARNING = 3        # warn while fewer checkpoints than this fit in the free space
-
-
-def _gb(nbytes: float) -> str:
-    return f"{nbytes / 1e9:.1f}" if nbytes >= 1e8 else f"{nbytes / 1e9:.3f}"
-
-
-def tensor_bytes(tree) -> int:
-    """Bytes of every tensor in a (nested) state dict, as a checkpoint stores them (weights in fp32)."""
-    if isinstance(tree, torch.Tensor):
-        return tree.numel() * tree.element_size()
-    if isinstance(tree, dict):
-        return sum(tensor_bytes(v) for v in tree.values())
-    if isinstance(tree, (list, tuple)):
-        return sum(tensor_bytes(v) for v in tree)
-    return 0
-
-
-def checkpoint_bytes(weights: dict[str, torch.Tensor], optimizer: dict) -> int:
-    """About what one checkpoint takes on disk (+ 64 KB for the JSON files and headers)."""
-    return sum(v.numel() * 4 for v in weights.values()) + tensor_bytes(optimizer) + (64 << 10)
-
-
-def free_bytes(root: Path) -> int:
-    path = Path(root)
-    while not path.exists():        # the folder may not exist yet: its file system does
-        path = path.parent
-    return shutil.disk_usage(path).free
-
-
-def no_space(root: Path, need: int) -> OSError:
-    return OSError(errno.ENOSPC, f"no space left on {root}, need about {_gb(need)} GB "
-                                 f"({_gb(free_bytes(root))} GB free)")
-
-
-def ensure_space(root: Path, need: int) -> None:
-    """Refuse a write that cannot fit, before writing anything."""
-    if free_bytes(root) < need:
-        raise no_space(root, need)
-
-
-def space_warning(root: Path, need: int) -> str | None:
-    """A warning well ahead of a full disk: fewer than ROOM_FOR_WARNING checkpoints still fit."""
-    free = free_bytes(root)
-    if free >= ROOM_FOR_WARNING * need:
-        return None
-    return (f"disk almost full: {_gb(free)} GB free on {root}, a checkpoint needs about {_gb(need)} GB "
-            f"(room for {free // need}); free space or lower run.keep_checkpoints")
-
-
-def _out_of_space(exc: BaseException, root: Path) -> bool:
-    """ENOSPC/EDQUOT, or any error raised on a disk that is now full (torch.save says "unexpected
-    pos", safetensors "I/O error": neither is an OSError with an errno)."""
-    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
-        return True
-    if isinstance(exc, Exception) and "No space left on device" in str(exc):
-        return True
-    return isinstance(exc, Exception) and free_bytes(root) < (1 << 20)
-
-
 # --- writing (rank 0) ---------------------------------------------------------------------------
 
 def write_checkpoint(root: Path, step: int, *, weights: dict[str, torch.Tensor], optimizer: dict,
@@ -232,7 +162,7 @@ def write_checkpoint(root: Path, step: int, *, weights: dict[str, torch.Tensor],
         os.rename(tmp, final)
         fsync_dir(root)
     except BaseException as exc:
-        full = _out_of_space(exc, root)               # before the temp dir goes: then the disk is full
+        full = out_of_space(exc, root)               # before the temp dir goes: then the disk is full
         shutil.rmtree(tmp, ignore_errors=True)
         if full:
             raise no_space(root, checkpoint_bytes(weights, optimizer)) from exc
@@ -257,106 +187,6 @@ def rotate(root: Path, keep: int) -> list[Path]:
             shutil.rmtree(old, ignore_errors=True)
             removed.append(old)
     return removed
-
-
-# --- writing in the background (rank 0) ------------------------------------------------------------
-
-class BackgroundWriter:
-    """Checkpoints that stop training only for a copy into host memory.
-
-    snapshot_and_write() copies the weights and the optimizer state into host buffers on the
-    training stream (pinned and reused on CUDA, so the copy runs at PCIe speed and the next step's
-    kernels simply queue behind it), then a thread waits for the copy and writes the files with
-    write_checkpoint: same temp dir, manifest, rename, rotation and failure handling as a
-    synchronous write. One write at a time: a checkpoint asked for while the last is still being
-    written waits for it. wait() joins the write in flight (the end of the run, a stop).
-    """
-
-    def __init__(self, root: Path, keep: int, device: torch.device):
-        self.root, self.keep, self.device = root, keep, device
-        self._buffers: dict[str, torch.Tensor] = {}
-        self._thread: threading.Thread | None = None
-        self._outcome: dict | None = None           # the finished write, until taken by done()
-        self._preparing: threading.Thread | None = None
-
-    def _buffer(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        buf = self._buffers.get(name)
-        if buf is None or buf.shape != tensor.shape or buf.dtype != tensor.dtype:
-            buf = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=self.device.type == "cuda")
-            self._buffers[name] = buf
-        return buf
-
-    def _host(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        """A host copy of `tensor` in the buffer kept for `name` (queued on the current stream)."""
-        buf = self._buffer(name, tensor)
-        buf.copy_(tensor.detach(), non_blocking=True)
-        return buf
-
-    def _host_tree(self, prefix: str, value, leaf=None):
-        leaf = leaf or self._host
-        if isinstance(value, torch.Tensor):
-            return leaf(prefix, value)
-        if isinstance(value, dict):
-            return {k: self._host_tree(f"{prefix}.{k}", v, leaf) for k, v in value.items()}
-        if isinstance(value, (list, tuple)):
-            return type(value)(self._host_tree(f"{prefix}.{i}", v, leaf) for i, v in enumerate(value))
-        return copy.deepcopy(value)
-
-    def prepare(self, weights: dict[str, torch.Tensor], optimizer: dict) -> None:
-        """Allocate the host buffers in the background (pinning 20 GB takes seconds), so that even
-        the first checkpoint only copies. Call once the optimizer has its state (after a step)."""
-        shapes = {k: v.float() for k, v in weights.items()}, optimizer
-        self._preparing = threading.Thread(target=lambda: (
-            [self._buffer(f"w.{k}", v) for k, v in shapes[0].items()],
-            self._host_tree("opt", shapes[1], self._buffer)), name="checkpoint-buffers", daemon=True)
-        self._preparing.start()
-
-    def snapshot_and_write(self, step: int, *, weights: dict[str, torch.Tensor], optimizer: dict,
-                           rng: dict[str, torch.Tensor], meta: dict, config: dict, set_best: bool) -> float:
-        """Snapshot now, write in the background. Returns the seconds training was held up."""
-        start = time.perf_counter()
-        self.wait()                                  # one write at a time (bounded host memory)
-        if self._preparing is not None:
-            self._preparing.join()
-            self._preparing = None
-        host_weights = {k: self._host(f"w.{k}", v.float()) for k, v in weights.items()}
-        host_optimizer = self._host_tree("opt", optimizer)
-        copied = torch.cuda.current_stream().record_event() if self.device.type == "cuda" else None
-        stall = time.perf_counter() - start
-        args = dict(weights=host_weights, optimizer=host_optimizer, rng=rng, meta=meta, config=config)
-        self._thread = threading.Thread(target=self._write, args=(step, copied, set_best, stall, args),
-                                        name="checkpoint-writer", daemon=True)
-        self._thread.start()
-        return stall
-
-    def _write(self, step: int, copied, set_best: bool, stall: float, args: dict) -> None:
-        start = time.perf_counter()
-        outcome = {"step": step, "path": None, "best": set_best, "error": None, "stall_s": round(stall, 3)}
-        try:
-            if copied is not None:
-                copied.synchronize()
-            ensure_space(self.root, checkpoint_bytes(args["weights"], args["optimizer"]))
-            outcome["path"] = write_checkpoint(self.root, step, keep=self.keep, **args)
-            if set_best:
-                set_best_pointer(self.root, outcome["path"])
-        except Exception as exc:                     # reported by done(): the previous checkpoint stays latest
-            outcome["error"] = exc
-        outcome["write_s"] = round(time.perf_counter() - start, 3)
-        self._outcome = outcome
-
-    def done(self) -> dict | None:
-        """The outcome of a write that has finished since the last call, else None."""
-        if self._thread is not None and not self._thread.is_alive():
-            self._thread = None
-            outcome, self._outcome = self._outcome, None
-            return outcome
-        return None
-
-    def wait(self) -> dict | None:
-        """Join the write in flight; its outcome (None when there was none or it was taken)."""
-        if self._thread is not None:
-            self._thread.join()
-        return self.done()
 
 
 # --- finding and checking ------------------------------------------------------------------------
@@ -392,32 +222,6 @@ def verify(path: Path, tick: Callable[[], None] | None = None) -> dict:
         return json.loads((path / "state.json").read_text())
     except ValueError as exc:
         raise CorruptCheckpoint(f"state.json: {exc}") from None
-
-
-def _config_value(cfg: dict, dotted: str):
-    section, key = dotted.split(".")
-    return cfg.get(section, {}).get(key)
-
-
-def compatibility_errors(meta: dict, config: dict, model_cfg: DrafterModelConfig, cfg: Config,
-                         world_size: int) -> list[str]:
-    """'field: checkpoint X, now Y' for every field that makes the checkpoint unusable for this run."""
-    errors = []
-    now_model = model_cfg.to_dict()
-    then_model = dict(meta.get("model", {}))
-    if "num_hidden_layers" in then_model and "layer_types" not in then_model:     # written before sliding layers
-        then_model["layer_types"] = ["full_attention"] * then_model["num_hidden_layers"]
-    for key in MODEL_FIELDS:
-        then = then_model.get(key)
-        if then != now_model[key]:
-            errors.append(f"model {key}: checkpoint {then!r}, now {now_model[key]!r}")
-    now_cfg = cfg.to_dict()
-    for dotted in RUN_FIELDS:
-        then, now = _config_value(config, dotted), _config_value(now_cfg, dotted)
-        if then != now:
-            errors.append(f"{dotted}: checkpoint {then!r}, now {now!r}")
-    # the number of drafter ranks may change: the schedule continues from the batches done (plan.py)
-    return errors
 
 
 def find_resume_point(run_dir: str | Path, model_cfg: DrafterModelConfig, cfg: Config, world_size: int,

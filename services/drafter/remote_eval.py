@@ -29,8 +29,8 @@ from services.drafter.prompts import heldout_prompts, stop_token_ids
 from services.drafter.spec_eval import SpecEval
 from services.drafter.speculative import greedy_reference, speculative_generate, summarize
 from services.endpoints import endpoint
+from services.health import Drops
 from services.target.decode import Step
-from services.transport import _Drops
 from services.verify import TargetUnavailable, VerifyClient, VerifyError
 
 log = logging.getLogger("drafter")
@@ -89,7 +89,7 @@ class RemoteSpecEval(SpecEval):
         self.client = VerifyClient([endpoint(run_dir, t, "target", i, "data") for i in range(num_targets)],
                                    [endpoint(run_dir, t, "target", i, "health") for i in range(num_targets)],
                                    t, width=len(model_cfg.target_layer_ids) * model_cfg.hidden_size,
-                                   drops=_Drops(health))
+                                   drops=Drops(health))
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.target.model_path)
         try:
             generation = GenerationConfig.from_pretrained(cfg.target.model_path)

@@ -8,7 +8,7 @@ in flight, so memory in flight is bounded and the next batch is usually there be
 Batch g is a pure function of (dataset, config, seed, g), so after a target restarts the drafter
 simply asks again.
 
-How many batches each rank trains is the run's plan (plan.py). Past the last batch of the run
+How many batches each rank trains is the run's plan (schedule.py). Past the last batch of the run
 (total batches not divisible by D, or by the last optimizer step's micro-batches), a rank trains an
 empty batch, which has zero loss weight, so DDP stays in lockstep without repeating a sample.
 
@@ -35,17 +35,17 @@ from typing import Iterator, Protocol
 import torch
 
 from services.batch import Batch
+from services.batch_client import BatchClient
 from services.config import Config
 from services.endpoints import endpoint
 from services.files import write_json_atomic
 from services.drafter.model import DrafterModelConfig
-from services.drafter.plan import Plan, make_plan
+from services.drafter.schedule import Plan, make_plan
 from services.drafter.synthetic import SyntheticEval, SyntheticSource
 from services import curve, lifecycle
 from services.handshake import TargetInfo, batch_config_digest
 from services.health import HealthServer, probe
 from services.target.packing import PackedData, PublishedDigests, digests_path
-from services.transport import BatchClient
 from services.wire import WireError
 
 CHECK_TARGETS_EVERY_S = 2.0
@@ -91,7 +91,7 @@ class ZmqSource:
                  health: HealthServer | None, max_steps: int = 0, start_step: int = 0, split: str = "train",
                  device: torch.device | None = None, check=None, first_g: int | None = None):
         """max_steps: optimizer steps at most (train only; 0: the whole data). start_step, first_g: a
-        resume's micro-step and the batches its checkpoint had done (plan.py; None: start_step·D, one
+        resume's micro-step and the batches its checkpoint had done (schedule.py; None: start_step·D, one
         split from the start). device: a CUDA device
         gets the next batch copied to it on a side stream while the current step runs."""
         self.cfg, self.rank, self.world, self.split = cfg, rank, world_size, split

@@ -102,7 +102,7 @@ class TrainState:
 
 
 def make_scheduler(optimizer, cfg: Config, optimizer_steps: int, plan=None) -> torch.optim.lr_scheduler.LambdaLR:
-    """Warmup + cosine over the run (plan.py). With the plan, the clock is global batches trained,
+    """Warmup + cosine over the run (schedule.py). With the plan, the clock is global batches trained,
     not optimizer steps: a resume on another number of drafters (another batch per step) continues
     the curve where the data is, and it ends with the data (docs/design.md, "Scheduling")."""
     if plan is None:                          # one unit per optimizer step (before the plan is known)

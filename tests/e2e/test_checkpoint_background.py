@@ -10,6 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from services.drafter import checkpoint as ckpt
+from services.drafter.checkpoint_writer import BackgroundWriter
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -22,13 +23,13 @@ def _state(n: int, value: float) -> tuple[dict, dict]:
     return weights, optimizer
 
 
-def _write(writer: ckpt.BackgroundWriter, step: int, weights: dict, optimizer: dict) -> float:
+def _write(writer: BackgroundWriter, step: int, weights: dict, optimizer: dict) -> float:
     return writer.snapshot_and_write(step, weights=weights, optimizer=optimizer, rng={"cpu.0": torch.get_rng_state()},
                                      meta={"step": step}, config={"run": {}}, set_best=False)
 
 
 def test_the_files_hold_the_state_at_the_snapshot_not_later(tmp_path):
-    writer = ckpt.BackgroundWriter(tmp_path / "checkpoints", keep=2, device=torch.device("cpu"))
+    writer = BackgroundWriter(tmp_path / "checkpoints", keep=2, device=torch.device("cpu"))
     weights, optimizer = _state(1000, 1.0)
     _write(writer, 5, weights, optimizer)
     for t in weights.values():                       # training goes on and changes everything in place
@@ -49,10 +50,10 @@ def test_the_files_hold_the_state_at_the_snapshot_not_later(tmp_path):
 KILLED_WRITER = """
 import sys, time, torch
 from pathlib import Path
-from services.drafter import checkpoint as ckpt
+from services.drafter.checkpoint_writer import BackgroundWriter
 from tests.e2e.test_checkpoint_background import _state, _write
 root = Path(sys.argv[1])
-writer = ckpt.BackgroundWriter(root, keep=3, device=torch.device("cpu"))
+writer = BackgroundWriter(root, keep=3, device=torch.device("cpu"))
 _write(writer, 1, *_state(1000, 1.0))
 assert writer.wait()["error"] is None
 _write(writer, 2, *_state(100_000_000, 2.0))         # 400 MB of weights: the write takes a while
@@ -77,7 +78,7 @@ def test_sigkill_during_a_background_write_keeps_the_previous_checkpoint(tmp_pat
     assert ckpt.pointer(root, ckpt.LATEST).name == "step-00000001"
     assert ckpt.verify(root / "step-00000001")["step"] == 1
     assert [p.name for p in ckpt.list_checkpoints(root)] == ["step-00000001"]   # the half-written one is a .tmp-
-    writer = ckpt.BackgroundWriter(root, keep=3, device=torch.device("cpu"))    # the next write clears it away
+    writer = BackgroundWriter(root, keep=3, device=torch.device("cpu"))    # the next write clears it away
     _write(writer, 3, *_state(10, 3.0))
     assert writer.wait()["error"] is None
     assert not list(root.glob(".tmp-*"))

@@ -27,10 +27,11 @@ def impostor(run_dir: str, report: str) -> None:
     """Run as its own process: fetch batch 0 of both splits from target-0 as a drafter would, SIGKILL
     target-0, bind its data socket at once and answer every batch request with batch 0's real
     frames relabelled as the batch asked for, under the killed target's own incarnation."""
+    from services.batch_client import BatchClient
     from services.config import load_config
     from services.endpoints import endpoint
     from services.health import probe
-    from services.transport import BatchClient, BatchServer
+    from services.transport import BatchServer
 
     run = Path(run_dir)
     cfg = load_config(run / "config.json")

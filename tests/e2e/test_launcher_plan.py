@@ -4,7 +4,7 @@ import sys
 
 import pytest
 
-from launcher.plan import best, splits
+from launcher.gpu_split import best, splits
 
 
 def test_the_split_follows_the_slower_role():

@@ -229,7 +229,7 @@ def test_progress_line_fits_a_narrow_terminal():
 
 
 def test_help_describes_every_option_with_defaults():
-    from launcher.cli import build_parser
+    from launcher.parser import build_parser
     parser = build_parser()
     commands = parser._subparsers._group_actions[0].choices
     for name, sub in commands.items():

@@ -20,7 +20,7 @@ from services.health import probe
 from services import log
 from services.target.model import load_target
 from services.target.packing import open_or_build
-from services.transport import BatchClient
+from services.batch_client import BatchClient
 
 REPO = Path(__file__).resolve().parents[2]
 START_TIMEOUT_S = 90

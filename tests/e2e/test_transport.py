@@ -22,9 +22,11 @@ import zmq
 
 from services import curve, wire
 from services.batch import Batch, token_digest
+from services.batch_client import BatchClient
+from services.batch_stream import BufferPool, batch_messages, layout
 from services.config import TransportConfig
 from services.health import HealthServer, probe
-from services.transport import MAX_REQUEST_BYTES, BatchClient, BatchServer, BufferPool, batch_messages, layout
+from services.transport import MAX_REQUEST_BYTES, BatchServer
 
 ROOT = Path(__file__).resolve().parents[2]
 SEQ, WIDTH, N_BATCHES = 300, 640, 8

@@ -23,6 +23,7 @@ import torch
 import zmq
 
 from services import wire
+from services.batch_client import BatchClient
 from services.config import load_config
 from services.demo import make_demo
 from services.drafter.remote_eval import RemoteSpecEval
@@ -30,7 +31,6 @@ from services.drafter.spec_eval import SpecEval
 from services.drafter.target_head import from_target
 from services.endpoints import endpoint
 from services.health import probe
-from services.transport import BatchClient
 from services.verify import SessionLost, TargetUnavailable, VerifyClient, VerifyError
 
 REPO = Path(__file__).resolve().parents[2]

@@ -28,7 +28,7 @@ def fill(folder: Path) -> None:
 FAKE_RUN = textwrap.dedent("""
     import sys, time
     from pathlib import Path
-    from launcher.cli import run_supervised
+    from launcher.up import run_supervised
     from launcher.supervisor import Supervisor
     from launcher.topology import parse_gpu_spec
     from services.config import load_config

@@ -1,7 +1,7 @@
 """The run's plan: micro-batches per rank, optimizer steps and batches, from the data size and the config."""
 import pytest
 
-from services.drafter.plan import SYNTHETIC_STEPS, Plan, make_plan
+from services.drafter.schedule import SYNTHETIC_STEPS, Plan, make_plan
 
 
 def counts(plan: Plan) -> tuple[int, int, int]:

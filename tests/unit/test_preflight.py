@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from launcher.plan import describe, plan_gpus
+from launcher.gpu_split import describe, plan_gpus
 from launcher.preflight import resumed_line
 from launcher.report import describe_spec
 from services.demo import demo_overrides
@@ -171,7 +171,7 @@ def test_plan_gpus_takes_a_count_a_list_or_an_up_spec():
 
 
 def test_eval_takes_device_like_every_other_command(tmp_path):
-    from launcher.cli import build_parser
+    from launcher.parser import build_parser
     for flag in ("--device", "--eval-device"):
         args = build_parser().parse_args(["eval", flag, "cuda:1"])
         assert args.eval_device == "cuda:1"

@@ -1,0 +1,161 @@
+"""The commands that hand their work on: probe, units, keys, export, plan, eval, report, regenerate.
+
+Each checks its arguments, calls the module that does the work (or starts it as a child process
+where it needs torch) and turns that module's errors into one UsageError line.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from launcher.errors import UsageError
+from launcher.inputs import check_inputs, make_demo, with_local_model
+from launcher.preflight import preflight
+from launcher.topology import host_overrides, hosts, parse_gpu_spec
+from services.config import load_config
+from services.health import probe
+
+
+def _probe_endpoint(text: str) -> str:
+    """ipc://PATH or tcp://HOST:PORT; a bare path to a socket file means ipc."""
+    if text.startswith(("ipc://", "tcp://")):
+        return text
+    if "://" not in text and Path(text).is_socket():
+        return f"ipc://{Path(text).resolve()}"
+    raise UsageError(f"endpoint {text!r}: expected ipc://PATH, tcp://HOST:PORT or the path of a socket file "
+                     "(e.g. <run_dir>/sock/target-0.health)")
+
+
+def cmd_probe(args) -> int:
+    from services.curve import CurveError
+    try:
+        code, status, reason = probe(_probe_endpoint(args.endpoint), timeout_s=args.timeout, keys_dir=args.keys)
+    except CurveError as exc:          # a usage error (the keys), not an unhealthy worker: exit 2, one line
+        raise UsageError(f"--keys {args.keys}: {exc}") from None
+    if args.json:
+        print(json.dumps({"exit": code, "reason": reason, "status": status}, indent=2))
+    else:
+        print(reason)
+    return code
+
+
+def cmd_units(args) -> int:
+    from launcher.units import UnitsError, install_command, render_units
+    roles, master, overrides = args.roles.split(","), args.master, list(args.overrides)
+    workers = parse_gpu_spec(args.gpus, share_gpus=True, local_host=args.host)
+    if hosts(workers):        # GPUS:ROLE@HOST: this host's roles, the tcp endpoints and the rendezvous follow
+        if args.host not in hosts(workers):
+            raise UsageError(f"--gpus names hosts {', '.join(hosts(workers))}: pass --host with this one")
+        roles = sorted({w.role for w in workers if w.host == args.host})
+        master = next(w.host for w in workers if w.role == "drafter")
+        overrides = host_overrides(workers) + overrides
+    try:
+        paths = render_units(_strip_hosts(args.gpus),
+                             args.config, args.out, args.run_dir, python=args.python, device=args.device,
+                             roles=roles, master_addr=master, overrides=overrides,
+                             start_timeout_s=args.start_timeout, stop_timeout_s=args.stop_timeout,
+                             env_dir=args.env_dir, user=args.user, group=args.group)
+    except UnitsError as exc:
+        raise UsageError(str(exc)) from None
+    print("\n".join(str(p) for p in paths))
+    config = json.loads((Path(args.out) / "dflash-env" / "config.json").read_text())
+    env_dir = os.path.abspath(args.env_dir or f"/etc/dflash/{config['run']['name']}")
+    if not args.user:
+        print("note: the workers will run as root; pass --user (and --group) to run them as an account of their own")
+    print("install: " + install_command(os.path.abspath(args.out), env_dir, os.path.abspath(args.run_dir),
+                                        args.unit_dir, args.user, args.group))
+    return 0
+
+
+def _strip_hosts(spec: str) -> str:
+    return ",".join(group.split("@")[0] for group in spec.split(","))
+
+
+def cmd_keys(args) -> int:
+    from services.curve import CurveError, generate_keys
+    try:
+        paths = generate_keys(args.dir, overwrite=args.force)
+    except CurveError as exc:
+        raise UsageError(str(exc)) from None
+    print("\n".join(str(p) for p in paths))
+    print(f"set transport.curve_keys_dir = \"{Path(args.dir).resolve()}\" on every host (copy the folder, mode 0700)")
+    return 0
+
+
+def cmd_export(args) -> int:
+    """The export reads tensors, so it runs in a child process: the launcher never imports torch."""
+    argv = [sys.executable, "-m", "services.drafter.export", "--checkpoint", args.checkpoint, "--out", args.out,
+            "--dtype", args.dtype]
+    return subprocess.run(argv).returncode
+
+
+def cmd_plan(args) -> int:
+    from launcher import gpu_split
+    try:
+        gpus = gpu_split.plan_gpus(args.gpus)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    overrides = list(args.overrides)
+    if args.demo:
+        overrides = make_demo(args.device, args.demo) + overrides
+    cfg = with_local_model(load_config(args.config, overrides))
+    check_inputs(cfg, runs_targets=True)
+    preflight(cfg, args.device, runs_targets=True)
+    overrides += [f'target.model_path="{cfg.target.model_path}"']
+    print(f"measuring each role on one {args.device} device, about {args.seconds:.0f} s each ...", flush=True)
+    try:
+        measured = gpu_split.measure(args.config, args.device, args.seconds, overrides)
+    except RuntimeError as exc:
+        raise UsageError(str(exc)) from None
+    print(gpu_split.describe(measured, gpus))
+
+
+def _eval_argv(args, run_dir: str, checkpoint: str | None) -> list[str]:
+    argv = [sys.executable, "-m", "services.drafter.eval_cli", "--run-dir", run_dir,
+            "--prompts", str(args.prompts), "--max-new-tokens", str(args.max_new_tokens)]
+    if checkpoint:
+        argv += ["--checkpoint", checkpoint]
+    if args.eval_device:
+        argv += ["--device", args.eval_device]
+    return argv
+
+
+def cmd_eval(args) -> int:
+    """Real speculative decoding loads the target and the drafter: a child process (no torch here)."""
+    argv = _eval_argv(args, args.run_dir, args.checkpoint)
+    argv += ["--no-controls"] if args.no_controls else []
+    argv += [f"--set={item}" for item in args.set]
+    argv += ["--json"] if args.json else []
+    return subprocess.run(argv).returncode
+
+
+def cmd_regenerate(args) -> int:
+    """launcher/regenerate.py: one child per GPU, a progress line, the summary of what changed."""
+    from launcher import regenerate
+    if not Path(args.data).is_file():
+        raise UsageError(f"--data {args.data} does not exist")
+    if not (Path(args.model) / "config.json").is_file():
+        raise UsageError(f"--model {args.model} is not a Hugging Face model folder (no config.json)")
+    args.gpu_list = [w.gpu for w in parse_gpu_spec(f"{args.gpus}:target", share_gpus=True)] if args.device == "cuda" else []
+    try:
+        regenerate.run(args)
+    except regenerate.RegenerateError as exc:
+        raise UsageError(str(exc)) from None
+    return 0
+
+
+def cmd_report(args) -> int:
+    from launcher.report import ReportError, report
+    if args.eval:
+        code = subprocess.run(_eval_argv(args, args.run_dir, None)).returncode
+        if code != 0:
+            return code
+    try:
+        lines, _ = report(args.run_dir, args.out)
+    except ReportError as exc:
+        raise UsageError(str(exc)) from None
+    print("\n".join(lines))
+    return 0

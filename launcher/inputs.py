@@ -1,0 +1,79 @@
+"""The model and the data a run reads: a Hugging Face repo id resolved to its folder, both checked
+before any worker starts, the demo built, the data tokenized and packed (each in a child process
+where it needs torch: the launcher never imports it).
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from launcher.errors import UsageError
+from launcher.models import ModelNotFound, resolve_model_path
+from launcher.report import describe_data
+from services.files import write_json_atomic
+from services.layers import resolve_layer_ids
+
+DEMOS = ("dense", "hybrid")          # services.demo.VARIANTS (the launcher never imports torch)
+
+
+def with_local_model(cfg):
+    """cfg with a Hugging Face repo id in target.model_path replaced by its local snapshot folder."""
+    try:
+        cfg.target.model_path = resolve_model_path(cfg.target.model_path)
+    except ModelNotFound as exc:
+        raise UsageError(str(exc)) from None
+    return cfg
+
+
+def check_inputs(cfg, runs_targets: bool) -> None:
+    """The model and the data, named in the error, before any worker starts (on a host that has them)."""
+    for key, value in (("target.model_path", cfg.target.model_path), ("data.path", cfg.data.path)):
+        if not value:
+            raise UsageError(f"{key} is not set (config file, {key}=..., or --demo)")
+        if runs_targets and not Path(value).exists():
+            raise UsageError(f"{key}: {value} does not exist")
+    if runs_targets and not (Path(cfg.target.model_path) / "config.json").is_file():
+        raise UsageError(f"target.model_path: {cfg.target.model_path} is not a Hugging Face model folder (no config.json)")
+    if runs_targets:
+        _check_layers(cfg)
+
+
+def _check_layers(cfg) -> None:
+    """The captured layers, from the model's config.json: a target too shallow for drafter.num_layers
+    is a config error now, not a failed worker minutes later."""
+    try:
+        conf = json.loads((Path(cfg.target.model_path) / "config.json").read_text())
+        conf = conf.get("text_config") or conf          # multimodal wrappers: the text model is loaded
+        num_layers = int(conf["num_hidden_layers"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return                                          # an unusual config: the target worker will say
+    try:
+        resolve_layer_ids(cfg.target.layer_ids, num_layers, cfg.drafter.num_layers)
+    except ValueError as exc:
+        raise UsageError(f"target.model_path {cfg.target.model_path}: {exc}") from None
+
+
+def prepare_data(run_dir: Path) -> None:
+    """Tokenize and pack the data now, in a child process (no torch here, no model weights there):
+    a bad line is one line and exit 2 before any worker starts; the targets reuse the cache."""
+    out = subprocess.run([sys.executable, "-m", "services.target.packing", "--config", str(run_dir / "config.json"),
+                          "--run-dir", str(run_dir)], capture_output=True, text=True)
+    if out.returncode != 0:
+        lines = out.stderr.strip().splitlines() or [f"exit {out.returncode}"]
+        raise UsageError(lines[-1] if out.returncode == 2 else "preparing the data failed:\n" + out.stderr[-2000:])
+    info = json.loads(out.stdout.strip().splitlines()[-1])
+    write_json_atomic(run_dir / "data.json", info)              # for `launcher status` and `launcher report`
+    print(describe_data(info), flush=True)
+
+
+def make_demo(device: str, variant: str = "dense") -> list[str]:
+    """Build (or reuse, from the demo cache) the demo model and data in a child process (torch
+    stays out of the launcher); its config suits the device (bfloat16 target on cuda).
+    variant: dense (a Qwen3) or hybrid (a Qwen3.5-family Gated DeltaNet)."""
+    out = subprocess.run([sys.executable, "-m", "services.demo", "--device", device, "--variant", variant],
+                         capture_output=True, text=True)
+    if out.returncode != 0:
+        raise UsageError(f"building the demo failed:\n{out.stderr[-2000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])["overrides"]

@@ -1,0 +1,121 @@
+"""`launcher status`: probe every worker of a run in parallel and print one table (or --json)."""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from launcher import process
+from launcher.progress import describe_window
+from launcher.report import describe_data
+from launcher.rundir import OUTCOME_EXIT, describe_live, describe_outcome, read_run
+from launcher.supervisor import probe_all
+from services.drafter.schedule import Plan
+
+STATUS_COLUMNS = ("name", "gpu", "pid", "state", "step", "batches", "tok/s", "samples", "idle_s",
+                  "rss", "gpu_mem", "bad_msgs", "probe")
+STATUS_LEGEND = """\
+step     drafters: optimizer steps done / planned
+batches  targets: batches captured and sent since the worker started
+tok/s    drafters: tokens this rank trained per second over the last metrics window;
+         targets: tokens captured per second of capture (moving average)
+idle_s   seconds since the worker's main loop last made progress"""
+
+
+def cmd_status(args) -> int:
+    run_dir = Path(args.run_dir).resolve()
+    run = read_run(run_dir)
+    results = probe_all([w["endpoints"]["health"] for w in run["workers"]], args.timeout, _run_keys(run_dir))
+    rows = [_row(w, r) for w, r in zip(run["workers"], results)]
+    plan = _read_plan(run_dir)
+    live = process.alive(run.get("launcher"))
+    outcome = describe_outcome(run, live)
+    window = next((r["window"] for r in rows if r.get("window")), None)
+    if args.json:
+        print(json.dumps({"run_dir": str(run_dir), "launcher_pid": run["launcher_pid"], "launcher_alive": live,
+                          "outcome": run.get("outcome"), "window": window,
+                          "plan": plan.to_dict() if plan else None, "workers": rows}, indent=2))
+    else:
+        print(f"run {run_dir}: {outcome}")
+        table = [STATUS_COLUMNS] + [_cells(r) for r in rows]
+        widths = [max(len(row[i]) for row in table) for i in range(len(STATUS_COLUMNS))]
+        for row in table:
+            print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)))
+        print(STATUS_LEGEND)
+        if window:
+            print(f"metrics {describe_window(window)}, data wait {100 * window['data_wait_frac']:.0f}% "
+                  f"(the metrics.jsonl line of that step)")
+        for r in rows:
+            if r.get("warning"):
+                print(f"{r['name']}: warning: {r['warning']}")
+            if (books := r.get("integrity") or {}).get("nonfinite_batches") or books.get("skipped_steps"):
+                print(f"{r['name']}: {books['nonfinite_batches']} non-finite batches skipped, {books['skipped_steps']} "
+                      f"optimizer steps skipped; last: {books['last_nonfinite'] or 'another rank'}")
+        _print_last_exits(rows)
+        if plan:
+            print(f"plan: {plan.describe()}")
+        if (run_dir / "data.json").is_file():
+            print(describe_data(json.loads((run_dir / "data.json").read_text())))
+        print(f"launcher pid {run['launcher_pid']} {'alive' if live else 'not running'}")
+        if not live:
+            print(describe_live(run_dir.parent, run_dir))
+    state = (run.get("outcome") or {}).get("state")
+    if not live and state in OUTCOME_EXIT:
+        return OUTCOME_EXIT[state]       # an ended run: its own exit code, not "every worker unreachable"
+    return max((r["probe"] for r in rows), default=0)
+
+
+def _run_keys(run_dir: Path) -> str:
+    """CURVE keys of a run (tcp with transport.curve_keys_dir), from its resolved config."""
+    try:
+        transport = json.loads((run_dir / "config.json").read_text())["transport"]
+    except (OSError, ValueError, KeyError):
+        return ""
+    return transport.get("curve_keys_dir", "") if transport.get("scheme") == "tcp" else ""
+
+
+def _row(w: dict, result: tuple[int, dict | None, str]) -> dict:
+    code, status, reason = result
+    row = {"name": w["name"], "gpu": w["gpu"], "pid": w["pid"], "probe": code, "reason": reason,
+           "last_exit": w.get("last_exit")}
+    if status:
+        row.update({k: status.get(k) for k in ("state", "step", "total_steps", "batches_served", "samples_done",
+                                                 "tokens_per_s", "last_progress_age_s", "compile_s", "rss_bytes",
+                                                 "gpu_mem_bytes", "bad_messages", "loss", "tau", "window", "warning",
+                                                 "bad_message_kinds", "integrity", "content_check")})
+    return row
+
+
+def _cells(r: dict) -> tuple[str, ...]:
+    drafter = r["name"].startswith("drafter")
+    step = (f"{r['step']}/{r.get('total_steps') or '?'}" if drafter and r.get("step") is not None else "-")
+    return (r["name"], str(r["gpu"]), _cell(r["pid"]), _cell(r.get("state")), step,
+            "-" if drafter else _cell(r.get("batches_served")), _cell(r.get("tokens_per_s")),
+            _cell(r.get("samples_done")), _cell(r.get("last_progress_age_s")), _cell(r.get("rss_bytes")),
+            _cell(r.get("gpu_mem_bytes")), _cell(r.get("bad_messages")), str(r["probe"]))
+
+
+def _print_last_exits(rows: list[dict]) -> None:
+    """Each worker's last exit after it was started (the launcher's words: signal or error line)."""
+    for r in rows:
+        if last := r.get("last_exit"):
+            at = time.strftime("%H:%M:%S", time.localtime(last.get("at", 0)))
+            print(f"{r['name']}: last exit at {at}, code {last['code']}: {last['cause']}")
+
+
+def _read_plan(run_dir: Path) -> Plan | None:
+    """The run's plan, as drafter rank 0 wrote it to schedule.json once it knew the data."""
+    try:
+        return Plan.from_dict(json.loads((run_dir / "schedule.json").read_text()))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _cell(value) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.1f}"
+    if isinstance(value, int) and value > 1 << 20:
+        return f"{value / (1 << 30):.2f}G"
+    return str(value)

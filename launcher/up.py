@@ -1,0 +1,104 @@
+"""`launcher up`: check the inputs, make the run folder, start every worker, supervise until the end.
+
+Exit codes: 0 training finished, 1 failed, 2 bad usage or config, 3 stopped before the end.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from launcher import process
+from launcher.errors import UsageError
+from launcher.inputs import check_inputs, make_demo, prepare_data, with_local_model
+from launcher.preflight import preflight, resumed_line, staged
+from launcher.report import describe_export, describe_spec, read_spec
+from launcher.rundir import LATEST, choose_run_dir, claim, lock, resume_command
+from launcher.supervisor import EXIT_FAILED, EXIT_STOPPED, RunFailed, Supervisor
+from launcher.topology import host_overrides, hosts, parse_gpu_spec
+from services.config import dump_json, load_config
+from services.endpoints import plaintext_problems
+from services.files import point
+
+
+def cmd_up(args) -> int:
+    if args.device == "cuda":
+        available = process.gpu_count()
+        if available == 0:
+            raise UsageError("--device cuda but no NVIDIA GPU is visible; use --device cpu for a CPU run")
+    else:
+        available = None   # on cpu, GPU numbers are logical slots
+    workers = parse_gpu_spec(args.gpus, available=available, share_gpus=args.share_gpus, local_host=args.host)
+    named = hosts(workers)
+    if named and args.host not in named:
+        raise UsageError(f"--gpus names hosts {', '.join(named)}: pass --host with the one this launcher runs on")
+    if args.host and not named:
+        raise UsageError("--host is for runs across hosts: name the host of every --gpus group (GPUS:ROLE@HOST)")
+    overrides = host_overrides(workers) + list(args.overrides)
+    cfg = load_config(args.config, overrides)               # validate before touching the disk
+    refusal, warning = plaintext_problems(cfg.transport, sum(w.role == "target" for w in workers),
+                                          sum(w.role == "drafter" for w in workers))   # every rank's real endpoint
+    if refusal:
+        raise UsageError(refusal)
+    if warning:
+        print(f"launcher: warning: {warning}", file=sys.stderr, flush=True)
+    runs_targets = any(w.role == "target" and w.host == args.host for w in workers)
+    if not args.demo:                                      # drafters read the target's head: every host resolves
+        check_inputs(with_local_model(cfg), runs_targets)
+    run_dir, named_here = choose_run_dir(args, cfg.run.name)
+    locked = claim(run_dir, args.resume)
+    if args.demo:           # built once the user's config and run dir passed; the user's overrides win over its own
+        print("building the demo target and dataset (once; then reused from the demo cache)…", flush=True)
+        cfg = with_local_model(load_config(args.config, make_demo(args.device, args.demo) + overrides))
+        check_inputs(cfg, runs_targets)
+    preflight(cfg, args.device, runs_targets)
+    with staged(run_dir) as where:                  # a new run dir appears only once the data is ready
+        dump_json(cfg, where / "config.json")
+        if runs_targets:
+            prepare_data(where)
+    if not locked:
+        lock(run_dir)
+    sup = Supervisor(run_dir, cfg, workers, args.device, resume=args.resume, host=args.host,
+                     ready_timeout_s=args.ready_timeout,
+                     stop_timeout_s=args.stop_timeout or cfg.run.stop_timeout_s + 30)
+    sup.install_signal_handlers()
+    print(f"run dir: {run_dir}\nlogs:    {run_dir / 'logs'}/<role>-<rank>.log\n"
+          f"workers: {', '.join(f'{w.name}@gpu{w.gpu}' for w in sup.local)} ({args.device})", flush=True)
+    # runs/latest only once ready: a run that fails while starting never becomes latest
+    code, reason = run_supervised(sup, on_ready=when_ready(sup, run_dir, named_here, args.resume))
+    sup.record_outcome(code, reason)
+    export = describe_export(run_dir / "export")
+    if code == 0 and export:
+        print(export, flush=True)
+    final = [r for r in read_spec(run_dir)[0] if r.get("final")]
+    if code == 0 and final:
+        print("\n".join(describe_spec(final[-1], f"step {final[-1]['step']}, end of training")), flush=True)
+    print(f"exit {code}; logs in {run_dir / 'logs'}; metrics in {run_dir / 'metrics.jsonl'}", flush=True)
+    if code == EXIT_STOPPED:
+        print(f"stopped before the end; to continue: {resume_command(args.argv, run_dir)}", flush=True)
+    return code
+
+
+def when_ready(sup: Supervisor, run_dir: Path, named_here: bool, resume: bool):
+    """Once every worker is ready: a new run becomes runs/latest; a resume says what it resumed."""
+    def ready() -> None:
+        if named_here:
+            point(LATEST, run_dir)
+        first = next((w for w in sup.local if w.role == "drafter" and w.rank == 0), None)
+        if resume and first is not None and (line := resumed_line(sup.log(first))):
+            print(line, flush=True)
+    return ready
+
+
+def run_supervised(sup: Supervisor, on_ready=lambda: None) -> tuple[int, str]:
+    """Start every worker, wait until they are ready, supervise until the run ends. A failure
+    (a worker, a full disk...) stops every worker. Returns (exit code, reason of a failure)."""
+    try:
+        sup.start_all()
+        sup.wait_ready()
+        if not sup.stopping:
+            on_ready()
+        return sup.supervise(), ""
+    except RunFailed as exc:
+        sup.progress.done(f"run failed: {exc}")
+        sup.shutdown()
+        return EXIT_FAILED, str(exc).splitlines()[0]

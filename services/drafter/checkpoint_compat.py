@@ -1,0 +1,39 @@
+"""Whether a checkpoint can resume this run: the model's shape and the keys that decide batch g must match."""
+from __future__ import annotations
+
+from services import runspec
+from services.config import Config
+from services.drafter.model import DrafterModelConfig
+
+# Fields whose change makes a checkpoint meaningless for this run: the model's shapes and inputs ...
+MODEL_FIELDS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+                "vocab_size", "num_target_layers", "num_hidden_layers", "target_layer_ids", "block_size",
+                "mask_token_id", "rms_norm_eps", "rope_theta", "attention_bias", "layer_types", "sliding_window")
+# ... and what batch g contains and which rank trains it (exactly-once across the resume).
+RUN_FIELDS = tuple(runspec.keys_deciding(runspec.RESUME_KINDS))
+
+
+def _config_value(cfg: dict, dotted: str):
+    section, key = dotted.split(".")
+    return cfg.get(section, {}).get(key)
+
+
+def compatibility_errors(meta: dict, config: dict, model_cfg: DrafterModelConfig, cfg: Config,
+                         world_size: int) -> list[str]:
+    """'field: checkpoint X, now Y' for every field that makes the checkpoint unusable for this run."""
+    errors = []
+    now_model = model_cfg.to_dict()
+    then_model = dict(meta.get("model", {}))
+    if "num_hidden_layers" in then_model and "layer_types" not in then_model:     # written before sliding layers
+        then_model["layer_types"] = ["full_attention"] * then_model["num_hidden_layers"]
+    for key in MODEL_FIELDS:
+        then = then_model.get(key)
+        if then != now_model[key]:
+            errors.append(f"model {key}: checkpoint {then!r}, now {now_model[key]!r}")
+    now_cfg = cfg.to_dict()
+    for dotted in RUN_FIELDS:
+        then, now = _config_value(config, dotted), _config_value(now_cfg, dotted)
+        if then != now:
+            errors.append(f"{dotted}: checkpoint {then!r}, now {now!r}")
+    # the number of drafter ranks may change: the schedule continues from the batches done (schedule.py)
+    return errors
