@@ -27,13 +27,12 @@ from launcher.report import describe_data, describe_export, describe_spec, read_
 from launcher.runlock import RunDirBusy, lock_run_dir
 from launcher.supervisor import EXIT_DONE, EXIT_FAILED, EXIT_STOPPED, EXIT_USAGE, RunFailed, Supervisor, probe_all
 from launcher.topology import SpecError, host_overrides, hosts, parse_gpu_spec
-from services import __version__
+from services import __version__, runspec
 from services.config import ConfigError, dump_json, load_config
 from services.endpoints import plaintext_problems
 from services.drafter.plan import Plan
 from services.files import point, write_json_atomic
 from services.health import probe
-from services.layers import resolve_layer_ids
 
 
 class UsageError(Exception):
@@ -74,18 +73,9 @@ def _check_inputs(cfg, runs_targets: bool) -> None:
 
 
 def _check_layers(cfg) -> None:
-    """The captured layers, from the model's config.json: a target too shallow for drafter.num_layers
-    is a config error now, not a failed worker minutes later."""
-    try:
-        conf = json.loads((Path(cfg.target.model_path) / "config.json").read_text())
-        conf = conf.get("text_config") or conf          # multimodal wrappers: the text model is loaded
-        num_layers = int(conf["num_hidden_layers"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return                                          # an unusual config: the target worker will say
-    try:
-        resolve_layer_ids(cfg.target.layer_ids, num_layers, cfg.drafter.num_layers)
-    except ValueError as exc:
-        raise UsageError(f"target.model_path {cfg.target.model_path}: {exc}") from None
+    """The run spec from the model's config.json (services/runspec.py): a target too shallow for
+    drafter.num_layers is a config error now, not a failed worker minutes later."""
+    runspec.resolve(cfg)
 
 
 def _choose_run_dir(args, name: str) -> tuple[Path, bool]:
@@ -203,6 +193,7 @@ def cmd_up(args) -> int:
     preflight(cfg, args.device, runs_targets)
     with staged(run_dir) as where:                  # a new run dir appears only once the data is ready
         dump_json(cfg, where / "config.json")
+        runspec.resolve(cfg).save(where)            # runspec.json: what the run is, for every worker
         if runs_targets:
             _prepare_data(where)
     if not locked:
