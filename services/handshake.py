@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from services import runspec
 from services.config import ConfigError
-from services.shapes import CapturedWidth, CaptureShape   # noqa: F401  (CaptureShape: what a loaded target captures)
+from services.shapes import CapturedWidth, CaptureShape
 from services.wire import WireError
 
 

@@ -33,7 +33,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from services import layers, shapes
-from services.config import BATCH_KINDS, SECTIONS, Config, ConfigError, _section_class, ascending, layer_ids_message
+from services.config import (BATCH_KINDS, SECTIONS, Config, ConfigError, TargetConfig, _section_class, ascending,
+                             layer_ids_message)
 from services.files import write_json_atomic
 
 FILE = "runspec.json"
@@ -200,7 +201,7 @@ class RunSpec:
     def model(self) -> shapes.DrafterModelConfig:
         return shapes.DrafterModelConfig(**self.drafter)
 
-    def target_config(self, cfg: Config):
+    def target_config(self, cfg: Config) -> TargetConfig:
         """cfg.target capturing the spec's layers: what services.target.model.load_target loads."""
         return dataclasses.replace(cfg.target, layer_ids=list(self.target.layer_ids))
 
