@@ -199,14 +199,14 @@ def breakdown(state, batch, inputs, step_s) -> dict:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
 
     def anchors_and_mask():
-        inp = build_inputs(batch, num_anchors=s.num_anchors, block_size=s.block_size, mask_token_id=s.mask_token_id,
+        inp = build_inputs(batch, num_anchors=s.num_anchors, block_size=cfg.block_size, mask_token_id=cfg.mask_token_id,
                            gamma=s.gamma, generator=anchor_generator(0, 7, device))
         state.drafter.build_masks(inp.anchors, inp.context_starts, inp.context_len)
 
     parts = {"anchors_blocks_mask": timed(anchors_and_mask, 5)}
 
     masks = state.drafter.build_masks(inputs.anchors, inputs.context_starts, inputs.context_len)
-    q_len, kv_len = inputs.anchors.numel() * s.block_size, inputs.context_len + inputs.anchors.numel() * s.block_size
+    q_len, kv_len = inputs.anchors.numel() * cfg.block_size, inputs.context_len + inputs.anchors.numel() * cfg.block_size
     q = torch.randn(1, cfg.num_attention_heads, q_len, cfg.head_dim, device=device, dtype=dtype, requires_grad=True)
     k = torch.randn(1, cfg.num_key_value_heads, kv_len, cfg.head_dim, device=device, dtype=dtype, requires_grad=True)
     v = torch.randn_like(k, requires_grad=True)
@@ -219,7 +219,7 @@ def breakdown(state, batch, inputs, step_s) -> dict:
     parts["attention_fwd_bwd"] = timed(attention_fwd_bwd, 5)
     del q, k, v
 
-    rows = inputs.anchors.numel() * (s.block_size - 1)
+    rows = inputs.anchors.numel() * (cfg.block_size - 1)
     hidden = torch.randn(rows, cfg.hidden_size, device=device, dtype=dtype, requires_grad=True)
     labels, weights = inputs.labels.flatten(), inputs.weights.flatten()
 

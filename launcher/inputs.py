@@ -13,7 +13,7 @@ from launcher.errors import UsageError
 from launcher.models import ModelNotFound, resolve_model_path
 from launcher.report import describe_data
 from services.files import write_json_atomic
-from services.layers import resolve_layer_ids
+from services import runspec
 
 DEMOS = ("dense", "hybrid")          # services.demo.VARIANTS (the launcher never imports torch)
 
@@ -41,18 +41,9 @@ def check_inputs(cfg, runs_targets: bool) -> None:
 
 
 def _check_layers(cfg) -> None:
-    """The captured layers, from the model's config.json: a target too shallow for drafter.num_layers
-    is a config error now, not a failed worker minutes later."""
-    try:
-        conf = json.loads((Path(cfg.target.model_path) / "config.json").read_text())
-        conf = conf.get("text_config") or conf          # multimodal wrappers: the text model is loaded
-        num_layers = int(conf["num_hidden_layers"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return                                          # an unusual config: the target worker will say
-    try:
-        resolve_layer_ids(cfg.target.layer_ids, num_layers, cfg.drafter.num_layers)
-    except ValueError as exc:
-        raise UsageError(f"target.model_path {cfg.target.model_path}: {exc}") from None
+    """The run spec from the model's config.json (services/runspec.py): a target too shallow for
+    drafter.num_layers is a config error now, not a failed worker minutes later."""
+    runspec.resolve(cfg)
 
 
 def prepare_data(run_dir: Path) -> None:

@@ -2,7 +2,9 @@
 
 Every check here needs no worker and no torch (config keys against each other and against the
 device, the model folder's files, the data files' first line), so a mistake costs one line and
-exit 2 in a second, not a failed worker minutes later. Each error names the key or file.
+exit 2 in a second, not a failed worker minutes later. Each error names the key or file. What
+the run spec decides (the captured layers, the drafter's shape, one batch's size against
+transport.max_batch_bytes) is checked where it is resolved, services/runspec.py.
 
 A new run folder is made only once everything before the workers has passed: `up` prepares the
 run (config.json, the tokenized data) in a hidden sibling folder and renames it into place at
@@ -43,7 +45,6 @@ def preflight(cfg: Config, device: str, runs_targets: bool) -> None:
     chat = [f"{key} {path}" for key, path in (("data.path", cfg.data.path), ("data.eval_path", cfg.data.eval_path))
             if path and first_line_is_chat(check_data_file(key, path))]
     check_tokenizer(Path(cfg.target.model_path), chat[0] if chat else "")
-    check_batch_bytes(cfg)
 
 
 def check_sizes(cfg: Config) -> None:
@@ -118,22 +119,6 @@ def has_chat_template(folder: Path, names: set[str]) -> bool:
     except ValueError:
         return True                 # unreadable here: loading the tokenizer will say what is wrong
     return not isinstance(conf, dict) or bool(conf.get("chat_template"))
-
-
-def check_batch_bytes(cfg: Config) -> None:
-    """One batch's hidden states (bf16 on the wire) must fit transport.max_batch_bytes, or every
-    batch would be dropped by the drafters."""
-    try:
-        conf = json.loads((Path(cfg.target.model_path) / "config.json").read_text())
-        hidden = int((conf.get("text_config") or conf)["hidden_size"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return                      # an unusual config: the target worker will say
-    layers = len(cfg.target.layer_ids) or cfg.drafter.num_layers
-    need = cfg.data.pack_len * layers * hidden * 2
-    if need > cfg.transport.max_batch_bytes:
-        raise PreflightError(f"transport.max_batch_bytes={cfg.transport.max_batch_bytes} is smaller than one batch's "
-                             f"hidden states ({need} bytes: data.pack_len={cfg.data.pack_len} x {layers} layers x "
-                             f"hidden_size {hidden} x 2 bytes); raise transport.max_batch_bytes or lower data.pack_len")
 
 
 # --- the run folder ---------------------------------------------------------------------------

@@ -15,6 +15,7 @@ from launcher.report import describe_export, describe_spec, read_spec
 from launcher.rundir import LATEST, choose_run_dir, claim, lock, resume_command
 from launcher.supervisor import EXIT_FAILED, EXIT_STOPPED, RunFailed, Supervisor
 from launcher.topology import host_overrides, hosts, parse_gpu_spec
+from services import runspec
 from services.config import dump_json, load_config
 from services.endpoints import plaintext_problems
 from services.files import point
@@ -53,6 +54,7 @@ def cmd_up(args) -> int:
     preflight(cfg, args.device, runs_targets)
     with staged(run_dir) as where:                  # a new run dir appears only once the data is ready
         dump_json(cfg, where / "config.json")
+        runspec.resolve(cfg).save(where)            # runspec.json: what the run is, for every worker
         if runs_targets:
             prepare_data(where)
     if not locked:

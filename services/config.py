@@ -343,11 +343,6 @@ def layer_ids_message(key: str, ids: list) -> str:
             "layers are concatenated in ascending order, and the export declares this list as that order")
 
 
-def has_held_out_split(data: DataConfig) -> bool:
-    """Whether the run holds data out (data.eval_path, or data.eval_fraction > 0)."""
-    return bool(data.eval_path) or data.eval_fraction > 0
-
-
 def describe_prompts(count: int, held_out: bool | None) -> str:
     """The prompts real acceptance was measured on, in words that say where they came from
     (held_out None: a record from before this was recorded)."""

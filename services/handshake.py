@@ -2,22 +2,20 @@
 
 The target answers an "info" request with TargetInfo.to_wire(); the drafter parses it with
 from_wire() (every field's type checked; a bad one is a WireError naming it) and then
-check()s it against its own model and config before training on a single batch. Like vLLM's
-EngineCoreReadyResponse, the answer carries a digest of the config that decides what a batch
-contains, so a target and a drafter started from different configs refuse each other at once
-instead of training on mismatched data.
+check()s it against its run spec (services/runspec.py: RunSpec.expected_of_target) before
+training on a single batch. Like vLLM's EngineCoreReadyResponse, the answer carries a digest of
+the config that decides what a batch contains, so a target and a drafter started from different
+configs refuse each other at once instead of training on mismatched data.
 """
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 from dataclasses import dataclass
 
 from services import runspec
 from services.config import ConfigError
+from services.shapes import CapturedWidth, CaptureShape
 from services.wire import WireError
-
 
 
 class HandshakeError(ConfigError):
@@ -28,30 +26,12 @@ def batch_config_digest(cfg) -> str:
     """sha256 (16 hex) of the config keys that decide what batch g holds (runspec.HANDSHAKE_KINDS):
     both sides must agree on every one of them. File paths are left out: hosts of one run may mount
     the same data at different places."""
-    picked = runspec.values(cfg, runspec.HANDSHAKE_KINDS)
-    return hashlib.sha256(json.dumps(picked, sort_keys=True).encode()).hexdigest()[:16]
-
-
-class CapturedWidth:
-    """hidden_width, the one definition: the captured layers' states side by side, K·H wide."""
-
-    @property
-    def hidden_width(self) -> int:
-        return len(self.layer_ids) * self.hidden_size
-
-
-@dataclass
-class CaptureShape(CapturedWidth):
-    """What a loaded target captures (services/target/model.py): its layers, their width, its vocabulary."""
-    layer_ids: list[int]        # resolved: ascending, within [0, num_layers)
-    hidden_size: int
-    vocab_size: int
-    num_layers: int
+    return runspec.digest(runspec.values(cfg, runspec.HANDSHAKE_KINDS))
 
 
 @dataclass(frozen=True)
 class TargetInfo(CapturedWidth):
-    """What a target answers to "info": its CaptureShape (less num_layers) and its data."""
+    """What a target answers to "info": its CaptureShape and its data."""
     num_batches: int            # training rows per epoch
     num_eval_batches: int       # held-out rows
     seq_len: int                # data.pack_len
@@ -65,10 +45,12 @@ class TargetInfo(CapturedWidth):
     capture_path: str           # packed | packed-varlen | packed-reference | per-document
     bad_samples: int            # data lines skipped under data.on_bad_sample = "skip"
     data_key: str = ""          # the packed-data cache key: drafters check batch content against it
+    num_layers: int = 0         # the target's decoder layers
 
     @classmethod
     def of(cls, shape: CaptureShape, **rest) -> "TargetInfo":
-        return cls(hidden_size=shape.hidden_size, layer_ids=list(shape.layer_ids), vocab_size=shape.vocab_size, **rest)
+        return cls(**{**rest, "hidden_size": shape.hidden_size, "layer_ids": list(shape.layer_ids),
+                      "vocab_size": shape.vocab_size, "num_layers": shape.num_layers})
 
     def to_wire(self) -> dict:
         return {**dataclasses.asdict(self), "hidden_width": self.hidden_width}
@@ -89,12 +71,11 @@ class TargetInfo(CapturedWidth):
             values[f.name] = value
         return cls(**values)
 
-    def check(self, *, hidden_size: int, vocab_size: int, layer_ids: list[int], seq_len: int,
-              labels_from_target: bool, config_digest: str) -> None:
-        """Raise HandshakeError unless this target feeds a drafter built with these values."""
-        mine = dict(hidden_size=hidden_size, vocab_size=vocab_size, layer_ids=list(layer_ids), seq_len=seq_len,
-                    labels_from_target=labels_from_target, config_digest=config_digest)
-        wrong = [f"{k}: target {getattr(self, k)!r}, drafter {v!r}" for k, v in mine.items() if getattr(self, k) != v]
+    def check(self, **expected) -> None:
+        """Raise HandshakeError unless this target says what the drafter's run spec expects
+        (RunSpec.expected_of_target: num_layers, hidden_size, vocab_size, layer_ids, seq_len,
+        labels_from_target, config_digest)."""
+        wrong = [f"{k}: target {getattr(self, k)!r}, drafter {v!r}" for k, v in expected.items() if getattr(self, k) != v]
         if wrong:
             raise HandshakeError(f"target {self.model_path} and this drafter disagree on " + "; ".join(wrong)
-                                 + " (were they started from the same config?)")
+                                 + " (were they started from the same config and model?)")

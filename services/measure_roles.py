@@ -42,11 +42,13 @@ def _timed_loop(step, seconds: float, warmup: int = 2) -> tuple[int, float]:
 def target_rate(cfg, device: torch.device, seconds: float, work: Path) -> dict:
     from transformers import AutoTokenizer
 
+    from services import runspec
     from services.target.model import capture_to_host, load_target
     from services.target.packing import open_or_build
-    target = load_target(cfg.target, device, num_draft_layers=cfg.drafter.num_layers)
+    spec = runspec.resolve(cfg)
+    target = load_target(spec.target_config(cfg), device)
     tokenizer = AutoTokenizer.from_pretrained(cfg.target.model_path)
-    data = open_or_build(cfg, work, tokenizer, target.info.vocab_size, log=lambda msg: None)
+    data = open_or_build(cfg, work, tokenizer, spec.target.vocab_size, log=lambda msg: None)
     rows = data.num_batches("train")
     out = (torch.empty(data.pack_len, target.info.hidden_width, dtype=torch.bfloat16, device=device)
            if device.type == "cuda" else None)

@@ -18,7 +18,7 @@ from services.drafter.train import TrainState, check_batch, forward_loss
 
 @torch.no_grad()
 def evaluate(state: TrainState, batches) -> dict:
-    positions = state.settings.block_size - 1
+    positions = state.drafter.cfg.block_size - 1
     loss_sum = weight_sum = accepted = blocks = 0.0
     correct = torch.zeros(positions, dtype=torch.float64, device=state.device)
     trained = torch.zeros(positions, dtype=torch.float64, device=state.device)

@@ -17,57 +17,12 @@ belong to the target: they live in TargetHead (target_head.py), never in this mo
 """
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass, field
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from services.config import FULL, SLIDING, check_layout
-
-
-@dataclass
-class DrafterModelConfig:
-    hidden_size: int
-    intermediate_size: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    vocab_size: int
-    num_target_layers: int
-    num_hidden_layers: int = 5
-    target_layer_ids: list[int] = field(default_factory=list)
-    block_size: int = 16
-    mask_token_id: int = -1
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 1_000_000.0
-    attention_bias: bool = False
-    initializer_range: float = 0.02
-    max_position_embeddings: int = 40960
-    tie_word_embeddings: bool = False
-    layer_types: list[str] = field(default_factory=list)   # per draft layer; empty = all full_attention
-    sliding_window: int | None = None                        # W of the sliding_attention layers
-
-    def __post_init__(self):
-        if not self.layer_types:
-            self.layer_types = [FULL] * self.num_hidden_layers
-        check_layout(self.layer_types, self.sliding_window, self.num_hidden_layers)
-
-    def window(self, layer_type: str) -> int | None:
-        return self.sliding_window if layer_type == SLIDING else None
-
-    @property
-    def num_captured(self) -> int:
-        return len(self.target_layer_ids)
-
-    @property
-    def hidden_width(self) -> int:
-        """Width of Batch.hidden: K captured layers of the target's width."""
-        return self.num_captured * self.hidden_size
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+from services.config import FULL, SLIDING
+from services.shapes import DrafterModelConfig   # the drafter's shape, resolved by services/runspec.py
 
 
 class RMSNorm(nn.Module):

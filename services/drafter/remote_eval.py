@@ -24,7 +24,7 @@ from types import SimpleNamespace
 
 import torch
 
-from services.config import has_held_out_split
+from services.runspec import HeldOut
 from services.drafter.prompts import heldout_prompts, stop_token_ids
 from services.drafter.spec_eval import SpecEval
 from services.drafter.speculative import greedy_reference, speculative_generate, summarize
@@ -88,7 +88,7 @@ class RemoteSpecEval(SpecEval):
         self.dtype = head.embed.dtype
         self.client = VerifyClient([endpoint(run_dir, t, "target", i, "data") for i in range(num_targets)],
                                    [endpoint(run_dir, t, "target", i, "health") for i in range(num_targets)],
-                                   t, width=len(model_cfg.target_layer_ids) * model_cfg.hidden_size,
+                                   t, width=model_cfg.hidden_width,
                                    drops=Drops(health))
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.target.model_path)
         try:
@@ -99,7 +99,7 @@ class RemoteSpecEval(SpecEval):
         self.max_new_tokens = max_new_tokens
         every = heldout_prompts(cfg, self.tokenizer, prompts)
         self.prompts = [p for p in every if len(p) <= cfg.data.pack_len]     # what a target accepts
-        self.held_out = has_held_out_split(cfg.data)      # else the prompts are the last training lines
+        self.held_out = HeldOut.of(cfg).exists      # else the prompts are the last training lines
         if len(self.prompts) < len(every):
             log.warning("real acceptance: %d held-out prompts longer than data.pack_len=%d are left out",
                         len(every) - len(self.prompts), cfg.data.pack_len)

@@ -43,8 +43,9 @@ from services.drafter.model import DrafterModelConfig
 from services.drafter.schedule import Plan, make_plan
 from services.drafter.synthetic import SyntheticEval, SyntheticSource
 from services import curve, lifecycle
-from services.handshake import TargetInfo, batch_config_digest
+from services.handshake import TargetInfo
 from services.health import HealthServer, probe
+from services.runspec import RunSpec
 from services.target.packing import PackedData, PublishedDigests, digests_path
 from services.wire import WireError
 
@@ -64,8 +65,8 @@ class BatchSource(Protocol):
 
     def __iter__(self) -> Iterator[Batch]: ...
 
-    def check_targets(self, model_cfg: DrafterModelConfig) -> None:
-        """Raise HandshakeError unless the targets feed a drafter of this model and config."""
+    def check_targets(self, spec: RunSpec) -> None:
+        """Raise HandshakeError unless the targets loaded what this drafter's run spec says."""
 
     def provenance_of(self, g: int) -> dict | None:
         """What the ledger records of where batch g came from (None: nothing to record)."""
@@ -139,11 +140,9 @@ class ZmqSource:
     def target_of(self, g: int) -> int:
         return g % self.num_targets
 
-    def check_targets(self, model_cfg: DrafterModelConfig) -> None:
-        """The targets' handshake, against this drafter's model and config."""
-        self.info.check(hidden_size=model_cfg.hidden_size, vocab_size=model_cfg.vocab_size,
-                        layer_ids=model_cfg.target_layer_ids, seq_len=self.cfg.data.pack_len,
-                        labels_from_target=self.cfg.target.labels_from_target, config_digest=batch_config_digest(self.cfg))
+    def check_targets(self, spec: RunSpec) -> None:
+        """The targets' handshake: what target 0 says it loaded, against this drafter's run spec."""
+        self.info.check(**spec.expected_of_target())
 
     def __iter__(self):
         for step in range(self.start_step, self.plan.micro_batches):

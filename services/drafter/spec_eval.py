@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from services.config import has_held_out_split
+from services import runspec
 from services.drafter.model import DrafterModelConfig
 from services.drafter.prompts import heldout_prompts, stop_token_ids
 from services.drafter.speculative import (Decoded, DrafterProposer, RepeatLast, eval_drafter, evaluate_prompts,
@@ -23,9 +23,10 @@ from services.target.hybrid import ROLLBACKS
 
 
 def load_eval_target(cfg, device: torch.device):
+    """The run's target capturing the run spec's layers (fp32 on CPU)."""
     from services.target.model import load_target
-    target_cfg = dataclasses.replace(cfg.target, dtype="float32") if device.type == "cpu" else cfg.target
-    return load_target(target_cfg, device, num_draft_layers=cfg.drafter.num_layers)
+    target_cfg = runspec.resolve(cfg).target_config(cfg)
+    return load_target(dataclasses.replace(target_cfg, dtype="float32") if device.type == "cpu" else target_cfg, device)
 
 
 class SpecEval:
@@ -40,7 +41,7 @@ class SpecEval:
         self.max_new_tokens = max_new_tokens
         self.stop_ids = stop_token_ids(self.tokenizer, self.target.model)
         self.prompts = heldout_prompts(cfg, self.tokenizer, prompts)
-        self.held_out = has_held_out_split(cfg.data)      # else the prompts are the last training lines
+        self.held_out = runspec.HeldOut.of(cfg).exists      # else the prompts are the last training lines
         self._references: list[Decoded] = []
 
     def references(self, n: int) -> list[Decoded]:

@@ -12,11 +12,7 @@ import torch
 
 from services.batch import Batch
 from services.drafter.model import DrafterModelConfig
-
-# drafter model fields for a synthetic run without a target checkpoint; drafter.overrides apply on top
-SYNTHETIC_MODEL = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-                       head_dim=16, vocab_size=128, num_target_layers=8, rms_norm_eps=1e-6,
-                       rope_theta=10000.0, initializer_range=0.02, max_position_embeddings=4096)
+from services.shapes import SYNTHETIC_MODEL   # noqa: F401  (the made-up target's fields; runspec.resolve reads them)
 _FEATURE_RANK = 64
 
 
@@ -47,7 +43,7 @@ class SyntheticSource:
             yield self.batch(self.first_g + (step - self.start_step) * self.world_size + self.rank)
 
     # services/drafter/source.py's BatchSource: no targets, so nothing to check, record or close
-    def check_targets(self, model_cfg: DrafterModelConfig) -> None:
+    def check_targets(self, spec) -> None:
         pass
 
     def provenance_of(self, g: int) -> None:

@@ -1,5 +1,6 @@
-"""What the drafter takes from the target checkpoint: its config, its embedding and lm_head, and
-the mask token id. Only those two tensors are read (safetensors, by name), never the whole model.
+"""What the drafter takes from the target checkpoint: its embedding and lm_head, and the mask token
+id; its shape comes from the run spec (services/runspec.py). Only those two tensors are read
+(safetensors, by name), never the whole model.
 """
 from __future__ import annotations
 
@@ -11,9 +12,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from services.config import Config, ConfigError, ascending, layer_ids_message
+from services import runspec, shapes
+from services.config import Config, ConfigError
 from services.drafter.model import DrafterModelConfig
-from services.layers import default_layer_ids, resolve_layer_ids
 
 MASK_TOKEN = "<|MASK|>"
 _EMBED_NAMES = ("model.embed_tokens.weight", "model.language_model.embed_tokens.weight",
@@ -50,94 +51,28 @@ class TargetHead:
 
 # --- config -------------------------------------------------------------------------------
 
-def load_text_config(model_path: str):
-    """AutoConfig of the target; composite (multimodal) configs resolve to their text config.
-    Returns (text_config, tie_word_embeddings)."""
-    from transformers import AutoConfig
-
-    path = Path(model_path)
-    if not (path / "config.json").is_file():
-        raise ConfigError(f"target.model_path={model_path!r}: no config.json there")
-    full = AutoConfig.from_pretrained(str(path))
-    text = full.get_text_config(decoder=True) if hasattr(full, "get_text_config") else full
-    tie = bool(getattr(full, "tie_word_embeddings", False) or getattr(text, "tie_word_embeddings", False))
-    return text, tie
-
-
-def _rope_theta(text_cfg) -> float:
-    theta = getattr(text_cfg, "rope_theta", None)
-    params = getattr(text_cfg, "rope_parameters", None) or getattr(text_cfg, "rope_scaling", None) or {}
-    if theta is None and isinstance(params, dict):
-        theta = params.get("rope_theta")
-    return float(theta if theta is not None else 10000.0)
-
-
 def model_config_from_hf(text_cfg, tie: bool = False) -> dict:
-    """The target-derived fields of DrafterModelConfig."""
-    heads = text_cfg.num_attention_heads
-    return {
-        "hidden_size": text_cfg.hidden_size,
-        "intermediate_size": text_cfg.intermediate_size,
-        "num_attention_heads": heads,
-        "num_key_value_heads": getattr(text_cfg, "num_key_value_heads", None) or heads,
-        "head_dim": getattr(text_cfg, "head_dim", None) or text_cfg.hidden_size // heads,
-        "vocab_size": text_cfg.vocab_size,
-        "num_target_layers": text_cfg.num_hidden_layers,
-        "rms_norm_eps": float(getattr(text_cfg, "rms_norm_eps", 1e-6)),
-        "rope_theta": _rope_theta(text_cfg),
-        "attention_bias": bool(getattr(text_cfg, "attention_bias", False)),
-        "initializer_range": float(getattr(text_cfg, "initializer_range", 0.02)),
-        "max_position_embeddings": int(getattr(text_cfg, "max_position_embeddings", 40960)),
-        "tie_word_embeddings": tie,
-    }
+    """The target-derived fields of DrafterModelConfig from a transformers config object (the same
+    rule as the run spec's reading of config.json: shapes.target_fields)."""
+    return shapes.target_fields(text_cfg.to_dict(), tie)
 
 
 def build_model_config(cfg: Config, base: dict, mask_token_id: int = -1) -> DrafterModelConfig:
-    """base (from the target or the synthetic defaults) + drafter/target sections + drafter.overrides."""
-    fields = {f.name for f in dataclasses.fields(DrafterModelConfig)}
-    values = dict(base)
-    values.update(num_hidden_layers=cfg.drafter.num_layers, block_size=cfg.drafter.block_size,
-                  mask_token_id=mask_token_id, layer_types=list(cfg.drafter.layer_types),
-                  sliding_window=cfg.drafter.sliding_window or None)
-    if cfg.target.layer_ids:
-        values["target_layer_ids"] = list(cfg.target.layer_ids)
-    for key, value in cfg.drafter.overrides.items():
-        if key not in fields:
-            raise ConfigError(f"drafter.overrides.{key}: not a drafter model field (known: {', '.join(sorted(fields))})")
-        values[key] = value
-    if not values.get("target_layer_ids"):
-        values["target_layer_ids"] = default_layer_ids(values["num_target_layers"], values["num_hidden_layers"])
-    try:
-        model_cfg = DrafterModelConfig(**values)
-    except ValueError as exc:          # the attention layout (check_layout), after drafter.overrides
-        raise ConfigError(f"drafter model config: {exc}") from None
-    validate_model_config(model_cfg, cfg)
-    return model_cfg
+    """base (from the target or the synthetic defaults) + drafter/target sections + drafter.overrides
+    (runspec.drafter_shape), with this mask token id unless drafter.overrides names one."""
+    return check_mask(runspec.drafter_shape(cfg, base, mask_token_id))
 
 
-def validate_model_config(m: DrafterModelConfig, cfg: Config) -> None:
-    def need(ok, msg):
-        if not ok:
-            raise ConfigError(msg)
-    try:                                         # the target's rule (services/layers.py), on the drafter's side
-        resolve_layer_ids(m.target_layer_ids, m.num_target_layers, len(m.target_layer_ids))
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
-    need(ascending(m.target_layer_ids), layer_ids_message("target.layer_ids", m.target_layer_ids))
-    need(m.num_attention_heads % m.num_key_value_heads == 0,
-         f"num_attention_heads={m.num_attention_heads} is not a multiple of num_key_value_heads={m.num_key_value_heads}")
-    need(m.head_dim % 2 == 0, f"head_dim={m.head_dim} must be even for RoPE")
-    need(0 <= m.mask_token_id < m.vocab_size,
-         f"mask token id {m.mask_token_id} is outside the embedding ({m.vocab_size} rows); "
-         "set drafter.mask_token_id or use a tokenizer whose mask token fits")
-    need(cfg.drafter.num_anchors <= cfg.data.pack_len,
-         f"drafter.num_anchors={cfg.drafter.num_anchors} is larger than data.pack_len={cfg.data.pack_len}")
-    need(m.block_size <= cfg.data.pack_len, f"drafter.block_size={m.block_size} is larger than data.pack_len={cfg.data.pack_len}")
+def check_mask(m: DrafterModelConfig) -> DrafterModelConfig:
+    if not 0 <= m.mask_token_id < m.vocab_size:
+        raise ConfigError(f"mask token id {m.mask_token_id} is outside the embedding ({m.vocab_size} rows); "
+                          "set drafter.mask_token_id or use a tokenizer whose mask token fits")
+    return m
 
 
 def resolve_mask_token_id(configured: int, model_path: str) -> int:
     """drafter.mask_token_id if >= 0; else the tokenizer's mask token; else the id <|MASK|> has
-    (or would get when added: len(tokenizer)). Range is checked by validate_model_config."""
+    (or would get when added: len(tokenizer)). Range is checked by check_mask."""
     if configured >= 0:
         return configured
     from transformers import AutoTokenizer
@@ -205,24 +140,23 @@ def load_target_head(model_path: str, vocab_size: int, hidden_size: int, tie: bo
     return TargetHead(embed, lm_head)
 
 
-def from_target(cfg: Config) -> tuple[DrafterModelConfig, TargetHead]:
-    """Everything the drafter needs from target.model_path, checked, on the CPU."""
-    if not cfg.target.model_path:
+def from_target(cfg: Config, spec: runspec.RunSpec | None = None) -> tuple[DrafterModelConfig, TargetHead]:
+    """Everything the drafter needs from target.model_path, checked, on the CPU: the run spec's
+    shape (resolved here when not given), the mask token, the embedding and lm_head."""
+    spec = spec or runspec.resolve(cfg)
+    if not spec.model_path:
         raise ConfigError("target.model_path is empty (use --synthetic for a run without a target)")
-    text, tie = load_text_config(cfg.target.model_path)
-    mask_id = resolve_mask_token_id(cfg.drafter.mask_token_id, cfg.target.model_path)
-    model_cfg = build_model_config(cfg, model_config_from_hf(text, tie), mask_id)
-    head = load_target_head(cfg.target.model_path, model_cfg.vocab_size, model_cfg.hidden_size, tie)
+    shape = spec.model()
+    mask_id = resolve_mask_token_id(shape.mask_token_id, spec.model_path)
+    model_cfg = check_mask(dataclasses.replace(shape, mask_token_id=mask_id))
+    head = load_target_head(spec.model_path, model_cfg.vocab_size, model_cfg.hidden_size, model_cfg.tie_word_embeddings)
     return model_cfg, head
 
 
-def model_and_head(cfg: Config, synthetic: bool) -> tuple[DrafterModelConfig, TargetHead]:
+def model_and_head(cfg: Config, spec: runspec.RunSpec) -> tuple[DrafterModelConfig, TargetHead]:
     """(model config, target head) on the CPU: every config error surfaces here, before GPU work.
-    A synthetic run without a target checkpoint gets a random head of SYNTHETIC_MODEL's shape."""
-    from services.drafter.synthetic import SYNTHETIC_MODEL
-    if cfg.target.model_path or not synthetic:
-        return from_target(cfg)
-    vocab = cfg.drafter.overrides.get("vocab_size", SYNTHETIC_MODEL["vocab_size"])
-    mask_id = cfg.drafter.mask_token_id if cfg.drafter.mask_token_id >= 0 else vocab - 1
-    model_cfg = build_model_config(cfg, SYNTHETIC_MODEL, mask_id)
+    A synthetic run without a target checkpoint gets a random head of the spec's made-up shape."""
+    if spec.model_path:
+        return from_target(cfg, spec)
+    model_cfg = check_mask(spec.model())
     return model_cfg, TargetHead.random(model_cfg.vocab_size, model_cfg.hidden_size, seed=cfg.run.seed)

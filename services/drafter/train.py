@@ -33,9 +33,8 @@ from services.drafter.target_head import TargetHead
 
 @dataclass
 class StepSettings:
+    """The config a step reads; the model's shape (block size, mask token) is state.drafter.cfg's."""
     num_anchors: int
-    block_size: int
-    mask_token_id: int
     gamma: float
     labels_from_target: bool
     loss_chunk: int
@@ -46,8 +45,7 @@ class StepSettings:
 
     @classmethod
     def from_config(cls, cfg: Config, model_cfg: DrafterModelConfig) -> "StepSettings":
-        return cls(num_anchors=cfg.drafter.num_anchors, block_size=model_cfg.block_size,
-                   mask_token_id=model_cfg.mask_token_id, gamma=loss_gamma(model_cfg.block_size, cfg.drafter.gamma),
+        return cls(num_anchors=cfg.drafter.num_anchors, gamma=loss_gamma(model_cfg.block_size, cfg.drafter.gamma),
                    labels_from_target=cfg.target.labels_from_target, loss_chunk=cfg.drafter.loss_chunk,
                    grad_accum=max(1, cfg.drafter.grad_accum), grad_clip=cfg.drafter.grad_clip,
                    seed=cfg.run.seed, pack_len=cfg.data.pack_len)
@@ -167,8 +165,8 @@ def _documents(document_ids: torch.Tensor) -> torch.Tensor:
 
 def forward_loss(state: TrainState, batch: Batch):
     """Forward of one batch (on the device): (loss, inputs, predictions [N, B-1])."""
-    s = state.settings
-    inputs = build_inputs(batch, num_anchors=s.num_anchors, block_size=s.block_size, mask_token_id=s.mask_token_id,
+    s, m = state.settings, state.drafter.cfg
+    inputs = build_inputs(batch, num_anchors=s.num_anchors, block_size=m.block_size, mask_token_id=m.mask_token_id,
                           gamma=s.gamma, labels_from_target=s.labels_from_target,
                           generator=anchor_generator(s.seed, batch.g, state.device))
     masks = state.drafter.build_masks(inputs.anchors, inputs.context_starts, inputs.context_len)

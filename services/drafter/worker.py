@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from services import curve, exits, lifecycle
+from services import curve, exits, lifecycle, runspec
 from services.config import Config, ConfigError
 from services.endpoints import endpoint
 from services.files import cpu_share
@@ -83,7 +83,8 @@ class DrafterWorker:
         health.set(state="loading")
         # a fair share of the cores: several workers oversubscribing them slows every one of them down
         torch.set_num_threads(cpu_share(self.workers_on_node))
-        model_cfg, head = model_and_head(cfg, args.synthetic)
+        self.spec = runspec.for_worker(cfg, self.run_dir, synthetic=args.synthetic)   # runspec.json, or resolved here
+        model_cfg, head = model_and_head(cfg, self.spec)
         found = self.find_checkpoint(model_cfg)
         if device.type == "cuda" and not torch.cuda.is_available():
             raise RuntimeError("--device cuda but CUDA is not available")
@@ -98,7 +99,7 @@ class DrafterWorker:
         self.batches, plan = train_batches(*source_args, synthetic=args.synthetic, max_steps=self.max_steps,
                                            start_step=found.micro_step if found else 0,
                                            first_g=found.batches_done if found else 0, check=check)
-        self.batches.check_targets(model_cfg)        # the targets' handshake, against this drafter's model
+        self.batches.check_targets(self.spec)        # the targets' handshake, against this drafter's run spec
         held_out = eval_batches(*source_args, synthetic=args.synthetic, check=check)
         state.scheduler = make_scheduler(state.optimizer, cfg, plan.optimizer_steps, plan)   # the real horizon, now known
         if found:

@@ -5,8 +5,9 @@ Rules:
     pieces of max_doc_len tokens, [0, m), [m, 2m), ...; every piece is a separate document
     (positions restart at 0; it does not see the piece before it). Pieces are kept even if
     they hold no supervised token (they simply get no anchors).
-  - Eval split: data.eval_path if set, else a data.eval_fraction of the *lines* of data.path
-    (at least one when the fraction is > 0), chosen by a permutation seeded with run.seed.
+  - Eval split (services/runspec.py HeldOut): data.eval_path if set, else a data.eval_fraction of
+    the documents of data.path (at least one when the fraction is > 0), chosen by a permutation
+    seeded with run.seed.
   - Packing: documents, in an order shuffled with run.seed (file order if data.shuffle is off),
     go best-fit into rows: each into the row with the least room that still fits it, else a
     new row. Rows keep their documents' order of arrival.
@@ -50,7 +51,7 @@ from services.files import sha256_file
 from services.target.data import BadSamples, DataError, Document, read_documents
 
 FORMAT_VERSION = 1
-_EVAL_SALT, _PACK_SALT = 0xE7A1, 0x9AC4
+_PACK_SALT = 0x9AC4
 
 
 def split_document(doc: Document, max_len: int) -> list[Document]:
@@ -128,26 +129,19 @@ def _pack_split(docs: list[Document], cfg: Config, prefix: str) -> dict[str, np.
     }
 
 
-def held_out_indices(count: int, fraction: float, seed: int) -> list[int]:
-    """Which of `count` documents (count > 1, fraction > 0) form the held-out split: at least one,
-    never all; sorted. The speculative-decoding eval picks its prompts with it too."""
-    n_eval = min(count - 1, max(1, round(fraction * count)))
-    return sorted(np.random.default_rng([seed, _EVAL_SALT]).permutation(count)[:n_eval].tolist())
-
-
 def heldout_chats(cfg: Config, limit: int) -> list[list[dict]]:
-    """Up to `limit` conversations of the held-out split, each cut before its last assistant turn:
-    the prompts of real acceptance (services/drafter/speculative.py). The split is data.eval_path,
-    else the data.eval_fraction lines held_out_indices picks (exact when no line is skipped as bad),
-    else the last lines of data.path. Pre-tokenized lines carry no prompt and are skipped."""
+    """Up to `limit` conversations of the held-out split (runspec.HeldOut), each cut before its last
+    assistant turn: the prompts of real acceptance (services/drafter/speculative.py). The split's
+    indices are taken over the file's non-blank lines here, over its documents in build_index:
+    the same when no line is skipped as bad. Without a held-out split: the last lines of data.path.
+    Pre-tokenized lines carry no prompt and are skipped."""
     from services.target.data import normalize_messages
-    d = cfg.data
-    lines = [t for t in Path(d.eval_path or d.path).read_text(encoding="utf-8").splitlines() if t.strip()]
-    if not d.eval_path:
-        if d.eval_fraction > 0 and len(lines) > 1:
-            lines = [lines[i] for i in held_out_indices(len(lines), d.eval_fraction, cfg.run.seed)]
-        else:
-            lines = lines[::-1]
+    held_out = runspec.HeldOut.of(cfg)
+    lines = [t for t in Path(held_out.path or cfg.data.path).read_text(encoding="utf-8").splitlines() if t.strip()]
+    if held_out.source == "data.eval_fraction" and len(lines) > 1:
+        lines = [lines[i] for i in held_out.indices(len(lines))]
+    elif held_out.source != "data.eval_path":
+        lines = lines[::-1]
     chats = []
     for text in lines:
         if len(chats) >= limit:
@@ -168,10 +162,11 @@ def build_index(cfg: Config, tokenizer, vocab_size: int) -> tuple[dict[str, np.n
     bad = BadSamples()
     limits = dict(max_line_bytes=d.max_line_bytes, max_doc_tokens=d.max_doc_tokens)
     train = read_documents(d.path, tokenizer, vocab_size, d.on_bad_sample, bad, **limits)
-    if d.eval_path:
-        evals = read_documents(d.eval_path, tokenizer, vocab_size, d.on_bad_sample, bad, **limits)
-    elif d.eval_fraction > 0 and len(train) > 1:
-        chosen = set(held_out_indices(len(train), d.eval_fraction, cfg.run.seed))
+    held_out = runspec.HeldOut.of(cfg)
+    if held_out.source == "data.eval_path":
+        evals = read_documents(held_out.path, tokenizer, vocab_size, d.on_bad_sample, bad, **limits)
+    elif held_out.source == "data.eval_fraction" and len(train) > 1:
+        chosen = set(held_out.indices(len(train)))
         evals = [doc for i, doc in enumerate(train) if i in chosen]
         train = [doc for i, doc in enumerate(train) if i not in chosen]
     else:
@@ -332,10 +327,9 @@ def prepare(cfg: Config, run_dir: str | Path) -> "PackedData":
     """Tokenize and pack cfg.data into the run's cache, with the tokenizer and vocabulary of the
     target's config, not its weights: a bad line stops the run in seconds, before a 27B model
     loads, and the target workers then open the same cache file (same key)."""
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoTokenizer
+    vocab_size = runspec.target_fields_of(cfg.target.model_path)["vocab_size"]     # as the run spec reads it
     try:
-        config = AutoConfig.from_pretrained(cfg.target.model_path)
-        vocab_size = getattr(config, "text_config", config).vocab_size
         tokenizer = AutoTokenizer.from_pretrained(cfg.target.model_path)
     except Exception as exc:        # one line naming the folder, not transformers' traceback
         first = (str(exc).strip().splitlines() or [""])[0]
@@ -360,8 +354,9 @@ def main(argv=None) -> int:
     try:
         cfg = load_config(args.config)
         data = prepare(cfg, args.run_dir)
-    except DataError as exc:
-        print(exc if isinstance(exc, ModelFilesError) else f"data: {exc}", file=sys.stderr, flush=True)
+    except (DataError, runspec.SpecError) as exc:
+        print(exc if isinstance(exc, (ModelFilesError, runspec.SpecError)) else f"data: {exc}", file=sys.stderr,
+              flush=True)
         return 2
     # real acceptance needs chat prompts: None when it is off by config (run.spec_eval_prompts = 0)
     chat_prompts = len(heldout_chats(cfg, cfg.run.spec_eval_prompts)) if cfg.run.spec_eval_prompts > 0 else None

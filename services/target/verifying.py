@@ -30,11 +30,11 @@ SHARE_WINDOW_S = 10.0
 MAX_WAITING = 256
 
 
-def verify_limits(cfg, vocab_size: int) -> verify.VerifyLimits:
-    """What a verify request may ask of this target, from the run's config."""
-    return verify.VerifyLimits(max_prompt=cfg.data.pack_len, max_block=cfg.drafter.block_size,
-                               max_length=cfg.data.pack_len + cfg.run.spec_eval_max_new_tokens + cfg.drafter.block_size,
-                               vocab_size=vocab_size)
+def verify_limits(cfg, spec) -> verify.VerifyLimits:
+    """What a verify request may ask of this target, from the run's config and spec (services/runspec.py)."""
+    return verify.VerifyLimits(max_prompt=cfg.data.pack_len, max_block=spec.block_size,
+                               max_length=cfg.data.pack_len + cfg.run.spec_eval_max_new_tokens + spec.block_size,
+                               vocab_size=spec.target.vocab_size)
 
 
 class VerifyService:

@@ -25,12 +25,12 @@ from pathlib import Path
 
 import torch
 
-from services import exits, lifecycle
+from services import exits, lifecycle, runspec
 from services.batch import Batch
 from services.config import Config, ConfigError, load_config
 from services.endpoints import endpoint
 from services import curve
-from services.handshake import TargetInfo, batch_config_digest
+from services.handshake import TargetInfo
 from services.health import HealthServer
 from services.log import event, setup_logging
 from services.compile import RecompileWatch, setup_environment
@@ -50,15 +50,17 @@ class TargetWorker:
         from transformers import AutoTokenizer
         self.cfg, self.device, self.health = cfg, device, health
         health.set(state="loading")
-        self.target = load_target(cfg.target, device, num_draft_layers=cfg.drafter.num_layers)
+        spec = runspec.for_worker(cfg, run_dir)          # runspec.json, or resolved here the same way
+        self.target = load_target(spec.target_config(cfg), device)
+        spec.check_loaded(self.target.info)             # what this process loaded is what the spec says
         tokenizer = AutoTokenizer.from_pretrained(cfg.target.model_path)
-        self.data = open_or_build(cfg, run_dir, tokenizer, self.target.info.vocab_size)
+        self.data = open_or_build(cfg, run_dir, tokenizer, spec.target.vocab_size)
         info = self.target.info
         self.info = TargetInfo.of(
             info, num_batches=self.data.num_batches("train"), num_eval_batches=self.data.num_batches("eval"),
             seq_len=self.data.pack_len,
             mask_token_id=tokenizer.mask_token_id if tokenizer.mask_token_id is not None else -1,
-            labels_from_target=cfg.target.labels_from_target, config_digest=batch_config_digest(cfg),
+            labels_from_target=cfg.target.labels_from_target, config_digest=spec.config_digest,
             model_path=str(cfg.target.model_path), capture_path=self.target.path,
             bad_samples=self.data.bad_samples, data_key=self.data.key).to_wire()
         log.info("capture path: %s", self.target.path)
@@ -71,7 +73,7 @@ class TargetWorker:
         # one slot per credit of a drafter that is slow to drain, one being sent, one being filled
         self.ring = CaptureRing(self.target, self.data.pack_len, cfg.transport.credits + 2, cfg.target.labels_from_target)
         self.server = BatchServer(endpoint(run_dir, cfg.transport, "target", rank, "data"), cfg.transport, health,
-                                  verify_limits=verify_limits(cfg, info.vocab_size))
+                                  verify_limits=verify_limits(cfg, spec))
         self.verify = VerifyService(self.target, self.server, cfg, health)
         self.batches_served = self.samples_done = 0
         self.tokens_per_s = 0.0

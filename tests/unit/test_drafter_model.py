@@ -12,8 +12,8 @@ from services.drafter.attention import DenseAttention
 from services.drafter.model import DFlashDrafter, DrafterModelConfig
 from services.layers import default_layer_ids
 from services.drafter.synthetic import SyntheticSource
-from services.drafter.target_head import (build_model_config, from_target, load_text_config,
-                                          model_config_from_hf, resolve_mask_token_id)
+from services.drafter.target_head import build_model_config, from_target, resolve_mask_token_id
+from services.runspec import target_fields_of
 
 TINY = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=8, num_attention_heads=4,
             num_key_value_heads=2, head_dim=8, rope_theta=50000.0)
@@ -87,8 +87,7 @@ def test_default_layer_ids_match_dflash():
 def test_composite_config_resolves_to_text_config_and_language_model_tensors(tmp_path):
     from transformers import Qwen3VLConfig
     Qwen3VLConfig(text_config=dict(TINY)).save_pretrained(tmp_path)
-    text, tie = load_text_config(str(tmp_path))
-    fields = model_config_from_hf(text, tie)
+    fields = target_fields_of(str(tmp_path))
     assert fields["hidden_size"] == 32 and fields["num_target_layers"] == 8 and fields["rope_theta"] == 50000.0
     embed, lm_head = torch.randn(96, 32), torch.randn(96, 32)
     save_file({"model.language_model.embed_tokens.weight": embed, "lm_head.weight": lm_head,
@@ -119,7 +118,7 @@ def test_bad_target_configs_are_named(tmp_path):
         from_target(config_for(tmp_path, "drafter.overrides={hidden_size=64}"))
     with pytest.raises(ConfigError, match="drafter.num_anchors=300 is larger than data.pack_len=256"):
         from_target(config_for(tmp_path, "drafter.num_anchors=300"))
-    with pytest.raises(ConfigError, match="no config.json"):
+    with pytest.raises(ConfigError, match="model directory not found"):
         from_target(config_for(tmp_path / "missing"))
 
 

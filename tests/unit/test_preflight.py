@@ -31,7 +31,8 @@ def model(tmp_path, tok_dir):
     path = tmp_path / "model"
     shutil.copytree(tok_dir, path)
     (path / "config.json").write_text(json.dumps({"model_type": "qwen3", "num_hidden_layers": 8, "hidden_size": 64,
-                                                  "vocab_size": 640}))
+                                                  "vocab_size": 640, "num_attention_heads": 4,
+                                                  "intermediate_size": 128}))
     return path
 
 

@@ -91,3 +91,188 @@ def test_keys_not_marked_as_deciding_tokens_leave_the_packed_data_alone(data_fil
         other = _packed(cfg, tokenizer)
         assert other.keys() == base.keys() and all(np.array_equal(other[k], base[k]) for k in base), \
             f"{dotted} changes the packed data: mark it batch=\"content\" in services/config.py"
+
+
+# --- the run spec: resolved once, by the launcher or by a worker alike ------------------------------
+
+def _tiny_target(path, tok_dir, layers: int = 8, hidden: int = 32, weights: bool = False):
+    """A target folder: config.json and the tokenizer (and random weights when asked), made on the fly."""
+    import shutil
+
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    shutil.rmtree(path, ignore_errors=True)
+    shutil.copytree(tok_dir, path)
+    config = Qwen3Config(vocab_size=640, hidden_size=hidden, intermediate_size=64, num_hidden_layers=layers,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, tie_word_embeddings=False)
+    (Qwen3ForCausalLM(config) if weights else config).save_pretrained(path)
+    return path
+
+
+def _config(model, data="", *more):
+    return load_config(None, [f"target.model_path={json.dumps(str(model))}", f"data.path={json.dumps(str(data))}",
+                              "data.pack_len=256", "drafter.num_layers=3", "drafter.num_anchors=16", *more])
+
+
+def test_launcher_up_writes_the_spec_a_worker_without_it_resolves_too(tmp_path, tok_dir):
+    """`launcher up` writes runspec.json before any worker starts (here a bad data line stops it right
+    after, before any worker); a worker in that run dir reads it, one started without a launcher (no
+    runspec.json; a systemd unit from `launcher units`) resolves it with the same function: one answer."""
+    import subprocess
+    import sys
+
+    from launcher.units import render_units
+    from services.layers import default_layer_ids
+    model = _tiny_target(tmp_path / "model", tok_dir)
+    data = tmp_path / "chat.jsonl"
+    data.write_text(json.dumps(conversations(1, seed=0)[0]) + "\n" + '{"messages": [\n')
+    toml = tmp_path / "run.toml"
+    toml.write_text(f'[target]\nmodel_path = "{model}"\n[data]\npath = "{data}"\npack_len = 256\neval_fraction = 0.5\n'
+                    '[drafter]\nnum_layers = 3\nnum_anchors = 16\n')
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()                    # an existing folder is prepared in place: what `up` wrote stays
+    out = subprocess.run([sys.executable, "-m", "launcher", "up", "--config", str(toml), "--device", "cpu",
+                          "--gpus", "0:target,1:drafter", "--run-dir", str(run_dir)],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and f"{data}:2: invalid JSON" in out.stderr, out.stderr
+    assert not (run_dir / "run.json").exists()                          # no worker was started
+    assert [p.name for p in run_dir.iterdir() if "runspec" in p.name] == ["runspec.json"]   # no temp file left
+    written = json.loads((run_dir / "runspec.json").read_text())
+    assert written["target"] == {"num_layers": 8, "hidden_size": 32, "vocab_size": 640,
+                                 "layer_ids": default_layer_ids(8, 3), "hidden_width": 3 * 32}
+    assert written["drafter"]["target_layer_ids"] == [1, 3, 5] and written["drafter"]["block_size"] == 16
+    assert written["held_out"] == {"source": "data.eval_fraction", "path": str(data), "fraction": 0.5, "seed": 0}
+    assert written["batch_keys"]["data.pack_len"] == {"decides": "content", "value": 256}
+    assert set(written["batch_keys"]) == set(runspec.keys_deciding(runspec.DECIDING))
+    cfg = load_config(run_dir / "config.json")
+    assert written["config_digest"] == batch_config_digest(cfg)
+    assert runspec.for_worker(cfg, run_dir).to_dict() == written               # read from the file
+    assert runspec.for_worker(cfg, tmp_path / "no-launcher").to_dict() == written   # resolved by the worker
+    render_units("0:target,1:drafter", str(toml), str(tmp_path / "units"), str(tmp_path / "srv"), device="cpu")
+    under_systemd = load_config(tmp_path / "units" / "dflash-env" / "config.json")
+    assert runspec.for_worker(under_systemd, tmp_path / "srv").to_dict() == written
+
+
+def test_a_spec_from_another_config_or_another_model_is_refused_naming_the_field(tmp_path, tok_dir):
+    model = _tiny_target(tmp_path / "model", tok_dir)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    runspec.resolve(_config(model)).save(run_dir)
+    with pytest.raises(runspec.SpecError, match=r"resolved from another config than this worker's \(data.pack_len: "
+                                                r"256 there, 128 here\)"):
+        runspec.for_worker(_config(model, "", "data.pack_len=128"), run_dir)
+    _tiny_target(model, tok_dir, layers=6, hidden=48)      # the folder now holds another model
+    with pytest.raises(runspec.SpecError) as err:
+        runspec.for_worker(_config(model), run_dir)
+    assert str(err.value) == (f"the model at {model} (its config.json) has num_layers=6, the run spec says 8; "
+                              f"hidden_size=48, the run spec says 32 (run spec: {run_dir / 'runspec.json'})")
+    (run_dir / "runspec.json").write_text("{}")
+    with pytest.raises(runspec.SpecError, match="runspec.json: not a run spec"):
+        runspec.for_worker(_config(model), run_dir)
+
+
+def test_what_a_target_loaded_is_compared_with_the_spec(tmp_path, tok_dir):
+    """The handshake is a comparison with the spec: in the target worker, of the model it loaded
+    (a real HF model here); in the drafter, of what its target says it loaded."""
+    from services.handshake import HandshakeError, TargetInfo
+    from services.target.model import load_target
+    model = _tiny_target(tmp_path / "model", tok_dir, weights=True)
+    cfg = _config(model, "", 'target.dtype="float32"')
+    spec = runspec.resolve(cfg)
+    same = load_target(spec.target_config(cfg), "cpu")
+    spec.check_loaded(same.info)
+    assert same.info == spec.target and same.info.hidden_width == spec.model().hidden_width == 96
+    _tiny_target(model, tok_dir, layers=6, hidden=48, weights=True)      # replaced after the spec was made
+    other = load_target(spec.target_config(cfg), "cpu")
+    with pytest.raises(runspec.SpecError, match=f"the target loaded from {model} has num_layers=6, the run spec says "
+                                                "8; hidden_size=48, the run spec says 32"):
+        spec.check_loaded(other.info)
+    said = TargetInfo.of(other.info, num_batches=4, num_eval_batches=1, seq_len=256, mask_token_id=-1,
+                         labels_from_target=True, config_digest=spec.config_digest, model_path=str(model),
+                         capture_path="packed", bad_samples=0)
+    TargetInfo.of(same.info, **{k: v for k, v in vars(said).items() if k not in vars(same.info)}).check(
+        **spec.expected_of_target())
+    with pytest.raises(HandshakeError, match="disagree on num_layers: target 6, drafter 8; hidden_size: target 48, "
+                                             "drafter 32"):
+        TargetInfo.from_wire(said.to_wire()).check(**spec.expected_of_target())
+
+
+def test_config_json_is_read_as_transformers_reads_it(tmp_path):
+    """The spec reads config.json without transformers (the launcher never imports torch); the
+    fields it takes are the ones transformers' own config gives, for dense, composite and hybrid targets."""
+    from transformers import AutoConfig, Qwen3Config, Qwen3VLConfig
+
+    from bench.shapes import checkpoint_config
+    from services.drafter.target_head import model_config_from_hf
+    small = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=8, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=8, rope_theta=50000.0)
+    configs = {"tied": Qwen3Config(**small, tie_word_embeddings=True), "untied": Qwen3Config(**small),
+               "composite": Qwen3VLConfig(text_config=dict(small)), "8b": checkpoint_config("8b"),
+               "27b-hybrid": checkpoint_config("27b-hybrid")}
+    for name, config in configs.items():
+        config.save_pretrained(tmp_path / name)
+        full = AutoConfig.from_pretrained(tmp_path / name)
+        text = full.get_text_config(decoder=True)
+        tie = bool(getattr(full, "tie_word_embeddings", False) or getattr(text, "tie_word_embeddings", False))
+        assert runspec.target_fields_of(str(tmp_path / name)) == model_config_from_hf(text, tie), name
+
+
+def test_a_synthetic_drafter_gets_the_made_up_target_and_the_same_shape_as_before():
+    from services.drafter.target_head import build_model_config
+    from services.shapes import SYNTHETIC_MODEL
+    cfg = load_config(None, ["drafter.overrides={hidden_size=48}", "drafter.num_layers=2"])
+    spec = runspec.resolve(cfg, synthetic=True)
+    assert spec.model() == build_model_config(cfg, SYNTHETIC_MODEL, mask_token_id=SYNTHETIC_MODEL["vocab_size"] - 1)
+    assert (spec.target.hidden_size, spec.target.vocab_size, spec.target.num_layers) == (48, 128, 8)
+    assert spec.target.layer_ids == spec.model().target_layer_ids and spec.target.hidden_width == 2 * 48
+    with pytest.raises(runspec.SpecError, match="target.model_path is not set"):
+        runspec.resolve(cfg)
+
+
+def test_the_block_size_is_the_drafters_everywhere(tmp_path, tok_dir):
+    """drafter.overrides may set the model's block size: the target's verify limits take the spec's."""
+    from services.target.verifying import verify_limits
+    model = _tiny_target(tmp_path / "model", tok_dir)
+    cfg = _config(model, "", "drafter.overrides={block_size=4}")
+    spec = runspec.resolve(cfg)
+    assert spec.block_size == spec.model().block_size == verify_limits(cfg, spec).max_block == 4
+
+
+def test_the_held_out_split_is_the_specs(data_file, tokenizer):
+    """The packed eval split and the eval's prompts are the documents HeldOut.indices picks."""
+    from services.target.data import BadSamples, read_documents
+    from services.target.packing import heldout_chats
+    cfg = load_config(None, [f"data.path={data_file}", "data.pack_len=4096", "data.eval_fraction=0.1",
+                             'data.on_bad_sample="skip"'])
+    held_out = runspec.HeldOut.of(cfg)
+    assert runspec.HeldOut(**json.loads(json.dumps(dataclasses.asdict(held_out)))) == held_out
+    docs = read_documents(str(data_file), tokenizer, VOCAB, "skip", BadSamples())
+    picked = held_out.indices(len(docs))
+    tensors, meta = build_index(cfg, tokenizer, VOCAB)
+    assert int(meta["eval_samples"]) == len(picked) == 12
+    lines = data_file.read_text().splitlines()
+    expected = [json.loads(lines[i])["messages"][:-1] for i in picked[:3]]
+    assert heldout_chats(cfg, 3) == expected
+
+
+@pytest.mark.slow
+def test_a_target_worker_on_another_model_than_the_spec_stops_with_one_line(tmp_path, tok_dir):
+    """A real target worker in a run dir whose runspec.json was resolved for another model (the
+    folder was replaced since `launcher up`): exit 2 before loading weights, one line naming the field."""
+    import subprocess
+    import sys
+
+    from services.config import dump_json
+    model = _tiny_target(tmp_path / "model", tok_dir)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    cfg = _config(model, tmp_path / "chat.jsonl")
+    dump_json(cfg, run_dir / "config.json")
+    runspec.resolve(cfg).save(run_dir)
+    _tiny_target(model, tok_dir, layers=6, weights=True)
+    out = subprocess.run([sys.executable, "-m", "services.target", "--config", str(run_dir / "config.json"),
+                          "--run-dir", str(run_dir), "--device", "cpu"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stderr[-3000:]
+    line, = [line for line in out.stderr.splitlines() if " error " in line]
+    assert line.endswith(f"config error: the model at {model} (its config.json) has num_layers=6, the run spec "
+                         f"says 8 (run spec: {run_dir / 'runspec.json'})")
+    assert "Traceback" not in out.stderr

@@ -1,0 +1,119 @@
+"""The shapes of a run, as plain data (no torch): what a target captures, what the drafter is
+built as, and how both are read from a target's config.json. services/runspec.py resolves them
+once per run; the target's model and the drafter's model read them from there.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from services.config import FULL, SLIDING, check_layout
+
+
+def captured_width(layer_ids: list[int], hidden_size: int) -> int:
+    """hidden_width, the one definition: the captured layers' states side by side, K·H wide."""
+    return len(layer_ids) * hidden_size
+
+
+class CapturedWidth:
+    @property
+    def hidden_width(self) -> int:
+        return captured_width(self.layer_ids, self.hidden_size)
+
+
+@dataclass
+class CaptureShape(CapturedWidth):
+    """What a target captures: its layers (ascending, within [0, num_layers)), their width, its vocabulary."""
+    layer_ids: list[int]
+    hidden_size: int
+    vocab_size: int
+    num_layers: int
+
+
+@dataclass
+class DrafterModelConfig:
+    """The drafter's shape (services/drafter/model.py builds it): the target's widths, its own layers."""
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    num_target_layers: int
+    num_hidden_layers: int = 5
+    target_layer_ids: list[int] = field(default_factory=list)
+    block_size: int = 16
+    mask_token_id: int = -1
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    attention_bias: bool = False
+    initializer_range: float = 0.02
+    max_position_embeddings: int = 40960
+    tie_word_embeddings: bool = False
+    layer_types: list[str] = field(default_factory=list)   # per draft layer; empty = all full_attention
+    sliding_window: int | None = None                        # W of the sliding_attention layers
+
+    def __post_init__(self):
+        if not self.layer_types:
+            self.layer_types = [FULL] * self.num_hidden_layers
+        check_layout(self.layer_types, self.sliding_window, self.num_hidden_layers)
+
+    def window(self, layer_type: str) -> int | None:
+        return self.sliding_window if layer_type == SLIDING else None
+
+    @property
+    def num_captured(self) -> int:
+        return len(self.target_layer_ids)
+
+    @property
+    def hidden_width(self) -> int:
+        """Width of Batch.hidden: K captured layers of the target's width."""
+        return captured_width(self.target_layer_ids, self.hidden_size)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+MODEL_FIELDS = tuple(f.name for f in dataclasses.fields(DrafterModelConfig))
+
+# drafter model fields for a synthetic run without a target checkpoint; drafter.overrides apply on top
+SYNTHETIC_MODEL = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                       head_dim=16, vocab_size=128, num_target_layers=8, rms_norm_eps=1e-6,
+                       rope_theta=10000.0, initializer_range=0.02, max_position_embeddings=4096)
+
+
+def text_section(config: dict) -> tuple[dict, bool]:
+    """(the text model's section, tie_word_embeddings) of a config.json: a multimodal wrapper's
+    text_config (the target loads the text model alone), else the whole file."""
+    text = config.get("text_config") or config
+    return text, bool(config.get("tie_word_embeddings") or text.get("tie_word_embeddings"))
+
+
+def _rope_theta(text: dict) -> float:
+    theta = text.get("rope_theta")
+    params = text.get("rope_parameters") or text.get("rope_scaling") or {}
+    if theta is None and isinstance(params, dict):
+        theta = params.get("rope_theta")
+    return float(theta if theta is not None else 10000.0)
+
+
+def target_fields(text: dict, tie: bool = False) -> dict:
+    """The target-derived fields of DrafterModelConfig, from a text config as a dict (config.json's
+    text section, or an HF config's to_dict()). A key the file leaves out takes the Llama-family
+    default; KeyError names a key there is no default for."""
+    heads = text["num_attention_heads"]
+    return {
+        "hidden_size": text["hidden_size"],
+        "intermediate_size": text["intermediate_size"],
+        "num_attention_heads": heads,
+        "num_key_value_heads": text.get("num_key_value_heads") or heads,
+        "head_dim": text.get("head_dim") or text["hidden_size"] // heads,
+        "vocab_size": text["vocab_size"],
+        "num_target_layers": text["num_hidden_layers"],
+        "rms_norm_eps": float(text.get("rms_norm_eps", 1e-6)),
+        "rope_theta": _rope_theta(text),
+        "attention_bias": bool(text.get("attention_bias", False)),
+        "initializer_range": float(text.get("initializer_range", 0.02)),
+        "max_position_embeddings": int(text.get("max_position_embeddings", 40960)),
+        "tie_word_embeddings": tie,
+    }
