@@ -254,7 +254,8 @@ def run_supervised(sup: Supervisor, on_ready=lambda: None) -> tuple[int, str]:
         sup.wait_ready()
         if not sup.stopping:
             on_ready()
-        return sup.supervise(), ""
+        code = sup.supervise()
+        return code, sup.stop_reason
     except RunFailed as exc:
         sup.progress.done(f"run failed: {exc}")
         sup.shutdown()

@@ -18,7 +18,9 @@ Policy (docs/operations.md):
   signal during the stop kills every worker at once (a stuck stop would otherwise wait out
   --stop-timeout), but only from a person: 2 s or more after the first, and not from a sender
   that sent that signal already (services/lifecycle.py, StopRequests);
-- all drafters exit 0: training is done; targets are stopped, exit 0.
+- all drafters exit 0: training is done; targets are stopped, exit 0. Drafters that exit
+  services.exits.STOPPED (3: a stop request sent to a drafter itself, which stops its whole
+  group) stopped before the end: targets are stopped, exit 3, as for a stop of the launcher.
 
 Across hosts every launcher supervises the workers of its own host. A host with targets only
 ends when every (remote) drafter has reported "stopped" or stayed unreachable for REMOTE_GONE_S.
@@ -42,6 +44,7 @@ from services import curve
 from services.files import cpu_share
 from services.config import Config
 from services.endpoints import endpoint, socket_dir
+from services.exits import STOPPED as DRAFTER_STOPPED
 from services.files import write_json_atomic
 from services.health import probe
 from services.lifecycle import StopRequests, describe, watch_with_sender
@@ -99,6 +102,7 @@ class Supervisor:
         self.target_trouble_at = -float("inf")       # the last time a target was in trouble or not ready
         self.last_state: dict[str, str] = {}         # each worker's state at the last probe
         self.stopping = self.forced = False
+        self.stop_reason = ""                         # why the drafters stopped early (run.json's reason)
         self.stop_requests = StopRequests()
         self.last_exit: dict[str, dict] = {}          # each worker's last exit: code, cause, time
         self.progress = ProgressLine()
@@ -304,16 +308,27 @@ class Supervisor:
             if now - self.target_trouble_at < self.cfg.run.stall_after_s:      # drafters wait for it: not their fault
                 trouble = {n: t for n, t in trouble.items() if t[0] != "stalled" or not n.startswith("drafter")}
             codes = [self.procs[w.name].poll() for w in drafters]
+            if drafters and DRAFTER_STOPPED in codes and all(rc in (0, DRAFTER_STOPPED) for rc in codes):
+                return self._drafters_stopped(drafters, codes)
             if all(rc == 0 for rc in codes) and (drafters or self._remote_drafters_done(everyone)):
                 self.progress.done(self._progress_text(everyone, final=True))
                 self.stop_targets()
                 return EXIT_DONE
-            bad = [w for w, rc in zip(drafters, codes) if (rc not in (None, 0)) or w.name in trouble]
+            bad = [w for w, rc in zip(drafters, codes) if (rc not in (None, 0, DRAFTER_STOPPED)) or w.name in trouble]
             if bad:
                 self._restart_drafter_group(drafters, bad, codes, trouble)
             self.progress.show(self._progress_text(everyone))
             time.sleep(0.5)
         return self.shutdown()
+
+    def _drafters_stopped(self, drafters: list[Worker], codes: list) -> int:
+        """The drafter group stopped before the end (a stop request sent to a drafter, not to us):
+        the run is stopped, not finished; --resume continues from its checkpoint."""
+        names = [w.name for w, rc in zip(drafters, codes) if rc == DRAFTER_STOPPED]
+        self.stop_reason = f"{', '.join(names)} stopped before the end of training (a stop request sent to it)"
+        self.progress.done(self.stop_reason)
+        self.stop_targets()
+        return EXIT_STOPPED
 
     def _remote_drafters_done(self, drafters: list[Worker]) -> bool:
         """For a host without drafters: has every drafter finished (stopped, or gone for good)?"""

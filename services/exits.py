@@ -1,8 +1,10 @@
 """How a worker process ends: the same exit codes in every role (docs/operations.md, "Logs and exit codes").
 
-    0  finished, or stopped by a signal (a drafter saves its checkpoint first)
+    0  finished, or stopped by a signal (a target; a drafter stopped while starting)
     1  crashed: anything unexpected; the traceback is in the log, its last line names the error
     2  config error: a bad config, checkpoint or handshake; one line says what, no traceback
+    3  stopped: a drafter stopped by a stop request before the end of training, its checkpoint
+       saved (--resume continues); the launcher records the run as stopped, not finished
 
 143 is a hard exit (lifecycle.py: a stop signal from a second sender, or the stop deadline passed).
 """
@@ -13,7 +15,7 @@ import logging
 from services import lifecycle
 from services.config import ConfigError
 
-OK, CRASHED, CONFIG = 0, 1, 2
+OK, CRASHED, CONFIG, STOPPED = 0, 1, 2, 3
 
 log = logging.getLogger("worker")
 
