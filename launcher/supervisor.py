@@ -214,8 +214,9 @@ class Supervisor:
         """Block until every worker's health says ready/training; raise RunFailed on an exit or timeout.
 
         A drafter that exits 0 before it was seen ready has finished (e.g. --resume of a finished
-        run: it loads the last step, exports and exits); it is not waited for, and once every
-        local drafter has finished there is nothing left to wait for: supervise() ends the run."""
+        run: it loads the last step, exports and exits), one that exits 3 (exits.STOPPED) before it
+        was seen has stopped; neither is waited for, and once every local drafter has ended there is
+        nothing left to wait for: supervise() ends the run, finished or stopped."""
         deadline = time.monotonic() + self.ready_timeout_s
         pending = {w.name: w for w in self.local}
         drafters = [w for w in self.local if w.role == "drafter"]
@@ -224,14 +225,15 @@ class Supervisor:
                 return
             for w in pending.values():
                 self._check_exited_during_start(w)
-            if drafters and all(self.procs[w.name].poll() == 0 for w in drafters):
-                self.progress.done("every drafter has already finished")
+            if drafters and all(self.procs[w.name].poll() in (0, DRAFTER_STOPPED) for w in drafters):
+                self.progress.done("every drafter has already ended")       # finished or stopped: supervise() says
                 return
             waiting = list(pending.values())
             states = {}
             for w, (_, status, _) in zip(waiting, self.probe_all(waiting, timeout_s=1.0)):
                 state = status.get("state") if status else None
-                if state in ("ready", "training") or (w.role == "drafter" and self.procs[w.name].poll() == 0):
+                ended = w.role == "drafter" and self.procs[w.name].poll() in (0, DRAFTER_STOPPED)
+                if state in ("ready", "training") or ended:
                     del pending[w.name]
                 elif state == "failed":
                     raise RunFailed(f"{w.name} failed while starting: {status.get('errors')} (log: {self.log(w)})")
@@ -246,7 +248,7 @@ class Supervisor:
 
     def _check_exited_during_start(self, w: Worker) -> None:
         rc = self.procs[w.name].poll()
-        if rc is not None and not (w.role == "drafter" and rc == 0):
+        if rc is not None and not (w.role == "drafter" and rc in (0, DRAFTER_STOPPED)):     # ended, not failed
             cause = self.exit_cause(w, rc)
             advice = f"; {cause.fatal}" if cause.fatal and rc != 2 else ""
             # the first line is the outcome's reason in run.json: it carries the cause, the log follows
