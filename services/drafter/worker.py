@@ -1,7 +1,7 @@
 """The drafter worker: one GPU (or CPU slot), one torch.distributed rank among the drafters.
 
     starting -> loading -> compiling -> ready -> training -> stopped      (or failed)
-                                                     \\-> draining (SIGTERM: finish the step, checkpoint, exit 0)
+                                                     \\-> draining (SIGTERM: finish the step, checkpoint, exit 3)
 
 DrafterWorker has the target worker's shape: setup() (config and checkpoint errors before any GPU
 work), train() (the loop), finish(); run() maps how it ended to an exit code (services/exits.py).
@@ -198,8 +198,8 @@ def run(args: argparse.Namespace, cfg: Config, workers_on_node: int) -> int:
     try:
         worker.setup()
         return exits.OK if worker.train(stop) else exits.STOPPED     # stopped before the end: not finished
-    except Exception as exc:                      # stopped while starting, a config error, or a crash
-        return exits.exit_code(exc, health)
+    except Exception as exc:                      # stopped while starting (not finished), a config error, a crash
+        return exits.exit_code(exc, health, stopped=exits.STOPPED)
     finally:
         worker.close()
         health.close()
