@@ -21,9 +21,11 @@ Policy (docs/operations.md):
 - all drafters exit 0: training is done; targets are stopped, exit 0. Drafters that exit
   services.exits.STOPPED (3: a stop request sent to a drafter itself, which stops its whole
   group) stopped before the end: targets are stopped, exit 3, as for a stop of the launcher.
+  A run is "finished" exactly when its drafters exit 0 (reached the last step), stop or not.
 
 Across hosts every launcher supervises the workers of its own host. A host with targets only
-ends when every (remote) drafter has reported "stopped" or stayed unreachable for REMOTE_GONE_S.
+ends when every (remote) drafter has reported "stopped" or stayed unreachable for REMOTE_GONE_S:
+finished (0) when each drafter's last status had reached its last step, else stopped (3).
 A drafter group spread over several hosts is not restarted as one: keep the drafters on one host.
 """
 from __future__ import annotations
@@ -97,6 +99,7 @@ class Supervisor:
         self.dist_port = cfg.transport.dist_port
         self.groups_started = 0
         self.remote_seen: dict[str, float] = {}     # remote drafter -> last time it answered
+        self.remote_last: dict[str, dict] = {}       # ... and what it said then
         self.answered: set[str] = set()              # workers whose health answered since they started
         self.silent_since: dict[str, float] = {}     # ... and has not answered since this time
         self.target_trouble_at = -float("inf")       # the last time a target was in trouble or not ready
@@ -311,8 +314,11 @@ class Supervisor:
                 trouble = {n: t for n, t in trouble.items() if t[0] != "stalled" or not n.startswith("drafter")}
             codes = [self.procs[w.name].poll() for w in drafters]
             if drafters and DRAFTER_STOPPED in codes and all(rc in (0, DRAFTER_STOPPED) for rc in codes):
-                return self._drafters_stopped(drafters, codes)
+                return self._drafters_stopped([w.name for w, rc in zip(drafters, codes) if rc == DRAFTER_STOPPED],
+                                              "a stop request sent to it")
             if all(rc == 0 for rc in codes) and (drafters or self._remote_drafters_done(everyone)):
+                if not drafters and (early := [n for n in map(self._short_of_end, everyone) if n]):
+                    return self._drafters_stopped(early, "seen from this host")
                 self.progress.done(self._progress_text(everyone, final=True))
                 self.stop_targets()
                 return EXIT_DONE
@@ -323,21 +329,25 @@ class Supervisor:
             time.sleep(0.5)
         return self.shutdown()
 
-    def _drafters_stopped(self, drafters: list[Worker], codes: list) -> int:
-        """The drafter group stopped before the end (a stop request sent to a drafter, not to us):
-        the run is stopped, not finished; --resume continues from its checkpoint."""
-        names = [w.name for w, rc in zip(drafters, codes) if rc == DRAFTER_STOPPED]
-        self.stop_reason = f"{', '.join(names)} stopped before the end of training (a stop request sent to it)"
+    def _drafters_stopped(self, names: list[str], why: str) -> int:
+        """The drafters stopped before the end, not by our stop: the run is stopped, not finished."""
+        self.stop_reason = f"{', '.join(names)} stopped before the end of training ({why})"
         self.progress.done(self.stop_reason)
         self.stop_targets()
         return EXIT_STOPPED
+
+    def _short_of_end(self, w: Worker) -> str:
+        """'drafter-0 at step 37/150' for a remote drafter whose last status was short of its last step, else ''."""
+        last = self.remote_last.get(w.name) or {}
+        step, total = last.get("step", 0), last.get("total_steps")
+        return "" if total and step >= total else f"{w.name} at step {step}/{total or '?'}"
 
     def _remote_drafters_done(self, drafters: list[Worker]) -> bool:
         """For a host without drafters: has every drafter finished (stopped, or gone for good)?"""
         now, done = time.monotonic(), True
         for w, (_, status, _) in zip(drafters, self.probe_all(drafters, timeout_s=0.5)):
             if status:
-                self.remote_seen[w.name] = now
+                self.remote_seen[w.name], self.remote_last[w.name] = now, status
             gone = w.name in self.remote_seen and now - self.remote_seen[w.name] > REMOTE_GONE_S
             done &= bool(status and status.get("state") == "stopped") or gone
         return done
@@ -426,11 +436,15 @@ class Supervisor:
         """Graceful stop: drafters first (they checkpoint), then targets, then anything left."""
         self.progress.done("stopping: drafters checkpoint and exit, then targets "
                            "(Ctrl-C again, 2 s or more later, to kill them now)")
-        drafters = [self.idents.get(w.name) for w in self.local if w.role == "drafter" and w.name in self.procs]
-        hard = process.stop_all(drafters, deadline_s=self.stop_timeout_s)
+        names = [w.name for w in self.local if w.role == "drafter" and w.name in self.procs]
+        ended = {self.procs[n].pid: self.procs[n].poll() for n in names}    # before stop_all reaps them
+        hard = process.stop_all([self.idents.get(n) for n in names], deadline_s=self.stop_timeout_s, codes=ended)
         self.stop_targets()
         if hard and not self.forced:
             self.progress.done(f"killed after {self.stop_timeout_s:.0f}s deadline: pids {hard}")
+        if names and all(ended.get(self.procs[n].pid) == 0 for n in names):    # the stop came after the last step
+            self.progress.done("every drafter had finished training")
+            return EXIT_DONE
         return EXIT_STOPPED
 
     def install_signal_handlers(self) -> None:
