@@ -248,7 +248,8 @@ def _when_ready(sup: Supervisor, run_dir: Path, named_here: bool, resume: bool):
 
 def run_supervised(sup: Supervisor, on_ready=lambda: None) -> tuple[int, str]:
     """Start every worker, wait until they are ready, supervise until the run ends. A failure
-    (a worker, a full disk...) stops every worker. Returns (exit code, reason of a failure)."""
+    (a worker, a full disk...) stops every worker. Returns (exit code, reason: a failure's, or why the
+    drafters stopped before the end)."""
     try:
         sup.start_all()
         sup.wait_ready()
