@@ -93,21 +93,25 @@ def kill_tree(ident: dict | None, sig: int = signal.SIGKILL) -> None:
             pass
 
 
-def stop_all(idents: list[dict | None], deadline_s: float) -> list[int]:
-    """SIGTERM every verified tree, wait up to deadline_s, then SIGKILL what is left. Returns pids killed hard."""
+def stop_all(idents: list[dict | None], deadline_s: float, codes: dict[int, int] | None = None) -> list[int]:
+    """SIGTERM every verified tree, wait up to deadline_s, then SIGKILL what is left. Returns pids killed hard.
+    codes: filled with pid -> exit code of each process that ended (this reaps our children, so
+    their Popen.poll() reads 0 afterwards, whatever the code was)."""
     procs = [p for ident in idents for p in tree(ident)]
     for p in procs:
         try:
             p.send_signal(signal.SIGTERM)
         except psutil.NoSuchProcess:
             pass
-    _, left = psutil.wait_procs(procs, timeout=deadline_s)
+    gone, left = psutil.wait_procs(procs, timeout=deadline_s)
     for p in left:
         try:
             p.kill()
         except psutil.NoSuchProcess:
             pass
-    psutil.wait_procs(left, timeout=5)
+    gone += psutil.wait_procs(left, timeout=5)[0]
+    if codes is not None:
+        codes.update({p.pid: p.returncode for p in gone})
     return [p.pid for p in left]
 
 

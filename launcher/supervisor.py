@@ -18,10 +18,14 @@ Policy (docs/operations.md):
   signal during the stop kills every worker at once (a stuck stop would otherwise wait out
   --stop-timeout), but only from a person: 2 s or more after the first, and not from a sender
   that sent that signal already (services/lifecycle.py, StopRequests);
-- all drafters exit 0: training is done; targets are stopped, exit 0.
+- all drafters exit 0: training is done; targets are stopped, exit 0. Drafters that exit
+  services.exits.STOPPED (3: a stop request sent to a drafter itself, which stops its whole
+  group) stopped before the end: targets are stopped, exit 3, as for a stop of the launcher.
+  A run is "finished" exactly when its drafters exit 0 (reached the last step), stop or not.
 
 Across hosts every launcher supervises the workers of its own host. A host with targets only
-ends when every (remote) drafter has reported "stopped" or stayed unreachable for REMOTE_GONE_S.
+ends when every (remote) drafter has reported "stopped" or stayed unreachable for REMOTE_GONE_S:
+finished (0) when each drafter's last status had reached its last step, else stopped (3).
 A drafter group spread over several hosts is not restarted as one: keep the drafters on one host.
 """
 from __future__ import annotations
@@ -42,6 +46,7 @@ from services import curve
 from services.files import cpu_share
 from services.config import Config
 from services.endpoints import endpoint, socket_dir
+from services.exits import STOPPED as DRAFTER_STOPPED
 from services.files import write_json_atomic
 from services.health import probe
 from services.lifecycle import StopRequests, describe, watch_with_sender
@@ -94,11 +99,13 @@ class Supervisor:
         self.dist_port = cfg.transport.dist_port
         self.groups_started = 0
         self.remote_seen: dict[str, float] = {}     # remote drafter -> last time it answered
+        self.remote_last: dict[str, dict] = {}       # ... and what it said then
         self.answered: set[str] = set()              # workers whose health answered since they started
         self.silent_since: dict[str, float] = {}     # ... and has not answered since this time
         self.target_trouble_at = -float("inf")       # the last time a target was in trouble or not ready
         self.last_state: dict[str, str] = {}         # each worker's state at the last probe
         self.stopping = self.forced = False
+        self.stop_reason = ""                         # why the drafters stopped early (run.json's reason)
         self.stop_requests = StopRequests()
         self.last_exit: dict[str, dict] = {}          # each worker's last exit: code, cause, time
         self.progress = ProgressLine()
@@ -210,8 +217,9 @@ class Supervisor:
         """Block until every worker's health says ready/training; raise RunFailed on an exit or timeout.
 
         A drafter that exits 0 before it was seen ready has finished (e.g. --resume of a finished
-        run: it loads the last step, exports and exits); it is not waited for, and once every
-        local drafter has finished there is nothing left to wait for: supervise() ends the run."""
+        run: it loads the last step, exports and exits), one that exits 3 (exits.STOPPED) before it
+        was seen has stopped; neither is waited for, and once every local drafter has ended there is
+        nothing left to wait for: supervise() ends the run, finished or stopped."""
         deadline = time.monotonic() + self.ready_timeout_s
         pending = {w.name: w for w in self.local}
         drafters = [w for w in self.local if w.role == "drafter"]
@@ -220,14 +228,15 @@ class Supervisor:
                 return
             for w in pending.values():
                 self._check_exited_during_start(w)
-            if drafters and all(self.procs[w.name].poll() == 0 for w in drafters):
-                self.progress.done("every drafter has already finished")
+            if drafters and all(self.procs[w.name].poll() in (0, DRAFTER_STOPPED) for w in drafters):
+                self.progress.done("every drafter has already ended")       # finished or stopped: supervise() says
                 return
             waiting = list(pending.values())
             states = {}
             for w, (_, status, _) in zip(waiting, self.probe_all(waiting, timeout_s=1.0)):
                 state = status.get("state") if status else None
-                if state in ("ready", "training") or (w.role == "drafter" and self.procs[w.name].poll() == 0):
+                ended = w.role == "drafter" and self.procs[w.name].poll() in (0, DRAFTER_STOPPED)
+                if state in ("ready", "training") or ended:
                     del pending[w.name]
                 elif state == "failed":
                     raise RunFailed(f"{w.name} failed while starting: {status.get('errors')} (log: {self.log(w)})")
@@ -242,7 +251,7 @@ class Supervisor:
 
     def _check_exited_during_start(self, w: Worker) -> None:
         rc = self.procs[w.name].poll()
-        if rc is not None and not (w.role == "drafter" and rc == 0):
+        if rc is not None and not (w.role == "drafter" and rc in (0, DRAFTER_STOPPED)):     # ended, not failed
             cause = self.exit_cause(w, rc)
             advice = f"; {cause.fatal}" if cause.fatal and rc != 2 else ""
             # the first line is the outcome's reason in run.json: it carries the cause, the log follows
@@ -304,23 +313,41 @@ class Supervisor:
             if now - self.target_trouble_at < self.cfg.run.stall_after_s:      # drafters wait for it: not their fault
                 trouble = {n: t for n, t in trouble.items() if t[0] != "stalled" or not n.startswith("drafter")}
             codes = [self.procs[w.name].poll() for w in drafters]
+            if drafters and DRAFTER_STOPPED in codes and all(rc in (0, DRAFTER_STOPPED) for rc in codes):
+                return self._drafters_stopped([w.name for w, rc in zip(drafters, codes) if rc == DRAFTER_STOPPED],
+                                              "a stop request sent to it")
             if all(rc == 0 for rc in codes) and (drafters or self._remote_drafters_done(everyone)):
+                if not drafters and (early := [n for n in map(self._short_of_end, everyone) if n]):
+                    return self._drafters_stopped(early, "seen from this host")
                 self.progress.done(self._progress_text(everyone, final=True))
                 self.stop_targets()
                 return EXIT_DONE
-            bad = [w for w, rc in zip(drafters, codes) if (rc not in (None, 0)) or w.name in trouble]
+            bad = [w for w, rc in zip(drafters, codes) if (rc not in (None, 0, DRAFTER_STOPPED)) or w.name in trouble]
             if bad:
                 self._restart_drafter_group(drafters, bad, codes, trouble)
             self.progress.show(self._progress_text(everyone))
             time.sleep(0.5)
         return self.shutdown()
 
+    def _drafters_stopped(self, names: list[str], why: str) -> int:
+        """The drafters stopped before the end, not by our stop: the run is stopped, not finished."""
+        self.stop_reason = f"{', '.join(names)} stopped before the end of training ({why})"
+        self.progress.done(self.stop_reason)
+        self.stop_targets()
+        return EXIT_STOPPED
+
+    def _short_of_end(self, w: Worker) -> str:
+        """'drafter-0 at step 37/150' for a remote drafter whose last status was short of its last step, else ''."""
+        last = self.remote_last.get(w.name) or {}
+        step, total = last.get("step", 0), last.get("total_steps")
+        return "" if total and step >= total else f"{w.name} at step {step}/{total or '?'}"
+
     def _remote_drafters_done(self, drafters: list[Worker]) -> bool:
         """For a host without drafters: has every drafter finished (stopped, or gone for good)?"""
         now, done = time.monotonic(), True
         for w, (_, status, _) in zip(drafters, self.probe_all(drafters, timeout_s=0.5)):
             if status:
-                self.remote_seen[w.name] = now
+                self.remote_seen[w.name], self.remote_last[w.name] = now, status
             gone = w.name in self.remote_seen and now - self.remote_seen[w.name] > REMOTE_GONE_S
             done &= bool(status and status.get("state") == "stopped") or gone
         return done
@@ -409,11 +436,15 @@ class Supervisor:
         """Graceful stop: drafters first (they checkpoint), then targets, then anything left."""
         self.progress.done("stopping: drafters checkpoint and exit, then targets "
                            "(Ctrl-C again, 2 s or more later, to kill them now)")
-        drafters = [self.idents.get(w.name) for w in self.local if w.role == "drafter" and w.name in self.procs]
-        hard = process.stop_all(drafters, deadline_s=self.stop_timeout_s)
+        names = [w.name for w in self.local if w.role == "drafter" and w.name in self.procs]
+        ended = {self.procs[n].pid: self.procs[n].poll() for n in names}    # before stop_all reaps them
+        hard = process.stop_all([self.idents.get(n) for n in names], deadline_s=self.stop_timeout_s, codes=ended)
         self.stop_targets()
         if hard and not self.forced:
             self.progress.done(f"killed after {self.stop_timeout_s:.0f}s deadline: pids {hard}")
+        if names and all(ended.get(self.procs[n].pid) == 0 for n in names):    # the stop came after the last step
+            self.progress.done("every drafter had finished training")
+            return EXIT_DONE
         return EXIT_STOPPED
 
     def install_signal_handlers(self) -> None:

@@ -93,13 +93,15 @@ def when_ready(sup: Supervisor, run_dir: Path, named_here: bool, resume: bool):
 
 def run_supervised(sup: Supervisor, on_ready=lambda: None) -> tuple[int, str]:
     """Start every worker, wait until they are ready, supervise until the run ends. A failure
-    (a worker, a full disk...) stops every worker. Returns (exit code, reason of a failure)."""
+    (a worker, a full disk...) stops every worker. Returns (exit code, reason: a failure's, or why the
+    drafters stopped before the end)."""
     try:
         sup.start_all()
         sup.wait_ready()
         if not sup.stopping:
             on_ready()
-        return sup.supervise(), ""
+        code = sup.supervise()
+        return code, sup.stop_reason
     except RunFailed as exc:
         sup.progress.done(f"run failed: {exc}")
         sup.shutdown()

@@ -1,8 +1,11 @@
 """How a worker process ends: the same exit codes in every role (docs/operations.md, "Logs and exit codes").
 
-    0  finished, or stopped by a signal (a drafter saves its checkpoint first)
+    0  finished: a drafter's plan is done; a target stopped by a signal (it has no end of its own)
     1  crashed: anything unexpected; the traceback is in the log, its last line names the error
     2  config error: a bad config, checkpoint or handshake; one line says what, no traceback
+    3  stopped: a drafter stopped by a stop request before the end of training (its checkpoint
+       saved, or still starting: nothing to save); --resume continues, and the launcher records
+       the run as stopped, not finished
 
 143 is a hard exit (lifecycle.py: a stop signal from a second sender, or the stop deadline passed).
 """
@@ -13,7 +16,7 @@ import logging
 from services import lifecycle
 from services.config import ConfigError
 
-OK, CRASHED, CONFIG = 0, 1, 2
+OK, CRASHED, CONFIG, STOPPED = 0, 1, 2, 3
 
 log = logging.getLogger("worker")
 
@@ -24,12 +27,13 @@ def error_name(exc: BaseException) -> str:
     return f"{cls.__module__}.{cls.__qualname__}" if cls.__module__.split(".")[0] == "torch" else cls.__qualname__
 
 
-def exit_code(exc: BaseException, health=None) -> int:
-    """Log why the worker ends with `exc` and return its exit code; the health status says it too."""
+def exit_code(exc: BaseException, health=None, stopped: int = OK) -> int:
+    """Log why the worker ends with `exc` and return its exit code; the health status says it too.
+    stopped: the code of a stop while starting (a drafter's is STOPPED: its training did not end)."""
     if isinstance(exc, lifecycle.Stopped):      # stopped while starting (waiting for a target): nothing to save
         if health is not None:
             health.set(state="stopped")
-        return OK
+        return stopped
     if isinstance(exc, ConfigError):
         message, code = f"config error: {exc}", CONFIG
         log.error("%s", message)

@@ -1,7 +1,7 @@
 """The drafter worker: one GPU (or CPU slot), one torch.distributed rank among the drafters.
 
     starting -> loading -> compiling -> ready -> training -> stopped      (or failed)
-                                                     \\-> draining (SIGTERM: finish the step, checkpoint, exit 0)
+                                                     \\-> draining (SIGTERM: finish the step, checkpoint, exit 3)
 
 DrafterWorker has the target worker's shape: setup() (config and checkpoint errors before any GPU
 work), train() (the loop), finish(); run() maps how it ended to an exit code (services/exits.py).
@@ -140,8 +140,8 @@ class DrafterWorker:
         return round(seconds, 3)
 
     # --- training ------------------------------------------------------------------------------
-    def train(self, stop: threading.Event) -> None:
-        """Train until the plan is done or a stop is asked on any rank, then finish."""
+    def train(self, stop: threading.Event) -> bool:
+        """Train until the plan is done or a stop is asked on any rank, then finish. True: the plan is done."""
         self.health.set(state="training")
         last, interrupted = time.perf_counter(), False
         for batch, waited in timed(self.batches):
@@ -154,6 +154,7 @@ class DrafterWorker:
             self.after_step(batch.g, m, waited_s=waited, compute_s=now - start, elapsed_s=now - last)
             last = now
         self.finish(completed=not interrupted)
+        return not interrupted
 
     def after_step(self, g: int, m: dict, waited_s: float, compute_s: float, elapsed_s: float) -> None:
         # loss, τ and tokens/s reach health with each metrics line (books), not per step: one
@@ -198,10 +199,9 @@ def run(args: argparse.Namespace, cfg: Config, workers_on_node: int) -> int:
     worker = DrafterWorker(args, cfg, device, health, workers_on_node)
     try:
         worker.setup()
-        worker.train(stop)
-        return exits.OK
-    except Exception as exc:                      # stopped while starting, a config error, or a crash
-        return exits.exit_code(exc, health)
+        return exits.OK if worker.train(stop) else exits.STOPPED     # stopped before the end: not finished
+    except Exception as exc:                      # stopped while starting (not finished), a config error, a crash
+        return exits.exit_code(exc, health, stopped=exits.STOPPED)
     finally:
         worker.close()
         health.close()

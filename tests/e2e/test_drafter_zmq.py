@@ -4,13 +4,16 @@ import json
 import signal
 import subprocess
 import sys
+import time
 from collections import Counter
 
 import pytest
 
+from services.config import load_config
 from services.demo import make_demo
 from services.drafter.ledger import read_all
-from services.endpoints import free_port
+from services.endpoints import endpoint, free_port
+from services.health import probe
 from services.log import events
 from tests.drafters import REPO, spawn
 
@@ -100,3 +103,23 @@ def test_a_drafter_whose_config_disagrees_with_its_target_refuses_to_train(tmp_p
     assert drafter.returncode == 2, err[-2000:]
     assert "disagree on seq_len: target 256, drafter 128" in err and "config_digest: target" in err
     assert not (tmp_path / "ledger").exists() or not read_all(tmp_path)
+
+
+def test_a_drafter_stopped_while_it_waits_for_its_target_exits_stopped(tmp_path, demo):
+    """No target yet: the drafter waits for target 0's info. A stop then is a stop before the end of
+    training too: exit 3 (exits.STOPPED), not the 0 that the launcher reads as a finished run."""
+    overrides = [*demo["overrides"], *SMALL]
+    drafter = spawn(tmp_path, "--num-targets", "1", *overrides, synthetic=False)
+    health = endpoint(tmp_path, load_config(None, overrides).transport, "drafter", 0, "health")
+    try:
+        deadline = time.monotonic() + 300
+        while (probe(health, 1.0)[1] or {}).get("waiting_for") != "target info":
+            assert time.monotonic() < deadline and drafter.poll() is None, drafter.stderr.read()[-2000:]
+            time.sleep(0.2)
+        drafter.send_signal(signal.SIGTERM)
+        out, err = drafter.communicate(timeout=60)
+    finally:
+        drafter.kill()
+    assert drafter.returncode == 3, err[-2000:]
+    assert "SIGTERM: finishing the current step" in err and "Traceback" not in err, err[-2000:]
+    assert not events(out, "stopped") and not (tmp_path / "export").exists()     # nothing trained, nothing exported

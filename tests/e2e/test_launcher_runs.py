@@ -330,3 +330,82 @@ def test_each_drafter_group_meets_in_a_fresh_store_across_launches(tmp_path):
             path.write_bytes(b"stale keys")  # what a killed group leaves behind
             used.append(path)
     assert oct(used[0].parent.stat().st_mode & 0o777) == "0o700"
+
+
+# --- how a run ends: finished only when the drafters reached their last step ----------------------------
+
+WAITS = [sys.executable, "-c", "import time; time.sleep(600)"]      # a worker that never answers health
+
+
+def ending_supervisor(run_dir: Path, drafters: list[str], spec: str = "0:target,1-2:drafter", host: str = "",
+                      overrides: tuple = ()):
+    """A Supervisor whose target waits and whose drafter rank r runs the Python code drafters[r]."""
+    from launcher.supervisor import Supervisor
+    from launcher.topology import parse_gpu_spec
+    from services.config import load_config
+
+    class Ending(Supervisor):
+        def argv(self, w):
+            return WAITS if w.role == "target" else [sys.executable, "-c", drafters[w.rank]]
+    return Ending(run_dir, load_config(None, list(overrides)), parse_gpu_spec(spec), "cpu", host=host,
+                  ready_timeout_s=60, stop_timeout_s=30)
+
+
+@pytest.mark.parametrize("codes, exit_code, state, reason", [
+    ((3, 3), 3, "stopped", "drafter-0, drafter-1 stopped before the end of training (a stop request sent to it)"),
+    ((0, 3), 3, "stopped", "drafter-1 stopped before the end of training (a stop request sent to it)"),
+    ((0, 0), 0, "finished", ""),           # e.g. --resume of a finished run: load the last step, export, exit 0
+])
+def test_drafters_that_end_before_they_are_seen_ready(tmp_path, codes, exit_code, state, reason):
+    """A drafter that exits 3 (exits.STOPPED) before the launcher saw it ready has stopped: the run
+    is stopped, not "failed while starting" and not finished; only exit 0 from all of them finishes it."""
+    from launcher.cli import run_supervised
+    sup = ending_supervisor(tmp_path, [f"import sys; sys.exit({c})" for c in codes])
+    code, why = run_supervised(sup)
+    sup.record_outcome(code, why)
+    outcome = json.loads((tmp_path / "run.json").read_text())["outcome"]
+    assert (code, outcome["state"], outcome["exit"], outcome["reason"]) == (exit_code, state, exit_code, reason)
+    assert all(p.poll() is not None for p in sup.procs.values())      # the target was stopped too
+
+
+SIGTERM_EXITS = "import signal, sys, time; signal.signal(signal.SIGTERM, lambda *_: sys.exit({})); time.sleep(600)"
+
+
+@pytest.mark.parametrize("drafter, exit_code", [
+    (SIGTERM_EXITS.format(3), 3),          # stopped mid-run: checkpoint, exit 3
+    ("import sys; sys.exit(0)", 0),        # the drafters had finished before the stop: training is done
+], ids=["stopped-mid-run", "finished-before-the-stop"])
+def test_a_stop_of_the_launcher_is_stopped_unless_training_had_ended(tmp_path, drafter, exit_code):
+    sup = ending_supervisor(tmp_path, [drafter, drafter])
+    sup.start_all()
+    if exit_code == 0:
+        for w in sup.local:
+            if w.role == "drafter":
+                sup.procs[w.name].wait(timeout=60)
+    else:
+        time.sleep(1.0)                     # the handlers are installed
+    sup.stopping = True                     # what SIGTERM/SIGINT to the launcher sets
+    assert sup.supervise() == exit_code
+    assert not any(process.alive(ident) for ident in sup.idents.values())
+
+
+@pytest.mark.parametrize("step, exit_code", [(37, 3), (150, 0)])
+def test_a_host_with_targets_only_ends_as_the_remote_drafters_did(tmp_path, step, exit_code):
+    """The drafters' host reports "stopped" both at the end and after a stop: the target host
+    reads the last step from that status, so a run stopped at step 37/150 is stopped there too."""
+    from launcher.topology import host_overrides, parse_gpu_spec
+    from services.endpoints import endpoint, free_port
+    from services.health import HealthServer
+    spec = "0:target@127.0.0.1,0:drafter@127.0.0.2"
+    overrides = (*host_overrides(parse_gpu_spec(spec)), f"transport.base_port={free_port() // 1024 * 1024 % 40000 + 20000}")
+    sup = ending_supervisor(tmp_path, [], spec=spec, host="127.0.0.1", overrides=overrides)
+    remote = HealthServer(endpoint(tmp_path, sup.cfg.transport, "drafter", 0, "health"), "drafter", 0, 0)
+    try:
+        remote.set(state="stopped", step=step, total_steps=150)
+        sup.start_all()
+        assert sup.supervise() == exit_code
+    finally:
+        remote.close()
+    assert sup.stop_reason == ("" if exit_code == 0 else
+                               "drafter-0 at step 37/150 stopped before the end of training (seen from this host)")
+    assert sup.procs["target-0"].poll() is not None

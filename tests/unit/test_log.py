@@ -75,6 +75,8 @@ def test_one_exit_code_per_outcome_and_health_says_why(streams):
     _, err = streams
     health = Health()
     assert exits.exit_code(lifecycle.Stopped(), health) == exits.OK == 0
+    # a drafter stopped while starting has not finished training: stopped, like a stop mid-run
+    assert exits.exit_code(lifecycle.Stopped(), health, stopped=exits.STOPPED) == exits.STOPPED == 3
     assert exits.exit_code(ConfigError("drafter.block_size must be >= 2"), health) == exits.CONFIG == 2
     assert err.getvalue().splitlines()[-1].endswith("error config error: drafter.block_size must be >= 2")
     assert "Traceback" not in err.getvalue()
@@ -83,5 +85,5 @@ def test_one_exit_code_per_outcome_and_health_says_why(streams):
     except KeyError as exc:
         assert exits.exit_code(exc, health) == exits.CRASHED == 1
     assert "Traceback" in err.getvalue() and err.getvalue().splitlines()[-1].endswith("error KeyError: 'x'")
-    assert health.states == ["stopped", "failed", "failed"]
+    assert health.states == ["stopped", "stopped", "failed", "failed"]
     assert health.errors == ["config error: drafter.block_size must be >= 2", "KeyError: 'x'"]

@@ -104,6 +104,8 @@ def test_targets_restart_alone_and_drafters_as_a_group(tmp_path):
     drafter = dict(_directives(out / "dflash-drafter@.service"))
     assert drafter["Restart"] == "no"                                   # never alone
     assert drafter["OnFailure"] == "dflash-drafters-restart.service"
+    assert drafter["SuccessExitStatus"] == "3"       # stopped before the end (exits.STOPPED): no group restart
+    assert "SuccessExitStatus" not in target          # a target's stop exits 0
     assert drafter["PartOf"] == "dflash-drafters.target"                # group restart reaches every rank
     assert "dflash-drafters.target" in drafter["After"].split()         # all stop before any starts
 
