@@ -359,7 +359,7 @@ def ending_supervisor(run_dir: Path, drafters: list[str], spec: str = "0:target,
 def test_drafters_that_end_before_they_are_seen_ready(tmp_path, codes, exit_code, state, reason):
     """A drafter that exits 3 (exits.STOPPED) before the launcher saw it ready has stopped: the run
     is stopped, not "failed while starting" and not finished; only exit 0 from all of them finishes it."""
-    from launcher.cli import run_supervised
+    from launcher.up import run_supervised
     sup = ending_supervisor(tmp_path, [f"import sys; sys.exit({c})" for c in codes])
     code, why = run_supervised(sup)
     sup.record_outcome(code, why)
