@@ -8,7 +8,8 @@
    composite Qwen3_5ForConditionalGeneration checkpoint, like the real Qwen3.6-27B) with the demo's
    tokenizer, and the demo's chat data (short documents: about 160 per 8192-token row).
 2. A, the target alone: the worker's own capture path (load_target, the packed data cache,
-   capture_to_host) on the first rows of the same data, on GPU 0. B, the drafter alone, comes from
+   target.compile as the run's config sets it, capture_to_host) on the first rows of the same
+   data, on GPU 0. B, the drafter alone, comes from
    a bench/drafter_step.py JSON of the same call when given (--drafter-json).
 3. The service: `launcher up --gpus SPEC` (with --share-gpus when a GPU holds both roles).
 It prints trained tok/s in steady state (metrics after --skip steps), the drafter data-wait, and
@@ -76,9 +77,11 @@ def target_alone(overrides: list[str], work: Path, rows: int, warmup: int) -> di
     from services.target.packing import open_or_build
     cfg = load_config(None, overrides)
     device = "cuda:0" if torch.cuda.is_available() else "cpu"
+    from services.target.compiled import compile_and_warm_up
     target = load_target(cfg.target, device, num_draft_layers=cfg.drafter.num_layers)
     tokenizer = AutoTokenizer.from_pretrained(cfg.target.model_path)
     data = open_or_build(cfg, work / "alone", tokenizer, target.info.vocab_size)
+    compile_and_warm_up(target, cfg.target.compile, data.pack_len, cfg.target.labels_from_target)   # as the worker does
     out = torch.empty(data.pack_len, target.info.hidden_width, dtype=torch.bfloat16, device=device)
     docs = tokens = 0
     for g in range(warmup + rows):
@@ -92,7 +95,8 @@ def target_alone(overrides: list[str], work: Path, rows: int, warmup: int) -> di
             docs += int(row["document_ids"].max()) + 1
     sync()
     seconds = time.perf_counter() - start
-    result = {"tok_s": tokens / seconds, "rows": rows, "docs_per_row": docs / rows, "path": target.path}
+    result = {"tok_s": tokens / seconds, "rows": rows, "docs_per_row": docs / rows, "path": target.path,
+              "compiled": bool(target.compiled)}
     del target, out
     torch.cuda.empty_cache()
     return result
