@@ -4,8 +4,9 @@
 
 Prints one JSON line: the target's capture rate A and the drafter's training rate B, both in
 real (non-padding) tokens per second, measured one after the other on the same device:
-  A  the target worker's own path (load_target, the packed rows of data.path, CaptureRing-free
-     capture_to_host) for about --seconds, after two warm-up rows;
+  A  the target worker's own path (load_target with the config's target.quantize, target.compile
+     as the worker applies it, the packed rows of data.path, CaptureRing-free capture_to_host) for
+     about --seconds, after two warm-up rows;
   B  the drafter's real train step (compiled as in training) on rows of the same shape for about
      --seconds, counted in the data's mean real tokens per row, since a row costs the drafter
      the same whatever its padding.
@@ -43,12 +44,14 @@ def target_rate(cfg, device: torch.device, seconds: float, work: Path) -> dict:
     from transformers import AutoTokenizer
 
     from services import runspec
+    from services.target.compiled import compile_and_warm_up
     from services.target.model import capture_to_host, load_target
     from services.target.packing import open_or_build
     spec = runspec.resolve(cfg)
     target = load_target(spec.target_config(cfg), device)
     tokenizer = AutoTokenizer.from_pretrained(cfg.target.model_path)
     data = open_or_build(cfg, work, tokenizer, spec.target.vocab_size, log=lambda msg: None)
+    compile_s = compile_and_warm_up(target, cfg.target.compile, data.pack_len, cfg.target.labels_from_target)
     rows = data.num_batches("train")
     out = (torch.empty(data.pack_len, target.info.hidden_width, dtype=torch.bfloat16, device=device)
            if device.type == "cuda" else None)
@@ -61,7 +64,8 @@ def target_rate(cfg, device: torch.device, seconds: float, work: Path) -> dict:
     n, elapsed = _timed_loop(step, seconds)
     tokens = sum(real[-n:])
     result = {"tok_s": tokens / elapsed, "rows": n, "mean_real_tokens": tokens / n, "path": target.path,
-              "pack_len": data.pack_len}
+              "pack_len": data.pack_len, "compiled": bool(target.compiled), "compile_s": round(compile_s, 1),
+              "quantize": cfg.target.quantize}
     return result
 
 
