@@ -77,9 +77,11 @@ def digest(picked: dict) -> str:
 
 @dataclass(frozen=True)
 class HeldOut:
-    """Which data is held out: data.eval_path; else a data.eval_fraction of the documents of data.path
-    (the lines that tokenize; at least one, never all), picked by indices(); else none. The packed
-    data (services/target/packing.py) and the eval's prompts read it from here."""
+    """Which data is held out: data.eval_path; else a data.eval_fraction of the non-blank lines of
+    data.path, by line number (lines(); at least one, never all): a held-out line that is bad is
+    missing from the packed eval split and from the eval's prompts alike, and no other line moves
+    in or out because of it; else none. The packed data (services/target/packing.py) and the eval's
+    prompts read it from here."""
     source: str          # "data.eval_path" | "data.eval_fraction" | "" (no held-out split)
     path: str            # the file the split is, or is cut from
     fraction: float
@@ -99,10 +101,14 @@ class HeldOut:
         return bool(self.source)
 
     def indices(self, count: int) -> list[int]:
-        """Which of `count` documents (count > 1) are held out under data.eval_fraction, sorted."""
+        """Which of `count` items (count > 1) are held out under data.eval_fraction, sorted."""
         import numpy as np
         n_eval = min(count - 1, max(1, round(self.fraction * count)))
         return sorted(np.random.default_rng([self.seed, _EVAL_SALT]).permutation(count)[:n_eval].tolist())
+
+    def lines(self, line_numbers: list[int]) -> set[int]:
+        """The held-out ones of data.path's non-blank line numbers (services/target/data.nonblank_lines)."""
+        return {line_numbers[i] for i in self.indices(len(line_numbers))} if len(line_numbers) > 1 else set()
 
 
 # --- the target's config.json ----------------------------------------------------------------------

@@ -232,6 +232,22 @@ def _lines(f, max_line_bytes: int):
         yield lineno, None
 
 
+def nonblank_lines(path: str | Path, max_line_bytes: int = 8 << 20) -> list[tuple[int, str | None]]:
+    """(line number, text) of every line of a JSONL file that read_documents does not skip as blank,
+    numbered as read_documents numbers them; text None for a line that is too long or not UTF-8
+    (a bad line). The held-out split is taken over these (runspec.HeldOut.lines)."""
+    lines = []
+    with open(path, "rb") as f:
+        for lineno, raw in _lines(f, max_line_bytes):
+            try:
+                text = raw.decode("utf-8") if raw is not None else None
+            except UnicodeDecodeError:
+                text = None
+            if text is None or text.strip():
+                lines.append((lineno, text))
+    return lines
+
+
 def read_documents(path: str | Path, tokenizer, vocab_size: int, on_bad: str, bad: BadSamples,
                    max_line_bytes: int = 8 << 20, max_doc_tokens: int = 0) -> list[Document]:
     """Every non-blank line of a JSONL file -> Document. Bad lines: raise (fail) or count in `bad` (skip)."""

@@ -6,8 +6,8 @@ Rules:
     (positions restart at 0; it does not see the piece before it). Pieces are kept even if
     they hold no supervised token (they simply get no anchors).
   - Eval split (services/runspec.py HeldOut): data.eval_path if set, else a data.eval_fraction of
-    the documents of data.path (at least one when the fraction is > 0), chosen by a permutation
-    seeded with run.seed.
+    the non-blank lines of data.path by line number (at least one when the fraction is > 0),
+    chosen by a permutation seeded with run.seed; a held-out line that is bad holds nothing out.
   - Packing: documents, in an order shuffled with run.seed (file order if data.shuffle is off),
     go best-fit into rows: each into the row with the least room that still fits it, else a
     new row. Rows keep their documents' order of arrival.
@@ -48,9 +48,9 @@ from services import runspec
 from services.batch import SPLITS, token_digest
 from services.config import Config
 from services.files import sha256_file
-from services.target.data import BadSamples, DataError, Document, read_documents
+from services.target.data import BadSamples, DataError, Document, nonblank_lines, read_documents
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2          # 2: the held-out split by line number (runspec.HeldOut.lines)
 _PACK_SALT = 0x9AC4
 
 
@@ -131,19 +131,20 @@ def _pack_split(docs: list[Document], cfg: Config, prefix: str) -> dict[str, np.
 
 def heldout_chats(cfg: Config, limit: int) -> list[list[dict]]:
     """Up to `limit` conversations of the held-out split (runspec.HeldOut), each cut before its last
-    assistant turn: the prompts of real acceptance (services/drafter/speculative.py). The split's
-    indices are taken over the file's non-blank lines here, over its documents in build_index:
-    the same when no line is skipped as bad. Without a held-out split: the last lines of data.path.
-    Pre-tokenized lines carry no prompt and are skipped."""
+    assistant turn: the prompts of real acceptance (services/drafter/prompts.py). The split is by
+    line number, as in build_index, so the prompts are the packed eval split's chat documents, bad
+    lines or not. Without a held-out split: the last lines of data.path. Pre-tokenized lines carry
+    no prompt and are skipped."""
     from services.target.data import normalize_messages
     held_out = runspec.HeldOut.of(cfg)
-    lines = [t for t in Path(held_out.path or cfg.data.path).read_text(encoding="utf-8").splitlines() if t.strip()]
-    if held_out.source == "data.eval_fraction" and len(lines) > 1:
-        lines = [lines[i] for i in held_out.indices(len(lines))]
+    lines = nonblank_lines(held_out.path or cfg.data.path, cfg.data.max_line_bytes)
+    if held_out.source == "data.eval_fraction":
+        chosen = held_out.lines([n for n, _ in lines])
+        lines = [(n, text) for n, text in lines if n in chosen]
     elif held_out.source != "data.eval_path":
         lines = lines[::-1]
     chats = []
-    for text in lines:
+    for _, text in lines:
         if len(chats) >= limit:
             break
         try:
@@ -165,10 +166,10 @@ def build_index(cfg: Config, tokenizer, vocab_size: int) -> tuple[dict[str, np.n
     held_out = runspec.HeldOut.of(cfg)
     if held_out.source == "data.eval_path":
         evals = read_documents(held_out.path, tokenizer, vocab_size, d.on_bad_sample, bad, **limits)
-    elif held_out.source == "data.eval_fraction" and len(train) > 1:
-        chosen = set(held_out.indices(len(train)))
-        evals = [doc for i, doc in enumerate(train) if i in chosen]
-        train = [doc for i, doc in enumerate(train) if i not in chosen]
+    elif held_out.source == "data.eval_fraction":     # by line number: a bad line moves no other line
+        chosen = held_out.lines([n for n, _ in nonblank_lines(d.path, d.max_line_bytes)])
+        evals = [doc for doc in train if doc.line in chosen]
+        train = [doc for doc in train if doc.line not in chosen]
     else:
         evals = []
     if not train:

@@ -237,21 +237,29 @@ def test_the_block_size_is_the_drafters_everywhere(tmp_path, tok_dir):
     assert spec.block_size == spec.model().block_size == verify_limits(cfg, spec).max_block == 4
 
 
-def test_the_held_out_split_is_the_specs(data_file, tokenizer):
-    """The packed eval split and the eval's prompts are the documents HeldOut.indices picks."""
-    from services.target.data import BadSamples, read_documents
+def test_the_held_out_split_is_the_specs(data_file, tokenizer, tmp_path):
+    """The packed eval split and the eval's prompts are the lines HeldOut.lines picks, by line
+    number: a bad line (here the file's first, blank lines around it) moves no other line."""
+    from services.target.data import BadSamples, nonblank_lines, read_documents
     from services.target.packing import heldout_chats
-    cfg = load_config(None, [f"data.path={data_file}", "data.pack_len=4096", "data.eval_fraction=0.1",
+    good = data_file.read_text().splitlines()
+    path = tmp_path / "with-bad.jsonl"
+    path.write_text("not json\n\n" + "\n".join(good) + "\n")
+    cfg = load_config(None, [f"data.path={path}", "data.pack_len=4096", "data.eval_fraction=0.1",
                              'data.on_bad_sample="skip"'])
     held_out = runspec.HeldOut.of(cfg)
     assert runspec.HeldOut(**json.loads(json.dumps(dataclasses.asdict(held_out)))) == held_out
-    docs = read_documents(str(data_file), tokenizer, VOCAB, "skip", BadSamples())
-    picked = held_out.indices(len(docs))
+    numbers = [n for n, _ in nonblank_lines(path)]
+    assert numbers == [1] + list(range(3, len(good) + 3))          # the blank line 2 is no line of the split
+    chosen = held_out.lines(numbers)
+    docs = {d.line: d for d in read_documents(str(path), tokenizer, VOCAB, "skip", BadSamples())}
     tensors, meta = build_index(cfg, tokenizer, VOCAB)
-    assert int(meta["eval_samples"]) == len(picked) == 12
-    lines = data_file.read_text().splitlines()
-    expected = [json.loads(lines[i])["messages"][:-1] for i in picked[:3]]
-    assert heldout_chats(cfg, 3) == expected
+    assert meta["bad_samples"] == "1"
+    assert int(meta["eval_samples"]) == len(chosen - {1}) == sum(1 for n in chosen if n in docs) > 3
+    expected = [json.loads(path.read_text().splitlines()[n - 1])["messages"][:-1] for n in sorted(chosen - {1})]
+    assert heldout_chats(cfg, len(expected)) == expected
+    if 1 in chosen:                                                  # the bad line was drawn: it holds nothing
+        assert len(chosen - {1}) == len(chosen) - 1
 
 
 @pytest.mark.slow
