@@ -18,10 +18,9 @@ Policy (docs/operations.md):
   signal during the stop kills every worker at once (a stuck stop would otherwise wait out
   --stop-timeout), but only from a person: 2 s or more after the first, and not from a sender
   that sent that signal already (services/lifecycle.py, StopRequests);
-- all drafters exit 0: training is done; targets are stopped, exit 0. Drafters that exit
-  services.exits.STOPPED (3: a stop request sent to a drafter itself, which stops its whole
-  group) stopped before the end: targets are stopped, exit 3, as for a stop of the launcher.
-  A run is "finished" exactly when its drafters exit 0 (reached the last step), stop or not.
+- all drafters exit 0 (the last step reached, stop or not): finished, targets stopped, exit 0;
+  drafters that exit services.exits.STOPPED (3: a stop sent to a drafter itself stops its group)
+  stopped before the end: targets stopped, exit 3, as for a stop of the launcher.
 
 Across hosts every launcher supervises the workers of its own host. A host with targets only
 ends when every (remote) drafter has reported "stopped" or stayed unreachable for REMOTE_GONE_S:
@@ -43,11 +42,10 @@ from launcher.causes import exit_cause, read_log
 from launcher.progress import ProgressLine
 from launcher.topology import Worker, count
 from services import curve
-from services.files import cpu_share
 from services.config import Config
 from services.endpoints import endpoint, socket_dir
 from services.exits import STOPPED as DRAFTER_STOPPED
-from services.files import write_json_atomic
+from services.files import cpu_share, write_json_atomic
 from services.health import probe
 from services.lifecycle import StopRequests, describe, watch_with_sender
 
