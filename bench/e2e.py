@@ -45,7 +45,7 @@ def make_assets(work: Path, shape: str, conversations: int, layers: int = 0) -> 
     import torch
     from transformers import AutoModelForCausalLM
     from transformers.models.qwen3_5 import Qwen3_5ForConditionalGeneration
-    from services.demo import make_demo
+    from services.tools.demo import make_demo
     demo = make_demo(work / "demo", num_conversations=conversations)
     model_dir = work / (f"{shape}-random" + (f"-{layers}layers" if layers else ""))
     if not (model_dir / "config.json").exists():

@@ -1,6 +1,6 @@
 """`launcher plan`: how to split N GPUs between the roles, from what one GPU does in each.
 
-The measurement runs in a child process (services/measure_roles.py: torch stays out of the
+The measurement runs in a child process (services/tools/measure_roles.py: torch stays out of the
 launcher); the split is plain arithmetic. With T target GPUs and N - T drafter GPUs on separate GPUs, the
 service trains min(T x A, (N - T) x B) tokens per second: the slower side bounds it
 (docs/benchmarks.md measured the service at 0.99-1.01 of that bound on one and two H200s).
@@ -29,7 +29,7 @@ def best(rows: list[dict]) -> dict:
 
 
 def measure(config: str | None, device: str, seconds: float, overrides: list[str]) -> dict:
-    cmd = [sys.executable, "-m", "services.measure_roles", "--device", device, "--seconds", str(seconds), *overrides]
+    cmd = [sys.executable, "-m", "services.tools.measure_roles", "--device", device, "--seconds", str(seconds), *overrides]
     if config:
         cmd[3:3] = ["--config", config]
     out = subprocess.run(cmd, capture_output=True, text=True)

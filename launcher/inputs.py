@@ -15,7 +15,7 @@ from launcher.report import describe_data
 from services.files import write_json_atomic
 from services import runspec
 
-DEMOS = ("dense", "hybrid")          # services.demo.VARIANTS (the launcher never imports torch)
+DEMOS = ("dense", "hybrid")          # services.tools.demo.VARIANTS (the launcher never imports torch)
 
 
 def with_local_model(cfg):
@@ -63,7 +63,7 @@ def make_demo(device: str, variant: str = "dense") -> list[str]:
     """Build (or reuse, from the demo cache) the demo model and data in a child process (torch
     stays out of the launcher); its config suits the device (bfloat16 target on cuda).
     variant: dense (a Qwen3) or hybrid (a Qwen3.5-family Gated DeltaNet)."""
-    out = subprocess.run([sys.executable, "-m", "services.demo", "--device", device, "--variant", variant],
+    out = subprocess.run([sys.executable, "-m", "services.tools.demo", "--device", device, "--variant", variant],
                          capture_output=True, text=True)
     if out.returncode != 0:
         raise UsageError(f"building the demo failed:\n{out.stderr[-2000:]}")

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from services.demo import build_tokenizer, conversations
+from services.tools.demo import build_tokenizer, conversations
 
 
 # `launcher up --demo` builds the demo once per cache and reuses it: one cache for this test

@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 from transformers import AutoTokenizer
 
 from services.config import load_config
-from services.demo import make_demo
+from services.tools.demo import make_demo
 from services.target.data import has_generation_markers
 from services.target.model import load_target
 from services.target.packing import open_or_build
@@ -43,7 +43,7 @@ def test_demo_is_deterministic_and_idempotent(tmp_path):
 
 
 def test_demo_cli_prints_one_json_line(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "services.demo", "--out", str(tmp_path / "d"), "--conversations", "50",
+    out = subprocess.run([sys.executable, "-m", "services.tools.demo", "--out", str(tmp_path / "d"), "--conversations", "50",
                           "--target-steps", "0"],
                          cwd=REPO, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
@@ -83,7 +83,7 @@ def test_hybrid_demo_is_a_composite_checkpoint_whose_trained_weights_the_target_
     """The hybrid demo: Qwen3_5ForConditionalGeneration on disk (text_config + vision_config, keys
     under model.language_model. / model.visual.), and the target's loader returns the text model
     with the trained weights (not freshly initialized ones where a key prefix was missed)."""
-    from services.demo import build_model, conversations, torch_linear_attention, train_target
+    from services.tools.demo import build_model, conversations, torch_linear_attention, train_target
     from services.target.model import load_hf_model
     demo = make_demo(tmp_path / "hybrid", num_conversations=N, target_steps=3, variant="hybrid")
     config = json.loads(Path(demo["model_path"], "config.json").read_text())

@@ -10,7 +10,7 @@ from collections import Counter
 import pytest
 
 from services.config import load_config
-from services.demo import make_demo
+from services.tools.demo import make_demo
 from services.drafter.ledger import read_all
 from services.endpoints import endpoint, free_port
 from services.health import probe

@@ -116,7 +116,7 @@ def poisoned_demo_target(out: Path, layer: int) -> Path:
     import torch
     from safetensors.torch import load_file, save_file
 
-    from services.demo import cache_dir, make_demo
+    from services.tools.demo import cache_dir, make_demo
     model = Path(make_demo(cache_dir())["model_path"])
     shutil.copytree(model, out)
     (weights,) = out.glob("*.safetensors")
@@ -186,7 +186,7 @@ def test_an_error_for_a_batch_that_exists_is_dropped_and_asked_again(tmp_path):
     import threading
 
     from services.batch import token_digest
-    from services.demo import make_demo
+    from services.tools.demo import make_demo
     from services.drafter.source import SourceError, ZmqSource
     from services.target.packing import PackedData
     from services.transport import BatchServer

@@ -10,7 +10,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from services.demo import make_demo
+from services.tools.demo import make_demo
 from tests.unit.test_docs import quickstart_block
 
 REPO = Path(__file__).resolve().parents[2]

@@ -14,7 +14,7 @@ import zmq
 from transformers import AutoTokenizer
 
 from services.config import load_config
-from services.demo import make_demo
+from services.tools.demo import make_demo
 from services.endpoints import endpoint
 from services.health import probe
 from services import log

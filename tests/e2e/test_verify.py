@@ -25,7 +25,7 @@ import zmq
 from services import wire
 from services.batch_client import BatchClient
 from services.config import load_config
-from services.demo import make_demo
+from services.tools.demo import make_demo
 from services.drafter.remote_eval import RemoteSpecEval
 from services.drafter.spec_eval import SpecEval
 from services.drafter.target_head import from_target

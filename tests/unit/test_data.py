@@ -6,7 +6,7 @@ import json
 import numpy as np
 import pytest
 
-from services.demo import CHAT_TEMPLATE, conversations
+from services.tools.demo import CHAT_TEMPLATE, conversations
 from services.target.data import BadSamples, DataError, chat_tokens, has_generation_markers, read_documents
 
 VOCAB = 4096

@@ -13,7 +13,7 @@ from safetensors.numpy import load_file
 from transformers import AutoTokenizer
 
 from services.config import load_config
-from services.demo import conversations
+from services.tools.demo import conversations
 from services.target.data import DataError, Document
 from services.target.packing import cache_key, open_or_build, pack_rows, split_document
 

@@ -144,7 +144,7 @@ def demo_rows(tmp_path_factory):
     from transformers import AutoTokenizer
 
     from services.config import load_config
-    from services.demo import make_demo
+    from services.tools.demo import make_demo
     from services.target.packing import open_or_build
 
     tmp = tmp_path_factory.mktemp("demo")

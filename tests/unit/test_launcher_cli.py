@@ -179,7 +179,7 @@ def test_plaintext_tcp_off_loopback_is_refused_and_on_loopback_warned(tmp_path):
 def test_demo_takes_an_optional_variant_and_names_a_bad_one():
     from launcher.inputs import DEMOS
     from launcher.parser import build_parser
-    from services.demo import VARIANTS
+    from services.tools.demo import VARIANTS
     assert DEMOS == VARIANTS                  # the launcher's copy of the list (it never imports torch)
     parser = build_parser()
     demo = lambda *argv: parser.parse_args(["up", "--gpus", "0:target", *argv]).demo    # noqa: E731

@@ -12,7 +12,7 @@ import pytest
 from launcher.gpu_split import describe, plan_gpus
 from launcher.preflight import resumed_line
 from launcher.report import describe_spec
-from services.demo import demo_overrides
+from services.tools.demo import demo_overrides
 
 ROOT = Path(__file__).resolve().parents[2]
 CHAT = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello there"}]}

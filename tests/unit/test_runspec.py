@@ -9,7 +9,7 @@ import pytest
 
 from services import runspec
 from services.config import BATCH_KINDS, SECTIONS, _section_class, load_config
-from services.demo import conversations
+from services.tools.demo import conversations
 from services.drafter.checkpoint_compat import RUN_FIELDS
 from services.handshake import batch_config_digest
 from services.target.packing import build_index, cache_key

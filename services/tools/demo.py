@@ -1,7 +1,7 @@
 """A self-contained demo: a tiny target trained on the spot on its data, a tokenizer trained on
 the spot, and a synthetic chat dataset whose assistant replies follow learnable patterns.
 
-    from services.demo import make_demo
+    from services.tools.demo import make_demo
     demo = make_demo(cache_dir())                        # dict(model_path, data_path, overrides)
     demo = make_demo(cache_dir("hybrid"), variant="hybrid")
 
@@ -269,9 +269,9 @@ def _build(out: Path, seed: int, num_conversations: int, target_steps: int, vari
 
 
 def main(argv=None) -> None:
-    """python -m services.demo --out DIR: build (or reuse) the demo; print the result as one JSON line."""
+    """python -m services.tools.demo --out DIR: build (or reuse) the demo; print the result as one JSON line."""
     import argparse
-    p = argparse.ArgumentParser(prog="python -m services.demo", description=main.__doc__)
+    p = argparse.ArgumentParser(prog="python -m services.tools.demo", description=main.__doc__)
     p.add_argument("--out", default=None, help="where to build it (default: the demo cache, "
                    "$DFLASH_CACHE_DIR/demo-v<N>[-hybrid], else ~/.cache/dflash/demo-v<N>[-hybrid])")
     p.add_argument("--variant", choices=VARIANTS, default="dense",

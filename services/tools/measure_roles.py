@@ -1,6 +1,6 @@
 """Measure what one GPU does in each role, on the user's own model and data (`launcher plan`).
 
-    python -m services.measure_roles --config FILE [--device cuda] [--seconds 60] [section.key=value ...]
+    python -m services.tools.measure_roles --config FILE [--device cuda] [--seconds 60] [section.key=value ...]
 
 Prints one JSON line: the target's capture rate A and the drafter's training rate B, both in
 real (non-padding) tokens per second, measured one after the other on the same device:
@@ -87,7 +87,7 @@ def drafter_rate(cfg, device: torch.device, seconds: float, mean_real_tokens: fl
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m services.measure_roles", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m services.tools.measure_roles", description=__doc__.split("\n")[0])
     p.add_argument("--config")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     p.add_argument("--seconds", type=float, default=60.0, help="time each role about this long")
