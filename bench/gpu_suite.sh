@@ -2,7 +2,10 @@
 # The GPU figures in docs/benchmarks.md come from this script, run on the device host:
 #   bash bench/gpu_suite.sh PART...   (logs and JSON under $OUT, default ./bench-out)
 # Parts: checks drafter target8b target8k target32b large transport transportq isolation e2e
-#        hybridtests hybrid hybridnofla ckptstall demo demohybrid fp32 e2ex2 e2ehybrid (the last two need nvidia-h200-x2)
+#        hybridtests hybrid hybridnofla ckptstall demo demohybrid fp32 compiletests compiled27 compiled8
+#        precision27 e2eeval e2ex2 e2ehybrid (the last two need nvidia-h200-x2)
+# compiled27 / compiled8: target.compile side by side with the eager layers; precision27: bf16 vs FP8;
+# e2eeval: the 27B hybrid shape through the service with the real-acceptance eval on (on vs off).
 # demo / demohybrid: the README demo (and the hybrid demo) with --device cuda end to end, from a fresh
 # demo cache and run dir under /tmp; fp32: the demo's target in float32 on CUDA (per-document SDPA), briefly.
 # pyzmq is not on the GPU image: a wheel in .whl/ is installed into /tmp/site when present.
@@ -40,6 +43,16 @@ for part in "$@"; do case $part in
                   --iters 3 --out "$OUT/target_hybrid.json" ;;
   hybridnofla) run target_hybrid_nofla 300 python3 bench/target_capture.py --shapes 27b-hybrid --seq 8192 \
                   --mixes single,medium --iters 1 --warmup 1 --no-fla --out "$OUT/target_hybrid_nofla.json" ;;
+  compiletests) run compile_tests 300 python3 -m pytest -q -x -s tests/unit/test_target_compiled.py tests/unit/test_target_fp8.py ;;
+  compiled27) run compiled_27b 300 python3 bench/target_capture.py --shapes 27b-hybrid --seq 8192 --mixes single,short \
+                  --compile --recompile-rows 10 --iters 4 --out "$OUT/compiled_27b.json" ;;
+  compiled8)  run compiled_8b 200 python3 bench/target_capture.py --shapes 8b --seq 8192 --mixes short --compile \
+                  --recompile-rows 10 --iters 4 --out "$OUT/compiled_8b.json" ;;
+  precision27) run precision_27b 400 python3 bench/target_precision.py --shape 27b-hybrid --seq 8192 --mixes short \
+                  --compile --iters 4 --out "$OUT/precision_27b.json" ;;
+  e2eeval)    run e2e_eval 570 python3 bench/e2e.py --gpus 0:target,0:drafter --share-gpus --shape 27b-hybrid --work /tmp/e2e27b \
+                  --layers 32 --steps 30 --skip 3 --eval-every 10 --spec-prompts 4 --no-alone --conversations 20000 \
+                  --timeout 420 --out "$OUT/e2e_eval.json" ;;
   demo)       demo demo 560 "" ;;
   demohybrid) demo demo_hybrid 560 hybrid ;;
   fp32)       demo demo_fp32 400 "" target.dtype=float32 run.max_steps=40 run.spec_eval_prompts=8 ;;
