@@ -86,7 +86,7 @@ def compile_and_warm_up(target, setting: str, pack_len: int, with_labels: bool, 
     except Exception as exc:
         if setting == "on":
             raise
-        target.slot.compiled, target.compiled = False, ""
+        target.slot.compiled = False
         log.warning("target.compile=auto: compiling the layers failed (%s: %s); capturing with the eager layers",
                     type(exc).__name__, str(exc).splitlines()[0][:300] if str(exc) else "")
         return time.perf_counter() - start

@@ -133,17 +133,14 @@ class DecodeSession:
         input_ids = torch.tensor([ids], dtype=torch.long, device=device)
         positions = torch.arange(self.length, self.length + n, device=device)[None]
         features = torch.empty(n, t.info.hidden_width, dtype=t.model.dtype, device=device)
-        slot = t.row_slot
         self.state.verifying = verifying
-        if slot is not None:
-            slot.decode = self.state
+        t.slot.decode = self.state            # the Gated DeltaNet layers continue from it; compiled layers step aside
         try:
             with t.capturing_into(features):
                 out = t.backbone(input_ids=input_ids, position_ids=positions, use_cache=True,
                                  doc_spans=[(0, n)], **{self._cache_kwarg: self.cache})
         finally:
-            if slot is not None:
-                slot.decode = None
+            t.slot.decode = None
         logits = t.model.get_output_embeddings()(out.last_hidden_state[0])
         top = logits.topk(2, dim=-1).values.float()
         return Step(greedy=logits.argmax(-1), margin=top[:, 0] - top[:, 1],

@@ -213,23 +213,24 @@ FLA_HINT = "pip install fla-core (flash-linear-attention's kernels; needs triton
 
 
 def choose_path(model: nn.Module, layers: nn.ModuleList, device: torch.device, slot: RowSlot,
-                packed_recurrent: bool | None = None) -> tuple[str, bool]:
-    """The capture path (see the top of this file), and whether packed recurrent layers read `slot`.
+                packed_recurrent: bool | None = None) -> str:
+    """The capture path (see the top of this file); on the packed-* paths of a hybrid its Gated
+    DeltaNet layers are swapped for ones that read `slot`.
 
     packed_recurrent None picks by itself; False forces one forward per document (transformers' own
     code: the tests' reference); True forces the packed path even on CUDA without the kernels.
     """
     types = set(getattr(model.config, "layer_types", None) or [])
     if not types - {"full_attention", "sliding_attention"}:
-        return "packed", False
+        return "packed"
     kernel = hybrid.fla_delta_rule() if device.type == "cuda" else None
     # CUDA without the kernels: transformers' chunked torch code per document beats a per-token loop
     want = (kernel is not None or device.type != "cuda") if packed_recurrent is None else packed_recurrent
     if not want or types - {"full_attention", "sliding_attention", "linear_attention"}:
-        return "per-document", False
+        return "per-document"
     if not hybrid.install(layers, kernel, slot):
-        return "per-document", False
-    return ("packed-varlen" if kernel is not None else "packed-reference"), True
+        return "per-document"
+    return "packed-varlen" if kernel is not None else "packed-reference"
 
 
 VARLEN_DTYPES = (torch.float16, torch.bfloat16)     # what the varlen flash-attention kernel takes
@@ -281,11 +282,10 @@ class Target:
         for module in self.layers.modules():       # what _sdpa_packed reads the row's spans from
             if type(module).__name__.endswith("Attention"):
                 module.row_slot = self.slot
-        self.path, recurrent = choose_path(model, self.layers, self.device, self.slot, packed_recurrent)
-        self._row = self.slot if recurrent else None
+        self.path = choose_path(model, self.layers, self.device, self.slot, packed_recurrent)
         self.per_document = self.path == "per-document"
         self.varlen, self.attention = packed_attention(model, self.device)
-        self.compiled = ""                          # the torch.compile backend of the layers, "" = eager
+        self._backend = ""                          # the torch.compile backend, once compile() ran
         self.hf_varlen = str(getattr(model.config, "_attn_implementation", "")).startswith("flash_attention")
         self.warning = slow_path_warning(self.path, self.device)
         h = self.info.hidden_size
@@ -295,15 +295,15 @@ class Target:
             self.layers[i].register_forward_hook(self._make_hook(slice(k * h, (k + 1) * h), i == deepest, i == last))
 
     @property
-    def row_slot(self) -> RowSlot | None:
-        """The slot the packed Gated DeltaNet layers read (None: no packed recurrent layers)."""
-        return self._row
+    def compiled(self) -> str:
+        """The torch.compile backend captures run with, "" for the eager layers (the slot decides)."""
+        return self._backend if self.slot.compiled else ""
 
     def compile(self, backend: str = "inductor") -> None:
         """Compile every decoder layer for captures (compiled.py); decoding keeps the eager layers."""
         from services.target.compiled import compile_layers
         compile_layers(self.layers, self.slot, backend)
-        self.slot.compiled, self.compiled = True, backend
+        self._backend, self.slot.compiled = backend, True
 
     @contextmanager
     def capturing_into(self, out: torch.Tensor):

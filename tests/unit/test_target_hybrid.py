@@ -112,15 +112,14 @@ def test_chunked_delta_rule_equals_the_rule_token_by_token():
 def test_paths_chosen_at_load():
     model = _hybrid()
     slot = RowSlot()
-    path, packed = choose_path(model, decoder_layers(model), torch.device("cpu"), slot)
-    assert path == "packed-reference" and packed
+    assert choose_path(model, decoder_layers(model), torch.device("cpu"), slot) == "packed-reference"
     assert all(layer.linear_attn.row is slot for layer in decoder_layers(model) if hasattr(layer, "linear_attn"))
     target = Target(_hybrid(), LAYERS, packed_recurrent=False)
     assert target.path == "per-document" and target.warning == ""    # only CUDA runs warn about the slow path
     assert Target(_hybrid(), LAYERS).path == "packed-reference"
     if hybrid.fla_delta_rule() is None:     # CUDA without the kernels: per-document, and it says so
         model = _hybrid()
-        assert choose_path(model, decoder_layers(model), torch.device("cuda"), RowSlot()) == ("per-document", False)
+        assert choose_path(model, decoder_layers(model), torch.device("cuda"), RowSlot()) == "per-document"
     warning = slow_path_warning("per-document", torch.device("cuda"))
     assert "per-document" in warning and "pip install fla-core" in warning
     assert slow_path_warning("packed-varlen", torch.device("cuda")) == ""
