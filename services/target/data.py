@@ -59,9 +59,11 @@ class Document:
 class BadSamples:
     count: int = 0
     examples: list[str] = field(default_factory=list)   # the first MAX_BAD_EXAMPLES "file:line: reason"
+    lines: list[tuple[str, int]] = field(default_factory=list)   # (file, line number) of every bad line
 
-    def add(self, message: str) -> None:
+    def add(self, message: str, path: str | Path = "", line: int = 0) -> None:
         self.count += 1
+        self.lines.append((str(path), line))
         if len(self.examples) < MAX_BAD_EXAMPLES:
             self.examples.append(message)
 
@@ -235,7 +237,8 @@ def _lines(f, max_line_bytes: int):
 def nonblank_lines(path: str | Path, max_line_bytes: int = 8 << 20) -> list[tuple[int, str | None]]:
     """(line number, text) of every line of a JSONL file that read_documents does not skip as blank,
     numbered as read_documents numbers them; text None for a line that is too long or not UTF-8
-    (a bad line). The held-out split is taken over these (runspec.HeldOut.lines)."""
+    (a bad line). The held-out split is taken over these (runspec.HeldOut.lines); packing's
+    build_index has the same numbers from read_documents: its documents' lines and the bad ones."""
     lines = []
     with open(path, "rb") as f:
         for lineno, raw in _lines(f, max_line_bytes):
@@ -271,7 +274,7 @@ def read_documents(path: str | Path, tokenizer, vocab_size: int, on_bad: str, ba
                 message = f"{path}:{lineno}: {exc}"
                 if on_bad == "fail":
                     raise DataError(message + " (set data.on_bad_sample=skip to skip bad lines)") from None
-                bad.add(message)
+                bad.add(message, path, lineno)
                 continue
             except DataError as exc:
                 raise DataError(f"{path}:{lineno}: {exc}") from None

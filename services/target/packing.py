@@ -167,7 +167,8 @@ def build_index(cfg: Config, tokenizer, vocab_size: int) -> tuple[dict[str, np.n
     if held_out.source == "data.eval_path":
         evals = read_documents(held_out.path, tokenizer, vocab_size, d.on_bad_sample, bad, **limits)
     elif held_out.source == "data.eval_fraction":     # by line number: a bad line moves no other line
-        chosen = held_out.lines([n for n, _ in nonblank_lines(d.path, d.max_line_bytes)])
+        nonblank = sorted([doc.line for doc in train] + [n for f, n in bad.lines if f == str(Path(d.path))])
+        chosen = held_out.lines(nonblank)           # data.nonblank_lines, from what was just read
         evals = [doc for doc in train if doc.line in chosen]
         train = [doc for doc in train if doc.line not in chosen]
     else:
