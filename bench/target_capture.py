@@ -121,9 +121,11 @@ def bench_shape(shape: str, seqs: list[int], args) -> list[dict]:
         set_attention(model, "sdpa_packed")
         out = torch.empty(seq, target.info.hidden_width, dtype=torch.bfloat16, device=device)
         rec["path"] = target.path
+        rows = {}                  # mix -> (document lengths, row): (d) times the same rows
         for mix in args.mixes.split(","):
             lens = doc_lengths(seq, mix, gen)
             row = row_of(lens, model.config.vocab_size, gen)
+            rows[mix] = lens, row
             t = timed(lambda: capture_to_host(target, row, False, out), args.iters, args.warmup)
             f = flops(model, lens, ids[-1] + 1, 0)
             rec[f"capture_{mix}"] = {"s": t, "tok_s": seq / t, "tflops": f / t / 1e12, "mfu": f / t / peak,
@@ -147,7 +149,7 @@ def bench_shape(shape: str, seqs: list[int], args) -> list[dict]:
         if args.profile:
             profile(target, row, out, args.profile, f"{shape} S={seq} eager")
         if args.compile:
-            compiled_records(target, rec, seq, model, ids, out, gen, peak, args)
+            compiled_records(target, rec, seq, model, ids, out, gen, peak, args, rows)
         rec["peak_mem_gb"] = torch.cuda.max_memory_allocated() / 1e9 if device == "cuda" else 0.0
         results.append(rec)
         print(format_record(rec), flush=True)
@@ -170,29 +172,23 @@ def drift(got: torch.Tensor, ref: torch.Tensor, hidden: int) -> list[dict]:
 
 
 
-def compiled_records(target, rec: dict, seq: int, model, ids, out, gen, peak, args) -> None:
+def compiled_records(target, rec: dict, seq: int, model, ids, out, gen, peak, args, rows: dict) -> None:
     """(d): the same rows through the compiled layers, then rows of random document counts."""
     from services.compile import graphs_compiled
     from services.target.compiled import compile_and_warm_up
     from services.target.model import capture_to_host
     rec["compile_s"] = compile_and_warm_up(target, "on", seq, with_labels=False)
-    gen_rows = torch.Generator().manual_seed(0)    # the rows of (b) again: same seed, same draws
-    for mix in args.mixes.split(","):
-        lens = doc_lengths(seq, mix, gen_rows)
-        row = row_of(lens, model.config.vocab_size, gen_rows)
+    for mix, (lens, row) in rows.items():
         target.slot.compiled = False
         want = capture_to_host(target, row, False, out)[0].clone()
-        varlen, target.varlen = target.varlen, False          # the floor: another exact kernel, SDPA per document
-        floor = capture_to_host(target, row, False, out)[0].clone()
-        target.varlen, target.slot.compiled = varlen, True
+        target.slot.compiled = True
         got = capture_to_host(target, row, False, out)[0].clone()
         t = timed(lambda: capture_to_host(target, row, False, out), args.iters, args.warmup)
         f = flops(model, lens, ids[-1] + 1, 0)
         eager = rec[f"capture_{mix}"]
         rec[f"compiled_{mix}"] = {"s": t, "tok_s": seq / t, "tflops": f / t / 1e12, "mfu": f / t / peak,
                                   "docs": len(lens), "ratio_vs_eager": eager["s"] / t,
-                                  "drift_vs_eager": drift(got, want, model.config.hidden_size),
-                                  "floor_sdpa_vs_varlen": drift(floor, want, model.config.hidden_size)}
+                                  "drift_vs_eager": drift(got, want, model.config.hidden_size)}
     before = graphs_compiled()
     for _ in range(args.recompile_rows):
         mix = ["single", "short", "medium"][int(torch.randint(0, 3, (1,), generator=gen))]
@@ -228,11 +224,9 @@ def format_record(r: dict) -> str:
             rows.append(line(name, r[name]))
     for name in [k for k in r if k.startswith("compiled_")]:
         m = r[name]
-        rows.append(f"  {name}: per captured layer, relative error / mean cosine against the eager capture; "
-                    f"the floor is eager with SDPA per document instead of varlen (two exact kernels)")
-        for layer, d, f in zip(r["layer_ids"], m["drift_vs_eager"], m["floor_sdpa_vs_varlen"]):
-            rows.append(f"    layer {layer:3d}  compiled {d['rel_err']:.4f} / {d['cos_mean']:.5f}   "
-                        f"floor {f['rel_err']:.4f} / {f['cos_mean']:.5f}")
+        rows.append(f"  {name}: per captured layer, relative error / mean cosine against the eager capture")
+        for layer, d in zip(r["layer_ids"], m["drift_vs_eager"]):
+            rows.append(f"    layer {layer:3d}  {d['rel_err']:.4f} / {d['cos_mean']:.5f}")
     if "recompiles" in r:
         rows.append(f"  compile          {r['compile_s']:.1f} s before the first row; "
                     f"{r['recompiles']['graphs_compiled']} graphs compiled over {r['recompiles']['rows']} later rows")
