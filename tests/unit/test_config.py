@@ -50,6 +50,9 @@ def test_bad_files_name_the_key_and_file(tmp_path, text, needle):
     ("lr=1", "section.key=value"),
     ("bogus.lr=1", "[bogus]"),
     ("drafter.compile=3", "drafter.compile"),
+    ("target.compile=sometimes", "target.compile must be one of auto, on, off, got 'sometimes'"),
+    ("target.compile=true", "target.compile: expected str, got bool True"),
+    ("target.quantize=int4", "target.quantize must be one of none, fp8, got 'int4'"),
 ])
 def test_bad_overrides(override, needle):
     with pytest.raises(ConfigError) as err:
