@@ -5,7 +5,9 @@ error naming it and the captured layer, and nothing non-finite is saved; an `err
 batch that exists is dropped and asked again."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import io
 import json
 import os
 import signal
@@ -17,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from launcher.cli import main as launcher_main
 from tests.e2e.test_launcher_demo import assert_exactly_once, assert_no_worker_left, launcher, metrics
 from tests.waiting import wait_for
 
@@ -148,17 +151,19 @@ def test_a_target_with_inf_weights_stops_the_run_naming_it_and_nothing_non_finit
             deadline = time.monotonic() + 600
             while proc.poll() is None and time.monotonic() < deadline:
                 if seen is None and (run_dir / "run.json").is_file():
-                    status = subprocess.run([sys.executable, "-m", "launcher", "status", "--run-dir", str(run_dir),
-                                             "--json"], capture_output=True, text=True, cwd=ROOT,
-                                            env=dict(os.environ, PYTHONPATH=str(ROOT)))
+                    # in this process: the run lasts only 12 skipped steps, a fresh interpreter per poll
+                    # (about a second each) could miss it on a loaded machine
+                    stdout = io.StringIO()
+                    with contextlib.redirect_stdout(stdout):
+                        launcher_main(["status", "--run-dir", str(run_dir), "--json"])
                     try:
-                        rows = json.loads(status.stdout)["workers"]
+                        rows = json.loads(stdout.getvalue())["workers"]
                     except ValueError:
                         rows = []
                     counts = [r.get("integrity") or {} for r in rows if r["name"].startswith("drafter")]
                     if counts and all(c.get("nonfinite_batches", 0) >= 1 for c in counts):
                         seen = counts
-                time.sleep(0.5)
+                time.sleep(0.1)
         finally:
             if proc.poll() is None:
                 proc.kill()
