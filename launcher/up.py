@@ -74,7 +74,9 @@ def cmd_up(args) -> int:
     final = [r for r in read_spec(run_dir)[0] if r.get("final")]
     if code == 0 and final:
         print("\n".join(describe_spec(final[-1], f"step {final[-1]['step']}, end of training")), flush=True)
-    print(f"exit {code}; logs in {run_dir / 'logs'}; metrics in {run_dir / 'metrics.jsonl'}", flush=True)
+    # the reason again at the very end: the stop messages came after the first "run failed" line
+    why = f" (failed: {reason})" if code == EXIT_FAILED and reason else ""
+    print(f"exit {code}{why}; logs in {run_dir / 'logs'}; metrics in {run_dir / 'metrics.jsonl'}", flush=True)
     if code == EXIT_STOPPED:
         print(f"stopped before the end; to continue: {resume_command(args.argv, run_dir)}", flush=True)
     return code
