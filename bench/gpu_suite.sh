@@ -43,7 +43,8 @@ for part in "$@"; do case $part in
                   --iters 3 --out "$OUT/target_hybrid.json" ;;
   hybridnofla) run target_hybrid_nofla 300 python3 bench/target_capture.py --shapes 27b-hybrid --seq 8192 \
                   --mixes single,medium --iters 1 --warmup 1 --no-fla --out "$OUT/target_hybrid_nofla.json" ;;
-  compiletests) run compile_tests 300 python3 -m pytest -q -x -s tests/unit/test_target_compiled.py tests/unit/test_target_fp8.py ;;
+  compiletests) run compile_tests 400 python3 -m pytest -q -rs -p no:logging -k cuda tests/unit/test_target_compiled.py \
+                  tests/unit/test_target_hybrid.py tests/unit/test_target_model.py tests/unit/test_target_fp8.py ;;
   compiled27) run compiled_27b 300 python3 bench/target_capture.py --shapes 27b-hybrid --seq 8192 --mixes single,short \
                   --compile --recompile-rows 10 --iters 4 --out "$OUT/compiled_27b.json" ;;
   compiled8)  run compiled_8b 200 python3 bench/target_capture.py --shapes 8b --seq 8192 --mixes short --compile \

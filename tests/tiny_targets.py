@@ -23,13 +23,13 @@ def _wrap(model, layer_ids) -> Target:
     return Target(model.eval().requires_grad_(False), layer_ids)
 
 
-def dense_target(seed: int = 0) -> Target:
+def dense_target(seed: int = 0, device: str = "cpu", dtype=torch.float32) -> Target:
     from transformers import Qwen3Config, Qwen3ForCausalLM
     torch.manual_seed(seed)
     cfg = Qwen3Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
                       tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=0)
-    return _wrap(Qwen3ForCausalLM(cfg), DENSE_LAYER_IDS)
+    return _wrap(Qwen3ForCausalLM(cfg).to(device, dtype), DENSE_LAYER_IDS)
 
 
 def cuda_with_kernels() -> bool:
@@ -42,7 +42,7 @@ HYBRID_DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not cuda_with_kernels(), reason="needs CUDA and flash-linear-attention"))]
 
 
-def hybrid_target(seed: int = 0, device: str = "cpu") -> Target:
+def hybrid_target(seed: int = 0, device: str = "cpu", dtype=torch.float32) -> Target:
     from transformers.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5TextConfig
     torch.manual_seed(seed)
     cfg = Qwen3_5TextConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=8,
@@ -50,7 +50,7 @@ def hybrid_target(seed: int = 0, device: str = "cpu") -> Target:
                             linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
                             linear_conv_kernel_dim=4, max_position_embeddings=512, layer_types=HYBRID_TYPES,
                             tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=0)
-    target = _wrap(Qwen3_5ForCausalLM(cfg).to(device), HYBRID_LAYER_IDS)
+    target = _wrap(Qwen3_5ForCausalLM(cfg).to(device, dtype), HYBRID_LAYER_IDS)
     assert target.path == ("packed-reference" if device == "cpu" else "packed-varlen")
     return target
 

@@ -20,8 +20,10 @@ import logging
 import time
 from collections import OrderedDict, deque
 
+import torch
+
 from services import verify
-from services.target.decode import DecodeSession
+from services.target.decode import DecodeSession, check_decodable
 from services.transport import BatchServer, Request
 
 log = logging.getLogger("target")
@@ -35,6 +37,30 @@ def verify_limits(cfg, spec) -> verify.VerifyLimits:
     return verify.VerifyLimits(max_prompt=cfg.data.pack_len, max_block=spec.block_size,
                                max_length=cfg.data.pack_len + cfg.run.spec_eval_max_new_tokens + spec.block_size,
                                vocab_size=spec.target.vocab_size)
+
+
+def warm_up_verify(target, block_size: int) -> str:
+    """Two made-up verify sessions before `ready`, so that the first real one does not pay the
+    kernels' first calls. flash-linear-attention's Triton kernels compile and autotune on their first
+    call per shape: on an H200 the hybrid demo's first verify took over 30 s, past the drafter's wait
+    for an answer, and its first evaluation lost 31 of 32 prompts. Prompts of 37 and 64 tokens:
+    Triton compiles lengths that are multiples of 16 apart from the others. Returns a line for the log."""
+    try:
+        check_decodable(target)
+    except ValueError as exc:               # every verify request will say so; the batches go on
+        return f"verify path not warmed up: {exc}"
+    start = time.perf_counter()
+    gen = torch.Generator().manual_seed(0)
+    tokens = lambda n: torch.randint(0, target.info.vocab_size, (n,), generator=gen).tolist()  # noqa: E731
+    for n in (37, 64):
+        session = DecodeSession(target)
+        session.prefill(tokens(n))
+        for keep in (1, block_size):               # a rejected block (rollback) and a fully accepted one
+            session.verify(tokens(block_size))
+            session.commit(keep)
+    if target.device.type == "cuda":
+        torch.cuda.synchronize(target.device)
+    return f"warmed up the verify path in {time.perf_counter() - start:.1f} s"
 
 
 class VerifyService:

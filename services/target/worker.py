@@ -37,7 +37,7 @@ from services.compile import RecompileWatch, setup_environment
 from services.target.compiled import compile_and_warm_up
 from services.target.model import load_target
 from services.target.ring import CaptureRing
-from services.target.verifying import VerifyService, verify_limits
+from services.target.verifying import VerifyService, verify_limits, warm_up_verify
 from services.target.packing import open_or_build
 from services.transport import BatchServer, Request
 
@@ -69,6 +69,8 @@ class TargetWorker:
             health.set(warning=self.target.warning)
         self.compile_s = compile_and_warm_up(self.target, cfg.target.compile, self.data.pack_len,
                                              cfg.target.labels_from_target)
+        if cfg.run.spec_eval_prompts:            # the first real-acceptance eval must not wait for first calls
+            log.info("%s", warm_up_verify(self.target, spec.block_size))
         self.recompiles = RecompileWatch()       # a graph compiled from here on is a recompile (should stay 0)
         # one slot per credit of a drafter that is slow to drain, one being sent, one being filled
         self.ring = CaptureRing(self.target, self.data.pack_len, cfg.transport.credits + 2, cfg.target.labels_from_target)

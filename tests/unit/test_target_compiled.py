@@ -13,7 +13,8 @@ import torch
 from services.compile import graphs_compiled
 from services.target.compiled import compile_and_warm_up, warmup_row, why_not
 from services.target.decode import DecodeSession
-from tests.tiny_targets import HYBRID_DEVICES, VOCAB, dense_target, hybrid_target, prompt
+from services.target.verifying import warm_up_verify
+from tests.tiny_targets import HYBRID_DEVICES, VOCAB, cuda_with_kernels, dense_target, hybrid_target, prompt
 
 S = 96
 
@@ -49,7 +50,11 @@ def test_compiled_capture_equals_eager_and_later_rows_compile_nothing_new(make, 
     assert baseline > 0                                               # the warmup did compile
     rng = random.Random(0)
     counts = set()
-    tol = dict(rtol=1e-4, atol=1e-4) if device == "cuda" else dict(rtol=1e-5, atol=1e-5)
+    # fla's kernels on CUDA compute in TF32 inside: the fused layers' fp32 reassociation comes out of
+    # them at 1e-3 (test_decode's tolerance there), and a label may flip on a near-tie
+    fla = make is hybrid_target and device == "cuda"
+    tol = dict(rtol=2e-3, atol=2e-4) if fla else dict(rtol=1e-4, atol=1e-4) if device == "cuda" else \
+        dict(rtol=1e-5, atol=1e-5)
     # 50 rows; the hybrid on CPU runs its plain-torch reference recurrence, piece by piece: 12 rows there
     rows = 12 if make is hybrid_target and device == "cpu" else 50
     for i in range(rows):
@@ -60,9 +65,35 @@ def test_compiled_capture_equals_eager_and_later_rows_compile_nothing_new(make, 
             want, want_labels = capture(eager, row)
             torch.testing.assert_close(got, want, **tol)
             if got_labels is not None:
-                assert torch.equal(got_labels, want_labels)
+                same = (got_labels == want_labels).float().mean()
+                assert same >= 0.99 if fla else same == 1, (i, float(same))
     assert len(counts) > rows // 5                                           # rows really differed in document count
     assert graphs_compiled() == baseline                              # 0 recompiles
+
+
+@pytest.mark.skipif(not cuda_with_kernels(), reason="needs CUDA and flash-linear-attention")
+@pytest.mark.parametrize("make", [dense_target, hybrid_target], ids=["dense", "hybrid"])
+def test_cuda_bf16_compiled_packed_row_equals_documents_one_by_one(make):
+    """The workers' path on the GPU: bf16, inductor, the varlen kernels. Each document of a packed
+    row through the compiled layers equals that document run alone through the eager ones, within
+    bf16 rounding, for documents shorter than the conv kernel too."""
+    compiled, alone = make(device="cuda", dtype=torch.bfloat16), make(device="cuda", dtype=torch.bfloat16)
+    assert compiled.varlen and compile_and_warm_up(compiled, "on", S, with_labels=True) > 0
+    lengths = [30, 2, 17, 1, 40, 6]
+    ids = torch.randint(0, VOCAB, (S,), generator=torch.Generator().manual_seed(11))
+    pos = torch.cat([torch.arange(n) for n in lengths])
+    doc = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])
+    baseline = graphs_compiled()
+    packed, labels = compiled.capture(ids, pos, doc, with_labels=True, out_dtype=torch.float32)
+    assert graphs_compiled() == baseline
+    start = 0
+    for n in lengths:
+        want, want_labels = alone.capture(ids[start:start + n], torch.arange(n), torch.zeros(n, dtype=torch.long),
+                                          with_labels=True, out_dtype=torch.float32)
+        torch.testing.assert_close(packed[start:start + n], want, rtol=3e-2, atol=3e-2)
+        # argmax of bf16 logits: a near-tie may flip, so most labels, not all
+        assert (labels[start:start + n] == want_labels).float().mean() >= 0.8, n
+        start += n
 
 
 def _on(make, device):
@@ -88,6 +119,23 @@ def test_decoding_on_a_compiled_target_runs_the_eager_layers(device):
         steps.append((first.greedy, block.greedy, session.verify(prompt(5, 3)).greedy))
     assert all(torch.equal(a, b) for a, b in zip(*steps))
     assert graphs_compiled() == baseline                              # decoding shapes never reached the compiler
+
+
+@pytest.mark.parametrize("device", HYBRID_DEVICES)
+def test_the_verify_warmup_leaves_captures_and_graphs_as_they_were(device):
+    """The target worker runs two made-up verify sessions before `ready` (the first real eval must not
+    pay the kernels' first calls); the capture path is untouched by them."""
+    target = hybrid_target(device=device)
+    compile_and_warm_up(target, "on", S, with_labels=True, backend=backend(device))
+    row = random_row(random.Random(3))
+    before, before_labels = capture(target, row)
+    baseline = graphs_compiled()
+    assert warm_up_verify(target, 4).startswith("warmed up the verify path in ")
+    assert target.slot.decode is None and graphs_compiled() == baseline
+    after, after_labels = capture(target, row)
+    assert torch.equal(before, after) and torch.equal(before_labels, after_labels)
+    target.model.config.layer_types[2] = "mamba"
+    assert warm_up_verify(target, 4).startswith("verify path not warmed up: decoding: layer 2 is of type 'mamba'")
 
 
 def test_when_the_target_is_not_compiled():
