@@ -81,6 +81,7 @@ class _Reply:
     release: object = None          # called once ZMQ is done with every frame (the buffer may be reused)
     started: float = 0.0            # when its first message was queued
     trackers: list | None = None    # one per message: done once ZMQ has let go of its bytes
+    what: str = "batch"             # for the log: "batch" (asked again), "reply" or "verify answer"
 
 
 class BatchServer(IoThread):
@@ -140,11 +141,11 @@ class BatchServer(IoThread):
 
     def send_frames(self, client: bytes, frames: list) -> None:
         """One raw message, in order with everything else for this drafter."""
-        self._hand_over(_Reply(client, iter([frames])))
+        self._hand_over(_Reply(client, iter([frames]), what="reply"))
 
     def send_messages(self, client: bytes, messages: list[list]) -> None:
         """Several raw messages, in this order (a verify answer in parts)."""
-        self._hand_over(_Reply(client, iter(messages)))
+        self._hand_over(_Reply(client, iter(messages), what="verify answer"))
 
     def _hand_over(self, reply: _Reply) -> None:
         with self._unsent_lock:
@@ -235,7 +236,7 @@ class BatchServer(IoThread):
             if outcome == "full":
                 if time.monotonic() - reply.started <= SEND_TIMEOUT_S:
                     continue
-                self._give_up(f"drafter queue full for {SEND_TIMEOUT_S:.0f}s; batch abandoned")
+                self._give_up(f"drafter queue full for {SEND_TIMEOUT_S:.0f}s; {reply.what} abandoned")
             finished = list(replies) if outcome == "gone" else [reply]   # gone: nothing more reaches it
             in_flight.extend(finished)
             del replies[:len(finished)]
@@ -258,7 +259,9 @@ class BatchServer(IoThread):
             except zmq.ZMQError as exc:
                 if exc.errno != zmq.EHOSTUNREACH:
                     raise
-                self._give_up("drafter disconnected; batch abandoned (it will ask again)")
+                # e.g. a verify answer that came after the drafter stopped waiting and closed its socket
+                self._give_up(f"drafter disconnected; {reply.what} dropped"
+                              + (" (it will ask again)" if reply.what == "batch" else ""))
                 return "gone"
         return "done"
 

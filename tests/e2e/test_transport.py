@@ -299,15 +299,22 @@ def test_target_killed_mid_stream_and_restarted(tmp_path, targets, scheme):
 
 # --- in-process pieces ---------------------------------------------------------------------
 
-def test_a_batch_for_a_drafter_that_is_gone_is_released():
-    server = BatchServer("tcp://127.0.0.1:*", transport_cfg())
+def test_a_batch_for_a_drafter_that_is_gone_is_released(tmp_path):
+    """And the log says what was dropped: a batch (its drafter will ask again), or a verify answer
+    (its drafter stopped waiting and closed the socket)."""
+    health = HealthServer(f"ipc://{tmp_path}/health", role="target", rank=0, gpu="cpu", stall_after_s=60)
+    server = BatchServer("tcp://127.0.0.1:*", transport_cfg(), health)
     released = threading.Event()
     try:
         server.send_batch(b"no-such-drafter", make_batch(0), release=released.set)
         assert released.wait(5), "the batch's memory was never handed back"
+        server.send_messages(b"gone-verifier", [wire.encode({"kind": "verify"})])
         assert server.flush(5)
+        assert health.snapshot()["errors"] == ["drafter disconnected; batch dropped (it will ask again)",
+                                               "drafter disconnected; verify answer dropped"]
     finally:
         server.close()
+        health.close()
 
 
 def test_a_drafter_that_does_not_read_holds_up_nobody_else():
