@@ -23,8 +23,15 @@ def up(run_dir: Path, *extra: str) -> subprocess.Popen:
 
 
 def wait_training(run_dir: Path, proc: subprocess.Popen, timeout: float = 300) -> dict[str, int]:
-    """Worker pids once drafter-0 has logged a metrics line (it is past `ready`)."""
+    """Worker pids once the launcher has seen every worker ready and drafter-0 has logged a metrics
+    line. Metrics alone are not enough: the tiny drafter can train 10 steps before the launcher's
+    poll sees the target ready, and an exit then is one 'while starting' to the launcher."""
     deadline = time.monotonic() + timeout
+    seen = []
+    while "all workers ready" not in (line := proc.stdout.readline()):
+        assert line, "".join(seen)[-3000:]                  # the launcher ended first
+        assert time.monotonic() < deadline, "the launcher never saw every worker ready"
+        seen.append(line)
     metrics = run_dir / "metrics.jsonl"
     while not (metrics.exists() and metrics.read_text().strip()):
         assert proc.poll() is None, proc.stdout.read()[-3000:]
