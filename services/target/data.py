@@ -234,21 +234,30 @@ def _lines(f, max_line_bytes: int):
         yield lineno, None
 
 
+def _nonblank(f, max_line_bytes: int):
+    """(line number, text) of every line that is not blank; for a bad line (too long, not UTF-8) a
+    SampleError instead of the text. read_documents and nonblank_lines number lines alike by it."""
+    for lineno, raw in _lines(f, max_line_bytes):
+        if raw is None:
+            yield lineno, SampleError(f"line longer than data.max_line_bytes={max_line_bytes}")
+            continue
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            yield lineno, SampleError(f"not UTF-8 ({exc})")
+            continue
+        if text.strip():
+            yield lineno, text
+
+
 def nonblank_lines(path: str | Path, max_line_bytes: int = 8 << 20) -> list[tuple[int, str | None]]:
     """(line number, text) of every line of a JSONL file that read_documents does not skip as blank,
     numbered as read_documents numbers them; text None for a line that is too long or not UTF-8
     (a bad line). The held-out split is taken over these (runspec.HeldOut.lines); packing's
     build_index has the same numbers from read_documents: its documents' lines and the bad ones."""
-    lines = []
     with open(path, "rb") as f:
-        for lineno, raw in _lines(f, max_line_bytes):
-            try:
-                text = raw.decode("utf-8") if raw is not None else None
-            except UnicodeDecodeError:
-                text = None
-            if text is None or text.strip():
-                lines.append((lineno, text))
-    return lines
+        return [(lineno, None if isinstance(text, SampleError) else text)
+                for lineno, text in _nonblank(f, max_line_bytes)]
 
 
 def read_documents(path: str | Path, tokenizer, vocab_size: int, on_bad: str, bad: BadSamples,
@@ -259,16 +268,10 @@ def read_documents(path: str | Path, tokenizer, vocab_size: int, on_bad: str, ba
         raise DataError(f"data file not found: {path}")
     docs = []
     with open(path, "rb") as f:      # bytes: a line that is not UTF-8 is one bad line, not a failed file
-        for lineno, raw in _lines(f, max_line_bytes):
+        for lineno, text in _nonblank(f, max_line_bytes):
             try:
-                if raw is None:
-                    raise SampleError(f"line longer than data.max_line_bytes={max_line_bytes}")
-                try:
-                    text = raw.decode("utf-8")
-                except UnicodeDecodeError as exc:
-                    raise SampleError(f"not UTF-8 ({exc})") from None
-                if not text.strip():
-                    continue
+                if isinstance(text, SampleError):
+                    raise text
                 ids, mask = line_to_document(text, tokenizer, vocab_size, max_doc_tokens)
             except SampleError as exc:
                 message = f"{path}:{lineno}: {exc}"

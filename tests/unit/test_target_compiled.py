@@ -42,8 +42,7 @@ def capture(target, row, labels=True):
 @pytest.mark.parametrize("device", HYBRID_DEVICES)
 @pytest.mark.parametrize("make", [dense_target, hybrid_target], ids=["dense", "hybrid"])
 def test_compiled_capture_equals_eager_and_later_rows_compile_nothing_new(make, device):
-    eager = _on(make, device)
-    compiled = _on(make, device)
+    eager, compiled = make(device=device), make(device=device)
     assert compile_and_warm_up(compiled, "on", S, with_labels=True, backend=backend(device)) > 0
     assert compiled.compiled == backend(device)
     baseline = graphs_compiled()
@@ -94,15 +93,6 @@ def test_cuda_bf16_compiled_packed_row_equals_documents_one_by_one(make):
         # argmax of bf16 logits: a near-tie may flip, so most labels, not all
         assert (labels[start:start + n] == want_labels).float().mean() >= 0.8, n
         start += n
-
-
-def _on(make, device):
-    if make is hybrid_target:
-        return hybrid_target(device=device)
-    target = make()
-    target.model.to(device)
-    target.device = torch.device(device)
-    return target
 
 
 @pytest.mark.parametrize("device", HYBRID_DEVICES)
