@@ -21,6 +21,9 @@ from services.drafter.collectives import gather_rng_states
 from services.drafter.evaluate import evaluate
 from services.drafter.ledger import Ledger, truncate_jsonl
 from services.drafter.metrics import MetricsLog, StepTimes, reduce_train_metrics
+# imported with the worker, before it compiles: an import at the first evaluation registered a class
+# with torch's pytree, which fails a guard of every compiled graph (flex attention recompiled)
+from services.drafter.remote_eval import RemoteSpecEval, models_in_process
 from services.drafter.train import TrainState
 from services.health import HealthServer
 from services.log import event
@@ -175,7 +178,6 @@ class Bookkeeping:
             if self.rank != 0 or run.spec_eval_prompts <= 0 or self.num_targets <= 0 or not path:
                 return None
             try:
-                from services.drafter.remote_eval import RemoteSpecEval
                 self.spec = RemoteSpecEval(self.cfg, self.run_dir, self.num_targets, self.state.head,
                                            self.state.drafter.cfg, self.health, prompts=run.spec_eval_prompts,
                                            max_new_tokens=run.spec_eval_max_new_tokens)
@@ -204,7 +206,6 @@ class Bookkeeping:
             self.spec = False
             return None
         if self.models_in_process is None:      # once: the targets verify, this process holds no target model
-            from services.drafter.remote_eval import models_in_process
             self.models_in_process = models_in_process()
             self.health.set(target_models_in_process=self.models_in_process, spec_eval_verifier="target workers")
         self.health.progress(spec_eval_seconds_per_prompt=result.get("seconds_per_prompt"),

@@ -18,6 +18,7 @@ from __future__ import annotations
 import gc
 import itertools
 import logging
+import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -69,7 +70,12 @@ class RemoteVerifier:
 
 
 def models_in_process() -> int:
-    """HF models alive in this process (the eval must not need one: the targets verify)."""
+    """HF models alive in this process (the eval must not need one: the targets verify). No model can
+    exist before transformers.modeling_utils is imported, and importing it here would register ~50
+    ModelOutput classes with torch's pytree, which fails a guard of every graph the drafter compiled
+    (on CUDA it recompiled flex attention after the first two evaluations)."""
+    if "transformers.modeling_utils" not in sys.modules:
+        return 0
     from transformers import PreTrainedModel
 
     def is_model(o) -> bool:

@@ -32,6 +32,10 @@ class RowLayout:
 class RowSlot:
     """What every layer of one model reads: layout, the packed row of a capture; decode, a
     hybrid.DecodeState while decode.py runs a decoding forward (it takes precedence)."""
-    layout: RowLayout | None = None
-    decode = None
-    compiled: bool = False               # captures run the compiled layers (compiled.py)
+
+    def __init__(self):
+        # Instance attributes from the start: the compiled graphs guard on this object's __dict__,
+        # and a key that appeared later (the first decode setting `decode`) recompiled every layer.
+        self.layout: RowLayout | None = None
+        self.decode = None
+        self.compiled = False            # captures run the compiled layers (compiled.py)

@@ -124,6 +124,7 @@ def test_the_verify_warmup_leaves_captures_and_graphs_as_they_were(device):
     assert target.slot.decode is None and graphs_compiled() == baseline
     after, after_labels = capture(target, row)
     assert torch.equal(before, after) and torch.equal(before_labels, after_labels)
+    assert graphs_compiled() == baseline                  # the capture after it reuses the warmup's graphs
     target.model.config.layer_types[2] = "mamba"
     assert warm_up_verify(target, 4).startswith("verify path not warmed up: decoding: layer 2 is of type 'mamba'")
 

@@ -91,3 +91,21 @@ def test_counting_models_in_the_process_survives_dead_weak_proxies():
     with pytest.raises(ReferenceError):
         isinstance(holder[0], int)
     assert models_in_process() == alive
+
+
+def test_the_drafters_evaluation_registers_no_pytree_class_after_its_worker_is_imported():
+    """Every graph the drafter compiled guards on the number of classes registered with torch's
+    pytree; an import at the first evaluation that registered one recompiled flex attention (on CUDA,
+    after the first two evaluations). A fresh process, as the drafter worker is."""
+    import subprocess
+    import sys
+    code = ("import sys, torch.utils._pytree as pytree\n"
+            "import services.drafter.worker\n"
+            "before = set(pytree.SUPPORTED_NODES)\n"
+            "from services.drafter.remote_eval import RemoteSpecEval, models_in_process\n"
+            "import services.drafter.spec_eval, services.drafter.speculative\n"
+            "print(models_in_process(), len(set(pytree.SUPPORTED_NODES) - before),\n"
+            "      'transformers.modeling_utils' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["0", "0", "False"]
