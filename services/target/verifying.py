@@ -24,6 +24,7 @@ import torch
 
 from services import verify
 from services.target.decode import DecodeSession, check_decodable
+from services.target.hybrid import RECURRENT_TOKENS
 from services.transport import BatchServer, Request
 
 log = logging.getLogger("target")
@@ -39,12 +40,19 @@ def verify_limits(cfg, spec) -> verify.VerifyLimits:
                                vocab_size=spec.target.vocab_size)
 
 
+# What a real evaluation asks of the Gated DeltaNet kernels, each once: prompts on both sides of
+# RECURRENT_TOKENS (the fused recurrent kernel up to it, the chunked one past it), each side at a
+# multiple of 16 and not (Triton compiles a kernel per such class of length); blocks of 1 token (the
+# plain greedy reference) and of block_size (drafts), rejected (a rollback) and fully accepted.
+WARMUP_PROMPTS = (37, RECURRENT_TOKENS, RECURRENT_TOKENS + 37, 2 * RECURRENT_TOKENS)
+
+
 def warm_up_verify(target, block_size: int) -> str:
-    """Two made-up verify sessions before `ready`, so that the first real one does not pay the
-    kernels' first calls. flash-linear-attention's Triton kernels compile and autotune on their first
-    call per shape: on an H200 the hybrid demo's first verify took over 30 s, past the drafter's wait
-    for an answer, and its first evaluation lost 31 of 32 prompts. Prompts of 37 and 64 tokens:
-    Triton compiles lengths that are multiples of 16 apart from the others. Returns a line for the log."""
+    """Made-up verify sessions before `ready`, so that the first real one does not pay the kernels'
+    first calls. flash-linear-attention's Triton kernels compile and autotune on their first call:
+    on an H200 the hybrid demo's first verify of a prompt past RECURRENT_TOKENS took over 30 s, past
+    the drafter's wait for an answer, and its first evaluation lost 31 of 32 prompts. Returns a line
+    for the log."""
     try:
         check_decodable(target)
     except ValueError as exc:               # every verify request will say so; the batches go on
@@ -52,11 +60,11 @@ def warm_up_verify(target, block_size: int) -> str:
     start = time.perf_counter()
     gen = torch.Generator().manual_seed(0)
     tokens = lambda n: torch.randint(0, target.info.vocab_size, (n,), generator=gen).tolist()  # noqa: E731
-    for n in (37, 64):
+    for n in WARMUP_PROMPTS:
         session = DecodeSession(target)
         session.prefill(tokens(n))
-        for keep in (1, block_size):               # a rejected block (rollback) and a fully accepted one
-            session.verify(tokens(block_size))
+        for block, keep in ((1, 1), (block_size, 1), (block_size, block_size)):
+            session.verify(tokens(block))
             session.commit(keep)
     if target.device.type == "cuda":
         torch.cuda.synchronize(target.device)

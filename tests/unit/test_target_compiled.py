@@ -129,6 +129,37 @@ def test_the_verify_warmup_leaves_captures_and_graphs_as_they_were(device):
     assert warm_up_verify(target, 4).startswith("verify path not warmed up: decoding: layer 2 is of type 'mamba'")
 
 
+
+@pytest.mark.skipif(not cuda_with_kernels(), reason="needs CUDA and flash-linear-attention")
+def test_after_the_verify_warmup_an_evaluation_compiles_no_triton_kernel():
+    """What a real evaluation asks after the warmup (prompts of lengths the warmup never saw, the
+    plain greedy reference's 1-token blocks, drafted blocks accepted in part) compiles no Triton
+    kernel, so its first verify pays no first call (one of a prompt past RECURRENT_TOKENS took over
+    30 s on an H200 when the warmup had only short prompts)."""
+    from triton import knobs
+    target = hybrid_target(device="cuda")
+    assert warm_up_verify(target, 4).startswith("warmed up the verify path in ")
+    compiled = []
+
+    def before_compile(*, fn, **_):          # Triton calls it before compiling a kernel it has not in memory
+        compiled.append(fn.name)
+        return False                         # go on and compile
+    knobs.runtime.jit_cache_hook = before_compile
+    try:
+        rng = random.Random(1)
+        for n in (5, 23, 90, 128, 201, 333):
+            session = DecodeSession(target)
+            session.prefill(prompt(n, n))
+            for _ in range(3):
+                session.verify(prompt(n + 1, 1))
+                session.commit(1)
+                session.verify(prompt(n + 2, 4))
+                session.commit(rng.randint(1, 4))
+        torch.cuda.synchronize()
+    finally:
+        knobs.runtime.jit_cache_hook = None
+    assert compiled == []
+
 def test_when_the_target_is_not_compiled():
     cpu = dense_target()
     assert why_not(cpu, "off") == "target.compile=off"
