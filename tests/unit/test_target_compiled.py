@@ -113,7 +113,7 @@ def test_decoding_on_a_compiled_target_runs_the_eager_layers(device):
 
 @pytest.mark.parametrize("device", HYBRID_DEVICES)
 def test_the_verify_warmup_leaves_captures_and_graphs_as_they_were(device):
-    """The target worker runs two made-up verify sessions before `ready` (the first real eval must not
+    """The target worker runs made-up verify sessions before `ready` (the first real eval must not
     pay the kernels' first calls); the capture path is untouched by them."""
     target = hybrid_target(device=device)
     compile_and_warm_up(target, "on", S, with_labels=True, backend=backend(device))
