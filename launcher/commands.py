@@ -14,6 +14,7 @@ from pathlib import Path
 from launcher.errors import UsageError
 from launcher.inputs import check_inputs, make_demo, with_local_model
 from launcher.preflight import preflight
+from launcher.rundir import LATEST, run_holding
 from launcher.topology import host_overrides, hosts, parse_gpu_spec
 from services.config import load_config
 from services.health import probe
@@ -125,7 +126,8 @@ def _eval_argv(args, run_dir: str, checkpoint: str | None) -> list[str]:
 
 def cmd_eval(args) -> int:
     """Real speculative decoding loads the target and the drafter: a child process (no torch here)."""
-    argv = _eval_argv(args, args.run_dir, args.checkpoint)
+    run_dir = args.run_dir or str(run_holding(args.checkpoint) or LATEST)   # a run's checkpoint names its run
+    argv = _eval_argv(args, run_dir, args.checkpoint)
     argv += ["--no-controls"] if args.no_controls else []
     argv += [f"--set={item}" for item in args.set]
     argv += ["--json"] if args.json else []

@@ -159,7 +159,8 @@ def build_parser() -> argparse.ArgumentParser:
                                     "repeat-last-token and random-drafter controls on the same prompts. Appends "
                                     "to <run-dir>/spec_eval.jsonl.")
     ev.add_argument("--checkpoint", help="checkpoint dir, export dir or run dir (default: <run-dir>/checkpoints/latest)")
-    ev.add_argument("--run-dir", default=str(LATEST), help=latest_help + "; its config names the target and data")
+    ev.add_argument("--run-dir", help="run dir whose config names the target and data (default: the run that "
+                    "--checkpoint is or lies in, else runs/latest: the last run started here whose workers became ready)")
     ev.add_argument("--no-controls", action="store_true", help="skip the repeat-last and random-drafter controls")
     ev.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                     help="override a key of the run's config for this evaluation, e.g. target.quantize=none")

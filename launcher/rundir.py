@@ -28,6 +28,16 @@ def read_run(run_dir: Path) -> dict:
     return json.loads(path.read_text())
 
 
+def run_holding(path: str | None) -> Path | None:
+    """The run folder that `path` is, or holds it (a checkpoint or the export of that run): the
+    nearest of it and its two parents with run.json and config.json; None if there is none."""
+    if not path:
+        return None
+    p = Path(path).resolve()
+    return next((d for d in (p, p.parent, p.parent.parent)
+                 if (d / "run.json").is_file() and (d / "config.json").is_file()), None)
+
+
 def choose_run_dir(args, name: str) -> tuple[Path, bool]:
     """(run dir, whether `up` named it): --run-dir, else runs/latest for --resume, else a new
     runs/<run.name>-<time>, which becomes runs/latest once its workers are ready. Not made here:

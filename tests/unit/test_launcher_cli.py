@@ -1,11 +1,15 @@
 """The launcher as a user runs it: a real console script in a real subprocess."""
+import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
 from launcher.topology import SpecError, parse_gpu_spec
+
+REPO = str(Path(__file__).resolve().parents[2])
 
 
 def run_launcher(*args, timeout=60):
@@ -204,3 +208,24 @@ def test_plaintext_is_refused_for_a_rank_past_the_host_lists(tmp_path):
     assert out.stderr.strip().splitlines() == [out.stderr.strip()], out.stderr
     assert f"target-1 would bind {bound} in plaintext (and 1 more sockets off loopback)" in out.stderr, out.stderr
     assert not (tmp_path / "r").exists()
+
+
+def test_eval_of_a_runs_checkpoint_reads_that_runs_config(tmp_path):
+    """`launcher eval --checkpoint RUN/checkpoints/step-N` (or RUN, or RUN/export) from anywhere takes
+    RUN's config; before, it looked for runs/latest under the working directory."""
+    from services.config import Config, dump_json
+    run, cwd = tmp_path / "run", tmp_path / "elsewhere"
+    (run / "checkpoints" / "step-00000001").mkdir(parents=True)
+    (run / "export").mkdir()
+    cwd.mkdir()
+    dump_json(Config(), run / "config.json")
+    (run / "run.json").write_text("{}")
+    for checkpoint in (run / "checkpoints" / "step-00000001", run / "export"):
+        out = subprocess.run([sys.executable, "-m", "launcher", "eval", "--checkpoint", str(checkpoint), "--device", "cpu"],
+                             capture_output=True, text=True, timeout=120, cwd=cwd,
+                             env={**os.environ, "PYTHONPATH": REPO})
+        assert out.returncode == 2
+        assert f"eval: error: {checkpoint}: not a checkpoint (no manifest.json)" in out.stderr   # past the config
+    out = subprocess.run([sys.executable, "-m", "launcher", "eval", "--device", "cpu"], capture_output=True, text=True,
+                         timeout=120, cwd=cwd, env={**os.environ, "PYTHONPATH": REPO})
+    assert out.returncode == 2 and "config file not found: runs/latest/config.json" in out.stderr
