@@ -12,8 +12,10 @@ from launcher.topology import SpecError, parse_gpu_spec
 REPO = str(Path(__file__).resolve().parents[2])
 
 
-def run_launcher(*args, timeout=60):
-    return subprocess.run([sys.executable, "-m", "launcher", *args], capture_output=True, text=True, timeout=timeout)
+def run_launcher(*args, timeout=60, cwd=None):
+    """`launcher ARGS` in a subprocess, from `cwd` (this checkout importable from anywhere)."""
+    return subprocess.run([sys.executable, "-m", "launcher", *args], capture_output=True, text=True, timeout=timeout,
+                          cwd=cwd, env={**os.environ, "PYTHONPATH": REPO})
 
 
 def test_spec_ranges_lists_and_ranks():
@@ -221,11 +223,8 @@ def test_eval_of_a_runs_checkpoint_reads_that_runs_config(tmp_path):
     dump_json(Config(), run / "config.json")
     (run / "run.json").write_text("{}")
     for checkpoint in (run / "checkpoints" / "step-00000001", run / "export"):
-        out = subprocess.run([sys.executable, "-m", "launcher", "eval", "--checkpoint", str(checkpoint), "--device", "cpu"],
-                             capture_output=True, text=True, timeout=120, cwd=cwd,
-                             env={**os.environ, "PYTHONPATH": REPO})
+        out = run_launcher("eval", "--checkpoint", str(checkpoint), "--device", "cpu", timeout=120, cwd=cwd)
         assert out.returncode == 2
         assert f"eval: error: {checkpoint}: not a checkpoint (no manifest.json)" in out.stderr   # past the config
-    out = subprocess.run([sys.executable, "-m", "launcher", "eval", "--device", "cpu"], capture_output=True, text=True,
-                         timeout=120, cwd=cwd, env={**os.environ, "PYTHONPATH": REPO})
+    out = run_launcher("eval", "--device", "cpu", timeout=120, cwd=cwd)
     assert out.returncode == 2 and "config file not found: runs/latest/config.json" in out.stderr

@@ -129,7 +129,6 @@ def test_the_verify_warmup_leaves_captures_and_graphs_as_they_were(device):
     assert warm_up_verify(target, 4).startswith("verify path not warmed up: decoding: layer 2 is of type 'mamba'")
 
 
-
 @pytest.mark.skipif(not cuda_with_kernels(), reason="needs CUDA and flash-linear-attention")
 def test_after_the_verify_warmup_an_evaluation_compiles_no_triton_kernel():
     """What a real evaluation asks after the warmup (prompts of lengths the warmup never saw, the
@@ -159,6 +158,7 @@ def test_after_the_verify_warmup_an_evaluation_compiles_no_triton_kernel():
     finally:
         knobs.runtime.jit_cache_hook = None
     assert compiled == []
+
 
 def test_when_the_target_is_not_compiled():
     cpu = dense_target()
