@@ -89,6 +89,7 @@ class DataConfig:
     max_line_bytes: int = setting(8 << 20, batch="content")      # a longer JSONL line is a bad sample (never read whole)
     max_doc_tokens: int = setting(1 << 20, batch="content")      # a longer tokenized document is a bad sample
     shuffle: bool = setting(True, batch="content")
+    chat_template_kwargs: dict = setting(factory=dict, batch="content")   # chat-template variables, e.g. {enable_thinking = false}: training, eval prompts and regenerate render alike
 
 
 @dataclass

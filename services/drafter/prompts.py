@@ -5,10 +5,9 @@ from __future__ import annotations
 def heldout_prompts(cfg, tokenizer, limit: int) -> list[list[int]]:
     """Token ids of the held-out conversations (packing.heldout_chats: up to their last assistant
     turn), with the chat template's generation prompt."""
+    from services.target.data import prompt_tokens
     from services.target.packing import heldout_chats
-    return [list(tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True,
-                                               return_dict=True)["input_ids"])
-            for messages in heldout_chats(cfg, limit)]
+    return [prompt_tokens(tokenizer, messages, cfg.data.chat_template_kwargs) for messages in heldout_chats(cfg, limit)]
 
 
 def stop_token_ids(tokenizer, model) -> list[int]:

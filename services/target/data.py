@@ -116,14 +116,23 @@ def has_generation_markers(tokenizer) -> bool:
     return isinstance(template, str) and bool(_GENERATION_TAG.search(template))
 
 
-def chat_tokens(tokenizer, messages: list[dict]) -> tuple[list[int], list[int]]:
-    """Token ids and assistant mask (0/1) of one conversation, with the tokenizer's chat template."""
+def prompt_tokens(tokenizer, messages: list[dict], template_kwargs: dict | None = None) -> list[int]:
+    """Token ids of a conversation up to the assistant's next turn (the chat template's generation
+    prompt), rendered with data.chat_template_kwargs as training renders its chats."""
+    return list(tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=True,
+                                              **(template_kwargs or {}))["input_ids"])
+
+
+def chat_tokens(tokenizer, messages: list[dict], template_kwargs: dict | None = None) -> tuple[list[int], list[int]]:
+    """Token ids and assistant mask (0/1) of one conversation, with the tokenizer's chat template and
+    data.chat_template_kwargs (e.g. enable_thinking: serving must render the same way)."""
+    kwargs = template_kwargs or {}
     try:
         if has_generation_markers(tokenizer):
             enc = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True,
-                                                return_assistant_tokens_mask=True)
+                                                return_assistant_tokens_mask=True, **kwargs)
             return list(enc["input_ids"]), list(enc["assistant_masks"])
-        text = tokenizer.apply_chat_template(messages, tokenize=False)
+        text = tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)
     except Exception as exc:   # the template itself rejected the conversation (e.g. role order)
         raise SampleError(f"chat template failed: {exc}") from None
     return _mask_by_content_search(tokenizer, messages, text)
@@ -189,8 +198,8 @@ def parse_json_line(text: str):
         raise SampleError("invalid JSON: nested too deeply to parse") from None
 
 
-def line_to_document(text: str, tokenizer, vocab_size: int,
-                     max_doc_tokens: int = 0) -> tuple[np.ndarray, np.ndarray]:
+def line_to_document(text: str, tokenizer, vocab_size: int, max_doc_tokens: int = 0,
+                     template_kwargs: dict | None = None) -> tuple[np.ndarray, np.ndarray]:
     record = parse_json_line(text)
     if not isinstance(record, dict):
         raise SampleError(f"expected a JSON object, got {type(record).__name__}")
@@ -199,7 +208,7 @@ def line_to_document(text: str, tokenizer, vocab_size: int,
     elif "messages" in record or "conversations" in record:
         if not tokenizer.chat_template:
             raise DataError("the tokenizer has no chat template, needed for chat data")
-        ids, mask = chat_tokens(tokenizer, normalize_messages(record))
+        ids, mask = chat_tokens(tokenizer, normalize_messages(record), template_kwargs)
         ids, mask = np.asarray(ids, dtype=np.int64), np.asarray(mask, dtype=bool)
         if ids.size and ids.max() >= vocab_size:
             raise SampleError(f"the tokenizer produced ids >= the model's vocab_size {vocab_size}")
@@ -261,7 +270,8 @@ def nonblank_lines(path: str | Path, max_line_bytes: int = 8 << 20) -> list[tupl
 
 
 def read_documents(path: str | Path, tokenizer, vocab_size: int, on_bad: str, bad: BadSamples,
-                   max_line_bytes: int = 8 << 20, max_doc_tokens: int = 0) -> list[Document]:
+                   max_line_bytes: int = 8 << 20, max_doc_tokens: int = 0,
+                   template_kwargs: dict | None = None) -> list[Document]:
     """Every non-blank line of a JSONL file -> Document. Bad lines: raise (fail) or count in `bad` (skip)."""
     path = Path(path)
     if not path.is_file():
@@ -272,7 +282,7 @@ def read_documents(path: str | Path, tokenizer, vocab_size: int, on_bad: str, ba
             try:
                 if isinstance(text, SampleError):
                     raise text
-                ids, mask = line_to_document(text, tokenizer, vocab_size, max_doc_tokens)
+                ids, mask = line_to_document(text, tokenizer, vocab_size, max_doc_tokens, template_kwargs)
             except SampleError as exc:
                 message = f"{path}:{lineno}: {exc}"
                 if on_bad == "fail":

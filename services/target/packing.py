@@ -161,7 +161,8 @@ def heldout_chats(cfg: Config, limit: int) -> list[list[dict]]:
 def build_index(cfg: Config, tokenizer, vocab_size: int) -> tuple[dict[str, np.ndarray], dict[str, str]]:
     d = cfg.data
     bad = BadSamples()
-    limits = dict(max_line_bytes=d.max_line_bytes, max_doc_tokens=d.max_doc_tokens)
+    limits = dict(max_line_bytes=d.max_line_bytes, max_doc_tokens=d.max_doc_tokens,
+                  template_kwargs=d.chat_template_kwargs)
     train = read_documents(d.path, tokenizer, vocab_size, d.on_bad_sample, bad, **limits)
     held_out = runspec.HeldOut.of(cfg)
     if held_out.source == "data.eval_path":
