@@ -116,7 +116,8 @@ def cmd_plan(args) -> int:
 
 def _eval_argv(args, run_dir: str, checkpoint: str | None) -> list[str]:
     argv = [sys.executable, "-m", "services.drafter.eval_cli", "--run-dir", run_dir,
-            "--prompts", str(args.prompts), "--max-new-tokens", str(args.max_new_tokens)]
+            "--max-new-tokens", str(args.max_new_tokens), "--limit", str(args.limit)]
+    argv += [f"--prompts={p}" for p in args.prompts]
     if checkpoint:
         argv += ["--checkpoint", checkpoint]
     if args.eval_device:

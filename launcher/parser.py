@@ -151,13 +151,14 @@ def build_parser() -> argparse.ArgumentParser:
     rg.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     rg.set_defaults(func=cmd_regenerate)
 
-    ev = sub.add_parser("eval", help="real speculative decoding of a drafter with its target on held-out prompts",
-                        formatter_class=fmt,
-                        description="Greedy DFlash decoding with the run's target (target.model_path) on held-out "
+    ev = sub.add_parser("eval", help="real speculative decoding of a drafter with its target on benchmark or "
+                        "held-out prompts", formatter_class=fmt,
+                        description="Greedy DFlash decoding with the run's target (target.model_path) on prompt-set "
+                                    "files (--prompts FILE, repeatable: e.g. a benchmark's prompts) or held-out "
                                     "prompts of its data: acceptance per prompt and per step, tokens per target "
                                     "forward, and whether the output equals plain greedy decoding; with the "
-                                    "repeat-last-token and random-drafter controls on the same prompts. Appends "
-                                    "to <run-dir>/spec_eval.jsonl.")
+                                    "repeat-last-token and random-drafter controls on the same prompts; a table "
+                                    "per set. Appends to <run-dir>/spec_eval.jsonl.")
     ev.add_argument("--checkpoint", help="checkpoint dir, export dir or run dir (default: <run-dir>/checkpoints/latest)")
     ev.add_argument("--run-dir", help="run dir whose config names the target and data (default: the run that "
                     "--checkpoint is or lies in, else runs/latest: the last run started here whose workers became ready)")
@@ -171,7 +172,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _eval_options(p) -> None:
-    p.add_argument("--prompts", type=int, default=32, help="held-out prompts to decode")
+    p.add_argument("--prompts", action="append", default=[], metavar="FILE|N",
+                   help="a prompt-set file, JSONL or .jsonl.gz, one prompt a line: {\"messages\": [...]}, "
+                        "{\"prompt\": \"...\"} or {\"input_ids\": [...]} (repeatable: a table per set); or N "
+                        "held-out prompts of the run's data (default: 32 held-out prompts)")
+    p.add_argument("--limit", type=int, default=0, help="prompts per set at most (0: every prompt of a file)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="new tokens per prompt at most")
     p.add_argument("--device", "--eval-device", dest="eval_device",
                    help="device for the target and drafter, e.g. cuda, cuda:1, cpu (default: cuda if available, "

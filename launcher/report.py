@@ -56,16 +56,10 @@ def read_spec(run_dir: Path) -> tuple[list[dict], dict | None]:
 
 
 def describe_spec(record: dict, what: str) -> list[str]:
-    """Real acceptance in words: the drafter's, and its controls' when the record has them."""
-    from services.drafter.lossless import describe_lossless
-    def line(name, r):
-        return (f"  {name:<12} {r['acceptance_per_prompt']:.2f} per prompt, {r['acceptance_per_step']:.2f} per step, "
-                f"{r['tokens_per_forward']:.2f} tokens per target forward, {describe_lossless(r)}")
-    prompts = describe_prompts(record["prompts"], record.get("held_out"))
-    lines = [f"real acceptance ({what}; greedy speculative decoding of {prompts}):",
-             line("drafter", record)]
-    lines += [line(name.replace("_", "-"), record[name]) for name in ("repeat_last", "random") if name in record]
-    return lines
+    """Real acceptance in words: the drafter's and its controls' (when the record has them), per prompt set."""
+    from services.drafter.acceptance_text import tables
+    return tables(record, f"{what}; greedy speculative decoding of "
+                          f"{describe_prompts(record['prompts'], record.get('held_out'), record.get('sets') or ())}")
 
 
 def _pointer(run_dir: Path, name: str) -> str | None:
@@ -90,9 +84,10 @@ def describe_data(info: dict) -> str:
     skipped = (f"; skipped {info['bad_samples']} bad lines (data.on_bad_sample=skip), first: "
                + "; ".join(info["bad_examples"]) if info["bad_samples"] else "; no bad lines")
     line = f"data: {info['train_rows']} training rows, {info['eval_rows']} held-out rows{skipped}"
-    if info.get("chat_prompts") == 0:            # pre-tokenized only: nothing for speculative decoding to prompt
-        line += ("\nreal acceptance: off, the held-out data has no chat lines (pre-tokenized lines carry no "
-                 "prompt to decode); τ is still measured. For it, add chat lines or a chat data.eval_path")
+    if info.get("prompts", info.get("chat_prompts")) == 0:     # ("chat_prompts": data.json of older runs)
+        line += ("\nreal acceptance: off, the held-out data has no prompts (a pre-tokenized line's prompt is its "
+                 "tokens before the first supervised one: these have none); τ is still measured. For it, set "
+                 "run.eval_prompts to a prompt file (e.g. a benchmark's), or add chat lines or a data.eval_path")
     return line
 
 

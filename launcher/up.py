@@ -51,6 +51,8 @@ def cmd_up(args) -> int:
         print("building the demo target and dataset (once; then reused from the demo cache)…", flush=True)
         cfg = with_local_model(load_config(args.config, make_demo(args.device, args.demo) + overrides))
         check_inputs(cfg, runs_targets)
+    # prompt files as absolute paths: the run's config is read from other folders (eval, units, resume)
+    cfg.run.eval_prompts = [str(Path(p).resolve()) for p in cfg.run.eval_prompts]
     preflight(cfg, args.device, runs_targets)
     with staged(run_dir) as where:                  # a new run dir appears only once the data is ready
         dump_json(cfg, where / "config.json")

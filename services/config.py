@@ -53,6 +53,7 @@ class RunConfig:
     keep_checkpoints: int = setting(3, batch="")
     eval_every: int = setting(0, batch="")                # 0 = no held-out evaluation
     spec_eval_prompts: int = setting(16, batch="")        # real speculative decoding on held-out prompts (rank 0, verified by the targets); 0 = off
+    eval_prompts: list[str] = setting(factory=list, batch="")   # prompt-set files (JSONL) for real acceptance in training; [] = the held-out lines
     spec_eval_max_new_tokens: int = setting(128, batch="")
     spec_eval_budget_s: float = setting(60.0, batch="")   # per evaluation; prompts past it are left for the next one
     spec_eval_target_share: float = setting(0.25, batch="")   # verify work's share of a target's time while drafters ask for batches
@@ -344,11 +345,11 @@ def layer_ids_message(key: str, ids: list) -> str:
             "layers are concatenated in ascending order, and the export declares this list as that order")
 
 
-def describe_prompts(count: int, held_out: bool | None) -> str:
-    """The prompts real acceptance was measured on, in words that say where they came from
-    (held_out None: a record from before this was recorded)."""
+def describe_prompts(count: int, held_out: bool | None, sets=()) -> str:
+    """The prompts real acceptance was measured on, in words that say where they came from (held_out
+    None: prompt files, named by their `sets`, or a record from before this was recorded)."""
     if held_out is None:
-        return f"{count} prompts"
+        return f"{count} prompts" + (f" of {', '.join(sets)}" if sets else "")
     if held_out:
         return f"{count} held-out prompts"
     return f"{count} training prompts (no held-out split: set data.eval_fraction or data.eval_path)"

@@ -182,7 +182,8 @@ class Bookkeeping:
                                            self.state.drafter.cfg, self.health, prompts=run.spec_eval_prompts,
                                            max_new_tokens=run.spec_eval_max_new_tokens)
                 if not self.spec.prompts:
-                    log.warning("real speculative decoding is off: the held-out data has no chat prompts")
+                    log.warning("real speculative decoding is off: the held-out data has no prompts (set run.eval_prompts "
+                                "to a prompt file)")
                     self.spec.close()
                     self.spec = False
             except Exception as exc:        # never fatal: the run trains without it

@@ -1,9 +1,12 @@
-"""`launcher eval`: real (greedy) speculative decoding of a drafter with its target on held-out prompts.
+"""`launcher eval`: real (greedy) speculative decoding of a drafter with its target on prompt sets
+(benchmark files) or the run's held-out prompts.
 
-    python -m services.drafter.eval_cli --run-dir runs/latest [--checkpoint DIR] [--prompts 32]
+    python -m services.drafter.eval_cli --run-dir runs/latest [--checkpoint DIR] [--prompts FILE.jsonl ...]
 
 The drafter comes from a checkpoint dir, a run dir (its checkpoints/latest) or an export; the
-target and the data from the run's config.json. The record is appended to <run-dir>/spec_eval.jsonl.
+target and the data from the run's config.json. Prompts are rendered with the run's
+data.chat_template_kwargs (services/drafter/prompts.py says what a prompt file holds). The record
+is appended to <run-dir>/spec_eval.jsonl.
 """
 from __future__ import annotations
 
@@ -17,7 +20,7 @@ import torch
 
 from services.config import describe_prompts
 from services.drafter.model import DrafterModelConfig
-from services.drafter.speculative import describe
+from services.drafter.acceptance_text import by_set, tables
 from services.target.hybrid import ROLLBACKS
 
 
@@ -56,11 +59,14 @@ def model_config_from_export(conf: dict) -> DrafterModelConfig:
 def main(argv=None) -> int:
     from services.config import load_config
     p = argparse.ArgumentParser(prog="launcher eval", description="Real (greedy) speculative decoding of a drafter "
-                                "with its target on held-out prompts of the run's data (without a held-out "
-                                "split: its last training lines).")
+                                "with its target on prompt-set files, or on held-out prompts of the run's data "
+                                "(without a held-out split: its last training lines).")
     p.add_argument("--run-dir", default="runs/latest", help="the run: its config.json names the target and the data")
     p.add_argument("--checkpoint", help="checkpoint dir, export dir, or run dir (default: <run-dir>/checkpoints/latest)")
-    p.add_argument("--prompts", type=int, default=32, help="held-out prompts to decode")
+    p.add_argument("--prompts", action="append", default=[], metavar="FILE|N",
+                   help="a prompt-set file (JSONL or .jsonl.gz, repeatable: a table per set), or N held-out prompts "
+                        "of the run's data (the default: 32)")
+    p.add_argument("--limit", type=int, default=0, help="prompts per set at most (0: every prompt of a file)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--no-controls", action="store_true", help="skip the repeat-last and random-drafter controls")
@@ -77,6 +83,12 @@ def main(argv=None) -> int:
     if args.device == "cpu":
         torch.set_num_threads(args.threads)
     run_dir = Path(args.run_dir)
+    counts, files = [p for p in args.prompts if p.isdigit()], [p for p in args.prompts if not p.isdigit()]
+    if counts and files:
+        print("eval: error: --prompts takes prompt files or a number of held-out prompts, not both", file=sys.stderr)
+        return 2
+    limit = args.limit or (int(counts[-1]) if counts else 0 if files else 32)
+    files = [str(Path(f).resolve()) for f in files]
     try:
         cfg = load_config(run_dir / "config.json", args.set)
         weights, model_cfg, what = load_weights(args.checkpoint or run_dir)
@@ -85,25 +97,27 @@ def main(argv=None) -> int:
         return 2
     from services.drafter.spec_eval import SpecEval
     try:
-        spec = SpecEval(cfg, args.device, prompts=args.prompts, max_new_tokens=args.max_new_tokens,
-                        rollback=args.rollback)
+        spec = SpecEval(cfg, args.device, prompts=limit, max_new_tokens=args.max_new_tokens,
+                        rollback=args.rollback, files=files)
     except Exception as exc:                    # the target cannot be loaded or decoded: one line
         print(f"eval: error: {exc}", file=sys.stderr)
         return 2
     if not spec.prompts:
-        print(f"eval: error: no chat prompts in the held-out data of {run_dir}", file=sys.stderr)
+        print(f"eval: error: no prompts in the held-out data of {run_dir} (chat lines, or pre-tokenized lines with "
+              "unsupervised tokens first); give a prompt file with --prompts FILE", file=sys.stderr)
         return 2
     result = spec.evaluate(weights, model_cfg, controls=not args.no_controls, seed=cfg.run.seed)
-    record = {"event": "spec_eval", "drafter": what, "block_size": model_cfg.block_size, **result,
+    record = {"event": "spec_eval", "drafter": what, "block_size": model_cfg.block_size,
+              "max_new_tokens": args.max_new_tokens, **result, "sets": by_set(result),
+              **({"prompt_files": files} if files else {}),
               **({"overrides": args.set} if args.set else {})}
     with open(run_dir / "spec_eval.jsonl", "a") as f:           # `launcher report` shows the latest
         f.write(json.dumps({**record, "time": round(time.time(), 3)}) + "\n")
     if args.json:
         print(json.dumps(record))
     else:
-        print(f"{what}: {describe_prompts(result['prompts'], result['held_out'])}, block {model_cfg.block_size}, "
-              f"greedy, up to {args.max_new_tokens} new tokens")
-        print(describe(result))
+        print("\n".join(tables(record, f"{what}: {describe_prompts(result['prompts'], result['held_out'], record['sets'])}"
+                                        f", block {model_cfg.block_size}, greedy, up to {args.max_new_tokens} new tokens")))
     return 0
 
 

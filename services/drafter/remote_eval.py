@@ -26,9 +26,9 @@ from types import SimpleNamespace
 import torch
 
 from services.runspec import HeldOut
-from services.drafter.prompts import heldout_prompts, stop_token_ids
+from services.drafter.prompts import interleave, prompt_sets, stop_token_ids
 from services.drafter.spec_eval import SpecEval
-from services.drafter.speculative import greedy_reference, speculative_generate, summarize
+from services.drafter.speculative import greedy_reference, speculative_generate, summarize_sets
 from services.endpoints import endpoint
 from services.health import Drops
 from services.target.decode import Step
@@ -103,11 +103,13 @@ class RemoteSpecEval(SpecEval):
             generation = None
         self.stop_ids = stop_token_ids(self.tokenizer, SimpleNamespace(generation_config=generation))
         self.max_new_tokens = max_new_tokens
-        every = heldout_prompts(cfg, self.tokenizer, prompts)
-        self.prompts = [p for p in every if len(p) <= cfg.data.pack_len]     # what a target accepts
-        self.held_out = HeldOut.of(cfg).exists      # else the prompts are the last training lines
+        every, names = interleave(prompt_sets(cfg, self.tokenizer, cfg.run.eval_prompts, prompts))
+        fits = [i for i, p in enumerate(every) if len(p) <= cfg.data.pack_len]     # what a target accepts
+        self.prompts, self.names = [every[i] for i in fits], [names[i] for i in fits]
+        # where the prompts come from: run.eval_prompts' files (None), held-out lines (True) or training lines
+        self.held_out = None if cfg.run.eval_prompts else HeldOut.of(cfg).exists
         if len(self.prompts) < len(every):
-            log.warning("real acceptance: %d held-out prompts longer than data.pack_len=%d are left out",
+            log.warning("real acceptance: %d prompts longer than data.pack_len=%d are left out",
                         len(every) - len(self.prompts), cfg.data.pack_len)
         self._refs: dict[int, object] = {}
         self._sessions = itertools.count(1)
@@ -168,5 +170,6 @@ class RemoteSpecEval(SpecEval):
                 refs.append(ref)
                 decoded.append(index)
         seconds = time.perf_counter() - start
-        return {**summarize(results, refs, seconds), "skipped": self.skipped, "indices": decoded,
+        return {**summarize_sets(results, refs, [self.names[i] for i in decoded], seconds),
+                "skipped": self.skipped, "indices": decoded,
                 "seconds_per_prompt": round(seconds / max(1, len(results)), 3)}

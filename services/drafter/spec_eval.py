@@ -1,5 +1,6 @@
-"""One evaluation of drafters by real speculative decoding: the target, its held-out prompts and
-their plain greedy outputs, made once; then any drafter (weights) is decoded on them.
+"""One evaluation of drafters by real speculative decoding: the target, its prompts (prompt sets from
+files, else the held-out lines; prompts.py) and their plain greedy outputs, made once; then any
+drafter (weights) is decoded on them, with figures over all prompts and per set.
 
 The target is loaded by services.target.model.load_target (the training capture's own loader,
 hooks and packed Gated DeltaNet layers) in fp32 on CPU and in target.dtype elsewhere, and runs
@@ -14,9 +15,9 @@ import torch
 
 from services import runspec
 from services.drafter.model import DrafterModelConfig
-from services.drafter.prompts import heldout_prompts, stop_token_ids
+from services.drafter.prompts import interleave, prompt_sets, stop_token_ids
 from services.drafter.speculative import (Decoded, DrafterProposer, RepeatLast, eval_drafter, evaluate_prompts,
-                                          greedy_reference)
+                                          greedy_reference, summarize_sets)
 from services.drafter.target_head import TargetHead
 from services.drafter.verifier import LocalVerifier
 from services.target.hybrid import ROLLBACKS
@@ -31,17 +32,20 @@ def load_eval_target(cfg, device: torch.device):
 
 class SpecEval:
     def __init__(self, cfg, device, *, prompts: int, max_new_tokens: int, target=None, tokenizer=None,
-                 rollback: str = ROLLBACKS[0]):
+                 rollback: str = ROLLBACKS[0], files: list[str] = ()):
+        """prompts: at most this many of each set; files: prompt-set files (none: the held-out lines)."""
         from transformers import AutoTokenizer
         self.device = torch.device(device)
         self.tokenizer = tokenizer or AutoTokenizer.from_pretrained(cfg.target.model_path)
+        # the prompts before the target: a bad prompt file is named before a large model loads
+        self.prompts, self.names = interleave(prompt_sets(cfg, self.tokenizer, list(files), prompts))
         self.target = target if target is not None else load_eval_target(cfg, self.device)   # a Target
         self.verifier = LocalVerifier(self.target, rollback)
         self.dtype = self.target.model.dtype
         self.max_new_tokens = max_new_tokens
         self.stop_ids = stop_token_ids(self.tokenizer, self.target.model)
-        self.prompts = heldout_prompts(cfg, self.tokenizer, prompts)
-        self.held_out = runspec.HeldOut.of(cfg).exists      # else the prompts are the last training lines
+        # where the prompts come from: the files (None), held-out lines (True) or the last training lines
+        self.held_out = None if files else runspec.HeldOut.of(cfg).exists
         self._references: list[Decoded] = []
 
     def references(self, n: int) -> list[Decoded]:
@@ -69,24 +73,24 @@ class SpecEval:
     def run(self, propose, budget_s: float = 0.0, tick=None, indices: list[int] | None = None) -> dict:
         """Prompts in order (those of `indices`, else all) until done or past budget_s (0: no limit);
         the figures of those decoded, and their `indices`."""
-        if indices is not None:             # references are cached: the drafter's run computed them
-            refs = self.references(max(indices, default=-1) + 1)
-            result = evaluate_prompts(self.verifier, propose, [self.prompts[i] for i in indices],
-                                      [refs[i] for i in indices], max_new_tokens=self.max_new_tokens,
-                                      stop_ids=self.stop_ids, budget_s=budget_s, tick=tick)
-            return {**result, "indices": list(indices[:result["prompts"]])}
-        # references inside the budget too: the first evaluation computes them
-        start, refs = time.perf_counter(), []
-        for i in range(len(self.prompts)):
-            if budget_s > 0 and refs and time.perf_counter() - start > budget_s / 2:
-                break
-            refs = self.references(i + 1)
-            if tick:
-                tick()
-        left = 0.0 if budget_s <= 0 else max(1e-3, budget_s - (time.perf_counter() - start))
-        result = evaluate_prompts(self.verifier, propose, self.prompts[:len(refs)], refs,
-                                  max_new_tokens=self.max_new_tokens, stop_ids=self.stop_ids, budget_s=left, tick=tick)
-        return {**result, "indices": list(range(result["prompts"]))}
+        start = time.perf_counter()
+        if indices is None:                 # references inside the budget too: the first evaluation computes them
+            refs = []
+            for i in range(len(self.prompts)):
+                if budget_s > 0 and refs and time.perf_counter() - start > budget_s / 2:
+                    break
+                refs = self.references(i + 1)
+                if tick:
+                    tick()
+            indices = list(range(len(refs)))
+            budget_s = 0.0 if budget_s <= 0 else max(1e-3, budget_s - (time.perf_counter() - start))
+        refs = self.references(max(indices, default=-1) + 1)    # cached: the drafter's run computed them
+        results = evaluate_prompts(self.verifier, propose, [self.prompts[i] for i in indices],
+                                   max_new_tokens=self.max_new_tokens, stop_ids=self.stop_ids, budget_s=budget_s,
+                                   tick=tick)
+        decoded = indices[:len(results)]
+        return {**summarize_sets(results, [refs[i] for i in decoded], [self.names[i] for i in decoded]),
+                "indices": decoded}
 
     def evaluate(self, weights: dict, model_cfg: DrafterModelConfig, *, controls: bool = False,
                  budget_s: float = 0.0, seed: int = 0, tick=None) -> dict:

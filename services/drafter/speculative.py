@@ -106,6 +106,7 @@ class Decoded:
     target_forwards: int       # the prefill and one per step
     margins: list[float] = field(default_factory=list)      # per token: top-1 - top-2 logit of the forward that chose it
     tolerances: list[float] = field(default_factory=list)   # per token: that forward's rounding tolerance
+    seconds: float = 0.0                                    # wall time of the decoding
 
 
 def _take(step, n: int) -> tuple[list[int], list[float], list[float]]:
@@ -115,7 +116,7 @@ def _take(step, n: int) -> tuple[list[int], list[float], list[float]]:
 @torch.no_grad()
 def speculative_generate(verifier, propose, prompt_ids: list[int], *, max_new_tokens: int, stop_ids=()) -> Decoded:
     """Greedy DFlash decoding of one prompt; `propose` drafts the block's B-1 tokens per step."""
-    stop = set(stop_ids)
+    stop, began = set(stop_ids), time.perf_counter()
     step = verifier.prefill(prompt_ids)
     features = step.features
     out = Decoded([int(step.greedy[-1])], [], 1, [float(step.margin[-1])], [float(step.tolerance[-1])])
@@ -140,6 +141,7 @@ def speculative_generate(verifier, propose, prompt_ids: list[int], *, max_new_to
         verifier.commit(accepted + 1)
         start += accepted + 1
         features = torch.cat([features, step.features[:accepted + 1].to(features.device)])
+    out.seconds = time.perf_counter() - began
     return out
 
 
@@ -162,8 +164,10 @@ def greedy_reference(verifier, prompt_ids: list[int], max_new_tokens: int, stop_
     return out
 
 
-def summarize(results: list[Decoded], references: list[Decoded] | None = None, seconds: float = 0.0) -> dict:
-    """The figures of a set of decoded prompts (module docstring)."""
+def summarize(results: list[Decoded], references: list[Decoded] | None = None, seconds: float | None = None) -> dict:
+    """The figures of a set of decoded prompts (module docstring); seconds: the wall time (default:
+    the decodings' own)."""
+    seconds = sum(r.seconds for r in results) if seconds is None else seconds
     steps = [s for r in results for s in r.steps]
     per_prompt = [sum(r.steps) / len(r.steps) for r in results if r.steps]
     out = {"prompts": len(results), "steps": len(steps),
@@ -180,9 +184,18 @@ def summarize(results: list[Decoded], references: list[Decoded] | None = None, s
     return out
 
 
-def evaluate_prompts(verifier, propose, prompts: list[list[int]], references: list[Decoded], *,
-                     max_new_tokens: int, stop_ids=(), budget_s: float = 0.0, tick=None) -> dict:
-    """Decode prompts in order until done or past budget_s (0 = no limit); figures over those decoded.
+def summarize_sets(results: list[Decoded], references: list[Decoded], names: list[str],
+                   seconds: float | None = None) -> dict:
+    """summarize() over all the prompts, and under "sets" per prompt set (names[i]: the set of results[i])."""
+    return {**summarize(results, references, seconds),
+            "sets": {name: summarize([r for r, n in zip(results, names) if n == name],
+                                     [f for f, n in zip(references, names) if n == name])
+                     for name in dict.fromkeys(names)}}
+
+
+def evaluate_prompts(verifier, propose, prompts: list[list[int]], *, max_new_tokens: int, stop_ids=(),
+                     budget_s: float = 0.0, tick=None) -> list[Decoded]:
+    """Decode prompts in order until done or past budget_s (0 = no limit).
     tick: called after every prompt (a worker's health heartbeat)."""
     start, results = time.perf_counter(), []
     for prompt in prompts:
@@ -192,18 +205,6 @@ def evaluate_prompts(verifier, propose, prompts: list[list[int]], references: li
             tick()
         results.append(speculative_generate(verifier, propose, prompt, max_new_tokens=max_new_tokens,
                                             stop_ids=stop_ids))
-    return summarize(results, references[:len(results)], time.perf_counter() - start)
+    return results
 
 
-def describe(result: dict) -> str:
-    """One line per drafter: the figures a user reads."""
-    from services.drafter.lossless import describe_lossless
-
-    def line(name, r):
-        return (f"{name:<11} acceptance {r['acceptance_per_prompt']:.2f} per prompt, {r['acceptance_per_step']:.2f} "
-                f"per step; {r['tokens_per_forward']:.2f} tokens per target forward; {describe_lossless(r)}")
-    lines = [line("drafter", result)]
-    for name in ("repeat_last", "random"):
-        if name in result:
-            lines.append(line(name.replace("_", "-"), result[name]))
-    return "\n".join(lines)

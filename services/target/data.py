@@ -83,8 +83,9 @@ def _text(content, where: str) -> str:
     raise SampleError(f"{where}: content must be a string, got {type(content).__name__}")
 
 
-def normalize_messages(record: dict) -> list[dict]:
-    """OpenAI or ShareGPT record -> [{"role", "content"}], checked."""
+def normalize_messages(record: dict, need_reply: bool = True) -> list[dict]:
+    """OpenAI or ShareGPT record -> [{"role", "content"}], checked; a training line (need_reply)
+    must hold an assistant reply, a prompt need not."""
     if "messages" in record:
         raw, role_key, text_key, aliases = record["messages"], "role", "content", {r: r for r in ROLES}
         name = "messages"
@@ -104,7 +105,7 @@ def normalize_messages(record: dict) -> list[dict]:
         if role is None:
             raise SampleError(f"{where}: unknown role {m[role_key]!r} (known: {', '.join(sorted(aliases))})")
         messages.append({"role": role, "content": _text(m[text_key], where)})
-    if not any(m["role"] == "assistant" and m["content"].strip() for m in messages):
+    if need_reply and not any(m["role"] == "assistant" and m["content"].strip() for m in messages):
         raise SampleError("no assistant reply: nothing to supervise")
     return messages
 

@@ -129,13 +129,11 @@ def _pack_split(docs: list[Document], cfg: Config, prefix: str) -> dict[str, np.
     }
 
 
-def heldout_chats(cfg: Config, limit: int) -> list[list[dict]]:
-    """Up to `limit` conversations of the held-out split (runspec.HeldOut), each cut before its last
-    assistant turn: the prompts of real acceptance (services/drafter/prompts.py). The split is by
-    line number, as in build_index, so the prompts are the packed eval split's chat documents, bad
-    lines or not. Without a held-out split: the last lines of data.path. Pre-tokenized lines carry
-    no prompt and are skipped."""
-    from services.target.data import normalize_messages
+def heldout_lines(cfg: Config) -> list[str]:
+    """The text of the held-out split's lines (runspec.HeldOut), in the eval's order: the prompts of
+    real acceptance (services/drafter/prompts.py). The split is by line number, as in build_index, so
+    they are the packed eval split's lines, bad lines or not. Without a held-out split: the lines of
+    data.path, last first."""
     held_out = runspec.HeldOut.of(cfg)
     lines = nonblank_lines(held_out.path or cfg.data.path, cfg.data.max_line_bytes)
     if held_out.source == "data.eval_fraction":
@@ -143,19 +141,7 @@ def heldout_chats(cfg: Config, limit: int) -> list[list[dict]]:
         lines = [(n, text) for n, text in lines if n in chosen]
     elif held_out.source != "data.eval_path":
         lines = lines[::-1]
-    chats = []
-    for _, text in lines:
-        if len(chats) >= limit:
-            break
-        try:
-            record = json.loads(text)
-            messages = normalize_messages(record) if ("messages" in record or "conversations" in record) else None
-        except Exception:
-            continue
-        turns = [i for i, m in enumerate(messages or []) if m["role"] == "assistant"]
-        if turns:
-            chats.append(messages[:turns[-1]])
-    return chats
+    return [text for _, text in lines if text is not None]
 
 
 def build_index(cfg: Config, tokenizer, vocab_size: int) -> tuple[dict[str, np.ndarray], dict[str, str]]:
@@ -345,11 +331,23 @@ class ModelFilesError(DataError):
     """The target folder's config or tokenizer does not load (named by its key, not as data)."""
 
 
+def eval_prompt_count(cfg: Config) -> int | None:
+    """How many prompts real acceptance will decode in training (run.eval_prompts' files, read and
+    checked now, else the held-out lines'); None when it is off (run.spec_eval_prompts = 0)."""
+    from transformers import AutoTokenizer
+    from services.drafter.prompts import prompt_sets
+    if cfg.run.spec_eval_prompts <= 0:
+        return None
+    tokenizer = AutoTokenizer.from_pretrained(cfg.target.model_path)
+    return sum(len(s.prompts) for s in prompt_sets(cfg, tokenizer, cfg.run.eval_prompts, cfg.run.spec_eval_prompts))
+
+
 def main(argv=None) -> int:
     """python -m services.target.packing --config FILE --run-dir DIR: one JSON line, or one error line, exit 2."""
     import argparse
 
     from services.config import load_config
+    from services.drafter.prompts import PromptFileError
     p = argparse.ArgumentParser(prog="python -m services.target.packing", description="build the run's data index")
     p.add_argument("--config", required=True)
     p.add_argument("--run-dir", required=True)
@@ -361,11 +359,14 @@ def main(argv=None) -> int:
         print(exc if isinstance(exc, (ModelFilesError, runspec.SpecError)) else f"data: {exc}", file=sys.stderr,
               flush=True)
         return 2
-    # real acceptance needs chat prompts: None when it is off by config (run.spec_eval_prompts = 0)
-    chat_prompts = len(heldout_chats(cfg, cfg.run.spec_eval_prompts)) if cfg.run.spec_eval_prompts > 0 else None
+    try:                # real acceptance's prompts: None when it is off by config (run.spec_eval_prompts = 0)
+        prompts = eval_prompt_count(cfg)
+    except PromptFileError as exc:
+        print(f"run.eval_prompts: {exc}", file=sys.stderr, flush=True)
+        return 2
     print(json.dumps({"train_rows": data.num_batches("train"), "eval_rows": data.num_batches("eval"),
                       "bad_samples": data.bad_samples, "bad_examples": data.bad_examples[:3],
-                      "chat_prompts": chat_prompts}), flush=True)
+                      "prompts": prompts}), flush=True)
     return 0
 
 

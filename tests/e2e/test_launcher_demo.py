@@ -93,15 +93,30 @@ def test_demo_trains_end_to_end(tmp_path):
               if '"event": "spec_eval"' in line]
     assert events and all(e["target_models_in_process"] == 0 and e["skipped"] == 0 for e in events)
 
-    # `launcher eval` of the export: the same loop, run from the CLI with the target loaded
+    # `launcher eval` of the export on two prompt-set files: the same loop, run from the CLI with the
+    # target loaded; a table per set and one for both, each with the controls
+    chats = [json.loads(line) for line in Path(json.loads((run_dir / "config.json").read_text())["data"]["path"])
+             .read_text().splitlines()[:8]]
+    (tmp_path / "chat.jsonl").write_text("".join(json.dumps({"messages": c["messages"]}) + "\n" for c in chats[:4]))
+    (tmp_path / "plain.jsonl").write_text("".join(json.dumps({"prompt": c["messages"][0]["content"]}) + "\n"
+                                                  for c in chats[4:]))
     ev = subprocess.run([sys.executable, "-m", "launcher", "eval", "--run-dir", str(run_dir), "--checkpoint",
-                         str(run_dir / "export"), "--prompts", "8", "--max-new-tokens", "32"],
-                        capture_output=True, text=True, timeout=600)
+                         str(run_dir / "export"), "--prompts", "chat.jsonl", "--prompts", "plain.jsonl",
+                         "--max-new-tokens", "32"], capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert ev.returncode == 0, ev.stderr[-3000:]
-    assert "drafter     acceptance" in ev.stdout and "lossless 8/8" in ev.stdout, ev.stdout
+    out = ev.stdout.splitlines()
+    for head in ("chat (4 prompts):", "plain (4 prompts):", "all sets (8 prompts):"):
+        rows = out[out.index(head) + 2:out.index(head) + 5]
+        assert [r.split()[0] for r in rows] == ["drafter", "repeat-last", "random"], ev.stdout
+        assert all(r.endswith(("4/4" if head != "all sets (8 prompts):" else "8/8")) for r in rows), ev.stdout
     record = json.loads((run_dir / "spec_eval.jsonl").read_text().splitlines()[-1])
     assert record["prompts"] == 8 and record["lossless"] == 8 and record["random"]["lossless"] == 8
     assert record["acceptance_per_prompt"] > record["repeat_last"]["acceptance_per_prompt"]
+    assert record["prompt_files"] == [str(tmp_path / "chat.jsonl"), str(tmp_path / "plain.jsonl")]
+    for name in ("chat", "plain"):
+        figures = record["sets"][name]
+        assert figures["prompts"] == 4 and figures["lossless"] == figures["random"]["lossless"] == 4
+        assert figures["acceptance_per_prompt"] > figures["random"]["acceptance_per_prompt"]
 
 
 def test_killed_target_is_restarted_and_nothing_is_lost(tmp_path):

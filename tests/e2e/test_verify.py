@@ -262,3 +262,30 @@ def test_controls_decode_exactly_the_prompts_the_drafter_decoded(worker):
             assert control["prompts"] == 2 and control["lossless"] == 2
     finally:
         spec.close()
+
+
+def test_prompt_sets_of_run_eval_prompts_are_decoded_per_set(worker, tmp_path):
+    """run.eval_prompts: two prompt files (chat lines, plain prompts) interleaved, figures per set;
+    the worker decodes the very tokens the local eval renders, lossless on each set."""
+    import dataclasses
+    import json
+    chats = [json.loads(line) for line in Path(worker.cfg.data.path).read_text().splitlines()[:4]]
+    (tmp_path / "chat.jsonl").write_text("".join(json.dumps({"messages": c["messages"]}) + "\n" for c in chats[:2]))
+    (tmp_path / "plain.jsonl").write_text("".join(json.dumps({"prompt": c["messages"][0]["content"]}) + "\n"
+                                                  for c in chats[2:]))
+    files = [str(tmp_path / "chat.jsonl"), str(tmp_path / "plain.jsonl")]
+    cfg = dataclasses.replace(worker.cfg, run=dataclasses.replace(worker.cfg.run, eval_prompts=files))
+    model_cfg, head = from_target(cfg)
+    spec = RemoteSpecEval(cfg, worker.run_dir, 1, head, model_cfg, None, prompts=PROMPTS, max_new_tokens=NEW)
+    try:
+        assert spec.names == ["chat", "plain", "chat", "plain"]
+        local = SpecEval(cfg, "cpu", prompts=PROMPTS, max_new_tokens=NEW, files=files)
+        assert local.prompts == spec.prompts and local.names == spec.names
+        assert spec.prompts[0] != spec.prompts[1]
+        result = spec.evaluate(None, model_cfg, controls=True)
+        assert result["prompts"] == 4 and result["skipped"] == 0 and result["lossless"] == 4
+        assert {name: r["prompts"] for name, r in result["sets"].items()} == {"chat": 2, "plain": 2}
+        assert all(r["lossless"] == 2 for r in result["sets"].values())
+        assert set(result["repeat_last"]["sets"]) == {"chat", "plain"} and result["held_out"] is None
+    finally:
+        spec.close()

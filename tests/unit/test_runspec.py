@@ -40,7 +40,7 @@ def _changed(dotted: str) -> str:
     default = getattr(getattr(load_config(None, []), section), key)
     special = {"data.on_bad_sample": '"fail"', "data.eval_fraction": "0.25", "target.layer_ids": "[1, 2]",
                "data.pack_len": "96", "data.max_doc_len": "40", "data.max_line_bytes": "200",
-               "data.max_doc_tokens": "30"}
+               "data.max_doc_tokens": "30", "data.chat_template_kwargs": "{enable_thinking = false}"}
     if dotted in special:
         return f"{dotted}={special[dotted]}"
     if isinstance(default, bool):
@@ -241,7 +241,7 @@ def test_the_held_out_split_is_the_specs(data_file, tokenizer, tmp_path):
     """The packed eval split and the eval's prompts are the lines HeldOut.lines picks, by line
     number: a bad line (here the file's first, blank lines around it) moves no other line."""
     from services.target.data import BadSamples, nonblank_lines, read_documents
-    from services.target.packing import heldout_chats
+    from services.target.packing import heldout_lines
     good = data_file.read_text().splitlines()
     path = tmp_path / "with-bad.jsonl"
     path.write_text("not json\n\n" + "\n".join(good) + "\n")
@@ -256,8 +256,8 @@ def test_the_held_out_split_is_the_specs(data_file, tokenizer, tmp_path):
     tensors, meta = build_index(cfg, tokenizer, VOCAB)
     assert meta["bad_samples"] == "1"
     assert int(meta["eval_samples"]) == len(chosen - {1}) == sum(1 for n in chosen if n in docs) > 3
-    expected = [json.loads(path.read_text().splitlines()[n - 1])["messages"][:-1] for n in sorted(chosen - {1})]
-    assert heldout_chats(cfg, len(expected)) == expected
+    expected = [path.read_text().splitlines()[n - 1] for n in sorted(chosen - {1})]
+    assert [line.rstrip("\n") for line in heldout_lines(cfg)] == expected
     if 1 in chosen:                                                  # the bad line was drawn: it holds nothing
         assert len(chosen - {1}) == len(chosen) - 1
 
