@@ -11,12 +11,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+from launcher import process
 from launcher.errors import UsageError
 from launcher.inputs import check_inputs, make_demo, with_local_model
 from launcher.preflight import preflight
 from launcher.rundir import LATEST, run_holding
-from launcher.topology import host_overrides, hosts, parse_gpu_spec
-from services.config import load_config
+from launcher.topology import host_overrides, hosts, parse_gpu_list, parse_gpu_spec
+from services.config import load_config, parse_value
 from services.health import probe
 
 
@@ -142,12 +143,30 @@ def cmd_regenerate(args) -> int:
         raise UsageError(f"--data {args.data} does not exist")
     if not (Path(args.model) / "config.json").is_file():
         raise UsageError(f"--model {args.model} is not a Hugging Face model folder (no config.json)")
-    args.gpu_list = [w.gpu for w in parse_gpu_spec(f"{args.gpus}:target", share_gpus=True)] if args.device == "cuda" else []
+    args.template_kwargs = template_kwargs(args.template_kwargs)
+    args.gpu_list = []
+    if args.device == "cuda":                       # a plain GPU list: every GPU runs the one kind of child
+        parse_gpu_list(args.gpus)                   # a typo is named before the GPUs are counted
+        available = process.gpu_count()
+        if not available:
+            raise UsageError("--device cuda but no NVIDIA GPU is visible; use --device cpu for a CPU run")
+        args.gpu_list = parse_gpu_list(args.gpus, available)
     try:
         regenerate.run(args)
     except regenerate.RegenerateError as exc:
         raise UsageError(str(exc)) from None
     return 0
+
+
+def template_kwargs(items: list[str]) -> dict:
+    """--template-kwarg KEY=VALUE items -> {KEY: VALUE}, each VALUE a TOML literal as in config overrides."""
+    out = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            raise UsageError(f"--template-kwarg {item!r}: expected KEY=VALUE, e.g. enable_thinking=false")
+        out[key.strip()] = parse_value(raw)
+    return out
 
 
 def cmd_report(args) -> int:

@@ -142,13 +142,17 @@ def build_parser() -> argparse.ArgumentParser:
     rg.add_argument("--model", required=True, help="the target (local HF folder)")
     rg.add_argument("--data", required=True, help="chat JSONL (messages or conversations lines)")
     rg.add_argument("--out", required=True, help="JSONL to write")
-    rg.add_argument("--gpus", default="0", help="GPUs to generate on, one shard each (e.g. 0-7; the targets' GPUs)")
+    rg.add_argument("--gpus", default="0", help="GPUs to generate on, one shard each: numbers and ranges, e.g. 0-7 "
+                                                "or 0,2,5 (no roles: every GPU generates)")
     rg.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: one process, no GPU")
     rg.add_argument("--engine", choices=("hf", "vllm", "sglang"), default="hf",
                     help="hf: batched transformers generate; vllm / sglang when installed")
     rg.add_argument("--batch-size", type=int, default=32, help="prompts per HF generate call")
     rg.add_argument("--max-new-tokens", type=int, default=1024, help="longest reply")
     rg.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    rg.add_argument("--template-kwarg", action="append", default=[], metavar="KEY=VALUE", dest="template_kwargs",
+                    help="a chat-template variable for every prompt, VALUE a TOML literal (enable_thinking=false); "
+                         "repeat for more. Train and serve with the same ones (data.chat_template_kwargs)")
     rg.set_defaults(func=cmd_regenerate)
 
     ev = sub.add_parser("eval", help="real speculative decoding of a drafter with its target on benchmark or "

@@ -1,7 +1,8 @@
 """What `launcher up` checks before it makes the run folder, and what it says about a resume.
 
 Every check here needs no worker and no torch (config keys against each other and against the
-device, the model folder's files, the data files' first line), so a mistake costs one line and
+device, the model folder's files, the data files' first line and what `launcher regenerate`
+recorded beside them), so a mistake costs one line and
 exit 2 in a second, not a failed worker minutes later. Each error names the key or file. What
 the run spec decides (the captured layers, the drafter's shape, one batch's size against
 transport.max_batch_bytes) is checked where it is resolved, services/runspec.py.
@@ -18,8 +19,10 @@ import contextlib
 import json
 import os
 import shutil
+import sys
 from pathlib import Path
 
+from launcher.regen_record import template_kwargs_problem
 from services.config import Config, ConfigError
 from services.log import events
 
@@ -42,9 +45,22 @@ def preflight(cfg: Config, device: str, runs_targets: bool) -> None:
     check_attention(cfg, device)
     if not runs_targets:            # another host's targets read the model and the data
         return
-    chat = [f"{key} {path}" for key, path in (("data.path", cfg.data.path), ("data.eval_path", cfg.data.eval_path))
-            if path and first_line_is_chat(check_data_file(key, path))]
+    files = [(key, path) for key, path in (("data.path", cfg.data.path), ("data.eval_path", cfg.data.eval_path)) if path]
+    chat = [f"{key} {path}" for key, path in files if first_line_is_chat(check_data_file(key, path))]
     check_tokenizer(Path(cfg.target.model_path), chat[0] if chat else "")
+    for key, path in files:
+        check_regenerated(key, path, cfg.data.chat_template_kwargs)
+
+
+def check_regenerated(key: str, path: str, template_kwargs: dict) -> None:
+    """Data that `launcher regenerate` wrote with other chat-template options than the run's: refused
+    (the drafter would learn text rendered differently from what serving renders); a warning when
+    the file was edited since its record was written."""
+    refusal, warning = template_kwargs_problem(key, path, template_kwargs)
+    if refusal:
+        raise PreflightError(refusal)
+    if warning:
+        print(f"launcher: warning: {warning}", file=sys.stderr, flush=True)
 
 
 def check_sizes(cfg: Config) -> None:

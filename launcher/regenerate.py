@@ -6,6 +6,8 @@ The data is read here first (no torch): a broken line, or data without a chat li
 regenerate), is one line and exit 2 before any model loads. The children's JSON progress lines
 feed one line: assistant turns done / total, turns per second, ETA (from the first batch on, so
 the model load does not count). Their shards are hidden files beside --out, removed at the end.
+What was done (model, engine, chat-template options, sampling, the output's sha256) is written
+beside --out (launcher/regen_record.py), for `up` to check the run renders the chats alike.
 """
 from __future__ import annotations
 
@@ -18,6 +20,8 @@ import time
 from pathlib import Path
 
 from launcher.progress import ProgressLine, _duration
+from launcher.regen_record import write_record
+from services.config import toml_literal
 from services.target.regenerate import assistant_turns, read_conversations
 
 
@@ -58,6 +62,13 @@ def advice(out: Path, pre_tokenized: int) -> str:
             "the target's own, so the data's labels are the target's")
 
 
+def template_advice(template_kwargs: dict) -> str:
+    """The config line that makes training (and the eval) render the chats as they were regenerated."""
+    literal = toml_literal(template_kwargs)
+    return (f"train with data.chat_template_kwargs = {literal} (in [data]: chat_template_kwargs = {literal}), "
+            "and serve with the same chat-template options: `launcher up` refuses other ones for this file")
+
+
 def run(args) -> None:
     """Regenerate args.data into args.out, then print what changed. Raises RegenerateError."""
     data, out = Path(args.data), Path(args.out).resolve()
@@ -74,11 +85,13 @@ def run(args) -> None:
     gpus = [str(g) for g in args.gpu_list] if args.device == "cuda" else [None]
     base = [sys.executable, "-m", "services.target.regenerate", "--model", args.model, "--data", str(data),
             "--engine", args.engine, "--device", args.device, "--batch-size", str(args.batch_size),
-            "--max-new-tokens", str(args.max_new_tokens), "--temperature", str(args.temperature)]
+            "--max-new-tokens", str(args.max_new_tokens), "--temperature", str(args.temperature),
+            "--chat-template-kwargs", json.dumps(args.template_kwargs)]
     parts = [out.with_name(f".{out.name}.part{i}") for i in range(len(gpus))]
     where = f"{len(gpus)} GPUs" if len(gpus) > 1 else (f"GPU {gpus[0]}" if gpus[0] is not None else "the CPU")
     line = ProgressLine()
-    line.done(f"regenerating {total} assistant turns in {chat} chat lines of {data} on {where} "
+    options = f", chat template with {json.dumps(args.template_kwargs)}" if args.template_kwargs else ""
+    line.done(f"regenerating {total} assistant turns in {chat} chat lines of {data} on {where}{options} "
               f"({len(items) - chat} pre-tokenized lines are copied unchanged)")
     start, children, states, readers = time.monotonic(), [], [], []
     try:
@@ -122,12 +135,20 @@ def run(args) -> None:
             part.unlink(missing_ok=True)
     finals = [s["final"] for s in states]
     empty, pre_tokenized = sum(f["empty_replies_kept"] for f in finals), sum(f["pre_tokenized"] for f in finals)
+    record = write_record(out, {"model": str(Path(args.model).resolve()), "engine": args.engine,
+                                "chat_template_kwargs": args.template_kwargs, "temperature": args.temperature,
+                                "max_new_tokens": args.max_new_tokens, "data": str(data.resolve()),
+                                "lines": len(items), "chat_lines": chat, "turns": total, "empty_replies_kept": empty})
     lines = [f"regenerated {sum(f['turns'] for f in finals) - empty} assistant turns in {chat} chat lines "
              f"in {_duration(time.monotonic() - start)} ({args.engine}, {where})"]
     if empty:
         lines.append(f"{empty} replies came back empty: those turns keep the data's text")
     if pre_tokenized:
         lines.append(f"{pre_tokenized} pre-tokenized lines copied unchanged (no text to regenerate)")
-    lines += [f"wrote {out}: {sum(f['lines'] for f in finals)} lines, in input order", advice(out, pre_tokenized)]
+    lines += [f"wrote {out}: {sum(f['lines'] for f in finals)} lines, in input order "
+              f"(how it was made: {record.name}, read by `launcher up`)",
+              advice(out, pre_tokenized)]
+    if args.template_kwargs:
+        lines.append(template_advice(args.template_kwargs))
     for text in lines:
         line.done(text)

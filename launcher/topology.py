@@ -28,7 +28,9 @@ class Worker:
         return f"{self.role}-{self.rank}"
 
 
-def _parse_gpus(text: str, group: str) -> list[int]:
+def _parse_gpus(text: str, group: str, where: str = "") -> list[int]:
+    """GPU numbers and ranges joined by '+'; errors name `where` (default: the --gpus group)."""
+    where = where or f"--gpus group {group!r}"
     gpus: list[int] = []
     for part in text.split("+"):
         part = part.strip()
@@ -37,10 +39,29 @@ def _parse_gpus(text: str, group: str) -> list[int]:
             first = int(lo)
             last = int(hi) if sep else first
         except ValueError:
-            raise SpecError(f"--gpus group {group!r}: {part!r} is not a GPU number or range like 0-4") from None
+            raise SpecError(f"{where}: {part!r} is not a GPU number or range like 0-4") from None
         if first < 0 or last < first:
-            raise SpecError(f"--gpus group {group!r}: range {part!r} is empty or negative")
+            raise SpecError(f"{where}: range {part!r} is empty or negative")
         gpus.extend(range(first, last + 1))
+    return gpus
+
+
+def parse_gpu_list(text: str, available: int | None = None) -> list[int]:
+    """A plain GPU list without roles ('0-3', '0,2,5', '0-1+4'), for the commands that run one kind
+    of child per GPU (regenerate). `available`: GPUs on this host (None: don't check)."""
+    where = f"--gpus {text!r}"
+    if not text or not text.strip():
+        raise SpecError("--gpus is empty; expected GPU numbers like 0-3 or 0,2,5")
+    if ":" in text or "@" in text:
+        raise SpecError(f"{where}: expected GPU numbers like 0-3 or 0,2,5, without roles or hosts")
+    gpus = _parse_gpus(text.replace(",", "+"), text, where)
+    twice = sorted({g for g in gpus if gpus.count(g) > 1})
+    if twice:
+        raise SpecError(f"{where}: GPU {twice[0]} is given twice")
+    for gpu in gpus:
+        if available is not None and gpu >= available:
+            raise SpecError(f"--gpus: GPU {gpu} does not exist (this machine has {available}: 0-{available - 1})"
+                            if available else f"--gpus: GPU {gpu} does not exist (no GPU found; use --device cpu)")
     return gpus
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import ipaddress
 import json
+import re
 import sys
 import typing
 from dataclasses import dataclass, field
@@ -204,11 +205,31 @@ def parse_override(text: str) -> tuple[str, str, object]:
         raise ConfigError(f"override {text!r}: expected section.key=value")
     dotted, raw = text.split("=", 1)
     section, key = dotted.strip().split(".", 1)
+    return section, key, parse_value(raw)
+
+
+def parse_value(raw: str) -> object:
+    """A TOML literal ('false', '3e-4', '{a = 1}'); anything else is the bare string."""
     try:
-        value = tomllib.loads(f"v = {raw.strip()}")["v"]
+        return tomllib.loads(f"v = {raw.strip()}")["v"]
     except tomllib.TOMLDecodeError:
-        value = raw.strip()
-    return section, key, value
+        return raw.strip()
+
+
+def toml_literal(value) -> str:
+    """The TOML for a value parse_value reads back: {enable_thinking = false}, for advice lines."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value, ensure_ascii=False)        # a TOML basic string
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(toml_literal(v) for v in value) + "]"
+    if isinstance(value, dict):
+        keys = [k if re.fullmatch(r"[A-Za-z0-9_-]+", k) else json.dumps(k) for k in value]
+        return "{" + ", ".join(f"{k} = {toml_literal(v)}" for k, v in zip(keys, value.values())) + "}"
+    raise TypeError(f"no TOML literal for {value!r}")
 
 
 def load_config(path: str | Path | None = None, overrides: typing.Iterable[str] = ()) -> Config:

@@ -12,7 +12,11 @@ produces. Three ways to line the labels up with the target (docs/operations.md#w
 
     python -m services.target.regenerate --model PATH --data IN.jsonl --out OUT.jsonl
         [--batch-size 32] [--max-new-tokens 1024] [--engine hf|vllm|sglang] [--device cuda|cpu]
-        [--shard I/N]
+        [--shard I/N] [--chat-template-kwargs '{"enable_thinking": false}']
+
+Every engine renders the prompts with --chat-template-kwargs (the chat template's extra variables,
+as data.chat_template_kwargs gives them to training): the replies are what the target writes
+under the options it will be served with.
 
 Engines: batched HF `generate` (default, left padding); vLLM or SGLang when installed (their own
 batching, much faster on GPU). `launcher regenerate --gpus 0-3` runs one shard per GPU (lines
@@ -54,7 +58,7 @@ def read_conversations(path: str | Path, shard: int = 0, num_shards: int = 1) ->
 class HFEngine:
     """Batched greedy (or sampled) HF generate, left-padded, prompts sorted by length."""
 
-    def __init__(self, model_path: str, device: str, temperature: float):
+    def __init__(self, model_path: str, device: str, temperature: float, template_kwargs: dict | None = None):
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
         self.torch = torch
@@ -62,13 +66,13 @@ class HFEngine:
         self.tokenizer.padding_side = "left"
         dtype = torch.float32 if device == "cpu" else torch.bfloat16
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device).eval()
-        self.device, self.temperature = device, temperature
+        self.device, self.temperature, self.template_kwargs = device, temperature, template_kwargs or {}
         self.pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
 
     def generate(self, conversations: list[list[dict]], max_new_tokens: int, batch_size: int, tick=None) -> list[str]:
+        from services.target.data import prompt_tokens
         torch = self.torch
-        prompts = [self.tokenizer.apply_chat_template(m, tokenize=True, add_generation_prompt=True,
-                                                      return_dict=True)["input_ids"] for m in conversations]
+        prompts = [prompt_tokens(self.tokenizer, m, self.template_kwargs) for m in conversations]
         order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
         replies = [""] * len(prompts)
         sampling = {"do_sample": True, "temperature": self.temperature} if self.temperature > 0 else \
@@ -95,14 +99,15 @@ class HFEngine:
 class VLLMEngine:
     """vLLM's offline LLM.chat (not exercised by the tests: vLLM needs a GPU)."""
 
-    def __init__(self, model_path: str, device: str, temperature: float):
+    def __init__(self, model_path: str, device: str, temperature: float, template_kwargs: dict | None = None):
         from vllm import LLM
-        self.llm, self.temperature = LLM(model=model_path), temperature
+        self.llm, self.temperature, self.template_kwargs = LLM(model=model_path), temperature, template_kwargs or {}
 
     def generate(self, conversations, max_new_tokens, batch_size, tick=None):
         from vllm import SamplingParams
         params = SamplingParams(temperature=self.temperature, max_tokens=max_new_tokens)
-        replies = [o.outputs[0].text.strip() for o in self.llm.chat(conversations, params, use_tqdm=False)]
+        outputs = self.llm.chat(conversations, params, use_tqdm=False, chat_template_kwargs=self.template_kwargs)
+        replies = [o.outputs[0].text.strip() for o in outputs]
         if tick:
             tick(len(replies))
         return replies
@@ -111,15 +116,16 @@ class VLLMEngine:
 class SGLangEngine:
     """SGLang's offline Engine (not exercised by the tests: SGLang needs a GPU)."""
 
-    def __init__(self, model_path: str, device: str, temperature: float):
+    def __init__(self, model_path: str, device: str, temperature: float, template_kwargs: dict | None = None):
         import sglang
         from transformers import AutoTokenizer
         self.engine, self.temperature = sglang.Engine(model_path=model_path), temperature
+        self.template_kwargs = template_kwargs or {}
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
 
     def generate(self, conversations, max_new_tokens, batch_size, tick=None):
-        prompts = [self.tokenizer.apply_chat_template(m, tokenize=False, add_generation_prompt=True)
-                   for m in conversations]
+        prompts = [self.tokenizer.apply_chat_template(m, tokenize=False, add_generation_prompt=True,
+                                                      **self.template_kwargs) for m in conversations]
         out = self.engine.generate(prompts, {"temperature": self.temperature, "max_new_tokens": max_new_tokens})
         if tick:
             tick(len(out))
@@ -170,6 +176,8 @@ def main(argv=None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=1024)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (what greedy decoding will see)")
     p.add_argument("--shard", default="0/1", help="I/N: this process regenerates lines I, I+N, ...")
+    p.add_argument("--chat-template-kwargs", type=json.loads, default={},
+                   help="JSON object of chat-template variables, e.g. '{\"enable_thinking\": false}'")
     args = p.parse_args(argv)
     import torch
     from transformers.utils import logging as hf_logging
@@ -182,7 +190,7 @@ def main(argv=None) -> int:
     except ValueError as exc:                       # a broken line: one line naming it, exit 2
         print(f"regenerate: error: {exc}", file=sys.stderr, flush=True)
         return 2
-    engine = ENGINES[args.engine](args.model, device, args.temperature)
+    engine = ENGINES[args.engine](args.model, device, args.temperature, args.chat_template_kwargs)
     counts, done, total = {}, 0, assistant_turns(items)
 
     def tick(n: int) -> None:
@@ -195,7 +203,7 @@ def main(argv=None) -> int:
     chat = sum(m is not None for _, m in items)
     print(json.dumps({"event": "regenerated", "out": str(out), "lines": len(records), "chat": chat,
                       "pre_tokenized": len(records) - chat, "turns": total, "empty_replies_kept": counts["empty"],
-                      "engine": args.engine, "device": device,
+                      "engine": args.engine, "device": device, "chat_template_kwargs": args.chat_template_kwargs,
                       "seconds": round(time.perf_counter() - start, 2)}), flush=True)
     return 0
 

@@ -3,7 +3,7 @@ import re
 
 import pytest
 
-from services.config import Config, ConfigError, describe_defaults, dump_json, load_config
+from services.config import Config, ConfigError, describe_defaults, dump_json, load_config, parse_value, toml_literal
 
 
 def write(tmp_path, text, name="run.toml"):
@@ -100,3 +100,13 @@ def test_layer_ids_must_ascend_in_the_config_and_in_drafter_overrides():
     cfg.drafter.overrides = {"target_layer_ids": [5, 1]}            # the model config's own route to the ids
     with pytest.raises(ConfigError, match=r"target.layer_ids \[5, 1\] must be in ascending order"):
         build_model_config(cfg, SYNTHETIC_MODEL, mask_token_id=1)
+
+
+def test_toml_literal_is_what_an_override_and_a_config_file_read_back():
+    """The advice lines print values as TOML (data.chat_template_kwargs = {enable_thinking = false})."""
+    for value in ({}, {"enable_thinking": False}, {"a b": 'say "hi"', "n": 3, "x": 0.5, "l": [1, "z"], "d": {"q": True}}):
+        literal = toml_literal(value)
+        assert parse_value(literal) == value
+        assert load_config(None, [f"data.chat_template_kwargs={literal}"]).data.chat_template_kwargs == value
+    assert toml_literal({"enable_thinking": False}) == "{enable_thinking = false}"
+    assert parse_value("false") is False and parse_value("hello") == "hello"     # bare words stay strings

@@ -88,7 +88,8 @@ def test_probe_unreachable_returns_2_within_timeout():
 
 
 def test_launcher_never_imports_torch():
-    code = "import sys, launcher.cli, launcher.supervisor; print('torch' in sys.modules)"
+    code = ("import sys, launcher.cli, launcher.supervisor, launcher.regenerate, launcher.regen_record; "
+            "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.stdout.strip() == "False"
 

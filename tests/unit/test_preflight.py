@@ -2,6 +2,7 @@
 and the small things it says: a resume, the prompts of real acceptance, `keys`, `plan --gpus`."""
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -10,8 +11,10 @@ from pathlib import Path
 import pytest
 
 from launcher.gpu_split import describe, plan_gpus
-from launcher.preflight import resumed_line
+from launcher.preflight import PreflightError, preflight, resumed_line
+from launcher.regen_record import record_path, write_record
 from launcher.report import describe_spec
+from services.config import load_config
 from services.tools.demo import demo_overrides
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -112,6 +115,41 @@ def test_empty_or_odd_data_files_are_named(tmp_path, model):
     good.write_text(json.dumps(CHAT) + "\n")
     line = refused(tmp_path, f"target.model_path={model}", f"data.path={good}", f"data.eval_path={tmp_path / 'no.jsonl'}")
     assert f"data.eval_path: {tmp_path / 'no.jsonl'} does not exist" in line
+
+
+def test_data_regenerated_with_other_chat_template_options_is_refused(tmp_path, model, data, capsys):
+    """`launcher regenerate`'s record beside the data: the run must render the chats as it did."""
+    write_record(data, {"chat_template_kwargs": {"enable_thinking": False}})
+    line = refused(tmp_path, f"target.model_path={model}", f"data.path={data}")
+    assert line == (f'launcher: error: data.path {data} was regenerated with chat_template_kwargs '
+                    '{"enable_thinking": false}, the run renders with {}: '
+                    'set data.chat_template_kwargs = {enable_thinking = false}')
+    base = [f"target.model_path={model}", f"data.path={data}"]
+    preflight(load_config(None, base + ["data.chat_template_kwargs={enable_thinking=false}"]), "cpu", True)
+    with pytest.raises(PreflightError, match=re.escape('the run renders with {"enable_thinking": true}')):
+        preflight(load_config(None, base + ["data.chat_template_kwargs={enable_thinking=true}"]), "cpu", True)
+    heldout = tmp_path / "heldout.jsonl"                           # data.eval_path is checked the same way
+    heldout.write_text(json.dumps(CHAT) + "\n")
+    write_record(heldout, {"chat_template_kwargs": {"enable_thinking": True}})
+    with pytest.raises(PreflightError, match=re.escape(f"data.eval_path {heldout} was regenerated with")):
+        preflight(load_config(None, base + ["data.chat_template_kwargs={enable_thinking=false}",
+                                            f"data.eval_path={heldout}"]), "cpu", True)
+    assert capsys.readouterr().err == ""
+    # an edited file is no longer what the record describes: a warning, not a refusal
+    with open(data, "a") as f:
+        f.write(json.dumps(CHAT) + "\n")
+    preflight(load_config(None, base), "cpu", True)
+    assert capsys.readouterr().err == (
+        f"launcher: warning: {data.name}.regenerate.json says data.path {data} was regenerated with "
+        'chat_template_kwargs {"enable_thinking": false}, the run renders with {}; but '
+        f"{data} changed since (its sha256 differs), so this is not checked: render as the data was written\n")
+
+
+def test_data_without_a_record_or_with_a_broken_one_is_not_checked(tmp_path, model, data):
+    base = [f"target.model_path={model}", f"data.path={data}", "data.chat_template_kwargs={enable_thinking=false}"]
+    preflight(load_config(None, base), "cpu", True)                 # no record: nothing to compare
+    record_path(data).write_text("{not json")
+    preflight(load_config(None, base), "cpu", True)
 
 
 def test_resume_of_a_run_dir_that_does_not_exist_is_refused(tmp_path, model, data):

@@ -1,16 +1,25 @@
 """`launcher regenerate`: every assistant turn rewritten by the target, turn by turn, with batched HF
-generate; checked against one-prompt-at-a-time greedy decoding of a tiny real Qwen3 made on the spot."""
+generate; checked against one-prompt-at-a-time greedy decoding of a tiny real Qwen3 made on the spot.
+Its chat-template options reach every prompt and its record, which `up` checks; --gpus is a plain list."""
 import json
+import os
 import re
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 
+from launcher import process
+from launcher.preflight import PreflightError, check_regenerated
+from launcher.regen_record import record_path
+from launcher.topology import SpecError, parse_gpu_list
 from tests.greedy import hf_greedy_generate as greedy_generate
+from services.target.data import prompt_tokens
 from services.target.regenerate import HFEngine, read_conversations, regenerate
+from services.tools.demo import CHAT_TEMPLATE
 
 REPO = Path(__file__).resolve().parents[2]
 CHATS = [
@@ -23,8 +32,19 @@ CHATS = [
 ]
 
 
-def make_model(tok_dir, out):
+# Qwen3-like: the generation prompt says so when enable_thinking is false; and this one refuses to
+# render without the variable, so a prompt rendered without the options fails loudly
+THINKING_TEMPLATE = ("{%- if enable_thinking is not defined -%}{{ raise_exception('enable_thinking is not set') }}"
+                     "{%- endif -%}" + CHAT_TEMPLATE.replace(
+                         "'<|im_start|>assistant\\n' -}}",
+                         "'<|im_start|>assistant\\n' -}}{%- if not enable_thinking -%}{{- 'no thinking .\\n' -}}"
+                         "{%- endif -%}"))
+
+
+def make_model(tok_dir, out, chat_template=None):
     tokenizer = AutoTokenizer.from_pretrained(tok_dir)
+    if chat_template:
+        tokenizer.chat_template = chat_template
     torch.manual_seed(0)
     cfg = Qwen3Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=False,
@@ -77,7 +97,10 @@ def test_launcher_regenerate_writes_the_lines_in_input_order(tok_dir, tmp_path):
     assert "1 pre-tokenized lines copied unchanged" in said and f"wrote {tmp_path / 'regen.jsonl'}: 4 lines" in said
     assert "target.labels_from_target=true" in said and "labels_from_target=false" not in said   # a copied line
     assert ".part" not in said + out.stderr and '"event"' not in said                        # no internal paths
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["chat.jsonl", "model", "regen.jsonl"]
+    assert "chat template with" not in said and "data.chat_template_kwargs" not in said       # no options given
+    assert json.loads(record_path(tmp_path / "regen.jsonl").read_text())["chat_template_kwargs"] == {}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["chat.jsonl", "model", "regen.jsonl",
+                                                         "regen.jsonl.regenerate.json"]
 
 
 def test_all_chat_data_is_advised_data_labels_and_pre_tokenized_only_data_is_refused(tok_dir, tmp_path):
@@ -110,3 +133,111 @@ def test_a_broken_line_is_named_and_nothing_is_written(tok_dir, tmp_path):
     assert f"launcher: error: {data}:3: " in out.stderr and "Traceback" not in out.stderr, out.stderr
     assert f"{data}:3: invalid JSON: Expecting ',' delimiter at the end of the line" in out.stderr, out.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["chat.jsonl", "model"]     # no output, no parts
+
+
+def test_the_chat_template_options_reach_every_prompt(tok_dir, tmp_path):
+    make_model(tok_dir, tmp_path / "model", THINKING_TEMPLATE)
+    items = read_conversations_of([CHATS[0], CHATS[2]], tmp_path)
+    off = {"enable_thinking": False}
+    engine = HFEngine(str(tmp_path / "model"), "cpu", temperature=0.0, template_kwargs=off)
+    fed, generate = [], engine.model.generate
+
+    def spy(ids, attention_mask, **kw):             # the prompt rows the model is given, padding dropped
+        fed.extend(row[mask.bool()].tolist() for row, mask in zip(ids, attention_mask))
+        return generate(ids, attention_mask=attention_mask, **kw)
+
+    engine.model.generate = spy
+    out = regenerate(engine, items, max_new_tokens=4, batch_size=8)
+    tokenizer = engine.tokenizer
+    want = [prompt_tokens(tokenizer, c["messages"][:i], off) for c in out
+            for i, m in enumerate(c["messages"]) if m["role"] == "assistant"]
+    assert sorted(fed) == sorted(want) and len(fed) == 3
+    assert all(tokenizer.decode(p).endswith("<|im_start|>assistant\nno thinking .\n") for p in fed)
+    on = prompt_tokens(tokenizer, CHATS[0]["messages"][:1], {"enable_thinking": True})
+    assert not tokenizer.decode(on).endswith("no thinking .\n")                # the marker is the option's
+
+
+def read_conversations_of(records, tmp_path):
+    data = tmp_path / "in.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return read_conversations(data)
+
+
+def regenerate_cli(model, data, out, *extra):
+    return subprocess.run([sys.executable, "-m", "launcher", "regenerate", "--model", str(model), "--data", str(data),
+                           "--out", str(out), *extra], cwd=REPO, capture_output=True, text=True, timeout=300)
+
+
+def test_launcher_regenerate_renders_with_the_options_records_them_and_says_the_config_line(tok_dir, tmp_path):
+    make_model(tok_dir, tmp_path / "model", THINKING_TEMPLATE)       # fails to render without enable_thinking
+    data, regen = tmp_path / "chat.jsonl", tmp_path / "regen.jsonl"
+    data.write_text("".join(json.dumps(c) + "\n" for c in CHATS))
+    out = regenerate_cli(tmp_path / "model", data, regen, "--device", "cpu", "--max-new-tokens", "4",
+                         "--template-kwarg", "enable_thinking=false", "--temperature", "0")
+    assert out.returncode == 0, out.stderr[-2000:]
+    said = out.stdout
+    assert 'chat template with {"enable_thinking": false}' in said.splitlines()[0], said
+    assert ("train with data.chat_template_kwargs = {enable_thinking = false} "
+            "(in [data]: chat_template_kwargs = {enable_thinking = false})") in said, said
+    record = json.loads(record_path(regen).read_text())
+    assert record["chat_template_kwargs"] == {"enable_thinking": False}
+    assert record["model"] == str((tmp_path / "model").resolve()) and record["data"] == str(data.resolve())
+    assert (record["engine"], record["temperature"], record["max_new_tokens"]) == ("hf", 0.0, 4)
+    assert (record["lines"], record["chat_lines"], record["turns"]) == (4, 3, 4)
+    import hashlib
+    assert record["sha256"] == hashlib.sha256(regen.read_bytes()).hexdigest()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["chat.jsonl", "model", "regen.jsonl",
+                                                         "regen.jsonl.regenerate.json"]
+    # what `up` makes of it: the same options pass, others are refused with the fix
+    check_regenerated("data.path", str(regen), {"enable_thinking": False})
+    with pytest.raises(PreflightError, match=re.escape(
+            f'data.path {regen} was regenerated with chat_template_kwargs {{"enable_thinking": false}}, the run '
+            "renders with {}: set data.chat_template_kwargs = {enable_thinking = false}")):
+        check_regenerated("data.path", str(regen), {})
+    # without the options the template refuses to render: they are what made the run above work
+    again = regenerate_cli(tmp_path / "model", data, tmp_path / "plain.jsonl", "--device", "cpu",
+                           "--max-new-tokens", "2")
+    assert again.returncode != 0 and "enable_thinking is not set" in again.stderr
+
+
+def test_a_bad_template_kwarg_is_one_line(tok_dir, tmp_path):
+    data = tmp_path / "chat.jsonl"
+    data.write_text(json.dumps(CHATS[0]) + "\n")
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
+    out = regenerate_cli(tmp_path / "model", data, tmp_path / "o.jsonl", "--device", "cpu", "--template-kwarg", "=1")
+    assert out.returncode == 2 and out.stderr.strip() == (
+        "launcher: error: --template-kwarg '=1': expected KEY=VALUE, e.g. enable_thinking=false"), out.stderr
+
+
+def test_gpus_is_a_plain_list():
+    assert parse_gpu_list("0-3") == [0, 1, 2, 3]
+    assert parse_gpu_list("0,2,5") == parse_gpu_list("0+2+5") == [0, 2, 5]
+    assert parse_gpu_list(" 4-5,1 ") == [4, 5, 1]
+    assert parse_gpu_list("0-3", available=4) == [0, 1, 2, 3]
+    for bad, needle in (("0-x", "--gpus '0-x': '0-x' is not a GPU number or range like 0-4"),
+                        ("3-1", "--gpus '3-1': range '3-1' is empty or negative"),
+                        ("0-3:target", "without roles or hosts"), ("1,0-2", "GPU 1 is given twice"),
+                        ("", "--gpus is empty")):
+        with pytest.raises(SpecError, match=re.escape(needle)):
+            parse_gpu_list(bad)
+    with pytest.raises(SpecError, match=re.escape("GPU 4 does not exist (this machine has 4: 0-3)")):
+        parse_gpu_list("2-4", available=4)
+
+
+def test_launcher_regenerate_gpus_is_not_an_up_spec(tmp_path):
+    """`--gpus 0-1 --device cuda` once failed with up's 'no drafter GPU'; now: a GPU list, checked against the GPUs."""
+    data = tmp_path / "chat.jsonl"
+    data.write_text(json.dumps(CHATS[0]) + "\n")
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
+    bad = regenerate_cli(tmp_path / "model", data, tmp_path / "o.jsonl", "--device", "cuda", "--gpus", "0-x")
+    assert bad.returncode == 2 and bad.stderr.strip() == (
+        "launcher: error: --gpus '0-x': '0-x' is not a GPU number or range like 0-4"), bad.stderr
+    if process.gpu_count():
+        pytest.skip("this machine has a GPU: the no-GPU line is not reachable")
+    out = regenerate_cli(tmp_path / "model", data, tmp_path / "o.jsonl", "--device", "cuda", "--gpus", "0-1")
+    assert out.returncode == 2 and "drafter" not in out.stderr, out.stderr
+    assert out.stderr.strip() == ("launcher: error: --device cuda but no NVIDIA GPU is visible; "
+                                  "use --device cpu for a CPU run"), out.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["chat.jsonl", "model"]
