@@ -9,8 +9,8 @@ a minute, so a record keyed by the file's path, size and mtime (gguf/seen/) reme
 a second `up` with the same file costs a stat. A file rewritten in place with the same size and
 mtime is not noticed; touch it (or remove the folder) to convert again.
 
-The weights are saved in bfloat16 (DFLASH_GGUF_DTYPE=float16|float32 to change it): a dequantized
-4- to 8-bit GGUF weight loses under 0.4% to bf16 rounding, far less than its quantization step,
+The weights are saved in bfloat16 (DFLASH_GGUF_DTYPE=float16|float32 to change it): bf16 rounding
+moves a dequantized weight by at most 0.2%, less than the quantization step of a 4- to 8-bit GGUF,
 the folder is half a float32 one, and targets run in bfloat16 by default.
 """
 from __future__ import annotations
