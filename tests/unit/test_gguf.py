@@ -41,6 +41,7 @@ def one_line(out: subprocess.CompletedProcess) -> str:
     return lines[0]
 
 
+@pytest.mark.slow        # converts in a child process: torch and transformers load
 def test_the_converted_folder_holds_the_gguf_weights_and_is_reused(tiny, tmp_path, monkeypatch):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -106,6 +107,7 @@ def test_a_corrupt_file_is_one_line_before_any_worker(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.slow
 def test_an_architecture_transformers_does_not_convert_is_named(tmp_path):
     odd = write_llama_gguf(tmp_path / "odd.gguf", arch="tinyfoo")
     line = one_line(child("--gguf", str(odd), "--out", str(tmp_path / "out")))
