@@ -47,6 +47,9 @@ def cmd_probe(args) -> int:
 def cmd_units(args) -> int:
     from launcher.units import UnitsError, install_command, render_units
     roles, master, overrides = args.roles.split(","), args.master, list(args.overrides)
+    model = load_config(args.config, overrides).target.model_path   # a GGUF: the units name its converted folder
+    if (local := _local_model(model, "target.model_path")) != model:
+        overrides.append(f'target.model_path="{local}"')
     workers = parse_gpu_spec(args.gpus, share_gpus=True, local_host=args.host)
     if hosts(workers):        # GPUS:ROLE@HOST: this host's roles, the tcp endpoints and the rendezvous follow
         if args.host not in hosts(workers):
@@ -131,9 +134,26 @@ def cmd_eval(args) -> int:
     run_dir = args.run_dir or str(run_holding(args.checkpoint) or LATEST)   # a run's checkpoint names its run
     argv = _eval_argv(args, run_dir, args.checkpoint)
     argv += ["--no-controls"] if args.no_controls else []
-    argv += [f"--set={item}" for item in args.set]
+    argv += [f"--set={_with_local_model(item)}" for item in args.set]
     argv += ["--json"] if args.json else []
     return subprocess.run(argv).returncode
+
+
+def _local_model(value: str, key: str) -> str:
+    """value, or the converted folder of the GGUF it names (launcher/gguf.py)."""
+    from launcher.gguf import GgufError, resolve_if_gguf
+    try:
+        return resolve_if_gguf(value, key)
+    except GgufError as exc:
+        raise UsageError(str(exc)) from None
+
+
+def _with_local_model(item: str) -> str:
+    """An eval --set item; target.model_path=X.gguf becomes its converted folder."""
+    key, _, value = item.partition("=")
+    if key.strip() != "target.model_path":
+        return item
+    return f'target.model_path="{_local_model(value.strip().strip(chr(34)), key.strip())}"'
 
 
 def cmd_regenerate(args) -> int:
@@ -141,6 +161,7 @@ def cmd_regenerate(args) -> int:
     from launcher import regenerate
     if not Path(args.data).is_file():
         raise UsageError(f"--data {args.data} does not exist")
+    args.model = _local_model(args.model, "--model")
     if not (Path(args.model) / "config.json").is_file():
         raise UsageError(f"--model {args.model} is not a Hugging Face model folder (no config.json)")
     args.template_kwargs = template_kwargs(args.template_kwargs)

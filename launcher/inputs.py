@@ -19,7 +19,8 @@ DEMOS = ("dense", "hybrid")          # services.tools.demo.VARIANTS (the launche
 
 
 def with_local_model(cfg):
-    """cfg with a Hugging Face repo id in target.model_path replaced by its local snapshot folder."""
+    """cfg with a Hugging Face repo id in target.model_path replaced by its local snapshot folder, a
+    GGUF file by its converted folder (before any worker starts; written into the run's config)."""
     try:
         cfg.target.model_path = resolve_model_path(cfg.target.model_path)
     except ModelNotFound as exc:

@@ -1,4 +1,5 @@
-"""`target.model_path` as users write it: a local folder, or a Hugging Face repo id (`Qwen/Qwen3-8B`).
+"""`target.model_path` as users write it: a local folder, a Hugging Face repo id (`Qwen/Qwen3-8B`),
+or a GGUF file (launcher/gguf.py: converted once to a cached folder).
 
 A repo id resolves through the local Hugging Face cache (HF_HUB_CACHE / HF_HOME), and is
 downloaded when the machine can reach the Hub, as SpecForge and speculators accept. `launcher up`
@@ -19,7 +20,13 @@ class ModelNotFound(ValueError):
 
 
 def resolve_model_path(value: str) -> str:
-    """A local folder as is; a repo id as the folder of its cached (or freshly downloaded) snapshot."""
+    """A local folder as is; a GGUF as its converted folder; a repo id as the folder of its cached (or
+    freshly downloaded) snapshot."""
+    from launcher.gguf import GgufError, resolve_if_gguf
+    try:
+        value = resolve_if_gguf(value)
+    except GgufError as exc:
+        raise ModelNotFound(str(exc)) from None
     if not value or Path(value).exists() or not REPO_ID.match(value):
         return value                      # a path (missing paths are reported by the caller, naming the key)
     from huggingface_hub import snapshot_download

@@ -71,7 +71,7 @@ class RunConfig:
 
 @dataclass
 class TargetConfig:
-    model_path: str = setting("", batch="")               # local HF directory
+    model_path: str = setting("", batch="")               # local HF directory, HF repo id, or a .gguf file (converted once)
     layer_ids: list[int] = setting(factory=list, batch="capture")   # empty = the default spread (docs/dflash.md); ascending, no repeats
     dtype: str = setting("bfloat16", batch="")
     quantize: str = setting("none", batch="")             # "fp8": decoder linears in FP8 (docs/operations.md#fp8-targets)

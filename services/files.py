@@ -45,6 +45,13 @@ def sha256_file(path: Path, tick: Callable[[], None] | None = None) -> str:
     return digest.hexdigest()
 
 
+def cache_root() -> Path:
+    """Where built things are kept between runs (the demo, converted GGUF targets):
+    $DFLASH_CACHE_DIR, else $XDG_CACHE_HOME/dflash, else ~/.cache/dflash."""
+    root = os.environ.get("DFLASH_CACHE_DIR") or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dflash"
+    return Path(root)
+
+
 def cpu_share(workers: int) -> int:
     """The cores each of `workers` processes on this machine may use (threads, compile workers):
     several workers oversubscribing the cores slow every one of them down."""

@@ -63,11 +63,30 @@ def build_model_config(cfg: Config, base: dict, mask_token_id: int = -1) -> Draf
     return check_mask(runspec.drafter_shape(cfg, base, mask_token_id))
 
 
-def check_mask(m: DrafterModelConfig) -> DrafterModelConfig:
+def check_mask(m: DrafterModelConfig, model_path: str = "", from_tokenizer: bool = False) -> DrafterModelConfig:
+    """m, if its mask token has an embedding row; model_path: the tokenizer that suggests a spare token;
+    from_tokenizer: the id was the tokenizer's choice, not drafter.mask_token_id."""
     if not 0 <= m.mask_token_id < m.vocab_size:
-        raise ConfigError(f"mask token id {m.mask_token_id} is outside the embedding ({m.vocab_size} rows); "
-                          "set drafter.mask_token_id or use a tokenizer whose mask token fits")
+        spare = spare_special_token(model_path, m.vocab_size) if model_path else None
+        example = f"e.g. drafter.mask_token_id={spare[0]} ({spare[1]})" if spare else "an unused special token's id"
+        why = ": the tokenizer has no mask token and the embedding no spare row for one" if from_tokenizer else ""
+        raise ConfigError(f"mask token id {m.mask_token_id} is outside the embedding ({m.vocab_size} rows){why}; "
+                          f"set drafter.mask_token_id to a special token the data never uses, {example}")
     return m
+
+
+def spare_special_token(model_path: str, vocab_size: int) -> tuple[int, str] | None:
+    """(id, text) of the tokenizer's last special token that is not bos/eos/pad/unk and not in its
+    chat template (SmolLM2: 16, <empty_output>); None when there is none or no tokenizer loads."""
+    from transformers import AutoTokenizer
+    try:
+        tok = AutoTokenizer.from_pretrained(model_path)
+    except Exception:
+        return None
+    template = tok.chat_template if isinstance(tok.chat_template, str) else json.dumps(tok.chat_template or "")
+    spare = [(i, t.content) for i, t in tok.added_tokens_decoder.items()
+             if t.special and i < vocab_size and i not in tok.all_special_ids and t.content not in template]
+    return max(spare) if spare else None
 
 
 def resolve_mask_token_id(configured: int, model_path: str) -> int:
@@ -148,7 +167,7 @@ def from_target(cfg: Config, spec: runspec.RunSpec | None = None) -> tuple[Draft
         raise ConfigError("target.model_path is empty (use --synthetic for a run without a target)")
     shape = spec.model()
     mask_id = resolve_mask_token_id(shape.mask_token_id, spec.model_path)
-    model_cfg = check_mask(dataclasses.replace(shape, mask_token_id=mask_id))
+    model_cfg = check_mask(dataclasses.replace(shape, mask_token_id=mask_id), spec.model_path, shape.mask_token_id < 0)
     head = load_target_head(spec.model_path, model_cfg.vocab_size, model_cfg.hidden_size, model_cfg.tie_word_embeddings)
     return model_cfg, head
 

@@ -214,8 +214,8 @@ def demo_overrides(model_path: str, data_path: str, device: str = "cpu") -> list
 def cache_dir(variant: str = "dense") -> Path:
     """Where `launcher up --demo [hybrid]` keeps the demo: built once per machine, demo version and
     variant (teaching the target takes a minute or two on 2 cores), then reused by every demo run."""
-    root = os.environ.get("DFLASH_CACHE_DIR") or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dflash"
-    return Path(root) / (f"demo-v{DEMO_VERSION}" + ("" if variant == "dense" else f"-{variant}"))
+    from services.files import cache_root
+    return cache_root() / (f"demo-v{DEMO_VERSION}" + ("" if variant == "dense" else f"-{variant}"))
 
 
 def make_demo(out_dir: str | os.PathLike, seed: int = 0, num_conversations: int = 4000,
