@@ -54,7 +54,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import math
 import os
 import re
 import signal
@@ -247,7 +246,7 @@ def phase_regen(a, work: Path) -> None:
 def bench_toml(model: dict, work: Path, pack_len: int) -> str:
     return "\n".join([
         "# bench/real_model.py: SmolLM2-135M-Instruct, trained on its own replies to stdlib prompts",
-        "[run]", 'name = "real-model"', "epochs = 1000", "eval_every = 0", "export_at_end = true",
+        "[run]", 'name = "real-model"', "epochs = 1000", "eval_every = 0", "spec_eval_prompts = 0", "export_at_end = true",
         "keep_checkpoints = 0", "log_every = 10", "",
         "[target]", f"model_path = {json.dumps(model['gguf'])}", "labels_from_target = false", "",
         "[data]", f"path = {json.dumps(str(work / 'regen.jsonl'))}", f"pack_len = {pack_len}", "",
@@ -482,8 +481,11 @@ def collect(a, work: Path) -> dict:
     trained = {}
     for run in runs(a, work):
         done = work / "runs" / f"{run['name']}.done.json"
+        rows = [m for m in metrics(run["dir"]) if "tokens_per_s" in m and not m.get("eval")]
+        rate = steady_rate(rows, skip=1) or ({"tokens_per_s": sum(m["tokens_per_s"] for m in rows) / len(rows),
+                                              "last_loss": rows[-1]["loss"]} if rows else {})   # too few lines
         trained[run["name"]] = {**(json.loads(done.read_text()) if done.is_file() else {}),
-                                **steady_rate(metrics(run["dir"]), skip=1), "overrides": run["overrides"],
+                                **rate, "overrides": run["overrides"],
                                 "tokens_per_step": run["tokens_per_step"], "plan_every": run["plan"]["every"],
                                 "max_steps": run["plan"]["max_steps"]}
     evals = [json.loads(p.read_text()) for p in sorted((work / "eval").glob("*.json"))] \
