@@ -18,7 +18,9 @@ so a run can span several 10-minute device calls within one lease; wall seconds 
             checkpoint at each amount, each --variant to --variant-tokens (<work>/runs/NAME/); with
             --background they are started in their own session (setsid) and the phase returns
   wait      waits for the runs started by train, a progress line every 30 s
-  eval      `launcher eval` of every checkpoint asked for, --jobs at once (<work>/eval/NAME-STEP.json)
+  eval      `launcher eval` of every checkpoint not evaluated yet: --shards processes at once, each with
+            its share of every set and all the checkpoints (references and controls made once per
+            process); the shards' figures pooled per set (<work>/eval/NAME-STEP.json)
   report    the tables: printed, and --out JSON + .md
 
 On the GPU machine, from the repo root (pyzmq and gguf travel as wheels in .whl/; the GGUF file and
@@ -27,15 +29,14 @@ HumanEval's data do not come with the image: build the corpus here and carry bot
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
     export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
     W="--work /tmp/real --gguf models/SmolLM2-135M-Instruct.Q4_1.gguf"
-    python3 bench/real_model.py $W --phases corpus,model,regen --max-train 20000 \\
-        --regen-batch-size 128 --regen-max-new-tokens 512
+    python3 bench/real_model.py $W --phases corpus,model,regen --regen-batch-size 1024 --regen-max-new-tokens 384
     python3 bench/real_model.py $W --phases train --background --tokens 2M,8M,32M --variant-tokens 8M \\
         --variant base: --variant gamma4:drafter.gamma=4 --variant lr3e-4:drafter.lr=3e-4 \\
         --variant anchors1024:drafter.num_anchors=1024 \\
         '--variant=sliding:drafter.layer_types=["sliding_attention","sliding_attention","sliding_attention","sliding_attention","full_attention"],drafter.sliding_window=512'
     python3 bench/real_model.py $W --phases wait              # again in the next call while runs go on
     python3 bench/real_model.py $W --phases eval,report --tokens 2M,8M,32M --variant-tokens 8M \\
-        --variant base: ... (the same variants) --jobs 4 --controls-on final --out $OUT/real_model.json
+        --variant base: ... (the same variants) --shards 8 --out $OUT/real_model.json
 
 (train, eval and report need the same --tokens, --variant-tokens and --variant as each other.)
 
@@ -381,67 +382,91 @@ def evaluations(a, work: Path) -> list[dict]:
         steps = sorted({run["plan"]["steps"][amount] for amount in run["amounts"]}
                        | ({run["plan"]["steps"][a.variant_tokens]} if run["name"] == "main" and a.variants else set()))
         for step in steps:
-            final = run["name"] == "main" and step == max(steps)
             out.append({"run": run["name"], "step": step, "tokens": step * run["tokens_per_step"],
                         "checkpoint": run["dir"] / "checkpoints" / f"step-{step:08d}", "run_dir": run["dir"],
-                        "controls": a.controls_on == "all" or (a.controls_on == "final" and final),
                         "out": work / "eval" / f"{run['name']}-{step:08d}.json"})
     return out
 
 
-def eval_command(a, job: dict, work: Path) -> list[str]:
-    corpus = work / "corpus"
-    return [sys.executable, "-m", "launcher", "eval", "--checkpoint", str(job["checkpoint"]),
-            "--run-dir", str(job["run_dir"]), "--prompts", str(corpus / "humaneval.jsonl"),
-            "--prompts", str(corpus / "stdlib-heldout.jsonl"), "--max-new-tokens", str(a.eval_max_new_tokens),
-            "--device", a.device, "--json", *(["--limit", str(a.eval_limit)] if a.eval_limit else []),
-            *([] if job["controls"] else ["--no-controls"])]
+def shard_files(a, work: Path) -> list[list[Path]]:
+    """The benchmark sets split round-robin into --shards files each ({set}.{i}of{K}.jsonl): shard i of
+    every set goes to eval process i, so the sets' greedy references are made in parallel."""
+    folder = work / "eval" / "prompts"
+    folder.mkdir(parents=True, exist_ok=True)
+    shards = [[] for _ in range(a.shards)]
+    for name in SETS:
+        lines = [line for line in (work / "corpus" / f"{name}.jsonl").read_text().splitlines() if line.strip()]
+        if a.eval_limit:
+            lines = lines[:a.eval_limit]
+        for i in range(a.shards):
+            path = folder / f"{name}.{i}of{a.shards}.jsonl"
+            part = lines[i::a.shards]
+            if part:
+                write_text_atomic(path, "\n".join(part) + "\n")
+                shards[i].append(path)
+    return [s for s in shards if s]
 
 
-def last_json(text: str) -> dict | None:
-    for line in reversed(text.splitlines()):
-        if line.startswith("{"):
-            try:
-                return json.loads(line)
-            except json.JSONDecodeError:
-                return None
-    return None
+SUMS = ("prompts", "steps", "tokens", "committed", "target_forwards", "stepped_prompts", "lossless", "near_ties",
+        "seconds")
+
+
+def pool(parts: list[dict]) -> dict:
+    """One set's figures from its shards' (speculative.summarize's sums, then the same ratios)."""
+    out = {k: sum(p.get(k, 0) for p in parts) for k in SUMS}
+    out["acceptance_per_step"] = out["committed"] / max(1, out["steps"])
+    out["acceptance_per_prompt"] = (sum(p["acceptance_per_prompt"] * p["stepped_prompts"] for p in parts)
+                                    / max(1, out["stepped_prompts"]))
+    out["tokens_per_forward"] = out["tokens"] / max(1, out["target_forwards"])
+    for control in ("repeat_last", "random"):
+        if all(control in p for p in parts):
+            out[control] = pool([p[control] for p in parts])
+    return out
+
+
+def eval_command(a, checkpoints: list[Path], prompts: list[Path], run_dir: Path) -> list[str]:
+    return [sys.executable, "-m", "launcher", "eval", "--run-dir", str(run_dir), "--json",
+            *[f"--checkpoint={c}" for c in checkpoints], *[f"--prompts={p}" for p in prompts],
+            "--max-new-tokens", str(a.eval_max_new_tokens), "--device", a.device]
 
 
 def phase_eval(a, work: Path) -> None:
-    (work / "eval").mkdir(parents=True, exist_ok=True)
+    """Every checkpoint not evaluated yet, in --shards processes at once: each decodes its shard of
+    every set with every checkpoint (`launcher eval --checkpoint A --checkpoint B ...`: the references
+    and the controls once per process); the shards' figures are then pooled per set."""
     todo = [j for j in evaluations(a, work) if not j["out"].is_file()]
-    missing = [j for j in todo if not j["checkpoint"].is_dir()]
-    for j in missing:
-        log(f"eval: {j['run']} step {j['step']}: no checkpoint at {j['checkpoint']} (not trained yet?)")
+    for j in todo:
+        if not j["checkpoint"].is_dir():
+            log(f"eval: {j['run']} step {j['step']}: no checkpoint at {j['checkpoint']} (not trained yet?)")
     todo = [j for j in todo if j["checkpoint"].is_dir()]
-    start, running, failed = time.time(), [], 0
-    while todo or running:
-        while todo and len(running) < a.jobs:
-            job = todo.pop(0)
-            cmd = eval_command(a, job, work)
-            log(f"eval: {job['run']} step {job['step']} ({human(job['tokens'])} tokens)"
-                f"{' with controls' if job['controls'] else ''}\n  $ {' '.join(cmd)}")
-            log_file = open(job["out"].with_suffix(".log"), "w")
-            running.append((job, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log_file, text=True, cwd=ROOT),
-                            time.time(), log_file))
-        for item in list(running):
-            job, proc, began, log_file = item
-            if proc.poll() is None:
-                continue
-            running.remove(item)
-            log_file.close()
-            result = last_json(proc.stdout.read())
-            if proc.returncode != 0 or not result:
-                failed += 1
-                log(f"eval: {job['run']} step {job['step']} failed (exit {proc.returncode}): {job['out'].with_suffix('.log')}")
-                continue
-            write_json_atomic(job["out"], {"run": job["run"], "step": job["step"], "tokens": job["tokens"],
-                                           "seconds": round(time.time() - began, 1), "result": result})
-            log(f"eval: {job['run']} step {job['step']}: " + ", ".join(
-                f"{s} {cell(result['sets'].get(s, {}), 'acceptance_per_prompt')}" for s in SETS))
-        time.sleep(1)
-    record_phase(work, "eval", time.time() - start, failed=failed, missing=len(missing))
+    if not todo:
+        log("eval: nothing to evaluate")
+        return
+    start = time.time()
+    procs = []
+    for i, prompts in enumerate(shard_files(a, work)):
+        cmd = eval_command(a, [j["checkpoint"] for j in todo], prompts, todo[0]["run_dir"])
+        log(f"eval shard {i}: $ {' '.join(cmd)}")
+        err = open(work / "eval" / f"shard{i}.log", "w")
+        procs.append((subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, cwd=ROOT), err))
+    outputs = []
+    for i, (proc, err) in enumerate(procs):
+        text, _ = proc.communicate()
+        err.close()
+        records = [json.loads(line) for line in text.splitlines() if line.startswith("{")]
+        if proc.returncode != 0 or len(records) != len(todo):
+            raise SystemExit(f"eval shard {i} failed (exit {proc.returncode}, {len(records)} of {len(todo)} "
+                             f"results): {work / 'eval' / f'shard{i}.log'}")
+        outputs.append(records)
+    for k, job in enumerate(todo):
+        sets = {name: pool([figures for records in outputs for shard, figures in records[k]["sets"].items()
+                            if shard.split(".")[0] == name]) for name in SETS}
+        write_json_atomic(job["out"], {"run": job["run"], "step": job["step"], "tokens": job["tokens"],
+                                       "result": {"sets": sets}})
+        log(f"eval: {job['run']} step {job['step']} ({human(job['tokens'])} tokens): " + ", ".join(
+            f"{s} {cell(sets[s], 'acceptance_per_prompt')} (repeat-last "
+            f"{cell(sets[s].get('repeat_last'), 'acceptance_per_prompt')})" for s in SETS))
+    record_phase(work, f"eval-{int(start)}", time.time() - start, checkpoints=len(todo), shards=len(procs))
 
 
 # --- phase 6: report ------------------------------------------------------------------------------
@@ -574,11 +599,9 @@ def parse_args(argv=None):
     ap.add_argument("--variant-tokens", default="8M", help="tokens each variant trains")
     ap.add_argument("--background", action="store_true", help="train: start the runs (setsid) and return; "
                                                               "--phases wait waits for them")
-    ap.add_argument("--jobs", type=int, default=4, help="evaluations at once")
+    ap.add_argument("--shards", type=int, default=4, help="eval processes at once, each with a share of the prompts")
     ap.add_argument("--eval-limit", type=int, default=0, help="prompts per set at most (0: all)")
     ap.add_argument("--eval-max-new-tokens", type=int, default=256)
-    ap.add_argument("--controls-on", choices=("final", "all", "none"), default="final",
-                    help="which evaluations also decode the repeat-last and random controls (final: main's last)")
     ap.add_argument("--out", help="the report's JSON (and .md beside it)")
     ap.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides of every run")
     a = ap.parse_args(argv)

@@ -118,12 +118,11 @@ def cmd_plan(args) -> int:
     print(gpu_split.describe(measured, gpus))
 
 
-def _eval_argv(args, run_dir: str, checkpoint: str | None) -> list[str]:
+def _eval_argv(args, run_dir: str, checkpoints: list[str]) -> list[str]:
     argv = [sys.executable, "-m", "services.drafter.eval_cli", "--run-dir", run_dir,
             "--max-new-tokens", str(args.max_new_tokens), "--limit", str(args.limit)]
     argv += [f"--prompts={p}" for p in args.prompts]
-    if checkpoint:
-        argv += ["--checkpoint", checkpoint]
+    argv += [f"--checkpoint={c}" for c in checkpoints]
     if args.eval_device:
         argv += ["--device", args.eval_device]
     return argv
@@ -131,7 +130,8 @@ def _eval_argv(args, run_dir: str, checkpoint: str | None) -> list[str]:
 
 def cmd_eval(args) -> int:
     """Real speculative decoding loads the target and the drafter: a child process (no torch here)."""
-    run_dir = args.run_dir or str(run_holding(args.checkpoint) or LATEST)   # a run's checkpoint names its run
+    # a run's checkpoint names its run (the first's, of several)
+    run_dir = args.run_dir or str((run_holding(args.checkpoint[0]) if args.checkpoint else None) or LATEST)
     argv = _eval_argv(args, run_dir, args.checkpoint)
     argv += ["--no-controls"] if args.no_controls else []
     argv += [f"--set={_with_local_model(item)}" for item in args.set]
@@ -193,7 +193,7 @@ def template_kwargs(items: list[str]) -> dict:
 def cmd_report(args) -> int:
     from launcher.report import ReportError, report
     if args.eval:
-        code = subprocess.run(_eval_argv(args, args.run_dir, None)).returncode
+        code = subprocess.run(_eval_argv(args, args.run_dir, [])).returncode
         if code != 0:
             return code
     try:

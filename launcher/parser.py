@@ -163,7 +163,9 @@ def build_parser() -> argparse.ArgumentParser:
                                     "forward, and whether the output equals plain greedy decoding; with the "
                                     "repeat-last-token and random-drafter controls on the same prompts; a table "
                                     "per set. Appends to <run-dir>/spec_eval.jsonl.")
-    ev.add_argument("--checkpoint", help="checkpoint dir, export dir or run dir (default: <run-dir>/checkpoints/latest)")
+    ev.add_argument("--checkpoint", action="append", default=[],
+                    help="checkpoint dir, export dir or run dir (default: <run-dir>/checkpoints/latest); repeatable: "
+                         "each is decoded on the same prompts, their greedy references and the controls made once")
     ev.add_argument("--run-dir", help="run dir whose config names the target and data (default: the run that "
                     "--checkpoint is or lies in, else runs/latest: the last run started here whose workers became ready)")
     ev.add_argument("--no-controls", action="store_true", help="skip the repeat-last and random-drafter controls")

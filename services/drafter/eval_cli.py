@@ -62,7 +62,9 @@ def main(argv=None) -> int:
                                 "with its target on prompt-set files, or on held-out prompts of the run's data "
                                 "(without a held-out split: its last training lines).")
     p.add_argument("--run-dir", default="runs/latest", help="the run: its config.json names the target and the data")
-    p.add_argument("--checkpoint", help="checkpoint dir, export dir, or run dir (default: <run-dir>/checkpoints/latest)")
+    p.add_argument("--checkpoint", action="append", default=[],
+                   help="checkpoint dir, export dir, or run dir (default: <run-dir>/checkpoints/latest); repeatable: "
+                        "each is decoded on the same prompts, whose greedy references (and the controls) are made once")
     p.add_argument("--prompts", action="append", default=[], metavar="FILE|N",
                    help="a prompt-set file (JSONL or .jsonl.gz, repeatable: a table per set), or N held-out prompts "
                         "of the run's data (the default: 32)")
@@ -91,7 +93,7 @@ def main(argv=None) -> int:
     files = [str(Path(f).resolve()) for f in files]
     try:
         cfg = load_config(run_dir / "config.json", args.set)
-        weights, model_cfg, what = load_weights(args.checkpoint or run_dir)
+        drafters = [load_weights(path) for path in args.checkpoint or [run_dir]]
     except Exception as exc:                    # a bad run dir or checkpoint: one line for the user
         print(f"eval: error: {exc}", file=sys.stderr)
         return 2
@@ -106,18 +108,19 @@ def main(argv=None) -> int:
         print(f"eval: error: no prompts in the held-out data of {run_dir} (chat lines, or pre-tokenized lines with "
               "unsupervised tokens first); give a prompt file with --prompts FILE", file=sys.stderr)
         return 2
-    result = spec.evaluate(weights, model_cfg, controls=not args.no_controls, seed=cfg.run.seed)
-    record = {"event": "spec_eval", "drafter": what, "block_size": model_cfg.block_size,
-              "max_new_tokens": args.max_new_tokens, **result, "sets": by_set(result),
-              **({"prompt_files": files} if files else {}),
-              **({"overrides": args.set} if args.set else {})}
-    with open(run_dir / "spec_eval.jsonl", "a") as f:           # `launcher report` shows the latest
-        f.write(json.dumps({**record, "time": round(time.time(), 3)}) + "\n")
-    if args.json:
-        print(json.dumps(record))
-    else:
-        print("\n".join(tables(record, f"{what}: {describe_prompts(result['prompts'], result['held_out'], record['sets'])}"
-                                        f", block {model_cfg.block_size}, greedy, up to {args.max_new_tokens} new tokens")))
+    for weights, model_cfg, what in drafters:
+        result = spec.evaluate(weights, model_cfg, controls=not args.no_controls, seed=cfg.run.seed)
+        record = {"event": "spec_eval", "drafter": what, "block_size": model_cfg.block_size,
+                  "max_new_tokens": args.max_new_tokens, **result, "sets": by_set(result),
+                  **({"prompt_files": files} if files else {}), **({"overrides": args.set} if args.set else {})}
+        with open(run_dir / "spec_eval.jsonl", "a") as f:           # `launcher report` shows the latest
+            f.write(json.dumps({**record, "time": round(time.time(), 3)}) + "\n")
+        if args.json:
+            print(json.dumps(record), flush=True)
+        else:
+            prompts = describe_prompts(result["prompts"], result["held_out"], record["sets"])
+            print("\n".join(tables(record, f"{what}: {prompts}, block {model_cfg.block_size}, greedy, up to "
+                                            f"{args.max_new_tokens} new tokens")), flush=True)
     return 0
 
 

@@ -112,6 +112,7 @@ class RemoteSpecEval(SpecEval):
             log.warning("real acceptance: %d prompts longer than data.pack_len=%d are left out",
                         len(every) - len(self.prompts), cfg.data.pack_len)
         self._refs: dict[int, object] = {}
+        self._controls: dict[tuple, dict] = {}
         self._sessions = itertools.count(1)
         self.down: set[int] = set()
         self.skipped = 0

@@ -47,6 +47,7 @@ class SpecEval:
         # where the prompts come from: the files (None), held-out lines (True) or the last training lines
         self.held_out = None if files else runspec.HeldOut.of(cfg).exists
         self._references: list[Decoded] = []
+        self._controls: dict[tuple, dict] = {}
 
     def references(self, n: int) -> list[Decoded]:
         """Plain greedy outputs of the first n prompts (computed once, reused at every evaluation)."""
@@ -98,9 +99,15 @@ class SpecEval:
         exactly the prompts the drafter decoded (not the first n: a skipped prompt is no control's)."""
         result = self.run(self.proposer(weights, model_cfg), budget_s, tick)
         if controls:
-            decoded = result["indices"]
-            result["repeat_last"] = self.run(RepeatLast(model_cfg.block_size), tick=tick, indices=decoded)
-            torch.manual_seed(seed)
-            result["random"] = self.run(self.proposer(None, model_cfg), tick=tick, indices=decoded)
+            # the controls depend on the drafter's shape and the prompts only: several checkpoints
+            # evaluated here (`launcher eval --checkpoint A --checkpoint B`) decode them once
+            key = (repr(model_cfg), seed, tuple(result["indices"]))
+            if key not in self._controls:
+                decoded = result["indices"]
+                torch.manual_seed(seed)
+                self._controls[key] = {
+                    "repeat_last": self.run(RepeatLast(model_cfg.block_size), tick=tick, indices=decoded),
+                    "random": self.run(self.proposer(None, model_cfg), tick=tick, indices=decoded)}
+            result.update(self._controls[key])
         result["held_out"] = self.held_out
         return result

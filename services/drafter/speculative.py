@@ -176,6 +176,9 @@ def summarize(results: list[Decoded], references: list[Decoded] | None = None, s
            "acceptance_per_prompt": sum(per_prompt) / len(per_prompt) if per_prompt else 0.0,
            "tokens_per_forward": (sum(len(r.tokens) for r in results)
                                   / max(1, sum(r.target_forwards for r in results))),
+           # the sums behind the ratios, so figures of several evaluations can be pooled exactly
+           "committed": sum(steps), "target_forwards": sum(r.target_forwards for r in results),
+           "stepped_prompts": len(per_prompt),
            "seconds": round(seconds, 3)}
     if references is not None:
         out.update(lossless_figures([first_difference(r.tokens, ref.tokens, r.margins, r.tolerances,
