@@ -200,11 +200,18 @@ def test_launcher_regenerate_renders_with_the_options_records_them_and_says_the_
     assert again.returncode != 0 and "enable_thinking is not set" in again.stderr
 
 
-def test_a_bad_template_kwarg_is_one_line(tok_dir, tmp_path):
+def one_chat_and_a_bare_model(tmp_path):
+    """A one-line chat file, and tmp_path/model: a folder with a config.json, enough for the
+    launcher's checks that come before any model loads."""
     data = tmp_path / "chat.jsonl"
     data.write_text(json.dumps(CHATS[0]) + "\n")
     (tmp_path / "model").mkdir()
     (tmp_path / "model" / "config.json").write_text("{}")
+    return data
+
+
+def test_a_bad_template_kwarg_is_one_line(tok_dir, tmp_path):
+    data = one_chat_and_a_bare_model(tmp_path)
     out = regenerate_cli(tmp_path / "model", data, tmp_path / "o.jsonl", "--device", "cpu", "--template-kwarg", "=1")
     assert out.returncode == 2 and out.stderr.strip() == (
         "launcher: error: --template-kwarg '=1': expected KEY=VALUE, e.g. enable_thinking=false"), out.stderr
@@ -227,10 +234,7 @@ def test_gpus_is_a_plain_list():
 
 def test_launcher_regenerate_gpus_is_not_an_up_spec(tmp_path):
     """`--gpus 0-1 --device cuda` once failed with up's 'no drafter GPU'; now: a GPU list, checked against the GPUs."""
-    data = tmp_path / "chat.jsonl"
-    data.write_text(json.dumps(CHATS[0]) + "\n")
-    (tmp_path / "model").mkdir()
-    (tmp_path / "model" / "config.json").write_text("{}")
+    data = one_chat_and_a_bare_model(tmp_path)
     bad = regenerate_cli(tmp_path / "model", data, tmp_path / "o.jsonl", "--device", "cuda", "--gpus", "0-x")
     assert bad.returncode == 2 and bad.stderr.strip() == (
         "launcher: error: --gpus '0-x': '0-x' is not a GPU number or range like 0-4"), bad.stderr
