@@ -71,3 +71,17 @@ def test_a_failed_start_says_it_stops_the_workers_not_that_drafters_checkpoint(t
     sup.trained.add("drafter-0")
     sup.shutdown()
     assert "drafters checkpoint and exit" in sup.progress.stream.getvalue()
+
+
+def test_status_and_report_point_to_a_glossary_that_exists():
+    from launcher.parser import build_parser
+    from launcher.status import STATUS_LEGEND
+    from tests.unit.test_docs import anchors
+    assert "glossary" in anchors(ROOT / "docs" / "operations.md")
+    glossary = (ROOT / "docs" / "operations.md").read_text().split("### Glossary", 1)[1].split("\n## ", 1)[0]
+    for word in ("τ", "cov", "real acceptance", "starting… waiting for drafter-0:?", "probe", "samples", "rss",
+                 "gpu_mem", "bad_msgs"):
+        assert word in glossary, word
+    status_help = build_parser()._subparsers._group_actions[0].choices["status"].format_help()
+    assert "docs/operations.md#glossary" in status_help and "docs/operations.md#glossary" in STATUS_LEGEND
+    assert "docs/operations.md#glossary" in (ROOT / "launcher" / "report.py").read_text()
