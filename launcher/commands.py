@@ -130,6 +130,9 @@ def _eval_argv(args, run_dir: str, checkpoints: list[str]) -> list[str]:
 
 def cmd_eval(args) -> int:
     """Real speculative decoding loads the target and the drafter: a child process (no torch here)."""
+    for checkpoint in args.checkpoint:       # before anything loads: a typo costs no target load
+        if not Path(checkpoint).exists():
+            raise UsageError(f"--checkpoint {checkpoint} does not exist")
     # a run's checkpoint names its run (the first's, of several)
     run_dir = args.run_dir or str((run_holding(args.checkpoint[0]) if args.checkpoint else None) or LATEST)
     argv = _eval_argv(args, run_dir, args.checkpoint)

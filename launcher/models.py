@@ -39,4 +39,4 @@ def resolve_model_path(value: str) -> str:
     except Exception as exc:
         raise ModelNotFound(f"target.model_path {value!r}: not a local folder, not in the Hugging Face cache, and "
                             f"not downloadable here ({type(exc).__name__}); download it where the Hub is reachable "
-                            f"(`huggingface-cli download {value}`) or give the local folder") from None
+                            f"(`hf download {value}`) or give the local folder") from None

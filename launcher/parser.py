@@ -57,7 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     status = sub.add_parser("status", help="probe every worker of a run and print a table", formatter_class=fmt,
                             description="Exit code: while the run is live, the worst probe (0 healthy, 1 unhealthy, "
-                                        "2 unreachable); once it has ended, its own: 0 finished, 1 failed, 3 stopped.")
+                                        "2 unreachable); once it has ended, its own: 0 finished, 1 failed, 3 stopped. What the columns, "
+                                        "τ and cov mean: docs/operations.md#glossary.")
     status.add_argument("--run-dir", default=str(LATEST), help=latest_help)
     status.add_argument("--json", action="store_true", help="print JSON instead of the table")
     status.add_argument("--timeout", type=float, default=2.0, help="seconds to wait for each worker (probed in parallel)")

@@ -19,7 +19,8 @@ step     drafters: optimizer steps done / planned
 batches  targets: batches captured and sent since the worker started
 tok/s    drafters: tokens this rank trained per second over the last metrics window;
          targets: tokens captured per second of capture (moving average)
-idle_s   seconds since the worker's main loop last made progress"""
+idle_s   seconds since the worker's main loop last made progress
+(samples, rss, gpu_mem, bad_msgs, probe, τ, cov: docs/operations.md#glossary)"""
 
 
 def cmd_status(args) -> int:
@@ -30,7 +31,8 @@ def cmd_status(args) -> int:
     plan = _read_plan(run_dir)
     live = process.alive(run.get("launcher"))
     outcome = describe_outcome(run, live)
-    window = next((r["window"] for r in rows if r.get("window")), None)
+    # no worker answers (an ended run, drafters down): the last line of metrics.jsonl, as they would report it
+    window = next((r["window"] for r in rows if r.get("window")), None) or last_window(run_dir)
     if args.json:
         print(json.dumps({"run_dir": str(run_dir), "launcher_pid": run["launcher_pid"], "launcher_alive": live,
                           "outcome": run.get("outcome"), "window": window,
@@ -63,6 +65,26 @@ def cmd_status(args) -> int:
     if not live and state in OUTCOME_EXIT:
         return OUTCOME_EXIT[state]       # an ended run: its own exit code, not "every worker unreachable"
     return max((r["probe"] for r in rows), default=0)
+
+
+def last_window(run_dir: Path) -> dict | None:
+    """The last train line of <run_dir>/metrics.jsonl in the form of a drafter's health `window`."""
+    from launcher.report import ReportError, read_metrics
+    try:
+        train, _ = read_metrics(run_dir)
+    except (ReportError, OSError):
+        return None
+    if not train:
+        return None
+    last = train[-1]
+    try:
+        window = {k: last.get(k) for k in ("step", "loss", "tau", "coverage", "tokens_per_s", "data_wait_frac")}
+        window["steps"] = last["step"] - train[-2]["step"] if len(train) > 1 else last["step"]
+        float(window["loss"]), float(window["tau"]), float(window["tokens_per_s"])
+    except (KeyError, TypeError, ValueError):
+        return None
+    window["data_wait_frac"] = window["data_wait_frac"] or 0.0
+    return window
 
 
 def _run_keys(run_dir: Path) -> str:

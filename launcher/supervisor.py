@@ -102,6 +102,7 @@ class Supervisor:
         self.silent_since: dict[str, float] = {}     # ... and has not answered since this time
         self.target_trouble_at = -float("inf")       # the last time a target was in trouble or not ready
         self.last_state: dict[str, str] = {}         # each worker's state at the last probe
+        self.trained: set[str] = set()               # drafters seen in state "training" (they have steps to save)
         self.stopping = self.forced = False
         self.stop_reason = ""                         # why the drafters stopped early (run.json's reason)
         self.stop_requests = StopRequests()
@@ -233,6 +234,8 @@ class Supervisor:
             states = {}
             for w, (_, status, _) in zip(waiting, self.probe_all(waiting, timeout_s=1.0)):
                 state = status.get("state") if status else None
+                if state == "training" and w.role == "drafter":
+                    self.trained.add(w.name)
                 ended = w.role == "drafter" and self.procs[w.name].poll() in (0, DRAFTER_STOPPED)
                 if state in ("ready", "training") or ended:
                     del pending[w.name]
@@ -389,6 +392,8 @@ class Supervisor:
             if status is not None:
                 self.answered.add(w.name)
                 self.last_state[w.name] = status.get("state")
+                if w.role == "drafter" and status.get("state") == "training":
+                    self.trained.add(w.name)
                 self.silent_since.pop(w.name, None)
                 if status.get("stalled"):
                     trouble[w.name] = ("stalled", f"stalled (no progress for {status['last_progress_age_s']:.0f}s)")
@@ -432,8 +437,11 @@ class Supervisor:
 
     def shutdown(self) -> int:
         """Graceful stop: drafters first (they checkpoint), then targets, then anything left."""
-        self.progress.done("stopping: drafters checkpoint and exit, then targets "
-                           "(Ctrl-C again, 2 s or more later, to kill them now)")
+        if self.trained:
+            what = "stopping: drafters checkpoint and exit, then targets"
+        else:          # nothing trained yet (a failed start): there is nothing to checkpoint
+            what = "stopping the workers (no drafter reached training: nothing to checkpoint)"
+        self.progress.done(f"{what} (Ctrl-C again, 2 s or more later, to kill them now)")
         names = [w.name for w in self.local if w.role == "drafter" and w.name in self.procs]
         ended = {self.procs[n].pid: self.procs[n].poll() for n in names}    # before stop_all reaps them
         hard = process.stop_all([self.idents.get(n) for n in names], deadline_s=self.stop_timeout_s, codes=ended)

@@ -281,7 +281,7 @@ class Bookkeeping:
             try:
                 record = self.final_export_record()
                 out = export_weights(self.state.drafter.state_dict(), self.state.drafter.cfg, self.run_dir / "export",
-                                     provenance=record)
+                                     provenance=record, target=self.cfg.target.model_path)
                 event("exported", out=str(out), **record,
                     num_speculative_tokens=num_speculative_tokens(self.state.drafter.cfg.block_size))
             except Exception as exc:

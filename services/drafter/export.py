@@ -20,7 +20,9 @@ What the public loaders read (checked against z-lab/dflash `dflash/model.py`, SG
   order (and the config refuses any other), so the ids are written sorted.
 - vLLM takes the block from num_speculative_tokens, which must be block_size - 1 (the anchor plus
   B - 1 mask slots); SGLang reads block_size from config.json. export.json and the command's
-  output carry the value.
+  output carry the value, and the serving commands for the run's own target (export.json `serve`):
+  SGLang needs --mamba-scheduler-strategy extra_buffer for a Qwen3.5/3.6 hybrid target (Gated
+  DeltaNet layers), vLLM VLLM_USE_V2_MODEL_RUNNER=1 for a drafter that mixes sliding and full layers.
 - block_size: top level (released drafters) or dflash_config; num_target_layers: top level.
 - layer_types, sliding_window, use_sliding_window: the drafter's layout (docs/dflash.md "Sliding-window
   layers"). vLLM (`_resolve_layer_attention`) gives layer i the top-level sliding_window when
@@ -46,6 +48,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import shutil
 import sys
 from pathlib import Path
@@ -105,12 +108,64 @@ def num_speculative_tokens(block_size: int) -> int:
     return block_size - 1
 
 
-def serve_hints(out: Path, block_size: int) -> str:
-    """How to serve the export (printed with it): the block size decides vLLM's setting."""
-    spec = json.dumps({"method": "dflash", "model": str(out), "num_speculative_tokens": num_speculative_tokens(block_size)})
-    return (f"vLLM:   vllm serve <target> --speculative-config '{spec}'\n"
-            f"SGLang: python -m sglang.launch_server --model-path <target> --speculative-algorithm DFLASH "
-            f"--speculative-draft-model-path {out}   (block_size {block_size} from config.json)")
+def hybrid_target(model_path: str | None) -> bool:
+    """Whether the target is a Qwen3.5/3.6 hybrid (Gated DeltaNet layers): its config.json (or text_config)
+    lists linear_attention layers or has a qwen3_5* model_type. SGLang serves those with DFlash only
+    with --mamba-scheduler-strategy extra_buffer. False when the folder cannot be read."""
+    try:
+        config = json.loads((Path(model_path) / "config.json").read_text())
+    except (OSError, ValueError, TypeError):
+        return False
+    if not isinstance(config, dict):
+        return False
+    for section in (config, config.get("text_config") or {}):
+        if "linear_attention" in (section.get("layer_types") or ()) or \
+                str(section.get("model_type", "")).startswith("qwen3_5"):
+            return True
+    return False
+
+
+def mixed_layers(m: DrafterModelConfig) -> bool:
+    """Sliding-window and full layers in one drafter: vLLM serves that with its V2 model runner only."""
+    return len(set(m.layer_types)) > 1
+
+
+def serve_commands(out: Path, m: DrafterModelConfig, target: str | None) -> dict:
+    """The vLLM and SGLang commands that serve this export with its target, quoted to paste into a
+    shell. target: the target's model folder (the run's target.model_path); None: unknown (an export
+    of a checkpoint outside its run), then the commands say <target>."""
+    if target and Path(target).exists():
+        target = str(Path(target).resolve())        # a relative folder: as pasted anywhere
+    model = shlex.quote(target) if target else "<target>"
+    spec = json.dumps({"method": "dflash", "model": str(out), "num_speculative_tokens": num_speculative_tokens(m.block_size)})
+    vllm = f"vllm serve {model} --speculative-config {shlex.quote(spec)}"
+    if mixed_layers(m):
+        vllm = "VLLM_USE_V2_MODEL_RUNNER=1 " + vllm
+    sglang = (f"python -m sglang.launch_server --model-path {model} --speculative-algorithm DFLASH "
+              f"--speculative-draft-model-path {shlex.quote(str(out))}")
+    if target and hybrid_target(target):
+        sglang += " --mamba-scheduler-strategy extra_buffer"
+    return {"target": target or None, "vllm": vllm, "sglang": sglang}
+
+
+def serve_hints(serve: dict, block_size: int) -> str:
+    """How to serve the export (printed with it), as export.json's `serve` has it."""
+    lines = [f"vLLM:   {serve['vllm']}", f"SGLang: {serve['sglang']}",
+             f"(vLLM's num_speculative_tokens is block_size - 1 = {num_speculative_tokens(block_size)}; "
+             f"SGLang reads block_size {block_size} from config.json)"]
+    if not serve.get("target"):
+        lines.append("replace <target> with the folder of the target the drafter was trained on")
+    return "\n".join(lines)
+
+
+def run_target(checkpoint: Path) -> str | None:
+    """target.model_path of the run a checkpoint lies in (<run>/checkpoints/<step>), from its config.json."""
+    for run_dir in (checkpoint.parent.parent, checkpoint.parent):
+        try:
+            return json.loads((run_dir / "config.json").read_text())["target"]["model_path"] or None
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    return None
 
 
 def expected_tensor_names(m: DrafterModelConfig) -> list[str]:
@@ -142,10 +197,11 @@ def _replace_dir(tmp: Path, out: Path) -> None:
 
 
 def export_weights(weights: dict[str, torch.Tensor], model_cfg: DrafterModelConfig, out_dir: str | Path,
-                   dtype: str = "bfloat16", provenance: dict | None = None) -> Path:
+                   dtype: str = "bfloat16", provenance: dict | None = None, target: str | None = None) -> Path:
     """Write config.json, model.safetensors and export.json into out_dir (atomically: a temp dir,
     then rename). provenance: step, last, best, ... (see export_record), recorded in export.json
-    and in the safetensors metadata."""
+    and in the safetensors metadata. target: the run's target.model_path, for the serving commands
+    export.json keeps (`serve`: target, vllm, sglang)."""
     from safetensors.torch import save_file
 
     from services.files import default_file_mode
@@ -168,7 +224,8 @@ def export_weights(weights: dict[str, torch.Tensor], model_cfg: DrafterModelConf
         tensors = {k: v.detach().to("cpu", DTYPES[dtype]).contiguous() for k, v in weights.items()}
         record = {**(provenance or {}), "block_size": model_cfg.block_size, "dtype": dtype,
                   "num_speculative_tokens": num_speculative_tokens(model_cfg.block_size),
-                  "target_layer_ids": sorted(model_cfg.target_layer_ids)}
+                  "target_layer_ids": sorted(model_cfg.target_layer_ids),
+                  "serve": serve_commands(out, model_cfg, target)}
         metadata = {"format": "pt", **{k: json.dumps(v) for k, v in record.items()}}
         save_file(tensors, str(tmp / "model.safetensors"), metadata=metadata)
         default_file_mode(tmp / "model.safetensors")
@@ -218,7 +275,14 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype: str = 
     provenance = export_record(int(meta["step"]), last=latest is not None and latest.resolve() == path,
                                best=best is not None and best.resolve() == path, best_step=step_of(best) if best else None,
                                checkpoint=path.name, eval_tau=(meta.get("eval") or {}).get("tau"))
-    return export_weights(weights, model_cfg, out_dir, dtype, provenance)
+    return export_weights(weights, model_cfg, out_dir, dtype, provenance, target=run_target(path))
+
+
+def describe_export(out: Path, checkpoint: Path, record: dict) -> str:
+    """The first line `launcher export` prints: what was written, from which step, in words."""
+    which = " and ".join(w for w in ("last", "best") if record.get(w)) or "neither the last nor the best"
+    return (f"exported step {record['step']} ({which} of its run) from {checkpoint} to {out}: "
+            f"block_size {record['block_size']}, {record['dtype']} weights; export.json has these commands")
 
 
 def main(argv=None) -> int:
@@ -234,9 +298,8 @@ def main(argv=None) -> int:
         print(f"export: error: {exc}", file=sys.stderr)
         return 2
     record = json.loads((out / EXPORT_RECORD).read_text())
-    print(json.dumps({"event": "exported", "out": str(out), "checkpoint": str(resolve_checkpoint(args.checkpoint)),
-                      **{k: record[k] for k in ("step", "last", "best", "block_size", "num_speculative_tokens")}}))
-    print(serve_hints(out, record["block_size"]))
+    print(describe_export(out, resolve_checkpoint(args.checkpoint), record))
+    print(serve_hints(record["serve"], record["block_size"]))
     return 0
 
 
