@@ -9,14 +9,14 @@ from pathlib import Path
 
 from launcher import process
 from launcher.errors import UsageError
-from launcher.inputs import check_inputs, make_demo, prepare_data, with_local_model
+from launcher.inputs import check_inputs, load_run_config, make_demo, prepare_data, with_local_model
 from launcher.preflight import preflight, resumed_line, staged
 from launcher.report import describe_export, describe_spec, read_spec
 from launcher.rundir import LATEST, choose_run_dir, claim, lock, resume_command
 from launcher.supervisor import EXIT_FAILED, EXIT_STOPPED, RunFailed, Supervisor
 from launcher.topology import host_overrides, hosts, parse_gpu_spec
 from services import runspec
-from services.config import dump_json, load_config
+from services.config import dump_json
 from services.endpoints import plaintext_problems
 from services.files import point
 
@@ -35,7 +35,7 @@ def cmd_up(args) -> int:
     if args.host and not named:
         raise UsageError("--host is for runs across hosts: name the host of every --gpus group (GPUS:ROLE@HOST)")
     overrides = host_overrides(workers) + list(args.overrides)
-    cfg = load_config(args.config, overrides)               # validate before touching the disk
+    cfg = load_run_config(args.config, overrides)           # validate before touching the disk
     refusal, warning = plaintext_problems(cfg.transport, sum(w.role == "target" for w in workers),
                                           sum(w.role == "drafter" for w in workers))   # every rank's real endpoint
     if refusal:
@@ -49,10 +49,8 @@ def cmd_up(args) -> int:
     locked = claim(run_dir, args.resume)
     if args.demo:           # built once the user's config and run dir passed; the user's overrides win over its own
         print("building the demo target and dataset (once; then reused from the demo cache)…", flush=True)
-        cfg = with_local_model(load_config(args.config, make_demo(args.device, args.demo) + overrides))
+        cfg = with_local_model(load_run_config(args.config, make_demo(args.device, args.demo) + overrides))
         check_inputs(cfg, runs_targets)
-    # prompt files as absolute paths: the run's config is read from other folders (eval, units, resume)
-    cfg.run.eval_prompts = [str(Path(p).resolve()) for p in cfg.run.eval_prompts]
     preflight(cfg, args.device, runs_targets)
     with staged(run_dir) as where:                  # a new run dir appears only once the data is ready
         dump_json(cfg, where / "config.json")

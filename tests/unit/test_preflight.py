@@ -242,3 +242,72 @@ def test_wait_ready_never_shows_an_empty_waiting_list(capsys):
     out = capsys.readouterr().out
     assert "all workers ready" in out
     assert all(line.strip() != "starting… waiting for" for line in out.splitlines()), out
+
+
+# --- paths: written absolute, so the run's config reads the same from any folder ----------------------
+
+def up_in_process(monkeypatch, cwd, *args) -> int:
+    """`launcher up` in this process, run from cwd, up to the workers (none is started: the run
+    'finishes' at once); returns its exit code."""
+    from launcher import cli, up
+    monkeypatch.chdir(cwd)
+    monkeypatch.setattr(up, "run_supervised", lambda sup, on_ready=None: (0, ""))
+    monkeypatch.setattr(up.Supervisor, "install_signal_handlers", lambda self: None)
+    return cli.main([*SPEC, *args])
+
+
+def test_relative_paths_are_written_absolute_and_read_back_from_another_folder(tmp_path, model, data, monkeypatch):
+    from launcher.inputs import check_inputs
+    from services import runspec
+    a, b, run = tmp_path / "A", tmp_path / "B", tmp_path / "run"
+    (a / "models").mkdir(parents=True)
+    (a / "data").mkdir()
+    b.mkdir()
+    shutil.move(model, a / "models" / "my-model")
+    shutil.move(data, a / "data" / "chat.jsonl")
+    (a / "prompts.jsonl").write_text(json.dumps({"prompt": "hi"}) + "\n")
+    (a / "keys").mkdir()
+    code = up_in_process(monkeypatch, a, "--run-dir", str(run), "target.model_path=./models/my-model",
+                         "data.path=data/chat.jsonl", "data.eval_path=data/../data/chat.jsonl",
+                         'run.eval_prompts=["prompts.jsonl"]', "transport.curve_keys_dir=keys")
+    assert code == 0
+    written = json.loads((run / "config.json").read_text())
+    assert written["target"]["model_path"] == str(a / "models" / "my-model")
+    assert written["data"]["path"] == written["data"]["eval_path"] == str(a / "data" / "chat.jsonl")
+    assert written["run"]["eval_prompts"] == [str(a / "prompts.jsonl")]
+    assert written["transport"]["curve_keys_dir"] == str(a / "keys")
+    assert runspec.load(run / "runspec.json").model_path == str(a / "models" / "my-model")
+    monkeypatch.chdir(b)                               # `launcher eval --checkpoint RUN/export` from elsewhere
+    cfg = load_config(run / "config.json")
+    check_inputs(cfg, runs_targets=True)
+    preflight(cfg, "cpu", runs_targets=True)
+
+
+def test_a_repo_id_stays_a_repo_id_and_every_path_key_is_made_absolute(tmp_path, monkeypatch):
+    import dataclasses
+
+    from launcher.inputs import PATH_KEYS, absolute_paths
+    from services.config import Config
+    monkeypatch.chdir(tmp_path)
+    cfg = absolute_paths(load_config(None, ["target.model_path=Qwen/Qwen3-8B", "data.path=~/d.jsonl"]))
+    assert cfg.target.model_path == "Qwen/Qwen3-8B" and cfg.data.path == str(Path.home() / "d.jsonl")
+    assert cfg.data.eval_path == "" and cfg.run.eval_prompts == []           # unset stays unset
+    (tmp_path / "Qwen" / "Qwen3-8B").mkdir(parents=True)                    # a local folder of that name: a path
+    assert absolute_paths(load_config(None, ["target.model_path=Qwen/Qwen3-8B"])).target.model_path == \
+        str(tmp_path / "Qwen" / "Qwen3-8B")
+    named_like_paths = {f"{s.name}.{k.name}" for s in dataclasses.fields(Config)
+                        for k in dataclasses.fields(s.type if not isinstance(s.type, str) else type(getattr(Config(), s.name)))
+                        if k.name.endswith(("path", "_dir", "_prompts")) and k.name != "spec_eval_prompts"}
+    assert named_like_paths == set(PATH_KEYS)
+
+
+def test_units_write_absolute_paths(tmp_path, monkeypatch):
+    from launcher.units import render_units
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "cfg.toml").write_text('[target]\nmodel_path = "./models/m"\n[data]\npath = "data/chat.jsonl"\n')
+    render_units("0:target,1:drafter", "cfg.toml", "out", str(tmp_path / "run"), device="cpu",
+                 overrides=['run.eval_prompts=["p.jsonl"]'], env_dir=str(tmp_path / "env"))
+    written = json.loads((tmp_path / "out" / "dflash-env" / "config.json").read_text())
+    assert written["target"]["model_path"] == str(tmp_path / "models" / "m")
+    assert written["data"]["path"] == str(tmp_path / "data" / "chat.jsonl")
+    assert written["run"]["eval_prompts"] == [str(tmp_path / "p.jsonl")]
