@@ -24,6 +24,7 @@ from pathlib import Path
 
 from launcher.regen_record import template_kwargs_problem
 from services.config import Config, ConfigError
+from services.drafter.checkpoint_compat import model_errors, run_errors
 from services.log import events
 
 # A tokenizer folder has at least one of these (fast tokenizers: tokenizer.json; sentencepiece
@@ -170,6 +171,46 @@ def check_resume(run_dir: Path) -> None:
     if not run_dir.is_dir():
         raise PreflightError(f"--resume: {run_dir} does not exist, so there is nothing to resume; "
                              "leave out --resume to start a new run there")
+
+
+def resume_config_path(args) -> Path | None:
+    """`up --resume` without --config: the run's own config.json (None when there is none)."""
+    if not args.resume or args.config or args.demo:
+        return None
+    path = Path(args.run_dir or "runs/latest") / "config.json"
+    return path.resolve() if path.is_file() else None
+
+
+def resume_checkpoint(run_dir: Path) -> Path | None:
+    """The checkpoint a resume starts from, as the drafter picks it: `latest`, else the newest step-*."""
+    root = run_dir / "checkpoints"
+    if (root / "latest" / "config.json").is_file():
+        return (root / "latest").resolve()
+    steps = sorted(p for p in root.glob("step-*") if (p / "config.json").is_file())
+    return steps[-1] if steps else None
+
+
+def check_resume_config(run_dir: Path, cfg: Config, model: dict | None) -> None:
+    """`up --resume`: the keys that decide batch g (and the drafter's shape, `model`, when it could be
+    resolved here) against the checkpoint the drafter would resume from, before anything is written:
+    a refused resume leaves every file of the run as it was. The drafter checks the same again
+    (services/drafter/checkpoint_compat.py)."""
+    ckpt = resume_checkpoint(run_dir)
+    if ckpt is None:
+        return                          # nothing to resume: the run starts at step 0
+    try:
+        config = json.loads((ckpt / "config.json").read_text())
+        meta = json.loads((ckpt / "state.json").read_text())
+    except (OSError, ValueError):
+        return                          # a corrupt checkpoint: the drafter falls back to an older one and says so
+    errors = run_errors(config, cfg)
+    if model is not None and isinstance(meta, dict) and meta.get("model"):
+        skip = ("mask_token_id",) if cfg.drafter.mask_token_id < 0 else ()   # the tokenizer's: the drafter resolves it
+        errors += model_errors(meta, model, skip)
+    if errors:
+        raise PreflightError(f"--resume: the checkpoint {ckpt} was written with another config ("
+                             + "; ".join(errors) + "): resume with the run's values (leave those overrides out), "
+                             "or start a new --run-dir")
 
 
 def resumed_line(drafter_log: Path) -> str:

@@ -10,7 +10,7 @@ from pathlib import Path
 from launcher import process
 from launcher.errors import UsageError
 from launcher.inputs import check_inputs, load_run_config, make_demo, prepare_data, with_local_model
-from launcher.preflight import preflight, resumed_line, staged
+from launcher.preflight import check_resume_config, preflight, resume_config_path, resumed_line, staged
 from launcher.report import describe_export, describe_spec, read_spec
 from launcher.rundir import LATEST, choose_run_dir, claim, lock, resume_command
 from launcher.supervisor import EXIT_FAILED, EXIT_STOPPED, RunFailed, Supervisor
@@ -35,6 +35,10 @@ def cmd_up(args) -> int:
     if args.host and not named:
         raise UsageError("--host is for runs across hosts: name the host of every --gpus group (GPUS:ROLE@HOST)")
     overrides = host_overrides(workers) + list(args.overrides)
+    if config := resume_config_path(args):
+        args.config = str(config)
+        print(f"--resume without --config: using the run's config, {config} (the overrides given here apply on top)",
+              flush=True)
     cfg = load_run_config(args.config, overrides)           # validate before touching the disk
     refusal, warning = plaintext_problems(cfg.transport, sum(w.role == "target" for w in workers),
                                           sum(w.role == "drafter" for w in workers))   # every rank's real endpoint
@@ -46,11 +50,15 @@ def cmd_up(args) -> int:
     if not args.demo:                                      # drafters read the target's head: every host resolves
         check_inputs(with_local_model(cfg), runs_targets)
     run_dir, named_here = choose_run_dir(args, cfg.run.name)
+    if args.resume and not args.demo:               # before anything is written in the run folder (its lock too)
+        check_resumable(run_dir, cfg, runs_targets)
     locked = claim(run_dir, args.resume)
     if args.demo:           # built once the user's config and run dir passed; the user's overrides win over its own
         print("building the demo target and dataset (once; then reused from the demo cache)…", flush=True)
         cfg = with_local_model(load_run_config(args.config, make_demo(args.device, args.demo) + overrides))
         check_inputs(cfg, runs_targets)
+        if args.resume:
+            check_resumable(run_dir, cfg, runs_targets)
     preflight(cfg, args.device, runs_targets)
     with staged(run_dir) as where:                  # a new run dir appears only once the data is ready
         dump_json(cfg, where / "config.json")
@@ -80,6 +88,12 @@ def cmd_up(args) -> int:
     if code == EXIT_STOPPED:
         print(f"stopped before the end; to continue: {resume_command(args.argv, run_dir)}", flush=True)
     return code
+
+
+def check_resumable(run_dir: Path, cfg, runs_targets: bool) -> None:
+    """The checkpoint a resume starts from against this config (the drafter's shape too where the
+    target's config.json is here): refused in one line before the run folder is touched."""
+    check_resume_config(run_dir, cfg, runspec.resolve(cfg).drafter if runs_targets else None)
 
 
 def when_ready(sup: Supervisor, run_dir: Path, named_here: bool, resume: bool):

@@ -311,3 +311,55 @@ def test_units_write_absolute_paths(tmp_path, monkeypatch):
     assert written["target"]["model_path"] == str(tmp_path / "models" / "m")
     assert written["data"]["path"] == str(tmp_path / "data" / "chat.jsonl")
     assert written["run"]["eval_prompts"] == [str(tmp_path / "p.jsonl")]
+
+
+# --- resume: refused before the run folder is touched; the run's own config by default ----------------
+
+@pytest.fixture
+def finished_run(tmp_path, model, data, monkeypatch):
+    """A run as `up` leaves it once trained: config.json, runspec.json, data.json, run.json (finished)
+    and a checkpoint (its config.json and state.json, as services/drafter/checkpoint.py writes them)."""
+    from launcher import runlock
+    from services import runspec
+    run, held = tmp_path / "run", len(runlock._held)
+    assert up_in_process(monkeypatch, tmp_path, "--run-dir", str(run), f"target.model_path={model}",
+                         f"data.path={data}", "data.pack_len=1024", "drafter.num_anchors=64") == 0
+    for fd in runlock._held[held:]:                 # this launcher has ended: its lock goes
+        os.close(fd)
+    del runlock._held[held:]
+    record = json.loads((run / "run.json").read_text())
+    assert record["outcome"]["state"] == "finished"
+    (run / "run.json").write_text(json.dumps(dict(record, launcher=None)))    # its launcher is gone
+    step = run / "checkpoints" / "step-00000020"
+    step.mkdir(parents=True)
+    shutil.copy(run / "config.json", step / "config.json")
+    (step / "state.json").write_text(json.dumps({"step": 20, "model": runspec.load(run / "runspec.json").drafter}))
+    os.symlink(step.name, run / "checkpoints" / "latest")
+    return run
+
+
+def snapshot(folder: Path) -> dict:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_a_refused_resume_leaves_every_file_of_the_run_as_it_was(tmp_path, model, data, finished_run):
+    before = snapshot(finished_run)
+    out = launcher(*SPEC, "--run-dir", str(finished_run), "--resume", f"target.model_path={model}",
+                   f"data.path={data}", "data.pack_len=512", "drafter.num_anchors=64", "drafter.num_layers=2",
+                   cwd=tmp_path, timeout=60)
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr
+    assert "data.pack_len: checkpoint 1024, now 512" in out.stderr
+    assert "model num_hidden_layers: checkpoint 5, now 2" in out.stderr
+    assert out.stdout.startswith("--resume without --config") and len(out.stdout.splitlines()) == 1, out.stdout
+    assert snapshot(finished_run) == before
+
+
+def test_resume_without_config_uses_the_runs_own_config(tmp_path, finished_run):
+    before = snapshot(finished_run)
+    out = launcher(*SPEC, "--run-dir", str(finished_run), "--resume", "data.pack_len=512", cwd=tmp_path, timeout=60)
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert out.stdout.strip() == (f"--resume without --config: using the run's config, {finished_run / 'config.json'} "
+                                  "(the overrides given here apply on top)")
+    assert "data.pack_len: checkpoint 1024, now 512" in out.stderr and "is not set" not in out.stderr
+    assert snapshot(finished_run) == before
