@@ -49,6 +49,7 @@ def preflight(cfg: Config, device: str, runs_targets: bool) -> None:
     files = [(key, path) for key, path in (("data.path", cfg.data.path), ("data.eval_path", cfg.data.eval_path)) if path]
     chat = [f"{key} {path}" for key, path in files if first_line_is_chat(check_data_file(key, path))]
     check_tokenizer(Path(cfg.target.model_path), chat[0] if chat else "")
+    check_weights(Path(cfg.target.model_path))
     for key, path in files:
         check_regenerated(key, path, cfg.data.chat_template_kwargs)
 
@@ -124,6 +125,35 @@ def check_tokenizer(folder: Path, chat_data: str = "") -> None:
         raise PreflightError(f"target.model_path: the tokenizer in {folder} has no chat template, needed for the chat "
                              f"lines of {chat_data}: add chat_template.jinja (or tokenizer_config.json's chat_template), "
                              "or give pre-tokenized lines")
+
+
+def check_weights(folder: Path) -> None:
+    """The target folder has its weights, as the workers read them: model.safetensors, or
+    model.safetensors.index.json naming files that are there (the drafter reads the target's head
+    from these, services/drafter/target_head.py). A folder of config and tokenizer files only (a
+    partial download) is named now, not by a traceback once the workers load it."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            files = set(json.loads(index.read_text())["weight_map"].values())
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            raise PreflightError(f"target.model_path: {index} is not a safetensors index (no weight_map)") from None
+        missing = sorted(f for f in files if not (folder / str(f)).is_file())
+        if missing:
+            raise PreflightError(f"target.model_path: {index} names {len(missing)} weight files that are not in "
+                                 f"{folder} ({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}): "
+                                 "finish downloading the model")
+        return
+    if (folder / "model.safetensors").is_file():
+        return
+    other = sorted(p.name for p in folder.iterdir() if p.name.endswith((".safetensors", ".bin", ".bin.index.json")))
+    if other:
+        raise PreflightError(f"target.model_path: {folder} has weights as {', '.join(other[:3])}"
+                             f"{', ...' if len(other) > 3 else ''} but no model.safetensors or "
+                             "model.safetensors.index.json, which the workers read: save the model with "
+                             "save_pretrained(FOLDER, safe_serialization=True)")
+    raise PreflightError(f"target.model_path: no weights in {folder} (no *.safetensors, *.bin or index json; only "
+                         "config and tokenizer files?): download the model's weights too")
 
 
 def has_chat_template(folder: Path, names: set[str]) -> bool:

@@ -30,12 +30,14 @@ def launcher(*args, cwd, timeout=120):
 
 @pytest.fixture
 def model(tmp_path, tok_dir):
-    """A target folder as `up` reads it before any worker: config.json and the tokenizer (no weights)."""
+    """A target folder as `up` reads it before any worker: config.json, the tokenizer and a weights file
+    (not read before the workers)."""
     path = tmp_path / "model"
     shutil.copytree(tok_dir, path)
     (path / "config.json").write_text(json.dumps({"model_type": "qwen3", "num_hidden_layers": 8, "hidden_size": 64,
                                                   "vocab_size": 640, "num_attention_heads": 4,
                                                   "intermediate_size": 128}))
+    (path / "model.safetensors").write_bytes(b"")
     return path
 
 
@@ -61,6 +63,24 @@ def test_a_model_folder_without_tokenizer_files_is_one_line(tmp_path, model, dat
         (model / name).unlink()
     line = refused(tmp_path, f"target.model_path={model}", f"data.path={data}")
     assert f"target.model_path: no tokenizer in {model}" in line
+
+
+@pytest.mark.parametrize("weights, needle", [
+    ({}, "target.model_path: no weights in {model} (no *.safetensors, *.bin or index json"),
+    ({"model.safetensors.index.json": json.dumps({"weight_map": {"a": "model-00001-of-00002.safetensors",
+                                                                 "b": "model-00002-of-00002.safetensors"}}),
+      "model-00001-of-00002.safetensors": ""},
+     "model.safetensors.index.json names 1 weight files that are not in {model} (model-00002-of-00002.safetensors)"),
+    ({"pytorch_model.bin": ""}, "{model} has weights as pytorch_model.bin but no model.safetensors"),
+])
+def test_a_model_folder_without_its_weights_is_one_line(tmp_path, model, data, weights, needle):
+    (model / "model.safetensors").unlink()
+    for name, text in weights.items():
+        (model / name).write_text(text)
+    assert needle.format(model=model) in refused(tmp_path, f"target.model_path={model}", f"data.path={data}")
+    (model / "model-00002-of-00002.safetensors").write_text("")        # every file of an index: passes
+    if "model.safetensors.index.json" in weights:
+        preflight(load_config(None, [f"target.model_path={model}", f"data.path={data}"]), "cpu", True)
 
 
 def test_chat_data_needs_a_chat_template(tmp_path, model, data):
@@ -95,6 +115,14 @@ def test_a_bad_data_line_leaves_no_run_folder(tmp_path, model):
      "transport.max_batch_bytes=1000000 is smaller than one batch's hidden states (5242880 bytes: data.pack_len=8192"),
     (["data.max_doc_len=10000"], "data.max_doc_len=10000 is larger than data.pack_len=8192"),
     (["drafter.grad_accum=0"], "drafter.grad_accum must be >= 1"),
+    (["drafter.lr=-1"], "drafter.lr must be > 0, got -1"),
+    (["drafter.lr=0"], "drafter.lr must be > 0, got 0"),
+    (["drafter.warmup_ratio=1"], "drafter.warmup_ratio must be in [0, 1), got 1"),
+    (["drafter.grad_clip=-0.5"], "drafter.grad_clip must be >= 0"),
+    (["drafter.weight_decay=-0.1"], "drafter.weight_decay must be >= 0"),
+    (["drafter.min_lr_ratio=2"], "drafter.min_lr_ratio must be in [0, 1]"),
+    (["run.max_steps=-3"], "run.max_steps must be >= 0"),
+    (["transport.base_port=70000"], "transport.base_port must be a port"),
     (["target.dtype=float64"], "target.dtype must be one of"),
     (["target.attn_implementation=flash_attention_2", "target.dtype=float32"],
      "target.attn_implementation=flash_attention_2 needs target.dtype bfloat16 or float16"),
