@@ -83,7 +83,7 @@ def _check_layers(cfg) -> None:
     runspec.resolve(cfg)
 
 
-def prepare_data(run_dir: Path) -> None:
+def prepare_data(run_dir: Path) -> dict:
     """Tokenize and pack the data now, in a child process (no torch here, no model weights there):
     a bad line is one line and exit 2 before any worker starts; the targets reuse the cache."""
     out = subprocess.run([sys.executable, "-m", "services.target.packing", "--config", str(run_dir / "config.json"),
@@ -94,6 +94,7 @@ def prepare_data(run_dir: Path) -> None:
     info = json.loads(out.stdout.strip().splitlines()[-1])
     write_json_atomic(run_dir / "data.json", info)              # for `launcher status` and `launcher report`
     print(describe_data(info), flush=True)
+    return info
 
 
 def make_demo(device: str, variant: str = "dense") -> list[str]:

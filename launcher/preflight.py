@@ -25,6 +25,7 @@ from pathlib import Path
 from launcher.regen_record import template_kwargs_problem
 from services.config import Config, ConfigError
 from services.drafter.checkpoint_compat import model_errors, run_errors
+from services.drafter.schedule import make_plan
 from services.log import events
 
 # A tokenizer folder has at least one of these (fast tokenizers: tokenizer.json; sentencepiece
@@ -166,6 +167,26 @@ def has_chat_template(folder: Path, names: set[str]) -> bool:
     except ValueError:
         return True                 # unreadable here: loading the tokenizer will say what is wrong
     return not isinstance(conf, dict) or bool(conf.get("chat_template"))
+
+
+def check_max_steps(cfg: Config, batches_per_epoch: int, drafters: int) -> None:
+    """run.max_steps past the end of run.epochs is refused, not silently cut to the epochs' end
+    (services/drafter/schedule.py make_plan caps it; more epochs are the user's call: they change
+    the lr schedule's horizon and how often each row is seen). Once the data is packed: its rows
+    per epoch decide the steps."""
+    steps, accum = cfg.run.max_steps, max(1, cfg.drafter.grad_accum)
+
+    def available(epochs: int) -> int:
+        return make_plan(batches_per_epoch, epochs, drafters, accum).optimizer_steps
+    if not steps or batches_per_epoch <= 0 or steps <= available(cfg.run.epochs):
+        return
+    epochs = max(cfg.run.epochs + 1, -(-steps * drafters * accum // batches_per_epoch) - 1)
+    while available(epochs) < steps:
+        epochs += 1
+    per = f"{drafters} drafters x drafter.grad_accum={accum}" if accum > 1 else f"{drafters} drafter" + "s" * (drafters > 1)
+    raise PreflightError(f"run.max_steps={steps} is past the end of run.epochs={cfg.run.epochs} "
+                         f"({available(cfg.run.epochs)} optimizer steps: {batches_per_epoch} rows per epoch on {per}): "
+                         f"set run.epochs={epochs} or lower run.max_steps")
 
 
 # --- the run folder ---------------------------------------------------------------------------
