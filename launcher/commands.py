@@ -13,11 +13,12 @@ from pathlib import Path
 
 from launcher import process
 from launcher.errors import UsageError
-from launcher.inputs import check_inputs, make_demo, with_local_model
+from launcher.inputs import PATH_KEYS, check_inputs, load_run_config, make_demo, with_local_model
 from launcher.preflight import preflight
 from launcher.rundir import LATEST, run_holding
 from launcher.topology import host_overrides, hosts, parse_gpu_list, parse_gpu_spec
-from services.config import load_config, parse_value
+from services import runspec
+from services.config import parse_value, toml_literal
 from services.health import probe
 
 
@@ -47,7 +48,7 @@ def cmd_probe(args) -> int:
 def cmd_units(args) -> int:
     from launcher.units import UnitsError, install_command, render_units
     roles, master, overrides = args.roles.split(","), args.master, list(args.overrides)
-    model = load_config(args.config, overrides).target.model_path   # a GGUF: the units name its converted folder
+    model = load_run_config(args.config, overrides).target.model_path   # a GGUF: the units name its converted folder
     if (local := _local_model(model, "target.model_path")) != model:
         overrides.append(f'target.model_path="{local}"')
     workers = parse_gpu_spec(args.gpus, share_gpus=True, local_host=args.host)
@@ -106,10 +107,10 @@ def cmd_plan(args) -> int:
     overrides = list(args.overrides)
     if args.demo:
         overrides = make_demo(args.device, args.demo) + overrides
-    cfg = with_local_model(load_config(args.config, overrides))
+    cfg = with_local_model(load_run_config(args.config, overrides))
     check_inputs(cfg, runs_targets=True)
     preflight(cfg, args.device, runs_targets=True)
-    overrides += [f'target.model_path="{cfg.target.model_path}"']
+    overrides += [f"{key}={toml_literal(runspec.value(cfg, key))}" for key in PATH_KEYS]   # absolute, resolved
     print(f"measuring each role on one {args.device} device, about {args.seconds:.0f} s each ...", flush=True)
     try:
         measured = gpu_split.measure(args.config, args.device, args.seconds, overrides)

@@ -5,17 +5,53 @@ where it needs torch: the launcher never imports it).
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 from launcher.errors import UsageError
-from launcher.models import ModelNotFound, resolve_model_path
+from launcher.models import REPO_ID, ModelNotFound, resolve_model_path
 from launcher.report import describe_data
 from services.files import write_json_atomic
 from services import runspec
+from services.config import Config, load_config
 
 DEMOS = ("dense", "hybrid")          # services.tools.demo.VARIANTS (the launcher never imports torch)
+
+
+# Every config key that names a file or folder (a list: each item). tests/unit/test_preflight.py
+# checks that every key named like a path is here.
+PATH_KEYS = ("target.model_path", "data.path", "data.eval_path", "transport.curve_keys_dir", "run.eval_prompts")
+
+
+def absolute_paths(cfg: Config, base: str | Path | None = None) -> Config:
+    """cfg with every path key (PATH_KEYS) absolute, resolved against base (default: the folder the
+    command runs in): the run's config is read from other folders (`eval`, units with
+    WorkingDirectory=<run_dir>, a resume). Empty values stay empty; a Hugging Face repo id in
+    target.model_path (`Qwen/Qwen3-8B`, no such local path) stays a repo id."""
+    base = Path(base or os.getcwd())
+
+    def absolute(key: str, value: str) -> str:
+        if not value:
+            return value
+        path = Path(value).expanduser()
+        if key == "target.model_path" and not path.is_absolute() and REPO_ID.match(value) \
+                and not (base / path).exists():
+            return value
+        return os.path.normpath(base / path)
+
+    for dotted in PATH_KEYS:
+        section, key = dotted.split(".")
+        old = getattr(getattr(cfg, section), key)
+        new = [absolute(dotted, v) for v in old] if isinstance(old, list) else absolute(dotted, old)
+        setattr(getattr(cfg, section), key, new)
+    return cfg
+
+
+def load_run_config(path: str | Path | None, overrides) -> Config:
+    """load_config with every path key absolute (absolute_paths): how the launcher reads a config."""
+    return absolute_paths(load_config(path, overrides))
 
 
 def with_local_model(cfg):
@@ -47,7 +83,7 @@ def _check_layers(cfg) -> None:
     runspec.resolve(cfg)
 
 
-def prepare_data(run_dir: Path) -> None:
+def prepare_data(run_dir: Path) -> dict:
     """Tokenize and pack the data now, in a child process (no torch here, no model weights there):
     a bad line is one line and exit 2 before any worker starts; the targets reuse the cache."""
     out = subprocess.run([sys.executable, "-m", "services.target.packing", "--config", str(run_dir / "config.json"),
@@ -58,6 +94,7 @@ def prepare_data(run_dir: Path) -> None:
     info = json.loads(out.stdout.strip().splitlines()[-1])
     write_json_atomic(run_dir / "data.json", info)              # for `launcher status` and `launcher report`
     print(describe_data(info), flush=True)
+    return info
 
 
 def make_demo(device: str, variant: str = "dense") -> list[str]:

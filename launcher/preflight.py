@@ -24,6 +24,8 @@ from pathlib import Path
 
 from launcher.regen_record import template_kwargs_problem
 from services.config import Config, ConfigError
+from services.drafter.checkpoint_compat import model_errors, run_errors
+from services.drafter.schedule import make_plan
 from services.log import events
 
 # A tokenizer folder has at least one of these (fast tokenizers: tokenizer.json; sentencepiece
@@ -48,6 +50,7 @@ def preflight(cfg: Config, device: str, runs_targets: bool) -> None:
     files = [(key, path) for key, path in (("data.path", cfg.data.path), ("data.eval_path", cfg.data.eval_path)) if path]
     chat = [f"{key} {path}" for key, path in files if first_line_is_chat(check_data_file(key, path))]
     check_tokenizer(Path(cfg.target.model_path), chat[0] if chat else "")
+    check_weights(Path(cfg.target.model_path))
     for key, path in files:
         check_regenerated(key, path, cfg.data.chat_template_kwargs)
 
@@ -125,6 +128,35 @@ def check_tokenizer(folder: Path, chat_data: str = "") -> None:
                              "or give pre-tokenized lines")
 
 
+def check_weights(folder: Path) -> None:
+    """The target folder has its weights, as the workers read them: model.safetensors, or
+    model.safetensors.index.json naming files that are there (the drafter reads the target's head
+    from these, services/drafter/target_head.py). A folder of config and tokenizer files only (a
+    partial download) is named now, not by a traceback once the workers load it."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            files = set(json.loads(index.read_text())["weight_map"].values())
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            raise PreflightError(f"target.model_path: {index} is not a safetensors index (no weight_map)") from None
+        missing = sorted(f for f in files if not (folder / str(f)).is_file())
+        if missing:
+            raise PreflightError(f"target.model_path: {index} names {len(missing)} weight files that are not in "
+                                 f"{folder} ({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}): "
+                                 "finish downloading the model")
+        return
+    if (folder / "model.safetensors").is_file():
+        return
+    other = sorted(p.name for p in folder.iterdir() if p.name.endswith((".safetensors", ".bin", ".bin.index.json")))
+    if other:
+        raise PreflightError(f"target.model_path: {folder} has weights as {', '.join(other[:3])}"
+                             f"{', ...' if len(other) > 3 else ''} but no model.safetensors or "
+                             "model.safetensors.index.json, which the workers read: save the model with "
+                             "save_pretrained(FOLDER, safe_serialization=True)")
+    raise PreflightError(f"target.model_path: no weights in {folder} (no *.safetensors, *.bin or index json; only "
+                         "config and tokenizer files?): download the model's weights too")
+
+
 def has_chat_template(folder: Path, names: set[str]) -> bool:
     if names & set(CHAT_TEMPLATE_FILES):
         return True
@@ -135,6 +167,26 @@ def has_chat_template(folder: Path, names: set[str]) -> bool:
     except ValueError:
         return True                 # unreadable here: loading the tokenizer will say what is wrong
     return not isinstance(conf, dict) or bool(conf.get("chat_template"))
+
+
+def check_max_steps(cfg: Config, batches_per_epoch: int, drafters: int) -> None:
+    """run.max_steps past the end of run.epochs is refused, not silently cut to the epochs' end
+    (services/drafter/schedule.py make_plan caps it; more epochs are the user's call: they change
+    the lr schedule's horizon and how often each row is seen). Once the data is packed: its rows
+    per epoch decide the steps."""
+    steps, accum = cfg.run.max_steps, max(1, cfg.drafter.grad_accum)
+
+    def available(epochs: int) -> int:
+        return make_plan(batches_per_epoch, epochs, drafters, accum).optimizer_steps
+    if not steps or batches_per_epoch <= 0 or steps <= available(cfg.run.epochs):
+        return
+    epochs = max(cfg.run.epochs + 1, -(-steps * drafters * accum // batches_per_epoch) - 1)
+    while available(epochs) < steps:
+        epochs += 1
+    per = f"{drafters} drafters x drafter.grad_accum={accum}" if accum > 1 else f"{drafters} drafter" + "s" * (drafters > 1)
+    raise PreflightError(f"run.max_steps={steps} is past the end of run.epochs={cfg.run.epochs} "
+                         f"({available(cfg.run.epochs)} optimizer steps: {batches_per_epoch} rows per epoch on {per}): "
+                         f"set run.epochs={epochs} or lower run.max_steps")
 
 
 # --- the run folder ---------------------------------------------------------------------------
@@ -170,6 +222,46 @@ def check_resume(run_dir: Path) -> None:
     if not run_dir.is_dir():
         raise PreflightError(f"--resume: {run_dir} does not exist, so there is nothing to resume; "
                              "leave out --resume to start a new run there")
+
+
+def resume_config_path(args) -> Path | None:
+    """`up --resume` without --config: the run's own config.json (None when there is none)."""
+    if not args.resume or args.config or args.demo:
+        return None
+    path = Path(args.run_dir or "runs/latest") / "config.json"
+    return path.resolve() if path.is_file() else None
+
+
+def resume_checkpoint(run_dir: Path) -> Path | None:
+    """The checkpoint a resume starts from, as the drafter picks it: `latest`, else the newest step-*."""
+    root = run_dir / "checkpoints"
+    if (root / "latest" / "config.json").is_file():
+        return (root / "latest").resolve()
+    steps = sorted(p for p in root.glob("step-*") if (p / "config.json").is_file())
+    return steps[-1] if steps else None
+
+
+def check_resume_config(run_dir: Path, cfg: Config, model: dict | None) -> None:
+    """`up --resume`: the keys that decide batch g (and the drafter's shape, `model`, when it could be
+    resolved here) against the checkpoint the drafter would resume from, before anything is written:
+    a refused resume leaves every file of the run as it was. The drafter checks the same again
+    (services/drafter/checkpoint_compat.py)."""
+    ckpt = resume_checkpoint(run_dir)
+    if ckpt is None:
+        return                          # nothing to resume: the run starts at step 0
+    try:
+        config = json.loads((ckpt / "config.json").read_text())
+        meta = json.loads((ckpt / "state.json").read_text())
+    except (OSError, ValueError):
+        return                          # a corrupt checkpoint: the drafter falls back to an older one and says so
+    errors = run_errors(config, cfg)
+    if model is not None and isinstance(meta, dict) and meta.get("model"):
+        skip = ("mask_token_id",) if cfg.drafter.mask_token_id < 0 else ()   # the tokenizer's: the drafter resolves it
+        errors += model_errors(meta, model, skip)
+    if errors:
+        raise PreflightError(f"--resume: the checkpoint {ckpt} was written with another config ("
+                             + "; ".join(errors) + "): resume with the run's values (leave those overrides out), "
+                             "or start a new --run-dir")
 
 
 def resumed_line(drafter_log: Path) -> str:

@@ -29,7 +29,8 @@ from pathlib import Path
 from typing import Iterable
 
 from launcher.topology import ROLES, Worker, count, parse_gpu_spec
-from services.config import dump_json, load_config
+from launcher.inputs import load_run_config
+from services.config import dump_json
 from services.endpoints import endpoint
 from services.files import cpu_share, write_text_atomic
 
@@ -71,7 +72,7 @@ def render_units(gpu_spec: str, config_path: str, out_dir: str, run_dir: str,
     python = _unit_path(python, "python")
     if not os.access(python, os.X_OK):
         raise UnitsError(f"python {python} is not an executable file")
-    cfg = load_config(config_path, overrides)
+    cfg = load_run_config(config_path, overrides)      # paths absolute: the units run in run_dir
     workers = parse_gpu_spec(gpu_spec, share_gpus=set(roles) != set(ROLES))
     local = [w for w in workers if w.role in roles]
     names = [_instance(w) for w in local]

@@ -9,14 +9,14 @@ from pathlib import Path
 
 from launcher import process
 from launcher.errors import UsageError
-from launcher.inputs import check_inputs, make_demo, prepare_data, with_local_model
-from launcher.preflight import preflight, resumed_line, staged
+from launcher.inputs import check_inputs, load_run_config, make_demo, prepare_data, with_local_model
+from launcher.preflight import check_max_steps, check_resume_config, preflight, resume_config_path, resumed_line, staged
 from launcher.report import describe_export, describe_spec, read_spec
 from launcher.rundir import LATEST, choose_run_dir, claim, lock, resume_command
 from launcher.supervisor import EXIT_FAILED, EXIT_STOPPED, RunFailed, Supervisor
 from launcher.topology import host_overrides, hosts, parse_gpu_spec
 from services import runspec
-from services.config import dump_json, load_config
+from services.config import dump_json
 from services.endpoints import plaintext_problems
 from services.files import point
 
@@ -35,7 +35,11 @@ def cmd_up(args) -> int:
     if args.host and not named:
         raise UsageError("--host is for runs across hosts: name the host of every --gpus group (GPUS:ROLE@HOST)")
     overrides = host_overrides(workers) + list(args.overrides)
-    cfg = load_config(args.config, overrides)               # validate before touching the disk
+    if config := resume_config_path(args):
+        args.config = str(config)
+        print(f"--resume without --config: using the run's config, {config} (the overrides given here apply on top)",
+              flush=True)
+    cfg = load_run_config(args.config, overrides)           # validate before touching the disk
     refusal, warning = plaintext_problems(cfg.transport, sum(w.role == "target" for w in workers),
                                           sum(w.role == "drafter" for w in workers))   # every rank's real endpoint
     if refusal:
@@ -46,19 +50,23 @@ def cmd_up(args) -> int:
     if not args.demo:                                      # drafters read the target's head: every host resolves
         check_inputs(with_local_model(cfg), runs_targets)
     run_dir, named_here = choose_run_dir(args, cfg.run.name)
+    if args.resume and not args.demo:               # before anything is written in the run folder (its lock too)
+        check_resumable(run_dir, cfg, runs_targets)
     locked = claim(run_dir, args.resume)
     if args.demo:           # built once the user's config and run dir passed; the user's overrides win over its own
         print("building the demo target and dataset (once; then reused from the demo cache)…", flush=True)
-        cfg = with_local_model(load_config(args.config, make_demo(args.device, args.demo) + overrides))
+        cfg = with_local_model(load_run_config(args.config, make_demo(args.device, args.demo) + overrides))
         check_inputs(cfg, runs_targets)
-    # prompt files as absolute paths: the run's config is read from other folders (eval, units, resume)
-    cfg.run.eval_prompts = [str(Path(p).resolve()) for p in cfg.run.eval_prompts]
+        if args.resume:
+            check_resumable(run_dir, cfg, runs_targets)
     preflight(cfg, args.device, runs_targets)
     with staged(run_dir) as where:                  # a new run dir appears only once the data is ready
         dump_json(cfg, where / "config.json")
         runspec.resolve(cfg).save(where)            # runspec.json: what the run is, for every worker
         if runs_targets:
-            prepare_data(where)
+            info = prepare_data(where)
+            if not args.resume:             # a resume continues the schedule its checkpoint planned
+                check_max_steps(cfg, info["train_rows"], sum(w.role == "drafter" for w in workers))
     if not locked:
         lock(run_dir)
     sup = Supervisor(run_dir, cfg, workers, args.device, resume=args.resume, host=args.host,
@@ -82,6 +90,12 @@ def cmd_up(args) -> int:
     if code == EXIT_STOPPED:
         print(f"stopped before the end; to continue: {resume_command(args.argv, run_dir)}", flush=True)
     return code
+
+
+def check_resumable(run_dir: Path, cfg, runs_targets: bool) -> None:
+    """The checkpoint a resume starts from against this config (the drafter's shape too where the
+    target's config.json is here): refused in one line before the run folder is touched."""
+    check_resume_config(run_dir, cfg, runspec.resolve(cfg).drafter if runs_targets else None)
 
 
 def when_ready(sup: Supervisor, run_dir: Path, named_here: bool, resume: bool):

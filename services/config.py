@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import ipaddress
 import json
+import math
 import re
 import sys
 import typing
@@ -283,6 +284,23 @@ def validate(cfg: Config) -> None:
     need(cfg.drafter.max_nonfinite_steps >= 1,
          f"drafter.max_nonfinite_steps must be >= 1, got {cfg.drafter.max_nonfinite_steps}")
     need(cfg.drafter.num_layers >= 1, f"drafter.num_layers must be >= 1, got {cfg.drafter.num_layers}")
+    d = cfg.drafter
+    need(d.lr > 0 and math.isfinite(d.lr), f"drafter.lr must be > 0, got {d.lr}")
+    need(0 <= d.warmup_ratio < 1, f"drafter.warmup_ratio must be in [0, 1), got {d.warmup_ratio}")
+    need(0 <= d.min_lr_ratio <= 1, f"drafter.min_lr_ratio must be in [0, 1], got {d.min_lr_ratio}")
+    need(d.weight_decay >= 0, f"drafter.weight_decay must be >= 0, got {d.weight_decay}")
+    need(d.grad_clip >= 0, f"drafter.grad_clip must be >= 0 (0 = no clipping), got {d.grad_clip}")
+    need(d.gamma >= 0, f"drafter.gamma must be >= 0 (0 = the default for the block size), got {d.gamma}")
+    need(d.loss_chunk >= 1, f"drafter.loss_chunk must be >= 1, got {d.loss_chunk}")
+    need(cfg.run.max_steps >= 0, f"run.max_steps must be >= 0 (0 = every epoch), got {cfg.run.max_steps}")
+    for key in ("checkpoint_every", "keep_checkpoints", "eval_every", "max_restarts"):
+        need(getattr(cfg.run, key) >= 0, f"run.{key} must be >= 0, got {getattr(cfg.run, key)}")
+    for key in ("stall_after_s", "startup_stall_after_s", "stop_timeout_s", "spec_eval_budget_s"):
+        need(getattr(cfg.run, key) > 0, f"run.{key} must be > 0, got {getattr(cfg.run, key)}")
+    need(cfg.transport.resend_after_s > 0, f"transport.resend_after_s must be > 0, got {cfg.transport.resend_after_s}")
+    for key in ("base_port", "dist_port"):
+        need(0 < getattr(cfg.transport, key) < 65536, f"transport.{key} must be a port (1-65535), got "
+             f"{getattr(cfg.transport, key)}")
     need(cfg.transport.scheme in ("ipc", "tcp"), f"transport.scheme must be ipc|tcp, got {cfg.transport.scheme!r}")
     need(cfg.transport.credits >= 1, f"transport.credits must be >= 1, got {cfg.transport.credits}")
     need(0 < cfg.transport.chunk_bytes <= cfg.transport.max_message_bytes,

@@ -1,9 +1,12 @@
-"""Whether a checkpoint can resume this run: the model's shape and the keys that decide batch g must match."""
+"""Whether a checkpoint can resume this run: the model's shape and the keys that decide batch g must match.
+
+No torch here: `launcher up --resume` checks the keys before it writes anything in the run folder.
+"""
 from __future__ import annotations
 
 from services import runspec
 from services.config import Config
-from services.drafter.model import DrafterModelConfig
+from services.shapes import DrafterModelConfig
 
 # Fields whose change makes a checkpoint meaningless for this run: the model's shapes and inputs ...
 MODEL_FIELDS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
@@ -21,15 +24,27 @@ def _config_value(cfg: dict, dotted: str):
 def compatibility_errors(meta: dict, config: dict, model_cfg: DrafterModelConfig, cfg: Config,
                          world_size: int) -> list[str]:
     """'field: checkpoint X, now Y' for every field that makes the checkpoint unusable for this run."""
+    return model_errors(meta, model_cfg.to_dict()) + run_errors(config, cfg)
+
+
+def model_errors(meta: dict, now_model: dict, skip: tuple[str, ...] = ()) -> list[str]:
+    """'model field: checkpoint X, now Y' for the MODEL_FIELDS (but `skip`) of state.json's model that differ."""
     errors = []
-    now_model = model_cfg.to_dict()
     then_model = dict(meta.get("model", {}))
     if "num_hidden_layers" in then_model and "layer_types" not in then_model:     # written before sliding layers
         then_model["layer_types"] = ["full_attention"] * then_model["num_hidden_layers"]
     for key in MODEL_FIELDS:
+        if key in skip:
+            continue
         then = then_model.get(key)
         if then != now_model[key]:
             errors.append(f"model {key}: checkpoint {then!r}, now {now_model[key]!r}")
+    return errors
+
+
+def run_errors(config: dict, cfg: Config) -> list[str]:
+    """'key: checkpoint X, now Y' for every key deciding batch g (RUN_FIELDS) whose value differs."""
+    errors = []
     now_cfg = cfg.to_dict()
     for dotted in RUN_FIELDS:
         then, now = _config_value(config, dotted), _config_value(now_cfg, dotted)

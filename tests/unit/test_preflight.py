@@ -30,12 +30,14 @@ def launcher(*args, cwd, timeout=120):
 
 @pytest.fixture
 def model(tmp_path, tok_dir):
-    """A target folder as `up` reads it before any worker: config.json and the tokenizer (no weights)."""
+    """A target folder as `up` reads it before any worker: config.json, the tokenizer and a weights file
+    (not read before the workers)."""
     path = tmp_path / "model"
     shutil.copytree(tok_dir, path)
     (path / "config.json").write_text(json.dumps({"model_type": "qwen3", "num_hidden_layers": 8, "hidden_size": 64,
                                                   "vocab_size": 640, "num_attention_heads": 4,
                                                   "intermediate_size": 128}))
+    (path / "model.safetensors").write_bytes(b"")
     return path
 
 
@@ -61,6 +63,24 @@ def test_a_model_folder_without_tokenizer_files_is_one_line(tmp_path, model, dat
         (model / name).unlink()
     line = refused(tmp_path, f"target.model_path={model}", f"data.path={data}")
     assert f"target.model_path: no tokenizer in {model}" in line
+
+
+@pytest.mark.parametrize("weights, needle", [
+    ({}, "target.model_path: no weights in {model} (no *.safetensors, *.bin or index json"),
+    ({"model.safetensors.index.json": json.dumps({"weight_map": {"a": "model-00001-of-00002.safetensors",
+                                                                 "b": "model-00002-of-00002.safetensors"}}),
+      "model-00001-of-00002.safetensors": ""},
+     "model.safetensors.index.json names 1 weight files that are not in {model} (model-00002-of-00002.safetensors)"),
+    ({"pytorch_model.bin": ""}, "{model} has weights as pytorch_model.bin but no model.safetensors"),
+])
+def test_a_model_folder_without_its_weights_is_one_line(tmp_path, model, data, weights, needle):
+    (model / "model.safetensors").unlink()
+    for name, text in weights.items():
+        (model / name).write_text(text)
+    assert needle.format(model=model) in refused(tmp_path, f"target.model_path={model}", f"data.path={data}")
+    (model / "model-00002-of-00002.safetensors").write_text("")        # every file of an index: passes
+    if "model.safetensors.index.json" in weights:
+        preflight(load_config(None, [f"target.model_path={model}", f"data.path={data}"]), "cpu", True)
 
 
 def test_chat_data_needs_a_chat_template(tmp_path, model, data):
@@ -95,6 +115,14 @@ def test_a_bad_data_line_leaves_no_run_folder(tmp_path, model):
      "transport.max_batch_bytes=1000000 is smaller than one batch's hidden states (5242880 bytes: data.pack_len=8192"),
     (["data.max_doc_len=10000"], "data.max_doc_len=10000 is larger than data.pack_len=8192"),
     (["drafter.grad_accum=0"], "drafter.grad_accum must be >= 1"),
+    (["drafter.lr=-1"], "drafter.lr must be > 0, got -1"),
+    (["drafter.lr=0"], "drafter.lr must be > 0, got 0"),
+    (["drafter.warmup_ratio=1"], "drafter.warmup_ratio must be in [0, 1), got 1"),
+    (["drafter.grad_clip=-0.5"], "drafter.grad_clip must be >= 0"),
+    (["drafter.weight_decay=-0.1"], "drafter.weight_decay must be >= 0"),
+    (["drafter.min_lr_ratio=2"], "drafter.min_lr_ratio must be in [0, 1]"),
+    (["run.max_steps=-3"], "run.max_steps must be >= 0"),
+    (["transport.base_port=70000"], "transport.base_port must be a port"),
     (["target.dtype=float64"], "target.dtype must be one of"),
     (["target.attn_implementation=flash_attention_2", "target.dtype=float32"],
      "target.attn_implementation=flash_attention_2 needs target.dtype bfloat16 or float16"),
@@ -242,3 +270,136 @@ def test_wait_ready_never_shows_an_empty_waiting_list(capsys):
     out = capsys.readouterr().out
     assert "all workers ready" in out
     assert all(line.strip() != "starting… waiting for" for line in out.splitlines()), out
+
+
+# --- paths: written absolute, so the run's config reads the same from any folder ----------------------
+
+def up_in_process(monkeypatch, cwd, *args) -> int:
+    """`launcher up` in this process, run from cwd, up to the workers (none is started: the run
+    'finishes' at once); returns its exit code."""
+    from launcher import cli, up
+    monkeypatch.chdir(cwd)
+    monkeypatch.setattr(up, "run_supervised", lambda sup, on_ready=None: (0, ""))
+    monkeypatch.setattr(up.Supervisor, "install_signal_handlers", lambda self: None)
+    return cli.main([*SPEC, *args])
+
+
+def test_relative_paths_are_written_absolute_and_read_back_from_another_folder(tmp_path, model, data, monkeypatch):
+    from launcher.inputs import check_inputs
+    from services import runspec
+    a, b, run = tmp_path / "A", tmp_path / "B", tmp_path / "run"
+    (a / "models").mkdir(parents=True)
+    (a / "data").mkdir()
+    b.mkdir()
+    shutil.move(model, a / "models" / "my-model")
+    shutil.move(data, a / "data" / "chat.jsonl")
+    (a / "prompts.jsonl").write_text(json.dumps({"prompt": "hi"}) + "\n")
+    (a / "keys").mkdir()
+    code = up_in_process(monkeypatch, a, "--run-dir", str(run), "target.model_path=./models/my-model",
+                         "data.path=data/chat.jsonl", "data.eval_path=data/../data/chat.jsonl",
+                         'run.eval_prompts=["prompts.jsonl"]', "transport.curve_keys_dir=keys")
+    assert code == 0
+    written = json.loads((run / "config.json").read_text())
+    assert written["target"]["model_path"] == str(a / "models" / "my-model")
+    assert written["data"]["path"] == written["data"]["eval_path"] == str(a / "data" / "chat.jsonl")
+    assert written["run"]["eval_prompts"] == [str(a / "prompts.jsonl")]
+    assert written["transport"]["curve_keys_dir"] == str(a / "keys")
+    assert runspec.load(run / "runspec.json").model_path == str(a / "models" / "my-model")
+    monkeypatch.chdir(b)                               # `launcher eval --checkpoint RUN/export` from elsewhere
+    cfg = load_config(run / "config.json")
+    check_inputs(cfg, runs_targets=True)
+    preflight(cfg, "cpu", runs_targets=True)
+
+
+def test_a_repo_id_stays_a_repo_id_and_every_path_key_is_made_absolute(tmp_path, monkeypatch):
+    import dataclasses
+
+    from launcher.inputs import PATH_KEYS, absolute_paths
+    from services.config import Config
+    monkeypatch.chdir(tmp_path)
+    cfg = absolute_paths(load_config(None, ["target.model_path=Qwen/Qwen3-8B", "data.path=~/d.jsonl"]))
+    assert cfg.target.model_path == "Qwen/Qwen3-8B" and cfg.data.path == str(Path.home() / "d.jsonl")
+    assert cfg.data.eval_path == "" and cfg.run.eval_prompts == []           # unset stays unset
+    (tmp_path / "Qwen" / "Qwen3-8B").mkdir(parents=True)                    # a local folder of that name: a path
+    assert absolute_paths(load_config(None, ["target.model_path=Qwen/Qwen3-8B"])).target.model_path == \
+        str(tmp_path / "Qwen" / "Qwen3-8B")
+    named_like_paths = {f"{s.name}.{k.name}" for s in dataclasses.fields(Config)
+                        for k in dataclasses.fields(s.type if not isinstance(s.type, str) else type(getattr(Config(), s.name)))
+                        if k.name.endswith(("path", "_dir", "_prompts")) and k.name != "spec_eval_prompts"}
+    assert named_like_paths == set(PATH_KEYS)
+
+
+def test_units_write_absolute_paths(tmp_path, monkeypatch):
+    from launcher.units import render_units
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "cfg.toml").write_text('[target]\nmodel_path = "./models/m"\n[data]\npath = "data/chat.jsonl"\n')
+    render_units("0:target,1:drafter", "cfg.toml", "out", str(tmp_path / "run"), device="cpu",
+                 overrides=['run.eval_prompts=["p.jsonl"]'], env_dir=str(tmp_path / "env"))
+    written = json.loads((tmp_path / "out" / "dflash-env" / "config.json").read_text())
+    assert written["target"]["model_path"] == str(tmp_path / "models" / "m")
+    assert written["data"]["path"] == str(tmp_path / "data" / "chat.jsonl")
+    assert written["run"]["eval_prompts"] == [str(tmp_path / "p.jsonl")]
+
+
+# --- resume: refused before the run folder is touched; the run's own config by default ----------------
+
+@pytest.fixture
+def finished_run(tmp_path, model, data, monkeypatch):
+    """A run as `up` leaves it once trained: config.json, runspec.json, data.json, run.json (finished)
+    and a checkpoint (its config.json and state.json, as services/drafter/checkpoint.py writes them)."""
+    from launcher import runlock
+    from services import runspec
+    run, held = tmp_path / "run", len(runlock._held)
+    assert up_in_process(monkeypatch, tmp_path, "--run-dir", str(run), f"target.model_path={model}",
+                         f"data.path={data}", "data.pack_len=1024", "drafter.num_anchors=64") == 0
+    for fd in runlock._held[held:]:                 # this launcher has ended: its lock goes
+        os.close(fd)
+    del runlock._held[held:]
+    record = json.loads((run / "run.json").read_text())
+    assert record["outcome"]["state"] == "finished"
+    (run / "run.json").write_text(json.dumps(dict(record, launcher=None)))    # its launcher is gone
+    step = run / "checkpoints" / "step-00000020"
+    step.mkdir(parents=True)
+    shutil.copy(run / "config.json", step / "config.json")
+    (step / "state.json").write_text(json.dumps({"step": 20, "model": runspec.load(run / "runspec.json").drafter}))
+    os.symlink(step.name, run / "checkpoints" / "latest")
+    return run
+
+
+def snapshot(folder: Path) -> dict:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_a_refused_resume_leaves_every_file_of_the_run_as_it_was(tmp_path, model, data, finished_run):
+    before = snapshot(finished_run)
+    out = launcher(*SPEC, "--run-dir", str(finished_run), "--resume", f"target.model_path={model}",
+                   f"data.path={data}", "data.pack_len=512", "drafter.num_anchors=64", "drafter.num_layers=2",
+                   cwd=tmp_path, timeout=60)
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr
+    assert "data.pack_len: checkpoint 1024, now 512" in out.stderr
+    assert "model num_hidden_layers: checkpoint 5, now 2" in out.stderr
+    assert out.stdout.startswith("--resume without --config") and len(out.stdout.splitlines()) == 1, out.stdout
+    assert snapshot(finished_run) == before
+
+
+def test_resume_without_config_uses_the_runs_own_config(tmp_path, finished_run):
+    before = snapshot(finished_run)
+    out = launcher(*SPEC, "--run-dir", str(finished_run), "--resume", "data.pack_len=512", cwd=tmp_path, timeout=60)
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert out.stdout.strip() == (f"--resume without --config: using the run's config, {finished_run / 'config.json'} "
+                                  "(the overrides given here apply on top)")
+    assert "data.pack_len: checkpoint 1024, now 512" in out.stderr and "is not set" not in out.stderr
+    assert snapshot(finished_run) == before
+
+
+def test_max_steps_past_the_epochs_is_refused_before_any_worker(tmp_path, model, data, monkeypatch, capsys):
+    """Not cut silently to the epochs' end: the user asked for more steps than the data holds."""
+    args = [f"target.model_path={model}", f"data.path={data}", "data.pack_len=1024", "drafter.num_anchors=64"]
+    assert up_in_process(monkeypatch, tmp_path, "--run-dir", str(tmp_path / "run"), *args, "run.max_steps=3") == 2
+    err = capsys.readouterr().err
+    assert err == ("launcher: error: run.max_steps=3 is past the end of run.epochs=1 (1 optimizer steps: 1 rows per "
+                   "epoch on 1 drafter): set run.epochs=3 or lower run.max_steps\n")
+    assert not (tmp_path / "run").exists() and {p.name for p in tmp_path.iterdir()} == {"model", "chat.jsonl"}
+    assert up_in_process(monkeypatch, tmp_path, "--run-dir", str(tmp_path / "run"), *args, "run.max_steps=3",
+                         "run.epochs=3") == 0

@@ -122,7 +122,7 @@ def test_launcher_up_writes_the_spec_a_worker_without_it_resolves_too(tmp_path, 
 
     from launcher.units import render_units
     from services.layers import default_layer_ids
-    model = _tiny_target(tmp_path / "model", tok_dir)
+    model = _tiny_target(tmp_path / "model", tok_dir, weights=True)        # `up` checks the weights are there
     data = tmp_path / "chat.jsonl"
     data.write_text(json.dumps(conversations(1, seed=0)[0]) + "\n" + '{"messages": [\n')
     toml = tmp_path / "run.toml"
