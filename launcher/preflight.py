@@ -169,24 +169,26 @@ def has_chat_template(folder: Path, names: set[str]) -> bool:
     return not isinstance(conf, dict) or bool(conf.get("chat_template"))
 
 
-def check_max_steps(cfg: Config, batches_per_epoch: int, drafters: int) -> None:
-    """run.max_steps past the end of run.epochs is refused, not silently cut to the epochs' end
-    (services/drafter/schedule.py make_plan caps it; more epochs are the user's call: they change
-    the lr schedule's horizon and how often each row is seen). Once the data is packed: its rows
-    per epoch decide the steps."""
+def max_steps_warning(cfg: Config, batches_per_epoch: int, drafters: int) -> str | None:
+    """The line that says so when run.max_steps is past the end of run.epochs: the run ends with the
+    epochs (services/drafter/schedule.py make_plan caps it), which the user must hear before it
+    starts, not find out; more epochs are the user's call (they change the lr schedule's horizon and
+    how often each row is seen). Once the data is packed: its rows per epoch decide the steps. A
+    max_steps far past the data is also how tests and quick runs say "until the data ends", so it
+    is a warning, not a refusal."""
     steps, accum = cfg.run.max_steps, max(1, cfg.drafter.grad_accum)
 
     def available(epochs: int) -> int:
         return make_plan(batches_per_epoch, epochs, drafters, accum).optimizer_steps
     if not steps or batches_per_epoch <= 0 or steps <= available(cfg.run.epochs):
-        return
+        return None
     epochs = max(cfg.run.epochs + 1, -(-steps * drafters * accum // batches_per_epoch) - 1)
     while available(epochs) < steps:
         epochs += 1
     per = f"{drafters} drafters x drafter.grad_accum={accum}" if accum > 1 else f"{drafters} drafter" + "s" * (drafters > 1)
-    raise PreflightError(f"run.max_steps={steps} is past the end of run.epochs={cfg.run.epochs} "
-                         f"({available(cfg.run.epochs)} optimizer steps: {batches_per_epoch} rows per epoch on {per}): "
-                         f"set run.epochs={epochs} or lower run.max_steps")
+    return (f"run.max_steps={steps} is past the end of run.epochs={cfg.run.epochs} ({available(cfg.run.epochs)} "
+            f"optimizer steps: {batches_per_epoch} rows per epoch on {per}): the run ends at step "
+            f"{available(cfg.run.epochs)}; set run.epochs={epochs} to train {steps} steps")
 
 
 # --- the run folder ---------------------------------------------------------------------------

@@ -10,7 +10,7 @@ from pathlib import Path
 from launcher import process
 from launcher.errors import UsageError
 from launcher.inputs import check_inputs, load_run_config, make_demo, prepare_data, with_local_model
-from launcher.preflight import check_max_steps, check_resume_config, preflight, resume_config_path, resumed_line, staged
+from launcher.preflight import max_steps_warning, check_resume_config, preflight, resume_config_path, resumed_line, staged
 from launcher.report import describe_export, describe_spec, read_spec
 from launcher.rundir import LATEST, choose_run_dir, claim, lock, resume_command
 from launcher.supervisor import EXIT_FAILED, EXIT_STOPPED, RunFailed, Supervisor
@@ -65,8 +65,10 @@ def cmd_up(args) -> int:
         runspec.resolve(cfg).save(where)            # runspec.json: what the run is, for every worker
         if runs_targets:
             info = prepare_data(where)
-            if not args.resume:             # a resume continues the schedule its checkpoint planned
-                check_max_steps(cfg, info["train_rows"], sum(w.role == "drafter" for w in workers))
+            past = None if args.resume else \
+                max_steps_warning(cfg, info["train_rows"], sum(w.role == "drafter" for w in workers))
+            if past:                        # (a resume continues the schedule its checkpoint planned)
+                print(f"launcher: warning: {past}", file=sys.stderr, flush=True)
     if not locked:
         lock(run_dir)
     sup = Supervisor(run_dir, cfg, workers, args.device, resume=args.resume, host=args.host,
