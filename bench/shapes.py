@@ -10,6 +10,8 @@ from __future__ import annotations
 QWEN3 = {
     "tiny": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=8, num_attention_heads=4,   # CPU smoke test
                  num_key_value_heads=2, head_dim=64, vocab_size=4096),
+    "135m": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,   # SmolLM2-135M's
+                 num_key_value_heads=3, head_dim=64, vocab_size=49152),                                  # widths (Llama)
     "8b": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
                num_key_value_heads=8, head_dim=128, vocab_size=151936),
     "32b": dict(hidden_size=5120, intermediate_size=25600, num_hidden_layers=64, num_attention_heads=64,

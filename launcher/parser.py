@@ -185,6 +185,10 @@ def _eval_options(p) -> None:
                         "held-out prompts of the run's data (default: 32 held-out prompts)")
     p.add_argument("--limit", type=int, default=0, help="prompts per set at most (0: every prompt of a file)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="new tokens per prompt at most")
+    p.add_argument("--batch", type=int, default=0,
+                   help="prompts decoded at once, one packed target forward per step with no KV cache (default: 32 "
+                        "on a GPU, 1 on CPU); 1: one prompt at a time on a KV cache, for a target too large to "
+                        "recompute each prompt's context every step")
     p.add_argument("--device", "--eval-device", dest="eval_device",
                    help="device for the target and drafter, e.g. cuda, cuda:1, cpu (default: cuda if available, "
                         "else cpu; --eval-device is the older name)")

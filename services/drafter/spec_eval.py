@@ -2,6 +2,9 @@
 files, else the held-out lines; prompts.py) and their plain greedy outputs, made once; then any
 drafter (weights) is decoded on them, with figures over all prompts and per set.
 
+`batch` prompts decode together, one packed target forward per step (batched_decode.py); batch 1
+decodes one prompt at a time on a KV cache (speculative.py), the references as the drafters.
+
 The target is loaded by services.target.model.load_target (the training capture's own loader,
 hooks and packed Gated DeltaNet layers) in fp32 on CPU and in target.dtype elsewhere, and runs
 through a LocalVerifier (verifier.py).
@@ -16,8 +19,9 @@ import torch
 from services import runspec
 from services.drafter.model import DrafterModelConfig
 from services.drafter.prompts import interleave, prompt_sets, stop_token_ids
-from services.drafter.speculative import (Decoded, DrafterProposer, RepeatLast, eval_drafter, evaluate_prompts,
-                                          greedy_reference, summarize_sets)
+from services.drafter.batched_decode import PackedVerifier, decode_many
+from services.drafter.speculative import (Decoded, DrafterProposer, RepeatLast, eval_drafter, greedy_reference,
+                                          speculative_generate, summarize_sets)
 from services.drafter.target_head import TargetHead
 from services.drafter.verifier import LocalVerifier
 from services.target.hybrid import ROLLBACKS
@@ -32,8 +36,11 @@ def load_eval_target(cfg, device: torch.device):
 
 class SpecEval:
     def __init__(self, cfg, device, *, prompts: int, max_new_tokens: int, target=None, tokenizer=None,
-                 rollback: str = ROLLBACKS[0], files: list[str] = ()):
-        """prompts: at most this many of each set; files: prompt-set files (none: the held-out lines)."""
+                 rollback: str = ROLLBACKS[0], files: list[str] = (), batch: int = 1):
+        """prompts: at most this many of each set; files: prompt-set files (none: the held-out lines);
+        batch: prompts decoded at once (module docstring)."""
+        if batch < 1:
+            raise ValueError(f"batch must be >= 1, got {batch}")
         from transformers import AutoTokenizer
         self.device = torch.device(device)
         self.tokenizer = tokenizer or AutoTokenizer.from_pretrained(cfg.target.model_path)
@@ -41,6 +48,8 @@ class SpecEval:
         self.prompts, self.names = interleave(prompt_sets(cfg, self.tokenizer, list(files), prompts))
         self.target = target if target is not None else load_eval_target(cfg, self.device)   # a Target
         self.verifier = LocalVerifier(self.target, rollback)
+        self.batch = batch
+        self.packed = PackedVerifier(self.target) if batch > 1 else None
         self.dtype = self.target.model.dtype
         self.max_new_tokens = max_new_tokens
         self.stop_ids = stop_token_ids(self.tokenizer, self.target.model)
@@ -49,11 +58,22 @@ class SpecEval:
         self._references: list[Decoded] = []
         self._controls: dict[tuple, dict] = {}
 
+    def decode(self, propose, indices: list[int]) -> list[Decoded]:
+        """These prompts decoded with `propose` (None: plain greedy): `batch` at once, or one by one."""
+        prompts, limits = [self.prompts[i] for i in indices], dict(max_new_tokens=self.max_new_tokens,
+                                                                    stop_ids=self.stop_ids)
+        if self.packed is not None:
+            return decode_many(self.packed, propose, prompts, **limits)
+        if propose is None:
+            return [greedy_reference(self.verifier, p, self.max_new_tokens, self.stop_ids) for p in prompts]
+        return [speculative_generate(self.verifier, propose, p, **limits) for p in prompts]
+
     def references(self, n: int) -> list[Decoded]:
-        """Plain greedy outputs of the first n prompts (computed once, reused at every evaluation)."""
+        """Plain greedy outputs of the first n prompts (computed `batch` at a time, once, reused at
+        every evaluation)."""
         while len(self._references) < min(n, len(self.prompts)):
-            prompt = self.prompts[len(self._references)]
-            self._references.append(greedy_reference(self.verifier, prompt, self.max_new_tokens, self.stop_ids))
+            done = len(self._references)
+            self._references += self.decode(None, list(range(done, min(done + self.batch, len(self.prompts)))))
         return self._references[:n]
 
     def head(self, model_cfg: DrafterModelConfig) -> TargetHead:
@@ -76,22 +96,25 @@ class SpecEval:
         the figures of those decoded, and their `indices`."""
         start = time.perf_counter()
         if indices is None:                 # references inside the budget too: the first evaluation computes them
-            refs = []
-            for i in range(len(self.prompts)):
-                if budget_s > 0 and refs and time.perf_counter() - start > budget_s / 2:
+            count = 0
+            while count < len(self.prompts):
+                if budget_s > 0 and count and time.perf_counter() - start > budget_s / 2:
                     break
-                refs = self.references(i + 1)
+                count = len(self.references(count + self.batch))
                 if tick:
                     tick()
-            indices = list(range(len(refs)))
-            budget_s = 0.0 if budget_s <= 0 else max(1e-3, budget_s - (time.perf_counter() - start))
+            indices = list(range(count))
         refs = self.references(max(indices, default=-1) + 1)    # cached: the drafter's run computed them
-        results = evaluate_prompts(self.verifier, propose, [self.prompts[i] for i in indices],
-                                   max_new_tokens=self.max_new_tokens, stop_ids=self.stop_ids, budget_s=budget_s,
-                                   tick=tick)
+        began, results = time.perf_counter(), []
+        for first in range(0, len(indices), self.batch):
+            if budget_s > 0 and results and time.perf_counter() - start > budget_s:
+                break
+            if tick:
+                tick()
+            results += self.decode(propose, indices[first:first + self.batch])
         decoded = indices[:len(results)]
-        return {**summarize_sets(results, [refs[i] for i in decoded], [self.names[i] for i in decoded]),
-                "indices": decoded}
+        return {**summarize_sets(results, [refs[i] for i in decoded], [self.names[i] for i in decoded],
+                                 time.perf_counter() - began), "indices": decoded}
 
     def evaluate(self, weights: dict, model_cfg: DrafterModelConfig, *, controls: bool = False,
                  budget_s: float = 0.0, seed: int = 0, tick=None) -> dict:

@@ -45,19 +45,9 @@ from services.drafter.target_head import TargetHead
 
 
 def inference_attention(q, k, v, mask):
-    """Inference attention: a block's queries see the whole accepted context and their own block
-    (mask None, full_attention layers), or what the layer's window mask keeps (sliding_attention)."""
+    """Inference attention with training's block mask (DenseAttention.build_mask): a block sees its
+    prompt's accepted context and itself, within the window of a sliding_attention layer."""
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
-
-
-def block_masks(cfg: DrafterModelConfig, start: int, device) -> dict:
-    """{layer type: mask} for one block at position `start` over the `start` accepted tokens before
-    it: None for full layers; for sliding ones training's own window mask (attention.visibility)
-    with the block's anchor at `start` and its document from position 0."""
-    anchors, doc_starts = torch.tensor([start], device=device), torch.zeros(1, dtype=torch.long, device=device)
-    return {kind: None if cfg.window(kind) is None else
-            DenseAttention().build_mask(anchors, doc_starts, cfg.block_size, start, cfg.window(kind))
-            for kind in set(cfg.layer_types)}
 
 
 # --- proposers: (features [start, K*H], last token, start) -> B-1 drafted token ids --------------------
@@ -70,13 +60,24 @@ class DrafterProposer:
         self.block_size = drafter.cfg.block_size
 
     def __call__(self, features: torch.Tensor, last_token: int, start: int) -> torch.Tensor:
-        B, device, dtype = self.block_size, self.head.embed.device, self.head.embed.dtype
-        block = torch.full((B,), self.cfg.mask_token_id, dtype=torch.long, device=device)
-        block[0] = last_token
-        out = self.drafter(features.to(device=device, dtype=dtype), self.head.embed_tokens(block),
-                           torch.arange(start, device=device), torch.arange(start, start + B, device=device),
-                           block_masks(self.cfg, start, device))
-        return (out[1:] @ self.head.lm_head.t()).argmax(-1)
+        return torch.tensor(self.many([features], [last_token])[0])
+
+    def many(self, contexts: list[torch.Tensor], last_tokens: list[int]) -> list[list[int]]:
+        """Every prompt's B-1 drafts in one call (batched_decode.py): the contexts packed one after
+        another, block i an anchor right after context i, training's mask keeping the prompts apart."""
+        B, head = self.block_size, self.head
+        device, dtype = head.embed.device, head.embed.dtype
+        lengths = torch.tensor([c.shape[0] for c in contexts])          # index tensors made on the host, moved once
+        starts = torch.cumsum(lengths, 0) - lengths                  # where each context begins in the pack
+        block = torch.full((len(contexts), B), self.cfg.mask_token_id, dtype=torch.long)
+        block[:, 0] = torch.tensor(last_tokens)
+        anchors, starts = (starts + lengths).to(device), starts.to(device)
+        masks = {kind: DenseAttention().build_mask(anchors, starts, B, int(lengths.sum()), self.cfg.window(kind))
+                 for kind in set(self.cfg.layer_types)}
+        out = self.drafter(torch.cat(contexts).to(device=device, dtype=dtype), head.embed_tokens(block.flatten().to(device)),
+                           torch.cat([torch.arange(int(n)) for n in lengths]).to(device),
+                           (lengths[:, None] + torch.arange(B)).flatten().to(device), masks)
+        return (out.view(len(contexts), B, -1)[:, 1:] @ head.lm_head.t()).argmax(-1).tolist()
 
 
 class RepeatLast:
@@ -87,6 +88,9 @@ class RepeatLast:
 
     def __call__(self, features, last_token, start):
         return torch.full((self.block_size - 1,), last_token, dtype=torch.long)
+
+    def many(self, contexts, last_tokens: list[int]) -> list[list[int]]:
+        return [[token] * (self.block_size - 1) for token in last_tokens]
 
 
 def eval_drafter(weights: dict, cfg: DrafterModelConfig, device, dtype=torch.float32) -> DFlashDrafter:
@@ -194,20 +198,3 @@ def summarize_sets(results: list[Decoded], references: list[Decoded], names: lis
             "sets": {name: summarize([r for r, n in zip(results, names) if n == name],
                                      [f for f, n in zip(references, names) if n == name])
                      for name in dict.fromkeys(names)}}
-
-
-def evaluate_prompts(verifier, propose, prompts: list[list[int]], *, max_new_tokens: int, stop_ids=(),
-                     budget_s: float = 0.0, tick=None) -> list[Decoded]:
-    """Decode prompts in order until done or past budget_s (0 = no limit).
-    tick: called after every prompt (a worker's health heartbeat)."""
-    start, results = time.perf_counter(), []
-    for prompt in prompts:
-        if budget_s > 0 and results and time.perf_counter() - start > budget_s:
-            break
-        if tick:
-            tick()
-        results.append(speculative_generate(verifier, propose, prompt, max_new_tokens=max_new_tokens,
-                                            stop_ids=stop_ids))
-    return results
-
-

