@@ -95,8 +95,9 @@ class BatchClient(IoThread):
         """Wait up to timeout_ms for at least one event; return all events ready by then.
 
         ("batch", target, split, Batch, {incarnation, digest}) | ("info", target, dict) | ("error", target, g, message, incarnation)
-        | ("rejected", target, split, g, why): an answer to a request was dropped (another incarnation,
-        other content); the request stays wanted, and is best asked again on a fresh connection
+        | ("rejected", target, split, g, why): an answer was dropped (another incarnation, other
+        content, a batch nobody asked for); what is wanted stays wanted, and is best asked again on a
+        fresh connection
         """
         return get_all(self._events, timeout_ms / 1000)
 
@@ -186,7 +187,10 @@ class BatchClient(IoThread):
             return
         key = (target, split_field(header), g)
         if key not in self._wanted:   # never asked, or already delivered
-            return self.drops("data-unrequested", f"target {target}: {kind} for g={g} not requested")
+            why = f"target {target}: {kind} for g={g} not requested"
+            if kind == "batch":       # whoever answers there may not be the target: ask afresh (source.py)
+                events.append(("rejected", target, split_field(header), g, why))
+            return self.drops("data-unrequested", why)
         if kind == "batch":
             if not self._from_asked(key, incarnation_field(header), events) or \
                     not self._has_content(key, header, events):

@@ -125,7 +125,7 @@ class TransportConfig:
     drafter_hosts: list[str] = setting(factory=list, batch="")   # per drafter rank; [] = host
     base_port: int = setting(29600, batch="")             # tcp ports: base_port + offset per worker
     credits: int = setting(2, batch="")                   # batches in flight per drafter
-    resend_after_s: float = setting(300.0, batch="")      # ask again for a batch not received after this long
+    resend_after_s: float = setting(0.0, batch="")        # ask again for a batch not received after this long; 0 = 4x the slowest answer, 10-120 s
     chunk_bytes: int = setting(4 << 20, batch="")         # large tensors travel as a stream of messages this big
     max_message_bytes: int = setting(64 << 20, batch="")  # per ZMQ message; also ZMQ_MAXMSGSIZE
     max_batch_bytes: int = setting(4 << 30, batch="")     # a whole reassembled batch
@@ -297,7 +297,8 @@ def validate(cfg: Config) -> None:
         need(getattr(cfg.run, key) >= 0, f"run.{key} must be >= 0, got {getattr(cfg.run, key)}")
     for key in ("stall_after_s", "startup_stall_after_s", "stop_timeout_s", "spec_eval_budget_s"):
         need(getattr(cfg.run, key) > 0, f"run.{key} must be > 0, got {getattr(cfg.run, key)}")
-    need(cfg.transport.resend_after_s > 0, f"transport.resend_after_s must be > 0, got {cfg.transport.resend_after_s}")
+    need(cfg.transport.resend_after_s >= 0,
+         f"transport.resend_after_s must be >= 0 (0: derived from answer times), got {cfg.transport.resend_after_s}")
     for key in ("base_port", "dist_port"):
         need(0 < getattr(cfg.transport, key) < 65536, f"transport.{key} must be a port (1-65535), got "
              f"{getattr(cfg.transport, key)}")

@@ -23,7 +23,16 @@ packed data (or its published digests, packing.py); the transport drops any othe
 ("data-content") and any other incarnation ("data-incarnation") and says so at once, and the
 request is asked again on a fresh connection REASK_AFTER_S later (whoever holds the socket by then).
 An error for a batch the handshake says exists is no real target's either: it is dropped the same
-way ("data-error-claim"); an error for a batch out of range stops the drafter (SourceError).
+way ("data-error-claim"); an error for a batch out of range stops the drafter (SourceError). A batch
+nobody asked for ("data-unrequested") is treated alike: whoever holds the connection is not
+answering what was asked.
+
+No request waits long: besides the re-asks above, each pass over the held-out split starts by
+looking up every target's incarnation (a target restarted while the evaluation was idle gets a
+fresh connection before anything is asked), and a request unanswered for transport.resend_after_s
+is asked again; its default (0) is derived from what answers take: 4x the slowest answer seen,
+within [RESEND_MIN_S, RESEND_MAX_S], RESEND_MAX_S until the first answer (a target's first batch
+may wait for its compile).
 """
 from __future__ import annotations
 
@@ -51,12 +60,23 @@ from services.wire import WireError
 
 CHECK_TARGETS_EVERY_S = 2.0
 REASK_AFTER_S = 0.5          # after a dropped answer: ask again on a fresh connection this much later
+RESEND_MIN_S, RESEND_MAX_S = 10.0, 120.0    # bounds of the derived resend wait (transport.resend_after_s = 0)
 
 log = logging.getLogger("drafter")
 
 
 class SourceError(RuntimeError):
     pass
+
+
+def resend_wait(configured: float, slowest_answer_s: float) -> float:
+    """How long a request waits before it is asked again: transport.resend_after_s when set, else
+    4x the slowest answer so far within [RESEND_MIN_S, RESEND_MAX_S] (RESEND_MAX_S before any)."""
+    if configured > 0:
+        return configured
+    if not slowest_answer_s:
+        return RESEND_MAX_S
+    return min(RESEND_MAX_S, max(RESEND_MIN_S, 4 * slowest_answer_s))
 
 
 class BatchSource(Protocol):
@@ -109,6 +129,7 @@ class ZmqSource:
         self.arrived: dict[int, Batch] = {}
         self.provenance: dict[int, dict] = {}    # g -> {incarnation, digest} of the batch that arrived
         self.wait_s = 0.0                        # time spent waiting for data (data-wait fraction)
+        self.slowest_answer_s = 0.0              # the longest a request took to be answered (resend_after)
         self.info = self._ask_info()
         self.content, how = batch_content(cfg, run_dir, self.info.data_key)
         self.retry_at: dict[int, float] = {}     # target -> when to ask it again on a fresh connection
@@ -145,6 +166,8 @@ class ZmqSource:
         self.info.check(**spec.expected_of_target())
 
     def __iter__(self):
+        if self.split == "eval":                 # idle since the last evaluation: targets may have restarted
+            self._refresh_connections()
         for step in range(self.start_step, self.plan.micro_batches):
             self._top_up(step)
             batch = self._take(self.g_of(step))
@@ -226,7 +249,7 @@ class ZmqSource:
         if kind == "batch":
             _, _, _, batch, provenance = event
             if batch.g in self.pending:
-                del self.pending[batch.g]
+                self.slowest_answer_s = max(self.slowest_answer_s, time.monotonic() - self.pending.pop(batch.g))
                 self.arrived[batch.g] = batch
                 if self.split == "train":        # the ledger's; evaluation keeps none
                     self.provenance[batch.g] = provenance
@@ -273,6 +296,14 @@ class ZmqSource:
                 for g in sorted(g for g in self.pending if self.target_of(g) == t):
                     self._ask(g)
 
+    def _refresh_connections(self) -> None:
+        """Every target whose incarnation changed since we last looked gets a fresh connection."""
+        for t in range(self.num_targets):
+            known = self.incarnations[t]
+            self._learn_incarnation(t)
+            if known is not None and self.incarnations[t] != known:
+                self.client.reconnect(t)
+
     def _learn_incarnation(self, t: int) -> None:
         """Remember target t's incarnation once it is ready (data socket bound); else keep the last known."""
         _, status, _ = probe(self.health_eps[t], timeout_s=0.5, keys_dir=curve.keys_for(self.cfg.transport))
@@ -282,8 +313,9 @@ class ZmqSource:
     def _resend_overdue(self, now: float) -> None:
         """A stream that broke while its target stayed up (a tcp reconnect, a send that gave up)
         never completes: ask again. A late duplicate is dropped by the client."""
+        wait = resend_wait(self.cfg.transport.resend_after_s, self.slowest_answer_s)
         for g, asked in list(self.pending.items()):
-            if g not in self.deferred and now - asked > self.cfg.transport.resend_after_s:
+            if g not in self.deferred and now - asked > wait:
                 self._ask(g)
 
     def _ask_info(self) -> TargetInfo:

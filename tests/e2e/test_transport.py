@@ -261,11 +261,15 @@ def test_a_lying_target_is_counted_and_dropped_by_the_drafter(tmp_path, targets)
     try:
         client.request(0, 2)
         client.request(0, 5, split="eval")
-        events = collect(client, 2)
+        events = collect(client, 4)       # two batches, and a "rejected" per unrequested batch
         time.sleep(0.3)
         events += client.poll(0)          # nothing more may come
-        assert sorted((e[2], e[3].g) for e in events) == [("eval", 5), ("train", 2)]
-        assert all(same_batch(e[3], make_batch(e[3].g, e[2])) for e in events)
+        batches = [e for e in events if e[0] == "batch"]
+        assert sorted((e[2], e[3].g) for e in batches) == [("eval", 5), ("train", 2)]
+        assert all(same_batch(e[3], make_batch(e[3].g, e[2])) for e in batches)
+        # a batch nobody asked for says whoever answers may not be the target: the source asks afresh
+        assert sorted((e[2], e[3]) for e in events if e[0] == "rejected") == [("eval", 105), ("train", 102)]
+        assert len(events) == 4
         expected = {kind: 2 * n for kind, n in EXPECTED_LIES.items()}   # two batches, two rounds of lies
         assert dict(client.drops.counts) == expected
         assert health.snapshot()["bad_message_kinds"] == expected
