@@ -87,34 +87,22 @@ def decode_many(verifier: PackedVerifier, propose, prompts: list[list[int]], *, 
     stop, began = set(stop_ids), time.perf_counter()
     draft_len = 0 if propose is None else propose.block_size - 1
     outs, contexts = [], []
-    for prompt, step in zip(prompts, verifier.forward(prompts, [1] * len(prompts))):
-        outs.append(Decoded([int(step.greedy[-1])], [], 1, [float(step.margin[-1])], [float(step.tolerance[-1])]))
+    for step in verifier.forward(prompts, [1] * len(prompts)):
+        outs.append(Decoded.first(step))
         contexts.append(step.features)
-    active = [i for i, o in enumerate(outs) if len(o.tokens) < max_new_tokens and o.tokens[-1] not in stop]
+    active = [i for i, o in enumerate(outs) if not o.done(max_new_tokens, stop)]
     while active:
         drafts = _proposals(propose, [contexts[i] for i in active], [outs[i].tokens[-1] for i in active], draft_len)
         steps = verifier.forward([prompts[i] + outs[i].tokens + d for i, d in zip(active, drafts)],
                                  [len(d) + 1 for d in drafts])
         still = []
         for i, d, step in zip(active, drafts, steps):
-            out, committed = outs[i], len(prompts[i]) + len(outs[i].tokens)   # the last token not in a context yet
-            greedy, margins, tolerances = step.greedy.tolist(), step.margin.tolist(), step.tolerance.tolist()
-            accepted = next((j for j, (a, g) in enumerate(zip(d, greedy)) if a != g), len(d))
-            new = d[:accepted] + [greedy[accepted]]
-            for n, token in enumerate(new):     # a stop token or the length limit ends the output
-                if token in stop or len(out.tokens) + n + 1 >= max_new_tokens:
-                    new = new[:n + 1]
-                    break
-            out.tokens += new
-            out.margins += margins[:len(new)]
-            out.tolerances += tolerances[:len(new)]
-            out.steps.append(len(new))
-            out.target_forwards += 1
-            if len(out.tokens) < max_new_tokens and out.tokens[-1] not in stop:
-                contexts[i] = step.features[:committed + accepted]
+            committed = len(prompts[i]) + len(outs[i].tokens)          # the last token not in a context yet
+            accepted = outs[i].accept(d, step.greedy.tolist(), step.margin.tolist(), step.tolerance.tolist(),
+                                      max_new_tokens, stop)
+            contexts[i] = None if outs[i].done(max_new_tokens, stop) else step.features[:committed + accepted]
+            if contexts[i] is not None:
                 still.append(i)
-            else:
-                contexts[i] = None
         active = still
     seconds = (time.perf_counter() - began) / max(1, len(prompts))   # the batch's wall time, shared out
     for out in outs:

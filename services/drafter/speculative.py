@@ -112,6 +112,32 @@ class Decoded:
     tolerances: list[float] = field(default_factory=list)   # per token: that forward's rounding tolerance
     seconds: float = 0.0                                    # wall time of the decoding
 
+    @classmethod
+    def first(cls, step) -> "Decoded":
+        """After the prefill: its last position's greedy token is the first new token."""
+        return cls([int(step.greedy[-1])], [], 1, [float(step.margin[-1])], [float(step.tolerance[-1])])
+
+    def accept(self, drafts: list[int], greedy: list[int], margins: list[float], tolerances: list[float],
+               max_new_tokens: int, stop: set) -> int:
+        """One verify step (greedy[j]: the target's token after the block's first j+1 tokens): the
+        longest prefix of the drafts equal to the target's tokens, plus the target's own next token,
+        cut at a stop token or the length limit, appended. Returns how many drafts were accepted."""
+        accepted = next((j for j, (d, g) in enumerate(zip(drafts, greedy)) if d != g), len(drafts))
+        new = drafts[:accepted] + [greedy[accepted]]
+        for n, token in enumerate(new):
+            if token in stop or len(self.tokens) + n + 1 >= max_new_tokens:
+                new = new[:n + 1]
+                break
+        self.tokens += new
+        self.margins += margins[:len(new)]
+        self.tolerances += tolerances[:len(new)]
+        self.steps.append(len(new))
+        self.target_forwards += 1
+        return accepted
+
+    def done(self, max_new_tokens: int, stop: set) -> bool:
+        return len(self.tokens) >= max_new_tokens or self.tokens[-1] in stop
+
 
 def _take(step, n: int) -> tuple[list[int], list[float], list[float]]:
     return step.greedy[:n].tolist(), step.margin[:n].tolist(), step.tolerance[:n].tolist()
@@ -123,23 +149,12 @@ def speculative_generate(verifier, propose, prompt_ids: list[int], *, max_new_to
     stop, began = set(stop_ids), time.perf_counter()
     step = verifier.prefill(prompt_ids)
     features = step.features
-    out = Decoded([int(step.greedy[-1])], [], 1, [float(step.margin[-1])], [float(step.tolerance[-1])])
+    out = Decoded.first(step)
     start = len(prompt_ids)                        # position of the last accepted token (not yet in the cache)
-    while len(out.tokens) < max_new_tokens and out.tokens[-1] not in stop:
+    while not out.done(max_new_tokens, stop):
         drafts = propose(features, out.tokens[-1], start).tolist()
         step = verifier.verify([out.tokens[-1]] + drafts)
-        out.target_forwards += 1
-        greedy, margins, tolerances = _take(step, len(drafts) + 1)   # greedy[j]: the token after block[:j+1]
-        accepted = next((j for j, (d, g) in enumerate(zip(drafts, greedy)) if d != g), len(drafts))
-        new = drafts[:accepted] + [greedy[accepted]]
-        for n, token in enumerate(new):            # a stop token or the length limit ends the output
-            if token in stop or len(out.tokens) + n + 1 >= max_new_tokens:
-                new = new[:n + 1]
-                break
-        out.tokens += new
-        out.margins += margins[:len(new)]
-        out.tolerances += tolerances[:len(new)]
-        out.steps.append(len(new))
+        accepted = out.accept(drafts, *_take(step, len(drafts) + 1), max_new_tokens, stop)
         # block[:accepted+1] are now committed tokens; the target's next token is the next
         # block's first token and enters the cache with it
         verifier.commit(accepted + 1)
@@ -155,16 +170,11 @@ def greedy_reference(verifier, prompt_ids: list[int], max_new_tokens: int, stop_
     then verify([token]) + commit(1) per token. Its margins say where the target nearly ties."""
     stop = set(stop_ids)
     step = verifier.prefill(prompt_ids)
-    out = Decoded([int(step.greedy[-1])], [], 1, [float(step.margin[-1])], [float(step.tolerance[-1])])
-    while len(out.tokens) < max_new_tokens and out.tokens[-1] not in stop:
+    out = Decoded.first(step)
+    while not out.done(max_new_tokens, stop):
         step = verifier.verify([out.tokens[-1]])
         verifier.commit(1)
-        out.target_forwards += 1
-        out.steps.append(1)
-        token, margin, tolerance = _take(step, 1)
-        out.tokens += token
-        out.margins += margin
-        out.tolerances += tolerance
+        out.accept([], *_take(step, 1), max_new_tokens, stop)
     return out
 
 
