@@ -80,6 +80,8 @@ def cmd_up(args) -> int:
     # runs/latest only once ready: a run that fails while starting never becomes latest
     code, reason = run_supervised(sup, on_ready=when_ready(sup, run_dir, named_here, args.resume))
     sup.record_outcome(code, reason)
+    for name in sup.drops.dropped():        # at the end too: the warnings scrolled away long ago
+        print(f"warning: {sup.drops.describe(name)}", flush=True)
     export = describe_export(run_dir / "export")
     if code == 0 and export:
         print(export, flush=True)
