@@ -12,8 +12,10 @@ Policy (docs/operations.md):
   a target is in trouble (or was, within run.stall_after_s) is waiting for it, not at fault: it is
   left alone, so a hung target never uses up the drafters' restarts;
 - each role may restart run.max_restarts times over the run; one more failure ends the run (exit 1);
-  a failure no restart can mend (out of memory, a config error, the same error line twice in a
-  row: launcher/causes.py) ends it at once, saying what to change;
+  a failure no restart can mend (out of memory, a config error, a final error: exit 4, the same
+  error line twice in a row: launcher/causes.py) ends it at once, saying what to change;
+- the messages a worker dropped (its health's counts, polled with the probes): one warning when
+  they start to rise, the totals at the end and in run.json's outcome (launcher/drops.py);
 - SIGINT/SIGTERM: graceful stop (drafters checkpoint and exit, then targets), exit 3; a second
   signal during the stop kills every worker at once (a stuck stop would otherwise wait out
   --stop-timeout), but only from a person: 2 s or more after the first, and not from a sender
