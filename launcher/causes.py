@@ -7,6 +7,7 @@ come back on every restart; those end the run at once, with what to change:
 
 - out of memory (CUDA's torch.OutOfMemoryError, or the CPU allocator's "can't allocate memory"),
 - a config error (exit 2),
+- a final error (exit 4, services/exits.py FinalError: non-finite data from a target),
 - the same error line as the worker's previous exit (a restart reproduced it).
 
 Everything else (a signal, a hard exit, a crash seen once) keeps the restart budget.
@@ -20,7 +21,7 @@ from pathlib import Path
 from services.log import message_of
 
 START_MARK = "===== "          # launcher/process.py writes it into the log at each start
-CONFIG_EXIT, HARD_EXIT = 2, 143
+CONFIG_EXIT, FINAL_EXIT, HARD_EXIT = 2, 4, 143
 OUT_OF_MEMORY = ("OutOfMemoryError", "out of memory", "can't allocate memory", "not enough memory",
                  "MemoryError")
 LEVELS = ("error", "critical")
@@ -72,6 +73,8 @@ def exit_cause(role: str, code: int, log_text: str, previous: str = "") -> Cause
     if code == CONFIG_EXIT:
         return Cause(line or "config error", fatal="no restart can fix a config error")
     text = line or f"no error line in its log (exit code {code})"
+    if code == FINAL_EXIT:
+        return Cause(text, fatal="a restart would meet the same error (exit 4: final)")
     if any(marker in line for marker in OUT_OF_MEMORY):
         return Cause(text, fatal=out_of_memory_advice(role))
     if line and line == previous:

@@ -14,7 +14,7 @@ from pathlib import Path
 from launcher import process
 from launcher.errors import UsageError
 from launcher.preflight import check_resume
-from launcher.runlock import RunDirBusy, lock_run_dir
+from launcher.runlock import RunDirBusy, lock_early, lock_run_dir
 from launcher.supervisor import EXIT_DONE, EXIT_FAILED, EXIT_STOPPED
 
 LATEST = Path("runs") / "latest"
@@ -95,9 +95,10 @@ def describe_outcome(run: dict, live: bool) -> str:
     return "ended without recording an outcome (launcher killed?)"
 
 
-def lock(run_dir: Path) -> None:
+def lock(run_dir: Path, early: bool = False) -> None:
+    """early: the lock beside the run dir, before anything that takes time (launcher/runlock.py)."""
     try:
-        lock_run_dir(run_dir)
+        (lock_early if early else lock_run_dir)(run_dir)
     except RunDirBusy as exc:
         raise UsageError(str(exc)) from None
 

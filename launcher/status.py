@@ -6,6 +6,7 @@ import time
 from pathlib import Path
 
 from launcher import process
+from launcher.drops import describe_drops
 from launcher.progress import describe_window
 from launcher.report import describe_data
 from launcher.rundir import OUTCOME_EXIT, describe_live, describe_outcome, read_run
@@ -53,6 +54,7 @@ def cmd_status(args) -> int:
             if (books := r.get("integrity") or {}).get("nonfinite_batches") or books.get("skipped_steps"):
                 print(f"{r['name']}: {books['nonfinite_batches']} non-finite batches skipped, {books['skipped_steps']} "
                       f"optimizer steps skipped; last: {books['last_nonfinite'] or 'another rank'}")
+        _print_drops(rows, run.get("outcome") or {}, live)
         _print_last_exits(rows)
         if plan:
             print(f"plan: {plan.describe()}")
@@ -104,7 +106,7 @@ def _row(w: dict, result: tuple[int, dict | None, str]) -> dict:
         row.update({k: status.get(k) for k in ("state", "step", "total_steps", "batches_served", "samples_done",
                                                  "tokens_per_s", "last_progress_age_s", "compile_s", "rss_bytes",
                                                  "gpu_mem_bytes", "bad_messages", "loss", "tau", "window", "warning",
-                                                 "bad_message_kinds", "integrity", "content_check")})
+                                                 "bad_message_kinds", "bad_message_from", "integrity", "content_check")})
     return row
 
 
@@ -115,6 +117,16 @@ def _cells(r: dict) -> tuple[str, ...]:
             "-" if drafter else _cell(r.get("batches_served")), _cell(r.get("tokens_per_s")),
             _cell(r.get("samples_done")), _cell(r.get("last_progress_age_s")), _cell(r.get("rss_bytes")),
             _cell(r.get("gpu_mem_bytes")), _cell(r.get("bad_messages")), str(r["probe"]))
+
+
+def _print_drops(rows: list[dict], outcome: dict, live: bool) -> None:
+    """Messages a worker dropped: from its health while it runs, from run.json's outcome once the run ended."""
+    ended = {} if live else (outcome.get("dropped") or {})
+    for r in rows:
+        kinds = r.get("bad_message_kinds") or ended.get(r["name"])
+        if kinds:
+            sources = r.get("bad_message_from") or (outcome.get("dropped_from") or {}).get(r["name"], ())
+            print(f"warning: {describe_drops(r['name'], kinds, sources)}")
 
 
 def _print_last_exits(rows: list[dict]) -> None:

@@ -12,8 +12,10 @@ Policy (docs/operations.md):
   a target is in trouble (or was, within run.stall_after_s) is waiting for it, not at fault: it is
   left alone, so a hung target never uses up the drafters' restarts;
 - each role may restart run.max_restarts times over the run; one more failure ends the run (exit 1);
-  a failure no restart can mend (out of memory, a config error, the same error line twice in a
-  row: launcher/causes.py) ends it at once, saying what to change;
+  a failure no restart can mend (out of memory, a config error, a final error: exit 4, the same
+  error line twice in a row: launcher/causes.py) ends it at once, saying what to change;
+- the messages a worker dropped (its health's counts, polled with the probes): one warning when
+  they start to rise, the totals at the end and in run.json's outcome (launcher/drops.py);
 - SIGINT/SIGTERM: graceful stop (drafters checkpoint and exit, then targets), exit 3; a second
   signal during the stop kills every worker at once (a stuck stop would otherwise wait out
   --stop-timeout), but only from a person: 2 s or more after the first, and not from a sender
@@ -39,6 +41,7 @@ from pathlib import Path
 
 from launcher import process
 from launcher.causes import exit_cause, read_log
+from launcher.drops import DropWatch
 from launcher.progress import ProgressLine
 from launcher.topology import Worker, count
 from services import curve
@@ -108,6 +111,7 @@ class Supervisor:
         self.stop_requests = StopRequests()
         self.last_exit: dict[str, dict] = {}          # each worker's last exit: code, cause, time
         self.progress = ProgressLine()
+        self.drops = DropWatch()                      # messages each worker dropped (another process answering...)
 
     # --- starting ----------------------------------------------------------
     def endpoints(self, w: Worker) -> dict[str, str]:
@@ -169,6 +173,7 @@ class Supervisor:
         self.silent_since.pop(w.name, None)
         self.last_state.pop(w.name, None)
         self.pids_seen[w.name].append(proc.pid)
+        self.drops.restarted(w.name)
         self.write_run_json()
 
     def start_all(self) -> None:
@@ -206,6 +211,8 @@ class Supervisor:
         """How the run ended, for `launcher status` after the processes are gone."""
         state = {EXIT_DONE: "finished", EXIT_STOPPED: "stopped"}.get(code, "failed")
         self.outcome = {"state": state, "exit": code, "reason": reason, "ended": time.time()}
+        if dropped := self.drops.dropped():          # kept with the outcome: a run that ended well can have had them
+            self.outcome.update(dropped=dropped, dropped_from=self.drops.dropped_from())
         try:
             self._write_run_json()
         except OSError as exc:          # the run has ended anyway; say why its outcome is not on disk
@@ -395,6 +402,8 @@ class Supervisor:
                 if w.role == "drafter" and status.get("state") == "training":
                     self.trained.add(w.name)
                 self.silent_since.pop(w.name, None)
+                if self.drops.seen(w.name, status.get("bad_message_kinds") or {}, status.get("bad_message_from") or {}):
+                    self.progress.done(f"warning: {self.drops.describe(w.name)}")
                 if status.get("stalled"):
                     trouble[w.name] = ("stalled", f"stalled (no progress for {status['last_progress_age_s']:.0f}s)")
             elif w.name in self.answered:       # before its first answer it may still be importing torch

@@ -46,10 +46,11 @@ def cmd_up(args) -> int:
         raise UsageError(refusal)
     if warning:
         print(f"launcher: warning: {warning}", file=sys.stderr, flush=True)
+    run_dir, named_here = choose_run_dir(args, cfg.run.name)
+    lock(run_dir, early=True)        # a second `up` here is refused now, not after resolving the model, the data...
     runs_targets = any(w.role == "target" and w.host == args.host for w in workers)
     if not args.demo:                                      # drafters read the target's head: every host resolves
         check_inputs(with_local_model(cfg), runs_targets)
-    run_dir, named_here = choose_run_dir(args, cfg.run.name)
     if args.resume and not args.demo:               # before anything is written in the run folder (its lock too)
         check_resumable(run_dir, cfg, runs_targets)
     locked = claim(run_dir, args.resume)
@@ -80,6 +81,8 @@ def cmd_up(args) -> int:
     # runs/latest only once ready: a run that fails while starting never becomes latest
     code, reason = run_supervised(sup, on_ready=when_ready(sup, run_dir, named_here, args.resume))
     sup.record_outcome(code, reason)
+    for name in sup.drops.dropped():        # at the end too: the warnings scrolled away long ago
+        print(f"warning: {sup.drops.describe(name)}", flush=True)
     export = describe_export(run_dir / "export")
     if code == 0 and export:
         print(export, flush=True)

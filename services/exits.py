@@ -6,6 +6,8 @@
     3  stopped: a drafter stopped by a stop request before the end of training (its checkpoint
        saved, or still starting: nothing to save); --resume continues, and the launcher records
        the run as stopped, not finished
+    4  final: a crash that a restart would meet again (FinalError: non-finite data from a target);
+       the launcher ends the run at once instead of restarting
 
 143 is a hard exit (lifecycle.py: a stop signal from a second sender, or the stop deadline passed).
 """
@@ -16,9 +18,13 @@ import logging
 from services import lifecycle
 from services.config import ConfigError
 
-OK, CRASHED, CONFIG, STOPPED = 0, 1, 2, 3
+OK, CRASHED, CONFIG, STOPPED, FINAL = 0, 1, 2, 3, 4
 
 log = logging.getLogger("worker")
+
+
+class FinalError(RuntimeError):
+    """An error that a restart meets again (the same batches, the same weights): exit FINAL."""
 
 
 def error_name(exc: BaseException) -> str:
@@ -38,7 +44,7 @@ def exit_code(exc: BaseException, health=None, stopped: int = OK) -> int:
         message, code = f"config error: {exc}", CONFIG
         log.error("%s", message)
     else:
-        message, code = f"{error_name(exc)}: {exc}", CRASHED
+        message, code = f"{error_name(exc)}: {exc}", FINAL if isinstance(exc, FinalError) else CRASHED
         log.error("crashed", exc_info=exc)
         log.error("%s", message)                # the last line: the cause the launcher reports
     if health is not None:

@@ -55,6 +55,7 @@ class HealthServer:
             "gpu_mem_bytes": 0, "bad_messages": 0, "errors": [], "stall_after_s": float(stall_after_s),
         }
         self._bad_kinds: dict[str, int] = {}
+        self._bad_from: dict[str, int] = {}       # who sent them, where known ("target-0")
         self._stall_after = {"startup": float(startup_stall_after_s), "running": float(stall_after_s)}
         self._last_progress = time.monotonic()
         self._notify = Notifier()
@@ -88,12 +89,14 @@ class HealthServer:
             step, rate = self._status["step"], self._status["tokens_per_s"]
         self._notify.progress(step, rate)
 
-    def bad_message(self, kind: str, detail: str = "") -> bool:
+    def bad_message(self, kind: str, detail: str = "", source: str = "") -> bool:
         """Count a dropped message; True the first time this kind is seen (log it once)."""
         with self._lock:
             self._status["bad_messages"] += 1
             first = kind not in self._bad_kinds
             self._bad_kinds[kind] = self._bad_kinds.get(kind, 0) + 1
+            if source:
+                self._bad_from[source] = self._bad_from.get(source, 0) + 1
         return first
 
     def error(self, text: str) -> None:
@@ -104,6 +107,7 @@ class HealthServer:
         with self._lock:
             status = dict(self._status)
             status["bad_message_kinds"] = dict(self._bad_kinds)
+            status["bad_message_from"] = dict(self._bad_from)
             age = time.monotonic() - self._last_progress
         status["last_progress_age_s"] = round(age, 3)
         status["stall_after_s"] = self._stall_after["startup" if status["state"] in STARTUP_STATES else "running"]
@@ -168,7 +172,9 @@ class Drops:
 
     def __call__(self, kind: str, detail: str) -> None:
         self.counts[kind] += 1
-        first = self.health.bad_message(kind, detail) if self.health else self.counts[kind] == 1
+        # a drafter's details start "target N: ...": the launcher names that target in its warning
+        source = detail.split(":", 1)[0].replace(" ", "-") if detail.startswith("target ") else ""
+        first = self.health.bad_message(kind, detail, source) if self.health else self.counts[kind] == 1
         if first:
             log.warning("dropped a bad %s message: %s", kind, detail)
 

@@ -13,6 +13,7 @@ import logging
 import time
 from pathlib import Path
 
+from services import exits
 from services.config import Config
 from services.drafter import checkpoint as ckpt
 from services.drafter.checkpoint_space import checkpoint_bytes, space_warning
@@ -39,8 +40,9 @@ ACCEPTANCE_FILE = "acceptance.jsonl"
 log = logging.getLogger("drafter")
 
 
-class NonFiniteError(RuntimeError):
-    """Too many optimizer steps in a row were skipped for non-finite data or gradients."""
+class NonFiniteError(exits.FinalError):
+    """Too many optimizer steps in a row were skipped for non-finite data or gradients: a restart
+    would train the same batches from the same checkpoint and skip them again."""
 
 
 class Bookkeeping:

@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import datetime
 import io
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -20,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from launcher.cli import main as launcher_main
+from launcher.drops import describe_drops
 from tests.e2e.test_launcher_demo import assert_exactly_once, assert_no_worker_left, launcher, metrics
 from tests.waiting import wait_for
 
@@ -105,6 +108,20 @@ def test_a_same_uid_takeover_replaying_the_incarnation_trains_nothing_and_does_n
         logs = "".join((run_dir / "logs" / f"drafter-{r}.log").read_text() for r in (0, 1))
         assert "dropped a bad data-content message" in logs and took_over["incarnation"] in logs, logs[-3000:]
 
+        # ... and the launcher said so: a warning while it ran, the totals at the end and in run.json's outcome
+        outcome = json.loads((run_dir / "run.json").read_text())["outcome"]
+        dropped = {name: kinds for name, kinds in outcome.get("dropped", {}).items() if kinds.get("data-content")}
+        assert dropped and all(outcome["dropped_from"][name] == ["target-0"] for name in dropped), outcome
+        for name, kinds in dropped.items():
+            assert re.search(rf"^warning: {name} dropped \d+ answers \(.*data-content \d+.*\): another process "
+                             rf"answered for target-0 \(see logs/{name}.log\)$", text, re.M), text[-3000:]
+            assert f"warning: {describe_drops(name, kinds, ['target-0'])}\n" in text, text[-3000:]   # the totals
+        stdout = io.StringIO()
+        with contextlib.redirect_stdout(stdout):
+            launcher_main(["status", "--run-dir", str(run_dir), "--timeout", "0.5"])
+        for name, kinds in dropped.items():
+            assert f"warning: {describe_drops(name, kinds, ['target-0'])}" in stdout.getvalue(), stdout.getvalue()
+
         # the held-out evaluation did not wait for the impostor
         evals = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
                  if json.loads(line).get("eval")]
@@ -137,7 +154,9 @@ def poisoned_demo_target(out: Path, layer: int) -> Path:
 def test_a_target_with_inf_weights_stops_the_run_naming_it_and_nothing_non_finite_is_saved():
     """Layer 1 of the target is poisoned; captured layers 0 and 2: layer 0's features are finite,
     layer 2's are not. Every step is skipped, `launcher status` counts it, the run ends with an
-    error naming the target and the layer, and every checkpoint on disk is finite."""
+    error naming the target and the layer, and every checkpoint on disk is finite. A restart would
+    skip the same steps again: the drafters exit 4 (final), and the run fails at once with its
+    restart budget (run.max_restarts=3) untouched."""
     from safetensors.torch import load_file
 
     with tempfile.TemporaryDirectory(prefix="i25p", dir="/tmp") as folder:
@@ -146,10 +165,10 @@ def test_a_target_with_inf_weights_stops_the_run_naming_it_and_nothing_non_finit
         run_dir, log = folder / "run", folder / "out.txt"
         with open(log, "w") as out:
             proc = subprocess.Popen(launcher(run_dir, f'target.model_path="{model}"', "target.layer_ids=[0,2]",
-                                             "run.max_restarts=0", "drafter.max_nonfinite_steps=12",
+                                             "run.max_restarts=3", "drafter.max_nonfinite_steps=12",
                                              "run.checkpoint_every=4", "run.spec_eval_prompts=0", "run.epochs=1"),
                                     stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONPATH=str(ROOT)))
-        seen = None
+        seen = ended = None
         try:
             deadline = time.monotonic() + 600
             while proc.poll() is None and time.monotonic() < deadline:
@@ -167,12 +186,25 @@ def test_a_target_with_inf_weights_stops_the_run_naming_it_and_nothing_non_finit
                     if counts and all(c.get("nonfinite_batches", 0) >= 1 for c in counts):
                         seen = counts
                 time.sleep(0.1)
+            ended = time.time()
         finally:
             if proc.poll() is None:
                 proc.kill()
             proc.wait()
         text = log.read_text()
-        assert proc.returncode != 0, text[-3000:]
+        assert proc.returncode == 1 and "restarting in" not in text, text[-3000:]
+        record = json.loads((run_dir / "run.json").read_text())
+        assert record["restarts"] == {"target": 0, "drafter": 0}, record["restarts"]
+        reason = record["outcome"]["reason"]
+        assert record["outcome"]["state"] == "failed" and "exited with code 4" in reason and "NonFiniteError" in reason \
+            and "captured layer 2 from target-0" in reason and "a restart would meet the same error" in reason, reason
+        assert f"exit 1 (failed: {reason})" in text, text[-3000:]
+        # the launcher ended the run within seconds of the first drafter's error (a group restart: a minute more)
+        errors = [line for r in (0, 1) for line in (run_dir / "logs" / f"drafter-{r}.log").read_text().splitlines()
+                  if " error NonFiniteError" in line]
+        first_error = min(datetime.datetime.fromisoformat(line.split()[0].replace("Z", "+00:00")).timestamp()
+                          for line in errors)
+        assert ended - first_error < 20, f"the run ended {ended - first_error:.0f}s after the first error"
         assert seen and all(c["skipped_steps"] >= 1 and "captured layer 2" in c["last_nonfinite"] for c in seen), seen
         last_lines = [(run_dir / "logs" / f"drafter-{r}.log").read_text().strip().splitlines()[-1] for r in (0, 1)]
         for line in last_lines:

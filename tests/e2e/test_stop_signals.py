@@ -98,6 +98,34 @@ def stopped_once(run_dir: Path, rank: int = 0) -> dict:
     return stopped
 
 
+def test_a_second_launcher_is_refused_in_under_two_seconds_while_the_first_prepares(tmp_path):
+    """The first `up` holds the lock beside a new run dir while it builds the demo and packs the data
+    (the run dir does not exist yet); a second `up` on it exits 2 at once, naming the first, without
+    preparing anything itself."""
+    run_dir = tmp_path / "run"
+    early = tmp_path / ".run.launcher.lock"
+    first = subprocess.Popen(up_args(run_dir), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                             env=ENV, start_new_session=True)        # its group: the data packer dies with it
+    try:
+        deadline = time.monotonic() + 120
+        while not (early.exists() and early.read_text().strip() == str(first.pid)):
+            assert time.monotonic() < deadline and first.poll() is None, "the first launcher never took its lock"
+            time.sleep(0.02)
+        assert not run_dir.exists(), "the first launcher finished preparing already: the test proves nothing"
+        started = time.monotonic()
+        second = subprocess.run(up_args(run_dir), cwd=ROOT, capture_output=True, text=True, timeout=120, env=ENV)
+        took = time.monotonic() - started
+        assert not run_dir.exists() and first.poll() is None        # the first was still preparing all along
+    finally:
+        os.killpg(first.pid, signal.SIGKILL)
+        first.wait()
+    assert second.returncode == 2, second.stdout + second.stderr
+    assert second.stdout == "" and second.stderr.strip().splitlines() == [
+        f"launcher: error: another launcher is running on {run_dir} (pid {first.pid}); stop it first "
+        f"(launcher down --run-dir {run_dir}) or choose another --run-dir"], second.stderr
+    assert took < 2.0, f"refused after {took:.1f}s"
+
+
 def test_one_stop_per_request_and_one_launcher_per_run_dir(tmp_path):
     run_dir = tmp_path / "run"
     first = subprocess.Popen(up_args(run_dir), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

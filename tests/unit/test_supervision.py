@@ -57,6 +57,19 @@ def test_a_cuda_out_of_memory_is_named_as_torch_names_it(tmp_path):
     assert cause.text == f"torch.OutOfMemoryError: {message}" and cause.fatal
 
 
+def test_non_finite_data_exits_final_and_no_restart_is_tried(tmp_path):
+    """A NonFiniteError (services/drafter/bookkeeping.py) repeats on a restart: its own exit code,
+    and the launcher's cause is fatal the first time, not after a second exit with the same line."""
+    log = tmp_path / "drafter-0.log"
+    code = crash(log, "from services.drafter.bookkeeping import NonFiniteError; raise NonFiniteError("
+                      "'12 optimizer steps in a row skipped: non-finite hidden states of captured layer 2 from target-0')")
+    assert code == exits.FINAL == 4
+    cause = exit_cause("drafter", code, read_log(log))
+    assert cause.text.startswith("NonFiniteError: 12 optimizer steps in a row skipped") and "target-0" in cause.text
+    assert cause.fatal and "restart" in cause.fatal
+    assert not exit_cause("drafter", exits.CRASHED, read_log(log)).fatal      # the same line as a crash: once, kept
+
+
 def test_last_error_line_reads_the_latest_start_only_and_a_repeat_is_fatal(tmp_path):
     log = tmp_path / "target-0.log"
     first = crash(log, "raise ValueError('first start')")
