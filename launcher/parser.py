@@ -187,8 +187,8 @@ def _eval_options(p) -> None:
     p.add_argument("--max-new-tokens", type=int, default=128, help="new tokens per prompt at most")
     p.add_argument("--batch", type=int, default=0,
                    help="prompts decoded at once, one packed target forward per step with no KV cache (default: 32 "
-                        "on a GPU, 1 on CPU); 1: one prompt at a time on a KV cache, for a target too large to "
-                        "recompute each prompt's context every step")
+                        "on a GPU for a target of at most 3B parameters, else 1); 1: one prompt at a time on a KV "
+                        "cache, which a large target decodes faster")
     p.add_argument("--device", "--eval-device", dest="eval_device",
                    help="device for the target and drafter, e.g. cuda, cuda:1, cpu (default: cuda if available, "
                         "else cpu; --eval-device is the older name)")

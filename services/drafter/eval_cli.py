@@ -73,8 +73,8 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--no-controls", action="store_true", help="skip the repeat-last and random-drafter controls")
     p.add_argument("--json", action="store_true", help="print the result as one JSON line")
-    p.add_argument("--batch", type=int, default=0, help="prompts decoded at once (default: 32 on a GPU, 1 on CPU; "
-                                                          "`launcher eval --help`)")
+    p.add_argument("--batch", type=int, default=0, help="prompts decoded at once (default: 32 on a GPU for a target of at "
+                                                          "most 3B parameters, else 1; `launcher eval --help`)")
     p.add_argument("--threads", type=int, default=1, help="CPU threads (tiny demo models decode fastest on one)")
     p.add_argument("--rollback", choices=ROLLBACKS, default=ROLLBACKS[0],
                    help="how a hybrid target's Gated DeltaNet state drops rejected drafts (docs/operations.md)")
@@ -92,9 +92,8 @@ def main(argv=None) -> int:
         print("eval: error: --prompts takes prompt files or a number of held-out prompts, not both", file=sys.stderr)
         return 2
     if args.batch < 0:
-        print(f"eval: error: --batch must be >= 1, got {args.batch}", file=sys.stderr)
+        print(f"eval: error: --batch must be >= 1 (or 0: automatic), got {args.batch}", file=sys.stderr)
         return 2
-    batch = args.batch or (32 if torch.device(args.device).type == "cuda" else 1)
     limit = args.limit or (int(counts[-1]) if counts else 0 if files else 32)
     files = [str(Path(f).resolve()) for f in files]
     try:
@@ -106,7 +105,7 @@ def main(argv=None) -> int:
     from services.drafter.spec_eval import SpecEval
     try:
         spec = SpecEval(cfg, args.device, prompts=limit, max_new_tokens=args.max_new_tokens,
-                        rollback=args.rollback, files=files, batch=batch)
+                        rollback=args.rollback, files=files, batch=args.batch)
     except Exception as exc:                    # the target cannot be loaded or decoded: one line
         print(f"eval: error: {exc}", file=sys.stderr)
         return 2

@@ -34,13 +34,26 @@ def load_eval_target(cfg, device: torch.device):
     return load_target(dataclasses.replace(target_cfg, dtype="float32") if device.type == "cpu" else target_cfg, device)
 
 
+# Recomputing every prompt's context each step (batched_decode.py) costs FLOPs in proportion to the
+# target's size; the cached one-prompt loop is bound by kernel launches on a small target and by
+# reading the weights on a large one: past a few billion parameters the cached loop wins.
+AUTO_BATCH, AUTO_BATCH_MAX_PARAMS = 32, 3e9
+
+
+def auto_batch(target, device: torch.device) -> int:
+    """Prompts decoded at once by default: AUTO_BATCH on a GPU for a target of at most
+    AUTO_BATCH_MAX_PARAMS parameters, else 1."""
+    params = sum(p.numel() for p in target.model.parameters())
+    return AUTO_BATCH if device.type == "cuda" and params <= AUTO_BATCH_MAX_PARAMS else 1
+
+
 class SpecEval:
     def __init__(self, cfg, device, *, prompts: int, max_new_tokens: int, target=None, tokenizer=None,
                  rollback: str = ROLLBACKS[0], files: list[str] = (), batch: int = 1):
         """prompts: at most this many of each set; files: prompt-set files (none: the held-out lines);
-        batch: prompts decoded at once (module docstring)."""
-        if batch < 1:
-            raise ValueError(f"batch must be >= 1, got {batch}")
+        batch: prompts decoded at once (module docstring); 0: auto_batch's choice."""
+        if batch < 0:
+            raise ValueError(f"batch must be >= 0, got {batch}")
         from transformers import AutoTokenizer
         self.device = torch.device(device)
         self.tokenizer = tokenizer or AutoTokenizer.from_pretrained(cfg.target.model_path)
@@ -48,8 +61,8 @@ class SpecEval:
         self.prompts, self.names = interleave(prompt_sets(cfg, self.tokenizer, list(files), prompts))
         self.target = target if target is not None else load_eval_target(cfg, self.device)   # a Target
         self.verifier = LocalVerifier(self.target, rollback)
-        self.batch = batch
-        self.packed = PackedVerifier(self.target) if batch > 1 else None
+        self.batch = batch or auto_batch(self.target, self.device)
+        self.packed = PackedVerifier(self.target) if self.batch > 1 else None
         self.dtype = self.target.model.dtype
         self.max_new_tokens = max_new_tokens
         self.stop_ids = stop_token_ids(self.tokenizer, self.target.model)

@@ -100,3 +100,12 @@ def test_drafts_of_a_packed_batch_equal_each_prompt_drafted_alone(dense):
     lasts = [5, 17, 42]
     alone = [drafter(c, t, c.shape[0]).tolist() for c, t in zip(contexts, lasts)]
     assert drafter.many(contexts, lasts) == alone
+
+
+def test_the_default_batch_follows_the_target_size_and_device(dense, monkeypatch):
+    from services.drafter import spec_eval
+    assert spec_eval.auto_batch(dense, torch.device("cpu")) == 1                # CPU: the cached loop
+    assert spec_eval.auto_batch(dense, torch.device("cuda")) == spec_eval.AUTO_BATCH > 1
+    params = sum(p.numel() for p in dense.model.parameters())
+    monkeypatch.setattr(spec_eval, "AUTO_BATCH_MAX_PARAMS", params - 1)   # a target past the limit
+    assert spec_eval.auto_batch(dense, torch.device("cuda")) == 1
