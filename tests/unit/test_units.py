@@ -109,9 +109,12 @@ def test_targets_restart_alone_and_drafters_as_a_group(tmp_path):
     assert drafter["PartOf"] == "dflash-drafters.target"                # group restart reaches every rank
     assert "dflash-drafters.target" in drafter["After"].split()         # all stop before any starts
 
+    conditions = [v for k, v in _directives(out / "dflash-drafters-restart.service") if k == "ExecCondition"]
     restart = dict(_directives(out / "dflash-drafters-restart.service"))
     assert restart["Type"] == "oneshot"
-    assert restart["ExecCondition"] == "systemctl is-active --quiet dflash-drafters.target"
+    assert conditions[0] == "systemctl is-active --quiet dflash-drafters.target"
+    # a rank that exited 4 (exits.FINAL: the same error again after a restart) keeps the group down
+    assert "ExecMainStatus" in conditions[1] and '!= 4 ] || exit 1' in conditions[1]
     assert restart["ExecStart"] == "systemctl restart --job-mode=fail dflash-drafters.target"
     assert restart["StartLimitBurst"] == "3"
 
