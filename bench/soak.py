@@ -1,15 +1,17 @@
 """Days under load, compressed: the CPU demo trained for a long time with worker kills and stop/resume,
 every process's resources sampled, growth per hour reported.
 
-    python bench/soak.py --minutes 120 --out soak.json            # the issue's two hours on CPU
+    python bench/soak.py --minutes 120 --out soak.json            # two hours on CPU
     python bench/soak.py --minutes 10 --kill-every 60 --restart-every 240   # a quick look
+    python bench/soak.py --device cuda --minutes 25 --out soak-gpu.json     # one GPU, both roles on it
 
 One `launcher up --demo --device cpu` (one target, one drafter; real processes, sockets, ledger) runs
 with epochs enough to outlast --minutes. Every --kill-every seconds one worker, target or drafter in
 turn, is SIGKILLed (the launcher restarts it); every --restart-every seconds the launcher is stopped
 with SIGTERM and the run resumed with `launcher up --resume`. Every --sample-every seconds, for the
-launcher and each worker (by role): RSS, open file descriptors and threads (psutil); and the run
-folder's size and the ledger's size.
+launcher and each worker (by role): RSS, open file descriptors and threads (psutil); on CUDA each
+worker's peak allocated and reserved GPU memory (its health status, through `launcher status
+--json`); and the run folder's size and the ledger's size.
 
 Growth per hour compares the median of each figure over the first and the last third of the samples
 (after --warmup seconds): a restart resets a process, so a straight-line fit over the whole run
@@ -73,10 +75,27 @@ def sample(launcher: subprocess.Popen, run_dir: Path, start: float) -> dict:
         for key, value in figures.items():
             into[key] += value
         into["processes"] += 1
+    for worker in worker_statuses(run_dir):
+        into = out["roles"].get(worker["name"].split("-")[0])
+        if into is not None:
+            for key in ("gpu_mem_bytes", "gpu_reserved_bytes"):
+                into[key.replace("_bytes", "_mb")] = into.get(key.replace("_bytes", "_mb"), 0.0) + \
+                    (worker.get(key) or 0) / 2 ** 20
     out["run_dir_mb"] = folder_bytes(run_dir) / 2 ** 20
     out["ledger_kb"] = folder_bytes(run_dir / "ledger") / 2 ** 10
     out["step"] = last_step(run_dir)
     return out
+
+
+def worker_statuses(run_dir: Path) -> list[dict]:
+    """Every worker's health row, as `launcher status --json` reports it ([] when it cannot say)."""
+    try:
+        out = subprocess.run([sys.executable, "-m", "launcher", "status", "--json", "--run-dir", str(run_dir)],
+                             cwd=ROOT, capture_output=True, text=True, timeout=30,
+                             env={**os.environ, "PYTHONPATH": str(ROOT)})
+        return json.loads(out.stdout).get("workers", [])
+    except (subprocess.TimeoutExpired, ValueError):
+        return []
 
 
 def last_step(run_dir: Path) -> int:
@@ -92,9 +111,9 @@ def last_step(run_dir: Path) -> int:
     return step
 
 
-def start_launcher(run_dir: Path, resume: bool, log) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "launcher", "up", "--demo", "--device", "cpu", "--gpus", "0:target,1:drafter",
-           "--run-dir", str(run_dir)]
+def start_launcher(run_dir: Path, resume: bool, log, device: str = "cpu") -> subprocess.Popen:
+    gpus = ["--gpus", "0:target,1:drafter"] if device == "cpu" else ["--gpus", "0:target,0:drafter", "--share-gpus"]
+    cmd = [sys.executable, "-m", "launcher", "up", "--demo", "--device", device, *gpus, "--run-dir", str(run_dir)]
     cmd += ["--resume"] if resume else ["run.epochs=100000", "run.checkpoint_every=100", "run.eval_every=200",
                                         "run.spec_eval_prompts=4", "run.log_every=10"]
     return subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
@@ -139,7 +158,7 @@ def third_medians(samples: list[dict], figure) -> tuple[float, float, float] | N
 def growth(samples: list[dict]) -> dict:
     out = {}
     for role in ROLES:
-        for key in ("rss_mb", "fds", "threads"):
+        for key in ("rss_mb", "fds", "threads", "gpu_mem_mb", "gpu_reserved_mb"):
             got = third_medians(samples, lambda s: s["roles"].get(role, {}).get(key))
             if got:
                 first, last, hours = got
@@ -160,6 +179,7 @@ def growth(samples: list[dict]) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--minutes", type=float, default=120)
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     ap.add_argument("--kill-every", type=float, default=300, help="seconds between worker SIGKILLs (0: none)")
     ap.add_argument("--restart-every", type=float, default=1200, help="seconds between stop/resume (0: none)")
     ap.add_argument("--sample-every", type=float, default=30)
@@ -172,7 +192,7 @@ def main(argv=None) -> int:
     run_dir = folder / "run"
     log = open(run_dir.parent / "soak.log", "a")
     start = time.monotonic()
-    launcher = start_launcher(run_dir, resume=False, log=log)
+    launcher = start_launcher(run_dir, resume=False, log=log, device=a.device)
     samples, events = [], []
     next_kill = start + a.kill_every if a.kill_every else float("inf")
     next_restart = start + a.restart_every if a.restart_every else float("inf")
@@ -192,7 +212,7 @@ def main(argv=None) -> int:
             if now >= next_restart:
                 stop(launcher)
                 events.append({"t": round(time.monotonic() - start, 1), "event": f"stopped ({launcher.returncode}), resumed"})
-                launcher = start_launcher(run_dir, resume=True, log=log)
+                launcher = start_launcher(run_dir, resume=True, log=log, device=a.device)
                 next_restart = time.monotonic() + a.restart_every
     finally:
         stop(launcher)

@@ -105,7 +105,7 @@ def _row(w: dict, result: tuple[int, dict | None, str]) -> dict:
     if status:
         row.update({k: status.get(k) for k in ("state", "step", "total_steps", "batches_served", "samples_done",
                                                  "tokens_per_s", "last_progress_age_s", "compile_s", "rss_bytes",
-                                                 "gpu_mem_bytes", "bad_messages", "loss", "tau", "window", "warning",
+                                                 "gpu_mem_bytes", "gpu_reserved_bytes", "bad_messages", "loss", "tau", "window", "warning",
                                                  "bad_message_kinds", "bad_message_from", "integrity", "content_check")})
     return row
 

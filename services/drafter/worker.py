@@ -41,6 +41,7 @@ from services.drafter.synthetic import SyntheticSource
 from services.drafter.target_head import model_and_head
 from services.drafter.train import (build_train_state, check_batch, make_scheduler, parameter_fingerprint,
                                     train_step)
+from services.gpu_memory import gpu_memory
 
 log = logging.getLogger("drafter")
 
@@ -59,10 +60,6 @@ def timed(batches):
             yield None, time.perf_counter() - start
             return
         yield batch, time.perf_counter() - start
-
-
-def gpu_memory(device: torch.device) -> int:
-    return int(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else 0
 
 
 class DrafterWorker:
@@ -163,7 +160,7 @@ class DrafterWorker:
         self.train_s += waited_s + compute_s
         stamp = dict(step=state.step, samples_done=state.samples_done, recompiles=self.recompiles.count,
                      train_s=round(self.train_s, 3),
-                     compile_s=self.compile_s, gpu_mem_bytes=gpu_memory(self.device))
+                     compile_s=self.compile_s, **gpu_memory(self.device))
         self.health.progress(**stamp)
         provenance, target = self.batches.provenance_of(g), self.batches.target_of(g)
         if m.get("nonfinite") and target is not None:

@@ -40,6 +40,7 @@ from services.target.ring import CaptureRing
 from services.target.verifying import VerifyService, verify_limits, warm_up_verify
 from services.target.packing import open_or_build
 from services.transport import BatchServer, Request
+from services.gpu_memory import gpu_memory
 
 log = logging.getLogger("target")
 POLL_MS = 100
@@ -121,10 +122,9 @@ class TargetWorker:
         self.samples_done += int(batch.document_ids.max()) + 1
         rate = batch.num_tokens / max(seconds, 1e-9)
         self.tokens_per_s = rate if self.batches_served == 1 else 0.9 * self.tokens_per_s + 0.1 * rate
-        gpu_mem = torch.cuda.max_memory_allocated() if self.device.type == "cuda" else 0
         self.health.progress(state="training", step=self.batches_served, batches_served=self.batches_served,
                              samples_done=self.samples_done, tokens_per_s=round(self.tokens_per_s, 1),
-                             gpu_mem_bytes=gpu_mem, recompiles=self.recompiles.count)
+                             recompiles=self.recompiles.count, **gpu_memory(self.device))
 
 
 def parse_args(argv=None) -> argparse.Namespace:
