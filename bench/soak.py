@@ -114,8 +114,9 @@ def last_step(run_dir: Path) -> int:
 def start_launcher(run_dir: Path, resume: bool, log, device: str = "cpu") -> subprocess.Popen:
     gpus = ["--gpus", "0:target,1:drafter"] if device == "cpu" else ["--gpus", "0:target,0:drafter", "--share-gpus"]
     cmd = [sys.executable, "-m", "launcher", "up", "--demo", "--device", device, *gpus, "--run-dir", str(run_dir)]
-    cmd += ["--resume"] if resume else ["run.epochs=100000", "run.checkpoint_every=100", "run.eval_every=200",
-                                        "run.spec_eval_prompts=4", "run.log_every=10"]
+    # the same overrides on a resume: --demo's own (a few epochs) would otherwise end the run at once
+    cmd += (["--resume"] if resume else []) + ["run.epochs=100000", "run.checkpoint_every=100", "run.eval_every=200",
+                                               "run.spec_eval_prompts=4", "run.log_every=10"]
     return subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                             env={**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"})
 
