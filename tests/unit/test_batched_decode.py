@@ -9,20 +9,10 @@ import torch
 from services.drafter.batched_decode import PackedVerifier, decode_many
 from services.drafter.speculative import RepeatLast, greedy_reference, speculative_generate
 from services.drafter.verifier import LocalVerifier
-from tests.tiny_targets import HYBRID_DEVICES, DENSE_LAYER_IDS, HYBRID_LAYER_IDS, VOCAB, dense_target, hybrid_target, prompt
-from tests.unit.test_speculative import random_drafter
+from tests.tiny_targets import DENSE_LAYER_IDS, HYBRID_LAYER_IDS, VOCAB, prompt
+from tests.unit.test_speculative import dense, hybrid, random_drafter  # noqa: F401 (dense, hybrid: fixtures)
 
 B = 4
-
-
-@pytest.fixture(scope="module")
-def dense():
-    return dense_target()
-
-
-@pytest.fixture(scope="module", params=HYBRID_DEVICES)
-def hybrid(request):
-    return hybrid_target(device=request.param)
 
 
 class ManyOracle:
