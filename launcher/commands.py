@@ -126,7 +126,7 @@ def _eval_argv(args, run_dir: str, checkpoints: list[str]) -> list[str]:
     argv += [f"--checkpoint={c}" for c in checkpoints]
     if args.eval_device:
         argv += ["--device", args.eval_device]
-    if getattr(args, "batch", 0):
+    if args.batch:
         argv += ["--batch", str(args.batch)]
     return argv
 

@@ -289,20 +289,23 @@ class ZmqSource:
         the old socket over), connect afresh and ask the new incarnation for everything pending.
         Requests sent while no target was listening are lost, so asking before it is ready does not do."""
         for t in {self.target_of(g) for g in self.pending if g not in self.deferred}:
-            known = self.incarnations[t]
-            self._learn_incarnation(t)
-            if known is not None and self.incarnations[t] != known:
-                self.client.reconnect(t)
+            if self._reconnect_if_restarted(t):
                 for g in sorted(g for g in self.pending if self.target_of(g) == t):
                     self._ask(g)
 
     def _refresh_connections(self) -> None:
         """Every target whose incarnation changed since we last looked gets a fresh connection."""
         for t in range(self.num_targets):
-            known = self.incarnations[t]
-            self._learn_incarnation(t)
-            if known is not None and self.incarnations[t] != known:
-                self.client.reconnect(t)
+            self._reconnect_if_restarted(t)
+
+    def _reconnect_if_restarted(self, t: int) -> bool:
+        """Look target t's incarnation up again; a new one (a restart) gets a fresh connection: True."""
+        known = self.incarnations[t]
+        self._learn_incarnation(t)
+        if known is not None and self.incarnations[t] != known:
+            self.client.reconnect(t)
+            return True
+        return False
 
     def _learn_incarnation(self, t: int) -> None:
         """Remember target t's incarnation once it is ready (data socket bound); else keep the last known."""
