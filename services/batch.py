@@ -40,6 +40,34 @@ def token_digest(input_ids: torch.Tensor) -> str:
     return hashlib.blake2b(ids.numpy().tobytes(), digest_size=16).hexdigest()
 
 
+def run_starts(document_ids: torch.Tensor) -> torch.Tensor:
+    """Bool [S]: True at the first token of each document of a packed row.
+
+    The one reading of a row's document boundaries: a document is a run of one id. Padding (-1) makes
+    runs too; callers that count documents leave those out. Any device, no host sync."""
+    starts = torch.ones_like(document_ids, dtype=torch.bool)
+    starts[1:] = document_ids[1:] != document_ids[:-1]
+    return starts
+
+
+def document_starts(document_ids: torch.Tensor) -> torch.Tensor:
+    """For each position, the index of the first token of its document (run_starts). [S] -> [S] int64."""
+    idx = torch.arange(document_ids.shape[0], device=document_ids.device)
+    return torch.cummax(torch.where(run_starts(document_ids), idx, 0), dim=0).values
+
+
+def document_spans(document_ids: torch.Tensor) -> list[tuple[int, int]]:
+    """The runs of run_starts as (start, end) on the host (padding, id -1, is one more run). Host sync."""
+    ids = document_ids.cpu()
+    bounds = [0] + (torch.nonzero(run_starts(ids)[1:]).flatten() + 1).tolist() + [int(ids.shape[0])]
+    return list(zip(bounds[:-1], bounds[1:]))
+
+
+def count_documents(document_ids: torch.Tensor) -> torch.Tensor:
+    """Documents in a packed row (runs of a real id, padding left out), a 0-dim int64 tensor on its device."""
+    return (run_starts(document_ids) & (document_ids >= 0)).sum()
+
+
 class BatchError(ValueError):
     """A batch whose fields disagree with each other or with the config; names the field."""
 

@@ -19,8 +19,9 @@ the end carry no loss weight: anchors.py).
 
 `visibility()` is the one definition: the dense mask evaluates it over index grids, flex's
 mask_mod calls it per (q_idx, kv_idx). Documents are contiguous runs of one id (packing makes
-them so; `document_starts` checks it), so "same document and before the anchor" is exactly
-"at or after the document's first token and before the anchor".
+them so; `check_documents_contiguous` checks it; services/batch.py reads the runs), so "same
+document and before the anchor" is exactly "at or after the document's first token and before
+the anchor".
 
 The flex BlockMask is built directly from the anchors (no create_block_mask, no compile, no
 dense mask): every anchor's visible keys are two intervals, the context prefix and its own
@@ -33,16 +34,9 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
+from services.batch import document_starts, run_starts
+
 TILE = 128      # flex_attention's sparse block size; Q and KV are padded to multiples of it
-
-
-def document_starts(document_ids: torch.Tensor) -> torch.Tensor:
-    """For each position, the index of the first token of its document. [S] -> [S]."""
-    n = document_ids.shape[0]
-    idx = torch.arange(n, device=document_ids.device)
-    new_run = torch.ones(n, dtype=torch.bool, device=document_ids.device)
-    new_run[1:] = document_ids[1:] != document_ids[:-1]
-    return torch.cummax(torch.where(new_run, idx, 0), dim=0).values
 
 
 def check_documents_contiguous(document_ids: torch.Tensor, what: str = "document_ids") -> None:
@@ -50,9 +44,7 @@ def check_documents_contiguous(document_ids: torch.Tensor, what: str = "document
     ids = document_ids.cpu()
     if ids.numel() == 0:
         return
-    new_run = torch.ones(ids.shape[0], dtype=torch.bool)
-    new_run[1:] = ids[1:] != ids[:-1]
-    starts = ids[new_run]
+    starts = ids[run_starts(ids)]
     real = starts[starts >= 0]
     if real.unique().numel() != real.numel():
         values, counts = real.unique(return_counts=True)

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from services.batch import Batch, BatchError
+from services.batch import Batch, BatchError, count_documents
 from services.config import Config
 from services.drafter.anchors import anchor_generator, build_inputs, loss_gamma
 from services.drafter.attention import check_documents_contiguous, make_attention
@@ -157,12 +157,6 @@ def check_batch(batch: Batch, state: TrainState) -> Batch:
     return batch
 
 
-def _documents(document_ids: torch.Tensor) -> torch.Tensor:
-    starts = torch.ones_like(document_ids, dtype=torch.bool)
-    starts[1:] = document_ids[1:] != document_ids[:-1]
-    return (starts & (document_ids >= 0)).sum()
-
-
 def forward_loss(state: TrainState, batch: Batch):
     """Forward of one batch (on the device): (loss, inputs, predictions [N, B-1])."""
     s, m = state.settings, state.drafter.cfg
@@ -192,7 +186,7 @@ def train_step(state: TrainState, batch: Batch, *, dry_run: bool = False) -> dic
     """
     s = state.settings
     batch = check_batch(batch, state)
-    documents, tokens = _documents(batch.document_ids), (batch.document_ids >= 0).sum()
+    documents, tokens = count_documents(batch.document_ids), (batch.document_ids >= 0).sum()
     batch = batch.to(state.device, non_blocking=True)
     accumulate = dry_run or (state.micro_step + 1) % s.grad_accum != 0
     no_sync = getattr(state.model, "no_sync", None)

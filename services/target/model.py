@@ -46,6 +46,7 @@ import torch
 from torch import nn
 
 from services import dtypes, layers
+from services.batch import document_spans
 from services.config import TARGET_QUANTIZE as QUANTIZE, ConfigError, TargetConfig
 from services.handshake import CaptureShape
 from services.target import fp8, hybrid
@@ -158,14 +159,6 @@ def varlen_attention():
 def _register_packed_sdpa() -> None:
     from transformers import AttentionInterface
     AttentionInterface.register(PACKED_SDPA, _sdpa_packed)
-
-
-def document_spans(document_ids: torch.Tensor) -> list[tuple[int, int]]:
-    """Contiguous runs of equal document id (padding, id -1, is one more run) as (start, end)."""
-    ids = document_ids.cpu()
-    cuts = (torch.nonzero(ids[1:] != ids[:-1]).flatten() + 1).tolist()
-    bounds = [0] + cuts + [int(ids.shape[0])]
-    return list(zip(bounds[:-1], bounds[1:]))
 
 
 # --- loading -------------------------------------------------------------------------------------

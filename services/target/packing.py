@@ -45,7 +45,7 @@ import numpy as np
 import torch
 
 from services import runspec
-from services.batch import SPLITS, token_digest
+from services.batch import SPLITS, document_starts, token_digest
 from services.config import Config
 from services.files import sha256_file
 from services.target.data import BadSamples, DataError, Document, nonblank_lines, read_documents
@@ -299,15 +299,14 @@ class PackedData(_RowOrder):
         d0, d1 = sp.row_start[r], sp.row_start[r + 1]
         t0, t1 = int(sp.doc_start[d0]), int(sp.doc_start[d1])
         lens = sp.doc_lens[d0:d1]
-        n, pad = t1 - t0, self.pack_len - (t1 - t0)
-        starts = np.repeat(np.cumsum(lens) - lens, lens)
-        positions = np.concatenate([np.arange(n) - starts, np.arange(pad)])
-        doc_ids = np.concatenate([np.repeat(np.arange(len(lens)), lens), np.full(pad, -1)])
+        pad = self.pack_len - (t1 - t0)
+        doc_ids = torch.from_numpy(np.concatenate([np.repeat(np.arange(len(lens)), lens), np.full(pad, -1)])
+                                   .astype(np.int64))
+        positions = torch.arange(self.pack_len) - document_starts(doc_ids)     # restarts per document (and padding)
         tokens = np.concatenate([sp.tokens[t0:t1].astype(np.int64), np.full(pad, self.pad_id)])
         mask = np.concatenate([sp.loss_mask[t0:t1].astype(bool), np.zeros(pad, dtype=bool)])
         return {"input_ids": torch.from_numpy(tokens), "loss_mask": torch.from_numpy(mask),
-                "position_ids": torch.from_numpy(positions.astype(np.int64)),
-                "document_ids": torch.from_numpy(doc_ids.astype(np.int64))}
+                "position_ids": positions, "document_ids": doc_ids}
 
 
 # --- `launcher up` builds the index before any worker starts ------------------------------------

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from services import exits, lifecycle, runspec
-from services.batch import Batch
+from services.batch import Batch, count_documents
 from services.config import Config, ConfigError, load_config
 from services.endpoints import endpoint
 from services import curve
@@ -119,7 +119,7 @@ class TargetWorker:
         now = time.perf_counter()
         seconds, self.last_answer = now - self.last_answer, now
         self.batches_served += 1
-        self.samples_done += int(batch.document_ids.max()) + 1
+        self.samples_done += int(count_documents(batch.document_ids))
         rate = batch.num_tokens / max(seconds, 1e-9)
         self.tokens_per_s = rate if self.batches_served == 1 else 0.9 * self.tokens_per_s + 0.1 * rate
         self.health.progress(state="training", step=self.batches_served, batches_served=self.batches_served,
