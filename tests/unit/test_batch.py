@@ -21,7 +21,8 @@ def test_positions_restart_at_every_document_as_packing_lays_them_out():
     for _ in range(20):
         lens = rng.integers(1, 9, size=rng.integers(0, 6))
         pad = int(rng.integers(0, 5))
-        ids = torch.from_numpy(np.concatenate([np.repeat(np.arange(len(lens)), lens), np.full(pad, -1)]).astype(np.int64))
+        ids = np.concatenate([np.repeat(np.arange(len(lens)), lens), np.full(pad, -1)])
+        ids = torch.from_numpy(ids.astype(np.int64))
         n = int(lens.sum())
         by_lengths = np.concatenate([np.arange(n) - np.repeat(np.cumsum(lens) - lens, lens), np.arange(pad)])
         assert (torch.arange(n + pad) - document_starts(ids)).tolist() == by_lengths.tolist()
