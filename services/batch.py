@@ -19,10 +19,12 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from services import dtypes, shapes
+
 SPLITS = ("train", "eval")      # which data a batch comes from: training rows or held-out rows
 
 FIELDS = {
-    "hidden": torch.bfloat16,
+    "hidden": dtypes.BY_NAME[shapes.HIDDEN_DTYPE],      # the wire's dtype of the hidden states: read it here
     "input_ids": torch.int64,
     "loss_mask": torch.bool,
     "position_ids": torch.int64,

@@ -261,12 +261,12 @@ def resolve(cfg: Config, synthetic: bool = False) -> RunSpec:
             m = dataclasses.replace(m, mask_token_id=m.vocab_size - 1)
     target = shapes.CaptureShape(layer_ids=list(m.target_layer_ids), hidden_size=base["hidden_size"],
                                  vocab_size=base["vocab_size"], num_layers=base["num_target_layers"])
-    need = cfg.data.pack_len * target.hidden_width * 2      # bf16 on the wire; a bigger batch is dropped by every drafter
+    need = cfg.data.pack_len * target.hidden_width * shapes.HIDDEN_BYTES   # a bigger batch is dropped by every drafter
     if need > cfg.transport.max_batch_bytes:
         raise SpecError(f"transport.max_batch_bytes={cfg.transport.max_batch_bytes} is smaller than one batch's "
                         f"hidden states ({need} bytes: data.pack_len={cfg.data.pack_len} x {len(target.layer_ids)} "
-                        f"layers x hidden_size {target.hidden_size} x 2 bytes); raise transport.max_batch_bytes or "
-                        "lower data.pack_len")
+                        f"layers x hidden_size {target.hidden_size} x {shapes.HIDDEN_BYTES} bytes); raise "
+                        "transport.max_batch_bytes or lower data.pack_len")
     marks = {f"{s}.{f.name}": f.metadata["batch"] for s in SECTIONS for f in dataclasses.fields(_section_class(s))}
     batch_keys = {k: {"decides": marks[k], "value": v} for k, v in values(cfg, DECIDING).items()}
     return RunSpec(model_path=path, target=target, drafter=m.to_dict(), held_out=HeldOut.of(cfg),

@@ -9,6 +9,11 @@ from dataclasses import dataclass, field
 
 from services.config import FULL, SLIDING, check_layout
 
+# The captured hidden states on the wire, by name (no torch here): services/batch.py's FIELDS["hidden"] is
+# this dtype, and HIDDEN_BYTES its size per value (what one batch's hidden states weigh, for the run spec).
+HIDDEN_DTYPE = "bfloat16"
+HIDDEN_BYTES = 2
+
 
 def captured_width(layer_ids: list[int], hidden_size: int) -> int:
     """hidden_width, the one definition: the captured layers' states side by side, K·H wide."""

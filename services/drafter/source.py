@@ -43,7 +43,7 @@ from typing import Iterator, Protocol
 
 import torch
 
-from services.batch import Batch
+from services.batch import FIELDS, Batch
 from services.batch_client import BatchClient
 from services.config import Config
 from services.endpoints import endpoint
@@ -345,7 +345,7 @@ class ZmqSource:
         """Zero loss weight; target labels too when the run trains on them (check_batch wants them)."""
         s, width = self.info.seq_len, self.info.hidden_width
         labels = torch.zeros(s, dtype=torch.int64) if self.cfg.target.labels_from_target else None
-        return Batch(g=g, hidden=torch.zeros(s, width, dtype=torch.bfloat16),
+        return Batch(g=g, hidden=torch.zeros(s, width, dtype=FIELDS["hidden"]),
                      input_ids=torch.zeros(s, dtype=torch.int64), loss_mask=torch.zeros(s, dtype=torch.bool),
                      position_ids=torch.arange(s, dtype=torch.int64),
                      document_ids=torch.full((s,), -1, dtype=torch.int64), target_labels=labels)

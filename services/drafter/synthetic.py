@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from services.batch import Batch
+from services.batch import FIELDS, Batch
 from services.drafter.model import DrafterModelConfig
 from services.shapes import SYNTHETIC_MODEL   # noqa: F401  (the made-up target's fields; runspec.resolve reads them)
 _FEATURE_RANK = 64
@@ -33,9 +33,9 @@ class SyntheticSource:
         self.cycle = data_tokens[torch.randperm(len(data_tokens), generator=gen)].to(self.device)
         self.next_token = torch.zeros(vocab, dtype=torch.long, device=self.device)
         self.next_token[self.cycle] = torch.roll(self.cycle, -1)
-        self.token_code = torch.randn(vocab, _FEATURE_RANK, generator=gen).to(self.device, torch.bfloat16)
+        self.token_code = torch.randn(vocab, _FEATURE_RANK, generator=gen).to(self.device, FIELDS["hidden"])
         self.projection = (torch.randn(_FEATURE_RANK, model_cfg.hidden_width, generator=gen)
-                           / _FEATURE_RANK ** 0.5).to(self.device, torch.bfloat16)
+                           / _FEATURE_RANK ** 0.5).to(self.device, FIELDS["hidden"])
 
     def __iter__(self):
         for step in range(self.start_step, self.total_steps):
@@ -75,7 +75,7 @@ class SyntheticSource:
         first = torch.randint(0, len(self.cycle), (len(starts),), generator=gen).to(self.device)
         doc, pos = document_ids.to(self.device), position_ids.to(self.device)
         input_ids = torch.where(doc >= 0, self.cycle[(first[doc.clamp(min=0)] + pos) % len(self.cycle)], 0)
-        hidden = (self.token_code[input_ids] @ self.projection) * (doc >= 0)[:, None].to(torch.bfloat16)
+        hidden = (self.token_code[input_ids] @ self.projection) * (doc >= 0)[:, None].to(FIELDS["hidden"])
         labels = self.next_token[input_ids] if self.with_target_labels else None
         return Batch(g=g, hidden=hidden, input_ids=input_ids, loss_mask=loss_mask.to(self.device),
                      position_ids=pos, document_ids=doc, target_labels=labels)

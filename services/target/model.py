@@ -46,7 +46,7 @@ import torch
 from torch import nn
 
 from services import dtypes, layers
-from services.batch import document_spans
+from services.batch import FIELDS, document_spans
 from services.config import TARGET_QUANTIZE as QUANTIZE, ConfigError, TargetConfig
 from services.handshake import CaptureShape
 from services.target import fp8, hybrid
@@ -323,7 +323,7 @@ class Target:
     @torch.no_grad()
     def capture(self, input_ids: torch.Tensor, position_ids: torch.Tensor, document_ids: torch.Tensor,
                 with_labels: bool = False, out: torch.Tensor | None = None,
-                out_dtype: torch.dtype = torch.bfloat16,
+                out_dtype: torch.dtype = FIELDS["hidden"],
                 final_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One packed row [S] -> (hidden [S, K*H] on the model's device, argmax labels [S] or None).
 

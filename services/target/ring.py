@@ -16,6 +16,7 @@ import threading
 
 import torch
 
+from services.batch import FIELDS
 from services.target.model import Target
 
 SLOT_WAIT_S = 120.0     # longer than any send may take (transport SEND_TIMEOUT_S), so a stuck slot is a bug
@@ -29,9 +30,9 @@ class CaptureRing:
         if not self.cuda:
             return
         width, device = target.info.hidden_width, target.device
-        self.device_out = [torch.empty(seq_len, width, dtype=torch.bfloat16, device=device) for _ in range(2)]
+        self.device_out = [torch.empty(seq_len, width, dtype=FIELDS["hidden"], device=device) for _ in range(2)]
         self.copied: list[torch.cuda.Event | None] = [None, None]   # copy out of device_out[i] finished
-        self.host = [torch.empty(seq_len, width, dtype=torch.bfloat16, pin_memory=True) for _ in range(slots)]
+        self.host = [torch.empty(seq_len, width, dtype=FIELDS["hidden"], pin_memory=True) for _ in range(slots)]
         self.host_labels = [torch.empty(seq_len, dtype=torch.int64, pin_memory=True) for _ in range(slots)]
         self.free = [threading.Event() for _ in range(slots)]
         for event in self.free:

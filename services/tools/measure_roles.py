@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from services.batch import FIELDS
 from services.config import load_config
 
 
@@ -53,7 +54,7 @@ def target_rate(cfg, device: torch.device, seconds: float, work: Path) -> dict:
     data = open_or_build(cfg, work, tokenizer, spec.target.vocab_size, log=lambda msg: None)
     compile_s = compile_and_warm_up(target, cfg.target.compile, data.pack_len, cfg.target.labels_from_target)
     rows = data.num_batches("train")
-    out = (torch.empty(data.pack_len, target.info.hidden_width, dtype=torch.bfloat16, device=device)
+    out = (torch.empty(data.pack_len, target.info.hidden_width, dtype=FIELDS["hidden"], device=device)
            if device.type == "cuda" else None)
     real = []
 

@@ -2,7 +2,8 @@
 import numpy as np
 import torch
 
-from services.batch import count_documents, document_spans, document_starts, run_starts
+from services import shapes
+from services.batch import FIELDS, count_documents, document_spans, document_starts, run_starts
 
 ROW = torch.tensor([0, 0, 1, 1, 1, 2, -1, -1])
 
@@ -27,3 +28,9 @@ def test_positions_restart_at_every_document_as_packing_lays_them_out():
         by_lengths = np.concatenate([np.arange(n) - np.repeat(np.cumsum(lens) - lens, lens), np.arange(pad)])
         assert (torch.arange(n + pad) - document_starts(ids)).tolist() == by_lengths.tolist()
         assert int(count_documents(ids)) == (int(ids.max()) + 1 if n else 0)
+
+
+def test_the_wire_dtype_by_name_is_the_batch_contracts():
+    """The run spec (no torch) weighs a batch with shapes.HIDDEN_BYTES: the size of FIELDS["hidden"]."""
+    assert FIELDS["hidden"] == getattr(torch, shapes.HIDDEN_DTYPE)
+    assert torch.empty(0, dtype=FIELDS["hidden"]).element_size() == shapes.HIDDEN_BYTES
