@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from services import runspec
 from services.config import ConfigError
 from services.shapes import CapturedWidth, CaptureShape
 from services.wire import WireError
@@ -20,13 +19,6 @@ from services.wire import WireError
 
 class HandshakeError(ConfigError):
     """The target and this drafter disagree; the message names the field and both values."""
-
-
-def batch_config_digest(cfg) -> str:
-    """sha256 (16 hex) of the config keys that decide what batch g holds (runspec.HANDSHAKE_KINDS):
-    both sides must agree on every one of them. File paths are left out: hosts of one run may mount
-    the same data at different places."""
-    return runspec.digest(runspec.values(cfg, runspec.HANDSHAKE_KINDS))
 
 
 @dataclass(frozen=True)
@@ -40,7 +32,7 @@ class TargetInfo(CapturedWidth):
     vocab_size: int
     mask_token_id: int          # the tokenizer's, or -1
     labels_from_target: bool
-    config_digest: str          # batch_config_digest of the target's config
+    config_digest: str          # RunSpec.config_digest of the target's run
     model_path: str
     capture_path: str           # packed | packed-varlen | packed-reference | per-document
     bad_samples: int            # data lines skipped under data.on_bad_sample = "skip"

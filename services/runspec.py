@@ -73,6 +73,19 @@ def digest(picked: dict) -> str:
     return hashlib.sha256(json.dumps(picked, sort_keys=True).encode()).hexdigest()[:16]
 
 
+def batch_keys_of(cfg: Config) -> dict:
+    """{dotted key: {"decides": mark, "value": value}} of every key that decides batch g (a run spec's batch_keys)."""
+    marks = {f"{s}.{f.name}": f.metadata["batch"] for s in SECTIONS for f in dataclasses.fields(_section_class(s))}
+    return {k: {"decides": marks[k], "value": v} for k, v in values(cfg, DECIDING).items()}
+
+
+def handshake_digest(batch_keys: dict) -> str:
+    """The handshake's digest (RunSpec.config_digest): the keys of batch_keys marked HANDSHAKE_KINDS,
+    the ones both sides must agree on. File paths are left out: hosts of one run may mount the same
+    data at different places."""
+    return digest({k: v["value"] for k, v in batch_keys.items() if v["decides"] in HANDSHAKE_KINDS})
+
+
 # --- the held-out split ----------------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -200,9 +213,7 @@ class RunSpec:
 
     @property
     def config_digest(self) -> str:
-        """The handshake's digest of the keys that decide batch g (file paths left out: hosts of one
-        run may mount the same data at different places)."""
-        return digest({k: v["value"] for k, v in self.batch_keys.items() if v["decides"] in HANDSHAKE_KINDS})
+        return handshake_digest(self.batch_keys)
 
     def model(self) -> shapes.DrafterModelConfig:
         return shapes.DrafterModelConfig(**self.drafter)
@@ -267,10 +278,8 @@ def resolve(cfg: Config, synthetic: bool = False) -> RunSpec:
                         f"hidden states ({need} bytes: data.pack_len={cfg.data.pack_len} x {len(target.layer_ids)} "
                         f"layers x hidden_size {target.hidden_size} x {shapes.HIDDEN_BYTES} bytes); raise "
                         "transport.max_batch_bytes or lower data.pack_len")
-    marks = {f"{s}.{f.name}": f.metadata["batch"] for s in SECTIONS for f in dataclasses.fields(_section_class(s))}
-    batch_keys = {k: {"decides": marks[k], "value": v} for k, v in values(cfg, DECIDING).items()}
     return RunSpec(model_path=path, target=target, drafter=m.to_dict(), held_out=HeldOut.of(cfg),
-                   batch_keys=batch_keys, config=cfg.to_dict())
+                   batch_keys=batch_keys_of(cfg), config=cfg.to_dict())
 
 
 def load(path: str | Path) -> RunSpec:

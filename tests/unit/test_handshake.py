@@ -1,8 +1,9 @@
 """The target's info and the drafter's check of it (services/handshake.py)."""
 import pytest
 
+from services import runspec
 from services.config import load_config
-from services.handshake import CaptureShape, HandshakeError, TargetInfo, batch_config_digest
+from services.handshake import CaptureShape, HandshakeError, TargetInfo
 from services.wire import WireError
 
 
@@ -45,9 +46,13 @@ def test_check_names_every_disagreement_with_both_values():
     assert "vocab_size: target 160, drafter 200" in str(err.value) and "seq_len" not in str(err.value)
 
 
+def _digest(cfg) -> str:
+    return runspec.handshake_digest(runspec.batch_keys_of(cfg))
+
+
 def test_the_digest_follows_what_a_batch_holds_and_nothing_else():
-    base = batch_config_digest(load_config(None, []))
-    assert batch_config_digest(load_config(None, ["data.pack_len=4096"])) != base
-    assert batch_config_digest(load_config(None, ["run.seed=1"])) != base
-    assert batch_config_digest(load_config(None, ["drafter.lr=1e-3", "run.log_every=5"])) == base
-    assert batch_config_digest(load_config(None, ['data.path="/mnt/b/chat.jsonl"'])) == base    # hosts mount apart
+    base = _digest(load_config(None, []))
+    assert _digest(load_config(None, ["data.pack_len=4096"])) != base
+    assert _digest(load_config(None, ["run.seed=1"])) != base
+    assert _digest(load_config(None, ["drafter.lr=1e-3", "run.log_every=5"])) == base
+    assert _digest(load_config(None, ['data.path="/mnt/b/chat.jsonl"'])) == base    # hosts mount apart

@@ -11,7 +11,6 @@ from services import runspec
 from services.config import BATCH_KINDS, SECTIONS, _section_class, load_config
 from services.tools.demo import conversations
 from services.drafter.checkpoint_compat import RUN_FIELDS
-from services.handshake import batch_config_digest
 from services.target.packing import build_index, cache_key
 
 VOCAB = 4096
@@ -28,10 +27,14 @@ def test_the_three_checks_come_from_the_marks():
     assert set(RUN_FIELDS) == set(runspec.keys_deciding(runspec.RESUME_KINDS))
     assert {"data.path", "data.pack_len", "run.seed", "drafter.grad_accum", "target.labels_from_target"} <= set(RUN_FIELDS)
     assert "run.epochs" not in RUN_FIELDS                  # more epochs later: batch g < N stays the same
-    base = batch_config_digest(load_config(None, ['data.on_bad_sample="skip"']))
+    base = _digest(load_config(None, ['data.on_bad_sample="skip"']))
     for dotted in runspec.keys_deciding(runspec.HANDSHAKE_KINDS):
         changed = load_config(None, ['data.on_bad_sample="skip"', _changed(dotted)])
-        assert batch_config_digest(changed) != base, dotted
+        assert _digest(changed) != base, dotted
+
+
+def _digest(cfg) -> str:
+    return runspec.handshake_digest(runspec.batch_keys_of(cfg))
 
 
 def _changed(dotted: str) -> str:
@@ -144,7 +147,7 @@ def test_launcher_up_writes_the_spec_a_worker_without_it_resolves_too(tmp_path, 
     assert written["batch_keys"]["data.pack_len"] == {"decides": "content", "value": 256}
     assert set(written["batch_keys"]) == set(runspec.keys_deciding(runspec.DECIDING))
     cfg = load_config(run_dir / "config.json")
-    assert written["config_digest"] == batch_config_digest(cfg)
+    assert written["config_digest"] == _digest(cfg)
     assert runspec.for_worker(cfg, run_dir).to_dict() == written               # read from the file
     assert runspec.for_worker(cfg, tmp_path / "no-launcher").to_dict() == written   # resolved by the worker
     render_units("0:target,1:drafter", str(toml), str(tmp_path / "units"), str(tmp_path / "srv"), device="cpu")
