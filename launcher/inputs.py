@@ -64,8 +64,10 @@ def with_local_model(cfg):
     return cfg
 
 
-def check_inputs(cfg, runs_targets: bool) -> None:
-    """The model and the data, named in the error, before any worker starts (on a host that has them)."""
+def check_inputs(cfg, runs_targets: bool) -> runspec.RunSpec | None:
+    """The model and the data, named in the error, before any worker starts (on a host that has them).
+    Where targets run here, the run spec resolved from the model's config.json (returned: resolved once):
+    a target too shallow for drafter.num_layers is a config error now, not a failed worker minutes later."""
     for key, value in (("target.model_path", cfg.target.model_path), ("data.path", cfg.data.path)):
         if not value:
             raise UsageError(f"{key} is not set (config file, {key}=..., or --demo)")
@@ -73,14 +75,7 @@ def check_inputs(cfg, runs_targets: bool) -> None:
             raise UsageError(f"{key}: {value} does not exist")
     if runs_targets and not (Path(cfg.target.model_path) / "config.json").is_file():
         raise UsageError(f"target.model_path: {cfg.target.model_path} is not a Hugging Face model folder (no config.json)")
-    if runs_targets:
-        _check_layers(cfg)
-
-
-def _check_layers(cfg) -> None:
-    """The run spec from the model's config.json (services/runspec.py): a target too shallow for
-    drafter.num_layers is a config error now, not a failed worker minutes later."""
-    runspec.resolve(cfg)
+    return runspec.resolve(cfg) if runs_targets else None
 
 
 def prepare_data(run_dir: Path) -> dict:

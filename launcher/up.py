@@ -49,21 +49,23 @@ def cmd_up(args) -> int:
     run_dir, named_here = choose_run_dir(args, cfg.run.name)
     lock(run_dir, early=True)        # a second `up` here is refused now, not after resolving the model, the data...
     runs_targets = any(w.role == "target" and w.host == args.host for w in workers)
+    spec = None                                            # the run spec, resolved once (runspec.json)
     if not args.demo:                                      # drafters read the target's head: every host resolves
-        check_inputs(with_local_model(cfg), runs_targets)
+        spec = check_inputs(with_local_model(cfg), runs_targets)
     if args.resume and not args.demo:               # before anything is written in the run folder (its lock too)
-        check_resumable(run_dir, cfg, runs_targets)
+        check_resumable(run_dir, cfg, spec)
     locked = claim(run_dir, args.resume)
     if args.demo:           # built once the user's config and run dir passed; the user's overrides win over its own
         print("building the demo target and dataset (once; then reused from the demo cache)…", flush=True)
         cfg = with_local_model(load_run_config(args.config, make_demo(args.device, args.demo) + overrides))
-        check_inputs(cfg, runs_targets)
+        spec = check_inputs(cfg, runs_targets)
         if args.resume:
-            check_resumable(run_dir, cfg, runs_targets)
+            check_resumable(run_dir, cfg, spec)
     preflight(cfg, args.device, runs_targets)
     with staged(run_dir) as where:                  # a new run dir appears only once the data is ready
         dump_json(cfg, where / "config.json")
-        runspec.resolve(cfg).save(where)            # runspec.json: what the run is, for every worker
+        (spec or runspec.resolve(cfg)).save(where)  # runspec.json: what the run is, for every worker (a host
+                                                    # without targets resolves it only here)
         if runs_targets:
             info = prepare_data(where)
             past = None if args.resume else \
@@ -97,10 +99,11 @@ def cmd_up(args) -> int:
     return code
 
 
-def check_resumable(run_dir: Path, cfg, runs_targets: bool) -> None:
+def check_resumable(run_dir: Path, cfg, spec: runspec.RunSpec | None) -> None:
     """The checkpoint a resume starts from against this config (the drafter's shape too where the
-    target's config.json is here): refused in one line before the run folder is touched."""
-    check_resume_config(run_dir, cfg, runspec.resolve(cfg).drafter if runs_targets else None)
+    target's config.json is here: spec, the run spec check_inputs resolved): refused in one line before
+    the run folder is touched."""
+    check_resume_config(run_dir, cfg, spec.drafter if spec is not None else None)
 
 
 def when_ready(sup: Supervisor, run_dir: Path, named_here: bool, resume: bool):
