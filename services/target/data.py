@@ -26,26 +26,17 @@ Nothing is dropped silently. The two limits exist because a single 50 MB line to
 """
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-ROLES = ("system", "user", "assistant", "tool")
-SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant",
-                  "model": "assistant", "system": "system", "tool": "tool", "function": "tool", "observation": "tool"}
+from services.conversations import (     # the chat lines' parsing, shared with the launcher
+    DataError, SampleError, normalize_messages, parse_json_line)
+
 MAX_BAD_EXAMPLES = 20
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
-
-
-class DataError(ValueError):
-    """The dataset cannot be used; the message names the file (and line)."""
-
-
-class SampleError(ValueError):
-    """One line is bad; the reader adds file and line."""
 
 
 @dataclass
@@ -66,48 +57,6 @@ class BadSamples:
         self.lines.append((str(path), line))
         if len(self.examples) < MAX_BAD_EXAMPLES:
             self.examples.append(message)
-
-
-# --- one line -> messages ------------------------------------------------------------------------
-
-def _text(content, where: str) -> str:
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):   # OpenAI content parts: text only
-        parts = []
-        for part in content:
-            if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
-                raise SampleError(f"{where}: only text content parts are supported, got {str(part)[:80]!r}")
-            parts.append(part["text"])
-        return "".join(parts)
-    raise SampleError(f"{where}: content must be a string, got {type(content).__name__}")
-
-
-def normalize_messages(record: dict, need_reply: bool = True) -> list[dict]:
-    """OpenAI or ShareGPT record -> [{"role", "content"}], checked; a training line (need_reply)
-    must hold an assistant reply, a prompt need not."""
-    if "messages" in record:
-        raw, role_key, text_key, aliases = record["messages"], "role", "content", {r: r for r in ROLES}
-        name = "messages"
-    else:
-        raw, role_key, text_key, aliases = record["conversations"], "from", "value", SHAREGPT_ROLES
-        name = "conversations"
-    if not isinstance(raw, list):
-        raise SampleError(f"'{name}' must be a list, got {type(raw).__name__}")
-    if not raw:
-        raise SampleError(f"empty conversation ('{name}' is [])")
-    messages = []
-    for turn, m in enumerate(raw):
-        where = f"{name}[{turn}]"
-        if not isinstance(m, dict) or role_key not in m or text_key not in m:
-            raise SampleError(f"{where}: expected an object with '{role_key}' and '{text_key}'")
-        role = aliases.get(m[role_key]) if isinstance(m[role_key], str) else None
-        if role is None:
-            raise SampleError(f"{where}: unknown role {m[role_key]!r} (known: {', '.join(sorted(aliases))})")
-        messages.append({"role": role, "content": _text(m[text_key], where)})
-    if need_reply and not any(m["role"] == "assistant" and m["content"].strip() for m in messages):
-        raise SampleError("no assistant reply: nothing to supervise")
-    return messages
 
 
 # --- messages -> tokens + assistant mask ---------------------------------------------------------
@@ -185,18 +134,6 @@ def pretokenized(record: dict, vocab_size: int) -> tuple[np.ndarray, np.ndarray]
     if not any(mask):
         raise SampleError("'loss_mask' is all zero: nothing to supervise")
     return arr.astype(np.int32), np.asarray(mask, dtype=bool)
-
-
-def parse_json_line(text: str):
-    """One JSONL line's value; SampleError "invalid JSON: <what> at character N" (json's own
-    "line 2 column 1" counts lines inside this one line, its newline included)."""
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as exc:
-        where = "at the end of the line" if exc.pos >= len(text.rstrip()) else f"at character {exc.pos + 1}"
-        raise SampleError(f"invalid JSON: {exc.msg} {where}") from None
-    except RecursionError:        # json's C parser recurses once per level: 100 000 "[" exhaust the stack
-        raise SampleError("invalid JSON: nested too deeply to parse") from None
 
 
 def line_to_document(text: str, tokenizer, vocab_size: int, max_doc_tokens: int = 0,

@@ -163,8 +163,11 @@ def _register_packed_sdpa() -> None:
 
 # --- loading -------------------------------------------------------------------------------------
 
-def load_hf_model(model_path: str | Path, dtype: torch.dtype, attn_implementation: str, device) -> nn.Module:
-    """AutoConfig -> the causal-LM class; composite configs with a text_config load the text model."""
+def load_causal_lm(model_path: str | Path, dtype: torch.dtype, device, attn_implementation: str | None = None
+                   ) -> nn.Module:
+    """The one loader of a target folder, frozen on `device`: AutoConfig -> the causal-LM class; composite
+    configs with a text_config load the text model; block-scaled FP8 checkpoints are dequantized.
+    attn_implementation: transformers' name (None: its default)."""
     from transformers import AutoConfig, AutoModelForCausalLM
     path = Path(model_path)
     if not str(model_path) or not path.is_dir():
@@ -177,17 +180,24 @@ def load_hf_model(model_path: str | Path, dtype: torch.dtype, attn_implementatio
         config = text_config
     if type(config) not in AutoModelForCausalLM._model_mapping:
         raise TargetLoadError(f"{path}/config.json: model type {config.model_type!r} has no causal-LM class in transformers")
-    impl = attn_implementation
-    if impl == "sdpa":
-        _register_packed_sdpa()
-        impl = PACKED_SDPA
+    impl = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
     checkpoint = fp8.BlockScaledCheckpoint.open(path)          # None unless config.json declares FP8 blocks
     with fp8.loading(checkpoint, config):
-        model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=dtype, attn_implementation=impl)
+        model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=dtype, **impl)
     model.to(device).eval().requires_grad_(False)
     if checkpoint is not None:                                 # the FP8 weights, exactly fp8 * scale_inv
         checkpoint.dequantize_into(model)
     return model
+
+
+def load_hf_model(model_path: str | Path, dtype: torch.dtype, attn_implementation: str, device) -> nn.Module:
+    """load_causal_lm for packed rows: target.attn_implementation "sdpa" runs as sdpa_packed (document by
+    document)."""
+    impl = attn_implementation
+    if impl == "sdpa":
+        _register_packed_sdpa()
+        impl = PACKED_SDPA
+    return load_causal_lm(model_path, dtype, device, impl)
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:

@@ -36,23 +36,8 @@ import sys
 import time
 from pathlib import Path
 
+from services.conversations import assistant_turns, read_conversations
 from services.files import write_text_atomic
-
-
-def read_conversations(path: str | Path, shard: int = 0, num_shards: int = 1) -> list[tuple[dict, list | None]]:
-    """(record, messages or None for non-chat lines) of this shard's non-blank lines, in file order.
-    A line that is not JSON, or a chat that is malformed, is a DataError naming file:line."""
-    from services.target.data import DataError, normalize_messages, parse_json_line
-    out = []
-    lines = [(n, t) for n, t in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1) if t.strip()]
-    for number, text in lines[shard::num_shards]:
-        try:
-            record = parse_json_line(text)
-            chat = isinstance(record, dict) and ("messages" in record or "conversations" in record)
-            out.append((record, normalize_messages(record) if chat else None))
-        except ValueError as exc:                   # bad JSON, or a SampleError: nothing is written
-            raise DataError(f"{path}:{number}: {exc}") from None
-    return out
 
 
 class HFEngine:
@@ -60,12 +45,14 @@ class HFEngine:
 
     def __init__(self, model_path: str, device: str, temperature: float, template_kwargs: dict | None = None):
         import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoTokenizer
+
+        from services.target.model import load_causal_lm
         self.torch = torch
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.tokenizer.padding_side = "left"
         dtype = torch.float32 if device == "cpu" else torch.bfloat16
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device).eval()
+        self.model = load_causal_lm(model_path, dtype, device)     # the training target's loader, HF's attention
         self.device, self.temperature, self.template_kwargs = device, temperature, template_kwargs or {}
         self.pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
 
@@ -133,11 +120,6 @@ class SGLangEngine:
 
 
 ENGINES = {"hf": HFEngine, "vllm": VLLMEngine, "sglang": SGLangEngine}
-
-
-def assistant_turns(items: list[tuple[dict, list | None]]) -> int:
-    """How many assistant turns regenerate() rewrites (its progress total)."""
-    return sum(m["role"] == "assistant" for _, messages in items for m in messages or [])
 
 
 def regenerate(engine, items: list[tuple[dict, list | None]], max_new_tokens: int, batch_size: int,
