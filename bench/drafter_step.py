@@ -111,8 +111,8 @@ def bench_shape(name, shape, args, peak_tflops, layout="full"):
     import torch
     from services.config import load_config
     from services.drafter.anchors import anchor_generator, build_inputs
-    from services.compile import RecompileWatch
-    from services.drafter.compile import warmup
+    from services.compile_setup import RecompileWatch
+    from services.drafter.warmup import warmup
     from services.drafter.model import model_flops
     from services.drafter.synthetic import SyntheticSource
     from services.drafter.target_head import TargetHead, build_model_config

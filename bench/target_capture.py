@@ -174,7 +174,7 @@ def drift(got: torch.Tensor, ref: torch.Tensor, hidden: int) -> list[dict]:
 
 def compiled_records(target, rec: dict, seq: int, model, ids, out, gen, peak, args, rows: dict) -> None:
     """(d): the same rows through the compiled layers, then rows of random document counts."""
-    from services.compile import graphs_compiled
+    from services.compile_setup import graphs_compiled
     from services.target.compiled import compile_and_warm_up
     from services.target.model import capture_to_host
     rec["compile_s"] = compile_and_warm_up(target, "on", seq, with_labels=False)

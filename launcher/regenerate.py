@@ -1,4 +1,4 @@
-"""`launcher regenerate`: one child per GPU (services/target/regenerate.py, a shard of the lines
+"""`launcher regenerate`: one child per GPU (services/target/regenerate_shard.py, a shard of the lines
 each), a live line while they work, the shards interleaved back into input order, and a summary
 of what changed.
 
@@ -83,7 +83,7 @@ def run(args) -> None:
                               "true, the default, has the target label it)")
     total = assistant_turns(items)
     gpus = [str(g) for g in args.gpu_list] if args.device == "cuda" else [None]
-    base = [sys.executable, "-m", "services.target.regenerate", "--model", args.model, "--data", str(data),
+    base = [sys.executable, "-m", "services.target.regenerate_shard", "--model", args.model, "--data", str(data),
             "--engine", args.engine, "--device", args.device, "--batch-size", str(args.batch_size),
             "--max-new-tokens", str(args.max_new_tokens), "--temperature", str(args.temperature),
             "--chat-template-kwargs", json.dumps(args.template_kwargs)]

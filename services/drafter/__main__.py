@@ -6,7 +6,7 @@ import argparse
 import os
 import sys
 
-from services.compile import setup_environment
+from services.compile_setup import setup_environment
 
 
 def parse_args(argv=None):

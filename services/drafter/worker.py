@@ -33,8 +33,8 @@ from services.log import event
 from services.drafter import checkpoint as ckpt
 from services.drafter import collectives
 from services.drafter.bookkeeping import Bookkeeping
-from services.compile import RecompileWatch
-from services.drafter.compile import warmup
+from services.compile_setup import RecompileWatch
+from services.drafter.warmup import warmup
 from services.drafter.evaluate import evaluate
 from services.drafter.source import BatchSource, eval_batches, train_batches
 from services.drafter.synthetic import SyntheticSource

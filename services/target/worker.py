@@ -33,7 +33,7 @@ from services import curve
 from services.handshake import TargetInfo
 from services.health import HealthServer
 from services.log import event, setup_logging
-from services.compile import RecompileWatch, setup_environment
+from services.compile_setup import RecompileWatch, setup_environment
 from services.target.compiled import compile_and_warm_up
 from services.target.model import load_target
 from services.target.ring import CaptureRing

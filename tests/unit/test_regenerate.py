@@ -18,7 +18,8 @@ from launcher.regen_record import record_path
 from launcher.topology import SpecError, parse_gpu_list
 from tests.greedy import hf_greedy_generate as greedy_generate
 from services.target.data import prompt_tokens
-from services.target.regenerate import HFEngine, read_conversations, regenerate
+from services.conversations import read_conversations
+from services.target.regenerate_shard import HFEngine, regenerate
 from services.tools.demo import CHAT_TEMPLATE
 
 REPO = Path(__file__).resolve().parents[2]

@@ -10,7 +10,7 @@ produces. Three ways to line the labels up with the target (docs/operations.md#w
     turn seeing the earlier turns as the target wrote them; then train with data labels. Context
     and labels are then exactly what the target produces in real decoding.
 
-    python -m services.target.regenerate --model PATH --data IN.jsonl --out OUT.jsonl
+    python -m services.target.regenerate_shard --model PATH --data IN.jsonl --out OUT.jsonl
         [--batch-size 32] [--max-new-tokens 1024] [--engine hf|vllm|sglang] [--device cuda|cpu]
         [--shard I/N] [--chat-template-kwargs '{"enable_thinking": false}']
 
@@ -148,7 +148,7 @@ def regenerate(engine, items: list[tuple[dict, list | None]], max_new_tokens: in
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m services.target.regenerate", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m services.target.regenerate_shard", description=__doc__.split("\n")[0])
     p.add_argument("--model", required=True, help="the target (local HF folder)")
     p.add_argument("--data", required=True, help="chat JSONL to regenerate")
     p.add_argument("--out", required=True, help="JSONL to write")
