@@ -23,29 +23,23 @@ empty conversation, no assistant reply, ids outside the vocabulary...) raises Da
 "FILE:LINE: reason" with data.on_bad_sample = "fail", or is counted and reported with "skip".
 Nothing is dropped silently. The two limits exist because a single 50 MB line took a minute and
 4 GB of memory to tokenize: a line over the limit is never read into memory whole.
+
+Which lines count, one line's JSON and a chat's messages are services/data_lines.py's, shared with
+the eval's prompts (services/prompts.py).
 """
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-ROLES = ("system", "user", "assistant", "tool")
-SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant",
-                  "model": "assistant", "system": "system", "tool": "tool", "function": "tool", "observation": "tool"}
+from services.data_lines import (DataError, SampleError, each_nonblank, normalize_messages, parse_json_line,
+                                 prompt_tokens)  # noqa: F401  (prompt_tokens: regenerate.py's import of it)
+
 MAX_BAD_EXAMPLES = 20
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
-
-
-class DataError(ValueError):
-    """The dataset cannot be used; the message names the file (and line)."""
-
-
-class SampleError(ValueError):
-    """One line is bad; the reader adds file and line."""
 
 
 @dataclass
@@ -68,60 +62,11 @@ class BadSamples:
             self.examples.append(message)
 
 
-# --- one line -> messages ------------------------------------------------------------------------
-
-def _text(content, where: str) -> str:
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):   # OpenAI content parts: text only
-        parts = []
-        for part in content:
-            if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
-                raise SampleError(f"{where}: only text content parts are supported, got {str(part)[:80]!r}")
-            parts.append(part["text"])
-        return "".join(parts)
-    raise SampleError(f"{where}: content must be a string, got {type(content).__name__}")
-
-
-def normalize_messages(record: dict, need_reply: bool = True) -> list[dict]:
-    """OpenAI or ShareGPT record -> [{"role", "content"}], checked; a training line (need_reply)
-    must hold an assistant reply, a prompt need not."""
-    if "messages" in record:
-        raw, role_key, text_key, aliases = record["messages"], "role", "content", {r: r for r in ROLES}
-        name = "messages"
-    else:
-        raw, role_key, text_key, aliases = record["conversations"], "from", "value", SHAREGPT_ROLES
-        name = "conversations"
-    if not isinstance(raw, list):
-        raise SampleError(f"'{name}' must be a list, got {type(raw).__name__}")
-    if not raw:
-        raise SampleError(f"empty conversation ('{name}' is [])")
-    messages = []
-    for turn, m in enumerate(raw):
-        where = f"{name}[{turn}]"
-        if not isinstance(m, dict) or role_key not in m or text_key not in m:
-            raise SampleError(f"{where}: expected an object with '{role_key}' and '{text_key}'")
-        role = aliases.get(m[role_key]) if isinstance(m[role_key], str) else None
-        if role is None:
-            raise SampleError(f"{where}: unknown role {m[role_key]!r} (known: {', '.join(sorted(aliases))})")
-        messages.append({"role": role, "content": _text(m[text_key], where)})
-    if need_reply and not any(m["role"] == "assistant" and m["content"].strip() for m in messages):
-        raise SampleError("no assistant reply: nothing to supervise")
-    return messages
-
-
 # --- messages -> tokens + assistant mask ---------------------------------------------------------
 
 def has_generation_markers(tokenizer) -> bool:
     template = tokenizer.chat_template
     return isinstance(template, str) and bool(_GENERATION_TAG.search(template))
-
-
-def prompt_tokens(tokenizer, messages: list[dict], template_kwargs: dict | None = None) -> list[int]:
-    """Token ids of a conversation up to the assistant's next turn (the chat template's generation
-    prompt), rendered with data.chat_template_kwargs as training renders its chats."""
-    return list(tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=True,
-                                              **(template_kwargs or {}))["input_ids"])
 
 
 def chat_tokens(tokenizer, messages: list[dict], template_kwargs: dict | None = None) -> tuple[list[int], list[int]]:
@@ -187,18 +132,6 @@ def pretokenized(record: dict, vocab_size: int) -> tuple[np.ndarray, np.ndarray]
     return arr.astype(np.int32), np.asarray(mask, dtype=bool)
 
 
-def parse_json_line(text: str):
-    """One JSONL line's value; SampleError "invalid JSON: <what> at character N" (json's own
-    "line 2 column 1" counts lines inside this one line, its newline included)."""
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as exc:
-        where = "at the end of the line" if exc.pos >= len(text.rstrip()) else f"at character {exc.pos + 1}"
-        raise SampleError(f"invalid JSON: {exc.msg} {where}") from None
-    except RecursionError:        # json's C parser recurses once per level: 100 000 "[" exhaust the stack
-        raise SampleError("invalid JSON: nested too deeply to parse") from None
-
-
 def line_to_document(text: str, tokenizer, vocab_size: int, max_doc_tokens: int = 0,
                      template_kwargs: dict | None = None) -> tuple[np.ndarray, np.ndarray]:
     record = parse_json_line(text)
@@ -226,50 +159,6 @@ def line_to_document(text: str, tokenizer, vocab_size: int, max_doc_tokens: int 
     return ids, mask
 
 
-def _lines(f, max_line_bytes: int):
-    """(line number, bytes of the line or None when it is longer than max_line_bytes).
-
-    A line over the limit is skipped in bounded pieces, never held in memory whole."""
-    lineno = 0
-    while True:
-        raw = f.readline(max_line_bytes + 1)
-        if not raw:
-            return
-        lineno += 1
-        if len(raw) <= max_line_bytes or raw.endswith(b"\n") and len(raw) == max_line_bytes + 1:
-            yield lineno, raw
-            continue
-        while raw and not raw.endswith(b"\n"):
-            raw = f.readline(1 << 20)
-        yield lineno, None
-
-
-def _nonblank(f, max_line_bytes: int):
-    """(line number, text) of every line that is not blank; for a bad line (too long, not UTF-8) a
-    SampleError instead of the text. read_documents and nonblank_lines number lines alike by it."""
-    for lineno, raw in _lines(f, max_line_bytes):
-        if raw is None:
-            yield lineno, SampleError(f"line longer than data.max_line_bytes={max_line_bytes}")
-            continue
-        try:
-            text = raw.decode("utf-8")
-        except UnicodeDecodeError as exc:
-            yield lineno, SampleError(f"not UTF-8 ({exc})")
-            continue
-        if text.strip():
-            yield lineno, text
-
-
-def nonblank_lines(path: str | Path, max_line_bytes: int = 8 << 20) -> list[tuple[int, str | None]]:
-    """(line number, text) of every line of a JSONL file that read_documents does not skip as blank,
-    numbered as read_documents numbers them; text None for a line that is too long or not UTF-8
-    (a bad line). The held-out split is taken over these (runspec.HeldOut.lines); packing's
-    build_index has the same numbers from read_documents: its documents' lines and the bad ones."""
-    with open(path, "rb") as f:
-        return [(lineno, None if isinstance(text, SampleError) else text)
-                for lineno, text in _nonblank(f, max_line_bytes)]
-
-
 def read_documents(path: str | Path, tokenizer, vocab_size: int, on_bad: str, bad: BadSamples,
                    max_line_bytes: int = 8 << 20, max_doc_tokens: int = 0,
                    template_kwargs: dict | None = None) -> list[Document]:
@@ -279,7 +168,7 @@ def read_documents(path: str | Path, tokenizer, vocab_size: int, on_bad: str, ba
         raise DataError(f"data file not found: {path}")
     docs = []
     with open(path, "rb") as f:      # bytes: a line that is not UTF-8 is one bad line, not a failed file
-        for lineno, text in _nonblank(f, max_line_bytes):
+        for lineno, text in each_nonblank(f, max_line_bytes):
             try:
                 if isinstance(text, SampleError):
                     raise text
