@@ -1,7 +1,7 @@
 """How much faster evaluation decodes many prompts at once: plain greedy decoding (the reference
 every evaluation makes, and the cost of a verify step) of the same prompts, one prompt at a time on
 a KV cache (speculative.py's loop through a LocalVerifier) against --batch prompts at once, one packed
-forward per step with no cache (batched_decode.py), on a random-weight target of a real shape.
+forward per step with no cache (services/eval/batched_decode.py), on a random-weight target of a real shape.
 
     python bench/batched_eval.py                         # 135m (SmolLM2-135M's widths), cuda, bf16
     python bench/batched_eval.py --device cpu --shape tiny --prompts 8 --batch 8 --new 16
@@ -24,9 +24,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # run as a script
 from bench.shapes import QWEN3, text_config  # noqa: E402
 from bench.timing import sync  # noqa: E402
 from services import layers as layer_rule  # noqa: E402
-from services.drafter.batched_decode import PackedVerifier, decode_many  # noqa: E402
+from services.eval.batched_decode import PackedVerifier, decode_many  # noqa: E402
 from services.drafter.speculative import greedy_reference  # noqa: E402
-from services.drafter.verifier import LocalVerifier  # noqa: E402
+from services.eval.verifier import LocalVerifier  # noqa: E402
 from services.target.model import PACKED_SDPA, Target, _register_packed_sdpa  # noqa: E402
 
 

@@ -36,8 +36,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))     # `python bench/compare_upstream.py` from a checkout
 
-from services.drafter.eval_cli import load_weights  # noqa: E402
-from services.drafter.spec_eval import SpecEval  # noqa: E402
+from services.eval.cli import load_weights  # noqa: E402
+from services.eval.spec_eval import LocalSpecEval  # noqa: E402
 from services.drafter.speculative import Decoded, speculative_generate, summarize  # noqa: E402
 
 
@@ -68,7 +68,7 @@ def load_upstream_drafter(module, export: Path, dtype):
 
 def upstream_generate(module, drafter, target, prompt: list[int], max_new_tokens: int, stop_ids) -> Decoded:
     """One prompt through z-lab's loop, as a Decoded (the prefill is a target forward, then one per step).
-    target: the HF model of SpecEval's Target, run with HF's own sdpa (upstream passes no document spans)."""
+    target: the HF model of LocalSpecEval's Target, run with HF's own sdpa (upstream passes no document spans)."""
     ids = torch.tensor([prompt], dtype=torch.long, device=target.device)
     saved, target.config._attn_implementation = target.config._attn_implementation, "sdpa"
     with warnings.catch_warnings():                                      # transformers' past_key_values rename
@@ -113,7 +113,7 @@ def main(argv=None) -> int:
     if not what.startswith("export"):
         raise SystemExit(f"compare_upstream: error: {export} is not an export (upstream loads config.json + "
                          "model.safetensors): run `launcher export` first")
-    spec = SpecEval(cfg, args.device, prompts=args.prompts, max_new_tokens=args.max_new_tokens)
+    spec = LocalSpecEval(cfg, args.device, prompts=args.prompts, max_new_tokens=args.max_new_tokens)
     if not spec.prompts:
         raise SystemExit(f"compare_upstream: error: no chat prompts in the held-out data of {run_dir}")
     references = spec.references(len(spec.prompts))

@@ -34,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # run as a script
 from bench.shapes import HYBRID, text_config  # noqa: E402
 from bench.timing import sync  # noqa: E402
 from services import layers as layer_rule  # noqa: E402
+from services.decode_step import ROLLBACKS  # noqa: E402
 from services.target import hybrid  # noqa: E402
 from services.target.decode import DecodeSession  # noqa: E402
 from services.target.model import PACKED_SDPA, Target, _register_packed_sdpa  # noqa: E402
@@ -89,9 +90,9 @@ def bench_steps(args) -> dict:
               "iters": args.iters, "dtype": str(dtype).removeprefix("torch."), "capture_path": target.path,
               "fla": hybrid.fla_delta_rule() is not None, "device": torch.cuda.get_device_name() if device == "cuda"
               else "cpu", "torch": torch.__version__, "transformers": __import__("transformers").__version__}
-    for method in hybrid.ROLLBACKS:
+    for method in ROLLBACKS:
         result[method] = time_steps(target, method, context, args.block, args.iters, gen)
-    result["plain_one_token"] = time_steps(target, hybrid.ROLLBACKS[0], context, 1, args.iters, gen)
+    result["plain_one_token"] = time_steps(target, ROLLBACKS[0], context, 1, args.iters, gen)
     if device == "cuda":
         result["peak_memory_gib"] = round(torch.cuda.max_memory_allocated() / 2 ** 30, 2)
     return result
@@ -109,12 +110,12 @@ class Oracle:
 
 
 def bench_lossless(args) -> dict:
-    from services.drafter.lossless import describe_lossless, is_lossless
+    from services.lossless import describe_lossless, is_lossless
     from services.drafter.model import DrafterModelConfig
     from services.drafter.speculative import (DrafterProposer, eval_drafter, greedy_reference, speculative_generate,
                                               summarize)
     from services.drafter.target_head import TargetHead
-    from services.drafter.verifier import LocalVerifier
+    from services.eval.verifier import LocalVerifier
     device = args.device
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     target = build_target("tiny-hybrid", None, device, dtype, args.logit_scale)
@@ -133,7 +134,7 @@ def bench_lossless(args) -> dict:
     out = {"shape": "tiny-hybrid", "dtype": str(dtype).removeprefix("torch."), "capture_path": target.path,
            "fla": hybrid.fla_delta_rule() is not None, "block": block, "prompts": args.prompts,
            "max_new_tokens": args.max_new_tokens, "logit_scale": args.logit_scale, "ok": True}
-    for method in hybrid.ROLLBACKS:
+    for method in ROLLBACKS:
         verifier = LocalVerifier(target, method)
         refs = [greedy_reference(verifier, p, args.max_new_tokens) for p in prompts]
         for name, make in (("random", lambda ref, p: random),

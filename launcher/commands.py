@@ -120,7 +120,7 @@ def cmd_plan(args) -> int:
 
 
 def _eval_argv(args, run_dir: str, checkpoints: list[str]) -> list[str]:
-    argv = [sys.executable, "-m", "services.drafter.eval_cli", "--run-dir", run_dir,
+    argv = [sys.executable, "-m", "services.eval.cli", "--run-dir", run_dir,
             "--max-new-tokens", str(args.max_new_tokens), "--limit", str(args.limit)]
     argv += [f"--prompts={p}" for p in args.prompts]
     argv += [f"--checkpoint={c}" for c in checkpoints]

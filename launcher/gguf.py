@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 
 from services.files import cache_root, sha256_file, write_json_atomic
-from services.tools.gguf_model import DTYPES, missing_line, missing_packages
+from services.gguf_support import DTYPES, missing_line, missing_packages
 
 
 class GgufError(ValueError):

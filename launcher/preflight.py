@@ -24,8 +24,8 @@ from pathlib import Path
 
 from launcher.regen_record import template_kwargs_problem
 from services.config import Config, ConfigError
-from services.drafter.checkpoint_compat import model_errors, run_errors
-from services.drafter.schedule import make_plan
+from services.checkpoint_compat import model_errors, run_errors
+from services.schedule import make_plan
 from services.log import events
 
 # A tokenizer folder has at least one of these (fast tokenizers: tokenizer.json; sentencepiece
@@ -171,7 +171,7 @@ def has_chat_template(folder: Path, names: set[str]) -> bool:
 
 def max_steps_warning(cfg: Config, batches_per_epoch: int, drafters: int) -> str | None:
     """The line that says so when run.max_steps is past the end of run.epochs: the run ends with the
-    epochs (services/drafter/schedule.py make_plan caps it), which the user must hear before it
+    epochs (services/schedule.py make_plan caps it), which the user must hear before it
     starts, not find out; more epochs are the user's call (they change the lr schedule's horizon and
     how often each row is seen). Once the data is packed: its rows per epoch decide the steps. A
     max_steps far past the data is also how tests and quick runs say "until the data ends", so it
@@ -247,7 +247,7 @@ def check_resume_config(run_dir: Path, cfg: Config, model: dict | None) -> None:
     """`up --resume`: the keys that decide batch g (and the drafter's shape, `model`, when it could be
     resolved here) against the checkpoint the drafter would resume from, before anything is written:
     a refused resume leaves every file of the run as it was. The drafter checks the same again
-    (services/drafter/checkpoint_compat.py)."""
+    (services/checkpoint_compat.py)."""
     ckpt = resume_checkpoint(run_dir)
     if ckpt is None:
         return                          # nothing to resume: the run starts at step 0

@@ -22,7 +22,7 @@ from pathlib import Path
 from launcher.progress import ProgressLine, _duration
 from launcher.regen_record import write_record
 from services.config import toml_literal
-from services.conversations import assistant_turns, read_conversations
+from services.data_lines import assistant_turns, read_conversations
 
 
 class RegenerateError(Exception):

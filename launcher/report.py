@@ -57,7 +57,7 @@ def read_spec(run_dir: Path) -> tuple[list[dict], dict | None]:
 
 def describe_spec(record: dict, what: str) -> list[str]:
     """Real acceptance in words: the drafter's and its controls' (when the record has them), per prompt set."""
-    from services.drafter.acceptance_text import tables
+    from services.acceptance_text import tables
     return tables(record, f"{what}; greedy speculative decoding of "
                           f"{describe_prompts(record['prompts'], record.get('held_out'), record.get('sets') or ())}")
 

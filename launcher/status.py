@@ -11,7 +11,7 @@ from launcher.progress import describe_window
 from launcher.report import describe_data
 from launcher.rundir import OUTCOME_EXIT, describe_live, describe_outcome, read_run
 from launcher.supervisor import probe_all
-from services.drafter.schedule import Plan
+from services.schedule import Plan
 
 STATUS_COLUMNS = ("name", "gpu", "pid", "state", "step", "batches", "tok/s", "samples", "idle_s",
                   "rss", "gpu_mem", "bad_msgs", "probe")

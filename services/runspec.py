@@ -120,7 +120,7 @@ class HeldOut:
         return sorted(np.random.default_rng([self.seed, _EVAL_SALT]).permutation(count)[:n_eval].tolist())
 
     def lines(self, line_numbers: list[int]) -> set[int]:
-        """The held-out ones of data.path's non-blank line numbers (services/target/data.nonblank_lines)."""
+        """The held-out ones of data.path's non-blank line numbers (services/data_lines.nonblank_lines)."""
         return {line_numbers[i] for i in self.indices(len(line_numbers))} if len(line_numbers) > 1 else set()
 
 

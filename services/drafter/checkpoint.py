@@ -35,7 +35,7 @@ from typing import Callable
 import torch
 
 from services.config import Config, ConfigError
-from services.drafter.checkpoint_compat import compatibility_errors
+from services.checkpoint_compat import compatibility_errors
 from services.drafter.checkpoint_space import checkpoint_bytes, no_space, out_of_space
 from services.drafter.model import DrafterModelConfig
 from services.files import default_file_mode, fsync_dir, point, sha256_file
@@ -245,7 +245,7 @@ def find_resume_point(run_dir: str | Path, model_cfg: DrafterModelConfig, cfg: C
                  + (f"falling back to {nxt}" if nxt else "no older checkpoint left"))
             continue
         config = json.loads((path / "config.json").read_text())
-        errors = compatibility_errors(meta, config, model_cfg, cfg, world_size)
+        errors = compatibility_errors(meta, config, model_cfg, cfg)
         if errors:
             raise ConfigError(f"checkpoint {path} was written by an incompatible config: " + "; ".join(errors)
                               + ". Start a new --run-dir, or move checkpoints/ aside to start fresh")

@@ -25,13 +25,13 @@ from types import SimpleNamespace
 
 import torch
 
+from services.decode_step import Step
 from services.runspec import HeldOut
-from services.drafter.prompts import interleave, prompt_sets, stop_token_ids
+from services.prompts import interleave, prompt_sets, stop_token_ids
 from services.drafter.spec_eval import SpecEval
 from services.drafter.speculative import greedy_reference, speculative_generate, summarize_sets
 from services.endpoints import endpoint
 from services.health import Drops
-from services.target.decode import Step
 from services.verify import TargetUnavailable, VerifyClient, VerifyError
 
 log = logging.getLogger("drafter")

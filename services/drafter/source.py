@@ -49,13 +49,13 @@ from services.config import Config
 from services.endpoints import endpoint
 from services.files import write_json_atomic
 from services.drafter.model import DrafterModelConfig
-from services.drafter.schedule import Plan, make_plan
+from services.schedule import Plan, make_plan
 from services.drafter.synthetic import SyntheticEval, SyntheticSource
 from services import curve, lifecycle
 from services.handshake import TargetInfo
 from services.health import HealthServer, probe
 from services.runspec import RunSpec
-from services.target.packing import PackedData, PublishedDigests, digests_path
+from services.packed_data import PackedData, PublishedDigests, digests_path
 from services.wire import WireError
 
 CHECK_TARGETS_EVERY_S = 2.0

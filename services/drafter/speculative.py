@@ -13,7 +13,7 @@ does (DFlash, arXiv 2602.06036), and counts what the target really accepts:
               the target's own next token; verifier.commit(accepted + 1) keeps those block tokens
               (KV cache and recurrent state rolled back to them) and their features are kept
 
-The Verifier (verifier.py) is the target; a local one runs the training Target's DecodeSession.
+The Verifier (services/decode_step.py) is the target; a local one runs the training Target's DecodeSession.
 Greedy verification makes the output the target's own greedy output whatever the drafter does;
 `evaluate_prompts` checks that against plain greedy decoding through the same Verifier, one token
 per forward, on every prompt (lossless.py says how a difference reads: near-tie or bug).
@@ -28,7 +28,7 @@ Figures (summarize):
 Controls, on the same prompts: "repeat-last" drafts the last accepted token B-1 times; "random"
 is a drafter of the same shape with its initial (random) weights.
 
-`launcher eval` (eval_cli.py) runs it on a drafter; spec_eval.SpecEval holds the target and prompts.
+`launcher eval` (services/eval/cli.py) runs it on a drafter; spec_eval.SpecEval holds the prompts.
 """
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from services.drafter.attention import DenseAttention
-from services.drafter.lossless import first_difference, lossless_figures
+from services.lossless import first_difference, lossless_figures
 from services.drafter.model import DFlashDrafter, DrafterModelConfig
 from services.drafter.target_head import TargetHead
 
@@ -63,7 +63,7 @@ class DrafterProposer:
         return torch.tensor(self.many([features], [last_token])[0])
 
     def many(self, contexts: list[torch.Tensor], last_tokens: list[int]) -> list[list[int]]:
-        """Every prompt's B-1 drafts in one call (batched_decode.py): the contexts packed one after
+        """Every prompt's B-1 drafts in one call (services/eval/batched_decode.py): the contexts packed one after
         another, block i an anchor right after context i, training's mask keeping the prompts apart."""
         B, head = self.block_size, self.head
         device, dtype = head.embed.device, head.embed.dtype

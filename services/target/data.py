@@ -23,6 +23,9 @@ empty conversation, no assistant reply, ids outside the vocabulary...) raises Da
 "FILE:LINE: reason" with data.on_bad_sample = "fail", or is counted and reported with "skip".
 Nothing is dropped silently. The two limits exist because a single 50 MB line took a minute and
 4 GB of memory to tokenize: a line over the limit is never read into memory whole.
+
+Which lines count, one line's JSON and a chat's messages are services/data_lines.py's, shared with
+the eval's prompts (services/prompts.py).
 """
 from __future__ import annotations
 
@@ -32,8 +35,7 @@ from pathlib import Path
 
 import numpy as np
 
-from services.conversations import (     # the chat lines' parsing, shared with the launcher
-    DataError, SampleError, normalize_messages, parse_json_line)
+from services.data_lines import DataError, SampleError, each_nonblank, normalize_messages, parse_json_line
 
 MAX_BAD_EXAMPLES = 20
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
@@ -64,13 +66,6 @@ class BadSamples:
 def has_generation_markers(tokenizer) -> bool:
     template = tokenizer.chat_template
     return isinstance(template, str) and bool(_GENERATION_TAG.search(template))
-
-
-def prompt_tokens(tokenizer, messages: list[dict], template_kwargs: dict | None = None) -> list[int]:
-    """Token ids of a conversation up to the assistant's next turn (the chat template's generation
-    prompt), rendered with data.chat_template_kwargs as training renders its chats."""
-    return list(tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=True,
-                                              **(template_kwargs or {}))["input_ids"])
 
 
 def chat_tokens(tokenizer, messages: list[dict], template_kwargs: dict | None = None) -> tuple[list[int], list[int]]:
@@ -163,50 +158,6 @@ def line_to_document(text: str, tokenizer, vocab_size: int, max_doc_tokens: int 
     return ids, mask
 
 
-def _lines(f, max_line_bytes: int):
-    """(line number, bytes of the line or None when it is longer than max_line_bytes).
-
-    A line over the limit is skipped in bounded pieces, never held in memory whole."""
-    lineno = 0
-    while True:
-        raw = f.readline(max_line_bytes + 1)
-        if not raw:
-            return
-        lineno += 1
-        if len(raw) <= max_line_bytes or raw.endswith(b"\n") and len(raw) == max_line_bytes + 1:
-            yield lineno, raw
-            continue
-        while raw and not raw.endswith(b"\n"):
-            raw = f.readline(1 << 20)
-        yield lineno, None
-
-
-def _nonblank(f, max_line_bytes: int):
-    """(line number, text) of every line that is not blank; for a bad line (too long, not UTF-8) a
-    SampleError instead of the text. read_documents and nonblank_lines number lines alike by it."""
-    for lineno, raw in _lines(f, max_line_bytes):
-        if raw is None:
-            yield lineno, SampleError(f"line longer than data.max_line_bytes={max_line_bytes}")
-            continue
-        try:
-            text = raw.decode("utf-8")
-        except UnicodeDecodeError as exc:
-            yield lineno, SampleError(f"not UTF-8 ({exc})")
-            continue
-        if text.strip():
-            yield lineno, text
-
-
-def nonblank_lines(path: str | Path, max_line_bytes: int = 8 << 20) -> list[tuple[int, str | None]]:
-    """(line number, text) of every line of a JSONL file that read_documents does not skip as blank,
-    numbered as read_documents numbers them; text None for a line that is too long or not UTF-8
-    (a bad line). The held-out split is taken over these (runspec.HeldOut.lines); packing's
-    build_index has the same numbers from read_documents: its documents' lines and the bad ones."""
-    with open(path, "rb") as f:
-        return [(lineno, None if isinstance(text, SampleError) else text)
-                for lineno, text in _nonblank(f, max_line_bytes)]
-
-
 def read_documents(path: str | Path, tokenizer, vocab_size: int, on_bad: str, bad: BadSamples,
                    max_line_bytes: int = 8 << 20, max_doc_tokens: int = 0,
                    template_kwargs: dict | None = None) -> list[Document]:
@@ -216,7 +167,7 @@ def read_documents(path: str | Path, tokenizer, vocab_size: int, on_bad: str, ba
         raise DataError(f"data file not found: {path}")
     docs = []
     with open(path, "rb") as f:      # bytes: a line that is not UTF-8 is one bad line, not a failed file
-        for lineno, text in _nonblank(f, max_line_bytes):
+        for lineno, text in each_nonblank(f, max_line_bytes):
             try:
                 if isinstance(text, SampleError):
                     raise text

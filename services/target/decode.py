@@ -5,10 +5,10 @@
     step = session.verify(block_ids)             # the block at the next positions, on the committed context
     session.commit(n)                            # keep the block's first n tokens, roll the rest back
 
-A Step holds, per position, the target's greedy token (argmax of the logits), the top-1 minus
-top-2 logit margin, the rounding tolerance of those logits (lossless.py's near-tie rule), and the
-captured layers' outputs exactly as Target.capture makes them for training (layer i = output of
-decoder layer i, the final norm on the last layer).
+A Step (services/decode_step.py) holds, per position, the target's greedy token, the top-1 minus
+top-2 logit margin, the rounding tolerance of those logits, and the captured layers' outputs exactly
+as Target.capture makes them for training (layer i = output of decoder layer i, the final norm on the
+last layer).
 
 State after commit(n) equals the state after feeding exactly the committed tokens:
   - full-attention layers: an HF DynamicCache, cropped back to the committed length. Only the
@@ -24,32 +24,15 @@ Other layer kinds with recurrent state are refused with their name: no silent wr
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache
 
+from services.decode_step import Step, rounding_tolerance
 from services.target import hybrid
 from services.target.model import Target
 
 ATTENTION_KINDS = {"full_attention", "sliding_attention"}
-
-
-@dataclass
-class Step:
-    greedy: torch.Tensor      # [n] int64, argmax of the logits at each position
-    margin: torch.Tensor      # [n] float32, top-1 minus top-2 logit
-    tolerance: torch.Tensor   # [n] float32, the logits' rounding (a margin below it is a near-tie)
-    features: torch.Tensor    # [n, K*H] the captured layers, in the model's dtype
-
-
-NEAR_TIE_ULPS = 4
-
-
-def rounding_tolerance(top1: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """NEAR_TIE_ULPS units of rounding of `dtype` at the logits' magnitude (at least 1): a margin
-    below it can flip between two forwards that only round differently (docs/operations.md)."""
-    return NEAR_TIE_ULPS * torch.finfo(dtype).eps * top1.float().abs().clamp(min=1.0)
 
 
 class AttentionCache(DynamicCache):

@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from services.decode_step import ROLLBACKS
 from services.target.row import RowLayout, RowSlot
 
 # the layer attributes this forward reads (transformers' Qwen3.5 Gated DeltaNet, 5.x)
@@ -299,9 +300,6 @@ class PackedGatedDeltaNet(nn.Module):
             state.block_inputs = (q, k, v, g, beta)
         state.block_conv = mixed if decode.verifying else None
         return self._output(x, o)
-
-
-ROLLBACKS = ("per-token", "refeed")         # the first is the default (docs/operations.md: measured)
 
 
 @dataclass

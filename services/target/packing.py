@@ -28,6 +28,8 @@ Published digests: next to the cache, <key>.digests.safetensors holds the token 
 sent against the packed data where the cache is on its host, else against this file (copy it to
 a drafter host's <run_dir>/data-cache/): content that a process which took a target's socket
 over sent in its name is dropped (services/drafter/source.py).
+
+Both files are read by services/packed_data.py (PackedData, PublishedDigests), shared with the drafter.
 """
 from __future__ import annotations
 
@@ -42,15 +44,14 @@ import time
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from services import runspec
-from services.batch import SPLITS, document_starts, token_digest
+from services.batch import SPLITS
 from services.config import Config
 from services.files import sha256_file
-from services.target.data import BadSamples, DataError, Document, nonblank_lines, read_documents
+from services.packed_data import FORMAT_VERSION, PackedData, digests_path
+from services.target.data import BadSamples, DataError, Document, read_documents
 
-FORMAT_VERSION = 2          # 2: the held-out split by line number (runspec.HeldOut.lines)
 _PACK_SALT = 0x9AC4
 
 
@@ -129,21 +130,6 @@ def _pack_split(docs: list[Document], cfg: Config, prefix: str) -> dict[str, np.
     }
 
 
-def heldout_lines(cfg: Config) -> list[str]:
-    """The text of the held-out split's lines (runspec.HeldOut), in the eval's order: the prompts of
-    real acceptance (services/drafter/prompts.py). The split is by line number, as in build_index, so
-    they are the packed eval split's lines, bad lines or not. Without a held-out split: the lines of
-    data.path, last first."""
-    held_out = runspec.HeldOut.of(cfg)
-    lines = nonblank_lines(held_out.path or cfg.data.path, cfg.data.max_line_bytes)
-    if held_out.source == "data.eval_fraction":
-        chosen = held_out.lines([n for n, _ in lines])
-        lines = [(n, text) for n, text in lines if n in chosen]
-    elif held_out.source != "data.eval_path":
-        lines = lines[::-1]
-    return [text for _, text in lines if text is not None]
-
-
 def build_index(cfg: Config, tokenizer, vocab_size: int) -> tuple[dict[str, np.ndarray], dict[str, str]]:
     d = cfg.data
     bad = BadSamples()
@@ -155,7 +141,7 @@ def build_index(cfg: Config, tokenizer, vocab_size: int) -> tuple[dict[str, np.n
         evals = read_documents(held_out.path, tokenizer, vocab_size, d.on_bad_sample, bad, **limits)
     elif held_out.source == "data.eval_fraction":     # by line number: a bad line moves no other line
         nonblank = sorted([doc.line for doc in train] + [n for f, n in bad.lines if f == str(Path(d.path))])
-        chosen = held_out.lines(nonblank)           # data.nonblank_lines, from what was just read
+        chosen = held_out.lines(nonblank)           # data_lines.nonblank_lines, from what was just read
         evals = [doc for doc in train if doc.line in chosen]
         train = [doc for doc in train if doc.line not in chosen]
     else:
@@ -200,115 +186,6 @@ def open_or_build(cfg: Config, run_dir: str | Path, tokenizer, vocab_size: int, 
 
 # --- serve ---------------------------------------------------------------------------------------
 
-class _Split:
-    def __init__(self, f, prefix: str):
-        self.tokens, self.loss_mask = f.get_slice(f"{prefix}_tokens"), f.get_slice(f"{prefix}_loss_mask")
-        self.doc_lens = f.get_tensor(f"{prefix}_doc_lens").astype(np.int64)
-        row_docs = f.get_tensor(f"{prefix}_row_docs").astype(np.int64)
-        self.doc_start = np.concatenate([[0], np.cumsum(self.doc_lens)])
-        self.row_start = np.concatenate([[0], np.cumsum(row_docs)])
-        self.num_rows = len(row_docs)
-
-
-def digests_path(cache: Path) -> Path:
-    return cache.with_name(cache.name.replace(".safetensors", ".digests.safetensors"))
-
-
-class _RowOrder:
-    """Which row of a split batch g is (the rules above); needs num_batches(), seed, shuffle, epochs."""
-    seed: int
-    shuffle: bool
-    epochs: int
-    _perm: tuple[int, np.ndarray] | None = None
-
-    def num_batches(self, split: str = "train") -> int:
-        raise NotImplementedError
-
-    def row_of(self, g: int, split: str = "train") -> int:
-        n = self.num_batches(split)
-        limit = n * self.epochs if split == "train" else n
-        if split not in SPLITS or not 0 <= g < limit:
-            raise IndexError(f"batch g={g} out of range for split {split!r}: 0 <= g < {limit}")
-        if split == "eval" or not self.shuffle:
-            return g % n
-        epoch = g // n
-        if self._perm is None or self._perm[0] != epoch:
-            self._perm = (epoch, np.random.default_rng([self.seed, epoch]).permutation(n))
-        return int(self._perm[1][g % n])
-
-
-class PublishedDigests(_RowOrder):
-    """<key>.digests.safetensors: digest(g, split) without the packed data."""
-
-    def __init__(self, path: str | Path, cfg: Config):
-        from safetensors.numpy import load_file
-        self.path = Path(path)
-        tensors = load_file(str(path))
-        self.rows = {s: tensors[f"{s}_row_digests"] for s in SPLITS}
-        self.seed, self.shuffle, self.epochs = cfg.run.seed, cfg.data.shuffle, cfg.run.epochs
-
-    def num_batches(self, split: str = "train") -> int:
-        return len(self.rows[split])
-
-    def digest(self, g: int, split: str = "train") -> str:
-        return bytes(self.rows[split][self.row_of(g, split)]).hex()
-
-
-class PackedData(_RowOrder):
-    """Rows of a built cache file; batch(g, split) -> the tensors of services.batch.Batch minus hidden."""
-
-    def __init__(self, path: str | Path, cfg: Config):
-        from safetensors import safe_open
-        self.path = Path(path)
-        self._file = safe_open(str(path), framework="np")
-        meta = self._file.metadata()
-        if int(meta["format"]) != FORMAT_VERSION:
-            raise DataError(f"{path}: cache format {meta['format']}, expected {FORMAT_VERSION}")
-        self.pack_len, self.pad_id = int(meta["pack_len"]), int(meta["pad_id"])
-        self.bad_samples, self.bad_examples = int(meta["bad_samples"]), json.loads(meta["bad_examples"])
-        self.seed, self.shuffle, self.epochs = cfg.run.seed, cfg.data.shuffle, cfg.run.epochs
-        self.splits = {s: _Split(self._file, s) for s in SPLITS}
-        self._perm: tuple[int, np.ndarray] | None = None
-
-    def num_batches(self, split: str = "train") -> int:
-        """Train: batches per epoch. Eval: all eval batches."""
-        return self.splits[split].num_rows
-
-    @property
-    def key(self) -> str:
-        """The cache key (the file's name): drafters find the same data by it."""
-        return self.path.name.removesuffix(".safetensors")
-
-    def digest(self, g: int, split: str = "train") -> str:
-        """token_digest of batch g's input_ids."""
-        return token_digest(self.batch(g, split)["input_ids"])
-
-    def row_digests(self, split: str) -> np.ndarray:
-        """[rows, 16] uint8: the token digest of every row of a split, in row order."""
-        out = np.zeros((self.num_batches(split), 16), dtype=np.uint8)
-        for r in range(len(out)):
-            out[r] = np.frombuffer(bytes.fromhex(token_digest(self.row(r, split)["input_ids"])), dtype=np.uint8)
-        return out
-
-    def batch(self, g: int, split: str = "train") -> dict[str, torch.Tensor]:
-        """input_ids, loss_mask, position_ids, document_ids of batch g: [pack_len] each."""
-        return self.row(self.row_of(g, split), split)
-
-    def row(self, r: int, split: str = "train") -> dict[str, torch.Tensor]:
-        sp = self.splits[split]
-        d0, d1 = sp.row_start[r], sp.row_start[r + 1]
-        t0, t1 = int(sp.doc_start[d0]), int(sp.doc_start[d1])
-        lens = sp.doc_lens[d0:d1]
-        pad = self.pack_len - (t1 - t0)
-        doc_ids = torch.from_numpy(np.concatenate([np.repeat(np.arange(len(lens)), lens), np.full(pad, -1)])
-                                   .astype(np.int64))
-        positions = torch.arange(self.pack_len) - document_starts(doc_ids)     # restarts per document (and padding)
-        tokens = np.concatenate([sp.tokens[t0:t1].astype(np.int64), np.full(pad, self.pad_id)])
-        mask = np.concatenate([sp.loss_mask[t0:t1].astype(bool), np.zeros(pad, dtype=bool)])
-        return {"input_ids": torch.from_numpy(tokens), "loss_mask": torch.from_numpy(mask),
-                "position_ids": positions, "document_ids": doc_ids}
-
-
 # --- `launcher up` builds the index before any worker starts ------------------------------------
 
 def prepare(cfg: Config, run_dir: str | Path) -> "PackedData":
@@ -334,7 +211,7 @@ def eval_prompt_count(cfg: Config) -> int | None:
     """How many prompts real acceptance will decode in training (run.eval_prompts' files, read and
     checked now, else the held-out lines'); None when it is off (run.spec_eval_prompts = 0)."""
     from transformers import AutoTokenizer
-    from services.drafter.prompts import prompt_sets
+    from services.prompts import prompt_sets
     if cfg.run.spec_eval_prompts <= 0:
         return None
     tokenizer = AutoTokenizer.from_pretrained(cfg.target.model_path)
@@ -346,7 +223,7 @@ def main(argv=None) -> int:
     import argparse
 
     from services.config import load_config
-    from services.drafter.prompts import PromptFileError
+    from services.prompts import PromptFileError
     p = argparse.ArgumentParser(prog="python -m services.target.packing", description="build the run's data index")
     p.add_argument("--config", required=True)
     p.add_argument("--run-dir", required=True)

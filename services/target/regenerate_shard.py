@@ -36,7 +36,7 @@ import sys
 import time
 from pathlib import Path
 
-from services.conversations import assistant_turns, read_conversations
+from services.data_lines import assistant_turns, read_conversations
 from services.files import write_text_atomic
 
 
@@ -57,7 +57,7 @@ class HFEngine:
         self.pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
 
     def generate(self, conversations: list[list[dict]], max_new_tokens: int, batch_size: int, tick=None) -> list[str]:
-        from services.target.data import prompt_tokens
+        from services.data_lines import prompt_tokens
         torch = self.torch
         prompts = [prompt_tokens(self.tokenizer, m, self.template_kwargs) for m in conversations]
         order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))

@@ -6,12 +6,11 @@ file, in a child process (torch stays out of the launcher), and every worker rea
     python -m services.tools.gguf_model --gguf FILE --out FOLDER [--dtype bfloat16] [--sha256 HEX]
 
 Prints one JSON line; a user's error (missing packages, an architecture transformers does not
-convert, an unreadable file) is one line on stderr and exit 2. The top level imports no torch, so
-the launcher can use MISSING_HINT and missing_packages.
+convert, an unreadable file) is one line on stderr and exit 2. The packages it needs are
+services/gguf_support.py's, which the launcher checks first.
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import shutil
@@ -19,21 +18,11 @@ import sys
 import time
 from pathlib import Path
 
-DTYPES = ("bfloat16", "float16", "float32")
-MISSING_HINT = "pip install -e '.[gguf]'"
-PACKAGES = ("gguf", "accelerate")      # transformers' GGUF loader needs both
+from services.gguf_support import DTYPES, missing_line, missing_packages
 
 
 class GgufError(Exception):
     """One line for the user (exit 2)."""
-
-
-def missing_packages() -> list[str]:
-    return [name for name in PACKAGES if importlib.util.find_spec(name) is None]
-
-
-def missing_line(path, names) -> str:
-    return f"target.model_path {path}: loading a GGUF needs the {' and '.join(names)} package(s): {MISSING_HINT}"
 
 
 def architecture(path: Path) -> str:

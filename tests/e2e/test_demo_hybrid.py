@@ -53,7 +53,7 @@ def test_hybrid_demo_trains_exports_and_evaluates(tmp_path):
 
     ev = subprocess.run([sys.executable, "-m", "launcher", "eval", "--run-dir", str(run_dir), "--checkpoint",
                          str(run_dir / "export"), "--prompts", "8", "--max-new-tokens", "32",
-                         "--batch", "8"],   # every prompt at once: batched_decode.py on the hybrid target
+                         "--batch", "8"],   # every prompt at once: services/eval/batched_decode.py on the hybrid target
                         capture_output=True, text=True, timeout=600)
     assert ev.returncode == 0, ev.stderr[-3000:]
     drafter_line = next(line for line in ev.stdout.splitlines() if line.split()[:1] == ["drafter"])

@@ -69,7 +69,7 @@ def test_a_same_uid_takeover_replaying_the_incarnation_trains_nothing_and_does_n
     from services.batch import token_digest
     from services.config import load_config
     from services.drafter.ledger import read_all
-    from services.target.packing import PackedData
+    from services.packed_data import PackedData
 
     with tempfile.TemporaryDirectory(prefix="i25", dir="/tmp") as folder:       # short: ipc paths < 108 bytes
         run_dir, log, report = Path(folder) / "run", Path(folder) / "out.txt", Path(folder) / "impostor.json"
@@ -228,7 +228,7 @@ def test_an_error_for_a_batch_that_exists_is_dropped_and_asked_again(tmp_path):
     from services.batch import token_digest
     from services.tools.demo import make_demo
     from services.drafter.source import SourceError, ZmqSource
-    from services.target.packing import PackedData
+    from services.packed_data import PackedData
     from services.transport import BatchServer
     from tests.e2e.test_verify import Worker, _overrides
 

@@ -27,7 +27,7 @@ from services.batch_client import BatchClient
 from services.config import load_config
 from services.tools.demo import make_demo
 from services.drafter.remote_eval import RemoteSpecEval
-from services.drafter.spec_eval import SpecEval
+from services.eval.spec_eval import LocalSpecEval
 from services.drafter.target_head import from_target
 from services.endpoints import endpoint
 from services.health import probe
@@ -145,14 +145,14 @@ def test_speculative_decoding_through_the_worker_equals_greedy(worker):
         assert right["lossless"] == PROMPTS and right["differences"] == []
         assert right["acceptance_per_step"] > 2.0                            # B-1 = 3 per step but at the end
         # the references really are the target's greedy output: the same loop on the target loaded here
-        local = SpecEval(cfg, "cpu", prompts=PROMPTS, max_new_tokens=NEW)
+        local = LocalSpecEval(cfg, "cpu", prompts=PROMPTS, max_new_tokens=NEW)
         local_refs = local.references(PROMPTS)
         assert [r.tokens for r in local_refs] == [spec._refs[i].tokens for i in range(PROMPTS)]
         torch.manual_seed(0)
         local_random = local.run(local.proposer(None, model_cfg))
         assert local_random["acceptance_per_step"] == pytest.approx(random["acceptance_per_step"])
-        # and batched: every prompt at once, one packed target forward per step (batched_decode.py)
-        batched = SpecEval(cfg, "cpu", prompts=PROMPTS, max_new_tokens=NEW, batch=PROMPTS, target=local.target,
+        # and batched: every prompt at once, one packed target forward per step (services/eval/batched_decode.py)
+        batched = LocalSpecEval(cfg, "cpu", prompts=PROMPTS, max_new_tokens=NEW, batch=PROMPTS, target=local.target,
                            tokenizer=local.tokenizer)
         assert [r.tokens for r in batched.references(PROMPTS)] == [r.tokens for r in local_refs]
         torch.manual_seed(0)
@@ -288,7 +288,7 @@ def test_prompt_sets_of_run_eval_prompts_are_decoded_per_set(worker, tmp_path):
     spec = RemoteSpecEval(cfg, worker.run_dir, 1, head, model_cfg, None, prompts=PROMPTS, max_new_tokens=NEW)
     try:
         assert spec.names == ["chat", "plain", "chat", "plain"]
-        local = SpecEval(cfg, "cpu", prompts=PROMPTS, max_new_tokens=NEW, files=files)
+        local = LocalSpecEval(cfg, "cpu", prompts=PROMPTS, max_new_tokens=NEW, files=files)
         assert local.prompts == spec.prompts and local.names == spec.names
         assert spec.prompts[0] != spec.prompts[1]
         result = spec.evaluate(None, model_cfg, controls=True)

@@ -1,4 +1,4 @@
-"""Batched speculative decoding (services/drafter/batched_decode.py): many prompts of different
+"""Batched speculative decoding (services/eval/batched_decode.py): many prompts of different
 lengths decoded at once, one packed target forward per step with no cache, must make exactly the
 decisions of the cached one-prompt loop (speculative.py) on tiny real HF targets, dense and hybrid
 (fp32 on CPU: no rounding ties): the same tokens, the same accepted lengths per step, the same
@@ -6,9 +6,9 @@ target forwards; the plain greedy outputs too; prompts that stop early leave the
 import pytest
 import torch
 
-from services.drafter.batched_decode import PackedVerifier, decode_many
+from services.eval.batched_decode import PackedVerifier, decode_many
 from services.drafter.speculative import RepeatLast, greedy_reference, speculative_generate
-from services.drafter.verifier import LocalVerifier
+from services.eval.verifier import LocalVerifier
 from tests.tiny_targets import DENSE_LAYER_IDS, HYBRID_LAYER_IDS, VOCAB, prompt
 from tests.unit.test_speculative import dense, hybrid, random_drafter  # noqa: F401 (dense, hybrid: fixtures)
 
@@ -93,7 +93,7 @@ def test_drafts_of_a_packed_batch_equal_each_prompt_drafted_alone(dense):
 
 
 def test_the_default_batch_follows_the_target_size_and_device(dense, monkeypatch):
-    from services.drafter import spec_eval
+    from services.eval import spec_eval
     assert spec_eval.auto_batch(dense, torch.device("cpu")) == 1                # CPU: the cached loop
     assert spec_eval.auto_batch(dense, torch.device("cuda")) == spec_eval.AUTO_BATCH > 1
     params = sum(p.numel() for p in dense.model.parameters())

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from services.drafter.speculative import greedy_reference
-from services.drafter.verifier import LocalVerifier
-from services.target.decode import DecodeSession, rounding_tolerance
-from services.target.hybrid import ROLLBACKS
+from services.eval.verifier import LocalVerifier
+from services.decode_step import ROLLBACKS, rounding_tolerance
+from services.target.decode import DecodeSession
 from services.target.model import _sdpa_packed
 from tests.greedy import hf_greedy_generate
 from tests.tiny_targets import HYBRID_DEVICES, dense_target, hybrid_target, plain_hf, prompt

@@ -120,7 +120,7 @@ def test_warmup_cosine_schedule():
 
 
 def test_the_lr_follows_the_batches_trained_so_a_resume_on_another_split_continues_the_curve():
-    from services.drafter.schedule import make_plan
+    from services.schedule import make_plan
     from services.drafter.train import make_scheduler
     cfg = load_config(None, ["drafter.warmup_ratio=0.1", "drafter.min_lr_ratio=0.1"])
     curve = lambda plan: make_scheduler(torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0), cfg,

@@ -17,8 +17,8 @@ from launcher.preflight import PreflightError, check_regenerated
 from launcher.regen_record import record_path
 from launcher.topology import SpecError, parse_gpu_list
 from tests.greedy import hf_greedy_generate as greedy_generate
-from services.target.data import prompt_tokens
-from services.conversations import read_conversations
+from services.data_lines import prompt_tokens
+from services.data_lines import read_conversations
 from services.target.regenerate_shard import HFEngine, regenerate
 from services.tools.demo import CHAT_TEMPLATE
 

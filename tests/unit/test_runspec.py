@@ -10,7 +10,7 @@ import pytest
 from services import runspec
 from services.config import BATCH_KINDS, SECTIONS, _section_class, load_config
 from services.tools.demo import conversations
-from services.drafter.checkpoint_compat import RUN_FIELDS
+from services.checkpoint_compat import MODEL_FIELDS, NOT_FOR_RESUME, RUN_FIELDS, model_errors
 from services.target.packing import build_index, cache_key
 
 VOCAB = 4096
@@ -70,6 +70,17 @@ def data_file(tmp_path):
 def _packed(cfg, tokenizer):
     tensors, _ = build_index(cfg, tokenizer, VOCAB)
     return {k: np.asarray(v) for k, v in tensors.items()}
+
+
+def test_the_resume_check_reads_every_model_field_but_the_named_ones():
+    from services.shapes import MODEL_FIELDS as ALL, SYNTHETIC_MODEL, DrafterModelConfig
+    assert set(MODEL_FIELDS) == set(ALL) - NOT_FOR_RESUME and NOT_FOR_RESUME < set(ALL)
+    now = DrafterModelConfig(**SYNTHETIC_MODEL).to_dict()
+    assert model_errors({"model": dict(now, initializer_range=0.5)}, now) == []
+    assert model_errors({"model": dict(now, block_size=8)}, now) == ["model block_size: checkpoint 8, now 16"]
+    # a checkpoint that recorded no layer_types (written before sliding-window layers) is not resumed
+    older = {k: v for k, v in now.items() if k != "layer_types"}
+    assert model_errors({"model": older}, now) == [f"model layer_types: checkpoint None, now {now['layer_types']!r}"]
 
 
 def test_keys_not_marked_as_deciding_tokens_leave_the_packed_data_alone(data_file, tokenizer):
@@ -243,8 +254,8 @@ def test_the_block_size_is_the_drafters_everywhere(tmp_path, tok_dir):
 def test_the_held_out_split_is_the_specs(data_file, tokenizer, tmp_path):
     """The packed eval split and the eval's prompts are the lines HeldOut.lines picks, by line
     number: a bad line (here the file's first, blank lines around it) moves no other line."""
-    from services.target.data import BadSamples, nonblank_lines, read_documents
-    from services.target.packing import heldout_lines
+    from services.data_lines import heldout_lines, nonblank_lines
+    from services.target.data import BadSamples, read_documents
     good = data_file.read_text().splitlines()
     path = tmp_path / "with-bad.jsonl"
     path.write_text("not json\n\n" + "\n".join(good) + "\n")

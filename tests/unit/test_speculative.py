@@ -7,13 +7,13 @@ reads as a near-tie or a bug."""
 import pytest
 import torch
 
-from services.drafter.lossless import describe_lossless, first_difference, is_lossless
+from services.lossless import describe_lossless, first_difference, is_lossless
 from services.drafter.model import DrafterModelConfig
 from services.drafter.speculative import (Decoded, DrafterProposer, RepeatLast, eval_drafter,
                                           greedy_reference, speculative_generate, summarize)
 from services.drafter.target_head import TargetHead
-from services.drafter.verifier import LocalVerifier
-from services.target.hybrid import ROLLBACKS
+from services.eval.verifier import LocalVerifier
+from services.decode_step import ROLLBACKS
 from tests.greedy import hf_greedy_generate
 from tests.tiny_targets import HYBRID_DEVICES, DENSE_LAYER_IDS, HYBRID_LAYER_IDS, VOCAB, dense_target, hybrid_target, plain_hf, prompt
 
@@ -191,7 +191,7 @@ def test_a_sliding_window_drafter_drafts_as_it_was_trained(target, dense):
         full = DrafterProposer(eval_drafter(weights, full_cfg, "cpu"), head)
         unwindowed = full.drafter(*args, {"full_attention": None})
         want_tokens = (want[1:] @ head.lm_head.t()).argmax(-1).tolist()
-        # alone, and packed after another prompt's context (batched_decode.py): the same drafts
+        # alone, and packed after another prompt's context (services/eval/batched_decode.py): the same drafts
         got = sliding(features, 7, start).tolist()
         packed = sliding.many([torch.randn(5, features.shape[1]), features], [3, 7])[1]
     assert got == want_tokens and packed == want_tokens
@@ -205,7 +205,7 @@ def test_an_exported_sliding_window_drafter_loads_with_its_window(tmp_path):
     """`launcher eval --checkpoint EXPORT` reads the layout back: its windows, not all-full layers."""
     from services.drafter.export import export_weights
     from services.drafter.model import DFlashDrafter
-    from services.drafter.eval_cli import load_weights
+    from services.eval.cli import load_weights
     cfg = DrafterModelConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
                              head_dim=16, vocab_size=VOCAB, num_target_layers=LAYERS, num_hidden_layers=2,
                              target_layer_ids=LAYER_IDS, block_size=B, mask_token_id=VOCAB - 1,

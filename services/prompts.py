@@ -7,7 +7,7 @@
     tokenizer has no chat template), or pre-tokenized {"input_ids": [...]} (with a "loss_mask": the
     tokens before the first supervised one). The set is named after the file (HumanEval.jsonl.gz ->
     HumanEval); HumanEval's own file reads as it ships, by its "prompt" field.
-  - otherwise the run's held-out lines (packing.heldout_lines): a chat up to its last assistant turn,
+  - otherwise the run's held-out lines (data_lines.heldout_lines): a chat up to its last assistant turn,
     a pre-tokenized line's tokens before its first supervised one.
 
 And the tokens that end an output.
@@ -18,6 +18,8 @@ import gzip
 import json
 from dataclasses import dataclass
 from pathlib import Path
+
+from services.data_lines import heldout_lines, normalize_messages, parse_json_line, prompt_tokens
 
 HELD_OUT = "held-out"
 
@@ -46,7 +48,6 @@ def _before_supervised(record: dict) -> list[int]:
 
 def file_prompt(record, tokenizer, template_kwargs: dict) -> list[int]:
     """The prompt of one line of a prompt file (module docstring); ValueError says what is wrong."""
-    from services.target.data import normalize_messages, prompt_tokens
     if isinstance(record, str):
         record = {"prompt": record}
     if not isinstance(record, dict):
@@ -76,7 +77,6 @@ def set_name(path: str | Path) -> str:
 
 def read_prompt_file(path: str | Path, tokenizer, template_kwargs: dict, limit: int = 0) -> list[list[int]]:
     """The first `limit` (0: all) prompts of a prompt file; PromptFileError "FILE:LINE: reason"."""
-    from services.target.data import parse_json_line
     path = Path(path)
     if not path.is_file():
         raise PromptFileError(f"prompt file not found: {path}")
@@ -103,11 +103,9 @@ def read_prompt_file(path: str | Path, tokenizer, template_kwargs: dict, limit: 
 
 
 def heldout_prompts(cfg, tokenizer, limit: int) -> list[list[int]]:
-    """Up to `limit` prompts of the held-out lines (packing.heldout_lines): a chat up to its last
+    """Up to `limit` prompts of the held-out lines (data_lines.heldout_lines): a chat up to its last
     assistant turn, with the chat template's generation prompt; a pre-tokenized line's tokens before
     its first supervised one. Lines with neither are skipped."""
-    from services.target.data import normalize_messages, prompt_tokens
-    from services.target.packing import heldout_lines
     prompts = []
     for text in heldout_lines(cfg):
         if len(prompts) >= limit:

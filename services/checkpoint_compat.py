@@ -4,14 +4,17 @@ No torch here: `launcher up --resume` checks the keys before it writes anything 
 """
 from __future__ import annotations
 
-from services import runspec
+from services import runspec, shapes
 from services.config import Config
 from services.shapes import DrafterModelConfig
 
+# The drafter model fields a checkpoint does not depend on: initializer_range only draws the first
+# weights (a resume loads them); max_position_embeddings is written into the export's config.json,
+# the drafter's rotary embedding does not read it; tie_word_embeddings says where the frozen lm_head
+# is read from in the target checkpoint, and the drafter's own weights hold no lm_head.
+NOT_FOR_RESUME = frozenset({"initializer_range", "max_position_embeddings", "tie_word_embeddings"})
 # Fields whose change makes a checkpoint meaningless for this run: the model's shapes and inputs ...
-MODEL_FIELDS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
-                "vocab_size", "num_target_layers", "num_hidden_layers", "target_layer_ids", "block_size",
-                "mask_token_id", "rms_norm_eps", "rope_theta", "attention_bias", "layer_types", "sliding_window")
+MODEL_FIELDS = tuple(f for f in shapes.MODEL_FIELDS if f not in NOT_FOR_RESUME)
 # ... and what batch g contains and which rank trains it (exactly-once across the resume).
 RUN_FIELDS = tuple(runspec.keys_deciding(runspec.RESUME_KINDS))
 
@@ -21,8 +24,7 @@ def _config_value(cfg: dict, dotted: str):
     return cfg.get(section, {}).get(key)
 
 
-def compatibility_errors(meta: dict, config: dict, model_cfg: DrafterModelConfig, cfg: Config,
-                         world_size: int) -> list[str]:
+def compatibility_errors(meta: dict, config: dict, model_cfg: DrafterModelConfig, cfg: Config) -> list[str]:
     """'field: checkpoint X, now Y' for every field that makes the checkpoint unusable for this run."""
     return model_errors(meta, model_cfg.to_dict()) + run_errors(config, cfg)
 
@@ -30,9 +32,7 @@ def compatibility_errors(meta: dict, config: dict, model_cfg: DrafterModelConfig
 def model_errors(meta: dict, now_model: dict, skip: tuple[str, ...] = ()) -> list[str]:
     """'model field: checkpoint X, now Y' for the MODEL_FIELDS (but `skip`) of state.json's model that differ."""
     errors = []
-    then_model = dict(meta.get("model", {}))
-    if "num_hidden_layers" in then_model and "layer_types" not in then_model:     # written before sliding layers
-        then_model["layer_types"] = ["full_attention"] * then_model["num_hidden_layers"]
+    then_model = meta.get("model", {})
     for key in MODEL_FIELDS:
         if key in skip:
             continue

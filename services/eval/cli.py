@@ -1,11 +1,11 @@
 """`launcher eval`: real (greedy) speculative decoding of a drafter with its target on prompt sets
 (benchmark files) or the run's held-out prompts.
 
-    python -m services.drafter.eval_cli --run-dir runs/latest [--checkpoint DIR] [--prompts FILE.jsonl ...]
+    python -m services.eval.cli --run-dir runs/latest [--checkpoint DIR] [--prompts FILE.jsonl ...]
 
 The drafter comes from a checkpoint dir, a run dir (its checkpoints/latest) or an export; the
 target and the data from the run's config.json. Prompts are rendered with the run's
-data.chat_template_kwargs (services/drafter/prompts.py says what a prompt file holds). The record
+data.chat_template_kwargs (services/prompts.py says what a prompt file holds). The record
 is appended to <run-dir>/spec_eval.jsonl.
 """
 from __future__ import annotations
@@ -19,9 +19,9 @@ from pathlib import Path
 import torch
 
 from services.config import describe_prompts
+from services.decode_step import ROLLBACKS
 from services.drafter.model import DrafterModelConfig
-from services.drafter.acceptance_text import by_set, tables
-from services.target.hybrid import ROLLBACKS
+from services.acceptance_text import by_set, tables
 
 
 # --- loading a drafter ----------------------------------------------------------------------------
@@ -102,9 +102,9 @@ def main(argv=None) -> int:
     except Exception as exc:                    # a bad run dir or checkpoint: one line for the user
         print(f"eval: error: {exc}", file=sys.stderr)
         return 2
-    from services.drafter.spec_eval import SpecEval
+    from services.eval.spec_eval import LocalSpecEval
     try:
-        spec = SpecEval(cfg, args.device, prompts=limit, max_new_tokens=args.max_new_tokens,
+        spec = LocalSpecEval(cfg, args.device, prompts=limit, max_new_tokens=args.max_new_tokens,
                         rollback=args.rollback, files=files, batch=args.batch)
     except Exception as exc:                    # the target cannot be loaded or decoded: one line
         print(f"eval: error: {exc}", file=sys.stderr)

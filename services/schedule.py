@@ -43,7 +43,7 @@ class Plan:
 
     @classmethod
     def from_dict(cls, d: dict) -> Plan:
-        return cls(**{f.name: d[f.name] for f in fields(cls) if f.name in d})   # older schedule.json: one segment
+        return cls(**{f.name: d[f.name] for f in fields(cls)})
 
     @property
     def batches_per_step(self) -> int:

@@ -1,7 +1,7 @@
 """Real speculative decoding of many prompts at once: every step is ONE packed target forward.
 
-speculative.py decodes one prompt at a time on a KV cache. A forward of a small target is a few
-milliseconds of kernel launches whatever it holds, so hundreds of prompts keep a GPU mostly idle
+The drafter's speculative.py decodes one prompt at a time on a KV cache. A forward of a small
+target is a few milliseconds of kernel launches whatever it holds, so hundreds of prompts keep a GPU mostly idle
 for many minutes (measured: docs/benchmarks.md, "A real model"). Here every unfinished prompt is
 one document of a packed row, packed as training's capture packs them (varlen attention; Gated
 DeltaNet layers per document), and the row runs through the target each step, with no cache:
@@ -22,7 +22,7 @@ evaluation lengths (hundreds of tokens) on a target that fits a GPU many times o
 and it needs no cache and no rollback of recurrent state. For a large target, `launcher eval
 --batch 1` keeps speculative.py's cached one-prompt loop. Decisions, records (Decoded) and figures
 are speculative.py's; the numbers differ only by rounding (another packing rounds differently:
-lossless.py's near-tie rule).
+services/lossless.py's near-tie rule).
 
 Logits are computed in fp32 from the final hidden state: SmolLM2's bf16 logits tie exactly often
 enough to split greedy decoding at a tie (measured); the near-tie tolerance stays the model dtype's,
@@ -35,7 +35,7 @@ import time
 import torch
 
 from services.drafter.speculative import Decoded
-from services.target.decode import Step, rounding_tolerance
+from services.decode_step import Step, rounding_tolerance
 
 
 class PackedVerifier:

@@ -1,0 +1,127 @@
+"""LocalSpecEval: the drafters' evaluation (services/drafter/spec_eval.py SpecEval) with the target in
+this process: the target, its prompts (services/prompts.py) and their plain greedy outputs, made
+once; then any drafter is decoded on them.
+
+`batch` prompts decode together, one packed target forward per step (batched_decode.py); batch 1
+decodes one prompt at a time on a KV cache (services/drafter/speculative.py), the references as the
+drafters.
+
+The target is loaded by services.target.model.load_target (the training capture's own loader,
+hooks and packed Gated DeltaNet layers) in fp32 on CPU and in target.dtype elsewhere, and runs
+through a LocalVerifier (verifier.py).
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import torch
+
+from services import runspec
+from services.decode_step import ROLLBACKS
+from services.drafter.model import DrafterModelConfig
+from services.drafter.spec_eval import SpecEval
+from services.drafter.speculative import Decoded, greedy_reference, speculative_generate, summarize_sets
+from services.drafter.target_head import TargetHead
+from services.eval.batched_decode import PackedVerifier, decode_many
+from services.eval.verifier import LocalVerifier
+from services.prompts import interleave, prompt_sets, stop_token_ids
+from services.target.model import load_target
+
+
+def load_eval_target(cfg, device: torch.device):
+    """The run's target capturing the run spec's layers (fp32 on CPU)."""
+    target_cfg = runspec.resolve(cfg).target_config(cfg)
+    return load_target(dataclasses.replace(target_cfg, dtype="float32") if device.type == "cpu" else target_cfg, device)
+
+
+# Recomputing every prompt's context each step (batched_decode.py) costs FLOPs in proportion to the
+# target's size; the cached one-prompt loop is bound by kernel launches on a small target and by
+# reading the weights on a large one: past a few billion parameters the cached loop wins.
+AUTO_BATCH, AUTO_BATCH_MAX_PARAMS = 32, 3e9
+
+
+def auto_batch(target, device: torch.device) -> int:
+    """Prompts decoded at once by default: AUTO_BATCH on a GPU for a target of at most
+    AUTO_BATCH_MAX_PARAMS parameters, else 1."""
+    params = sum(p.numel() for p in target.model.parameters())
+    return AUTO_BATCH if device.type == "cuda" and params <= AUTO_BATCH_MAX_PARAMS else 1
+
+
+class LocalSpecEval(SpecEval):
+    def __init__(self, cfg, device, *, prompts: int, max_new_tokens: int, target=None, tokenizer=None,
+                 rollback: str = ROLLBACKS[0], files: list[str] = (), batch: int = 1):
+        """prompts: at most this many of each set; files: prompt-set files (none: the held-out lines);
+        batch: prompts decoded at once (module docstring); 0: auto_batch's choice."""
+        if batch < 0:
+            raise ValueError(f"batch must be >= 0, got {batch}")
+        from transformers import AutoTokenizer
+        self.device = torch.device(device)
+        self.tokenizer = tokenizer or AutoTokenizer.from_pretrained(cfg.target.model_path)
+        # the prompts before the target: a bad prompt file is named before a large model loads
+        self.prompts, self.names = interleave(prompt_sets(cfg, self.tokenizer, list(files), prompts))
+        self.target = target if target is not None else load_eval_target(cfg, self.device)   # a Target
+        self.verifier = LocalVerifier(self.target, rollback)
+        self.batch = batch or auto_batch(self.target, self.device)
+        self.packed = PackedVerifier(self.target) if self.batch > 1 else None
+        self.dtype = self.target.model.dtype
+        self.max_new_tokens = max_new_tokens
+        self.stop_ids = stop_token_ids(self.tokenizer, self.target.model)
+        # where the prompts come from: the files (None), held-out lines (True) or the last training lines
+        self.held_out = None if files else runspec.HeldOut.of(cfg).exists
+        self._references: list[Decoded] = []
+        self._controls: dict[tuple, dict] = {}
+
+    def decode(self, propose, indices: list[int]) -> list[Decoded]:
+        """These prompts decoded with `propose` (None: plain greedy): `batch` at once, or one by one."""
+        prompts, limits = [self.prompts[i] for i in indices], dict(max_new_tokens=self.max_new_tokens,
+                                                                    stop_ids=self.stop_ids)
+        if self.packed is not None:
+            return decode_many(self.packed, propose, prompts, **limits)
+        if propose is None:
+            return [greedy_reference(self.verifier, p, self.max_new_tokens, self.stop_ids) for p in prompts]
+        return [speculative_generate(self.verifier, propose, p, **limits) for p in prompts]
+
+    def references(self, n: int) -> list[Decoded]:
+        """Plain greedy outputs of the first n prompts (computed `batch` at a time, once, reused at
+        every evaluation)."""
+        while len(self._references) < min(n, len(self.prompts)):
+            done = len(self._references)
+            self._references += self.decode(None, list(range(done, min(done + self.batch, len(self.prompts)))))
+        return self._references[:n]
+
+    def head(self, model_cfg: DrafterModelConfig) -> TargetHead:
+        embed = self.target.model.get_input_embeddings().weight
+        lm_head = self.target.model.get_output_embeddings().weight
+        if tuple(embed.shape) != (model_cfg.vocab_size, model_cfg.hidden_size):
+            raise ValueError(f"the target's embedding is {tuple(embed.shape)}, the drafter expects "
+                             f"[{model_cfg.vocab_size}, {model_cfg.hidden_size}]")
+        if sorted(model_cfg.target_layer_ids) != list(self.target.info.layer_ids):
+            raise ValueError(f"the drafter reads target layers {sorted(model_cfg.target_layer_ids)}, the target "
+                             f"captures {self.target.info.layer_ids} (target.layer_ids of the run's config)")
+        return TargetHead(embed.detach(), lm_head.detach())
+
+    def run(self, propose, budget_s: float = 0.0, tick=None, indices: list[int] | None = None) -> dict:
+        """Prompts in order (those of `indices`, else all) until done or past budget_s (0: no limit);
+        the figures of those decoded, and their `indices`."""
+        start = time.perf_counter()
+        if indices is None:                 # references inside the budget too: the first evaluation computes them
+            count = 0
+            while count < len(self.prompts):
+                if budget_s > 0 and count and time.perf_counter() - start > budget_s / 2:
+                    break
+                count = len(self.references(count + self.batch))
+                if tick:
+                    tick()
+            indices = list(range(count))
+        refs = self.references(max(indices, default=-1) + 1)    # cached: the drafter's run computed them
+        began, results = time.perf_counter(), []
+        for first in range(0, len(indices), self.batch):
+            if budget_s > 0 and results and time.perf_counter() - start > budget_s:
+                break
+            if tick:
+                tick()
+            results += self.decode(propose, indices[first:first + self.batch])
+        decoded = indices[:len(results)]
+        return {**summarize_sets(results, [refs[i] for i in decoded], [self.names[i] for i in decoded],
+                                 time.perf_counter() - began), "indices": decoded}

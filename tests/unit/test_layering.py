@@ -1,0 +1,136 @@
+"""The layers of the code, checked on its source: the two roles are peers, the shared layer sits under
+both, and only services/eval (the in-process `launcher eval`) and services/tools (the launcher's jobs)
+may use a role's code.
+
+    services/*.py       shared: imports no role package, nor services.eval or services.tools
+    services/target     imports no services.drafter, no services.eval
+    services/drafter    imports no services.target, no services.eval
+    launcher/           imports the shared layer only; it runs the roles, `launcher eval` and the
+                        tools as child processes
+
+Every import counts, also one inside a function: a lazy import loads the module all the same.
+"""
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+ABOVE_SHARED = ("services.drafter", "services.target", "services.eval", "services.tools")
+FORBIDDEN = {                       # the layer of a module -> the packages it must not import
+    "services.drafter": ("services.target", "services.eval"),
+    "services.target": ("services.drafter", "services.eval"),
+    "launcher": ABOVE_SHARED,
+    "services": ABOVE_SHARED,       # the shared modules, services/*.py
+}
+
+
+def layer_of(module: str) -> str | None:
+    """The layer a module (dotted name) belongs to, or None when it has no rule (services.eval,
+    services.tools: each may import what it runs)."""
+    parts = module.split(".")
+    if parts[0] == "launcher":
+        return "launcher"
+    if parts[0] != "services":
+        return None
+    if len(parts) <= 2:
+        return "services"
+    sub = f"services.{parts[1]}"
+    return sub if sub in FORBIDDEN else None
+
+
+def imported(source: str, module: str) -> list[tuple[int, str]]:
+    """(line, module) of every import in a source, at any depth; relative imports resolved against
+    `module` (the importing module's dotted name)."""
+    package = module.split(".")[:-1]
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package[:len(package) - node.level + 1] + ([base] if base else []))
+            # the module itself first; `from services import target` imports services.target
+            found += [(node.lineno, base)] + [(node.lineno, f"{base}.{alias.name}") for alias in node.names]
+    return found
+
+
+def violations(source: str, module: str) -> list[str]:
+    layer = layer_of(module)
+    if layer is None:
+        return []
+    bad = {}                        # one line per import statement: its first forbidden name
+    for line, name in imported(source, module):
+        if any(name == banned or name.startswith(banned + ".") for banned in FORBIDDEN[layer]):
+            bad.setdefault(line, name)
+    return [f"{module}:{line}: imports {name}" for line, name in sorted(bad.items())]
+
+
+def module_name(path: Path) -> str:
+    return ".".join(path.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__")
+
+
+def product_modules() -> list[Path]:
+    return sorted([*(REPO / "services").rglob("*.py"), *(REPO / "launcher").rglob("*.py")])
+
+
+def test_no_module_imports_across_roles_or_upward():
+    found = [v for path in product_modules() for v in violations(path.read_text(), module_name(path))]
+    assert not found, "\n".join(found)
+
+
+def test_the_check_sees_every_layer():
+    names = {module_name(p) for p in product_modules()}
+    assert {layer_of(n) for n in names} >= {"services", "services.drafter", "services.target", "launcher"}
+    assert layer_of("services.schedule") == "services" and layer_of("services.eval.cli") is None
+    assert layer_of("services.tools.demo") is None and layer_of("services.drafter.worker") == "services.drafter"
+
+
+@pytest.mark.parametrize("module, source", [
+    ("services.drafter.x", "from services.target.decode import Step\n"),
+    ("services.drafter.x", "def f():\n    import services.target.model as m\n    return m\n"),
+    ("services.drafter.x", "def f():\n    from services.target import packing\n"),
+    ("services.drafter.x", "from services import target\n"),
+    ("services.drafter.x", "from ..target import decode\n"),
+    ("services.drafter.x", "from services.eval.cli import main\n"),
+    ("services.target.x", "from services.drafter.prompts import prompt_sets\n"),
+    ("services.x", "from services.drafter.schedule import Plan\n"),
+    ("services.x", "from .eval import spec_eval\n"),
+    ("launcher.x", "class A:\n    def f(self):\n        from services.drafter import checkpoint_compat\n"),
+    ("launcher.x", "import services.target.regenerate\n"),
+    ("launcher.x", "from services.tools.gguf_model import load\n"),
+])
+def test_the_check_catches_a_violation(module, source):
+    assert violations(source, module), source
+
+
+@pytest.mark.parametrize("module, source", [
+    ("services.drafter.x", "from services.decode_step import Step\nfrom services.drafter import model\n"),
+    ("services.target.x", "from services import runspec\nfrom .hybrid import ROLLBACKS\n"),
+    ("launcher.x", "from services.schedule import Plan\nimport services.config\n"),
+    ("services.eval.x", "from services.target.model import load_target\nfrom services.drafter import spec_eval\n"),
+    ("services.x", "from services.drafter_like import thing\n"),
+])
+def test_the_check_lets_allowed_imports_be(module, source):
+    assert not violations(source, module), violations(source, module)
+
+
+def test_a_drafter_process_loads_no_transformers_model_code():
+    """What a drafter worker imports at startup (its entry module and the worker, which imports the
+    training loop, the bookkeeping and real acceptance) holds no transformers module at all: none of
+    the target's model code (`transformers.models.*`, `transformers.modeling_*`, the KV cache of
+    `transformers.cache_utils`). Real acceptance imports transformers' AutoTokenizer and
+    GenerationConfig lazily, at its first evaluation: a tokenizer and a config, never a model
+    (remote_eval.models_in_process counts the models; test_verify_wire checks that
+    transformers.modeling_utils stays out). A fresh process, as the drafter worker is."""
+    code = ("import sys\n"
+            "import services.drafter.__main__, services.drafter.worker\n"
+            "print('\\n'.join(m for m in sys.modules if m.startswith('transformers')))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == []
