@@ -32,11 +32,11 @@ from services.health import HealthServer
 from services.log import event
 from services.drafter import checkpoint as ckpt
 from services.drafter import collectives
-from services.drafter.bookkeeping import Bookkeeping
+from services.drafter.bookkeeping import BookSettings, Bookkeeping
 from services.compile import RecompileWatch
 from services.drafter.compile import warmup
 from services.drafter.evaluate import evaluate
-from services.drafter.source import BatchSource, eval_batches, train_batches
+from services.drafter.source import BatchSource, SourceSettings, eval_batches, train_batches
 from services.drafter.synthetic import SyntheticSource
 from services.drafter.target_head import model_and_head
 from services.drafter.train import (build_train_state, check_batch, make_scheduler, parameter_fingerprint,
@@ -92,19 +92,20 @@ class DrafterWorker:
                                                total_steps=max(1, self.max_steps))
         self.compile_s = self.compile(model_cfg)      # before asking for batches: the targets load meanwhile
         check = functools.partial(check_batch, state=state)    # values too, before a batch goes to the GPU early
-        source_args = (cfg, self.run_dir, rank, self.world_size, args.num_targets, model_cfg, health, device)
-        self.batches, plan = train_batches(*source_args, synthetic=args.synthetic, max_steps=self.max_steps,
-                                           start_step=found.micro_step if found else 0,
+        sources = SourceSettings.from_config(cfg, self.run_dir, rank, self.world_size, args.num_targets)
+        self.batches, plan = train_batches(sources, model_cfg, health, device, synthetic=args.synthetic,
+                                           max_steps=self.max_steps, start_step=found.micro_step if found else 0,
                                            first_g=found.batches_done if found else 0, check=check)
         self.batches.check_targets(self.spec)        # the targets' handshake, against this drafter's run spec
-        held_out = eval_batches(*source_args, synthetic=args.synthetic, check=check)
+        held_out = eval_batches(sources, model_cfg, health, device, synthetic=args.synthetic, check=check)
         state.scheduler = make_scheduler(state.optimizer, cfg, plan.optimizer_steps, plan)   # the real horizon, now known
         if found:
             for note in ckpt.restore(state, found, rank):
                 log.warning("%s", note)
             event("resumed", rank=rank, checkpoint=str(found.path), **state.counters())
-        self.books = Bookkeeping(cfg, self.run_dir, rank, self.world_size, state, health, found, held_out, plan=plan,
-                                 num_targets=0 if args.synthetic else args.num_targets)
+        books = BookSettings.from_config(cfg, self.run_dir, rank, self.world_size,
+                                         num_targets=0 if args.synthetic else args.num_targets)
+        self.books = Bookkeeping(books, state, health, found, held_out, plan=plan)
         health.set(state="ready", compile_s=self.compile_s, total_steps=plan.optimizer_steps,
                    step=state.step, samples_done=state.samples_done)  # set(): under systemd this also sends READY=1
         health.progress()
