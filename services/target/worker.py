@@ -37,7 +37,7 @@ from services.compile import RecompileWatch, setup_environment
 from services.target.compiled import compile_and_warm_up
 from services.target.model import load_target
 from services.target.ring import CaptureRing
-from services.target.verifying import VerifyService, verify_limits, warm_up_verify
+from services.target.verifying import VerifyService, VerifySettings, verify_limits, warm_up_verify
 from services.target.packing import open_or_build
 from services.transport import BatchServer, Request
 from services.gpu_memory import gpu_memory
@@ -77,7 +77,7 @@ class TargetWorker:
         self.ring = CaptureRing(self.target, self.data.pack_len, cfg.transport.credits + 2, cfg.target.labels_from_target)
         self.server = BatchServer(endpoint(run_dir, cfg.transport, "target", rank, "data"), cfg.transport, health,
                                   verify_limits=verify_limits(cfg, spec))
-        self.verify = VerifyService(self.target, self.server, cfg, health)
+        self.verify = VerifyService(self.target, self.server, VerifySettings.from_config(cfg, spec), health)
         self.batches_served = self.samples_done = 0
         self.tokens_per_s = 0.0
         self.last_answer = time.perf_counter()
