@@ -3,8 +3,9 @@
     starting -> loading -> compiling -> ready -> training -> stopped      (or failed)
                                                      \\-> draining (SIGTERM: finish the step, checkpoint, exit 3)
 
-DrafterWorker has the target worker's shape: setup() (config and checkpoint errors before any GPU
-work), train() (the loop), finish(); run() maps how it ended to an exit code (services/exits.py).
+DrafterWorker has the worker shape both roles share (services/worker_main.py, which starts it and maps
+how it ended to an exit code): setup() (config and checkpoint errors before any GPU work), train() (the
+loop, then finish()), close().
 One batch: `batches` (source.py: ZmqSource pulls batch g from target g mod T) -> train.train_step
 (anchors -> drafter -> loss -> DDP -> AdamW) -> bookkeeping.Bookkeeping.after_batch (ledger,
 metrics, evaluation, checkpoints). What every rank does together is in collectives.py.
@@ -17,16 +18,14 @@ from __future__ import annotations
 import argparse
 import functools
 import logging
-import os
 import threading
 import time
 from pathlib import Path
 
 import torch
 
-from services import curve, exits, lifecycle, runspec
+from services import lifecycle, runspec
 from services.config import Config, ConfigError
-from services.endpoints import endpoint
 from services.files import cpu_share
 from services.health import HealthServer
 from services.log import event
@@ -186,20 +185,3 @@ class DrafterWorker:
             self.batches.close()
         collectives.leave()
 
-
-def run(args: argparse.Namespace, cfg: Config, workers_on_node: int) -> int:
-    device = torch.device("cuda:0" if args.device == "cuda" else "cpu")
-    gpu = os.environ.get("CUDA_VISIBLE_DEVICES", "0") if device.type == "cuda" else f"cpu-{args.rank}"
-    health = HealthServer(endpoint(Path(args.run_dir), cfg.transport, "drafter", args.rank, "health"), "drafter",
-                          args.rank, gpu, stall_after_s=cfg.run.stall_after_s,
-                          startup_stall_after_s=cfg.run.startup_stall_after_s, keys_dir=curve.keys_for(cfg.transport))
-    stop = lifecycle.install(grace_s=cfg.run.stop_timeout_s)
-    worker = DrafterWorker(args, cfg, device, health, workers_on_node)
-    try:
-        worker.setup()
-        return exits.OK if worker.train(stop) else exits.STOPPED     # stopped before the end: not finished
-    except Exception as exc:                      # stopped while starting (not finished), a config error, a crash
-        return exits.exit_code(exc, health, stopped=exits.STOPPED)
-    finally:
-        worker.close()
-        health.close()
