@@ -8,10 +8,13 @@ agrees on what was saved.
 """
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 from services import exits
 from services.config import Config
@@ -45,22 +48,58 @@ class NonFiniteError(exits.FinalError):
     would train the same batches from the same checkpoint and skip them again."""
 
 
+@dataclass(frozen=True)
+class BookSettings:
+    """What the bookkeeping reads of the run, built once from the config (as train.StepSettings is)."""
+    run_dir: Path
+    rank: int
+    world_size: int
+    num_targets: int               # the target workers that verify real acceptance (0: a local target, synthetic)
+    log_every: int
+    eval_every: int
+    checkpoint_every: int
+    keep_checkpoints: int
+    max_nonfinite_steps: int
+    export_at_end: bool
+    wandb_project: str
+    target_path: str               # target.model_path: the export names it; no path, no real acceptance
+    seed: int
+    spec_eval_prompts: int
+    spec_eval_max_new_tokens: int
+    spec_eval_budget_s: float
+    config: dict = field(repr=False, compare=False)    # the run's whole config, as checkpoints and W&B record it
+    # (head, model_cfg, health, prompts=, max_new_tokens=) -> RemoteSpecEval: the targets verify
+    open_spec_eval: Callable = field(repr=False, compare=False)
+
+    @classmethod
+    def from_config(cls, cfg: Config, run_dir: str | Path, rank: int = 0, world_size: int = 1,
+                    num_targets: int = 0) -> "BookSettings":
+        run = cfg.run
+        return cls(run_dir=Path(run_dir), rank=rank, world_size=world_size, num_targets=num_targets,
+                   log_every=run.log_every, eval_every=run.eval_every, checkpoint_every=run.checkpoint_every,
+                   keep_checkpoints=run.keep_checkpoints, max_nonfinite_steps=cfg.drafter.max_nonfinite_steps,
+                   export_at_end=run.export_at_end, wandb_project=run.wandb_project,
+                   target_path=cfg.target.model_path, seed=run.seed, spec_eval_prompts=run.spec_eval_prompts,
+                   spec_eval_max_new_tokens=run.spec_eval_max_new_tokens, spec_eval_budget_s=run.spec_eval_budget_s,
+                   config=cfg.to_dict(),
+                   open_spec_eval=functools.partial(RemoteSpecEval, cfg, Path(run_dir), num_targets))
+
+
 class Bookkeeping:
-    def __init__(self, cfg: Config, run_dir: Path, rank: int, world_size: int, state: TrainState,
-                 health: HealthServer, resumed: ckpt.Found | None, eval_batches=None, plan=None,
-                 num_targets: int = 0):
-        """plan: the run's (schedule.py), for the batches a checkpoint has done; None: one split from the start.
-        num_targets: the target workers that verify real acceptance (0: a local target, synthetic runs)."""
-        self.cfg, self.run_dir, self.rank, self.world_size = cfg, Path(run_dir), rank, world_size
+    def __init__(self, settings: BookSettings, state: TrainState, health: HealthServer,
+                 resumed: ckpt.Found | None, eval_batches=None, plan=None):
+        """plan: the run's (schedule.py), for the batches a checkpoint has done; None: one split from the start."""
+        self.settings = books = settings
+        self.run_dir, self.rank, self.world_size = books.run_dir, books.rank, books.world_size
         self.plan = plan
         self.state, self.health, self.eval_batches = state, health, eval_batches
-        self.num_targets = num_targets                 # the target workers that verify the real-acceptance eval
-        self.root = ckpt.checkpoints_dir(run_dir)
-        self.writer = BackgroundWriter(self.root, cfg.run.keep_checkpoints, state.device)
+        self.num_targets = books.num_targets           # the target workers that verify the real-acceptance eval
+        self.root = ckpt.checkpoints_dir(self.run_dir)
+        self.writer = BackgroundWriter(self.root, books.keep_checkpoints, state.device)
         self.first_step = state.step
-        self.ledger = Ledger(run_dir, rank, start_step=state.micro_step, world_size=world_size)
-        self.metrics = MetricsLog(run_dir, resume_step=state.step, enabled=rank == 0,
-                                  wandb_project=cfg.run.wandb_project, config=cfg.to_dict())
+        self.ledger = Ledger(self.run_dir, self.rank, start_step=state.micro_step, world_size=self.world_size)
+        self.metrics = MetricsLog(self.run_dir, resume_step=state.step, enabled=self.rank == 0,
+                                  wandb_project=books.wandb_project, config=books.config)
         self.times = StepTimes()
         self.window = MetricsWindow()
         self.saved_step = state.step if resumed else None
@@ -72,7 +111,7 @@ class Bookkeeping:
         self.spec = None                               # SpecEval once loaded; False when unavailable
         self.models_in_process = None                  # HF models in this process, counted at the first real eval
         self.acceptance = self.run_dir / ACCEPTANCE_FILE
-        if rank == 0:
+        if self.rank == 0:
             truncate_jsonl(self.acceptance, state.step)  # a resume continues the curve, as metrics.jsonl does
         self.closed = False
         # non-finite batches (this rank's) and skipped optimizer steps (every rank's alike): health "integrity"
@@ -90,7 +129,7 @@ class Bookkeeping:
         self.check_finite(g, m)
         if self.state.micro_step % self.state.settings.grad_accum:
             return
-        step, run = self.state.step, self.cfg.run
+        step, run = self.state.step, self.settings
         if self.rank == 0:
             self.report_checkpoint(self.writer.done())
             if step == self.first_step + 1:              # the optimizer has its state now: size the buffers
@@ -125,7 +164,7 @@ class Bookkeeping:
                 self.skipped_in_a_row = 0
         if changed:
             self.health.progress(integrity=dict(books))
-        limit = self.cfg.drafter.max_nonfinite_steps
+        limit = self.settings.max_nonfinite_steps
         if self.skipped_in_a_row >= limit:
             cause = books["last_nonfinite"] or "non-finite gradients from another drafter rank's batches (see its log)"
             raise NonFiniteError(f"{self.skipped_in_a_row} optimizer steps in a row skipped "
@@ -176,13 +215,13 @@ class Bookkeeping:
         next step and wait there, so the budget bounds their wait."""
         if self.spec is None:
             self.spec = False
-            path, run = self.cfg.target.model_path, self.cfg.run
+            path, run = self.settings.target_path, self.settings
             if self.rank != 0 or run.spec_eval_prompts <= 0 or self.num_targets <= 0 or not path:
                 return None
             try:
-                self.spec = RemoteSpecEval(self.cfg, self.run_dir, self.num_targets, self.state.head,
-                                           self.state.drafter.cfg, self.health, prompts=run.spec_eval_prompts,
-                                           max_new_tokens=run.spec_eval_max_new_tokens)
+                self.spec = run.open_spec_eval(self.state.head, self.state.drafter.cfg, self.health,
+                                               prompts=run.spec_eval_prompts,
+                                               max_new_tokens=run.spec_eval_max_new_tokens)
                 if not self.spec.prompts:
                     log.warning("real speculative decoding is off: the held-out data has no prompts (set run.eval_prompts "
                                 "to a prompt file)")
@@ -202,7 +241,7 @@ class Bookkeeping:
         self.health.progress()
         try:
             result = spec.evaluate(self.state.drafter.state_dict(), self.state.drafter.cfg, controls=final,
-                                   budget_s=self.cfg.run.spec_eval_budget_s, seed=self.cfg.run.seed,
+                                   budget_s=self.settings.spec_eval_budget_s, seed=self.settings.seed,
                                    tick=self.health.progress)
         except Exception as exc:
             log.warning(f"real speculative decoding failed and is off: {type(exc).__name__}: {exc}")
@@ -248,7 +287,7 @@ class Bookkeeping:
                 log.warning(low)
                 self.health.error(low)
             self.writer.snapshot_and_write(step, weights=state.drafter.state_dict(), optimizer=blob, rng=rng,
-                                           meta=meta, config=self.cfg.to_dict(), set_best=set_best)
+                                           meta=meta, config=self.settings.config, set_best=set_best)
         self.saved_step = step
 
     def report_checkpoint(self, outcome: dict | None) -> None:
@@ -278,12 +317,12 @@ class Bookkeeping:
             self.checkpoint()
         if self.rank == 0:
             self.report_checkpoint(self.writer.wait())    # the run ends with its checkpoint on disk
-        if completed and self.cfg.run.export_at_end and self.rank == 0:
+        if completed and self.settings.export_at_end and self.rank == 0:
             from services.drafter.export import export_weights, num_speculative_tokens
             try:
                 record = self.final_export_record()
                 out = export_weights(self.state.drafter.state_dict(), self.state.drafter.cfg, self.run_dir / "export",
-                                     provenance=record, target=self.cfg.target.model_path)
+                                     provenance=record, target=self.settings.target_path)
                 event("exported", out=str(out), **record,
                     num_speculative_tokens=num_speculative_tokens(self.state.drafter.cfg.block_size))
             except Exception as exc:

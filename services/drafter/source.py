@@ -36,16 +36,18 @@ may wait for its compile).
 """
 from __future__ import annotations
 
+import functools
 import logging
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Protocol
+from typing import Callable, Iterator, Protocol
 
 import torch
 
 from services.batch import FIELDS, Batch
 from services.batch_client import BatchClient
-from services.config import Config
+from services.config import Config, TransportConfig
 from services.endpoints import endpoint
 from services.files import write_json_atomic
 from services.drafter.model import DrafterModelConfig
@@ -107,49 +109,85 @@ def batch_content(cfg: Config, run_dir: str | Path, data_key: str) -> tuple[Pack
     return None, "off"
 
 
+@dataclass(frozen=True)
+class SourceSettings:
+    """What the batch sources read of the run, built once from the config (as train.StepSettings is):
+    where the targets listen, how many drafters share them, the plan's inputs, what a batch looks like."""
+    run_dir: Path
+    rank: int
+    world_size: int
+    num_targets: int
+    transport: TransportConfig
+    epochs: int
+    grad_accum: int
+    labels_from_target: bool
+    pack_len: int
+    seed: int
+    evaluate: bool                            # run.eval_every > 0: a held-out source is wanted
+    content: Callable[[str], tuple] = field(repr=False, compare=False)   # data key -> batch_content(...)
+
+    @classmethod
+    def from_config(cls, cfg: Config, run_dir: str | Path, rank: int = 0, world_size: int = 1,
+                    num_targets: int = 1) -> "SourceSettings":
+        return cls(run_dir=Path(run_dir), rank=rank, world_size=world_size, num_targets=num_targets,
+                   transport=cfg.transport, epochs=cfg.run.epochs, grad_accum=max(1, cfg.drafter.grad_accum),
+                   labels_from_target=cfg.target.labels_from_target, pack_len=cfg.data.pack_len, seed=cfg.run.seed,
+                   evaluate=cfg.run.eval_every > 0, content=functools.partial(batch_content, cfg, run_dir))
+
+
 class ZmqSource:
-    def __init__(self, cfg: Config, run_dir: str | Path, rank: int, world_size: int, num_targets: int,
-                 health: HealthServer | None, max_steps: int = 0, start_step: int = 0, split: str = "train",
-                 device: torch.device | None = None, check=None, first_g: int | None = None):
+    def __init__(self, settings: SourceSettings, health: HealthServer | None, max_steps: int = 0,
+                 start_step: int = 0, split: str = "train", device: torch.device | None = None, check=None,
+                 first_g: int | None = None):
         """max_steps: optimizer steps at most (train only; 0: the whole data). start_step, first_g: a
         resume's micro-step and the batches its checkpoint had done (schedule.py; None: start_step·D, one
         split from the start). device: a CUDA device
-        gets the next batch copied to it on a side stream while the current step runs."""
-        self.cfg, self.rank, self.world, self.split = cfg, rank, world_size, split
+        gets the next batch copied to it on a side stream while the current step runs.
+        Nothing is asked here: connect() waits for target 0's handshake and makes the plan."""
+        self.settings, self.split, self.health = settings, split, health
+        self.rank, self.world = settings.rank, settings.world_size
+        self.max_steps, self.start_step = max_steps, start_step
+        self.first_g = start_step * settings.world_size if first_g is None else first_g
         self.copy_stream = torch.cuda.Stream(device) if device is not None and device.type == "cuda" else None
         self.check = check or (lambda batch: batch)
         self.staged: dict[int, tuple[Batch, torch.cuda.Event]] = {}   # g -> (batch on the device, copy done)
-        self.data_eps = [endpoint(run_dir, cfg.transport, "target", t, "data") for t in range(num_targets)]
-        self.health_eps = [endpoint(run_dir, cfg.transport, "target", t, "health") for t in range(num_targets)]
-        self.client = BatchClient(self.data_eps, cfg.transport, health, pin_memory=torch.cuda.is_available())
-        self.health = health
-        self.incarnations: list[str | None] = [None] * num_targets    # learned from health
+        t = settings.transport
+        self.data_eps = [endpoint(settings.run_dir, t, "target", i, "data") for i in range(settings.num_targets)]
+        self.health_eps = [endpoint(settings.run_dir, t, "target", i, "health") for i in range(settings.num_targets)]
+        self.client: BatchClient | None = None
+        self.incarnations: list[str | None] = [None] * settings.num_targets    # learned from health
         self.pending: dict[int, float] = {}      # g -> time requested
         self.deferred: set[int] = set()          # pending, not asked yet: its target's incarnation is unknown
         self.arrived: dict[int, Batch] = {}
         self.provenance: dict[int, dict] = {}    # g -> {incarnation, digest} of the batch that arrived
         self.wait_s = 0.0                        # time spent waiting for data (data-wait fraction)
         self.slowest_answer_s = 0.0              # the longest a request took to be answered (resend_after)
-        self.info = self._ask_info()
-        self.content, how = batch_content(cfg, run_dir, self.info.data_key)
         self.retry_at: dict[int, float] = {}     # target -> when to ask it again on a fresh connection
-        if health:
-            health.set(content_check=how)
+
+    def connect(self) -> Plan:
+        """Connect to the targets and wait for target 0's handshake (it may still be loading); the plan
+        of this split follows from it. Rank 0's training source writes it to schedule.json."""
+        settings, split = self.settings, self.split
+        self.client = BatchClient(self.data_eps, settings.transport, self.health, pin_memory=torch.cuda.is_available())
+        self.info = self._ask_info()
+        self.content, how = settings.content(self.info.data_key)
+        if self.health:
+            self.health.set(content_check=how)
         if self.content is None and split == "train":
             log.warning("batch content is not checked: neither the packed data nor its digests (%s) are on this "
                         "host; only the provenance a target claims is", digests_path(
-                            Path(run_dir) / "data-cache" / f"{self.info.data_key or '<key>'}.safetensors"))
+                            settings.run_dir / "data-cache" / f"{self.info.data_key or '<key>'}.safetensors"))
         if split == "eval":
-            self.plan = make_plan(self.info.num_eval_batches, epochs=1, drafters=world_size)
+            self.plan = make_plan(self.info.num_eval_batches, epochs=1, drafters=settings.world_size)
         else:
-            accum = max(1, cfg.drafter.grad_accum)
-            first_g = start_step * world_size if first_g is None else first_g
-            self.plan = make_plan(self.info.num_batches, cfg.run.epochs, world_size, accum, max_steps,
-                                  first_step=start_step // accum, first_g=first_g)
+            accum = settings.grad_accum
+            self.plan = make_plan(self.info.num_batches, settings.epochs, settings.world_size, accum, self.max_steps,
+                                  first_step=self.start_step // accum, first_g=self.first_g)
         self.total_batches = self.plan.total_batches
-        self.start_step = start_step
-        if rank == 0 and split == "train":     # for `launcher status`, reports and the exactly-once check
-            write_json_atomic(Path(run_dir) / "schedule.json", {**self.plan.to_dict(), "targets": num_targets})
+        if settings.rank == 0 and split == "train":     # for `launcher status`, reports and the exactly-once check
+            write_json_atomic(settings.run_dir / "schedule.json",
+                              {**self.plan.to_dict(), "targets": settings.num_targets})
+        return self.plan
 
     @property
     def num_targets(self) -> int:
@@ -196,7 +234,7 @@ class ZmqSource:
 
     # --- requests ----------------------------------------------------------
     def _top_up(self, step: int) -> None:
-        for s in range(step, min(step + self.cfg.transport.credits, self.plan.micro_batches)):
+        for s in range(step, min(step + self.settings.transport.credits, self.plan.micro_batches)):
             g = self.g_of(s)
             if g < self.total_batches and g not in self.pending and g not in self.arrived:
                 self.pending[g] = time.monotonic()
@@ -269,7 +307,7 @@ class ZmqSource:
         """Batches of this split that exist (the handshake's): train g < num_batches · run.epochs."""
         if self.split == "eval":
             return self.info.num_eval_batches
-        return self.info.num_batches * self.cfg.run.epochs
+        return self.info.num_batches * self.settings.epochs
 
     def _reask_dropped(self, now: float) -> None:
         """A target's answer was dropped: whoever answered holds a connection the real target may
@@ -309,14 +347,14 @@ class ZmqSource:
 
     def _learn_incarnation(self, t: int) -> None:
         """Remember target t's incarnation once it is ready (data socket bound); else keep the last known."""
-        _, status, _ = probe(self.health_eps[t], timeout_s=0.5, keys_dir=curve.keys_for(self.cfg.transport))
+        _, status, _ = probe(self.health_eps[t], timeout_s=0.5, keys_dir=curve.keys_for(self.settings.transport))
         if status and status.get("state") in ("ready", "training") and status.get("incarnation"):
             self.incarnations[t] = str(status["incarnation"])
 
     def _resend_overdue(self, now: float) -> None:
         """A stream that broke while its target stayed up (a tcp reconnect, a send that gave up)
         never completes: ask again. A late duplicate is dropped by the client."""
-        wait = resend_wait(self.cfg.transport.resend_after_s, self.slowest_answer_s)
+        wait = resend_wait(self.settings.transport.resend_after_s, self.slowest_answer_s)
         for g, asked in list(self.pending.items()):
             if g not in self.deferred and now - asked > wait:
                 self._ask(g)
@@ -344,47 +382,49 @@ class ZmqSource:
     def empty_batch(self, g: int) -> Batch:
         """Zero loss weight; target labels too when the run trains on them (check_batch wants them)."""
         s, width = self.info.seq_len, self.info.hidden_width
-        labels = torch.zeros(s, dtype=torch.int64) if self.cfg.target.labels_from_target else None
+        labels = torch.zeros(s, dtype=torch.int64) if self.settings.labels_from_target else None
         return Batch(g=g, hidden=torch.zeros(s, width, dtype=FIELDS["hidden"]),
                      input_ids=torch.zeros(s, dtype=torch.int64), loss_mask=torch.zeros(s, dtype=torch.bool),
                      position_ids=torch.arange(s, dtype=torch.int64),
                      document_ids=torch.full((s,), -1, dtype=torch.int64), target_labels=labels)
 
     def close(self) -> None:
-        self.client.close()
+        if self.client is not None:
+            self.client.close()
 
 
-def train_batches(cfg: Config, run_dir: Path, rank: int, world_size: int, num_targets: int,
-                  model_cfg: DrafterModelConfig, health: HealthServer, device: torch.device, *, synthetic: bool,
-                  max_steps: int, start_step: int, first_g: int | None = None,
+def train_batches(settings: SourceSettings, model_cfg: DrafterModelConfig, health: HealthServer,
+                  device: torch.device, *, synthetic: bool, max_steps: int, start_step: int, first_g: int | None = None,
                   check=None) -> tuple[BatchSource, Plan]:
-    """(this rank's training batches from micro-step start_step on, the run's plan). first_g: batches
-    done before start_step (a resume: the checkpoint's, whatever split wrote it). check: validates a
-    batch on the CPU."""
+    """(this rank's training batches from micro-step start_step on, the run's plan), the targets'
+    handshake done. first_g: batches done before start_step (a resume: the checkpoint's, whatever split
+    wrote it). check: validates a batch on the CPU."""
+    rank, world_size = settings.rank, settings.world_size
     first_g = start_step * world_size if first_g is None else first_g
     if synthetic:
-        accum = max(1, cfg.drafter.grad_accum)
+        accum = settings.grad_accum
         plan = make_plan(None, 1, world_size, accum, max_steps, first_step=start_step // accum, first_g=first_g)
-        source = SyntheticSource(model_cfg, cfg.data.pack_len, rank=rank, world_size=world_size,
-                                 seed=cfg.run.seed, total_steps=plan.micro_batches, start_step=start_step,
-                                 device=device, with_target_labels=cfg.target.labels_from_target, first_g=first_g)
+        source = SyntheticSource(model_cfg, settings.pack_len, rank=rank, world_size=world_size,
+                                 seed=settings.seed, total_steps=plan.micro_batches, start_step=start_step,
+                                 device=device, with_target_labels=settings.labels_from_target, first_g=first_g)
         return source, plan
-    source = ZmqSource(cfg, run_dir, rank, world_size, num_targets, health, max_steps=max_steps,
-                       start_step=start_step, device=device, check=check, first_g=first_g)
-    return source, source.plan
+    source = ZmqSource(settings, health, max_steps=max_steps, start_step=start_step, device=device, check=check,
+                       first_g=first_g)
+    return source, source.connect()
 
 
-def eval_batches(cfg: Config, run_dir: Path, rank: int, world_size: int, num_targets: int,
-                 model_cfg: DrafterModelConfig, health: HealthServer, device: torch.device, *, synthetic: bool,
-                 check=None) -> ZmqSource | SyntheticEval | None:
-    """The held-out split (rank d evaluates batches i*D + d), or None when evaluation is off or empty."""
-    if cfg.run.eval_every <= 0:
+def eval_batches(settings: SourceSettings, model_cfg: DrafterModelConfig, health: HealthServer,
+                 device: torch.device, *, synthetic: bool, check=None) -> ZmqSource | SyntheticEval | None:
+    """The held-out split (rank d evaluates batches i*D + d), the targets' handshake done, or None when
+    evaluation is off or empty."""
+    if not settings.evaluate:
         return None
     if synthetic:
-        return SyntheticEval(SyntheticSource(model_cfg, cfg.data.pack_len, seed=cfg.run.seed, device=device,
-                                             with_target_labels=cfg.target.labels_from_target),
-                             rank, world_size)
-    source = ZmqSource(cfg, run_dir, rank, world_size, num_targets, health, split="eval", device=device, check=check)
+        return SyntheticEval(SyntheticSource(model_cfg, settings.pack_len, seed=settings.seed, device=device,
+                                             with_target_labels=settings.labels_from_target),
+                             settings.rank, settings.world_size)
+    source = ZmqSource(settings, health, split="eval", device=device, check=check)
+    source.connect()
     if source.total_batches == 0:
         log.warning("run.eval_every is set but the data has no held-out batches (data.eval_fraction / "
                     "data.eval_path); evaluation is off")

@@ -3,8 +3,9 @@
     starting -> loading -> compiling -> ready -> training -> stopped      (or failed)
                                                      \\-> draining (SIGTERM: finish the step, checkpoint, exit 3)
 
-DrafterWorker has the target worker's shape: setup() (config and checkpoint errors before any GPU
-work), train() (the loop), finish(); run() maps how it ended to an exit code (services/exits.py).
+DrafterWorker has the worker shape both roles share (services/worker_main.py, which starts it and maps
+how it ended to an exit code): setup() (config and checkpoint errors before any GPU work), train() (the
+loop, then finish()), close().
 One batch: `batches` (source.py: ZmqSource pulls batch g from target g mod T) -> train.train_step
 (anchors -> drafter -> loss -> DDP -> AdamW) -> bookkeeping.Bookkeeping.after_batch (ledger,
 metrics, evaluation, checkpoints). What every rank does together is in collectives.py.
@@ -17,26 +18,24 @@ from __future__ import annotations
 import argparse
 import functools
 import logging
-import os
 import threading
 import time
 from pathlib import Path
 
 import torch
 
-from services import curve, exits, lifecycle, runspec
+from services import lifecycle, runspec
 from services.config import Config, ConfigError
-from services.endpoints import endpoint
 from services.files import cpu_share
 from services.health import HealthServer
 from services.log import event
 from services.drafter import checkpoint as ckpt
 from services.drafter import collectives
-from services.drafter.bookkeeping import Bookkeeping
+from services.drafter.bookkeeping import BookSettings, Bookkeeping
 from services.compile_setup import RecompileWatch
 from services.drafter.warmup import warmup
 from services.drafter.evaluate import evaluate
-from services.drafter.source import BatchSource, eval_batches, train_batches
+from services.drafter.source import BatchSource, SourceSettings, eval_batches, train_batches
 from services.drafter.synthetic import SyntheticSource
 from services.drafter.target_head import model_and_head
 from services.drafter.train import (build_train_state, check_batch, make_scheduler, parameter_fingerprint,
@@ -92,19 +91,20 @@ class DrafterWorker:
                                                total_steps=max(1, self.max_steps))
         self.compile_s = self.compile(model_cfg)      # before asking for batches: the targets load meanwhile
         check = functools.partial(check_batch, state=state)    # values too, before a batch goes to the GPU early
-        source_args = (cfg, self.run_dir, rank, self.world_size, args.num_targets, model_cfg, health, device)
-        self.batches, plan = train_batches(*source_args, synthetic=args.synthetic, max_steps=self.max_steps,
-                                           start_step=found.micro_step if found else 0,
+        sources = SourceSettings.from_config(cfg, self.run_dir, rank, self.world_size, args.num_targets)
+        self.batches, plan = train_batches(sources, model_cfg, health, device, synthetic=args.synthetic,
+                                           max_steps=self.max_steps, start_step=found.micro_step if found else 0,
                                            first_g=found.batches_done if found else 0, check=check)
         self.batches.check_targets(self.spec)        # the targets' handshake, against this drafter's run spec
-        held_out = eval_batches(*source_args, synthetic=args.synthetic, check=check)
+        held_out = eval_batches(sources, model_cfg, health, device, synthetic=args.synthetic, check=check)
         state.scheduler = make_scheduler(state.optimizer, cfg, plan.optimizer_steps, plan)   # the real horizon, now known
         if found:
             for note in ckpt.restore(state, found, rank):
                 log.warning("%s", note)
             event("resumed", rank=rank, checkpoint=str(found.path), **state.counters())
-        self.books = Bookkeeping(cfg, self.run_dir, rank, self.world_size, state, health, found, held_out, plan=plan,
-                                 num_targets=0 if args.synthetic else args.num_targets)
+        books = BookSettings.from_config(cfg, self.run_dir, rank, self.world_size,
+                                         num_targets=0 if args.synthetic else args.num_targets)
+        self.books = Bookkeeping(books, state, health, found, held_out, plan=plan)
         health.set(state="ready", compile_s=self.compile_s, total_steps=plan.optimizer_steps,
                    step=state.step, samples_done=state.samples_done)  # set(): under systemd this also sends READY=1
         health.progress()
@@ -185,20 +185,3 @@ class DrafterWorker:
             self.batches.close()
         collectives.leave()
 
-
-def run(args: argparse.Namespace, cfg: Config, workers_on_node: int) -> int:
-    device = torch.device("cuda:0" if args.device == "cuda" else "cpu")
-    gpu = os.environ.get("CUDA_VISIBLE_DEVICES", "0") if device.type == "cuda" else f"cpu-{args.rank}"
-    health = HealthServer(endpoint(Path(args.run_dir), cfg.transport, "drafter", args.rank, "health"), "drafter",
-                          args.rank, gpu, stall_after_s=cfg.run.stall_after_s,
-                          startup_stall_after_s=cfg.run.startup_stall_after_s, keys_dir=curve.keys_for(cfg.transport))
-    stop = lifecycle.install(grace_s=cfg.run.stop_timeout_s)
-    worker = DrafterWorker(args, cfg, device, health, workers_on_node)
-    try:
-        worker.setup()
-        return exits.OK if worker.train(stop) else exits.STOPPED     # stopped before the end: not finished
-    except Exception as exc:                      # stopped while starting (not finished), a config error, a crash
-        return exits.exit_code(exc, health, stopped=exits.STOPPED)
-    finally:
-        worker.close()
-        health.close()

@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict, deque
+from dataclasses import dataclass
 
 import torch
 
@@ -38,6 +39,22 @@ def verify_limits(cfg, spec) -> verify.VerifyLimits:
     return verify.VerifyLimits(max_prompt=cfg.data.pack_len, max_block=spec.block_size,
                                max_length=cfg.data.pack_len + cfg.run.spec_eval_max_new_tokens + spec.block_size,
                                vocab_size=spec.target.vocab_size)
+
+
+@dataclass(frozen=True)
+class VerifySettings:
+    """What the verify service reads of the run, built once from the config and the run spec."""
+    limits: verify.VerifyLimits     # what a request may ask (the batch server checks it on arrival)
+    max_sessions: int               # run.spec_eval_sessions
+    share: float                    # run.spec_eval_target_share
+    warm_up: bool                   # run.spec_eval_prompts > 0: warm the verify path up before `ready`
+    block_size: int
+
+    @classmethod
+    def from_config(cls, cfg, spec) -> "VerifySettings":
+        return cls(limits=verify_limits(cfg, spec), max_sessions=cfg.run.spec_eval_sessions,
+                   share=cfg.run.spec_eval_target_share, warm_up=cfg.run.spec_eval_prompts > 0,
+                   block_size=spec.block_size)
 
 
 # What a real evaluation asks of the Gated DeltaNet kernels, each once: prompts on both sides of
@@ -72,10 +89,10 @@ def warm_up_verify(target, block_size: int) -> str:
 
 
 class VerifyService:
-    def __init__(self, target, server: BatchServer, cfg, health):
+    def __init__(self, target, server: BatchServer, settings: VerifySettings, health):
         self.target, self.server, self.health = target, server, health
         self.limits = server.verify_limits
-        self.max_sessions, self.share = cfg.run.spec_eval_sessions, cfg.run.spec_eval_target_share
+        self.max_sessions, self.share = settings.max_sessions, settings.share
         self.sessions: OrderedDict[tuple[bytes, int], tuple[DecodeSession, float]] = OrderedDict()
         self.waiting: deque[Request] = deque()
         self.spent: deque[tuple[float, float]] = deque()     # (end time, seconds) of verify work in the window

@@ -18,70 +18,104 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from services import exits, lifecycle, runspec
+from services import runspec
 from services.batch import Batch, count_documents
-from services.config import Config, ConfigError, load_config
+from services.config import Config, TransportConfig
 from services.endpoints import endpoint
-from services import curve
 from services.handshake import TargetInfo
 from services.health import HealthServer
-from services.log import event, setup_logging
+from services.log import event
 from services.compile_setup import RecompileWatch, setup_environment
 from services.target.compiled import compile_and_warm_up
 from services.target.model import load_target
 from services.target.ring import CaptureRing
-from services.target.verifying import VerifyService, verify_limits, warm_up_verify
+from services.target.verifying import VerifyService, VerifySettings, warm_up_verify
 from services.target.packing import open_or_build
 from services.transport import BatchServer, Request
 from services.gpu_memory import gpu_memory
+from services.worker_main import Role, main as worker_main, workers_on_node
 
 log = logging.getLogger("target")
 POLL_MS = 100
 
 
+@dataclass(frozen=True)
+class ServeSettings:
+    """What the target worker reads of the run to serve batches, built once from the config and the run
+    spec (as the drafter's train.StepSettings is): where the batch server listens, the transport, the
+    capture ring's slots, and the verify service's settings."""
+    endpoint: str                    # the data socket
+    transport: TransportConfig
+    ring_slots: int                  # one per credit of a drafter that is slow to drain, one being sent, one filled
+    labels_from_target: bool
+    compile: str                     # target.compile
+    model_path: str
+    verify: VerifySettings
+
+    @classmethod
+    def from_config(cls, cfg: Config, spec: runspec.RunSpec, run_dir: Path, rank: int) -> "ServeSettings":
+        return cls(endpoint=endpoint(run_dir, cfg.transport, "target", rank, "data"), transport=cfg.transport,
+                   ring_slots=cfg.transport.credits + 2, labels_from_target=cfg.target.labels_from_target,
+                   compile=cfg.target.compile, model_path=str(cfg.target.model_path),
+                   verify=VerifySettings.from_config(cfg, spec))
+
+
 class TargetWorker:
-    def __init__(self, cfg: Config, run_dir: Path, rank: int, device: torch.device, health: HealthServer):
-        from transformers import AutoTokenizer
+    """The worker shape both roles share (services/worker_main.py): setup() loads up to `ready`,
+    train(stop) serves until a stop request (a target has no end of its own) and finishes, close()."""
+
+    def __init__(self, args: argparse.Namespace, cfg: Config, device: torch.device, health: HealthServer):
         self.cfg, self.device, self.health = cfg, device, health
+        self.run_dir, self.rank = Path(args.run_dir), args.rank
+        self.batches_served = self.samples_done = 0
+        self.tokens_per_s = 0.0
+
+    def setup(self) -> None:
+        from transformers import AutoTokenizer
+        cfg, health = self.cfg, self.health
         health.set(state="loading")
-        spec = runspec.for_worker(cfg, run_dir)          # runspec.json, or resolved here the same way
-        self.target = load_target(spec.target_config(cfg), device)
+        spec = runspec.for_worker(cfg, self.run_dir)     # runspec.json, or resolved here the same way
+        self.settings = settings = ServeSettings.from_config(cfg, spec, self.run_dir, self.rank)
+        self.target = load_target(spec.target_config(cfg), self.device)
         spec.check_loaded(self.target.info)             # what this process loaded is what the spec says
         tokenizer = AutoTokenizer.from_pretrained(cfg.target.model_path)
-        self.data = open_or_build(cfg, run_dir, tokenizer, spec.target.vocab_size)
+        self.data = open_or_build(cfg, self.run_dir, tokenizer, spec.target.vocab_size)
         info = self.target.info
         self.info = TargetInfo.of(
             info, num_batches=self.data.num_batches("train"), num_eval_batches=self.data.num_batches("eval"),
             seq_len=self.data.pack_len,
             mask_token_id=tokenizer.mask_token_id if tokenizer.mask_token_id is not None else -1,
-            labels_from_target=cfg.target.labels_from_target, config_digest=spec.config_digest,
-            model_path=str(cfg.target.model_path), capture_path=self.target.path,
+            labels_from_target=settings.labels_from_target, config_digest=spec.config_digest,
+            model_path=settings.model_path, capture_path=self.target.path,
             bad_samples=self.data.bad_samples, data_key=self.data.key).to_wire()
         log.info("capture path: %s", self.target.path)
         if self.target.warning:
             log.warning("%s", self.target.warning)
             health.set(warning=self.target.warning)
-        self.compile_s = compile_and_warm_up(self.target, cfg.target.compile, self.data.pack_len,
-                                             cfg.target.labels_from_target)
-        if cfg.run.spec_eval_prompts:            # the first real-acceptance eval must not wait for first calls
-            log.info("%s", warm_up_verify(self.target, spec.block_size))
+        self.compile_s = compile_and_warm_up(self.target, settings.compile, self.data.pack_len,
+                                             settings.labels_from_target)
+        if settings.verify.warm_up:              # the first real-acceptance eval must not wait for first calls
+            log.info("%s", warm_up_verify(self.target, settings.verify.block_size))
         self.recompiles = RecompileWatch()       # a graph compiled from here on is a recompile (should stay 0)
-        # one slot per credit of a drafter that is slow to drain, one being sent, one being filled
-        self.ring = CaptureRing(self.target, self.data.pack_len, cfg.transport.credits + 2, cfg.target.labels_from_target)
-        self.server = BatchServer(endpoint(run_dir, cfg.transport, "target", rank, "data"), cfg.transport, health,
-                                  verify_limits=verify_limits(cfg, spec))
-        self.verify = VerifyService(self.target, self.server, cfg, health)
-        self.batches_served = self.samples_done = 0
-        self.tokens_per_s = 0.0
+        self.ring = CaptureRing(self.target, self.data.pack_len, settings.ring_slots, settings.labels_from_target)
+        self.server = BatchServer(settings.endpoint, settings.transport, health, verify_limits=settings.verify.limits)
+        self.verify = VerifyService(self.target, self.server, settings.verify, health)
         self.last_answer = time.perf_counter()
         health.set(state="ready", compile_s=round(self.compile_s, 1), compiled=bool(self.target.compiled), **self.info)
+        event("ready", rank=self.rank, **{k: v for k, v in self.info.items() if k != "model_path"})
+
+    def train(self, stop: threading.Event) -> bool:
+        """Serve until a stop request, then finish: True (a stop is a target's end: exit 0)."""
+        self.serve(stop)
+        self.finish()
+        return True
 
     def serve(self, stop: threading.Event) -> None:
         while not stop.is_set():
@@ -91,9 +125,6 @@ class TargetWorker:
                     break          # SIGTERM: the batch in hand is done; the rest will be asked again
             self.verify.run_waiting()
             self.health.progress()   # the loop is alive even when nobody asks
-        self.health.set(state="draining")
-        self.server.flush(timeout_s=10)   # the batches in hand go out
-        self.server.close()
 
     def answer(self, request: Request) -> None:
         if request.kind == "info":
@@ -127,42 +158,24 @@ class TargetWorker:
                              recompiles=self.recompiles.count, **gpu_memory(self.device))
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m services.target", description=__doc__.split("\n")[0])
-    p.add_argument("--config", required=False, default=None, help="TOML (or resolved JSON) config file")
-    p.add_argument("--run-dir", required=True)
-    p.add_argument("--rank", type=int, default=0)
-    p.add_argument("--world-size", type=int, default=1)
-    p.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda when available")
-    p.add_argument("overrides", nargs="*", help="section.key=value")
-    return p.parse_args(argv)
+    def finish(self) -> None:
+        self.health.set(state="draining")
+        self.server.flush(timeout_s=10)   # the batches in hand go out
+        self.server.close()
+        self.health.set(state="stopped")
+        event("stopped", rank=self.rank, batches_served=self.batches_served)
+
+    def close(self) -> None:
+        """Nothing left to free: finish() closes the batch server; after a crash the process ends."""
+
+
+def prepare(args: argparse.Namespace, cfg: Config) -> None:
+    if cfg.target.compile != "off":            # the run's compile cache, this process's share of the cores
+        setup_environment(args.run_dir, workers_on_node=workers_on_node(args))
+
+
+ROLE = Role(name="target", usage=__doc__.split("\n")[0], make_worker=TargetWorker, prepare=prepare)
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
-    setup_logging("target", args.rank)
-    try:
-        cfg = load_config(args.config, args.overrides)
-    except ConfigError as exc:                    # bad config: one clear line, no traceback
-        return exits.exit_code(exc)
-    device = torch.device("cuda:0" if (args.device or ("cuda" if torch.cuda.is_available() else "cpu")) == "cuda" else "cpu")
-    gpu = os.environ.get("CUDA_VISIBLE_DEVICES", "0") if device.type == "cuda" else "cpu"
-    run_dir = Path(args.run_dir)
-    if cfg.target.compile != "off":            # the run's compile cache, this process's share of the cores
-        setup_environment(run_dir, workers_on_node=int(os.environ.get("LOCAL_WORLD_SIZE", args.world_size)))
-    health = HealthServer(endpoint(run_dir, cfg.transport, "target", args.rank, "health"), "target", args.rank,
-                          gpu, stall_after_s=cfg.run.stall_after_s,
-                          startup_stall_after_s=cfg.run.startup_stall_after_s,
-                          keys_dir=curve.keys_for(cfg.transport))
-    stop = lifecycle.install(grace_s=cfg.run.stop_timeout_s)
-    try:
-        worker = TargetWorker(cfg, run_dir, args.rank, device, health)
-        event("ready", rank=args.rank, **{k: v for k, v in worker.info.items() if k != "model_path"})
-        worker.serve(stop)
-        health.set(state="stopped")
-        event("stopped", rank=args.rank, batches_served=worker.batches_served)
-        return exits.OK
-    except Exception as exc:                      # a config error, or a crash
-        return exits.exit_code(exc, health)
-    finally:
-        health.close()
+    return worker_main(ROLE, argv)

@@ -227,7 +227,7 @@ def test_an_error_for_a_batch_that_exists_is_dropped_and_asked_again(tmp_path):
 
     from services.batch import token_digest
     from services.tools.demo import make_demo
-    from services.drafter.source import SourceError, ZmqSource
+    from services.drafter.source import SourceError, SourceSettings, ZmqSource
     from services.packed_data import PackedData
     from services.transport import BatchServer
     from tests.e2e.test_verify import Worker, _overrides
@@ -235,7 +235,8 @@ def test_an_error_for_a_batch_that_exists_is_dropped_and_asked_again(tmp_path):
     demo = make_demo(tmp_path / "demo", num_conversations=300, target_steps=0)
     w = Worker(tmp_path / "run", _overrides(demo, demo["model_path"]) + ["transport.credits=1"])
     first = w.start()
-    source = ZmqSource(w.cfg, w.run_dir, 0, 1, 1, None)
+    source = ZmqSource(SourceSettings.from_config(w.cfg, w.run_dir), None)
+    source.connect()
     claimed: list[int] = []
 
     def impostor_then_target_back():
