@@ -3,9 +3,9 @@
 REPO is this checkout; child_env() is the environment every child gets (this checkout first on
 PYTHONPATH, so the code under test runs, not an installed copy). run_launcher() runs `python -m
 launcher ...` to its end, start_launcher() in the background; spawn_drafter() starts one drafter
-rank on its own (drafter_env() its environment). The waits: wait_for (any condition while a process lives), wait_metrics (N lines
-of metrics.jsonl), wait_ready_then_metrics (the launcher's "all workers ready", then a metrics line),
-drafter_stuck (drafter-0 waits for a batch and makes no step).
+rank on its own (drafter_env() is its environment). The waits: wait_for (any condition while a
+process lives), wait_metrics (N lines of metrics.jsonl), wait_ready_then_metrics (the launcher's
+"all workers ready", then a metrics line), drafter_stuck (drafter-0 waits for a batch, makes no step).
 """
 import json
 import os
