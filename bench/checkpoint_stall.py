@@ -51,7 +51,8 @@ def main() -> None:
     from services.drafter import checkpoint as ckpt
     from services.drafter.checkpoint_writer import BackgroundWriter
     from services.drafter.synthetic import SyntheticSource
-    from services.drafter.target_head import TargetHead, build_model_config
+    from services.drafter.target_head import TargetHead
+    from services.runspec import drafter_shape
     from services.drafter.train import build_train_state, train_step
 
     device = torch.device("cuda:0" if a.device == "cuda" else "cpu")
@@ -60,7 +61,7 @@ def main() -> None:
     base = dict(hidden_size=a.hidden, intermediate_size=a.intermediate, num_attention_heads=a.heads,
                 num_key_value_heads=a.kv_heads, head_dim=a.head_dim, vocab_size=a.vocab,
                 num_target_layers=a.target_layers, rope_theta=1_000_000.0)
-    model_cfg = build_model_config(cfg, base, mask_token_id=a.vocab - 1)
+    model_cfg = drafter_shape(cfg, base, mask_token_id=a.vocab - 1)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     head = TargetHead(torch.randn(a.vocab, a.hidden, device=device, dtype=dtype) * 0.02,
                       torch.randn(a.vocab, a.hidden, device=device, dtype=dtype) * (4.0 / a.hidden))

@@ -115,7 +115,8 @@ def bench_shape(name, shape, args, peak_tflops, layout="full"):
     from services.drafter.warmup import warmup
     from services.drafter.model import model_flops
     from services.drafter.synthetic import SyntheticSource
-    from services.drafter.target_head import TargetHead, build_model_config
+    from services.drafter.target_head import TargetHead
+    from services.runspec import drafter_shape
     from services.drafter.train import build_train_state, train_step
 
     device = torch.device("cuda:0" if args.device == "cuda" else "cpu")
@@ -127,7 +128,7 @@ def bench_shape(name, shape, args, peak_tflops, layout="full"):
     base = dict(hidden_size=shape["hidden"], intermediate_size=shape["intermediate"], num_attention_heads=shape["heads"],
                 num_key_value_heads=shape["kv_heads"], head_dim=shape["head_dim"], vocab_size=shape["vocab"],
                 num_target_layers=shape["target_layers"], rope_theta=1_000_000.0)
-    model_cfg = build_model_config(cfg, base, mask_token_id=shape["vocab"] - 1)
+    model_cfg = drafter_shape(cfg, base, mask_token_id=shape["vocab"] - 1)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     H, V = model_cfg.hidden_size, model_cfg.vocab_size
     head = TargetHead(torch.randn(V, H, device=device, dtype=dtype) * 0.02,

@@ -122,7 +122,8 @@ def model_check(hybrid=False):
     hybrid: a sliding layer (window 300) before a full one."""
     from services.config import load_config
     from services.drafter.synthetic import SYNTHETIC_MODEL, SyntheticSource
-    from services.drafter.target_head import TargetHead, build_model_config
+    from services.drafter.target_head import TargetHead
+    from services.runspec import drafter_shape
     from services.drafter.train import build_train_state, forward_loss
 
     overrides = ["data.pack_len=2000", "drafter.num_anchors=100", "drafter.block_size=16", "drafter.num_layers=2",
@@ -133,7 +134,7 @@ def model_check(hybrid=False):
     states = {}
     for kind, compile_ in (("dense", "false"), ("flex", "true")):
         cfg = load_config(None, overrides + [f"drafter.attention=\"{kind}\"", f"drafter.compile={compile_}"])
-        model_cfg = build_model_config(cfg, SYNTHETIC_MODEL, mask_token_id=4095)
+        model_cfg = drafter_shape(cfg, SYNTHETIC_MODEL, mask_token_id=4095)
         head = TargetHead.random(model_cfg.vocab_size, model_cfg.hidden_size, seed=0)
         states[kind] = build_train_state(cfg, model_cfg, head, "cuda", total_steps=10)
     states["flex"].drafter.load_state_dict(states["dense"].drafter.state_dict())

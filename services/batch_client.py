@@ -9,8 +9,8 @@ import torch
 import zmq
 
 from services import curve, wire
-from services.batch import FIELDS, SPLITS, Batch, BatchError, token_digest
-from services.batch_stream import BufferPool, Partial, incarnation_field, int_field, queue_depth, split_field
+from services.batch import SPLITS, Batch, BatchError, token_digest
+from services.batch_stream import Announce, Ask, BufferPool, Chunk, Info, Partial, Refusal, queue_depth
 from services.config import TransportConfig
 from services.health import Drops, HealthServer
 from services.io_thread import MAX_MESSAGES_PER_POLL, IoThread, get_all
@@ -60,8 +60,7 @@ class BatchClient(IoThread):
             raise ValueError(f"request: bad target={target}, g={g} or split={split!r}")
         with self._lock:
             self._wanted[(target, split, g)] = (incarnation, digest)
-        header = {"kind": "request", "want": "batch", "g": g, "split": split}
-        self._send(target, {**header, "incarnation": incarnation} if incarnation else header)
+        self._send(target, Ask("batch", g, split, incarnation or ""))
 
     def reconnect(self, target: int) -> None:
         """Close the connection to this target and connect afresh (its process was replaced: the
@@ -73,17 +72,11 @@ class BatchClient(IoThread):
     def request_info(self, target: int) -> None:
         with self._lock:
             self._info_wanted[target] += 1
-        self._send(target, {"kind": "request", "want": "info"})
+        self._send(target, Ask("info"))
 
-    def _send(self, target: int, header: dict) -> None:
-        self._outbox.put((target, wire.encode(header)))
+    def _send(self, target: int, ask: Ask) -> None:
+        self._outbox.put((target, ask.to_wire()))
         self._wake()
-
-    @property
-    def in_progress(self) -> list[tuple[int, str, int]]:
-        """(target, split, g) of the batches half received right now."""
-        with self._lock:
-            return sorted(self._partials)
 
     def forget(self, target: int) -> None:
         """Drop half-received batches from this target (it restarted); the caller asks again."""
@@ -166,41 +159,43 @@ class BatchClient(IoThread):
         header, tensors = wire.decode(frames, self.transport.max_message_bytes)
         kind = header["kind"]
         if kind == "info":
+            info = Info.from_wire(header, tensors)
             if not self._info_wanted[target]:
                 return self.drops("data-unrequested", f"target {target}: info nobody asked for")
-            if not isinstance(header.get("info"), dict):
-                raise wire.WireError("header field 'info': expected a map")
             self._info_wanted[target] -= 1
-            events.append(("info", target, header["info"]))
+            events.append(("info", target, info.info))
             return
-        g = int_field(header, "g", -1)
         if kind == "error":
-            message = str(header.get("message", ""))[:1000]
-            key = (target, split_field(header), g)
+            refusal = Refusal.from_wire(header, tensors)
+            g, key = refusal.g, (target, refusal.split, refusal.g)
             if g >= 0 and key not in self._wanted:
                 return self.drops("data-unrequested", f"target {target}: error for g={g} nobody asked for")
-            if g >= 0 and not self._from_asked(key, incarnation_field(header), events):
+            if g >= 0 and not self._from_asked(key, refusal.incarnation, events):
                 return
             self._wanted.pop(key, None)
             self._partials.pop(key, None)
-            events.append(("error", target, g, message, incarnation_field(header)))
+            events.append(("error", target, g, refusal.message, refusal.incarnation))
             return
-        key = (target, split_field(header), g)
+        if kind == "batch":
+            message = Announce.from_wire(header, tensors, self.transport.max_batch_bytes)
+        elif kind == "chunk":
+            message = Chunk.from_wire(header, tensors)
+        else:
+            raise wire.WireError(f"header field 'kind': a drafter does not take {kind!r}")
+        g = message.g
+        key = (target, message.split, g)
         if key not in self._wanted:   # never asked, or already delivered
             why = f"target {target}: {kind} for g={g} not requested"
             if kind == "batch":       # whoever answers there may not be the target: ask afresh (source.py)
-                events.append(("rejected", target, split_field(header), g, why))
+                events.append(("rejected", target, message.split, g, why))
             return self.drops("data-unrequested", why)
         if kind == "batch":
-            if not self._from_asked(key, incarnation_field(header), events) or \
-                    not self._has_content(key, header, events):
+            if not self._from_asked(key, message.incarnation, events) or not self._has_content(key, message, events):
                 self._partials.pop(key, None)
                 return
-            self._start(key, header, tensors)
-        elif kind == "chunk":
-            self._add_chunk(key, header, tensors)
+            self._start(key, message)
         else:
-            raise wire.WireError(f"header field 'kind': a drafter does not take {kind!r}")
+            self._add_chunk(key, message)
         partial = self._partials.get(key)
         if partial is not None and partial.complete:
             del self._partials[key]
@@ -220,42 +215,30 @@ class BatchClient(IoThread):
         events.append(("rejected", key[0], key[1], key[2], why))
         return False
 
-    def _has_content(self, key, header: dict, events: list) -> bool:
+    def _has_content(self, key, announce: Announce, events: list) -> bool:
         """Does the announced digest name the content the request asked for? (The ids are checked
         against the announced digest once they are in.) Else it is dropped and counted."""
-        expected, announced = self._wanted[key][1], header.get("digest")
-        if expected is None or announced == expected:
+        expected = self._wanted[key][1]
+        if expected is None or announce.digest == expected:
             return True
-        why = (f"target {key[0]}: {key[1]} g={key[2]} has token digest {str(announced)[:40]!r}, the data says "
-               f"{expected!r} (sent as incarnation {incarnation_field(header)!r})")
+        why = (f"target {key[0]}: {key[1]} g={key[2]} has token digest {announce.digest[:40]!r}, the data says "
+               f"{expected!r} (sent as incarnation {announce.incarnation!r})")
         self.drops("data-content", why)
         events.append(("rejected", key[0], key[1], key[2], why))
         return False
 
-    def _start(self, key, header: dict, tensors: dict) -> None:
-        if tensors:
-            raise wire.WireError("a batch announcement carries no tensor frames")
+    def _start(self, key, announce: Announce) -> None:
         self._partials.pop(key, None)   # a re-sent batch starts over
-        digest = header.get("digest")
-        if not isinstance(digest, str) or len(digest) != 32:
-            raise wire.WireError(f"header field 'digest': expected 32 hex characters, got {str(digest)[:80]!r}")
-        specs = wire.parse_specs(header.get("stream"), self.transport.max_batch_bytes, field="stream")
-        for spec in specs:
-            if spec.name not in FIELDS or wire.DTYPES[spec.dtype] != FIELDS[spec.name]:
-                raise wire.WireError(f"stream: {spec.name!r} of {spec.dtype} is not a batch field")
-        partial = Partial(specs, self.transport.max_batch_bytes, self.pool)
-        partial.provenance = {"incarnation": incarnation_field(header), "digest": digest}
+        partial = Partial(announce.stream, self.transport.max_batch_bytes, self.pool)
+        partial.provenance = {"incarnation": announce.incarnation, "digest": announce.digest}
         self._partials[key] = partial
 
-    def _add_chunk(self, key, header: dict, tensors: dict) -> None:
+    def _add_chunk(self, key, chunk: Chunk) -> None:
         partial = self._partials.get(key)
         if partial is None:
             raise wire.WireError(f"chunk for g={key[2]} without its batch announcement")
-        data = tensors.get("bytes")
-        if len(tensors) != 1 or data is None or data.dtype != torch.uint8 or data.dim() != 1:
-            raise wire.WireError("a chunk carries exactly one 1-d uint8 tensor named 'bytes'")
         try:
-            partial.add(int_field(header, "offset", 0), data)
+            partial.add(chunk.offset, chunk.data)
         except wire.WireError:
             del self._partials[key]   # the stream is broken; it restarts when the batch is asked again
             raise

@@ -3,22 +3,26 @@
     batch {g, split, incarnation, digest, stream: [tensor specs]}   the announcement
     chunk {g, split, offset} + <= chunk_bytes of raw bytes         repeated, in order
 
-batch_messages() makes the messages; Partial copies each chunk into place in one buffer from a
-BufferPool, after checking the announced size against transport.max_batch_bytes; the *_field
-functions check the header fields every message of the transport carries (docs/wire.md).
+Each kind of message of the transport is one class here (Ask, Info, Refusal, Announce, Chunk):
+the sender builds it and calls to_wire(); the receiver calls from_wire() on the decoded header and
+tensors, which checks every field (a WireError names it) before anything the size of a tensor is
+allocated (docs/wire.md). batch_messages() makes the messages of one batch; Partial copies each
+chunk into place in one buffer from a BufferPool, after checking the announced size against
+transport.max_batch_bytes.
 """
 from __future__ import annotations
 
 import math
 import threading
 import weakref
+from dataclasses import dataclass
 from typing import Iterator
 
 import numpy as np
 import torch
 
 from services import wire
-from services.batch import SPLITS, Batch, token_digest
+from services.batch import FIELDS, SPLITS, Batch, token_digest
 from services.config import TransportConfig
 
 ALIGN = 64                      # byte offset of every tensor in the reassembly buffer
@@ -40,14 +44,14 @@ def layout(specs: list[wire.TensorSpec]) -> tuple[list[int], int]:
     return offsets, total
 
 
-def int_field(header: dict, key: str, low: int) -> int:
+def _int_field(header: dict, key: str, low: int) -> int:
     value = header.get(key)
     if not isinstance(value, int) or isinstance(value, bool) or value < low:
         raise wire.WireError(f"header field {key!r}: expected an int >= {low}, got {value!r}")
     return value
 
 
-def split_field(header: dict) -> str:
+def _split_field(header: dict) -> str:
     split = header.get("split")
     if split not in SPLITS:
         raise wire.WireError(f"header field 'split': expected one of {SPLITS}, got {split!r}")
@@ -55,6 +59,7 @@ def split_field(header: dict) -> str:
 
 
 def incarnation_field(header: dict) -> str:
+    """The sender's incarnation ("" when it did not say)."""
     value = header.get("incarnation", "")
     if not isinstance(value, str) or len(value) > MAX_INCARNATION_LEN:
         raise wire.WireError(f"header field 'incarnation': expected a string of at most {MAX_INCARNATION_LEN} "
@@ -62,20 +67,127 @@ def incarnation_field(header: dict) -> str:
     return value
 
 
+@dataclass(frozen=True)
+class Ask:
+    """request {want: "batch", g, split, incarnation} | request {want: "info"}: a drafter asks a target."""
+    want: str                 # "batch" | "info"
+    g: int = -1               # want == "batch": the global batch index
+    split: str = "train"
+    incarnation: str = ""     # the target incarnation the drafter believes it asks ("" if it does not say)
+
+    def to_wire(self) -> list:
+        if self.want == "info":
+            return wire.encode({"kind": "request", "want": "info"})
+        header = {"kind": "request", "want": "batch", "g": self.g, "split": self.split}
+        return wire.encode({**header, "incarnation": self.incarnation} if self.incarnation else header)
+
+    @classmethod
+    def from_wire(cls, header: dict, tensors: dict) -> "Ask":
+        if tensors:
+            raise wire.WireError("a request carries no tensors")
+        want = header.get("want")
+        if want == "info":
+            return cls("info")
+        if want == "batch":
+            return cls("batch", _int_field(header, "g", 0), _split_field(header), incarnation_field(header))
+        raise wire.WireError(f"header field 'want': expected 'batch' or 'info', got {want!r}")
+
+
+@dataclass(frozen=True)
+class Info:
+    """info {info}: a target's answer to an info request (the map is services.handshake.TargetInfo's)."""
+    info: dict
+
+    def to_wire(self) -> list:
+        return wire.encode({"kind": "info", "info": self.info})
+
+    @classmethod
+    def from_wire(cls, header: dict, tensors: dict) -> "Info":
+        if not isinstance(header.get("info"), dict):
+            raise wire.WireError("header field 'info': expected a map")
+        return cls(header["info"])
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """error {g, split, message, incarnation}: a target could not serve batch g (g -1: not a batch)."""
+    g: int
+    split: str
+    message: str
+    incarnation: str = ""
+
+    def to_wire(self) -> list:
+        return wire.encode({"kind": "error", "g": self.g, "split": self.split, "message": self.message[:1000],
+                            "incarnation": self.incarnation})
+
+    @classmethod
+    def from_wire(cls, header: dict, tensors: dict) -> "Refusal":
+        g = _int_field(header, "g", -1)
+        message = str(header.get("message", ""))[:1000]
+        return cls(g, _split_field(header), message, incarnation_field(header))
+
+
+@dataclass(frozen=True)
+class Announce:
+    """batch {g, split, incarnation, digest, stream: [tensor specs]}: a batch's provenance and tensor table."""
+    g: int
+    split: str
+    incarnation: str
+    digest: str                       # services.batch.token_digest of its input_ids
+    stream: list[wire.TensorSpec]     # the batch's tensors, in the order their bytes follow
+
+    def to_wire(self) -> list:
+        return wire.encode({"kind": "batch", "g": self.g, "split": self.split, "incarnation": self.incarnation,
+                            "digest": self.digest, "stream": [spec.to_wire() for spec in self.stream]})
+
+    @classmethod
+    def from_wire(cls, header: dict, tensors: dict, max_batch_bytes: int) -> "Announce":
+        """Checked field by field; the tensor table against max_batch_bytes and the batch's fields."""
+        g, split, incarnation = _int_field(header, "g", -1), _split_field(header), incarnation_field(header)
+        if tensors:
+            raise wire.WireError("a batch announcement carries no tensor frames")
+        digest = header.get("digest")
+        if not isinstance(digest, str) or len(digest) != 32:
+            raise wire.WireError(f"header field 'digest': expected 32 hex characters, got {str(digest)[:80]!r}")
+        specs = wire.parse_specs(header.get("stream"), max_batch_bytes, field="stream")
+        for spec in specs:
+            if spec.name not in FIELDS or wire.DTYPES[spec.dtype] != FIELDS[spec.name]:
+                raise wire.WireError(f"stream: {spec.name!r} of {spec.dtype} is not a batch field")
+        return cls(g, split, incarnation, digest, specs)
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """chunk {g, split, offset} + bytes: at most transport.chunk_bytes of a batch, at `offset` in its buffer."""
+    g: int
+    split: str
+    offset: int
+    data: torch.Tensor                # 1-d uint8
+
+    def to_wire(self) -> list:
+        return wire.encode({"kind": "chunk", "g": self.g, "split": self.split, "offset": self.offset},
+                           {"bytes": self.data})
+
+    @classmethod
+    def from_wire(cls, header: dict, tensors: dict) -> "Chunk":
+        g, split = _int_field(header, "g", -1), _split_field(header)
+        data = tensors.get("bytes")
+        if len(tensors) != 1 or data is None or data.dtype != torch.uint8 or data.dim() != 1:
+            raise wire.WireError("a chunk carries exactly one 1-d uint8 tensor named 'bytes'")
+        return cls(g, split, _int_field(header, "offset", 0), data)
+
+
 def batch_messages(batch: Batch, split: str, chunk_bytes: int, incarnation: str = "") -> Iterator[list]:
     """The messages that carry one batch: its announcement (with its provenance), then its bytes
     in chunks, in order."""
     tensors = batch.tensors()
     specs = [wire.spec_of(name, t) for name, t in tensors.items()]
-    key = {"g": batch.g, "split": split}
-    yield wire.encode({"kind": "batch", **key, "incarnation": incarnation, "digest": token_digest(batch.input_ids),
-                       "stream": [spec.to_wire() for spec in specs]})
+    yield Announce(batch.g, split, incarnation, token_digest(batch.input_ids), specs).to_wire()
     offsets, _ = layout(specs)
     for (name, tensor), offset in zip(tensors.items(), offsets):
         flat = wire.byte_view(name, tensor)
         for start in range(0, flat.numel(), chunk_bytes):
-            yield wire.encode({"kind": "chunk", **key, "offset": offset + start},
-                              {"bytes": flat[start:start + chunk_bytes]})
+            yield Chunk(batch.g, split, offset + start, flat[start:start + chunk_bytes]).to_wire()
 
 
 class BufferPool:

@@ -397,10 +397,3 @@ def describe_prompts(count: int, held_out: bool | None, sets=()) -> str:
 
 def dump_json(cfg: Config, path: str | Path) -> None:
     Path(path).write_text(json.dumps(cfg.to_dict(), indent=2, sort_keys=True))
-
-
-def describe_defaults() -> dict[str, str]:
-    """Every key with its default as JSON ("section.key" -> "8192"): what docs/config.md lists."""
-    return {f"{f.name}.{key}": json.dumps(value)
-            for f in dataclasses.fields(Config) for key, value in dataclasses.asdict(_section_class(f.name)()).items()}
-

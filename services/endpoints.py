@@ -7,7 +7,6 @@ hosts, else transport.host, loopback unless configured) and base_port + a fixed 
 """
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 
 from services.config import TransportConfig, is_loopback
@@ -15,13 +14,6 @@ from services.config import TransportConfig, is_loopback
 PURPOSES = ("health", "data")
 ROLES = ("target", "drafter")
 _MAX_RANKS = 256   # tcp port layout: base + purpose*2*MAX + role*MAX + rank
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A tcp port nobody listens on right now (the rendezvous of a lone drafter rank, tests)."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def socket_dir(run_dir: str | Path) -> Path:

@@ -41,8 +41,3 @@ def describe_lossless(record: dict) -> str:
     bugs = len(found) - ties
     notes = ([f"{ties} near-tie"] if ties else []) + ([f"{bugs} NOT near-ties: a bug"] if bugs else [])
     return text + (f" ({', '.join(notes)})" if notes else "")
-
-
-def is_lossless(record: dict) -> bool:
-    """Every prompt equal, or differing only at near-ties."""
-    return all(d.get("near_tie", False) for d in record.get("differences") or [])

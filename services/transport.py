@@ -45,7 +45,7 @@ import zmq
 
 from services import curve, verify, wire
 from services.batch import Batch
-from services.batch_stream import batch_messages, incarnation_field, int_field, queue_depth, split_field
+from services.batch_stream import Ask, Info, Refusal, batch_messages, queue_depth
 from services.config import TransportConfig
 from services.health import Drops, HealthServer
 from services.io_thread import MAX_MESSAGES_PER_POLL, IoThread, get_all
@@ -133,11 +133,10 @@ class BatchServer(IoThread):
                                ready, release))
 
     def send_info(self, client: bytes, info: dict) -> None:
-        self.send_frames(client, wire.encode({"kind": "info", "info": info}))
+        self.send_frames(client, Info(info).to_wire())
 
     def send_error(self, client: bytes, g: int, message: str, split: str = "train") -> None:
-        self.send_frames(client, wire.encode({"kind": "error", "g": g, "split": split, "message": message[:1000],
-                                              "incarnation": self.incarnation}))
+        self.send_frames(client, Refusal(g, split, message, self.incarnation).to_wire())
 
     def send_frames(self, client: bytes, frames: list) -> None:
         """One raw message, in order with everything else for this drafter."""
@@ -208,19 +207,14 @@ class BatchServer(IoThread):
     def _parse_request(self, frames) -> Request:
         client = frames[0].bytes
         header, tensors = wire.decode(frames[1:], max_message_bytes=MAX_REQUEST_BYTES)
-        if header["kind"] == "verify":
-            return Request(client, "verify", -1, "train", incarnation_field(header),
-                           verify.parse_verify(header, tensors, self.verify_limits))
-        if header["kind"] != "request":
-            raise wire.WireError(f"header field 'kind': a target only takes requests and verify, got {header['kind']!r}")
-        if tensors:
-            raise wire.WireError("a request carries no tensors")
-        want = header.get("want")
-        if want == "info":
-            return Request(client, "info", -1, "train")
-        if want == "batch":
-            return Request(client, "batch", int_field(header, "g", 0), split_field(header), incarnation_field(header))
-        raise wire.WireError(f"header field 'want': expected 'batch' or 'info', got {want!r}")
+        kind = header["kind"]
+        if kind == "verify":
+            asked = verify.VerifyRequest.from_wire(header, tensors, self.verify_limits)
+            return Request(client, "verify", -1, "train", asked.incarnation, asked)
+        if kind != "request":
+            raise wire.WireError(f"header field 'kind': a target only takes requests and verify, got {kind!r}")
+        ask = Ask.from_wire(header, tensors)
+        return Request(client, ask.want, ask.g, ask.split, ask.incarnation)
 
     def _send_some(self, streams: dict[bytes, list[_Reply]], in_flight: list[_Reply]) -> bool:
         """Advance each drafter's current reply until its queue is full; True if any reply finished."""

@@ -24,12 +24,13 @@ from __future__ import annotations
 import itertools
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import zmq
 
 from services import curve, wire
+from services.batch_stream import incarnation_field
 from services.config import TransportConfig
 from services.health import probe
 from services.sockets import secure_socket
@@ -66,15 +67,6 @@ class VerifyLimits:
     vocab_size: int
 
 
-@dataclass
-class VerifyRequest:
-    op: str
-    id: int
-    session: int
-    ids: list[int]
-    features: bool          # send the committed tokens' features back
-
-
 def _bounded_int(header: dict, key: str) -> int:
     value = header.get(key)
     if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_ID:
@@ -82,50 +74,101 @@ def _bounded_int(header: dict, key: str) -> int:
     return value
 
 
-def parse_verify(header: dict, tensors: dict, limits: VerifyLimits | None) -> VerifyRequest:
-    """A verify request, checked against the limits (WireError naming the field)."""
-    if limits is None:
-        raise wire.WireError("verify: this target does not serve verify requests")
-    op = header.get("op")
-    if op not in OPS:
-        raise wire.WireError(f"verify field 'op': expected one of {OPS}, got {str(op)[:40]!r}")
-    features = header.get("features", True)
-    if not isinstance(features, bool):
-        raise wire.WireError(f"verify field 'features': expected a bool, got {str(features)[:40]!r}")
-    request = VerifyRequest(op, _bounded_int(header, "id"), _bounded_int(header, "session"), [], features)
-    if op == "close":
-        if tensors:
-            raise wire.WireError("verify close carries no tensors")
+@dataclass
+class VerifyRequest:
+    """verify {op, id, session, incarnation, features} + ids: one call of a drafter (close: no ids)."""
+    op: str
+    id: int
+    session: int
+    ids: list[int]
+    features: bool = True    # send the committed tokens' features back
+    incarnation: str = ""    # the target incarnation the drafter believes it asks
+
+    def to_wire(self) -> list:
+        header = {"kind": "verify", "op": self.op, "id": self.id, "session": self.session,
+                  "incarnation": self.incarnation, "features": self.features}
+        return wire.encode(header, {"ids": torch.tensor(self.ids, dtype=torch.int64)} if self.op != "close" else {})
+
+    @classmethod
+    def from_wire(cls, header: dict, tensors: dict, limits: VerifyLimits | None) -> "VerifyRequest":
+        """Checked against the limits (WireError naming the field); limits None: this target does not verify."""
+        incarnation = incarnation_field(header)
+        if limits is None:
+            raise wire.WireError("verify: this target does not serve verify requests")
+        op = header.get("op")
+        if op not in OPS:
+            raise wire.WireError(f"verify field 'op': expected one of {OPS}, got {str(op)[:40]!r}")
+        features = header.get("features", True)
+        if not isinstance(features, bool):
+            raise wire.WireError(f"verify field 'features': expected a bool, got {str(features)[:40]!r}")
+        request = cls(op, _bounded_int(header, "id"), _bounded_int(header, "session"), [], features, incarnation)
+        if op == "close":
+            if tensors:
+                raise wire.WireError("verify close carries no tensors")
+            return request
+        ids = tensors.get("ids")
+        if len(tensors) != 1 or ids is None or ids.dtype != torch.int64 or ids.dim() != 1:
+            raise wire.WireError(f"verify {op}: expected exactly one 1-d int64 tensor 'ids', got "
+                                 f"{[(n, str(t.dtype), list(t.shape)) for n, t in tensors.items()]}")
+        most = limits.max_prompt if op == "open" else limits.max_block
+        if not 1 <= ids.numel() <= most:
+            raise wire.WireError(f"verify {op}: {ids.numel()} ids; expected 1..{most} "
+                                 f"({'data.pack_len' if op == 'open' else 'drafter.block_size'})")
+        if int(ids.min()) < 0 or int(ids.max()) >= limits.vocab_size:
+            raise wire.WireError(f"verify {op}: a token id outside [0, {limits.vocab_size})")
+        request.ids = ids.tolist()
         return request
-    ids = tensors.get("ids")
-    if len(tensors) != 1 or ids is None or ids.dtype != torch.int64 or ids.dim() != 1:
-        raise wire.WireError(f"verify {op}: expected exactly one 1-d int64 tensor 'ids', got "
-                             f"{[(n, str(t.dtype), list(t.shape)) for n, t in tensors.items()]}")
-    most = limits.max_prompt if op == "open" else limits.max_block
-    if not 1 <= ids.numel() <= most:
-        raise wire.WireError(f"verify {op}: {ids.numel()} ids; expected 1..{most} "
-                             f"({'data.pack_len' if op == 'open' else 'drafter.block_size'})")
-    if int(ids.min()) < 0 or int(ids.max()) >= limits.vocab_size:
-        raise wire.WireError(f"verify {op}: a token id outside [0, {limits.vocab_size})")
-    request.ids = ids.tolist()
-    return request
-
-
-def request_frames(op: str, call_id: int, session: int, incarnation: str, ids: list[int] | None = None,
-                   features: bool = True) -> list:
-    header = {"kind": "verify", "op": op, "id": call_id, "session": session, "incarnation": incarnation,
-              "features": features}
-    return wire.encode(header, {} if ids is None else {"ids": torch.tensor(ids, dtype=torch.int64)})
 
 
 # --- replies (target side builds, drafter side parses) ------------------------------------------------
+
+@dataclass
+class Verified:
+    """verified {op, id, session, incarnation, committed, part, parts, row} + tensors: one part of an answer;
+    verified {op: "close", id, session, incarnation, committed: 0}: a closed session (no parts);
+    verified {op, id, session, incarnation, error, code}: a refusal (code "session": the session is unknown)."""
+    op: str
+    id: int
+    session: int
+    incarnation: str
+    committed: int = 0
+    part: int | None = None      # None: the answer to a close, or a refusal
+    parts: int = 1
+    row: int = 0                 # the first feature row this part carries
+    error: str | None = None
+    code: str = "refused"
+    tensors: dict = field(default_factory=dict)
+
+    def to_wire(self) -> list:
+        head = {"kind": "verified", "op": self.op, "id": self.id, "session": self.session,
+                "incarnation": self.incarnation}
+        if self.error is not None:
+            return wire.encode({**head, "error": self.error[:1000], "code": self.code})
+        head["committed"] = self.committed
+        if self.part is not None:
+            head.update(part=self.part, parts=self.parts, row=self.row)
+        return wire.encode(head, self.tensors)
+
+    @classmethod
+    def from_wire(cls, header: dict, tensors: dict) -> "Verified":
+        """Each field's type and range; what it must be for the call asked is _Assembly's check."""
+        op = header.get("op")
+        if op not in OPS:
+            raise wire.WireError(f"verified field 'op': expected one of {OPS}, got {str(op)[:40]!r}")
+        reply = cls(op, _bounded_int(header, "id"), _bounded_int(header, "session"), incarnation_field(header),
+                    tensors=tensors)
+        if "error" in header:
+            reply.error, reply.code = str(header["error"])[:1000], str(header.get("code"))[:40]
+        elif op != "close":
+            reply.part, reply.parts, reply.row = (_bounded_int(header, k) for k in ("part", "parts", "row"))
+            reply.committed = _bounded_int(header, "committed")
+        return reply
+
 
 def reply_messages(request: VerifyRequest, incarnation: str, committed: int, greedy: torch.Tensor,
                    margin: torch.Tensor, tolerance: torch.Tensor, features: torch.Tensor | None,
                    chunk_bytes: int) -> list[list]:
     """The messages of one answer: part 0 with the per-position tensors, the features in row parts."""
-    head = {"kind": "verified", "op": request.op, "id": request.id, "session": request.session,
-            "incarnation": incarnation, "committed": committed}
     rows = 0 if features is None else features.shape[0]
     per_part = max(1, chunk_bytes // max(1, features[0].numel() * features.element_size())) if rows else 1
     parts = max(1, math.ceil(rows / per_part))
@@ -134,19 +177,18 @@ def reply_messages(request: VerifyRequest, incarnation: str, committed: int, gre
         tensors = {"greedy": greedy, "margin": margin, "tolerance": tolerance} if part == 0 else {}
         if features is not None:
             tensors["features"] = features[part * per_part:(part + 1) * per_part]
-        messages.append(wire.encode({**head, "part": part, "parts": parts, "row": part * per_part}, tensors))
+        messages.append(Verified(request.op, request.id, request.session, incarnation, committed, part, parts,
+                                 part * per_part, tensors=tensors).to_wire())
     return messages
 
 
 def closed_frames(request: VerifyRequest, incarnation: str) -> list:
-    return wire.encode({"kind": "verified", "op": "close", "id": request.id, "session": request.session,
-                        "incarnation": incarnation, "committed": 0})
+    return Verified("close", request.id, request.session, incarnation).to_wire()
 
 
 def error_frames(request: VerifyRequest, incarnation: str, message: str, code: str = "refused") -> list:
     """code "session": the session is unknown here (the client opens a new one); else "refused"."""
-    return wire.encode({"kind": "verified", "op": request.op, "id": request.id, "session": request.session,
-                        "incarnation": incarnation, "error": message[:1000], "code": code})
+    return Verified(request.op, request.id, request.session, incarnation, error=message, code=code).to_wire()
 
 
 @dataclass
@@ -166,15 +208,15 @@ class _Assembly:
         self.reply: Reply | None = None
         self.next_part, self.parts, self.filled = 0, 0, 0
 
-    def add(self, header: dict, tensors: dict) -> bool:
+    def add(self, reply: Verified) -> bool:
         """Take one part; True when the answer is complete."""
-        part, parts, row = (_bounded_int(header, k) for k in ("part", "parts", "row"))
+        part, parts, row = reply.part, reply.parts, reply.row
         if part != self.next_part or (part and parts != self.parts) or row != self.filled:
             raise wire.WireError(f"verified part {part}/{parts} at row {row}; expected part {self.next_part} "
                                  f"at row {self.filled}")
         if part == 0:
-            self._first(header, tensors, parts)
-        rows = tensors.get("features")
+            self._first(reply)
+        rows = reply.tensors.get("features")
         if self.want_features:
             expected = self.reply.committed
             if (rows is None or rows.dtype not in FEATURE_DTYPES or rows.dim() != 2 or rows.shape[1] != self.width
@@ -194,11 +236,12 @@ class _Assembly:
             raise wire.WireError(f"verified: {self.filled} feature rows for {self.reply.committed} committed tokens")
         return True
 
-    def _first(self, header: dict, tensors: dict, parts: int) -> None:
+    def _first(self, reply: Verified) -> None:
+        parts, tensors = reply.parts, reply.tensors
         if not 1 <= parts <= self.sent:             # every part carries at least one row
             raise wire.WireError(f"verified field 'parts': {parts}, expected 1..{self.sent}")
         n = 1 if self.op == "open" else self.sent
-        committed = _bounded_int(header, "committed")
+        committed = reply.committed
         if not 1 <= committed <= self.sent or (self.op == "open" and committed != self.sent):
             raise wire.WireError(f"verified field 'committed': {committed} for {self.sent} tokens sent")
         checks = {"greedy": torch.int64, "margin": torch.float32, "tolerance": torch.float32}
@@ -277,7 +320,7 @@ class VerifyClient:
         incarnation = self.incarnations.get(target) or self.refresh(target)
         call_id = next(self._ids)
         sock = self._socket(target)
-        sock.send_multipart(request_frames(op, call_id, session, incarnation, ids, features))
+        sock.send_multipart(VerifyRequest(op, call_id, session, list(ids or ()), features, incarnation).to_wire())
         assembly = _Assembly(op, len(ids or ()), self.width, features)
         deadline = time.monotonic() + (timeout_s or self.timeout_s)
         while True:
@@ -290,20 +333,20 @@ class VerifyClient:
                 header, tensors = wire.decode(frames, self.transport.max_message_bytes)
                 if header["kind"] != "verified":
                     raise wire.WireError(f"header field 'kind': expected 'verified', got {header['kind']!r}")
-                if header.get("id") != call_id:
-                    self.drops("data-unrequested", f"target {target}: verify answer to id {str(header.get('id'))[:24]}")
+                reply = Verified.from_wire(header, tensors)
+                if reply.id != call_id:
+                    self.drops("data-unrequested", f"target {target}: verify answer to id {reply.id}")
                     continue
-                if header.get("incarnation") != incarnation:
+                if reply.incarnation != incarnation:
                     self.drops("data-incarnation", f"target {target}: verify answer from incarnation "
-                                                   f"{str(header.get('incarnation'))[:64]!r}, asked {incarnation!r}")
+                                                   f"{reply.incarnation!r}, asked {incarnation!r}")
                     self.incarnations.pop(target, None)
                     self._reconnect(target)
                     raise TargetRestarted(f"target {target} was restarted; session {session} is gone")
-                if "error" in header:
-                    message = str(header["error"])[:1000]
-                    raise (SessionLost if header.get("code") == "session" else VerifyError)(
-                        f"target {target}: verify {op}: {message}")
-                if op == "close" or assembly.add(header, tensors):
+                if reply.error is not None:
+                    raise (SessionLost if reply.code == "session" else VerifyError)(
+                        f"target {target}: verify {op}: {reply.error}")
+                if op == "close" or assembly.add(reply):
                     return assembly.reply
             except wire.WireError as exc:
                 self.drops("data-reply", f"target {target}: {exc}")

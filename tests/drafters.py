@@ -1,20 +1,15 @@
-"""Starting real drafter processes from tests: `python -m services.drafter [--synthetic] --device cpu`."""
-import os
-import subprocess
-import sys
-from pathlib import Path
-
-REPO = Path(__file__).resolve().parents[1]
+"""The drafter's model config in tests: from a config and a target's fields, as the run spec makes it."""
+from services import runspec, shapes
+from services.drafter.target_head import check_mask
 
 
-def spawn(run_dir, *args, rank=0, world_size=1, port=None, preexec_fn=None, synthetic=True):
-    """One drafter rank (synthetic data, or from the targets over ZMQ); with world_size > 1, a gloo
-    rank rendezvousing on `port`."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHINDUCTOR_", "MASTER_", "RANK", "WORLD_SIZE"))}
-    env.update(PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")
-    if world_size > 1:
-        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    return subprocess.Popen([sys.executable, "-m", "services.drafter", "--run-dir", str(run_dir),
-                             *(["--synthetic"] if synthetic else []), "--rank", str(rank), "--world-size", str(world_size),
-                             "--device", "cpu", *args], cwd=REPO, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, preexec_fn=preexec_fn)
+def model_config_from_hf(text_cfg, tie: bool = False) -> dict:
+    """The target-derived fields of DrafterModelConfig from a transformers config object (the same
+    rule as the run spec's reading of config.json: shapes.target_fields)."""
+    return shapes.target_fields(text_cfg.to_dict(), tie)
+
+
+def build_model_config(cfg, base: dict, mask_token_id: int = -1):
+    """base (from the target or the synthetic defaults) + drafter/target sections + drafter.overrides
+    (runspec.drafter_shape), with this mask token id unless drafter.overrides names one; its mask checked."""
+    return check_mask(runspec.drafter_shape(cfg, base, mask_token_id))

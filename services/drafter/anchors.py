@@ -71,10 +71,6 @@ class DrafterInputs:
     seq_len: int                      # S before padding
     context_len: int                  # C, padded
 
-    @property
-    def num_anchor_slots(self) -> int:
-        return int(self.anchors.shape[0])
-
 
 def valid_anchor_mask(loss_mask: torch.Tensor, document_ids: torch.Tensor) -> torch.Tensor:
     """Bool [S]: positions that may anchor a block: supervised, and so is the next token of the

@@ -71,8 +71,8 @@ class Found:
 
     @property
     def batches_done(self) -> int:
-        """Global batches g < this are trained (next_g; every checkpoint has it)."""
-        return int(self.meta.get("next_g", self.micro_step * int(self.meta.get("world_size", 1))))
+        """Global batches g < this are trained (state.json's next_g)."""
+        return int(self.meta["next_g"])
 
 
 def checkpoints_dir(run_dir: str | Path) -> Path:
@@ -244,6 +244,9 @@ def find_resume_point(run_dir: str | Path, model_cfg: DrafterModelConfig, cfg: C
             warn(f"checkpoint {path} is corrupt ({exc}); "
                  + (f"falling back to {nxt}" if nxt else "no older checkpoint left"))
             continue
+        if "next_g" not in meta:
+            raise ConfigError(f"checkpoint {path} records no data position (next_g): a checkpoint this version "
+                              "does not resume. Start a new --run-dir, or move checkpoints/ aside to start fresh")
         config = json.loads((path / "config.json").read_text())
         errors = compatibility_errors(meta, config, model_cfg, cfg)
         if errors:

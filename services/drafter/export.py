@@ -16,8 +16,8 @@ What the public loaders read (checked against z-lab/dflash `dflash/model.py`, SG
   lets transformers' AutoConfig parse the file.
 - target_layer_ids and mask_token_id: from dflash_config (all three), with top-level fallbacks.
   vLLM adds 1 to the ids itself (its "aux hidden state" numbering); we store DFlash's numbering.
-  The engines concatenate the features in the listed order; the target captured them in ascending
-  order (and the config refuses any other), so the ids are written sorted.
+  The engines concatenate the features in the listed order; the target captures them in ascending
+  order, the only order the config takes, so the ids are written as the checkpoint lists them.
 - vLLM takes the block from num_speculative_tokens, which must be block_size - 1 (the anchor plus
   B - 1 mask slots); SGLang reads block_size from config.json. export.json and the command's
   output carry the value, and the serving commands for the run's own target (export.json `serve`):
@@ -75,9 +75,7 @@ def hf_config(m: DrafterModelConfig, dtype: str = "bfloat16") -> dict:
         "attention_bias": m.attention_bias,
         "attention_dropout": 0.0,
         "block_size": m.block_size,
-        # sorted: the order the features were concatenated in training (checkpoints written before
-        # unsorted target.layer_ids were refused still hold features in ascending order)
-        "dflash_config": {"mask_token_id": m.mask_token_id, "target_layer_ids": sorted(m.target_layer_ids)},
+        "dflash_config": {"mask_token_id": m.mask_token_id, "target_layer_ids": list(m.target_layer_ids)},
         "dtype": dtype,
         "head_dim": m.head_dim,
         "hidden_act": "silu",
@@ -224,7 +222,7 @@ def export_weights(weights: dict[str, torch.Tensor], model_cfg: DrafterModelConf
         tensors = {k: v.detach().to("cpu", DTYPES[dtype]).contiguous() for k, v in weights.items()}
         record = {**(provenance or {}), "block_size": model_cfg.block_size, "dtype": dtype,
                   "num_speculative_tokens": num_speculative_tokens(model_cfg.block_size),
-                  "target_layer_ids": sorted(model_cfg.target_layer_ids),
+                  "target_layer_ids": list(model_cfg.target_layer_ids),
                   "serve": serve_commands(out, model_cfg, target)}
         metadata = {"format": "pt", **{k: json.dumps(v) for k, v in record.items()}}
         save_file(tensors, str(tmp / "model.safetensors"), metadata=metadata)
@@ -270,6 +268,9 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype: str = 
     except CorruptCheckpoint as exc:
         raise ExportError(f"checkpoint {path} is corrupt: {exc}") from None
     model_cfg = DrafterModelConfig(**meta["model"])
+    if model_cfg.target_layer_ids != sorted(model_cfg.target_layer_ids):
+        raise ExportError(f"checkpoint {path} lists target_layer_ids {model_cfg.target_layer_ids} out of order: "
+                          "a checkpoint this version does not export")
     weights = load_file(str(path / "model.safetensors"))
     latest, best = pointer(path.parent, LATEST), pointer(path.parent, BEST)
     provenance = export_record(int(meta["step"]), last=latest is not None and latest.resolve() == path,

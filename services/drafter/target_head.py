@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from services import runspec, shapes
+from services import runspec
 from services.config import Config, ConfigError
 from services.drafter.model import DrafterModelConfig
 
@@ -50,18 +50,6 @@ class TargetHead:
 
 
 # --- config -------------------------------------------------------------------------------
-
-def model_config_from_hf(text_cfg, tie: bool = False) -> dict:
-    """The target-derived fields of DrafterModelConfig from a transformers config object (the same
-    rule as the run spec's reading of config.json: shapes.target_fields)."""
-    return shapes.target_fields(text_cfg.to_dict(), tie)
-
-
-def build_model_config(cfg: Config, base: dict, mask_token_id: int = -1) -> DrafterModelConfig:
-    """base (from the target or the synthetic defaults) + drafter/target sections + drafter.overrides
-    (runspec.drafter_shape), with this mask token id unless drafter.overrides names one."""
-    return check_mask(runspec.drafter_shape(cfg, base, mask_token_id))
-
 
 def check_mask(m: DrafterModelConfig, model_path: str = "", from_tokenizer: bool = False) -> DrafterModelConfig:
     """m, if its mask token has an embedding row; model_path: the tokenizer that suggests a spare token;

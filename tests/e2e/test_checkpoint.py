@@ -13,9 +13,8 @@ from safetensors.torch import load_file
 
 from services.drafter import checkpoint as ckpt
 from services.drafter.ledger import read_all
-from services.endpoints import free_port
 from services.log import events, parse_event
-from tests.drafters import spawn
+from tests.launching import free_port, spawn_drafter
 
 SMALL = ["data.pack_len=256", "drafter.num_anchors=16", "drafter.num_layers=1", "drafter.compile=false",
          "drafter.lr=3e-3", "drafter.warmup_ratio=0.1", "run.log_every=1"]
@@ -23,7 +22,7 @@ SMALL = ["data.pack_len=256", "drafter.num_anchors=16", "drafter.num_layers=1", 
 
 def run_ranks(run_dir, *args, world_size=2, timeout=180):
     port = free_port()
-    procs = [spawn(run_dir, *args, rank=r, world_size=world_size, port=port) for r in range(world_size)]
+    procs = [spawn_drafter(run_dir, *args, rank=r, world_size=world_size, port=port) for r in range(world_size)]
     outs = [p.communicate(timeout=timeout) for p in procs]
     for p, (_, err) in zip(procs, outs):
         assert p.returncode == 0, err[-3000:]
@@ -54,7 +53,7 @@ def test_resume_after_sigkill_equals_uninterrupted_training_bit_for_bit(tmp_path
 
     broken = tmp_path / "broken"
     port = free_port()
-    procs = [spawn(broken, *args, rank=r, world_size=world_size, port=port) for r in range(world_size)]
+    procs = [spawn_drafter(broken, *args, rank=r, world_size=world_size, port=port) for r in range(world_size)]
     saved = False
     for line in procs[0].stdout:                       # wait for checkpoint K, then two more steps
         e = parse_event(line) or {}
@@ -86,7 +85,7 @@ def test_resume_after_sigkill_equals_uninterrupted_training_bit_for_bit(tmp_path
 
 
 def train_single(run_dir, steps, *extra, resume=False, preexec_fn=None):
-    proc = spawn(run_dir, *(["--resume"] if resume else []), "--max-steps", str(steps), *SMALL,
+    proc = spawn_drafter(run_dir, *(["--resume"] if resume else []), "--max-steps", str(steps), *SMALL,
                  "run.checkpoint_every=4", *extra, preexec_fn=preexec_fn)
     out, err = proc.communicate(timeout=120)
     return proc.returncode, out, err
@@ -100,7 +99,7 @@ def test_resume_without_checkpoints_starts_fresh(tmp_path):
 
 
 def test_sigterm_checkpoints_the_step_in_hand_and_resume_continues_from_it(tmp_path):
-    proc = spawn(tmp_path, "--max-steps", "100000", *SMALL, "run.checkpoint_every=1000")
+    proc = spawn_drafter(tmp_path, "--max-steps", "100000", *SMALL, "run.checkpoint_every=1000")
     for line in proc.stdout:
         e = parse_event(line) or {}
         if e.get("event") == "step" and e["step"] >= 3:

@@ -4,15 +4,13 @@ import json
 import signal
 import subprocess
 import sys
-from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
 
 from services.drafter import checkpoint as ckpt
 from services.drafter.checkpoint_writer import BackgroundWriter
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.launching import REPO
 
 
 def _state(n: int, value: float) -> tuple[dict, dict]:
@@ -66,7 +64,7 @@ time.sleep(60)
 
 def test_sigkill_during_a_background_write_keeps_the_previous_checkpoint(tmp_path):
     root = tmp_path / "checkpoints"
-    proc = subprocess.Popen([sys.executable, "-c", KILLED_WRITER, str(root)], cwd=ROOT, stdout=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, "-c", KILLED_WRITER, str(root)], cwd=REPO, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     try:
         assert proc.stdout.readline().strip() == "writing", proc.stderr.read()

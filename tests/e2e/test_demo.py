@@ -16,8 +16,8 @@ from services.tools.demo import make_demo
 from services.target.data import has_generation_markers
 from services.target.model import load_target
 from services.target.packing import open_or_build
+from tests.launching import REPO
 
-REPO = Path(__file__).resolve().parents[2]
 N = 1000
 
 

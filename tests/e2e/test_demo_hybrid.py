@@ -7,12 +7,12 @@ run also builds the hybrid demo, about two more).
 """
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from tests.e2e.test_launcher_demo import assert_exactly_once, assert_no_worker_left, metrics
+from tests.launching import launcher_argv, run_launcher
 
 pytestmark = pytest.mark.slow
 DEMO = ["--demo", "hybrid", "--device", "cpu", "--gpus", "0:target,1-2:drafter"]
@@ -20,8 +20,7 @@ DEMO = ["--demo", "hybrid", "--device", "cpu", "--gpus", "0:target,1-2:drafter"]
 
 def test_hybrid_demo_trains_exports_and_evaluates(tmp_path):
     run_dir = tmp_path / "run"
-    out = subprocess.run([sys.executable, "-m", "launcher", "up", *DEMO, "--run-dir", str(run_dir), "run.epochs=1"],
-                         capture_output=True, text=True, timeout=900)
+    out = run_launcher("up", *DEMO, "--run-dir", str(run_dir), "run.epochs=1", timeout=900)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "training finished" in out.stdout
     assert_no_worker_left(run_dir)
@@ -51,9 +50,9 @@ def test_hybrid_demo_trains_exports_and_evaluates(tmp_path):
     assert final["acceptance_per_prompt"] >= 2 * final["random"]["acceptance_per_prompt"]
     assert final["acceptance_per_prompt"] > final["repeat_last"]["acceptance_per_prompt"]
 
-    ev = subprocess.run([sys.executable, "-m", "launcher", "eval", "--run-dir", str(run_dir), "--checkpoint",
+    ev = subprocess.run(launcher_argv("eval", "--run-dir", str(run_dir), "--checkpoint",
                          str(run_dir / "export"), "--prompts", "8", "--max-new-tokens", "32",
-                         "--batch", "8"],   # every prompt at once: services/eval/batched_decode.py on the hybrid target
+                         "--batch", "8"),   # every prompt at once: services/eval/batched_decode.py on the hybrid target
                         capture_output=True, text=True, timeout=600)
     assert ev.returncode == 0, ev.stderr[-3000:]
     drafter_line = next(line for line in ev.stdout.splitlines() if line.split()[:1] == ["drafter"])

@@ -9,8 +9,7 @@ from services.config import TransportConfig
 from services.endpoints import endpoint
 from services.health import probe
 from services.log import events, parse_event
-from services.endpoints import free_port
-from tests.drafters import spawn
+from tests.launching import free_port, spawn_drafter
 
 SMALL = ["data.pack_len=256", "drafter.num_anchors=16", "drafter.lr=3e-3", "drafter.warmup_ratio=0.1"]
 
@@ -18,7 +17,7 @@ SMALL = ["data.pack_len=256", "drafter.num_anchors=16", "drafter.lr=3e-3", "draf
 @pytest.mark.slow
 def test_three_ranks_cold_compile_train_in_lockstep(tmp_path):
     port = free_port()
-    procs = [spawn(tmp_path, "--max-steps", "25", *SMALL, "drafter.num_layers=1", "drafter.compile=true",
+    procs = [spawn_drafter(tmp_path, "--max-steps", "25", *SMALL, "drafter.num_layers=1", "drafter.compile=true",
                    rank=r, world_size=3, port=port) for r in range(3)]
     outs = [p.communicate(timeout=240) for p in procs]
     for p, (out, err) in zip(procs, outs):
@@ -37,7 +36,7 @@ def test_three_ranks_cold_compile_train_in_lockstep(tmp_path):
 
 
 def test_health_while_training_then_sigterm_drains_and_exits_stopped(tmp_path):
-    proc = spawn(tmp_path, "--max-steps", "100000", *SMALL, "drafter.compile=false", "run.log_every=1")
+    proc = spawn_drafter(tmp_path, "--max-steps", "100000", *SMALL, "drafter.compile=false", "run.log_every=1")
     try:
         for line in proc.stdout:                                        # wait for a trained step
             if (parse_event(line) or {}).get("event") == "step":
@@ -61,11 +60,11 @@ def test_health_while_training_then_sigterm_drains_and_exits_stopped(tmp_path):
 
 def test_bad_config_fails_fast_with_a_named_error(tmp_path):
     start = time.monotonic()
-    proc = spawn(tmp_path, "--max-steps", "1", *SMALL, "target.layer_ids=[1, 9]")
+    proc = spawn_drafter(tmp_path, "--max-steps", "1", *SMALL, "target.layer_ids=[1, 9]")
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 2
     assert "target.layer_ids [9] out of range: the target has 8 decoder layers" in err
     assert "Traceback" not in err and time.monotonic() - start < 60
-    proc = spawn(tmp_path, "--max-steps", "1", "data.pack_len=8", "drafter.num_anchors=16")
+    proc = spawn_drafter(tmp_path, "--max-steps", "1", "data.pack_len=8", "drafter.num_anchors=16")
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 2 and "drafter.num_anchors=16 is larger than data.pack_len=8" in err

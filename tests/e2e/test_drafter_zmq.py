@@ -12,10 +12,10 @@ import pytest
 from services.config import load_config
 from services.tools.demo import make_demo
 from services.drafter.ledger import read_all
-from services.endpoints import endpoint, free_port
+from services.endpoints import endpoint
 from services.health import probe
 from services.log import events
-from tests.drafters import REPO, spawn
+from tests.launching import REPO, free_port, spawn_drafter
 
 pytestmark = pytest.mark.slow
 DRAFTERS = 2
@@ -35,7 +35,7 @@ def train_over_zmq(run_dir, overrides: list[str]) -> list[dict]:
                                "--world-size", "1", "--device", "cpu", *overrides],
                               cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     port = free_port()
-    drafters = [spawn(run_dir, "--num-targets", "1", *overrides, rank=r, world_size=DRAFTERS, port=port,
+    drafters = [spawn_drafter(run_dir, "--num-targets", "1", *overrides, rank=r, world_size=DRAFTERS, port=port,
                       synthetic=False) for r in range(DRAFTERS)]
     try:
         outs = [p.communicate(timeout=300) for p in drafters]
@@ -93,7 +93,8 @@ def test_a_drafter_whose_config_disagrees_with_its_target_refuses_to_train(tmp_p
     target = subprocess.Popen([sys.executable, "-m", "services.target", "--run-dir", str(tmp_path), "--rank", "0",
                                "--world-size", "1", "--device", "cpu", *demo["overrides"], *SMALL],
                               cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    drafter = spawn(tmp_path, "--num-targets", "1", *demo["overrides"], *SMALL, "data.pack_len=128", synthetic=False)
+    drafter = spawn_drafter(tmp_path, "--num-targets", "1", *demo["overrides"], *SMALL, "data.pack_len=128",
+                            synthetic=False)
     try:
         out, err = drafter.communicate(timeout=300)
     finally:
@@ -109,7 +110,7 @@ def test_a_drafter_stopped_while_it_waits_for_its_target_exits_stopped(tmp_path,
     """No target yet: the drafter waits for target 0's info. A stop then is a stop before the end of
     training too: exit 3 (exits.STOPPED), not the 0 that the launcher reads as a finished run."""
     overrides = [*demo["overrides"], *SMALL]
-    drafter = spawn(tmp_path, "--num-targets", "1", *overrides, synthetic=False)
+    drafter = spawn_drafter(tmp_path, "--num-targets", "1", *overrides, synthetic=False)
     health = endpoint(tmp_path, load_config(None, overrides).transport, "drafter", 0, "health")
     try:
         deadline = time.monotonic() + 300

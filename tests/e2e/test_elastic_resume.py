@@ -6,7 +6,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -14,17 +13,16 @@ import pytest
 
 from services.drafter.ledger import read_all
 from services.log import events
-from tests.e2e.test_training_lifecycle import drafter_stuck, wait_for
+from tests.launching import REPO, drafter_stuck, launcher_argv, wait_for
 
-REPO = Path(__file__).resolve().parents[2]
 STEPS, LOG_EVERY = 30, 2
 SMALL = [f"run.max_steps={STEPS}", f"run.log_every={LOG_EVERY}", "run.checkpoint_every=1000", "run.eval_every=0",
          "run.spec_eval_prompts=0", "data.pack_len=256", "drafter.num_anchors=16"]
 
 
 def up(run_dir: Path, gpus: str, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "launcher", "up", "--demo", "--device", "cpu", "--gpus", gpus,
-            "--run-dir", str(run_dir), *SMALL, *extra]
+    return launcher_argv("up", "--demo", "--device", "cpu", "--gpus", gpus,
+            "--run-dir", str(run_dir), *SMALL, *extra)
 
 
 def target_pids(run_dir: Path) -> dict[int, int]:
@@ -41,14 +39,14 @@ def stop_after_some_steps(run_dir: Path, args: list[str]) -> int:
     proc = subprocess.Popen(args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         metrics = run_dir / "metrics.jsonl"
-        wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 2, 240, proc, "training")
+        wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 2, "training", proc, 240)
         run = json.loads((run_dir / "run.json").read_text())
         targets = [w["pid"] for w in run["workers"] if w["name"].startswith("target-")]
         drafters = [w["pid"] for w in run["workers"] if w["name"].startswith("drafter-")]
         for pid in targets:
             os.kill(pid, signal.SIGSTOP)
-        wait_for(lambda: drafter_stuck(run_dir), 120, proc, "drafter-0 to wait for data")
-        down = subprocess.Popen([sys.executable, "-m", "launcher", "down", "--run-dir", str(run_dir), "--timeout", "120"],
+        wait_for(lambda: drafter_stuck(run_dir), "drafter-0 to wait for data", proc, 120)
+        down = subprocess.Popen(launcher_argv("down", "--run-dir", str(run_dir), "--timeout", "120"),
                                 cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and any(

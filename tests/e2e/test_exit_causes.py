@@ -5,51 +5,29 @@ import json
 import os
 import signal
 import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 
+from tests.launching import REPO, run_launcher, start_launcher, wait_ready_then_metrics
+
 pytestmark = pytest.mark.slow
-ROOT = Path(__file__).resolve().parents[2]
 ONE_DRAFTER = ["--demo", "--device", "cpu", "--gpus", "0:target,1:drafter"]
 
 
 def up(run_dir: Path, *extra: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "launcher", "up", *ONE_DRAFTER, "--run-dir", str(run_dir),
-                             "run.max_steps=2000", *extra], cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))
-
-
-def wait_training(run_dir: Path, proc: subprocess.Popen, timeout: float = 300) -> dict[str, int]:
-    """Worker pids once the launcher has seen every worker ready and drafter-0 has logged a metrics
-    line. Metrics alone are not enough: the tiny drafter can train 10 steps before the launcher's
-    poll sees the target ready, and an exit then is one 'while starting' to the launcher."""
-    deadline = time.monotonic() + timeout
-    seen = []
-    while "all workers ready" not in (line := proc.stdout.readline()):
-        assert line, "".join(seen)[-3000:]                  # the launcher ended first
-        assert time.monotonic() < deadline, "the launcher never saw every worker ready"
-        seen.append(line)
-    metrics = run_dir / "metrics.jsonl"
-    while not (metrics.exists() and metrics.read_text().strip()):
-        assert proc.poll() is None, proc.stdout.read()[-3000:]
-        assert time.monotonic() < deadline, "training never started"
-        time.sleep(0.2)
-    return {w["name"]: w["pid"] for w in json.loads((run_dir / "run.json").read_text())["workers"]}
+    return start_launcher("up", *ONE_DRAFTER, "--run-dir", str(run_dir), "run.max_steps=2000", *extra)
 
 
 def status(run_dir: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "launcher", "status", "--run-dir", str(run_dir), "--timeout", "0.5"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=60, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    return run_launcher("status", "--run-dir", str(run_dir), "--timeout", "0.5", cwd=REPO, timeout=60)
 
 
 def test_a_drafter_killed_by_sigsegv_is_named_in_the_last_lines_and_in_status(tmp_path):
     run_dir = tmp_path / "run"
     proc = up(run_dir, "run.max_restarts=0")
     try:
-        pids = wait_training(run_dir, proc)
+        pids = wait_ready_then_metrics(run_dir, proc)
         os.kill(pids["drafter-0"], signal.SIGSEGV)
         out, _ = proc.communicate(timeout=300)
     finally:
@@ -74,7 +52,7 @@ def test_an_error_no_restart_can_mend_ends_the_run_at_once_with_its_line(tmp_pat
     run_dir = tmp_path / "run"
     proc = up(run_dir, "run.max_restarts=3")
     try:
-        pids = wait_training(run_dir, proc)
+        pids = wait_ready_then_metrics(run_dir, proc)
         config = json.loads((run_dir / "config.json").read_text())
         config["data"]["on_bad_sample"] = "bogus"
         (run_dir / "config.json").write_text(json.dumps(config))

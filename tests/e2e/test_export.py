@@ -2,10 +2,8 @@
 target, exported with `launcher export`, loaded by a small loader written here from the format
 description only (config.json + model.safetensors, plain torch; services.drafter.model is not
 used by it), reproduces the drafter's logits through the target's embedding and lm_head."""
-import dataclasses
 import json
 import math
-import os
 import stat
 import subprocess
 import sys
@@ -17,7 +15,8 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 from transformers import AutoConfig, Qwen3Config, Qwen3ForCausalLM
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.launching import REPO, drafter_env, run_launcher
+
 VOCAB, MASK_ID = 160, 159
 
 
@@ -96,12 +95,11 @@ def train_drafter(tmp, *extra):
                                           tie_word_embeddings=False, rope_theta=5000.0))
     target.save_pretrained(tmp / "target")
     run = tmp / "run"
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHINDUCTOR_", "MASTER_", "RANK", "WORLD_SIZE"))}
     out = subprocess.run([sys.executable, "-m", "services.drafter", "--run-dir", str(run), "--synthetic", "--device", "cpu",
                           "--max-steps", "6", f"target.model_path={tmp / 'target'}", f"drafter.mask_token_id={MASK_ID}",
                           "drafter.num_layers=2", "drafter.block_size=8", "data.pack_len=128", "drafter.num_anchors=8",
                           "drafter.compile=false", "drafter.lr=3e-3", *extra],
-                         cwd=REPO, env=dict(env, PYTHONPATH=str(REPO)), capture_output=True, text=True, timeout=180,
+                         cwd=REPO, env=drafter_env(), capture_output=True, text=True, timeout=180,
                          umask=0o022)
     assert out.returncode == 0, out.stderr[-3000:]
     return tmp, run
@@ -119,8 +117,8 @@ def trained_hybrid(tmp_path_factory):
 
 
 def launcher_export(checkpoint, out, dtype="bfloat16", umask=0o022):
-    res = subprocess.run([sys.executable, "-m", "launcher", "export", "--checkpoint", str(checkpoint), "--out", str(out),
-                          "--dtype", dtype], cwd=REPO, capture_output=True, text=True, timeout=120, umask=umask)
+    res = run_launcher("export", "--checkpoint", str(checkpoint), "--out", str(out),
+                          "--dtype", dtype, cwd=REPO, timeout=120, umask=umask)
     assert res.returncode == 0, res.stderr[-2000:]
     return Path(out), res.stdout
 
@@ -229,14 +227,13 @@ def test_export_refuses_a_corrupt_checkpoint_and_a_foreign_dir(trained, tmp_path
     ckpt = tmp_path / "ckpt"
     shutil.copytree(run / "checkpoints" / "latest", ckpt)
     (ckpt / "model.safetensors").write_bytes((ckpt / "model.safetensors").read_bytes()[:-10])
-    res = subprocess.run([sys.executable, "-m", "launcher", "export", "--checkpoint", str(ckpt), "--out",
-                          str(tmp_path / "x")], cwd=REPO, capture_output=True, text=True, timeout=120)
+    res = run_launcher("export", "--checkpoint", str(ckpt), "--out",
+                          str(tmp_path / "x"), cwd=REPO, timeout=120)
     assert res.returncode == 2 and "is corrupt: model.safetensors has" in res.stderr and not (tmp_path / "x").exists()
     foreign = tmp_path / "mine"
     foreign.mkdir()
     (foreign / "notes.txt").write_text("keep me")
-    res = subprocess.run([sys.executable, "-m", "launcher", "export", "--checkpoint", str(run), "--out", str(foreign)],
-                         cwd=REPO, capture_output=True, text=True, timeout=120)
+    res = run_launcher("export", "--checkpoint", str(run), "--out", str(foreign), cwd=REPO, timeout=120)
     assert res.returncode == 2 and "not a DFlash export" in res.stderr
     assert (foreign / "notes.txt").read_text() == "keep me"
 
@@ -267,24 +264,31 @@ def test_export_records_its_step_and_vllms_setting(trained, tmp_path):
     assert json.loads((export / "export.json").read_text())["checkpoint"] == "step-00000006"
 
 
-def test_the_export_states_the_layer_order_the_features_were_trained_in(trained, tmp_path):
-    """The target concatenates captured layers in ascending order; a config listing them otherwise is
-    refused (tests/unit/test_config.py), and a model config that still holds them unsorted (a checkpoint
-    from before that check) is exported in the trained, ascending order."""
-    from services.drafter.export import export_weights
-    from services.drafter.model import DrafterModelConfig
+def test_a_checkpoint_listing_its_layers_out_of_order_is_not_exported(trained, tmp_path):
+    """The target concatenates captured layers in ascending order and a config listing them otherwise is
+    refused (tests/unit/test_config.py); a checkpoint whose model config still lists them out of order
+    (written before that check) is refused by export rather than exported in an order it was not trained in."""
+    import shutil
 
-    ckpt = trained[1] / "checkpoints" / "latest"
-    model_cfg = DrafterModelConfig(**json.loads((ckpt / "state.json").read_text())["model"])
-    unsorted = dataclasses.replace(model_cfg, target_layer_ids=[5, 1])
-    out = export_weights(load_file(str(ckpt / "model.safetensors")), unsorted, tmp_path / "x")
-    assert json.loads((out / "config.json").read_text())["dflash_config"]["target_layer_ids"] == [1, 5]
-    assert json.loads((out / "export.json").read_text())["target_layer_ids"] == [1, 5]
+    from services.drafter.export import ExportError, export_checkpoint
+    from services.files import sha256_file
+
+    ckpt = tmp_path / "checkpoints" / "step-00000001"
+    shutil.copytree((trained[1] / "checkpoints" / "latest").resolve(), ckpt)
+    state = json.loads((ckpt / "state.json").read_text())
+    state["model"]["target_layer_ids"] = [5, 1]
+    (ckpt / "state.json").write_text(json.dumps(state))
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    manifest["files"]["state.json"] = {"bytes": (ckpt / "state.json").stat().st_size,
+                                       "sha256": sha256_file(ckpt / "state.json")}
+    (ckpt / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ExportError, match=r"target_layer_ids \[5, 1\] out of order"):
+        export_checkpoint(ckpt, tmp_path / "x")
 
 
 def test_exporting_best_without_evaluation_names_what_to_export(trained, tmp_path):
     run = trained[1]
-    res = subprocess.run([sys.executable, "-m", "launcher", "export", "--checkpoint", str(run / "checkpoints" / "best"),
-                          "--out", str(tmp_path / "x")], cwd=REPO, capture_output=True, text=True, timeout=120)
+    res = run_launcher("export", "--checkpoint", str(run / "checkpoints" / "best"),
+                          "--out", str(tmp_path / "x"), cwd=REPO, timeout=120)
     assert res.returncode == 2 and "run.eval_every > 0" in res.stderr
     assert f"export {run / 'checkpoints' / 'latest'} instead" in res.stderr

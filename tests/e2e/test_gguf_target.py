@@ -1,9 +1,6 @@
 """A .gguf target trains end to end on CPU: `launcher up` converts the file once to a cached Hugging
 Face folder (launcher/gguf.py), writes that folder into the run's config, and the workers train on it."""
 import json
-import os
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -14,9 +11,9 @@ from services.drafter.ledger import read_all
 from services.files import sha256_file
 from services.tools.demo import conversations
 from tests.gguf_files import write_llama_gguf
+from tests.launching import child_env, run_launcher
 
 pytestmark = pytest.mark.slow
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_a_gguf_target_trains_end_to_end(tmp_path):
@@ -25,15 +22,15 @@ def test_a_gguf_target_trains_end_to_end(tmp_path):
     data.write_text("".join(json.dumps(c) + "\n" for c in conversations(120, seed=5)))
     cache = tmp_path / "cache"
     run_dir = Path(tempfile.mkdtemp(prefix="gguf-", dir="/tmp")) / "run"   # ipc socket paths: at most 107 bytes
-    env = dict(os.environ, PYTHONPATH=str(ROOT), DFLASH_CACHE_DIR=str(cache))
+    env = child_env(DFLASH_CACHE_DIR=str(cache))
     start = time.monotonic()
-    out = subprocess.run([sys.executable, "-m", "launcher", "up", "--device", "cpu", "--gpus", "0:target,1:drafter",
+    out = run_launcher("up", "--device", "cpu", "--gpus", "0:target,1:drafter",
                           "--run-dir", str(run_dir), f"target.model_path={model}", f"data.path={data}",
                           "target.dtype=float32", "data.pack_len=256", "data.eval_fraction=0.05",
                           "drafter.num_layers=1", "drafter.block_size=4", "drafter.num_anchors=16",
                           "drafter.compile=false", "run.max_steps=6", "run.log_every=2", "run.eval_every=6",
-                          "run.checkpoint_every=6", "run.spec_eval_prompts=2", "run.spec_eval_max_new_tokens=8"],
-                         capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
+                          "run.checkpoint_every=6", "run.spec_eval_prompts=2", "run.spec_eval_max_new_tokens=8",
+                          timeout=600, env=env, cwd=tmp_path)
     took = time.monotonic() - start
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     config = json.loads((run_dir / "config.json").read_text())

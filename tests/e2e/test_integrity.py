@@ -24,9 +24,7 @@ import pytest
 from launcher.cli import main as launcher_main
 from launcher.drops import describe_drops
 from tests.e2e.test_launcher_demo import assert_exactly_once, assert_no_worker_left, launcher, metrics
-from tests.waiting import wait_for
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.launching import REPO, child_env, wait_for
 
 
 def impostor(run_dir: str, report: str) -> None:
@@ -76,13 +74,13 @@ def test_a_same_uid_takeover_replaying_the_incarnation_trains_nothing_and_does_n
         with open(log, "w") as out:
             proc = subprocess.Popen(launcher(run_dir, "run.epochs=1", "run.eval_every=8", "run.spec_eval_prompts=0",
                                              "run.checkpoint_every=0", "transport.credits=4"),
-                                    stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+                                    stdout=out, stderr=subprocess.STDOUT, env=child_env())
         fake = None
         try:
             wait_for(lambda: (run_dir / "metrics.jsonl").exists() and len(metrics(run_dir)) >= 1, "training", proc)
             fake = subprocess.Popen([sys.executable, "-c", "import sys; from tests.e2e.test_integrity import impostor; "
                                      "impostor(sys.argv[1], sys.argv[2])", str(run_dir), str(report)],
-                                    cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+                                    cwd=REPO, env=child_env())
             proc.wait(timeout=900)
         finally:
             for p in (proc, fake):
@@ -167,7 +165,7 @@ def test_a_target_with_inf_weights_stops_the_run_naming_it_and_nothing_non_finit
             proc = subprocess.Popen(launcher(run_dir, f'target.model_path="{model}"', "target.layer_ids=[0,2]",
                                              "run.max_restarts=3", "drafter.max_nonfinite_steps=12",
                                              "run.checkpoint_every=4", "run.spec_eval_prompts=0", "run.epochs=1"),
-                                    stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+                                    stdout=out, stderr=subprocess.STDOUT, env=child_env())
         seen = ended = None
         try:
             deadline = time.monotonic() + 600

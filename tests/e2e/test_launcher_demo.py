@@ -18,13 +18,14 @@ import psutil
 import pytest
 
 from services.drafter.ledger import read_all
+from tests.launching import REPO, child_env, launcher_argv, run_launcher
 
 pytestmark = pytest.mark.slow
 DEMO = ["--demo", "--device", "cpu", "--gpus", "0:target,1-2:drafter"]
 
 
 def launcher(run_dir: Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "launcher", "up", *DEMO, "--run-dir", str(run_dir), *extra]
+    return launcher_argv("up", *DEMO, "--run-dir", str(run_dir), *extra)
 
 
 def metrics(run_dir: Path) -> list[dict]:
@@ -100,9 +101,9 @@ def test_demo_trains_end_to_end(tmp_path):
     (tmp_path / "chat.jsonl").write_text("".join(json.dumps({"messages": c["messages"]}) + "\n" for c in chats[:4]))
     (tmp_path / "plain.jsonl").write_text("".join(json.dumps({"prompt": c["messages"][0]["content"]}) + "\n"
                                                   for c in chats[4:]))
-    ev = subprocess.run([sys.executable, "-m", "launcher", "eval", "--run-dir", str(run_dir), "--checkpoint",
+    ev = run_launcher("eval", "--run-dir", str(run_dir), "--checkpoint",
                          str(run_dir / "export"), "--prompts", "chat.jsonl", "--prompts", "plain.jsonl",
-                         "--max-new-tokens", "32"], capture_output=True, text=True, timeout=600, cwd=tmp_path)
+                         "--max-new-tokens", "32", timeout=600, cwd=tmp_path)
     assert ev.returncode == 0, ev.stderr[-3000:]
     out = ev.stdout.splitlines()
     for head in ("chat (4 prompts):", "plain (4 prompts):", "all sets (8 prompts):"):
@@ -176,8 +177,7 @@ def test_status_down_and_resume(tmp_path):
         while not ((run_dir / "metrics.jsonl").exists() and len(metrics(run_dir)) >= 5):
             assert time.monotonic() < deadline and proc.poll() is None, "training never started"
             time.sleep(0.2)
-        status = subprocess.run([sys.executable, "-m", "launcher", "status", "--run-dir", str(run_dir), "--json"],
-                                capture_output=True, text=True, timeout=60)
+        status = run_launcher("status", "--run-dir", str(run_dir), "--json", timeout=60)
         assert status.returncode == 0, status.stdout + status.stderr
         rows, plan = json.loads(status.stdout)["workers"], json.loads(status.stdout)["plan"]
         assert [r["name"] for r in rows] == ["target-0", "drafter-0", "drafter-1"]
@@ -190,14 +190,12 @@ def test_status_down_and_resume(tmp_path):
         assert {k: line[k] for k in ("loss", "tau", "tokens_per_s", "data_wait_frac")} == \
             {k: window[k] for k in ("loss", "tau", "tokens_per_s", "data_wait_frac")}
         assert rows[0]["batches_served"] > 0 and rows[1]["tokens_per_s"] > 0
-        table = subprocess.run([sys.executable, "-m", "launcher", "status", "--run-dir", str(run_dir)],
-                               capture_output=True, text=True, timeout=60).stdout
+        table = run_launcher("status", "--run-dir", str(run_dir), timeout=60).stdout
         assert "drafter-1" in table and "training" in table and f"run {run_dir}: running" in table
         assert "metrics @" in table and "(all ranks, last " in table
         assert f"plan: {plan['optimizer_steps']} optimizer steps x 1 micro-batches on each of 2 drafters" in table
 
-        down = subprocess.run([sys.executable, "-m", "launcher", "down", "--run-dir", str(run_dir)],
-                              capture_output=True, text=True, timeout=400)
+        down = run_launcher("down", "--run-dir", str(run_dir), timeout=400)
         assert down.returncode == 0 and "killed hard" not in down.stdout, down.stdout
         output, _ = proc.communicate(timeout=60)
     finally:
@@ -219,8 +217,7 @@ def test_status_down_and_resume(tmp_path):
     steps = [m["step"] for m in metrics(run_dir)]
     assert steps == sorted(steps) and steps[-1] > stopped_at     # the curve continues, no step twice
     assert_exactly_once(run_dir)
-    status = subprocess.run([sys.executable, "-m", "launcher", "status", "--run-dir", str(run_dir), "--timeout", "0.5"],
-                            capture_output=True, text=True, timeout=60)
+    status = run_launcher("status", "--run-dir", str(run_dir), "--timeout", "0.5", timeout=60)
     assert status.returncode == 0 and status.stdout.startswith(f"run {run_dir}: finished (exit 0"), status.stdout
 
     # --resume of a finished run: the drafters load the last step, export and exit 0 at once; the
@@ -238,12 +235,12 @@ def test_status_down_and_resume(tmp_path):
 def readme_command(start: str) -> list[str]:
     """The README's command that starts with `start` (after any `cmd &&`), comment dropped, as argv."""
     import shlex
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    readme = (REPO / "README.md").read_text()
     for line in readme.splitlines():
         command = line.split("&&")[-1].split("#")[0].strip()
         if command.startswith(start):
             argv = shlex.split(command)
-            return [sys.executable, "-m", "launcher", *argv[1:]]
+            return launcher_argv(*argv[1:])
     raise AssertionError(f"README.md has no `{start}` command")
 
 
@@ -255,8 +252,7 @@ def test_the_readme_export_command_works_right_after_the_readme_demo():
 
 
 def readme_demo_then_export(tmp_path: Path) -> None:
-    repo = Path(__file__).resolve().parents[2]
-    env = dict(os.environ, PYTHONPATH=str(repo))
+    env = child_env()
     up = subprocess.run(readme_command("launcher up --demo") + ["run.max_steps=4"], cwd=tmp_path, env=env,
                         capture_output=True, text=True, timeout=600, umask=0o022)
     assert up.returncode == 0, up.stdout[-3000:] + up.stderr[-3000:]

@@ -1,10 +1,9 @@
 """`launcher plan`: the split arithmetic, and the whole command on the demo (real measurement)."""
-import subprocess
-import sys
 
 import pytest
 
 from launcher.gpu_split import best, splits
+from tests.launching import run_launcher
 
 
 def test_the_split_follows_the_slower_role():
@@ -20,8 +19,8 @@ def test_the_split_follows_the_slower_role():
 
 @pytest.mark.slow
 def test_plan_on_the_demo_measures_both_roles_and_prints_a_split(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "launcher", "plan", "--demo", "--device", "cpu", "--gpus", "3",
-                          "--seconds", "1"], cwd=tmp_path, capture_output=True, text=True, timeout=900)
+    out = run_launcher("plan", "--demo", "--device", "cpu", "--gpus", "3",
+                          "--seconds", "1", cwd=tmp_path, timeout=900)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     assert "one cpu: target " in out.stdout and " tok/s (packed capture" in out.stdout
     assert out.stdout.count("<- best") == 1
@@ -29,6 +28,5 @@ def test_plan_on_the_demo_measures_both_roles_and_prints_a_split(tmp_path):
 
 
 def test_plan_refuses_a_single_gpu():
-    out = subprocess.run([sys.executable, "-m", "launcher", "plan", "--demo", "--device", "cpu", "--gpus", "1"],
-                         capture_output=True, text=True, timeout=120)
+    out = run_launcher("plan", "--demo", "--device", "cpu", "--gpus", "1", timeout=120)
     assert out.returncode == 2 and "at least 2 GPUs" in out.stderr

@@ -19,14 +19,7 @@ import psutil
 import pytest
 
 from launcher import process
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def run_launcher(*args, cwd=None, timeout=120):
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    return subprocess.run([sys.executable, "-m", "launcher", *args], capture_output=True, text=True,
-                          timeout=timeout, cwd=cwd, env=env)
+from tests.launching import child_env, free_port, run_launcher, start_launcher
 
 
 @pytest.fixture
@@ -181,7 +174,7 @@ STUBBORN = textwrap.dedent("""
 
 def test_second_ctrl_c_kills_a_stuck_stop(tmp_path):
     proc = subprocess.Popen([sys.executable, "-c", STUBBORN, str(tmp_path)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+                            stderr=subprocess.PIPE, text=True, env=child_env())
     try:
         pids = [int(p) for p in proc.stdout.readline().split()[1:]]
         assert len(pids) == 2
@@ -208,9 +201,8 @@ def test_progress_line_fits_a_narrow_terminal():
             "p.show('starting… waiting for ' + ' '.join(f'drafter-{i}:compiling' for i in range(8)))\n"
             "p.show('short')\n"
             "p.done('end')\n")
-    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
-    proc = subprocess.Popen([sys.executable, "-c", code], stdin=child, stdout=child, stderr=child,
-                            env=dict(env, PYTHONPATH=str(ROOT)))
+    env = {k: v for k, v in child_env().items() if k not in ("COLUMNS", "LINES")}
+    proc = subprocess.Popen([sys.executable, "-c", code], stdin=child, stdout=child, stderr=child, env=env)
     os.close(child)
     proc.wait(timeout=30)
     out = b""
@@ -295,10 +287,8 @@ def test_a_bad_data_line_stops_up_before_any_worker_and_skips_are_reported(tmp_p
     assert not (tmp_path / "run" / "run.json").exists() and not (tmp_path / "run" / "logs").exists()   # no worker
     assert time.monotonic() - start < 200
 
-    proc = subprocess.Popen([sys.executable, "-m", "launcher", "up", "--demo", "--device", "cpu", "--gpus",
-                             "0:target,1:drafter", f"data.path={bad}", "data.on_bad_sample=skip", "--run-dir",
-                             str(tmp_path / "skip")], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
+    proc = start_launcher("up", "--demo", "--device", "cpu", "--gpus", "0:target,1:drafter", f"data.path={bad}",
+                          "data.on_bad_sample=skip", "--run-dir", str(tmp_path / "skip"), cwd=tmp_path)
     try:
         lines = [proc.stdout.readline() for _ in range(3)]
         line = next(l for l in lines if l.startswith("data: "))
@@ -394,7 +384,7 @@ def test_a_host_with_targets_only_ends_as_the_remote_drafters_did(tmp_path, step
     """The drafters' host reports "stopped" both at the end and after a stop: the target host
     reads the last step from that status, so a run stopped at step 37/150 is stopped there too."""
     from launcher.topology import host_overrides, parse_gpu_spec
-    from services.endpoints import endpoint, free_port
+    from services.endpoints import endpoint
     from services.health import HealthServer
     spec = "0:target@127.0.0.1,0:drafter@127.0.0.2"
     overrides = (*host_overrides(parse_gpu_spec(spec)), f"transport.base_port={free_port() // 1024 * 1024 % 40000 + 20000}")

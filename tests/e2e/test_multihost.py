@@ -5,7 +5,6 @@ A third party without the key gets nothing from the target.
 import json
 import random
 import subprocess
-import sys
 import time
 from collections import Counter
 
@@ -16,6 +15,7 @@ from services import wire
 from services.config import load_config
 from services.drafter.ledger import read_all
 from services.endpoints import endpoint
+from tests.launching import launcher_argv, run_launcher
 
 pytestmark = pytest.mark.slow
 TARGET_HOST, DRAFTER_HOST = "127.0.0.1", "127.0.0.2"
@@ -23,14 +23,14 @@ SPEC = f"0:target@{TARGET_HOST},0:drafter@{DRAFTER_HOST}"
 
 
 def up(run_dir, host, keys, base_port, dist_port):
-    return [sys.executable, "-m", "launcher", "up", "--demo", "--device", "cpu", "--gpus", SPEC, "--host", host,
+    return launcher_argv("up", "--demo", "--device", "cpu", "--gpus", SPEC, "--host", host,
             "--run-dir", str(run_dir), f'transport.curve_keys_dir="{keys}"', f"transport.base_port={base_port}",
-            f"transport.dist_port={dist_port}", "run.epochs=1", "run.max_steps=150"]
+            f"transport.dist_port={dist_port}", "run.epochs=1", "run.max_steps=150")
 
 
 def test_run_across_two_hosts_with_curve(tmp_path):
     keys = tmp_path / "keys"
-    assert subprocess.run([sys.executable, "-m", "launcher", "keys", str(keys)], capture_output=True).returncode == 0
+    assert subprocess.run(launcher_argv("keys", str(keys)), capture_output=True).returncode == 0
     base_port, dist_port = random.randrange(20000, 40000, 1024), random.randrange(41000, 49000)
     target_run, drafter_run = tmp_path / "host-a", tmp_path / "host-b"
     host_a = subprocess.Popen(up(target_run, TARGET_HOST, keys, base_port, dist_port),
@@ -57,7 +57,7 @@ def test_run_across_two_hosts_with_curve(tmp_path):
         assert intruder.poll(3000) == 0, "the target answered a client without the CURVE key"
         intruder.close()
         ctx.term()
-        probe = [sys.executable, "-m", "launcher", "probe", health_ep, "--timeout", "2"]
+        probe = launcher_argv("probe", health_ep, "--timeout", "2")
         assert subprocess.run(probe, capture_output=True).returncode == 2
         assert subprocess.run(probe + ["--keys", str(keys)], capture_output=True).returncode == 0
 
@@ -78,6 +78,5 @@ def test_run_across_two_hosts_with_curve(tmp_path):
 
 
 def test_host_must_be_named():
-    out = subprocess.run([sys.executable, "-m", "launcher", "up", "--device", "cpu", "--gpus", SPEC],
-                         capture_output=True, text=True)
+    out = run_launcher("up", "--device", "cpu", "--gpus", SPEC)
     assert out.returncode == 2 and "--host" in out.stderr and "Traceback" not in out.stderr

@@ -12,8 +12,7 @@ from pathlib import Path
 
 from services.tools.demo import make_demo
 from tests.unit.test_docs import quickstart_block
-
-REPO = Path(__file__).resolve().parents[2]
+from tests.launching import child_env
 
 
 def test_the_cpu_walkthrough_runs_as_written(tmp_path):
@@ -35,7 +34,7 @@ def run_walkthrough(demo, work, tmp_path):
     bin_dir.mkdir()
     (bin_dir / "launcher").write_text(f"#!/bin/sh\nexec {shlex.quote(sys.executable)} -m launcher \"$@\"\n")
     (bin_dir / "launcher").chmod(0o755)
-    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", PYTHONPATH=str(REPO))
+    env = child_env(PATH=f"{bin_dir}:{os.environ['PATH']}")
     commands = [line for line in quickstart_block("# the CPU walkthrough").splitlines()
                 if line.strip() and not line.startswith("#")]
     assert [c.split()[1] for c in commands] == ["up", "status", "report", "eval", "export"]

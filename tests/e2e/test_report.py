@@ -4,21 +4,19 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.launching import REPO, drafter_env
 
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
     run = tmp_path_factory.mktemp("report") / "run"
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHINDUCTOR_", "MASTER_", "RANK", "WORLD_SIZE"))}
     out = subprocess.run([sys.executable, "-m", "services.drafter", "--run-dir", str(run), "--synthetic", "--device", "cpu",
                           "--max-steps", "12", "data.pack_len=256", "drafter.num_anchors=16", "drafter.num_layers=1",
                           "drafter.compile=false", "drafter.lr=3e-3", "run.eval_every=6", "run.checkpoint_every=6"],
-                         cwd=REPO, env=dict(env, PYTHONPATH=str(REPO)), capture_output=True, text=True, timeout=180)
+                         cwd=REPO, env=drafter_env(), capture_output=True, text=True, timeout=180)
     assert out.returncode == 0, out.stderr[-3000:]
     return run
 

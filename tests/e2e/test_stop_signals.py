@@ -17,20 +17,14 @@ from pathlib import Path
 import pytest
 
 from services.log import events
+from tests.launching import REPO, child_env, launcher_argv, run_launcher, start_launcher, wait_metrics
 
 pytestmark = pytest.mark.slow
-ROOT = Path(__file__).resolve().parents[2]
-ENV = dict(os.environ, PYTHONPATH=str(ROOT))
 
 
 def up_args(run_dir: Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "launcher", "up", "--demo", "--device", "cpu", "--gpus", "0:target,1-2:drafter",
-            "--run-dir", str(run_dir), "run.epochs=50", "run.checkpoint_every=100000", *extra]
-
-
-def training(run_dir: Path, lines: int = 2) -> bool:
-    metrics = run_dir / "metrics.jsonl"
-    return metrics.exists() and len(metrics.read_text().splitlines()) >= lines
+    return ["up", "--demo", "--device", "cpu", "--gpus", "0:target,1-2:drafter", "--run-dir", str(run_dir),
+            "run.epochs=50", "run.checkpoint_every=100000", *extra]
 
 
 # The launcher's orphans come to this process (a child subreaper), so their exit codes can be read.
@@ -65,8 +59,8 @@ KILL_9 = textwrap.dedent("""
 
 def test_kill_9_of_the_launcher_every_drafter_checkpoints_and_exits_stopped(tmp_path):
     run_dir = tmp_path / "run"
-    out = subprocess.run([sys.executable, "-c", KILL_9, str(run_dir), *up_args(run_dir)], capture_output=True,
-                         text=True, timeout=600, env=ENV)
+    out = subprocess.run([sys.executable, "-c", KILL_9, str(run_dir), *launcher_argv(*up_args(run_dir))],
+                         capture_output=True, text=True, timeout=600, env=child_env())
     assert out.returncode == 0, out.stderr[-3000:]
     codes = json.loads(out.stdout.strip().splitlines()[-1])
     assert codes == {"target-0": 0, "drafter-0": 3, "drafter-1": 3}, codes     # stopped; nothing hard (143)
@@ -78,14 +72,6 @@ def test_kill_9_of_the_launcher_every_drafter_checkpoints_and_exits_stopped(tmp_
         stops.append(events(log, "stopped")[-1])
     assert all(s["signal"] is True for s in stops) and stops[0]["step"] == stops[1]["step"] > 0
     assert os.readlink(run_dir / "checkpoints" / "latest") == f"step-{stops[0]['step']:08d}"
-
-
-def wait_training(run_dir: Path, proc: subprocess.Popen, lines: int = 2) -> dict[str, int]:
-    deadline = time.monotonic() + 300
-    while not training(run_dir, lines):
-        assert time.monotonic() < deadline and proc.poll() is None, "training never started"
-        time.sleep(0.2)
-    return {w["name"]: w["pid"] for w in json.loads((run_dir / "run.json").read_text())["workers"]}
 
 
 def stopped_once(run_dir: Path, rank: int = 0) -> dict:
@@ -104,8 +90,8 @@ def test_a_second_launcher_is_refused_in_under_two_seconds_while_the_first_prepa
     preparing anything itself."""
     run_dir = tmp_path / "run"
     early = tmp_path / ".run.launcher.lock"
-    first = subprocess.Popen(up_args(run_dir), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                             env=ENV, start_new_session=True)        # its group: the data packer dies with it
+    first = start_launcher(*up_args(run_dir), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                           start_new_session=True)        # its group: the data packer dies with it
     try:
         deadline = time.monotonic() + 120
         while not (early.exists() and early.read_text().strip() == str(first.pid)):
@@ -113,7 +99,7 @@ def test_a_second_launcher_is_refused_in_under_two_seconds_while_the_first_prepa
             time.sleep(0.02)
         assert not run_dir.exists(), "the first launcher finished preparing already: the test proves nothing"
         started = time.monotonic()
-        second = subprocess.run(up_args(run_dir), cwd=ROOT, capture_output=True, text=True, timeout=120, env=ENV)
+        second = run_launcher(*up_args(run_dir), cwd=REPO, timeout=120)
         took = time.monotonic() - started
         assert not run_dir.exists() and first.poll() is None        # the first was still preparing all along
     finally:
@@ -128,8 +114,7 @@ def test_a_second_launcher_is_refused_in_under_two_seconds_while_the_first_prepa
 
 def test_one_stop_per_request_and_one_launcher_per_run_dir(tmp_path):
     run_dir = tmp_path / "run"
-    first = subprocess.Popen(up_args(run_dir), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                             text=True, env=ENV)
+    first = start_launcher(*up_args(run_dir))
     try:
         lock = run_dir / "launcher.lock"
         deadline = time.monotonic() + 180               # after the demo is loaded and its data packed
@@ -138,10 +123,9 @@ def test_one_stop_per_request_and_one_launcher_per_run_dir(tmp_path):
             time.sleep(0.05)
         busy = f"another launcher is running on {run_dir} (pid {first.pid})"
         for extra in ((), ("--resume",)):          # a second `up` on the same run dir, before anything is written
-            second = subprocess.run(up_args(run_dir, *extra), cwd=ROOT, capture_output=True, text=True,
-                                    timeout=120, env=ENV)
+            second = run_launcher(*up_args(run_dir, *extra), cwd=REPO, timeout=120)
             assert second.returncode == 2 and busy in second.stderr, second.stdout + second.stderr
-        pids = wait_training(run_dir, first)
+        pids = wait_metrics(run_dir, first)
         assert json.loads((run_dir / "run.json").read_text())["launcher_pid"] == first.pid
         os.kill(pids["drafter-1"], signal.SIGTERM)     # a worker: twice by one sender within the debounce
         time.sleep(0.3)                                # (sooner, the kernel may merge the two into one)
@@ -159,10 +143,9 @@ def test_one_stop_per_request_and_one_launcher_per_run_dir(tmp_path):
     step = stopped_once(run_dir, rank=1)["step"]
 
     logged = len((run_dir / "metrics.jsonl").read_text().splitlines())
-    again = subprocess.Popen(up_args(run_dir, "--resume"), cwd=ROOT, stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, text=True, env=ENV)
+    again = start_launcher(*up_args(run_dir, "--resume"))
     try:
-        wait_training(run_dir, again, lines=logged + 2)     # the resumed run trains
+        wait_metrics(run_dir, again, lines=logged + 2)     # the resumed run trains
         os.kill(again.pid, signal.SIGTERM)         # the launcher, as GNU timeout does: the pid, then the group
         time.sleep(0.3)                            # (sooner, the kernel may merge the two into one)
         os.kill(again.pid, signal.SIGTERM)

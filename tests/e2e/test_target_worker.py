@@ -21,8 +21,8 @@ from services import log
 from services.target.model import load_target
 from services.target.packing import open_or_build
 from services.batch_client import BatchClient
+from tests.launching import REPO
 
-REPO = Path(__file__).resolve().parents[2]
 START_TIMEOUT_S = 90
 
 

@@ -6,54 +6,29 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections import Counter
-from pathlib import Path
 
 import pytest
 
 from services.drafter.ledger import read_all
 from services.log import events
+from tests.launching import REPO, drafter_stuck, launcher_argv, run_launcher, wait_for
 
-REPO = Path(__file__).resolve().parents[2]
 STEPS, CHECKPOINT_EVERY, LOG_EVERY, EVAL_EVERY = 120, 20, 5, 40
-
-
-def drafter_stuck(run_dir: Path) -> bool:
-    """drafter-0 waits for a batch and makes no step for a second (its status, not a fixed sleep)."""
-    from services.endpoints import endpoint
-    from services.config import load_config
-    from services.health import probe
-    health = endpoint(run_dir, load_config(run_dir / "config.json").transport, "drafter", 0, "health")
-    first = probe(health, 2)[1] or {}
-    time.sleep(1.0)
-    second = probe(health, 2)[1] or {}
-    return "waiting_for_g" in second and first.get("step") == second.get("step") \
-        and first.get("waiting_for_g") == second.get("waiting_for_g")
-
-
-def wait_for(predicate, timeout, proc, what):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        assert proc.poll() is None, f"launcher exited ({proc.returncode}) while waiting for {what}"
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 @pytest.mark.slow
 def test_sigkilled_drafter_resumes_and_every_batch_is_trained_once(tmp_path):
     run_dir = tmp_path / "run"
     launcher = subprocess.Popen(
-        [sys.executable, "-m", "launcher", "up", "--demo", "--device", "cpu", "--gpus", "0:target,1-2:drafter",
+        launcher_argv("up", "--demo", "--device", "cpu", "--gpus", "0:target,1-2:drafter",
          "--run-dir", str(run_dir), f"run.max_steps={STEPS}", f"run.checkpoint_every={CHECKPOINT_EVERY}",
-         f"run.log_every={LOG_EVERY}", f"run.eval_every={EVAL_EVERY}"],
+         f"run.log_every={LOG_EVERY}", f"run.eval_every={EVAL_EVERY}"),
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         latest = run_dir / "checkpoints" / "latest"
-        wait_for(latest.is_symlink, 240, launcher, "the first checkpoint")
+        wait_for(latest.is_symlink, "the first checkpoint", launcher, 240)
         run = json.loads((run_dir / "run.json").read_text())
         victim = [w for w in run["workers"] if w["name"] == "drafter-1"][0]["pid"]
         os.kill(victim, signal.SIGKILL)
@@ -88,8 +63,7 @@ def test_sigkilled_drafter_resumes_and_every_batch_is_trained_once(tmp_path):
     assert os.readlink(run_dir / "checkpoints" / "latest") == f"step-{STEPS:08d}"
     assert json.loads((run_dir / "export" / "config.json").read_text())["architectures"] == ["DFlashDraftModel"]
 
-    report = subprocess.run([sys.executable, "-m", "launcher", "report", "--run-dir", str(run_dir)],
-                            cwd=REPO, capture_output=True, text=True, timeout=120)
+    report = run_launcher("report", "--run-dir", str(run_dir), cwd=REPO, timeout=120)
     assert report.returncode == 0, report.stderr
     assert f"steps: {STEPS}" in report.stdout and f"best tau {best['tau']:.3f} at step {best['step']}" in report.stdout
     assert f"export: {run_dir / 'export'}" in report.stdout
@@ -108,17 +82,17 @@ def test_stop_while_waiting_for_data_checkpoints_and_resume_finishes_the_run(tmp
     and exit 0 (nothing killed hard); `launcher up --resume` then finishes, every batch once."""
     import psutil
     steps, run_dir = 60, tmp_path / "run"
-    args = [sys.executable, "-m", "launcher", "up", "--demo", "--device", "cpu", "--gpus", "0:target,1-2:drafter",
-            "--run-dir", str(run_dir), f"run.max_steps={steps}", "run.checkpoint_every=1000", f"run.log_every={LOG_EVERY}"]
+    args = launcher_argv("up", "--demo", "--device", "cpu", "--gpus", "0:target,1-2:drafter", "--run-dir", str(run_dir),
+                         f"run.max_steps={steps}", "run.checkpoint_every=1000", f"run.log_every={LOG_EVERY}")
     up = subprocess.Popen(args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         metrics = run_dir / "metrics.jsonl"
-        wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 2, 240, up, "training")
+        wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 2, "training", up, 240)
         run = json.loads((run_dir / "run.json").read_text())
         pids = {w["name"]: w["pid"] for w in run["workers"]}
         os.kill(pids["target-0"], signal.SIGSTOP)                # the drafters run dry and wait
-        wait_for(lambda: drafter_stuck(run_dir), 120, up, "drafter-0 to wait for a batch that cannot come")
-        down = subprocess.Popen([sys.executable, "-m", "launcher", "down", "--run-dir", str(run_dir), "--timeout", "120"],
+        wait_for(lambda: drafter_stuck(run_dir), "drafter-0 to wait for a batch that cannot come", up, 120)
+        down = subprocess.Popen(launcher_argv("down", "--run-dir", str(run_dir), "--timeout", "120"),
                                 cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         deadline = time.monotonic() + 60
         while any(psutil.pid_exists(pids[d]) and psutil.Process(pids[d]).status() != "zombie"

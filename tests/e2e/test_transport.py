@@ -27,8 +27,8 @@ from services.batch_stream import BufferPool, batch_messages, layout
 from services.config import TransportConfig
 from services.health import HealthServer, probe
 from services.transport import MAX_REQUEST_BYTES, BatchServer
+from tests.launching import REPO, child_env
 
-ROOT = Path(__file__).resolve().parents[2]
 SEQ, WIDTH, N_BATCHES = 300, 640, 8
 CHUNK = 64 << 10     # hidden is 300 x 640 bf16 = 375 KiB: 6 chunks
 
@@ -146,8 +146,8 @@ class Target:
         endpoint = endpoint or (f"ipc://{sock_dir}/{name}.data" if scheme == "ipc" else "tcp://127.0.0.1:*")
         code = "import json, sys; from tests.e2e.test_transport import serve; serve(*json.loads(sys.argv[1]))"
         self.proc = subprocess.Popen([sys.executable, "-c", code, json.dumps([endpoint, self.health, mode])],
-                                     cwd=ROOT, stdout=subprocess.PIPE, text=True,
-                                     env={**os.environ, "PYTHONPATH": str(ROOT)})
+                                     cwd=REPO, stdout=subprocess.PIPE, text=True,
+                                     env=child_env())
         ready, _, _ = select.select([self.proc.stdout], [], [], 60)
         assert ready, "target process did not start within 60 s"
         self.endpoint = self.proc.stdout.readline().strip()
@@ -170,6 +170,12 @@ def targets():
     yield started
     for target in started:
         target.stop()
+
+
+def half_received(client: BatchClient) -> list[tuple[int, str, int]]:
+    """(target, split, g) of the batches the client has half received right now."""
+    with client._lock:
+        return sorted(client._partials)
 
 
 def collect(client: BatchClient, want: int, timeout_s: float = 30) -> list[tuple]:
@@ -287,11 +293,11 @@ def test_target_killed_mid_stream_and_restarted(tmp_path, targets, scheme):
         client.request(0, 4)
         assert first.proc.wait(30) == -signal.SIGKILL
         assert client.poll(300) == []          # two chunks came; no batch
-        assert client.in_progress == [(0, "train", 4)]
+        assert half_received(client) == [(0, "train", 4)]
         second = Target(tmp_path, scheme, "target-0", endpoint=first.endpoint)
         targets.append(second)
         client.forget(0)
-        assert client.in_progress == []
+        assert half_received(client) == []
         client.request(0, 4)
         events = collect(client, 1)
         assert len(events) == 1 and events[0][:3] == ("batch", 0, "train")

@@ -15,9 +15,7 @@ import psutil
 import pytest
 
 from tests.e2e.test_launcher_demo import all_pids, assert_exactly_once, assert_no_worker_left, launcher, metrics
-from tests.waiting import wait_for
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.launching import child_env, wait_for
 
 
 def open_ports_off_loopback(pids: list[int]) -> list[str]:
@@ -63,7 +61,7 @@ def test_frozen_workers_are_restarted_alone_and_no_port_opens_off_loopback():
         with open(log, "w") as out:
             proc = subprocess.Popen(launcher(run_dir, "run.epochs=2", "run.unresponsive_after_s=4",
                                              "run.stall_after_s=15"),
-                                    stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+                                    stdout=out, stderr=subprocess.STDOUT, env=child_env())
         output = lambda: log.read_text()     # noqa: E731
         try:
             wait_for(lambda: (run_dir / "metrics.jsonl").exists() and len(metrics(run_dir)) >= 3, "training", proc)

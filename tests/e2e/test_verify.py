@@ -32,8 +32,8 @@ from services.drafter.target_head import from_target
 from services.endpoints import endpoint
 from services.health import probe
 from services.verify import SessionLost, TargetUnavailable, VerifyClient, VerifyError
+from tests.launching import REPO
 
-REPO = Path(__file__).resolve().parents[2]
 PROMPTS, NEW = 3, 12
 
 

@@ -7,9 +7,9 @@ import torch
 
 from bench import drafter_step, flex_check
 from services.drafter.anchors import build_inputs
-from services.drafter.attention import dense_block_mask
 from services.drafter.model import DrafterModelConfig
 from services.drafter.synthetic import SyntheticSource
+from tests.masks import dense_block_mask
 
 
 @pytest.mark.parametrize("window", [None, 3, 12, 40])

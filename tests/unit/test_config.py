@@ -1,10 +1,17 @@
+import dataclasses
 import json
 import re
 
 import pytest
 
-from services.config import Config, ConfigError, describe_defaults, dump_json, load_config, parse_value, toml_literal
+from services.config import Config, ConfigError, _section_class, dump_json, load_config, parse_value, toml_literal
+from tests.launching import REPO
 
+
+def describe_defaults() -> dict[str, str]:
+    """Every key with its default as JSON ("section.key" -> "8192"): what docs/config.md lists."""
+    return {f"{f.name}.{key}": json.dumps(value)
+            for f in dataclasses.fields(Config) for key, value in dataclasses.asdict(_section_class(f.name)()).items()}
 
 def write(tmp_path, text, name="run.toml"):
     path = tmp_path / name
@@ -74,8 +81,7 @@ def test_resolved_json_round_trip(tmp_path):
 
 
 def test_docs_describe_every_key_with_its_default():
-    from pathlib import Path
-    docs = (Path(__file__).parents[2] / "docs" / "config.md").read_text()
+    docs = (REPO / "docs" / "config.md").read_text()
     rows = {}
     for line in docs.splitlines():
         cells = [c.strip() for c in re.split(r"(?<!\\)\|", line.strip().strip("|"))]   # a \| stays in its cell
@@ -90,7 +96,7 @@ def test_docs_describe_every_key_with_its_default():
 
 def test_layer_ids_must_ascend_in_the_config_and_in_drafter_overrides():
     from services.drafter.synthetic import SYNTHETIC_MODEL
-    from services.drafter.target_head import build_model_config
+    from tests.drafters import build_model_config
 
     assert load_config(None, ["target.layer_ids=[0, 2, 5]"]).target.layer_ids == [0, 2, 5]
     for ids in ("[2, 0]", "[3, 3]"):

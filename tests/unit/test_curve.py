@@ -8,16 +8,15 @@ import subprocess
 import sys
 import textwrap
 import threading
-from pathlib import Path
 
 import pytest
 import zmq
 
 from services.config import TransportConfig
 from services.curve import CurveError, KEY_FILES, apply_client, apply_server, generate_keys, keys_for
+from tests.launching import child_env
 
-REPO = Path(__file__).resolve().parents[2]
-ENV = dict(os.environ, PYTHONPATH=str(REPO))
+ENV = child_env()
 
 # Answers every message with b"pong:" + message until an authenticated "quit";
 # then prints what it received and how many handshakes its ZAP handler refused.

@@ -8,6 +8,7 @@ import pytest
 
 from services.tools.demo import CHAT_TEMPLATE, conversations
 from services.target.data import BadSamples, DataError, chat_tokens, has_generation_markers, read_documents
+from tests.launching import REPO
 
 VOCAB = 4096
 
@@ -186,7 +187,6 @@ def test_a_line_over_the_limit_is_never_read_whole(tmp_path):
     (in a fresh process, so the peak RSS measured is this read's alone)."""
     import subprocess
     import sys
-    from pathlib import Path
     good = json.dumps({"input_ids": [1, 2, 3], "loss_mask": [0, 1, 1]}).encode() + b"\n"
     path = tmp_path / "long.jsonl"
     path.write_bytes(good + b'{"input_ids": [' + b"1," * (25 << 20) + b'1]}\n' + good)
@@ -198,7 +198,7 @@ def test_a_line_over_the_limit_is_never_read_whole(tmp_path):
             "grown = (peak() - before) // 1024\n"
             "print([d.line for d in docs], bad.count, grown)")
     out = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=120,
-                         cwd=Path(__file__).resolve().parents[2])
+                         cwd=REPO)
     lines, count, grown_mb = out.stdout.rsplit(" ", 2) if out.returncode == 0 else (out.stderr, 0, 0)
     assert lines == "[1, 3]" and count == "1", out.stdout + out.stderr
     assert int(grown_mb) < 30, f"peak memory grew by {grown_mb} MB reading past a 50 MB line"

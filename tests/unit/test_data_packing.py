@@ -5,7 +5,6 @@ import json
 import subprocess
 import sys
 from collections import Counter
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -16,9 +15,9 @@ from services.config import load_config
 from services.tools.demo import conversations
 from services.target.data import DataError, Document
 from services.target.packing import cache_key, open_or_build, pack_rows, split_document
+from tests.launching import REPO
 
 VOCAB = 4096
-REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture

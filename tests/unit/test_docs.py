@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from services.config import load_config
+from tests.launching import REPO
 
-REPO = Path(__file__).resolve().parents[2]
 DOCS = sorted((REPO / "docs").glob("*.md")) + [REPO / "README.md"]
 ISSUE_REF = re.compile(r"\bissues?[ -]?#?\d+|(?<![\w&/])#\d+(?![\w-])", re.IGNORECASE)
 # a folder beside a developer's checkout, which users do not have: docs must not point there

@@ -6,7 +6,8 @@ import torch
 from torch.nn.attention.flex_attention import create_block_mask
 
 from services.drafter.attention import (DenseAttention, FlexAttention, anchor_context_starts, block_tiles,
-                                        dense_block_mask, document_starts, flex_block_mask, flex_mask_mod)
+                                        document_starts, flex_block_mask, flex_mask_mod)
+from tests.masks import dense_block_mask
 
 
 def brute_force_mask(anchors, block_size, context_len, document_ids=None, window=None):

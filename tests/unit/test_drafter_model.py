@@ -12,7 +12,8 @@ from services.drafter.attention import DenseAttention
 from services.drafter.model import DFlashDrafter, DrafterModelConfig
 from services.layers import default_layer_ids
 from services.drafter.synthetic import SyntheticSource
-from services.drafter.target_head import build_model_config, from_target, resolve_mask_token_id
+from services.drafter.target_head import from_target, resolve_mask_token_id
+from tests.drafters import build_model_config
 from services.runspec import target_fields_of
 
 TINY = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=8, num_attention_heads=4,

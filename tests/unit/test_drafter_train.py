@@ -9,7 +9,8 @@ from services.batch import BatchError
 from services.config import load_config
 from services.drafter.warmup import warmup
 from services.drafter.synthetic import SYNTHETIC_MODEL, SyntheticSource
-from services.drafter.target_head import TargetHead, build_model_config
+from services.drafter.target_head import TargetHead
+from tests.drafters import build_model_config
 from services.drafter.train import WarmupCosine, build_train_state, parameter_fingerprint, train_step
 
 

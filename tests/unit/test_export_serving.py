@@ -76,3 +76,24 @@ def test_export_prints_words_then_the_commands_export_json_keeps(tmp_path, capsy
     assert record["serve"]["target"] == str(target)
     assert out[1] == f"vLLM:   {record['serve']['vllm']}" and out[2] == f"SGLang: {record['serve']['sglang']}"
     assert ("extra_buffer" in record["serve"]["sglang"]) == (target_config is HYBRID)
+
+
+def test_checkpoints_this_version_does_not_read_are_refused_by_name(tmp_path, capsys):
+    """A checkpoint whose model lists target_layer_ids out of order does not export (exit 2, the ids
+    named); one whose state.json has no next_g does not resume (a config error naming next_g)."""
+    from services.config import ConfigError, load_config
+    from services.drafter.checkpoint import find_resume_point
+
+    cfg = DrafterModelConfig(**TINY)
+    weights = DFlashDrafter(cfg).state_dict()
+    meta = make_meta({"step": 5, "micro_step": 5}, cfg, world_size=1)
+    unsorted = tmp_path / "unsorted"
+    write_checkpoint(unsorted / "checkpoints", 5, weights=weights, optimizer={}, rng={}, config={}, keep=2,
+                     meta={**meta, "model": {**meta["model"], "target_layer_ids": [2, 1]}})
+    assert export.main(["--checkpoint", str(unsorted), "--out", str(tmp_path / "x")]) == 2
+    assert "target_layer_ids [2, 1] out of order" in capsys.readouterr().err
+    no_position = tmp_path / "no-position"
+    write_checkpoint(no_position / "checkpoints", 5, weights=weights, optimizer={}, rng={}, config={}, keep=2,
+                     meta={k: v for k, v in meta.items() if k != "next_g"})
+    with pytest.raises(ConfigError, match="records no data position"):
+        find_resume_point(no_position, cfg, load_config(None, []), 1, warn=print)

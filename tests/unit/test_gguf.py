@@ -1,7 +1,6 @@
 """GGUF targets before any worker: the conversion to a cached folder (same weights, reused by a second
 resolve without hashing), and each user error as one line and exit 2."""
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -11,9 +10,9 @@ import pytest
 from launcher import gguf
 from services.files import sha256_file
 from tests.gguf_files import write_llama_gguf
+from tests.launching import child_env, run_launcher
 
-ROOT = Path(__file__).resolve().parents[2]
-ENV = dict(os.environ, PYTHONPATH=str(ROOT))
+ENV = child_env()
 
 
 @pytest.fixture(scope="module")
@@ -29,9 +28,8 @@ def child(*args, pre: str = "pass") -> subprocess.CompletedProcess:
 
 
 def up(*overrides: str, cwd) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "launcher", "up", "--device", "cpu", "--gpus", "0:target,1:drafter",
-                           "--run-dir", str(Path(cwd) / "run"), *overrides], capture_output=True, text=True, env=ENV,
-                          cwd=cwd, timeout=300)
+    return run_launcher("up", "--device", "cpu", "--gpus", "0:target,1:drafter",
+                        "--run-dir", str(Path(cwd) / "run"), *overrides, cwd=cwd, timeout=300)
 
 
 def one_line(out: subprocess.CompletedProcess) -> str:

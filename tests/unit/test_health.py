@@ -15,8 +15,8 @@ import pytest
 import zmq
 
 from services.health import EXIT_HEALTHY, EXIT_UNHEALTHY, EXIT_UNREACHABLE, HealthServer, probe
+from tests.launching import REPO, child_env
 
-ROOT = Path(__file__).resolve().parents[2]
 
 # A worker main loop: stamps progress every 50 ms until the stall file appears.
 WORKER = """
@@ -41,8 +41,8 @@ def worker(tmp_path):
     sock_dir.mkdir(mode=0o700)
     endpoint = f"ipc://{sock_dir}/drafter-1.health"
     stall_file = tmp_path / "stall"
-    proc = subprocess.Popen([sys.executable, "-c", WORKER, endpoint, str(stall_file)], cwd=ROOT,
-                            stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    proc = subprocess.Popen([sys.executable, "-c", WORKER, endpoint, str(stall_file)], cwd=REPO,
+                            stdout=subprocess.PIPE, text=True, env=child_env())
     ready, _, _ = select.select([proc.stdout], [], [], 30)
     assert ready and proc.stdout.readline().strip() == "ready"
     yield proc, endpoint, stall_file

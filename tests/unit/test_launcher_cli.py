@@ -1,21 +1,12 @@
 """The launcher as a user runs it: a real console script in a real subprocess."""
-import os
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
 from launcher.topology import SpecError, parse_gpu_spec
-
-REPO = str(Path(__file__).resolve().parents[2])
-
-
-def run_launcher(*args, timeout=60, cwd=None):
-    """`launcher ARGS` in a subprocess, from `cwd` (this checkout importable from anywhere)."""
-    return subprocess.run([sys.executable, "-m", "launcher", *args], capture_output=True, text=True, timeout=timeout,
-                          cwd=cwd, env={**os.environ, "PYTHONPATH": REPO})
+from tests.launching import run_launcher
 
 
 def test_spec_ranges_lists_and_ranks():

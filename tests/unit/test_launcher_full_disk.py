@@ -11,7 +11,7 @@ from pathlib import Path
 
 import psutil
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.launching import child_env
 
 
 def fill(folder: Path) -> None:
@@ -51,7 +51,7 @@ FAKE_RUN = textwrap.dedent("""
 def test_a_launcher_that_cannot_write_fails_the_run_in_one_line_and_stops_the_workers(small_disk):
     run_dir = small_disk("8m") / "run"
     proc = subprocess.Popen([sys.executable, "-c", FAKE_RUN, str(run_dir)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+                            stderr=subprocess.PIPE, text=True, env=child_env())
     try:
         line = ""
         while not line.startswith("ready"):

@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 from launcher.models import resolve_model_path
+from tests.launching import child_env, run_launcher
 
 
 def _cache_with(root, repo_id: str, files: dict) -> str:
@@ -41,13 +42,12 @@ def test_paths_stay_paths(tmp_path):
 
 
 def test_launcher_up_writes_the_local_folder_into_the_run_config(tmp_path):
-    env = dict(os.environ, HF_HUB_CACHE=str(tmp_path / "hub"), HF_HUB_OFFLINE="1")
+    env = child_env(HF_HUB_CACHE=tmp_path / "hub", HF_HUB_OFFLINE=1)
     snapshot = _cache_with(tmp_path / "hub", "acme/not-a-model", {"config.json": json.dumps({"num_hidden_layers": 2})})
     (tmp_path / "data.jsonl").write_text("")
-    out = subprocess.run([sys.executable, "-m", "launcher", "up", "--device", "cpu", "--gpus", "0:target,1:drafter",
+    out = run_launcher("up", "--device", "cpu", "--gpus", "0:target,1:drafter",
                           "--run-dir", str(tmp_path / "run"), 'target.model_path="acme/not-a-model"',
-                          f'data.path="{tmp_path / "data.jsonl"}"'], capture_output=True, text=True, timeout=120,
-                         env=env)
+                          f'data.path="{tmp_path / "data.jsonl"}"', timeout=120, env=env)
     # the folder is found in the cache; the run then stops on what that folder lacks, naming the folder
     assert out.returncode == 2 and snapshot in out.stderr, out.stderr
     assert "does not exist" not in out.stderr

@@ -5,7 +5,6 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,16 +15,10 @@ from launcher.regen_record import record_path, write_record
 from launcher.report import describe_spec
 from services.config import load_config
 from services.tools.demo import demo_overrides
+from tests.launching import run_launcher
 
-ROOT = Path(__file__).resolve().parents[2]
 CHAT = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello there"}]}
 SPEC = ["up", "--device", "cpu", "--gpus", "0:target,1:drafter"]
-
-
-def launcher(*args, cwd, timeout=120):
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    return subprocess.run([sys.executable, "-m", "launcher", *args], capture_output=True, text=True,
-                          timeout=timeout, cwd=cwd, env=env)
 
 
 @pytest.fixture
@@ -50,7 +43,7 @@ def data(tmp_path):
 
 def refused(tmp_path, *args) -> str:
     """Run `up` in tmp_path (runs/ under it); it must exit 2 with one line and leave no folder; the line."""
-    out = launcher(*SPEC, *args, cwd=tmp_path)
+    out = run_launcher(*SPEC, *args, cwd=tmp_path)
     assert out.returncode == 2, out.stdout + out.stderr
     assert "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr
     runs = tmp_path / "runs"
@@ -219,11 +212,11 @@ def test_the_demo_target_is_bfloat16_on_cuda():
 
 
 def test_keys_says_force(tmp_path):
-    assert launcher("keys", str(tmp_path / "k"), cwd=tmp_path).returncode == 0
-    again = launcher("keys", str(tmp_path / "k"), cwd=tmp_path)
+    assert run_launcher("keys", str(tmp_path / "k"), cwd=tmp_path).returncode == 0
+    again = run_launcher("keys", str(tmp_path / "k"), cwd=tmp_path)
     assert again.returncode == 2 and "pass --force to replace the keys" in again.stderr
     assert "overwrite=True" not in again.stderr
-    assert launcher("keys", str(tmp_path / "k"), "--force", cwd=tmp_path).returncode == 0
+    assert run_launcher("keys", str(tmp_path / "k"), "--force", cwd=tmp_path).returncode == 0
 
 
 def test_plan_gpus_takes_a_count_a_list_or_an_up_spec():
@@ -372,7 +365,7 @@ def snapshot(folder: Path) -> dict:
 
 def test_a_refused_resume_leaves_every_file_of_the_run_as_it_was(tmp_path, model, data, finished_run):
     before = snapshot(finished_run)
-    out = launcher(*SPEC, "--run-dir", str(finished_run), "--resume", f"target.model_path={model}",
+    out = run_launcher(*SPEC, "--run-dir", str(finished_run), "--resume", f"target.model_path={model}",
                    f"data.path={data}", "data.pack_len=512", "drafter.num_anchors=64", "drafter.num_layers=2",
                    cwd=tmp_path, timeout=60)
     assert out.returncode == 2, out.stdout + out.stderr
@@ -385,7 +378,7 @@ def test_a_refused_resume_leaves_every_file_of_the_run_as_it_was(tmp_path, model
 
 def test_resume_without_config_uses_the_runs_own_config(tmp_path, finished_run):
     before = snapshot(finished_run)
-    out = launcher(*SPEC, "--run-dir", str(finished_run), "--resume", "data.pack_len=512", cwd=tmp_path, timeout=60)
+    out = run_launcher(*SPEC, "--run-dir", str(finished_run), "--resume", "data.pack_len=512", cwd=tmp_path, timeout=60)
     assert out.returncode == 2, out.stdout + out.stderr
     assert out.stdout.strip() == (f"--resume without --config: using the run's config, {finished_run / 'config.json'} "
                                   "(the overrides given here apply on top)")

@@ -4,16 +4,14 @@ down to the demo's documents."""
 import json
 import re
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 from bench.shapes import text_config
 from services.config import load_config
-from services.drafter.target_head import build_model_config, model_config_from_hf
+from tests.drafters import build_model_config, model_config_from_hf
+from tests.launching import REPO, launcher_argv
 
-REPO = Path(__file__).resolve().parents[2]
 PRESETS = REPO / "presets"
 
 
@@ -60,8 +58,8 @@ def test_the_27b_preset_trains_on_the_demo_with_a_scaled_window(tmp_path):
               "target.layer_ids=[0, 1, 2]", "drafter.mask_token_id=-1", "drafter.num_anchors=64",
               "drafter.overrides={num_attention_heads=4, num_key_value_heads=2, head_dim=32}",
               "drafter.lr=1e-3", "run.max_steps=80", "run.log_every=1"]
-    cmd = [sys.executable, "-m", "launcher", "up", "--demo", "--device", "cpu", "--gpus", "0:target,1:drafter",
-           "--config", str(PRESETS / "qwen3.6-27b.toml"), "--run-dir", str(run_dir), *scaled]
+    cmd = launcher_argv("up", "--demo", "--device", "cpu", "--gpus", "0:target,1:drafter",
+           "--config", str(PRESETS / "qwen3.6-27b.toml"), "--run-dir", str(run_dir), *scaled)
     out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     resolved = json.loads((run_dir / "config.json").read_text())

@@ -2,11 +2,7 @@
 generate; checked against one-prompt-at-a-time greedy decoding of a tiny real Qwen3 made on the spot.
 Its chat-template options reach every prompt and its record, which `up` checks; --gpus is a plain list."""
 import json
-import os
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -21,8 +17,8 @@ from services.data_lines import prompt_tokens
 from services.data_lines import read_conversations
 from services.target.regenerate_shard import HFEngine, regenerate
 from services.tools.demo import CHAT_TEMPLATE
+from tests.launching import REPO, run_launcher
 
-REPO = Path(__file__).resolve().parents[2]
 CHATS = [
     {"messages": [{"role": "user", "content": "count from 3 to 9"}, {"role": "assistant", "content": "3 4 5 6 7 8 9"}]},
     {"input_ids": [1, 2, 3], "loss_mask": [0, 1, 1]},
@@ -83,9 +79,9 @@ def test_launcher_regenerate_writes_the_lines_in_input_order(tok_dir, tmp_path):
     make_model(tok_dir, tmp_path / "model")
     data = tmp_path / "chat.jsonl"
     data.write_text("".join(json.dumps(c) + "\n" for c in CHATS))
-    out = subprocess.run([sys.executable, "-m", "launcher", "regenerate", "--model", str(tmp_path / "model"),
+    out = run_launcher("regenerate", "--model", str(tmp_path / "model"),
                           "--data", str(data), "--out", str(tmp_path / "regen.jsonl"), "--device", "cpu",
-                          "--max-new-tokens", "6"], cwd=REPO, capture_output=True, text=True, timeout=300)
+                          "--max-new-tokens", "6", cwd=REPO, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "Loading weights" not in out.stderr + out.stdout          # transformers' bars are silenced
     lines = [json.loads(t) for t in (tmp_path / "regen.jsonl").read_text().splitlines()]
@@ -110,9 +106,9 @@ def test_all_chat_data_is_advised_data_labels_and_pre_tokenized_only_data_is_ref
     chat.write_text(json.dumps(CHATS[0]) + "\n")
     tokens.write_text(json.dumps(CHATS[1]) + "\n" + json.dumps(CHATS[1]) + "\n")
     def regen(data):
-        return subprocess.run([sys.executable, "-m", "launcher", "regenerate", "--model", str(tmp_path / "model"),
+        return run_launcher("regenerate", "--model", str(tmp_path / "model"),
                                "--data", str(data), "--out", str(tmp_path / "regen.jsonl"), "--device", "cpu",
-                               "--max-new-tokens", "4"], cwd=REPO, capture_output=True, text=True, timeout=300)
+                               "--max-new-tokens", "4", cwd=REPO, timeout=300)
     out = regen(chat)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "target.labels_from_target=false: every reply is now the target's own" in out.stdout
@@ -127,9 +123,8 @@ def test_a_broken_line_is_named_and_nothing_is_written(tok_dir, tmp_path):
     make_model(tok_dir, tmp_path / "model")
     data = tmp_path / "chat.jsonl"
     data.write_text(json.dumps(CHATS[0]) + "\n\n" + '{"messages": [{"role": "user", "content": "hi"}\n')
-    out = subprocess.run([sys.executable, "-m", "launcher", "regenerate", "--model", str(tmp_path / "model"),
-                          "--data", str(data), "--out", str(tmp_path / "regen.jsonl"), "--device", "cpu"],
-                         cwd=REPO, capture_output=True, text=True, timeout=300)
+    out = run_launcher("regenerate", "--model", str(tmp_path / "model"), "--data", str(data),
+                       "--out", str(tmp_path / "regen.jsonl"), "--device", "cpu", cwd=REPO, timeout=300)
     assert out.returncode == 2, out.stderr[-2000:]
     assert f"launcher: error: {data}:3: " in out.stderr and "Traceback" not in out.stderr, out.stderr
     assert f"{data}:3: invalid JSON: Expecting ',' delimiter at the end of the line" in out.stderr, out.stderr
@@ -165,8 +160,8 @@ def read_conversations_of(records, tmp_path):
 
 
 def regenerate_cli(model, data, out, *extra):
-    return subprocess.run([sys.executable, "-m", "launcher", "regenerate", "--model", str(model), "--data", str(data),
-                           "--out", str(out), *extra], cwd=REPO, capture_output=True, text=True, timeout=300)
+    return run_launcher("regenerate", "--model", str(model), "--data", str(data),
+                           "--out", str(out), *extra, cwd=REPO, timeout=300)
 
 
 def test_launcher_regenerate_renders_with_the_options_records_them_and_says_the_config_line(tok_dir, tmp_path):

@@ -12,6 +12,7 @@ from services.config import BATCH_KINDS, SECTIONS, _section_class, load_config
 from services.tools.demo import conversations
 from services.checkpoint_compat import MODEL_FIELDS, NOT_FOR_RESUME, RUN_FIELDS, model_errors
 from services.target.packing import build_index, cache_key
+from tests.launching import run_launcher
 
 VOCAB = 4096
 ALL_KEYS = [(s, f) for s in SECTIONS for f in dataclasses.fields(_section_class(s))]
@@ -131,9 +132,6 @@ def test_launcher_up_writes_the_spec_a_worker_without_it_resolves_too(tmp_path, 
     """`launcher up` writes runspec.json before any worker starts (here a bad data line stops it right
     after, before any worker); a worker in that run dir reads it, one started without a launcher (no
     runspec.json; a systemd unit from `launcher units`) resolves it with the same function: one answer."""
-    import subprocess
-    import sys
-
     from launcher.units import render_units
     from services.layers import default_layer_ids
     model = _tiny_target(tmp_path / "model", tok_dir, weights=True)        # `up` checks the weights are there
@@ -144,9 +142,8 @@ def test_launcher_up_writes_the_spec_a_worker_without_it_resolves_too(tmp_path, 
                     '[drafter]\nnum_layers = 3\nnum_anchors = 16\n')
     run_dir = tmp_path / "run"
     run_dir.mkdir()                    # an existing folder is prepared in place: what `up` wrote stays
-    out = subprocess.run([sys.executable, "-m", "launcher", "up", "--config", str(toml), "--device", "cpu",
-                          "--gpus", "0:target,1:drafter", "--run-dir", str(run_dir)],
-                         capture_output=True, text=True, timeout=120)
+    out = run_launcher("up", "--config", str(toml), "--device", "cpu", "--gpus", "0:target,1:drafter",
+                       "--run-dir", str(run_dir), timeout=120)
     assert out.returncode == 2 and f"{data}:2: invalid JSON" in out.stderr, out.stderr
     assert not (run_dir / "run.json").exists()                          # no worker was started
     assert [p.name for p in run_dir.iterdir() if "runspec" in p.name] == ["runspec.json"]   # no temp file left
@@ -216,7 +213,7 @@ def test_config_json_is_read_as_transformers_reads_it(tmp_path):
     from transformers import AutoConfig, Qwen3Config, Qwen3VLConfig
 
     from bench.shapes import checkpoint_config
-    from services.drafter.target_head import model_config_from_hf
+    from tests.drafters import model_config_from_hf
     small = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=8, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=8, rope_theta=50000.0)
     configs = {"tied": Qwen3Config(**small, tie_word_embeddings=True), "untied": Qwen3Config(**small),
@@ -231,7 +228,7 @@ def test_config_json_is_read_as_transformers_reads_it(tmp_path):
 
 
 def test_a_synthetic_drafter_gets_the_made_up_target_and_the_same_shape_as_before():
-    from services.drafter.target_head import build_model_config
+    from tests.drafters import build_model_config
     from services.shapes import SYNTHETIC_MODEL
     cfg = load_config(None, ["drafter.overrides={hidden_size=48}", "drafter.num_layers=2"])
     spec = runspec.resolve(cfg, synthetic=True)

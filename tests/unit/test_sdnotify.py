@@ -8,14 +8,13 @@ import subprocess
 import sys
 import textwrap
 import time
-from pathlib import Path
 
 import pytest
 
 from services import sdnotify
 from services.sdnotify import Notifier
+from tests.launching import child_env
 
-REPO = Path(__file__).resolve().parents[2]
 
 # A stand-in for a worker's main loop, using the real Notifier: load, ready, train, stall, stop.
 WORKER = textwrap.dedent("""
@@ -63,7 +62,7 @@ def _drain(sock: socket.socket, until=lambda: False, max_s: float = 30.0) -> lis
 def test_worker_subprocess_messages(tmp_path):
     path = str(tmp_path / "notify.sock")
     sock = _listen(path)
-    env = dict(os.environ, NOTIFY_SOCKET=path, WATCHDOG_USEC="400000", PYTHONPATH=str(REPO))
+    env = child_env(NOTIFY_SOCKET=path, WATCHDOG_USEC="400000")
     env.pop("WATCHDOG_PID", None)
     proc = subprocess.Popen([sys.executable, "-c", WORKER], env=env, cwd=tmp_path,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -14,8 +14,8 @@ from launcher import process
 from launcher.causes import exit_cause, last_error_line, read_log
 from services import exits
 from services.lifecycle import PARENT_DIED, StopRequests
+from tests.launching import child_env
 
-ROOT = Path(__file__).resolve().parents[2]
 
 # A worker process as the launcher starts one (process.spawn: its log, its start line), logging in
 # the workers' format and ending through services/exits.py like every worker.
@@ -33,7 +33,7 @@ CRASH = textwrap.dedent("""
 
 
 def crash(log: Path, what: str) -> int:
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = child_env()
     return process.spawn([sys.executable, "-c", CRASH.format(what=what)], env, log).wait(timeout=120)
 
 
@@ -128,7 +128,7 @@ def test_the_run_dir_lock_names_its_holder_and_dies_with_it(tmp_path):
     run_dir = tmp_path / "run"
     run_dir.mkdir()                             # `up` locks a run dir once it exists
     holder = subprocess.Popen([sys.executable, "-c", HOLD, str(run_dir)], stdout=subprocess.PIPE, text=True,
-                              env=dict(os.environ, PYTHONPATH=str(ROOT)))
+                              env=child_env())
     try:
         assert holder.stdout.readline() == "locked\n"
         with pytest.raises(RunDirBusy, match=f"another launcher is running on {run_dir} \\(pid {holder.pid}\\)"):
@@ -161,7 +161,7 @@ def test_a_repeat_while_the_interpreter_shuts_down_does_not_kill_it():
     """Python gives signals back their default action (terminate) at shutdown: a repeat arriving
     then, after the checkpoint was written, must not end the worker with -15 instead of 0."""
     proc = subprocess.Popen([sys.executable, "-c", LATE], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                            text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+                            text=True, env=child_env())
     assert proc.stdout.readline() == "ready\n"
     proc.send_signal(signal.SIGTERM)
     assert proc.stdout.readline() == "done\n"

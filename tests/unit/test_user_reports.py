@@ -2,17 +2,14 @@
 pipe, the stop message of a start that never trained."""
 import io
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 from launcher import commands
 from launcher.cli import main
+from tests.launching import REPO, child_env, launcher_argv
 
 EXIT_PIPE = 141
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def ended_run(tmp_path: Path) -> Path:
@@ -49,8 +46,8 @@ def test_eval_of_a_missing_checkpoint_says_so_before_loading_anything(tmp_path, 
 def test_a_closed_stdout_ends_status_and_report_quietly(tmp_path):
     run_dir = ended_run(tmp_path)
     for argv in (["status", "--timeout", "0.2"], ["report", "--out", str(tmp_path / "r.png")]):
-        proc = subprocess.Popen([sys.executable, "-m", "launcher", *argv, "--run-dir", str(run_dir)],
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+        proc = subprocess.Popen(launcher_argv(*argv, "--run-dir", str(run_dir)),
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=child_env())
         proc.stdout.close()                    # the reader is gone before the first line (`| head -0`)
         err = proc.stderr.read().decode()
         assert proc.wait(timeout=120) == EXIT_PIPE, err
@@ -77,11 +74,11 @@ def test_status_and_report_point_to_a_glossary_that_exists():
     from launcher.parser import build_parser
     from launcher.status import STATUS_LEGEND
     from tests.unit.test_docs import anchors
-    assert "glossary" in anchors(ROOT / "docs" / "operations.md")
-    glossary = (ROOT / "docs" / "operations.md").read_text().split("### Glossary", 1)[1].split("\n## ", 1)[0]
+    assert "glossary" in anchors(REPO / "docs" / "operations.md")
+    glossary = (REPO / "docs" / "operations.md").read_text().split("### Glossary", 1)[1].split("\n## ", 1)[0]
     for word in ("τ", "cov", "real acceptance", "starting… waiting for drafter-0:?", "probe", "samples", "rss",
                  "gpu_mem", "bad_msgs"):
         assert word in glossary, word
     status_help = build_parser()._subparsers._group_actions[0].choices["status"].format_help()
     assert "docs/operations.md#glossary" in status_help and "docs/operations.md#glossary" in STATUS_LEGEND
-    assert "docs/operations.md#glossary" in (ROOT / "launcher" / "report.py").read_text()
+    assert "docs/operations.md#glossary" in (REPO / "launcher" / "report.py").read_text()

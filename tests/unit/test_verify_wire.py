@@ -4,14 +4,18 @@ import pytest
 import torch
 
 from services import wire
-from services.verify import VerifyLimits, VerifyRequest, _Assembly, parse_verify, reply_messages, request_frames
+from services.verify import VerifyLimits, VerifyRequest, Verified, _Assembly, reply_messages
 
 LIMITS = VerifyLimits(max_prompt=16, max_block=4, max_length=40, vocab_size=100)
 
 
 def parsed(frames):
     header, tensors = wire.decode(frames, 1 << 20)
-    return parse_verify(header, tensors, LIMITS)
+    return VerifyRequest.from_wire(header, tensors, LIMITS)
+
+
+def request_frames(op, call_id, session, incarnation, ids=None, features=True):
+    return VerifyRequest(op, call_id, session, ids or [], features, incarnation).to_wire()
 
 
 def test_a_good_request_parses_and_each_bad_field_is_named():
@@ -31,9 +35,21 @@ def test_a_good_request_parses_and_each_bad_field_is_named():
     for name, frames in bad.items():
         with pytest.raises(wire.WireError):
             parsed(frames)
+    named = {
+        "'op'": wire.encode({"kind": "verify", "op": "run", "id": 1, "session": 1}),
+        "'id'": wire.encode({"kind": "verify", "op": "close", "id": True, "session": 1}),
+        "'session'": wire.encode({"kind": "verify", "op": "close", "id": 1, "session": -1}),
+        "'incarnation'": wire.encode({"kind": "verify", "op": "close", "id": 1, "session": 1, "incarnation": 7}),
+        "'features'": wire.encode({"kind": "verify", "op": "close", "id": 1, "session": 1, "features": 1}),
+        "'ids'": wire.encode({"kind": "verify", "op": "open", "id": 1, "session": 1},
+                             {"ids": torch.ones(2, dtype=torch.int32)}),
+    }
+    for field, frames in named.items():
+        with pytest.raises(wire.WireError, match=field):
+            parsed(frames)
     with pytest.raises(wire.WireError, match="does not serve"):
         header, tensors = wire.decode(request_frames("close", 1, 1, ""), 0)
-        parse_verify(header, tensors, None)
+        VerifyRequest.from_wire(header, tensors, None)
 
 
 def _answer(op, sent, committed, rows, width=8, chunk_bytes=64):
@@ -49,7 +65,7 @@ def _receive(messages, op, sent, width=8):
     done = False
     for frames in messages:
         header, tensors = wire.decode(frames)
-        done = assembly.add(header, tensors)
+        done = assembly.add(Verified.from_wire(header, tensors))
     return done, assembly.reply
 
 
@@ -109,3 +125,23 @@ def test_the_drafters_evaluation_registers_no_pytree_class_after_its_worker_is_i
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["0", "0", "False"]
+
+
+def test_the_verify_messages_round_trip_and_each_bad_answer_field_is_named():
+    request = VerifyRequest("step", 3, 9, [4, 5], False, "inc")
+    assert parsed(request.to_wire()) == request
+    assert parsed(VerifyRequest("close", 3, 9, [], True, "inc").to_wire()).ids == []
+    messages, _ = _answer("step", 4, 2, 2)
+    header, tensors = wire.decode(messages[0])
+    reply = Verified.from_wire(header, tensors)
+    assert (reply.op, reply.id, reply.session, reply.incarnation, reply.committed, reply.part, reply.parts,
+            reply.row) == ("step", 5, 2, "inc", 2, 0, 1, 0)
+    frames = Verified("open", 5, 2, "inc", error="x" * 2000, code="session").to_wire()
+    refusal = Verified.from_wire(*wire.decode(frames))
+    assert (refusal.error, refusal.code) == ("x" * 1000, "session")
+    good = {"kind": "verified", "op": "step", "id": 5, "session": 2, "incarnation": "inc", "committed": 2,
+            "part": 0, "parts": 1, "row": 0}
+    for name, value in [("op", "run"), ("id", "5"), ("session", None), ("incarnation", 1), ("committed", -1),
+                        ("part", 1.0), ("parts", True), ("row", -2)]:
+        with pytest.raises(wire.WireError, match=f"'{name}'"):
+            Verified.from_wire(*wire.decode(wire.encode({**good, name: value})))

@@ -313,3 +313,50 @@ def test_huge_announced_sizes_never_allocate(size, ndims, consistent_nbytes):
     with pytest.raises(WireError):
         decode(frames)
     decode_bounded(frames)
+
+
+# --- the transport's messages (services/batch_stream.py) ---------------------------------------
+
+def test_each_transport_message_round_trips_and_names_a_bad_field():
+    from services.batch_stream import Announce, Ask, Chunk, Info, Refusal
+
+    def back(cls, message, *rest):
+        header, tensors = decode(message.to_wire())
+        return cls.from_wire(header, tensors, *rest)
+
+    spec = wire.TensorSpec("input_ids", "int64", (4,), 32)
+    messages = [(Ask, Ask("batch", 3, "eval", "inc"), ()), (Ask, Ask("info"), ()), (Info, Info({"a": 1}), ()),
+                (Refusal, Refusal(3, "train", "past the end", "inc"), ()),
+                (Announce, Announce(3, "train", "inc", "0" * 32, [spec]), (1 << 20,))]
+    for cls, message, rest in messages:
+        assert back(cls, message, *rest) == message
+    chunk = back(Chunk, Chunk(3, "train", 64, torch.arange(8, dtype=torch.uint8)))
+    assert (chunk.g, chunk.split, chunk.offset, chunk.data.tolist()) == (3, "train", 64, list(range(8)))
+
+    stream = [spec.to_wire()]
+    bad = [
+        (Ask, {"kind": "request", "want": "all"}, {}, "'want'"),
+        (Ask, {"kind": "request", "want": "batch", "g": -1, "split": "train"}, {}, "'g'"),
+        (Ask, {"kind": "request", "want": "batch", "g": 1, "split": "test"}, {}, "'split'"),
+        (Ask, {"kind": "request", "want": "batch", "g": 1, "split": "train", "incarnation": "x" * 65}, {},
+         "'incarnation'"),
+        (Ask, {"kind": "request", "want": "info"}, {"x": torch.zeros(1)}, "no tensors"),
+        (Info, {"kind": "info", "info": [1]}, {}, "'info'"),
+        (Refusal, {"kind": "error", "g": "1", "split": "train"}, {}, "'g'"),
+        (Refusal, {"kind": "error", "g": 1, "split": None}, {}, "'split'"),
+        (Announce, {"kind": "batch", "g": 1.5, "split": "train"}, {}, "'g'"),
+        (Announce, {"kind": "batch", "g": 1, "split": "train", "digest": "ab", "stream": stream}, {}, "'digest'"),
+        (Announce, {"kind": "batch", "g": 1, "split": "train", "digest": "0" * 32, "stream": {}}, {}, "'stream'"),
+        (Announce, {"kind": "batch", "g": 1, "split": "train", "digest": "0" * 32,
+                    "stream": [{**stream[0], "name": "evil"}]}, {}, "not a batch field"),
+        (Announce, {"kind": "batch", "g": 1, "split": "train", "digest": "0" * 32,
+                    "stream": [{**stream[0], "shape": [1 << 30], "nbytes": 8 << 30}]}, {}, "cap"),
+        (Chunk, {"kind": "chunk", "g": 1, "split": "train", "offset": -1}, {"bytes": torch.zeros(2, dtype=torch.uint8)},
+         "'offset'"),
+        (Chunk, {"kind": "chunk", "g": 1, "split": "train", "offset": 0}, {"bytes": torch.zeros(2)}, "'bytes'"),
+    ]
+    for cls, header, tensors, words in bad:
+        frames = encode(header, tensors)
+        rest = (1 << 20,) if cls is Announce else ()
+        with pytest.raises(WireError, match=words):
+            cls.from_wire(*decode(frames), *rest)
