@@ -10,6 +10,7 @@ Prints one JSON object: seconds, prompts per second and target forwards per seco
 the speed-up (a ratio measured side by side in one run), and whether both made the same tokens
 (random weights: ties are rare in fp32, not in bf16: `same_tokens` is a count, not a check).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -20,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # run as a script from anywhere
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 from bench.shapes import QWEN3, text_config  # noqa: E402
 from bench.timing import sync  # noqa: E402
 from services import layers as layer_rule  # noqa: E402
@@ -32,6 +33,7 @@ from services.target.model import PACKED_SDPA, Target, _register_packed_sdpa  # 
 
 def build_target(shape: str, device: str, dtype: torch.dtype) -> Target:
     from transformers import AutoModelForCausalLM
+
     cfg = text_config(shape)
     _register_packed_sdpa()
     torch.manual_seed(0)
@@ -66,23 +68,38 @@ def main(argv=None) -> int:
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(1, vocab, (a.prompt_len + 7 * i % 50,), generator=g).tolist() for i in range(a.prompts)]
     cached, packed = LocalVerifier(target), PackedVerifier(target)
-    decode_many(packed, None, prompts[:2], max_new_tokens=4)                  # warm-up: kernels, allocator
+    decode_many(packed, None, prompts[:2], max_new_tokens=4)  # warm-up: kernels, allocator
     greedy_reference(cached, prompts[0], 4)
-    one, one_s = run_timed(lambda: [greedy_reference(cached, p, a.new) for p in prompts[:a.cached_prompts]])
+    one, one_s = run_timed(lambda: [greedy_reference(cached, p, a.new) for p in prompts[: a.cached_prompts]])
     many, many_s = [], 0.0
     for first in range(0, a.prompts, a.batch):
-        part, seconds = run_timed(lambda: decode_many(packed, None, prompts[first:first + a.batch], max_new_tokens=a.new))
+        part, seconds = run_timed(
+            lambda: decode_many(packed, None, prompts[first : first + a.batch], max_new_tokens=a.new)
+        )
         many, many_s = many + part, many_s + seconds
-    forwards = lambda outs: sum(o.target_forwards for o in outs)          # noqa: E731
+    forwards = lambda outs: sum(o.target_forwards for o in outs)  # noqa: E731
     result = {
-        "shape": a.shape, "device": torch.cuda.get_device_name() if a.device == "cuda" else "cpu",
-        "dtype": str(dtype).removeprefix("torch."), "prompt_len": a.prompt_len, "new_tokens": a.new,
-        "one_at_a_time": {"prompts": len(one), "seconds": round(one_s, 3), "prompts_per_s": round(len(one) / one_s, 2),
-                          "forwards_per_s": round(forwards(one) / one_s, 1)},
-        "batched": {"prompts": len(many), "batch": a.batch, "seconds": round(many_s, 3),
-                    "prompts_per_s": round(len(many) / many_s, 2),
-                    "prompt_forwards_per_s": round(forwards(many) / many_s, 1)},
-        "same_tokens": sum(x.tokens == y.tokens for x, y in zip(one, many)), "compared": len(one)}
+        "shape": a.shape,
+        "device": torch.cuda.get_device_name() if a.device == "cuda" else "cpu",
+        "dtype": str(dtype).removeprefix("torch."),
+        "prompt_len": a.prompt_len,
+        "new_tokens": a.new,
+        "one_at_a_time": {
+            "prompts": len(one),
+            "seconds": round(one_s, 3),
+            "prompts_per_s": round(len(one) / one_s, 2),
+            "forwards_per_s": round(forwards(one) / one_s, 1),
+        },
+        "batched": {
+            "prompts": len(many),
+            "batch": a.batch,
+            "seconds": round(many_s, 3),
+            "prompts_per_s": round(len(many) / many_s, 2),
+            "prompt_forwards_per_s": round(forwards(many) / many_s, 1),
+        },
+        "same_tokens": sum(x.tokens == y.tokens for x, y in zip(one, many)),
+        "compared": len(one),
+    }
     result["speedup"] = round(result["batched"]["prompts_per_s"] / result["one_at_a_time"]["prompts_per_s"], 2)
     print(json.dumps(result), flush=True)
     return 0

@@ -16,6 +16,7 @@ For FP8 it also prints, per layer output, the relative error and cosine against 
 This is a measurement of headroom, not the worker's path: the capture keeps eager bf16 unless a
 variant pays (docs/benchmarks.md).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,6 +35,7 @@ from services.target import fp8  # noqa: E402
 
 def build(shape: str, layers: int):
     from transformers import AutoModelForCausalLM
+
     cfg = text_config(shape)
     if layers:
         cfg.num_hidden_layers = layers
@@ -58,14 +60,21 @@ def main() -> None:
         sys.exit("this benchmark needs a CUDA GPU")
     torch.set_grad_enabled(False)
     import transformers
+
     model = build(args.shape, args.layers)
     backbone, layers = model.model, model.model.layers
     ids = torch.randint(0, model.config.vocab_size, (1, args.seq), device="cuda")
     run = lambda: backbone(input_ids=ids, use_cache=False, output_hidden_states=True)  # noqa: E731
     eager_forwards = [layer.forward for layer in layers]
     reference = None
-    results = {"shape": args.shape, "layers": len(layers), "seq": args.seq, "torch": torch.__version__,
-               "transformers": transformers.__version__, "device": torch.cuda.get_device_name()}
+    results = {
+        "shape": args.shape,
+        "layers": len(layers),
+        "seq": args.seq,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "device": torch.cuda.get_device_name(),
+    }
     for variant in args.variants.split(","):
         if "fp8" in variant and not results.get("fp8_linears"):
             reference = [h.float() for h in run().hidden_states[1:]]
@@ -83,7 +92,7 @@ def main() -> None:
             torch.cuda.synchronize()
             first = time.perf_counter() - t0
             t = timed(run, args.iters, warmup=1)
-        except Exception as exc:                 # one variant failing must not hide the others' figures
+        except Exception as exc:  # one variant failing must not hide the others' figures
             results[variant] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
             print(f"{variant:14s} failed: {results[variant]['error']}", flush=True)
             continue
@@ -92,14 +101,25 @@ def main() -> None:
             drift = []
             for ref, h in zip(reference, out.hidden_states[1:]):
                 h = h.float()
-                drift.append({"rel_err": float((h - ref).norm() / ref.norm()),
-                              "cosine": float(torch.nn.functional.cosine_similarity(h, ref, dim=-1).mean())})
+                drift.append(
+                    {
+                        "rel_err": float((h - ref).norm() / ref.norm()),
+                        "cosine": float(torch.nn.functional.cosine_similarity(h, ref, dim=-1).mean()),
+                    }
+                )
             rec["drift_per_layer"] = drift
         results[variant] = rec
         base = results.get("eager", rec)["s"]
-        print(f"{variant:14s} {rec['tok_s']:9.0f} tok/s  {base / t:5.3f}x eager  first call {first:6.1f} s"
-              + (f"  drift last layer rel {rec['drift_per_layer'][-1]['rel_err']:.4f} cos "
-                 f"{rec['drift_per_layer'][-1]['cosine']:.5f}" if "fp8" in variant else ""), flush=True)
+        print(
+            f"{variant:14s} {rec['tok_s']:9.0f} tok/s  {base / t:5.3f}x eager  first call {first:6.1f} s"
+            + (
+                f"  drift last layer rel {rec['drift_per_layer'][-1]['rel_err']:.4f} cos "
+                f"{rec['drift_per_layer'][-1]['cosine']:.5f}"
+                if "fp8" in variant
+                else ""
+            ),
+            flush=True,
+        )
     results["peak_mem_gb"] = torch.cuda.max_memory_allocated() / 1e9
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=2))

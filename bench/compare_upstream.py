@@ -21,6 +21,7 @@ timer (`_cuda_time`, which calls torch.cuda.synchronize) is replaced at runtime 
 perf_counter. Its drafter loads at the target's dtype (fp32 on CPU), as `launcher eval` loads ours.
 The sha256 of the file is printed with the figures, so a result names the code it was measured with.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))     # `python bench/compare_upstream.py` from a checkout
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python bench/compare_upstream.py` from a checkout
 
 from services.eval.cli import load_weights  # noqa: E402
 from services.eval.spec_eval import LocalSpecEval  # noqa: E402
@@ -53,7 +54,7 @@ def load_upstream(path: str):
     if missing:
         raise SystemExit(f"compare_upstream: error: {path} has no {', '.join(missing)}: not z-lab's dflash/model.py?")
     if not torch.cuda.is_available() and hasattr(module, "_cuda_time"):
-        module._cuda_time = time.perf_counter                            # its stats timer syncs CUDA
+        module._cuda_time = time.perf_counter  # its stats timer syncs CUDA
     return module, hashlib.sha256(path.read_bytes()).hexdigest()
 
 
@@ -71,27 +72,32 @@ def upstream_generate(module, drafter, target, prompt: list[int], max_new_tokens
     target: the HF model of LocalSpecEval's Target, run with HF's own sdpa (upstream passes no document spans)."""
     ids = torch.tensor([prompt], dtype=torch.long, device=target.device)
     saved, target.config._attn_implementation = target.config._attn_implementation, "sdpa"
-    with warnings.catch_warnings():                                      # transformers' past_key_values rename
+    with warnings.catch_warnings():  # transformers' past_key_values rename
         warnings.simplefilter("ignore", FutureWarning)
-        out = module.dflash_generate(drafter, target, ids, max_new_tokens, list(stop_ids), temperature=0.0,
-                                     return_stats=True)
+        out = module.dflash_generate(
+            drafter, target, ids, max_new_tokens, list(stop_ids), temperature=0.0, return_stats=True
+        )
     target.config._attn_implementation = saved
     steps = [int(n) for n in out.acceptance_lengths]
-    return Decoded(out.output_ids[0, len(prompt):].tolist(), steps, 1 + len(steps))
+    return Decoded(out.output_ids[0, len(prompt) :].tolist(), steps, 1 + len(steps))
 
 
 def compare(ours: list[Decoded], theirs: list[Decoded]) -> dict:
     """Per-prompt agreement of the two loops."""
-    per_prompt = [abs(sum(a.steps) / max(1, len(a.steps)) - sum(b.steps) / max(1, len(b.steps)))
-                  for a, b in zip(ours, theirs)]
-    return {"prompts": len(ours),
-            "same_output": sum(a.tokens == b.tokens for a, b in zip(ours, theirs)),
-            "same_steps": sum(a.steps == b.steps for a, b in zip(ours, theirs)),
-            "max_abs_diff_per_prompt": max(per_prompt, default=0.0)}
+    per_prompt = [
+        abs(sum(a.steps) / max(1, len(a.steps)) - sum(b.steps) / max(1, len(b.steps))) for a, b in zip(ours, theirs)
+    ]
+    return {
+        "prompts": len(ours),
+        "same_output": sum(a.tokens == b.tokens for a, b in zip(ours, theirs)),
+        "same_steps": sum(a.steps == b.steps for a, b in zip(ours, theirs)),
+        "max_abs_diff_per_prompt": max(per_prompt, default=0.0),
+    }
 
 
 def main(argv=None) -> int:
     from services.config import describe_prompts, load_config
+
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--upstream", required=True, help="path to z-lab's dflash/model.py (fetched by you)")
     p.add_argument("--run-dir", default="runs/latest", help="the run: its config.json names the target and the data")
@@ -111,8 +117,10 @@ def main(argv=None) -> int:
     cfg = load_config(run_dir / "config.json")
     weights, model_cfg, what = load_weights(export)
     if not what.startswith("export"):
-        raise SystemExit(f"compare_upstream: error: {export} is not an export (upstream loads config.json + "
-                         "model.safetensors): run `launcher export` first")
+        raise SystemExit(
+            f"compare_upstream: error: {export} is not an export (upstream loads config.json + "
+            "model.safetensors): run `launcher export` first"
+        )
     spec = LocalSpecEval(cfg, args.device, prompts=args.prompts, max_new_tokens=args.max_new_tokens)
     if not spec.prompts:
         raise SystemExit(f"compare_upstream: error: no chat prompts in the held-out data of {run_dir}")
@@ -120,40 +128,56 @@ def main(argv=None) -> int:
 
     propose, ours, t0 = spec.proposer(weights, model_cfg), [], time.perf_counter()
     for prompt in spec.prompts:
-        ours.append(speculative_generate(spec.verifier, propose, prompt, max_new_tokens=args.max_new_tokens,
-                                         stop_ids=spec.stop_ids))
+        ours.append(
+            speculative_generate(
+                spec.verifier, propose, prompt, max_new_tokens=args.max_new_tokens, stop_ids=spec.stop_ids
+            )
+        )
     ours_s = time.perf_counter() - t0
     drafter, theirs, t0 = load_upstream_drafter(module, export, spec.dtype), [], time.perf_counter()
     for prompt in spec.prompts:
-        theirs.append(upstream_generate(module, drafter, spec.target.model, prompt, args.max_new_tokens,
-                                        spec.stop_ids))
+        theirs.append(upstream_generate(module, drafter, spec.target.model, prompt, args.max_new_tokens, spec.stop_ids))
     theirs_s = time.perf_counter() - t0
 
-    result = {"drafter": what, "upstream_sha256": digest, "block_size": model_cfg.block_size,
-              "max_new_tokens": args.max_new_tokens, "torch": torch.__version__,
-              "transformers": __import__("transformers").__version__,
-              "project": summarize(ours, references, ours_s), "upstream": summarize(theirs, references, theirs_s),
-              "agreement": compare(ours, theirs)}
+    result = {
+        "drafter": what,
+        "upstream_sha256": digest,
+        "block_size": model_cfg.block_size,
+        "max_new_tokens": args.max_new_tokens,
+        "torch": torch.__version__,
+        "transformers": __import__("transformers").__version__,
+        "project": summarize(ours, references, ours_s),
+        "upstream": summarize(theirs, references, theirs_s),
+        "agreement": compare(ours, theirs),
+    }
     if args.json:
         print(json.dumps(result))
         return 0
-    print(f"{what}: {describe_prompts(len(spec.prompts), spec.held_out)}, block {model_cfg.block_size}, greedy, up to "
-          f"{args.max_new_tokens} new tokens; upstream {args.upstream} (sha256 {digest[:12]})")
+    print(
+        f"{what}: {describe_prompts(len(spec.prompts), spec.held_out)}, block {model_cfg.block_size}, greedy, up to "
+        f"{args.max_new_tokens} new tokens; upstream {args.upstream} (sha256 {digest[:12]})"
+    )
     print(f"{'loop':<9} {'per prompt':>10} {'per step':>9} {'tok/fwd':>8} {'lossless':>9} {'steps':>6} {'seconds':>8}")
     for name in ("project", "upstream"):
         r = result[name]
-        print(f"{name:<9} {r['acceptance_per_prompt']:>10.3f} {r['acceptance_per_step']:>9.3f} "
-              f"{r['tokens_per_forward']:>8.3f} {r['lossless']:>5}/{r['prompts']:<3} {r['steps']:>6} "
-              f"{r['seconds']:>8.1f}")
+        print(
+            f"{name:<9} {r['acceptance_per_prompt']:>10.3f} {r['acceptance_per_step']:>9.3f} "
+            f"{r['tokens_per_forward']:>8.3f} {r['lossless']:>5}/{r['prompts']:<3} {r['steps']:>6} "
+            f"{r['seconds']:>8.1f}"
+        )
     a = result["agreement"]
-    print(f"agreement: same output {a['same_output']}/{a['prompts']}, same tokens at every step "
-          f"{a['same_steps']}/{a['prompts']}, largest per-prompt difference in acceptance "
-          f"{a['max_abs_diff_per_prompt']:.3f}")
+    print(
+        f"agreement: same output {a['same_output']}/{a['prompts']}, same tokens at every step "
+        f"{a['same_steps']}/{a['prompts']}, largest per-prompt difference in acceptance "
+        f"{a['max_abs_diff_per_prompt']:.3f}"
+    )
     if args.per_prompt:
         for i, (x, y) in enumerate(zip(ours, theirs)):
-            print(f"  prompt {i:>3}: project {sum(x.steps) / max(1, len(x.steps)):.3f} ({len(x.steps)} steps)  "
-                  f"upstream {sum(y.steps) / max(1, len(y.steps)):.3f} ({len(y.steps)} steps)"
-                  + ("" if x.steps == y.steps else "  steps differ"))
+            print(
+                f"  prompt {i:>3}: project {sum(x.steps) / max(1, len(x.steps)):.3f} ({len(x.steps)} steps)  "
+                f"upstream {sum(y.steps) / max(1, len(y.steps)):.3f} ({len(y.steps)} steps)"
+                + ("" if x.steps == y.steps else "  steps differ")
+            )
     return 0
 
 

@@ -14,6 +14,7 @@ time is a hang. Modes:
 
     python bench/compile_isolation.py --workers 3 --trials 3 --timeout 180 --out $OUT/compile.json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -69,8 +70,13 @@ def run_threads(n: int, shape: dict) -> None:
 
 
 def child_env(cache: Path) -> dict:
-    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(cache / "inductor"), TRITON_CACHE_DIR=str(cache / "triton"),
-               PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""), PYTHONUNBUFFERED="1")
+    env = dict(
+        os.environ,
+        TORCHINDUCTOR_CACHE_DIR=str(cache / "inductor"),
+        TRITON_CACHE_DIR=str(cache / "triton"),
+        PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+        PYTHONUNBUFFERED="1",
+    )
     env["TORCHINDUCTOR_COMPILE_THREADS"] = str(max(1, (os.cpu_count() or 1) // 3))
     return env
 
@@ -84,14 +90,34 @@ def trial(mode: str, n: int, shape: dict, cache: Path, timeout: float) -> dict:
     elif mode in ("processes", "warm"):
         cmds = [me + ["--as-worker", str(i)] + args for i in range(n)]
     else:  # drafters: the real drafter worker, one process each, world size 1 (NCCL needs one GPU per rank)
-        cmds = [[sys.executable, "-m", "services.drafter", "--synthetic", "--device", "cuda", "--max-steps", "3",
-                 "--run-dir", str(cache / f"d{i}"), "drafter.num_layers=1", "data.pack_len=1024",
-                 "drafter.num_anchors=64", "drafter.block_size=16",
-                 "drafter.overrides={hidden_size=1024, intermediate_size=2048, num_attention_heads=8, "
-                 "num_key_value_heads=8, head_dim=128}"] for i in range(n)]
+        cmds = [
+            [
+                sys.executable,
+                "-m",
+                "services.drafter",
+                "--synthetic",
+                "--device",
+                "cuda",
+                "--max-steps",
+                "3",
+                "--run-dir",
+                str(cache / f"d{i}"),
+                "drafter.num_layers=1",
+                "data.pack_len=1024",
+                "drafter.num_anchors=64",
+                "drafter.block_size=16",
+                "drafter.overrides={hidden_size=1024, intermediate_size=2048, num_attention_heads=8, "
+                "num_key_value_heads=8, head_dim=128}",
+            ]
+            for i in range(n)
+        ]
     start = time.monotonic()
-    procs = [subprocess.Popen(c, env=child_env(cache), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              start_new_session=True) for c in cmds]
+    procs = [
+        subprocess.Popen(
+            c, env=child_env(cache), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+        )
+        for c in cmds
+    ]
     outputs, hung = [], False
     for p in procs:
         try:
@@ -137,6 +163,7 @@ def main() -> None:
         return
 
     import torch
+
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name(0)}, workers {a.workers}, shape {shape}", flush=True)
     results = []
     modes = a.modes.split(",")
@@ -167,8 +194,9 @@ def main() -> None:
             secs = ", ".join(f"{r['seconds']:.1f}" + ("" if r["outcome"] == "ok" else f" ({r['outcome']})") for r in rs)
             print(f"{mode:<11} {len(rs):>6} {count['ok']:>3} {count['crash']:>6} {count['hang']:>5}  {secs}")
     if a.out:
-        Path(a.out).write_text(json.dumps({"torch": torch.__version__, "shape": shape, "workers": a.workers,
-                                           "results": results}, indent=2))
+        Path(a.out).write_text(
+            json.dumps({"torch": torch.__version__, "shape": shape, "workers": a.workers, "results": results}, indent=2)
+        )
 
 
 if __name__ == "__main__":

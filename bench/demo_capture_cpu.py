@@ -10,6 +10,7 @@ its chunked gated delta rule (hybrid.reference_delta_rule, what the worker uses)
 token by token (hybrid.token_by_token_delta_rule); the largest difference of the two captures is
 printed with them.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -20,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # run as a script from anywhere
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 from services.config import load_config  # noqa: E402
 from services.tools.demo import cache_dir, make_demo  # noqa: E402
 from services.target import hybrid  # noqa: E402
@@ -32,8 +33,9 @@ def time_rows(target, rows) -> tuple[float, list[torch.Tensor]]:
     out = []
     t0 = time.perf_counter()
     for row in rows:
-        hidden, _ = target.capture(row["input_ids"], row["position_ids"], row["document_ids"], with_labels=True,
-                                   out_dtype=torch.float32)
+        hidden, _ = target.capture(
+            row["input_ids"], row["position_ids"], row["document_ids"], with_labels=True, out_dtype=torch.float32
+        )
         out.append(hidden)
     return (time.perf_counter() - t0) / len(rows), out
 
@@ -45,6 +47,7 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     from transformers import AutoTokenizer
+
     for variant in ("dense", "hybrid"):
         demo = make_demo(cache_dir(variant), variant=variant)
         cfg = load_config(None, demo["overrides"])
@@ -54,10 +57,13 @@ def main() -> None:
             data = open_or_build(cfg, run_dir, tokenizer, target.info.vocab_size, log=lambda _m: None)
             rows = [data.batch(g) for g in range(min(args.rows, data.num_batches()))]
         docs = sum(len(set(r["document_ids"].tolist())) for r in rows) / len(rows)
-        time_rows(target, rows[:2])                                   # warm-up
+        time_rows(target, rows[:2])  # warm-up
         seconds, chunked = time_rows(target, rows)
-        print(f"{variant:6s} {target.path:16s} {seconds * 1e3:7.1f} ms/row  ({len(rows)} rows of "
-              f"{cfg.data.pack_len} tokens, {docs:.1f} documents each, {args.threads} thread(s))", flush=True)
+        print(
+            f"{variant:6s} {target.path:16s} {seconds * 1e3:7.1f} ms/row  ({len(rows)} rows of "
+            f"{cfg.data.pack_len} tokens, {docs:.1f} documents each, {args.threads} thread(s))",
+            flush=True,
+        )
         if target.path == "packed-reference":
             fast = hybrid.reference_delta_rule
             hybrid.reference_delta_rule = hybrid.token_by_token_delta_rule
@@ -66,8 +72,11 @@ def main() -> None:
             finally:
                 hybrid.reference_delta_rule = fast
             diff = max(float((a - b).abs().max()) for a, b in zip(chunked, token_by_token))
-            print(f"{variant:6s} {'token by token':16s} {slow * 1e3:7.1f} ms/row  (chunked is {slow / seconds:.1f}x "
-                  f"faster; largest capture difference {diff:.1e})", flush=True)
+            print(
+                f"{variant:6s} {'token by token':16s} {slow * 1e3:7.1f} ms/row  (chunked is {slow / seconds:.1f}x "
+                f"faster; largest capture difference {diff:.1e})",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

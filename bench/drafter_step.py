@@ -26,6 +26,7 @@ hybrid/full step-time ratio. The layout changes only the attention (mask and att
         --layout both --device cpu --steps 2 --warmup-steps 1 --no-compile       # CPU smoke test
 Needs no pyzmq.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,23 +42,71 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.timing import matmul_peak_tflops, timed  # noqa: E402
 
 SHAPES = {
-    "recipe": dict(hidden=4096, intermediate=12288, heads=32, kv_heads=8, head_dim=128, layers=5, target_layers=36,
-                   vocab=151936, seq_len=8192, anchors=512, block_size=16),
-    "large": dict(hidden=5120, intermediate=25600, heads=64, kv_heads=8, head_dim=128, layers=5, target_layers=64,
-                  vocab=151936, seq_len=40000, anchors=1024, block_size=32),
-    "qwen36": dict(hidden=5120, intermediate=17408, heads=32, kv_heads=8, head_dim=128, layers=5, target_layers=64,
-                   vocab=248320, seq_len=40000, anchors=1024, block_size=32),
+    "recipe": dict(
+        hidden=4096,
+        intermediate=12288,
+        heads=32,
+        kv_heads=8,
+        head_dim=128,
+        layers=5,
+        target_layers=36,
+        vocab=151936,
+        seq_len=8192,
+        anchors=512,
+        block_size=16,
+    ),
+    "large": dict(
+        hidden=5120,
+        intermediate=25600,
+        heads=64,
+        kv_heads=8,
+        head_dim=128,
+        layers=5,
+        target_layers=64,
+        vocab=151936,
+        seq_len=40000,
+        anchors=1024,
+        block_size=32,
+    ),
+    "qwen36": dict(
+        hidden=5120,
+        intermediate=17408,
+        heads=32,
+        kv_heads=8,
+        head_dim=128,
+        layers=5,
+        target_layers=64,
+        vocab=248320,
+        seq_len=40000,
+        anchors=1024,
+        block_size=32,
+    ),
 }
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", choices=["all", "recipe", "large", "qwen36", "custom"], default="all")
-    p.add_argument("--layout", choices=["full", "hybrid", "both"], default="full",
-                   help="full: every layer full_attention; hybrid: 4 sliding + 1 full (the 27B preset)")
+    p.add_argument(
+        "--layout",
+        choices=["full", "hybrid", "both"],
+        default="full",
+        help="full: every layer full_attention; hybrid: 4 sliding + 1 full (the 27B preset)",
+    )
     p.add_argument("--window", type=int, default=2048, help="sliding_window of the hybrid layout")
-    for name in ("hidden", "intermediate", "heads", "kv_heads", "head_dim", "layers", "target_layers", "vocab",
-                 "seq_len", "anchors", "block_size"):
+    for name in (
+        "hidden",
+        "intermediate",
+        "heads",
+        "kv_heads",
+        "head_dim",
+        "layers",
+        "target_layers",
+        "vocab",
+        "seq_len",
+        "anchors",
+        "block_size",
+    ):
         p.add_argument("--" + name.replace("_", "-"), type=int, help="custom shape (or override a preset)")
     p.add_argument("--steps", type=int, default=10, help="timed steps")
     p.add_argument("--warmup-steps", type=int, default=3, help="untimed steps after compile")
@@ -73,13 +122,38 @@ def parse_args(argv=None):
 
 def shape_from_args(args, name):
     shape = dict(SHAPES.get(name, {}))
-    for key in ("hidden", "intermediate", "heads", "kv_heads", "head_dim", "layers", "target_layers", "vocab",
-                "seq_len", "anchors", "block_size"):
+    for key in (
+        "hidden",
+        "intermediate",
+        "heads",
+        "kv_heads",
+        "head_dim",
+        "layers",
+        "target_layers",
+        "vocab",
+        "seq_len",
+        "anchors",
+        "block_size",
+    ):
         if getattr(args, key) is not None:
             shape[key] = getattr(args, key)
     shape.setdefault("target_layers", max(8, shape.get("layers", 1) * 4))
-    missing = [k for k in ("hidden", "intermediate", "heads", "kv_heads", "head_dim", "layers", "vocab", "seq_len",
-                           "anchors", "block_size") if k not in shape]
+    missing = [
+        k
+        for k in (
+            "hidden",
+            "intermediate",
+            "heads",
+            "kv_heads",
+            "head_dim",
+            "layers",
+            "vocab",
+            "seq_len",
+            "anchors",
+            "block_size",
+        )
+        if k not in shape
+    ]
     if missing:
         raise SystemExit(f"--shape custom needs --{' --'.join(m.replace('_', '-') for m in missing)}")
     return shape
@@ -101,6 +175,7 @@ def attended_pairs(inputs, block_size: int, window: int | None = None) -> int:
     if window is None:
         return int(((context + block_size) * valid).sum()) * block_size
     import torch
+
     k = torch.arange(block_size, device=context.device)
     seen = context[:, None].clamp(max=(window - 1 - k).clamp(min=0)[None, :])
     own = block_size - (k - window + 1).clamp(min=0)
@@ -120,27 +195,55 @@ def bench_shape(name, shape, args, peak_tflops, layout="full"):
     from services.drafter.train import build_train_state, train_step
 
     device = torch.device("cuda:0" if args.device == "cuda" else "cpu")
-    cfg = load_config(None, [f"data.pack_len={shape['seq_len']}", f"drafter.num_anchors={shape['anchors']}",
-                             f"drafter.block_size={shape['block_size']}", f"drafter.num_layers={shape['layers']}",
-                             f"drafter.compile={'false' if args.no_compile else 'true'}",
-                             f"drafter.loss_chunk={args.loss_chunk}", f"drafter.attention=\"{args.attention}\"",
-                             "drafter.lr=1e-4", *layout_overrides(layout, shape["layers"], args.window)])
-    base = dict(hidden_size=shape["hidden"], intermediate_size=shape["intermediate"], num_attention_heads=shape["heads"],
-                num_key_value_heads=shape["kv_heads"], head_dim=shape["head_dim"], vocab_size=shape["vocab"],
-                num_target_layers=shape["target_layers"], rope_theta=1_000_000.0)
+    cfg = load_config(
+        None,
+        [
+            f"data.pack_len={shape['seq_len']}",
+            f"drafter.num_anchors={shape['anchors']}",
+            f"drafter.block_size={shape['block_size']}",
+            f"drafter.num_layers={shape['layers']}",
+            f"drafter.compile={'false' if args.no_compile else 'true'}",
+            f"drafter.loss_chunk={args.loss_chunk}",
+            f'drafter.attention="{args.attention}"',
+            "drafter.lr=1e-4",
+            *layout_overrides(layout, shape["layers"], args.window),
+        ],
+    )
+    base = dict(
+        hidden_size=shape["hidden"],
+        intermediate_size=shape["intermediate"],
+        num_attention_heads=shape["heads"],
+        num_key_value_heads=shape["kv_heads"],
+        head_dim=shape["head_dim"],
+        vocab_size=shape["vocab"],
+        num_target_layers=shape["target_layers"],
+        rope_theta=1_000_000.0,
+    )
     model_cfg = drafter_shape(cfg, base, mask_token_id=shape["vocab"] - 1)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     H, V = model_cfg.hidden_size, model_cfg.vocab_size
-    head = TargetHead(torch.randn(V, H, device=device, dtype=dtype) * 0.02,
-                      torch.randn(V, H, device=device, dtype=dtype) * (4.0 / H))
+    head = TargetHead(
+        torch.randn(V, H, device=device, dtype=dtype) * 0.02, torch.randn(V, H, device=device, dtype=dtype) * (4.0 / H)
+    )
     state = build_train_state(cfg, model_cfg, head, device, total_steps=100_000)
-    source = SyntheticSource(model_cfg, shape["seq_len"], device=device, with_target_labels=cfg.target.labels_from_target)
+    source = SyntheticSource(
+        model_cfg, shape["seq_len"], device=device, with_target_labels=cfg.target.labels_from_target
+    )
     batches = [source.batch(g) for g in range(2)]
-    result = {"shape": name, **shape, "layout": layout, "layer_types": model_cfg.layer_types,
-              "sliding_window": model_cfg.sliding_window, "device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu",
-              "torch": torch.__version__, "attention": state.drafter.attention.name, "compile": not args.no_compile,
-              "trainable_params": state.drafter.num_parameters(), "loss_chunk": args.loss_chunk,
-              "matmul_peak_tflops": round(peak_tflops, 1)}
+    result = {
+        "shape": name,
+        **shape,
+        "layout": layout,
+        "layer_types": model_cfg.layer_types,
+        "sliding_window": model_cfg.sliding_window,
+        "device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "attention": state.drafter.attention.name,
+        "compile": not args.no_compile,
+        "trainable_params": state.drafter.num_parameters(),
+        "loss_chunk": args.loss_chunk,
+        "matmul_peak_tflops": round(peak_tflops, 1),
+    }
     print(f"[{name} {layout}] {result['trainable_params'] / 1e9:.3f} B trainable params; compiling ...", flush=True)
 
     result["compile_s"] = round(warmup(state, batches[0]), 1)
@@ -151,35 +254,55 @@ def bench_shape(name, shape, args, peak_tflops, layout="full"):
     for i in range(args.warmup_steps + args.steps):
         batch = dataclasses.replace(batches[i % 2], g=1000 + i)
         start = time.perf_counter()
-        metrics = train_step(state, batch)          # ends in a host sync (its metrics)
+        metrics = train_step(state, batch)  # ends in a host sync (its metrics)
         seconds = time.perf_counter() - start
         if i >= args.warmup_steps:
             times.append(seconds)
     step_s = statistics.median(times)
-    inputs = build_inputs(batches[0], num_anchors=shape["anchors"], block_size=shape["block_size"],
-                          mask_token_id=model_cfg.mask_token_id, gamma=state.settings.gamma,
-                          generator=anchor_generator(0, 1000, device))
-    pairs = {kind: attended_pairs(inputs, shape["block_size"], model_cfg.window(kind)) for kind in set(model_cfg.layer_types)}
+    inputs = build_inputs(
+        batches[0],
+        num_anchors=shape["anchors"],
+        block_size=shape["block_size"],
+        mask_token_id=model_cfg.mask_token_id,
+        gamma=state.settings.gamma,
+        generator=anchor_generator(0, 1000, device),
+    )
+    pairs = {
+        kind: attended_pairs(inputs, shape["block_size"], model_cfg.window(kind)) for kind in set(model_cfg.layer_types)
+    }
     flops = model_flops(model_cfg, shape["seq_len"], shape["anchors"], pairs)
-    all_pairs = sum(pairs[kind] for kind in model_cfg.layer_types) / model_cfg.num_hidden_layers     # per layer
+    all_pairs = sum(pairs[kind] for kind in model_cfg.layer_types) / model_cfg.num_hidden_layers  # per layer
     trained_positions = int((inputs.weights > 0).sum())
     result.update(
-        step_s=round(step_s, 4), step_s_min=round(min(times), 4), step_s_max=round(max(times), 4),
+        step_s=round(step_s, 4),
+        step_s_min=round(min(times), 4),
+        step_s_max=round(max(times), 4),
         tokens_per_s=round(batches[0].num_tokens / step_s, 1),
         trained_positions_per_s=round(trained_positions / step_s, 1),
         sequences_per_s=round(1 / step_s, 3),
-        peak_memory_gib=round(torch.cuda.max_memory_allocated() / 2 ** 30, 2) if device.type == "cuda" else None,
+        peak_memory_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2) if device.type == "cuda" else None,
         model_tflop_per_step=round(flops["total"] / 1e12, 2),
         flop_split_tflop={k: round(v / 1e12, 2) for k, v in flops.items()},
         achieved_tflops=round(flops["total"] / step_s / 1e12, 1),
         mfu=round(flops["total"] / step_s / 1e12 / peak_tflops, 4),
-        mask_density=round(all_pairs / (inputs.anchors.numel() * shape["block_size"] * (inputs.context_len + inputs.anchors.numel() * shape["block_size"])), 4),
-        recompiles=watch.count, last_loss=round(metrics["loss"], 4))
+        mask_density=round(
+            all_pairs
+            / (
+                inputs.anchors.numel()
+                * shape["block_size"]
+                * (inputs.context_len + inputs.anchors.numel() * shape["block_size"])
+            ),
+            4,
+        ),
+        recompiles=watch.count,
+        last_loss=round(metrics["loss"], 4),
+    )
 
     if not args.no_breakdown:
         result["breakdown_s"] = breakdown(state, batches[0], inputs, step_s)
     if args.profile and device.type == "cuda":
         from torch.profiler import ProfilerActivity, profile
+
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             train_step(state, dataclasses.replace(batches[0], g=99))
             torch.cuda.synchronize()
@@ -200,25 +323,34 @@ def breakdown(state, batch, inputs, step_s) -> dict:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
 
     def anchors_and_mask():
-        inp = build_inputs(batch, num_anchors=s.num_anchors, block_size=cfg.block_size, mask_token_id=cfg.mask_token_id,
-                           gamma=s.gamma, generator=anchor_generator(0, 7, device))
+        inp = build_inputs(
+            batch,
+            num_anchors=s.num_anchors,
+            block_size=cfg.block_size,
+            mask_token_id=cfg.mask_token_id,
+            gamma=s.gamma,
+            generator=anchor_generator(0, 7, device),
+        )
         state.drafter.build_masks(inp.anchors, inp.context_starts, inp.context_len)
 
     parts = {"anchors_blocks_mask": timed(anchors_and_mask, 5)}
 
     masks = state.drafter.build_masks(inputs.anchors, inputs.context_starts, inputs.context_len)
-    q_len, kv_len = inputs.anchors.numel() * cfg.block_size, inputs.context_len + inputs.anchors.numel() * cfg.block_size
+    q_len, kv_len = (
+        inputs.anchors.numel() * cfg.block_size,
+        inputs.context_len + inputs.anchors.numel() * cfg.block_size,
+    )
     q = torch.randn(1, cfg.num_attention_heads, q_len, cfg.head_dim, device=device, dtype=dtype, requires_grad=True)
     k = torch.randn(1, cfg.num_key_value_heads, kv_len, cfg.head_dim, device=device, dtype=dtype, requires_grad=True)
     v = torch.randn_like(k, requires_grad=True)
 
-    def attention_fwd_bwd():                                      # one pass per layer, with its type's mask
+    def attention_fwd_bwd():  # one pass per layer, with its type's mask
         for kind in cfg.layer_types:
             state.drafter.attention(q, k, v, masks[kind]).sum().backward()
 
-    timed(attention_fwd_bwd, 2)                                   # compile the standalone kernels first
+    timed(attention_fwd_bwd, 2)  # compile the standalone kernels first
     parts["attention_fwd_bwd"] = timed(attention_fwd_bwd, 5)
-    del q, k, v
+    q = k = v = None  # free them (the closure above reads the names)
 
     rows = inputs.anchors.numel() * (cfg.block_size - 1)
     hidden = torch.randn(rows, cfg.hidden_size, device=device, dtype=dtype, requires_grad=True)
@@ -230,7 +362,7 @@ def breakdown(state, batch, inputs, step_s) -> dict:
 
     timed(loss_fwd_bwd, 1)
     parts["lm_head_loss_fwd_bwd"] = timed(loss_fwd_bwd, 3)
-    del hidden
+    hidden = None  # free it (the closure above reads the name)
 
     params = list(state.drafter.parameters())
     for p in params:
@@ -252,6 +384,7 @@ def main(argv=None):
     args = parse_args(argv)
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     import torch
+
     device = torch.device("cuda:0" if args.device == "cuda" else "cpu")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("no CUDA device (use --device cpu for a smoke run)")
@@ -267,15 +400,21 @@ def main(argv=None):
             results.append(r)
             by_layout[layout] = r
             print(json.dumps(r, indent=1), flush=True)
-            print(f"[{name} {layout}] step {r['step_s'] * 1e3:.1f} ms | {r['tokens_per_s']:.0f} tok/s | "
-                  f"{r['trained_positions_per_s']:.0f} trained positions/s | peak {r['peak_memory_gib']} GiB | "
-                  f"{r['achieved_tflops']} TFLOP/s = MFU {r['mfu'] * 100:.1f}% | compile {r['compile_s']} s | "
-                  f"recompiles {r['recompiles']}", flush=True)
+            print(
+                f"[{name} {layout}] step {r['step_s'] * 1e3:.1f} ms | {r['tokens_per_s']:.0f} tok/s | "
+                f"{r['trained_positions_per_s']:.0f} trained positions/s | peak {r['peak_memory_gib']} GiB | "
+                f"{r['achieved_tflops']} TFLOP/s = MFU {r['mfu'] * 100:.1f}% | compile {r['compile_s']} s | "
+                f"recompiles {r['recompiles']}",
+                flush=True,
+            )
         if len(by_layout) == 2:
             full, hybrid = by_layout["full"], by_layout["hybrid"]
-            print(f"[{name}] hybrid (window {args.window}) vs full: step {hybrid['step_s'] / full['step_s']:.3f}x, "
-                  f"i.e. {full['step_s'] / hybrid['step_s']:.2f}x faster; attention TFLOP "
-                  f"{hybrid['flop_split_tflop']['attention']} vs {full['flop_split_tflop']['attention']}", flush=True)
+            print(
+                f"[{name}] hybrid (window {args.window}) vs full: step {hybrid['step_s'] / full['step_s']:.3f}x, "
+                f"i.e. {full['step_s'] / hybrid['step_s']:.2f}x faster; attention TFLOP "
+                f"{hybrid['flop_split_tflop']['attention']} vs {full['flop_split_tflop']['attention']}",
+                flush=True,
+            )
     if args.out:
         Path(args.out).write_text(json.dumps({"matmul_peak_tflops": peak, "results": results}, indent=2))
     return 0

@@ -23,6 +23,7 @@ whose log window holds no evaluation (off) and over all steps including the eval
 rank 0's peak GPU memory before the first evaluation (off) and at the end (on), and the real-
 acceptance eval's seconds per prompt (drafter-0's spec_eval events).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,8 +38,14 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from bench.shapes import HYBRID, SHAPES, checkpoint_config  # noqa: E402
 
-COMMON = ["data.pack_len=8192", "run.epochs=20", "run.checkpoint_every=100000", "run.export_at_end=false",
-          "run.log_every=1", "run.eval_every=0"]
+COMMON = [
+    "data.pack_len=8192",
+    "run.epochs=20",
+    "run.checkpoint_every=100000",
+    "run.export_at_end=false",
+    "run.log_every=1",
+    "run.eval_every=0",
+]
 
 
 def make_assets(work: Path, shape: str, conversations: int, layers: int = 0) -> tuple[Path, Path]:
@@ -46,18 +53,22 @@ def make_assets(work: Path, shape: str, conversations: int, layers: int = 0) -> 
     from transformers import AutoModelForCausalLM
     from transformers.models.qwen3_5 import Qwen3_5ForConditionalGeneration
     from services.tools.demo import make_demo
+
     demo = make_demo(work / "demo", num_conversations=conversations)
     model_dir = work / (f"{shape}-random" + (f"-{layers}layers" if layers else ""))
     if not (model_dir / "config.json").exists():
         config = checkpoint_config(shape)
         text = getattr(config, "text_config", config)
-        if layers:              # the first `layers` decoder layers of the shape, same mix of layer types
+        if layers:  # the first `layers` decoder layers of the shape, same mix of layer types
             text.num_hidden_layers = layers
             if getattr(text, "layer_types", None):
                 text.layer_types = text.layer_types[:layers]
         with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
-            model = (Qwen3_5ForConditionalGeneration._from_config(config, dtype=torch.bfloat16) if shape in HYBRID
-                     else AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16))
+            model = (
+                Qwen3_5ForConditionalGeneration._from_config(config, dtype=torch.bfloat16)
+                if shape in HYBRID
+                else AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+            )
         model.save_pretrained(model_dir, max_shard_size="5GB")
         del model
         torch.cuda.empty_cache()
@@ -75,13 +86,15 @@ def target_alone(overrides: list[str], work: Path, rows: int, warmup: int) -> di
     from services.config import load_config
     from services.target.model import capture_to_host, load_target
     from services.target.packing import open_or_build
+
     cfg = load_config(None, overrides)
     device = "cuda:0" if torch.cuda.is_available() else "cpu"
     from services.target.compiled import compile_and_warm_up
+
     target = load_target(cfg.target, device, num_draft_layers=cfg.drafter.num_layers)
     tokenizer = AutoTokenizer.from_pretrained(cfg.target.model_path)
     data = open_or_build(cfg, work / "alone", tokenizer, target.info.vocab_size)
-    compile_and_warm_up(target, cfg.target.compile, data.pack_len, cfg.target.labels_from_target)   # as the worker does
+    compile_and_warm_up(target, cfg.target.compile, data.pack_len, cfg.target.labels_from_target)  # as the worker does
     out = torch.empty(data.pack_len, target.info.hidden_width, dtype=torch.bfloat16, device=device)
     docs = tokens = 0
     for g in range(warmup + rows):
@@ -95,8 +108,13 @@ def target_alone(overrides: list[str], work: Path, rows: int, warmup: int) -> di
             docs += int(row["document_ids"].max()) + 1
     sync()
     seconds = time.perf_counter() - start
-    result = {"tok_s": tokens / seconds, "rows": rows, "docs_per_row": docs / rows, "path": target.path,
-              "compiled": bool(target.compiled)}
+    result = {
+        "tok_s": tokens / seconds,
+        "rows": rows,
+        "docs_per_row": docs / rows,
+        "path": target.path,
+        "compiled": bool(target.compiled),
+    }
     del target, out
     torch.cuda.empty_cache()
     return result
@@ -106,6 +124,7 @@ def target_alone_in_child(overrides: list[str], work: Path, rows: int, warmup: i
     """target_alone in a spawned process: when it returns, its GPU memory is free for the service."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
+
     with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
         return pool.submit(target_alone, overrides, work, rows, warmup).result()
 
@@ -113,16 +132,21 @@ def target_alone_in_child(overrides: list[str], work: Path, rows: int, warmup: i
 def eval_on_off(run_dir: Path, metrics: list[dict], every: int, skip: int) -> dict:
     """The eval on/off comparison of one run with run.eval_every = every (module docstring)."""
     rows = [m for m in metrics if not m.get("eval") and m["step"] > skip]
-    after_eval = [m for m in rows if (m["step"] - 1) % every == 0 and m["step"] > 1]   # window holds an eval
+    after_eval = [m for m in rows if (m["step"] - 1) % every == 0 and m["step"] > 1]  # window holds an eval
+
     def rate(ms):
         tokens = sum(m["tokens_done"] - p["tokens_done"] for p, m in zip(ms, ms[1:]) if m["step"] == p["step"] + 1)
-        seconds = sum((m["tokens_done"] - p["tokens_done"]) / m["tokens_per_s"] for p, m in zip(ms, ms[1:])
-                      if m["step"] == p["step"] + 1 and m["tokens_per_s"] > 0)
+        seconds = sum(
+            (m["tokens_done"] - p["tokens_done"]) / m["tokens_per_s"]
+            for p, m in zip(ms, ms[1:])
+            if m["step"] == p["step"] + 1 and m["tokens_per_s"] > 0
+        )
         return tokens / seconds if seconds else None
+
     off = [m for m in rows if m not in after_eval]
     events = []
     log_file = run_dir / "logs" / "drafter-0.log"
-    for line in (log_file.read_text().splitlines() if log_file.exists() else []):
+    for line in log_file.read_text().splitlines() if log_file.exists() else []:
         if '"event": ' in line:
             try:
                 events.append(json.loads(line.split(" ", 2)[2]))
@@ -134,14 +158,20 @@ def eval_on_off(run_dir: Path, metrics: list[dict], every: int, skip: int) -> di
     peak_off = max((e.get("gpu_mem_bytes", 0) for e in steps if e["step"] <= first_eval), default=0)
     peak_on = max((e.get("gpu_mem_bytes", 0) for e in steps), default=0)
     on, off_rate = rate(rows), rate(off)
-    return {"eval_every": every, "tok_s_eval_off": off_rate, "tok_s_eval_on": on,
-            "tok_s_ratio": on / off_rate if on and off_rate else None,
-            "drafter0_peak_gib_eval_off": round(peak_off / 2 ** 30, 3),
-            "drafter0_peak_gib_eval_on": round(peak_on / 2 ** 30, 3),
-            "spec_evals": len(specs), "spec_seconds_per_prompt": [e.get("seconds_per_prompt") for e in specs],
-            "spec_seconds": [e.get("seconds") for e in specs], "spec_skipped": [e.get("skipped") for e in specs],
-            "spec_acceptance_per_step": [e.get("acceptance_per_step") for e in specs],
-            "target_models_in_drafter0": [e.get("target_models_in_process") for e in specs]}
+    return {
+        "eval_every": every,
+        "tok_s_eval_off": off_rate,
+        "tok_s_eval_on": on,
+        "tok_s_ratio": on / off_rate if on and off_rate else None,
+        "drafter0_peak_gib_eval_off": round(peak_off / 2**30, 3),
+        "drafter0_peak_gib_eval_on": round(peak_on / 2**30, 3),
+        "spec_evals": len(specs),
+        "spec_seconds_per_prompt": [e.get("seconds_per_prompt") for e in specs],
+        "spec_seconds": [e.get("seconds") for e in specs],
+        "spec_skipped": [e.get("skipped") for e in specs],
+        "spec_acceptance_per_step": [e.get("acceptance_per_step") for e in specs],
+        "target_models_in_drafter0": [e.get("target_models_in_process") for e in specs],
+    }
 
 
 def steady_rate(metrics: list[dict], skip: int) -> dict:
@@ -151,14 +181,20 @@ def steady_rate(metrics: list[dict], skip: int) -> dict:
         return {}
     tokens = [b["tokens_done"] - a["tokens_done"] for a, b in zip(rows, rows[1:])]
     seconds = sum(t / b["tokens_per_s"] for t, b in zip(tokens, rows[1:]) if b["tokens_per_s"] > 0)
-    return {"steps_measured": len(rows) - 1, "tokens_per_s": sum(tokens) / seconds,
-            "data_wait_frac": sum(m["data_wait_frac"] for m in rows) / len(rows),
-            "first_loss": rows[0]["loss"], "last_loss": rows[-1]["loss"], "last_tau": rows[-1]["tau"]}
+    return {
+        "steps_measured": len(rows) - 1,
+        "tokens_per_s": sum(tokens) / seconds,
+        "data_wait_frac": sum(m["data_wait_frac"] for m in rows) / len(rows),
+        "first_loss": rows[0]["loss"],
+        "last_loss": rows[-1]["loss"],
+        "last_tau": rows[-1]["tau"],
+    }
 
 
 def ideal(spec: str, a: float, b: float | None) -> float:
     """Separate GPUs: the slower role's sum. A GPU holding both roles: the two take turns."""
     from launcher.topology import parse_gpu_spec
+
     workers = parse_gpu_spec(spec, share_gpus=True)
     gpus: dict = {}
     for w in workers:
@@ -181,11 +217,16 @@ def main() -> None:
     ap.add_argument("--conversations", type=int, default=60000)
     ap.add_argument("--alone-rows", type=int, default=8, help="rows timed for A")
     ap.add_argument("--drafter-json", help="bench/drafter_step.py output of this call: B")
-    ap.add_argument("--eval-every", type=int, default=0,
-                    help="evaluate every N steps (held-out tau + real acceptance) and report eval on/off")
+    ap.add_argument(
+        "--eval-every",
+        type=int,
+        default=0,
+        help="evaluate every N steps (held-out tau + real acceptance) and report eval on/off",
+    )
     ap.add_argument("--spec-prompts", type=int, default=4, help="real-acceptance prompts per evaluation")
-    ap.add_argument("--share-gpus", action="store_true", help="accepted for clarity: a GPU that holds both roles "
-                    "is always shared")
+    ap.add_argument(
+        "--share-gpus", action="store_true", help="accepted for clarity: a GPU that holds both roles is always shared"
+    )
     ap.add_argument("--no-alone", action="store_true", help="skip A, the target alone (saves a model load)")
     ap.add_argument("--timeout", type=float, default=540)
     ap.add_argument("--out")
@@ -197,9 +238,13 @@ def main() -> None:
     print(f"assets ready in {time.time() - t0:.0f}s: {model_dir}", flush=True)
     overrides = [f'target.model_path="{model_dir}"', f'data.path="{data}"', f"run.max_steps={a.steps}", *COMMON]
     if a.eval_every > 0:
-        overrides += [f"run.eval_every={a.eval_every}", "data.eval_fraction=0.01",
-                      f"run.spec_eval_prompts={a.spec_prompts}", "run.spec_eval_max_new_tokens=64",
-                      "run.spec_eval_budget_s=30"]
+        overrides += [
+            f"run.eval_every={a.eval_every}",
+            "data.eval_fraction=0.01",
+            f"run.spec_eval_prompts={a.spec_prompts}",
+            "run.spec_eval_max_new_tokens=64",
+            "run.spec_eval_budget_s=30",
+        ]
     overrides += a.overrides
     alone = None if a.no_alone else target_alone_in_child(overrides, work, a.alone_rows, warmup=2)
     print(f"A (target alone): {alone}", flush=True)
@@ -208,12 +253,26 @@ def main() -> None:
     run_dir = work / "run"
     shutil.rmtree(run_dir, ignore_errors=True)
     from launcher.topology import parse_gpu_spec
+
     workers = parse_gpu_spec(a.gpus, share_gpus=True)
     share = ["--share-gpus"] if len({w.gpu for w in workers}) < len(workers) else []
     import torch
-    device = "cuda" if torch.cuda.is_available() else "cpu"      # cpu: a smoke test of this script
-    cmd = [sys.executable, "-m", "launcher", "up", "--gpus", a.gpus, *share, "--device", device,
-           "--run-dir", str(run_dir), *overrides]
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: a smoke test of this script
+    cmd = [
+        sys.executable,
+        "-m",
+        "launcher",
+        "up",
+        "--gpus",
+        a.gpus,
+        *share,
+        "--device",
+        device,
+        "--run-dir",
+        str(run_dir),
+        *overrides,
+    ]
     t1 = time.time()
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout)
@@ -223,8 +282,15 @@ def main() -> None:
     print(out[-3000:], err[-2000:], flush=True)
     metrics_file = run_dir / "metrics.jsonl"
     metrics = [json.loads(line) for line in metrics_file.read_text().splitlines()] if metrics_file.exists() else []
-    result = {"gpus": a.gpus, "shape": a.shape, "exit": code, "launcher_wall_s": round(time.time() - t1, 1),
-              "target_alone": alone, "drafter_alone_tok_s": b, **steady_rate(metrics, a.skip)}
+    result = {
+        "gpus": a.gpus,
+        "shape": a.shape,
+        "exit": code,
+        "launcher_wall_s": round(time.time() - t1, 1),
+        "target_alone": alone,
+        "drafter_alone_tok_s": b,
+        **steady_rate(metrics, a.skip),
+    }
     if a.eval_every > 0:
         result["eval_on_off"] = eval_on_off(run_dir, metrics, a.eval_every, a.skip)
     if alone:

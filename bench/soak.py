@@ -19,6 +19,7 @@ would say little; a figure that grows without bound grows between the thirds wha
 between. The ledger grows by design (one line per optimizer step): it is reported per step too.
 Prints one JSON object (and writes it to --out).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -67,8 +68,11 @@ def sample(launcher: subprocess.Popen, run_dir: Path, start: float) -> dict:
             continue
         try:
             with proc.oneshot():
-                figures = {"rss_mb": proc.memory_info().rss / 2 ** 20, "fds": proc.num_fds(),
-                           "threads": proc.num_threads()}
+                figures = {
+                    "rss_mb": proc.memory_info().rss / 2**20,
+                    "fds": proc.num_fds(),
+                    "threads": proc.num_threads(),
+                }
         except psutil.Error:
             continue
         into = out["roles"].setdefault(role, {"rss_mb": 0.0, "fds": 0, "threads": 0, "processes": 0})
@@ -79,10 +83,11 @@ def sample(launcher: subprocess.Popen, run_dir: Path, start: float) -> dict:
         into = out["roles"].get(worker["name"].split("-")[0])
         if into is not None:
             for key in ("gpu_mem_bytes", "gpu_reserved_bytes"):
-                into[key.replace("_bytes", "_mb")] = into.get(key.replace("_bytes", "_mb"), 0.0) + \
-                    (worker.get(key) or 0) / 2 ** 20
-    out["run_dir_mb"] = folder_bytes(run_dir) / 2 ** 20
-    out["ledger_kb"] = folder_bytes(run_dir / "ledger") / 2 ** 10
+                into[key.replace("_bytes", "_mb")] = (
+                    into.get(key.replace("_bytes", "_mb"), 0.0) + (worker.get(key) or 0) / 2**20
+                )
+    out["run_dir_mb"] = folder_bytes(run_dir) / 2**20
+    out["ledger_kb"] = folder_bytes(run_dir / "ledger") / 2**10
     out["step"] = last_step(run_dir)
     return out
 
@@ -90,9 +95,14 @@ def sample(launcher: subprocess.Popen, run_dir: Path, start: float) -> dict:
 def worker_statuses(run_dir: Path) -> list[dict]:
     """Every worker's health row, as `launcher status --json` reports it ([] when it cannot say)."""
     try:
-        out = subprocess.run([sys.executable, "-m", "launcher", "status", "--json", "--run-dir", str(run_dir)],
-                             cwd=ROOT, capture_output=True, text=True, timeout=30,
-                             env={**os.environ, "PYTHONPATH": str(ROOT)})
+        out = subprocess.run(
+            [sys.executable, "-m", "launcher", "status", "--json", "--run-dir", str(run_dir)],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=30,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+        )
         return json.loads(out.stdout).get("workers", [])
     except (subprocess.TimeoutExpired, ValueError):
         return []
@@ -115,10 +125,21 @@ def start_launcher(run_dir: Path, resume: bool, log, device: str = "cpu") -> sub
     gpus = ["--gpus", "0:target,1:drafter"] if device == "cpu" else ["--gpus", "0:target,0:drafter", "--share-gpus"]
     cmd = [sys.executable, "-m", "launcher", "up", "--demo", "--device", device, *gpus, "--run-dir", str(run_dir)]
     # the same overrides on a resume: --demo's own (a few epochs) would otherwise end the run at once
-    cmd += (["--resume"] if resume else []) + ["run.epochs=100000", "run.checkpoint_every=100", "run.eval_every=200",
-                                               "run.spec_eval_prompts=4", "run.log_every=10"]
-    return subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                            env={**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"})
+    cmd += (["--resume"] if resume else []) + [
+        "run.epochs=100000",
+        "run.checkpoint_every=100",
+        "run.eval_every=200",
+        "run.spec_eval_prompts=4",
+        "run.log_every=10",
+    ]
+    return subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"},
+    )
 
 
 def kill_one_worker(launcher: subprocess.Popen, turn: int) -> str:
@@ -163,14 +184,20 @@ def growth(samples: list[dict]) -> dict:
             got = third_medians(samples, lambda s: s["roles"].get(role, {}).get(key))
             if got:
                 first, last, hours = got
-                out[f"{role}.{key}"] = {"first": round(first, 1), "last": round(last, 1),
-                                        "per_hour": round((last - first) / hours, 2) if hours > 0 else None}
+                out[f"{role}.{key}"] = {
+                    "first": round(first, 1),
+                    "last": round(last, 1),
+                    "per_hour": round((last - first) / hours, 2) if hours > 0 else None,
+                }
     for key in ("run_dir_mb", "ledger_kb"):
         got = third_medians(samples, lambda s: s[key])
         if got:
             first, last, hours = got
-            out[key] = {"first": round(first, 2), "last": round(last, 2),
-                        "per_hour": round((last - first) / hours, 2) if hours > 0 else None}
+            out[key] = {
+                "first": round(first, 2),
+                "last": round(last, 2),
+                "per_hour": round((last - first) / hours, 2) if hours > 0 else None,
+            }
     steps = samples[-1]["step"] - samples[0]["step"] if samples else 0
     if steps > 0:
         out["ledger_bytes_per_step"] = round((samples[-1]["ledger_kb"] - samples[0]["ledger_kb"]) * 1024 / steps, 1)
@@ -212,15 +239,23 @@ def main(argv=None) -> int:
                 turn, next_kill = turn + 1, now + a.kill_every
             if now >= next_restart:
                 stop(launcher)
-                events.append({"t": round(time.monotonic() - start, 1), "event": f"stopped ({launcher.returncode}), resumed"})
+                events.append(
+                    {"t": round(time.monotonic() - start, 1), "event": f"stopped ({launcher.returncode}), resumed"}
+                )
                 launcher = start_launcher(run_dir, resume=True, log=log, device=a.device)
                 next_restart = time.monotonic() + a.restart_every
     finally:
         stop(launcher)
         log.close()
-    result = {"minutes": round((time.monotonic() - start) / 60, 1), "samples": len(samples),
-              "steps": samples[-1]["step"] if samples else 0, "events": events, "growth": growth(samples),
-              "last_sample": samples[-1] if samples else None, "run_dir": str(run_dir)}
+    result = {
+        "minutes": round((time.monotonic() - start) / 60, 1),
+        "samples": len(samples),
+        "steps": samples[-1]["step"] if samples else 0,
+        "events": events,
+        "growth": growth(samples),
+        "last_sample": samples[-1] if samples else None,
+        "run_dir": str(run_dir),
+    }
     text = json.dumps(result)
     print(text, flush=True)
     if a.out:

@@ -25,6 +25,7 @@ FLOPs count 2 x params of the layers run (plus lm_head for all rows in (c), for 
 + causal attention (4 * n^2/2 * heads * head_dim per full-attention layer per document); the
 Gated DeltaNet recurrence is not counted, so a hybrid's MFU is a slight underestimate.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # run as a script from anywhere
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 from bench.shapes import SHAPES, text_config  # noqa: E402
 from bench.timing import matmul_peak_tflops, sync, timed  # noqa: E402
 
@@ -50,12 +51,14 @@ def hide_fla() -> None:
             if name == "fla" or name.startswith("fla."):
                 raise ImportError("flash-linear-attention hidden by --no-fla")
             return None
+
     sys.meta_path.insert(0, _NoFla())
 
 
 def build_model(shape: str, device: str):
     from transformers import AutoModelForCausalLM
     from services.target.model import _register_packed_sdpa
+
     _register_packed_sdpa()
     cfg = text_config(shape)
     with torch.device(device):
@@ -64,7 +67,7 @@ def build_model(shape: str, device: str):
 
 
 def set_attention(model, name: str) -> None:
-    model.config._attn_implementation = name   # read at call time by the attention modules and mask code
+    model.config._attn_implementation = name  # read at call time by the attention modules and mask code
 
 
 def flops(model, doc_lens: list[int], layers_run: int, lm_rows: int) -> float:
@@ -90,20 +93,23 @@ def doc_lengths(seq: int, mix: str, gen: torch.Generator) -> list[int]:
 
 def row_of(doc_lens: list[int], vocab: int, gen: torch.Generator) -> dict[str, torch.Tensor]:
     s = sum(doc_lens)
-    return {"input_ids": torch.randint(0, vocab, (s,), generator=gen),
-            "position_ids": torch.cat([torch.arange(n) for n in doc_lens]),
-            "document_ids": torch.cat([torch.full((n,), i) for i, n in enumerate(doc_lens)]),
-            "loss_mask": torch.ones(s, dtype=torch.bool)}
+    return {
+        "input_ids": torch.randint(0, vocab, (s,), generator=gen),
+        "position_ids": torch.cat([torch.arange(n) for n in doc_lens]),
+        "document_ids": torch.cat([torch.full((n,), i) for i, n in enumerate(doc_lens)]),
+        "loss_mask": torch.ones(s, dtype=torch.bool),
+    }
 
 
 def bench_shape(shape: str, seqs: list[int], args) -> list[dict]:
     from services.layers import default_layer_ids
     from services.target.model import Target, capture_to_host
+
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = build_model(shape, device)
     L = model.config.num_hidden_layers
     ids = default_layer_ids(L, args.layers)
-    target = None      # made after the first bare forward: that one is transformers' own, unmodified
+    target = None  # made after the first bare forward: that one is transformers' own, unmodified
     gen = torch.Generator().manual_seed(0)
     peak = (args.peak_tflops or matmul_peak_tflops(device)) * 1e12
     results = []
@@ -116,32 +122,44 @@ def bench_shape(shape: str, seqs: list[int], args) -> list[dict]:
         t = timed(lambda: model(input_ids=bare_ids, use_cache=False, logits_to_keep=1), args.iters, args.warmup)
         f = flops(model, [seq], L, 1)
         rec["bare"] = {"s": t, "tok_s": seq / t, "tflops": f / t / 1e12, "mfu": f / t / peak}
-        target = target or Target(model, ids)   # hybrid models: installs the packed Gated DeltaNet
+        target = target or Target(model, ids)  # hybrid models: installs the packed Gated DeltaNet
 
         set_attention(model, "sdpa_packed")
         out = torch.empty(seq, target.info.hidden_width, dtype=torch.bfloat16, device=device)
         rec["path"] = target.path
-        rows = {}                  # mix -> (document lengths, row): (d) times the same rows
+        rows = {}  # mix -> (document lengths, row): (d) times the same rows
         for mix in args.mixes.split(","):
             lens = doc_lengths(seq, mix, gen)
             row = row_of(lens, model.config.vocab_size, gen)
             rows[mix] = lens, row
             t = timed(lambda: capture_to_host(target, row, False, out), args.iters, args.warmup)
             f = flops(model, lens, ids[-1] + 1, 0)
-            rec[f"capture_{mix}"] = {"s": t, "tok_s": seq / t, "tflops": f / t / 1e12, "mfu": f / t / peak,
-                                     "docs": len(lens), "ratio_vs_bare": rec["bare"]["s"] / t}
+            rec[f"capture_{mix}"] = {
+                "s": t,
+                "tok_s": seq / t,
+                "tflops": f / t / 1e12,
+                "mfu": f / t / peak,
+                "docs": len(lens),
+                "ratio_vs_bare": rec["bare"]["s"] / t,
+            }
             if "capture_single" in rec:
                 rec[f"capture_{mix}"]["ratio_vs_single"] = rec["capture_single"]["s"] / t
             if mix != "single" and args.labels and "labels_packed" not in rec:
                 t = timed(lambda: capture_to_host(target, row, True, out), args.iters, args.warmup)
                 f = flops(model, lens, L, seq)
-                rec["labels_packed"] = {"s": t, "tok_s": seq / t, "tflops": f / t / 1e12, "mfu": f / t / peak,
-                                        "ratio_vs_bare": rec["bare"]["s"] / t}
+                rec["labels_packed"] = {
+                    "s": t,
+                    "tok_s": seq / t,
+                    "tflops": f / t / 1e12,
+                    "mfu": f / t / peak,
+                    "ratio_vs_bare": rec["bare"]["s"] / t,
+                }
 
         def d2h():
             host = torch.empty(out.shape, dtype=out.dtype, pin_memory=device == "cuda")
             host.copy_(out, non_blocking=True)
             sync()
+
         t = timed(d2h, args.iters, args.warmup)
         nbytes = out.numel() * out.element_size()
         last = rec[f"capture_{args.mixes.split(',')[-1]}"]
@@ -153,8 +171,8 @@ def bench_shape(shape: str, seqs: list[int], args) -> list[dict]:
         rec["peak_mem_gb"] = torch.cuda.max_memory_allocated() / 1e9 if device == "cuda" else 0.0
         results.append(rec)
         print(format_record(rec), flush=True)
-        del out
-    del target, model
+        out = None  # free it (the closures above read the name)
+    target = model = None
     if device == "cuda":
         torch.cuda.empty_cache()
     return results
@@ -164,12 +182,12 @@ def drift(got: torch.Tensor, ref: torch.Tensor, hidden: int) -> list[dict]:
     """Per captured layer (columns of `hidden`): relative error, mean and minimum cosine over tokens."""
     out = []
     for k in range(ref.shape[1] // hidden):
-        g, r = got[:, k * hidden:(k + 1) * hidden].float(), ref[:, k * hidden:(k + 1) * hidden].float()
+        g, r = got[:, k * hidden : (k + 1) * hidden].float(), ref[:, k * hidden : (k + 1) * hidden].float()
         cos = torch.nn.functional.cosine_similarity(g, r, dim=-1)
-        out.append({"rel_err": float((g - r).norm() / r.norm()), "cos_mean": float(cos.mean()),
-                    "cos_min": float(cos.min())})
+        out.append(
+            {"rel_err": float((g - r).norm() / r.norm()), "cos_mean": float(cos.mean()), "cos_min": float(cos.min())}
+        )
     return out
-
 
 
 def compiled_records(target, rec: dict, seq: int, model, ids, out, gen, peak, args, rows: dict) -> None:
@@ -177,6 +195,7 @@ def compiled_records(target, rec: dict, seq: int, model, ids, out, gen, peak, ar
     from services.compile_setup import graphs_compiled
     from services.target.compiled import compile_and_warm_up
     from services.target.model import capture_to_host
+
     rec["compile_s"] = compile_and_warm_up(target, "on", seq, with_labels=False)
     for mix, (lens, row) in rows.items():
         target.slot.compiled = False
@@ -186,9 +205,15 @@ def compiled_records(target, rec: dict, seq: int, model, ids, out, gen, peak, ar
         t = timed(lambda: capture_to_host(target, row, False, out), args.iters, args.warmup)
         f = flops(model, lens, ids[-1] + 1, 0)
         eager = rec[f"capture_{mix}"]
-        rec[f"compiled_{mix}"] = {"s": t, "tok_s": seq / t, "tflops": f / t / 1e12, "mfu": f / t / peak,
-                                  "docs": len(lens), "ratio_vs_eager": eager["s"] / t,
-                                  "drift_vs_eager": drift(got, want, model.config.hidden_size)}
+        rec[f"compiled_{mix}"] = {
+            "s": t,
+            "tok_s": seq / t,
+            "tflops": f / t / 1e12,
+            "mfu": f / t / peak,
+            "docs": len(lens),
+            "ratio_vs_eager": eager["s"] / t,
+            "drift_vs_eager": drift(got, want, model.config.hidden_size),
+        }
     before = graphs_compiled()
     for _ in range(args.recompile_rows):
         mix = ["single", "short", "medium"][int(torch.randint(0, 3, (1,), generator=gen))]
@@ -201,11 +226,15 @@ def compiled_records(target, rec: dict, seq: int, model, ids, out, gen, peak, ar
 def profile(target, row, out, path: str, title: str) -> None:
     from torch.profiler import ProfilerActivity
     from services.target.model import capture_to_host
+
     with torch.profiler.profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         capture_to_host(target, row, False, out)
         sync()
-    table = prof.key_averages().table(sort_by="cuda_time_total" if torch.cuda.is_available() else "cpu_time_total",
-                                      row_limit=30, max_name_column_width=70)
+    table = prof.key_averages().table(
+        sort_by="cuda_time_total" if torch.cuda.is_available() else "cpu_time_total",
+        row_limit=30,
+        max_name_column_width=70,
+    )
     with open(path, "a") as f:
         f.write(f"== {title}\n{table}\n")
 
@@ -217,8 +246,11 @@ def format_record(r: dict) -> str:
         extra += f"  vs eager {m['ratio_vs_eager']:.3f}" if "ratio_vs_eager" in m else ""
         docs = f"  ({m['docs']} docs)" if "docs" in m else ""
         return f"  {name:16s} {m['tok_s']:10.0f} tok/s  {m['tflops']:6.1f} TFLOP/s  MFU {m['mfu']:.1%}{extra}{docs}"
-    rows = [f"{r['shape']} S={r['seq_len']} layers {r['layer_ids']} (width {r['hidden_width']}), "
-            f"capture path {r['path']}, peak mem {r['peak_mem_gb']:.1f} GB"]
+
+    rows = [
+        f"{r['shape']} S={r['seq_len']} layers {r['layer_ids']} (width {r['hidden_width']}), "
+        f"capture path {r['path']}, peak mem {r['peak_mem_gb']:.1f} GB"
+    ]
     for name in ["bare"] + [k for k in r if k.startswith(("capture_", "compiled_"))] + ["labels_packed"]:
         if name in r:
             rows.append(line(name, r[name]))
@@ -228,11 +260,15 @@ def format_record(r: dict) -> str:
         for layer, d in zip(r["layer_ids"], m["drift_vs_eager"]):
             rows.append(f"    layer {layer:3d}  {d['rel_err']:.4f} / {d['cos_mean']:.5f}")
     if "recompiles" in r:
-        rows.append(f"  compile          {r['compile_s']:.1f} s before the first row; "
-                    f"{r['recompiles']['graphs_compiled']} graphs compiled over {r['recompiles']['rows']} later rows")
+        rows.append(
+            f"  compile          {r['compile_s']:.1f} s before the first row; "
+            f"{r['recompiles']['graphs_compiled']} graphs compiled over {r['recompiles']['rows']} later rows"
+        )
     d = r["d2h"]
-    rows.append(f"  d2h              {d['bytes'] / 1e6:8.0f} MB in {d['s'] * 1e3:.1f} ms = {d['gb_s']:.1f} GB/s, "
-                f"{d['share_of_capture']:.1%} of the packed capture")
+    rows.append(
+        f"  d2h              {d['bytes'] / 1e6:8.0f} MB in {d['s'] * 1e3:.1f} ms = {d['gb_s']:.1f} GB/s, "
+        f"{d['share_of_capture']:.1%} of the packed capture"
+    )
     return "\n".join(rows)
 
 
@@ -249,7 +285,9 @@ def main() -> None:
     p.add_argument("--profile", default="", help="append torch.profiler kernel tables here")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--iters", type=int, default=5)
-    p.add_argument("--peak-tflops", type=float, default=0.0, help="bf16 peak for MFU; 0 = measure an 8192^3 matmul in this run")
+    p.add_argument(
+        "--peak-tflops", type=float, default=0.0, help="bf16 peak for MFU; 0 = measure an 8192^3 matmul in this run"
+    )
     p.add_argument("--out", default="", help="write all records as JSON here")
     args = p.parse_args()
     if not torch.cuda.is_available() and not set(args.shapes.split(",")) <= {"tiny", "tiny-hybrid"}:
@@ -259,13 +297,18 @@ def main() -> None:
     torch.set_grad_enabled(False)
     device_name = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     import transformers
+
     print(f"torch {torch.__version__}, transformers {transformers.__version__}, {device_name}", flush=True)
     records = []
     for shape in args.shapes.split(","):
         records += bench_shape(shape.strip(), [int(s) for s in args.seq.split(",")], args)
     if args.out:
-        meta = {"torch": torch.__version__, "transformers": transformers.__version__, "device": device_name,
-                "args": vars(args)}
+        meta = {
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "device": device_name,
+            "args": vars(args),
+        }
         with open(args.out, "w") as f:
             json.dump({"meta": meta, "records": records}, f, indent=2)
 

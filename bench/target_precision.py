@@ -19,6 +19,7 @@ captured layer the relative error and the cosine (mean and minimum over tokens) 
 precision against bf16 on the same row. Random weights: real checkpoints have outliers these lack,
 so the drift of a real model is its own measurement.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,7 +31,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # run as a script from anywhere
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 from bench.shapes import SHAPES  # noqa: E402
 from bench.target_capture import MIXES, build_model, doc_lengths, drift, row_of, set_attention  # noqa: E402
 from bench.timing import sync, timed  # noqa: E402
@@ -50,13 +51,19 @@ def keep_layers(model, n: int) -> None:
 
 def decoder_linears(layers: nn.ModuleList) -> list[tuple[nn.Module, str, nn.Linear]]:
     """(parent, attribute, module) of every nn.Linear in the decoder: what FP8 replaces and bf16 restores."""
-    return [(parent, child, module) for layer in layers for parent in layer.modules()
-            for child, module in parent.named_children() if isinstance(module, nn.Linear)]
+    return [
+        (parent, child, module)
+        for layer in layers
+        for parent in layer.modules()
+        for child, module in parent.named_children()
+        if isinstance(module, nn.Linear)
+    ]
 
 
 def set_precision(model, layers, bf16_linears, precision: str) -> str:
     """Put the bf16 linears back, then quantize for `precision`; returns the summary line."""
     from services.target import fp8
+
     for parent, child, module in bf16_linears:
         setattr(parent, child, module)
     if precision == "bf16":
@@ -65,12 +72,14 @@ def set_precision(model, layers, bf16_linears, precision: str) -> str:
     def as_fp8_checkpoint(name: str):
         weight = model.get_submodule(name.removesuffix(".weight")).weight
         return (*fp8.quantize_blocks(weight, BLOCK), BLOCK)
+
     return str(fp8.quantize_decoder(model, layers, as_fp8_checkpoint if precision == "fp8-block" else None))
 
 
 def run(args) -> dict:
     from services.layers import default_layer_ids
     from services.target.model import Target, capture_to_host, decoder_layers
+
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(0)
     model = build_model(args.shape, device)
@@ -84,14 +93,21 @@ def run(args) -> dict:
     gen = torch.Generator().manual_seed(0)
     rows = {mix: row_of(doc_lengths(args.seq, mix, gen), model.config.vocab_size, gen) for mix in args.mixes.split(",")}
     out = torch.empty(args.seq, target.info.hidden_width, dtype=torch.bfloat16, device=device)
-    reference = {mix: capture_to_host(target, row, False, out)[0].clone() for mix, row in rows.items()}   # eager bf16
-    result = {"shape": args.shape, "seq": args.seq, "decoder_layers": len(layers), "layer_ids": ids,
-              "path": target.path, "precisions": {}}
+    reference = {mix: capture_to_host(target, row, False, out)[0].clone() for mix, row in rows.items()}  # eager bf16
+    result = {
+        "shape": args.shape,
+        "seq": args.seq,
+        "decoder_layers": len(layers),
+        "layer_ids": ids,
+        "path": target.path,
+        "precisions": {},
+    }
     for precision in args.precision.split(","):
         start = time.perf_counter()
         summary = set_precision(model, layers, bf16_linears, precision)
-        if args.compile:                      # the layers hold other modules now: compile them again
+        if args.compile:  # the layers hold other modules now: compile them again
             from services.target.compiled import compile_and_warm_up
+
             rec_compile = compile_and_warm_up(target, "on", args.seq, with_labels=False)
             summary += f", compiled in {rec_compile:.0f} s"
         sync()
@@ -101,21 +117,29 @@ def run(args) -> dict:
         for mix, row in rows.items():
             t = timed(lambda: capture_to_host(target, row, False, out), args.iters, args.warmup)
             got = capture_to_host(target, row, False, out)[0]
-            rec["mixes"][mix] = {"s": t, "tok_s": args.seq / t, "docs": int(row["document_ids"].max()) + 1,
-                                 "drift": drift(got, reference[mix], hidden)}
+            rec["mixes"][mix] = {
+                "s": t,
+                "tok_s": args.seq / t,
+                "docs": int(row["document_ids"].max()) + 1,
+                "drift": drift(got, reference[mix], hidden),
+            }
         rec["peak_mem_gb"] = torch.cuda.max_memory_allocated() / 1e9 if device == "cuda" else 0.0
         result["precisions"][precision] = rec
-        print(f"{precision:10s} {summary} (quantized in {rec['quantize_s']:.1f} s, peak {rec['peak_mem_gb']:.1f} GB)",
-              flush=True)
+        print(
+            f"{precision:10s} {summary} (quantized in {rec['quantize_s']:.1f} s, peak {rec['peak_mem_gb']:.1f} GB)",
+            flush=True,
+        )
     print(format_result(result), flush=True)
     return result
 
 
 def format_result(r: dict) -> str:
     names = list(r["precisions"])
-    lines = [f"{r['shape']} S={r['seq']}, {r['decoder_layers']} decoder layers, captured {r['layer_ids']}, "
-             f"capture path {r['path']}",
-             f"  {'mix':8s} {'docs':>5s}" + "".join(f"{n:>22s}" for n in names) + "   (tok/s, ratio to bf16)"]
+    lines = [
+        f"{r['shape']} S={r['seq']}, {r['decoder_layers']} decoder layers, captured {r['layer_ids']}, "
+        f"capture path {r['path']}",
+        f"  {'mix':8s} {'docs':>5s}" + "".join(f"{n:>22s}" for n in names) + "   (tok/s, ratio to bf16)",
+    ]
     mixes = list(next(iter(r["precisions"].values()))["mixes"])
     for mix in mixes:
         cells = []
@@ -132,8 +156,10 @@ def format_result(r: dict) -> str:
         lines.append(f"  {'layer':>7s}" + "".join(f"{n:>30s}" for n in fp8_names))
         for k, layer in enumerate(r["layer_ids"]):
             cells = [r["precisions"][n]["mixes"][mix]["drift"][k] for n in fp8_names]
-            lines.append(f"  {layer:7d}" + "".join(f"{d['rel_err']:10.4f} {d['cos_mean']:9.5f} {d['cos_min']:9.5f}"
-                                                   for d in cells))
+            lines.append(
+                f"  {layer:7d}"
+                + "".join(f"{d['rel_err']:10.4f} {d['cos_mean']:9.5f} {d['cos_min']:9.5f}" for d in cells)
+            )
     return "\n".join(lines)
 
 
@@ -156,6 +182,7 @@ def main(argv=None) -> dict:
         sys.exit(f"--precision: unknown {sorted(unknown)} (known: {', '.join(PRECISIONS)})")
     torch.set_grad_enabled(False)
     import transformers
+
     device_name = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     print(f"torch {torch.__version__}, transformers {transformers.__version__}, {device_name}", flush=True)
     result = run(args)

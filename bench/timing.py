@@ -1,5 +1,6 @@
 """Timing on the device, shared by the benchmarks: wall time with CUDA synchronised around the
 timed loop, and the bf16 matmul rate measured in the same run (the MFU yardstick)."""
+
 from __future__ import annotations
 
 import time
@@ -7,6 +8,7 @@ import time
 
 def sync() -> None:
     import torch
+
     if torch.cuda.is_available():
         torch.cuda.synchronize()
 
@@ -25,8 +27,9 @@ def timed(fn, iters: int = 1, warmup: int = 0) -> float:
 
 def matmul_peak_tflops(device, n: int = 8192, repeats: int = 20) -> float:
     import torch
+
     device = torch.device(device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     n = n if device.type == "cuda" else 512
     a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
-    return 2 * n ** 3 / timed(lambda: a @ b, repeats, warmup=3) / 1e12
+    return 2 * n**3 / timed(lambda: a @ b, repeats, warmup=3) / 1e12

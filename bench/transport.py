@@ -13,6 +13,7 @@ Prints GB/s for both, the ratio wire/raw, and the best chunk size per scheme. Ea
 best of --repeats runs, raw and wire interleaved, so that load from other processes hits both.
 With CUDA present the drafter side reassembles into pinned memory, as a drafter worker does.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -60,6 +61,7 @@ def transport_cfg(chunk: int) -> TransportConfig:
 
 # --- the sender (child process): one command per stdin line, JSON ------------
 
+
 def sender() -> None:
     batches: dict[int, Batch] = {}
     raw_buffers: dict[int, bytearray] = {}
@@ -72,7 +74,7 @@ def sender() -> None:
             server = BatchServer(cmd["endpoint"], transport_cfg(chunk))
             print(server.endpoint, flush=True)
             done = False
-            while not done:   # until the drafter says it has everything (closing earlier drops queued chunks)
+            while not done:  # until the drafter says it has everything (closing earlier drops queued chunks)
                 for request in server.poll(100):
                     done = request.kind == "info"
                     if not done:
@@ -92,19 +94,22 @@ def sender() -> None:
                 if ask == b"done":
                     break
                 for start in range(0, size, chunk):
-                    sock.send_multipart([client, buf[start:start + chunk]], copy=False)
+                    sock.send_multipart([client, buf[start : start + chunk]], copy=False)
             sock.close(linger=0)
         sys.stdout.flush()
 
 
 # --- the receiver (this process) ---------------------------------------------
 
+
 def run_wire(endpoint: str, tokens: int, chunk: int, count: int) -> float:
     client = BatchClient([endpoint], transport_cfg(chunk), pin_memory=torch.cuda.is_available())
     try:
-        return _timed(count, tokens, lambda g: client.request(0, g), lambda: sum(e[0] == "batch" for e in client.poll(1000)))
+        return _timed(
+            count, tokens, lambda g: client.request(0, g), lambda: sum(e[0] == "batch" for e in client.poll(1000))
+        )
     finally:
-        client.request_info(0)   # tells the sender we are done
+        client.request_info(0)  # tells the sender we are done
         time.sleep(0.05)
         client.close()
 
@@ -122,7 +127,7 @@ def run_raw(endpoint: str, tokens: int, chunk: int, count: int) -> float:
     def receive() -> int:
         if not sock.poll(1000):
             return 0
-        filled[0] += sock.recv_into(target[filled[0] % size:])
+        filled[0] += sock.recv_into(target[filled[0] % size :])
         return filled[0] % size == 0
 
     try:
@@ -165,7 +170,9 @@ def main() -> None:
     parser.add_argument("--tokens", default="8192,2048")
     parser.add_argument("--chunks-mb", default="1,2,4,8,16,64")
     parser.add_argument("--batches", type=int, default=0, help="timed batches per point (default 3 quick, 10 full)")
-    parser.add_argument("--repeats", type=int, default=0, help="best of this many runs per point (default 1 quick, 3 full)")
+    parser.add_argument(
+        "--repeats", type=int, default=0, help="best of this many runs per point (default 1 quick, 3 full)"
+    )
     parser.add_argument("--sender", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.sender:
@@ -173,32 +180,40 @@ def main() -> None:
 
     count = args.batches or (3 if args.quick else 10)
     repeats = args.repeats or (1 if args.quick else 3)
-    child = subprocess.Popen([sys.executable, __file__, "--sender"], stdin=subprocess.PIPE,
-                             stdout=subprocess.PIPE, text=True)
+    child = subprocess.Popen(
+        [sys.executable, __file__, "--sender"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         sock_dir = Path(tmp) / "sock"
         sock_dir.mkdir(mode=0o700)
-        print(f"{'scheme':6} {'tokens':>6} {'MB/batch':>8} {'chunk MB':>8} {'raw GB/s':>8} {'wire GB/s':>9} {'wire/raw':>8}")
+        print(
+            f"{'scheme':6} {'tokens':>6} {'MB/batch':>8} {'chunk MB':>8} {'raw GB/s':>8} {'wire GB/s':>9} "
+            f"{'wire/raw':>8}"
+        )
         for scheme in args.schemes.split(","):
             for tokens in map(int, args.tokens.split(",")):
                 for chunk_mb in map(float, args.chunks_mb.split(",")):
                     chunk = int(chunk_mb * MB)
                     row = {"scheme": scheme, "tokens": tokens, "batch_bytes": batch_bytes(tokens), "chunk_bytes": chunk}
-                    for mode, run in [("raw", run_raw), ("wire", run_wire)] * repeats:   # interleaved
+                    for mode, run in [("raw", run_raw), ("wire", run_wire)] * repeats:  # interleaved
                         endpoint = f"ipc://{sock_dir}/{mode}" if scheme == "ipc" else "tcp://127.0.0.1:*"
-                        child.stdin.write(json.dumps({"mode": mode, "endpoint": endpoint, "tokens": tokens,
-                                                      "chunk": chunk}) + "\n")
+                        child.stdin.write(
+                            json.dumps({"mode": mode, "endpoint": endpoint, "tokens": tokens, "chunk": chunk}) + "\n"
+                        )
                         child.stdin.flush()
                         endpoint = child.stdout.readline().strip()
                         if not endpoint:
                             sys.exit(f"the sender process died (exit code {child.wait()})")
                         speed = run(endpoint, tokens, chunk, count)
-                        row[mode] = round(max(speed, row.get(mode, 0.0)), 3)   # best of the repeats
+                        row[mode] = round(max(speed, row.get(mode, 0.0)), 3)  # best of the repeats
                     row["ratio"] = round(row["wire"] / row["raw"], 3)
                     rows.append(row)
-                    print(f"{scheme:6} {tokens:6d} {row['batch_bytes'] / MB:8.1f} {chunk_mb:8g} "
-                          f"{row['raw']:8.2f} {row['wire']:9.2f} {row['ratio']:8.2f}", flush=True)
+                    print(
+                        f"{scheme:6} {tokens:6d} {row['batch_bytes'] / MB:8.1f} {chunk_mb:8g} "
+                        f"{row['raw']:8.2f} {row['wire']:9.2f} {row['ratio']:8.2f}",
+                        flush=True,
+                    )
     child.stdin.close()
     child.wait(timeout=30)
 
@@ -207,12 +222,22 @@ def main() -> None:
         largest = max(int(t) for t in args.tokens.split(","))
         candidates = [r for r in rows if r["scheme"] == scheme and r["tokens"] == largest]
         best[scheme] = max(candidates, key=lambda r: r["wire"])
-        print(f"best chunk for {scheme}, {largest} tokens: {best[scheme]['chunk_bytes'] / MB:g} MB "
-              f"({best[scheme]['wire']:.2f} GB/s wire, {best[scheme]['ratio']:.2f} of raw)")
+        print(
+            f"best chunk for {scheme}, {largest} tokens: {best[scheme]['chunk_bytes'] / MB:g} MB "
+            f"({best[scheme]['wire']:.2f} GB/s wire, {best[scheme]['ratio']:.2f} of raw)"
+        )
     if args.out:
-        meta = {"date": time.strftime("%Y-%m-%d"), "cpus": os.cpu_count(), "machine": platform.node(),
-                "torch": torch.__version__, "pyzmq": zmq.__version__, "libzmq": zmq.zmq_version(),
-                "batches_per_point": count, "repeats": repeats, "pinned": torch.cuda.is_available()}
+        meta = {
+            "date": time.strftime("%Y-%m-%d"),
+            "cpus": os.cpu_count(),
+            "machine": platform.node(),
+            "torch": torch.__version__,
+            "pyzmq": zmq.__version__,
+            "libzmq": zmq.zmq_version(),
+            "batches_per_point": count,
+            "repeats": repeats,
+            "pinned": torch.cuda.is_available(),
+        }
         Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows, "best": best}, indent=2))
 
 

@@ -20,6 +20,7 @@ random drafter (drafts mostly rejected), drafts equal to the greedy reference (a
 drafts right for 2 tokens then wrong, under both methods, against plain greedy decoding through
 the same session; exit status 1 when a prompt differs by more than a near-tie.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # run as a script from anywhere
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 from bench.shapes import HYBRID, text_config  # noqa: E402
 from bench.timing import sync  # noqa: E402
 from services import layers as layer_rule  # noqa: E402
@@ -42,6 +43,7 @@ from services.target.model import PACKED_SDPA, Target, _register_packed_sdpa  # 
 
 def build_target(shape: str, num_layers: int | None, device: str, dtype: torch.dtype, logit_scale: float = 1.0):
     from transformers import AutoModelForCausalLM
+
     cfg = text_config(shape)
     if num_layers:
         cfg.num_hidden_layers = num_layers
@@ -63,7 +65,7 @@ def time_steps(target: Target, method: str, context: list[int], block: int, iter
     session.prefill(context)
     keeps = [1, max(1, block // 4), max(1, block // 2), block]
     verify_s = commit_s = 0.0
-    for i in range(iters + 2):                                   # two warmup steps
+    for i in range(iters + 2):  # two warmup steps
         ids = torch.randint(0, target.info.vocab_size, (block,), generator=gen).tolist()
         sync()
         t0 = time.perf_counter()
@@ -86,15 +88,24 @@ def bench_steps(args) -> dict:
     context = torch.randint(0, target.info.vocab_size, (args.context,), generator=gen).tolist()
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    result = {"shape": args.shape, "layers": target.info.num_layers, "context": args.context, "block": args.block,
-              "iters": args.iters, "dtype": str(dtype).removeprefix("torch."), "capture_path": target.path,
-              "fla": hybrid.fla_delta_rule() is not None, "device": torch.cuda.get_device_name() if device == "cuda"
-              else "cpu", "torch": torch.__version__, "transformers": __import__("transformers").__version__}
+    result = {
+        "shape": args.shape,
+        "layers": target.info.num_layers,
+        "context": args.context,
+        "block": args.block,
+        "iters": args.iters,
+        "dtype": str(dtype).removeprefix("torch."),
+        "capture_path": target.path,
+        "fla": hybrid.fla_delta_rule() is not None,
+        "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "transformers": __import__("transformers").__version__,
+    }
     for method in ROLLBACKS:
         result[method] = time_steps(target, method, context, args.block, args.iters, gen)
     result["plain_one_token"] = time_steps(target, ROLLBACKS[0], context, 1, args.iters, gen)
     if device == "cuda":
-        result["peak_memory_gib"] = round(torch.cuda.max_memory_allocated() / 2 ** 30, 2)
+        result["peak_memory_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
     return result
 
 
@@ -105,47 +116,80 @@ class Oracle:
         self.sequence, self.correct, self.block, self.vocab = sequence, correct, block, vocab
 
     def __call__(self, features, last_token, start):
-        drafts = (self.sequence[start + 1:start + self.block] + [0] * self.block)[:self.block - 1]
+        drafts = (self.sequence[start + 1 : start + self.block] + [0] * self.block)[: self.block - 1]
         return torch.tensor([t if j < self.correct else (t + 1) % self.vocab for j, t in enumerate(drafts)])
 
 
 def bench_lossless(args) -> dict:
     from services.lossless import describe_lossless
     from services.drafter.model import DrafterModelConfig
-    from services.drafter.speculative import (DrafterProposer, eval_drafter, greedy_reference, speculative_generate,
-                                              summarize)
+    from services.drafter.speculative import (
+        DrafterProposer,
+        eval_drafter,
+        greedy_reference,
+        speculative_generate,
+        summarize,
+    )
     from services.drafter.target_head import TargetHead
     from services.eval.verifier import LocalVerifier
+
     device = args.device
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     target = build_target("tiny-hybrid", None, device, dtype, args.logit_scale)
     shape, block = HYBRID["tiny-hybrid"], args.block
-    cfg = DrafterModelConfig(hidden_size=shape["hidden_size"], intermediate_size=shape["intermediate_size"],
-                             num_attention_heads=4, num_key_value_heads=2, head_dim=64, vocab_size=shape["vocab_size"],
-                             num_target_layers=target.info.num_layers, num_hidden_layers=1,
-                             target_layer_ids=target.info.layer_ids, block_size=block, mask_token_id=0)
+    cfg = DrafterModelConfig(
+        hidden_size=shape["hidden_size"],
+        intermediate_size=shape["intermediate_size"],
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        vocab_size=shape["vocab_size"],
+        num_target_layers=target.info.num_layers,
+        num_hidden_layers=1,
+        target_layer_ids=target.info.layer_ids,
+        block_size=block,
+        mask_token_id=0,
+    )
     model = target.model
     head = TargetHead(model.get_input_embeddings().weight.detach(), model.lm_head.weight.detach())
     torch.manual_seed(3)
     random = DrafterProposer(eval_drafter(None, cfg, device, dtype), head)
     gen = torch.Generator().manual_seed(2)
-    prompts = [torch.randint(0, shape["vocab_size"], (int(n),), generator=gen).tolist()
-               for n in torch.randint(8, 200, (args.prompts,), generator=gen)]
-    out = {"shape": "tiny-hybrid", "dtype": str(dtype).removeprefix("torch."), "capture_path": target.path,
-           "fla": hybrid.fla_delta_rule() is not None, "block": block, "prompts": args.prompts,
-           "max_new_tokens": args.max_new_tokens, "logit_scale": args.logit_scale, "ok": True}
+    prompts = [
+        torch.randint(0, shape["vocab_size"], (int(n),), generator=gen).tolist()
+        for n in torch.randint(8, 200, (args.prompts,), generator=gen)
+    ]
+    out = {
+        "shape": "tiny-hybrid",
+        "dtype": str(dtype).removeprefix("torch."),
+        "capture_path": target.path,
+        "fla": hybrid.fla_delta_rule() is not None,
+        "block": block,
+        "prompts": args.prompts,
+        "max_new_tokens": args.max_new_tokens,
+        "logit_scale": args.logit_scale,
+        "ok": True,
+    }
     for method in ROLLBACKS:
         verifier = LocalVerifier(target, method)
         refs = [greedy_reference(verifier, p, args.max_new_tokens) for p in prompts]
-        for name, make in (("random", lambda ref, p: random),
-                           ("all-accepted", lambda ref, p: Oracle(p + ref.tokens, block - 1, block, shape["vocab_size"])),
-                           ("2-then-wrong", lambda ref, p: Oracle(p + ref.tokens, 2, block, shape["vocab_size"]))):
-            decoded = [speculative_generate(verifier, make(ref, p), p, max_new_tokens=args.max_new_tokens)
-                       for ref, p in zip(refs, prompts)]
+        for name, make in (
+            ("random", lambda ref, p: random),
+            ("all-accepted", lambda ref, p: Oracle(p + ref.tokens, block - 1, block, shape["vocab_size"])),
+            ("2-then-wrong", lambda ref, p: Oracle(p + ref.tokens, 2, block, shape["vocab_size"])),
+        ):
+            decoded = [
+                speculative_generate(verifier, make(ref, p), p, max_new_tokens=args.max_new_tokens)
+                for ref, p in zip(refs, prompts)
+            ]
             s = summarize(decoded, refs)
-            out[f"{method}/{name}"] = {"summary": describe_lossless(s), "acceptance_per_step": round(
-                s["acceptance_per_step"], 3), "lossless": s["lossless"], "near_ties": s["near_ties"],
-                "differences": s["differences"]}
+            out[f"{method}/{name}"] = {
+                "summary": describe_lossless(s),
+                "acceptance_per_step": round(s["acceptance_per_step"], 3),
+                "lossless": s["lossless"],
+                "near_ties": s["near_ties"],
+                "differences": s["differences"],
+            }
             out["ok"] = out["ok"] and all(d.get("near_tie", False) for d in s.get("differences") or [])
     return out
 

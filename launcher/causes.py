@@ -12,6 +12,7 @@ come back on every restart; those end the run at once, with what to change:
 
 Everything else (a signal, a hard exit, a crash seen once) keeps the restart budget.
 """
+
 from __future__ import annotations
 
 import signal
@@ -20,24 +21,23 @@ from pathlib import Path
 
 from services.log import message_of
 
-START_MARK = "===== "          # launcher/process.py writes it into the log at each start
+START_MARK = "===== "  # launcher/process.py writes it into the log at each start
 CONFIG_EXIT, FINAL_EXIT, HARD_EXIT = 2, 4, 143
-OUT_OF_MEMORY = ("OutOfMemoryError", "out of memory", "can't allocate memory", "not enough memory",
-                 "MemoryError")
+OUT_OF_MEMORY = ("OutOfMemoryError", "out of memory", "can't allocate memory", "not enough memory", "MemoryError")
 LEVELS = ("error", "critical")
 
 
 @dataclass
 class Cause:
-    text: str                 # "killed by SIGSEGV", "torch.OutOfMemoryError: CUDA out of memory. ..."
-    fatal: str = ""           # not empty: no restart can help; what to change instead
+    text: str  # "killed by SIGSEGV", "torch.OutOfMemoryError: CUDA out of memory. ..."
+    fatal: str = ""  # not empty: no restart can help; what to change instead
 
 
 def last_error_line(log_text: str) -> str:
     """The last error line of the worker's latest start (its own words), else its last line."""
     lines = log_text.splitlines()
     starts = [i for i, line in enumerate(lines) if line.startswith(START_MARK)]
-    lines = [line.strip() for line in lines[starts[-1] + 1 if starts else 0:] if line.strip()]
+    lines = [line.strip() for line in lines[starts[-1] + 1 if starts else 0 :] if line.strip()]
     for line in reversed(lines):
         fields = line.split(" ", 3)
         if len(fields) == 4 and fields[0].endswith("Z") and fields[2] in LEVELS and fields[3].strip():
@@ -54,8 +54,10 @@ def signal_name(code: int) -> str:
 
 def out_of_memory_advice(role: str) -> str:
     if role == "drafter":
-        return ("out of memory: lower data.pack_len or drafter.num_anchors (or drafter.loss_chunk), "
-                "or give each drafter a GPU of its own (no --share-gpus)")
+        return (
+            "out of memory: lower data.pack_len or drafter.num_anchors (or drafter.loss_chunk), "
+            "or give each drafter a GPU of its own (no --share-gpus)"
+        )
     return "out of memory: lower data.pack_len, or give each target a GPU of its own (no --share-gpus)"
 
 

@@ -9,6 +9,7 @@ Where each part lives: parser.py (the commands and their options), up.py, status
 commands.py (the others), rundir.py (what a run folder records, runs/latest), inputs.py (the
 model, the data and the demo, checked before any worker starts).
 """
+
 from __future__ import annotations
 
 import os
@@ -21,13 +22,13 @@ from launcher.topology import SpecError
 from services.config import ConfigError
 
 
-EXIT_PIPE = 141       # 128 + SIGPIPE: what a shell reports for a writer whose reader went away
+EXIT_PIPE = 141  # 128 + SIGPIPE: what a shell reports for a writer whose reader went away
 
 
 def main(argv: list[str] | None = None) -> int:
     try:
         code = _main(argv)
-        sys.stdout.flush()       # a pipe's block buffer is written here, inside the try, not at exit
+        sys.stdout.flush()  # a pipe's block buffer is written here, inside the try, not at exit
         return code
     except BrokenPipeError:
         # the reader (head, less) closed the pipe: stop quietly. Point stdout at devnull, so the
@@ -42,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
 def _main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
-    args.argv = argv             # for the resume hint of `up`
+    args.argv = argv  # for the resume hint of `up`
     try:
         return args.func(args)
     except (UsageError, SpecError, ConfigError) as exc:

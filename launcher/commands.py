@@ -3,6 +3,7 @@
 Each checks its arguments, calls the module that does the work (or starts it as a child process
 where it needs torch) and turns that module's errors into one UsageError line.
 """
+
 from __future__ import annotations
 
 import json
@@ -28,15 +29,18 @@ def _probe_endpoint(text: str) -> str:
         return text
     if "://" not in text and Path(text).is_socket():
         return f"ipc://{Path(text).resolve()}"
-    raise UsageError(f"endpoint {text!r}: expected ipc://PATH, tcp://HOST:PORT or the path of a socket file "
-                     "(e.g. <run_dir>/sock/target-0.health)")
+    raise UsageError(
+        f"endpoint {text!r}: expected ipc://PATH, tcp://HOST:PORT or the path of a socket file "
+        "(e.g. <run_dir>/sock/target-0.health)"
+    )
 
 
 def cmd_probe(args) -> int:
     from services.curve import CurveError
+
     try:
         code, status, reason = probe(_probe_endpoint(args.endpoint), timeout_s=args.timeout, keys_dir=args.keys)
-    except CurveError as exc:          # a usage error (the keys), not an unhealthy worker: exit 2, one line
+    except CurveError as exc:  # a usage error (the keys), not an unhealthy worker: exit 2, one line
         raise UsageError(f"--keys {args.keys}: {exc}") from None
     if args.json:
         print(json.dumps({"exit": code, "reason": reason, "status": status}, indent=2))
@@ -47,23 +51,35 @@ def cmd_probe(args) -> int:
 
 def cmd_units(args) -> int:
     from launcher.units import UnitsError, install_command, render_units
+
     roles, master, overrides = args.roles.split(","), args.master, list(args.overrides)
-    model = load_run_config(args.config, overrides).target.model_path   # a GGUF: the units name its converted folder
+    model = load_run_config(args.config, overrides).target.model_path  # a GGUF: the units name its converted folder
     if (local := _local_model(model, "target.model_path")) != model:
         overrides.append(f'target.model_path="{local}"')
     workers = parse_gpu_spec(args.gpus, share_gpus=True, local_host=args.host)
-    if hosts(workers):        # GPUS:ROLE@HOST: this host's roles, the tcp endpoints and the rendezvous follow
+    if hosts(workers):  # GPUS:ROLE@HOST: this host's roles, the tcp endpoints and the rendezvous follow
         if args.host not in hosts(workers):
             raise UsageError(f"--gpus names hosts {', '.join(hosts(workers))}: pass --host with this one")
         roles = sorted({w.role for w in workers if w.host == args.host})
         master = next(w.host for w in workers if w.role == "drafter")
         overrides = host_overrides(workers) + overrides
     try:
-        paths = render_units(_strip_hosts(args.gpus),
-                             args.config, args.out, args.run_dir, python=args.python, device=args.device,
-                             roles=roles, master_addr=master, overrides=overrides,
-                             start_timeout_s=args.start_timeout, stop_timeout_s=args.stop_timeout,
-                             env_dir=args.env_dir, user=args.user, group=args.group)
+        paths = render_units(
+            _strip_hosts(args.gpus),
+            args.config,
+            args.out,
+            args.run_dir,
+            python=args.python,
+            device=args.device,
+            roles=roles,
+            master_addr=master,
+            overrides=overrides,
+            start_timeout_s=args.start_timeout,
+            stop_timeout_s=args.stop_timeout,
+            env_dir=args.env_dir,
+            user=args.user,
+            group=args.group,
+        )
     except UnitsError as exc:
         raise UsageError(str(exc)) from None
     print("\n".join(str(p) for p in paths))
@@ -71,8 +87,12 @@ def cmd_units(args) -> int:
     env_dir = os.path.abspath(args.env_dir or f"/etc/dflash/{config['run']['name']}")
     if not args.user:
         print("note: the workers will run as root; pass --user (and --group) to run them as an account of their own")
-    print("install: " + install_command(os.path.abspath(args.out), env_dir, os.path.abspath(args.run_dir),
-                                        args.unit_dir, args.user, args.group))
+    print(
+        "install: "
+        + install_command(
+            os.path.abspath(args.out), env_dir, os.path.abspath(args.run_dir), args.unit_dir, args.user, args.group
+        )
+    )
     return 0
 
 
@@ -82,24 +102,35 @@ def _strip_hosts(spec: str) -> str:
 
 def cmd_keys(args) -> int:
     from services.curve import CurveError, generate_keys
+
     try:
         paths = generate_keys(args.dir, overwrite=args.force)
     except CurveError as exc:
         raise UsageError(str(exc)) from None
     print("\n".join(str(p) for p in paths))
-    print(f"set transport.curve_keys_dir = \"{Path(args.dir).resolve()}\" on every host (copy the folder, mode 0700)")
+    print(f'set transport.curve_keys_dir = "{Path(args.dir).resolve()}" on every host (copy the folder, mode 0700)')
     return 0
 
 
 def cmd_export(args) -> int:
     """The export reads tensors, so it runs in a child process: the launcher never imports torch."""
-    argv = [sys.executable, "-m", "services.drafter.export", "--checkpoint", args.checkpoint, "--out", args.out,
-            "--dtype", args.dtype]
+    argv = [
+        sys.executable,
+        "-m",
+        "services.drafter.export",
+        "--checkpoint",
+        args.checkpoint,
+        "--out",
+        args.out,
+        "--dtype",
+        args.dtype,
+    ]
     return subprocess.run(argv).returncode
 
 
 def cmd_plan(args) -> int:
     from launcher import gpu_split
+
     try:
         gpus = gpu_split.plan_gpus(args.gpus)
     except ValueError as exc:
@@ -110,7 +141,7 @@ def cmd_plan(args) -> int:
     cfg = with_local_model(load_run_config(args.config, overrides))
     check_inputs(cfg, runs_targets=True)
     preflight(cfg, args.device, runs_targets=True)
-    overrides += [f"{key}={toml_literal(runspec.value(cfg, key))}" for key in PATH_KEYS]   # absolute, resolved
+    overrides += [f"{key}={toml_literal(runspec.value(cfg, key))}" for key in PATH_KEYS]  # absolute, resolved
     print(f"measuring each role on one {args.device} device, about {args.seconds:.0f} s each ...", flush=True)
     try:
         measured = gpu_split.measure(args.config, args.device, args.seconds, overrides)
@@ -120,8 +151,17 @@ def cmd_plan(args) -> int:
 
 
 def _eval_argv(args, run_dir: str, checkpoints: list[str]) -> list[str]:
-    argv = [sys.executable, "-m", "services.eval.cli", "--run-dir", run_dir,
-            "--max-new-tokens", str(args.max_new_tokens), "--limit", str(args.limit)]
+    argv = [
+        sys.executable,
+        "-m",
+        "services.eval.cli",
+        "--run-dir",
+        run_dir,
+        "--max-new-tokens",
+        str(args.max_new_tokens),
+        "--limit",
+        str(args.limit),
+    ]
     argv += [f"--prompts={p}" for p in args.prompts]
     argv += [f"--checkpoint={c}" for c in checkpoints]
     if args.eval_device:
@@ -133,7 +173,7 @@ def _eval_argv(args, run_dir: str, checkpoints: list[str]) -> list[str]:
 
 def cmd_eval(args) -> int:
     """Real speculative decoding loads the target and the drafter: a child process (no torch here)."""
-    for checkpoint in args.checkpoint:       # before anything loads: a typo costs no target load
+    for checkpoint in args.checkpoint:  # before anything loads: a typo costs no target load
         if not Path(checkpoint).exists():
             raise UsageError(f"--checkpoint {checkpoint} does not exist")
     # a run's checkpoint names its run (the first's, of several)
@@ -148,6 +188,7 @@ def cmd_eval(args) -> int:
 def _local_model(value: str, key: str) -> str:
     """value, or the converted folder of the GGUF it names (launcher/gguf.py)."""
     from launcher.gguf import GgufError, resolve_if_gguf
+
     try:
         return resolve_if_gguf(value, key)
     except GgufError as exc:
@@ -165,6 +206,7 @@ def _with_local_model(item: str) -> str:
 def cmd_regenerate(args) -> int:
     """launcher/regenerate.py: one child per GPU, a progress line, the summary of what changed."""
     from launcher import regenerate
+
     if not Path(args.data).is_file():
         raise UsageError(f"--data {args.data} does not exist")
     args.model = _local_model(args.model, "--model")
@@ -172,8 +214,8 @@ def cmd_regenerate(args) -> int:
         raise UsageError(f"--model {args.model} is not a Hugging Face model folder (no config.json)")
     args.template_kwargs = template_kwargs(args.template_kwargs)
     args.gpu_list = []
-    if args.device == "cuda":                       # a plain GPU list: every GPU runs the one kind of child
-        parse_gpu_list(args.gpus)                   # a typo is named before the GPUs are counted
+    if args.device == "cuda":  # a plain GPU list: every GPU runs the one kind of child
+        parse_gpu_list(args.gpus)  # a typo is named before the GPUs are counted
         available = process.gpu_count()
         if not available:
             raise UsageError("--device cuda but no NVIDIA GPU is visible; use --device cpu for a CPU run")
@@ -198,6 +240,7 @@ def template_kwargs(items: list[str]) -> dict:
 
 def cmd_report(args) -> int:
     from launcher.report import ReportError, report
+
     if args.eval:
         code = subprocess.run(_eval_argv(args, args.run_dir, [])).returncode
         if code != 0:

@@ -1,4 +1,5 @@
 """`launcher down`: stop a run gracefully (the launcher first: drafters checkpoint), then kill what is left."""
+
 from __future__ import annotations
 
 import signal
@@ -17,11 +18,14 @@ def cmd_down(args) -> int:
     launcher = run.get("launcher") if process.alive(run.get("launcher")) else None
     workers = [w.get("identity") for w in run["workers"] if process.alive(w.get("identity"))]
     if launcher is None and not workers:
-        print(f"nothing to stop in {run_dir}: {describe_outcome(run, live=False)}; {describe_live(run_dir.parent, run_dir)}")
+        print(
+            f"nothing to stop in {run_dir}: {describe_outcome(run, live=False)}; "
+            f"{describe_live(run_dir.parent, run_dir)}"
+        )
         return 0
     if launcher:
-        try:    # psutil re-checks the start time before signalling: a pid reused since is left alone
-            process.verified(launcher).send_signal(signal.SIGTERM)   # drafters checkpoint, then targets stop
+        try:  # psutil re-checks the start time before signalling: a pid reused since is left alone
+            process.verified(launcher).send_signal(signal.SIGTERM)  # drafters checkpoint, then targets stop
         except (AttributeError, process.psutil.Error):
             pass
         deadline = time.monotonic() + args.timeout

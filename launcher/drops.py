@@ -6,6 +6,7 @@ does not look like any other.
     drafter-0 dropped 91 answers (data-content 88, data-incarnation 3): another process answered
     for target-0 (see logs/drafter-0.log)
 """
+
 from __future__ import annotations
 
 # answers that no real target of this run sends: a batch whose tokens are not batch g's, an
@@ -29,15 +30,15 @@ class DropWatch:
     and whether a poll starts a burst of increases: one warning per burst, not one per poll."""
 
     def __init__(self):
-        self.before: dict[str, dict[str, int]] = {}     # counts of a worker's earlier processes
-        self.now: dict[str, dict[str, int]] = {}        # ... and of its running one, as last seen
+        self.before: dict[str, dict[str, int]] = {}  # counts of a worker's earlier processes
+        self.now: dict[str, dict[str, int]] = {}  # ... and of its running one, as last seen
         self.sources: dict[str, set[str]] = {}
         self.rising: set[str] = set()
 
     def restarted(self, name: str) -> None:
         self.before[name] = self.totals(name)
         self.now[name] = {}
-        self.rising.discard(name)                       # a new process: its first drops are a new burst
+        self.rising.discard(name)  # a new process: its first drops are a new burst
 
     def seen(self, name: str, kinds: dict[str, int], sources=()) -> bool:
         """Record a worker's health counts; True when they rose after a poll in which they did not."""

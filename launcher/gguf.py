@@ -13,6 +13,7 @@ The weights are saved in bfloat16 (DFLASH_GGUF_DTYPE=float16|float32 to change i
 moves a dequantized weight by at most 0.2%, less than the quantization step of a 4- to 8-bit GGUF,
 the folder is half a float32 one, and targets run in bfloat16 by default.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -41,8 +42,10 @@ def gguf_file(value: str, key: str = "target.model_path") -> Path | None:
         return None
     found = sorted(p for p in path.glob("*.gguf") if p.is_file())
     if len(found) > 1:
-        raise GgufError(f"{key} {path}: the folder holds several .gguf files ({', '.join(p.name for p in found)}); "
-                        f"name one: {key}={path / found[0].name}")
+        raise GgufError(
+            f"{key} {path}: the folder holds several .gguf files ({', '.join(p.name for p in found)}); "
+            f"name one: {key}={path / found[0].name}"
+        )
     return found[0] if found else None
 
 
@@ -66,7 +69,7 @@ def resolve(path: Path, key: str = "target.model_path") -> str:
             folder = root / (json.loads(seen.read_text())["sha256"] + suffix)
             if (folder / "gguf_source.json").is_file():
                 return str(folder)
-        if missing := missing_packages():            # before hashing a big file for nothing
+        if missing := missing_packages():  # before hashing a big file for nothing
             raise GgufError(missing_line(path, missing))
         print(f"{key}: hashing {path} ({st.st_size / 2**30:.1f} GiB) ...", flush=True)
         sha = sha256_file(src)
@@ -82,8 +85,23 @@ def resolve(path: Path, key: str = "target.model_path") -> str:
 
 
 def convert(src: Path, folder: Path, kind: str, sha: str) -> None:
-    out = subprocess.run([sys.executable, "-m", "services.tools.gguf_model", "--gguf", str(src), "--out", str(folder),
-                          "--dtype", kind, "--sha256", sha], capture_output=True, text=True)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "services.tools.gguf_model",
+            "--gguf",
+            str(src),
+            "--out",
+            str(folder),
+            "--dtype",
+            kind,
+            "--sha256",
+            sha,
+        ],
+        capture_output=True,
+        text=True,
+    )
     if out.returncode == 2:
         lines = out.stderr.strip().splitlines() or ["exit 2"]
         raise GgufError(lines[-1])

@@ -2,6 +2,7 @@
 before any worker starts, the demo built, the data tokenized and packed (each in a child process
 where it needs torch: the launcher never imports it).
 """
+
 from __future__ import annotations
 
 import json
@@ -17,7 +18,7 @@ from services.files import write_json_atomic
 from services import runspec
 from services.config import Config, load_config
 
-DEMOS = ("dense", "hybrid")          # services.tools.demo.VARIANTS (the launcher never imports torch)
+DEMOS = ("dense", "hybrid")  # services.tools.demo.VARIANTS (the launcher never imports torch)
 
 
 # Every config key that names a file or folder (a list: each item). tests/unit/test_preflight.py
@@ -36,8 +37,12 @@ def absolute_paths(cfg: Config, base: str | Path | None = None) -> Config:
         if not value:
             return value
         path = Path(value).expanduser()
-        if key == "target.model_path" and not path.is_absolute() and REPO_ID.match(value) \
-                and not (base / path).exists():
+        if (
+            key == "target.model_path"
+            and not path.is_absolute()
+            and REPO_ID.match(value)
+            and not (base / path).exists()
+        ):
             return value
         return os.path.normpath(base / path)
 
@@ -74,20 +79,33 @@ def check_inputs(cfg, runs_targets: bool) -> runspec.RunSpec | None:
         if runs_targets and not Path(value).exists():
             raise UsageError(f"{key}: {value} does not exist")
     if runs_targets and not (Path(cfg.target.model_path) / "config.json").is_file():
-        raise UsageError(f"target.model_path: {cfg.target.model_path} is not a Hugging Face model folder (no config.json)")
+        raise UsageError(
+            f"target.model_path: {cfg.target.model_path} is not a Hugging Face model folder (no config.json)"
+        )
     return runspec.resolve(cfg) if runs_targets else None
 
 
 def prepare_data(run_dir: Path) -> dict:
     """Tokenize and pack the data now, in a child process (no torch here, no model weights there):
     a bad line is one line and exit 2 before any worker starts; the targets reuse the cache."""
-    out = subprocess.run([sys.executable, "-m", "services.target.packing", "--config", str(run_dir / "config.json"),
-                          "--run-dir", str(run_dir)], capture_output=True, text=True)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "services.target.packing",
+            "--config",
+            str(run_dir / "config.json"),
+            "--run-dir",
+            str(run_dir),
+        ],
+        capture_output=True,
+        text=True,
+    )
     if out.returncode != 0:
         lines = out.stderr.strip().splitlines() or [f"exit {out.returncode}"]
         raise UsageError(lines[-1] if out.returncode == 2 else "preparing the data failed:\n" + out.stderr[-2000:])
     info = json.loads(out.stdout.strip().splitlines()[-1])
-    write_json_atomic(run_dir / "data.json", info)              # for `launcher status` and `launcher report`
+    write_json_atomic(run_dir / "data.json", info)  # for `launcher status` and `launcher report`
     print(describe_data(info), flush=True)
     return info
 
@@ -96,8 +114,11 @@ def make_demo(device: str, variant: str = "dense") -> list[str]:
     """Build (or reuse, from the demo cache) the demo model and data in a child process (torch
     stays out of the launcher); its config suits the device (bfloat16 target on cuda).
     variant: dense (a Qwen3) or hybrid (a Qwen3.5-family Gated DeltaNet)."""
-    out = subprocess.run([sys.executable, "-m", "services.tools.demo", "--device", device, "--variant", variant],
-                         capture_output=True, text=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "services.tools.demo", "--device", device, "--variant", variant],
+        capture_output=True,
+        text=True,
+    )
     if out.returncode != 0:
         raise UsageError(f"building the demo failed:\n{out.stderr[-2000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])["overrides"]

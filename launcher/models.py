@@ -7,6 +7,7 @@ resolves it once, before any worker starts, and writes the local folder into the
 every worker (and a resume) reads the same files. huggingface_hub comes with transformers and
 does not import torch.
 """
+
 from __future__ import annotations
 
 import re
@@ -23,20 +24,24 @@ def resolve_model_path(value: str) -> str:
     """A local folder as is; a GGUF as its converted folder; a repo id as the folder of its cached (or
     freshly downloaded) snapshot."""
     from launcher.gguf import GgufError, resolve_if_gguf
+
     try:
         value = resolve_if_gguf(value)
     except GgufError as exc:
         raise ModelNotFound(str(exc)) from None
     if not value or Path(value).exists() or not REPO_ID.match(value):
-        return value                      # a path (missing paths are reported by the caller, naming the key)
+        return value  # a path (missing paths are reported by the caller, naming the key)
     from huggingface_hub import snapshot_download
+
     try:
         return snapshot_download(value, local_files_only=True)
-    except Exception:                     # not cached: try the Hub
+    except Exception:  # not cached: try the Hub
         pass
     try:
         return snapshot_download(value, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"])
     except Exception as exc:
-        raise ModelNotFound(f"target.model_path {value!r}: not a local folder, not in the Hugging Face cache, and "
-                            f"not downloadable here ({type(exc).__name__}); download it where the Hub is reachable "
-                            f"(`hf download {value}`) or give the local folder") from None
+        raise ModelNotFound(
+            f"target.model_path {value!r}: not a local folder, not in the Hugging Face cache, and "
+            f"not downloadable here ({type(exc).__name__}); download it where the Hub is reachable "
+            f"(`hf download {value}`) or give the local folder"
+        ) from None

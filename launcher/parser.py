@@ -1,12 +1,12 @@
 """build_parser: every command of `launcher`, its options and their help."""
+
 from __future__ import annotations
 
 import argparse
 import os
 import sys
 
-from launcher.commands import (cmd_eval, cmd_export, cmd_keys, cmd_plan, cmd_probe, cmd_regenerate, cmd_report,
-                               cmd_units)
+from launcher.commands import cmd_eval, cmd_export, cmd_keys, cmd_plan, cmd_probe, cmd_regenerate, cmd_report, cmd_units
 from launcher.down import cmd_down
 from launcher.inputs import DEMOS
 from launcher.rundir import LATEST
@@ -20,73 +20,128 @@ class _Help(argparse.HelpFormatter):
 
     def _get_help_string(self, action):
         text = action.help or ""
-        if action.default not in (None, False, "", argparse.SUPPRESS) and "default" not in text and action.option_strings:
+        if (
+            action.default not in (None, False, "", argparse.SUPPRESS)
+            and "default" not in text
+            and action.option_strings
+        ):
             text += " (default: %(default)s)"
         return text
 
 
 def build_parser() -> argparse.ArgumentParser:
     fmt = _Help
-    parser = argparse.ArgumentParser(prog="launcher", description="DFlash drafter training service", formatter_class=fmt)
+    parser = argparse.ArgumentParser(
+        prog="launcher", description="DFlash drafter training service", formatter_class=fmt
+    )
     parser.add_argument("--version", action="version", version=f"launcher {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     latest_help = "run dir (runs/latest: the last run started here whose workers became ready)"
 
-    up = sub.add_parser("up", help="start targets and drafters, supervise until training ends", formatter_class=fmt,
-                        description="Exit codes: 0 training finished, 1 failed, 2 bad usage or config, "
-                                    "3 stopped by a signal before the end (resume with --resume).")
-    up.add_argument("--gpus", required=True,
-                    help="GPUS:ROLE groups, e.g. 0-4:target,5-7:drafter; join GPUs of one role with '+' (0+2:target)")
+    up = sub.add_parser(
+        "up",
+        help="start targets and drafters, supervise until training ends",
+        formatter_class=fmt,
+        description="Exit codes: 0 training finished, 1 failed, 2 bad usage or config, "
+        "3 stopped by a signal before the end (resume with --resume).",
+    )
+    up.add_argument(
+        "--gpus",
+        required=True,
+        help="GPUS:ROLE groups, e.g. 0-4:target,5-7:drafter; join GPUs of one role with '+' (0+2:target)",
+    )
     up.add_argument("--config", help="run config (TOML); every key and default is in docs/config.md")
-    up.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
-                    help="cpu: GPU numbers are logical slots, for tests and the demo")
-    up.add_argument("--demo", nargs="?", const="dense", choices=DEMOS, metavar="{dense,hybrid}",
-                    help="train on the built-in tiny demo target and dataset: dense (default) a Qwen3, "
-                         "hybrid a Qwen3.5-family Gated DeltaNet hybrid")
-    up.add_argument("--run-dir", help="run folder (default: a new runs/<run.name>-<time>, linked as runs/latest "
-                                      "once its workers are ready)")
-    up.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in the run dir "
-                                                          "(runs/latest without --run-dir)")
+    up.add_argument(
+        "--device",
+        choices=("cuda", "cpu"),
+        default="cuda",
+        help="cpu: GPU numbers are logical slots, for tests and the demo",
+    )
+    up.add_argument(
+        "--demo",
+        nargs="?",
+        const="dense",
+        choices=DEMOS,
+        metavar="{dense,hybrid}",
+        help="train on the built-in tiny demo target and dataset: dense (default) a Qwen3, "
+        "hybrid a Qwen3.5-family Gated DeltaNet hybrid",
+    )
+    up.add_argument(
+        "--run-dir",
+        help="run folder (default: a new runs/<run.name>-<time>, linked as runs/latest once its workers are ready)",
+    )
+    up.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from the latest checkpoint in the run dir (runs/latest without --run-dir)",
+    )
     up.add_argument("--share-gpus", action="store_true", help="allow several workers on one GPU")
     up.add_argument("--host", default="", help="across hosts: which GPUS:ROLE@HOST host this launcher runs")
     up.add_argument("--ready-timeout", type=float, default=3600.0, help="seconds to wait for every worker to be ready")
-    up.add_argument("--stop-timeout", type=float,
-                    help="seconds a graceful stop may take before workers are killed (default: run.stop_timeout_s + 30)")
-    up.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides, applied after --config")
+    up.add_argument(
+        "--stop-timeout",
+        type=float,
+        help="seconds a graceful stop may take before workers are killed (default: run.stop_timeout_s + 30)",
+    )
+    up.add_argument(
+        "overrides", nargs="*", metavar="section.key=value", help="config overrides, applied after --config"
+    )
     up.set_defaults(func=cmd_up)
 
-    status = sub.add_parser("status", help="probe every worker of a run and print a table", formatter_class=fmt,
-                            description="Exit code: while the run is live, the worst probe (0 healthy, 1 unhealthy, "
-                                        "2 unreachable); once it has ended, its own: 0 finished, 1 failed, 3 stopped. What the columns, "
-                                        "τ and cov mean: docs/operations.md#glossary.")
+    status = sub.add_parser(
+        "status",
+        help="probe every worker of a run and print a table",
+        formatter_class=fmt,
+        description="Exit code: while the run is live, the worst probe (0 healthy, 1 unhealthy, "
+        "2 unreachable); once it has ended, its own: 0 finished, 1 failed, 3 stopped. What the columns, "
+        "τ and cov mean: docs/operations.md#glossary.",
+    )
     status.add_argument("--run-dir", default=str(LATEST), help=latest_help)
     status.add_argument("--json", action="store_true", help="print JSON instead of the table")
-    status.add_argument("--timeout", type=float, default=2.0, help="seconds to wait for each worker (probed in parallel)")
+    status.add_argument(
+        "--timeout", type=float, default=2.0, help="seconds to wait for each worker (probed in parallel)"
+    )
     status.set_defaults(func=cmd_status)
 
     down = sub.add_parser("down", help="stop a run gracefully, then kill what is left", formatter_class=fmt)
     down.add_argument("--run-dir", default=str(LATEST), help=latest_help)
-    down.add_argument("--timeout", type=float, default=330.0,
-                      help="seconds the launcher may take to stop gracefully before it is killed")
+    down.add_argument(
+        "--timeout",
+        type=float,
+        default=330.0,
+        help="seconds the launcher may take to stop gracefully before it is killed",
+    )
     down.set_defaults(func=cmd_down)
 
-    pr = sub.add_parser("probe", help="probe one health endpoint: exit 0 healthy, 1 unhealthy/stalled, 2 unreachable",
-                        formatter_class=fmt)
+    pr = sub.add_parser(
+        "probe",
+        help="probe one health endpoint: exit 0 healthy, 1 unhealthy/stalled, 2 unreachable",
+        formatter_class=fmt,
+    )
     pr.add_argument("endpoint", help="health endpoint, e.g. ipc://<run_dir>/sock/drafter-0.health or tcp://HOST:PORT")
     pr.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for an answer")
     pr.add_argument("--json", action="store_true", help="print the whole status as JSON")
-    pr.add_argument("--keys", default=os.environ.get("DFLASH_CURVE_KEYS_DIR", ""),
-                    help="CURVE keys folder for a tcp endpoint (default: $DFLASH_CURVE_KEYS_DIR)")
+    pr.add_argument(
+        "--keys",
+        default=os.environ.get("DFLASH_CURVE_KEYS_DIR", ""),
+        help="CURVE keys folder for a tcp endpoint (default: $DFLASH_CURVE_KEYS_DIR)",
+    )
     pr.set_defaults(func=cmd_probe)
 
     units = sub.add_parser("units", help="render systemd units for a topology (deploy/systemd)", formatter_class=fmt)
     units.add_argument("--gpus", required=True, help="the whole run's GPUS:ROLE[@HOST] spec, as for `up`")
     units.add_argument("--config", required=True, help="run config (TOML)")
     units.add_argument("--out", required=True, help="staging folder for the rendered files (see --env-dir, --unit-dir)")
-    units.add_argument("--run-dir", required=True, help="the run folder the units' workers use (made by the install "
-                                                         "command, not by rendering)")
-    units.add_argument("--env-dir", default="", help="where the environment files and config.json are installed "
-                                                     "(default: /etc/dflash/<run.name>)")
+    units.add_argument(
+        "--run-dir",
+        required=True,
+        help="the run folder the units' workers use (made by the install command, not by rendering)",
+    )
+    units.add_argument(
+        "--env-dir",
+        default="",
+        help="where the environment files and config.json are installed (default: /etc/dflash/<run.name>)",
+    )
     units.add_argument("--unit-dir", default="/etc/systemd/system", help="where the unit files are installed")
     units.add_argument("--user", default="", help="User= of the workers (default: root)")
     units.add_argument("--group", default="", help="Group= of the workers")
@@ -96,7 +151,9 @@ def build_parser() -> argparse.ArgumentParser:
     units.add_argument("--host", default="", help="with GPUS:ROLE@HOST specs: the host these units are for")
     units.add_argument("--python", default=sys.executable, help="interpreter the units run")
     units.add_argument("--start-timeout", type=int, default=1800, help="systemd TimeoutStartSec: load and warm-up")
-    units.add_argument("--stop-timeout", type=int, default=600, help="systemd TimeoutStopSec: finish the step, checkpoint")
+    units.add_argument(
+        "--stop-timeout", type=int, default=600, help="systemd TimeoutStopSec: finish the step, checkpoint"
+    )
     units.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides")
     units.set_defaults(func=cmd_units)
 
@@ -105,73 +162,126 @@ def build_parser() -> argparse.ArgumentParser:
     keys.add_argument("--force", action="store_true", help="replace existing keys")
     keys.set_defaults(func=cmd_keys)
 
-    export = sub.add_parser("export", help="write a checkpoint as an HF-style DFlash drafter (SGLang / vLLM)",
-                            formatter_class=fmt)
+    export = sub.add_parser(
+        "export", help="write a checkpoint as an HF-style DFlash drafter (SGLang / vLLM)", formatter_class=fmt
+    )
     export.add_argument("--checkpoint", required=True, help="checkpoint dir, or a run dir (its checkpoints/latest)")
     export.add_argument("--out", required=True, help="output dir")
-    export.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
-                        help="dtype of the exported weights")
+    export.add_argument(
+        "--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"), help="dtype of the exported weights"
+    )
     export.set_defaults(func=cmd_export)
 
-    pl = sub.add_parser("plan", help="measure one GPU in each role on your model and data; print the best split",
-                        formatter_class=fmt, description="Runs the target's capture and the drafter's training step "
-                        "for about --seconds each on one device, then prints the expected trained tok/s of every "
-                        "split of --gpus GPUs and which role bounds it.")
-    pl.add_argument("--gpus", required=True, help="the GPUs the run will have: a count (8), GPU numbers (0-7) "
-                                                  "or an `up` spec (0-4:target,5-7:drafter)")
+    pl = sub.add_parser(
+        "plan",
+        help="measure one GPU in each role on your model and data; print the best split",
+        formatter_class=fmt,
+        description="Runs the target's capture and the drafter's training step "
+        "for about --seconds each on one device, then prints the expected trained tok/s of every "
+        "split of --gpus GPUs and which role bounds it.",
+    )
+    pl.add_argument(
+        "--gpus",
+        required=True,
+        help="the GPUs the run will have: a count (8), GPU numbers (0-7) or an `up` spec (0-4:target,5-7:drafter)",
+    )
     pl.add_argument("--config", help="run config (TOML), as for `up`")
-    pl.add_argument("--demo", nargs="?", const="dense", choices=DEMOS, metavar="{dense,hybrid}",
-                    help="the built-in tiny demo target and dataset (dense by default, or hybrid)")
+    pl.add_argument(
+        "--demo",
+        nargs="?",
+        const="dense",
+        choices=DEMOS,
+        metavar="{dense,hybrid}",
+        help="the built-in tiny demo target and dataset (dense by default, or hybrid)",
+    )
     pl.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="where to measure")
     pl.add_argument("--seconds", type=float, default=60.0, help="time each role about this long")
-    pl.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides, applied after --config")
+    pl.add_argument(
+        "overrides", nargs="*", metavar="section.key=value", help="config overrides, applied after --config"
+    )
     pl.set_defaults(func=cmd_plan)
 
-    rep = sub.add_parser("report", help="plot loss and tau over steps (PNG) and print a summary of a run",
-                         formatter_class=fmt)
+    rep = sub.add_parser(
+        "report", help="plot loss and tau over steps (PNG) and print a summary of a run", formatter_class=fmt
+    )
     rep.add_argument("--run-dir", default=str(LATEST), help=latest_help)
     rep.add_argument("--out", help="PNG path (default: <run-dir>/report.png)")
-    rep.add_argument("--eval", action="store_true",
-                     help="first run `launcher eval` on the run's latest checkpoint (loads the target)")
+    rep.add_argument(
+        "--eval",
+        action="store_true",
+        help="first run `launcher eval` on the run's latest checkpoint (loads the target)",
+    )
     _eval_options(rep)
     rep.set_defaults(func=cmd_report)
 
-    rg = sub.add_parser("regenerate", help="rewrite a chat JSONL's assistant turns with the target (data step)",
-                        formatter_class=fmt,
-                        description="Every assistant turn regenerated by the target, greedy by default, so the "
-                                    "drafter trains on what the target writes (docs/operations.md#which-labels).")
+    rg = sub.add_parser(
+        "regenerate",
+        help="rewrite a chat JSONL's assistant turns with the target (data step)",
+        formatter_class=fmt,
+        description="Every assistant turn regenerated by the target, greedy by default, so the "
+        "drafter trains on what the target writes (docs/operations.md#which-labels).",
+    )
     rg.add_argument("--model", required=True, help="the target (local HF folder, or a .gguf file: converted once)")
     rg.add_argument("--data", required=True, help="chat JSONL (messages or conversations lines)")
     rg.add_argument("--out", required=True, help="JSONL to write")
-    rg.add_argument("--gpus", default="0", help="GPUs to generate on, one shard each: numbers and ranges, e.g. 0-7 "
-                                                "or 0,2,5 (no roles: every GPU generates)")
+    rg.add_argument(
+        "--gpus",
+        default="0",
+        help="GPUs to generate on, one shard each: numbers and ranges, e.g. 0-7 "
+        "or 0,2,5 (no roles: every GPU generates)",
+    )
     rg.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: one process, no GPU")
-    rg.add_argument("--engine", choices=("hf", "vllm", "sglang"), default="hf",
-                    help="hf: batched transformers generate; vllm / sglang when installed")
+    rg.add_argument(
+        "--engine",
+        choices=("hf", "vllm", "sglang"),
+        default="hf",
+        help="hf: batched transformers generate; vllm / sglang when installed",
+    )
     rg.add_argument("--batch-size", type=int, default=32, help="prompts per HF generate call")
     rg.add_argument("--max-new-tokens", type=int, default=1024, help="longest reply")
     rg.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    rg.add_argument("--template-kwarg", action="append", default=[], metavar="KEY=VALUE", dest="template_kwargs",
-                    help="a chat-template variable for every prompt, VALUE a TOML literal (enable_thinking=false); "
-                         "repeat for more. Train and serve with the same ones (data.chat_template_kwargs)")
+    rg.add_argument(
+        "--template-kwarg",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        dest="template_kwargs",
+        help="a chat-template variable for every prompt, VALUE a TOML literal (enable_thinking=false); "
+        "repeat for more. Train and serve with the same ones (data.chat_template_kwargs)",
+    )
     rg.set_defaults(func=cmd_regenerate)
 
-    ev = sub.add_parser("eval", help="real speculative decoding of a drafter with its target on benchmark or "
-                        "held-out prompts", formatter_class=fmt,
-                        description="Greedy DFlash decoding with the run's target (target.model_path) on prompt-set "
-                                    "files (--prompts FILE, repeatable: e.g. a benchmark's prompts) or held-out "
-                                    "prompts of its data: acceptance per prompt and per step, tokens per target "
-                                    "forward, and whether the output equals plain greedy decoding; with the "
-                                    "repeat-last-token and random-drafter controls on the same prompts; a table "
-                                    "per set. Appends to <run-dir>/spec_eval.jsonl.")
-    ev.add_argument("--checkpoint", action="append", default=[],
-                    help="checkpoint dir, export dir or run dir (default: <run-dir>/checkpoints/latest); repeatable: "
-                         "each is decoded on the same prompts, their greedy references and the controls made once")
-    ev.add_argument("--run-dir", help="run dir whose config names the target and data (default: the run that "
-                    "--checkpoint is or lies in, else runs/latest: the last run started here whose workers became ready)")
+    ev = sub.add_parser(
+        "eval",
+        help="real speculative decoding of a drafter with its target on benchmark or held-out prompts",
+        formatter_class=fmt,
+        description="Greedy DFlash decoding with the run's target (target.model_path) on prompt-set "
+        "files (--prompts FILE, repeatable: e.g. a benchmark's prompts) or held-out "
+        "prompts of its data: acceptance per prompt and per step, tokens per target "
+        "forward, and whether the output equals plain greedy decoding; with the "
+        "repeat-last-token and random-drafter controls on the same prompts; a table "
+        "per set. Appends to <run-dir>/spec_eval.jsonl.",
+    )
+    ev.add_argument(
+        "--checkpoint",
+        action="append",
+        default=[],
+        help="checkpoint dir, export dir or run dir (default: <run-dir>/checkpoints/latest); repeatable: "
+        "each is decoded on the same prompts, their greedy references and the controls made once",
+    )
+    ev.add_argument(
+        "--run-dir",
+        help="run dir whose config names the target and data (default: the run that "
+        "--checkpoint is or lies in, else runs/latest: the last run started here whose workers became ready)",
+    )
     ev.add_argument("--no-controls", action="store_true", help="skip the repeat-last and random-drafter controls")
-    ev.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                    help="override a key of the run's config for this evaluation, e.g. target.quantize=none")
+    ev.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="override a key of the run's config for this evaluation, e.g. target.quantize=none",
+    )
     ev.add_argument("--json", action="store_true", help="print one JSON line")
     _eval_options(ev)
     ev.set_defaults(func=cmd_eval)
@@ -179,16 +289,29 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _eval_options(p) -> None:
-    p.add_argument("--prompts", action="append", default=[], metavar="FILE|N",
-                   help="a prompt-set file, JSONL or .jsonl.gz, one prompt a line: {\"messages\": [...]}, "
-                        "{\"prompt\": \"...\"} or {\"input_ids\": [...]} (repeatable: a table per set); or N "
-                        "held-out prompts of the run's data (default: 32 held-out prompts)")
+    p.add_argument(
+        "--prompts",
+        action="append",
+        default=[],
+        metavar="FILE|N",
+        help='a prompt-set file, JSONL or .jsonl.gz, one prompt a line: {"messages": [...]}, '
+        '{"prompt": "..."} or {"input_ids": [...]} (repeatable: a table per set); or N '
+        "held-out prompts of the run's data (default: 32 held-out prompts)",
+    )
     p.add_argument("--limit", type=int, default=0, help="prompts per set at most (0: every prompt of a file)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="new tokens per prompt at most")
-    p.add_argument("--batch", type=int, default=0,
-                   help="prompts decoded at once, one packed target forward per step with no KV cache (default: 32 "
-                        "on a GPU for a target of at most 3B parameters, else 1); 1: one prompt at a time on a KV "
-                        "cache, which a large target decodes faster")
-    p.add_argument("--device", "--eval-device", dest="eval_device",
-                   help="device for the target and drafter, e.g. cuda, cuda:1, cpu (default: cuda if available, "
-                        "else cpu; --eval-device is the older name)")
+    p.add_argument(
+        "--batch",
+        type=int,
+        default=0,
+        help="prompts decoded at once, one packed target forward per step with no KV cache (default: 32 "
+        "on a GPU for a target of at most 3B parameters, else 1); 1: one prompt at a time on a KV "
+        "cache, which a large target decodes faster",
+    )
+    p.add_argument(
+        "--device",
+        "--eval-device",
+        dest="eval_device",
+        help="device for the target and drafter, e.g. cuda, cuda:1, cpu (default: cuda if available, "
+        "else cpu; --eval-device is the older name)",
+    )

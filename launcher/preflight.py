@@ -13,6 +13,7 @@ the end (`staged`). A start refused before any worker is started leaves no folde
 workers have started, the folder stays whatever happens: it holds run.json with the outcome and
 the workers' logs, which name the cause of a failed start.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -30,11 +31,17 @@ from services.log import events
 
 # A tokenizer folder has at least one of these (fast tokenizers: tokenizer.json; sentencepiece
 # models: tokenizer.model / spiece.model; BPE and WordPiece vocabularies; tiktoken files).
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "spiece.model", "sentencepiece.bpe.model",
-                   "vocab.json", "vocab.txt")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer.model",
+    "spiece.model",
+    "sentencepiece.bpe.model",
+    "vocab.json",
+    "vocab.txt",
+)
 CHAT_TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json", "additional_chat_templates")
 HALF_DTYPES = ("bfloat16", "bf16", "float16", "fp16")
-SCAN_LINES = 1000          # blank lines skipped at most while looking for a data file's first line
+SCAN_LINES = 1000  # blank lines skipped at most while looking for a data file's first line
 
 
 class PreflightError(ConfigError):
@@ -45,9 +52,11 @@ def preflight(cfg: Config, device: str, runs_targets: bool) -> None:
     """Every check of `up` that needs no worker (after config.validate and the input checks)."""
     check_sizes(cfg)
     check_attention(cfg, device)
-    if not runs_targets:            # another host's targets read the model and the data
+    if not runs_targets:  # another host's targets read the model and the data
         return
-    files = [(key, path) for key, path in (("data.path", cfg.data.path), ("data.eval_path", cfg.data.eval_path)) if path]
+    files = [
+        (key, path) for key, path in (("data.path", cfg.data.path), ("data.eval_path", cfg.data.eval_path)) if path
+    ]
     chat = [f"{key} {path}" for key, path in files if first_line_is_chat(check_data_file(key, path))]
     check_tokenizer(Path(cfg.target.model_path), chat[0] if chat else "")
     check_weights(Path(cfg.target.model_path))
@@ -69,19 +78,25 @@ def check_regenerated(key: str, path: str, template_kwargs: dict) -> None:
 def check_sizes(cfg: Config) -> None:
     d = cfg.drafter
     if d.num_anchors > cfg.data.pack_len:
-        raise PreflightError(f"drafter.num_anchors={d.num_anchors} is larger than data.pack_len={cfg.data.pack_len}: "
-                             "a row of pack_len tokens holds at most pack_len anchors; lower drafter.num_anchors")
+        raise PreflightError(
+            f"drafter.num_anchors={d.num_anchors} is larger than data.pack_len={cfg.data.pack_len}: "
+            "a row of pack_len tokens holds at most pack_len anchors; lower drafter.num_anchors"
+        )
     if d.block_size > cfg.data.pack_len:
         raise PreflightError(f"drafter.block_size={d.block_size} is larger than data.pack_len={cfg.data.pack_len}")
 
 
 def check_attention(cfg: Config, device: str) -> None:
     if cfg.drafter.attention == "flex" and device != "cuda":
-        raise PreflightError(f"drafter.attention=flex needs --device cuda (flex attention has no backward on "
-                             f"{device}); use drafter.attention=auto or dense")
+        raise PreflightError(
+            f"drafter.attention=flex needs --device cuda (flex attention has no backward on "
+            f"{device}); use drafter.attention=auto or dense"
+        )
     if cfg.target.attn_implementation.startswith("flash_attention") and cfg.target.dtype not in HALF_DTYPES:
-        raise PreflightError(f"target.attn_implementation={cfg.target.attn_implementation} needs target.dtype "
-                             f"bfloat16 or float16, got {cfg.target.dtype} (or use target.attn_implementation=sdpa)")
+        raise PreflightError(
+            f"target.attn_implementation={cfg.target.attn_implementation} needs target.dtype "
+            f"bfloat16 or float16, got {cfg.target.dtype} (or use target.attn_implementation=sdpa)"
+        )
 
 
 def check_data_file(key: str, path: str) -> bytes:
@@ -100,7 +115,7 @@ def check_data_file(key: str, path: str) -> bytes:
                 if line.strip():
                     return line
             else:
-                return b""          # only blank lines so far: the data preparation reads on
+                return b""  # only blank lines so far: the data preparation reads on
     except OSError as exc:
         raise PreflightError(f"{key}: cannot read {path}: {exc.strerror or exc}") from None
     raise PreflightError(f"{key}: {path} is empty (no JSONL lines)")
@@ -120,12 +135,16 @@ def check_tokenizer(folder: Path, chat_data: str = "") -> None:
     """The target folder has tokenizer files, and a chat template when chat_data ("data.path FILE") needs one."""
     names = {p.name for p in folder.iterdir()}
     if not names & set(TOKENIZER_FILES) and not any(n.endswith(".tiktoken") for n in names):
-        raise PreflightError(f"target.model_path: no tokenizer in {folder} (none of {', '.join(TOKENIZER_FILES)}): "
-                             "save the model's tokenizer there (tokenizer.save_pretrained(FOLDER))")
+        raise PreflightError(
+            f"target.model_path: no tokenizer in {folder} (none of {', '.join(TOKENIZER_FILES)}): "
+            "save the model's tokenizer there (tokenizer.save_pretrained(FOLDER))"
+        )
     if chat_data and not has_chat_template(folder, names):
-        raise PreflightError(f"target.model_path: the tokenizer in {folder} has no chat template, needed for the chat "
-                             f"lines of {chat_data}: add chat_template.jinja (or tokenizer_config.json's chat_template), "
-                             "or give pre-tokenized lines")
+        raise PreflightError(
+            f"target.model_path: the tokenizer in {folder} has no chat template, needed for the chat "
+            f"lines of {chat_data}: add chat_template.jinja (or tokenizer_config.json's chat_template), "
+            "or give pre-tokenized lines"
+        )
 
 
 def check_weights(folder: Path) -> None:
@@ -141,20 +160,26 @@ def check_weights(folder: Path) -> None:
             raise PreflightError(f"target.model_path: {index} is not a safetensors index (no weight_map)") from None
         missing = sorted(f for f in files if not (folder / str(f)).is_file())
         if missing:
-            raise PreflightError(f"target.model_path: {index} names {len(missing)} weight files that are not in "
-                                 f"{folder} ({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}): "
-                                 "finish downloading the model")
+            raise PreflightError(
+                f"target.model_path: {index} names {len(missing)} weight files that are not in "
+                f"{folder} ({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}): "
+                "finish downloading the model"
+            )
         return
     if (folder / "model.safetensors").is_file():
         return
     other = sorted(p.name for p in folder.iterdir() if p.name.endswith((".safetensors", ".bin", ".bin.index.json")))
     if other:
-        raise PreflightError(f"target.model_path: {folder} has weights as {', '.join(other[:3])}"
-                             f"{', ...' if len(other) > 3 else ''} but no model.safetensors or "
-                             "model.safetensors.index.json, which the workers read: save the model with "
-                             "save_pretrained(FOLDER, safe_serialization=True)")
-    raise PreflightError(f"target.model_path: no weights in {folder} (no *.safetensors, *.bin or index json; only "
-                         "config and tokenizer files?): download the model's weights too")
+        raise PreflightError(
+            f"target.model_path: {folder} has weights as {', '.join(other[:3])}"
+            f"{', ...' if len(other) > 3 else ''} but no model.safetensors or "
+            "model.safetensors.index.json, which the workers read: save the model with "
+            "save_pretrained(FOLDER, safe_serialization=True)"
+        )
+    raise PreflightError(
+        f"target.model_path: no weights in {folder} (no *.safetensors, *.bin or index json; only "
+        "config and tokenizer files?): download the model's weights too"
+    )
 
 
 def has_chat_template(folder: Path, names: set[str]) -> bool:
@@ -165,7 +190,7 @@ def has_chat_template(folder: Path, names: set[str]) -> bool:
     except OSError:
         return False
     except ValueError:
-        return True                 # unreadable here: loading the tokenizer will say what is wrong
+        return True  # unreadable here: loading the tokenizer will say what is wrong
     return not isinstance(conf, dict) or bool(conf.get("chat_template"))
 
 
@@ -180,18 +205,26 @@ def max_steps_warning(cfg: Config, batches_per_epoch: int, drafters: int) -> str
 
     def available(epochs: int) -> int:
         return make_plan(batches_per_epoch, epochs, drafters, accum).optimizer_steps
+
     if not steps or batches_per_epoch <= 0 or steps <= available(cfg.run.epochs):
         return None
     epochs = max(cfg.run.epochs + 1, -(-steps * drafters * accum // batches_per_epoch) - 1)
     while available(epochs) < steps:
         epochs += 1
-    per = f"{drafters} drafters x drafter.grad_accum={accum}" if accum > 1 else f"{drafters} drafter" + "s" * (drafters > 1)
-    return (f"run.max_steps={steps} is past the end of run.epochs={cfg.run.epochs} ({available(cfg.run.epochs)} "
-            f"optimizer steps: {batches_per_epoch} rows per epoch on {per}): the run ends at step "
-            f"{available(cfg.run.epochs)}; set run.epochs={epochs} to train {steps} steps")
+    per = (
+        f"{drafters} drafters x drafter.grad_accum={accum}"
+        if accum > 1
+        else f"{drafters} drafter" + "s" * (drafters > 1)
+    )
+    return (
+        f"run.max_steps={steps} is past the end of run.epochs={cfg.run.epochs} ({available(cfg.run.epochs)} "
+        f"optimizer steps: {batches_per_epoch} rows per epoch on {per}): the run ends at step "
+        f"{available(cfg.run.epochs)}; set run.epochs={epochs} to train {steps} steps"
+    )
 
 
 # --- the run folder ---------------------------------------------------------------------------
+
 
 @contextlib.contextmanager
 def staged(run_dir: Path):
@@ -212,18 +245,23 @@ def staged(run_dir: Path):
         raise
     try:
         os.rename(stage, run_dir)
-    except OSError:                  # another launcher made it meanwhile: that run is the one
+    except OSError:  # another launcher made it meanwhile: that run is the one
         shutil.rmtree(stage, ignore_errors=True)
-        raise PreflightError(f"{run_dir} appeared while this launcher prepared it: another launcher is starting "
-                             "there; choose another --run-dir") from None
+        raise PreflightError(
+            f"{run_dir} appeared while this launcher prepared it: another launcher is starting "
+            "there; choose another --run-dir"
+        ) from None
 
 
 # --- resume -----------------------------------------------------------------------------------
 
+
 def check_resume(run_dir: Path) -> None:
     if not run_dir.is_dir():
-        raise PreflightError(f"--resume: {run_dir} does not exist, so there is nothing to resume; "
-                             "leave out --resume to start a new run there")
+        raise PreflightError(
+            f"--resume: {run_dir} does not exist, so there is nothing to resume; "
+            "leave out --resume to start a new run there"
+        )
 
 
 def resume_config_path(args) -> Path | None:
@@ -250,20 +288,23 @@ def check_resume_config(run_dir: Path, cfg: Config, model: dict | None) -> None:
     (services/checkpoint_compat.py)."""
     ckpt = resume_checkpoint(run_dir)
     if ckpt is None:
-        return                          # nothing to resume: the run starts at step 0
+        return  # nothing to resume: the run starts at step 0
     try:
         config = json.loads((ckpt / "config.json").read_text())
         meta = json.loads((ckpt / "state.json").read_text())
     except (OSError, ValueError):
-        return                          # a corrupt checkpoint: the drafter falls back to an older one and says so
+        return  # a corrupt checkpoint: the drafter falls back to an older one and says so
     errors = run_errors(config, cfg)
     if model is not None and isinstance(meta, dict) and meta.get("model"):
-        skip = ("mask_token_id",) if cfg.drafter.mask_token_id < 0 else ()   # the tokenizer's: the drafter resolves it
+        skip = ("mask_token_id",) if cfg.drafter.mask_token_id < 0 else ()  # the tokenizer's: the drafter resolves it
         errors += model_errors(meta, model, skip)
     if errors:
-        raise PreflightError(f"--resume: the checkpoint {ckpt} was written with another config ("
-                             + "; ".join(errors) + "): resume with the run's values (leave those overrides out), "
-                             "or start a new --run-dir")
+        raise PreflightError(
+            f"--resume: the checkpoint {ckpt} was written with another config ("
+            + "; ".join(errors)
+            + "): resume with the run's values (leave those overrides out), "
+            "or start a new --run-dir"
+        )
 
 
 def resumed_line(drafter_log: Path) -> str:
@@ -272,7 +313,7 @@ def resumed_line(drafter_log: Path) -> str:
         text = drafter_log.read_text(errors="replace")
     except OSError:
         return ""
-    found = events(text[text.rfind("\n===== "):], "resumed")
+    found = events(text[text.rfind("\n===== ") :], "resumed")
     if not found:
         return f"no checkpoint in {drafter_log.parent.parent / 'checkpoints'}: training starts at step 0"
     return f"resumed from step {found[-1]['step']} ({found[-1]['checkpoint']})"

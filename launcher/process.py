@@ -6,6 +6,7 @@ is lifecycle.PARENT_DIED, not SIGTERM: the kernel sends it once per launcher thr
 is handed to, and a worker counts any number of them as one stop request (services/lifecycle.py).
 A worker that gets it, or SIGTERM, finishes its step and exits; if it hangs, its own deadline kills it.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -25,7 +26,7 @@ PR_SET_PDEATHSIG = 1
 def _die_with_parent() -> None:  # runs in the child between fork and exec
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(PR_SET_PDEATHSIG, PARENT_DIED, 0, 0, 0)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)   # the launcher blocks them (lifecycle.watch_with_sender)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)  # the launcher blocks them (lifecycle.watch_with_sender)
 
 
 def spawn(argv: list[str], env: dict[str, str], log_path: Path) -> subprocess.Popen:
@@ -36,9 +37,16 @@ def spawn(argv: list[str], env: dict[str, str], log_path: Path) -> subprocess.Po
     try:
         # own session: a Ctrl-C in the terminal reaches the launcher only, which then stops the
         # workers once, gracefully
-        return subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                preexec_fn=_die_with_parent if sys.platform == "linux" else None,
-                                close_fds=True, start_new_session=True)
+        return subprocess.Popen(
+            argv,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+            close_fds=True,
+            start_new_session=True,
+        )
     finally:
         log.close()  # the child holds its own descriptor
 
@@ -52,7 +60,7 @@ def identity(pid: int) -> dict | None:
     try:
         p = psutil.Process(pid)
         cmdline = p.cmdline()
-        for _ in range(100):    # just after exec the kernel shows an empty cmdline for a moment
+        for _ in range(100):  # just after exec the kernel shows an empty cmdline for a moment
             if cmdline:
                 break
             time.sleep(0.01)
@@ -129,4 +137,3 @@ def gpu_count() -> int:
         return sum(line.startswith("GPU ") for line in out.splitlines())
     except (OSError, subprocess.TimeoutExpired):
         return 0
-

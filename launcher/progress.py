@@ -13,6 +13,7 @@ drops after one. loss, τ and tok/s are those of the last metrics.jsonl line (dr
 as `window`): all drafter ranks, averaged over the steps since the line before. `launcher status`
 (describe_window, with the window's step and length) and `launcher report` show the same figures.
 """
+
 from __future__ import annotations
 
 import shutil
@@ -26,8 +27,10 @@ def describe_window(window: dict | None) -> str:
     if not window:
         return ""
     coverage = f" coverage {100 * window['coverage']:.0f}%" if window.get("coverage") is not None else ""
-    return (f"@{window['step']} (all ranks, last {window.get('steps', '?')} steps): loss {window['loss']:.4f} "
-            f"τ {window['tau']:.2f}{coverage} {window['tokens_per_s'] / 1000:.1f} Ktok/s")
+    return (
+        f"@{window['step']} (all ranks, last {window.get('steps', '?')} steps): loss {window['loss']:.4f} "
+        f"τ {window['tau']:.2f}{coverage} {window['tokens_per_s'] / 1000:.1f} Ktok/s"
+    )
 
 
 def compact_window(window: dict | None) -> str:
@@ -43,7 +46,7 @@ class ProgressLine:
         self.stream = stream or sys.stdout
         self.tty = self.stream.isatty()
         self.every_s = every_s
-        self._last_print = float("-inf")        # the first line is always due
+        self._last_print = float("-inf")  # the first line is always due
         self._last_text = ""
         self._width = 0
         self._rate_start: tuple[float, int] | None = None
@@ -53,7 +56,7 @@ class ProgressLine:
         the ETA falls back to the clock since the first call."""
         clock = time.monotonic() if train_s is None else train_s
         if self._rate_start is None or step < self._rate_start[1] or clock < self._rate_start[0]:
-            self._rate_start = (clock, step)       # first sight, or a restarted drafter
+            self._rate_start = (clock, step)  # first sight, or a restarted drafter
         t0, s0 = self._rate_start
         rate = (step - s0) / (clock - t0) if clock > t0 and step > s0 else 0.0
         eta = _duration((total - step) / rate) if rate > 0 and total else "?"
@@ -63,7 +66,7 @@ class ProgressLine:
 
     def show(self, text: str) -> None:
         if self.tty:
-            width = max(10, shutil.get_terminal_size().columns - 1)   # never wrap: '\r' redraws one row only
+            width = max(10, shutil.get_terminal_size().columns - 1)  # never wrap: '\r' redraws one row only
             text = text[:width]
             pad = max(0, min(self._width, width) - len(text))
             self.stream.write("\r" + text + " " * pad)

@@ -6,6 +6,7 @@ and served with another loses its acceptance, so the options travel with the dat
 holds the output's sha256: an edited or replaced file no longer matches it, and its record is
 then not the file's (`up` warns instead of refusing).
 """
+
 from __future__ import annotations
 
 import json
@@ -42,13 +43,17 @@ def template_kwargs_problem(key: str, data: str, run_kwargs: dict) -> tuple[str,
         return "", ""
     if not isinstance(kwargs, dict) or kwargs == run_kwargs:
         return "", ""
-    said = (f"{key} {data} was regenerated with chat_template_kwargs {json.dumps(kwargs)}, "
-            f"the run renders with {json.dumps(run_kwargs)}")
+    said = (
+        f"{key} {data} was regenerated with chat_template_kwargs {json.dumps(kwargs)}, "
+        f"the run renders with {json.dumps(run_kwargs)}"
+    )
     try:
         same = Path(data).stat().st_size == size and sha256_file(Path(data)) == digest
     except OSError:
         same = False
     if same:
         return f"{said}: set data.chat_template_kwargs = {toml_literal(kwargs)}", ""
-    return "", (f"{record_path(data).name} says {said}; but {data} changed since (its sha256 differs), "
-                "so this is not checked: render as the data was written")
+    return "", (
+        f"{record_path(data).name} says {said}; but {data} changed since (its sha256 differs), "
+        "so this is not checked: render as the data was written"
+    )

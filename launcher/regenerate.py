@@ -9,6 +9,7 @@ the model load does not count). Their shards are hidden files beside --out, remo
 What was done (model, engine, chat-template options, sampling, the output's sha256) is written
 beside --out (launcher/regen_record.py), for `up` to check the run renders the chats alike.
 """
+
 from __future__ import annotations
 
 import json
@@ -55,18 +56,24 @@ def advice(out: Path, pre_tokenized: int) -> str:
     """How to train on the output. Data labels are the target's own replies only when every line
     was regenerated; copied pre-tokenized lines keep the data's tokens, so then the target labels."""
     if pre_tokenized:
-        return (f"train on it with data.path=\"{out}\" and target.labels_from_target=true (the default): its "
-                f"{pre_tokenized} pre-tokenized lines keep the data's tokens, and only the target's labels "
-                "match what it would write there")
-    return (f"train on it with data.path=\"{out}\" and target.labels_from_target=false: every reply is now "
-            "the target's own, so the data's labels are the target's")
+        return (
+            f'train on it with data.path="{out}" and target.labels_from_target=true (the default): its '
+            f"{pre_tokenized} pre-tokenized lines keep the data's tokens, and only the target's labels "
+            "match what it would write there"
+        )
+    return (
+        f'train on it with data.path="{out}" and target.labels_from_target=false: every reply is now '
+        "the target's own, so the data's labels are the target's"
+    )
 
 
 def template_advice(template_kwargs: dict) -> str:
     """The config line that makes training (and the eval) render the chats as they were regenerated."""
     literal = toml_literal(template_kwargs)
-    return (f"train with data.chat_template_kwargs = {literal} (in [data]: chat_template_kwargs = {literal}), "
-            "and serve with the same chat-template options: `launcher up` refuses other ones for this file")
+    return (
+        f"train with data.chat_template_kwargs = {literal} (in [data]: chat_template_kwargs = {literal}), "
+        "and serve with the same chat-template options: `launcher up` refuses other ones for this file"
+    )
 
 
 def run(args) -> None:
@@ -74,36 +81,58 @@ def run(args) -> None:
     data, out = Path(args.data), Path(args.out).resolve()
     try:
         items = read_conversations(data)
-    except ValueError as exc:                         # names file:line
+    except ValueError as exc:  # names file:line
         raise RegenerateError(str(exc)) from None
     chat = sum(m is not None for _, m in items)
     if not chat:
-        raise RegenerateError(f"{data} has no chat lines ({len(items)} pre-tokenized lines): regeneration rewrites "
-                              f"assistant turns of chat text; train on {data} as it is (target.labels_from_target="
-                              "true, the default, has the target label it)")
+        raise RegenerateError(
+            f"{data} has no chat lines ({len(items)} pre-tokenized lines): regeneration rewrites "
+            f"assistant turns of chat text; train on {data} as it is (target.labels_from_target="
+            "true, the default, has the target label it)"
+        )
     total = assistant_turns(items)
     gpus = [str(g) for g in args.gpu_list] if args.device == "cuda" else [None]
-    base = [sys.executable, "-m", "services.target.regenerate_shard", "--model", args.model, "--data", str(data),
-            "--engine", args.engine, "--device", args.device, "--batch-size", str(args.batch_size),
-            "--max-new-tokens", str(args.max_new_tokens), "--temperature", str(args.temperature),
-            "--chat-template-kwargs", json.dumps(args.template_kwargs)]
+    base = [
+        sys.executable,
+        "-m",
+        "services.target.regenerate_shard",
+        "--model",
+        args.model,
+        "--data",
+        str(data),
+        "--engine",
+        args.engine,
+        "--device",
+        args.device,
+        "--batch-size",
+        str(args.batch_size),
+        "--max-new-tokens",
+        str(args.max_new_tokens),
+        "--temperature",
+        str(args.temperature),
+        "--chat-template-kwargs",
+        json.dumps(args.template_kwargs),
+    ]
     parts = [out.with_name(f".{out.name}.part{i}") for i in range(len(gpus))]
     where = f"{len(gpus)} GPUs" if len(gpus) > 1 else (f"GPU {gpus[0]}" if gpus[0] is not None else "the CPU")
     line = ProgressLine()
     options = f", chat template with {json.dumps(args.template_kwargs)}" if args.template_kwargs else ""
-    line.done(f"regenerating {total} assistant turns in {chat} chat lines of {data} on {where}{options} "
-              f"({len(items) - chat} pre-tokenized lines are copied unchanged)")
+    line.done(
+        f"regenerating {total} assistant turns in {chat} chat lines of {data} on {where}{options} "
+        f"({len(items) - chat} pre-tokenized lines are copied unchanged)"
+    )
     start, children, states, readers = time.monotonic(), [], [], []
     try:
         for i, (gpu, part) in enumerate(zip(gpus, parts)):
             env = dict(os.environ, **({"CUDA_VISIBLE_DEVICES": gpu} if gpu is not None else {}))
-            child = subprocess.Popen(base + ["--out", str(part), "--shard", f"{i}/{len(gpus)}"], env=env,
-                                     stdout=subprocess.PIPE, text=True)
+            child = subprocess.Popen(
+                base + ["--out", str(part), "--shard", f"{i}/{len(gpus)}"], env=env, stdout=subprocess.PIPE, text=True
+            )
             children.append(child)
             states.append({"done": 0, "final": None})
             readers.append(threading.Thread(target=_follow, args=(child, states[-1]), daemon=True))
             readers[-1].start()
-        first: tuple[float, int] | None = None        # (time, turns) at the first batch done
+        first: tuple[float, int] | None = None  # (time, turns) at the first batch done
         while any(c.poll() is None for c in children):
             done = sum(s["done"] for s in states)
             if done and first is None:
@@ -116,8 +145,9 @@ def run(args) -> None:
             reader.join(timeout=10)
         codes = [c.wait() for c in children]
         if any(codes) or any(s["final"] is None for s in states):
-            raise RegenerateError(f"regeneration failed (exit codes {codes}; the error is above); "
-                                  f"{out.name} was not written")
+            raise RegenerateError(
+                f"regeneration failed (exit codes {codes}; the error is above); {out.name} was not written"
+            )
         shards = [part.read_text(encoding="utf-8").splitlines() for part in parts]
         tmp = out.with_name(f".{out.name}.tmp")
         with open(tmp, "w", encoding="utf-8") as f:
@@ -135,19 +165,34 @@ def run(args) -> None:
             part.unlink(missing_ok=True)
     finals = [s["final"] for s in states]
     empty, pre_tokenized = sum(f["empty_replies_kept"] for f in finals), sum(f["pre_tokenized"] for f in finals)
-    record = write_record(out, {"model": str(Path(args.model).resolve()), "engine": args.engine,
-                                "chat_template_kwargs": args.template_kwargs, "temperature": args.temperature,
-                                "max_new_tokens": args.max_new_tokens, "data": str(data.resolve()),
-                                "lines": len(items), "chat_lines": chat, "turns": total, "empty_replies_kept": empty})
-    lines = [f"regenerated {sum(f['turns'] for f in finals) - empty} assistant turns in {chat} chat lines "
-             f"in {_duration(time.monotonic() - start)} ({args.engine}, {where})"]
+    record = write_record(
+        out,
+        {
+            "model": str(Path(args.model).resolve()),
+            "engine": args.engine,
+            "chat_template_kwargs": args.template_kwargs,
+            "temperature": args.temperature,
+            "max_new_tokens": args.max_new_tokens,
+            "data": str(data.resolve()),
+            "lines": len(items),
+            "chat_lines": chat,
+            "turns": total,
+            "empty_replies_kept": empty,
+        },
+    )
+    lines = [
+        f"regenerated {sum(f['turns'] for f in finals) - empty} assistant turns in {chat} chat lines "
+        f"in {_duration(time.monotonic() - start)} ({args.engine}, {where})"
+    ]
     if empty:
         lines.append(f"{empty} replies came back empty: those turns keep the data's text")
     if pre_tokenized:
         lines.append(f"{pre_tokenized} pre-tokenized lines copied unchanged (no text to regenerate)")
-    lines += [f"wrote {out}: {sum(f['lines'] for f in finals)} lines, in input order "
-              f"(how it was made: {record.name}, read by `launcher up`)",
-              advice(out, pre_tokenized)]
+    lines += [
+        f"wrote {out}: {sum(f['lines'] for f in finals)} lines, in input order "
+        f"(how it was made: {record.name}, read by `launcher up`)",
+        advice(out, pre_tokenized),
+    ]
     if args.template_kwargs:
         lines.append(template_advice(args.template_kwargs))
     for text in lines:

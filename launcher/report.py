@@ -8,6 +8,7 @@ plotted on the τ axes, in the same unit (tokens per verify step): the lines tra
 No torch here. matplotlib is an optional extra (`pip install -e '.[report]'`); without it the
 summary is printed and the message says how to get the plot.
 """
+
 from __future__ import annotations
 
 import json
@@ -58,8 +59,12 @@ def read_spec(run_dir: Path) -> tuple[list[dict], dict | None]:
 def describe_spec(record: dict, what: str) -> list[str]:
     """Real acceptance in words: the drafter's and its controls' (when the record has them), per prompt set."""
     from services.acceptance_text import tables
-    return tables(record, f"{what}; greedy speculative decoding of "
-                          f"{describe_prompts(record['prompts'], record.get('held_out'), record.get('sets') or ())}")
+
+    return tables(
+        record,
+        f"{what}; greedy speculative decoding of "
+        f"{describe_prompts(record['prompts'], record.get('held_out'), record.get('sets') or ())}",
+    )
 
 
 def _pointer(run_dir: Path, name: str) -> str | None:
@@ -75,19 +80,27 @@ def describe_export(export: Path) -> str | None:
         return None
     which = " and ".join(w for w in ("last", "best") if record.get(w)) or "neither last nor best"
     best = "" if record.get("best") or record.get("best_step") is None else f", best is step {record['best_step']}"
-    return (f"export: {export} (step {record['step']}: {which}{best}); "
-            f"vLLM num_speculative_tokens = {record['num_speculative_tokens']} (block_size {record['block_size']} - 1)")
+    return (
+        f"export: {export} (step {record['step']}: {which}{best}); "
+        f"vLLM num_speculative_tokens = {record['num_speculative_tokens']} (block_size {record['block_size']} - 1)"
+    )
 
 
 def describe_data(info: dict) -> str:
     """The data line of `launcher up`, `status` and `report`, from <run_dir>/data.json."""
-    skipped = (f"; skipped {info['bad_samples']} bad lines (data.on_bad_sample=skip), first: "
-               + "; ".join(info["bad_examples"]) if info["bad_samples"] else "; no bad lines")
+    skipped = (
+        f"; skipped {info['bad_samples']} bad lines (data.on_bad_sample=skip), first: "
+        + "; ".join(info["bad_examples"])
+        if info["bad_samples"]
+        else "; no bad lines"
+    )
     line = f"data: {info['train_rows']} training rows, {info['eval_rows']} held-out rows{skipped}"
-    if info.get("prompts", info.get("chat_prompts")) == 0:     # ("chat_prompts": data.json of older runs)
-        line += ("\nreal acceptance: off, the held-out data has no prompts (a pre-tokenized line's prompt is its "
-                 "tokens before the first supervised one: these have none); τ is still measured. For it, set "
-                 "run.eval_prompts to a prompt file (e.g. a benchmark's), or add chat lines or a data.eval_path")
+    if info.get("prompts", info.get("chat_prompts")) == 0:  # ("chat_prompts": data.json of older runs)
+        line += (
+            "\nreal acceptance: off, the held-out data has no prompts (a pre-tokenized line's prompt is its "
+            "tokens before the first supervised one: these have none); τ is still measured. For it, set "
+            "run.eval_prompts to a prompt file (e.g. a benchmark's), or add chat lines or a data.eval_path"
+        )
     return line
 
 
@@ -112,26 +125,33 @@ def throughput(train: list[dict], last: int) -> tuple[float, float, int, float] 
     return (tokens / seconds, waited / seconds, windows, seconds) if seconds > 0 else None
 
 
-def summary(run_dir: Path, train: list[dict], evals: list[dict], spec: list[dict],
-            last_eval: dict | None) -> list[str]:
+def summary(run_dir: Path, train: list[dict], evals: list[dict], spec: list[dict], last_eval: dict | None) -> list[str]:
     lines = [f"run: {run_dir}"]
     if train:
         last = train[-1]
         rate = throughput(train, last=20)
-        lines.append(f"steps: {last['step']} (train records: {len(train)}), samples {last.get('samples_done', '?')}, "
-                     f"tokens {last.get('tokens_done', '?')}")
+        lines.append(
+            f"steps: {last['step']} (train records: {len(train)}), samples {last.get('samples_done', '?')}, "
+            f"tokens {last.get('tokens_done', '?')}"
+        )
         coverage = f", coverage {100 * last['coverage']:.1f}%" if "coverage" in last else ""
-        lines.append(f"final train loss {last['loss']:.4f}, tau {last['tau']:.3f}{coverage}, lr {last.get('lr', 0):.3g}")
+        lines.append(
+            f"final train loss {last['loss']:.4f}, tau {last['tau']:.3f}{coverage}, lr {last.get('lr', 0):.3g}"
+        )
         if rate:
             tokens_per_s, wait, windows, seconds = rate
-            lines.append(f"throughput: {tokens_per_s:,.0f} tokens/s (tokens ÷ time of the last {windows} records, "
-                         f"{seconds:,.0f} s), data wait {100 * wait:.0f}%")
+            lines.append(
+                f"throughput: {tokens_per_s:,.0f} tokens/s (tokens ÷ time of the last {windows} records, "
+                f"{seconds:,.0f} s), data wait {100 * wait:.0f}%"
+            )
     else:
         lines.append("no train records yet")
     if evals:
         best = max(evals, key=lambda r: r["tau"])
-        lines.append(f"eval: final loss {evals[-1]['loss']:.4f}, tau {evals[-1]['tau']:.3f}; "
-                     f"best tau {best['tau']:.3f} at step {best['step']}")
+        lines.append(
+            f"eval: final loss {evals[-1]['loss']:.4f}, tau {evals[-1]['tau']:.3f}; "
+            f"best tau {best['tau']:.3f} at step {best['step']}"
+        )
     if (run_dir / "data.json").is_file():
         lines += describe_data(json.loads((run_dir / "data.json").read_text())).splitlines()
     if spec:
@@ -140,8 +160,10 @@ def summary(run_dir: Path, train: list[dict], evals: list[dict], spec: list[dict
     if last_eval:
         lines += describe_spec(last_eval, f"`launcher eval` of {last_eval.get('drafter', '?')}")
     if spec or last_eval:
-        lines.append("  (τ above is teacher-forced on the labels; real acceptance is what the target accepts: "
-                     "docs/operations.md#tau-and-real-acceptance; every figure: docs/operations.md#glossary)")
+        lines.append(
+            "  (τ above is teacher-forced on the labels; real acceptance is what the target accepts: "
+            "docs/operations.md#tau-and-real-acceptance; every figure: docs/operations.md#glossary)"
+        )
     latest, best_ckpt = _pointer(run_dir, "latest"), _pointer(run_dir, "best")
     lines.append(f"checkpoints: latest {latest or '-'}, best {best_ckpt or '-'}")
     export = run_dir / "export"
@@ -157,25 +179,36 @@ def figure(train: list[dict], evals: list[dict], title: str, spec: list[dict] = 
     what it shows in its title and its unit in a short y label (a long vertical label runs past the
     axes into the figure's title)."""
     import matplotlib
-    matplotlib.use("Agg")                          # files only, no display
+
+    matplotlib.use("Agg")  # files only, no display
     import matplotlib.pyplot as plt
 
     fig, (ax_loss, ax_tau) = plt.subplots(1, 2, figsize=(11, 4.4))
-    panels = ((ax_loss, "loss", "loss", "loss"),
-              (ax_tau, "tau", "τ (teacher-forced) and real acceptance", "tokens per verify step"))
+    panels = (
+        (ax_loss, "loss", "loss", "loss"),
+        (ax_tau, "tau", "τ (teacher-forced) and real acceptance", "tokens per verify step"),
+    )
     for ax, key, heading, unit in panels:
         if train:
             ax.plot([r["step"] for r in train], [r[key] for r in train], label="train", linewidth=1)
         if evals:
             ax.plot([r["step"] for r in evals], [r[key] for r in evals], "o-", label="eval (held-out)")
-        if key == "tau" and spec:       # the same unit: tokens committed per verify step
-            ax.plot([r["step"] for r in spec], [r["acceptance_per_step"] for r in spec], "s-",
-                    label="real acceptance (spec. decoding)")
+        if key == "tau" and spec:  # the same unit: tokens committed per verify step
+            ax.plot(
+                [r["step"] for r in spec],
+                [r["acceptance_per_step"] for r in spec],
+                "s-",
+                label="real acceptance (spec. decoding)",
+            )
             final = spec[-1]
             for name, style in (("repeat_last", ":"), ("random", "--")):
                 if name in final:
-                    ax.axhline(final[name]["acceptance_per_step"], linestyle=style, color="gray",
-                               label=f"{name.replace('_', '-')} control")
+                    ax.axhline(
+                        final[name]["acceptance_per_step"],
+                        linestyle=style,
+                        color="gray",
+                        label=f"{name.replace('_', '-')} control",
+                    )
         ax.set_title(heading, fontsize="medium")
         ax.set_xlabel("step")
         ax.set_ylabel(unit)
@@ -188,6 +221,7 @@ def figure(train: list[dict], evals: list[dict], title: str, spec: list[dict] = 
 
 def plot(train: list[dict], evals: list[dict], out: Path, title: str, spec: list[dict] = ()) -> None:
     import matplotlib.pyplot as plt
+
     fig = figure(train, evals, title, spec)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=110)
@@ -204,8 +238,10 @@ def report(run_dir: str | Path, out: str | Path | None = None) -> tuple[list[str
     try:
         plot(train, evals, png, title=run_dir.name, spec=spec)
     except ImportError:
-        lines.append("plot: matplotlib is not installed; pip install 'dflash-service[report]' "
-                     "(or pip install matplotlib) for the PNG")
+        lines.append(
+            "plot: matplotlib is not installed; pip install 'dflash-service[report]' "
+            "(or pip install matplotlib) for the PNG"
+        )
         return lines, None
     lines.append(f"plot: {png}")
     return lines, png

@@ -4,6 +4,7 @@ runs/latest is the last run started here whose workers all became ready (or that
 starting): a run that fails while starting never takes it over from one that trains. `status`
 and `down` default to it, and both name the live runs when the one they reach is not live.
 """
+
 from __future__ import annotations
 
 import json
@@ -34,8 +35,10 @@ def run_holding(path: str | None) -> Path | None:
     if not path:
         return None
     p = Path(path).resolve()
-    return next((d for d in (p, p.parent, p.parent.parent)
-                 if (d / "run.json").is_file() and (d / "config.json").is_file()), None)
+    return next(
+        (d for d in (p, p.parent, p.parent.parent) if (d / "run.json").is_file() and (d / "config.json").is_file()),
+        None,
+    )
 
 
 def choose_run_dir(args, name: str) -> tuple[Path, bool]:
@@ -68,7 +71,7 @@ def live_runs(root: Path) -> list[tuple[Path, int]]:
     """(run dir, launcher pid) of every run under root whose launcher is still running."""
     live = []
     for run_json in sorted(root.glob("*/run.json")):
-        if run_json.parent.is_symlink():                # runs/latest: the run itself is listed
+        if run_json.parent.is_symlink():  # runs/latest: the run itself is listed
             continue
         try:
             launcher = json.loads(run_json.read_text()).get("launcher")
@@ -114,9 +117,11 @@ def claim(run_dir: Path, resume: bool) -> bool:
         lock(run_dir)
     if (run_dir / "run.json").is_file():
         old = json.loads((run_dir / "run.json").read_text())
-        if process.alive(old.get("launcher")):          # the recorded launcher itself, not a reused pid
-            raise UsageError(f"a run is active in {run_dir} (launcher pid {old['launcher_pid']}); "
-                             f"`launcher down --run-dir {run_dir}` first")
+        if process.alive(old.get("launcher")):  # the recorded launcher itself, not a reused pid
+            raise UsageError(
+                f"a run is active in {run_dir} (launcher pid {old['launcher_pid']}); "
+                f"`launcher down --run-dir {run_dir}` first"
+            )
     if (run_dir / "checkpoints").is_dir() and any((run_dir / "checkpoints").iterdir()) and not resume:
         raise UsageError(f"{run_dir} has checkpoints; pass --resume to continue, or choose another --run-dir")
     return locked

@@ -1,4 +1,5 @@
 """`launcher status`: probe every worker of a run in parallel and print one table (or --json)."""
+
 from __future__ import annotations
 
 import json
@@ -13,8 +14,21 @@ from launcher.rundir import OUTCOME_EXIT, describe_live, describe_outcome, read_
 from launcher.supervisor import probe_all
 from services.schedule import Plan
 
-STATUS_COLUMNS = ("name", "gpu", "pid", "state", "step", "batches", "tok/s", "samples", "idle_s",
-                  "rss", "gpu_mem", "bad_msgs", "probe")
+STATUS_COLUMNS = (
+    "name",
+    "gpu",
+    "pid",
+    "state",
+    "step",
+    "batches",
+    "tok/s",
+    "samples",
+    "idle_s",
+    "rss",
+    "gpu_mem",
+    "bad_msgs",
+    "probe",
+)
 STATUS_LEGEND = """\
 step     drafters: optimizer steps done / planned
 batches  targets: batches captured and sent since the worker started
@@ -35,9 +49,20 @@ def cmd_status(args) -> int:
     # no worker answers (an ended run, drafters down): the last line of metrics.jsonl, as they would report it
     window = next((r["window"] for r in rows if r.get("window")), None) or last_window(run_dir)
     if args.json:
-        print(json.dumps({"run_dir": str(run_dir), "launcher_pid": run["launcher_pid"], "launcher_alive": live,
-                          "outcome": run.get("outcome"), "window": window,
-                          "plan": plan.to_dict() if plan else None, "workers": rows}, indent=2))
+        print(
+            json.dumps(
+                {
+                    "run_dir": str(run_dir),
+                    "launcher_pid": run["launcher_pid"],
+                    "launcher_alive": live,
+                    "outcome": run.get("outcome"),
+                    "window": window,
+                    "plan": plan.to_dict() if plan else None,
+                    "workers": rows,
+                },
+                indent=2,
+            )
+        )
     else:
         print(f"run {run_dir}: {outcome}")
         table = [STATUS_COLUMNS] + [_cells(r) for r in rows]
@@ -46,14 +71,18 @@ def cmd_status(args) -> int:
             print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)))
         print(STATUS_LEGEND)
         if window:
-            print(f"metrics {describe_window(window)}, data wait {100 * window['data_wait_frac']:.0f}% "
-                  f"(the metrics.jsonl line of that step)")
+            print(
+                f"metrics {describe_window(window)}, data wait {100 * window['data_wait_frac']:.0f}% "
+                f"(the metrics.jsonl line of that step)"
+            )
         for r in rows:
             if r.get("warning"):
                 print(f"{r['name']}: warning: {r['warning']}")
             if (books := r.get("integrity") or {}).get("nonfinite_batches") or books.get("skipped_steps"):
-                print(f"{r['name']}: {books['nonfinite_batches']} non-finite batches skipped, {books['skipped_steps']} "
-                      f"optimizer steps skipped; last: {books['last_nonfinite'] or 'another rank'}")
+                print(
+                    f"{r['name']}: {books['nonfinite_batches']} non-finite batches skipped, {books['skipped_steps']} "
+                    f"optimizer steps skipped; last: {books['last_nonfinite'] or 'another rank'}"
+                )
         _print_drops(rows, run.get("outcome") or {}, live)
         _print_last_exits(rows)
         if plan:
@@ -65,13 +94,14 @@ def cmd_status(args) -> int:
             print(describe_live(run_dir.parent, run_dir))
     state = (run.get("outcome") or {}).get("state")
     if not live and state in OUTCOME_EXIT:
-        return OUTCOME_EXIT[state]       # an ended run: its own exit code, not "every worker unreachable"
+        return OUTCOME_EXIT[state]  # an ended run: its own exit code, not "every worker unreachable"
     return max((r["probe"] for r in rows), default=0)
 
 
 def last_window(run_dir: Path) -> dict | None:
     """The last train line of <run_dir>/metrics.jsonl in the form of a drafter's health `window`."""
     from launcher.report import ReportError, read_metrics
+
     try:
         train, _ = read_metrics(run_dir)
     except (ReportError, OSError):
@@ -100,23 +130,63 @@ def _run_keys(run_dir: Path) -> str:
 
 def _row(w: dict, result: tuple[int, dict | None, str]) -> dict:
     code, status, reason = result
-    row = {"name": w["name"], "gpu": w["gpu"], "pid": w["pid"], "probe": code, "reason": reason,
-           "last_exit": w.get("last_exit")}
+    row = {
+        "name": w["name"],
+        "gpu": w["gpu"],
+        "pid": w["pid"],
+        "probe": code,
+        "reason": reason,
+        "last_exit": w.get("last_exit"),
+    }
     if status:
-        row.update({k: status.get(k) for k in ("state", "step", "total_steps", "batches_served", "samples_done",
-                                                 "tokens_per_s", "last_progress_age_s", "compile_s", "rss_bytes",
-                                                 "gpu_mem_bytes", "gpu_reserved_bytes", "bad_messages", "loss", "tau", "window", "warning",
-                                                 "bad_message_kinds", "bad_message_from", "integrity", "content_check")})
+        row.update(
+            {
+                k: status.get(k)
+                for k in (
+                    "state",
+                    "step",
+                    "total_steps",
+                    "batches_served",
+                    "samples_done",
+                    "tokens_per_s",
+                    "last_progress_age_s",
+                    "compile_s",
+                    "rss_bytes",
+                    "gpu_mem_bytes",
+                    "gpu_reserved_bytes",
+                    "bad_messages",
+                    "loss",
+                    "tau",
+                    "window",
+                    "warning",
+                    "bad_message_kinds",
+                    "bad_message_from",
+                    "integrity",
+                    "content_check",
+                )
+            }
+        )
     return row
 
 
 def _cells(r: dict) -> tuple[str, ...]:
     drafter = r["name"].startswith("drafter")
-    step = (f"{r['step']}/{r.get('total_steps') or '?'}" if drafter and r.get("step") is not None else "-")
-    return (r["name"], str(r["gpu"]), _cell(r["pid"]), _cell(r.get("state")), step,
-            "-" if drafter else _cell(r.get("batches_served")), _cell(r.get("tokens_per_s")),
-            _cell(r.get("samples_done")), _cell(r.get("last_progress_age_s")), _cell(r.get("rss_bytes")),
-            _cell(r.get("gpu_mem_bytes")), _cell(r.get("bad_messages")), str(r["probe"]))
+    step = f"{r['step']}/{r.get('total_steps') or '?'}" if drafter and r.get("step") is not None else "-"
+    return (
+        r["name"],
+        str(r["gpu"]),
+        _cell(r["pid"]),
+        _cell(r.get("state")),
+        step,
+        "-" if drafter else _cell(r.get("batches_served")),
+        _cell(r.get("tokens_per_s")),
+        _cell(r.get("samples_done")),
+        _cell(r.get("last_progress_age_s")),
+        _cell(r.get("rss_bytes")),
+        _cell(r.get("gpu_mem_bytes")),
+        _cell(r.get("bad_messages")),
+        str(r["probe"]),
+    )
 
 
 def _print_drops(rows: list[dict], outcome: dict, live: bool) -> None:

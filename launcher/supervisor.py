@@ -29,6 +29,7 @@ ends when every (remote) drafter has reported "stopped" or stayed unreachable fo
 finished (0) when each drafter's last status had reached its last step, else stopped (3).
 A drafter group spread over several hosts is not restarted as one: keep the drafters on one host.
 """
+
 from __future__ import annotations
 
 import errno
@@ -55,7 +56,7 @@ from services.lifecycle import StopRequests, describe, watch_with_sender
 EXIT_DONE, EXIT_FAILED, EXIT_USAGE, EXIT_STOPPED = 0, 1, 2, 3
 PROBE_EVERY_S = 5.0
 REMOTE_GONE_S = 30.0
-KILL_AFTER_S = 5.0        # a worker in trouble gets SIGTERM, then SIGKILL (a frozen one ignores SIGTERM)
+KILL_AFTER_S = 5.0  # a worker in trouble gets SIGTERM, then SIGKILL (a frozen one ignores SIGTERM)
 
 
 class RunFailed(RuntimeError):
@@ -78,15 +79,23 @@ def probe_all(endpoints: list[str], timeout_s: float, keys_dir: str = "") -> lis
 
 
 class Supervisor:
-    def __init__(self, run_dir: Path, cfg: Config, workers: list[Worker], device: str,
-                 resume: bool = False, ready_timeout_s: float = 3600.0, stop_timeout_s: float = 300.0,
-                 host: str = ""):
+    def __init__(
+        self,
+        run_dir: Path,
+        cfg: Config,
+        workers: list[Worker],
+        device: str,
+        resume: bool = False,
+        ready_timeout_s: float = 3600.0,
+        stop_timeout_s: float = 300.0,
+        host: str = "",
+    ):
         self.run_dir, self.cfg, self.workers, self.device = run_dir, cfg, workers, device
-        self.local = [w for w in workers if w.host == host]      # this host's workers (all of them on one host)
+        self.local = [w for w in workers if w.host == host]  # this host's workers (all of them on one host)
         self.resume = resume
         self.ready_timeout_s, self.stop_timeout_s = ready_timeout_s, stop_timeout_s
         self.procs: dict[str, object] = {}
-        self.idents: dict[str, dict | None] = {}    # start time + command line of each spawned worker
+        self.idents: dict[str, dict | None] = {}  # start time + command line of each spawned worker
         self.pids_seen: dict[str, list[int]] = {w.name: [] for w in workers}
         self.launcher = process.identity(os.getpid())
         self.started = time.time()
@@ -99,19 +108,19 @@ class Supervisor:
         self.master_addr = cfg.transport.drafter_hosts[0] if host else "127.0.0.1"
         self.dist_port = cfg.transport.dist_port
         self.groups_started = 0
-        self.remote_seen: dict[str, float] = {}     # remote drafter -> last time it answered
-        self.remote_last: dict[str, dict] = {}       # ... and what it said then
-        self.answered: set[str] = set()              # workers whose health answered since they started
-        self.silent_since: dict[str, float] = {}     # ... and has not answered since this time
-        self.target_trouble_at = -float("inf")       # the last time a target was in trouble or not ready
-        self.last_state: dict[str, str] = {}         # each worker's state at the last probe
-        self.trained: set[str] = set()               # drafters seen in state "training" (they have steps to save)
+        self.remote_seen: dict[str, float] = {}  # remote drafter -> last time it answered
+        self.remote_last: dict[str, dict] = {}  # ... and what it said then
+        self.answered: set[str] = set()  # workers whose health answered since they started
+        self.silent_since: dict[str, float] = {}  # ... and has not answered since this time
+        self.target_trouble_at = -float("inf")  # the last time a target was in trouble or not ready
+        self.last_state: dict[str, str] = {}  # each worker's state at the last probe
+        self.trained: set[str] = set()  # drafters seen in state "training" (they have steps to save)
         self.stopping = self.forced = False
-        self.stop_reason = ""                         # why the drafters stopped early (run.json's reason)
+        self.stop_reason = ""  # why the drafters stopped early (run.json's reason)
         self.stop_requests = StopRequests()
-        self.last_exit: dict[str, dict] = {}          # each worker's last exit: code, cause, time
+        self.last_exit: dict[str, dict] = {}  # each worker's last exit: code, cause, time
         self.progress = ProgressLine()
-        self.drops = DropWatch()                      # messages each worker dropped (another process answering...)
+        self.drops = DropWatch()  # messages each worker dropped (another process answering...)
 
     # --- starting ----------------------------------------------------------
     def endpoints(self, w: Worker) -> dict[str, str]:
@@ -124,9 +133,21 @@ class Supervisor:
         return probe_all([self.endpoints(w)["health"] for w in workers], timeout_s, curve.keys_for(self.cfg.transport))
 
     def argv(self, w: Worker) -> list[str]:
-        argv = [sys.executable, "-m", f"services.{w.role}", "--config", str(self.run_dir / "config.json"),
-                "--run-dir", str(self.run_dir), "--rank", str(w.rank),
-                "--world-size", str(count(self.workers, w.role)), "--device", self.device]
+        argv = [
+            sys.executable,
+            "-m",
+            f"services.{w.role}",
+            "--config",
+            str(self.run_dir / "config.json"),
+            "--run-dir",
+            str(self.run_dir),
+            "--rank",
+            str(w.rank),
+            "--world-size",
+            str(count(self.workers, w.role)),
+            "--device",
+            self.device,
+        ]
         if w.role == "drafter":
             argv += ["--num-targets", str(count(self.workers, "target"))]
             if self.resume or self.restarts["drafter"]:
@@ -136,20 +157,22 @@ class Supervisor:
     def env(self, w: Worker) -> dict[str, str]:
         env = dict(os.environ)
         share = cpu_share(len(self.local))
-        env.update({
-            "PYTHONUNBUFFERED": "1",
-            "TORCHINDUCTOR_CACHE_DIR": str(self.run_dir / "compile-cache"),
-            "TORCHINDUCTOR_COMPILE_THREADS": str(share),
-            "DFLASH_GPU": str(w.gpu),
-        })
+        env.update(
+            {
+                "PYTHONUNBUFFERED": "1",
+                "TORCHINDUCTOR_CACHE_DIR": str(self.run_dir / "compile-cache"),
+                "TORCHINDUCTOR_COMPILE_THREADS": str(share),
+                "DFLASH_GPU": str(w.gpu),
+            }
+        )
         if self.device == "cuda":
-            env["CUDA_VISIBLE_DEVICES"] = str(w.gpu)   # inside, the GPU is always cuda:0
+            env["CUDA_VISIBLE_DEVICES"] = str(w.gpu)  # inside, the GPU is always cuda:0
             if self.cfg.run.alloc_conf:
                 env["PYTORCH_CUDA_ALLOC_CONF"] = self.cfg.run.alloc_conf
         else:
-            env["CUDA_VISIBLE_DEVICES"] = ""              # logical slots; hide any GPU
+            env["CUDA_VISIBLE_DEVICES"] = ""  # logical slots; hide any GPU
             env["OMP_NUM_THREADS"] = str(share)
-        if w.role == "drafter" and self.local_group:     # the rendezvous; rank and world size are arguments
+        if w.role == "drafter" and self.local_group:  # the rendezvous; rank and world size are arguments
             env["DFLASH_DIST_STORE"] = str(self.dist_store())
         elif w.role == "drafter":
             env.update({"MASTER_ADDR": self.master_addr, "MASTER_PORT": str(self.dist_port)})
@@ -158,14 +181,14 @@ class Supervisor:
     def dist_store(self) -> Path:
         """The drafter group's FileStore: a fresh file for each start of the group (a group that
         died leaves its file behind, and a new group must not read the old one's keys)."""
-        folder = socket_dir(self.run_dir)     # private: made here too, since a tcp run binds no ipc socket in it
+        folder = socket_dir(self.run_dir)  # private: made here too, since a tcp run binds no ipc socket in it
         folder.mkdir(mode=0o700, parents=True, exist_ok=True)
         return folder / f"dist-{self.groups_started}.store"
 
     def start(self, w: Worker) -> None:
         try:
             proc = process.spawn(self.argv(w), self.env(w), self.log(w))
-        except OSError as exc:          # a full disk: the worker could not log anything, so is not started
+        except OSError as exc:  # a full disk: the worker could not log anything, so is not started
             raise RunFailed(cannot_write(self.log(w), exc)) from None
         self.procs[w.name] = proc
         self.idents[w.name] = process.identity(proc.pid)
@@ -183,7 +206,7 @@ class Supervisor:
 
     def _new_dist_store(self) -> None:
         if self.local_group:
-            self.dist_store().unlink(missing_ok=True)     # the last group's file, done with
+            self.dist_store().unlink(missing_ok=True)  # the last group's file, done with
             self.groups_started += 1
             # the path the new group will use: an earlier launch of this run dir may have left it
             # behind (its count started at 0 too), and stale keys send gloo to dead ports
@@ -197,13 +220,26 @@ class Supervisor:
 
     def _write_run_json(self) -> None:
         info = {
-            "launcher_pid": os.getpid(), "launcher": self.launcher, "device": self.device, "started": self.started,
-            "run_dir": str(self.run_dir), "dist_port": None if self.local_group else self.dist_port, "restarts": self.restarts,
+            "launcher_pid": os.getpid(),
+            "launcher": self.launcher,
+            "device": self.device,
+            "started": self.started,
+            "run_dir": str(self.run_dir),
+            "dist_port": None if self.local_group else self.dist_port,
+            "restarts": self.restarts,
             "outcome": self.outcome or {"state": "running"},
-            "workers": [dict(asdict(w), name=w.name, pid=self.procs[w.name].pid if w.name in self.procs else None,
-                             identity=self.idents.get(w.name), pids_seen=self.pids_seen[w.name],
-                             endpoints=self.endpoints(w), last_exit=self.last_exit.get(w.name))
-                        for w in self.workers],
+            "workers": [
+                dict(
+                    asdict(w),
+                    name=w.name,
+                    pid=self.procs[w.name].pid if w.name in self.procs else None,
+                    identity=self.idents.get(w.name),
+                    pids_seen=self.pids_seen[w.name],
+                    endpoints=self.endpoints(w),
+                    last_exit=self.last_exit.get(w.name),
+                )
+                for w in self.workers
+            ],
         }
         write_json_atomic(self.run_dir / "run.json", info)
 
@@ -211,11 +247,11 @@ class Supervisor:
         """How the run ended, for `launcher status` after the processes are gone."""
         state = {EXIT_DONE: "finished", EXIT_STOPPED: "stopped"}.get(code, "failed")
         self.outcome = {"state": state, "exit": code, "reason": reason, "ended": time.time()}
-        if dropped := self.drops.dropped():          # kept with the outcome: a run that ended well can have had them
+        if dropped := self.drops.dropped():  # kept with the outcome: a run that ended well can have had them
             self.outcome.update(dropped=dropped, dropped_from=self.drops.dropped_from())
         try:
             self._write_run_json()
-        except OSError as exc:          # the run has ended anyway; say why its outcome is not on disk
+        except OSError as exc:  # the run has ended anyway; say why its outcome is not on disk
             self.progress.done(f"outcome not recorded: {cannot_write(self.run_dir / 'run.json', exc)}")
 
     # --- readiness -----------------------------------------------------------
@@ -235,7 +271,7 @@ class Supervisor:
             for w in pending.values():
                 self._check_exited_during_start(w)
             if drafters and all(self.procs[w.name].poll() in (0, DRAFTER_STOPPED) for w in drafters):
-                self.progress.done("every drafter has already ended")       # finished or stopped: supervise() says
+                self.progress.done("every drafter has already ended")  # finished or stopped: supervise() says
                 return
             waiting = list(pending.values())
             states = {}
@@ -259,12 +295,14 @@ class Supervisor:
 
     def _check_exited_during_start(self, w: Worker) -> None:
         rc = self.procs[w.name].poll()
-        if rc is not None and not (w.role == "drafter" and rc in (0, DRAFTER_STOPPED)):     # ended, not failed
+        if rc is not None and not (w.role == "drafter" and rc in (0, DRAFTER_STOPPED)):  # ended, not failed
             cause = self.exit_cause(w, rc)
             advice = f"; {cause.fatal}" if cause.fatal and rc != 2 else ""
             # the first line is the outcome's reason in run.json: it carries the cause, the log follows
-            raise RunFailed(f"{w.name} exited with code {rc} while starting: {cause.text}{advice}\n"
-                            f"last lines of {self.log(w)}:\n{self.tail(w)}")
+            raise RunFailed(
+                f"{w.name} exited with code {rc} while starting: {cause.text}{advice}\n"
+                f"last lines of {self.log(w)}:\n{self.tail(w)}"
+            )
 
     def exit_cause(self, w: Worker, rc: int):
         """Why w exited (kept for run.json and `launcher status`)."""
@@ -307,7 +345,7 @@ class Supervisor:
             for w in targets:
                 rc = self.procs[w.name].poll()
                 if w.name in restart_due or self.last_state.get(w.name) not in ("ready", "training"):
-                    self.target_trouble_at = now           # down, or loading again: drafters wait for it
+                    self.target_trouble_at = now  # down, or loading again: drafters wait for it
                 if w.name in restart_due:
                     if now >= restart_due[w.name]:
                         del restart_due[w.name]
@@ -316,14 +354,15 @@ class Supervisor:
                     self.target_trouble_at = now
                     why = self.exited(w, rc) if rc is not None else f"{w.name} {trouble[w.name][1]}"
                     delay = self._count_restart("target", why)
-                    process.stop_all([self.idents[w.name]], deadline_s=KILL_AFTER_S)   # itself, not its peers
+                    process.stop_all([self.idents[w.name]], deadline_s=KILL_AFTER_S)  # itself, not its peers
                     restart_due[w.name] = now + delay
-            if now - self.target_trouble_at < self.cfg.run.stall_after_s:      # drafters wait for it: not their fault
+            if now - self.target_trouble_at < self.cfg.run.stall_after_s:  # drafters wait for it: not their fault
                 trouble = {n: t for n, t in trouble.items() if t[0] != "stalled" or not n.startswith("drafter")}
             codes = [self.procs[w.name].poll() for w in drafters]
             if drafters and DRAFTER_STOPPED in codes and all(rc in (0, DRAFTER_STOPPED) for rc in codes):
-                return self._drafters_stopped([w.name for w, rc in zip(drafters, codes) if rc == DRAFTER_STOPPED],
-                                              "a stop request sent to it")
+                return self._drafters_stopped(
+                    [w.name for w, rc in zip(drafters, codes) if rc == DRAFTER_STOPPED], "a stop request sent to it"
+                )
             if all(rc == 0 for rc in codes) and (drafters or self._remote_drafters_done(everyone)):
                 if not drafters and (early := [n for n in map(self._short_of_end, everyone) if n]):
                     return self._drafters_stopped(early, "seen from this host")
@@ -368,8 +407,9 @@ class Supervisor:
         self.progress.done(f"{why}; restarting in {delay:.0f}s ({self.restarts[role]}/{self.cfg.run.max_restarts})")
         return delay
 
-    def _restart_drafter_group(self, drafters: list[Worker], bad: list[Worker], codes: list,
-                               trouble: dict[str, tuple[str, str]]) -> None:
+    def _restart_drafter_group(
+        self, drafters: list[Worker], bad: list[Worker], codes: list, trouble: dict[str, tuple[str, str]]
+    ) -> None:
         whys, fatal = [], None
         for w, c in zip(drafters, codes):
             if w in bad:
@@ -387,7 +427,7 @@ class Supervisor:
         for w in drafters:
             self.procs[w.name].wait()
         time.sleep(delay)
-        self._new_dist_store()                 # a fresh rendezvous for the new group
+        self._new_dist_store()  # a fresh rendezvous for the new group
         for w in drafters:
             self.start(w)
 
@@ -406,11 +446,13 @@ class Supervisor:
                     self.progress.done(f"warning: {self.drops.describe(w.name)}")
                 if status.get("stalled"):
                     trouble[w.name] = ("stalled", f"stalled (no progress for {status['last_progress_age_s']:.0f}s)")
-            elif w.name in self.answered:       # before its first answer it may still be importing torch
+            elif w.name in self.answered:  # before its first answer it may still be importing torch
                 silent = now - self.silent_since.setdefault(w.name, now)
                 if silent >= self.cfg.run.unresponsive_after_s:
-                    trouble[w.name] = ("unresponsive", f"unresponsive (its pid lives, its health has not "
-                                                       f"answered for {silent:.0f}s)")
+                    trouble[w.name] = (
+                        "unresponsive",
+                        f"unresponsive (its pid lives, its health has not answered for {silent:.0f}s)",
+                    )
         return trouble
 
     def _progress_text(self, drafters: list[Worker], final: bool = False) -> str:
@@ -419,8 +461,12 @@ class Supervisor:
             return "training finished" if final else "waiting for drafters…"
         lead = statuses[0]
         # loss, τ and tok/s: the last metrics.jsonl line (all ranks, its window), as drafter 0 reports it
-        return self.progress.format(step=lead.get("step", 0), total=lead.get("total_steps", 0),
-                                    window=lead.get("window"), train_s=lead.get("train_s"))
+        return self.progress.format(
+            step=lead.get("step", 0),
+            total=lead.get("total_steps", 0),
+            window=lead.get("window"),
+            train_s=lead.get("train_s"),
+        )
 
     # --- stopping ------------------------------------------------------------
     def request_stop(self, signum: int, sender: int = 0) -> None:
@@ -428,10 +474,12 @@ class Supervisor:
         if verdict == "stop":
             self.stopping = True
             return
-        if verdict == "repeat":      # GNU timeout signals the launcher, then its process group
+        if verdict == "repeat":  # GNU timeout signals the launcher, then its process group
             # os.write: print() from a signal handler can collide with the main thread's own print
-            os.write(sys.stderr.fileno(), f"\n{describe(signum, sender)} again: the same stop request, "
-                                          f"still stopping gracefully\n".encode())
+            os.write(
+                sys.stderr.fileno(),
+                f"\n{describe(signum, sender)} again: the same stop request, still stopping gracefully\n".encode(),
+            )
             return
         # A second Ctrl-C: the user will not wait for the graceful stop. Kill every worker now;
         # the stop in progress (waiting in stop_all) then sees them gone and returns.
@@ -448,16 +496,16 @@ class Supervisor:
         """Graceful stop: drafters first (they checkpoint), then targets, then anything left."""
         if self.trained:
             what = "stopping: drafters checkpoint and exit, then targets"
-        else:          # nothing trained yet (a failed start): there is nothing to checkpoint
+        else:  # nothing trained yet (a failed start): there is nothing to checkpoint
             what = "stopping the workers (no drafter reached training: nothing to checkpoint)"
         self.progress.done(f"{what} (Ctrl-C again, 2 s or more later, to kill them now)")
         names = [w.name for w in self.local if w.role == "drafter" and w.name in self.procs]
-        ended = {self.procs[n].pid: self.procs[n].poll() for n in names}    # before stop_all reaps them
+        ended = {self.procs[n].pid: self.procs[n].poll() for n in names}  # before stop_all reaps them
         hard = process.stop_all([self.idents.get(n) for n in names], deadline_s=self.stop_timeout_s, codes=ended)
         self.stop_targets()
         if hard and not self.forced:
             self.progress.done(f"killed after {self.stop_timeout_s:.0f}s deadline: pids {hard}")
-        if names and all(ended.get(self.procs[n].pid) == 0 for n in names):    # the stop came after the last step
+        if names and all(ended.get(self.procs[n].pid) == 0 for n in names):  # the stop came after the last step
             self.progress.done("every drafter had finished training")
             return EXIT_DONE
         return EXIT_STOPPED

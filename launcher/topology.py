@@ -5,11 +5,12 @@ joined by '+' ('0-1+4:target'). Ranks count up per role in the order the GPUs ar
 A run across hosts names the host of every group ('0-7:target@10.0.0.1,0-7:drafter@10.0.0.2');
 every host runs the same command with `--host` saying which one it is.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from services.endpoints import ROLES   # one list of roles: endpoints, units, the spec
+from services.endpoints import ROLES  # one list of roles: endpoints, units, the spec
 
 
 class SpecError(ValueError):
@@ -21,7 +22,7 @@ class Worker:
     role: str
     rank: int
     gpu: int
-    host: str = ""          # "" = this host (a single-host run)
+    host: str = ""  # "" = this host (a single-host run)
 
     @property
     def name(self) -> str:
@@ -60,13 +61,17 @@ def parse_gpu_list(text: str, available: int | None = None) -> list[int]:
         raise SpecError(f"{where}: GPU {twice[0]} is given twice")
     for gpu in gpus:
         if available is not None and gpu >= available:
-            raise SpecError(f"--gpus: GPU {gpu} does not exist (this machine has {available}: 0-{available - 1})"
-                            if available else f"--gpus: GPU {gpu} does not exist (no GPU found; use --device cpu)")
+            raise SpecError(
+                f"--gpus: GPU {gpu} does not exist (this machine has {available}: 0-{available - 1})"
+                if available
+                else f"--gpus: GPU {gpu} does not exist (no GPU found; use --device cpu)"
+            )
     return gpus
 
 
-def parse_gpu_spec(spec: str, available: int | None = None, share_gpus: bool = False,
-                   local_host: str = "") -> list[Worker]:
+def parse_gpu_spec(
+    spec: str, available: int | None = None, share_gpus: bool = False, local_host: str = ""
+) -> list[Worker]:
     """Parse spec into workers. `available` = number of GPUs on this host (None: don't check);
     only workers on `local_host` are checked against it."""
     if not spec or not spec.strip():
@@ -90,11 +95,16 @@ def parse_gpu_spec(spec: str, available: int | None = None, share_gpus: bool = F
             raise SpecError(f"--gpus group {group!r}: unknown role {role!r} (roles: {', '.join(ROLES)})")
         for gpu in _parse_gpus(gpus_text, group):
             if available is not None and host == local_host and gpu >= available:
-                raise SpecError(f"--gpus: GPU {gpu} does not exist (this machine has {available}: 0-{available - 1})"
-                                if available else f"--gpus: GPU {gpu} does not exist (no GPU found; use --device cpu)")
+                raise SpecError(
+                    f"--gpus: GPU {gpu} does not exist (this machine has {available}: 0-{available - 1})"
+                    if available
+                    else f"--gpus: GPU {gpu} does not exist (no GPU found; use --device cpu)"
+                )
             where = f"GPU {gpu}" + (f" of {host}" if host else "")
             if (host, gpu) in owner and not share_gpus:
-                raise SpecError(f"--gpus: {where} is given twice ({owner[host, gpu]} and {role}); pass --share-gpus to allow it")
+                raise SpecError(
+                    f"--gpus: {where} is given twice ({owner[host, gpu]} and {role}); pass --share-gpus to allow it"
+                )
             owner.setdefault((host, gpu), role)
             rank = sum(w.role == role for w in workers)
             workers.append(Worker(role, rank, gpu, host))
@@ -110,7 +120,9 @@ def _join_hint(groups: list[str], i: int) -> str:
     for group in groups[i:]:
         if ":" in group:
             gpus, _, role = group.partition(":")
-            return f"; did you mean {'+'.join(bare + [gpus])}:{role}? (',' separates groups, '+' joins GPUs of one role)"
+            return (
+                f"; did you mean {'+'.join(bare + [gpus])}:{role}? (',' separates groups, '+' joins GPUs of one role)"
+            )
         if not all(part.strip().replace("-", "").isdigit() for part in group.split("+")):
             return ""
         bare.append(group.strip())
@@ -131,6 +143,8 @@ def host_overrides(workers: list[Worker]) -> list[str]:
     if not hosts(workers):
         return []
     by_role = {role: [w.host for w in workers if w.role == role] for role in ROLES}
-    return ["transport.scheme=\"tcp\"",
-            f"transport.target_hosts={by_role['target']!r}".replace("'", '"'),
-            f"transport.drafter_hosts={by_role['drafter']!r}".replace("'", '"')]
+    return [
+        'transport.scheme="tcp"',
+        f"transport.target_hosts={by_role['target']!r}".replace("'", '"'),
+        f"transport.drafter_hosts={by_role['drafter']!r}".replace("'", '"'),
+    ]

@@ -19,6 +19,7 @@ The units are rendered for where they will be installed: unit files in unit_dir
 install_command() says how to put them there. Rendering creates nothing outside out_dir (the run
 folder is made by the install command, owned by the workers' user). No torch here.
 """
+
 from __future__ import annotations
 
 import math
@@ -37,7 +38,7 @@ from services.files import cpu_share, write_text_atomic
 SRC_DIR = Path(__file__).resolve().parents[1]
 TEMPLATE_DIR = SRC_DIR / "deploy" / "systemd"
 ENV_SUBDIR = "dflash-env"
-START_LIMIT_INTERVAL_S = 3600      # run.max_restarts restarts per hour, then the unit stays failed
+START_LIMIT_INTERVAL_S = 3600  # run.max_restarts restarts per hour, then the unit stays failed
 DEVICES = ("cuda", "cpu")
 _SAFE_VALUE = re.compile(r"[A-Za-z0-9_./:@,+=-]*")
 _PLACEHOLDER = re.compile(r"@([A-Z_]+)@")
@@ -47,11 +48,23 @@ class UnitsError(ValueError):
     """Units cannot be rendered; the message names the argument or file at fault."""
 
 
-def render_units(gpu_spec: str, config_path: str, out_dir: str, run_dir: str,
-                 python: str = sys.executable, device: str = "cuda", *,
-                 roles: Iterable[str] = ROLES, master_addr: str = "127.0.0.1",
-                 overrides: Iterable[str] = (), start_timeout_s: int = 1800,
-                 stop_timeout_s: int = 600, env_dir: str = "", user: str = "", group: str = "") -> list[Path]:
+def render_units(
+    gpu_spec: str,
+    config_path: str,
+    out_dir: str,
+    run_dir: str,
+    python: str = sys.executable,
+    device: str = "cuda",
+    *,
+    roles: Iterable[str] = ROLES,
+    master_addr: str = "127.0.0.1",
+    overrides: Iterable[str] = (),
+    start_timeout_s: int = 1800,
+    stop_timeout_s: int = 600,
+    env_dir: str = "",
+    user: str = "",
+    group: str = "",
+) -> list[Path]:
     """Write the units and environment files of this host's workers into out_dir; return their paths.
 
     roles: the roles that run on this host ('target', 'drafter' or both). On a host with only
@@ -72,7 +85,7 @@ def render_units(gpu_spec: str, config_path: str, out_dir: str, run_dir: str,
     python = _unit_path(python, "python")
     if not os.access(python, os.X_OK):
         raise UnitsError(f"python {python} is not an executable file")
-    cfg = load_run_config(config_path, overrides)      # paths absolute: the units run in run_dir
+    cfg = load_run_config(config_path, overrides)  # paths absolute: the units run in run_dir
     workers = parse_gpu_spec(gpu_spec, share_gpus=set(roles) != set(ROLES))
     local = [w for w in workers if w.role in roles]
     names = [_instance(w) for w in local]
@@ -98,16 +111,23 @@ def render_units(gpu_spec: str, config_path: str, out_dir: str, run_dir: str,
     _remove_stale_env(staged, keep={p.name for p in written})
 
     values = {
-        "SRC_DIR": _unit_path(str(SRC_DIR), "source folder"), "ENV_DIR": str(env_dir), "RUN_DIR": str(run_dir),
-        "PYTHON": python, "RUN_NAME": cfg.run.name,
+        "SRC_DIR": _unit_path(str(SRC_DIR), "source folder"),
+        "ENV_DIR": str(env_dir),
+        "RUN_DIR": str(run_dir),
+        "PYTHON": python,
+        "RUN_NAME": cfg.run.name,
         "USER_LINES": "\n".join(f"{key}={value}" for key, value in (("User", user), ("Group", group)) if value),
-        "START_LIMIT_INTERVAL_S": str(START_LIMIT_INTERVAL_S), "START_LIMIT_BURST": str(cfg.run.max_restarts + 1),
-        "START_TIMEOUT_S": str(int(start_timeout_s)), "STOP_TIMEOUT_S": str(int(stop_timeout_s)),
+        "START_LIMIT_INTERVAL_S": str(START_LIMIT_INTERVAL_S),
+        "START_LIMIT_BURST": str(cfg.run.max_restarts + 1),
+        "START_TIMEOUT_S": str(int(start_timeout_s)),
+        "STOP_TIMEOUT_S": str(int(stop_timeout_s)),
         "RESTART_TIMEOUT_S": str(int(stop_timeout_s) + 120),
         "WATCHDOG_S": str(math.ceil(cfg.run.stall_after_s)),
         "WANTS_DRAFTERS": _wants(f"{_instance(w)}.service" for w in local if w.role == "drafter"),
-        "WANTS_RUN": _wants([f"{_instance(w)}.service" for w in local if w.role == "target"]
-                            + (["dflash-drafters.target"] if "drafter" in roles else [])),
+        "WANTS_RUN": _wants(
+            [f"{_instance(w)}.service" for w in local if w.role == "target"]
+            + (["dflash-drafters.target"] if "drafter" in roles else [])
+        ),
     }
     templates = ["dflash.target"]
     if "target" in roles:
@@ -119,44 +139,50 @@ def render_units(gpu_spec: str, config_path: str, out_dir: str, run_dir: str,
     return written
 
 
-def install_command(out_dir: str, env_dir: str, run_dir: str, unit_dir: str = "/etc/systemd/system",
-                    user: str = "", group: str = "") -> str:
+def install_command(
+    out_dir: str, env_dir: str, run_dir: str, unit_dir: str = "/etc/systemd/system", user: str = "", group: str = ""
+) -> str:
     """The shell command that installs what render_units staged in out_dir where the units expect it."""
     owner = (f" -o {user}" if user else "") + (f" -g {group}" if group else "")
-    return (f"install -d -m 0755 {env_dir} {unit_dir} && install -m 0644 {out_dir}/{ENV_SUBDIR}/* {env_dir}/ && "
-            f"install -d -m 0700{owner} {run_dir} && install -m 0644 {out_dir}/*.service {out_dir}/*.target {unit_dir}/ && "
-            f"systemctl daemon-reload && systemctl start dflash.target")
+    return (
+        f"install -d -m 0755 {env_dir} {unit_dir} && install -m 0644 {out_dir}/{ENV_SUBDIR}/* {env_dir}/ && "
+        f"install -d -m 0700{owner} {run_dir} && install -m 0644 {out_dir}/*.service {out_dir}/*.target {unit_dir}/ && "
+        f"systemctl daemon-reload && systemctl start dflash.target"
+    )
 
 
 def _instance(w: Worker) -> str:
     return f"dflash-{w.role}@{w.gpu}"
 
 
-def _common_env(cfg, run_dir: Path, config_json: Path, device: str, local_workers: int,
-                num_targets: int) -> dict[str, str]:
+def _common_env(
+    cfg, run_dir: Path, config_json: Path, device: str, local_workers: int, num_targets: int
+) -> dict[str, str]:
     threads = str(cpu_share(local_workers))
     env = {
         "DFLASH_RUN_NAME": cfg.run.name,
         "DFLASH_CONFIG": str(config_json),
         "DFLASH_RUN_DIR": str(run_dir),
         "DFLASH_DEVICE": device,
-        "DFLASH_NUM_TARGETS": str(num_targets),   # the drafters' --num-targets: batch g comes from target g mod T
+        "DFLASH_NUM_TARGETS": str(num_targets),  # the drafters' --num-targets: batch g comes from target g mod T
         "PYTHONPATH": str(SRC_DIR),
         "PYTHONUNBUFFERED": "1",
-        "PYTHONFAULTHANDLER": "1",                # a watchdog SIGABRT prints every thread's stack
+        "PYTHONFAULTHANDLER": "1",  # a watchdog SIGABRT prints every thread's stack
         "TORCHINDUCTOR_CACHE_DIR": str(run_dir / "compile-cache"),
         "TORCHINDUCTOR_COMPILE_THREADS": threads,
     }
     if device == "cuda":
         env["PYTORCH_CUDA_ALLOC_CONF"] = cfg.run.alloc_conf
     else:
-        env["OMP_NUM_THREADS"] = threads          # CPU workers share the cores
+        env["OMP_NUM_THREADS"] = threads  # CPU workers share the cores
     if cfg.transport.scheme == "tcp" and cfg.transport.curve_keys_dir:
-        env["DFLASH_CURVE_KEYS_DIR"] = os.path.abspath(cfg.transport.curve_keys_dir)   # for `launcher probe`
+        env["DFLASH_CURVE_KEYS_DIR"] = os.path.abspath(cfg.transport.curve_keys_dir)  # for `launcher probe`
     return env
 
 
-def _instance_env(cfg, w: Worker, workers: list[Worker], run_dir: Path, device: str, master_addr: str) -> dict[str, str]:
+def _instance_env(
+    cfg, w: Worker, workers: list[Worker], run_dir: Path, device: str, master_addr: str
+) -> dict[str, str]:
     world = count(workers, w.role)
     env = {
         "DFLASH_ROLE": w.role,
@@ -168,7 +194,7 @@ def _instance_env(cfg, w: Worker, workers: list[Worker], run_dir: Path, device: 
         "DFLASH_HEALTH_ENDPOINT": endpoint(run_dir, cfg.transport, w.role, w.rank, "health"),
         "DFLASH_DATA_ENDPOINT": endpoint(run_dir, cfg.transport, w.role, w.rank, "data"),
     }
-    if w.role == "drafter":                        # the rendezvous; rank and world size are arguments
+    if w.role == "drafter":  # the rendezvous; rank and world size are arguments
         env.update(MASTER_ADDR=master_addr, MASTER_PORT=str(cfg.transport.dist_port))
     return env
 
@@ -200,6 +226,7 @@ def _fill(name: str, values: dict[str, str]) -> str:
         if match.group(1) not in values:
             raise UnitsError(f"{path}: unknown placeholder {match.group(0)}")
         return values[match.group(1)]
+
     return _PLACEHOLDER.sub(sub, text)
 
 
@@ -207,7 +234,7 @@ def _unit_path(path: str, what: str) -> str:
     """Absolute paths only, and none that unit-file quoting or specifiers would change."""
     if not os.path.isabs(path):
         raise UnitsError(f"{what} must be an absolute path, got {path!r}")
-    bad = set(path) & set(' \t%$"\'\\;')
+    bad = set(path) & set(" \t%$\"'\\;")
     if bad:
         raise UnitsError(f"{what} {path!r} contains {''.join(sorted(bad))!r}, which unit files would mangle")
     return path

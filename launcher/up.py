@@ -2,6 +2,7 @@
 
 Exit codes: 0 training finished, 1 failed, 2 bad usage or config, 3 stopped before the end.
 """
+
 from __future__ import annotations
 
 import sys
@@ -10,7 +11,14 @@ from pathlib import Path
 from launcher import process
 from launcher.errors import UsageError
 from launcher.inputs import check_inputs, load_run_config, make_demo, prepare_data, with_local_model
-from launcher.preflight import max_steps_warning, check_resume_config, preflight, resume_config_path, resumed_line, staged
+from launcher.preflight import (
+    max_steps_warning,
+    check_resume_config,
+    preflight,
+    resume_config_path,
+    resumed_line,
+    staged,
+)
 from launcher.report import describe_export, describe_spec, read_spec
 from launcher.rundir import LATEST, choose_run_dir, claim, lock, resume_command
 from launcher.supervisor import EXIT_FAILED, EXIT_STOPPED, RunFailed, Supervisor
@@ -27,7 +35,7 @@ def cmd_up(args) -> int:
         if available == 0:
             raise UsageError("--device cuda but no NVIDIA GPU is visible; use --device cpu for a CPU run")
     else:
-        available = None   # on cpu, GPU numbers are logical slots
+        available = None  # on cpu, GPU numbers are logical slots
     workers = parse_gpu_spec(args.gpus, available=available, share_gpus=args.share_gpus, local_host=args.host)
     named = hosts(workers)
     if named and args.host not in named:
@@ -37,53 +45,69 @@ def cmd_up(args) -> int:
     overrides = host_overrides(workers) + list(args.overrides)
     if config := resume_config_path(args):
         args.config = str(config)
-        print(f"--resume without --config: using the run's config, {config} (the overrides given here apply on top)",
-              flush=True)
-    cfg = load_run_config(args.config, overrides)           # validate before touching the disk
-    refusal, warning = plaintext_problems(cfg.transport, sum(w.role == "target" for w in workers),
-                                          sum(w.role == "drafter" for w in workers))   # every rank's real endpoint
+        print(
+            f"--resume without --config: using the run's config, {config} (the overrides given here apply on top)",
+            flush=True,
+        )
+    cfg = load_run_config(args.config, overrides)  # validate before touching the disk
+    refusal, warning = plaintext_problems(
+        cfg.transport, sum(w.role == "target" for w in workers), sum(w.role == "drafter" for w in workers)
+    )  # every rank's real endpoint
     if refusal:
         raise UsageError(refusal)
     if warning:
         print(f"launcher: warning: {warning}", file=sys.stderr, flush=True)
     run_dir, named_here = choose_run_dir(args, cfg.run.name)
-    lock(run_dir, early=True)        # a second `up` here is refused now, not after resolving the model, the data...
+    lock(run_dir, early=True)  # a second `up` here is refused now, not after resolving the model, the data...
     runs_targets = any(w.role == "target" and w.host == args.host for w in workers)
-    spec = None                                            # the run spec, resolved once (runspec.json)
-    if not args.demo:                                      # drafters read the target's head: every host resolves
+    spec = None  # the run spec, resolved once (runspec.json)
+    if not args.demo:  # drafters read the target's head: every host resolves
         spec = check_inputs(with_local_model(cfg), runs_targets)
-    if args.resume and not args.demo:               # before anything is written in the run folder (its lock too)
+    if args.resume and not args.demo:  # before anything is written in the run folder (its lock too)
         check_resumable(run_dir, cfg, spec)
     locked = claim(run_dir, args.resume)
-    if args.demo:           # built once the user's config and run dir passed; the user's overrides win over its own
+    if args.demo:  # built once the user's config and run dir passed; the user's overrides win over its own
         print("building the demo target and dataset (once; then reused from the demo cache)…", flush=True)
         cfg = with_local_model(load_run_config(args.config, make_demo(args.device, args.demo) + overrides))
         spec = check_inputs(cfg, runs_targets)
         if args.resume:
             check_resumable(run_dir, cfg, spec)
     preflight(cfg, args.device, runs_targets)
-    with staged(run_dir) as where:                  # a new run dir appears only once the data is ready
+    with staged(run_dir) as where:  # a new run dir appears only once the data is ready
         dump_json(cfg, where / "config.json")
         (spec or runspec.resolve(cfg)).save(where)  # runspec.json: what the run is, for every worker (a host
-                                                    # without targets resolves it only here)
+        # without targets resolves it only here)
         if runs_targets:
             info = prepare_data(where)
-            past = None if args.resume else \
-                max_steps_warning(cfg, info["train_rows"], sum(w.role == "drafter" for w in workers))
-            if past:                        # (a resume continues the schedule its checkpoint planned)
+            past = (
+                None
+                if args.resume
+                else max_steps_warning(cfg, info["train_rows"], sum(w.role == "drafter" for w in workers))
+            )
+            if past:  # (a resume continues the schedule its checkpoint planned)
                 print(f"launcher: warning: {past}", file=sys.stderr, flush=True)
     if not locked:
         lock(run_dir)
-    sup = Supervisor(run_dir, cfg, workers, args.device, resume=args.resume, host=args.host,
-                     ready_timeout_s=args.ready_timeout,
-                     stop_timeout_s=args.stop_timeout or cfg.run.stop_timeout_s + 30)
+    sup = Supervisor(
+        run_dir,
+        cfg,
+        workers,
+        args.device,
+        resume=args.resume,
+        host=args.host,
+        ready_timeout_s=args.ready_timeout,
+        stop_timeout_s=args.stop_timeout or cfg.run.stop_timeout_s + 30,
+    )
     sup.install_signal_handlers()
-    print(f"run dir: {run_dir}\nlogs:    {run_dir / 'logs'}/<role>-<rank>.log\n"
-          f"workers: {', '.join(f'{w.name}@gpu{w.gpu}' for w in sup.local)} ({args.device})", flush=True)
+    print(
+        f"run dir: {run_dir}\nlogs:    {run_dir / 'logs'}/<role>-<rank>.log\n"
+        f"workers: {', '.join(f'{w.name}@gpu{w.gpu}' for w in sup.local)} ({args.device})",
+        flush=True,
+    )
     # runs/latest only once ready: a run that fails while starting never becomes latest
     code, reason = run_supervised(sup, on_ready=when_ready(sup, run_dir, named_here, args.resume))
     sup.record_outcome(code, reason)
-    for name in sup.drops.dropped():        # at the end too: the warnings scrolled away long ago
+    for name in sup.drops.dropped():  # at the end too: the warnings scrolled away long ago
         print(f"warning: {sup.drops.describe(name)}", flush=True)
     export = describe_export(run_dir / "export")
     if code == 0 and export:
@@ -108,12 +132,14 @@ def check_resumable(run_dir: Path, cfg, spec: runspec.RunSpec | None) -> None:
 
 def when_ready(sup: Supervisor, run_dir: Path, named_here: bool, resume: bool):
     """Once every worker is ready: a new run becomes runs/latest; a resume says what it resumed."""
+
     def ready() -> None:
         if named_here:
             point(LATEST, run_dir)
         first = next((w for w in sup.local if w.role == "drafter" and w.rank == 0), None)
         if resume and first is not None and (line := resumed_line(sup.log(first))):
             print(line, flush=True)
+
     return ready
 
 

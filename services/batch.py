@@ -12,6 +12,7 @@ the drafter trains on it (the synthetic source builds the same thing).
 
 Global batch index g (docs/design.md, "Scheduling"): every batch carries its g.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -21,10 +22,10 @@ import torch
 
 from services import dtypes, shapes
 
-SPLITS = ("train", "eval")      # which data a batch comes from: training rows or held-out rows
+SPLITS = ("train", "eval")  # which data a batch comes from: training rows or held-out rows
 
 FIELDS = {
-    "hidden": dtypes.BY_NAME[shapes.HIDDEN_DTYPE],      # the wire's dtype of the hidden states: read it here
+    "hidden": dtypes.BY_NAME[shapes.HIDDEN_DTYPE],  # the wire's dtype of the hidden states: read it here
     "input_ids": torch.int64,
     "loss_mask": torch.bool,
     "position_ids": torch.int64,
@@ -94,8 +95,9 @@ class Batch:
         return int((self.document_ids >= 0).sum())
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        return {f.name: getattr(self, f.name) for f in fields(self)
-                if f.name != "g" and getattr(self, f.name) is not None}
+        return {
+            f.name: getattr(self, f.name) for f in fields(self) if f.name != "g" and getattr(self, f.name) is not None
+        }
 
     def to(self, device, non_blocking: bool = False) -> "Batch":
         moved = {k: v.to(device, non_blocking=non_blocking) for k, v in self.tensors().items()}
@@ -109,9 +111,14 @@ class Batch:
                 raise BatchError(f"batch g={self.g}: field {name!r} has dtype {t.dtype}, expected {FIELDS[name]}")
             want_dims = 2 if name == "hidden" else 1
             if t.dim() != want_dims or t.shape[0] != s:
-                raise BatchError(f"batch g={self.g}: field {name!r} has shape {tuple(t.shape)}, expected first dim {s} and {want_dims} dims")
+                raise BatchError(
+                    f"batch g={self.g}: field {name!r} has shape {tuple(t.shape)}, "
+                    f"expected first dim {s} and {want_dims} dims"
+                )
         if hidden_width is not None and self.hidden.shape[1] != hidden_width:
-            raise BatchError(f"batch g={self.g}: field 'hidden' has width {self.hidden.shape[1]}, config expects {hidden_width}")
+            raise BatchError(
+                f"batch g={self.g}: field 'hidden' has width {self.hidden.shape[1]}, config expects {hidden_width}"
+            )
         return self
 
     @classmethod

@@ -1,4 +1,6 @@
-"""BatchClient: the drafter's side of the batch transport (the protocol, provenance and content checks: transport.py)."""
+"""BatchClient: the drafter's side of the batch transport (the protocol, provenance and content
+checks: transport.py)."""
+
 from __future__ import annotations
 
 import queue
@@ -24,8 +26,13 @@ class BatchClient(IoThread):
     while the training step runs, so a batch that has arrived is whole when the loop asks for it.
     """
 
-    def __init__(self, endpoints: list[str], transport: TransportConfig, health: HealthServer | None = None,
-                 pin_memory: bool = False):
+    def __init__(
+        self,
+        endpoints: list[str],
+        transport: TransportConfig,
+        health: HealthServer | None = None,
+        pin_memory: bool = False,
+    ):
         self.transport = transport
         self.drops = Drops(health)
         self.pool = BufferPool(pin_memory and torch.cuda.is_available(), keep=transport.credits + 2)
@@ -33,27 +40,28 @@ class BatchClient(IoThread):
         self._endpoints = list(endpoints)
         self._socks = [self._connect(endpoint) for endpoint in self._endpoints]
         self._target_of = {sock: i for i, sock in enumerate(self._socks)}
-        self._lock = threading.Lock()                              # guards the three below
+        self._lock = threading.Lock()  # guards the three below
         # (target, split, g) asked, not yet delivered -> (the incarnation asked, the digest its ids
         # must have); None: any
         self._wanted: dict[tuple[int, str, int], tuple[str | None, str | None]] = {}
         self._info_wanted: Counter[int] = Counter()
         self._partials: dict[tuple[int, str, int], Partial] = {}
         self._events: queue.Queue[tuple] = queue.Queue()
-        self._outbox: queue.Queue[tuple[int, list | None]] = queue.Queue()    # frames None: reconnect
+        self._outbox: queue.Queue[tuple[int, list | None]] = queue.Queue()  # frames None: reconnect
         self._start_io("drafter-io")
 
     def _connect(self, endpoint: str) -> zmq.Socket:
         sock = self._ctx.socket(zmq.DEALER)
-        secure_socket(sock, self.transport.max_message_bytes)   # per frame: the largest is a chunk's data
+        secure_socket(sock, self.transport.max_message_bytes)  # per frame: the largest is a chunk's data
         sock.setsockopt(zmq.RCVHWM, queue_depth(self.transport))
         if keys := curve.keys_for(self.transport):
             curve.apply_client(sock, keys)
         sock.connect(endpoint)
         return sock
 
-    def request(self, target: int, g: int, split: str = "train", incarnation: str | None = None,
-                digest: str | None = None) -> None:
+    def request(
+        self, target: int, g: int, split: str = "train", incarnation: str | None = None, digest: str | None = None
+    ) -> None:
         """Ask for batch g; with `incarnation`, only that target incarnation's answer is taken; with
         `digest`, only a batch whose token ids have that digest (services.batch.token_digest)."""
         if split not in SPLITS or g < 0 or not 0 <= target < len(self._socks):
@@ -87,8 +95,9 @@ class BatchClient(IoThread):
     def poll(self, timeout_ms: int) -> list[tuple]:
         """Wait up to timeout_ms for at least one event; return all events ready by then.
 
-        ("batch", target, split, Batch, {incarnation, digest}) | ("info", target, dict) | ("error", target, g, message, incarnation)
-        | ("rejected", target, split, g, why): an answer was dropped (another incarnation, other
+        ("batch", target, split, Batch, {incarnation, digest}) | ("info", target, dict)
+        | ("error", target, g, message, incarnation) | ("rejected", target, split, g, why): an answer was
+        dropped (another incarnation, other
         content, a batch nobody asked for); what is wanted stays wanted, and is best asked again on a
         fresh connection
         """
@@ -100,7 +109,7 @@ class BatchClient(IoThread):
         poller.register(self._wake_in, zmq.POLLIN)
         for sock in self._socks:
             poller.register(sock, zmq.POLLIN)
-        unsent: list[tuple[int, list]] = []         # requests that met a full queue: tried again
+        unsent: list[tuple[int, list]] = []  # requests that met a full queue: tried again
         try:
             while not self._closing.is_set():
                 for sock, _ in poller.poll(10 if unsent else 1000):
@@ -184,9 +193,9 @@ class BatchClient(IoThread):
             raise wire.WireError(f"header field 'kind': a drafter does not take {kind!r}")
         g = message.g
         key = (target, message.split, g)
-        if key not in self._wanted:   # never asked, or already delivered
+        if key not in self._wanted:  # never asked, or already delivered
             why = f"target {target}: {kind} for g={g} not requested"
-            if kind == "batch":       # whoever answers there may not be the target: ask afresh (source.py)
+            if kind == "batch":  # whoever answers there may not be the target: ask afresh (source.py)
                 events.append(("rejected", target, message.split, g, why))
             return self.drops("data-unrequested", why)
         if kind == "batch":
@@ -199,7 +208,7 @@ class BatchClient(IoThread):
         partial = self._partials.get(key)
         if partial is not None and partial.complete:
             del self._partials[key]
-            batch = Batch.from_tensors(key[2], partial.tensors())   # BatchError: dropped, still wanted
+            batch = Batch.from_tensors(key[2], partial.tensors())  # BatchError: dropped, still wanted
             if token_digest(batch.input_ids) != partial.provenance["digest"]:
                 raise wire.WireError(f"batch g={key[2]}: token ids do not match the announced digest")
             del self._wanted[key]
@@ -221,14 +230,16 @@ class BatchClient(IoThread):
         expected = self._wanted[key][1]
         if expected is None or announce.digest == expected:
             return True
-        why = (f"target {key[0]}: {key[1]} g={key[2]} has token digest {announce.digest[:40]!r}, the data says "
-               f"{expected!r} (sent as incarnation {announce.incarnation!r})")
+        why = (
+            f"target {key[0]}: {key[1]} g={key[2]} has token digest {announce.digest[:40]!r}, the data says "
+            f"{expected!r} (sent as incarnation {announce.incarnation!r})"
+        )
         self.drops("data-content", why)
         events.append(("rejected", key[0], key[1], key[2], why))
         return False
 
     def _start(self, key, announce: Announce) -> None:
-        self._partials.pop(key, None)   # a re-sent batch starts over
+        self._partials.pop(key, None)  # a re-sent batch starts over
         partial = Partial(announce.stream, self.transport.max_batch_bytes, self.pool)
         partial.provenance = {"incarnation": announce.incarnation, "digest": announce.digest}
         self._partials[key] = partial
@@ -240,5 +251,5 @@ class BatchClient(IoThread):
         try:
             partial.add(chunk.offset, chunk.data)
         except wire.WireError:
-            del self._partials[key]   # the stream is broken; it restarts when the batch is asked again
+            del self._partials[key]  # the stream is broken; it restarts when the batch is asked again
             raise

@@ -10,6 +10,7 @@ allocated (docs/wire.md). batch_messages() makes the messages of one batch; Part
 chunk into place in one buffer from a BufferPool, after checking the announced size against
 transport.max_batch_bytes.
 """
+
 from __future__ import annotations
 
 import math
@@ -25,7 +26,7 @@ from services import wire
 from services.batch import FIELDS, SPLITS, Batch, token_digest
 from services.config import TransportConfig
 
-ALIGN = 64                      # byte offset of every tensor in the reassembly buffer
+ALIGN = 64  # byte offset of every tensor in the reassembly buffer
 MAX_INCARNATION_LEN = 64
 
 
@@ -62,18 +63,21 @@ def incarnation_field(header: dict) -> str:
     """The sender's incarnation ("" when it did not say)."""
     value = header.get("incarnation", "")
     if not isinstance(value, str) or len(value) > MAX_INCARNATION_LEN:
-        raise wire.WireError(f"header field 'incarnation': expected a string of at most {MAX_INCARNATION_LEN} "
-                             f"characters, got {str(value)[:80]!r}")
+        raise wire.WireError(
+            f"header field 'incarnation': expected a string of at most {MAX_INCARNATION_LEN} "
+            f"characters, got {str(value)[:80]!r}"
+        )
     return value
 
 
 @dataclass(frozen=True)
 class Ask:
     """request {want: "batch", g, split, incarnation} | request {want: "info"}: a drafter asks a target."""
-    want: str                 # "batch" | "info"
-    g: int = -1               # want == "batch": the global batch index
+
+    want: str  # "batch" | "info"
+    g: int = -1  # want == "batch": the global batch index
     split: str = "train"
-    incarnation: str = ""     # the target incarnation the drafter believes it asks ("" if it does not say)
+    incarnation: str = ""  # the target incarnation the drafter believes it asks ("" if it does not say)
 
     def to_wire(self) -> list:
         if self.want == "info":
@@ -96,6 +100,7 @@ class Ask:
 @dataclass(frozen=True)
 class Info:
     """info {info}: a target's answer to an info request (the map is services.handshake.TargetInfo's)."""
+
     info: dict
 
     def to_wire(self) -> list:
@@ -111,14 +116,22 @@ class Info:
 @dataclass(frozen=True)
 class Refusal:
     """error {g, split, message, incarnation}: a target could not serve batch g (g -1: not a batch)."""
+
     g: int
     split: str
     message: str
     incarnation: str = ""
 
     def to_wire(self) -> list:
-        return wire.encode({"kind": "error", "g": self.g, "split": self.split, "message": self.message[:1000],
-                            "incarnation": self.incarnation})
+        return wire.encode(
+            {
+                "kind": "error",
+                "g": self.g,
+                "split": self.split,
+                "message": self.message[:1000],
+                "incarnation": self.incarnation,
+            }
+        )
 
     @classmethod
     def from_wire(cls, header: dict, tensors: dict) -> "Refusal":
@@ -130,15 +143,24 @@ class Refusal:
 @dataclass(frozen=True)
 class Announce:
     """batch {g, split, incarnation, digest, stream: [tensor specs]}: a batch's provenance and tensor table."""
+
     g: int
     split: str
     incarnation: str
-    digest: str                       # services.batch.token_digest of its input_ids
-    stream: list[wire.TensorSpec]     # the batch's tensors, in the order their bytes follow
+    digest: str  # services.batch.token_digest of its input_ids
+    stream: list[wire.TensorSpec]  # the batch's tensors, in the order their bytes follow
 
     def to_wire(self) -> list:
-        return wire.encode({"kind": "batch", "g": self.g, "split": self.split, "incarnation": self.incarnation,
-                            "digest": self.digest, "stream": [spec.to_wire() for spec in self.stream]})
+        return wire.encode(
+            {
+                "kind": "batch",
+                "g": self.g,
+                "split": self.split,
+                "incarnation": self.incarnation,
+                "digest": self.digest,
+                "stream": [spec.to_wire() for spec in self.stream],
+            }
+        )
 
     @classmethod
     def from_wire(cls, header: dict, tensors: dict, max_batch_bytes: int) -> "Announce":
@@ -159,14 +181,16 @@ class Announce:
 @dataclass(frozen=True)
 class Chunk:
     """chunk {g, split, offset} + bytes: at most transport.chunk_bytes of a batch, at `offset` in its buffer."""
+
     g: int
     split: str
     offset: int
-    data: torch.Tensor                # 1-d uint8
+    data: torch.Tensor  # 1-d uint8
 
     def to_wire(self) -> list:
-        return wire.encode({"kind": "chunk", "g": self.g, "split": self.split, "offset": self.offset},
-                           {"bytes": self.data})
+        return wire.encode(
+            {"kind": "chunk", "g": self.g, "split": self.split, "offset": self.offset}, {"bytes": self.data}
+        )
 
     @classmethod
     def from_wire(cls, header: dict, tensors: dict) -> "Chunk":
@@ -187,7 +211,7 @@ def batch_messages(batch: Batch, split: str, chunk_bytes: int, incarnation: str 
     for (name, tensor), offset in zip(tensors.items(), offsets):
         flat = wire.byte_view(name, tensor)
         for start in range(0, flat.numel(), chunk_bytes):
-            yield Chunk(batch.g, split, offset + start, flat[start:start + chunk_bytes]).to_wire()
+            yield Chunk(batch.g, split, offset + start, flat[start : start + chunk_bytes]).to_wire()
 
 
 class BufferPool:
@@ -203,7 +227,7 @@ class BufferPool:
     def __init__(self, pin: bool, keep: int):
         self.pin, self.keep = pin, keep
         self._free: list[np.ndarray] = []
-        self._lock = threading.Lock()    # get() runs on the I/O thread, _give_back wherever a tensor dies
+        self._lock = threading.Lock()  # get() runs on the I/O thread, _give_back wherever a tensor dies
 
     def get(self, nbytes: int) -> torch.Tensor:
         if self.pin:
@@ -233,8 +257,8 @@ class Partial:
         if total > max_batch_bytes:
             raise wire.WireError(f"batch of {total} bytes exceeds transport.max_batch_bytes={max_batch_bytes}")
         self.buffer = pool.get(total)
-        self.index, self.filled = 0, 0    # tensor being filled, bytes of it received
-        self.provenance: dict = {}        # incarnation and digest, from the announcement
+        self.index, self.filled = 0, 0  # tensor being filled, bytes of it received
+        self.provenance: dict = {}  # incarnation and digest, from the announcement
         self._skip_empty()
 
     def _skip_empty(self) -> None:
@@ -252,13 +276,17 @@ class Partial:
         expected = self.offsets[self.index] + self.filled
         room = self.specs[self.index].nbytes - self.filled
         if offset != expected or not 0 < data.numel() <= room:
-            raise wire.WireError(f"chunk at offset {offset} with {data.numel()} bytes; expected offset {expected}, at most {room} bytes")
+            raise wire.WireError(
+                f"chunk at offset {offset} with {data.numel()} bytes; expected offset {expected}, at most {room} bytes"
+            )
         # numpy's copy is one plain memcpy on this thread; torch's copy_ would wake its
         # intra-op thread pool, which then spins against ZMQ's I/O thread on few cores
-        self.buffer.numpy()[offset:offset + data.numel()] = data.numpy()
+        self.buffer.numpy()[offset : offset + data.numel()] = data.numpy()
         self.filled += data.numel()
         self._skip_empty()
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        return {spec.name: wire.tensor_from(self.buffer[off:off + spec.nbytes], spec)
-                for spec, off in zip(self.specs, self.offsets)}
+        return {
+            spec.name: wire.tensor_from(self.buffer[off : off + spec.nbytes], spec)
+            for spec, off in zip(self.specs, self.offsets)
+        }

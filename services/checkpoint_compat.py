@@ -2,6 +2,7 @@
 
 No torch here: `launcher up --resume` checks the keys before it writes anything in the run folder.
 """
+
 from __future__ import annotations
 
 from services import runspec, shapes

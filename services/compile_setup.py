@@ -4,6 +4,7 @@ of the CPU cores for inductor's compile workers, and a count of graphs compiled 
 (which should stay 0: the shapes are fixed). No torch import here: call setup_environment before
 torch is imported.
 """
+
 from __future__ import annotations
 
 import os
@@ -20,7 +21,8 @@ def setup_environment(run_dir: str | Path, workers_on_node: int) -> dict:
     threads = cpu_share(workers_on_node)
     threads = int(os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", str(threads)))
     import sys
-    if "torch._inductor.config" in sys.modules:        # already imported: its default is already decided
+
+    if "torch._inductor.config" in sys.modules:  # already imported: its default is already decided
         sys.modules["torch._inductor.config"].compile_threads = threads
     return {"TORCHINDUCTOR_CACHE_DIR": cache_dir, "TORCHINDUCTOR_COMPILE_THREADS": threads}
 
@@ -28,6 +30,7 @@ def setup_environment(run_dir: str | Path, workers_on_node: int) -> dict:
 def graphs_compiled() -> int:
     """Dynamo graphs compiled so far in this process (each compile or recompile adds one)."""
     from torch._dynamo.utils import counters
+
     return int(counters["stats"]["unique_graphs"])
 
 

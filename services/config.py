@@ -3,6 +3,7 @@
 Every default lives here, in the dataclasses below, and nowhere else. docs/config.md
 lists them. This module must not import torch: the launcher uses it and stays light.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -49,50 +50,68 @@ class RunConfig:
     name: str = setting("dflash", batch="")
     seed: int = setting(0, batch="content")
     epochs: int = setting(1, batch="range")
-    max_steps: int = setting(0, batch="")                 # 0 = run all epochs
+    max_steps: int = setting(0, batch="")  # 0 = run all epochs
     log_every: int = setting(1, batch="")
     checkpoint_every: int = setting(500, batch="")
     keep_checkpoints: int = setting(3, batch="")
-    eval_every: int = setting(0, batch="")                # 0 = no held-out evaluation
-    spec_eval_prompts: int = setting(16, batch="")        # real speculative decoding on held-out prompts (rank 0, verified by the targets); 0 = off
-    eval_prompts: list[str] = setting(factory=list, batch="")   # prompt-set files (JSONL) for real acceptance in training; [] = the held-out lines
+    eval_every: int = setting(0, batch="")  # 0 = no held-out evaluation
+    spec_eval_prompts: int = setting(
+        16, batch=""
+    )  # real speculative decoding on held-out prompts (rank 0, verified by the targets); 0 = off
+    eval_prompts: list[str] = setting(
+        factory=list, batch=""
+    )  # prompt-set files (JSONL) for real acceptance in training; [] = the held-out lines
     spec_eval_max_new_tokens: int = setting(128, batch="")
-    spec_eval_budget_s: float = setting(60.0, batch="")   # per evaluation; prompts past it are left for the next one
-    spec_eval_target_share: float = setting(0.25, batch="")   # verify work's share of a target's time while drafters ask for batches
-    spec_eval_sessions: int = setting(4, batch="")         # decode sessions a target holds at once (LRU; each holds a prompt's KV/state)
+    spec_eval_budget_s: float = setting(60.0, batch="")  # per evaluation; prompts past it are left for the next one
+    spec_eval_target_share: float = setting(
+        0.25, batch=""
+    )  # verify work's share of a target's time while drafters ask for batches
+    spec_eval_sessions: int = setting(
+        4, batch=""
+    )  # decode sessions a target holds at once (LRU; each holds a prompt's KV/state)
     export_at_end: bool = setting(True, batch="")
-    stall_after_s: float = setting(300.0, batch="")       # health: main loop silent this long = stalled
-    startup_stall_after_s: float = setting(1800.0, batch="")   # the same while loading the model and compiling
-    unresponsive_after_s: float = setting(60.0, batch="")  # a live worker whose health has answered before and then not this long (frozen)
-    stop_timeout_s: float = setting(300.0, batch="")      # SIGTERM: finish the step and checkpoint within this, else exit hard
-    max_restarts: int = setting(3, batch="")              # per role, over the whole run
-    wandb_project: str = setting("", batch="")            # Weights & Biases project (the `wandb` extra); "" = off
-    alloc_conf: str = setting("expandable_segments:True", batch="")   # PYTORCH_CUDA_ALLOC_CONF for GPU workers
+    stall_after_s: float = setting(300.0, batch="")  # health: main loop silent this long = stalled
+    startup_stall_after_s: float = setting(1800.0, batch="")  # the same while loading the model and compiling
+    unresponsive_after_s: float = setting(
+        60.0, batch=""
+    )  # a live worker whose health has answered before and then not this long (frozen)
+    stop_timeout_s: float = setting(
+        300.0, batch=""
+    )  # SIGTERM: finish the step and checkpoint within this, else exit hard
+    max_restarts: int = setting(3, batch="")  # per role, over the whole run
+    wandb_project: str = setting("", batch="")  # Weights & Biases project (the `wandb` extra); "" = off
+    alloc_conf: str = setting("expandable_segments:True", batch="")  # PYTORCH_CUDA_ALLOC_CONF for GPU workers
 
 
 @dataclass
 class TargetConfig:
-    model_path: str = setting("", batch="")               # local HF directory, HF repo id, or a .gguf file (converted once)
-    layer_ids: list[int] = setting(factory=list, batch="capture")   # empty = the default spread (docs/dflash.md); ascending, no repeats
+    model_path: str = setting("", batch="")  # local HF directory, HF repo id, or a .gguf file (converted once)
+    layer_ids: list[int] = setting(
+        factory=list, batch="capture"
+    )  # empty = the default spread (docs/dflash.md); ascending, no repeats
     dtype: str = setting("bfloat16", batch="")
-    quantize: str = setting("none", batch="")             # "fp8": decoder linears in FP8 (docs/operations.md#fp8-targets)
+    quantize: str = setting("none", batch="")  # "fp8": decoder linears in FP8 (docs/operations.md#fp8-targets)
     attn_implementation: str = setting("sdpa", batch="")
-    compile: str = setting("auto", batch="")       # "auto" (on CUDA) | "on" | "off": regional torch.compile of the layers
-    labels_from_target: bool = setting(True, batch="capture")    # labels = target argmax, not data tokens (docs/operations.md#which-labels)
+    compile: str = setting("auto", batch="")  # "auto" (on CUDA) | "on" | "off": regional torch.compile of the layers
+    labels_from_target: bool = setting(
+        True, batch="capture"
+    )  # labels = target argmax, not data tokens (docs/operations.md#which-labels)
 
 
 @dataclass
 class DataConfig:
-    path: str = setting("", batch="path")                     # JSONL: chat (messages / conversations) or pre-tokenized
-    eval_path: str = setting("", batch="path")                # optional held-out file
-    eval_fraction: float = setting(0.0, batch="content")         # else: this fraction of documents is held out
+    path: str = setting("", batch="path")  # JSONL: chat (messages / conversations) or pre-tokenized
+    eval_path: str = setting("", batch="path")  # optional held-out file
+    eval_fraction: float = setting(0.0, batch="content")  # else: this fraction of documents is held out
     pack_len: int = setting(8192, batch="content")
-    max_doc_len: int = setting(0, batch="content")               # 0 = pack_len; longer documents are split into pieces
-    on_bad_sample: str = setting("fail", batch="content")        # "fail" | "skip"
-    max_line_bytes: int = setting(8 << 20, batch="content")      # a longer JSONL line is a bad sample (never read whole)
-    max_doc_tokens: int = setting(1 << 20, batch="content")      # a longer tokenized document is a bad sample
+    max_doc_len: int = setting(0, batch="content")  # 0 = pack_len; longer documents are split into pieces
+    on_bad_sample: str = setting("fail", batch="content")  # "fail" | "skip"
+    max_line_bytes: int = setting(8 << 20, batch="content")  # a longer JSONL line is a bad sample (never read whole)
+    max_doc_tokens: int = setting(1 << 20, batch="content")  # a longer tokenized document is a bad sample
     shuffle: bool = setting(True, batch="content")
-    chat_template_kwargs: dict = setting(factory=dict, batch="content")   # chat-template variables, e.g. {enable_thinking = false}: training, eval prompts and regenerate render alike
+    chat_template_kwargs: dict = setting(
+        factory=dict, batch="content"
+    )  # chat-template variables, e.g. {enable_thinking = false}: training, eval prompts and regenerate render alike
 
 
 @dataclass
@@ -100,38 +119,46 @@ class DrafterConfig:
     num_layers: int = setting(5, batch="")
     block_size: int = setting(16, batch="")
     num_anchors: int = setting(512, batch="")
-    gamma: float = setting(0.0, batch="")                 # loss decay; 0 = 4 for B=16 (measured), scaled with block size
-    mask_token_id: int = setting(-1, batch="")            # -1 = tokenizer's mask token, else added <|MASK|>
+    gamma: float = setting(0.0, batch="")  # loss decay; 0 = 4 for B=16 (measured), scaled with block size
+    mask_token_id: int = setting(-1, batch="")  # -1 = tokenizer's mask token, else added <|MASK|>
     lr: float = setting(6e-4, batch="")
     min_lr_ratio: float = setting(0.0, batch="")
     warmup_ratio: float = setting(0.04, batch="")
     weight_decay: float = setting(0.0, batch="")
     grad_clip: float = setting(1.0, batch="")
-    max_nonfinite_steps: int = setting(8, batch="")   # optimizer steps skipped in a row (non-finite data or gradient) before the run stops
+    max_nonfinite_steps: int = setting(
+        8, batch=""
+    )  # optimizer steps skipped in a row (non-finite data or gradient) before the run stops
     grad_accum: int = setting(1, batch="schedule")
-    layer_types: list[str] = setting(factory=list, batch="")   # per layer: full_attention | sliding_attention; [] = all full
-    sliding_window: int = setting(0, batch="")            # W of the sliding_attention layers (0 = none; docs/dflash.md)
-    attention: str = setting("auto", batch="")            # "auto" | "flex" | "dense"; auto = flex on cuda, dense on cpu
+    layer_types: list[str] = setting(
+        factory=list, batch=""
+    )  # per layer: full_attention | sliding_attention; [] = all full
+    sliding_window: int = setting(0, batch="")  # W of the sliding_attention layers (0 = none; docs/dflash.md)
+    attention: str = setting("auto", batch="")  # "auto" | "flex" | "dense"; auto = flex on cuda, dense on cpu
     compile: bool = setting(True, batch="")
-    loss_chunk: int = setting(2048, batch="")             # query rows per lm_head/CE chunk
-    overrides: dict = setting(factory=dict, batch="")   # drafter model config fields to override
+    loss_chunk: int = setting(2048, batch="")  # query rows per lm_head/CE chunk
+    overrides: dict = setting(factory=dict, batch="")  # drafter model config fields to override
 
 
 @dataclass
 class TransportConfig:
-    scheme: str = setting("ipc", batch="")                # "ipc" (one host) | "tcp"
-    host: str = setting("127.0.0.1", batch="")            # tcp bind/connect address; loopback unless configured
-    target_hosts: list[str] = setting(factory=list, batch="")    # per target rank, across hosts; [] = host
-    drafter_hosts: list[str] = setting(factory=list, batch="")   # per drafter rank; [] = host
-    base_port: int = setting(29600, batch="")             # tcp ports: base_port + offset per worker
-    credits: int = setting(2, batch="")                   # batches in flight per drafter
-    resend_after_s: float = setting(0.0, batch="")        # ask again for a batch not received after this long; 0 = 4x the slowest answer, 10-120 s
-    chunk_bytes: int = setting(4 << 20, batch="")         # large tensors travel as a stream of messages this big
+    scheme: str = setting("ipc", batch="")  # "ipc" (one host) | "tcp"
+    host: str = setting("127.0.0.1", batch="")  # tcp bind/connect address; loopback unless configured
+    target_hosts: list[str] = setting(factory=list, batch="")  # per target rank, across hosts; [] = host
+    drafter_hosts: list[str] = setting(factory=list, batch="")  # per drafter rank; [] = host
+    base_port: int = setting(29600, batch="")  # tcp ports: base_port + offset per worker
+    credits: int = setting(2, batch="")  # batches in flight per drafter
+    resend_after_s: float = setting(
+        0.0, batch=""
+    )  # ask again for a batch not received after this long; 0 = 4x the slowest answer, 10-120 s
+    chunk_bytes: int = setting(4 << 20, batch="")  # large tensors travel as a stream of messages this big
     max_message_bytes: int = setting(64 << 20, batch="")  # per ZMQ message; also ZMQ_MAXMSGSIZE
-    max_batch_bytes: int = setting(4 << 30, batch="")     # a whole reassembled batch
-    curve_keys_dir: str = setting("", batch="")           # tcp CURVE authentication when set
-    allow_plaintext: bool = setting(False, batch="")      # tcp without keys on a non-loopback address (trusted network only)
-    dist_port: int = setting(29500, batch="")             # torch.distributed rendezvous port among drafters
+    max_batch_bytes: int = setting(4 << 30, batch="")  # a whole reassembled batch
+    curve_keys_dir: str = setting("", batch="")  # tcp CURVE authentication when set
+    allow_plaintext: bool = setting(
+        False, batch=""
+    )  # tcp without keys on a non-loopback address (trusted network only)
+    dist_port: int = setting(29500, batch="")  # torch.distributed rendezvous port among drafters
 
 
 @dataclass
@@ -150,8 +177,13 @@ SECTIONS = [f.name for f in dataclasses.fields(Config)]
 
 
 def _section_class(name: str):
-    return {"run": RunConfig, "target": TargetConfig, "data": DataConfig,
-            "drafter": DrafterConfig, "transport": TransportConfig}[name]
+    return {
+        "run": RunConfig,
+        "target": TargetConfig,
+        "data": DataConfig,
+        "drafter": DrafterConfig,
+        "transport": TransportConfig,
+    }[name]
 
 
 def _check_type(value, hint, where: str):
@@ -224,7 +256,7 @@ def toml_literal(value) -> str:
     if isinstance(value, (int, float)):
         return repr(value)
     if isinstance(value, str):
-        return json.dumps(value, ensure_ascii=False)        # a TOML basic string
+        return json.dumps(value, ensure_ascii=False)  # a TOML basic string
     if isinstance(value, (list, tuple)):
         return "[" + ", ".join(toml_literal(v) for v in value) + "]"
     if isinstance(value, dict):
@@ -261,28 +293,49 @@ def load_config(path: str | Path | None = None, overrides: typing.Iterable[str] 
 
 def validate(cfg: Config) -> None:
     """Cross-field checks that a type check cannot see."""
+
     def need(ok: bool, msg: str):
         if not ok:
             raise ConfigError(msg)
-    need(cfg.data.on_bad_sample in ("fail", "skip"), f"data.on_bad_sample must be 'fail' or 'skip', got {cfg.data.on_bad_sample!r}")
-    need(cfg.data.max_line_bytes > 0 and cfg.data.max_doc_tokens > 0,
-         "data.max_line_bytes and data.max_doc_tokens must be > 0")
+
+    need(
+        cfg.data.on_bad_sample in ("fail", "skip"),
+        f"data.on_bad_sample must be 'fail' or 'skip', got {cfg.data.on_bad_sample!r}",
+    )
+    need(
+        cfg.data.max_line_bytes > 0 and cfg.data.max_doc_tokens > 0,
+        "data.max_line_bytes and data.max_doc_tokens must be > 0",
+    )
     need(cfg.data.pack_len > 0, f"data.pack_len must be > 0, got {cfg.data.pack_len}")
     need(0.0 <= cfg.data.eval_fraction < 1.0, f"data.eval_fraction must be in [0, 1), got {cfg.data.eval_fraction}")
-    need(0 <= cfg.data.max_doc_len <= cfg.data.pack_len,
-         f"data.max_doc_len={cfg.data.max_doc_len} is larger than data.pack_len={cfg.data.pack_len}: a document "
-         "piece must fit in one row (0 = pack_len)")
-    need(cfg.target.dtype in TARGET_DTYPES, f"target.dtype must be one of {', '.join(TARGET_DTYPES)}, got {cfg.target.dtype!r}")
-    need(cfg.target.compile in TARGET_COMPILE, f"target.compile must be one of {', '.join(TARGET_COMPILE)}, "
-         f"got {cfg.target.compile!r}")
-    need(cfg.target.quantize in TARGET_QUANTIZE,
-         f"target.quantize must be one of {', '.join(TARGET_QUANTIZE)}, got {cfg.target.quantize!r}")
+    need(
+        0 <= cfg.data.max_doc_len <= cfg.data.pack_len,
+        f"data.max_doc_len={cfg.data.max_doc_len} is larger than data.pack_len={cfg.data.pack_len}: a document "
+        "piece must fit in one row (0 = pack_len)",
+    )
+    need(
+        cfg.target.dtype in TARGET_DTYPES,
+        f"target.dtype must be one of {', '.join(TARGET_DTYPES)}, got {cfg.target.dtype!r}",
+    )
+    need(
+        cfg.target.compile in TARGET_COMPILE,
+        f"target.compile must be one of {', '.join(TARGET_COMPILE)}, got {cfg.target.compile!r}",
+    )
+    need(
+        cfg.target.quantize in TARGET_QUANTIZE,
+        f"target.quantize must be one of {', '.join(TARGET_QUANTIZE)}, got {cfg.target.quantize!r}",
+    )
     need(cfg.drafter.grad_accum >= 1, f"drafter.grad_accum must be >= 1, got {cfg.drafter.grad_accum}")
-    need(cfg.drafter.attention in ("auto", "flex", "dense"), f"drafter.attention must be auto|flex|dense, got {cfg.drafter.attention!r}")
+    need(
+        cfg.drafter.attention in ("auto", "flex", "dense"),
+        f"drafter.attention must be auto|flex|dense, got {cfg.drafter.attention!r}",
+    )
     need(cfg.drafter.block_size >= 2, f"drafter.block_size must be >= 2, got {cfg.drafter.block_size}")
     need(cfg.drafter.num_anchors >= 1, f"drafter.num_anchors must be >= 1, got {cfg.drafter.num_anchors}")
-    need(cfg.drafter.max_nonfinite_steps >= 1,
-         f"drafter.max_nonfinite_steps must be >= 1, got {cfg.drafter.max_nonfinite_steps}")
+    need(
+        cfg.drafter.max_nonfinite_steps >= 1,
+        f"drafter.max_nonfinite_steps must be >= 1, got {cfg.drafter.max_nonfinite_steps}",
+    )
     need(cfg.drafter.num_layers >= 1, f"drafter.num_layers must be >= 1, got {cfg.drafter.num_layers}")
     d = cfg.drafter
     need(d.lr > 0 and math.isfinite(d.lr), f"drafter.lr must be > 0, got {d.lr}")
@@ -297,40 +350,59 @@ def validate(cfg: Config) -> None:
         need(getattr(cfg.run, key) >= 0, f"run.{key} must be >= 0, got {getattr(cfg.run, key)}")
     for key in ("stall_after_s", "startup_stall_after_s", "stop_timeout_s", "spec_eval_budget_s"):
         need(getattr(cfg.run, key) > 0, f"run.{key} must be > 0, got {getattr(cfg.run, key)}")
-    need(cfg.transport.resend_after_s >= 0,
-         f"transport.resend_after_s must be >= 0 (0: derived from answer times), got {cfg.transport.resend_after_s}")
+    need(
+        cfg.transport.resend_after_s >= 0,
+        f"transport.resend_after_s must be >= 0 (0: derived from answer times), got {cfg.transport.resend_after_s}",
+    )
     for key in ("base_port", "dist_port"):
-        need(0 < getattr(cfg.transport, key) < 65536, f"transport.{key} must be a port (1-65535), got "
-             f"{getattr(cfg.transport, key)}")
+        need(
+            0 < getattr(cfg.transport, key) < 65536,
+            f"transport.{key} must be a port (1-65535), got {getattr(cfg.transport, key)}",
+        )
     need(cfg.transport.scheme in ("ipc", "tcp"), f"transport.scheme must be ipc|tcp, got {cfg.transport.scheme!r}")
     need(cfg.transport.credits >= 1, f"transport.credits must be >= 1, got {cfg.transport.credits}")
-    need(0 < cfg.transport.chunk_bytes <= cfg.transport.max_message_bytes,
-         "transport.chunk_bytes must be > 0 and <= transport.max_message_bytes")
-    need(not plaintext_hosts(cfg.transport, loopback=False) or cfg.transport.allow_plaintext,
-         f"transport.scheme=tcp on {', '.join(plaintext_hosts(cfg.transport, loopback=False))} without "
-         "transport.curve_keys_dir: anyone who reaches that address could read hidden states and feed the drafters "
-         "batches. Make keys with `launcher keys DIR` and set transport.curve_keys_dir=DIR on every host, or set "
-         "transport.allow_plaintext=true on a network you trust completely")
+    need(
+        0 < cfg.transport.chunk_bytes <= cfg.transport.max_message_bytes,
+        "transport.chunk_bytes must be > 0 and <= transport.max_message_bytes",
+    )
+    need(
+        not plaintext_hosts(cfg.transport, loopback=False) or cfg.transport.allow_plaintext,
+        f"transport.scheme=tcp on {', '.join(plaintext_hosts(cfg.transport, loopback=False))} without "
+        "transport.curve_keys_dir: anyone who reaches that address could read hidden states and feed the drafters "
+        "batches. Make keys with `launcher keys DIR` and set transport.curve_keys_dir=DIR on every host, or set "
+        "transport.allow_plaintext=true on a network you trust completely",
+    )
     need(cfg.run.unresponsive_after_s > 0, f"run.unresponsive_after_s must be > 0, got {cfg.run.unresponsive_after_s}")
     need(cfg.run.spec_eval_prompts >= 0, f"run.spec_eval_prompts must be >= 0, got {cfg.run.spec_eval_prompts}")
-    need(0 < cfg.run.spec_eval_target_share <= 1,
-         f"run.spec_eval_target_share must be in (0, 1], got {cfg.run.spec_eval_target_share}")
+    need(
+        0 < cfg.run.spec_eval_target_share <= 1,
+        f"run.spec_eval_target_share must be in (0, 1], got {cfg.run.spec_eval_target_share}",
+    )
     need(cfg.run.spec_eval_sessions >= 1, f"run.spec_eval_sessions must be >= 1, got {cfg.run.spec_eval_sessions}")
-    need(cfg.run.spec_eval_max_new_tokens >= 1,
-         f"run.spec_eval_max_new_tokens must be >= 1, got {cfg.run.spec_eval_max_new_tokens}")
+    need(
+        cfg.run.spec_eval_max_new_tokens >= 1,
+        f"run.spec_eval_max_new_tokens must be >= 1, got {cfg.run.spec_eval_max_new_tokens}",
+    )
     need(cfg.run.epochs >= 1, f"run.epochs must be >= 1, got {cfg.run.epochs}")
     need(ascending(cfg.target.layer_ids), layer_ids_message("target.layer_ids", cfg.target.layer_ids))
-    need(cfg.drafter.sliding_window >= 0, f"drafter.sliding_window must be > 0 (or 0 for none), got {cfg.drafter.sliding_window}")
+    need(
+        cfg.drafter.sliding_window >= 0,
+        f"drafter.sliding_window must be > 0 (or 0 for none), got {cfg.drafter.sliding_window}",
+    )
     try:
-        check_layout(cfg.drafter.layer_types or [FULL] * cfg.drafter.num_layers, cfg.drafter.sliding_window or None,
-                     cfg.drafter.num_layers, prefix="drafter.")
+        check_layout(
+            cfg.drafter.layer_types or [FULL] * cfg.drafter.num_layers,
+            cfg.drafter.sliding_window or None,
+            cfg.drafter.num_layers,
+            prefix="drafter.",
+        )
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
 
 
 FULL, SLIDING = "full_attention", "sliding_attention"
 TARGET_COMPILE = ("auto", "on", "off")
-TARGET_DTYPES = ("bfloat16", "bf16", "float16", "fp16", "float32", "fp32")   # services/dtypes.py maps them to torch's
+TARGET_DTYPES = ("bfloat16", "bf16", "float16", "fp16", "float32", "fp32")  # services/dtypes.py maps them to torch's
 TARGET_QUANTIZE = ("none", "fp8")
 
 
@@ -343,14 +415,16 @@ def check_layout(layer_types: list, sliding_window, num_layers: int, prefix: str
     for i, kind in enumerate(layer_types):
         if kind not in (FULL, SLIDING):
             raise ValueError(f"{prefix}layer_types[{i}] = {kind!r}: unknown layer type (known: {FULL}, {SLIDING})")
-    if sliding_window is not None and (isinstance(sliding_window, bool) or not isinstance(sliding_window, int)
-                                       or sliding_window <= 0):
+    if sliding_window is not None and (
+        isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window <= 0
+    ):
         raise ValueError(f"{prefix}sliding_window must be an integer > 0, got {sliding_window!r}")
     if SLIDING in layer_types and sliding_window is None:
         raise ValueError(f"{prefix}layer_types has {SLIDING} layers but {prefix}sliding_window is not set")
     if SLIDING not in layer_types and sliding_window is not None:
-        raise ValueError(f"{prefix}sliding_window = {sliding_window} is set but no layer in {prefix}layer_types "
-                         f"is {SLIDING}")
+        raise ValueError(
+            f"{prefix}sliding_window = {sliding_window} is set but no layer in {prefix}layer_types is {SLIDING}"
+        )
 
 
 def is_loopback(host: str) -> bool:
@@ -381,8 +455,10 @@ def layer_ids_message(key: str, ids: list) -> str:
     # The target concatenates the captured layers in ascending order whatever the list says, and
     # the export declares the list as that order: any other order would make engines feed the
     # features in an order the drafter never saw, with no error anywhere.
-    return (f"{key} {ids} must be in ascending order without repeats (e.g. {sorted(set(ids))}): the captured "
-            "layers are concatenated in ascending order, and the export declares this list as that order")
+    return (
+        f"{key} {ids} must be in ascending order without repeats (e.g. {sorted(set(ids))}): the captured "
+        "layers are concatenated in ascending order, and the export declares this list as that order"
+    )
 
 
 def describe_prompts(count: int, held_out: bool | None, sets=()) -> str:

@@ -16,6 +16,7 @@ is set every tcp socket is encrypted with CURVE and every server checks the clie
 The ZAP handler is a small thread per ZMQ context. It ends by itself when the context is
 terminated (its blocking recv gets ETERM and it closes its socket), so ctx.term() never hangs.
 """
+
 from __future__ import annotations
 
 import os
@@ -29,7 +30,7 @@ from zmq.utils import z85
 __all__ = ["CurveError", "generate_keys", "keys_for", "apply_server", "apply_client", "KEY_FILES"]
 
 KEY_FILES = ("server.public", "server.secret", "client.public", "client.secret")
-ZAP_ENDPOINT = "inproc://zeromq.zap.01"   # fixed by the ZAP spec (RFC 27)
+ZAP_ENDPOINT = "inproc://zeromq.zap.01"  # fixed by the ZAP spec (RFC 27)
 ZAP_DOMAIN = b"dflash"
 
 
@@ -47,8 +48,10 @@ def generate_keys(keys_dir: str | Path, overwrite: bool = False) -> list[Path]:
     keys_dir = Path(keys_dir)
     existing = [keys_dir / name for name in KEY_FILES if (keys_dir / name).exists()]
     if existing and not overwrite:
-        raise CurveError(f"{existing[0]} already exists; pass --force to replace the keys "
-                         "(workers that use the old ones must be restarted)")
+        raise CurveError(
+            f"{existing[0]} already exists; pass --force to replace the keys "
+            "(workers that use the old ones must be restarted)"
+        )
     keys_dir.mkdir(parents=True, exist_ok=True)
     os.chmod(keys_dir, 0o700)
     written = []
@@ -97,9 +100,9 @@ class _ZapHandler:
 
     def __init__(self, ctx: zmq.Context, allowed: frozenset[bytes], keys_dir: Path):
         self.ctx = ctx
-        self.allowed = allowed           # raw 32-byte public keys
+        self.allowed = allowed  # raw 32-byte public keys
         self.keys_dir = keys_dir
-        self.refused = 0                 # handshakes turned away
+        self.refused = 0  # handshakes turned away
 
     def start(self) -> None:
         self._started = threading.Event()
@@ -123,7 +126,7 @@ class _ZapHandler:
         try:
             while True:
                 sock.send_multipart(self._answer(sock.recv_multipart()))
-        except zmq.ZMQError:     # ETERM: the context is being terminated
+        except zmq.ZMQError:  # ETERM: the context is being terminated
             pass
         finally:
             sock.close(linger=0)
@@ -151,7 +154,9 @@ def _zap_handler(ctx: zmq.Context, keys_dir: Path) -> _ZapHandler:
         handler = _handlers.get(id(ctx))
         if handler is not None and handler.ctx is ctx and handler.thread.is_alive():
             if handler.allowed != allowed:
-                raise CurveError(f"this ZMQ context already authenticates with the keys in {handler.keys_dir}, not {keys_dir}")
+                raise CurveError(
+                    f"this ZMQ context already authenticates with the keys in {handler.keys_dir}, not {keys_dir}"
+                )
             return handler
         handler = _ZapHandler(ctx, allowed, keys_dir)
         handler.start()

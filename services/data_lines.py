@@ -6,6 +6,7 @@ file as `launcher regenerate` reads it. No torch, no tokenizer import: the launc
 services/target/data.py turns lines into training documents (its docstring: the line shapes and
 what makes a line bad); services/prompts.py turns them into the eval's prompts.
 """
+
 from __future__ import annotations
 
 import json
@@ -15,8 +16,18 @@ from services import runspec
 from services.config import Config
 
 ROLES = ("system", "user", "assistant", "tool")
-SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant",
-                  "model": "assistant", "system": "system", "tool": "tool", "function": "tool", "observation": "tool"}
+SHAREGPT_ROLES = {
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "chatgpt": "assistant",
+    "model": "assistant",
+    "system": "system",
+    "tool": "tool",
+    "function": "tool",
+    "observation": "tool",
+}
 
 
 class DataError(ValueError):
@@ -29,10 +40,11 @@ class SampleError(ValueError):
 
 # --- one line -> messages ------------------------------------------------------------------------
 
+
 def _text(content, where: str) -> str:
     if isinstance(content, str):
         return content
-    if isinstance(content, list):   # OpenAI content parts: text only
+    if isinstance(content, list):  # OpenAI content parts: text only
         parts = []
         for part in content:
             if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
@@ -72,8 +84,11 @@ def normalize_messages(record: dict, need_reply: bool = True) -> list[dict]:
 def prompt_tokens(tokenizer, messages: list[dict], template_kwargs: dict | None = None) -> list[int]:
     """Token ids of a conversation up to the assistant's next turn (the chat template's generation
     prompt), rendered with data.chat_template_kwargs as training renders its chats."""
-    return list(tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=True,
-                                              **(template_kwargs or {}))["input_ids"])
+    return list(
+        tokenizer.apply_chat_template(
+            messages, tokenize=True, add_generation_prompt=True, return_dict=True, **(template_kwargs or {})
+        )["input_ids"]
+    )
 
 
 def parse_json_line(text: str):
@@ -84,11 +99,12 @@ def parse_json_line(text: str):
     except json.JSONDecodeError as exc:
         where = "at the end of the line" if exc.pos >= len(text.rstrip()) else f"at character {exc.pos + 1}"
         raise SampleError(f"invalid JSON: {exc.msg} {where}") from None
-    except RecursionError:        # json's C parser recurses once per level: 100 000 "[" exhaust the stack
+    except RecursionError:  # json's C parser recurses once per level: 100 000 "[" exhaust the stack
         raise SampleError("invalid JSON: nested too deeply to parse") from None
 
 
 # --- lines of a file ------------------------------------------------------------------------------
+
 
 def _lines(f, max_line_bytes: int):
     """(line number, bytes of the line or None when it is longer than max_line_bytes).
@@ -130,8 +146,10 @@ def nonblank_lines(path: str | Path, max_line_bytes: int = 8 << 20) -> list[tupl
     (a bad line). The held-out split is taken over these (runspec.HeldOut.lines); packing's
     build_index has the same numbers from read_documents: its documents' lines and the bad ones."""
     with open(path, "rb") as f:
-        return [(lineno, None if isinstance(text, SampleError) else text)
-                for lineno, text in each_nonblank(f, max_line_bytes)]
+        return [
+            (lineno, None if isinstance(text, SampleError) else text)
+            for lineno, text in each_nonblank(f, max_line_bytes)
+        ]
 
 
 def heldout_lines(cfg: Config) -> list[str]:
@@ -151,6 +169,7 @@ def heldout_lines(cfg: Config) -> list[str]:
 
 # --- a chat file, for `launcher regenerate` ---------------------------------------------------------
 
+
 def read_conversations(path: str | Path, shard: int = 0, num_shards: int = 1) -> list[tuple[dict, list | None]]:
     """(record, messages or None for non-chat lines) of this shard's non-blank lines, in file order.
     A line that is not JSON, or a chat that is malformed, is a DataError naming file:line."""
@@ -161,7 +180,7 @@ def read_conversations(path: str | Path, shard: int = 0, num_shards: int = 1) ->
             record = parse_json_line(text)
             chat = isinstance(record, dict) and ("messages" in record or "conversations" in record)
             out.append((record, normalize_messages(record) if chat else None))
-        except ValueError as exc:                   # bad JSON, or a SampleError: nothing is written
+        except ValueError as exc:  # bad JSON, or a SampleError: nothing is written
             raise DataError(f"{path}:{number}: {exc}") from None
     return out
 

@@ -15,6 +15,7 @@ and the captured layers' outputs exactly as the target captures them for trainin
 ROLLBACKS names how a hybrid target's Gated DeltaNet state drops a rejected suffix
 (services/target/hybrid.py implements them; `launcher eval --rollback` picks one).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -25,10 +26,10 @@ import torch
 
 @dataclass
 class Step:
-    greedy: torch.Tensor      # [n] int64, argmax of the logits at each position
-    margin: torch.Tensor      # [n] float32, top-1 minus top-2 logit
-    tolerance: torch.Tensor   # [n] float32, the logits' rounding (a margin below it is a near-tie)
-    features: torch.Tensor    # [n, K*H] the captured layers, in the model's dtype
+    greedy: torch.Tensor  # [n] int64, argmax of the logits at each position
+    margin: torch.Tensor  # [n] float32, top-1 minus top-2 logit
+    tolerance: torch.Tensor  # [n] float32, the logits' rounding (a margin below it is a near-tie)
+    features: torch.Tensor  # [n, K*H] the captured layers, in the model's dtype
 
 
 class Verifier(Protocol):
@@ -48,4 +49,4 @@ def rounding_tolerance(top1: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return NEAR_TIE_ULPS * torch.finfo(dtype).eps * top1.float().abs().clamp(min=1.0)
 
 
-ROLLBACKS = ("per-token", "refeed")         # the first is the default (docs/operations.md: measured)
+ROLLBACKS = ("per-token", "refeed")  # the first is the default (docs/operations.md: measured)

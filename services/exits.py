@@ -11,6 +11,7 @@
 
 143 is a hard exit (lifecycle.py: a stop signal from a second sender, or the stop deadline passed).
 """
+
 from __future__ import annotations
 
 import logging
@@ -36,7 +37,7 @@ def error_name(exc: BaseException) -> str:
 def exit_code(exc: BaseException, health=None, stopped: int = OK) -> int:
     """Log why the worker ends with `exc` and return its exit code; the health status says it too.
     stopped: the code of a stop while starting (a drafter's is STOPPED: its training did not end)."""
-    if isinstance(exc, lifecycle.Stopped):      # stopped while starting (waiting for a target): nothing to save
+    if isinstance(exc, lifecycle.Stopped):  # stopped while starting (waiting for a target): nothing to save
         if health is not None:
             health.set(state="stopped")
         return stopped
@@ -46,7 +47,7 @@ def exit_code(exc: BaseException, health=None, stopped: int = OK) -> int:
     else:
         message, code = f"{error_name(exc)}: {exc}", FINAL if isinstance(exc, FinalError) else CRASHED
         log.error("crashed", exc_info=exc)
-        log.error("%s", message)                # the last line: the cause the launcher reports
+        log.error("%s", message)  # the last line: the cause the launcher reports
     if health is not None:
         health.set(state="failed")
         health.error(message)

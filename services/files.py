@@ -2,6 +2,7 @@
 
 A reader never sees a half-written file or a missing pointer: write aside, then rename.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -48,7 +49,10 @@ def sha256_file(path: Path, tick: Callable[[], None] | None = None) -> str:
 def cache_root() -> Path:
     """Where built things are kept between runs (the demo, converted GGUF targets):
     $DFLASH_CACHE_DIR, else $XDG_CACHE_HOME/dflash, else ~/.cache/dflash."""
-    root = os.environ.get("DFLASH_CACHE_DIR") or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dflash"
+    root = (
+        os.environ.get("DFLASH_CACHE_DIR")
+        or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dflash"
+    )
     return Path(root)
 
 
@@ -60,7 +64,7 @@ def cpu_share(workers: int) -> int:
 
 def point(link: Path, target: Path) -> None:
     """Atomically make `link` a relative symlink to `target`, a sibling (checkpoints/latest, runs/latest)."""
-    tmp = link.with_name(f".{link.name}.tmp")     # one writer per folder: a fixed name leaks nothing
+    tmp = link.with_name(f".{link.name}.tmp")  # one writer per folder: a fixed name leaks nothing
     if tmp.is_symlink() or tmp.exists():
         tmp.unlink()
     os.symlink(target.name, tmp)

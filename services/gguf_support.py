@@ -2,13 +2,14 @@
 and the dtypes of the converted weights. launcher/gguf.py checks them before it starts
 services/tools/gguf_model.py, which converts, in a child process.
 """
+
 from __future__ import annotations
 
 import importlib.util
 
 DTYPES = ("bfloat16", "float16", "float32")
 MISSING_HINT = "pip install -e '.[gguf]'"
-PACKAGES = ("gguf", "accelerate")      # transformers' GGUF loader needs both
+PACKAGES = ("gguf", "accelerate")  # transformers' GGUF loader needs both
 
 
 def missing_packages() -> list[str]:

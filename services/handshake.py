@@ -7,6 +7,7 @@ training on a single batch. Like vLLM's EngineCoreReadyResponse, the answer carr
 the config that decides what a batch contains, so a target and a drafter started from different
 configs refuse each other at once instead of training on mismatched data.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -24,25 +25,33 @@ class HandshakeError(ConfigError):
 @dataclass(frozen=True)
 class TargetInfo(CapturedWidth):
     """What a target answers to "info": its CaptureShape and its data."""
-    num_batches: int            # training rows per epoch
-    num_eval_batches: int       # held-out rows
-    seq_len: int                # data.pack_len
-    hidden_size: int            # the target's width H
-    layer_ids: list[int]        # captured layers, ascending: the feature order of `hidden`
+
+    num_batches: int  # training rows per epoch
+    num_eval_batches: int  # held-out rows
+    seq_len: int  # data.pack_len
+    hidden_size: int  # the target's width H
+    layer_ids: list[int]  # captured layers, ascending: the feature order of `hidden`
     vocab_size: int
-    mask_token_id: int          # the tokenizer's, or -1
+    mask_token_id: int  # the tokenizer's, or -1
     labels_from_target: bool
-    config_digest: str          # RunSpec.config_digest of the target's run
+    config_digest: str  # RunSpec.config_digest of the target's run
     model_path: str
-    capture_path: str           # packed | packed-varlen | packed-reference | per-document
-    bad_samples: int            # data lines skipped under data.on_bad_sample = "skip"
-    data_key: str = ""          # the packed-data cache key: drafters check batch content against it
-    num_layers: int = 0         # the target's decoder layers
+    capture_path: str  # packed | packed-varlen | packed-reference | per-document
+    bad_samples: int  # data lines skipped under data.on_bad_sample = "skip"
+    data_key: str = ""  # the packed-data cache key: drafters check batch content against it
+    num_layers: int = 0  # the target's decoder layers
 
     @classmethod
     def of(cls, shape: CaptureShape, **rest) -> "TargetInfo":
-        return cls(**{**rest, "hidden_size": shape.hidden_size, "layer_ids": list(shape.layer_ids),
-                      "vocab_size": shape.vocab_size, "num_layers": shape.num_layers})
+        return cls(
+            **{
+                **rest,
+                "hidden_size": shape.hidden_size,
+                "layer_ids": list(shape.layer_ids),
+                "vocab_size": shape.vocab_size,
+                "num_layers": shape.num_layers,
+            }
+        )
 
     def to_wire(self) -> dict:
         return {**dataclasses.asdict(self), "hidden_width": self.hidden_width}
@@ -67,7 +76,12 @@ class TargetInfo(CapturedWidth):
         """Raise HandshakeError unless this target says what the drafter's run spec expects
         (RunSpec.expected_of_target: num_layers, hidden_size, vocab_size, layer_ids, seq_len,
         labels_from_target, config_digest)."""
-        wrong = [f"{k}: target {getattr(self, k)!r}, drafter {v!r}" for k, v in expected.items() if getattr(self, k) != v]
+        wrong = [
+            f"{k}: target {getattr(self, k)!r}, drafter {v!r}" for k, v in expected.items() if getattr(self, k) != v
+        ]
         if wrong:
-            raise HandshakeError(f"target {self.model_path} and this drafter disagree on " + "; ".join(wrong)
-                                 + " (were they started from the same config and model?)")
+            raise HandshakeError(
+                f"target {self.model_path} and this drafter disagree on "
+                + "; ".join(wrong)
+                + " (were they started from the same config and model?)"
+            )

@@ -9,6 +9,7 @@ Requests and answers are msgpack maps. Nothing here unpickles. Garbage is counte
 (`bad_messages`) and answered with an error map; it never stops the responder.
 This module must not import torch: the launcher uses the probe.
 """
+
 from __future__ import annotations
 
 import logging
@@ -29,7 +30,7 @@ from services.sockets import bind_private, secure_socket
 log = logging.getLogger(__name__)
 
 STATES = ("starting", "loading", "compiling", "ready", "training", "draining", "stopped", "failed")
-STARTUP_STATES = ("starting", "loading", "compiling")   # model loads and cold compiles take minutes
+STARTUP_STATES = ("starting", "loading", "compiling")  # model loads and cold compiles take minutes
 MAX_REQUEST_BYTES = 4096
 
 EXIT_HEALTHY, EXIT_UNHEALTHY, EXIT_UNREACHABLE = 0, 1, 2
@@ -44,18 +45,37 @@ class HealthServer:
     watchdog fires exactly when health would read "stalled".
     """
 
-    def __init__(self, endpoint: str, role: str, rank: int, gpu: int | str, stall_after_s: float = 300.0,
-                 startup_stall_after_s: float = 1800.0, keys_dir: str = ""):
+    def __init__(
+        self,
+        endpoint: str,
+        role: str,
+        rank: int,
+        gpu: int | str,
+        stall_after_s: float = 300.0,
+        startup_stall_after_s: float = 1800.0,
+        keys_dir: str = "",
+    ):
         self.endpoint = endpoint
         self._lock = threading.Lock()
         self._status = {
-            "role": role, "rank": rank, "gpu": gpu, "pid": os.getpid(),
-            "host": socket.gethostname(), "version": __version__, "state": "starting",
-            "step": 0, "samples_done": 0, "tokens_per_s": 0.0, "compile_s": 0.0,
-            "gpu_mem_bytes": 0, "bad_messages": 0, "errors": [], "stall_after_s": float(stall_after_s),
+            "role": role,
+            "rank": rank,
+            "gpu": gpu,
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "version": __version__,
+            "state": "starting",
+            "step": 0,
+            "samples_done": 0,
+            "tokens_per_s": 0.0,
+            "compile_s": 0.0,
+            "gpu_mem_bytes": 0,
+            "bad_messages": 0,
+            "errors": [],
+            "stall_after_s": float(stall_after_s),
         }
         self._bad_kinds: dict[str, int] = {}
-        self._bad_from: dict[str, int] = {}       # who sent them, where known ("target-0")
+        self._bad_from: dict[str, int] = {}  # who sent them, where known ("target-0")
         self._stall_after = {"startup": float(startup_stall_after_s), "running": float(stall_after_s)}
         self._last_progress = time.monotonic()
         self._notify = Notifier()
@@ -63,7 +83,7 @@ class HealthServer:
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
         secure_socket(self._sock, MAX_REQUEST_BYTES)
-        if keys_dir:                       # tcp with CURVE keys: only key holders get an answer
+        if keys_dir:  # tcp with CURVE keys: only key holders get an answer
             curve.apply_server(self._sock, keys_dir)
         bind_private(self._sock, endpoint)
         self._thread = threading.Thread(target=self._serve, name="health", daemon=True)
@@ -153,8 +173,15 @@ class HealthServer:
 
     def _answer(self, payload: bytes, nframes: int) -> dict:
         try:
-            request = msgpack.unpackb(payload, raw=False, strict_map_key=True, max_bin_len=0,
-                                      max_str_len=MAX_REQUEST_BYTES, max_array_len=16, max_map_len=16)
+            request = msgpack.unpackb(
+                payload,
+                raw=False,
+                strict_map_key=True,
+                max_bin_len=0,
+                max_str_len=MAX_REQUEST_BYTES,
+                max_array_len=16,
+                max_map_len=16,
+            )
             if not isinstance(request, dict) or request.get("op") != "status" or nframes > 3:
                 raise ValueError("expected {'op': 'status'}")
         except Exception as exc:  # any garbage: count, answer, carry on

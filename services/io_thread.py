@@ -1,4 +1,5 @@
 """IoThread: ZMQ sockets owned by one background thread, fed through queues (both ends of the transport)."""
+
 from __future__ import annotations
 
 import queue
@@ -6,7 +7,7 @@ import threading
 
 import zmq
 
-MAX_MESSAGES_PER_POLL = 1024    # a flood cannot keep poll() from returning
+MAX_MESSAGES_PER_POLL = 1024  # a flood cannot keep poll() from returning
 
 
 def get_all(q: queue.Queue, timeout_s: float) -> list:

@@ -16,6 +16,7 @@ after the first, and, where the sender is known (the launcher reads it from sigi
 watch_with_sender), not from a sender that sent that signal already: a person insisting, never
 one sender's duplicate.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -27,8 +28,8 @@ import time
 
 STOP = threading.Event()
 EXIT_HARD = 143
-REPEAT_S = 2.0                          # a repeat sooner than this after the first is the same request
-PARENT_DIED = signal.SIGUSR1            # the launcher's PR_SET_PDEATHSIG for its workers
+REPEAT_S = 2.0  # a repeat sooner than this after the first is the same request
+PARENT_DIED = signal.SIGUSR1  # the launcher's PR_SET_PDEATHSIG for its workers
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 log = logging.getLogger("worker")
@@ -72,8 +73,11 @@ def install(grace_s: float = 600.0) -> threading.Event:
             log.info("%s again: the same stop request, still finishing the step", describe(signum))
             return
         if verdict == "now":
-            log.warning("%s again, %.0fs after the first: exiting now (no final checkpoint)", describe(signum),
-                        time.monotonic() - requests.first_at)
+            log.warning(
+                "%s again, %.0fs after the first: exiting now (no final checkpoint)",
+                describe(signum),
+                time.monotonic() - requests.first_at,
+            )
             os._exit(EXIT_HARD)
         STOP.set()
         log.warning("%s: finishing the current step, exiting within %.0fs", describe(signum), grace_s)

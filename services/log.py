@@ -10,6 +10,7 @@ Text lines carry a level (info, warning, error) and go to stderr; events are one
 and go to stdout. Tools (the launcher, tests, benches) read events with `parse_event`, from a pipe
 or from a log file that holds both streams. A traceback's lines get the prefix too.
 """
+
 from __future__ import annotations
 
 import json
@@ -17,7 +18,7 @@ import logging
 import sys
 import time
 
-EVENTS = logging.getLogger("events")     # what tools read; never mixed with text lines
+EVENTS = logging.getLogger("events")  # what tools read; never mixed with text lines
 log = logging.getLogger("worker")
 
 
@@ -63,7 +64,7 @@ def event(name: str, **fields) -> None:
     line = json.dumps({"event": name, **fields})
     if EVENTS.handlers:
         EVENTS.info(line)
-    else:                                   # a library caller that set up no logging: the bare JSON
+    else:  # a library caller that set up no logging: the bare JSON
         print(line, flush=True)
 
 

@@ -11,11 +11,18 @@ for fp16, 2^-23 for fp32):
     and a tie within rounding may go either way: not a bug of the decoding;
   - margin > tolerance: the two forwards disagree by more than rounding: a bug.
 """
+
 from __future__ import annotations
 
 
-def first_difference(tokens: list[int], ref_tokens: list[int], margins: list[float], tolerances: list[float],
-                     ref_margins: list[float], ref_tolerances: list[float]) -> dict | None:
+def first_difference(
+    tokens: list[int],
+    ref_tokens: list[int],
+    margins: list[float],
+    tolerances: list[float],
+    ref_margins: list[float],
+    ref_tolerances: list[float],
+) -> dict | None:
     """None when equal; else {position, margin, tolerance, near_tie} at the first differing token.
     margins[i] / tolerances[i] belong to the forward that produced token i."""
     if tokens == ref_tokens:
@@ -29,8 +36,11 @@ def first_difference(tokens: list[int], ref_tokens: list[int], margins: list[flo
 def lossless_figures(differences: list[dict | None]) -> dict:
     """differences[i]: first_difference of prompt i -> the record's `lossless`, `near_ties`, `differences`."""
     found = [{"index": i, **d} for i, d in enumerate(differences) if d is not None]
-    return {"lossless": len(differences) - len(found), "near_ties": sum(d["near_tie"] for d in found),
-            "differences": found}
+    return {
+        "lossless": len(differences) - len(found),
+        "near_ties": sum(d["near_tie"] for d in found),
+        "differences": found,
+    }
 
 
 def describe_lossless(record: dict) -> str:

@@ -3,6 +3,7 @@ token digests (PublishedDigests), and which row batch g is. services/target/pack
 files and says the rules (row layout, batch g's row, the cache key); a drafter reads them to check
 the content a target sends (services/drafter/source.py).
 """
+
 from __future__ import annotations
 
 import json
@@ -15,7 +16,7 @@ from services.batch import SPLITS, document_starts, token_digest
 from services.config import Config
 from services.data_lines import DataError
 
-FORMAT_VERSION = 2          # 2: the held-out split by line number (runspec.HeldOut.lines)
+FORMAT_VERSION = 2  # 2: the held-out split by line number (runspec.HeldOut.lines)
 
 
 class _Split:
@@ -34,6 +35,7 @@ def digests_path(cache: Path) -> Path:
 
 class _RowOrder:
     """Which row of a split batch g is (packing.py's rules); needs num_batches(), seed, shuffle, epochs."""
+
     seed: int
     shuffle: bool
     epochs: int
@@ -60,6 +62,7 @@ class PublishedDigests(_RowOrder):
 
     def __init__(self, path: str | Path, cfg: Config):
         from safetensors.numpy import load_file
+
         self.path = Path(path)
         tensors = load_file(str(path))
         self.rows = {s: tensors[f"{s}_row_digests"] for s in SPLITS}
@@ -77,6 +80,7 @@ class PackedData(_RowOrder):
 
     def __init__(self, path: str | Path, cfg: Config):
         from safetensors import safe_open
+
         self.path = Path(path)
         self._file = safe_open(str(path), framework="np")
         meta = self._file.metadata()
@@ -118,10 +122,15 @@ class PackedData(_RowOrder):
         t0, t1 = int(sp.doc_start[d0]), int(sp.doc_start[d1])
         lens = sp.doc_lens[d0:d1]
         pad = self.pack_len - (t1 - t0)
-        doc_ids = torch.from_numpy(np.concatenate([np.repeat(np.arange(len(lens)), lens), np.full(pad, -1)])
-                                   .astype(np.int64))
-        positions = torch.arange(self.pack_len) - document_starts(doc_ids)     # restarts per document (and padding)
+        doc_ids = torch.from_numpy(
+            np.concatenate([np.repeat(np.arange(len(lens)), lens), np.full(pad, -1)]).astype(np.int64)
+        )
+        positions = torch.arange(self.pack_len) - document_starts(doc_ids)  # restarts per document (and padding)
         tokens = np.concatenate([sp.tokens[t0:t1].astype(np.int64), np.full(pad, self.pad_id)])
         mask = np.concatenate([sp.loss_mask[t0:t1].astype(bool), np.zeros(pad, dtype=bool)])
-        return {"input_ids": torch.from_numpy(tokens), "loss_mask": torch.from_numpy(mask),
-                "position_ids": positions, "document_ids": doc_ids}
+        return {
+            "input_ids": torch.from_numpy(tokens),
+            "loss_mask": torch.from_numpy(mask),
+            "position_ids": positions,
+            "document_ids": doc_ids,
+        }

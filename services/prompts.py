@@ -12,6 +12,7 @@
 
 And the tokens that end an output.
 """
+
 from __future__ import annotations
 
 import gzip
@@ -43,7 +44,7 @@ def _before_supervised(record: dict) -> list[int]:
         return ids
     if not isinstance(mask, list) or len(mask) != len(ids):
         raise ValueError("'loss_mask' must be a list as long as 'input_ids'")
-    return ids[:next((i for i, m in enumerate(mask) if m), len(ids))]
+    return ids[: next((i for i, m in enumerate(mask) if m), len(ids))]
 
 
 def file_prompt(record, tokenizer, template_kwargs: dict) -> list[int]:
@@ -62,7 +63,7 @@ def file_prompt(record, tokenizer, template_kwargs: dict) -> list[int]:
             raise ValueError("the conversation holds only an assistant turn: no prompt")
         return prompt_tokens(tokenizer, messages, template_kwargs)
     if isinstance(record.get("prompt"), str):
-        if not tokenizer.chat_template:                   # a base model: the text itself
+        if not tokenizer.chat_template:  # a base model: the text itself
             return list(tokenizer(record["prompt"])["input_ids"])
         return prompt_tokens(tokenizer, [{"role": "user", "content": record["prompt"]}], template_kwargs)
     raise ValueError(f"expected 'messages', 'conversations', 'prompt' or 'input_ids'; got keys {sorted(record)[:8]}")
@@ -82,7 +83,7 @@ def read_prompt_file(path: str | Path, tokenizer, template_kwargs: dict, limit: 
         raise PromptFileError(f"prompt file not found: {path}")
     prompts = []
     try:
-        with (gzip.open(path, "rt", encoding="utf-8") if path.suffix == ".gz" else open(path, encoding="utf-8")) as f:
+        with gzip.open(path, "rt", encoding="utf-8") if path.suffix == ".gz" else open(path, encoding="utf-8") as f:
             for number, text in enumerate(f, 1):
                 if not text.strip():
                     continue
@@ -95,7 +96,7 @@ def read_prompt_file(path: str | Path, tokenizer, template_kwargs: dict, limit: 
                 prompts.append(prompt)
                 if limit and len(prompts) >= limit:
                     break
-    except (OSError, UnicodeDecodeError) as exc:          # not gzip, not UTF-8, unreadable
+    except (OSError, UnicodeDecodeError) as exc:  # not gzip, not UTF-8, unreadable
         raise PromptFileError(f"{path}: {exc}") from None
     if not prompts:
         raise PromptFileError(f"{path}: no prompts")
@@ -117,9 +118,12 @@ def heldout_prompts(cfg, tokenizer, limit: int) -> list[list[int]]:
             else:
                 messages = normalize_messages(record)
                 turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
-                prompt = prompt_tokens(tokenizer, messages[:turns[-1]], cfg.data.chat_template_kwargs) \
-                    if turns[-1] > 0 else []
-        except Exception:               # a bad line: the packed data counted it already
+                prompt = (
+                    prompt_tokens(tokenizer, messages[: turns[-1]], cfg.data.chat_template_kwargs)
+                    if turns[-1] > 0
+                    else []
+                )
+        except Exception:  # a bad line: the packed data counted it already
             continue
         if prompt:
             prompts.append(prompt)
@@ -134,7 +138,7 @@ def prompt_sets(cfg, tokenizer, files: list[str], limit: int) -> list[PromptSet]
     sets, names = [], set()
     for path in files:
         name = set_name(path)
-        while name in names:                               # two files of one name: both kept, apart
+        while name in names:  # two files of one name: both kept, apart
             name += "'"
         names.add(name)
         sets.append(PromptSet(name, read_prompt_file(path, tokenizer, cfg.data.chat_template_kwargs, limit)))

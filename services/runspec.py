@@ -24,6 +24,7 @@ tests/unit/test_runspec.py fails for a key with no mark):
   - the resume check of a checkpoint (services/drafter/checkpoint.py): "content", "path", "capture",
     "schedule".
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -33,8 +34,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from services import layers, shapes
-from services.config import (BATCH_KINDS, SECTIONS, Config, ConfigError, TargetConfig, _section_class, ascending,
-                             layer_ids_message)
+from services.config import (
+    BATCH_KINDS,
+    SECTIONS,
+    Config,
+    ConfigError,
+    TargetConfig,
+    _section_class,
+    ascending,
+    layer_ids_message,
+)
 from services.files import write_json_atomic
 
 FILE = "runspec.json"
@@ -52,10 +61,15 @@ class SpecError(ConfigError):
 
 # --- the keys that decide batch g ------------------------------------------------------------------
 
+
 def keys_deciding(kinds: tuple[str, ...]) -> list[str]:
     """The dotted config keys ("data.pack_len") whose mark is one of `kinds`, in declaration order."""
-    return [f"{section}.{f.name}" for section in SECTIONS for f in dataclasses.fields(_section_class(section))
-            if f.metadata.get("batch") in kinds]
+    return [
+        f"{section}.{f.name}"
+        for section in SECTIONS
+        for f in dataclasses.fields(_section_class(section))
+        if f.metadata.get("batch") in kinds
+    ]
 
 
 def value(cfg: Config, dotted: str):
@@ -88,6 +102,7 @@ def handshake_digest(batch_keys: dict) -> str:
 
 # --- the held-out split ----------------------------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class HeldOut:
     """Which data is held out: data.eval_path; else a data.eval_fraction of the non-blank lines of
@@ -95,10 +110,11 @@ class HeldOut:
     missing from the packed eval split and from the eval's prompts alike, and no other line moves
     in or out because of it; else none. The packed data (services/target/packing.py) and the eval's
     prompts read it from here."""
-    source: str          # "data.eval_path" | "data.eval_fraction" | "" (no held-out split)
-    path: str            # the file the split is, or is cut from
+
+    source: str  # "data.eval_path" | "data.eval_fraction" | "" (no held-out split)
+    path: str  # the file the split is, or is cut from
     fraction: float
-    seed: int            # run.seed
+    seed: int  # run.seed
 
     @classmethod
     def of(cls, cfg: Config) -> "HeldOut":
@@ -116,6 +132,7 @@ class HeldOut:
     def indices(self, count: int) -> list[int]:
         """Which of `count` items (count > 1) are held out under data.eval_fraction, sorted."""
         import numpy as np
+
         n_eval = min(count - 1, max(1, round(self.fraction * count)))
         return sorted(np.random.default_rng([self.seed, _EVAL_SALT]).permutation(count)[:n_eval].tolist())
 
@@ -125,6 +142,7 @@ class HeldOut:
 
 
 # --- the target's config.json ----------------------------------------------------------------------
+
 
 def text_config_of(model_path: str) -> tuple[dict, bool]:
     """(text section, tie_word_embeddings) of target.model_path's config.json (shapes.text_section)."""
@@ -148,44 +166,63 @@ def target_fields_of(model_path: str) -> dict:
     try:
         return shapes.target_fields(text, tie)
     except (KeyError, TypeError, ValueError) as exc:
-        raise SpecError(f"{model_path}/config.json: no usable {exc} (a decoder config of the Llama family "
-                        "is needed: hidden_size, num_hidden_layers, num_attention_heads, ...)") from None
+        raise SpecError(
+            f"{model_path}/config.json: no usable {exc} (a decoder config of the Llama family "
+            "is needed: hidden_size, num_hidden_layers, num_attention_heads, ...)"
+        ) from None
 
 
-def drafter_shape(cfg: Config, base: dict, mask_token_id: int | None = None, target: str = "") -> shapes.DrafterModelConfig:
+def drafter_shape(
+    cfg: Config, base: dict, mask_token_id: int | None = None, target: str = ""
+) -> shapes.DrafterModelConfig:
     """base (a target's fields, or the synthetic ones) + the drafter/target sections + drafter.overrides,
     the captured layers resolved by services/layers.py's rule. mask_token_id: default drafter.mask_token_id;
     target: the model folder a layer error names."""
     values = dict(base)
-    values.update(num_hidden_layers=cfg.drafter.num_layers, block_size=cfg.drafter.block_size,
-                  mask_token_id=cfg.drafter.mask_token_id if mask_token_id is None else mask_token_id,
-                  layer_types=list(cfg.drafter.layer_types), sliding_window=cfg.drafter.sliding_window or None)
+    values.update(
+        num_hidden_layers=cfg.drafter.num_layers,
+        block_size=cfg.drafter.block_size,
+        mask_token_id=cfg.drafter.mask_token_id if mask_token_id is None else mask_token_id,
+        layer_types=list(cfg.drafter.layer_types),
+        sliding_window=cfg.drafter.sliding_window or None,
+    )
     if cfg.target.layer_ids:
         values["target_layer_ids"] = list(cfg.target.layer_ids)
     for key, value in cfg.drafter.overrides.items():
         if key not in shapes.MODEL_FIELDS:
-            raise SpecError(f"drafter.overrides.{key}: not a drafter model field (known: {', '.join(sorted(shapes.MODEL_FIELDS))})")
+            raise SpecError(
+                f"drafter.overrides.{key}: not a drafter model field (known: {', '.join(sorted(shapes.MODEL_FIELDS))})"
+            )
         values[key] = value
     requested = list(values.get("target_layer_ids") or [])
     if not ascending(requested):
         raise SpecError(layer_ids_message("target.layer_ids", requested))
     try:
-        values["target_layer_ids"] = layers.resolve_layer_ids(requested, values["num_target_layers"],
-                                                               values["num_hidden_layers"])
+        values["target_layer_ids"] = layers.resolve_layer_ids(
+            requested, values["num_target_layers"], values["num_hidden_layers"]
+        )
     except ValueError as exc:
         raise SpecError(f"target.model_path {target}: {exc}" if target else str(exc)) from None
     try:
         m = shapes.DrafterModelConfig(**values)
-    except ValueError as exc:          # the attention layout (check_layout), after drafter.overrides
+    except ValueError as exc:  # the attention layout (check_layout), after drafter.overrides
         raise SpecError(f"drafter model config: {exc}") from None
     for ok, message in (
-            (m.num_attention_heads % m.num_key_value_heads == 0, f"num_attention_heads={m.num_attention_heads} is "
-             f"not a multiple of num_key_value_heads={m.num_key_value_heads}"),
-            (m.head_dim % 2 == 0, f"head_dim={m.head_dim} must be even for RoPE"),
-            (cfg.drafter.num_anchors <= cfg.data.pack_len, f"drafter.num_anchors={cfg.drafter.num_anchors} is "
-             f"larger than data.pack_len={cfg.data.pack_len}"),
-            (m.block_size <= cfg.data.pack_len, f"drafter.block_size={m.block_size} is larger than "
-             f"data.pack_len={cfg.data.pack_len}")):
+        (
+            m.num_attention_heads % m.num_key_value_heads == 0,
+            f"num_attention_heads={m.num_attention_heads} is "
+            f"not a multiple of num_key_value_heads={m.num_key_value_heads}",
+        ),
+        (m.head_dim % 2 == 0, f"head_dim={m.head_dim} must be even for RoPE"),
+        (
+            cfg.drafter.num_anchors <= cfg.data.pack_len,
+            f"drafter.num_anchors={cfg.drafter.num_anchors} is larger than data.pack_len={cfg.data.pack_len}",
+        ),
+        (
+            m.block_size <= cfg.data.pack_len,
+            f"drafter.block_size={m.block_size} is larger than data.pack_len={cfg.data.pack_len}",
+        ),
+    ):
         if not ok:
             raise SpecError(message)
     return m
@@ -193,14 +230,15 @@ def drafter_shape(cfg: Config, base: dict, mask_token_id: int | None = None, tar
 
 # --- the spec --------------------------------------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class RunSpec:
-    model_path: str                  # "" for a synthetic drafter (no target)
-    target: shapes.CaptureShape      # what the target captures
-    drafter: dict                    # shapes.DrafterModelConfig fields
+    model_path: str  # "" for a synthetic drafter (no target)
+    target: shapes.CaptureShape  # what the target captures
+    drafter: dict  # shapes.DrafterModelConfig fields
     held_out: HeldOut
-    batch_keys: dict                 # dotted key -> {"decides": mark, "value": value}
-    config: dict                     # the resolved config it was resolved from
+    batch_keys: dict  # dotted key -> {"decides": mark, "value": value}
+    config: dict  # the resolved config it was resolved from
     origin: str = field(default="resolved from this worker's config", compare=False)
 
     @property
@@ -225,29 +263,51 @@ class RunSpec:
     def expected_of_target(self) -> dict:
         """What a target of this run must say in its handshake (handshake.TargetInfo.check)."""
         t = self.target
-        return dict(num_layers=t.num_layers, hidden_size=t.hidden_size, vocab_size=t.vocab_size,
-                    layer_ids=list(t.layer_ids), seq_len=self.seq_len,
-                    labels_from_target=self.config["target"]["labels_from_target"], config_digest=self.config_digest)
+        return dict(
+            num_layers=t.num_layers,
+            hidden_size=t.hidden_size,
+            vocab_size=t.vocab_size,
+            layer_ids=list(t.layer_ids),
+            seq_len=self.seq_len,
+            labels_from_target=self.config["target"]["labels_from_target"],
+            config_digest=self.config_digest,
+        )
 
     def check_target(self, found: dict, what: str) -> None:
         """SpecError naming each field of `found` (num_layers, hidden_size, ...) that is not the spec's."""
-        wrong = [f"{k}={v!r}, the run spec says {getattr(self.target, k)!r}" for k, v in found.items()
-                 if v != getattr(self.target, k)]
+        wrong = [
+            f"{k}={v!r}, the run spec says {getattr(self.target, k)!r}"
+            for k, v in found.items()
+            if v != getattr(self.target, k)
+        ]
         if wrong:
             raise SpecError(f"{what} " + "; ".join(wrong) + f" (run spec: {self.origin})")
 
     def check_loaded(self, loaded: shapes.CaptureShape) -> None:
         """The handshake's first half: what the target worker loaded against the spec."""
-        self.check_target({k: getattr(loaded, k) for k in ("num_layers", "hidden_size", "vocab_size", "layer_ids")},
-                          f"the target loaded from {self.model_path} has")
+        self.check_target(
+            {k: getattr(loaded, k) for k in ("num_layers", "hidden_size", "vocab_size", "layer_ids")},
+            f"the target loaded from {self.model_path} has",
+        )
 
     def to_dict(self) -> dict:
         t = self.target
-        return {"format": FORMAT, "model_path": self.model_path,
-                "target": {"num_layers": t.num_layers, "hidden_size": t.hidden_size, "vocab_size": t.vocab_size,
-                           "layer_ids": list(t.layer_ids), "hidden_width": t.hidden_width},
-                "drafter": self.drafter, "held_out": dataclasses.asdict(self.held_out),
-                "batch_keys": self.batch_keys, "config_digest": self.config_digest, "config": self.config}
+        return {
+            "format": FORMAT,
+            "model_path": self.model_path,
+            "target": {
+                "num_layers": t.num_layers,
+                "hidden_size": t.hidden_size,
+                "vocab_size": t.vocab_size,
+                "layer_ids": list(t.layer_ids),
+                "hidden_width": t.hidden_width,
+            },
+            "drafter": self.drafter,
+            "held_out": dataclasses.asdict(self.held_out),
+            "batch_keys": self.batch_keys,
+            "config_digest": self.config_digest,
+            "config": self.config,
+        }
 
     def save(self, run_dir: str | Path) -> Path:
         path = Path(run_dir) / FILE
@@ -266,20 +326,32 @@ def resolve(cfg: Config, synthetic: bool = False) -> RunSpec:
     else:
         raise SpecError("target.model_path is not set (use --synthetic for a drafter without a target)")
     m = drafter_shape(cfg, base, target=path)
-    if not path:                 # the made-up target: the drafter's widths, no tokenizer (the last id masks)
+    if not path:  # the made-up target: the drafter's widths, no tokenizer (the last id masks)
         base = m.to_dict()
         if m.mask_token_id < 0:
             m = dataclasses.replace(m, mask_token_id=m.vocab_size - 1)
-    target = shapes.CaptureShape(layer_ids=list(m.target_layer_ids), hidden_size=base["hidden_size"],
-                                 vocab_size=base["vocab_size"], num_layers=base["num_target_layers"])
-    need = cfg.data.pack_len * target.hidden_width * shapes.HIDDEN_BYTES   # a bigger batch is dropped by every drafter
+    target = shapes.CaptureShape(
+        layer_ids=list(m.target_layer_ids),
+        hidden_size=base["hidden_size"],
+        vocab_size=base["vocab_size"],
+        num_layers=base["num_target_layers"],
+    )
+    need = cfg.data.pack_len * target.hidden_width * shapes.HIDDEN_BYTES  # a bigger batch is dropped by every drafter
     if need > cfg.transport.max_batch_bytes:
-        raise SpecError(f"transport.max_batch_bytes={cfg.transport.max_batch_bytes} is smaller than one batch's "
-                        f"hidden states ({need} bytes: data.pack_len={cfg.data.pack_len} x {len(target.layer_ids)} "
-                        f"layers x hidden_size {target.hidden_size} x {shapes.HIDDEN_BYTES} bytes); raise "
-                        "transport.max_batch_bytes or lower data.pack_len")
-    return RunSpec(model_path=path, target=target, drafter=m.to_dict(), held_out=HeldOut.of(cfg),
-                   batch_keys=batch_keys_of(cfg), config=cfg.to_dict())
+        raise SpecError(
+            f"transport.max_batch_bytes={cfg.transport.max_batch_bytes} is smaller than one batch's "
+            f"hidden states ({need} bytes: data.pack_len={cfg.data.pack_len} x {len(target.layer_ids)} "
+            f"layers x hidden_size {target.hidden_size} x {shapes.HIDDEN_BYTES} bytes); raise "
+            "transport.max_batch_bytes or lower data.pack_len"
+        )
+    return RunSpec(
+        model_path=path,
+        target=target,
+        drafter=m.to_dict(),
+        held_out=HeldOut.of(cfg),
+        batch_keys=batch_keys_of(cfg),
+        config=cfg.to_dict(),
+    )
 
 
 def load(path: str | Path) -> RunSpec:
@@ -290,14 +362,25 @@ def load(path: str | Path) -> RunSpec:
         if data.get("format") != FORMAT:
             raise ValueError(f"format {data.get('format')!r}, this version reads {FORMAT}")
         t = data["target"]
-        return RunSpec(model_path=data["model_path"],
-                       target=shapes.CaptureShape(layer_ids=list(t["layer_ids"]), hidden_size=t["hidden_size"],
-                                                  vocab_size=t["vocab_size"], num_layers=t["num_layers"]),
-                       drafter=dict(data["drafter"]), held_out=HeldOut(**data["held_out"]),
-                       batch_keys=dict(data["batch_keys"]), config=dict(data["config"]), origin=str(path))
+        return RunSpec(
+            model_path=data["model_path"],
+            target=shapes.CaptureShape(
+                layer_ids=list(t["layer_ids"]),
+                hidden_size=t["hidden_size"],
+                vocab_size=t["vocab_size"],
+                num_layers=t["num_layers"],
+            ),
+            drafter=dict(data["drafter"]),
+            held_out=HeldOut(**data["held_out"]),
+            batch_keys=dict(data["batch_keys"]),
+            config=dict(data["config"]),
+            origin=str(path),
+        )
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-        raise SpecError(f"{path}: not a run spec ({type(exc).__name__}: {exc}); `launcher up` writes it, "
-                        f"or remove it and the workers resolve it themselves") from None
+        raise SpecError(
+            f"{path}: not a run spec ({type(exc).__name__}: {exc}); `launcher up` writes it, "
+            f"or remove it and the workers resolve it themselves"
+        ) from None
 
 
 def for_worker(cfg: Config, run_dir: str | Path, synthetic: bool = False) -> RunSpec:
@@ -308,17 +391,25 @@ def for_worker(cfg: Config, run_dir: str | Path, synthetic: bool = False) -> Run
         return resolve(cfg, synthetic)
     spec = load(path)
     if spec.config != cfg.to_dict():
-        raise SpecError(f"{path} was resolved from another config than this worker's ({_differences(spec.config, cfg.to_dict())}); "
-                        f"start the worker with --config {Path(run_dir) / 'config.json'}")
+        raise SpecError(
+            f"{path} was resolved from another config than this worker's ({_differences(spec.config, cfg.to_dict())}); "
+            f"start the worker with --config {Path(run_dir) / 'config.json'}"
+        )
     if spec.model_path:
         found = target_fields_of(spec.model_path)
-        spec.check_target({"num_layers": found["num_target_layers"], "hidden_size": found["hidden_size"],
-                           "vocab_size": found["vocab_size"]}, f"the model at {spec.model_path} (its config.json) has")
+        spec.check_target(
+            {
+                "num_layers": found["num_target_layers"],
+                "hidden_size": found["hidden_size"],
+                "vocab_size": found["vocab_size"],
+            },
+            f"the model at {spec.model_path} (its config.json) has",
+        )
     return spec
 
 
 def _differences(then: dict, now: dict, most: int = 3) -> str:
-    flat = lambda d: {f"{s}.{k}": v for s, keys in d.items() for k, v in keys.items()}   # noqa: E731
+    flat = lambda d: {f"{s}.{k}": v for s, keys in d.items() for k, v in keys.items()}  # noqa: E731
     a, b = flat(then), flat(now)
     keys = [k for k in dict.fromkeys([*a, *b]) if a.get(k) != b.get(k)]
     said = "; ".join(f"{k}: {a.get(k)!r} there, {b.get(k)!r} here" for k in keys[:most])

@@ -18,25 +18,26 @@ is only taken between optimizer steps), whatever D wrote it.
 
 No torch here: the launcher reads the plan too (schedule.json, `launcher status`).
 """
+
 from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, fields
 
-SYNTHETIC_STEPS = 1000        # synthetic data has no end: this many optimizer steps unless max_steps is set
+SYNTHETIC_STEPS = 1000  # synthetic data has no end: this many optimizer steps unless max_steps is set
 
 
 @dataclass(frozen=True)
 class Plan:
-    batches_per_epoch: int        # of the split (0: synthetic, endless)
+    batches_per_epoch: int  # of the split (0: synthetic, endless)
     epochs: int
     drafters: int
     grad_accum: int
-    optimizer_steps: int          # what a rank's optimizer does over the run (the last step's number)
-    micro_batches: int            # per rank: optimizer_steps * grad_accum (the last micro-step's number)
-    total_batches: int            # real batches trained by all ranks together: g in [0, total_batches)
-    first_step: int = 0           # this segment's first optimizer step (a resume's checkpoint step)
-    first_g: int = 0              # batches g < first_g were trained before it
+    optimizer_steps: int  # what a rank's optimizer does over the run (the last step's number)
+    micro_batches: int  # per rank: optimizer_steps * grad_accum (the last micro-step's number)
+    total_batches: int  # real batches trained by all ranks together: g in [0, total_batches)
+    first_step: int = 0  # this segment's first optimizer step (a resume's checkpoint step)
+    first_g: int = 0  # batches g < first_g were trained before it
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -65,12 +66,21 @@ class Plan:
 
     def describe(self) -> str:
         resumed = f", resumed at step {self.first_step} with {self.first_g} done" if self.first_step else ""
-        return (f"{self.optimizer_steps} optimizer steps x {self.grad_accum} micro-batches on each of "
-                f"{self.drafters} drafters: {self.total_batches} batches{resumed}")
+        return (
+            f"{self.optimizer_steps} optimizer steps x {self.grad_accum} micro-batches on each of "
+            f"{self.drafters} drafters: {self.total_batches} batches{resumed}"
+        )
 
 
-def make_plan(batches_per_epoch: int | None, epochs: int, drafters: int, grad_accum: int = 1,
-              max_steps: int = 0, first_step: int = 0, first_g: int = 0) -> Plan:
+def make_plan(
+    batches_per_epoch: int | None,
+    epochs: int,
+    drafters: int,
+    grad_accum: int = 1,
+    max_steps: int = 0,
+    first_step: int = 0,
+    first_g: int = 0,
+) -> Plan:
     """batches_per_epoch None: synthetic data (max_steps, or SYNTHETIC_STEPS, optimizer steps).
     first_step, first_g: where a resumed run's segment starts (the checkpoint's step and batches done)."""
     grad_accum, drafters = max(1, grad_accum), max(1, drafters)
@@ -80,7 +90,7 @@ def make_plan(batches_per_epoch: int | None, epochs: int, drafters: int, grad_ac
         total = first_g + max(0, micro - first_step * grad_accum) * drafters
         return Plan(0, 1, drafters, grad_accum, steps, micro, total, first_step, first_g)
     available = batches_per_epoch * epochs
-    first_g = min(first_g, available)        # a finished run's empty slots were never data
+    first_g = min(first_g, available)  # a finished run's empty slots were never data
     steps = first_step + math.ceil(math.ceil((available - first_g) / drafters) / grad_accum)
     if max_steps:
         steps = min(steps, max_steps)

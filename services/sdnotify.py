@@ -20,6 +20,7 @@ WATCHDOG=1 is sent only from the main loop, only after READY=1: systemd arms the
 at READY (and at the first WATCHDOG=1, so an early one would arm it during a long compile).
 A loop hung in an NCCL call or a kernel stops pinging, and systemd restarts the unit.
 """
+
 from __future__ import annotations
 
 import os
@@ -34,10 +35,10 @@ def _address(env) -> str | None:
     if not path:
         return None
     if path.startswith("@"):
-        return "\0" + path[1:]        # abstract namespace
+        return "\0" + path[1:]  # abstract namespace
     if path.startswith("/"):
         return path
-    return None                       # vsock: and other forms systemd may pass: unsupported here
+    return None  # vsock: and other forms systemd may pass: unsupported here
 
 
 def notify(message: str, env=None, sock: socket.socket | None = None) -> bool:
@@ -131,7 +132,7 @@ class Notifier:
         if self._is_ready:
             return False
         self._is_ready = True
-        self._last_ping = self._clock()      # READY arms the watchdog: count it as a ping
+        self._last_ping = self._clock()  # READY arms the watchdog: count it as a ping
         return self._send(f"READY=1\nSTATUS={_one_line(text)}")
 
     def watchdog(self) -> bool:

@@ -2,6 +2,7 @@
 built as, and how both are read from a target's config.json. services/runspec.py resolves them
 once per run; the target's model and the drafter's model read them from there.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -29,6 +30,7 @@ class CapturedWidth:
 @dataclass
 class CaptureShape(CapturedWidth):
     """What a target captures: its layers (ascending, within [0, num_layers)), their width, its vocabulary."""
+
     layer_ids: list[int]
     hidden_size: int
     vocab_size: int
@@ -38,6 +40,7 @@ class CaptureShape(CapturedWidth):
 @dataclass
 class DrafterModelConfig:
     """The drafter's shape (services/drafter/model.py builds it): the target's widths, its own layers."""
+
     hidden_size: int
     intermediate_size: int
     num_attention_heads: int
@@ -55,8 +58,8 @@ class DrafterModelConfig:
     initializer_range: float = 0.02
     max_position_embeddings: int = 40960
     tie_word_embeddings: bool = False
-    layer_types: list[str] = field(default_factory=list)   # per draft layer; empty = all full_attention
-    sliding_window: int | None = None                        # W of the sliding_attention layers
+    layer_types: list[str] = field(default_factory=list)  # per draft layer; empty = all full_attention
+    sliding_window: int | None = None  # W of the sliding_attention layers
 
     def __post_init__(self):
         if not self.layer_types:
@@ -82,9 +85,19 @@ class DrafterModelConfig:
 MODEL_FIELDS = tuple(f.name for f in dataclasses.fields(DrafterModelConfig))
 
 # drafter model fields for a synthetic run without a target checkpoint; drafter.overrides apply on top
-SYNTHETIC_MODEL = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-                       head_dim=16, vocab_size=128, num_target_layers=8, rms_norm_eps=1e-6,
-                       rope_theta=10000.0, initializer_range=0.02, max_position_embeddings=4096)
+SYNTHETIC_MODEL = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    vocab_size=128,
+    num_target_layers=8,
+    rms_norm_eps=1e-6,
+    rope_theta=10000.0,
+    initializer_range=0.02,
+    max_position_embeddings=4096,
+)
 
 
 def text_section(config: dict) -> tuple[dict, bool]:

@@ -2,6 +2,7 @@
 
 No torch here: the launcher's probe uses it too.
 """
+
 from __future__ import annotations
 
 import os
@@ -18,9 +19,9 @@ def secure_socket(sock: zmq.Socket, max_bytes: int) -> None:
 def bind_private(sock: zmq.Socket, endpoint: str) -> None:
     """Bind; for ipc in an owner-only folder (made here if needed), as an owner-only socket file."""
     if endpoint.startswith("ipc://"):
-        folder = os.path.dirname(endpoint[len("ipc://"):])
+        folder = os.path.dirname(endpoint[len("ipc://") :])
         os.makedirs(folder, mode=0o700, exist_ok=True)
         os.chmod(folder, 0o700)
     sock.bind(endpoint)
     if endpoint.startswith("ipc://"):
-        os.chmod(endpoint[len("ipc://"):], 0o600)
+        os.chmod(endpoint[len("ipc://") :], 0o600)

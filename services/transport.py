@@ -29,6 +29,7 @@ resend.
 Here: the target's side, BatchServer. The drafter's side is batch_client.BatchClient; a batch's
 messages and their reassembly are batch_stream.py; the I/O thread both sides run, io_thread.py.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -53,18 +54,18 @@ from services.sockets import bind_private, secure_socket
 
 log = logging.getLogger(__name__)
 
-MAX_REQUEST_BYTES = 1 << 20     # a verify prompt's ids at most (int64); ZMQ disconnects a peer sending more
-SEND_TIMEOUT_S = 30.0           # longest wait for room in a drafter's queue before giving up
+MAX_REQUEST_BYTES = 1 << 20  # a verify prompt's ids at most (int64); ZMQ disconnects a peer sending more
+SEND_TIMEOUT_S = 30.0  # longest wait for room in a drafter's queue before giving up
 
 
 @dataclass
 class Request:
-    client: bytes   # ROUTER identity of the asking drafter
-    kind: str       # "batch" | "info"
-    g: int          # global batch index (kind == "batch"); -1 for info
-    split: str      # "train" | "eval"
-    incarnation: str = ""   # the target incarnation the drafter believes it asks ("" if it did not say)
-    verify: verify.VerifyRequest | None = None   # kind == "verify"
+    client: bytes  # ROUTER identity of the asking drafter
+    kind: str  # "batch" | "info"
+    g: int  # global batch index (kind == "batch"); -1 for info
+    split: str  # "train" | "eval"
+    incarnation: str = ""  # the target incarnation the drafter believes it asks ("" if it did not say)
+    verify: verify.VerifyRequest | None = None  # kind == "verify"
 
 
 def new_incarnation() -> str:
@@ -75,13 +76,14 @@ def new_incarnation() -> str:
 @dataclass
 class _Reply:
     """Messages for one drafter, sent in order by the I/O thread."""
+
     client: bytes
     messages: Iterator[list]
-    ready: object = None            # a CUDA event: the bytes are in host memory once it has completed
-    release: object = None          # called once ZMQ is done with every frame (the buffer may be reused)
-    started: float = 0.0            # when its first message was queued
-    trackers: list | None = None    # one per message: done once ZMQ has let go of its bytes
-    what: str = "batch"             # for the log: "batch" (asked again), "reply" or "verify answer"
+    ready: object = None  # a CUDA event: the bytes are in host memory once it has completed
+    release: object = None  # called once ZMQ is done with every frame (the buffer may be reused)
+    started: float = 0.0  # when its first message was queued
+    trackers: list | None = None  # one per message: done once ZMQ has let go of its bytes
+    what: str = "batch"  # for the log: "batch" (asked again), "reply" or "verify answer"
 
 
 class BatchServer(IoThread):
@@ -93,28 +95,33 @@ class BatchServer(IoThread):
     SEND_TIMEOUT_S (it will ask again). So neither the GPU loop nor the other drafters wait on it.
     """
 
-    def __init__(self, endpoint: str, transport: TransportConfig, health: HealthServer | None = None,
-                 verify_limits: verify.VerifyLimits | None = None):
+    def __init__(
+        self,
+        endpoint: str,
+        transport: TransportConfig,
+        health: HealthServer | None = None,
+        verify_limits: verify.VerifyLimits | None = None,
+    ):
         self.transport = transport
-        self.verify_limits = verify_limits       # None: verify requests are refused (counted and dropped)
+        self.verify_limits = verify_limits  # None: verify requests are refused (counted and dropped)
         self.drops = Drops(health)
         self._health = health
         self.incarnation = new_incarnation()
         if health:
-            health.set(incarnation=self.incarnation)     # drafters learn it here, before they ask
+            health.set(incarnation=self.incarnation)  # drafters learn it here, before they ask
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
         secure_socket(self._sock, MAX_REQUEST_BYTES)
-        self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)   # an unknown drafter is an error, not a silent drop
+        self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # an unknown drafter is an error, not a silent drop
         self._sock.setsockopt(zmq.SNDHWM, queue_depth(transport))
         self._sock.setsockopt(zmq.RCVHWM, 1000)
-        if keys := curve.keys_for(transport):   # tcp with transport.curve_keys_dir: encrypted, client key checked
+        if keys := curve.keys_for(transport):  # tcp with transport.curve_keys_dir: encrypted, client key checked
             curve.apply_server(self._sock, keys)
         bind_private(self._sock, endpoint)
-        self.endpoint = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)   # resolves tcp port '*'
+        self.endpoint = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)  # resolves tcp port '*'
         self._requests: queue.Queue[Request] = queue.Queue()
         self._outbox: queue.Queue[_Reply] = queue.Queue()
-        self._unsent = 0                         # replies handed over and not yet fully queued in ZMQ
+        self._unsent = 0  # replies handed over and not yet fully queued in ZMQ
         self._unsent_lock = threading.Lock()
         self._start_io("target-io")
 
@@ -129,8 +136,9 @@ class BatchServer(IoThread):
         `ready` (a CUDA event) is waited for before the first byte goes out; `release` is called
         once ZMQ no longer needs the batch's memory, also when the drafter is gone.
         """
-        self._hand_over(_Reply(client, batch_messages(batch, split, self.transport.chunk_bytes, self.incarnation),
-                               ready, release))
+        self._hand_over(
+            _Reply(client, batch_messages(batch, split, self.transport.chunk_bytes, self.incarnation), ready, release)
+        )
 
     def send_info(self, client: bytes, info: dict) -> None:
         self.send_frames(client, Info(info).to_wire())
@@ -167,8 +175,8 @@ class BatchServer(IoThread):
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
         poller.register(self._wake_in, zmq.POLLIN)
-        streams: dict[bytes, list[_Reply]] = {}      # per drafter, in order
-        in_flight: list[_Reply] = []                   # fully queued; waiting for ZMQ to let go of the bytes
+        streams: dict[bytes, list[_Reply]] = {}  # per drafter, in order
+        in_flight: list[_Reply] = []  # fully queued; waiting for ZMQ to let go of the bytes
         try:
             while not self._closing.is_set():
                 progressed = bool(streams) and self._send_some(streams, in_flight)
@@ -223,7 +231,7 @@ class BatchServer(IoThread):
             replies = streams[client]
             reply = replies[0]
             if reply.ready is not None and not reply.ready.query():
-                continue                       # its copy to host memory is still running on the GPU
+                continue  # its copy to host memory is still running on the GPU
             if not reply.started:
                 reply.started, reply.trackers = time.monotonic(), []
             outcome = self._stream(reply)
@@ -231,9 +239,9 @@ class BatchServer(IoThread):
                 if time.monotonic() - reply.started <= SEND_TIMEOUT_S:
                     continue
                 self._give_up(f"drafter queue full for {SEND_TIMEOUT_S:.0f}s; {reply.what} abandoned")
-            finished = list(replies) if outcome == "gone" else [reply]   # gone: nothing more reaches it
+            finished = list(replies) if outcome == "gone" else [reply]  # gone: nothing more reaches it
             in_flight.extend(finished)
-            del replies[:len(finished)]
+            del replies[: len(finished)]
             if not replies:
                 del streams[client]
             with self._unsent_lock:
@@ -245,20 +253,22 @@ class BatchServer(IoThread):
         """Queue the reply's messages in ZMQ: "done", "full" (try again later) or "gone"."""
         for frames in reply.messages:
             try:
-                reply.trackers.append(self._sock.send_multipart([reply.client, *frames], zmq.NOBLOCK, copy=False,
-                                                                track=True))
-            except zmq.Again:   # this drafter's queue is full: keep the message for the next round
+                reply.trackers.append(
+                    self._sock.send_multipart([reply.client, *frames], zmq.NOBLOCK, copy=False, track=True)
+                )
+            except zmq.Again:  # this drafter's queue is full: keep the message for the next round
                 reply.messages = itertools.chain([frames], reply.messages)
                 return "full"
             except zmq.ZMQError as exc:
                 if exc.errno != zmq.EHOSTUNREACH:
                     raise
                 # e.g. a verify answer that came after the drafter stopped waiting and closed its socket
-                self._give_up(f"drafter disconnected; {reply.what} dropped"
-                              + (" (it will ask again)" if reply.what == "batch" else ""))
+                self._give_up(
+                    f"drafter disconnected; {reply.what} dropped"
+                    + (" (it will ask again)" if reply.what == "batch" else "")
+                )
                 return "gone"
         return "done"
-
 
     @staticmethod
     def _released_if_done(reply: _Reply) -> bool:

@@ -1,7 +1,8 @@
 """Verification by the target workers: the messages and the drafter's client (docs/wire.md, "Verify").
 
     drafter DEALER -> target ROUTER   verify {op: "open", id, session, incarnation, features} + ids (the prompt)
-                                      verify {op: "step", id, session, incarnation, features} + ids (last token + drafts)
+                                      verify {op: "step", id, session, incarnation, features}
+                                        + ids (last token + drafts)
                                       verify {op: "close", id, session, incarnation}
     target ROUTER -> drafter DEALER   verified {op, id, session, incarnation, committed, part, parts, row}
                                         + greedy, margin, tolerance (part 0) + features rows (every part)
@@ -19,6 +20,7 @@ reply against what it asked (sizes it knows from its own request). A reply from 
 client did not ask is dropped and counted, and the call fails at once with TargetRestarted: the
 session lived in the old process.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -37,7 +39,7 @@ from services.sockets import secure_socket
 
 OPS = ("open", "step", "close")
 MAX_ID = (1 << 63) - 1
-CALL_TIMEOUT_S = 30.0            # one call: a verify step is milliseconds, a prefill at most seconds
+CALL_TIMEOUT_S = 30.0  # one call: a verify step is milliseconds, a prefill at most seconds
 FEATURE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -59,11 +61,12 @@ class TargetUnavailable(VerifyError):
 
 # --- requests (target side parses, drafter side builds) -----------------------------------------------
 
+
 @dataclass(frozen=True)
 class VerifyLimits:
-    max_prompt: int        # prompt tokens (data.pack_len)
-    max_block: int         # tokens per step (drafter.block_size)
-    max_length: int        # a session's committed tokens at most (prompt + new tokens + a block)
+    max_prompt: int  # prompt tokens (data.pack_len)
+    max_block: int  # tokens per step (drafter.block_size)
+    max_length: int  # a session's committed tokens at most (prompt + new tokens + a block)
     vocab_size: int
 
 
@@ -77,16 +80,23 @@ def _bounded_int(header: dict, key: str) -> int:
 @dataclass
 class VerifyRequest:
     """verify {op, id, session, incarnation, features} + ids: one call of a drafter (close: no ids)."""
+
     op: str
     id: int
     session: int
     ids: list[int]
-    features: bool = True    # send the committed tokens' features back
-    incarnation: str = ""    # the target incarnation the drafter believes it asks
+    features: bool = True  # send the committed tokens' features back
+    incarnation: str = ""  # the target incarnation the drafter believes it asks
 
     def to_wire(self) -> list:
-        header = {"kind": "verify", "op": self.op, "id": self.id, "session": self.session,
-                  "incarnation": self.incarnation, "features": self.features}
+        header = {
+            "kind": "verify",
+            "op": self.op,
+            "id": self.id,
+            "session": self.session,
+            "incarnation": self.incarnation,
+            "features": self.features,
+        }
         return wire.encode(header, {"ids": torch.tensor(self.ids, dtype=torch.int64)} if self.op != "close" else {})
 
     @classmethod
@@ -108,12 +118,16 @@ class VerifyRequest:
             return request
         ids = tensors.get("ids")
         if len(tensors) != 1 or ids is None or ids.dtype != torch.int64 or ids.dim() != 1:
-            raise wire.WireError(f"verify {op}: expected exactly one 1-d int64 tensor 'ids', got "
-                                 f"{[(n, str(t.dtype), list(t.shape)) for n, t in tensors.items()]}")
+            raise wire.WireError(
+                f"verify {op}: expected exactly one 1-d int64 tensor 'ids', got "
+                f"{[(n, str(t.dtype), list(t.shape)) for n, t in tensors.items()]}"
+            )
         most = limits.max_prompt if op == "open" else limits.max_block
         if not 1 <= ids.numel() <= most:
-            raise wire.WireError(f"verify {op}: {ids.numel()} ids; expected 1..{most} "
-                                 f"({'data.pack_len' if op == 'open' else 'drafter.block_size'})")
+            raise wire.WireError(
+                f"verify {op}: {ids.numel()} ids; expected 1..{most} "
+                f"({'data.pack_len' if op == 'open' else 'drafter.block_size'})"
+            )
         if int(ids.min()) < 0 or int(ids.max()) >= limits.vocab_size:
             raise wire.WireError(f"verify {op}: a token id outside [0, {limits.vocab_size})")
         request.ids = ids.tolist()
@@ -122,26 +136,33 @@ class VerifyRequest:
 
 # --- replies (target side builds, drafter side parses) ------------------------------------------------
 
+
 @dataclass
 class Verified:
     """verified {op, id, session, incarnation, committed, part, parts, row} + tensors: one part of an answer;
     verified {op: "close", id, session, incarnation, committed: 0}: a closed session (no parts);
     verified {op, id, session, incarnation, error, code}: a refusal (code "session": the session is unknown)."""
+
     op: str
     id: int
     session: int
     incarnation: str
     committed: int = 0
-    part: int | None = None      # None: the answer to a close, or a refusal
+    part: int | None = None  # None: the answer to a close, or a refusal
     parts: int = 1
-    row: int = 0                 # the first feature row this part carries
+    row: int = 0  # the first feature row this part carries
     error: str | None = None
     code: str = "refused"
     tensors: dict = field(default_factory=dict)
 
     def to_wire(self) -> list:
-        head = {"kind": "verified", "op": self.op, "id": self.id, "session": self.session,
-                "incarnation": self.incarnation}
+        head = {
+            "kind": "verified",
+            "op": self.op,
+            "id": self.id,
+            "session": self.session,
+            "incarnation": self.incarnation,
+        }
         if self.error is not None:
             return wire.encode({**head, "error": self.error[:1000], "code": self.code})
         head["committed"] = self.committed
@@ -155,8 +176,9 @@ class Verified:
         op = header.get("op")
         if op not in OPS:
             raise wire.WireError(f"verified field 'op': expected one of {OPS}, got {str(op)[:40]!r}")
-        reply = cls(op, _bounded_int(header, "id"), _bounded_int(header, "session"), incarnation_field(header),
-                    tensors=tensors)
+        reply = cls(
+            op, _bounded_int(header, "id"), _bounded_int(header, "session"), incarnation_field(header), tensors=tensors
+        )
         if "error" in header:
             reply.error, reply.code = str(header["error"])[:1000], str(header.get("code"))[:40]
         elif op != "close":
@@ -165,9 +187,16 @@ class Verified:
         return reply
 
 
-def reply_messages(request: VerifyRequest, incarnation: str, committed: int, greedy: torch.Tensor,
-                   margin: torch.Tensor, tolerance: torch.Tensor, features: torch.Tensor | None,
-                   chunk_bytes: int) -> list[list]:
+def reply_messages(
+    request: VerifyRequest,
+    incarnation: str,
+    committed: int,
+    greedy: torch.Tensor,
+    margin: torch.Tensor,
+    tolerance: torch.Tensor,
+    features: torch.Tensor | None,
+    chunk_bytes: int,
+) -> list[list]:
     """The messages of one answer: part 0 with the per-position tensors, the features in row parts."""
     rows = 0 if features is None else features.shape[0]
     per_part = max(1, chunk_bytes // max(1, features[0].numel() * features.element_size())) if rows else 1
@@ -176,9 +205,20 @@ def reply_messages(request: VerifyRequest, incarnation: str, committed: int, gre
     for part in range(parts):
         tensors = {"greedy": greedy, "margin": margin, "tolerance": tolerance} if part == 0 else {}
         if features is not None:
-            tensors["features"] = features[part * per_part:(part + 1) * per_part]
-        messages.append(Verified(request.op, request.id, request.session, incarnation, committed, part, parts,
-                                 part * per_part, tensors=tensors).to_wire())
+            tensors["features"] = features[part * per_part : (part + 1) * per_part]
+        messages.append(
+            Verified(
+                request.op,
+                request.id,
+                request.session,
+                incarnation,
+                committed,
+                part,
+                parts,
+                part * per_part,
+                tensors=tensors,
+            ).to_wire()
+        )
     return messages
 
 
@@ -193,10 +233,10 @@ def error_frames(request: VerifyRequest, incarnation: str, message: str, code: s
 
 @dataclass
 class Reply:
-    greedy: list[int]              # [n] the target's greedy token after each position (open: after the prompt)
-    margin: list[float]            # [n] top-1 minus top-2 logit there
-    tolerance: list[float]         # [n] the logits' rounding there (a smaller margin is a near-tie)
-    committed: int                 # tokens the target committed (open: the prompt's length)
+    greedy: list[int]  # [n] the target's greedy token after each position (open: after the prompt)
+    margin: list[float]  # [n] top-1 minus top-2 logit there
+    tolerance: list[float]  # [n] the logits' rounding there (a smaller margin is a near-tie)
+    committed: int  # tokens the target committed (open: the prompt's length)
     features: torch.Tensor | None  # [committed, width] the captured features of the committed tokens
 
 
@@ -212,20 +252,28 @@ class _Assembly:
         """Take one part; True when the answer is complete."""
         part, parts, row = reply.part, reply.parts, reply.row
         if part != self.next_part or (part and parts != self.parts) or row != self.filled:
-            raise wire.WireError(f"verified part {part}/{parts} at row {row}; expected part {self.next_part} "
-                                 f"at row {self.filled}")
+            raise wire.WireError(
+                f"verified part {part}/{parts} at row {row}; expected part {self.next_part} at row {self.filled}"
+            )
         if part == 0:
             self._first(reply)
         rows = reply.tensors.get("features")
         if self.want_features:
             expected = self.reply.committed
-            if (rows is None or rows.dtype not in FEATURE_DTYPES or rows.dim() != 2 or rows.shape[1] != self.width
-                    or self.filled + rows.shape[0] > expected):
-                raise wire.WireError(f"verified features: expected rows of width {self.width} ({expected} in all), "
-                                     f"got {None if rows is None else (str(rows.dtype), list(rows.shape))}")
+            if (
+                rows is None
+                or rows.dtype not in FEATURE_DTYPES
+                or rows.dim() != 2
+                or rows.shape[1] != self.width
+                or self.filled + rows.shape[0] > expected
+            ):
+                raise wire.WireError(
+                    f"verified features: expected rows of width {self.width} ({expected} in all), "
+                    f"got {None if rows is None else (str(rows.dtype), list(rows.shape))}"
+                )
             if self.reply.features is None:
-                self.reply.features = torch.empty(expected, self.width, dtype=rows.dtype)   # sized by our request
-            self.reply.features[self.filled:self.filled + rows.shape[0]] = rows
+                self.reply.features = torch.empty(expected, self.width, dtype=rows.dtype)  # sized by our request
+            self.reply.features[self.filled : self.filled + rows.shape[0]] = rows
             self.filled += rows.shape[0]
         elif rows is not None:
             raise wire.WireError("verified: features nobody asked for")
@@ -238,7 +286,7 @@ class _Assembly:
 
     def _first(self, reply: Verified) -> None:
         parts, tensors = reply.parts, reply.tensors
-        if not 1 <= parts <= self.sent:             # every part carries at least one row
+        if not 1 <= parts <= self.sent:  # every part carries at least one row
             raise wire.WireError(f"verified field 'parts': {parts}, expected 1..{self.sent}")
         n = 1 if self.op == "open" else self.sent
         committed = reply.committed
@@ -248,11 +296,14 @@ class _Assembly:
         for name, dtype in checks.items():
             t = tensors.get(name)
             if t is None or t.dtype != dtype or list(t.shape) != [n]:
-                raise wire.WireError(f"verified {name!r}: expected {dtype} of shape [{n}], got "
-                                     f"{None if t is None else (str(t.dtype), list(t.shape))}")
+                raise wire.WireError(
+                    f"verified {name!r}: expected {dtype} of shape [{n}], got "
+                    f"{None if t is None else (str(t.dtype), list(t.shape))}"
+                )
         self.parts = parts
-        self.reply = Reply(tensors["greedy"].tolist(), tensors["margin"].tolist(), tensors["tolerance"].tolist(),
-                           committed, None)
+        self.reply = Reply(
+            tensors["greedy"].tolist(), tensors["margin"].tolist(), tensors["tolerance"].tolist(), committed, None
+        )
 
 
 class VerifyClient:
@@ -262,8 +313,15 @@ class VerifyClient:
     is not serving fails at once (TargetUnavailable), one that gets no answer in CALL_TIMEOUT_S too.
     """
 
-    def __init__(self, data_eps: list[str], health_eps: list[str], transport: TransportConfig, width: int,
-                 drops=None, timeout_s: float = CALL_TIMEOUT_S):
+    def __init__(
+        self,
+        data_eps: list[str],
+        health_eps: list[str],
+        transport: TransportConfig,
+        width: int,
+        drops=None,
+        timeout_s: float = CALL_TIMEOUT_S,
+    ):
         self.data_eps, self.health_eps, self.transport, self.width = data_eps, health_eps, transport, width
         self.drops = drops or (lambda kind, detail: None)
         self.timeout_s = timeout_s
@@ -283,7 +341,7 @@ class VerifyClient:
             raise TargetUnavailable(f"target {target} is not serving ({status.get('state') if status else why})")
         incarnation = str(status["incarnation"])
         if self.incarnations.get(target) not in (None, incarnation):
-            self._reconnect(target)         # the old connection may lead to whatever holds the socket now
+            self._reconnect(target)  # the old connection may lead to whatever holds the socket now
         self.incarnations[target] = incarnation
         return incarnation
 
@@ -326,8 +384,10 @@ class VerifyClient:
         while True:
             left = deadline - time.monotonic()
             if left <= 0 or not sock.poll(int(left * 1000) + 1, zmq.POLLIN):
-                self._reconnect(target)      # a late answer must not be read as the next call's
-                raise TargetUnavailable(f"target {target}: no answer to verify {op} within {timeout_s or self.timeout_s:g}s")
+                self._reconnect(target)  # a late answer must not be read as the next call's
+                raise TargetUnavailable(
+                    f"target {target}: no answer to verify {op} within {timeout_s or self.timeout_s:g}s"
+                )
             frames = sock.recv_multipart(copy=False)
             try:
                 header, tensors = wire.decode(frames, self.transport.max_message_bytes)
@@ -338,14 +398,17 @@ class VerifyClient:
                     self.drops("data-unrequested", f"target {target}: verify answer to id {reply.id}")
                     continue
                 if reply.incarnation != incarnation:
-                    self.drops("data-incarnation", f"target {target}: verify answer from incarnation "
-                                                   f"{reply.incarnation!r}, asked {incarnation!r}")
+                    self.drops(
+                        "data-incarnation",
+                        f"target {target}: verify answer from incarnation {reply.incarnation!r}, asked {incarnation!r}",
+                    )
                     self.incarnations.pop(target, None)
                     self._reconnect(target)
                     raise TargetRestarted(f"target {target} was restarted; session {session} is gone")
                 if reply.error is not None:
                     raise (SessionLost if reply.code == "session" else VerifyError)(
-                        f"target {target}: verify {op}: {reply.error}")
+                        f"target {target}: verify {op}: {reply.error}"
+                    )
                 if op == "close" or assembly.add(reply):
                     return assembly.reply
             except wire.WireError as exc:

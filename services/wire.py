@@ -8,6 +8,7 @@ receiving makes none either (torch.frombuffer over the received frames). Every w
 can be bad raises WireError, and everything is checked before anything the size of a tensor
 is allocated. Nothing here pickles.
 """
+
 from __future__ import annotations
 
 import math
@@ -25,10 +26,10 @@ KINDS = frozenset({"request", "info", "batch", "chunk", "error", "verify", "veri
 DTYPES = dtypes.WIRE
 DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 
-MAX_HEADER_BYTES = 64 << 10          # frame 0
-MAX_TENSORS = 64                     # per message
+MAX_HEADER_BYTES = 64 << 10  # frame 0
+MAX_TENSORS = 64  # per message
 MAX_DIMS = 8
-MAX_DIM_SIZE = (1 << 31) - 1         # any one dimension, even of an empty tensor
+MAX_DIM_SIZE = (1 << 31) - 1  # any one dimension, even of an empty tensor
 MAX_NAME_LEN = 128
 DEFAULT_MAX_MESSAGE_BYTES = 64 << 20  # tensor bytes per message; transport.max_message_bytes
 _SPEC_KEYS = frozenset({"name", "dtype", "shape", "nbytes"})
@@ -51,6 +52,7 @@ class TensorSpec:
 
 # --- sending -----------------------------------------------------------------
 
+
 def byte_view(name: str, tensor: torch.Tensor) -> torch.Tensor:
     """The tensor's bytes as a flat uint8 tensor, without a copy when it is already contiguous."""
     if not isinstance(tensor, torch.Tensor):
@@ -61,7 +63,7 @@ def byte_view(name: str, tensor: torch.Tensor) -> torch.Tensor:
         raise WireError(f"tensor {name!r}: dtype {tensor.dtype} is not in the wire whitelist")
     tensor = tensor.detach()
     if not tensor.is_contiguous():
-        tensor = tensor.contiguous()   # the only copy encode ever makes
+        tensor = tensor.contiguous()  # the only copy encode ever makes
     return tensor.reshape(-1).view(torch.uint8)
 
 
@@ -99,6 +101,7 @@ def encode(header: dict, tensors: dict[str, torch.Tensor] | None = None) -> list
 
 # --- receiving ---------------------------------------------------------------
 
+
 def _as_view(frame, index: int) -> memoryview:
     if isinstance(frame, zmq.Frame):
         view = frame.buffer
@@ -115,9 +118,16 @@ def _as_view(frame, index: int) -> memoryview:
 def _unpack_header(view: memoryview) -> dict:
     try:
         header = msgpack.unpackb(
-            view, raw=False, strict_map_key=True, use_list=True,
-            max_str_len=MAX_HEADER_BYTES, max_bin_len=MAX_HEADER_BYTES,
-            max_array_len=4096, max_map_len=1024, max_ext_len=0)
+            view,
+            raw=False,
+            strict_map_key=True,
+            use_list=True,
+            max_str_len=MAX_HEADER_BYTES,
+            max_bin_len=MAX_HEADER_BYTES,
+            max_array_len=4096,
+            max_map_len=1024,
+            max_ext_len=0,
+        )
     except Exception as exc:  # msgpack raises several types for broken input; all mean the same
         raise WireError(f"header: not valid msgpack ({type(exc).__name__}: {exc})") from None
     if not isinstance(header, dict):
@@ -151,8 +161,11 @@ def parse_specs(raw, max_total_bytes: int, field: str = "tensors") -> list[Tenso
             raise WireError(f"{where}.name: duplicate tensor name {name!r}")
         if not isinstance(dtype, str) or dtype not in DTYPES:
             raise WireError(f"{where}.dtype: {dtype!r} is not one of {sorted(DTYPES)}")
-        if (not isinstance(shape, list) or len(shape) > MAX_DIMS
-                or not all(_is_int(d) and 0 <= d <= MAX_DIM_SIZE for d in shape)):
+        if (
+            not isinstance(shape, list)
+            or len(shape) > MAX_DIMS
+            or not all(_is_int(d) and 0 <= d <= MAX_DIM_SIZE for d in shape)
+        ):
             raise WireError(f"{where}.shape: expected at most {MAX_DIMS} ints in [0, {MAX_DIM_SIZE}], got {shape!r}")
         expected = math.prod(shape) * DTYPES[dtype].itemsize
         if not _is_int(nbytes) or nbytes != expected:
@@ -169,13 +182,13 @@ def tensor_from(view, spec: TensorSpec) -> torch.Tensor:
     """A tensor over `view` (a uint8 tensor or bytes-like of exactly spec.nbytes), without a copy."""
     dtype = DTYPES[spec.dtype]
     if spec.nbytes == 0:
-        return torch.empty(spec.shape, dtype=dtype)   # frombuffer refuses empty buffers
+        return torch.empty(spec.shape, dtype=dtype)  # frombuffer refuses empty buffers
     if isinstance(view, torch.Tensor):
         flat = view.view(dtype)
     else:
         flat = _frombuffer(view, dtype)
         if flat.data_ptr() % dtype.itemsize:
-            flat = flat.clone()   # small frames may sit unaligned in ZMQ's receive buffer
+            flat = flat.clone()  # small frames may sit unaligned in ZMQ's receive buffer
     if dtype is torch.bool and bool((flat.view(torch.uint8) > 1).any()):
         raise WireError(f"tensor {spec.name!r}: bool bytes other than 0 and 1")
     return flat.view(spec.shape)
@@ -184,7 +197,7 @@ def tensor_from(view, spec: TensorSpec) -> torch.Tensor:
 def _frombuffer(view, dtype: torch.dtype) -> torch.Tensor:
     if not getattr(view, "readonly", False):
         return torch.frombuffer(view, dtype=dtype)
-    with warnings.catch_warnings():   # bytes frames: decoded tensors are read-only by contract anyway
+    with warnings.catch_warnings():  # bytes frames: decoded tensors are read-only by contract anyway
         warnings.filterwarnings("ignore", message="The given buffer is not writable")
         return torch.frombuffer(view, dtype=dtype)
 

@@ -10,6 +10,7 @@ works until its end or a stop request, finishes (draining, final checkpoint, `st
 whether it reached its end; close() frees what it still holds, however it ended.
 No torch at import: the drafter's compile environment is set before torch is imported.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,16 +41,17 @@ class Worker(Protocol):
 @dataclass(frozen=True)
 class Role:
     """What differs between the two workers' bootstraps."""
-    name: str                                                  # "target" | "drafter": log, health, endpoints
-    usage: str                                                 # the argument parser's description
+
+    name: str  # "target" | "drafter": log, health, endpoints
+    usage: str  # the argument parser's description
     # (args, cfg, device, health) -> the worker, not started (no I/O until setup())
     make_worker: Callable[[argparse.Namespace, Config, object, HealthServer], Worker]
-    run_dir: str | None = None                                 # --run-dir's default (None: required)
-    defaults: Callable[[], dict] = dict                         # defaults of --rank, --world-size, --device
-    add_arguments: Callable[[argparse.ArgumentParser], None] = lambda parser: None   # the role's own options
+    run_dir: str | None = None  # --run-dir's default (None: required)
+    defaults: Callable[[], dict] = dict  # defaults of --rank, --world-size, --device
+    add_arguments: Callable[[argparse.ArgumentParser], None] = lambda parser: None  # the role's own options
     prepare: Callable[[argparse.Namespace, Config], None] = lambda args, cfg: None  # the environment, before torch
-    cpu_label: str = "cpu"                                     # health's gpu on the CPU ({rank}: the rank)
-    stopped: int = exits.OK                                    # the exit code of a stop while starting
+    cpu_label: str = "cpu"  # health's gpu on the CPU ({rank}: the rank)
+    stopped: int = exits.OK  # the exit code of a stop while starting
 
 
 def workers_on_node(args: argparse.Namespace) -> int:
@@ -60,8 +62,12 @@ def workers_on_node(args: argparse.Namespace) -> int:
 def parse_args(role: Role, argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog=f"python -m services.{role.name}", description=role.usage)
     p.add_argument("--config", help="TOML config (or the launcher's resolved JSON)")
-    p.add_argument("--run-dir", required=role.run_dir is None, default=role.run_dir,
-                   help="run directory: sockets, compile cache, logs")
+    p.add_argument(
+        "--run-dir",
+        required=role.run_dir is None,
+        default=role.run_dir,
+        help="run directory: sockets, compile cache, logs",
+    )
     p.add_argument("--rank", type=int, default=0, help=f"{role.name} rank")
     p.add_argument("--world-size", type=int, default=1, help=f"number of {role.name} ranks")
     p.add_argument("--device", choices=("cpu", "cuda"), default=None)
@@ -76,25 +82,32 @@ def main(role: Role, argv=None) -> int:
     setup_logging(role.name, args.rank)
     try:
         cfg = load_config(args.config, args.overrides)
-    except ConfigError as exc:                                 # bad config: one clear line, no traceback
+    except ConfigError as exc:  # bad config: one clear line, no traceback
         return exits.exit_code(exc)
     role.prepare(args, cfg)
-    import torch                                               # after prepare: the compile environment is set
+    import torch  # after prepare: the compile environment is set
+
     if args.device is None:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device("cuda:0" if args.device == "cuda" else "cpu")
     cpu = role.cpu_label.format(rank=args.rank)
     gpu = os.environ.get("CUDA_VISIBLE_DEVICES", "0") if device.type == "cuda" else cpu
-    health = HealthServer(endpoint(Path(args.run_dir), cfg.transport, role.name, args.rank, "health"), role.name,
-                          args.rank, gpu, stall_after_s=cfg.run.stall_after_s,
-                          startup_stall_after_s=cfg.run.startup_stall_after_s, keys_dir=curve.keys_for(cfg.transport))
+    health = HealthServer(
+        endpoint(Path(args.run_dir), cfg.transport, role.name, args.rank, "health"),
+        role.name,
+        args.rank,
+        gpu,
+        stall_after_s=cfg.run.stall_after_s,
+        startup_stall_after_s=cfg.run.startup_stall_after_s,
+        keys_dir=curve.keys_for(cfg.transport),
+    )
     stop = lifecycle.install(grace_s=cfg.run.stop_timeout_s)
     worker = None
     try:
         worker = role.make_worker(args, cfg, device, health)
         worker.setup()
-        return exits.OK if worker.train(stop) else exits.STOPPED    # stopped before its end: not finished
-    except Exception as exc:                      # stopped while starting, a config error, a crash
+        return exits.OK if worker.train(stop) else exits.STOPPED  # stopped before its end: not finished
+    except Exception as exc:  # stopped while starting, a config error, a crash
         return exits.exit_code(exc, health, stopped=role.stopped)
     finally:
         if worker is not None:

@@ -1,4 +1,5 @@
 """Fixtures shared by several test files, and the folder rules: tests/unit is fast, tests/e2e slow."""
+
 import atexit
 import os
 import shutil
@@ -10,6 +11,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from services.tools.demo import build_tokenizer, conversations
+from tests.tiny_targets import HYBRID_DEVICES, dense_target, hybrid_target
 
 
 # `launcher up --demo` builds the demo once per cache and reuses it: one cache for this test
@@ -42,6 +44,7 @@ def hf_torch_hybrid(monkeypatch):
     """
     import inspect
     from transformers.models.qwen3_5 import modeling_qwen3_5 as m
+
     for name in ("causal_conv1d_fn", "torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule"):
         monkeypatch.setattr(m, name, inspect.unwrap(getattr(m, name)))
 
@@ -54,12 +57,14 @@ def small_disk(tmp_path):
     def mount(size: str) -> Path:
         path = tmp_path / f"disk{len(mounted)}"
         path.mkdir()
-        done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(path)],
-                              capture_output=True, text=True)
+        done = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(path)], capture_output=True, text=True
+        )
         if done.returncode:
             pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
         mounted.append(path)
         return path
+
     yield mount
     for path in mounted:
         subprocess.run(["umount", "-l", str(path)], capture_output=True)
@@ -77,8 +82,10 @@ class Misplaced(pytest.File):
     """A test file directly in tests/, in neither set: it fails collection, so it cannot go unnoticed."""
 
     def collect(self):
-        raise self.CollectError(f"tests/{self.path.name}: put it in tests/unit (fast) or tests/e2e (it starts "
-                                f"real workers or launchers: the slow set), not directly in tests/")
+        raise self.CollectError(
+            f"tests/{self.path.name}: put it in tests/unit (fast) or tests/e2e (it starts "
+            f"real workers or launchers: the slow set), not directly in tests/"
+        )
 
 
 def pytest_pycollect_makemodule(module_path, parent):
@@ -90,3 +97,15 @@ def pytest_collection_modifyitems(items):
     for item in items:
         if item.path.is_relative_to(E2E):
             item.add_marker(pytest.mark.slow)
+
+
+@pytest.fixture(scope="module")
+def dense():
+    """A tiny dense Qwen3 target with random weights (tests/tiny_targets.py)."""
+    return dense_target()
+
+
+@pytest.fixture(scope="module", params=HYBRID_DEVICES)
+def hybrid(request):
+    """A tiny Qwen3.5 Gated DeltaNet hybrid target, on every device that can run it."""
+    return hybrid_target(device=request.param)

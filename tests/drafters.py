@@ -1,4 +1,5 @@
 """The drafter's model config in tests: from a config and a target's fields, as the run spec makes it."""
+
 from services import runspec, shapes
 from services.drafter.target_head import check_mask
 

@@ -1,6 +1,7 @@
 """Tiny GGUF files written on the spot with the gguf package: a Llama with random F32 weights and
 the demo's byte-level BPE tokenizer (ChatML template, <|MASK|> among its special tokens), as
 llama.cpp's converter lays them out; and one whose architecture transformers does not convert."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -19,8 +20,9 @@ def tokenizer_fields(vocab_size: int = 400):
     vocab = tok.get_vocab()
     tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
     special = {t.content for t in tok.get_added_tokens_decoder().values()}
-    types = [3 if t in special else 1 for t in tokens]            # 3: control, 1: normal (llama.cpp's)
+    types = [3 if t in special else 1 for t in tokens]  # 3: control, 1: normal (llama.cpp's)
     import json
+
     merges = [" ".join(m) if isinstance(m, list) else m for m in json.loads(tok.to_str())["model"]["merges"]]
     return tokens, types, merges, vocab["<|im_end|>"], vocab["<|endoftext|>"]
 
@@ -29,6 +31,7 @@ def write_llama_gguf(path: Path, arch: str = "llama", seed: int = 0) -> Path:
     """A 2-layer Llama GGUF (hidden 64, F32); its embedding has spare rows past the tokenizer, as real
     checkpoints round theirs up. arch: general.architecture (another name for the unsupported case)."""
     import gguf
+
     s = SHAPE
     tokens, types, merges, eos, pad = tokenizer_fields()
     rows = -(-len(tokens) // 64) * 64

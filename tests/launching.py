@@ -7,6 +7,7 @@ rank on its own (drafter_env() is its environment). The waits: wait_for (any con
 process lives), wait_metrics (N lines of metrics.jsonl), wait_ready_then_metrics (the launcher's
 "all workers ready", then a metrics line), drafter_stuck (drafter-0 waits for a batch, makes no step).
 """
+
 import json
 import os
 import socket
@@ -31,8 +32,9 @@ def launcher_argv(*args) -> list[str]:
 def run_launcher(*args, cwd=None, timeout: float = 120, env: dict | None = None, **run) -> subprocess.CompletedProcess:
     """`python -m launcher ARGS` to its end; stdout and stderr captured as text (`run`: more of
     subprocess.run's keywords)."""
-    return subprocess.run(launcher_argv(*args), capture_output=True, text=True, timeout=timeout, cwd=cwd,
-                          env=env or child_env(), **run)
+    return subprocess.run(
+        launcher_argv(*args), capture_output=True, text=True, timeout=timeout, cwd=cwd, env=env or child_env(), **run
+    )
 
 
 def start_launcher(*args, cwd=REPO, env: dict | None = None, **popen) -> subprocess.Popen:
@@ -43,8 +45,11 @@ def start_launcher(*args, cwd=REPO, env: dict | None = None, **popen) -> subproc
 
 def drafter_env(**extra) -> dict[str, str]:
     """child_env() without what would make a lone drafter join someone else's group or compile cache."""
-    return {k: v for k, v in child_env(**extra).items()
-            if not k.startswith(("TORCHINDUCTOR_", "MASTER_", "RANK", "WORLD_SIZE"))}
+    return {
+        k: v
+        for k, v in child_env(**extra).items()
+        if not k.startswith(("TORCHINDUCTOR_", "MASTER_", "RANK", "WORLD_SIZE"))
+    }
 
 
 def spawn_drafter(run_dir, *args, rank=0, world_size=1, port=None, preexec_fn=None, synthetic=True):
@@ -53,10 +58,29 @@ def spawn_drafter(run_dir, *args, rank=0, world_size=1, port=None, preexec_fn=No
     env = drafter_env(PYTHONUNBUFFERED=1)
     if world_size > 1:
         env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    return subprocess.Popen([sys.executable, "-m", "services.drafter", "--run-dir", str(run_dir),
-                             *(["--synthetic"] if synthetic else []), "--rank", str(rank), "--world-size",
-                             str(world_size), "--device", "cpu", *args], cwd=REPO, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, preexec_fn=preexec_fn)
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "services.drafter",
+            "--run-dir",
+            str(run_dir),
+            *(["--synthetic"] if synthetic else []),
+            "--rank",
+            str(rank),
+            "--world-size",
+            str(world_size),
+            "--device",
+            "cpu",
+            *args,
+        ],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=preexec_fn,
+    )
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -67,6 +91,7 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 # --- waiting on a real run ---------------------------------------------------------------------
+
 
 def wait_for(condition, what: str, proc: subprocess.Popen, timeout_s: float = 300, every_s: float = 0.2) -> None:
     """Until condition() holds, while proc lives."""
@@ -103,7 +128,7 @@ def wait_ready_then_metrics(run_dir: Path, proc: subprocess.Popen, timeout_s: fl
     deadline = time.monotonic() + timeout_s
     seen = []
     while "all workers ready" not in (line := proc.stdout.readline()):
-        assert line, "".join(seen)[-3000:]                  # the launcher ended first
+        assert line, "".join(seen)[-3000:]  # the launcher ended first
         assert time.monotonic() < deadline, "the launcher never saw every worker ready"
         seen.append(line)
     metrics = Path(run_dir) / "metrics.jsonl"
@@ -124,5 +149,8 @@ def drafter_stuck(run_dir: Path) -> bool:
     first = probe(health, 2)[1] or {}
     time.sleep(1.0)
     second = probe(health, 2)[1] or {}
-    return "waiting_for_g" in second and first.get("step") == second.get("step") \
+    return (
+        "waiting_for_g" in second
+        and first.get("step") == second.get("step")
         and first.get("waiting_for_g") == second.get("waiting_for_g")
+    )

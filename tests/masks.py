@@ -1,5 +1,6 @@
 """The DFlash block mask as a dense bool tensor, with its inputs checked: the reference tests and the
 bench smoke tests compare against (the drafter's own dense backend is attention.DenseAttention)."""
+
 import torch
 
 from services.drafter.attention import anchor_context_starts, check_documents_contiguous, check_window, visibility
@@ -14,20 +15,28 @@ def check_anchors(anchors: torch.Tensor, block_size: int, context_len: int, docu
         raise ValueError(f"block_size must be >= 1, got {block_size}")
     limit = context_len if document_ids is None else document_ids.shape[0]
     if bool((anchors >= limit).any()) or bool((anchors < -1).any()):
-        raise ValueError(f"anchor_positions must be -1 or in [0, {limit}), got min {int(anchors.min())} "
-                         f"max {int(anchors.max())}")
+        raise ValueError(
+            f"anchor_positions must be -1 or in [0, {limit}), got min {int(anchors.min())} max {int(anchors.max())}"
+        )
     if document_ids is not None:
         if document_ids.dim() != 1 or document_ids.shape[0] > context_len:
-            raise ValueError(f"document_ids must be 1-D with at most context_len={context_len} entries, "
-                             f"got {tuple(document_ids.shape)}")
+            raise ValueError(
+                f"document_ids must be 1-D with at most context_len={context_len} entries, "
+                f"got {tuple(document_ids.shape)}"
+            )
         check_documents_contiguous(document_ids)
         real = anchors[anchors >= 0]
         if bool((document_ids[real] < 0).any()):
             raise ValueError("an anchor lies on padding (document id -1)")
 
 
-def dense_block_mask(anchor_positions: torch.Tensor, block_size: int, context_len: int,
-                     document_ids: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
+def dense_block_mask(
+    anchor_positions: torch.Tensor,
+    block_size: int,
+    context_len: int,
+    document_ids: torch.Tensor | None = None,
+    window: int | None = None,
+) -> torch.Tensor:
     """Bool [num_anchors*block_size, context_len + num_anchors*block_size]; True = may attend.
 
     anchor_positions: 1-D int64, -1 marks an empty block. document_ids: 1-D over the context

@@ -2,6 +2,7 @@
 a dense Qwen3 and a Qwen3.5 hybrid (Gated DeltaNet, every 4th layer full attention), fp32 on CPU
 (the hybrid also on CUDA, where flash-linear-attention's kernels run it), attention through the
 packed SDPA function as load_target sets it up."""
+
 from contextlib import contextmanager
 
 import pytest
@@ -11,12 +12,12 @@ from services.target.model import PACKED_SDPA, Target, _register_packed_sdpa
 
 VOCAB = 96
 DENSE_LAYER_IDS = [1, 2]
-HYBRID_LAYER_IDS = [1, 3, 7]           # a Gated DeltaNet layer, a full-attention layer, the last (final norm)
+HYBRID_LAYER_IDS = [1, 3, 7]  # a Gated DeltaNet layer, a full-attention layer, the last (final norm)
 HYBRID_TYPES = ["linear_attention"] * 3 + ["full_attention"] + ["linear_attention"] * 3 + ["full_attention"]
 
 
 def _wrap(model, layer_ids) -> Target:
-    with torch.no_grad():                 # a spread of logits, so greedy output is not one token repeated
+    with torch.no_grad():  # a spread of logits, so greedy output is not one token repeated
         model.lm_head.weight.mul_(20)
     _register_packed_sdpa()
     model.config._attn_implementation = PACKED_SDPA
@@ -25,31 +26,64 @@ def _wrap(model, layer_ids) -> Target:
 
 def dense_target(seed: int = 0, device: str = "cpu", dtype=torch.float32) -> Target:
     from transformers import Qwen3Config, Qwen3ForCausalLM
+
     torch.manual_seed(seed)
-    cfg = Qwen3Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
-                      tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=0)
+    cfg = Qwen3Config(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
     return _wrap(Qwen3ForCausalLM(cfg).to(device, dtype), DENSE_LAYER_IDS)
 
 
 def cuda_with_kernels() -> bool:
     from services.target.hybrid import fla_delta_rule
+
     return torch.cuda.is_available() and fla_delta_rule() is not None
 
 
 # the devices a hybrid decoding test runs on: CUDA only where the kernels are (the GPU path users run)
-HYBRID_DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
-    not cuda_with_kernels(), reason="needs CUDA and flash-linear-attention"))]
+HYBRID_DEVICES = [
+    "cpu",
+    pytest.param(
+        "cuda", marks=pytest.mark.skipif(not cuda_with_kernels(), reason="needs CUDA and flash-linear-attention")
+    ),
+]
 
 
 def hybrid_target(seed: int = 0, device: str = "cpu", dtype=torch.float32) -> Target:
     from transformers.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
     torch.manual_seed(seed)
-    cfg = Qwen3_5TextConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=8,
-                            num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_num_key_heads=2,
-                            linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
-                            linear_conv_kernel_dim=4, max_position_embeddings=512, layer_types=HYBRID_TYPES,
-                            tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=0)
+    cfg = Qwen3_5TextConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=8,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        linear_conv_kernel_dim=4,
+        max_position_embeddings=512,
+        layer_types=HYBRID_TYPES,
+        tie_word_embeddings=False,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
     target = _wrap(Qwen3_5ForCausalLM(cfg).to(device, dtype), HYBRID_LAYER_IDS)
     assert target.path == ("packed-reference" if device == "cpu" else "packed-varlen")
     return target

@@ -22,6 +22,7 @@ GPU work is queued without stalls. Padding: the number of anchor slots is rounde
 Q_LEN is a multiple of 128, and the context is padded to a multiple of 128 (zero features,
 position 0, outside every document); padded slots are empty blocks.
 """
+
 from __future__ import annotations
 
 import math
@@ -58,18 +59,18 @@ def padded_context_len(seq_len: int, tile: int = TILE) -> int:
 
 @dataclass
 class DrafterInputs:
-    hidden: torch.Tensor              # [C, K*H]  context features, zero rows past seq_len
-    context_positions: torch.Tensor   # [C]
-    block_ids: torch.Tensor           # [N, B]    anchor token then mask tokens
-    block_positions: torch.Tensor     # [N, B]
-    anchors: torch.Tensor             # [N]       sorted; -1 = empty block (at the end)
-    context_starts: torch.Tensor      # [N]       first context index each block may see
-    labels: torch.Tensor              # [N, B-1]  targets of block positions 1..B-1
-    weights: torch.Tensor             # [N, B-1]  fp32 loss weights (0 = not trained)
-    supervised: torch.Tensor          # []        supervised tokens in the batch
-    reachable: torch.Tensor           # []        of those, first predictions of some valid anchor
-    seq_len: int                      # S before padding
-    context_len: int                  # C, padded
+    hidden: torch.Tensor  # [C, K*H]  context features, zero rows past seq_len
+    context_positions: torch.Tensor  # [C]
+    block_ids: torch.Tensor  # [N, B]    anchor token then mask tokens
+    block_positions: torch.Tensor  # [N, B]
+    anchors: torch.Tensor  # [N]       sorted; -1 = empty block (at the end)
+    context_starts: torch.Tensor  # [N]       first context index each block may see
+    labels: torch.Tensor  # [N, B-1]  targets of block positions 1..B-1
+    weights: torch.Tensor  # [N, B-1]  fp32 loss weights (0 = not trained)
+    supervised: torch.Tensor  # []        supervised tokens in the batch
+    reachable: torch.Tensor  # []        of those, first predictions of some valid anchor
+    seq_len: int  # S before padding
+    context_len: int  # C, padded
 
 
 def valid_anchor_mask(loss_mask: torch.Tensor, document_ids: torch.Tensor) -> torch.Tensor:
@@ -100,7 +101,7 @@ def sample_anchors(valid: torch.Tensor, num_anchors: int, generator: torch.Gener
     keys = torch.rand(s, device=valid.device, generator=generator)
     keys = torch.where(valid, keys, 2.0)
     picked = torch.topk(keys, num_anchors, largest=False, sorted=False).indices
-    picked = torch.where(valid[picked], picked, s)          # invalid picks sort to the end
+    picked = torch.where(valid[picked], picked, s)  # invalid picks sort to the end
     picked = torch.sort(picked).values
     return torch.where(picked < s, picked, -1)
 
@@ -112,9 +113,17 @@ def anchor_generator(seed: int, g: int, device: torch.device) -> torch.Generator
     return gen
 
 
-def build_inputs(batch, *, num_anchors: int, block_size: int, mask_token_id: int, gamma: float,
-                 labels_from_target: bool = False, generator: torch.Generator | None = None,
-                 tile: int = TILE) -> DrafterInputs:
+def build_inputs(
+    batch,
+    *,
+    num_anchors: int,
+    block_size: int,
+    mask_token_id: int,
+    gamma: float,
+    labels_from_target: bool = False,
+    generator: torch.Generator | None = None,
+    tile: int = TILE,
+) -> DrafterInputs:
     """Batch (already on its device) -> DrafterInputs with padded, fixed shapes."""
     s = batch.seq_len
     if num_anchors > s:
@@ -136,12 +145,12 @@ def build_inputs(batch, *, num_anchors: int, block_size: int, mask_token_id: int
     block_ids[:, 0] = torch.where(real, batch.input_ids[a], mask_token_id)
     block_positions = batch.position_ids[a][:, None] + k[None, :]
 
-    label_at = a[:, None] + k[None, 1:]                               # [N, B-1]: a+1 .. a+B-1
+    label_at = a[:, None] + k[None, 1:]  # [N, B-1]: a+1 .. a+B-1
     # a block may run past its document (and the row): those positions are not trained
     in_doc = (label_at < s) & (batch.document_ids[label_at.clamp(max=s - 1)] == batch.document_ids[a][:, None])
     label_at = label_at.clamp(max=s - 1)
     if labels_from_target:
-        labels = batch.target_labels[label_at - 1]                   # target's guess for a+k, made at a+k-1
+        labels = batch.target_labels[label_at - 1]  # target's guess for a+k, made at a+k-1
     else:
         labels = batch.input_ids[label_at]
     decay = torch.exp(-(k[1:].float() - 1) / gamma)

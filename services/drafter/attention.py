@@ -28,6 +28,7 @@ dense mask): every anchor's visible keys are two intervals, the context prefix a
 block (per row with a window: the lower bounds grow by one per block offset); a 128x128 tile is
 touched when some row's interval reaches into it and full when every row of the tile covers it.
 """
+
 from __future__ import annotations
 
 import torch
@@ -36,7 +37,7 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from services.batch import document_starts, run_starts
 
-TILE = 128      # flex_attention's sparse block size; Q and KV are padded to multiples of it
+TILE = 128  # flex_attention's sparse block size; Q and KV are padded to multiples of it
 
 
 def check_documents_contiguous(document_ids: torch.Tensor, what: str = "document_ids") -> None:
@@ -48,8 +49,10 @@ def check_documents_contiguous(document_ids: torch.Tensor, what: str = "document
     real = starts[starts >= 0]
     if real.unique().numel() != real.numel():
         values, counts = real.unique(return_counts=True)
-        raise ValueError(f"{what}: document id {int(values[counts > 1][0])} appears in more than one run; "
-                         "documents must be contiguous")
+        raise ValueError(
+            f"{what}: document id {int(values[counts > 1][0])} appears in more than one run; "
+            "documents must be contiguous"
+        )
 
 
 def anchor_context_starts(anchors: torch.Tensor, document_ids: torch.Tensor | None) -> torch.Tensor:
@@ -65,8 +68,9 @@ def check_window(window) -> None:
         raise ValueError(f"sliding window must be None or an int >= 1, got {window!r}")
 
 
-def visibility(anchors: torch.Tensor, context_starts: torch.Tensor, block_size: int, context_len: int,
-               window: int | None = None):
+def visibility(
+    anchors: torch.Tensor, context_starts: torch.Tensor, block_size: int, context_len: int, window: int | None = None
+):
     """The DFlash mask as a function of (q_idx, kv_idx) tensors (any broadcastable shapes).
     window: None (full attention) or W (sliding: keys within W positions of the query, itself included)."""
     num_blocks = anchors.shape[0]
@@ -79,7 +83,7 @@ def visibility(anchors: torch.Tensor, context_starts: torch.Tensor, block_size: 
         in_context = (kv_idx < context_len) & (kv_idx >= context_starts[safe]) & (kv_idx < anchor)
         in_own_block = (kv_idx >= context_len) & ((kv_idx - context_len) // block_size == block)
         if window is not None:
-            offset = q_idx % block_size                     # the query sits at position anchor + offset
+            offset = q_idx % block_size  # the query sits at position anchor + offset
             in_context = in_context & (kv_idx >= anchor + offset - (window - 1))
             in_own_block = in_own_block & ((kv_idx - context_len) % block_size >= offset - (window - 1))
         return valid & (in_context | in_own_block)
@@ -100,15 +104,22 @@ def _ceil_div(x, d):
     return (x + d - 1) // d
 
 
-def block_tiles(anchors: torch.Tensor, context_starts: torch.Tensor, block_size: int, context_len: int,
-                tile: int = TILE, window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def block_tiles(
+    anchors: torch.Tensor,
+    context_starts: torch.Tensor,
+    block_size: int,
+    context_len: int,
+    tile: int = TILE,
+    window: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Tile-level view of the mask: (touched, full) bool [Q_LEN/tile, KV_LEN/tile], no host sync."""
     n = anchors.shape[0]
     q_len = n * block_size
     kv_len = context_len + q_len
     if q_len % tile or context_len % tile:
-        raise ValueError(f"pad first: num_anchors*block_size={q_len} and context_len={context_len} "
-                         f"must be multiples of {tile}")
+        raise ValueError(
+            f"pad first: num_anchors*block_size={q_len} and context_len={context_len} must be multiples of {tile}"
+        )
     check_window(window)
     nq, nkv = q_len // tile, kv_len // tile
     device = anchors.device
@@ -133,7 +144,7 @@ def block_tiles(anchors: torch.Tensor, context_starts: torch.Tensor, block_size:
     rows_anchors = torch.zeros(nq, dtype=torch.int32, device=device)
     rows_valid = torch.zeros_like(rows_anchors)
     first_q, last_q = (i * block_size) // tile, ((i + 1) * block_size - 1) // tile
-    for t in range((block_size - 1) // tile + 2):           # q tiles one anchor's rows can span
+    for t in range((block_size - 1) // tile + 2):  # q tiles one anchor's rows can span
         q_tile = first_q + t
         inside = q_tile <= last_q
         q_tile = q_tile.clamp(max=nq - 1)
@@ -171,25 +182,38 @@ def _ordered(tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return counts[None, None].contiguous(), indices[None, None].contiguous()
 
 
-def flex_block_mask(anchors: torch.Tensor, context_starts: torch.Tensor, block_size: int, context_len: int,
-                    tile: int = TILE, window: int | None = None):
+def flex_block_mask(
+    anchors: torch.Tensor,
+    context_starts: torch.Tensor,
+    block_size: int,
+    context_len: int,
+    tile: int = TILE,
+    window: int | None = None,
+):
     """The flex BlockMask for sorted-or-not anchors, built from tiles (see block_tiles)."""
     touched, full = block_tiles(anchors, context_starts, block_size, context_len, tile, window)
     kv_num, kv_idx = _ordered(touched & ~full)
     full_num, full_idx = _ordered(full)
     q_len = anchors.shape[0] * block_size
     return BlockMask.from_kv_blocks(
-        kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=tile,
+        kv_num,
+        kv_idx,
+        full_num,
+        full_idx,
+        BLOCK_SIZE=tile,
         mask_mod=flex_mask_mod(anchors, context_starts, block_size, context_len, window),
-        seq_lengths=(q_len, context_len + q_len))
+        seq_lengths=(q_len, context_len + q_len),
+    )
 
 
 class DenseAttention:
     """SDPA with the boolean mask. CPU runs and the reference for flex. Memory O(Q*KV)."""
+
     name = "dense"
 
-    def build_mask(self, anchors, context_starts, block_size: int, context_len: int,
-                   window: int | None = None) -> torch.Tensor:
+    def build_mask(
+        self, anchors, context_starts, block_size: int, context_len: int, window: int | None = None
+    ) -> torch.Tensor:
         check_window(window)
         q_len = anchors.shape[0] * block_size
         q_idx = torch.arange(q_len, device=anchors.device)[:, None]
@@ -200,8 +224,7 @@ class DenseAttention:
         # rows that attend nothing (empty blocks) must give 0, not NaN: let them attend
         # everything, then zero their output (which also zeroes their gradient)
         attends = mask.any(-1, keepdim=True)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask | ~attends,
-                                             enable_gqa=q.shape[1] != k.shape[1])
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask | ~attends, enable_gqa=q.shape[1] != k.shape[1])
         return out * attends.to(out.dtype)
 
 
@@ -218,6 +241,7 @@ def compiled_flex_attention():
 
 class FlexAttention:
     """Block-sparse flex_attention, compiled in this process. GPU training; CPU forward only."""
+
     name = "flex"
 
     def __init__(self, kernel_options: dict | None = None):

@@ -6,6 +6,7 @@ ranks share (step counters, all-reduced results), so the ranks always call the s
 Rank 0 alone writes shared files; a failed checkpoint write is all-reduced as a flag, so every rank
 agrees on what was saved.
 """
+
 from __future__ import annotations
 
 import functools
@@ -25,6 +26,7 @@ from services.drafter.collectives import gather_rng_states
 from services.drafter.evaluate import evaluate
 from services.drafter.ledger import Ledger, truncate_jsonl
 from services.drafter.metrics import MetricsLog, StepTimes, reduce_train_metrics
+
 # imported with the worker, before it compiles: an import at the first evaluation registered a class
 # with torch's pytree, which fails a guard of every compiled graph (flex attention recompiled)
 from services.drafter.remote_eval import RemoteSpecEval, models_in_process
@@ -51,10 +53,11 @@ class NonFiniteError(exits.FinalError):
 @dataclass(frozen=True)
 class BookSettings:
     """What the bookkeeping reads of the run, built once from the config (as train.StepSettings is)."""
+
     run_dir: Path
     rank: int
     world_size: int
-    num_targets: int               # the target workers that verify real acceptance (0: a local target, synthetic)
+    num_targets: int  # the target workers that verify real acceptance (0: a local target, synthetic)
     log_every: int
     eval_every: int
     checkpoint_every: int
@@ -62,54 +65,79 @@ class BookSettings:
     max_nonfinite_steps: int
     export_at_end: bool
     wandb_project: str
-    target_path: str               # target.model_path: the export names it; no path, no real acceptance
+    target_path: str  # target.model_path: the export names it; no path, no real acceptance
     seed: int
     spec_eval_prompts: int
     spec_eval_max_new_tokens: int
     spec_eval_budget_s: float
-    config: dict = field(repr=False, compare=False)    # the run's whole config, as checkpoints and W&B record it
+    config: dict = field(repr=False, compare=False)  # the run's whole config, as checkpoints and W&B record it
     # (head, model_cfg, health, prompts=, max_new_tokens=) -> RemoteSpecEval: the targets verify
     open_spec_eval: Callable = field(repr=False, compare=False)
 
     @classmethod
-    def from_config(cls, cfg: Config, run_dir: str | Path, rank: int = 0, world_size: int = 1,
-                    num_targets: int = 0) -> "BookSettings":
+    def from_config(
+        cls, cfg: Config, run_dir: str | Path, rank: int = 0, world_size: int = 1, num_targets: int = 0
+    ) -> "BookSettings":
         run = cfg.run
-        return cls(run_dir=Path(run_dir), rank=rank, world_size=world_size, num_targets=num_targets,
-                   log_every=run.log_every, eval_every=run.eval_every, checkpoint_every=run.checkpoint_every,
-                   keep_checkpoints=run.keep_checkpoints, max_nonfinite_steps=cfg.drafter.max_nonfinite_steps,
-                   export_at_end=run.export_at_end, wandb_project=run.wandb_project,
-                   target_path=cfg.target.model_path, seed=run.seed, spec_eval_prompts=run.spec_eval_prompts,
-                   spec_eval_max_new_tokens=run.spec_eval_max_new_tokens, spec_eval_budget_s=run.spec_eval_budget_s,
-                   config=cfg.to_dict(),
-                   open_spec_eval=functools.partial(RemoteSpecEval, cfg, Path(run_dir), num_targets))
+        return cls(
+            run_dir=Path(run_dir),
+            rank=rank,
+            world_size=world_size,
+            num_targets=num_targets,
+            log_every=run.log_every,
+            eval_every=run.eval_every,
+            checkpoint_every=run.checkpoint_every,
+            keep_checkpoints=run.keep_checkpoints,
+            max_nonfinite_steps=cfg.drafter.max_nonfinite_steps,
+            export_at_end=run.export_at_end,
+            wandb_project=run.wandb_project,
+            target_path=cfg.target.model_path,
+            seed=run.seed,
+            spec_eval_prompts=run.spec_eval_prompts,
+            spec_eval_max_new_tokens=run.spec_eval_max_new_tokens,
+            spec_eval_budget_s=run.spec_eval_budget_s,
+            config=cfg.to_dict(),
+            open_spec_eval=functools.partial(RemoteSpecEval, cfg, Path(run_dir), num_targets),
+        )
 
 
 class Bookkeeping:
-    def __init__(self, settings: BookSettings, state: TrainState, health: HealthServer,
-                 resumed: ckpt.Found | None, eval_batches=None, plan=None):
+    def __init__(
+        self,
+        settings: BookSettings,
+        state: TrainState,
+        health: HealthServer,
+        resumed: ckpt.Found | None,
+        eval_batches=None,
+        plan=None,
+    ):
         """plan: the run's (schedule.py), for the batches a checkpoint has done; None: one split from the start."""
         self.settings = books = settings
         self.run_dir, self.rank, self.world_size = books.run_dir, books.rank, books.world_size
         self.plan = plan
         self.state, self.health, self.eval_batches = state, health, eval_batches
-        self.num_targets = books.num_targets           # the target workers that verify the real-acceptance eval
+        self.num_targets = books.num_targets  # the target workers that verify the real-acceptance eval
         self.root = ckpt.checkpoints_dir(self.run_dir)
         self.writer = BackgroundWriter(self.root, books.keep_checkpoints, state.device)
         self.first_step = state.step
         self.ledger = Ledger(self.run_dir, self.rank, start_step=state.micro_step, world_size=self.world_size)
-        self.metrics = MetricsLog(self.run_dir, resume_step=state.step, enabled=self.rank == 0,
-                                  wandb_project=books.wandb_project, config=books.config)
+        self.metrics = MetricsLog(
+            self.run_dir,
+            resume_step=state.step,
+            enabled=self.rank == 0,
+            wandb_project=books.wandb_project,
+            config=books.config,
+        )
         self.times = StepTimes()
         self.window = MetricsWindow()
         self.saved_step = state.step if resumed else None
         self.best_tau = resumed.meta.get("best_tau") if resumed else None
         self.last_eval: dict | None = None
-        self.last_metrics: dict | None = None          # the last optimizer step's metrics (for the final line)
-        self.boundary = state.counters()               # counters at the last optimizer step: what a checkpoint saves
+        self.last_metrics: dict | None = None  # the last optimizer step's metrics (for the final line)
+        self.boundary = state.counters()  # counters at the last optimizer step: what a checkpoint saves
         self.logged_step = state.step
-        self.spec = None                               # SpecEval once loaded; False when unavailable
-        self.models_in_process = None                  # HF models in this process, counted at the first real eval
+        self.spec = None  # SpecEval once loaded; False when unavailable
+        self.models_in_process = None  # HF models in this process, counted at the first real eval
         self.acceptance = self.run_dir / ACCEPTANCE_FILE
         if self.rank == 0:
             truncate_jsonl(self.acceptance, state.step)  # a resume continues the curve, as metrics.jsonl does
@@ -132,7 +160,7 @@ class Bookkeeping:
         step, run = self.state.step, self.settings
         if self.rank == 0:
             self.report_checkpoint(self.writer.done())
-            if step == self.first_step + 1:              # the optimizer has its state now: size the buffers
+            if step == self.first_step + 1:  # the optimizer has its state now: size the buffers
                 self.writer.prepare(self.state.drafter.state_dict(), self.state.optimizer.state_dict())
         self.last_metrics, self.boundary = m, self.state.counters()
         if step % max(1, run.log_every) == 0:
@@ -167,23 +195,34 @@ class Bookkeeping:
         limit = self.settings.max_nonfinite_steps
         if self.skipped_in_a_row >= limit:
             cause = books["last_nonfinite"] or "non-finite gradients from another drafter rank's batches (see its log)"
-            raise NonFiniteError(f"{self.skipped_in_a_row} optimizer steps in a row skipped "
-                                 f"(drafter.max_nonfinite_steps={limit}): {cause}; no weights were updated "
-                                 "from them and none were saved")
+            raise NonFiniteError(
+                f"{self.skipped_in_a_row} optimizer steps in a row skipped "
+                f"(drafter.max_nonfinite_steps={limit}): {cause}; no weights were updated "
+                "from them and none were saved"
+            )
 
     def log_metrics(self, m: dict) -> None:
         """Collective: one train line, the metrics of every rank's batch of this step combined."""
-        record = {"step": self.state.step, **reduce_train_metrics(m, self.times, self.state.counters(),
-                                                                  self.state.device, self.world_size),
-                  "lr": m["lr"], "grad_norm": round(m["grad_norm"], 6), "time": round(time.time(), 3)}
+        record = {
+            "step": self.state.step,
+            **reduce_train_metrics(m, self.times, self.state.counters(), self.state.device, self.world_size),
+            "lr": m["lr"],
+            "grad_norm": round(m["grad_norm"], 6),
+            "time": round(time.time(), 3),
+        }
         self.metrics.write(record)
         # Health carries this very line (every rank has it, all-reduced), so the launcher's live line
         # and `launcher status` show the figures metrics.jsonl has, not one rank's last step.
         # tokens_per_s of the worker itself: this rank's tokens over the same window.
         window = {k: record[k] for k in ("step", "loss", "tau", "coverage", "tokens_per_s", "data_wait_frac")}
         window["steps"] = self.state.step - self.logged_step
-        self.health.progress(window=window, loss=record["loss"], tau=record["tau"], coverage=record["coverage"],
-                             tokens_per_s=round(self.times.tokens / max(time.perf_counter() - self.times.start, 1e-9), 1))
+        self.health.progress(
+            window=window,
+            loss=record["loss"],
+            tau=record["tau"],
+            coverage=record["coverage"],
+            tokens_per_s=round(self.times.tokens / max(time.perf_counter() - self.times.start, 1e-9), 1),
+        )
         self.times.reset()
         self.window = MetricsWindow()
         self.logged_step = self.state.step
@@ -192,7 +231,7 @@ class Bookkeeping:
         """Evaluate the held-out split; True when tau is the best so far (same on every rank)."""
         start = time.perf_counter()
         result = evaluate(self.state, self.eval_batches)
-        if not result.pop("complete"):                # a stop came while a rank waited for eval data
+        if not result.pop("complete"):  # a stop came while a rank waited for eval data
             return False
         result = {"step": self.state.step, "eval": True, **result, "eval_s": round(time.perf_counter() - start, 3)}
         self.metrics.write(result)
@@ -202,8 +241,14 @@ class Bookkeeping:
             self.best_tau = result["tau"]
         self.health.progress(eval_loss=result["loss"], eval_tau=result["tau"], best_tau=self.best_tau)
         if self.rank == 0:
-            event("eval", step=self.state.step, eval_loss=round(result["loss"], 4), eval_tau=round(result["tau"], 3),
-                best=new_best, batches=result["batches"])
+            event(
+                "eval",
+                step=self.state.step,
+                eval_loss=round(result["loss"], 4),
+                eval_tau=round(result["tau"], 3),
+                best=new_best,
+                batches=result["batches"],
+            )
         self.run_spec_eval()
         return new_best
 
@@ -219,15 +264,21 @@ class Bookkeeping:
             if self.rank != 0 or run.spec_eval_prompts <= 0 or self.num_targets <= 0 or not path:
                 return None
             try:
-                self.spec = run.open_spec_eval(self.state.head, self.state.drafter.cfg, self.health,
-                                               prompts=run.spec_eval_prompts,
-                                               max_new_tokens=run.spec_eval_max_new_tokens)
+                self.spec = run.open_spec_eval(
+                    self.state.head,
+                    self.state.drafter.cfg,
+                    self.health,
+                    prompts=run.spec_eval_prompts,
+                    max_new_tokens=run.spec_eval_max_new_tokens,
+                )
                 if not self.spec.prompts:
-                    log.warning("real speculative decoding is off: the held-out data has no prompts (set run.eval_prompts "
-                                "to a prompt file)")
+                    log.warning(
+                        "real speculative decoding is off: the held-out data has no prompts (set run.eval_prompts "
+                        "to a prompt file)"
+                    )
                     self.spec.close()
                     self.spec = False
-            except Exception as exc:        # never fatal: the run trains without it
+            except Exception as exc:  # never fatal: the run trains without it
                 log.warning(f"real speculative decoding is off: {type(exc).__name__}: {exc}")
                 self.spec = False
         return self.spec or None
@@ -240,31 +291,48 @@ class Bookkeeping:
             return None
         self.health.progress()
         try:
-            result = spec.evaluate(self.state.drafter.state_dict(), self.state.drafter.cfg, controls=final,
-                                   budget_s=self.settings.spec_eval_budget_s, seed=self.settings.seed,
-                                   tick=self.health.progress)
+            result = spec.evaluate(
+                self.state.drafter.state_dict(),
+                self.state.drafter.cfg,
+                controls=final,
+                budget_s=self.settings.spec_eval_budget_s,
+                seed=self.settings.seed,
+                tick=self.health.progress,
+            )
         except Exception as exc:
             log.warning(f"real speculative decoding failed and is off: {type(exc).__name__}: {exc}")
             self.spec = False
             return None
-        if self.models_in_process is None:      # once: the targets verify, this process holds no target model
+        if self.models_in_process is None:  # once: the targets verify, this process holds no target model
             self.models_in_process = models_in_process()
             self.health.set(target_models_in_process=self.models_in_process, spec_eval_verifier="target workers")
-        self.health.progress(spec_eval_seconds_per_prompt=result.get("seconds_per_prompt"),
-                             spec_eval_skipped=result.get("skipped", 0))
+        self.health.progress(
+            spec_eval_seconds_per_prompt=result.get("seconds_per_prompt"), spec_eval_skipped=result.get("skipped", 0)
+        )
         record = {"step": self.state.step, "spec": True, **({"final": True} if final else {}), **result}
         with open(self.acceptance, "a") as f:
             f.write(json.dumps(record) + "\n")
-        self.metrics.plot("spec", record)               # TensorBoard / W&B: spec/acceptance_per_prompt, …
-        event("spec_eval", step=self.state.step, final=final,
+        self.metrics.plot("spec", record)  # TensorBoard / W&B: spec/acceptance_per_prompt, …
+        event(
+            "spec_eval",
+            step=self.state.step,
+            final=final,
             acceptance_per_prompt=round(result["acceptance_per_prompt"], 3),
             acceptance_per_step=round(result["acceptance_per_step"], 3),
-            tokens_per_forward=round(result["tokens_per_forward"], 3), lossless=result["lossless"],
+            tokens_per_forward=round(result["tokens_per_forward"], 3),
+            lossless=result["lossless"],
             near_ties=result["near_ties"],
-            prompts=result["prompts"], seconds=result["seconds"], skipped=result.get("skipped", 0),
-            seconds_per_prompt=result.get("seconds_per_prompt"), target_models_in_process=self.models_in_process,
-            **{f"{k}_acceptance_per_prompt": round(result[k]["acceptance_per_prompt"], 3)
-               for k in ("repeat_last", "random") if k in result})
+            prompts=result["prompts"],
+            seconds=result["seconds"],
+            skipped=result.get("skipped", 0),
+            seconds_per_prompt=result.get("seconds_per_prompt"),
+            target_models_in_process=self.models_in_process,
+            **{
+                f"{k}_acceptance_per_prompt": round(result[k]["acceptance_per_prompt"], 3)
+                for k in ("repeat_last", "random")
+                if k in result
+            },
+        )
         return record
 
     # --- checkpoints -----------------------------------------------------------------------------
@@ -278,16 +346,28 @@ class Bookkeeping:
         rng = gather_rng_states(state.device)
         if self.rank == 0:
             done = self.plan.batches_done(self.boundary["micro_step"]) if self.plan else None
-            meta = ckpt.make_meta(self.boundary, state.drafter.cfg, self.world_size, batches_done=done,
-                                  best_tau=self.best_tau,
-                                  eval=self.last_eval if self.last_eval and self.last_eval["step"] == step else None)
+            meta = ckpt.make_meta(
+                self.boundary,
+                state.drafter.cfg,
+                self.world_size,
+                batches_done=done,
+                best_tau=self.best_tau,
+                eval=self.last_eval if self.last_eval and self.last_eval["step"] == step else None,
+            )
             self.report_checkpoint(self.writer.wait())
             blob = {"optimizer": state.optimizer.state_dict(), "scheduler": state.scheduler.state_dict()}
             if low := space_warning(self.root, checkpoint_bytes(state.drafter.state_dict(), blob)):
                 log.warning(low)
                 self.health.error(low)
-            self.writer.snapshot_and_write(step, weights=state.drafter.state_dict(), optimizer=blob, rng=rng,
-                                           meta=meta, config=self.settings.config, set_best=set_best)
+            self.writer.snapshot_and_write(
+                step,
+                weights=state.drafter.state_dict(),
+                optimizer=blob,
+                rng=rng,
+                meta=meta,
+                config=self.settings.config,
+                set_best=set_best,
+            )
         self.saved_step = step
 
     def report_checkpoint(self, outcome: dict | None) -> None:
@@ -296,14 +376,22 @@ class Bookkeeping:
             return
         step = outcome["step"]
         if outcome["error"] is None:
-            event("checkpoint", step=step, path=str(outcome["path"]), best=outcome["best"],
-                stall_s=outcome["stall_s"], write_s=outcome["write_s"])
+            event(
+                "checkpoint",
+                step=step,
+                path=str(outcome["path"]),
+                best=outcome["best"],
+                stall_s=outcome["stall_s"],
+                write_s=outcome["write_s"],
+            )
             self.health.progress(last_checkpoint=step)
             return
         exc, kept = outcome["error"], ckpt.pointer(self.root, ckpt.LATEST)
-        message = (f"checkpoint at step {step} was not written ({type(exc).__name__}: {exc}); "
-                   f"{'the previous checkpoint ' + kept.name + ' is kept as latest' if kept else 'no earlier checkpoint exists'}"
-                   "; training goes on")
+        message = (
+            f"checkpoint at step {step} was not written ({type(exc).__name__}: {exc}); "
+            + (f"the previous checkpoint {kept.name} is kept as latest" if kept else "no earlier checkpoint exists")
+            + "; training goes on"
+        )
         log.warning(message)
         self.health.error(message)
 
@@ -316,22 +404,34 @@ class Bookkeeping:
         if self.saved_step != self.state.step:
             self.checkpoint()
         if self.rank == 0:
-            self.report_checkpoint(self.writer.wait())    # the run ends with its checkpoint on disk
+            self.report_checkpoint(self.writer.wait())  # the run ends with its checkpoint on disk
         if completed and self.settings.export_at_end and self.rank == 0:
             from services.drafter.export import export_weights, num_speculative_tokens
+
             try:
                 record = self.final_export_record()
-                out = export_weights(self.state.drafter.state_dict(), self.state.drafter.cfg, self.run_dir / "export",
-                                     provenance=record, target=self.settings.target_path)
-                event("exported", out=str(out), **record,
-                    num_speculative_tokens=num_speculative_tokens(self.state.drafter.cfg.block_size))
+                out = export_weights(
+                    self.state.drafter.state_dict(),
+                    self.state.drafter.cfg,
+                    self.run_dir / "export",
+                    provenance=record,
+                    target=self.settings.target_path,
+                )
+                event(
+                    "exported",
+                    out=str(out),
+                    **record,
+                    num_speculative_tokens=num_speculative_tokens(self.state.drafter.cfg.block_size),
+                )
             except Exception as exc:
-                message = f"export at the end of the run failed ({type(exc).__name__}: {exc}); " \
-                          f"run `launcher export --checkpoint {self.root / ckpt.LATEST} --out DIR`"
+                message = (
+                    f"export at the end of the run failed ({type(exc).__name__}: {exc}); "
+                    f"run `launcher export --checkpoint {self.root / ckpt.LATEST} --out DIR`"
+                )
                 log.warning("%s", message, exc_info=exc)
                 self.health.error(message)
         if completed and self.rank == 0 and not self.final_acceptance_recorded():
-            self.run_spec_eval(final=True)        # after the export: a failure here costs nothing saved
+            self.run_spec_eval(final=True)  # after the export: a failure here costs nothing saved
         self.close()
 
     def final_acceptance_recorded(self) -> bool:
@@ -354,14 +454,20 @@ class Bookkeeping:
         """export.json of the export at the end: the last step's weights, and whether that step is
         also the best one (its held-out τ is the best so far; never when the run did not evaluate)."""
         from services.drafter.export import export_record
+
         step = self.state.step
         best, latest = ckpt.pointer(self.root, ckpt.BEST), ckpt.pointer(self.root, ckpt.LATEST)
         best_step = ckpt.step_of(best) if best else None
-        saved = latest is not None and ckpt.step_of(latest) == step       # the final checkpoint was written
+        saved = latest is not None and ckpt.step_of(latest) == step  # the final checkpoint was written
         evaluated_now = self.last_eval is not None and self.last_eval["step"] == step
-        return export_record(step, last=True, best=best_step == step, best_step=best_step,
-                             checkpoint=latest.name if saved else None,
-                             eval_tau=self.last_eval["tau"] if evaluated_now else None)
+        return export_record(
+            step,
+            last=True,
+            best=best_step == step,
+            best_step=best_step,
+            checkpoint=latest.name if saved else None,
+            eval_tau=self.last_eval["tau"] if evaluated_now else None,
+        )
 
     def close(self) -> None:
         if self.closed:
@@ -403,6 +509,8 @@ class MetricsWindow:
         """`last` with its averaged fields replaced by the window's means, its counts by the window's sums."""
         if self.blocks <= 0:
             return dict(last, **self.counts) if self.counts["supervised"] else last
-        out = dict(last, trained_blocks=self.blocks, **{k: v / self.blocks for k, v in self.sums.items()}, **self.counts)
+        out = dict(
+            last, trained_blocks=self.blocks, **{k: v / self.blocks for k, v in self.sums.items()}, **self.counts
+        )
         out["accuracy_per_position"] = [a / self.blocks for a in self.per_position]
         return out

@@ -22,6 +22,7 @@ and the free space is checked before each write (checkpoint_space.py).
 Here: the files, writing, finding and restoring; written in the background by
 checkpoint_writer.BackgroundWriter; whether one fits this run, checkpoint_compat.py.
 """
+
 from __future__ import annotations
 
 import json
@@ -44,6 +45,7 @@ FORMAT_VERSION = 1
 FILES = ("model.safetensors", "optimizer.pt", "rng.safetensors", "state.json", "config.json")
 LATEST, BEST = "latest", "best"
 
+
 class CorruptCheckpoint(Exception):
     """A checkpoint whose files fail their checksums or do not parse."""
 
@@ -55,15 +57,16 @@ def nonfinite_tensors(weights: dict[str, torch.Tensor]) -> list[str]:
 
 def refuse_nonfinite(weights: dict[str, torch.Tensor], what: str) -> None:
     if bad := nonfinite_tensors(weights):
-        raise ValueError(f"{what} not written: non-finite values in {len(bad)} weight tensor(s), "
-                         f"e.g. {', '.join(bad[:3])}")
+        raise ValueError(
+            f"{what} not written: non-finite values in {len(bad)} weight tensor(s), e.g. {', '.join(bad[:3])}"
+        )
 
 
 @dataclass
 class Found:
     path: Path
-    meta: dict                     # state.json
-    config: dict                   # config.json (the run config that wrote it)
+    meta: dict  # state.json
+    config: dict  # config.json (the run config that wrote it)
 
     @property
     def micro_step(self) -> int:
@@ -109,6 +112,7 @@ def pointer(root: Path, name: str) -> Path | None:
 
 # --- files -------------------------------------------------------------------------------------
 
+
 def _fsync_file(path: Path) -> None:
     with open(path, "rb+") as f:
         os.fsync(f.fileno())
@@ -123,9 +127,19 @@ def _write_json(path: Path, data: dict) -> None:
 
 # --- writing (rank 0) ---------------------------------------------------------------------------
 
-def write_checkpoint(root: Path, step: int, *, weights: dict[str, torch.Tensor], optimizer: dict,
-                     rng: dict[str, torch.Tensor], meta: dict, config: dict, keep: int,
-                     tick: Callable[[], None] | None = None) -> Path:
+
+def write_checkpoint(
+    root: Path,
+    step: int,
+    *,
+    weights: dict[str, torch.Tensor],
+    optimizer: dict,
+    rng: dict[str, torch.Tensor],
+    meta: dict,
+    config: dict,
+    keep: int,
+    tick: Callable[[], None] | None = None,
+) -> Path:
     """Write step-<step> atomically, point `latest` at it, rotate. Raises on failure after removing
     the temp dir (the previous checkpoint stays as it was)."""
     from safetensors.torch import save_file
@@ -133,19 +147,22 @@ def write_checkpoint(root: Path, step: int, *, weights: dict[str, torch.Tensor],
     tick = tick or (lambda: None)
     refuse_nonfinite(weights, f"checkpoint at step {step}")
     root.mkdir(parents=True, exist_ok=True)
-    for stale in root.glob(".tmp-*"):                    # left by a crash mid-write
+    for stale in root.glob(".tmp-*"):  # left by a crash mid-write
         shutil.rmtree(stale, ignore_errors=True)
     final = root / step_name(step)
     tmp = root / f".tmp-{final.name}-{os.getpid()}"
     tmp.mkdir()
     try:
-        save_file({k: v.detach().to("cpu", torch.float32).contiguous() for k, v in weights.items()},
-                  str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        save_file(
+            {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in weights.items()},
+            str(tmp / "model.safetensors"),
+            metadata={"format": "pt"},
+        )
         tick()
         torch.save(optimizer, tmp / "optimizer.pt")
         tick()
         save_file({k: v.contiguous() for k, v in rng.items()}, str(tmp / "rng.safetensors"))
-        for name in ("model.safetensors", "rng.safetensors"):     # like the other files here (docs/operations.md)
+        for name in ("model.safetensors", "rng.safetensors"):  # like the other files here (docs/operations.md)
             default_file_mode(tmp / name)
         _write_json(tmp / "state.json", meta)
         _write_json(tmp / "config.json", config)
@@ -155,14 +172,14 @@ def write_checkpoint(root: Path, step: int, *, weights: dict[str, torch.Tensor],
             files[name] = {"sha256": sha256_file(tmp / name, tick), "bytes": (tmp / name).stat().st_size}
         _write_json(tmp / "manifest.json", {"format": FORMAT_VERSION, "step": step, "files": files})
         fsync_dir(tmp)
-        if final.exists():                               # a leftover of a run that crashed before `latest` moved
+        if final.exists():  # a leftover of a run that crashed before `latest` moved
             trash = root / f".tmp-old-{final.name}-{os.getpid()}"
             os.rename(final, trash)
             shutil.rmtree(trash, ignore_errors=True)
         os.rename(tmp, final)
         fsync_dir(root)
     except BaseException as exc:
-        full = out_of_space(exc, root)               # before the temp dir goes: then the disk is full
+        full = out_of_space(exc, root)  # before the temp dir goes: then the disk is full
         shutil.rmtree(tmp, ignore_errors=True)
         if full:
             raise no_space(root, checkpoint_bytes(weights, optimizer)) from exc
@@ -190,6 +207,7 @@ def rotate(root: Path, keep: int) -> list[Path]:
 
 
 # --- finding and checking ------------------------------------------------------------------------
+
 
 def verify(path: Path, tick: Callable[[], None] | None = None) -> dict:
     """The checkpoint's state.json if every file matches the manifest and parses; else CorruptCheckpoint."""
@@ -224,8 +242,14 @@ def verify(path: Path, tick: Callable[[], None] | None = None) -> dict:
         raise CorruptCheckpoint(f"state.json: {exc}") from None
 
 
-def find_resume_point(run_dir: str | Path, model_cfg: DrafterModelConfig, cfg: Config, world_size: int,
-                      warn: Callable[[str], None], tick: Callable[[], None] | None = None) -> Found | None:
+def find_resume_point(
+    run_dir: str | Path,
+    model_cfg: DrafterModelConfig,
+    cfg: Config,
+    world_size: int,
+    warn: Callable[[str], None],
+    tick: Callable[[], None] | None = None,
+) -> Found | None:
     """The checkpoint to resume from: `latest`, or the next older one that verifies (each corrupt one
     is skipped with a warning). None when there is none at all (start fresh). ConfigError when
     checkpoints exist but none verifies, or the newest good one belongs to an incompatible config."""
@@ -241,25 +265,34 @@ def find_resume_point(run_dir: str | Path, model_cfg: DrafterModelConfig, cfg: C
         except CorruptCheckpoint as exc:
             problems.append(f"{path.name}: {exc}")
             nxt = candidates[candidates.index(path) + 1].name if path is not candidates[-1] else None
-            warn(f"checkpoint {path} is corrupt ({exc}); "
-                 + (f"falling back to {nxt}" if nxt else "no older checkpoint left"))
+            warn(
+                f"checkpoint {path} is corrupt ({exc}); "
+                + (f"falling back to {nxt}" if nxt else "no older checkpoint left")
+            )
             continue
         if "next_g" not in meta:
-            raise ConfigError(f"checkpoint {path} records no data position (next_g): a checkpoint this version "
-                              "does not resume. Start a new --run-dir, or move checkpoints/ aside to start fresh")
+            raise ConfigError(
+                f"checkpoint {path} records no data position (next_g): a checkpoint this version "
+                "does not resume. Start a new --run-dir, or move checkpoints/ aside to start fresh"
+            )
         config = json.loads((path / "config.json").read_text())
         errors = compatibility_errors(meta, config, model_cfg, cfg)
         if errors:
-            raise ConfigError(f"checkpoint {path} was written by an incompatible config: " + "; ".join(errors)
-                              + ". Start a new --run-dir, or move checkpoints/ aside to start fresh")
+            raise ConfigError(
+                f"checkpoint {path} was written by an incompatible config: "
+                + "; ".join(errors)
+                + ". Start a new --run-dir, or move checkpoints/ aside to start fresh"
+            )
         return Found(path, meta, config)
     if problems:
-        raise ConfigError(f"no usable checkpoint in {root}: " + "; ".join(problems)
-                          + ". Move the folder aside to start fresh")
+        raise ConfigError(
+            f"no usable checkpoint in {root}: " + "; ".join(problems) + ". Move the folder aside to start fresh"
+        )
     return None
 
 
 # --- restoring (every rank) ------------------------------------------------------------------------
+
 
 def restore(state, found: Found, rank: int) -> list[str]:
     """Load weights, optimizer, scheduler, this rank's RNG and the counters into a TrainState.
@@ -271,14 +304,14 @@ def restore(state, found: Found, rank: int) -> list[str]:
     blob = torch.load(path / "optimizer.pt", map_location=state.device, weights_only=True)
     state.optimizer.load_state_dict(blob["optimizer"])
     curve = state.scheduler.lr_lambdas[0]
-    now = dict(vars(curve))                           # this run's schedule: its horizon, and its clock from here
-    state.scheduler.load_state_dict(blob["scheduler"])   # the step count (and the saved schedule's fields)
+    now = dict(vars(curve))  # this run's schedule: its horizon, and its clock from here
+    state.scheduler.load_state_dict(blob["scheduler"])  # the step count (and the saved schedule's fields)
     then = {k: vars(curve).get(k) for k in curve.horizon()}
     vars(curve).clear()
     vars(curve).update(now)
     for group, base in zip(state.optimizer.param_groups, state.scheduler.base_lrs):
         group["lr"] = base * curve(state.scheduler.last_epoch)
-    if then != curve.horizon():                       # e.g. run.max_steps changed, or the split (rounding)
+    if then != curve.horizon():  # e.g. run.max_steps changed, or the split (rounding)
         notes.append(f"lr schedule changed from {then} to {curve.horizon()} (in batches); continuing on the new one")
     rng = load_file(str(path / "rng.safetensors"))
     # a rank the checkpoint did not have (more drafters now) keeps its seeded generators: a train
@@ -293,12 +326,18 @@ def restore(state, found: Found, rank: int) -> list[str]:
     return notes
 
 
-def make_meta(counters: dict, model_cfg: DrafterModelConfig, world_size: int, batches_done: int | None = None,
-              **extra) -> dict:
+def make_meta(
+    counters: dict, model_cfg: DrafterModelConfig, world_size: int, batches_done: int | None = None, **extra
+) -> dict:
     """state.json: counters of an optimizer-step boundary (TrainState.counters()), model shape, extras.
     batches_done: global batches done at that boundary (Plan.batches_done; default: one split from
     the start)."""
     done = counters["micro_step"] * world_size if batches_done is None else batches_done
-    return {**counters, "world_size": world_size,
-            "next_g": done,                                    # batches g < next_g are done
-            "model": model_cfg.to_dict(), "time": time.time(), **extra}
+    return {
+        **counters,
+        "world_size": world_size,
+        "next_g": done,  # batches g < next_g are done
+        "model": model_cfg.to_dict(),
+        "time": time.time(),
+        **extra,
+    }

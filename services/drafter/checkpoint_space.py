@@ -1,6 +1,7 @@
 """Disk space for checkpoints: what one takes, a warning well ahead of a full disk, and a full disk
 named as such ("no space left on <folder>, need about N GB") instead of torch.save's "unexpected pos".
 """
+
 from __future__ import annotations
 
 import errno
@@ -9,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-ROOM_FOR_WARNING = 3        # warn while fewer checkpoints than this fit in the free space
+ROOM_FOR_WARNING = 3  # warn while fewer checkpoints than this fit in the free space
 
 
 def _gb(nbytes: float) -> str:
@@ -34,14 +35,15 @@ def checkpoint_bytes(weights: dict[str, torch.Tensor], optimizer: dict) -> int:
 
 def free_bytes(root: Path) -> int:
     path = Path(root)
-    while not path.exists():        # the folder may not exist yet: its file system does
+    while not path.exists():  # the folder may not exist yet: its file system does
         path = path.parent
     return shutil.disk_usage(path).free
 
 
 def no_space(root: Path, need: int) -> OSError:
-    return OSError(errno.ENOSPC, f"no space left on {root}, need about {_gb(need)} GB "
-                                 f"({_gb(free_bytes(root))} GB free)")
+    return OSError(
+        errno.ENOSPC, f"no space left on {root}, need about {_gb(need)} GB ({_gb(free_bytes(root))} GB free)"
+    )
 
 
 def ensure_space(root: Path, need: int) -> None:
@@ -55,8 +57,10 @@ def space_warning(root: Path, need: int) -> str | None:
     free = free_bytes(root)
     if free >= ROOM_FOR_WARNING * need:
         return None
-    return (f"disk almost full: {_gb(free)} GB free on {root}, a checkpoint needs about {_gb(need)} GB "
-            f"(room for {free // need}); free space or lower run.keep_checkpoints")
+    return (
+        f"disk almost full: {_gb(free)} GB free on {root}, a checkpoint needs about {_gb(need)} GB "
+        f"(room for {free // need}); free space or lower run.keep_checkpoints"
+    )
 
 
 def out_of_space(exc: BaseException, root: Path) -> bool:

@@ -1,4 +1,5 @@
 """BackgroundWriter: checkpoints written by a thread after a host snapshot (checkpoint.py's files and rules)."""
+
 from __future__ import annotations
 
 import copy
@@ -27,7 +28,7 @@ class BackgroundWriter:
         self.root, self.keep, self.device = root, keep, device
         self._buffers: dict[str, torch.Tensor] = {}
         self._thread: threading.Thread | None = None
-        self._outcome: dict | None = None           # the finished write, until taken by done()
+        self._outcome: dict | None = None  # the finished write, until taken by done()
         self._preparing: threading.Thread | None = None
 
     def _buffer(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
@@ -57,16 +58,30 @@ class BackgroundWriter:
         """Allocate the host buffers in the background (pinning 20 GB takes seconds), so that even
         the first checkpoint only copies. Call once the optimizer has its state (after a step)."""
         shapes = {k: v.float() for k, v in weights.items()}, optimizer
-        self._preparing = threading.Thread(target=lambda: (
-            [self._buffer(f"w.{k}", v) for k, v in shapes[0].items()],
-            self._host_tree("opt", shapes[1], self._buffer)), name="checkpoint-buffers", daemon=True)
+        self._preparing = threading.Thread(
+            target=lambda: (
+                [self._buffer(f"w.{k}", v) for k, v in shapes[0].items()],
+                self._host_tree("opt", shapes[1], self._buffer),
+            ),
+            name="checkpoint-buffers",
+            daemon=True,
+        )
         self._preparing.start()
 
-    def snapshot_and_write(self, step: int, *, weights: dict[str, torch.Tensor], optimizer: dict,
-                           rng: dict[str, torch.Tensor], meta: dict, config: dict, set_best: bool) -> float:
+    def snapshot_and_write(
+        self,
+        step: int,
+        *,
+        weights: dict[str, torch.Tensor],
+        optimizer: dict,
+        rng: dict[str, torch.Tensor],
+        meta: dict,
+        config: dict,
+        set_best: bool,
+    ) -> float:
         """Snapshot now, write in the background. Returns the seconds training was held up."""
         start = time.perf_counter()
-        self.wait()                                  # one write at a time (bounded host memory)
+        self.wait()  # one write at a time (bounded host memory)
         if self._preparing is not None:
             self._preparing.join()
             self._preparing = None
@@ -75,8 +90,9 @@ class BackgroundWriter:
         copied = torch.cuda.current_stream().record_event() if self.device.type == "cuda" else None
         stall = time.perf_counter() - start
         args = dict(weights=host_weights, optimizer=host_optimizer, rng=rng, meta=meta, config=config)
-        self._thread = threading.Thread(target=self._write, args=(step, copied, set_best, stall, args),
-                                        name="checkpoint-writer", daemon=True)
+        self._thread = threading.Thread(
+            target=self._write, args=(step, copied, set_best, stall, args), name="checkpoint-writer", daemon=True
+        )
         self._thread.start()
         return stall
 
@@ -90,7 +106,7 @@ class BackgroundWriter:
             outcome["path"] = write_checkpoint(self.root, step, keep=self.keep, **args)
             if set_best:
                 set_best_pointer(self.root, outcome["path"])
-        except Exception as exc:                     # reported by done(): the previous checkpoint stays latest
+        except Exception as exc:  # reported by done(): the previous checkpoint stays latest
             outcome["error"] = exc
         outcome["write_s"] = round(time.perf_counter() - start, 3)
         self._outcome = outcome

@@ -4,6 +4,7 @@ Each function here is called by every rank at the same point (the worker's loop,
 evaluate.py); a rank that skipped one would hang the others. DDP's own gradient all-reduce is in
 train.py (the model wrapper).
 """
+
 from __future__ import annotations
 
 import os
@@ -35,8 +36,9 @@ def _tcp_store(address: str, port: int, rank: int, world_size: int):
     listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     listener.bind((address, port))
     listener.listen(128)
-    return dist.TCPStore(address, listener.getsockname()[1], world_size, True, timedelta(minutes=30),
-                         master_listen_fd=listener.detach())      # the store owns the socket from here
+    return dist.TCPStore(
+        address, listener.getsockname()[1], world_size, True, timedelta(minutes=30), master_listen_fd=listener.detach()
+    )  # the store owns the socket from here
 
 
 def join(cfg: Config, rank: int, world_size: int, device: torch.device, backend: str) -> None:
@@ -50,7 +52,7 @@ def join(cfg: Config, rank: int, world_size: int, device: torch.device, backend:
     if backend == "auto":
         backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
-        torch.cuda.set_device(device)               # always cuda:0: the launcher sets CUDA_VISIBLE_DEVICES
+        torch.cuda.set_device(device)  # always cuda:0: the launcher sets CUDA_VISIBLE_DEVICES
     store_path = os.environ.get("DFLASH_DIST_STORE")
     address = "127.0.0.1" if store_path else os.environ.get("MASTER_ADDR", "127.0.0.1")
     interface = "lo" if is_loopback(address) else _interface_of(address)

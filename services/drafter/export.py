@@ -3,7 +3,8 @@
     <out>/config.json          Qwen3 layer fields + architectures ["DFlashDraftModel"], block_size,
                                num_target_layers, dflash_config {target_layer_ids, mask_token_id}
     <out>/model.safetensors    layers.{i}.self_attn.{q,k,v,o}_proj.weight, layers.{i}.self_attn.{q,k}_norm.weight,
-                               layers.{i}.mlp.{gate,up,down}_proj.weight, layers.{i}.{input,post_attention}_layernorm.weight,
+                               layers.{i}.mlp.{gate,up,down}_proj.weight,
+                               layers.{i}.{input,post_attention}_layernorm.weight,
                                fc.weight, hidden_norm.weight, norm.weight        (no embedding, no lm_head)
     <out>/export.json          which step it holds, whether that is the run's last and/or best
                                (held-out τ) step, block_size and vLLM's num_speculative_tokens
@@ -43,6 +44,7 @@ checkpoints; `--dtype float32` exports those unrounded.
 
     python -m services.drafter.export --checkpoint runs/x/checkpoints/latest --out runs/x/export
 """
+
 from __future__ import annotations
 
 import argparse
@@ -117,8 +119,9 @@ def hybrid_target(model_path: str | None) -> bool:
     if not isinstance(config, dict):
         return False
     for section in (config, config.get("text_config") or {}):
-        if "linear_attention" in (section.get("layer_types") or ()) or \
-                str(section.get("model_type", "")).startswith("qwen3_5"):
+        if "linear_attention" in (section.get("layer_types") or ()) or str(section.get("model_type", "")).startswith(
+            "qwen3_5"
+        ):
             return True
     return False
 
@@ -133,14 +136,18 @@ def serve_commands(out: Path, m: DrafterModelConfig, target: str | None) -> dict
     shell. target: the target's model folder (the run's target.model_path); None: unknown (an export
     of a checkpoint outside its run), then the commands say <target>."""
     if target and Path(target).exists():
-        target = str(Path(target).resolve())        # a relative folder: as pasted anywhere
+        target = str(Path(target).resolve())  # a relative folder: as pasted anywhere
     model = shlex.quote(target) if target else "<target>"
-    spec = json.dumps({"method": "dflash", "model": str(out), "num_speculative_tokens": num_speculative_tokens(m.block_size)})
+    spec = json.dumps(
+        {"method": "dflash", "model": str(out), "num_speculative_tokens": num_speculative_tokens(m.block_size)}
+    )
     vllm = f"vllm serve {model} --speculative-config {shlex.quote(spec)}"
     if mixed_layers(m):
         vllm = "VLLM_USE_V2_MODEL_RUNNER=1 " + vllm
-    sglang = (f"python -m sglang.launch_server --model-path {model} --speculative-algorithm DFLASH "
-              f"--speculative-draft-model-path {shlex.quote(str(out))}")
+    sglang = (
+        f"python -m sglang.launch_server --model-path {model} --speculative-algorithm DFLASH "
+        f"--speculative-draft-model-path {shlex.quote(str(out))}"
+    )
     if target and hybrid_target(target):
         sglang += " --mamba-scheduler-strategy extra_buffer"
     return {"target": target or None, "vllm": vllm, "sglang": sglang}
@@ -148,9 +155,12 @@ def serve_commands(out: Path, m: DrafterModelConfig, target: str | None) -> dict
 
 def serve_hints(serve: dict, block_size: int) -> str:
     """How to serve the export (printed with it), as export.json's `serve` has it."""
-    lines = [f"vLLM:   {serve['vllm']}", f"SGLang: {serve['sglang']}",
-             f"(vLLM's num_speculative_tokens is block_size - 1 = {num_speculative_tokens(block_size)}; "
-             f"SGLang reads block_size {block_size} from config.json)"]
+    lines = [
+        f"vLLM:   {serve['vllm']}",
+        f"SGLang: {serve['sglang']}",
+        f"(vLLM's num_speculative_tokens is block_size - 1 = {num_speculative_tokens(block_size)}; "
+        f"SGLang reads block_size {block_size} from config.json)",
+    ]
     if not serve.get("target"):
         lines.append("replace <target> with the folder of the target the drafter was trained on")
     return "\n".join(lines)
@@ -167,10 +177,19 @@ def run_target(checkpoint: Path) -> str | None:
 
 
 def expected_tensor_names(m: DrafterModelConfig) -> list[str]:
-    per_layer = ["self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
-                 "self_attn.o_proj.weight", "self_attn.q_norm.weight", "self_attn.k_norm.weight",
-                 "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
-                 "input_layernorm.weight", "post_attention_layernorm.weight"]
+    per_layer = [
+        "self_attn.q_proj.weight",
+        "self_attn.k_proj.weight",
+        "self_attn.v_proj.weight",
+        "self_attn.o_proj.weight",
+        "self_attn.q_norm.weight",
+        "self_attn.k_norm.weight",
+        "mlp.gate_proj.weight",
+        "mlp.up_proj.weight",
+        "mlp.down_proj.weight",
+        "input_layernorm.weight",
+        "post_attention_layernorm.weight",
+    ]
     if m.attention_bias:
         per_layer += [f"self_attn.{p}_proj.bias" for p in "qkvo"]
     names = [f"layers.{i}.{n}" for i in range(m.num_hidden_layers) for n in per_layer]
@@ -194,8 +213,14 @@ def _replace_dir(tmp: Path, out: Path) -> None:
         os.rename(tmp, out)
 
 
-def export_weights(weights: dict[str, torch.Tensor], model_cfg: DrafterModelConfig, out_dir: str | Path,
-                   dtype: str = "bfloat16", provenance: dict | None = None, target: str | None = None) -> Path:
+def export_weights(
+    weights: dict[str, torch.Tensor],
+    model_cfg: DrafterModelConfig,
+    out_dir: str | Path,
+    dtype: str = "bfloat16",
+    provenance: dict | None = None,
+    target: str | None = None,
+) -> Path:
     """Write config.json, model.safetensors and export.json into out_dir (atomically: a temp dir,
     then rename). provenance: step, last, best, ... (see export_record), recorded in export.json
     and in the safetensors metadata. target: the run's target.model_path, for the serving commands
@@ -211,8 +236,11 @@ def export_weights(weights: dict[str, torch.Tensor], model_cfg: DrafterModelConf
         extra, missing = sorted(set(weights) - set(names)), sorted(set(names) - set(weights))
         raise ExportError(f"drafter weights do not match the DFlash layout: unexpected {extra}, missing {missing}")
     from services.drafter.checkpoint import nonfinite_tensors
+
     if bad := nonfinite_tensors(weights):
-        raise ExportError(f"export not written: non-finite values in {len(bad)} weight tensor(s), e.g. {', '.join(bad[:3])}")
+        raise ExportError(
+            f"export not written: non-finite values in {len(bad)} weight tensor(s), e.g. {', '.join(bad[:3])}"
+        )
     out = Path(out_dir).resolve()
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
@@ -220,10 +248,14 @@ def export_weights(weights: dict[str, torch.Tensor], model_cfg: DrafterModelConf
     tmp.mkdir()
     try:
         tensors = {k: v.detach().to("cpu", DTYPES[dtype]).contiguous() for k, v in weights.items()}
-        record = {**(provenance or {}), "block_size": model_cfg.block_size, "dtype": dtype,
-                  "num_speculative_tokens": num_speculative_tokens(model_cfg.block_size),
-                  "target_layer_ids": list(model_cfg.target_layer_ids),
-                  "serve": serve_commands(out, model_cfg, target)}
+        record = {
+            **(provenance or {}),
+            "block_size": model_cfg.block_size,
+            "dtype": dtype,
+            "num_speculative_tokens": num_speculative_tokens(model_cfg.block_size),
+            "target_layer_ids": list(model_cfg.target_layer_ids),
+            "serve": serve_commands(out, model_cfg, target),
+        }
         metadata = {"format": "pt", **{k: json.dumps(v) for k, v in record.items()}}
         save_file(tensors, str(tmp / "model.safetensors"), metadata=metadata)
         default_file_mode(tmp / "model.safetensors")
@@ -244,17 +276,32 @@ def resolve_checkpoint(path: str | Path) -> Path:
             return candidate.resolve()
     if path.name == "best" and not path.exists():
         latest = path.with_name("latest")
-        raise ExportError(f"{path} does not exist: `best` is the checkpoint with the best held-out τ, and only runs "
-                          f"that evaluate (run.eval_every > 0) have one; export {latest} instead")
+        raise ExportError(
+            f"{path} does not exist: `best` is the checkpoint with the best held-out τ, and only runs "
+            f"that evaluate (run.eval_every > 0) have one; export {latest} instead"
+        )
     raise ExportError(f"{path}: not a checkpoint (no manifest.json), and no checkpoints/latest under it")
 
 
-def export_record(step: int, *, last: bool, best: bool, best_step: int | None, checkpoint: str | None = None,
-                  eval_tau: float | None = None) -> dict:
+def export_record(
+    step: int,
+    *,
+    last: bool,
+    best: bool,
+    best_step: int | None,
+    checkpoint: str | None = None,
+    eval_tau: float | None = None,
+) -> dict:
     """What export.json says about the weights: their step, and whether that step is the run's last
     and/or its best (highest held-out τ; best_step is None when the run never evaluated)."""
-    return {"step": step, "last": last, "best": best, "best_step": best_step, "checkpoint": checkpoint,
-            "eval_tau": eval_tau}
+    return {
+        "step": step,
+        "last": last,
+        "best": best,
+        "best_step": best_step,
+        "checkpoint": checkpoint,
+        "eval_tau": eval_tau,
+    }
 
 
 def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype: str = "bfloat16") -> Path:
@@ -269,26 +316,37 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype: str = 
         raise ExportError(f"checkpoint {path} is corrupt: {exc}") from None
     model_cfg = DrafterModelConfig(**meta["model"])
     if model_cfg.target_layer_ids != sorted(model_cfg.target_layer_ids):
-        raise ExportError(f"checkpoint {path} lists target_layer_ids {model_cfg.target_layer_ids} out of order: "
-                          "a checkpoint this version does not export")
+        raise ExportError(
+            f"checkpoint {path} lists target_layer_ids {model_cfg.target_layer_ids} out of order: "
+            "a checkpoint this version does not export"
+        )
     weights = load_file(str(path / "model.safetensors"))
     latest, best = pointer(path.parent, LATEST), pointer(path.parent, BEST)
-    provenance = export_record(int(meta["step"]), last=latest is not None and latest.resolve() == path,
-                               best=best is not None and best.resolve() == path, best_step=step_of(best) if best else None,
-                               checkpoint=path.name, eval_tau=(meta.get("eval") or {}).get("tau"))
+    provenance = export_record(
+        int(meta["step"]),
+        last=latest is not None and latest.resolve() == path,
+        best=best is not None and best.resolve() == path,
+        best_step=step_of(best) if best else None,
+        checkpoint=path.name,
+        eval_tau=(meta.get("eval") or {}).get("tau"),
+    )
     return export_weights(weights, model_cfg, out_dir, dtype, provenance, target=run_target(path))
 
 
 def describe_export(out: Path, checkpoint: Path, record: dict) -> str:
     """The first line `launcher export` prints: what was written, from which step, in words."""
     which = " and ".join(w for w in ("last", "best") if record.get(w)) or "neither the last nor the best"
-    return (f"exported step {record['step']} ({which} of its run) from {checkpoint} to {out}: "
-            f"block_size {record['block_size']}, {record['dtype']} weights; export.json has these commands")
+    return (
+        f"exported step {record['step']} ({which} of its run) from {checkpoint} to {out}: "
+        f"block_size {record['block_size']}, {record['dtype']} weights; export.json has these commands"
+    )
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m services.drafter.export",
-                                description="Export a drafter checkpoint as an HF-style DFlash drafter dir.")
+    p = argparse.ArgumentParser(
+        prog="python -m services.drafter.export",
+        description="Export a drafter checkpoint as an HF-style DFlash drafter dir.",
+    )
     p.add_argument("--checkpoint", required=True, help="checkpoint dir, or a run dir (uses checkpoints/latest)")
     p.add_argument("--out", required=True, help="output dir (created; an earlier export there is replaced)")
     p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))

@@ -10,6 +10,7 @@ names the target incarnation that served the batch and the digest of its token i
 (services/batch.token_digest), so an audit can tell which process produced what, and rebuild
 batch g to compare.
 """
+
 from __future__ import annotations
 
 import json
@@ -23,7 +24,7 @@ class Ledger:
         self.path = Path(run_dir) / "ledger" / f"drafter-{rank}.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
         truncate_jsonl(self.path, keep_through_step=start_step - 1)
-        if rank == 0 and world_size is not None:      # ranks of an earlier launch with more drafters
+        if rank == 0 and world_size is not None:  # ranks of an earlier launch with more drafters
             for path in self.path.parent.glob("drafter-*.jsonl"):
                 if _rank_of(path) is not None and _rank_of(path) >= world_size:
                     truncate_jsonl(path, keep_through_step=start_step - 1)
@@ -43,8 +44,9 @@ def truncate_jsonl(path: Path, keep_through_step: int) -> None:
     """Drop lines with step > keep_through_step, and lines cut by a crash (ledger and metrics)."""
     if not path.exists():
         return
-    keep = [line for line in path.read_text().splitlines()
-            if _step(line) is not None and _step(line) <= keep_through_step]
+    keep = [
+        line for line in path.read_text().splitlines() if _step(line) is not None and _step(line) <= keep_through_step
+    ]
     write_text_atomic(path, "".join(line + "\n" for line in keep))
 
 
@@ -59,7 +61,7 @@ def _step(line: str) -> int | None:
     try:
         return int(json.loads(line)["step"])
     except (ValueError, KeyError, TypeError):
-        return None   # a line cut by a crash mid-write: not part of the lineage
+        return None  # a line cut by a crash mid-write: not part of the lineage
 
 
 def read_all(run_dir: str | Path) -> list[dict]:

@@ -9,6 +9,7 @@ never a third time to recompute logits, and memory holds one chunk of logits at 
 
     loss = sum_r w_r * CE_r / sum_r w_r          (0 when every weight is 0, with zero grads)
 """
+
 from __future__ import annotations
 
 import torch
@@ -31,7 +32,7 @@ def ce_chunk_loss_and_grad(h: torch.Tensor, lm_head: torch.Tensor, labels: torch
     loss = torch.where(scale > 0, (lse - picked) * scale, 0.0).sum()
     pred = logits.argmax(-1)
     probs = torch.exp(logits - lse[:, None])
-    probs.scatter_add_(1, labels[:, None], torch.full_like(picked[:, None], -1.0))   # softmax - onehot
+    probs.scatter_add_(1, labels[:, None], torch.full_like(picked[:, None], -1.0))  # softmax - onehot
     grad_h = (probs * scale[:, None]).to(h.dtype) @ lm_head
     return loss, pred, grad_h
 
@@ -75,8 +76,14 @@ class _ChunkedCE(torch.autograd.Function):
         return grad * grad_loss.to(grad.dtype), None, None, None, None, None
 
 
-def chunked_cross_entropy(hidden: torch.Tensor, lm_head: torch.Tensor, labels: torch.Tensor,
-                          weights: torch.Tensor, chunk: int = 2048, fns: ChunkFns | None = None):
+def chunked_cross_entropy(
+    hidden: torch.Tensor,
+    lm_head: torch.Tensor,
+    labels: torch.Tensor,
+    weights: torch.Tensor,
+    chunk: int = 2048,
+    fns: ChunkFns | None = None,
+):
     """hidden [R, H], lm_head [V, H] (frozen), labels [R], weights [R] -> (loss, predictions [R]).
 
     loss = sum(w * CE) / sum(w); 0 with zero gradients when all weights are 0.

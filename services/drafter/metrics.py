@@ -18,6 +18,7 @@ Eval lines ("eval": true), every run.eval_every steps:
 On resume from step s, lines with step > s are dropped first, so the curve continues without
 repeats (the ledger does the same for batch indices).
 """
+
 from __future__ import annotations
 
 import json
@@ -55,22 +56,44 @@ def reduce_train_metrics(m: dict, times: StepTimes, counters: dict, device: torc
     summed over ranks, and the time split per step since the last log (mean over ranks)."""
     w = float(m["trained_blocks"])
     wall = time.perf_counter() - times.start
-    local = [m["loss"] * w, m["accuracy"] * w, m["tau"] * w, w, times.tokens, times.data, times.compute, wall,
-             counters["samples_done"], counters["tokens_done"], m["supervised"], m["reachable"], m["sampled"],
-             *[a * w for a in m["accuracy_per_position"]]]
+    local = [
+        m["loss"] * w,
+        m["accuracy"] * w,
+        m["tau"] * w,
+        w,
+        times.tokens,
+        times.data,
+        times.compute,
+        wall,
+        counters["samples_done"],
+        counters["tokens_done"],
+        m["supervised"],
+        m["reachable"],
+        m["sampled"],
+        *[a * w for a in m["accuracy_per_position"]],
+    ]
     s = all_reduce_sum(local, device)
     blocks, per_step = max(s[3], 1e-9), world_size * max(times.steps, 1)
     data_s, compute_s, wall_s = s[5] / per_step, s[6] / per_step, s[7] / per_step
     r = lambda x: round(x, 6)
     supervised = max(s[10], 1.0)
-    return {"loss": r(s[0] / blocks), "accuracy": r(s[1] / blocks), "tau": r(s[2] / blocks),
-            "accuracy_per_position": [round(a / blocks, 4) for a in s[13:]],
-            "coverage": round(s[11] / supervised, 4), "sampled_coverage": round(s[12] / supervised, 4),
-            "tokens_per_s": round(s[4] / max(s[7] / world_size, 1e-9), 1),
-            "window_tokens": int(s[4]), "window_s": r(s[7] / world_size),
-            "samples_done": int(s[8]), "tokens_done": int(s[9]),
-            "data_wait_frac": r(data_s / max(wall_s, 1e-9)), "time_data_s": r(data_s), "time_compute_s": r(compute_s),
-            "time_other_s": r(max(0.0, wall_s - data_s - compute_s))}
+    return {
+        "loss": r(s[0] / blocks),
+        "accuracy": r(s[1] / blocks),
+        "tau": r(s[2] / blocks),
+        "accuracy_per_position": [round(a / blocks, 4) for a in s[13:]],
+        "coverage": round(s[11] / supervised, 4),
+        "sampled_coverage": round(s[12] / supervised, 4),
+        "tokens_per_s": round(s[4] / max(s[7] / world_size, 1e-9), 1),
+        "window_tokens": int(s[4]),
+        "window_s": r(s[7] / world_size),
+        "samples_done": int(s[8]),
+        "tokens_done": int(s[9]),
+        "data_wait_frac": r(data_s / max(wall_s, 1e-9)),
+        "time_data_s": r(data_s),
+        "time_compute_s": r(compute_s),
+        "time_other_s": r(max(0.0, wall_s - data_s - compute_s)),
+    }
 
 
 def scalars(prefix: str, record: dict) -> dict[str, float]:
@@ -96,21 +119,24 @@ class MetricsLog:
     acceptance), at the optimizer step, with the line's `time` as the wall time. Other ranks get an
     instance that writes nothing."""
 
-    def __init__(self, run_dir: str | Path, resume_step: int, enabled: bool, wandb_project: str = "",
-                 config: dict | None = None):
+    def __init__(
+        self, run_dir: str | Path, resume_step: int, enabled: bool, wandb_project: str = "", config: dict | None = None
+    ):
         self.enabled = enabled
         self.path = Path(run_dir) / METRICS_FILE
         self.tb = self.wandb = None
         if not enabled:
             return
-        if wandb_project:                  # first: a missing package stops the start before any file is touched
+        if wandb_project:  # first: a missing package stops the start before any file is touched
             from services.drafter.wandb_log import WandbLog
+
             self.wandb = WandbLog(run_dir, wandb_project, config or {})
         truncate_jsonl(self.path, resume_step)
         self.file = open(self.path, "a")
         try:
             import tensorboard  # noqa: F401  (optional extra; torch's writer needs it)
             from torch.utils.tensorboard import SummaryWriter
+
             self.tb = SummaryWriter(str(Path(run_dir) / "tensorboard"), purge_step=resume_step + 1)
         except ImportError:
             self.tb = None

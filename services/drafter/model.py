@@ -15,6 +15,7 @@ Parameter names follow the released z-lab drafters (layers.{i}.self_attn.q_proj.
 hidden_norm.weight, norm.weight ...), so the export is a plain state_dict. The embedding and lm_head
 belong to the target: they live in TargetHead (target_head.py), never in this module.
 """
+
 from __future__ import annotations
 
 import torch
@@ -22,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from services.config import FULL, SLIDING
-from services.shapes import DrafterModelConfig   # the drafter's shape, resolved by services/runspec.py
+from services.shapes import DrafterModelConfig  # the drafter's shape, resolved by services/runspec.py
 
 
 class RMSNorm(nn.Module):
@@ -56,7 +57,11 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 class Attention(nn.Module):
     def __init__(self, cfg: DrafterModelConfig):
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+        )
         bias = cfg.attention_bias
         self.q_proj = nn.Linear(cfg.hidden_size, self.num_heads * self.head_dim, bias=bias)
         self.k_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
@@ -74,11 +79,11 @@ class Attention(nn.Module):
         # the (narrower) outputs instead of the inputs
         k = torch.cat([self.k_proj(ctx), self.k_proj(x)]).view(1, kv_len, self.num_kv_heads, self.head_dim)
         v = torch.cat([self.v_proj(ctx), self.v_proj(x)]).view(1, kv_len, self.num_kv_heads, self.head_dim)
-        k = self.k_norm(k).transpose(1, 2)                          # [1, kv_heads, KV, head_dim]
+        k = self.k_norm(k).transpose(1, 2)  # [1, kv_heads, KV, head_dim]
         v = v.transpose(1, 2)
         q = apply_rope(q, q_cos, q_sin)
         k = apply_rope(k, k_cos, k_sin)
-        out = attend(q, k, v, mask)                                 # [1, heads, Q, head_dim]
+        out = attend(q, k, v, mask)  # [1, heads, Q, head_dim]
         return self.o_proj(out.transpose(1, 2).reshape(q_len, self.num_heads * self.head_dim))
 
 
@@ -118,7 +123,7 @@ class DFlashDrafter(nn.Module):
         self.fc = nn.Linear(cfg.hidden_width, cfg.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.attention = attention      # a backend from attention.py; not a parameter
+        self.attention = attention  # a backend from attention.py; not a parameter
         self.reset_parameters()
 
     @torch.no_grad()
@@ -134,9 +139,12 @@ class DFlashDrafter(nn.Module):
 
     def build_masks(self, anchors, context_starts, context_len: int) -> dict:
         """One block mask per layer type in use, from the attention backend: {layer_type: mask}."""
-        return {kind: self.attention.build_mask(anchors, context_starts, self.cfg.block_size, context_len,
-                                                self.cfg.window(kind))
-                for kind in sorted(set(self.cfg.layer_types))}
+        return {
+            kind: self.attention.build_mask(
+                anchors, context_starts, self.cfg.block_size, context_len, self.cfg.window(kind)
+            )
+            for kind in sorted(set(self.cfg.layer_types))
+        }
 
     def forward(self, hidden, block_embeds, context_positions, block_positions, masks):
         """hidden [C, K*H] target features; block_embeds [Q, H]; positions [C], [Q] -> [Q, H].
@@ -149,7 +157,7 @@ class DFlashDrafter(nn.Module):
         ctx = self.hidden_norm(self.fc(hidden))
         q_cos, q_sin = rope_cos_sin(block_positions, cfg.head_dim, cfg.rope_theta)
         k_cos, k_sin = rope_cos_sin(torch.cat([context_positions, block_positions]), cfg.head_dim, cfg.rope_theta)
-        rope = (q_cos, q_sin, k_cos, k_sin)     # keys: context at its positions, blocks at pos(a)+k
+        rope = (q_cos, q_sin, k_cos, k_sin)  # keys: context at its positions, blocks at pos(a)+k
         x = block_embeds
         for layer, kind in zip(self.layers, cfg.layer_types):
             x = layer(x, ctx, rope, self.attention, masks[kind])
@@ -170,13 +178,13 @@ def model_flops(cfg: DrafterModelConfig, seq_len: int, num_anchors: int, attende
     H, I, D = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     q_rows = num_anchors * cfg.block_size
     kv_rows = seq_len + q_rows
-    per_layer = (2 * q_rows * H * cfg.num_attention_heads * D * 2            # q_proj, o_proj
-                 + 2 * kv_rows * H * cfg.num_key_value_heads * D * 2         # k_proj, v_proj
-                 + 2 * q_rows * H * I * 3)                                    # gate, up, down
+    per_layer = (
+        2 * q_rows * H * cfg.num_attention_heads * D * 2  # q_proj, o_proj
+        + 2 * kv_rows * H * cfg.num_key_value_heads * D * 2  # k_proj, v_proj
+        + 2 * q_rows * H * I * 3
+    )  # gate, up, down
     attention = sum(4 * attended_pairs[kind] * cfg.num_attention_heads * D for kind in cfg.layer_types)
     layers = 3 * (cfg.num_hidden_layers * per_layer + attention)
     fc = 2 * 2 * seq_len * cfg.hidden_width * H
     lm_head = 2 * 2 * num_anchors * (cfg.block_size - 1) * H * cfg.vocab_size
-    return {"layers": layers, "attention": 3 * attention, "fc": fc,
-            "lm_head": lm_head, "total": layers + fc + lm_head}
-
+    return {"layers": layers, "attention": 3 * attention, "fc": fc, "lm_head": lm_head, "total": layers + fc + lm_head}

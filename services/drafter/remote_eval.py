@@ -13,6 +13,7 @@ whose session is lost (its target restarted, or evicted it) is decoded once more
 the target's current incarnation, then skipped and counted (`skipped`); a target that did not
 answer in time, or is not serving, is left out for the rest of that evaluation.
 """
+
 from __future__ import annotations
 
 import gc
@@ -20,7 +21,6 @@ import itertools
 import logging
 import sys
 import time
-from pathlib import Path
 from types import SimpleNamespace
 
 import torch
@@ -81,21 +81,26 @@ def models_in_process() -> int:
     def is_model(o) -> bool:
         try:
             return isinstance(o, PreTrainedModel)
-        except ReferenceError:      # a weakref.proxy whose object is gone (torch.compile leaves some): not a model
+        except ReferenceError:  # a weakref.proxy whose object is gone (torch.compile leaves some): not a model
             return False
+
     return sum(map(is_model, gc.get_objects()))
 
 
 class RemoteSpecEval(SpecEval):
     def __init__(self, cfg, run_dir, num_targets: int, head, model_cfg, health, *, prompts: int, max_new_tokens: int):
         from transformers import AutoTokenizer, GenerationConfig
+
         t = cfg.transport
         self.device, self.head_on_device = head.embed.device, head
         self.dtype = head.embed.dtype
-        self.client = VerifyClient([endpoint(run_dir, t, "target", i, "data") for i in range(num_targets)],
-                                   [endpoint(run_dir, t, "target", i, "health") for i in range(num_targets)],
-                                   t, width=model_cfg.hidden_width,
-                                   drops=Drops(health))
+        self.client = VerifyClient(
+            [endpoint(run_dir, t, "target", i, "data") for i in range(num_targets)],
+            [endpoint(run_dir, t, "target", i, "health") for i in range(num_targets)],
+            t,
+            width=model_cfg.hidden_width,
+            drops=Drops(health),
+        )
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.target.model_path)
         try:
             generation = GenerationConfig.from_pretrained(cfg.target.model_path)
@@ -104,13 +109,16 @@ class RemoteSpecEval(SpecEval):
         self.stop_ids = stop_token_ids(self.tokenizer, SimpleNamespace(generation_config=generation))
         self.max_new_tokens = max_new_tokens
         every, names = interleave(prompt_sets(cfg, self.tokenizer, cfg.run.eval_prompts, prompts))
-        fits = [i for i, p in enumerate(every) if len(p) <= cfg.data.pack_len]     # what a target accepts
+        fits = [i for i, p in enumerate(every) if len(p) <= cfg.data.pack_len]  # what a target accepts
         self.prompts, self.names = [every[i] for i in fits], [names[i] for i in fits]
         # where the prompts come from: run.eval_prompts' files (None), held-out lines (True) or training lines
         self.held_out = None if cfg.run.eval_prompts else HeldOut.of(cfg).exists
         if len(self.prompts) < len(every):
-            log.warning("real acceptance: %d prompts longer than data.pack_len=%d are left out",
-                        len(every) - len(self.prompts), cfg.data.pack_len)
+            log.warning(
+                "real acceptance: %d prompts longer than data.pack_len=%d are left out",
+                len(every) - len(self.prompts),
+                cfg.data.pack_len,
+            )
         self._refs: dict[int, object] = {}
         self._controls: dict[tuple, dict] = {}
         self._sessions = itertools.count(1)
@@ -133,8 +141,9 @@ class RemoteSpecEval(SpecEval):
             try:
                 return decode(verifier)
             except TargetUnavailable as exc:
-                log.warning("real acceptance: prompt %d: %s; target %d is left out of this evaluation", index, exc,
-                            target)
+                log.warning(
+                    "real acceptance: prompt %d: %s; target %d is left out of this evaluation", index, exc, target
+                )
                 self.down.add(target)
             except VerifyError as exc:
                 log.warning("real acceptance: prompt %d, attempt %d: %s", index, attempt + 1, exc)
@@ -145,8 +154,11 @@ class RemoteSpecEval(SpecEval):
 
     def _reference(self, index: int):
         if index not in self._refs:
-            ref = self._attempt(index, lambda v: greedy_reference(v, self.prompts[index], self.max_new_tokens,
-                                                                  self.stop_ids), features=False)
+            ref = self._attempt(
+                index,
+                lambda v: greedy_reference(v, self.prompts[index], self.max_new_tokens, self.stop_ids),
+                features=False,
+            )
             if ref is None:
                 return None
             self._refs[index] = ref
@@ -157,20 +169,32 @@ class RemoteSpecEval(SpecEval):
         the figures of those decoded, and their `indices` (a skipped prompt is not among them)."""
         start, results, refs, decoded = time.perf_counter(), [], [], []
         self.down, self.skipped = set(), 0
-        for index in (range(len(self.prompts)) if indices is None else indices):
+        for index in range(len(self.prompts)) if indices is None else indices:
             if budget_s > 0 and (results or self.skipped) and time.perf_counter() - start > budget_s:
                 break
             if tick:
                 tick()
             prompt = self.prompts[index]
             ref = self._reference(index)
-            out = None if ref is None else self._attempt(index, lambda v: speculative_generate(
-                v, propose, prompt, max_new_tokens=self.max_new_tokens, stop_ids=self.stop_ids), features=True)
+            out = (
+                None
+                if ref is None
+                else self._attempt(
+                    index,
+                    lambda v: speculative_generate(
+                        v, propose, prompt, max_new_tokens=self.max_new_tokens, stop_ids=self.stop_ids
+                    ),
+                    features=True,
+                )
+            )
             if out is not None:
                 results.append(out)
                 refs.append(ref)
                 decoded.append(index)
         seconds = time.perf_counter() - start
-        return {**summarize_sets(results, refs, [self.names[i] for i in decoded], seconds),
-                "skipped": self.skipped, "indices": decoded,
-                "seconds_per_prompt": round(seconds / max(1, len(results)), 3)}
+        return {
+            **summarize_sets(results, refs, [self.names[i] for i in decoded], seconds),
+            "skipped": self.skipped,
+            "indices": decoded,
+            "seconds_per_prompt": round(seconds / max(1, len(results)), 3),
+        }

@@ -34,6 +34,7 @@ is asked again; its default (0) is derived from what answers take: 4x the slowes
 within [RESEND_MIN_S, RESEND_MAX_S], RESEND_MAX_S until the first answer (a target's first batch
 may wait for its compile).
 """
+
 from __future__ import annotations
 
 import functools
@@ -61,8 +62,8 @@ from services.packed_data import PackedData, PublishedDigests, digests_path
 from services.wire import WireError
 
 CHECK_TARGETS_EVERY_S = 2.0
-REASK_AFTER_S = 0.5          # after a dropped answer: ask again on a fresh connection this much later
-RESEND_MIN_S, RESEND_MAX_S = 10.0, 120.0    # bounds of the derived resend wait (transport.resend_after_s = 0)
+REASK_AFTER_S = 0.5  # after a dropped answer: ask again on a fresh connection this much later
+RESEND_MIN_S, RESEND_MAX_S = 10.0, 120.0  # bounds of the derived resend wait (transport.resend_after_s = 0)
 
 log = logging.getLogger("drafter")
 
@@ -113,6 +114,7 @@ def batch_content(cfg: Config, run_dir: str | Path, data_key: str) -> tuple[Pack
 class SourceSettings:
     """What the batch sources read of the run, built once from the config (as train.StepSettings is):
     where the targets listen, how many drafters share them, the plan's inputs, what a batch looks like."""
+
     run_dir: Path
     rank: int
     world_size: int
@@ -123,22 +125,41 @@ class SourceSettings:
     labels_from_target: bool
     pack_len: int
     seed: int
-    evaluate: bool                            # run.eval_every > 0: a held-out source is wanted
-    content: Callable[[str], tuple] = field(repr=False, compare=False)   # data key -> batch_content(...)
+    evaluate: bool  # run.eval_every > 0: a held-out source is wanted
+    content: Callable[[str], tuple] = field(repr=False, compare=False)  # data key -> batch_content(...)
 
     @classmethod
-    def from_config(cls, cfg: Config, run_dir: str | Path, rank: int = 0, world_size: int = 1,
-                    num_targets: int = 1) -> "SourceSettings":
-        return cls(run_dir=Path(run_dir), rank=rank, world_size=world_size, num_targets=num_targets,
-                   transport=cfg.transport, epochs=cfg.run.epochs, grad_accum=max(1, cfg.drafter.grad_accum),
-                   labels_from_target=cfg.target.labels_from_target, pack_len=cfg.data.pack_len, seed=cfg.run.seed,
-                   evaluate=cfg.run.eval_every > 0, content=functools.partial(batch_content, cfg, run_dir))
+    def from_config(
+        cls, cfg: Config, run_dir: str | Path, rank: int = 0, world_size: int = 1, num_targets: int = 1
+    ) -> "SourceSettings":
+        return cls(
+            run_dir=Path(run_dir),
+            rank=rank,
+            world_size=world_size,
+            num_targets=num_targets,
+            transport=cfg.transport,
+            epochs=cfg.run.epochs,
+            grad_accum=max(1, cfg.drafter.grad_accum),
+            labels_from_target=cfg.target.labels_from_target,
+            pack_len=cfg.data.pack_len,
+            seed=cfg.run.seed,
+            evaluate=cfg.run.eval_every > 0,
+            content=functools.partial(batch_content, cfg, run_dir),
+        )
 
 
 class ZmqSource:
-    def __init__(self, settings: SourceSettings, health: HealthServer | None, max_steps: int = 0,
-                 start_step: int = 0, split: str = "train", device: torch.device | None = None, check=None,
-                 first_g: int | None = None):
+    def __init__(
+        self,
+        settings: SourceSettings,
+        health: HealthServer | None,
+        max_steps: int = 0,
+        start_step: int = 0,
+        split: str = "train",
+        device: torch.device | None = None,
+        check=None,
+        first_g: int | None = None,
+    ):
         """max_steps: optimizer steps at most (train only; 0: the whole data). start_step, first_g: a
         resume's micro-step and the batches its checkpoint had done (schedule.py; None: start_step·D, one
         split from the start). device: a CUDA device
@@ -150,19 +171,19 @@ class ZmqSource:
         self.first_g = start_step * settings.world_size if first_g is None else first_g
         self.copy_stream = torch.cuda.Stream(device) if device is not None and device.type == "cuda" else None
         self.check = check or (lambda batch: batch)
-        self.staged: dict[int, tuple[Batch, torch.cuda.Event]] = {}   # g -> (batch on the device, copy done)
+        self.staged: dict[int, tuple[Batch, torch.cuda.Event]] = {}  # g -> (batch on the device, copy done)
         t = settings.transport
         self.data_eps = [endpoint(settings.run_dir, t, "target", i, "data") for i in range(settings.num_targets)]
         self.health_eps = [endpoint(settings.run_dir, t, "target", i, "health") for i in range(settings.num_targets)]
         self.client: BatchClient | None = None
-        self.incarnations: list[str | None] = [None] * settings.num_targets    # learned from health
-        self.pending: dict[int, float] = {}      # g -> time requested
-        self.deferred: set[int] = set()          # pending, not asked yet: its target's incarnation is unknown
+        self.incarnations: list[str | None] = [None] * settings.num_targets  # learned from health
+        self.pending: dict[int, float] = {}  # g -> time requested
+        self.deferred: set[int] = set()  # pending, not asked yet: its target's incarnation is unknown
         self.arrived: dict[int, Batch] = {}
-        self.provenance: dict[int, dict] = {}    # g -> {incarnation, digest} of the batch that arrived
-        self.wait_s = 0.0                        # time spent waiting for data (data-wait fraction)
-        self.slowest_answer_s = 0.0              # the longest a request took to be answered (resend_after)
-        self.retry_at: dict[int, float] = {}     # target -> when to ask it again on a fresh connection
+        self.provenance: dict[int, dict] = {}  # g -> {incarnation, digest} of the batch that arrived
+        self.wait_s = 0.0  # time spent waiting for data (data-wait fraction)
+        self.slowest_answer_s = 0.0  # the longest a request took to be answered (resend_after)
+        self.retry_at: dict[int, float] = {}  # target -> when to ask it again on a fresh connection
 
     def connect(self) -> Plan:
         """Connect to the targets and wait for target 0's handshake (it may still be loading); the plan
@@ -174,19 +195,29 @@ class ZmqSource:
         if self.health:
             self.health.set(content_check=how)
         if self.content is None and split == "train":
-            log.warning("batch content is not checked: neither the packed data nor its digests (%s) are on this "
-                        "host; only the provenance a target claims is", digests_path(
-                            settings.run_dir / "data-cache" / f"{self.info.data_key or '<key>'}.safetensors"))
+            log.warning(
+                "batch content is not checked: neither the packed data nor its digests (%s) are on this "
+                "host; only the provenance a target claims is",
+                digests_path(settings.run_dir / "data-cache" / f"{self.info.data_key or '<key>'}.safetensors"),
+            )
         if split == "eval":
             self.plan = make_plan(self.info.num_eval_batches, epochs=1, drafters=settings.world_size)
         else:
             accum = settings.grad_accum
-            self.plan = make_plan(self.info.num_batches, settings.epochs, settings.world_size, accum, self.max_steps,
-                                  first_step=self.start_step // accum, first_g=self.first_g)
+            self.plan = make_plan(
+                self.info.num_batches,
+                settings.epochs,
+                settings.world_size,
+                accum,
+                self.max_steps,
+                first_step=self.start_step // accum,
+                first_g=self.first_g,
+            )
         self.total_batches = self.plan.total_batches
-        if settings.rank == 0 and split == "train":     # for `launcher status`, reports and the exactly-once check
-            write_json_atomic(settings.run_dir / "schedule.json",
-                              {**self.plan.to_dict(), "targets": settings.num_targets})
+        if settings.rank == 0 and split == "train":  # for `launcher status`, reports and the exactly-once check
+            write_json_atomic(
+                settings.run_dir / "schedule.json", {**self.plan.to_dict(), "targets": settings.num_targets}
+            )
         return self.plan
 
     @property
@@ -204,7 +235,7 @@ class ZmqSource:
         self.info.check(**spec.expected_of_target())
 
     def __iter__(self):
-        if self.split == "eval":                 # idle since the last evaluation: targets may have restarted
+        if self.split == "eval":  # idle since the last evaluation: targets may have restarted
             self._refresh_connections()
         for step in range(self.start_step, self.plan.micro_batches):
             self._top_up(step)
@@ -229,7 +260,7 @@ class ZmqSource:
         compute = torch.cuda.current_stream()
         compute.wait_event(copied)
         for tensor in batch.tensors().values():
-            tensor.record_stream(compute)     # made on the side stream, used and freed on this one
+            tensor.record_stream(compute)  # made on the side stream, used and freed on this one
         return batch
 
     # --- requests ----------------------------------------------------------
@@ -264,7 +295,7 @@ class ZmqSource:
             return self._from_stage(g)
         start = last_check = time.monotonic()
         if self.deferred:
-            last_check = 0.0                     # look for the targets we could not ask at once
+            last_check = 0.0  # look for the targets we could not ask at once
         while g not in self.arrived:
             lifecycle.check()
             for event in self.client.poll(200):
@@ -278,7 +309,7 @@ class ZmqSource:
                     self._ask(deferred)
                 self._resend_overdue(now)
             if self.health:
-                self.health.progress(state="training", waiting_for_g=g)   # waiting is not a stall
+                self.health.progress(state="training", waiting_for_g=g)  # waiting is not a stall
         self.wait_s += time.monotonic() - start
         return self.arrived.pop(g)
 
@@ -289,16 +320,19 @@ class ZmqSource:
             if batch.g in self.pending:
                 self.slowest_answer_s = max(self.slowest_answer_s, time.monotonic() - self.pending.pop(batch.g))
                 self.arrived[batch.g] = batch
-                if self.split == "train":        # the ledger's; evaluation keeps none
+                if self.split == "train":  # the ledger's; evaluation keeps none
                     self.provenance[batch.g] = provenance
         elif kind == "rejected":
             target = event[1]
             self.retry_at.setdefault(target, time.monotonic() + REASK_AFTER_S)
         elif kind == "error":
             _, target, g, message, incarnation = event
-            if 0 <= g < self._num_batches():    # a real target has it: whoever said otherwise is not one
-                self.client.drops("data-error-claim", f"target {target}: an error for {self.split} g={g}, which "
-                                  f"the data has (sent as incarnation {incarnation!r}): {message[:200]}")
+            if 0 <= g < self._num_batches():  # a real target has it: whoever said otherwise is not one
+                self.client.drops(
+                    "data-error-claim",
+                    f"target {target}: an error for {self.split} g={g}, which "
+                    f"the data has (sent as incarnation {incarnation!r}): {message[:200]}",
+                )
                 self.retry_at.setdefault(target, time.monotonic() + REASK_AFTER_S)
                 return
             raise SourceError(f"target-{target} refused batch g={g}: {message}")
@@ -369,12 +403,12 @@ class ZmqSource:
                 if event[0] == "info":
                     try:
                         return TargetInfo.from_wire(event[2])
-                    except WireError as exc:            # counted and dropped; asked again below
+                    except WireError as exc:  # counted and dropped; asked again below
                         self.client.drops("data-reply", f"target 0: {exc}")
                         asked = 0.0
             if self.health:
                 self.health.progress(state="starting", waiting_for="target info")
-            if time.monotonic() - asked > 30:   # the request may have gone to a dead socket
+            if time.monotonic() - asked > 30:  # the request may have gone to a dead socket
                 self.client.forget(0)
                 self.client.request_info(0)
                 asked = time.monotonic()
@@ -383,19 +417,33 @@ class ZmqSource:
         """Zero loss weight; target labels too when the run trains on them (check_batch wants them)."""
         s, width = self.info.seq_len, self.info.hidden_width
         labels = torch.zeros(s, dtype=torch.int64) if self.settings.labels_from_target else None
-        return Batch(g=g, hidden=torch.zeros(s, width, dtype=FIELDS["hidden"]),
-                     input_ids=torch.zeros(s, dtype=torch.int64), loss_mask=torch.zeros(s, dtype=torch.bool),
-                     position_ids=torch.arange(s, dtype=torch.int64),
-                     document_ids=torch.full((s,), -1, dtype=torch.int64), target_labels=labels)
+        return Batch(
+            g=g,
+            hidden=torch.zeros(s, width, dtype=FIELDS["hidden"]),
+            input_ids=torch.zeros(s, dtype=torch.int64),
+            loss_mask=torch.zeros(s, dtype=torch.bool),
+            position_ids=torch.arange(s, dtype=torch.int64),
+            document_ids=torch.full((s,), -1, dtype=torch.int64),
+            target_labels=labels,
+        )
 
     def close(self) -> None:
         if self.client is not None:
             self.client.close()
 
 
-def train_batches(settings: SourceSettings, model_cfg: DrafterModelConfig, health: HealthServer,
-                  device: torch.device, *, synthetic: bool, max_steps: int, start_step: int, first_g: int | None = None,
-                  check=None) -> tuple[BatchSource, Plan]:
+def train_batches(
+    settings: SourceSettings,
+    model_cfg: DrafterModelConfig,
+    health: HealthServer,
+    device: torch.device,
+    *,
+    synthetic: bool,
+    max_steps: int,
+    start_step: int,
+    first_g: int | None = None,
+    check=None,
+) -> tuple[BatchSource, Plan]:
     """(this rank's training batches from micro-step start_step on, the run's plan), the targets'
     handshake done. first_g: batches done before start_step (a resume: the checkpoint's, whatever split
     wrote it). check: validates a batch on the CPU."""
@@ -404,30 +452,57 @@ def train_batches(settings: SourceSettings, model_cfg: DrafterModelConfig, healt
     if synthetic:
         accum = settings.grad_accum
         plan = make_plan(None, 1, world_size, accum, max_steps, first_step=start_step // accum, first_g=first_g)
-        source = SyntheticSource(model_cfg, settings.pack_len, rank=rank, world_size=world_size,
-                                 seed=settings.seed, total_steps=plan.micro_batches, start_step=start_step,
-                                 device=device, with_target_labels=settings.labels_from_target, first_g=first_g)
+        source = SyntheticSource(
+            model_cfg,
+            settings.pack_len,
+            rank=rank,
+            world_size=world_size,
+            seed=settings.seed,
+            total_steps=plan.micro_batches,
+            start_step=start_step,
+            device=device,
+            with_target_labels=settings.labels_from_target,
+            first_g=first_g,
+        )
         return source, plan
-    source = ZmqSource(settings, health, max_steps=max_steps, start_step=start_step, device=device, check=check,
-                       first_g=first_g)
+    source = ZmqSource(
+        settings, health, max_steps=max_steps, start_step=start_step, device=device, check=check, first_g=first_g
+    )
     return source, source.connect()
 
 
-def eval_batches(settings: SourceSettings, model_cfg: DrafterModelConfig, health: HealthServer,
-                 device: torch.device, *, synthetic: bool, check=None) -> ZmqSource | SyntheticEval | None:
+def eval_batches(
+    settings: SourceSettings,
+    model_cfg: DrafterModelConfig,
+    health: HealthServer,
+    device: torch.device,
+    *,
+    synthetic: bool,
+    check=None,
+) -> ZmqSource | SyntheticEval | None:
     """The held-out split (rank d evaluates batches i*D + d), the targets' handshake done, or None when
     evaluation is off or empty."""
     if not settings.evaluate:
         return None
     if synthetic:
-        return SyntheticEval(SyntheticSource(model_cfg, settings.pack_len, seed=settings.seed, device=device,
-                                             with_target_labels=settings.labels_from_target),
-                             settings.rank, settings.world_size)
+        return SyntheticEval(
+            SyntheticSource(
+                model_cfg,
+                settings.pack_len,
+                seed=settings.seed,
+                device=device,
+                with_target_labels=settings.labels_from_target,
+            ),
+            settings.rank,
+            settings.world_size,
+        )
     source = ZmqSource(settings, health, split="eval", device=device, check=check)
     source.connect()
     if source.total_batches == 0:
-        log.warning("run.eval_every is set but the data has no held-out batches (data.eval_fraction / "
-                    "data.eval_path); evaluation is off")
+        log.warning(
+            "run.eval_every is set but the data has no held-out batches (data.eval_fraction / "
+            "data.eval_path); evaluation is off"
+        )
         source.close()
         return None
     return source

@@ -7,6 +7,7 @@ decoded (`run`) and where the target's embedding and lm_head come from (`head`):
 (remote_eval.py) through the target workers during training, LocalSpecEval (services/eval/spec_eval.py)
 with the target in this process for `launcher eval`.
 """
+
 from __future__ import annotations
 
 import torch
@@ -20,7 +21,7 @@ class SpecEval:
     device: torch.device
     dtype: torch.dtype
     _controls: dict[tuple, dict]
-    held_out: bool | None           # where the prompts come from: files (None), held-out lines (True) or training's
+    held_out: bool | None  # where the prompts come from: files (None), held-out lines (True) or training's
 
     def head(self, model_cfg: DrafterModelConfig) -> TargetHead:
         raise NotImplementedError
@@ -34,8 +35,16 @@ class SpecEval:
         """The drafter (weights; None: its random initial weights) as evaluated here, with the target's head."""
         return DrafterProposer(eval_drafter(weights, model_cfg, self.device, self.dtype), self.head(model_cfg))
 
-    def evaluate(self, weights: dict, model_cfg: DrafterModelConfig, *, controls: bool = False,
-                 budget_s: float = 0.0, seed: int = 0, tick=None) -> dict:
+    def evaluate(
+        self,
+        weights: dict,
+        model_cfg: DrafterModelConfig,
+        *,
+        controls: bool = False,
+        budget_s: float = 0.0,
+        seed: int = 0,
+        tick=None,
+    ) -> dict:
         """The drafter's figures; with controls also those of repeat-last and a random drafter, on
         exactly the prompts the drafter decoded (not the first n: a skipped prompt is no control's)."""
         result = self.run(self.proposer(weights, model_cfg), budget_s, tick)
@@ -48,7 +57,8 @@ class SpecEval:
                 torch.manual_seed(seed)
                 self._controls[key] = {
                     "repeat_last": self.run(RepeatLast(model_cfg.block_size), tick=tick, indices=decoded),
-                    "random": self.run(self.proposer(None, model_cfg), tick=tick, indices=decoded)}
+                    "random": self.run(self.proposer(None, model_cfg), tick=tick, indices=decoded),
+                }
             result.update(self._controls[key])
         result["held_out"] = self.held_out
         return result

@@ -30,6 +30,7 @@ is a drafter of the same shape with its initial (random) weights.
 
 `launcher eval` (services/eval/cli.py) runs it on a drafter; spec_eval.SpecEval holds the prompts.
 """
+
 from __future__ import annotations
 
 import time
@@ -52,6 +53,7 @@ def inference_attention(q, k, v, mask):
 
 # --- proposers: (features [start, K*H], last token, start) -> B-1 drafted token ids --------------------
 
+
 class DrafterProposer:
     """A DFlash drafter with the target's embedding and lm_head."""
 
@@ -67,16 +69,22 @@ class DrafterProposer:
         another, block i an anchor right after context i, training's mask keeping the prompts apart."""
         B, head = self.block_size, self.head
         device, dtype = head.embed.device, head.embed.dtype
-        lengths = torch.tensor([c.shape[0] for c in contexts])          # index tensors made on the host, moved once
-        starts = torch.cumsum(lengths, 0) - lengths                  # where each context begins in the pack
+        lengths = torch.tensor([c.shape[0] for c in contexts])  # index tensors made on the host, moved once
+        starts = torch.cumsum(lengths, 0) - lengths  # where each context begins in the pack
         block = torch.full((len(contexts), B), self.cfg.mask_token_id, dtype=torch.long)
         block[:, 0] = torch.tensor(last_tokens)
         anchors, starts = (starts + lengths).to(device), starts.to(device)
-        masks = {kind: DenseAttention().build_mask(anchors, starts, B, int(lengths.sum()), self.cfg.window(kind))
-                 for kind in set(self.cfg.layer_types)}
-        out = self.drafter(torch.cat(contexts).to(device=device, dtype=dtype), head.embed_tokens(block.flatten().to(device)),
-                           torch.cat([torch.arange(int(n)) for n in lengths]).to(device),
-                           (lengths[:, None] + torch.arange(B)).flatten().to(device), masks)
+        masks = {
+            kind: DenseAttention().build_mask(anchors, starts, B, int(lengths.sum()), self.cfg.window(kind))
+            for kind in set(self.cfg.layer_types)
+        }
+        out = self.drafter(
+            torch.cat(contexts).to(device=device, dtype=dtype),
+            head.embed_tokens(block.flatten().to(device)),
+            torch.cat([torch.arange(int(n)) for n in lengths]).to(device),
+            (lengths[:, None] + torch.arange(B)).flatten().to(device),
+            masks,
+        )
         return (out.view(len(contexts), B, -1)[:, 1:] @ head.lm_head.t()).argmax(-1).tolist()
 
 
@@ -103,22 +111,30 @@ def eval_drafter(weights: dict, cfg: DrafterModelConfig, device, dtype=torch.flo
 
 # --- the loop --------------------------------------------------------------------------------------
 
+
 @dataclass
 class Decoded:
-    tokens: list[int]          # the new tokens (prompt excluded)
-    steps: list[int]           # tokens committed by each verify forward: accepted drafts + 1
-    target_forwards: int       # the prefill and one per step
-    margins: list[float] = field(default_factory=list)      # per token: top-1 - top-2 logit of the forward that chose it
-    tolerances: list[float] = field(default_factory=list)   # per token: that forward's rounding tolerance
-    seconds: float = 0.0                                    # wall time of the decoding
+    tokens: list[int]  # the new tokens (prompt excluded)
+    steps: list[int]  # tokens committed by each verify forward: accepted drafts + 1
+    target_forwards: int  # the prefill and one per step
+    margins: list[float] = field(default_factory=list)  # per token: top-1 - top-2 logit of the forward that chose it
+    tolerances: list[float] = field(default_factory=list)  # per token: that forward's rounding tolerance
+    seconds: float = 0.0  # wall time of the decoding
 
     @classmethod
     def first(cls, step) -> "Decoded":
         """After the prefill: its last position's greedy token is the first new token."""
         return cls([int(step.greedy[-1])], [], 1, [float(step.margin[-1])], [float(step.tolerance[-1])])
 
-    def accept(self, drafts: list[int], greedy: list[int], margins: list[float], tolerances: list[float],
-               max_new_tokens: int, stop: set) -> int:
+    def accept(
+        self,
+        drafts: list[int],
+        greedy: list[int],
+        margins: list[float],
+        tolerances: list[float],
+        max_new_tokens: int,
+        stop: set,
+    ) -> int:
         """One verify step (greedy[j]: the target's token after the block's first j+1 tokens): the
         longest prefix of the drafts equal to the target's tokens, plus the target's own next token,
         cut at a stop token or the length limit, appended. Returns how many drafts were accepted."""
@@ -126,11 +142,11 @@ class Decoded:
         new = drafts[:accepted] + [greedy[accepted]]
         for n, token in enumerate(new):
             if token in stop or len(self.tokens) + n + 1 >= max_new_tokens:
-                new = new[:n + 1]
+                new = new[: n + 1]
                 break
         self.tokens += new
-        self.margins += margins[:len(new)]
-        self.tolerances += tolerances[:len(new)]
+        self.margins += margins[: len(new)]
+        self.tolerances += tolerances[: len(new)]
         self.steps.append(len(new))
         self.target_forwards += 1
         return accepted
@@ -150,7 +166,7 @@ def speculative_generate(verifier, propose, prompt_ids: list[int], *, max_new_to
     step = verifier.prefill(prompt_ids)
     features = step.features
     out = Decoded.first(step)
-    start = len(prompt_ids)                        # position of the last accepted token (not yet in the cache)
+    start = len(prompt_ids)  # position of the last accepted token (not yet in the cache)
     while not out.done(max_new_tokens, stop):
         drafts = propose(features, out.tokens[-1], start).tolist()
         step = verifier.verify([out.tokens[-1]] + drafts)
@@ -159,7 +175,7 @@ def speculative_generate(verifier, propose, prompt_ids: list[int], *, max_new_to
         # block's first token and enters the cache with it
         verifier.commit(accepted + 1)
         start += accepted + 1
-        features = torch.cat([features, step.features[:accepted + 1].to(features.device)])
+        features = torch.cat([features, step.features[: accepted + 1].to(features.device)])
     out.seconds = time.perf_counter() - began
     return out
 
@@ -184,27 +200,41 @@ def summarize(results: list[Decoded], references: list[Decoded] | None = None, s
     seconds = sum(r.seconds for r in results) if seconds is None else seconds
     steps = [s for r in results for s in r.steps]
     per_prompt = [sum(r.steps) / len(r.steps) for r in results if r.steps]
-    out = {"prompts": len(results), "steps": len(steps),
-           "tokens": sum(len(r.tokens) for r in results),
-           "acceptance_per_step": sum(steps) / len(steps) if steps else 0.0,
-           "acceptance_per_prompt": sum(per_prompt) / len(per_prompt) if per_prompt else 0.0,
-           "tokens_per_forward": (sum(len(r.tokens) for r in results)
-                                  / max(1, sum(r.target_forwards for r in results))),
-           # the sums behind the ratios, so figures of several evaluations can be pooled exactly
-           "committed": sum(steps), "target_forwards": sum(r.target_forwards for r in results),
-           "stepped_prompts": len(per_prompt),
-           "seconds": round(seconds, 3)}
+    out = {
+        "prompts": len(results),
+        "steps": len(steps),
+        "tokens": sum(len(r.tokens) for r in results),
+        "acceptance_per_step": sum(steps) / len(steps) if steps else 0.0,
+        "acceptance_per_prompt": sum(per_prompt) / len(per_prompt) if per_prompt else 0.0,
+        "tokens_per_forward": (sum(len(r.tokens) for r in results) / max(1, sum(r.target_forwards for r in results))),
+        # the sums behind the ratios, so figures of several evaluations can be pooled exactly
+        "committed": sum(steps),
+        "target_forwards": sum(r.target_forwards for r in results),
+        "stepped_prompts": len(per_prompt),
+        "seconds": round(seconds, 3),
+    }
     if references is not None:
-        out.update(lossless_figures([first_difference(r.tokens, ref.tokens, r.margins, r.tolerances,
-                                                      ref.margins, ref.tolerances)
-                                     for r, ref in zip(results, references)]))
+        out.update(
+            lossless_figures(
+                [
+                    first_difference(r.tokens, ref.tokens, r.margins, r.tolerances, ref.margins, ref.tolerances)
+                    for r, ref in zip(results, references)
+                ]
+            )
+        )
     return out
 
 
-def summarize_sets(results: list[Decoded], references: list[Decoded], names: list[str],
-                   seconds: float | None = None) -> dict:
+def summarize_sets(
+    results: list[Decoded], references: list[Decoded], names: list[str], seconds: float | None = None
+) -> dict:
     """summarize() over all the prompts, and under "sets" per prompt set (names[i]: the set of results[i])."""
-    return {**summarize(results, references, seconds),
-            "sets": {name: summarize([r for r, n in zip(results, names) if n == name],
-                                     [f for f, n in zip(references, names) if n == name])
-                     for name in dict.fromkeys(names)}}
+    return {
+        **summarize(results, references, seconds),
+        "sets": {
+            name: summarize(
+                [r for r, n in zip(results, names) if n == name], [f for f, n in zip(references, names) if n == name]
+            )
+            for name in dict.fromkeys(names)
+        },
+    }

@@ -2,6 +2,7 @@
 id; its shape comes from the run spec (services/runspec.py). Only those two tensors are read
 (safetensors, by name), never the whole model.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -17,14 +18,19 @@ from services.config import Config, ConfigError
 from services.drafter.model import DrafterModelConfig
 
 MASK_TOKEN = "<|MASK|>"
-_EMBED_NAMES = ("model.embed_tokens.weight", "model.language_model.embed_tokens.weight",
-                "language_model.model.embed_tokens.weight", "embed_tokens.weight")
+_EMBED_NAMES = (
+    "model.embed_tokens.weight",
+    "model.language_model.embed_tokens.weight",
+    "language_model.model.embed_tokens.weight",
+    "embed_tokens.weight",
+)
 _LM_HEAD_NAMES = ("lm_head.weight", "language_model.lm_head.weight", "model.lm_head.weight")
 
 
 @dataclass
 class TargetHead:
     """The target's frozen token embedding and output projection, [vocab, H] each."""
+
     embed: torch.Tensor
     lm_head: torch.Tensor
 
@@ -45,11 +51,14 @@ class TargetHead:
         """Synthetic runs: a fixed-seed embedding and a separate lm_head whose logits (of a
         normed hidden state) have a spread of a few nats, so the loss can move."""
         gen = torch.Generator().manual_seed(seed)
-        return cls(torch.randn(vocab_size, hidden_size, generator=gen) * 0.02,
-                   torch.randn(vocab_size, hidden_size, generator=gen) * (4.0 / hidden_size))
+        return cls(
+            torch.randn(vocab_size, hidden_size, generator=gen) * 0.02,
+            torch.randn(vocab_size, hidden_size, generator=gen) * (4.0 / hidden_size),
+        )
 
 
 # --- config -------------------------------------------------------------------------------
+
 
 def check_mask(m: DrafterModelConfig, model_path: str = "", from_tokenizer: bool = False) -> DrafterModelConfig:
     """m, if its mask token has an embedding row; model_path: the tokenizer that suggests a spare token;
@@ -58,8 +67,10 @@ def check_mask(m: DrafterModelConfig, model_path: str = "", from_tokenizer: bool
         spare = spare_special_token(model_path, m.vocab_size) if model_path else None
         example = f"e.g. drafter.mask_token_id={spare[0]} ({spare[1]})" if spare else "an unused special token's id"
         why = ": the tokenizer has no mask token and the embedding no spare row for one" if from_tokenizer else ""
-        raise ConfigError(f"mask token id {m.mask_token_id} is outside the embedding ({m.vocab_size} rows){why}; "
-                          f"set drafter.mask_token_id to a special token the data never uses, {example}")
+        raise ConfigError(
+            f"mask token id {m.mask_token_id} is outside the embedding ({m.vocab_size} rows){why}; "
+            f"set drafter.mask_token_id to a special token the data never uses, {example}"
+        )
     return m
 
 
@@ -67,13 +78,17 @@ def spare_special_token(model_path: str, vocab_size: int) -> tuple[int, str] | N
     """(id, text) of the tokenizer's last special token that is not bos/eos/pad/unk and not in its
     chat template (SmolLM2: 16, <empty_output>); None when there is none or no tokenizer loads."""
     from transformers import AutoTokenizer
+
     try:
         tok = AutoTokenizer.from_pretrained(model_path)
     except Exception:
         return None
     template = tok.chat_template if isinstance(tok.chat_template, str) else json.dumps(tok.chat_template or "")
-    spare = [(i, t.content) for i, t in tok.added_tokens_decoder.items()
-             if t.special and i < vocab_size and i not in tok.all_special_ids and t.content not in template]
+    spare = [
+        (i, t.content)
+        for i, t in tok.added_tokens_decoder.items()
+        if t.special and i < vocab_size and i not in tok.all_special_ids and t.content not in template
+    ]
     return max(spare) if spare else None
 
 
@@ -83,17 +98,21 @@ def resolve_mask_token_id(configured: int, model_path: str) -> int:
     if configured >= 0:
         return configured
     from transformers import AutoTokenizer
+
     try:
         tok = AutoTokenizer.from_pretrained(model_path)
     except Exception as exc:
-        raise ConfigError(f"target.model_path={model_path!r}: cannot load the tokenizer to find the mask token "
-                          f"({exc}); set drafter.mask_token_id") from None
+        raise ConfigError(
+            f"target.model_path={model_path!r}: cannot load the tokenizer to find the mask token "
+            f"({exc}); set drafter.mask_token_id"
+        ) from None
     if tok.mask_token_id is not None:
         return int(tok.mask_token_id)
     return int(tok.get_vocab().get(MASK_TOKEN, len(tok)))
 
 
 # --- tensors ------------------------------------------------------------------------------
+
 
 def _tensor_index(model_path: Path) -> dict[str, Path]:
     """tensor name -> safetensors file, from model.safetensors.index.json or model.safetensors."""
@@ -116,7 +135,11 @@ def _pick(names: dict, preferred: tuple[str, ...], suffix: str) -> str | None:
     for name in preferred:
         if name in names:
             return name
-    matches = [n for n in names if n.endswith(suffix) and not any(w in n for w in ("visual", "vision", "audio", "talker", "mtp"))]
+    matches = [
+        n
+        for n in names
+        if n.endswith(suffix) and not any(w in n for w in ("visual", "vision", "audio", "talker", "mtp"))
+    ]
     if len(matches) > 1:
         raise ConfigError(f"several candidate tensors for {suffix}: {matches}")
     return matches[0] if matches else None
@@ -142,8 +165,9 @@ def load_target_head(model_path: str, vocab_size: int, hidden_size: int, tie: bo
     lm_head = embed if head_name is None else _read(index, head_name)
     for name, t in ((embed_name, embed), (head_name or embed_name, lm_head)):
         if tuple(t.shape) != (vocab_size, hidden_size):
-            raise ConfigError(f"{model_path}: tensor {name} has shape {tuple(t.shape)}, "
-                              f"config says [{vocab_size}, {hidden_size}]")
+            raise ConfigError(
+                f"{model_path}: tensor {name} has shape {tuple(t.shape)}, config says [{vocab_size}, {hidden_size}]"
+            )
     return TargetHead(embed, lm_head)
 
 

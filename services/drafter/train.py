@@ -13,6 +13,7 @@ that to every rank; the optimizer step is skipped when the all-reduced gradient 
 finite, on every rank alike (on CUDA inside fused AdamW, from a device flag: no host sync; on
 the CPU by a plain test). The flags travel in the step's one host sync, after the update.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -34,6 +35,7 @@ from services.drafter.target_head import TargetHead
 @dataclass
 class StepSettings:
     """The config a step reads; the model's shape (block size, mask token) is state.drafter.cfg's."""
+
     num_anchors: int
     gamma: float
     labels_from_target: bool
@@ -45,10 +47,16 @@ class StepSettings:
 
     @classmethod
     def from_config(cls, cfg: Config, model_cfg: DrafterModelConfig) -> "StepSettings":
-        return cls(num_anchors=cfg.drafter.num_anchors, gamma=loss_gamma(model_cfg.block_size, cfg.drafter.gamma),
-                   labels_from_target=cfg.target.labels_from_target, loss_chunk=cfg.drafter.loss_chunk,
-                   grad_accum=max(1, cfg.drafter.grad_accum), grad_clip=cfg.drafter.grad_clip,
-                   seed=cfg.run.seed, pack_len=cfg.data.pack_len)
+        return cls(
+            num_anchors=cfg.drafter.num_anchors,
+            gamma=loss_gamma(model_cfg.block_size, cfg.drafter.gamma),
+            labels_from_target=cfg.target.labels_from_target,
+            loss_chunk=cfg.drafter.loss_chunk,
+            grad_accum=max(1, cfg.drafter.grad_accum),
+            grad_clip=cfg.drafter.grad_clip,
+            seed=cfg.run.seed,
+            pack_len=cfg.data.pack_len,
+        )
 
 
 class WarmupCosine:
@@ -57,8 +65,9 @@ class WarmupCosine:
     Its clock counts units (make_scheduler: global batches trained): optimizer step k is at
     first + (k - first_step)·per_step. With the defaults a unit is an optimizer step."""
 
-    def __init__(self, warmup: int, total: int, min_ratio: float = 0.0, per_step: int = 1,
-                 first_step: int = 0, first: int = 0):
+    def __init__(
+        self, warmup: int, total: int, min_ratio: float = 0.0, per_step: int = 1, first_step: int = 0, first: int = 0
+    ):
         self.warmup, self.total, self.min_ratio = warmup, max(1, total), min_ratio
         self.per_step, self.first_step, self.first = max(1, per_step), first_step, first
 
@@ -77,63 +86,78 @@ class WarmupCosine:
 @dataclass
 class TrainState:
     """Everything a checkpoint needs, in one place."""
-    drafter: DFlashDrafter               # the trainable module (its state_dict is the export)
-    model: nn.Module                     # drafter, or DDP(drafter) with several ranks
-    head: TargetHead                     # frozen embedding + lm_head on the device
+
+    drafter: DFlashDrafter  # the trainable module (its state_dict is the export)
+    model: nn.Module  # drafter, or DDP(drafter) with several ranks
+    head: TargetHead  # frozen embedding + lm_head on the device
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LambdaLR
     settings: StepSettings
     device: torch.device
     chunk_fns: ChunkFns = field(default_factory=ChunkFns)
-    step: int = 0                        # optimizer steps done
-    micro_step: int = 0                  # batches trained
-    samples_done: int = 0                # documents trained
-    tokens_done: int = 0                 # real (non-padding) context tokens trained
+    step: int = 0  # optimizer steps done
+    micro_step: int = 0  # batches trained
+    samples_done: int = 0  # documents trained
+    tokens_done: int = 0  # real (non-padding) context tokens trained
 
     @property
     def autocast_dtype(self):
         return torch.bfloat16 if self.device.type == "cuda" else None
 
     def counters(self) -> dict:
-        return {"step": self.step, "micro_step": self.micro_step, "samples_done": self.samples_done,
-                "tokens_done": self.tokens_done}
+        return {
+            "step": self.step,
+            "micro_step": self.micro_step,
+            "samples_done": self.samples_done,
+            "tokens_done": self.tokens_done,
+        }
 
 
 def make_scheduler(optimizer, cfg: Config, optimizer_steps: int, plan=None) -> torch.optim.lr_scheduler.LambdaLR:
     """Warmup + cosine over the run (schedule.py). With the plan, the clock is global batches trained,
     not optimizer steps: a resume on another number of drafters (another batch per step) continues
     the curve where the data is, and it ends with the data (docs/design.md, "Scheduling")."""
-    if plan is None:                          # one unit per optimizer step (before the plan is known)
+    if plan is None:  # one unit per optimizer step (before the plan is known)
         per_step, first_step, first, total = 1, 0, 0, max(1, optimizer_steps)
     else:
         per_step, first_step, first = plan.batches_per_step, plan.first_step, plan.first_g
         total = max(per_step, plan.horizon_batches)
-    steps = total // per_step if total % per_step == 0 else total / per_step      # exact for one split
+    steps = total // per_step if total % per_step == 0 else total / per_step  # exact for one split
     warmup = math.ceil(cfg.drafter.warmup_ratio * steps) * per_step
     return torch.optim.lr_scheduler.LambdaLR(
-        optimizer, WarmupCosine(warmup, total, cfg.drafter.min_lr_ratio, per_step, first_step, first))
+        optimizer, WarmupCosine(warmup, total, cfg.drafter.min_lr_ratio, per_step, first_step, first)
+    )
 
 
-def build_train_state(cfg: Config, model_cfg: DrafterModelConfig, head: TargetHead, device, *,
-                      total_steps: int, world_size: int = 1) -> TrainState:
+def build_train_state(
+    cfg: Config, model_cfg: DrafterModelConfig, head: TargetHead, device, *, total_steps: int, world_size: int = 1
+) -> TrainState:
     """total_steps: optimizer steps, the lr schedule's horizon."""
     device = torch.device(device)
-    torch.manual_seed(cfg.run.seed)            # identical init on every rank (DDP also broadcasts rank 0's)
+    torch.manual_seed(cfg.run.seed)  # identical init on every rank (DDP also broadcasts rank 0's)
     drafter = DFlashDrafter(model_cfg, attention=make_attention(cfg.drafter.attention, device)).to(device)
     if cfg.drafter.compile:
-        for layer in drafter.layers:           # one graph, shared by the layers (same code, same shapes)
+        for layer in drafter.layers:  # one graph, shared by the layers (same code, same shapes)
             layer.compile(dynamic=False)
     model: nn.Module = drafter
     if world_size > 1:
         model = nn.parallel.DistributedDataParallel(drafter, broadcast_buffers=False, gradient_as_bucket_view=True)
-    optimizer = torch.optim.AdamW(drafter.parameters(), lr=cfg.drafter.lr, weight_decay=cfg.drafter.weight_decay,
-                                  fused=device.type == "cuda")
+    optimizer = torch.optim.AdamW(
+        drafter.parameters(), lr=cfg.drafter.lr, weight_decay=cfg.drafter.weight_decay, fused=device.type == "cuda"
+    )
     settings = StepSettings.from_config(cfg, model_cfg)
     scheduler = make_scheduler(optimizer, cfg, total_steps)
     head = head.to(device, torch.bfloat16 if device.type == "cuda" else torch.float32)
-    return TrainState(drafter=drafter, model=model, head=head, optimizer=optimizer, scheduler=scheduler,
-                      settings=settings, device=device,
-                      chunk_fns=ChunkFns(compile=cfg.drafter.compile and device.type == "cuda"))
+    return TrainState(
+        drafter=drafter,
+        model=model,
+        head=head,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        settings=settings,
+        device=device,
+        chunk_fns=ChunkFns(compile=cfg.drafter.compile and device.type == "cuda"),
+    )
 
 
 def check_batch(batch: Batch, state: TrainState) -> Batch:
@@ -141,7 +165,9 @@ def check_batch(batch: Batch, state: TrainState) -> Batch:
     s = state.settings
     batch.validate(hidden_width=state.drafter.cfg.hidden_width)
     if batch.seq_len != s.pack_len:
-        raise BatchError(f"batch g={batch.g}: field 'input_ids' has {batch.seq_len} tokens, data.pack_len is {s.pack_len}")
+        raise BatchError(
+            f"batch g={batch.g}: field 'input_ids' has {batch.seq_len} tokens, data.pack_len is {s.pack_len}"
+        )
     if s.labels_from_target and batch.target_labels is None:
         raise BatchError(f"batch g={batch.g}: field 'target_labels' is missing but target.labels_from_target is set")
     if batch.input_ids.device.type == "cpu":
@@ -160,21 +186,33 @@ def check_batch(batch: Batch, state: TrainState) -> Batch:
 def forward_loss(state: TrainState, batch: Batch):
     """Forward of one batch (on the device): (loss, inputs, predictions [N, B-1])."""
     s, m = state.settings, state.drafter.cfg
-    inputs = build_inputs(batch, num_anchors=s.num_anchors, block_size=m.block_size, mask_token_id=m.mask_token_id,
-                          gamma=s.gamma, labels_from_target=s.labels_from_target,
-                          generator=anchor_generator(s.seed, batch.g, state.device))
+    inputs = build_inputs(
+        batch,
+        num_anchors=s.num_anchors,
+        block_size=m.block_size,
+        mask_token_id=m.mask_token_id,
+        gamma=s.gamma,
+        labels_from_target=s.labels_from_target,
+        generator=anchor_generator(s.seed, batch.g, state.device),
+    )
     masks = state.drafter.build_masks(inputs.anchors, inputs.context_starts, inputs.context_len)
     compute_dtype = state.autocast_dtype or torch.float32
-    autocast = (torch.autocast("cuda", dtype=state.autocast_dtype) if state.autocast_dtype
-                else contextlib.nullcontext())
+    autocast = torch.autocast("cuda", dtype=state.autocast_dtype) if state.autocast_dtype else contextlib.nullcontext()
     with autocast:
         embeds = state.head.embed_tokens(inputs.block_ids.flatten())
-        out = state.model(inputs.hidden.to(compute_dtype), embeds, inputs.context_positions,
-                          inputs.block_positions.flatten(), masks)
+        out = state.model(
+            inputs.hidden.to(compute_dtype), embeds, inputs.context_positions, inputs.block_positions.flatten(), masks
+        )
     n, b = inputs.block_ids.shape
-    trained_rows = out.view(n, b, -1)[:, 1:].reshape(n * (b - 1), -1)      # position 0 is not trained
-    loss, preds = chunked_cross_entropy(trained_rows, state.head.lm_head, inputs.labels.flatten(),
-                                        inputs.weights.flatten(), s.loss_chunk, state.chunk_fns)
+    trained_rows = out.view(n, b, -1)[:, 1:].reshape(n * (b - 1), -1)  # position 0 is not trained
+    loss, preds = chunked_cross_entropy(
+        trained_rows,
+        state.head.lm_head,
+        inputs.labels.flatten(),
+        inputs.weights.flatten(),
+        s.loss_chunk,
+        state.chunk_fns,
+    )
     return loss, inputs, preds.view(n, b - 1)
 
 
@@ -190,7 +228,7 @@ def train_step(state: TrainState, batch: Batch, *, dry_run: bool = False) -> dic
     batch = batch.to(state.device, non_blocking=True)
     accumulate = dry_run or (state.micro_step + 1) % s.grad_accum != 0
     no_sync = getattr(state.model, "no_sync", None)
-    with (no_sync() if (accumulate and not dry_run and no_sync) else contextlib.nullcontext()):
+    with no_sync() if (accumulate and not dry_run and no_sync) else contextlib.nullcontext():
         loss, inputs, preds = forward_loss(state, batch)
         features_ok = torch.isfinite(inputs.hidden).all()
         batch_ok = features_ok & torch.isfinite(loss)
@@ -207,34 +245,71 @@ def train_step(state: TrainState, batch: Batch, *, dry_run: bool = False) -> dic
     if not accumulate:
         max_norm = s.grad_clip if s.grad_clip > 0 else float("inf")
         grad_norm = torch.nn.utils.clip_grad_norm_(state.drafter.parameters(), max_norm)
-        step_ok = torch.isfinite(grad_norm)               # the same on every rank: the gradients are all-reduced
+        step_ok = torch.isfinite(grad_norm)  # the same on every rank: the gradients are all-reduced
         if state.optimizer.defaults.get("fused"):
-            state.optimizer.found_inf = (~step_ok).float()   # fused AdamW skips the update on the device
+            state.optimizer.found_inf = (~step_ok).float()  # fused AdamW skips the update on the device
             state.optimizer.step()
-        elif bool(step_ok):                                # CPU (not fused): nothing queued, nothing to wait for
+        elif bool(step_ok):  # CPU (not fused): nothing queued, nothing to wait for
             state.optimizer.step()
         state.scheduler.step()
         state.optimizer.zero_grad(set_to_none=True)
         state.step += 1
     state.micro_step += 1
     m = acceptance_metrics(preds, inputs.labels, inputs.weights)
-    sampled = (inputs.anchors >= 0).sum()               # each sampled block trains one distinct k = 1 token
-    scalars = torch.stack([loss.detach().float(), m["accuracy"], m["tau"], grad_norm.float(), m["trained_blocks"].float(),
-                           documents.float().to(state.device), tokens.float().to(state.device),
-                           inputs.supervised.float(), inputs.reachable.float(), sampled.float(),
-                           features_ok.float(), batch_ok.float(), step_ok.float()])
-    values = torch.cat([scalars, m["accuracy_per_position"]]).tolist()      # the step's one host sync
+    sampled = (inputs.anchors >= 0).sum()  # each sampled block trains one distinct k = 1 token
+    scalars = torch.stack(
+        [
+            loss.detach().float(),
+            m["accuracy"],
+            m["tau"],
+            grad_norm.float(),
+            m["trained_blocks"].float(),
+            documents.float().to(state.device),
+            tokens.float().to(state.device),
+            inputs.supervised.float(),
+            inputs.reachable.float(),
+            sampled.float(),
+            features_ok.float(),
+            batch_ok.float(),
+            step_ok.float(),
+        ]
+    )
+    values = torch.cat([scalars, m["accuracy_per_position"]]).tolist()  # the step's one host sync
     loss_v, accuracy, tau, grad_norm_v, blocks, documents_v, tokens_v, supervised, reachable, sampled_v = values[:10]
     features_fine, batch_fine, step_fine = (v == 1.0 for v in values[10:13])
-    out = {"step": state.step, "g": batch.g, "loss": loss_v, "accuracy": accuracy, "tau": tau, "grad_norm": grad_norm_v,
-           "trained_blocks": int(blocks), "lr": lr, "tokens": int(tokens_v), "documents": int(documents_v),
-           "supervised": int(supervised), "reachable": int(reachable), "sampled": int(sampled_v),
-           "coverage": reachable / max(supervised, 1.0),
-           "accuracy_per_position": [round(x, 4) for x in values[13:]], "skipped_step": not step_fine}
-    if not batch_fine:       # not trained: nothing of it in the counters or the metrics, and why
-        out.update(loss=0.0, accuracy=0.0, tau=1.0, trained_blocks=0, tokens=0, documents=0, supervised=0,
-                   reachable=0, sampled=0, coverage=0.0, accuracy_per_position=[0.0] * len(out["accuracy_per_position"]),
-                   nonfinite=nonfinite_reason(batch, state) if not features_fine else "non-finite loss")
+    out = {
+        "step": state.step,
+        "g": batch.g,
+        "loss": loss_v,
+        "accuracy": accuracy,
+        "tau": tau,
+        "grad_norm": grad_norm_v,
+        "trained_blocks": int(blocks),
+        "lr": lr,
+        "tokens": int(tokens_v),
+        "documents": int(documents_v),
+        "supervised": int(supervised),
+        "reachable": int(reachable),
+        "sampled": int(sampled_v),
+        "coverage": reachable / max(supervised, 1.0),
+        "accuracy_per_position": [round(x, 4) for x in values[13:]],
+        "skipped_step": not step_fine,
+    }
+    if not batch_fine:  # not trained: nothing of it in the counters or the metrics, and why
+        out.update(
+            loss=0.0,
+            accuracy=0.0,
+            tau=1.0,
+            trained_blocks=0,
+            tokens=0,
+            documents=0,
+            supervised=0,
+            reachable=0,
+            sampled=0,
+            coverage=0.0,
+            accuracy_per_position=[0.0] * len(out["accuracy_per_position"]),
+            nonfinite=nonfinite_reason(batch, state) if not features_fine else "non-finite loss",
+        )
     if not step_fine:
         out["grad_norm"] = 0.0
     state.samples_done += out["documents"]
@@ -254,5 +329,6 @@ def nonfinite_reason(batch: Batch, state: TrainState) -> str:
 def parameter_fingerprint(module: nn.Module) -> str:
     """A digest of every parameter's exact float64 sum and sum of squares: equal on ranks in lockstep."""
     import hashlib
+
     sums = torch.stack([torch.stack([p.double().sum(), p.double().pow(2).sum()]) for p in module.parameters()])
     return hashlib.sha256(sums.cpu().numpy().tobytes()).hexdigest()[:16]

@@ -11,6 +11,7 @@ One W&B run per run dir: its id is kept in <run_dir>/wandb_id, so a resume conti
 W&B run. The x axis is the optimizer step, logged as the `step` field (W&B's own step counter must
 only grow, and a resume goes back to the checkpoint's step).
 """
+
 from __future__ import annotations
 
 import os
@@ -24,8 +25,10 @@ PREFIXES = ("train", "eval", "spec")
 
 
 def missing_message() -> str:
-    return ("run.wandb_project is set but the wandb package is not installed: pip install 'dflash-service[wandb]' "
-            "(or pip install wandb), or leave run.wandb_project empty")
+    return (
+        "run.wandb_project is set but the wandb package is not installed: pip install 'dflash-service[wandb]' "
+        "(or pip install wandb), or leave run.wandb_project empty"
+    )
 
 
 class WandbLog:
@@ -39,11 +42,19 @@ class WandbLog:
         run_id = id_file.read_text().strip() if id_file.is_file() else secrets.token_hex(6)
         id_file.write_text(run_id + "\n")
         try:
-            self.run = wandb.init(project=project, name=run_dir.name, id=run_id, resume="allow", config=config,
-                                  dir=os.environ.get("WANDB_DIR") or str(run_dir))
-        except Exception as exc:        # not logged in, no network, bad entity: say it in one line
-            raise ConfigError(f"run.wandb_project={project!r}: W&B did not start ({type(exc).__name__}: {exc}); "
-                              "`wandb login`, or WANDB_MODE=offline to log locally") from None
+            self.run = wandb.init(
+                project=project,
+                name=run_dir.name,
+                id=run_id,
+                resume="allow",
+                config=config,
+                dir=os.environ.get("WANDB_DIR") or str(run_dir),
+            )
+        except Exception as exc:  # not logged in, no network, bad entity: say it in one line
+            raise ConfigError(
+                f"run.wandb_project={project!r}: W&B did not start ({type(exc).__name__}: {exc}); "
+                "`wandb login`, or WANDB_MODE=offline to log locally"
+            ) from None
         self.run.define_metric("step")
         for prefix in PREFIXES:
             self.run.define_metric(f"{prefix}/*", step_metric="step")

@@ -4,6 +4,7 @@ Each drafter process compiles for itself (services/compile_setup.py sets up its 
 (pack_len, padded anchor slots, Q and KV padded to multiples of 128), the warmup compiles them
 before the worker says `ready`, and every graph compiled after that is counted as a recompile.
 """
+
 from __future__ import annotations
 
 import time

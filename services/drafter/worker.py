@@ -13,6 +13,7 @@ metrics, evaluation, checkpoints). What every rank does together is in collectiv
 --resume continues from the newest good checkpoint in <run_dir>/checkpoints (or starts fresh when
 there is none), on any number of drafter ranks: the schedule continues from the batches it had done.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,8 +39,7 @@ from services.drafter.evaluate import evaluate
 from services.drafter.source import BatchSource, SourceSettings, eval_batches, train_batches
 from services.drafter.synthetic import SyntheticSource
 from services.drafter.target_head import model_and_head
-from services.drafter.train import (build_train_state, check_batch, make_scheduler, parameter_fingerprint,
-                                    train_step)
+from services.drafter.train import build_train_state, check_batch, make_scheduler, parameter_fingerprint, train_step
 from services.gpu_memory import gpu_memory
 
 log = logging.getLogger("drafter")
@@ -62,8 +62,9 @@ def timed(batches):
 
 
 class DrafterWorker:
-    def __init__(self, args: argparse.Namespace, cfg: Config, device: torch.device, health: HealthServer,
-                 workers_on_node: int):
+    def __init__(
+        self, args: argparse.Namespace, cfg: Config, device: torch.device, health: HealthServer, workers_on_node: int
+    ):
         self.args, self.cfg, self.device, self.health = args, cfg, device, health
         self.run_dir, self.rank, self.world_size = Path(args.run_dir), args.rank, args.world_size
         self.max_steps = args.max_steps if args.max_steps is not None else cfg.run.max_steps
@@ -71,7 +72,7 @@ class DrafterWorker:
         self.batches: BatchSource | None = None
         self.books = None
         self.compile_s, self.recompiles = 0.0, None
-        self.train_s = 0.0          # seconds in batches (data wait + step), not in evals or checkpoints: the ETA's clock
+        self.train_s = 0.0  # seconds in batches (data wait + step), not in evals or checkpoints: the ETA's clock
 
     # --- loading -> compiling -> ready ---------------------------------------------------------
     def setup(self) -> None:
@@ -79,7 +80,7 @@ class DrafterWorker:
         health.set(state="loading")
         # a fair share of the cores: several workers oversubscribing them slows every one of them down
         torch.set_num_threads(cpu_share(self.workers_on_node))
-        self.spec = runspec.for_worker(cfg, self.run_dir, synthetic=args.synthetic)   # runspec.json, or resolved here
+        self.spec = runspec.for_worker(cfg, self.run_dir, synthetic=args.synthetic)  # runspec.json, or resolved here
         model_cfg, head = model_and_head(cfg, self.spec)
         found = self.find_checkpoint(model_cfg)
         if device.type == "cuda" and not torch.cuda.is_available():
@@ -87,53 +88,77 @@ class DrafterWorker:
         collectives.join(cfg, rank, self.world_size, device, args.dist_backend)
         if not collectives.same_everywhere(found.micro_step if found else -1, device):
             raise RuntimeError("drafter ranks picked different checkpoints to resume from (is checkpoints/ shared?)")
-        self.state = state = build_train_state(cfg, model_cfg, head, device, world_size=self.world_size,
-                                               total_steps=max(1, self.max_steps))
-        self.compile_s = self.compile(model_cfg)      # before asking for batches: the targets load meanwhile
-        check = functools.partial(check_batch, state=state)    # values too, before a batch goes to the GPU early
+        self.state = state = build_train_state(
+            cfg, model_cfg, head, device, world_size=self.world_size, total_steps=max(1, self.max_steps)
+        )
+        self.compile_s = self.compile(model_cfg)  # before asking for batches: the targets load meanwhile
+        check = functools.partial(check_batch, state=state)  # values too, before a batch goes to the GPU early
         sources = SourceSettings.from_config(cfg, self.run_dir, rank, self.world_size, args.num_targets)
-        self.batches, plan = train_batches(sources, model_cfg, health, device, synthetic=args.synthetic,
-                                           max_steps=self.max_steps, start_step=found.micro_step if found else 0,
-                                           first_g=found.batches_done if found else 0, check=check)
-        self.batches.check_targets(self.spec)        # the targets' handshake, against this drafter's run spec
+        self.batches, plan = train_batches(
+            sources,
+            model_cfg,
+            health,
+            device,
+            synthetic=args.synthetic,
+            max_steps=self.max_steps,
+            start_step=found.micro_step if found else 0,
+            first_g=found.batches_done if found else 0,
+            check=check,
+        )
+        self.batches.check_targets(self.spec)  # the targets' handshake, against this drafter's run spec
         held_out = eval_batches(sources, model_cfg, health, device, synthetic=args.synthetic, check=check)
-        state.scheduler = make_scheduler(state.optimizer, cfg, plan.optimizer_steps, plan)   # the real horizon, now known
+        state.scheduler = make_scheduler(
+            state.optimizer, cfg, plan.optimizer_steps, plan
+        )  # the real horizon, now known
         if found:
             for note in ckpt.restore(state, found, rank):
                 log.warning("%s", note)
             event("resumed", rank=rank, checkpoint=str(found.path), **state.counters())
-        books = BookSettings.from_config(cfg, self.run_dir, rank, self.world_size,
-                                         num_targets=0 if args.synthetic else args.num_targets)
+        books = BookSettings.from_config(
+            cfg, self.run_dir, rank, self.world_size, num_targets=0 if args.synthetic else args.num_targets
+        )
         self.books = Bookkeeping(books, state, health, found, held_out, plan=plan)
-        health.set(state="ready", compile_s=self.compile_s, total_steps=plan.optimizer_steps,
-                   step=state.step, samples_done=state.samples_done)  # set(): under systemd this also sends READY=1
+        health.set(
+            state="ready",
+            compile_s=self.compile_s,
+            total_steps=plan.optimizer_steps,
+            step=state.step,
+            samples_done=state.samples_done,
+        )  # set(): under systemd this also sends READY=1
         health.progress()
-        event("ready", rank=rank, compile_s=self.compile_s, params=state.drafter.num_parameters(),
-              plan=plan.describe())
+        event("ready", rank=rank, compile_s=self.compile_s, params=state.drafter.num_parameters(), plan=plan.describe())
 
     def find_checkpoint(self, model_cfg) -> ckpt.Found | None:
         """--resume: the newest good checkpoint (None: start fresh). Without --resume, refuse a run dir
         that has checkpoints (a fresh run there would mix two runs' checkpoints, ledger and metrics)."""
         if not self.args.resume:
             if ckpt.list_checkpoints(ckpt.checkpoints_dir(self.run_dir)):
-                raise ConfigError(f"{ckpt.checkpoints_dir(self.run_dir)} has checkpoints: pass --resume to continue "
-                                  "from them, or use another --run-dir")
+                raise ConfigError(
+                    f"{ckpt.checkpoints_dir(self.run_dir)} has checkpoints: pass --resume to continue "
+                    "from them, or use another --run-dir"
+                )
             return None
-        return ckpt.find_resume_point(self.run_dir, model_cfg, self.cfg, self.world_size, log.warning,
-                                      tick=self.health.progress)
+        return ckpt.find_resume_point(
+            self.run_dir, model_cfg, self.cfg, self.world_size, log.warning, tick=self.health.progress
+        )
 
     def compile(self, model_cfg) -> float:
         """Compile the train step (and the eval forward) on a made-up batch; seconds it took."""
         self.health.set(state="compiling")
-        self.health.progress()                    # compiling is progress too (until the warmup returns)
-        dummy = SyntheticSource(model_cfg, self.cfg.data.pack_len, seed=self.cfg.run.seed + 1, device=self.device,
-                                with_target_labels=self.cfg.target.labels_from_target).batch(0)
+        self.health.progress()  # compiling is progress too (until the warmup returns)
+        dummy = SyntheticSource(
+            model_cfg,
+            self.cfg.data.pack_len,
+            seed=self.cfg.run.seed + 1,
+            device=self.device,
+            with_target_labels=self.cfg.target.labels_from_target,
+        ).batch(0)
         seconds = warmup(self.state, dummy)
-        if self.cfg.run.eval_every > 0:           # the forward-only graph, compiled now rather than mid-run
+        if self.cfg.run.eval_every > 0:  # the forward-only graph, compiled now rather than mid-run
             start = time.perf_counter()
             evaluate(self.state, [dummy])
             seconds += time.perf_counter() - start
-        self.recompiles = RecompileWatch()        # any graph compiled from here on is a recompile
+        self.recompiles = RecompileWatch()  # any graph compiled from here on is a recompile
         return round(seconds, 3)
 
     # --- training ------------------------------------------------------------------------------
@@ -143,7 +168,7 @@ class DrafterWorker:
         last, interrupted = time.perf_counter(), False
         for batch, waited in timed(self.batches):
             if collectives.stop_everywhere(stop.is_set() or batch is None, self.device):
-                interrupted = True                # the checkpoint is the last optimizer step's state
+                interrupted = True  # the checkpoint is the last optimizer step's state
                 break
             start = time.perf_counter()
             m = train_step(self.state, batch)
@@ -158,24 +183,43 @@ class DrafterWorker:
         # definition of each figure for metrics.jsonl, the launcher's line and `launcher status`
         state = self.state
         self.train_s += waited_s + compute_s
-        stamp = dict(step=state.step, samples_done=state.samples_done, recompiles=self.recompiles.count,
-                     train_s=round(self.train_s, 3),
-                     compile_s=self.compile_s, **gpu_memory(self.device))
+        stamp = dict(
+            step=state.step,
+            samples_done=state.samples_done,
+            recompiles=self.recompiles.count,
+            train_s=round(self.train_s, 3),
+            compile_s=self.compile_s,
+            **gpu_memory(self.device),
+        )
         self.health.progress(**stamp)
         provenance, target = self.batches.provenance_of(g), self.batches.target_of(g)
         if m.get("nonfinite") and target is not None:
             m["nonfinite"] += f" from target-{target}"
-        self.books.after_batch(g, m, waited_s, compute_s, provenance)   # ledger, metrics, eval, checkpoint
-        if state.micro_step % max(1, self.cfg.run.log_every) == 0:     # this rank's own step, in its log
-            event("step", **{"rank": self.rank, **m, **stamp, "step_tokens_per_s": round(m["tokens"] / elapsed_s, 1),
-                             "step_s": round(elapsed_s, 4)})
+        self.books.after_batch(g, m, waited_s, compute_s, provenance)  # ledger, metrics, eval, checkpoint
+        if state.micro_step % max(1, self.cfg.run.log_every) == 0:  # this rank's own step, in its log
+            event(
+                "step",
+                **{
+                    "rank": self.rank,
+                    **m,
+                    **stamp,
+                    "step_tokens_per_s": round(m["tokens"] / elapsed_s, 1),
+                    "step_s": round(elapsed_s, 4),
+                },
+            )
 
     def finish(self, completed: bool) -> None:
         if not completed:
             self.health.set(state="draining")
-        self.books.finish(completed=completed)    # final checkpoint; export when completed
-        event("stopped", rank=self.rank, signal=not completed, **self.state.counters(),
-              recompiles=self.recompiles.count, params_digest=parameter_fingerprint(self.state.drafter))
+        self.books.finish(completed=completed)  # final checkpoint; export when completed
+        event(
+            "stopped",
+            rank=self.rank,
+            signal=not completed,
+            **self.state.counters(),
+            recompiles=self.recompiles.count,
+            params_digest=parameter_fingerprint(self.state.drafter),
+        )
         self.health.set(state="stopped")
 
     def close(self) -> None:
@@ -184,4 +228,3 @@ class DrafterWorker:
         if self.batches is not None:
             self.batches.close()
         collectives.leave()
-

@@ -28,6 +28,7 @@ Logits are computed in fp32 from the final hidden state: SmolLM2's bf16 logits t
 enough to split greedy decoding at a tie (measured); the near-tie tolerance stays the model dtype's,
 the rounding of the hidden state the logits come from.
 """
+
 from __future__ import annotations
 
 import time
@@ -68,20 +69,21 @@ class PackedVerifier:
         out, first = [], 0
         for end, n, tail in zip(ends, lengths.tolist(), tails):
             cut = slice(first, first + tail)
-            out.append(Step(greedy[cut], margin[cut], tolerance[cut], features[end - n:end]))
+            out.append(Step(greedy[cut], margin[cut], tolerance[cut], features[end - n : end]))
             first += tail
         return out
 
 
 def _proposals(propose, contexts, last_tokens, draft_len: int) -> list[list[int]]:
-    if draft_len == 0:                  # plain greedy decoding: no drafts
+    if draft_len == 0:  # plain greedy decoding: no drafts
         return [[] for _ in contexts]
     return propose.many(contexts, last_tokens)
 
 
 @torch.no_grad()
-def decode_many(verifier: PackedVerifier, propose, prompts: list[list[int]], *, max_new_tokens: int,
-                stop_ids=()) -> list[Decoded]:
+def decode_many(
+    verifier: PackedVerifier, propose, prompts: list[list[int]], *, max_new_tokens: int, stop_ids=()
+) -> list[Decoded]:
     """speculative_generate for all `prompts` at once (propose None: plain greedy, one token per
     forward: the reference). propose.many(contexts, last tokens) drafts every block in one call."""
     stop, began = set(stop_ids), time.perf_counter()
@@ -93,19 +95,20 @@ def decode_many(verifier: PackedVerifier, propose, prompts: list[list[int]], *, 
     active = [i for i, o in enumerate(outs) if not o.done(max_new_tokens, stop)]
     while active:
         drafts = _proposals(propose, [contexts[i] for i in active], [outs[i].tokens[-1] for i in active], draft_len)
-        steps = verifier.forward([prompts[i] + outs[i].tokens + d for i, d in zip(active, drafts)],
-                                 [len(d) + 1 for d in drafts])
+        steps = verifier.forward(
+            [prompts[i] + outs[i].tokens + d for i, d in zip(active, drafts)], [len(d) + 1 for d in drafts]
+        )
         still = []
         for i, d, step in zip(active, drafts, steps):
-            committed = len(prompts[i]) + len(outs[i].tokens)          # the last token not in a context yet
-            accepted = outs[i].accept(d, step.greedy.tolist(), step.margin.tolist(), step.tolerance.tolist(),
-                                      max_new_tokens, stop)
-            contexts[i] = None if outs[i].done(max_new_tokens, stop) else step.features[:committed + accepted]
+            committed = len(prompts[i]) + len(outs[i].tokens)  # the last token not in a context yet
+            accepted = outs[i].accept(
+                d, step.greedy.tolist(), step.margin.tolist(), step.tolerance.tolist(), max_new_tokens, stop
+            )
+            contexts[i] = None if outs[i].done(max_new_tokens, stop) else step.features[: committed + accepted]
             if contexts[i] is not None:
                 still.append(i)
         active = still
-    seconds = (time.perf_counter() - began) / max(1, len(prompts))   # the batch's wall time, shared out
+    seconds = (time.perf_counter() - began) / max(1, len(prompts))  # the batch's wall time, shared out
     for out in outs:
         out.seconds = seconds
     return outs
-

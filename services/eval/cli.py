@@ -8,6 +8,7 @@ target and the data from the run's config.json. Prompts are rendered with the ru
 data.chat_template_kwargs (services/prompts.py says what a prompt file holds). The record
 is appended to <run-dir>/spec_eval.jsonl.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,6 +27,7 @@ from services.acceptance_text import by_set, tables
 
 # --- loading a drafter ----------------------------------------------------------------------------
 
+
 def load_weights(path: str | Path) -> tuple[dict, DrafterModelConfig, str]:
     """(weights, model config, what) from a checkpoint dir, a run dir (its checkpoints/latest) or an export."""
     from safetensors.torch import load_file
@@ -36,54 +38,96 @@ def load_weights(path: str | Path) -> tuple[dict, DrafterModelConfig, str]:
         return load_file(str(path / "model.safetensors")), model_config_from_export(conf), f"export {path.resolve()}"
     from services.drafter.checkpoint import verify
     from services.drafter.export import resolve_checkpoint
+
     ckpt = resolve_checkpoint(path)
     meta = verify(ckpt)
-    return load_file(str(ckpt / "model.safetensors")), DrafterModelConfig(**meta["model"]), \
-        f"checkpoint {ckpt} (step {meta['step']})"
+    return (
+        load_file(str(ckpt / "model.safetensors")),
+        DrafterModelConfig(**meta["model"]),
+        f"checkpoint {ckpt} (step {meta['step']})",
+    )
 
 
 def model_config_from_export(conf: dict) -> DrafterModelConfig:
     dflash = conf.get("dflash_config") or {}
     return DrafterModelConfig(
-        hidden_size=conf["hidden_size"], intermediate_size=conf["intermediate_size"],
-        num_attention_heads=conf["num_attention_heads"], num_key_value_heads=conf["num_key_value_heads"],
-        head_dim=conf["head_dim"], vocab_size=conf["vocab_size"], num_target_layers=conf["num_target_layers"],
+        hidden_size=conf["hidden_size"],
+        intermediate_size=conf["intermediate_size"],
+        num_attention_heads=conf["num_attention_heads"],
+        num_key_value_heads=conf["num_key_value_heads"],
+        head_dim=conf["head_dim"],
+        vocab_size=conf["vocab_size"],
+        num_target_layers=conf["num_target_layers"],
         num_hidden_layers=conf["num_hidden_layers"],
         target_layer_ids=list(dflash.get("target_layer_ids", conf.get("target_layer_ids", []))),
-        block_size=conf["block_size"], mask_token_id=dflash.get("mask_token_id", conf.get("mask_token_id", -1)),
-        rms_norm_eps=conf["rms_norm_eps"], rope_theta=conf["rope_theta"], attention_bias=conf["attention_bias"],
-        max_position_embeddings=conf["max_position_embeddings"], tie_word_embeddings=conf["tie_word_embeddings"],
-        layer_types=list(conf.get("layer_types") or []), sliding_window=conf.get("sliding_window"))
+        block_size=conf["block_size"],
+        mask_token_id=dflash.get("mask_token_id", conf.get("mask_token_id", -1)),
+        rms_norm_eps=conf["rms_norm_eps"],
+        rope_theta=conf["rope_theta"],
+        attention_bias=conf["attention_bias"],
+        max_position_embeddings=conf["max_position_embeddings"],
+        tie_word_embeddings=conf["tie_word_embeddings"],
+        layer_types=list(conf.get("layer_types") or []),
+        sliding_window=conf.get("sliding_window"),
+    )
 
 
 def main(argv=None) -> int:
     from services.config import load_config
-    p = argparse.ArgumentParser(prog="launcher eval", description="Real (greedy) speculative decoding of a drafter "
-                                "with its target on prompt-set files, or on held-out prompts of the run's data "
-                                "(without a held-out split: its last training lines).")
+
+    p = argparse.ArgumentParser(
+        prog="launcher eval",
+        description="Real (greedy) speculative decoding of a drafter "
+        "with its target on prompt-set files, or on held-out prompts of the run's data "
+        "(without a held-out split: its last training lines).",
+    )
     p.add_argument("--run-dir", default="runs/latest", help="the run: its config.json names the target and the data")
-    p.add_argument("--checkpoint", action="append", default=[],
-                   help="checkpoint dir, export dir, or run dir (default: <run-dir>/checkpoints/latest); repeatable: "
-                        "each is decoded on the same prompts, whose greedy references (and the controls) are made once")
-    p.add_argument("--prompts", action="append", default=[], metavar="FILE|N",
-                   help="a prompt-set file (JSONL or .jsonl.gz, repeatable: a table per set), or N held-out prompts "
-                        "of the run's data (the default: 32)")
+    p.add_argument(
+        "--checkpoint",
+        action="append",
+        default=[],
+        help="checkpoint dir, export dir, or run dir (default: <run-dir>/checkpoints/latest); repeatable: "
+        "each is decoded on the same prompts, whose greedy references (and the controls) are made once",
+    )
+    p.add_argument(
+        "--prompts",
+        action="append",
+        default=[],
+        metavar="FILE|N",
+        help="a prompt-set file (JSONL or .jsonl.gz, repeatable: a table per set), or N held-out prompts "
+        "of the run's data (the default: 32)",
+    )
     p.add_argument("--limit", type=int, default=0, help="prompts per set at most (0: every prompt of a file)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--no-controls", action="store_true", help="skip the repeat-last and random-drafter controls")
     p.add_argument("--json", action="store_true", help="print the result as one JSON line")
-    p.add_argument("--batch", type=int, default=0, help="prompts decoded at once (default: 32 on a GPU for a target of at "
-                                                          "most 3B parameters, else 1; `launcher eval --help`)")
+    p.add_argument(
+        "--batch",
+        type=int,
+        default=0,
+        help="prompts decoded at once (default: 32 on a GPU for a target of at "
+        "most 3B parameters, else 1; `launcher eval --help`)",
+    )
     p.add_argument("--threads", type=int, default=1, help="CPU threads (tiny demo models decode fastest on one)")
-    p.add_argument("--rollback", choices=ROLLBACKS, default=ROLLBACKS[0],
-                   help="how a hybrid target's Gated DeltaNet state drops rejected drafts (docs/operations.md)")
-    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                   help="override a key of the run's config for this evaluation, e.g. target.quantize=none "
-                        "(verify an FP8-trained drafter with the bf16 target); repeatable")
+    p.add_argument(
+        "--rollback",
+        choices=ROLLBACKS,
+        default=ROLLBACKS[0],
+        help="how a hybrid target's Gated DeltaNet state drops rejected drafts (docs/operations.md)",
+    )
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="override a key of the run's config for this evaluation, e.g. target.quantize=none "
+        "(verify an FP8-trained drafter with the bf16 target); repeatable",
+    )
     args = p.parse_args(argv)
     from transformers.utils import logging as hf_logging
-    hf_logging.disable_progress_bar()               # no "Loading weights" bars in the launcher's output
+
+    hf_logging.disable_progress_bar()  # no "Loading weights" bars in the launcher's output
     if args.device == "cpu":
         torch.set_num_threads(args.threads)
     run_dir = Path(args.run_dir)
@@ -99,33 +143,59 @@ def main(argv=None) -> int:
     try:
         cfg = load_config(run_dir / "config.json", args.set)
         drafters = [load_weights(path) for path in args.checkpoint or [run_dir]]
-    except Exception as exc:                    # a bad run dir or checkpoint: one line for the user
+    except Exception as exc:  # a bad run dir or checkpoint: one line for the user
         print(f"eval: error: {exc}", file=sys.stderr)
         return 2
     from services.eval.spec_eval import LocalSpecEval
+
     try:
-        spec = LocalSpecEval(cfg, args.device, prompts=limit, max_new_tokens=args.max_new_tokens,
-                        rollback=args.rollback, files=files, batch=args.batch)
-    except Exception as exc:                    # the target cannot be loaded or decoded: one line
+        spec = LocalSpecEval(
+            cfg,
+            args.device,
+            prompts=limit,
+            max_new_tokens=args.max_new_tokens,
+            rollback=args.rollback,
+            files=files,
+            batch=args.batch,
+        )
+    except Exception as exc:  # the target cannot be loaded or decoded: one line
         print(f"eval: error: {exc}", file=sys.stderr)
         return 2
     if not spec.prompts:
-        print(f"eval: error: no prompts in the held-out data of {run_dir} (chat lines, or pre-tokenized lines with "
-              "unsupervised tokens first); give a prompt file with --prompts FILE", file=sys.stderr)
+        print(
+            f"eval: error: no prompts in the held-out data of {run_dir} (chat lines, or pre-tokenized lines with "
+            "unsupervised tokens first); give a prompt file with --prompts FILE",
+            file=sys.stderr,
+        )
         return 2
     for weights, model_cfg, what in drafters:
         result = spec.evaluate(weights, model_cfg, controls=not args.no_controls, seed=cfg.run.seed)
-        record = {"event": "spec_eval", "drafter": what, "block_size": model_cfg.block_size,
-                  "max_new_tokens": args.max_new_tokens, **result, "sets": by_set(result),
-                  **({"prompt_files": files} if files else {}), **({"overrides": args.set} if args.set else {})}
-        with open(run_dir / "spec_eval.jsonl", "a") as f:           # `launcher report` shows the latest
+        record = {
+            "event": "spec_eval",
+            "drafter": what,
+            "block_size": model_cfg.block_size,
+            "max_new_tokens": args.max_new_tokens,
+            **result,
+            "sets": by_set(result),
+            **({"prompt_files": files} if files else {}),
+            **({"overrides": args.set} if args.set else {}),
+        }
+        with open(run_dir / "spec_eval.jsonl", "a") as f:  # `launcher report` shows the latest
             f.write(json.dumps({**record, "time": round(time.time(), 3)}) + "\n")
         if args.json:
             print(json.dumps(record), flush=True)
         else:
             prompts = describe_prompts(result["prompts"], result["held_out"], record["sets"])
-            print("\n".join(tables(record, f"{what}: {prompts}, block {model_cfg.block_size}, greedy, up to "
-                                            f"{args.max_new_tokens} new tokens")), flush=True)
+            print(
+                "\n".join(
+                    tables(
+                        record,
+                        f"{what}: {prompts}, block {model_cfg.block_size}, greedy, up to "
+                        f"{args.max_new_tokens} new tokens",
+                    )
+                ),
+                flush=True,
+            )
     return 0
 
 

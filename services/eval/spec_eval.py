@@ -10,6 +10,7 @@ The target is loaded by services.target.model.load_target (the training capture'
 hooks and packed Gated DeltaNet layers) in fp32 on CPU and in target.dtype elsewhere, and runs
 through a LocalVerifier (verifier.py).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -49,18 +50,30 @@ def auto_batch(target, device: torch.device) -> int:
 
 
 class LocalSpecEval(SpecEval):
-    def __init__(self, cfg, device, *, prompts: int, max_new_tokens: int, target=None, tokenizer=None,
-                 rollback: str = ROLLBACKS[0], files: list[str] = (), batch: int = 1):
+    def __init__(
+        self,
+        cfg,
+        device,
+        *,
+        prompts: int,
+        max_new_tokens: int,
+        target=None,
+        tokenizer=None,
+        rollback: str = ROLLBACKS[0],
+        files: list[str] = (),
+        batch: int = 1,
+    ):
         """prompts: at most this many of each set; files: prompt-set files (none: the held-out lines);
         batch: prompts decoded at once (module docstring); 0: auto_batch's choice."""
         if batch < 0:
             raise ValueError(f"batch must be >= 0, got {batch}")
         from transformers import AutoTokenizer
+
         self.device = torch.device(device)
         self.tokenizer = tokenizer or AutoTokenizer.from_pretrained(cfg.target.model_path)
         # the prompts before the target: a bad prompt file is named before a large model loads
         self.prompts, self.names = interleave(prompt_sets(cfg, self.tokenizer, list(files), prompts))
-        self.target = target if target is not None else load_eval_target(cfg, self.device)   # a Target
+        self.target = target if target is not None else load_eval_target(cfg, self.device)  # a Target
         self.verifier = LocalVerifier(self.target, rollback)
         self.batch = batch or auto_batch(self.target, self.device)
         self.packed = PackedVerifier(self.target) if self.batch > 1 else None
@@ -74,8 +87,10 @@ class LocalSpecEval(SpecEval):
 
     def decode(self, propose, indices: list[int]) -> list[Decoded]:
         """These prompts decoded with `propose` (None: plain greedy): `batch` at once, or one by one."""
-        prompts, limits = [self.prompts[i] for i in indices], dict(max_new_tokens=self.max_new_tokens,
-                                                                    stop_ids=self.stop_ids)
+        prompts, limits = (
+            [self.prompts[i] for i in indices],
+            dict(max_new_tokens=self.max_new_tokens, stop_ids=self.stop_ids),
+        )
         if self.packed is not None:
             return decode_many(self.packed, propose, prompts, **limits)
         if propose is None:
@@ -94,18 +109,22 @@ class LocalSpecEval(SpecEval):
         embed = self.target.model.get_input_embeddings().weight
         lm_head = self.target.model.get_output_embeddings().weight
         if tuple(embed.shape) != (model_cfg.vocab_size, model_cfg.hidden_size):
-            raise ValueError(f"the target's embedding is {tuple(embed.shape)}, the drafter expects "
-                             f"[{model_cfg.vocab_size}, {model_cfg.hidden_size}]")
+            raise ValueError(
+                f"the target's embedding is {tuple(embed.shape)}, the drafter expects "
+                f"[{model_cfg.vocab_size}, {model_cfg.hidden_size}]"
+            )
         if sorted(model_cfg.target_layer_ids) != list(self.target.info.layer_ids):
-            raise ValueError(f"the drafter reads target layers {sorted(model_cfg.target_layer_ids)}, the target "
-                             f"captures {self.target.info.layer_ids} (target.layer_ids of the run's config)")
+            raise ValueError(
+                f"the drafter reads target layers {sorted(model_cfg.target_layer_ids)}, the target "
+                f"captures {self.target.info.layer_ids} (target.layer_ids of the run's config)"
+            )
         return TargetHead(embed.detach(), lm_head.detach())
 
     def run(self, propose, budget_s: float = 0.0, tick=None, indices: list[int] | None = None) -> dict:
         """Prompts in order (those of `indices`, else all) until done or past budget_s (0: no limit);
         the figures of those decoded, and their `indices`."""
         start = time.perf_counter()
-        if indices is None:                 # references inside the budget too: the first evaluation computes them
+        if indices is None:  # references inside the budget too: the first evaluation computes them
             count = 0
             while count < len(self.prompts):
                 if budget_s > 0 and count and time.perf_counter() - start > budget_s / 2:
@@ -114,14 +133,18 @@ class LocalSpecEval(SpecEval):
                 if tick:
                     tick()
             indices = list(range(count))
-        refs = self.references(max(indices, default=-1) + 1)    # cached: the drafter's run computed them
+        refs = self.references(max(indices, default=-1) + 1)  # cached: the drafter's run computed them
         began, results = time.perf_counter(), []
         for first in range(0, len(indices), self.batch):
             if budget_s > 0 and results and time.perf_counter() - start > budget_s:
                 break
             if tick:
                 tick()
-            results += self.decode(propose, indices[first:first + self.batch])
-        decoded = indices[:len(results)]
-        return {**summarize_sets(results, [refs[i] for i in decoded], [self.names[i] for i in decoded],
-                                 time.perf_counter() - began), "indices": decoded}
+            results += self.decode(propose, indices[first : first + self.batch])
+        decoded = indices[: len(results)]
+        return {
+            **summarize_sets(
+                results, [refs[i] for i in decoded], [self.names[i] for i in decoded], time.perf_counter() - began
+            ),
+            "indices": decoded,
+        }

@@ -2,6 +2,7 @@
 this process, through the training Target's own DecodeSession (services/target/decode.py); the
 verifier served by the target workers (services/drafter/remote_eval.py) has the same three calls.
 """
+
 from __future__ import annotations
 
 from services.decode_step import ROLLBACKS, Step

@@ -8,6 +8,7 @@ torch.compiler.disable. Every row has pack_len tokens, so the graphs compiled on
 serve every later row (graphs_compiled() counts; the worker reports recompiles after warmup).
 Decoding forwards (decode.py: a KV cache and a few tokens) and plain forwards keep the eager layers.
 """
+
 from __future__ import annotations
 
 import logging
@@ -24,10 +25,11 @@ log = logging.getLogger("target")
 def compile_layers(layers: nn.ModuleList, slot: RowSlot, backend: str = "inductor") -> None:
     """Compile each decoder layer's capture forward; the eager forward stays for everything else."""
     import torch._dynamo
+
     # layers of one kind share their graph; room for a model whose layers all differ
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 2 * len(layers))
     for layer in layers:
-        eager = layer.__dict__.setdefault("eager_forward", layer.forward)    # compiling again wraps the eager one
+        eager = layer.__dict__.setdefault("eager_forward", layer.forward)  # compiling again wraps the eager one
         layer.forward = _capture_or_eager(slot, eager, torch.compile(eager, dynamic=False, backend=backend))
 
 
@@ -36,12 +38,14 @@ def _capture_or_eager(slot: RowSlot, eager, compiled):
         if slot.compiled and slot.layout is not None and slot.decode is None:
             return compiled(*args, **kwargs)
         return eager(*args, **kwargs)
+
     return forward
 
 
 def why_not(target, setting: str) -> str:
-    """"" if target.compile = `setting` compiles this target, else why it does not."""
+    """ "" if target.compile = `setting` compiles this target, else why it does not."""
     from services.target.model import PACKED_SDPA
+
     if setting == "off":
         return "target.compile=off"
     if setting == "auto" and target.device.type != "cuda":
@@ -59,9 +63,11 @@ def warmup_row(pack_len: int, vocab_size: int) -> dict[str, torch.Tensor]:
     lengths.append(pack_len - sum(lengths))
     lengths = [n for n in lengths if n > 0]
     gen = torch.Generator().manual_seed(0)
-    return {"input_ids": torch.randint(0, vocab_size, (pack_len,), generator=gen),
-            "position_ids": torch.cat([torch.arange(n) for n in lengths]),
-            "document_ids": torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])}
+    return {
+        "input_ids": torch.randint(0, vocab_size, (pack_len,), generator=gen),
+        "position_ids": torch.cat([torch.arange(n) for n in lengths]),
+        "document_ids": torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)]),
+    }
 
 
 def compile_and_warm_up(target, setting: str, pack_len: int, with_labels: bool, backend: str = "inductor") -> float:
@@ -87,8 +93,11 @@ def compile_and_warm_up(target, setting: str, pack_len: int, with_labels: bool, 
         if setting == "on":
             raise
         target.slot.compiled = False
-        log.warning("target.compile=auto: compiling the layers failed (%s: %s); capturing with the eager layers",
-                    type(exc).__name__, str(exc).splitlines()[0][:300] if str(exc) else "")
+        log.warning(
+            "target.compile=auto: compiling the layers failed (%s: %s); capturing with the eager layers",
+            type(exc).__name__,
+            str(exc).splitlines()[0][:300] if str(exc) else "",
+        )
         return time.perf_counter() - start
     seconds = time.perf_counter() - start
     log.info("compiled the target's layers (%s) in %.1f s", backend, seconds)

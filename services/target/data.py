@@ -27,6 +27,7 @@ Nothing is dropped silently. The two limits exist because a single 50 MB line to
 Which lines count, one line's JSON and a chat's messages are services/data_lines.py's, shared with
 the eval's prompts (services/prompts.py).
 """
+
 from __future__ import annotations
 
 import re
@@ -43,16 +44,16 @@ _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
 @dataclass
 class Document:
-    line: int                 # 1-based line number in its file
-    input_ids: np.ndarray     # int32 [n]
-    loss_mask: np.ndarray     # bool [n]
+    line: int  # 1-based line number in its file
+    input_ids: np.ndarray  # int32 [n]
+    loss_mask: np.ndarray  # bool [n]
 
 
 @dataclass
 class BadSamples:
     count: int = 0
-    examples: list[str] = field(default_factory=list)   # the first MAX_BAD_EXAMPLES "file:line: reason"
-    lines: list[tuple[str, int]] = field(default_factory=list)   # (file, line number) of every bad line
+    examples: list[str] = field(default_factory=list)  # the first MAX_BAD_EXAMPLES "file:line: reason"
+    lines: list[tuple[str, int]] = field(default_factory=list)  # (file, line number) of every bad line
 
     def add(self, message: str, path: str | Path = "", line: int = 0) -> None:
         self.count += 1
@@ -62,6 +63,7 @@ class BadSamples:
 
 
 # --- messages -> tokens + assistant mask ---------------------------------------------------------
+
 
 def has_generation_markers(tokenizer) -> bool:
     template = tokenizer.chat_template
@@ -74,11 +76,12 @@ def chat_tokens(tokenizer, messages: list[dict], template_kwargs: dict | None = 
     kwargs = template_kwargs or {}
     try:
         if has_generation_markers(tokenizer):
-            enc = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True,
-                                                return_assistant_tokens_mask=True, **kwargs)
+            enc = tokenizer.apply_chat_template(
+                messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True, **kwargs
+            )
             return list(enc["input_ids"]), list(enc["assistant_masks"])
         text = tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)
-    except Exception as exc:   # the template itself rejected the conversation (e.g. role order)
+    except Exception as exc:  # the template itself rejected the conversation (e.g. role order)
         raise SampleError(f"chat template failed: {exc}") from None
     return _mask_by_content_search(tokenizer, messages, text)
 
@@ -93,9 +96,11 @@ def _mask_by_content_search(tokenizer, messages: list[dict], text: str) -> tuple
         at = text.find(content, pos)
         if at < 0:
             if m["role"] == "assistant":
-                raise SampleError(f"assistant turn {turn}: reply not found verbatim in the chat template output; "
-                                  "use a chat template with {% generation %} markers")
-            continue   # templates may rewrite system/tool text; only assistant spans matter
+                raise SampleError(
+                    f"assistant turn {turn}: reply not found verbatim in the chat template output; "
+                    "use a chat template with {% generation %} markers"
+                )
+            continue  # templates may rewrite system/tool text; only assistant spans matter
         end = pos = at + len(content)
         if m["role"] == "assistant":
             rest = text[end:]
@@ -121,7 +126,7 @@ def pretokenized(record: dict, vocab_size: int) -> tuple[np.ndarray, np.ndarray]
         raise SampleError(f"'input_ids' has {len(ids)} entries but 'loss_mask' has {len(mask)}")
     if not all(type(i) is int for i in ids):
         raise SampleError("'input_ids' must hold integers only")
-    if not all(v in (0, 1) for v in mask):   # True/False compare equal to 1/0
+    if not all(v in (0, 1) for v in mask):  # True/False compare equal to 1/0
         raise SampleError("'loss_mask' must hold 0/1 (or true/false) only")
     arr = np.asarray(ids, dtype=np.int64)
     if arr.size and (arr.min() < 0 or arr.max() >= vocab_size):
@@ -131,8 +136,9 @@ def pretokenized(record: dict, vocab_size: int) -> tuple[np.ndarray, np.ndarray]
     return arr.astype(np.int32), np.asarray(mask, dtype=bool)
 
 
-def line_to_document(text: str, tokenizer, vocab_size: int, max_doc_tokens: int = 0,
-                     template_kwargs: dict | None = None) -> tuple[np.ndarray, np.ndarray]:
+def line_to_document(
+    text: str, tokenizer, vocab_size: int, max_doc_tokens: int = 0, template_kwargs: dict | None = None
+) -> tuple[np.ndarray, np.ndarray]:
     record = parse_json_line(text)
     if not isinstance(record, dict):
         raise SampleError(f"expected a JSON object, got {type(record).__name__}")
@@ -147,8 +153,9 @@ def line_to_document(text: str, tokenizer, vocab_size: int, max_doc_tokens: int 
             raise SampleError(f"the tokenizer produced ids >= the model's vocab_size {vocab_size}")
         ids = ids.astype(np.int32)
     else:
-        raise SampleError("expected 'messages', 'conversations', or 'input_ids' + 'loss_mask'; "
-                          f"got keys {sorted(record)[:8]}")
+        raise SampleError(
+            f"expected 'messages', 'conversations', or 'input_ids' + 'loss_mask'; got keys {sorted(record)[:8]}"
+        )
     if ids.size == 0:
         raise SampleError("empty document after tokenization")
     if max_doc_tokens and ids.size > max_doc_tokens:
@@ -158,15 +165,22 @@ def line_to_document(text: str, tokenizer, vocab_size: int, max_doc_tokens: int 
     return ids, mask
 
 
-def read_documents(path: str | Path, tokenizer, vocab_size: int, on_bad: str, bad: BadSamples,
-                   max_line_bytes: int = 8 << 20, max_doc_tokens: int = 0,
-                   template_kwargs: dict | None = None) -> list[Document]:
+def read_documents(
+    path: str | Path,
+    tokenizer,
+    vocab_size: int,
+    on_bad: str,
+    bad: BadSamples,
+    max_line_bytes: int = 8 << 20,
+    max_doc_tokens: int = 0,
+    template_kwargs: dict | None = None,
+) -> list[Document]:
     """Every non-blank line of a JSONL file -> Document. Bad lines: raise (fail) or count in `bad` (skip)."""
     path = Path(path)
     if not path.is_file():
         raise DataError(f"data file not found: {path}")
     docs = []
-    with open(path, "rb") as f:      # bytes: a line that is not UTF-8 is one bad line, not a failed file
+    with open(path, "rb") as f:  # bytes: a line that is not UTF-8 is one bad line, not a failed file
         for lineno, text in each_nonblank(f, max_line_bytes):
             try:
                 if isinstance(text, SampleError):

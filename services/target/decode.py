@@ -21,6 +21,7 @@ State after commit(n) equals the state after feeding exactly the committed token
     docs/operations.md says which is faster where, measured by bench/verify_step.py.
 Other layer kinds with recurrent state are refused with their name: no silent wrong rollback.
 """
+
 from __future__ import annotations
 
 import inspect
@@ -58,13 +59,17 @@ def check_decodable(target: Target) -> None:
     types = list(getattr(target.model.config, "layer_types", None) or [])
     for i, kind in enumerate(types):
         if kind not in ATTENTION_KINDS and kind != "linear_attention":
-            raise ValueError(f"decoding: layer {i} is of type {kind!r}, a recurrent kind whose state this decoder "
-                             f"cannot roll back (supported: full/sliding attention and Gated DeltaNet)")
+            raise ValueError(
+                f"decoding: layer {i} is of type {kind!r}, a recurrent kind whose state this decoder "
+                f"cannot roll back (supported: full/sliding attention and Gated DeltaNet)"
+            )
     for i, layer in enumerate(target.layers):
         mixer = getattr(layer, "linear_attn", None)
         if mixer is not None and not isinstance(mixer, hybrid.PackedGatedDeltaNet):
-            raise ValueError(f"decoding: layer {i} ({type(mixer).__name__}) is not on the packed Gated DeltaNet "
-                             f"path (capture path {target.path!r}); decoding needs it")
+            raise ValueError(
+                f"decoding: layer {i} ({type(mixer).__name__}) is not on the packed Gated DeltaNet "
+                f"path (capture path {target.path!r}); decoding needs it"
+            )
 
 
 class DecodeSession:
@@ -75,10 +80,10 @@ class DecodeSession:
         self.target = target
         self.state = hybrid.DecodeState(rollback)
         self.cache = AttentionCache()
-        self.length = 0                 # committed tokens
-        self.pending = 0                # tokens of the last verified block, until commit
+        self.length = 0  # committed tokens
+        self.pending = 0  # tokens of the last verified block, until commit
         params = inspect.signature(target.backbone.forward).parameters
-        self._cache_kwarg = "cache" if "cache" in params else "past_key_values"   # renamed in transformers 5.2x
+        self._cache_kwarg = "cache" if "cache" in params else "past_key_values"  # renamed in transformers 5.2x
 
     def prefill(self, prompt_ids: list[int]) -> Step:
         if self.length or self.pending:
@@ -102,7 +107,9 @@ class DecodeSession:
 
     def commit(self, n: int) -> None:
         if not 1 <= n <= self.pending:
-            raise ValueError(f"commit({n}): the last verified block has {self.pending} tokens (commit 1..{self.pending})")
+            raise ValueError(
+                f"commit({n}): the last verified block has {self.pending} tokens (commit 1..{self.pending})"
+            )
         self.length += n
         self.cache.keep(self.length)
         for index, layer_state in self.state.layers.items():
@@ -117,14 +124,23 @@ class DecodeSession:
         positions = torch.arange(self.length, self.length + n, device=device)[None]
         features = torch.empty(n, t.info.hidden_width, dtype=t.model.dtype, device=device)
         self.state.verifying = verifying
-        t.slot.decode = self.state            # the Gated DeltaNet layers continue from it; compiled layers step aside
+        t.slot.decode = self.state  # the Gated DeltaNet layers continue from it; compiled layers step aside
         try:
             with t.capturing_into(features):
-                out = t.backbone(input_ids=input_ids, position_ids=positions, use_cache=True,
-                                 doc_spans=[(0, n)], **{self._cache_kwarg: self.cache})
+                out = t.backbone(
+                    input_ids=input_ids,
+                    position_ids=positions,
+                    use_cache=True,
+                    doc_spans=[(0, n)],
+                    **{self._cache_kwarg: self.cache},
+                )
         finally:
             t.slot.decode = None
         logits = t.model.get_output_embeddings()(out.last_hidden_state[0])
         top = logits.topk(2, dim=-1).values.float()
-        return Step(greedy=logits.argmax(-1), margin=top[:, 0] - top[:, 1],
-                    tolerance=rounding_tolerance(top[:, 0], logits.dtype), features=features)
+        return Step(
+            greedy=logits.argmax(-1),
+            margin=top[:, 0] - top[:, 1],
+            tolerance=rounding_tolerance(top[:, 0], logits.dtype),
+            features=features,
+        )

@@ -24,6 +24,7 @@ transformers loads the rest of the checkpoint with its own FP8 quantizer bypasse
 accelerate, and a GPU for anything but dequantizing); the FP8 tensors are read here with
 safetensors and their dequantized values written into the model's parameters.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -41,10 +42,10 @@ from services.config import ConfigError
 
 log = logging.getLogger("target")
 FP8 = torch.float8_e4m3fn
-FP8_MAX = torch.finfo(FP8).max          # 448
-ALIGN = 16                              # torch's scaled GEMMs take K and N in multiples of 16
-TINY = 1e-12                            # amax floor: an all-zero row gets a tiny scale, not 0 / 0
-SCALE_SUFFIX = "_scale_inv"             # <name>.weight -> <name>.weight_scale_inv
+FP8_MAX = torch.finfo(FP8).max  # 448
+ALIGN = 16  # torch's scaled GEMMs take K and N in multiples of 16
+TINY = 1e-12  # amax floor: an all-zero row gets a tiny scale, not 0 / 0
+SCALE_SUFFIX = "_scale_inv"  # <name>.weight -> <name>.weight_scale_inv
 
 
 class CheckpointError(ConfigError):
@@ -52,6 +53,7 @@ class CheckpointError(ConfigError):
 
 
 # --- quantization --------------------------------------------------------------------------------
+
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """[M, K] -> (fp8 [M, K], float32 scale [M, 1]) with x ~= fp8 * scale per row."""
@@ -64,7 +66,7 @@ def quantize_blocks(x: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tens
     br x bc block; the last blocks of a dimension that is not a multiple may be partial."""
     (r, c), (br, bc) = x.shape, block
     padded = F.pad(x, (0, -c % bc, 0, -r % br)) if r % br or c % bc else x
-    tiles = padded.unflatten(1, (-1, bc)).unflatten(0, (-1, br))            # [R/br, br, C/bc, bc]
+    tiles = padded.unflatten(1, (-1, bc)).unflatten(0, (-1, br))  # [R/br, br, C/bc, bc]
     scale = tiles.abs().amax(dim=(1, 3)).float().clamp(min=TINY) / FP8_MAX
     q = (tiles / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8).flatten(2).flatten(0, 1)
     return (q[:r, :c].contiguous() if q.shape != x.shape else q), scale
@@ -80,11 +82,17 @@ class FP8Linear(nn.Module):
     """nn.Linear with an FP8 weight; `kernel` says whether torch's scaled GEMM runs it (else the
     plain math of the module docstring)."""
 
-    def __init__(self, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None,
-                 bias: torch.Tensor | None, kernel: bool):
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        scale: torch.Tensor,
+        block: tuple[int, int] | None,
+        bias: torch.Tensor | None,
+        kernel: bool,
+    ):
         super().__init__()
         self.out_features, self.in_features = weight.shape
-        self.block = tuple(block) if block else (1, self.in_features)       # rowwise: one block per row
+        self.block = tuple(block) if block else (1, self.in_features)  # rowwise: one block per row
         self.rowwise, self.kernel, self.bias = block is None, kernel, bias
         self.register_buffer("weight", weight)
         self.register_buffer("weight_scale", scale.float())
@@ -97,7 +105,7 @@ class FP8Linear(nn.Module):
 
     def _kernel_scale(self) -> torch.Tensor:
         if self.rowwise:
-            return self.weight_scale.t().contiguous()                       # [1, N]
+            return self.weight_scale.t().contiguous()  # [1, N]
         # cuBLAS wants the 128x128 scales as [ceil(K/128) rounded up to 4, ceil(N/128)], K-major
         return F.pad(self.weight_scale, (0, -self.weight_scale.shape[1] % 4)).t()
 
@@ -122,11 +130,18 @@ class FP8Linear(nn.Module):
         m, group = rows.shape[0], (1, self.block[1])
         if not self.kernel:
             return self._plain(*quantize_blocks(rows, group), group, dtype)
-        rows = F.pad(rows, (0, 0, 0, -m % 4)) if m % 4 else rows            # cuBLAS: token count a multiple of 4
+        rows = F.pad(rows, (0, 0, 0, -m % 4)) if m % 4 else rows  # cuBLAS: token count a multiple of 4
         xq, sx = quantize_blocks(rows, group)
         recipe = F.ScalingType
-        return F.scaled_mm(xq, self.weight.t(), sx.t().contiguous().t(), recipe.BlockWise1x128,   # scales token-major
-                           self.kernel_scale, recipe.BlockWise128x128, output_dtype=dtype)[:m]
+        return F.scaled_mm(
+            xq,
+            self.weight.t(),
+            sx.t().contiguous().t(),
+            recipe.BlockWise1x128,  # scales token-major
+            self.kernel_scale,
+            recipe.BlockWise128x128,
+            output_dtype=dtype,
+        )[:m]
 
     def _plain(self, xq, sx, group, dtype) -> torch.Tensor:
         w = dequantize(self.weight, self.weight_scale, self.block)
@@ -139,12 +154,16 @@ def runs_kernel(layout: str, n: int, k: int, device: str, dtype: torch.dtype) ->
     [n, k] weight and agrees with the plain math (any failure of the kernel means no)."""
     gen = torch.Generator(device).manual_seed(0)
     weight = torch.randn(n, k, generator=gen, device=device, dtype=dtype)
-    x = torch.randn(61, k, generator=gen, device=device, dtype=dtype)          # 61 rows: the padding path too
+    x = torch.randn(61, k, generator=gen, device=device, dtype=dtype)  # 61 rows: the padding path too
     try:
-        layers = [FP8Linear.rowwise_of(weight, None, kernel) if layout == "rowwise" else
-                  FP8Linear(*quantize_blocks(weight, (128, 128)), (128, 128), None, kernel) for kernel in (True, False)]
+        layers = [
+            FP8Linear.rowwise_of(weight, None, kernel)
+            if layout == "rowwise"
+            else FP8Linear(*quantize_blocks(weight, (128, 128)), (128, 128), None, kernel)
+            for kernel in (True, False)
+        ]
         got, want = (layer(x).float() for layer in layers)
-    except Exception as exc:     # noqa: BLE001 - no kernel for this layout, shape, dtype or device
+    except Exception as exc:  # noqa: BLE001 - no kernel for this layout, shape, dtype or device
         log.debug("no %s FP8 GEMM for [%d, %d] %s on %s: %s", layout, n, k, dtype, device, exc)
         return False
     return bool(torch.isfinite(got).all()) and float((got - want).norm() / want.norm().clamp(min=TINY)) < 0.02
@@ -152,17 +171,25 @@ def runs_kernel(layout: str, n: int, k: int, device: str, dtype: torch.dtype) ->
 
 # --- swapping the decoder's linears --------------------------------------------------------------
 
+
 class Summary(Counter):
     """How many decoder linears went which way, for the log."""
-    WORDS = {"block": "with the checkpoint's block scales", "requantized": "requantized rowwise from the "
-             "checkpoint's blocks (no block-scaled FP8 GEMM here)", "rowwise": "quantized rowwise"}
+
+    WORDS = {
+        "block": "with the checkpoint's block scales",
+        "requantized": "requantized rowwise from the checkpoint's blocks (no block-scaled FP8 GEMM here)",
+        "rowwise": "quantized rowwise",
+    }
 
     def __str__(self) -> str:
         fp8 = [f"{self[kind]} {words}" for kind, words in self.WORDS.items() if self[kind]]
-        text = f"target.quantize=fp8: {sum(self[k] for k in self.WORDS)} decoder linears in FP8 ({', '.join(fp8) or 'none'})"
+        total = sum(self[k] for k in self.WORDS)
+        text = f"target.quantize=fp8: {total} decoder linears in FP8 ({', '.join(fp8) or 'none'})"
         if self["kept"]:
-            text += (f", {self['kept']} kept in the target dtype (a dimension not a multiple of {ALIGN}, "
-                     "or left unquantized by the checkpoint)")
+            text += (
+                f", {self['kept']} kept in the target dtype (a dimension not a multiple of {ALIGN}, "
+                "or left unquantized by the checkpoint)"
+            )
         return text + f"; GEMM: torch scaled_mm for {self['kernel']}, plain torch math for {self['plain']}"
 
 
@@ -177,13 +204,14 @@ def quantize_decoder(model: nn.Module, layers: nn.ModuleList, blocks=None, keep_
     summary = Summary()
     for name, module in list(model.named_modules()):
         if id(module) in inside and isinstance(module, nn.Linear):
-            fp8 = _fp8_linear(module, blocks(name + ".weight") if blocks else None, blocks is not None,
-                              keep_blocks, summary)
+            fp8 = _fp8_linear(
+                module, blocks(name + ".weight") if blocks else None, blocks is not None, keep_blocks, summary
+            )
             if fp8 is not None:
                 parent, _, child = name.rpartition(".")
                 setattr(model.get_submodule(parent), child, fp8)
     if torch.cuda.is_available():
-        torch.cuda.empty_cache()            # the bf16 weights just freed: a drafter on the same GPU may use them
+        torch.cuda.empty_cache()  # the bf16 weights just freed: a drafter on the same GPU may use them
     return summary
 
 
@@ -206,8 +234,10 @@ def _fp8_linear(module: nn.Linear, stored, from_checkpoint: bool, keep_blocks, s
         return None
     kernel = runs_kernel("rowwise", n, k, str(device), dtype)
     if not kernel and device.type == "cuda":
-        raise ConfigError(f"target.quantize=fp8: this GPU runs no FP8 GEMM (torch._scaled_mm, rowwise, {dtype}); "
-                          "FP8 needs compute capability 8.9 or newer (L40S, H100, H200, B200), or set target.quantize=none")
+        raise ConfigError(
+            f"target.quantize=fp8: this GPU runs no FP8 GEMM (torch._scaled_mm, rowwise, {dtype}); "
+            "FP8 needs compute capability 8.9 or newer (L40S, H100, H200, B200), or set target.quantize=none"
+        )
     summary.update([kind, "kernel" if kernel else "plain"])
     return FP8Linear.rowwise_of(w, module.bias, kernel)
 
@@ -220,26 +250,29 @@ def quantize_target(model: nn.Module, layers: nn.ModuleList, model_path: str | P
 
 # --- the block-scaled checkpoint -----------------------------------------------------------------
 
+
 def quantization_config(model_path: str | Path) -> dict | None:
     """config.json's quantization_config (top level, or a composite checkpoint's text_config)."""
     try:
         config = json.loads((Path(model_path) / "config.json").read_text())
     except (OSError, ValueError):
-        return None                          # load_hf_model reports a missing or broken config.json
+        return None  # load_hf_model reports a missing or broken config.json
     return config.get("quantization_config") or (config.get("text_config") or {}).get("quantization_config")
 
 
 def _block_size(spec: dict, where: Path) -> tuple[int, int]:
     """The weight block of an FP8 quantization_config, or CheckpointError for what does not load."""
+
     def bad(what: str):
         return CheckpointError(f"{where}: quantization_config.{what}; block-scaled e4m3 with dynamic activations loads")
+
     if str(spec.get("fmt", "e4m3")).lower() != "e4m3":
         raise bad(f"fmt = {spec['fmt']!r}")
     if str(spec.get("activation_scheme", "dynamic")).lower() != "dynamic":
         raise bad(f"activation_scheme = {spec['activation_scheme']!r} (static input scales are not supported)")
     if spec.get("scale_fmt", "float") != "float":
         raise bad(f"scale_fmt = {spec['scale_fmt']!r}")
-    block = spec.get("weight_block_size") or [128, 128]          # transformers' default for quant_method fp8
+    block = spec.get("weight_block_size") or [128, 128]  # transformers' default for quant_method fp8
     if not isinstance(block, list) or len(block) != 2 or not all(isinstance(b, int) and b > 0 for b in block):
         raise bad(f"weight_block_size = {block!r} (expected two positive integers)")
     return tuple(block)
@@ -251,8 +284,8 @@ class BlockScaledCheckpoint:
 
     def __init__(self, root: Path, block: tuple[int, int], files: dict[str, Path], weights: dict[str, list[int]]):
         self.root, self.block = root, block
-        self.files = files            # every FP8 weight key and its scale key -> the file that holds it
-        self.weights = weights        # FP8 weight key -> [N, K]
+        self.files = files  # every FP8 weight key and its scale key -> the file that holds it
+        self.weights = weights  # FP8 weight key -> [N, K]
 
     @classmethod
     def open(cls, model_path: str | Path) -> "BlockScaledCheckpoint | None":
@@ -262,14 +295,15 @@ class BlockScaledCheckpoint:
         if not spec or spec.get("quant_method") != "fp8":
             return None
         block = _block_size(spec, root / "config.json")
-        headers = _headers(root)                                  # key -> (file, dtype, shape)
+        headers = _headers(root)  # key -> (file, dtype, shape)
         files, weights = {}, {}
         for key, (file, dtype, shape) in headers.items():
             if not dtype.startswith("F8"):
                 continue
             if dtype != "F8_E4M3" or not key.endswith(".weight") or len(shape) != 2:
-                raise CheckpointError(f"{file}: {key} is {dtype} {shape}; only 2-D linear weights in float8_e4m3fn "
-                                      "(<name>.weight) load")
+                raise CheckpointError(
+                    f"{file}: {key} is {dtype} {shape}; only 2-D linear weights in float8_e4m3fn (<name>.weight) load"
+                )
             _check_scale(key, shape, block, headers, file)
             files[key], files[key + SCALE_SUFFIX], weights[key] = file, headers[key + SCALE_SUFFIX][0], shape
         return cls(root, block, files, weights)
@@ -279,6 +313,7 @@ class BlockScaledCheckpoint:
         A composite checkpoint's text weights (model.language_model.*) are the text model's model.*;
         the keys transformers skips for this model (vision tower, MTP layers) are skipped here too."""
         import re
+
         params = dict(model.named_parameters())
         skipped = [re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_unexpected", None) or []]
         found = {}
@@ -288,16 +323,20 @@ class BlockScaledCheckpoint:
             if name is None:
                 if any(p.search(key) for p in skipped):
                     continue
-                raise CheckpointError(f"{self.files[key]}: FP8 tensor {key} matches no parameter of {type(model).__name__}")
+                raise CheckpointError(
+                    f"{self.files[key]}: FP8 tensor {key} matches no parameter of {type(model).__name__}"
+                )
             if list(params[name].shape) != shape:
-                raise CheckpointError(f"{self.files[key]}: {key} has shape {shape}, the model's {name} "
-                                      f"{list(params[name].shape)}")
+                raise CheckpointError(
+                    f"{self.files[key]}: {key} has shape {shape}, the model's {name} {list(params[name].shape)}"
+                )
             found[name] = key
         return found
 
     def read(self, key: str) -> tuple[torch.Tensor, torch.Tensor]:
         """(fp8 weight, float32 scale_inv) of an FP8 weight key, on the CPU."""
         from safetensors import safe_open
+
         out = []
         for k in (key, key + SCALE_SUFFIX):
             with safe_open(str(self.files[k]), framework="pt", device="cpu") as f:
@@ -313,8 +352,12 @@ class BlockScaledCheckpoint:
             param = model.get_parameter(name)
             q, scale = self.read(key)
             param.copy_(dequantize(q.to(param.device), scale.to(param.device), self.block))
-        log.info("FP8 checkpoint (%dx%d blocks): %d linears dequantized to %s", *self.block, len(names),
-                 str(next(model.parameters()).dtype).removeprefix("torch."))
+        log.info(
+            "FP8 checkpoint (%dx%d blocks): %d linears dequantized to %s",
+            *self.block,
+            len(names),
+            str(next(model.parameters()).dtype).removeprefix("torch."),
+        )
         return len(names)
 
     def blocks_for(self, model: nn.Module):
@@ -326,10 +369,13 @@ class BlockScaledCheckpoint:
 def _headers(root: Path) -> dict[str, tuple[Path, str, list[int]]]:
     """Every tensor of the checkpoint's safetensors files: key -> (file, dtype, shape); no data read."""
     from safetensors import safe_open
+
     files = sorted(root.glob("*.safetensors"))
     if not files:
-        raise CheckpointError(f"{root}: config.json declares FP8 (quantization_config) but there is no *.safetensors "
-                              "file; FP8 checkpoints load from safetensors")
+        raise CheckpointError(
+            f"{root}: config.json declares FP8 (quantization_config) but there is no *.safetensors "
+            "file; FP8 checkpoints load from safetensors"
+        )
     out = {}
     for file in files:
         with safe_open(str(file), framework="pt", device="cpu") as f:
@@ -343,12 +389,16 @@ def _check_scale(key: str, shape: list[int], block: tuple[int, int], headers: di
     scale_key = key + SCALE_SUFFIX
     want = [-(-shape[0] // block[0]), -(-shape[1] // block[1])]
     if scale_key not in headers:
-        raise CheckpointError(f"{file}: {key} is float8_e4m3fn but {scale_key} is missing (its {block[0]}x{block[1]} "
-                              f"block scales, shape {want})")
+        raise CheckpointError(
+            f"{file}: {key} is float8_e4m3fn but {scale_key} is missing (its {block[0]}x{block[1]} "
+            f"block scales, shape {want})"
+        )
     scale_file, dtype, got = headers[scale_key]
     if got != want or dtype not in ("F32", "BF16", "F16"):
-        raise CheckpointError(f"{scale_file}: {scale_key} is {dtype} {got}, expected float32 {want} for {key} {shape} "
-                              f"in {block[0]}x{block[1]} blocks")
+        raise CheckpointError(
+            f"{scale_file}: {scale_key} is {dtype} {got}, expected float32 {want} for {key} {shape} "
+            f"in {block[0]}x{block[1]} blocks"
+        )
 
 
 @contextlib.contextmanager
@@ -361,6 +411,7 @@ def loading(checkpoint: BlockScaledCheckpoint | None, config):
         yield
         return
     from transformers import AutoModelForCausalLM
+
     if hasattr(config, "quantization_config"):
         del config.quantization_config
     cls = AutoModelForCausalLM._model_mapping[type(config)]

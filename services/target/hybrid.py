@@ -26,6 +26,7 @@ differs between 5.x releases.
 The math follows transformers' Qwen3_5GatedDeltaNet (itself from the Qwen3-Next release) and
 flash-linear-attention's `chunk_gated_delta_rule` (github.com/fla-org/flash-linear-attention).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -59,7 +60,7 @@ def fla_delta_rule():
     """flash-linear-attention's chunked gated delta rule, or None when it cannot be imported."""
     try:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule
-    except Exception:   # not installed, or no triton (CPU-only torch)
+    except Exception:  # not installed, or no triton (CPU-only torch)
         return None
     return chunk_gated_delta_rule
 
@@ -81,7 +82,7 @@ def document_causal_conv(x: torch.Tensor, weight: torch.Tensor, positions: torch
     out = F.conv1d(x.T[None], weight[:, None, :].to(x.dtype), padding=k - 1, groups=c)[0, :, :s].T.contiguous()
     rows = torch.nonzero(positions < k - 1).flatten()
     exact = torch.zeros(rows.shape[0], c, dtype=torch.float32, device=x.device)
-    for d in range(k):   # tap d reads token t-d, which is in t's document iff position[t] >= d
+    for d in range(k):  # tap d reads token t-d, which is in t's document iff position[t] >= d
         inside = (positions[rows] >= d)[:, None]
         exact += x[(rows - d).clamp(min=0)].float() * weight[:, k - 1 - d].float() * inside
     out[rows] = exact.to(out.dtype)
@@ -118,7 +119,7 @@ def token_by_token_delta_rule(q, k, v, g, beta, cu_seqlens) -> torch.Tensor:
     out = torch.empty(v.shape, dtype=torch.float32, device=v.device)
     bounds = cu_seqlens.tolist()
     for a, b in zip(bounds[:-1], bounds[1:]):
-        zero = torch.zeros(q.shape[1], q.shape[2], v.shape[2], device=q.device)     # [H, Dk, Dv]
+        zero = torch.zeros(q.shape[1], q.shape[2], v.shape[2], device=q.device)  # [H, Dk, Dv]
         out[a:b] = recurrent_delta_rule(q[a:b], k[a:b], v[a:b], g[a:b], beta[a:b], zero)[0]
     return out
 
@@ -136,32 +137,33 @@ def reference_delta_rule(q, k, v, g, beta, cu_seqlens, chunk: int = 64) -> torch
     q, k = _l2norm(q.float()) * scale, _l2norm(k.float())
     v, g, beta = v.float(), g.float(), beta.float()
     bounds = cu_seqlens.tolist()
-    chunk = min(chunk, max(b - a for a, b in zip(bounds[:-1], bounds[1:])))   # rows of short documents pad less
+    chunk = min(chunk, max(b - a for a, b in zip(bounds[:-1], bounds[1:])))  # rows of short documents pad less
     pieces = [(s, min(chunk, b - s), s == a) for a, b in zip(bounds[:-1], bounds[1:]) for s in range(a, b, chunk)]
     starts = torch.tensor([p[0] for p in pieces], device=q.device)
     lens = torch.tensor([p[1] for p in pieces], device=q.device)
     offset = torch.arange(chunk, device=q.device)
-    valid = offset[None] < lens[:, None]                                    # [N, C]
+    valid = offset[None] < lens[:, None]  # [N, C]
     index = torch.where(valid, starts[:, None] + offset[None], 0)
 
-    def pieces_of(x):   # [S, H, ...] -> [N, H, C, ...], zero past each piece's end
+    def pieces_of(x):  # [S, H, ...] -> [N, H, C, ...], zero past each piece's end
         x = x[index] * valid.view(*valid.shape, *[1] * (x.dim() - 1))
         return x.transpose(1, 2)
+
     q, k, v, g, beta = (pieces_of(x) for x in (q, k, v, g, beta))
-    g = g.cumsum(-1)                                                        # [N, H, C]
+    g = g.cumsum(-1)  # [N, H, C]
     causal = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
     decay = (g[..., :, None] - g[..., None, :]).masked_fill(~causal, float("-inf")).exp()
     k_beta = k * beta[..., None]
     # the WY form: T = (I + strictly-lower(beta k k^T decay))^-1 folds the in-piece recurrence
     eye = torch.eye(chunk, device=q.device)
     t = torch.linalg.solve_triangular(eye + (k_beta @ k.transpose(-1, -2) * decay).tril(-1), eye, upper=False)
-    u = t @ (v * beta[..., None])                                           # [N, H, C, Dv]
-    w = t @ (k_beta * g.exp()[..., None])                                   # [N, H, C, Dk]
-    inside = q @ k.transpose(-1, -2) * decay                                # [N, H, C, C]
+    u = t @ (v * beta[..., None])  # [N, H, C, Dv]
+    w = t @ (k_beta * g.exp()[..., None])  # [N, H, C, Dk]
+    inside = q @ k.transpose(-1, -2) * decay  # [N, H, C, C]
     q_decayed = q * g.exp()[..., None]
     k_to_end = k * (g[..., -1:] - g).exp()[..., None]
     out = torch.empty_like(u)
-    state = q.new_zeros(q.shape[1], q.shape[3], v.shape[3])                 # [H, Dk, Dv]
+    state = q.new_zeros(q.shape[1], q.shape[3], v.shape[3])  # [H, Dk, Dv]
     for i, (_, _, first) in enumerate(pieces):
         if first:
             state = torch.zeros_like(state)
@@ -197,7 +199,7 @@ def masked_tap_conv(x: torch.Tensor, weight: torch.Tensor, positions: torch.Tens
     """document_causal_conv as K shifted, masked taps (fp32): x [S, C], weight [C, K], positions [S]."""
     k = weight.shape[1]
     out = x.float() * weight[:, k - 1].float()
-    for d in range(1, k):     # tap d reads token t-d, which is in t's document iff position[t] >= d
+    for d in range(1, k):  # tap d reads token t-d, which is in t's document iff position[t] >= d
         back = F.pad(x[:-d], (0, 0, d, 0)).float()
         out = out + back * weight[:, k - 1 - d].float() * (positions >= d)[:, None]
     return F.silu(out.to(x.dtype))
@@ -209,7 +211,9 @@ def rule_in_documents(row: RowSlot, kernel, q, k, v, g, beta) -> torch.Tensor:
     cu = _layout(row, q).cu_seqlens
     if kernel is None:
         return reference_delta_rule(q, k, v, g, beta, cu)
-    return kernel(q[None], k[None], v[None], g=g[None], beta=beta[None], use_qk_l2norm_in_kernel=True, cu_seqlens=cu)[0][0]
+    return kernel(q[None], k[None], v[None], g=g[None], beta=beta[None], use_qk_l2norm_in_kernel=True, cu_seqlens=cu)[
+        0
+    ][0]
 
 
 class PackedGatedDeltaNet(nn.Module):
@@ -224,7 +228,7 @@ class PackedGatedDeltaNet(nn.Module):
         m = self.layer
         if hidden_states.shape[0] != 1:
             raise ValueError(f"packed Gated DeltaNet takes one row at a time, got a batch of {hidden_states.shape[0]}")
-        x = hidden_states[0]                                                    # [S, hidden]
+        x = hidden_states[0]  # [S, hidden]
         if self.row.decode is not None:
             return self._decode(x, self.row.decode)[None]
         qkv = conv_in_documents(self.row, m.in_proj_qkv(x), m.conv1d.weight[:, 0])
@@ -238,7 +242,7 @@ class PackedGatedDeltaNet(nn.Module):
         q, k, v = torch.split(qkv, [m.key_dim, m.key_dim, m.value_dim], dim=-1)
         q, k = q.reshape(s, m.num_k_heads, m.head_k_dim), k.reshape(s, m.num_k_heads, m.head_k_dim)
         v = v.reshape(s, m.num_v_heads, m.head_v_dim)
-        if m.num_v_heads != m.num_k_heads:   # each key head serves a group of consecutive value heads
+        if m.num_v_heads != m.num_k_heads:  # each key head serves a group of consecutive value heads
             q = q.repeat_interleave(m.num_v_heads // m.num_k_heads, dim=1)
             k = k.repeat_interleave(m.num_v_heads // m.num_k_heads, dim=1)
         beta = m.in_proj_b(x).sigmoid()
@@ -257,8 +261,16 @@ class PackedGatedDeltaNet(nn.Module):
             return recurrent_delta_rule(q, k, v, g, beta, state)[:2]
         few = self.recurrent_kernel is not None and q.shape[0] <= RECURRENT_TOKENS
         rule = self.recurrent_kernel if few else self.kernel
-        o, final = rule(q[None], k[None], v[None], g=g[None], beta=beta[None], initial_state=state[None],
-                        output_final_state=True, use_qk_l2norm_in_kernel=True)
+        o, final = rule(
+            q[None],
+            k[None],
+            v[None],
+            g=g[None],
+            beta=beta[None],
+            initial_state=state[None],
+            output_final_state=True,
+            use_qk_l2norm_in_kernel=True,
+        )
         return o[0], final[0]
 
     def states_per_token(self, q, k, v, g, beta, state):
@@ -274,9 +286,17 @@ class PackedGatedDeltaNet(nn.Module):
         t = q.shape[0]
         index = torch.cat([torch.arange(n) for n in range(1, t + 1)]).to(q.device)
         cu = torch.tensor([n * (n + 1) // 2 for n in range(t + 1)], dtype=torch.long, device=q.device)
-        o, states = self.recurrent_kernel(q[index][None], k[index][None], v[index][None], g=g[index][None],
-                                          beta=beta[index][None], initial_state=state[None].expand(t, *state.shape).contiguous(),
-                                          output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=cu)
+        o, states = self.recurrent_kernel(
+            q[index][None],
+            k[index][None],
+            v[index][None],
+            g=g[index][None],
+            beta=beta[index][None],
+            initial_state=state[None].expand(t, *state.shape).contiguous(),
+            output_final_state=True,
+            use_qk_l2norm_in_kernel=True,
+            cu_seqlens=cu,
+        )
         return o[0, -t:], states
 
     def _decode(self, x, decode: "DecodeState") -> torch.Tensor:
@@ -285,14 +305,14 @@ class PackedGatedDeltaNet(nn.Module):
         state = decode.layers.get(self.index)
         if state is None:
             state = decode.layers[self.index] = LayerState.empty(m, x)
-        mixed = m.in_proj_qkv(x)                                                # [T, C]
-        window = torch.cat([state.conv, mixed])                                 # the K-1 inputs before, then T
+        mixed = m.in_proj_qkv(x)  # [T, C]
+        window = torch.cat([state.conv, mixed])  # the K-1 inputs before, then T
         w = m.conv1d.weight[:, 0]
         qkv = F.silu(F.conv1d(window.T[None], w[:, None, :].to(x.dtype), groups=w.shape[0])[0].T)
         q, k, v, g, beta = self._rule_inputs(x, qkv)
-        if not decode.verifying:                                                # prefill: committed at once
+        if not decode.verifying:  # prefill: committed at once
             o, state.recurrent = self.run_rule(q, k, v, g, beta, state.recurrent)
-            state.conv = window[mixed.shape[0]:]
+            state.conv = window[mixed.shape[0] :]
         elif decode.rollback == "per-token":
             o, state.block_states = self.states_per_token(q, k, v, g, beta, state.recurrent)
         else:
@@ -305,12 +325,13 @@ class PackedGatedDeltaNet(nn.Module):
 @dataclass
 class LayerState:
     """One Gated DeltaNet layer's decode state for one sequence, and the verified block not yet committed."""
-    conv: torch.Tensor                          # [K-1, C] the last K-1 conv inputs (zeros before the first token)
-    recurrent: torch.Tensor                     # [H, Dk, Dv] fp32, after the committed tokens
-    block_conv: torch.Tensor | None = None      # [T, C] the block's conv inputs
-    block_states: torch.Tensor | None = None    # per-token: [T, H, Dk, Dv] the state after each block token
-    block_inputs: tuple | None = None           # refeed: the block's (q, k, v, g, beta)
-    block_final: torch.Tensor | None = None     # refeed: the state after the whole block
+
+    conv: torch.Tensor  # [K-1, C] the last K-1 conv inputs (zeros before the first token)
+    recurrent: torch.Tensor  # [H, Dk, Dv] fp32, after the committed tokens
+    block_conv: torch.Tensor | None = None  # [T, C] the block's conv inputs
+    block_states: torch.Tensor | None = None  # per-token: [T, H, Dk, Dv] the state after each block token
+    block_inputs: tuple | None = None  # refeed: the block's (q, k, v, g, beta)
+    block_final: torch.Tensor | None = None  # refeed: the state after the whole block
 
     @staticmethod
     def empty(m: nn.Module, x: torch.Tensor) -> "LayerState":
@@ -320,12 +341,12 @@ class LayerState:
     def commit(self, n: int, layer: "PackedGatedDeltaNet") -> None:
         """Keep the first n tokens of the verified block: the state after exactly those tokens."""
         window = torch.cat([self.conv, self.block_conv[:n]])
-        self.conv = window[window.shape[0] - self.conv.shape[0]:]
+        self.conv = window[window.shape[0] - self.conv.shape[0] :]
         if self.block_states is not None:
             self.recurrent = self.block_states[n - 1]
         elif n == self.block_conv.shape[0]:
             self.recurrent = self.block_final
-        else:   # re-feed the committed prefix from the state before the block
+        else:  # re-feed the committed prefix from the state before the block
             self.recurrent = layer.run_rule(*(t[:n] for t in self.block_inputs), self.recurrent)[1]
         self.block_conv = self.block_states = self.block_inputs = self.block_final = None
 

@@ -34,6 +34,7 @@ recurrence must restart at every document too. The capture path is chosen once, 
     forward per document. Exact, and much slower on rows of many short documents; the log and
     `launcher status` say so, with the fix.
 """
+
 from __future__ import annotations
 
 import functools
@@ -67,6 +68,7 @@ class _StopForward(Exception):
 
 # --- layer ids -----------------------------------------------------------------------------------
 
+
 def resolve_layer_ids(requested: list[int], num_layers: int, num_draft_layers: int) -> list[int]:
     """services.layers' rule (the launcher checks the same before starting workers)."""
     try:
@@ -77,7 +79,8 @@ def resolve_layer_ids(requested: list[int], num_layers: int, num_draft_layers: i
 
 # --- packed attention ----------------------------------------------------------------------------
 
-@torch.compiler.disable        # reads the row's document spans: not traced (compiled.py)
+
+@torch.compiler.disable  # reads the row's document spans: not traced (compiled.py)
 def _sdpa_packed(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """HF attention function: causal attention inside each document span of the row, never across.
 
@@ -88,30 +91,46 @@ def _sdpa_packed(module, query, key, value, attention_mask, scaling=None, dropou
     document.
     """
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
     spans, layout = kwargs.pop("doc_spans", None), None
     if spans is None:
         slot = getattr(module, "row_slot", None)
         layout = slot.layout if slot is not None else None
         if layout is None:
-            raise RuntimeError("sdpa_packed needs the row's document spans: run the model through Target.capture "
-                               "or pass doc_spans (or set target.attn_implementation to 'eager' or 'flex_attention')")
+            raise RuntimeError(
+                "sdpa_packed needs the row's document spans: run the model through Target.capture "
+                "or pass doc_spans (or set target.attn_implementation to 'eager' or 'flex_attention')"
+            )
         spans = layout.spans
     window = kwargs.pop("sliding_window", None)
-    if key.shape[2] != query.shape[2]:   # decoding on top of a KV cache (decode.py)
+    if key.shape[2] != query.shape[2]:  # decoding on top of a KV cache (decode.py)
         return _sdpa_cached(module, query, key, value, spans, window, scaling)
     if layout is not None and layout.varlen and window is None and len(spans) > 1:
-        out = varlen_attention()(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
-                                 layout.cu_seqlens, layout.longest, scaling)
+        out = varlen_attention()(
+            query[0].transpose(0, 1),
+            key[0].transpose(0, 1),
+            value[0].transpose(0, 1),
+            layout.cu_seqlens,
+            layout.longest,
+            scaling,
+        )
         return out[None], None
     b, hq, s, d = query.shape
     out = query.new_empty(b, s, hq, value.shape[-1])
     for start, end in spans:
         mask = None
-        if window is not None and end - start > window:   # a sliding-window layer: band inside the document
+        if window is not None and end - start > window:  # a sliding-window layer: band inside the document
             i = torch.arange(end - start, device=query.device)
             mask = (i[:, None] >= i[None, :]) & (i[:, None] - i[None, :] < window)
-        o, _ = sdpa_attention_forward(module, query[:, :, start:end], key[:, :, start:end], value[:, :, start:end],
-                                      mask, dropout=0.0, scaling=scaling)
+        o, _ = sdpa_attention_forward(
+            module,
+            query[:, :, start:end],
+            key[:, :, start:end],
+            value[:, :, start:end],
+            mask,
+            dropout=0.0,
+            scaling=scaling,
+        )
         out[:, start:end] = o
     return out, None
 
@@ -120,16 +139,25 @@ def _sdpa_cached(module, query, key, value, spans, window, scaling):
     """q_len new tokens after k_len - q_len cached ones, one document: causal aligned bottom-right
     (query i is at position k_len - q_len + i), banded for a sliding-window layer."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
     q_len, k_len = query.shape[2], key.shape[2]
     if len(spans) != 1:
         raise RuntimeError(f"sdpa_packed on a KV cache takes one document, got {len(spans)} spans")
-    mask = None                          # one new token that sees every cached one needs none
+    mask = None  # one new token that sees every cached one needs none
     if q_len > 1 or (window is not None and window < k_len):
         i = torch.arange(k_len - q_len, k_len, device=query.device)[:, None]
         j = torch.arange(k_len, device=query.device)[None, :]
         mask = (j <= i) if window is None else (j <= i) & (i - j < window)
-    return sdpa_attention_forward(module, query, key, value, None if mask is None else mask[None, None],
-                                  dropout=0.0, scaling=scaling, is_causal=False)
+    return sdpa_attention_forward(
+        module,
+        query,
+        key,
+        value,
+        None if mask is None else mask[None, None],
+        dropout=0.0,
+        scaling=scaling,
+        is_causal=False,
+    )
 
 
 @functools.cache
@@ -151,24 +179,30 @@ def varlen_attention():
         if k.shape[1] != q.shape[1] and not gqa:
             k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
         extra = {"enable_gqa": True} if gqa else {}
-        return varlen_attn(q.contiguous(), k.contiguous(), v.contiguous(), cu, cu, longest, longest,
-                           scale=scale, **causal, **extra)
+        return varlen_attn(
+            q.contiguous(), k.contiguous(), v.contiguous(), cu, cu, longest, longest, scale=scale, **causal, **extra
+        )
+
     return attend
 
 
 def _register_packed_sdpa() -> None:
     from transformers import AttentionInterface
+
     AttentionInterface.register(PACKED_SDPA, _sdpa_packed)
 
 
 # --- loading -------------------------------------------------------------------------------------
 
-def load_causal_lm(model_path: str | Path, dtype: torch.dtype, device, attn_implementation: str | None = None
-                   ) -> nn.Module:
+
+def load_causal_lm(
+    model_path: str | Path, dtype: torch.dtype, device, attn_implementation: str | None = None
+) -> nn.Module:
     """The one loader of a target folder, frozen on `device`: AutoConfig -> the causal-LM class; composite
     configs with a text_config load the text model; block-scaled FP8 checkpoints are dequantized.
     attn_implementation: transformers' name (None: its default)."""
     from transformers import AutoConfig, AutoModelForCausalLM
+
     path = Path(model_path)
     if not str(model_path) or not path.is_dir():
         raise TargetLoadError(f"target.model_path: model directory not found: {path}")
@@ -176,16 +210,18 @@ def load_causal_lm(model_path: str | Path, dtype: torch.dtype, device, attn_impl
         raise TargetLoadError(f"target.model_path: no config.json in {path}")
     config = AutoConfig.from_pretrained(path)
     text_config = getattr(config, "text_config", None)
-    if text_config is not None:          # Qwen3.5/3.6-style multimodal wrapper: we only need the text model
+    if text_config is not None:  # Qwen3.5/3.6-style multimodal wrapper: we only need the text model
         config = text_config
     if type(config) not in AutoModelForCausalLM._model_mapping:
-        raise TargetLoadError(f"{path}/config.json: model type {config.model_type!r} has no causal-LM class in transformers")
+        raise TargetLoadError(
+            f"{path}/config.json: model type {config.model_type!r} has no causal-LM class in transformers"
+        )
     impl = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
-    checkpoint = fp8.BlockScaledCheckpoint.open(path)          # None unless config.json declares FP8 blocks
+    checkpoint = fp8.BlockScaledCheckpoint.open(path)  # None unless config.json declares FP8 blocks
     with fp8.loading(checkpoint, config):
         model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=dtype, **impl)
     model.to(device).eval().requires_grad_(False)
-    if checkpoint is not None:                                 # the FP8 weights, exactly fp8 * scale_inv
+    if checkpoint is not None:  # the FP8 weights, exactly fp8 * scale_inv
         checkpoint.dequantize_into(model)
     return model
 
@@ -215,8 +251,9 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
 FLA_HINT = "pip install fla-core (flash-linear-attention's kernels; needs triton, which CUDA builds of torch bring)"
 
 
-def choose_path(model: nn.Module, layers: nn.ModuleList, device: torch.device, slot: RowSlot,
-                packed_recurrent: bool | None = None) -> str:
+def choose_path(
+    model: nn.Module, layers: nn.ModuleList, device: torch.device, slot: RowSlot, packed_recurrent: bool | None = None
+) -> str:
     """The capture path (see the top of this file); on the packed-* paths of a hybrid its Gated
     DeltaNet layers are swapped for ones that read `slot`.
 
@@ -236,7 +273,7 @@ def choose_path(model: nn.Module, layers: nn.ModuleList, device: torch.device, s
     return "packed-varlen" if kernel is not None else "packed-reference"
 
 
-VARLEN_DTYPES = (torch.float16, torch.bfloat16)     # what the varlen flash-attention kernel takes
+VARLEN_DTYPES = (torch.float16, torch.bfloat16)  # what the varlen flash-attention kernel takes
 
 
 def packed_attention(model: nn.Module, device: torch.device) -> tuple[bool, str]:
@@ -254,8 +291,10 @@ def packed_attention(model: nn.Module, device: torch.device) -> tuple[bool, str]
     if varlen_attention() is None:
         return False, "SDPA per document (this torch has no varlen flash attention: torch >= 2.10 has)"
     if dtype not in VARLEN_DTYPES:
-        return False, (f"SDPA per document (target.dtype {str(dtype).removeprefix('torch.')}: the varlen "
-                       "flash-attention kernel takes float16/bfloat16 only; exact, slower on rows of many documents)")
+        return False, (
+            f"SDPA per document (target.dtype {str(dtype).removeprefix('torch.')}: the varlen "
+            "flash-attention kernel takes float16/bfloat16 only; exact, slower on rows of many documents)"
+        )
     return True, "varlen flash attention (one call per row)"
 
 
@@ -269,26 +308,31 @@ def slow_path_warning(path: str, device: torch.device) -> str:
 class Target:
     """A frozen HF causal LM with capture hooks on `layer_ids`."""
 
-    def __init__(self, model: nn.Module, layer_ids: list[int], label_chunk: int = 2048,
-                 packed_recurrent: bool | None = None):
+    def __init__(
+        self, model: nn.Module, layer_ids: list[int], label_chunk: int = 2048, packed_recurrent: bool | None = None
+    ):
         self.model = model
         self.backbone = model.get_decoder() if hasattr(model, "get_decoder") else model.model
         self.layers = decoder_layers(model)
         cfg = model.config
-        self.info = CaptureShape(layer_ids=resolve_layer_ids(layer_ids, len(self.layers), len(layer_ids) or 1),
-                                 hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size, num_layers=len(self.layers))
+        self.info = CaptureShape(
+            layer_ids=resolve_layer_ids(layer_ids, len(self.layers), len(layer_ids) or 1),
+            hidden_size=cfg.hidden_size,
+            vocab_size=cfg.vocab_size,
+            num_layers=len(self.layers),
+        )
         self.label_chunk = label_chunk
         self.device = next(model.parameters()).device
         self._out: torch.Tensor | None = None
         self._stop_after = True
         self.slot = RowSlot()
-        for module in self.layers.modules():       # what _sdpa_packed reads the row's spans from
+        for module in self.layers.modules():  # what _sdpa_packed reads the row's spans from
             if type(module).__name__.endswith("Attention"):
                 module.row_slot = self.slot
         self.path = choose_path(model, self.layers, self.device, self.slot, packed_recurrent)
         self.per_document = self.path == "per-document"
         self.varlen, self.attention = packed_attention(model, self.device)
-        self._backend = ""                          # the torch.compile backend, once compile() ran
+        self._backend = ""  # the torch.compile backend, once compile() ran
         self.hf_varlen = str(getattr(model.config, "_attn_implementation", "")).startswith("flash_attention")
         self.warning = slow_path_warning(self.path, self.device)
         h = self.info.hidden_size
@@ -305,6 +349,7 @@ class Target:
     def compile(self, backend: str = "inductor") -> None:
         """Compile every decoder layer for captures (compiled.py); decoding keeps the eager layers."""
         from services.target.compiled import compile_layers
+
         compile_layers(self.layers, self.slot, backend)
         self._backend, self.slot.compiled = backend, True
 
@@ -320,21 +365,28 @@ class Target:
 
     def _make_hook(self, cols: slice, deepest: bool, last: bool):
         def hook(_module, _args, output):
-            if self._out is None:   # a plain forward of the model, not a capture
+            if self._out is None:  # a plain forward of the model, not a capture
                 return
             hidden = output[0] if isinstance(output, tuple) else output
-            if last:   # HF's hidden_states[L] is the last layer's output after the final norm
+            if last:  # HF's hidden_states[L] is the last layer's output after the final norm
                 hidden = self.backbone.norm(hidden)
             self._out[:, cols].copy_(hidden[0])
             if deepest and self._stop_after:
                 raise _StopForward
+
         return hook
 
     @torch.no_grad()
-    def capture(self, input_ids: torch.Tensor, position_ids: torch.Tensor, document_ids: torch.Tensor,
-                with_labels: bool = False, out: torch.Tensor | None = None,
-                out_dtype: torch.dtype = FIELDS["hidden"],
-                final_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def capture(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        document_ids: torch.Tensor,
+        with_labels: bool = False,
+        out: torch.Tensor | None = None,
+        out_dtype: torch.dtype = FIELDS["hidden"],
+        final_out: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One packed row [S] -> (hidden [S, K*H] on the model's device, argmax labels [S] or None).
 
         `out` (optional) is a reusable device buffer of that shape; else one is allocated.
@@ -351,9 +403,14 @@ class Target:
             self._forward(input_ids, position_ids, spans, out, labels, final_out)
             return out, labels
         for a, b in spans:
-            self._forward(input_ids[a:b], position_ids[a:b], [(0, b - a)], out[a:b],
-                          labels[a:b] if labels is not None else None,
-                          final_out[a:b] if final_out is not None else None)
+            self._forward(
+                input_ids[a:b],
+                position_ids[a:b],
+                [(0, b - a)],
+                out[a:b],
+                labels[a:b] if labels is not None else None,
+                final_out[a:b] if final_out is not None else None,
+            )
         return out, labels
 
     def _forward(self, input_ids, position_ids, spans, out, labels, final_out=None) -> None:
@@ -362,12 +419,16 @@ class Target:
         cu = torch.tensor([a for a, _ in spans] + [int(input_ids.shape[0])], dtype=torch.int32, device=self.device)
         self.slot.layout = RowLayout(position_ids, cu, spans, self.varlen)
         kwargs = {}
-        if self.hf_varlen and not self.per_document:   # transformers' own flash-attention varlen path reads the boundaries from kwargs
+        if (
+            self.hf_varlen and not self.per_document
+        ):  # transformers' own flash-attention varlen path reads the boundaries from kwargs
             longest = self.slot.layout.longest
             kwargs = dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest)
         self._out, self._stop_after = out, labels is None and final_out is None
         try:
-            result = self.backbone(input_ids=input_ids[None], position_ids=position_ids[None], use_cache=False, **kwargs)
+            result = self.backbone(
+                input_ids=input_ids[None], position_ids=position_ids[None], use_cache=False, **kwargs
+            )
         except _StopForward:
             return
         finally:
@@ -396,12 +457,14 @@ def load_target(cfg: TargetConfig, device: str | torch.device = "cpu", num_draft
     if cfg.dtype not in DTYPES:
         raise TargetLoadError(f"target.dtype must be one of {sorted(DTYPES)}, got {cfg.dtype!r}")
     if cfg.attn_implementation.startswith("flash_attention") and DTYPES[cfg.dtype] not in VARLEN_DTYPES:
-        raise TargetLoadError(f"target.attn_implementation={cfg.attn_implementation} needs target.dtype bfloat16 "
-                              f"or float16, got {cfg.dtype} (or use target.attn_implementation=sdpa)")
+        raise TargetLoadError(
+            f"target.attn_implementation={cfg.attn_implementation} needs target.dtype bfloat16 "
+            f"or float16, got {cfg.dtype} (or use target.attn_implementation=sdpa)"
+        )
     if cfg.quantize not in QUANTIZE:
         raise TargetLoadError(f"target.quantize must be one of {', '.join(QUANTIZE)}, got {cfg.quantize!r}")
     model = load_hf_model(cfg.model_path, DTYPES[cfg.dtype], cfg.attn_implementation, device)
-    if cfg.quantize == "fp8":                                  # decoder linears in FP8 (services/target/fp8.py)
+    if cfg.quantize == "fp8":  # decoder linears in FP8 (services/target/fp8.py)
         log.info("%s", fp8.quantize_target(model, decoder_layers(model), cfg.model_path))
     num_layers = len(decoder_layers(model))
     ids = resolve_layer_ids(cfg.layer_ids, num_layers, num_draft_layers)
@@ -410,15 +473,17 @@ def load_target(cfg: TargetConfig, device: str | torch.device = "cpu", num_draft
     return target
 
 
-def capture_to_host(target: Target, row: dict[str, torch.Tensor], with_labels: bool = False,
-                    device_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+def capture_to_host(
+    target: Target, row: dict[str, torch.Tensor], with_labels: bool = False, device_out: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The worker's capture path: forward + capture on the device, then CPU tensors ready to send.
 
     On CUDA the hidden states are copied into a pinned host buffer from PyTorch's caching host
     allocator (reused once nothing holds the previous one); on CPU the capture is already there.
     """
-    hidden, labels = target.capture(row["input_ids"], row["position_ids"], row["document_ids"],
-                                    with_labels=with_labels, out=device_out)
+    hidden, labels = target.capture(
+        row["input_ids"], row["position_ids"], row["document_ids"], with_labels=with_labels, out=device_out
+    )
     if hidden.device.type != "cuda":
         return hidden, labels
     host = torch.empty(hidden.shape, dtype=hidden.dtype, pin_memory=True)

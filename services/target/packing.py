@@ -31,6 +31,7 @@ over sent in its name is dropped (services/drafter/source.py).
 
 Both files are read by services/packed_data.py (PackedData, PublishedDigests), shared with the drafter.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -57,13 +58,15 @@ _PACK_SALT = 0x9AC4
 
 def split_document(doc: Document, max_len: int) -> list[Document]:
     n = len(doc.input_ids)
-    return [Document(doc.line, doc.input_ids[a:a + max_len], doc.loss_mask[a:a + max_len]) for a in range(0, n, max_len)]
+    return [
+        Document(doc.line, doc.input_ids[a : a + max_len], doc.loss_mask[a : a + max_len]) for a in range(0, n, max_len)
+    ]
 
 
 def pack_rows(lengths: list[int], pack_len: int) -> list[list[int]]:
     """Best-fit: each document (by index, in the given order) into the fullest row it still fits."""
     rows: list[list[int]] = []
-    free: list[tuple[int, int]] = []            # sorted (room left, row)
+    free: list[tuple[int, int]] = []  # sorted (room left, row)
     for d, n in enumerate(lengths):
         if n > pack_len:
             raise ValueError(f"document {d} has {n} tokens > pack_len {pack_len}")
@@ -81,6 +84,7 @@ def pack_rows(lengths: list[int], pack_len: int) -> list[list[int]]:
 
 # --- cache key -----------------------------------------------------------------------------------
 
+
 def file_fingerprint(path: str | Path) -> dict:
     path = Path(path)
     st = path.stat()
@@ -89,8 +93,12 @@ def file_fingerprint(path: str | Path) -> dict:
 
 def tokenizer_fingerprint(tokenizer) -> str:
     backend = getattr(tokenizer, "backend_tokenizer", None)
-    parts = [type(tokenizer).__name__, backend.to_str() if backend is not None else repr(tokenizer.get_vocab()),
-             json.dumps(tokenizer.chat_template, sort_keys=True), json.dumps(tokenizer.special_tokens_map, sort_keys=True)]
+    parts = [
+        type(tokenizer).__name__,
+        backend.to_str() if backend is not None else repr(tokenizer.get_vocab()),
+        json.dumps(tokenizer.chat_template, sort_keys=True),
+        json.dumps(tokenizer.special_tokens_map, sort_keys=True),
+    ]
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()
 
 
@@ -105,19 +113,27 @@ def cache_key(cfg: Config, tokenizer, vocab_size: int) -> str:
     # every key marked as deciding batch g's tokens; data files by their contents, not their paths
     keys = runspec.values(cfg, runspec.CACHE_KINDS)
     files = set(runspec.keys_deciding(("path",)))
-    parts = {"format": FORMAT_VERSION, "tokenizer": tokenizer_fingerprint(tokenizer), "vocab_size": vocab_size,
-             **{k: (file_fingerprint(v) if v else None) if k in files else v for k, v in keys.items()}}
+    parts = {
+        "format": FORMAT_VERSION,
+        "tokenizer": tokenizer_fingerprint(tokenizer),
+        "vocab_size": vocab_size,
+        **{k: (file_fingerprint(v) if v else None) if k in files else v for k, v in keys.items()},
+    }
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:32]
 
 
 # --- build ---------------------------------------------------------------------------------------
 
+
 def _pack_split(docs: list[Document], cfg: Config, prefix: str) -> dict[str, np.ndarray]:
     d = cfg.data
     max_len = d.max_doc_len or d.pack_len
     pieces = [p for doc in docs for p in split_document(doc, max_len)]
-    order = (np.random.default_rng([cfg.run.seed, _PACK_SALT]).permutation(len(pieces)) if d.shuffle
-             else np.arange(len(pieces)))
+    order = (
+        np.random.default_rng([cfg.run.seed, _PACK_SALT]).permutation(len(pieces))
+        if d.shuffle
+        else np.arange(len(pieces))
+    )
     pieces = [pieces[i] for i in order]
     rows = pack_rows([len(p.input_ids) for p in pieces], d.pack_len)
     flat = [pieces[i] for row in rows for i in row]
@@ -133,15 +149,16 @@ def _pack_split(docs: list[Document], cfg: Config, prefix: str) -> dict[str, np.
 def build_index(cfg: Config, tokenizer, vocab_size: int) -> tuple[dict[str, np.ndarray], dict[str, str]]:
     d = cfg.data
     bad = BadSamples()
-    limits = dict(max_line_bytes=d.max_line_bytes, max_doc_tokens=d.max_doc_tokens,
-                  template_kwargs=d.chat_template_kwargs)
+    limits = dict(
+        max_line_bytes=d.max_line_bytes, max_doc_tokens=d.max_doc_tokens, template_kwargs=d.chat_template_kwargs
+    )
     train = read_documents(d.path, tokenizer, vocab_size, d.on_bad_sample, bad, **limits)
     held_out = runspec.HeldOut.of(cfg)
     if held_out.source == "data.eval_path":
         evals = read_documents(held_out.path, tokenizer, vocab_size, d.on_bad_sample, bad, **limits)
-    elif held_out.source == "data.eval_fraction":     # by line number: a bad line moves no other line
+    elif held_out.source == "data.eval_fraction":  # by line number: a bad line moves no other line
         nonblank = sorted([doc.line for doc in train] + [n for f, n in bad.lines if f == str(Path(d.path))])
-        chosen = held_out.lines(nonblank)           # data_lines.nonblank_lines, from what was just read
+        chosen = held_out.lines(nonblank)  # data_lines.nonblank_lines, from what was just read
         evals = [doc for doc in train if doc.line in chosen]
         train = [doc for doc in train if doc.line not in chosen]
     else:
@@ -150,22 +167,29 @@ def build_index(cfg: Config, tokenizer, vocab_size: int) -> tuple[dict[str, np.n
         raise DataError(f"{d.path}: no usable training documents ({bad.count} bad lines skipped)")
     tensors = {**_pack_split(train, cfg, "train"), **_pack_split(evals, cfg, "eval")}
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
-    meta = {"format": str(FORMAT_VERSION), "bad_samples": str(bad.count), "bad_examples": json.dumps(bad.examples),
-            "pad_id": str(pad_id), "pack_len": str(d.pack_len),
-            "train_samples": str(len(train)), "eval_samples": str(len(evals))}
+    meta = {
+        "format": str(FORMAT_VERSION),
+        "bad_samples": str(bad.count),
+        "bad_examples": json.dumps(bad.examples),
+        "pad_id": str(pad_id),
+        "pack_len": str(d.pack_len),
+        "train_samples": str(len(train)),
+        "eval_samples": str(len(evals)),
+    }
     return tensors, meta
 
 
 def open_or_build(cfg: Config, run_dir: str | Path, tokenizer, vocab_size: int, log=None) -> "PackedData":
     """The run's packed dataset: reuse <run_dir>/data-cache/<key>.safetensors or build it (once, locked)."""
     from safetensors.numpy import save_file
+
     log = log or logging.getLogger("target").info
     cache_dir = Path(run_dir) / "data-cache"
     cache_dir.mkdir(parents=True, exist_ok=True)
     key = cache_key(cfg, tokenizer, vocab_size)
     path = cache_dir / f"{key}.safetensors"
     with open(cache_dir / f"{key}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)     # another target may be building this very index
+        fcntl.flock(lock, fcntl.LOCK_EX)  # another target may be building this very index
         if not path.is_file():
             t0 = time.monotonic()
             tensors, meta = build_index(cfg, tokenizer, vocab_size)
@@ -188,18 +212,22 @@ def open_or_build(cfg: Config, run_dir: str | Path, tokenizer, vocab_size: int, 
 
 # --- `launcher up` builds the index before any worker starts ------------------------------------
 
+
 def prepare(cfg: Config, run_dir: str | Path) -> "PackedData":
     """Tokenize and pack cfg.data into the run's cache, with the tokenizer and vocabulary of the
     target's config, not its weights: a bad line stops the run in seconds, before a 27B model
     loads, and the target workers then open the same cache file (same key)."""
     from transformers import AutoTokenizer
-    vocab_size = runspec.target_fields_of(cfg.target.model_path)["vocab_size"]     # as the run spec reads it
+
+    vocab_size = runspec.target_fields_of(cfg.target.model_path)["vocab_size"]  # as the run spec reads it
     try:
         tokenizer = AutoTokenizer.from_pretrained(cfg.target.model_path)
-    except Exception as exc:        # one line naming the folder, not transformers' traceback
+    except Exception as exc:  # one line naming the folder, not transformers' traceback
         first = (str(exc).strip().splitlines() or [""])[0]
-        raise ModelFilesError(f"target.model_path: cannot load the config and tokenizer of {cfg.target.model_path}: "
-                              f"{type(exc).__name__}: {first}") from None
+        raise ModelFilesError(
+            f"target.model_path: cannot load the config and tokenizer of {cfg.target.model_path}: "
+            f"{type(exc).__name__}: {first}"
+        ) from None
     return open_or_build(cfg, run_dir, tokenizer, vocab_size, log=lambda msg: None)
 
 
@@ -212,6 +240,7 @@ def eval_prompt_count(cfg: Config) -> int | None:
     checked now, else the held-out lines'); None when it is off (run.spec_eval_prompts = 0)."""
     from transformers import AutoTokenizer
     from services.prompts import prompt_sets
+
     if cfg.run.spec_eval_prompts <= 0:
         return None
     tokenizer = AutoTokenizer.from_pretrained(cfg.target.model_path)
@@ -224,6 +253,7 @@ def main(argv=None) -> int:
 
     from services.config import load_config
     from services.prompts import PromptFileError
+
     p = argparse.ArgumentParser(prog="python -m services.target.packing", description="build the run's data index")
     p.add_argument("--config", required=True)
     p.add_argument("--run-dir", required=True)
@@ -232,17 +262,29 @@ def main(argv=None) -> int:
         cfg = load_config(args.config)
         data = prepare(cfg, args.run_dir)
     except (DataError, runspec.SpecError) as exc:
-        print(exc if isinstance(exc, (ModelFilesError, runspec.SpecError)) else f"data: {exc}", file=sys.stderr,
-              flush=True)
+        print(
+            exc if isinstance(exc, (ModelFilesError, runspec.SpecError)) else f"data: {exc}",
+            file=sys.stderr,
+            flush=True,
+        )
         return 2
-    try:                # real acceptance's prompts: None when it is off by config (run.spec_eval_prompts = 0)
+    try:  # real acceptance's prompts: None when it is off by config (run.spec_eval_prompts = 0)
         prompts = eval_prompt_count(cfg)
     except PromptFileError as exc:
         print(f"run.eval_prompts: {exc}", file=sys.stderr, flush=True)
         return 2
-    print(json.dumps({"train_rows": data.num_batches("train"), "eval_rows": data.num_batches("eval"),
-                      "bad_samples": data.bad_samples, "bad_examples": data.bad_examples[:3],
-                      "prompts": prompts}), flush=True)
+    print(
+        json.dumps(
+            {
+                "train_rows": data.num_batches("train"),
+                "eval_rows": data.num_batches("eval"),
+                "bad_samples": data.bad_samples,
+                "bad_examples": data.bad_examples[:3],
+                "prompts": prompts,
+            }
+        ),
+        flush=True,
+    )
     return 0
 
 

@@ -28,6 +28,7 @@ generate batch, and one {"event": "regenerated", ...} at the end with what chang
 lines, pre_tokenized lines copied unchanged, turns rewritten, empty_replies_kept. `launcher
 regenerate` reads them for its progress line and summary.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -48,34 +49,46 @@ class HFEngine:
         from transformers import AutoTokenizer
 
         from services.target.model import load_causal_lm
+
         self.torch = torch
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.tokenizer.padding_side = "left"
         dtype = torch.float32 if device == "cpu" else torch.bfloat16
-        self.model = load_causal_lm(model_path, dtype, device)     # the training target's loader, HF's attention
+        self.model = load_causal_lm(model_path, dtype, device)  # the training target's loader, HF's attention
         self.device, self.temperature, self.template_kwargs = device, temperature, template_kwargs or {}
-        self.pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
+        self.pad = (
+            self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
+        )
 
     def generate(self, conversations: list[list[dict]], max_new_tokens: int, batch_size: int, tick=None) -> list[str]:
         from services.data_lines import prompt_tokens
+
         torch = self.torch
         prompts = [prompt_tokens(self.tokenizer, m, self.template_kwargs) for m in conversations]
         order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
         replies = [""] * len(prompts)
-        sampling = {"do_sample": True, "temperature": self.temperature} if self.temperature > 0 else \
-            {"do_sample": False, "temperature": None, "top_p": None, "top_k": None}
+        sampling = (
+            {"do_sample": True, "temperature": self.temperature}
+            if self.temperature > 0
+            else {"do_sample": False, "temperature": None, "top_p": None, "top_k": None}
+        )
         for start in range(0, len(order), batch_size):
-            chunk = order[start:start + batch_size]
+            chunk = order[start : start + batch_size]
             width = max(len(prompts[i]) for i in chunk)
             ids = torch.full((len(chunk), width), self.pad, dtype=torch.long)
             mask = torch.zeros((len(chunk), width), dtype=torch.long)
             for row, i in enumerate(chunk):
-                ids[row, width - len(prompts[i]):] = torch.tensor(prompts[i])
-                mask[row, width - len(prompts[i]):] = 1
+                ids[row, width - len(prompts[i]) :] = torch.tensor(prompts[i])
+                mask[row, width - len(prompts[i]) :] = 1
             with torch.no_grad():
-                out = self.model.generate(ids.to(self.device), attention_mask=mask.to(self.device),
-                                          max_new_tokens=max_new_tokens, pad_token_id=self.pad,
-                                          eos_token_id=self.tokenizer.eos_token_id, **sampling)
+                out = self.model.generate(
+                    ids.to(self.device),
+                    attention_mask=mask.to(self.device),
+                    max_new_tokens=max_new_tokens,
+                    pad_token_id=self.pad,
+                    eos_token_id=self.tokenizer.eos_token_id,
+                    **sampling,
+                )
             for row, i in enumerate(chunk):
                 replies[i] = self.tokenizer.decode(out[row, width:], skip_special_tokens=True).strip()
             if tick:
@@ -88,10 +101,12 @@ class VLLMEngine:
 
     def __init__(self, model_path: str, device: str, temperature: float, template_kwargs: dict | None = None):
         from vllm import LLM
+
         self.llm, self.temperature, self.template_kwargs = LLM(model=model_path), temperature, template_kwargs or {}
 
     def generate(self, conversations, max_new_tokens, batch_size, tick=None):
         from vllm import SamplingParams
+
         params = SamplingParams(temperature=self.temperature, max_tokens=max_new_tokens)
         outputs = self.llm.chat(conversations, params, use_tqdm=False, chat_template_kwargs=self.template_kwargs)
         replies = [o.outputs[0].text.strip() for o in outputs]
@@ -106,13 +121,16 @@ class SGLangEngine:
     def __init__(self, model_path: str, device: str, temperature: float, template_kwargs: dict | None = None):
         import sglang
         from transformers import AutoTokenizer
+
         self.engine, self.temperature = sglang.Engine(model_path=model_path), temperature
         self.template_kwargs = template_kwargs or {}
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
 
     def generate(self, conversations, max_new_tokens, batch_size, tick=None):
-        prompts = [self.tokenizer.apply_chat_template(m, tokenize=False, add_generation_prompt=True,
-                                                      **self.template_kwargs) for m in conversations]
+        prompts = [
+            self.tokenizer.apply_chat_template(m, tokenize=False, add_generation_prompt=True, **self.template_kwargs)
+            for m in conversations
+        ]
         out = self.engine.generate(prompts, {"temperature": self.temperature, "max_new_tokens": max_new_tokens})
         if tick:
             tick(len(out))
@@ -122,8 +140,14 @@ class SGLangEngine:
 ENGINES = {"hf": HFEngine, "vllm": VLLMEngine, "sglang": SGLangEngine}
 
 
-def regenerate(engine, items: list[tuple[dict, list | None]], max_new_tokens: int, batch_size: int,
-               counts: dict | None = None, tick=None) -> list[dict]:
+def regenerate(
+    engine,
+    items: list[tuple[dict, list | None]],
+    max_new_tokens: int,
+    batch_size: int,
+    counts: dict | None = None,
+    tick=None,
+) -> list[dict]:
     """Rewrite every assistant turn, round by round: round r regenerates each conversation's r-th
     assistant turn, seeing the turns before it as already rewritten. An empty reply (the target
     ends the turn at once) keeps the data's reply: a turn without text has nothing to train;
@@ -133,7 +157,7 @@ def regenerate(engine, items: list[tuple[dict, list | None]], max_new_tokens: in
     convs = [list(m) if m is not None else None for _, m in items]
     rounds = max((sum(m["role"] == "assistant" for m in c) for c in convs if c), default=0)
     for r in range(rounds):
-        where = []                                  # (conversation, message index) of each r-th assistant turn
+        where = []  # (conversation, message index) of each r-th assistant turn
         for ci, c in enumerate(convs):
             turns = [i for i, m in enumerate(c or []) if m["role"] == "assistant"]
             if len(turns) > r:
@@ -158,18 +182,23 @@ def main(argv=None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=1024)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (what greedy decoding will see)")
     p.add_argument("--shard", default="0/1", help="I/N: this process regenerates lines I, I+N, ...")
-    p.add_argument("--chat-template-kwargs", type=json.loads, default={},
-                   help="JSON object of chat-template variables, e.g. '{\"enable_thinking\": false}'")
+    p.add_argument(
+        "--chat-template-kwargs",
+        type=json.loads,
+        default={},
+        help="JSON object of chat-template variables, e.g. '{\"enable_thinking\": false}'",
+    )
     args = p.parse_args(argv)
     import torch
     from transformers.utils import logging as hf_logging
-    hf_logging.disable_progress_bar()               # no "Loading weights" bars in the launcher's output
+
+    hf_logging.disable_progress_bar()  # no "Loading weights" bars in the launcher's output
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     shard, num_shards = (int(x) for x in args.shard.split("/"))
     start = time.perf_counter()
     try:
         items = read_conversations(args.data, shard, num_shards)
-    except ValueError as exc:                       # a broken line: one line naming it, exit 2
+    except ValueError as exc:  # a broken line: one line naming it, exit 2
         print(f"regenerate: error: {exc}", file=sys.stderr, flush=True)
         return 2
     engine = ENGINES[args.engine](args.model, device, args.temperature, args.chat_template_kwargs)
@@ -183,10 +212,24 @@ def main(argv=None) -> int:
     records = regenerate(engine, items, args.max_new_tokens, args.batch_size, counts, tick=tick)
     out = write_text_atomic(Path(args.out), "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
     chat = sum(m is not None for _, m in items)
-    print(json.dumps({"event": "regenerated", "out": str(out), "lines": len(records), "chat": chat,
-                      "pre_tokenized": len(records) - chat, "turns": total, "empty_replies_kept": counts["empty"],
-                      "engine": args.engine, "device": device, "chat_template_kwargs": args.chat_template_kwargs,
-                      "seconds": round(time.perf_counter() - start, 2)}), flush=True)
+    print(
+        json.dumps(
+            {
+                "event": "regenerated",
+                "out": str(out),
+                "lines": len(records),
+                "chat": chat,
+                "pre_tokenized": len(records) - chat,
+                "turns": total,
+                "empty_replies_kept": counts["empty"],
+                "engine": args.engine,
+                "device": device,
+                "chat_template_kwargs": args.chat_template_kwargs,
+                "seconds": round(time.perf_counter() - start, 2),
+            }
+        ),
+        flush=True,
+    )
     return 0
 
 

@@ -5,6 +5,7 @@ pack_len tokens). So the boundaries never travel as arguments of a decoder layer
 function and the Gated DeltaNet kernels read them here, inside functions the compiler does not
 trace (compiled.py), and one compiled graph per layer kind serves every row.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -15,10 +16,11 @@ import torch
 @dataclass
 class RowLayout:
     """Where the documents of the row in flight begin."""
-    positions: torch.Tensor              # [S] int64, restarts at 0 per document
-    cu_seqlens: torch.Tensor             # [N+1] int32 document boundaries (padding is one more document)
-    spans: list[tuple[int, int]]         # the same boundaries as (start, end) on the host
-    varlen: bool = False                 # attention: one varlen flash-attention call (else SDPA per document)
+
+    positions: torch.Tensor  # [S] int64, restarts at 0 per document
+    cu_seqlens: torch.Tensor  # [N+1] int32 document boundaries (padding is one more document)
+    spans: list[tuple[int, int]]  # the same boundaries as (start, end) on the host
+    varlen: bool = False  # attention: one varlen flash-attention call (else SDPA per document)
 
     @property
     def longest(self) -> int:
@@ -26,7 +28,9 @@ class RowLayout:
 
     @staticmethod
     def one_document(s: int, device) -> "RowLayout":
-        return RowLayout(torch.arange(s, device=device), torch.tensor([0, s], dtype=torch.int32, device=device), [(0, s)])
+        return RowLayout(
+            torch.arange(s, device=device), torch.tensor([0, s], dtype=torch.int32, device=device), [(0, s)]
+        )
 
 
 class RowSlot:
@@ -38,4 +42,4 @@ class RowSlot:
         # and a key that appeared later (the first decode setting `decode`) recompiled every layer.
         self.layout: RowLayout | None = None
         self.decode = None
-        self.compiled = False            # captures run the compiled layers (compiled.py)
+        self.compiled = False  # captures run the compiled layers (compiled.py)

@@ -14,6 +14,7 @@ Bounds:
     first; with no batch asked for in the window they run at once.
 Answers carry this process's incarnation and the request id; the drafter checks both.
 """
+
 from __future__ import annotations
 
 import logging
@@ -36,25 +37,33 @@ MAX_WAITING = 256
 
 def verify_limits(cfg, spec) -> verify.VerifyLimits:
     """What a verify request may ask of this target, from the run's config and spec (services/runspec.py)."""
-    return verify.VerifyLimits(max_prompt=cfg.data.pack_len, max_block=spec.block_size,
-                               max_length=cfg.data.pack_len + cfg.run.spec_eval_max_new_tokens + spec.block_size,
-                               vocab_size=spec.target.vocab_size)
+    return verify.VerifyLimits(
+        max_prompt=cfg.data.pack_len,
+        max_block=spec.block_size,
+        max_length=cfg.data.pack_len + cfg.run.spec_eval_max_new_tokens + spec.block_size,
+        vocab_size=spec.target.vocab_size,
+    )
 
 
 @dataclass(frozen=True)
 class VerifySettings:
     """What the verify service reads of the run, built once from the config and the run spec."""
-    limits: verify.VerifyLimits     # what a request may ask (the batch server checks it on arrival)
-    max_sessions: int               # run.spec_eval_sessions
-    share: float                    # run.spec_eval_target_share
-    warm_up: bool                   # run.spec_eval_prompts > 0: warm the verify path up before `ready`
+
+    limits: verify.VerifyLimits  # what a request may ask (the batch server checks it on arrival)
+    max_sessions: int  # run.spec_eval_sessions
+    share: float  # run.spec_eval_target_share
+    warm_up: bool  # run.spec_eval_prompts > 0: warm the verify path up before `ready`
     block_size: int
 
     @classmethod
     def from_config(cls, cfg, spec) -> "VerifySettings":
-        return cls(limits=verify_limits(cfg, spec), max_sessions=cfg.run.spec_eval_sessions,
-                   share=cfg.run.spec_eval_target_share, warm_up=cfg.run.spec_eval_prompts > 0,
-                   block_size=spec.block_size)
+        return cls(
+            limits=verify_limits(cfg, spec),
+            max_sessions=cfg.run.spec_eval_sessions,
+            share=cfg.run.spec_eval_target_share,
+            warm_up=cfg.run.spec_eval_prompts > 0,
+            block_size=spec.block_size,
+        )
 
 
 # What a real evaluation asks of the Gated DeltaNet kernels, each once: prompts on both sides of
@@ -72,7 +81,7 @@ def warm_up_verify(target, block_size: int) -> str:
     for the log."""
     try:
         check_decodable(target)
-    except ValueError as exc:               # every verify request will say so; the batches go on
+    except ValueError as exc:  # every verify request will say so; the batches go on
         return f"verify path not warmed up: {exc}"
     start = time.perf_counter()
     gen = torch.Generator().manual_seed(0)
@@ -95,10 +104,15 @@ class VerifyService:
         self.max_sessions, self.share = settings.max_sessions, settings.share
         self.sessions: OrderedDict[tuple[bytes, int], tuple[DecodeSession, float]] = OrderedDict()
         self.waiting: deque[Request] = deque()
-        self.spent: deque[tuple[float, float]] = deque()     # (end time, seconds) of verify work in the window
+        self.spent: deque[tuple[float, float]] = deque()  # (end time, seconds) of verify work in the window
         self.last_batch_request = float("-inf")
-        self.counts = {"verify_requests": 0, "verify_tokens": 0, "verify_deferred": 0, "verify_evicted": 0,
-                       "verify_refused": 0}
+        self.counts = {
+            "verify_requests": 0,
+            "verify_tokens": 0,
+            "verify_deferred": 0,
+            "verify_evicted": 0,
+            "verify_refused": 0,
+        }
         self.seconds = 0.0
 
     # --- the worker loop's side ---------------------------------------------------------------
@@ -130,7 +144,7 @@ class VerifyService:
         while self.spent and self.spent[0][0] < now - SHARE_WINDOW_S:
             self.spent.popleft()
         if now - self.last_batch_request > SHARE_WINDOW_S:
-            return True                               # nobody is asking for batches
+            return True  # nobody is asking for batches
         return sum(s for _, s in self.spent) < self.share * SHARE_WINDOW_S
 
     # --- one request --------------------------------------------------------------------------
@@ -141,9 +155,9 @@ class VerifyService:
             messages = self._run(request.client, r)
         except verify.SessionLost as exc:
             self.counts["verify_refused"] += 1
-            self.server.drops("verify-session", str(exc))      # counted; answered so the drafter reopens at once
+            self.server.drops("verify-session", str(exc))  # counted; answered so the drafter reopens at once
             messages = [verify.error_frames(r, self.server.incarnation, str(exc), code="session")]
-        except (ValueError, RuntimeError) as exc:               # e.g. a session grown past its bound
+        except (ValueError, RuntimeError) as exc:  # e.g. a session grown past its bound
             self.counts["verify_refused"] += 1
             self.sessions.pop((request.client, r.session), None)
             self.server.drops("verify-request", f"verify {r.op}: {exc}")
@@ -153,8 +167,12 @@ class VerifyService:
         self.spent.append((time.monotonic(), seconds))
         self.seconds += seconds
         self.counts["verify_requests"] += 1
-        self.health.set(verify_sessions=len(self.sessions), verify_s=round(self.seconds, 3),
-                        verify_waiting=len(self.waiting), **self.counts)
+        self.health.set(
+            verify_sessions=len(self.sessions),
+            verify_s=round(self.seconds, 3),
+            verify_waiting=len(self.waiting),
+            **self.counts,
+        )
 
     def _run(self, client: bytes, r: verify.VerifyRequest) -> list[list]:
         key, incarnation = (client, r.session), self.server.incarnation
@@ -170,22 +188,39 @@ class VerifyService:
             step = session.prefill(r.ids)
             self.sessions[key] = (session, time.monotonic())
             self.counts["verify_tokens"] += len(r.ids)
-            return verify.reply_messages(r, incarnation, len(r.ids), step.greedy[-1:].cpu(), step.margin[-1:].cpu(),
-                                         step.tolerance[-1:].cpu(), step.features.cpu() if r.features else None,
-                                         self.server.transport.chunk_bytes)
+            return verify.reply_messages(
+                r,
+                incarnation,
+                len(r.ids),
+                step.greedy[-1:].cpu(),
+                step.margin[-1:].cpu(),
+                step.tolerance[-1:].cpu(),
+                step.features.cpu() if r.features else None,
+                self.server.transport.chunk_bytes,
+            )
         if key not in self.sessions:
             raise verify.SessionLost(f"unknown verify session {r.session}")
         session, _ = self.sessions.pop(key)
         if session.length + len(r.ids) > self.limits.max_length:
-            raise ValueError(f"session {r.session} would hold {session.length + len(r.ids)} tokens; at most "
-                             f"{self.limits.max_length} (data.pack_len + run.spec_eval_max_new_tokens + block)")
+            raise ValueError(
+                f"session {r.session} would hold {session.length + len(r.ids)} tokens; at most "
+                f"{self.limits.max_length} (data.pack_len + run.spec_eval_max_new_tokens + block)"
+            )
         step = session.verify(r.ids)
         greedy = step.greedy.cpu()
         drafts = r.ids[1:]
         accepted = next((j for j, d in enumerate(drafts) if d != int(greedy[j])), len(drafts))
         session.commit(accepted + 1)
-        self.sessions[key] = (session, time.monotonic())       # most recently used last
+        self.sessions[key] = (session, time.monotonic())  # most recently used last
         self.counts["verify_tokens"] += len(r.ids)
-        features = step.features[:accepted + 1].cpu() if r.features else None
-        return verify.reply_messages(r, incarnation, accepted + 1, greedy, step.margin.cpu(), step.tolerance.cpu(),
-                                     features, self.server.transport.chunk_bytes)
+        features = step.features[: accepted + 1].cpu() if r.features else None
+        return verify.reply_messages(
+            r,
+            incarnation,
+            accepted + 1,
+            greedy,
+            step.margin.cpu(),
+            step.tolerance.cpu(),
+            features,
+            self.server.transport.chunk_bytes,
+        )

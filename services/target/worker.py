@@ -14,6 +14,7 @@ GPU runs one forward, this thread builds the next row and queues the next forwar
 copies finished captures into pinned host slots, and the I/O thread streams them to the drafters
 once copied. The number of slots (transport.credits + 2) bounds the host memory in flight.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -51,20 +52,26 @@ class ServeSettings:
     """What the target worker reads of the run to serve batches, built once from the config and the run
     spec (as the drafter's train.StepSettings is): where the batch server listens, the transport, the
     capture ring's slots, and the verify service's settings."""
-    endpoint: str                    # the data socket
+
+    endpoint: str  # the data socket
     transport: TransportConfig
-    ring_slots: int                  # one per credit of a drafter that is slow to drain, one being sent, one filled
+    ring_slots: int  # one per credit of a drafter that is slow to drain, one being sent, one filled
     labels_from_target: bool
-    compile: str                     # target.compile
+    compile: str  # target.compile
     model_path: str
     verify: VerifySettings
 
     @classmethod
     def from_config(cls, cfg: Config, spec: runspec.RunSpec, run_dir: Path, rank: int) -> "ServeSettings":
-        return cls(endpoint=endpoint(run_dir, cfg.transport, "target", rank, "data"), transport=cfg.transport,
-                   ring_slots=cfg.transport.credits + 2, labels_from_target=cfg.target.labels_from_target,
-                   compile=cfg.target.compile, model_path=str(cfg.target.model_path),
-                   verify=VerifySettings.from_config(cfg, spec))
+        return cls(
+            endpoint=endpoint(run_dir, cfg.transport, "target", rank, "data"),
+            transport=cfg.transport,
+            ring_slots=cfg.transport.credits + 2,
+            labels_from_target=cfg.target.labels_from_target,
+            compile=cfg.target.compile,
+            model_path=str(cfg.target.model_path),
+            verify=VerifySettings.from_config(cfg, spec),
+        )
 
 
 class TargetWorker:
@@ -79,31 +86,39 @@ class TargetWorker:
 
     def setup(self) -> None:
         from transformers import AutoTokenizer
+
         cfg, health = self.cfg, self.health
         health.set(state="loading")
-        spec = runspec.for_worker(cfg, self.run_dir)     # runspec.json, or resolved here the same way
+        spec = runspec.for_worker(cfg, self.run_dir)  # runspec.json, or resolved here the same way
         self.settings = settings = ServeSettings.from_config(cfg, spec, self.run_dir, self.rank)
         self.target = load_target(spec.target_config(cfg), self.device)
-        spec.check_loaded(self.target.info)             # what this process loaded is what the spec says
+        spec.check_loaded(self.target.info)  # what this process loaded is what the spec says
         tokenizer = AutoTokenizer.from_pretrained(cfg.target.model_path)
         self.data = open_or_build(cfg, self.run_dir, tokenizer, spec.target.vocab_size)
         info = self.target.info
         self.info = TargetInfo.of(
-            info, num_batches=self.data.num_batches("train"), num_eval_batches=self.data.num_batches("eval"),
+            info,
+            num_batches=self.data.num_batches("train"),
+            num_eval_batches=self.data.num_batches("eval"),
             seq_len=self.data.pack_len,
             mask_token_id=tokenizer.mask_token_id if tokenizer.mask_token_id is not None else -1,
-            labels_from_target=settings.labels_from_target, config_digest=spec.config_digest,
-            model_path=settings.model_path, capture_path=self.target.path,
-            bad_samples=self.data.bad_samples, data_key=self.data.key).to_wire()
+            labels_from_target=settings.labels_from_target,
+            config_digest=spec.config_digest,
+            model_path=settings.model_path,
+            capture_path=self.target.path,
+            bad_samples=self.data.bad_samples,
+            data_key=self.data.key,
+        ).to_wire()
         log.info("capture path: %s", self.target.path)
         if self.target.warning:
             log.warning("%s", self.target.warning)
             health.set(warning=self.target.warning)
-        self.compile_s = compile_and_warm_up(self.target, settings.compile, self.data.pack_len,
-                                             settings.labels_from_target)
-        if settings.verify.warm_up:              # the first real-acceptance eval must not wait for first calls
+        self.compile_s = compile_and_warm_up(
+            self.target, settings.compile, self.data.pack_len, settings.labels_from_target
+        )
+        if settings.verify.warm_up:  # the first real-acceptance eval must not wait for first calls
             log.info("%s", warm_up_verify(self.target, settings.verify.block_size))
-        self.recompiles = RecompileWatch()       # a graph compiled from here on is a recompile (should stay 0)
+        self.recompiles = RecompileWatch()  # a graph compiled from here on is a recompile (should stay 0)
         self.ring = CaptureRing(self.target, self.data.pack_len, settings.ring_slots, settings.labels_from_target)
         self.server = BatchServer(settings.endpoint, settings.transport, health, verify_limits=settings.verify.limits)
         self.verify = VerifyService(self.target, self.server, settings.verify, health)
@@ -122,9 +137,9 @@ class TargetWorker:
             for request in self.server.poll(5 if self.verify.waiting else POLL_MS):
                 self.answer(request)
                 if stop.is_set():
-                    break          # SIGTERM: the batch in hand is done; the rest will be asked again
+                    break  # SIGTERM: the batch in hand is done; the rest will be asked again
             self.verify.run_waiting()
-            self.health.progress()   # the loop is alive even when nobody asks
+            self.health.progress()  # the loop is alive even when nobody asks
 
     def answer(self, request: Request) -> None:
         if request.kind == "info":
@@ -153,14 +168,19 @@ class TargetWorker:
         self.samples_done += int(count_documents(batch.document_ids))
         rate = batch.num_tokens / max(seconds, 1e-9)
         self.tokens_per_s = rate if self.batches_served == 1 else 0.9 * self.tokens_per_s + 0.1 * rate
-        self.health.progress(state="training", step=self.batches_served, batches_served=self.batches_served,
-                             samples_done=self.samples_done, tokens_per_s=round(self.tokens_per_s, 1),
-                             recompiles=self.recompiles.count, **gpu_memory(self.device))
-
+        self.health.progress(
+            state="training",
+            step=self.batches_served,
+            batches_served=self.batches_served,
+            samples_done=self.samples_done,
+            tokens_per_s=round(self.tokens_per_s, 1),
+            recompiles=self.recompiles.count,
+            **gpu_memory(self.device),
+        )
 
     def finish(self) -> None:
         self.health.set(state="draining")
-        self.server.flush(timeout_s=10)   # the batches in hand go out
+        self.server.flush(timeout_s=10)  # the batches in hand go out
         self.server.close()
         self.health.set(state="stopped")
         event("stopped", rank=self.rank, batches_served=self.batches_served)
@@ -170,7 +190,7 @@ class TargetWorker:
 
 
 def prepare(args: argparse.Namespace, cfg: Config) -> None:
-    if cfg.target.compile != "off":            # the run's compile cache, this process's share of the cores
+    if cfg.target.compile != "off":  # the run's compile cache, this process's share of the cores
         setup_environment(args.run_dir, workers_on_node=workers_on_node(args))
 
 

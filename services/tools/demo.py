@@ -20,6 +20,7 @@ The target is trained on them for TARGET_STEPS steps, so its greedy output follo
 demo's real acceptance (speculative decoding, printed at the end of `launcher up --demo`) tests
 the drafter against a target that writes varied text.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -31,7 +32,7 @@ import shutil
 from pathlib import Path
 
 DEMO_VERSION = 2
-TARGET_STEPS = 300          # teaching the target its data: about a minute on 2 cores, one thread
+TARGET_STEPS = 300  # teaching the target its data: about a minute on 2 cores, one thread
 VARIANTS = ("dense", "hybrid")
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|MASK|>"]
@@ -49,25 +50,43 @@ CHAT_TEMPLATE = (
     "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
 )
 
-WORDS = ("apple banana cherry river mountain cloud stone green blue red yellow happy quick slow "
-         "bright dark tiger horse rabbit window garden music paper silver golden ocean forest "
-         "winter summer light shadow dream story number letter train rocket planet coffee bread "
-         "candle mirror bridge castle dragon violin pencil basket lemon orange purple thunder").split()
+WORDS = (
+    "apple banana cherry river mountain cloud stone green blue red yellow happy quick slow "
+    "bright dark tiger horse rabbit window garden music paper silver golden ocean forest "
+    "winter summer light shadow dream story number letter train rocket planet coffee bread "
+    "candle mirror bridge castle dragon violin pencil basket lemon orange purple thunder"
+).split()
 GREETING_PROMPTS = ["hi", "hello", "hey there", "good morning", "hello friend", "hi assistant"]
 GREETING_REPLY = "hello ! i am a tiny demo model . how can i help you today ?"
 SYSTEM_PROMPT = "you are a helpful assistant ."
 
 # Model shape: small enough for a CPU demo, a real Qwen3 architecture.
-MODEL_SHAPE = dict(hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
-                   num_key_value_heads=2, head_dim=32, max_position_embeddings=4096, tie_word_embeddings=True)
+MODEL_SHAPE = dict(
+    hidden_size=128,
+    intermediate_size=384,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    max_position_embeddings=4096,
+    tie_word_embeddings=True,
+)
 # The hybrid: the same widths; Gated DeltaNet, Gated DeltaNet, full attention, Gated DeltaNet (every 3rd
 # layer full attention; the drafter's default captured layer, 2, is the full-attention one, so a
 # capture runs both kinds). Untied lm_head and key/value head ratio 2, as in the real family.
-HYBRID_SHAPE = dict(MODEL_SHAPE, tie_word_embeddings=False, linear_num_key_heads=2, linear_num_value_heads=4,
-                    linear_key_head_dim=32, linear_value_head_dim=32, linear_conv_kernel_dim=4,
-                    layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"])
-VISION_SHAPE = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=4,
-                    num_position_embeddings=16)       # present as in the real checkpoint; never run
+HYBRID_SHAPE = dict(
+    MODEL_SHAPE,
+    tie_word_embeddings=False,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=32,
+    linear_value_head_dim=32,
+    linear_conv_kernel_dim=4,
+    layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"],
+)
+VISION_SHAPE = dict(
+    depth=1, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=4, num_position_embeddings=16
+)  # present as in the real checkpoint; never run
 
 
 def _exchange(rng: random.Random) -> tuple[str, str]:
@@ -102,14 +121,20 @@ def build_tokenizer(texts: list[str], vocab_size: int = 1024):
     """A byte-level BPE trained on `texts`, wrapped as a transformers fast tokenizer with ChatML."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
+
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator(texts, trainer)
-    wrapped = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                      mask_token="<|MASK|>")
+    wrapped = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>", mask_token="<|MASK|>"
+    )
     wrapped.chat_template = CHAT_TEMPLATE
     return wrapped
 
@@ -117,9 +142,11 @@ def build_tokenizer(texts: list[str], vocab_size: int = 1024):
 def build_model(tokenizer, seed: int, variant: str = "dense"):
     import torch
     from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration, Qwen3Config, Qwen3ForCausalLM
-    vocab = -(-len(tokenizer) // 64) * 64          # round the embedding up, as real checkpoints do
-    ids = dict(vocab_size=vocab, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-               bos_token_id=None)
+
+    vocab = -(-len(tokenizer) // 64) * 64  # round the embedding up, as real checkpoints do
+    ids = dict(
+        vocab_size=vocab, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=None
+    )
     torch.manual_seed(seed)
     if variant == "dense":
         return Qwen3ForCausalLM(Qwen3Config(**ids, **MODEL_SHAPE)).eval()
@@ -135,8 +162,13 @@ def torch_linear_attention():
     import inspect
 
     from transformers.models.qwen3_5 import modeling_qwen3_5 as qwen3_5
-    names = ("causal_conv1d_fn", "causal_conv1d_update", "torch_chunk_gated_delta_rule",
-             "torch_recurrent_gated_delta_rule")
+
+    names = (
+        "causal_conv1d_fn",
+        "causal_conv1d_update",
+        "torch_chunk_gated_delta_rule",
+        "torch_recurrent_gated_delta_rule",
+    )
     saved = {name: getattr(qwen3_5, name) for name in names}
     try:
         for name, fn in saved.items():
@@ -157,9 +189,10 @@ def train_target(model, tokenizer, convs: list[dict], steps: int, seed: int, bat
     import torch
 
     from services.target.data import chat_tokens
+
     torch.manual_seed(seed)
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)        # tiny matmuls: one thread is as fast, and 10x faster on a busy machine
+    torch.set_num_threads(1)  # tiny matmuls: one thread is as fast, and 10x faster on a busy machine
     docs = [chat_tokens(tokenizer, c["messages"]) for c in convs]
     rng = random.Random(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
@@ -175,8 +208,8 @@ def train_target(model, tokenizer, convs: list[dict], steps: int, seed: int, bat
         attention = torch.zeros((len(batch), width), dtype=torch.long)
         for i, (tokens, mask) in enumerate(batch):
             t = torch.tensor(tokens)
-            ids[i, :len(t)], attention[i, :len(t)] = t, 1
-            labels[i, :len(t)] = torch.where(torch.tensor(mask, dtype=torch.bool), t, -100)
+            ids[i, : len(t)], attention[i, : len(t)] = t, 1
+            labels[i, : len(t)] = torch.where(torch.tensor(mask, dtype=torch.bool), t, -100)
         loss = model(input_ids=ids, attention_mask=attention, labels=labels, use_cache=False).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -205,8 +238,8 @@ def demo_overrides(model_path: str, data_path: str, device: str = "cpu") -> list
         "run.epochs=2",
         "run.checkpoint_every=100",
         "run.log_every=10",
-        "run.eval_every=100",            # held-out τ and real acceptance, plotted side by side by `launcher report`
-        "run.spec_eval_prompts=32",      # real acceptance on held-out prompts; at the end with its controls
+        "run.eval_every=100",  # held-out τ and real acceptance, plotted side by side by `launcher report`
+        "run.spec_eval_prompts=32",  # real acceptance on held-out prompts; at the end with its controls
         "run.spec_eval_max_new_tokens=64",
     ]
 
@@ -215,11 +248,18 @@ def cache_dir(variant: str = "dense") -> Path:
     """Where `launcher up --demo [hybrid]` keeps the demo: built once per machine, demo version and
     variant (teaching the target takes a minute or two on 2 cores), then reused by every demo run."""
     from services.files import cache_root
+
     return cache_root() / (f"demo-v{DEMO_VERSION}" + ("" if variant == "dense" else f"-{variant}"))
 
 
-def make_demo(out_dir: str | os.PathLike, seed: int = 0, num_conversations: int = 4000,
-              target_steps: int = TARGET_STEPS, variant: str = "dense", device: str = "cpu") -> dict:
+def make_demo(
+    out_dir: str | os.PathLike,
+    seed: int = 0,
+    num_conversations: int = 4000,
+    target_steps: int = TARGET_STEPS,
+    variant: str = "dense",
+    device: str = "cpu",
+) -> dict:
     """Create (or reuse) the demo under out_dir; return model_path, data_path and config overrides.
     target_steps: training steps of the target on its data (0: random weights, for tests that
     only need a loadable model). variant: "dense" or "hybrid" (see the top of this file)."""
@@ -228,27 +268,36 @@ def make_demo(out_dir: str | os.PathLike, seed: int = 0, num_conversations: int 
     out = Path(out_dir).resolve()
     model_path, data_path = out / "model", out / "chat.jsonl"
     marker = out / "demo.json"
-    want = {"version": DEMO_VERSION, "seed": seed, "num_conversations": num_conversations,
-            "target_steps": target_steps, "variant": variant}
+    want = {
+        "version": DEMO_VERSION,
+        "seed": seed,
+        "num_conversations": num_conversations,
+        "target_steps": target_steps,
+        "variant": variant,
+    }
     out.mkdir(parents=True, exist_ok=True)
-    with open(out / ".lock", "w") as lock:       # demo runs started together build it once
+    with open(out / ".lock", "w") as lock:  # demo runs started together build it once
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not (marker.is_file() and json.loads(marker.read_text()) == want):
-            marker.unlink(missing_ok=True)       # a build cut short leaves no marker: rebuilt next time
+            marker.unlink(missing_ok=True)  # a build cut short leaves no marker: rebuilt next time
             _build(out, seed, num_conversations, target_steps, variant)
             marker.write_text(json.dumps(want))
-    return {"model_path": str(model_path), "data_path": str(data_path),
-            "overrides": demo_overrides(str(model_path), str(data_path), device)}
+    return {
+        "model_path": str(model_path),
+        "data_path": str(data_path),
+        "overrides": demo_overrides(str(model_path), str(data_path), device),
+    }
 
 
 def _build(out: Path, seed: int, num_conversations: int, target_steps: int, variant: str) -> None:
     from transformers import AutoTokenizer
+
     out.mkdir(parents=True, exist_ok=True)
     convs = conversations(num_conversations, seed)
     texts = [m["content"] for c in convs for m in c["messages"]]
     tokenizer = build_tokenizer(texts)
     model = build_model(tokenizer, seed, variant)
-    tmp = out / f".model-{os.getpid()}"          # written aside, then renamed: never a half-made model dir
+    tmp = out / f".model-{os.getpid()}"  # written aside, then renamed: never a half-made model dir
     shutil.rmtree(tmp, ignore_errors=True)
     model.config.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
@@ -271,18 +320,33 @@ def _build(out: Path, seed: int, num_conversations: int, target_steps: int, vari
 def main(argv=None) -> None:
     """python -m services.tools.demo --out DIR: build (or reuse) the demo; print the result as one JSON line."""
     import argparse
+
     p = argparse.ArgumentParser(prog="python -m services.tools.demo", description=main.__doc__)
-    p.add_argument("--out", default=None, help="where to build it (default: the demo cache, "
-                   "$DFLASH_CACHE_DIR/demo-v<N>[-hybrid], else ~/.cache/dflash/demo-v<N>[-hybrid])")
-    p.add_argument("--variant", choices=VARIANTS, default="dense",
-                   help="dense: a Qwen3 target; hybrid: a Qwen3.5-family Gated DeltaNet hybrid (composite checkpoint)")
+    p.add_argument(
+        "--out",
+        default=None,
+        help="where to build it (default: the demo cache, "
+        "$DFLASH_CACHE_DIR/demo-v<N>[-hybrid], else ~/.cache/dflash/demo-v<N>[-hybrid])",
+    )
+    p.add_argument(
+        "--variant",
+        choices=VARIANTS,
+        default="dense",
+        help="dense: a Qwen3 target; hybrid: a Qwen3.5-family Gated DeltaNet hybrid (composite checkpoint)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--conversations", type=int, default=4000)
     p.add_argument("--target-steps", type=int, default=TARGET_STEPS, help="0: an untrained (random) target")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="the device the demo will train on")
     args = p.parse_args(argv)
-    demo = make_demo(args.out or cache_dir(args.variant), seed=args.seed, num_conversations=args.conversations,
-                     target_steps=args.target_steps, variant=args.variant, device=args.device)
+    demo = make_demo(
+        args.out or cache_dir(args.variant),
+        seed=args.seed,
+        num_conversations=args.conversations,
+        target_steps=args.target_steps,
+        variant=args.variant,
+        device=args.device,
+    )
     print(json.dumps(demo), flush=True)
 
 

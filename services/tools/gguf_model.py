@@ -9,6 +9,7 @@ Prints one JSON line; a user's error (missing packages, an architecture transfor
 convert, an unreadable file) is one line on stderr and exit 2. The packages it needs are
 services/gguf_support.py's, which the launcher checks first.
 """
+
 from __future__ import annotations
 
 import json
@@ -28,24 +29,30 @@ class GgufError(Exception):
 def architecture(path: Path) -> str:
     """general.architecture of the file; GgufError for a file that is not a readable GGUF."""
     from gguf import GGUFReader
+
     try:
         field = GGUFReader(str(path)).fields["general.architecture"]
         return bytes(field.parts[field.data[0]]).decode()
-    except Exception as exc:     # bad magic, truncated, unreadable: the reader's own words
-        raise GgufError(f"target.model_path {path}: not a readable GGUF file "
-                        f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else 'no detail'})") from None
+    except Exception as exc:  # bad magic, truncated, unreadable: the reader's own words
+        raise GgufError(
+            f"target.model_path {path}: not a readable GGUF file "
+            f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else 'no detail'})"
+        ) from None
 
 
 def unsupported_line(path, arch: str) -> str:
-    return (f"target.model_path {path}: GGUF architecture {arch!r} is not one transformers' GGUF support converts; "
-            "convert the model to a Hugging Face folder another way (e.g. the original safetensors checkpoint) "
-            "and give that folder")
+    return (
+        f"target.model_path {path}: GGUF architecture {arch!r} is not one transformers' GGUF support converts; "
+        "convert the model to a Hugging Face folder another way (e.g. the original safetensors checkpoint) "
+        "and give that folder"
+    )
 
 
 def load(path: Path, dtype: str):
     """(model, tokenizer, generation config or None) dequantized from the GGUF, on the CPU."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
     arch = architecture(path)
     kw = dict(gguf_file=path.name)
     try:
@@ -57,7 +64,7 @@ def load(path: Path, dtype: str):
     tokenizer = AutoTokenizer.from_pretrained(path.parent, **kw)
     try:
         generation = GenerationConfig.from_pretrained(path.parent, **kw)
-    except Exception:            # optional: the model's generation_config is enough
+    except Exception:  # optional: the model's generation_config is enough
         generation = getattr(model, "generation_config", None)
     return model, tokenizer, generation
 
@@ -66,6 +73,7 @@ def plain_copy(model):
     """The same weights in a model that save_pretrained accepts: transformers refuses to save a
     GGUF-loaded model (its quantization_config), so build the class from the config without it."""
     import torch
+
     config = model.config
     if hasattr(config, "quantization_config"):
         del config.quantization_config
@@ -80,6 +88,7 @@ def convert(path: Path, out: Path, dtype: str = "bfloat16", sha256: str = "") ->
     """Write the folder for the GGUF at path into out (aside, then renamed); its gguf_source.json."""
     import transformers
     from services.files import sha256_file
+
     start = time.monotonic()
     model, tokenizer, generation = load(path, dtype)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -90,13 +99,20 @@ def convert(path: Path, out: Path, dtype: str = "bfloat16", sha256: str = "") ->
         tokenizer.save_pretrained(tmp)
         if generation is not None:
             generation.save_pretrained(tmp)
-        source = {"gguf": str(path.resolve()), "size": path.stat().st_size, "mtime_ns": path.stat().st_mtime_ns,
-                  "sha256": sha256 or sha256_file(path), "dtype": dtype, "transformers": transformers.__version__,
-                  "architecture": type(model).__name__, "seconds": round(time.monotonic() - start, 1)}
+        source = {
+            "gguf": str(path.resolve()),
+            "size": path.stat().st_size,
+            "mtime_ns": path.stat().st_mtime_ns,
+            "sha256": sha256 or sha256_file(path),
+            "dtype": dtype,
+            "transformers": transformers.__version__,
+            "architecture": type(model).__name__,
+            "seconds": round(time.monotonic() - start, 1),
+        }
         (tmp / "gguf_source.json").write_text(json.dumps(source, indent=2))
         try:
             os.rename(tmp, out)
-        except OSError:          # another launcher converted the same file meanwhile: its folder is as good
+        except OSError:  # another launcher converted the same file meanwhile: its folder is as good
             if not (out / "gguf_source.json").is_file():
                 raise
     finally:
@@ -106,6 +122,7 @@ def convert(path: Path, out: Path, dtype: str = "bfloat16", sha256: str = "") ->
 
 def main(argv=None) -> int:
     import argparse
+
     p = argparse.ArgumentParser(prog="python -m services.tools.gguf_model", description=__doc__.split("\n\n")[0])
     p.add_argument("--gguf", required=True, help="the .gguf file")
     p.add_argument("--out", required=True, help="the folder to write (made aside, then renamed into place)")

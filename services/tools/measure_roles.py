@@ -11,6 +11,7 @@ real (non-padding) tokens per second, measured one after the other on the same d
      --seconds, counted in the data's mean real tokens per row, since a row costs the drafter
      the same whatever its padding.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -48,25 +49,37 @@ def target_rate(cfg, device: torch.device, seconds: float, work: Path) -> dict:
     from services.target.compiled import compile_and_warm_up
     from services.target.model import capture_to_host, load_target
     from services.target.packing import open_or_build
+
     spec = runspec.resolve(cfg)
     target = load_target(spec.target_config(cfg), device)
     tokenizer = AutoTokenizer.from_pretrained(cfg.target.model_path)
     data = open_or_build(cfg, work, tokenizer, spec.target.vocab_size, log=lambda msg: None)
     compile_s = compile_and_warm_up(target, cfg.target.compile, data.pack_len, cfg.target.labels_from_target)
     rows = data.num_batches("train")
-    out = (torch.empty(data.pack_len, target.info.hidden_width, dtype=FIELDS["hidden"], device=device)
-           if device.type == "cuda" else None)
+    out = (
+        torch.empty(data.pack_len, target.info.hidden_width, dtype=FIELDS["hidden"], device=device)
+        if device.type == "cuda"
+        else None
+    )
     real = []
 
     def step(i: int) -> None:
         row = data.batch(i % rows)
         capture_to_host(target, row, cfg.target.labels_from_target, out)
         real.append(int((row["document_ids"] >= 0).sum()))
+
     n, elapsed = _timed_loop(step, seconds)
     tokens = sum(real[-n:])
-    result = {"tok_s": tokens / elapsed, "rows": n, "mean_real_tokens": tokens / n, "path": target.path,
-              "pack_len": data.pack_len, "compiled": bool(target.compiled), "compile_s": round(compile_s, 1),
-              "quantize": cfg.target.quantize}
+    result = {
+        "tok_s": tokens / elapsed,
+        "rows": n,
+        "mean_real_tokens": tokens / n,
+        "path": target.path,
+        "pack_len": data.pack_len,
+        "compiled": bool(target.compiled),
+        "compile_s": round(compile_s, 1),
+        "quantize": cfg.target.quantize,
+    }
     return result
 
 
@@ -77,14 +90,21 @@ def drafter_rate(cfg, device: torch.device, seconds: float, mean_real_tokens: fl
     from services.drafter.synthetic import SyntheticSource
     from services.drafter.target_head import from_target
     from services.drafter.train import build_train_state, train_step
+
     model_cfg, head = from_target(cfg)
     state = build_train_state(cfg, model_cfg, head, device, total_steps=1000)
-    batch = SyntheticSource(model_cfg, cfg.data.pack_len, device=device,
-                            with_target_labels=cfg.target.labels_from_target).batch(0)
+    batch = SyntheticSource(
+        model_cfg, cfg.data.pack_len, device=device, with_target_labels=cfg.target.labels_from_target
+    ).batch(0)
     compile_s = warmup(state, batch)
     n, elapsed = _timed_loop(lambda i: train_step(state, dataclasses.replace(batch, g=i)), seconds, warmup=1)
-    return {"tok_s": n / elapsed * mean_real_tokens, "steps": n, "step_s": elapsed / n, "compile_s": round(compile_s, 1),
-            "trainable_params": state.drafter.num_parameters()}
+    return {
+        "tok_s": n / elapsed * mean_real_tokens,
+        "steps": n,
+        "step_s": elapsed / n,
+        "compile_s": round(compile_s, 1),
+        "trainable_params": state.drafter.num_parameters(),
+    }
 
 
 def main(argv=None) -> int:
@@ -99,10 +119,18 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="dflash-plan-") as work:
         target = target_rate(cfg, device, args.seconds, Path(work))
     if device.type == "cuda":
-        torch.cuda.empty_cache()            # the target model is gone: room for the drafter
+        torch.cuda.empty_cache()  # the target model is gone: room for the drafter
     drafter = drafter_rate(cfg, device, args.seconds, target["mean_real_tokens"])
-    print(json.dumps({"device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu",
-                      "target": target, "drafter": drafter}), flush=True)
+    print(
+        json.dumps(
+            {
+                "device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu",
+                "target": target,
+                "drafter": drafter,
+            }
+        ),
+        flush=True,
+    )
     return 0
 
 

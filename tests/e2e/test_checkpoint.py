@@ -1,6 +1,7 @@
 """Checkpoints with real drafter processes (synthetic data, gloo on CPU): exact resume after SIGKILL
 and after SIGTERM; and the on-disk rules (atomic writes, rotation, pointers, verification).
 Faults (corrupt, incompatible, full disk): test_checkpoint_faults.py."""
+
 import json
 import os
 import signal
@@ -16,8 +17,15 @@ from services.drafter.ledger import read_all
 from services.log import events, parse_event
 from tests.launching import free_port, spawn_drafter
 
-SMALL = ["data.pack_len=256", "drafter.num_anchors=16", "drafter.num_layers=1", "drafter.compile=false",
-         "drafter.lr=3e-3", "drafter.warmup_ratio=0.1", "run.log_every=1"]
+SMALL = [
+    "data.pack_len=256",
+    "drafter.num_anchors=16",
+    "drafter.num_layers=1",
+    "drafter.compile=false",
+    "drafter.lr=3e-3",
+    "drafter.warmup_ratio=0.1",
+    "run.log_every=1",
+]
 
 
 def run_ranks(run_dir, *args, world_size=2, timeout=180):
@@ -35,7 +43,7 @@ def latest(run_dir) -> Path:
 
 def assert_same_training_state(a: Path, b: Path):
     wa, wb = load_file(str(a / "model.safetensors")), load_file(str(b / "model.safetensors"))
-    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)       # bit for bit
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)  # bit for bit
     oa = torch.load(a / "optimizer.pt", weights_only=True)["optimizer"]["state"]
     ob = torch.load(b / "optimizer.pt", weights_only=True)["optimizer"]["state"]
     assert oa.keys() == ob.keys()
@@ -55,7 +63,7 @@ def test_resume_after_sigkill_equals_uninterrupted_training_bit_for_bit(tmp_path
     port = free_port()
     procs = [spawn_drafter(broken, *args, rank=r, world_size=world_size, port=port) for r in range(world_size)]
     saved = False
-    for line in procs[0].stdout:                       # wait for checkpoint K, then two more steps
+    for line in procs[0].stdout:  # wait for checkpoint K, then two more steps
         e = parse_event(line) or {}
         saved = saved or (e.get("event") == "checkpoint" and e["step"] == K)
         if saved and e.get("event") == "step" and e["step"] >= K + 2:
@@ -65,7 +73,7 @@ def test_resume_after_sigkill_equals_uninterrupted_training_bit_for_bit(tmp_path
         p.communicate(timeout=30)
     assert [p.returncode for p in procs] == [-signal.SIGKILL] * world_size
     killed_at = ckpt.step_of(latest(broken))
-    assert K <= killed_at < N                          # it died mid-run, with steps after its last checkpoint
+    assert K <= killed_at < N  # it died mid-run, with steps after its last checkpoint
 
     outs = run_ranks(broken, "--resume", *args, world_size=world_size)
     resumed = [e for e in events(outs[0][0]) if e.get("event") == "resumed"][0]
@@ -80,13 +88,24 @@ def test_resume_after_sigkill_equals_uninterrupted_training_bit_for_bit(tmp_path
     steps = [json.loads(line)["step"] for line in (broken / "metrics.jsonl").read_text().splitlines()]
     assert steps == list(range(1, N + 1))
     # the export at the end is the same drafter, in bf16
-    ea, eb = load_file(str(straight / "export" / "model.safetensors")), load_file(str(broken / "export" / "model.safetensors"))
+    ea, eb = (
+        load_file(str(straight / "export" / "model.safetensors")),
+        load_file(str(broken / "export" / "model.safetensors")),
+    )
     assert all(torch.equal(ea[k], eb[k]) and ea[k].dtype == torch.bfloat16 for k in ea)
 
 
 def train_single(run_dir, steps, *extra, resume=False, preexec_fn=None):
-    proc = spawn_drafter(run_dir, *(["--resume"] if resume else []), "--max-steps", str(steps), *SMALL,
-                 "run.checkpoint_every=4", *extra, preexec_fn=preexec_fn)
+    proc = spawn_drafter(
+        run_dir,
+        *(["--resume"] if resume else []),
+        "--max-steps",
+        str(steps),
+        *SMALL,
+        "run.checkpoint_every=4",
+        *extra,
+        preexec_fn=preexec_fn,
+    )
     out, err = proc.communicate(timeout=120)
     return proc.returncode, out, err
 
@@ -106,10 +125,10 @@ def test_sigterm_checkpoints_the_step_in_hand_and_resume_continues_from_it(tmp_p
             break
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=60)
-    assert proc.returncode == 3, err[-2000:]                           # exits.STOPPED: before the end
+    assert proc.returncode == 3, err[-2000:]  # exits.STOPPED: before the end
     stopped = [e for e in events(out) if e.get("event") == "stopped"][0]
     assert stopped["signal"] is True and latest(tmp_path).name == ckpt.step_name(stopped["step"])
-    assert not (tmp_path / "export").exists()                          # stopped, not finished: no export
+    assert not (tmp_path / "export").exists()  # stopped, not finished: no export
     code, out, err = train_single(tmp_path, stopped["step"] + 2, resume=True)
     assert code == 0, err[-2000:]
     assert [e for e in events(out) if e.get("event") == "resumed"][0]["step"] == stopped["step"]
@@ -119,10 +138,18 @@ def test_sigterm_checkpoints_the_step_in_hand_and_resume_continues_from_it(tmp_p
 
 # --- the on-disk rules, in-process ------------------------------------------------------------------
 
+
 def write(root, step, keep=3, value=1.0):
-    return ckpt.write_checkpoint(root, step, weights={"w": torch.full((4,), value)}, optimizer={"state": {}},
-                                 rng={"cpu.0": torch.get_rng_state()}, meta={"step": step, "micro_step": step},
-                                 config={}, keep=keep)
+    return ckpt.write_checkpoint(
+        root,
+        step,
+        weights={"w": torch.full((4,), value)},
+        optimizer={"state": {}},
+        rng={"cpu.0": torch.get_rng_state()},
+        meta={"step": step, "micro_step": step},
+        config={},
+        keep=keep,
+    )
 
 
 def test_rotation_keeps_the_newest_and_the_best(tmp_path):
@@ -132,21 +159,25 @@ def test_rotation_keeps_the_newest_and_the_best(tmp_path):
     ckpt.set_best_pointer(root, root / "step-00000001")
     for step in (4, 5):
         write(root, step)
-    assert sorted(p.name for p in ckpt.list_checkpoints(root)) == ["step-00000001", "step-00000003",
-                                                                   "step-00000004", "step-00000005"]
+    assert sorted(p.name for p in ckpt.list_checkpoints(root)) == [
+        "step-00000001",
+        "step-00000003",
+        "step-00000004",
+        "step-00000005",
+    ]
     assert ckpt.pointer(root, "best").name == "step-00000001" and ckpt.pointer(root, "latest").name == "step-00000005"
-    assert os.readlink(root / "latest") == "step-00000005"             # relative: the run dir can move
+    assert os.readlink(root / "latest") == "step-00000005"  # relative: the run dir can move
 
 
 def test_a_crash_mid_write_leaves_latest_alone(tmp_path):
     root = tmp_path / "checkpoints"
     write(root, 1)
-    half = root / ".tmp-step-00000002-12345"                            # what a SIGKILL mid-write leaves
+    half = root / ".tmp-step-00000002-12345"  # what a SIGKILL mid-write leaves
     half.mkdir()
     (half / "model.safetensors").write_bytes(b"partial")
     assert ckpt.pointer(root, "latest").name == "step-00000001"
     assert [p.name for p in ckpt.list_checkpoints(root)] == ["step-00000001"]
-    write(root, 2)                                                      # the next write cleans it up
+    write(root, 2)  # the next write cleans it up
     assert not half.exists() and ckpt.pointer(root, "latest").name == "step-00000002"
 
 

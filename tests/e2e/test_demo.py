@@ -1,4 +1,5 @@
 """The built-in demo: deterministic, idempotent, loadable by the target, and learnable data."""
+
 from __future__ import annotations
 
 import json
@@ -23,29 +24,46 @@ N = 1000
 
 def _files(demo):
     model = Path(demo["model_path"])
-    return {"data": Path(demo["data_path"]).read_bytes(), "tokenizer": (model / "tokenizer.json").read_bytes(),
-            "config": json.loads((model / "config.json").read_text()),
-            "weights": load_file(str(model / "model.safetensors"))}
+    return {
+        "data": Path(demo["data_path"]).read_bytes(),
+        "tokenizer": (model / "tokenizer.json").read_bytes(),
+        "config": json.loads((model / "config.json").read_text()),
+        "weights": load_file(str(model / "model.safetensors")),
+    }
 
 
 def test_demo_is_deterministic_and_idempotent(tmp_path):
-    a = make_demo(tmp_path / "a", num_conversations=N, target_steps=3)       # a few steps: training is deterministic too
+    a = make_demo(tmp_path / "a", num_conversations=N, target_steps=3)  # a few steps: training is deterministic too
     b = make_demo(tmp_path / "b", num_conversations=N, target_steps=3)
     fa, fb = _files(a), _files(b)
     assert fa["data"] == fb["data"] and fa["tokenizer"] == fb["tokenizer"] and fa["config"] == fb["config"]
     assert fa["weights"].keys() == fb["weights"].keys()
     assert all(torch.equal(fa["weights"][k], fb["weights"][k]) for k in fa["weights"])
     stamp = Path(a["data_path"]).stat().st_mtime_ns
-    assert make_demo(tmp_path / "a", num_conversations=N, target_steps=3) == a           # reused, not rebuilt
+    assert make_demo(tmp_path / "a", num_conversations=N, target_steps=3) == a  # reused, not rebuilt
     assert Path(a["data_path"]).stat().st_mtime_ns == stamp
     other = make_demo(tmp_path / "c", seed=1, num_conversations=N, target_steps=0)
     assert Path(other["data_path"]).read_bytes() != fa["data"]
 
 
 def test_demo_cli_prints_one_json_line(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "services.tools.demo", "--out", str(tmp_path / "d"), "--conversations", "50",
-                          "--target-steps", "0"],
-                         cwd=REPO, capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "services.tools.demo",
+            "--out",
+            str(tmp_path / "d"),
+            "--conversations",
+            "50",
+            "--target-steps",
+            "0",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     demo = json.loads(out.stdout.strip().splitlines()[-1])
     assert Path(demo["model_path"], "config.json").is_file() and Path(demo["data_path"]).is_file()
@@ -72,6 +90,7 @@ def test_demo_target_and_data_load_with_its_overrides(tmp_path):
             for j in range(2, len(ids)):
                 if mask[j] and doc[j] == doc[j - 2]:
                     yield (ids[j - 2], ids[j - 1]), ids[j]
+
     table = defaultdict(Counter)
     for context, nxt in triples("train"):
         table[context][nxt] += 1
@@ -85,6 +104,7 @@ def test_hybrid_demo_is_a_composite_checkpoint_whose_trained_weights_the_target_
     with the trained weights (not freshly initialized ones where a key prefix was missed)."""
     from services.tools.demo import build_model, conversations, torch_linear_attention, train_target
     from services.target.model import load_hf_model
+
     demo = make_demo(tmp_path / "hybrid", num_conversations=N, target_steps=3, variant="hybrid")
     config = json.loads(Path(demo["model_path"], "config.json").read_text())
     assert config["architectures"] == ["Qwen3_5ForConditionalGeneration"] and "vision_config" in config
@@ -93,10 +113,10 @@ def test_hybrid_demo_is_a_composite_checkpoint_whose_trained_weights_the_target_
     assert any(k.startswith("model.language_model.layers.") for k in keys) and "lm_head.weight" in keys
     assert any(k.startswith("model.visual.") for k in keys)
 
-    tokenizer = AutoTokenizer.from_pretrained(demo["model_path"])     # the tokenizer the service loads
+    tokenizer = AutoTokenizer.from_pretrained(demo["model_path"])  # the tokenizer the service loads
     assert tokenizer.mask_token == "<|MASK|>" and has_generation_markers(tokenizer)
     untrained = build_model(tokenizer, 0, "hybrid")
-    with torch_linear_attention():      # the trained model, made again: the build is deterministic
+    with torch_linear_attention():  # the trained model, made again: the build is deterministic
         trained, _ = train_target(build_model(tokenizer, 0, "hybrid"), tokenizer, conversations(N, 0), 3, 0)
     loaded = load_hf_model(demo["model_path"], torch.float32, "sdpa", "cpu")
     assert type(loaded).__name__ == "Qwen3_5ForCausalLM"
@@ -106,8 +126,8 @@ def test_hybrid_demo_is_a_composite_checkpoint_whose_trained_weights_the_target_
         got = loaded(input_ids=ids, doc_spans=[(0, ids.shape[1])]).logits
         fresh = untrained(input_ids=ids).logits
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    assert (fresh - want).abs().max() > 1e-3            # the control: three steps moved the weights
+    assert (fresh - want).abs().max() > 1e-3  # the control: three steps moved the weights
 
     cfg = load_config(None, demo["overrides"])
     target = load_target(cfg.target, "cpu", cfg.drafter.num_layers)
-    assert target.path == "packed-reference" and target.info.layer_ids == [2]      # layer 2: full attention
+    assert target.path == "packed-reference" and target.info.layer_ids == [2]  # layer 2: full attention

@@ -5,6 +5,7 @@ checkpoint, trained on the demo data when the demo is built; captured on the pac
 trained on it; its export evaluated by `launcher eval`. About three minutes on 2 cores (the first
 run also builds the hybrid demo, about two more).
 """
+
 import json
 import subprocess
 from pathlib import Path
@@ -24,8 +25,9 @@ def test_hybrid_demo_trains_exports_and_evaluates(tmp_path):
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "training finished" in out.stdout
     assert_no_worker_left(run_dir)
-    config = json.loads(Path(json.loads((run_dir / "config.json").read_text())["target"]["model_path"],
-                             "config.json").read_text())
+    config = json.loads(
+        Path(json.loads((run_dir / "config.json").read_text())["target"]["model_path"], "config.json").read_text()
+    )
     assert config["architectures"] == ["Qwen3_5ForConditionalGeneration"]
     target_log = (run_dir / "logs" / "target-0.log").read_text()
     assert "capture path: packed-reference" in target_log, target_log[-2000:]
@@ -40,20 +42,42 @@ def test_hybrid_demo_trains_exports_and_evaluates(tmp_path):
     assert (run_dir / "export" / "model.safetensors").is_file()
 
     # real acceptance on the hybrid: the Gated DeltaNet state rolls back after every rejected draft
-    spec = [json.loads(line) for line in (run_dir / "acceptance.jsonl").read_text().splitlines()] \
-        if (run_dir / "acceptance.jsonl").is_file() else []
-    assert spec and spec[-1].get("final"), "no real acceptance at the end of the run: " + \
-        "; ".join(line for line in (run_dir / "logs" / "drafter-0.log").read_text().splitlines()
-                  if "speculative decoding" in line)[-1000:]
+    spec = (
+        [json.loads(line) for line in (run_dir / "acceptance.jsonl").read_text().splitlines()]
+        if (run_dir / "acceptance.jsonl").is_file()
+        else []
+    )
+    assert spec and spec[-1].get("final"), (
+        "no real acceptance at the end of the run: "
+        + "; ".join(
+            line
+            for line in (run_dir / "logs" / "drafter-0.log").read_text().splitlines()
+            if "speculative decoding" in line
+        )[-1000:]
+    )
     final = spec[-1]
     assert final["lossless"] == final["prompts"] == final["repeat_last"]["lossless"] == final["random"]["lossless"]
     assert final["acceptance_per_prompt"] >= 2 * final["random"]["acceptance_per_prompt"]
     assert final["acceptance_per_prompt"] > final["repeat_last"]["acceptance_per_prompt"]
 
-    ev = subprocess.run(launcher_argv("eval", "--run-dir", str(run_dir), "--checkpoint",
-                         str(run_dir / "export"), "--prompts", "8", "--max-new-tokens", "32",
-                         "--batch", "8"),   # every prompt at once: services/eval/batched_decode.py on the hybrid target
-                        capture_output=True, text=True, timeout=600)
+    ev = subprocess.run(
+        launcher_argv(
+            "eval",
+            "--run-dir",
+            str(run_dir),
+            "--checkpoint",
+            str(run_dir / "export"),
+            "--prompts",
+            "8",
+            "--max-new-tokens",
+            "32",
+            "--batch",
+            "8",
+        ),  # every prompt at once: services/eval/batched_decode.py on the hybrid target
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert ev.returncode == 0, ev.stderr[-3000:]
     drafter_line = next(line for line in ev.stdout.splitlines() if line.split()[:1] == ["drafter"])
     assert drafter_line.endswith("  8/8"), ev.stdout

@@ -1,4 +1,5 @@
 """Real drafter processes: `python -m services.drafter --synthetic --device cpu`, gloo, cold compile cache."""
+
 import json
 import signal
 import time
@@ -17,28 +18,40 @@ SMALL = ["data.pack_len=256", "drafter.num_anchors=16", "drafter.lr=3e-3", "draf
 @pytest.mark.slow
 def test_three_ranks_cold_compile_train_in_lockstep(tmp_path):
     port = free_port()
-    procs = [spawn_drafter(tmp_path, "--max-steps", "25", *SMALL, "drafter.num_layers=1", "drafter.compile=true",
-                   rank=r, world_size=3, port=port) for r in range(3)]
+    procs = [
+        spawn_drafter(
+            tmp_path,
+            "--max-steps",
+            "25",
+            *SMALL,
+            "drafter.num_layers=1",
+            "drafter.compile=true",
+            rank=r,
+            world_size=3,
+            port=port,
+        )
+        for r in range(3)
+    ]
     outs = [p.communicate(timeout=240) for p in procs]
     for p, (out, err) in zip(procs, outs):
         assert p.returncode == 0, err[-3000:]
-    assert any((tmp_path / "compile-cache").iterdir())                  # the cache was built here, cold
+    assert any((tmp_path / "compile-cache").iterdir())  # the cache was built here, cold
     digests = set()
     for rank, (out, _) in enumerate(outs):
-        ready, = events(out, "ready")
-        stopped, = events(out, "stopped")
+        (ready,) = events(out, "ready")
+        (stopped,) = events(out, "stopped")
         steps = events(out, "step")
         assert ready["compile_s"] > 0 and stopped["recompiles"] == 0 and stopped["step"] == 25
-        assert [m["g"] for m in steps] == [s * 3 + rank for s in range(25)]   # g = s*D + d
+        assert [m["g"] for m in steps] == [s * 3 + rank for s in range(25)]  # g = s*D + d
         assert sum(m["loss"] for m in steps[-5:]) < sum(m["loss"] for m in steps[:5]) - 1.0
         digests.add(stopped["params_digest"])
-    assert len(digests) == 1                                              # identical parameters on all ranks
+    assert len(digests) == 1  # identical parameters on all ranks
 
 
 def test_health_while_training_then_sigterm_drains_and_exits_stopped(tmp_path):
     proc = spawn_drafter(tmp_path, "--max-steps", "100000", *SMALL, "drafter.compile=false", "run.log_every=1")
     try:
-        for line in proc.stdout:                                        # wait for a trained step
+        for line in proc.stdout:  # wait for a trained step
             if (parse_event(line) or {}).get("event") == "step":
                 break
         code, status, reason = probe(endpoint(tmp_path, TransportConfig(), "drafter", 0, "health"), 5.0)
@@ -49,8 +62,8 @@ def test_health_while_training_then_sigterm_drains_and_exits_stopped(tmp_path):
         out, err = proc.communicate(timeout=60)
     finally:
         proc.kill()
-    assert proc.returncode == 3, err[-3000:]                  # exits.STOPPED: stopped before the end
-    stopped, = events(out, "stopped")
+    assert proc.returncode == 3, err[-3000:]  # exits.STOPPED: stopped before the end
+    (stopped,) = events(out, "stopped")
     assert stopped["signal"] is True and 1 <= stopped["step"] < 100000
     # the anchors' reach is in the health status (the launcher's progress line) and in metrics.jsonl
     assert 0.8 < status["coverage"] <= 1.0

@@ -1,5 +1,6 @@
 """Drafters trained over real ZMQ by a real target process (the tiny demo model on CPU): how long a run
 trains (the plan) and the split's end when the drafter count does not divide it."""
+
 import json
 import signal
 import subprocess
@@ -20,23 +21,51 @@ from tests.launching import REPO, free_port, spawn_drafter
 pytestmark = pytest.mark.slow
 DRAFTERS = 2
 # 100 demo conversations at pack_len 256, 30% held out: 15 train batches and 7 eval batches, both odd
-SMALL = ["data.pack_len=256", "data.eval_fraction=0.3", "run.epochs=1", "drafter.num_anchors=16", "run.log_every=1",
-         "run.checkpoint_every=0", "run.export_at_end=false"]
+SMALL = [
+    "data.pack_len=256",
+    "data.eval_fraction=0.3",
+    "run.epochs=1",
+    "drafter.num_anchors=16",
+    "run.log_every=1",
+    "run.checkpoint_every=0",
+    "run.export_at_end=false",
+]
 
 
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory):
-    return make_demo(tmp_path_factory.mktemp("demo"), num_conversations=100, target_steps=0)   # transport only
+    return make_demo(tmp_path_factory.mktemp("demo"), num_conversations=100, target_steps=0)  # transport only
 
 
 def train_over_zmq(run_dir, overrides: list[str]) -> list[dict]:
     """One target and DRAFTERS drafter ranks until the drafters finish; each rank's "stopped" line."""
-    target = subprocess.Popen([sys.executable, "-m", "services.target", "--run-dir", str(run_dir), "--rank", "0",
-                               "--world-size", "1", "--device", "cpu", *overrides],
-                              cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    target = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "services.target",
+            "--run-dir",
+            str(run_dir),
+            "--rank",
+            "0",
+            "--world-size",
+            "1",
+            "--device",
+            "cpu",
+            *overrides,
+        ],
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     port = free_port()
-    drafters = [spawn_drafter(run_dir, "--num-targets", "1", *overrides, rank=r, world_size=DRAFTERS, port=port,
-                      synthetic=False) for r in range(DRAFTERS)]
+    drafters = [
+        spawn_drafter(
+            run_dir, "--num-targets", "1", *overrides, rank=r, world_size=DRAFTERS, port=port, synthetic=False
+        )
+        for r in range(DRAFTERS)
+    ]
     try:
         outs = [p.communicate(timeout=300) for p in drafters]
     finally:
@@ -61,40 +90,61 @@ def test_grad_accum_with_max_steps_trains_max_steps_optimizer_steps(tmp_path, de
     stopped = train_over_zmq(tmp_path, demo["overrides"] + SMALL + ["drafter.grad_accum=2", "run.max_steps=3"])
     assert [(m["step"], m["micro_step"], m["signal"]) for m in stopped] == [(3, 6, False)] * DRAFTERS
     schedule = json.loads((tmp_path / "schedule.json").read_text())
-    assert schedule["batches_per_epoch"] == 15          # more than the 12 batches that 3 steps take
+    assert schedule["batches_per_epoch"] == 15  # more than the 12 batches that 3 steps take
     assert (schedule["optimizer_steps"], schedule["micro_batches"], schedule["total_batches"]) == (3, 6, 12)
     ledger = read_all(tmp_path)
-    assert Counter(e["g"] for e in ledger) == Counter(range(12))         # 3 steps x 2 micro-batches x 2 ranks
-    assert sorted((e["rank"], e["step"], e["g"]) for e in ledger) == [(r, s, s * DRAFTERS + r)
-                                                                      for r in range(DRAFTERS) for s in range(6)]
+    assert Counter(e["g"] for e in ledger) == Counter(range(12))  # 3 steps x 2 micro-batches x 2 ranks
+    assert sorted((e["rank"], e["step"], e["g"]) for e in ledger) == [
+        (r, s, s * DRAFTERS + r) for r in range(DRAFTERS) for s in range(6)
+    ]
     assert [m["step"] for m in metrics(tmp_path, evals=False)] == [1, 2, 3]
 
 
 def test_target_labels_with_a_split_the_drafters_do_not_divide(tmp_path, demo):
     """15 train and 7 eval batches on 2 drafters: rank 1 pads each split's end with an empty batch,
     which must carry target labels too."""
-    stopped = train_over_zmq(tmp_path, demo["overrides"] + SMALL + ["target.labels_from_target=true",
-                                                                    "run.eval_every=4"])
+    stopped = train_over_zmq(
+        tmp_path, demo["overrides"] + SMALL + ["target.labels_from_target=true", "run.eval_every=4"]
+    )
     assert [(m["step"], m["signal"]) for m in stopped] == [(8, False)] * DRAFTERS
     schedule = json.loads((tmp_path / "schedule.json").read_text())
     assert (schedule["batches_per_epoch"], schedule["micro_batches"], schedule["total_batches"]) == (15, 8, 15)
     ledger = read_all(tmp_path)
     real = Counter(e["g"] for e in ledger if e["g"] < 15)
-    assert real == Counter(range(15))                                     # every batch once
-    assert [(e["rank"], e["g"], e["tokens"]) for e in ledger if e["g"] >= 15] == [(1, 15, 0)]   # the padding
+    assert real == Counter(range(15))  # every batch once
+    assert [(e["rank"], e["g"], e["tokens"]) for e in ledger if e["g"] >= 15] == [(1, 15, 0)]  # the padding
     evals = metrics(tmp_path, evals=True)
-    assert [e["step"] for e in evals] == [4, 8] and all(e["batches"] == 7 for e in evals)   # 7 real of 8 evaluated
+    assert [e["step"] for e in evals] == [4, 8] and all(e["batches"] == 7 for e in evals)  # 7 real of 8 evaluated
     assert len(metrics(tmp_path, evals=False)) == 8
 
 
 def test_a_drafter_whose_config_disagrees_with_its_target_refuses_to_train(tmp_path, demo):
     """The handshake: the target packs rows of 256 tokens, the drafter was told 128. It stops at
     connect with exit 2 naming the field and both values, before training on anything."""
-    target = subprocess.Popen([sys.executable, "-m", "services.target", "--run-dir", str(tmp_path), "--rank", "0",
-                               "--world-size", "1", "--device", "cpu", *demo["overrides"], *SMALL],
-                              cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    drafter = spawn_drafter(tmp_path, "--num-targets", "1", *demo["overrides"], *SMALL, "data.pack_len=128",
-                            synthetic=False)
+    target = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "services.target",
+            "--run-dir",
+            str(tmp_path),
+            "--rank",
+            "0",
+            "--world-size",
+            "1",
+            "--device",
+            "cpu",
+            *demo["overrides"],
+            *SMALL,
+        ],
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    drafter = spawn_drafter(
+        tmp_path, "--num-targets", "1", *demo["overrides"], *SMALL, "data.pack_len=128", synthetic=False
+    )
     try:
         out, err = drafter.communicate(timeout=300)
     finally:
@@ -123,4 +173,4 @@ def test_a_drafter_stopped_while_it_waits_for_its_target_exits_stopped(tmp_path,
         drafter.kill()
     assert drafter.returncode == 3, err[-2000:]
     assert "SIGTERM: finishing the current step" in err and "Traceback" not in err, err[-2000:]
-    assert not events(out, "stopped") and not (tmp_path / "export").exists()     # nothing trained, nothing exported
+    assert not events(out, "stopped") and not (tmp_path / "export").exists()  # nothing trained, nothing exported

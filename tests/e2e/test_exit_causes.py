@@ -1,6 +1,7 @@
 """A worker that exits after `ready`: the launcher names it, its GPU and the cause (the signal by
 name, or the worker's last error line), keeps it in run.json and `launcher status`, and ends the
 run at once when no restart can help. Real launcher, real demo workers, CPU."""
+
 import json
 import os
 import signal
@@ -68,4 +69,4 @@ def test_an_error_no_restart_can_mend_ends_the_run_at_once_with_its_line(tmp_pat
     reason = json.loads((run_dir / "run.json").read_text())["outcome"]["reason"]
     assert reason == f"target-0 exited with code 2 on gpu 0: {error}; no restart can fix a config error", reason
     assert json.loads((run_dir / "run.json").read_text())["restarts"] == {"target": 1, "drafter": 0}
-    assert f"target-0: last exit at " in status(run_dir).stdout and error in status(run_dir).stdout
+    assert "target-0: last exit at " in status(run_dir).stdout and error in status(run_dir).stdout

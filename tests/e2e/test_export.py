@@ -2,6 +2,7 @@
 target, exported with `launcher export`, loaded by a small loader written here from the format
 description only (config.json + model.safetensors, plain torch; services.drafter.model is not
 used by it), reproduces the drafter's logits through the target's embedding and lm_head."""
+
 import json
 import math
 import stat
@@ -22,6 +23,7 @@ VOCAB, MASK_ID = 160, 159
 
 # --- the independent loader ------------------------------------------------------------------------
 
+
 def rms_norm(x, weight, eps):
     return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
 
@@ -32,7 +34,7 @@ def rope(x, positions, theta):
     inv_freq = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d)
     angles = positions.float()[:, None] * inv_freq[None]
     cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
-    rotated = torch.cat([-x[..., d // 2:], x[..., : d // 2]], -1)
+    rotated = torch.cat([-x[..., d // 2 :], x[..., : d // 2]], -1)
     return x * cos + rotated * sin
 
 
@@ -78,7 +80,7 @@ def dflash_visibility(anchors, document_ids, block_size, context_len):
         rows = slice(i * block_size, (i + 1) * block_size)
         same_doc = document_ids[:a] == document_ids[a]
         visible[rows, :a] = same_doc
-        visible[rows, context_len + i * block_size: context_len + (i + 1) * block_size] = True
+        visible[rows, context_len + i * block_size : context_len + (i + 1) * block_size] = True
     return visible
 
 
@@ -90,17 +92,50 @@ HYBRID = ['drafter.layer_types=["sliding_attention", "full_attention"]', "drafte
 def train_drafter(tmp, *extra):
     """A tiny random Qwen3 target on disk, and a drafter process trained against its head."""
     torch.manual_seed(0)
-    target = Qwen3ForCausalLM(Qwen3Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=8,
-                                          num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                                          tie_word_embeddings=False, rope_theta=5000.0))
+    target = Qwen3ForCausalLM(
+        Qwen3Config(
+            vocab_size=VOCAB,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=8,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            tie_word_embeddings=False,
+            rope_theta=5000.0,
+        )
+    )
     target.save_pretrained(tmp / "target")
     run = tmp / "run"
-    out = subprocess.run([sys.executable, "-m", "services.drafter", "--run-dir", str(run), "--synthetic", "--device", "cpu",
-                          "--max-steps", "6", f"target.model_path={tmp / 'target'}", f"drafter.mask_token_id={MASK_ID}",
-                          "drafter.num_layers=2", "drafter.block_size=8", "data.pack_len=128", "drafter.num_anchors=8",
-                          "drafter.compile=false", "drafter.lr=3e-3", *extra],
-                         cwd=REPO, env=drafter_env(), capture_output=True, text=True, timeout=180,
-                         umask=0o022)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "services.drafter",
+            "--run-dir",
+            str(run),
+            "--synthetic",
+            "--device",
+            "cpu",
+            "--max-steps",
+            "6",
+            f"target.model_path={tmp / 'target'}",
+            f"drafter.mask_token_id={MASK_ID}",
+            "drafter.num_layers=2",
+            "drafter.block_size=8",
+            "data.pack_len=128",
+            "drafter.num_anchors=8",
+            "drafter.compile=false",
+            "drafter.lr=3e-3",
+            *extra,
+        ],
+        cwd=REPO,
+        env=drafter_env(),
+        capture_output=True,
+        text=True,
+        timeout=180,
+        umask=0o022,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     return tmp, run
 
@@ -117,8 +152,18 @@ def trained_hybrid(tmp_path_factory):
 
 
 def launcher_export(checkpoint, out, dtype="bfloat16", umask=0o022):
-    res = run_launcher("export", "--checkpoint", str(checkpoint), "--out", str(out),
-                          "--dtype", dtype, cwd=REPO, timeout=120, umask=umask)
+    res = run_launcher(
+        "export",
+        "--checkpoint",
+        str(checkpoint),
+        "--out",
+        str(out),
+        "--dtype",
+        dtype,
+        cwd=REPO,
+        timeout=120,
+        umask=umask,
+    )
     assert res.returncode == 0, res.stderr[-2000:]
     return Path(out), res.stdout
 
@@ -142,14 +187,25 @@ def drafter_and_inputs(run, target_dir, weights_dtype):
     head = load_file(str(target_dir / "model.safetensors"))
     embed, lm_head = head["model.embed_tokens.weight"], head["lm_head.weight"]
     batch = SyntheticSource(model_cfg, 128, seed=3).batch(5)
-    inputs = build_inputs(batch, num_anchors=8, block_size=8, mask_token_id=MASK_ID, gamma=4.0,
-                          generator=anchor_generator(0, 5, torch.device("cpu")))
+    inputs = build_inputs(
+        batch,
+        num_anchors=8,
+        block_size=8,
+        mask_token_id=MASK_ID,
+        gamma=4.0,
+        generator=anchor_generator(0, 5, torch.device("cpu")),
+    )
     real = inputs.anchors >= 0
     with torch.no_grad():
         masks = drafter.build_masks(inputs.anchors, inputs.context_starts, inputs.context_len)
-        out = drafter(inputs.hidden.float(), F.embedding(inputs.block_ids.flatten(), embed),
-                      inputs.context_positions, inputs.block_positions.flatten(), masks)
-    logits = (out.view(len(real), 8, -1)[real] @ lm_head.T)
+        out = drafter(
+            inputs.hidden.float(),
+            F.embedding(inputs.block_ids.flatten(), embed),
+            inputs.context_positions,
+            inputs.block_positions.flatten(),
+            masks,
+        )
+    logits = out.view(len(real), 8, -1)[real] @ lm_head.T
     return logits, batch, inputs, embed, lm_head
 
 
@@ -161,7 +217,9 @@ def exported_logits(export_dir, batch, inputs, embed, lm_head):
     block_pos = (batch.position_ids[anchors][:, None] + torch.arange(8)[None]).flatten()
     visible = dflash_visibility(anchors, batch.document_ids, 8, s)
     with torch.no_grad():
-        out = model(batch.hidden.float(), batch.position_ids, F.embedding(block_ids.flatten(), embed), block_pos, visible)
+        out = model(
+            batch.hidden.float(), batch.position_ids, F.embedding(block_ids.flatten(), embed), block_pos, visible
+        )
     return out.view(len(anchors), 8, -1) @ lm_head.T
 
 
@@ -187,7 +245,7 @@ def test_a_hybrid_export_round_trips_with_its_window(trained_hybrid, tmp_path):
     cfg = json.loads((export / "config.json").read_text())
     assert cfg["layer_types"] == ["sliding_attention", "full_attention"] and cfg["sliding_window"] == 5
     assert cfg["use_sliding_window"] is True and cfg["is_causal"] is False
-    hf = AutoConfig.from_pretrained(export)                   # transformers keeps the window (use_sliding_window)
+    hf = AutoConfig.from_pretrained(export)  # transformers keeps the window (use_sliding_window)
     assert hf.layer_types == ["sliding_attention", "full_attention"] and hf.sliding_window == 5
 
     ours, batch, inputs, embed, lm_head = drafter_and_inputs(run, target_dir, torch.float32)
@@ -201,21 +259,34 @@ def test_a_hybrid_export_round_trips_with_its_window(trained_hybrid, tmp_path):
 
 def test_export_layout_matches_the_released_drafters(trained, tmp_path):
     run = trained[1]
-    export = run / "export"                                  # written by the run itself at the end
+    export = run / "export"  # written by the run itself at the end
     assert sorted(p.name for p in export.iterdir()) == ["config.json", "export.json", "model.safetensors"]
     cfg = json.loads((export / "config.json").read_text())
     assert cfg["architectures"] == ["DFlashDraftModel"] and cfg["model_type"] == "qwen3"
-    assert cfg["dflash_config"] == {"mask_token_id": MASK_ID, "target_layer_ids": [1, 5]}    # 8 target layers, 2 draft
+    assert cfg["dflash_config"] == {"mask_token_id": MASK_ID, "target_layer_ids": [1, 5]}  # 8 target layers, 2 draft
     assert cfg["block_size"] == 8 and cfg["num_target_layers"] == 8 and cfg["num_hidden_layers"] == 2
     assert cfg["layer_types"] == ["full_attention"] * 2 and cfg["is_causal"] is False and cfg["dtype"] == "bfloat16"
     assert cfg["sliding_window"] is None and cfg["use_sliding_window"] is False
     names = set(load_file(str(export / "model.safetensors")))
-    per_layer = {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "self_attn.q_norm",
-                 "self_attn.k_norm", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj", "input_layernorm",
-                 "post_attention_layernorm"}
+    per_layer = {
+        "self_attn.q_proj",
+        "self_attn.k_proj",
+        "self_attn.v_proj",
+        "self_attn.o_proj",
+        "self_attn.q_norm",
+        "self_attn.k_norm",
+        "mlp.gate_proj",
+        "mlp.up_proj",
+        "mlp.down_proj",
+        "input_layernorm",
+        "post_attention_layernorm",
+    }
     assert names == {f"layers.{i}.{n}.weight" for i in range(2) for n in per_layer} | {
-        "fc.weight", "hidden_norm.weight", "norm.weight"}                             # no embedding, no lm_head
-    hf = AutoConfig.from_pretrained(export)                   # what SGLang / vLLM / transformers parse
+        "fc.weight",
+        "hidden_norm.weight",
+        "norm.weight",
+    }  # no embedding, no lm_head
+    hf = AutoConfig.from_pretrained(export)  # what SGLang / vLLM / transformers parse
     assert type(hf).__name__ == "Qwen3Config" and hf.hidden_size == 64 and hf.num_key_value_heads == 2
     assert hf.dflash_config["target_layer_ids"] == [1, 5] and hf.block_size == 8 and hf.num_target_layers == 8
     assert hf.rope_parameters["rope_theta"] == 5000.0
@@ -223,12 +294,12 @@ def test_export_layout_matches_the_released_drafters(trained, tmp_path):
 
 def test_export_refuses_a_corrupt_checkpoint_and_a_foreign_dir(trained, tmp_path):
     import shutil
+
     run = trained[1]
     ckpt = tmp_path / "ckpt"
     shutil.copytree(run / "checkpoints" / "latest", ckpt)
     (ckpt / "model.safetensors").write_bytes((ckpt / "model.safetensors").read_bytes()[:-10])
-    res = run_launcher("export", "--checkpoint", str(ckpt), "--out",
-                          str(tmp_path / "x"), cwd=REPO, timeout=120)
+    res = run_launcher("export", "--checkpoint", str(ckpt), "--out", str(tmp_path / "x"), cwd=REPO, timeout=120)
     assert res.returncode == 2 and "is corrupt: model.safetensors has" in res.stderr and not (tmp_path / "x").exists()
     foreign = tmp_path / "mine"
     foreign.mkdir()
@@ -247,20 +318,35 @@ def test_export_files_are_readable_by_other_accounts_and_checkpoints_too(trained
         assert mode(path) == 0o644, f"{path.name}: {oct(mode(path))}"
     export, _ = launcher_export(latest, tmp_path / "group-only", umask=0o027)
     assert {p.name: mode(p) for p in export.iterdir()} == {
-        "config.json": 0o640, "export.json": 0o640, "model.safetensors": 0o640}
+        "config.json": 0o640,
+        "export.json": 0o640,
+        "model.safetensors": 0o640,
+    }
 
 
 def test_export_records_its_step_and_vllms_setting(trained, tmp_path):
     run = trained[1]
-    auto = json.loads((run / "export" / "export.json").read_text())       # written by the run at its end
-    serve = auto.pop("serve")                                             # the commands for the run's target
-    assert set(serve) == {"target", "vllm", "sglang"} and f"--speculative-draft-model-path {run / 'export'}" in serve["sglang"]
-    assert auto == {"step": 6, "last": True, "best": False, "best_step": None, "checkpoint": "step-00000006",
-                    "eval_tau": None, "block_size": 8, "num_speculative_tokens": 7, "target_layer_ids": [1, 5],
-                    "dtype": "bfloat16"}
+    auto = json.loads((run / "export" / "export.json").read_text())  # written by the run at its end
+    serve = auto.pop("serve")  # the commands for the run's target
+    assert (
+        set(serve) == {"target", "vllm", "sglang"}
+        and f"--speculative-draft-model-path {run / 'export'}" in serve["sglang"]
+    )
+    assert auto == {
+        "step": 6,
+        "last": True,
+        "best": False,
+        "best_step": None,
+        "checkpoint": "step-00000006",
+        "eval_tau": None,
+        "block_size": 8,
+        "num_speculative_tokens": 7,
+        "target_layer_ids": [1, 5],
+        "dtype": "bfloat16",
+    }
     export, stdout = launcher_export(run / "checkpoints" / "latest", tmp_path / "by-hand")
-    assert stdout.splitlines()[0].startswith("exported step 6 (last of its run) from ")         # words, not JSON
-    assert '"num_speculative_tokens": 7' in stdout and f'"model": "{export}"' in stdout      # the vLLM command
+    assert stdout.splitlines()[0].startswith("exported step 6 (last of its run) from ")  # words, not JSON
+    assert '"num_speculative_tokens": 7' in stdout and f'"model": "{export}"' in stdout  # the vLLM command
     assert json.loads((export / "export.json").read_text())["checkpoint"] == "step-00000006"
 
 
@@ -279,8 +365,10 @@ def test_a_checkpoint_listing_its_layers_out_of_order_is_not_exported(trained, t
     state["model"]["target_layer_ids"] = [5, 1]
     (ckpt / "state.json").write_text(json.dumps(state))
     manifest = json.loads((ckpt / "manifest.json").read_text())
-    manifest["files"]["state.json"] = {"bytes": (ckpt / "state.json").stat().st_size,
-                                       "sha256": sha256_file(ckpt / "state.json")}
+    manifest["files"]["state.json"] = {
+        "bytes": (ckpt / "state.json").stat().st_size,
+        "sha256": sha256_file(ckpt / "state.json"),
+    }
     (ckpt / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(ExportError, match=r"target_layer_ids \[5, 1\] out of order"):
         export_checkpoint(ckpt, tmp_path / "x")
@@ -288,7 +376,8 @@ def test_a_checkpoint_listing_its_layers_out_of_order_is_not_exported(trained, t
 
 def test_exporting_best_without_evaluation_names_what_to_export(trained, tmp_path):
     run = trained[1]
-    res = run_launcher("export", "--checkpoint", str(run / "checkpoints" / "best"),
-                          "--out", str(tmp_path / "x"), cwd=REPO, timeout=120)
+    res = run_launcher(
+        "export", "--checkpoint", str(run / "checkpoints" / "best"), "--out", str(tmp_path / "x"), cwd=REPO, timeout=120
+    )
     assert res.returncode == 2 and "run.eval_every > 0" in res.stderr
     assert f"export {run / 'checkpoints' / 'latest'} instead" in res.stderr

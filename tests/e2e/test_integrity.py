@@ -3,6 +3,7 @@ takes a target's socket over and replays its incarnation gets none of its batche
 the held-out eval does not wait for it; a target with inf in its weights stops the run with an
 error naming it and the captured layer, and nothing non-finite is saved; an `error` claimed for a
 batch that exists is dropped and asked again."""
+
 from __future__ import annotations
 
 import contextlib
@@ -51,7 +52,7 @@ def impostor(run_dir: str, report: str) -> None:
     client.close()
     os.kill(pid, signal.SIGKILL)
     server = BatchServer(data, cfg.transport)
-    server.incarnation = incarnation                   # the killed target's, as it announced it
+    server.incarnation = incarnation  # the killed target's, as it announced it
     answered: dict[str, list[int]] = {"train": [], "eval": []}
     Path(report).write_text(json.dumps({"killed": pid, "incarnation": incarnation, "answered": answered}))
     while True:
@@ -69,18 +70,36 @@ def test_a_same_uid_takeover_replaying_the_incarnation_trains_nothing_and_does_n
     from services.drafter.ledger import read_all
     from services.packed_data import PackedData
 
-    with tempfile.TemporaryDirectory(prefix="i25", dir="/tmp") as folder:       # short: ipc paths < 108 bytes
+    with tempfile.TemporaryDirectory(prefix="i25", dir="/tmp") as folder:  # short: ipc paths < 108 bytes
         run_dir, log, report = Path(folder) / "run", Path(folder) / "out.txt", Path(folder) / "impostor.json"
         with open(log, "w") as out:
-            proc = subprocess.Popen(launcher(run_dir, "run.epochs=1", "run.eval_every=8", "run.spec_eval_prompts=0",
-                                             "run.checkpoint_every=0", "transport.credits=4"),
-                                    stdout=out, stderr=subprocess.STDOUT, env=child_env())
+            proc = subprocess.Popen(
+                launcher(
+                    run_dir,
+                    "run.epochs=1",
+                    "run.eval_every=8",
+                    "run.spec_eval_prompts=0",
+                    "run.checkpoint_every=0",
+                    "transport.credits=4",
+                ),
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=child_env(),
+            )
         fake = None
         try:
             wait_for(lambda: (run_dir / "metrics.jsonl").exists() and len(metrics(run_dir)) >= 1, "training", proc)
-            fake = subprocess.Popen([sys.executable, "-c", "import sys; from tests.e2e.test_integrity import impostor; "
-                                     "impostor(sys.argv[1], sys.argv[2])", str(run_dir), str(report)],
-                                    cwd=REPO, env=child_env())
+            fake = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-c",
+                    "import sys; from tests.e2e.test_integrity import impostor; impostor(sys.argv[1], sys.argv[2])",
+                    str(run_dir),
+                    str(report),
+                ],
+                cwd=REPO,
+                env=child_env(),
+            )
             proc.wait(timeout=900)
         finally:
             for p in (proc, fake):
@@ -98,7 +117,9 @@ def test_a_same_uid_takeover_replaying_the_incarnation_trains_nothing_and_does_n
         (cache,) = [p for p in (run_dir / "data-cache").glob("*.safetensors") if ".digests." not in p.name]
         data = PackedData(cache, cfg)
         entries = [e for e in read_all(run_dir) if e["tokens"]]
-        wrong = [(e["g"], e["incarnation"]) for e in entries if e["digest"] != token_digest(data.batch(e["g"])["input_ids"])]
+        wrong = [
+            (e["g"], e["incarnation"]) for e in entries if e["digest"] != token_digest(data.batch(e["g"])["input_ids"])
+        ]
         assert not wrong, f"{len(wrong)} trained batches whose tokens are not batch g's (g, incarnation): {wrong[:5]}"
         assert_exactly_once(run_dir)
 
@@ -111,9 +132,13 @@ def test_a_same_uid_takeover_replaying_the_incarnation_trains_nothing_and_does_n
         dropped = {name: kinds for name, kinds in outcome.get("dropped", {}).items() if kinds.get("data-content")}
         assert dropped and all(outcome["dropped_from"][name] == ["target-0"] for name in dropped), outcome
         for name, kinds in dropped.items():
-            assert re.search(rf"^warning: {name} dropped \d+ answers \(.*data-content \d+.*\): another process "
-                             rf"answered for target-0 \(see logs/{name}.log\)$", text, re.M), text[-3000:]
-            assert f"warning: {describe_drops(name, kinds, ['target-0'])}\n" in text, text[-3000:]   # the totals
+            assert re.search(
+                rf"^warning: {name} dropped \d+ answers \(.*data-content \d+.*\): another process "
+                rf"answered for target-0 \(see logs/{name}.log\)$",
+                text,
+                re.M,
+            ), text[-3000:]
+            assert f"warning: {describe_drops(name, kinds, ['target-0'])}\n" in text, text[-3000:]  # the totals
         stdout = io.StringIO()
         with contextlib.redirect_stdout(stdout):
             launcher_main(["status", "--run-dir", str(run_dir), "--timeout", "0.5"])
@@ -121,8 +146,11 @@ def test_a_same_uid_takeover_replaying_the_incarnation_trains_nothing_and_does_n
             assert f"warning: {describe_drops(name, kinds, ['target-0'])}" in stdout.getvalue(), stdout.getvalue()
 
         # the held-out evaluation did not wait for the impostor
-        evals = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
-                 if json.loads(line).get("eval")]
+        evals = [
+            json.loads(line)
+            for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+            if json.loads(line).get("eval")
+        ]
         assert evals and max(e["eval_s"] for e in evals) < 30, [e["eval_s"] for e in evals]
         # nor did training: no logged window waited for data that long
         waits = [m["time_data_s"] for m in metrics(run_dir) if "time_data_s" in m and not m.get("eval")]
@@ -138,6 +166,7 @@ def poisoned_demo_target(out: Path, layer: int) -> Path:
     from safetensors.torch import load_file, save_file
 
     from services.tools.demo import cache_dir, make_demo
+
     model = Path(make_demo(cache_dir())["model_path"])
     shutil.copytree(model, out)
     (weights,) = out.glob("*.safetensors")
@@ -162,10 +191,21 @@ def test_a_target_with_inf_weights_stops_the_run_naming_it_and_nothing_non_finit
         model = poisoned_demo_target(folder / "poisoned", layer=1)
         run_dir, log = folder / "run", folder / "out.txt"
         with open(log, "w") as out:
-            proc = subprocess.Popen(launcher(run_dir, f'target.model_path="{model}"', "target.layer_ids=[0,2]",
-                                             "run.max_restarts=3", "drafter.max_nonfinite_steps=12",
-                                             "run.checkpoint_every=4", "run.spec_eval_prompts=0", "run.epochs=1"),
-                                    stdout=out, stderr=subprocess.STDOUT, env=child_env())
+            proc = subprocess.Popen(
+                launcher(
+                    run_dir,
+                    f'target.model_path="{model}"',
+                    "target.layer_ids=[0,2]",
+                    "run.max_restarts=3",
+                    "drafter.max_nonfinite_steps=12",
+                    "run.checkpoint_every=4",
+                    "run.spec_eval_prompts=0",
+                    "run.epochs=1",
+                ),
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=child_env(),
+            )
         seen = ended = None
         try:
             deadline = time.monotonic() + 600
@@ -194,14 +234,24 @@ def test_a_target_with_inf_weights_stops_the_run_naming_it_and_nothing_non_finit
         record = json.loads((run_dir / "run.json").read_text())
         assert record["restarts"] == {"target": 0, "drafter": 0}, record["restarts"]
         reason = record["outcome"]["reason"]
-        assert record["outcome"]["state"] == "failed" and "exited with code 4" in reason and "NonFiniteError" in reason \
-            and "captured layer 2 from target-0" in reason and "a restart would meet the same error" in reason, reason
+        assert (
+            record["outcome"]["state"] == "failed"
+            and "exited with code 4" in reason
+            and "NonFiniteError" in reason
+            and "captured layer 2 from target-0" in reason
+            and "a restart would meet the same error" in reason
+        ), reason
         assert f"exit 1 (failed: {reason})" in text, text[-3000:]
         # the launcher ended the run within seconds of the first drafter's error (a group restart: a minute more)
-        errors = [line for r in (0, 1) for line in (run_dir / "logs" / f"drafter-{r}.log").read_text().splitlines()
-                  if " error NonFiniteError" in line]
-        first_error = min(datetime.datetime.fromisoformat(line.split()[0].replace("Z", "+00:00")).timestamp()
-                          for line in errors)
+        errors = [
+            line
+            for r in (0, 1)
+            for line in (run_dir / "logs" / f"drafter-{r}.log").read_text().splitlines()
+            if " error NonFiniteError" in line
+        ]
+        first_error = min(
+            datetime.datetime.fromisoformat(line.split()[0].replace("Z", "+00:00")).timestamp() for line in errors
+        )
         assert ended - first_error < 20, f"the run ended {ended - first_error:.0f}s after the first error"
         assert seen and all(c["skipped_steps"] >= 1 and "captured layer 2" in c["last_nonfinite"] for c in seen), seen
         last_lines = [(run_dir / "logs" / f"drafter-{r}.log").read_text().strip().splitlines()[-1] for r in (0, 1)]
@@ -239,30 +289,31 @@ def test_an_error_for_a_batch_that_exists_is_dropped_and_asked_again(tmp_path):
 
     def impostor_then_target_back():
         server = BatchServer(w.data_ep, w.cfg.transport)
-        server.incarnation = first["incarnation"]              # the killed target's, as it announced it
+        server.incarnation = first["incarnation"]  # the killed target's, as it announced it
         while len(claimed) < 3:
             for request in server.poll(100):
                 if request.kind == "batch":
                     server.send_error(request.client, request.g, f"batch g={request.g} out of range", request.split)
                     claimed.append(request.g)
         server.close()
-        w.start()                                              # the real target again, on the same socket
+        w.start()  # the real target again, on the same socket
 
     try:
         batches = iter(source)
-        assert next(batches).g == 0                            # from the real target: its incarnation is known
+        assert next(batches).g == 0  # from the real target: its incarnation is known
         assert source.total_batches > 1
         w.stop(signal.SIGKILL)
         thread = threading.Thread(target=impostor_then_target_back, daemon=True)
         thread.start()
-        batch = next(batches)                                  # asked of the impostor first
+        batch = next(batches)  # asked of the impostor first
         thread.join(timeout=180)
         assert set(claimed) == {1}, claimed
         drops = source.client.drops.counts["data-error-claim"]
         assert 1 <= drops <= len(claimed), (drops, claimed)
         (cache,) = [p for p in (w.run_dir / "data-cache").glob("*.safetensors") if ".digests." not in p.name]
         assert batch.g == 1 and token_digest(batch.input_ids) == token_digest(
-            PackedData(cache, w.cfg).batch(1)["input_ids"])
+            PackedData(cache, w.cfg).batch(1)["input_ids"]
+        )
         # a g out of range: the real target's error, which stops the source as before
         beyond = source.info.num_batches * w.cfg.run.epochs
         source.pending[beyond] = time.monotonic()

@@ -3,6 +3,7 @@
 These are the slowest tests (about a minute each on 2 cores): one clean run, one where a target
 is killed mid-run and must be restarted without losing or repeating a batch.
 """
+
 import importlib.util
 import json
 import os
@@ -48,8 +49,9 @@ def all_pids(run_dir: Path) -> list[int]:
 
 def assert_no_worker_left(run_dir: Path) -> None:
     deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and any(psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"
-                                              for p in all_pids(run_dir)):
+    while time.monotonic() < deadline and any(
+        psutil.pid_exists(p) and psutil.Process(p).status() != "zombie" for p in all_pids(run_dir)
+    ):
         time.sleep(0.2)
     left = [p for p in all_pids(run_dir) if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]
     assert not left, f"workers still running after the launcher exited: {left}"
@@ -75,39 +77,60 @@ def test_demo_trains_end_to_end(tmp_path):
     # real acceptance at the end: printed, lossless, and far above the controls on the same prompts
     assert "real acceptance (step" in out.stdout
     spec = [json.loads(line) for line in (run_dir / "acceptance.jsonl").read_text().splitlines()]
-    assert any(not m.get("final") for m in spec)               # also during training, after each evaluation
+    assert any(not m.get("final") for m in spec)  # also during training, after each evaluation
     final = spec[-1]
     assert final.get("final") and final["step"] == steps[-1]["step"]
     assert final["lossless"] == final["prompts"] == final["repeat_last"]["lossless"] == final["random"]["lossless"]
     assert final["acceptance_per_prompt"] >= 2 * final["random"]["acceptance_per_prompt"]
     assert final["acceptance_per_prompt"] > final["repeat_last"]["acceptance_per_prompt"]
-    if importlib.util.find_spec("tensorboard"):                # the same figures as TensorBoard scalars
+    if importlib.util.find_spec("tensorboard"):  # the same figures as TensorBoard scalars
         from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
         events = EventAccumulator(str(run_dir / "tensorboard"))
         events.Reload()
-        assert [(e.step, e.value) for e in events.Scalars("spec/acceptance_per_prompt")] == \
-            [(r["step"], pytest.approx(r["acceptance_per_prompt"])) for r in spec]
-        assert events.Scalars("spec/random/acceptance_per_prompt")[-1].value == \
-            pytest.approx(final["random"]["acceptance_per_prompt"])
+        assert [(e.step, e.value) for e in events.Scalars("spec/acceptance_per_prompt")] == [
+            (r["step"], pytest.approx(r["acceptance_per_prompt"])) for r in spec
+        ]
+        assert events.Scalars("spec/random/acceptance_per_prompt")[-1].value == pytest.approx(
+            final["random"]["acceptance_per_prompt"]
+        )
     # verified by the target worker: drafter rank 0 never held a target model
-    events = [json.loads(line.split(" ", 2)[2]) for line in (run_dir / "logs" / "drafter-0.log").read_text().splitlines()
-              if '"event": "spec_eval"' in line]
+    events = [
+        json.loads(line.split(" ", 2)[2])
+        for line in (run_dir / "logs" / "drafter-0.log").read_text().splitlines()
+        if '"event": "spec_eval"' in line
+    ]
     assert events and all(e["target_models_in_process"] == 0 and e["skipped"] == 0 for e in events)
 
     # `launcher eval` of the export on two prompt-set files: the same loop, run from the CLI with the
     # target loaded; a table per set and one for both, each with the controls
-    chats = [json.loads(line) for line in Path(json.loads((run_dir / "config.json").read_text())["data"]["path"])
-             .read_text().splitlines()[:8]]
+    chats = [
+        json.loads(line)
+        for line in Path(json.loads((run_dir / "config.json").read_text())["data"]["path"]).read_text().splitlines()[:8]
+    ]
     (tmp_path / "chat.jsonl").write_text("".join(json.dumps({"messages": c["messages"]}) + "\n" for c in chats[:4]))
-    (tmp_path / "plain.jsonl").write_text("".join(json.dumps({"prompt": c["messages"][0]["content"]}) + "\n"
-                                                  for c in chats[4:]))
-    ev = run_launcher("eval", "--run-dir", str(run_dir), "--checkpoint",
-                         str(run_dir / "export"), "--prompts", "chat.jsonl", "--prompts", "plain.jsonl",
-                         "--max-new-tokens", "32", timeout=600, cwd=tmp_path)
+    (tmp_path / "plain.jsonl").write_text(
+        "".join(json.dumps({"prompt": c["messages"][0]["content"]}) + "\n" for c in chats[4:])
+    )
+    ev = run_launcher(
+        "eval",
+        "--run-dir",
+        str(run_dir),
+        "--checkpoint",
+        str(run_dir / "export"),
+        "--prompts",
+        "chat.jsonl",
+        "--prompts",
+        "plain.jsonl",
+        "--max-new-tokens",
+        "32",
+        timeout=600,
+        cwd=tmp_path,
+    )
     assert ev.returncode == 0, ev.stderr[-3000:]
     out = ev.stdout.splitlines()
     for head in ("chat (4 prompts):", "plain (4 prompts):", "all sets (8 prompts):"):
-        rows = out[out.index(head) + 2:out.index(head) + 5]
+        rows = out[out.index(head) + 2 : out.index(head) + 5]
         assert [r.split()[0] for r in rows] == ["drafter", "repeat-last", "random"], ev.stdout
         assert all(r.endswith(("4/4" if head != "all sets (8 prompts):" else "8/8")) for r in rows), ev.stdout
     record = json.loads((run_dir / "spec_eval.jsonl").read_text().splitlines()[-1])
@@ -122,11 +145,15 @@ def test_demo_trains_end_to_end(tmp_path):
 
 def test_killed_target_is_restarted_and_nothing_is_lost(tmp_path):
     run_dir = tmp_path / "run"
-    proc = subprocess.Popen(launcher(run_dir, "run.epochs=1", "transport.credits=3"),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        launcher(run_dir, "run.epochs=1", "transport.credits=3"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:     # wait until training is under way
+        while time.monotonic() < deadline:  # wait until training is under way
             if (run_dir / "metrics.jsonl").exists() and len(metrics(run_dir)) >= 10:
                 break
             assert proc.poll() is None, proc.stdout.read()
@@ -140,7 +167,10 @@ def test_killed_target_is_restarted_and_nothing_is_lost(tmp_path):
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 0, output[-3000:]
-    assert "target-0 exited with code -9 on gpu 0: killed by SIGKILL (often the kernel's OOM killer: see `dmesg`); restarting" in output
+    assert (
+        "target-0 exited with code -9 on gpu 0: killed by SIGKILL "
+        "(often the kernel's OOM killer: see `dmesg`); restarting" in output
+    )
     run = json.loads((run_dir / "run.json").read_text())
     target = next(w for w in run["workers"] if w["name"] == "target-0")
     assert len(target["pids_seen"]) == 2 and target["pids_seen"][0] == target_pid
@@ -161,8 +191,10 @@ def test_launcher_kill_9_leaves_no_orphans(tmp_path):
     assert len(pids) == 3
     proc.kill()
     proc.wait()
-    gone_by = time.monotonic() + 60   # workers finish their step (or their load) and exit
-    while time.monotonic() < gone_by and any(psutil.pid_exists(p) and psutil.Process(p).status() != "zombie" for p in pids):
+    gone_by = time.monotonic() + 60  # workers finish their step (or their load) and exit
+    while time.monotonic() < gone_by and any(
+        psutil.pid_exists(p) and psutil.Process(p).status() != "zombie" for p in pids
+    ):
         time.sleep(0.5)
     assert_no_worker_left(run_dir)
 
@@ -171,7 +203,9 @@ def test_status_down_and_resume(tmp_path):
     """`launcher status` sees every worker; `launcher down` stops gracefully (drafters checkpoint);
     `launcher up --resume` finishes the run, and no batch is trained twice or skipped."""
     run_dir = tmp_path / "run"
-    proc = subprocess.Popen(launcher(run_dir, "run.epochs=1"), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        launcher(run_dir, "run.epochs=1"), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     try:
         deadline = time.monotonic() + 300
         while not ((run_dir / "metrics.jsonl").exists() and len(metrics(run_dir)) >= 5):
@@ -187,8 +221,9 @@ def test_status_down_and_resume(tmp_path):
         # loss, τ, tok/s: exactly the metrics.jsonl line of that step (all ranks, its window)
         window = json.loads(status.stdout)["window"]
         line = next(m for m in metrics(run_dir) if m["step"] == window["step"])
-        assert {k: line[k] for k in ("loss", "tau", "tokens_per_s", "data_wait_frac")} == \
-            {k: window[k] for k in ("loss", "tau", "tokens_per_s", "data_wait_frac")}
+        assert {k: line[k] for k in ("loss", "tau", "tokens_per_s", "data_wait_frac")} == {
+            k: window[k] for k in ("loss", "tau", "tokens_per_s", "data_wait_frac")
+        }
         assert rows[0]["batches_served"] > 0 and rows[1]["tokens_per_s"] > 0
         table = run_launcher("status", "--run-dir", str(run_dir), timeout=60).stdout
         assert "drafter-1" in table and "training" in table and f"run {run_dir}: running" in table
@@ -201,13 +236,13 @@ def test_status_down_and_resume(tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert proc.returncode == 3, output[-2000:]           # stopped before the end
+    assert proc.returncode == 3, output[-2000:]  # stopped before the end
     assert_no_worker_left(run_dir)
     stopped_at = max(m["step"] for m in metrics(run_dir))
     assert (run_dir / "checkpoints" / "latest").exists()
     assert json.loads((run_dir / "run.json").read_text())["outcome"]["state"] == "stopped"
     hint = output.split("stopped before the end; to continue: ")[1].splitlines()[0]
-    resume = [sys.executable, "-m"] + shlex.split(hint)       # the printed command, as the user would paste it
+    resume = [sys.executable, "-m"] + shlex.split(hint)  # the printed command, as the user would paste it
     assert resume[-3:] == ["--run-dir", str(run_dir), "--resume"] and "run.epochs=1" in resume
 
     saved = (run_dir / "checkpoints" / "latest").resolve()
@@ -215,7 +250,7 @@ def test_status_down_and_resume(tmp_path):
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-2000:]
     assert f"resumed from step {int(saved.name.split('-')[1])} ({saved})" in again.stdout, again.stdout[-3000:]
     steps = [m["step"] for m in metrics(run_dir)]
-    assert steps == sorted(steps) and steps[-1] > stopped_at     # the curve continues, no step twice
+    assert steps == sorted(steps) and steps[-1] > stopped_at  # the curve continues, no step twice
     assert_exactly_once(run_dir)
     status = run_launcher("status", "--run-dir", str(run_dir), "--timeout", "0.5", timeout=60)
     assert status.returncode == 0 and status.stdout.startswith(f"run {run_dir}: finished (exit 0"), status.stdout
@@ -228,13 +263,14 @@ def test_status_down_and_resume(tmp_path):
     assert json.loads((run_dir / "run.json").read_text())["outcome"]["state"] == "finished"
     assert f"resumed from step {steps[-1]} " in done.stdout, done.stdout[-3000:]
     finals = [line for line in (run_dir / "acceptance.jsonl").read_text().splitlines() if '"final": true' in line]
-    assert len(finals) == 1, finals                      # the finished run's final eval is not run again
+    assert len(finals) == 1, finals  # the finished run's final eval is not run again
     assert_exactly_once(run_dir)
 
 
 def readme_command(start: str) -> list[str]:
     """The README's command that starts with `start` (after any `cmd &&`), comment dropped, as argv."""
     import shlex
+
     readme = (REPO / "README.md").read_text()
     for line in readme.splitlines():
         command = line.split("&&")[-1].split("#")[0].strip()
@@ -247,16 +283,24 @@ def readme_command(start: str) -> list[str]:
 def test_the_readme_export_command_works_right_after_the_readme_demo():
     """README's demo (a few steps of it), then README's export command, as written, from the same folder."""
     import tempfile
-    with tempfile.TemporaryDirectory(prefix="rd", dir="/tmp") as folder:     # short: ipc paths stay < 108 bytes
+
+    with tempfile.TemporaryDirectory(prefix="rd", dir="/tmp") as folder:  # short: ipc paths stay < 108 bytes
         readme_demo_then_export(Path(folder))
 
 
 def readme_demo_then_export(tmp_path: Path) -> None:
     env = child_env()
-    up = subprocess.run(readme_command("launcher up --demo") + ["run.max_steps=4"], cwd=tmp_path, env=env,
-                        capture_output=True, text=True, timeout=600, umask=0o022)
+    up = subprocess.run(
+        readme_command("launcher up --demo") + ["run.max_steps=4"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        umask=0o022,
+    )
     assert up.returncode == 0, up.stdout[-3000:] + up.stderr[-3000:]
-    assert "(step 4: last); vLLM num_speculative_tokens = 7 (block_size 8 - 1)" in up.stdout   # the demo's B = 8
+    assert "(step 4: last); vLLM num_speculative_tokens = 7 (block_size 8 - 1)" in up.stdout  # the demo's B = 8
 
     export = readme_command("launcher export")
     export[export.index("DIR")] = str(tmp_path / "served")

@@ -2,6 +2,7 @@
 the other, ZMQ over tcp with CURVE keys, torch.distributed rendezvous on the drafter host.
 A third party without the key gets nothing from the target.
 """
+
 import json
 import random
 import subprocess
@@ -23,9 +24,23 @@ SPEC = f"0:target@{TARGET_HOST},0:drafter@{DRAFTER_HOST}"
 
 
 def up(run_dir, host, keys, base_port, dist_port):
-    return launcher_argv("up", "--demo", "--device", "cpu", "--gpus", SPEC, "--host", host,
-            "--run-dir", str(run_dir), f'transport.curve_keys_dir="{keys}"', f"transport.base_port={base_port}",
-            f"transport.dist_port={dist_port}", "run.epochs=1", "run.max_steps=150")
+    return launcher_argv(
+        "up",
+        "--demo",
+        "--device",
+        "cpu",
+        "--gpus",
+        SPEC,
+        "--host",
+        host,
+        "--run-dir",
+        str(run_dir),
+        f'transport.curve_keys_dir="{keys}"',
+        f"transport.base_port={base_port}",
+        f"transport.dist_port={dist_port}",
+        "run.epochs=1",
+        "run.max_steps=150",
+    )
 
 
 def test_run_across_two_hosts_with_curve(tmp_path):
@@ -33,10 +48,18 @@ def test_run_across_two_hosts_with_curve(tmp_path):
     assert subprocess.run(launcher_argv("keys", str(keys)), capture_output=True).returncode == 0
     base_port, dist_port = random.randrange(20000, 40000, 1024), random.randrange(41000, 49000)
     target_run, drafter_run = tmp_path / "host-a", tmp_path / "host-b"
-    host_a = subprocess.Popen(up(target_run, TARGET_HOST, keys, base_port, dist_port),
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    host_b = subprocess.Popen(up(drafter_run, DRAFTER_HOST, keys, base_port, dist_port),
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    host_a = subprocess.Popen(
+        up(target_run, TARGET_HOST, keys, base_port, dist_port),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    host_b = subprocess.Popen(
+        up(drafter_run, DRAFTER_HOST, keys, base_port, dist_port),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 300
         while not (drafter_run / "metrics.jsonl").exists():
@@ -70,7 +93,7 @@ def test_run_across_two_hosts_with_curve(tmp_path):
     assert host_b.returncode == 0, out_b[-3000:]
     assert host_a.returncode == 0, out_a[-3000:]
     run_a = json.loads((target_run / "run.json").read_text())
-    assert [w["name"] for w in run_a["workers"] if w["pid"]] == ["target-0"]     # each host starts its own
+    assert [w["name"] for w in run_a["workers"] if w["pid"]] == ["target-0"]  # each host starts its own
     schedule = json.loads((drafter_run / "schedule.json").read_text())
     trained = Counter(e["g"] for e in read_all(drafter_run))
     assert sorted(trained) == list(range(schedule["total_batches"])) and schedule["optimizer_steps"] == 150

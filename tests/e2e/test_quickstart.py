@@ -1,6 +1,7 @@
 """docs/quickstart.md's CPU walkthrough, run as written: its run-cpu.toml and its commands, read
 from the markdown (so the doc and the test cannot drift), on a tiny random model made on the spot
 in models/my-model and the demo's chat data in data/chat.jsonl."""
+
 import json
 import os
 import shlex
@@ -16,8 +17,8 @@ from tests.launching import child_env
 
 
 def test_the_cpu_walkthrough_runs_as_written(tmp_path):
-    demo = make_demo(tmp_path / "demo", num_conversations=1500, target_steps=0)    # a random target, 70 rows
-    work = Path(tempfile.mkdtemp(prefix="qs-", dir="/tmp"))     # short: ipc socket paths are at most 107 bytes
+    demo = make_demo(tmp_path / "demo", num_conversations=1500, target_steps=0)  # a random target, 70 rows
+    work = Path(tempfile.mkdtemp(prefix="qs-", dir="/tmp"))  # short: ipc socket paths are at most 107 bytes
     try:
         run_walkthrough(demo, work, tmp_path)
     finally:
@@ -30,13 +31,16 @@ def run_walkthrough(demo, work, tmp_path):
     os.symlink(demo["model_path"], work / "models" / "my-model")
     os.symlink(demo["data_path"], work / "data" / "chat.jsonl")
     (work / "run-cpu.toml").write_text(quickstart_block("# run-cpu.toml:"))
-    bin_dir = tmp_path / "bin"                         # `launcher` as installed: this checkout's CLI
+    bin_dir = tmp_path / "bin"  # `launcher` as installed: this checkout's CLI
     bin_dir.mkdir()
-    (bin_dir / "launcher").write_text(f"#!/bin/sh\nexec {shlex.quote(sys.executable)} -m launcher \"$@\"\n")
+    (bin_dir / "launcher").write_text(f'#!/bin/sh\nexec {shlex.quote(sys.executable)} -m launcher "$@"\n')
     (bin_dir / "launcher").chmod(0o755)
     env = child_env(PATH=f"{bin_dir}:{os.environ['PATH']}")
-    commands = [line for line in quickstart_block("# the CPU walkthrough").splitlines()
-                if line.strip() and not line.startswith("#")]
+    commands = [
+        line
+        for line in quickstart_block("# the CPU walkthrough").splitlines()
+        if line.strip() and not line.startswith("#")
+    ]
     assert [c.split()[1] for c in commands] == ["up", "status", "report", "eval", "export"]
     said = {}
     for command in commands:
@@ -47,5 +51,5 @@ def run_walkthrough(demo, work, tmp_path):
     assert "finished" in said["status"] and "plan: 30 optimizer steps" in said["status"], said["status"]
     assert "steps: 30" in said["report"] and "real acceptance" in said["report"]
     drafter_line = next(line for line in said["eval"].splitlines() if line.split()[:1] == ["drafter"])
-    assert drafter_line.endswith("  4/4"), said["eval"]                 # its table row: lossless 4 of 4
+    assert drafter_line.endswith("  4/4"), said["eval"]  # its table row: lossless 4 of 4
     assert json.loads((work / "my-drafter" / "config.json").read_text())["architectures"] == ["DFlashDraftModel"]

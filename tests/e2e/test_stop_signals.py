@@ -5,6 +5,7 @@ launcher thread the worker is handed to on its way to init; every drafter must s
 step, write the checkpoint and exit 3 (stopped before the end). A signal sent twice by one sender
 (GNU timeout signals the launcher, then its process group) is one stop too. A stop sent to one
 drafter stops its group, and the launcher records the run as stopped (exit 3), not finished."""
+
 import json
 import os
 import signal
@@ -23,8 +24,19 @@ pytestmark = pytest.mark.slow
 
 
 def up_args(run_dir: Path, *extra: str) -> list[str]:
-    return ["up", "--demo", "--device", "cpu", "--gpus", "0:target,1-2:drafter", "--run-dir", str(run_dir),
-            "run.epochs=50", "run.checkpoint_every=100000", *extra]
+    return [
+        "up",
+        "--demo",
+        "--device",
+        "cpu",
+        "--gpus",
+        "0:target,1-2:drafter",
+        "--run-dir",
+        str(run_dir),
+        "run.epochs=50",
+        "run.checkpoint_every=100000",
+        *extra,
+    ]
 
 
 # The launcher's orphans come to this process (a child subreaper), so their exit codes can be read.
@@ -59,11 +71,16 @@ KILL_9 = textwrap.dedent("""
 
 def test_kill_9_of_the_launcher_every_drafter_checkpoints_and_exits_stopped(tmp_path):
     run_dir = tmp_path / "run"
-    out = subprocess.run([sys.executable, "-c", KILL_9, str(run_dir), *launcher_argv(*up_args(run_dir))],
-                         capture_output=True, text=True, timeout=600, env=child_env())
+    out = subprocess.run(
+        [sys.executable, "-c", KILL_9, str(run_dir), *launcher_argv(*up_args(run_dir))],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=child_env(),
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     codes = json.loads(out.stdout.strip().splitlines()[-1])
-    assert codes == {"target-0": 0, "drafter-0": 3, "drafter-1": 3}, codes     # stopped; nothing hard (143)
+    assert codes == {"target-0": 0, "drafter-0": 3, "drafter-1": 3}, codes  # stopped; nothing hard (143)
     stops = []
     for rank in (0, 1):
         log = (run_dir / "logs" / f"drafter-{rank}.log").read_text()
@@ -76,7 +93,7 @@ def test_kill_9_of_the_launcher_every_drafter_checkpoints_and_exits_stopped(tmp_
 
 def stopped_once(run_dir: Path, rank: int = 0) -> dict:
     """drafter-<rank> began one graceful stop, never exited hard, and checkpointed the step it stopped at."""
-    log = (run_dir / "logs" / f"drafter-{rank}.log").read_text().split("\n===== ")[-1]      # its latest start
+    log = (run_dir / "logs" / f"drafter-{rank}.log").read_text().split("\n===== ")[-1]  # its latest start
     assert log.count(": finishing the current step") == 1 and "exiting now" not in log, log[-3000:]
     stopped = events(log, "stopped")[-1]
     assert stopped["signal"] is True and stopped["step"] > 0
@@ -90,8 +107,9 @@ def test_a_second_launcher_is_refused_in_under_two_seconds_while_the_first_prepa
     preparing anything itself."""
     run_dir = tmp_path / "run"
     early = tmp_path / ".run.launcher.lock"
-    first = start_launcher(*up_args(run_dir), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                           start_new_session=True)        # its group: the data packer dies with it
+    first = start_launcher(
+        *up_args(run_dir), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )  # its group: the data packer dies with it
     try:
         deadline = time.monotonic() + 120
         while not (early.exists() and early.read_text().strip() == str(first.pid)):
@@ -101,14 +119,15 @@ def test_a_second_launcher_is_refused_in_under_two_seconds_while_the_first_prepa
         started = time.monotonic()
         second = run_launcher(*up_args(run_dir), cwd=REPO, timeout=120)
         took = time.monotonic() - started
-        assert not run_dir.exists() and first.poll() is None        # the first was still preparing all along
+        assert not run_dir.exists() and first.poll() is None  # the first was still preparing all along
     finally:
         os.killpg(first.pid, signal.SIGKILL)
         first.wait()
     assert second.returncode == 2, second.stdout + second.stderr
     assert second.stdout == "" and second.stderr.strip().splitlines() == [
         f"launcher: error: another launcher is running on {run_dir} (pid {first.pid}); stop it first "
-        f"(launcher down --run-dir {run_dir}) or choose another --run-dir"], second.stderr
+        f"(launcher down --run-dir {run_dir}) or choose another --run-dir"
+    ], second.stderr
     assert took < 2.0, f"refused after {took:.1f}s"
 
 
@@ -117,18 +136,18 @@ def test_one_stop_per_request_and_one_launcher_per_run_dir(tmp_path):
     first = start_launcher(*up_args(run_dir))
     try:
         lock = run_dir / "launcher.lock"
-        deadline = time.monotonic() + 180               # after the demo is loaded and its data packed
+        deadline = time.monotonic() + 180  # after the demo is loaded and its data packed
         while not (lock.exists() and lock.read_text().strip() == str(first.pid)):
             assert time.monotonic() < deadline and first.poll() is None
             time.sleep(0.05)
         busy = f"another launcher is running on {run_dir} (pid {first.pid})"
-        for extra in ((), ("--resume",)):          # a second `up` on the same run dir, before anything is written
+        for extra in ((), ("--resume",)):  # a second `up` on the same run dir, before anything is written
             second = run_launcher(*up_args(run_dir, *extra), cwd=REPO, timeout=120)
             assert second.returncode == 2 and busy in second.stderr, second.stdout + second.stderr
         pids = wait_metrics(run_dir, first)
         assert json.loads((run_dir / "run.json").read_text())["launcher_pid"] == first.pid
-        os.kill(pids["drafter-1"], signal.SIGTERM)     # a worker: twice by one sender within the debounce
-        time.sleep(0.3)                                # (sooner, the kernel may merge the two into one)
+        os.kill(pids["drafter-1"], signal.SIGTERM)  # a worker: twice by one sender within the debounce
+        time.sleep(0.3)  # (sooner, the kernel may merge the two into one)
         os.kill(pids["drafter-1"], signal.SIGTERM)
         out, _ = first.communicate(timeout=300)
     finally:
@@ -139,21 +158,21 @@ def test_one_stop_per_request_and_one_launcher_per_run_dir(tmp_path):
     assert "stopped before the end; to continue: " in out and "--resume" in out, out[-3000:]
     outcome = json.loads((run_dir / "run.json").read_text())["outcome"]
     assert outcome["state"] == "stopped" and outcome["exit"] == 3 and "drafter-1" in outcome["reason"], outcome
-    assert not (run_dir / "export").exists()                          # an export is a finished run's
+    assert not (run_dir / "export").exists()  # an export is a finished run's
     step = stopped_once(run_dir, rank=1)["step"]
 
     logged = len((run_dir / "metrics.jsonl").read_text().splitlines())
     again = start_launcher(*up_args(run_dir, "--resume"))
     try:
-        wait_metrics(run_dir, again, lines=logged + 2)     # the resumed run trains
-        os.kill(again.pid, signal.SIGTERM)         # the launcher, as GNU timeout does: the pid, then the group
-        time.sleep(0.3)                            # (sooner, the kernel may merge the two into one)
+        wait_metrics(run_dir, again, lines=logged + 2)  # the resumed run trains
+        os.kill(again.pid, signal.SIGTERM)  # the launcher, as GNU timeout does: the pid, then the group
+        time.sleep(0.3)  # (sooner, the kernel may merge the two into one)
         os.kill(again.pid, signal.SIGTERM)
         out, _ = again.communicate(timeout=300)
     finally:
         if again.poll() is None:
             again.kill()
-    assert again.returncode == 3, out[-3000:]                  # stopped, gracefully
+    assert again.returncode == 3, out[-3000:]  # stopped, gracefully
     assert f"SIGTERM from pid {os.getpid()} again: the same stop request" in out
     assert "second signal" not in out and "killed after" not in out
     assert stopped_once(run_dir)["step"] > step

@@ -1,4 +1,5 @@
 """The target worker as a real process: health states, info, batches over real ZMQ, errors, SIGTERM."""
+
 from __future__ import annotations
 
 import signal
@@ -32,8 +33,20 @@ def demo(tmp_path_factory):
 
 
 def _start(run_dir: Path, overrides: list[str]) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "services.target", "--run-dir", str(run_dir), "--rank", "0", "--world-size", "1",
-           "--device", "cpu", *overrides]
+    cmd = [
+        sys.executable,
+        "-m",
+        "services.target",
+        "--run-dir",
+        str(run_dir),
+        "--rank",
+        "0",
+        "--world-size",
+        "1",
+        "--device",
+        "cpu",
+        *overrides,
+    ]
     return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -62,8 +75,12 @@ def _events(client: BatchClient, want: int, timeout=60.0) -> list[tuple]:
 def test_worker_serves_info_batches_errors_and_stops_on_sigterm(tmp_path, demo):
     data = tmp_path / "data.jsonl"
     data.write_text(Path(demo["data_path"]).read_text() + "{ a broken line\n")
-    overrides = demo["overrides"] + [f"data.path={data}", "data.on_bad_sample=skip", "data.pack_len=256",
-                                     "target.labels_from_target=false"]          # the early-exit path
+    overrides = demo["overrides"] + [
+        f"data.path={data}",
+        "data.on_bad_sample=skip",
+        "data.pack_len=256",
+        "target.labels_from_target=false",
+    ]  # the early-exit path
     cfg = load_config(None, overrides)
     run = tmp_path / "run"
     health_ep = endpoint(run, cfg.transport, "target", 0, "health")
@@ -75,7 +92,7 @@ def test_worker_serves_info_batches_errors_and_stops_on_sigterm(tmp_path, demo):
 
         client = BatchClient([endpoint(run, cfg.transport, "target", 0, "data")], cfg.transport)
         client.request_info(0)
-        (kind, target, info), = _events(client, 1)
+        ((kind, target, info),) = _events(client, 1)
         assert kind == "info" and target == 0
         tokenizer = AutoTokenizer.from_pretrained(demo["model_path"])
         assert info["layer_ids"] == [2] and info["hidden_size"] == 128 and info["hidden_width"] == 128
@@ -94,7 +111,7 @@ def test_worker_serves_info_batches_errors_and_stops_on_sigterm(tmp_path, demo):
         for g in (0, 1, info["num_batches"] + 1):
             client.request(0, g)
         client.request(0, 0, "eval")
-        client.request(0, total)                                    # one past the end
+        client.request(0, total)  # one past the end
         events = _events(client, 5)
         batches = {(e[2], e[3].g): e[3] for e in events if e[0] == "batch"}
         errors = [e for e in events if e[0] == "error"]
@@ -140,17 +157,18 @@ def test_worker_sends_target_labels_when_configured(tmp_path, demo):
     try:
         _wait_state(proc, endpoint(run, cfg.transport, "target", 0, "health"), ("ready",))
         client.request(0, 3)
-        (kind, _, _, batch, _), = _events(client, 1)
+        ((kind, _, _, batch, _),) = _events(client, 1)
         assert kind == "batch" and batch.target_labels is not None and batch.target_labels.dtype == torch.int64
         from transformers import AutoModelForCausalLM
+
         model = AutoModelForCausalLM.from_pretrained(demo["model_path"], dtype=torch.float32).eval()
         real = batch.document_ids >= 0
         start = 0
-        for d in range(int(batch.document_ids.max()) + 1):   # each document alone through the stock HF model
+        for d in range(int(batch.document_ids.max()) + 1):  # each document alone through the stock HF model
             n = int((batch.document_ids == d).sum())
             with torch.no_grad():
-                logits = model(input_ids=batch.input_ids[start:start + n][None]).logits[0]
-            assert torch.equal(batch.target_labels[start:start + n], logits.argmax(-1))
+                logits = model(input_ids=batch.input_ids[start : start + n][None]).logits[0]
+            assert torch.equal(batch.target_labels[start : start + n], logits.argmax(-1))
             start += n
         assert start == int(real.sum())
     finally:
@@ -159,11 +177,14 @@ def test_worker_sends_target_labels_when_configured(tmp_path, demo):
         proc.wait()
 
 
-@pytest.mark.parametrize("bad, message", [
-    ("target.model_path={missing}", "model directory not found: {missing}"),
-    ("target.layer_ids=[1, 9]", "target.layer_ids [9] out of range: the target has 4 decoder layers"),
-    ("target.no_such_key=1", "unknown key target.no_such_key"),
-])
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        ("target.model_path={missing}", "model directory not found: {missing}"),
+        ("target.layer_ids=[1, 9]", "target.layer_ids [9] out of range: the target has 4 decoder layers"),
+        ("target.no_such_key=1", "unknown key target.no_such_key"),
+    ],
+)
 def test_a_config_error_is_exit_2_with_one_clear_line(tmp_path, demo, bad, message):
     """As in the drafter (test_drafter_process.py): exit 2, one line naming the error, no traceback."""
     missing = tmp_path / "missing-model"
@@ -171,6 +192,6 @@ def test_a_config_error_is_exit_2_with_one_clear_line(tmp_path, demo, bad, messa
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 2, err[-3000:]
     assert "Traceback" not in err
-    line, = [line for line in err.splitlines() if " error " in line]
+    (line,) = [line for line in err.splitlines() if " error " in line]
     assert line.split(" ", 3)[1:3] == ["target-0", "error"]
     assert " error config error: " in line and message.format(missing=missing) in line

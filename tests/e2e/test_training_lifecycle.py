@@ -2,6 +2,7 @@
 a drafter is SIGKILLed mid-run, the supervisor restarts the drafter group with --resume, and the
 run still trains every batch exactly once, continues its loss curve, evaluates, keeps the best
 checkpoint, exports, and `launcher report` summarises and plots it."""
+
 import json
 import os
 import signal
@@ -22,10 +23,25 @@ STEPS, CHECKPOINT_EVERY, LOG_EVERY, EVAL_EVERY = 120, 20, 5, 40
 def test_sigkilled_drafter_resumes_and_every_batch_is_trained_once(tmp_path):
     run_dir = tmp_path / "run"
     launcher = subprocess.Popen(
-        launcher_argv("up", "--demo", "--device", "cpu", "--gpus", "0:target,1-2:drafter",
-         "--run-dir", str(run_dir), f"run.max_steps={STEPS}", f"run.checkpoint_every={CHECKPOINT_EVERY}",
-         f"run.log_every={LOG_EVERY}", f"run.eval_every={EVAL_EVERY}"),
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        launcher_argv(
+            "up",
+            "--demo",
+            "--device",
+            "cpu",
+            "--gpus",
+            "0:target,1-2:drafter",
+            "--run-dir",
+            str(run_dir),
+            f"run.max_steps={STEPS}",
+            f"run.checkpoint_every={CHECKPOINT_EVERY}",
+            f"run.log_every={LOG_EVERY}",
+            f"run.eval_every={EVAL_EVERY}",
+        ),
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         latest = run_dir / "checkpoints" / "latest"
         wait_for(latest.is_symlink, "the first checkpoint", launcher, 240)
@@ -53,8 +69,14 @@ def test_sigkilled_drafter_resumes_and_every_batch_is_trained_once(tmp_path):
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in records if not r.get("eval")]
     assert [r["step"] for r in train] == list(range(LOG_EVERY, STEPS + 1, LOG_EVERY))
-    assert all(r["loss"] > 0 and 1.0 <= r["tau"] and r["tokens_per_s"] > 0 and 0 <= r["data_wait_frac"] <= 1
-               and len(r["accuracy_per_position"]) == 7 for r in train)
+    assert all(
+        r["loss"] > 0
+        and 1.0 <= r["tau"]
+        and r["tokens_per_s"] > 0
+        and 0 <= r["data_wait_frac"] <= 1
+        and len(r["accuracy_per_position"]) == 7
+        for r in train
+    )
     assert train[-1]["loss"] < train[0]["loss"]
     evals = [r for r in records if r.get("eval")]
     assert [r["step"] for r in evals] == list(range(EVAL_EVERY, STEPS + 1, EVAL_EVERY)) and evals[0]["batches"] >= 1
@@ -81,24 +103,46 @@ def test_stop_while_waiting_for_data_checkpoints_and_resume_finishes_the_run(tmp
     """`launcher down` while the drafters wait for a frozen target: they leave the wait, checkpoint
     and exit 0 (nothing killed hard); `launcher up --resume` then finishes, every batch once."""
     import psutil
+
     steps, run_dir = 60, tmp_path / "run"
-    args = launcher_argv("up", "--demo", "--device", "cpu", "--gpus", "0:target,1-2:drafter", "--run-dir", str(run_dir),
-                         f"run.max_steps={steps}", "run.checkpoint_every=1000", f"run.log_every={LOG_EVERY}")
+    args = launcher_argv(
+        "up",
+        "--demo",
+        "--device",
+        "cpu",
+        "--gpus",
+        "0:target,1-2:drafter",
+        "--run-dir",
+        str(run_dir),
+        f"run.max_steps={steps}",
+        "run.checkpoint_every=1000",
+        f"run.log_every={LOG_EVERY}",
+    )
     up = subprocess.Popen(args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         metrics = run_dir / "metrics.jsonl"
         wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 2, "training", up, 240)
         run = json.loads((run_dir / "run.json").read_text())
         pids = {w["name"]: w["pid"] for w in run["workers"]}
-        os.kill(pids["target-0"], signal.SIGSTOP)                # the drafters run dry and wait
+        os.kill(pids["target-0"], signal.SIGSTOP)  # the drafters run dry and wait
         wait_for(lambda: drafter_stuck(run_dir), "drafter-0 to wait for a batch that cannot come", up, 120)
-        down = subprocess.Popen(launcher_argv("down", "--run-dir", str(run_dir), "--timeout", "120"),
-                                cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        down = subprocess.Popen(
+            launcher_argv("down", "--run-dir", str(run_dir), "--timeout", "120"),
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         deadline = time.monotonic() + 60
-        while any(psutil.pid_exists(pids[d]) and psutil.Process(pids[d]).status() != "zombie"
-                  for d in ("drafter-0", "drafter-1")) and time.monotonic() < deadline:
+        while (
+            any(
+                psutil.pid_exists(pids[d]) and psutil.Process(pids[d]).status() != "zombie"
+                for d in ("drafter-0", "drafter-1")
+            )
+            and time.monotonic() < deadline
+        ):
             time.sleep(0.2)
-        os.kill(pids["target-0"], signal.SIGCONT)                # let it see its SIGTERM
+        os.kill(pids["target-0"], signal.SIGCONT)  # let it see its SIGTERM
         down_out, _ = down.communicate(timeout=150)
         out, _ = up.communicate(timeout=150)
     finally:

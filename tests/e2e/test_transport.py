@@ -2,6 +2,7 @@
 
 Each target is `serve()` below, run in its own Python process; the test process is the drafter.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -30,7 +31,7 @@ from services.transport import MAX_REQUEST_BYTES, BatchServer
 from tests.launching import REPO, child_env
 
 SEQ, WIDTH, N_BATCHES = 300, 640, 8
-CHUNK = 64 << 10     # hidden is 300 x 640 bf16 = 375 KiB: 6 chunks
+CHUNK = 64 << 10  # hidden is 300 x 640 bf16 = 375 KiB: 6 chunks
 
 
 def transport_cfg(**overrides) -> TransportConfig:
@@ -54,14 +55,20 @@ def make_batch(g: int, split: str = "train") -> Batch:
 
 def same_batch(a: Batch, b: Batch) -> bool:
     """Same g, same fields, bit-identical tensors."""
+
     def raw(t: torch.Tensor) -> bytes:
         return bytes(t.contiguous().reshape(-1).view(torch.uint8).numpy())
+
     ta, tb = a.tensors(), b.tensors()
-    return a.g == b.g and ta.keys() == tb.keys() and all(
-        ta[k].dtype == tb[k].dtype and ta[k].shape == tb[k].shape and raw(ta[k]) == raw(tb[k]) for k in ta)
+    return (
+        a.g == b.g
+        and ta.keys() == tb.keys()
+        and all(ta[k].dtype == tb[k].dtype and ta[k].shape == tb[k].shape and raw(ta[k]) == raw(tb[k]) for k in ta)
+    )
 
 
 # --- the target process ----------------------------------------------------------
+
 
 def serve(endpoint: str, health_endpoint: str, mode: str = "normal") -> None:
     """A target: serves make_batch(g) for g < N_BATCHES, errors beyond, until killed.
@@ -87,9 +94,9 @@ def serve(endpoint: str, health_endpoint: str, mode: str = "normal") -> None:
                 pending.append(request)
         if mode == "die" and pending:
             messages = batch_messages(make_batch(pending[0].g, pending[0].split), pending[0].split, CHUNK)
-            for frames in itertools.islice(messages, 3):   # announcement + 2 chunks
+            for frames in itertools.islice(messages, 3):  # announcement + 2 chunks
                 server.send_frames(pending[0].client, frames)
-            time.sleep(0.5)   # let ZMQ push them out, then die mid-stream
+            time.sleep(0.5)  # let ZMQ push them out, then die mid-stream
             os.kill(os.getpid(), signal.SIGKILL)
         if mode == "interleave":
             streams = [batch_messages(make_batch(r.g, r.split), r.split, CHUNK) for r in pending]
@@ -115,21 +122,31 @@ def lies(g: int, split: str) -> list[list]:
     key = {"g": g, "split": split}
     good = list(batch_messages(make_batch(g, split), split, CHUNK))
     wrong_length = make_batch(g, split)
-    wrong_length.input_ids = torch.arange(SEQ + 1)     # fields disagree: BatchError at the end
+    wrong_length.input_ids = torch.arange(SEQ + 1)  # fields disagree: BatchError at the end
     return [
-        [b"not msgpack \xc1"],                                                        # reply
-        [msgpack.packb({"v": 99, "kind": "batch", "tensors": []})],                   # reply
-        list(batch_messages(make_batch(g + 100), split, CHUNK))[0],                   # unrequested
-        wire.encode({"kind": "chunk", **key, "offset": 0}, {"bytes": torch.zeros(8, dtype=torch.uint8)}),  # reply: no announcement
-        wire.encode({"kind": "batch", **key, "stream": [{"name": "hidden", "dtype": "bf16",
-                     "shape": [1_000_000, 4096], "nbytes": 8_192_000_000}]}),          # reply: over max_batch_bytes
-        wire.encode({"kind": "batch", **key, "stream": [{"name": "evil", "dtype": "uint8",
-                     "shape": [4], "nbytes": 4}]}),                                    # reply: not a batch field
+        [b"not msgpack \xc1"],  # reply
+        [msgpack.packb({"v": 99, "kind": "batch", "tensors": []})],  # reply
+        list(batch_messages(make_batch(g + 100), split, CHUNK))[0],  # unrequested
+        wire.encode(
+            {"kind": "chunk", **key, "offset": 0}, {"bytes": torch.zeros(8, dtype=torch.uint8)}
+        ),  # reply: no announcement
+        wire.encode(
+            {
+                "kind": "batch",
+                **key,
+                "stream": [{"name": "hidden", "dtype": "bf16", "shape": [1_000_000, 4096], "nbytes": 8_192_000_000}],
+            }
+        ),  # reply: over max_batch_bytes
+        wire.encode(
+            {"kind": "batch", **key, "stream": [{"name": "evil", "dtype": "uint8", "shape": [4], "nbytes": 4}]}
+        ),  # reply: not a batch field
         good[0],
-        wire.encode({"kind": "chunk", **key, "offset": 12_345}, {"bytes": torch.zeros(8, dtype=torch.uint8)}),  # reply: out of order
-        wire.encode({"kind": "info", "info": {"x": 1}}),                             # unrequested
+        wire.encode(
+            {"kind": "chunk", **key, "offset": 12_345}, {"bytes": torch.zeros(8, dtype=torch.uint8)}
+        ),  # reply: out of order
+        wire.encode({"kind": "info", "info": {"x": 1}}),  # unrequested
         wire.encode({"kind": "error", "g": g + 200, "split": split, "message": "?"}),  # unrequested
-        *batch_messages(wrong_length, split, CHUNK),                                  # reply (BatchError)
+        *batch_messages(wrong_length, split, CHUNK),  # reply (BatchError)
     ]
 
 
@@ -138,6 +155,7 @@ EXPECTED_LIES = {"data-reply": 7, "data-unrequested": 3}
 
 # --- helpers for the drafter side ---------------------------------------------------
 
+
 class Target:
     def __init__(self, tmp_path: Path, scheme: str, name: str, mode: str = "normal", endpoint: str | None = None):
         sock_dir = tmp_path / "sock"
@@ -145,9 +163,13 @@ class Target:
         self.health = f"ipc://{sock_dir}/{name}.health"
         endpoint = endpoint or (f"ipc://{sock_dir}/{name}.data" if scheme == "ipc" else "tcp://127.0.0.1:*")
         code = "import json, sys; from tests.e2e.test_transport import serve; serve(*json.loads(sys.argv[1]))"
-        self.proc = subprocess.Popen([sys.executable, "-c", code, json.dumps([endpoint, self.health, mode])],
-                                     cwd=REPO, stdout=subprocess.PIPE, text=True,
-                                     env=child_env())
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", code, json.dumps([endpoint, self.health, mode])],
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=child_env(),
+        )
         ready, _, _ = select.select([self.proc.stdout], [], [], 60)
         assert ready, "target process did not start within 60 s"
         self.endpoint = self.proc.stdout.readline().strip()
@@ -187,6 +209,7 @@ def collect(client: BatchClient, want: int, timeout_s: float = 30) -> list[tuple
 
 # --- tests -----------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("scheme, modes", [("ipc", ["normal", "interleave"]), ("tcp", ["interleave"])])
 def test_batches_arrive_complete_and_bit_identical(tmp_path, targets, scheme, modes):
     for i, mode in enumerate(modes):
@@ -196,10 +219,10 @@ def test_batches_arrive_complete_and_bit_identical(tmp_path, targets, scheme, mo
         T = len(targets)
         for t in range(T):
             client.request_info(t)
-        for g in range(6):                     # all six in flight at once
+        for g in range(6):  # all six in flight at once
             client.request(g % T, g)
         client.request(1 % T, 1, split="eval")
-        client.request(0, 99)                  # past the end: an error, not a hang
+        client.request(0, 99)  # past the end: an error, not a hang
         events = collect(client, T + 6 + 1 + 1)
         infos = {e[1]: e[2] for e in events if e[0] == "info"}
         batches = {(e[2], e[3].g): (e[1], e[3]) for e in events if e[0] == "batch"}
@@ -228,7 +251,7 @@ def test_garbage_sent_to_a_target_is_counted_and_dropped(tmp_path, targets):
     garbage = [
         [b"\xc1 not msgpack"],
         [msgpack.packb({"v": 2, "kind": "request", "want": "batch", "g": 0, "split": "train", "tensors": []})],
-        wire.encode({"kind": "batch", "g": 0, "split": "train"}),        # a target only takes requests
+        wire.encode({"kind": "batch", "g": 0, "split": "train"}),  # a target only takes requests
         wire.encode({"kind": "request", "want": "everything"}),
         wire.encode({"kind": "request", "want": "batch", "g": -1, "split": "train"}),
         wire.encode({"kind": "request", "want": "batch", "g": True, "split": "train"}),
@@ -239,7 +262,7 @@ def test_garbage_sent_to_a_target_is_counted_and_dropped(tmp_path, targets):
     try:
         for frames in garbage:
             hostile.send_multipart(frames)
-        huge = ctx.socket(zmq.DEALER)      # over the target's MAXMSGSIZE: ZMQ drops the peer itself
+        huge = ctx.socket(zmq.DEALER)  # over the target's MAXMSGSIZE: ZMQ drops the peer itself
         huge.setsockopt(zmq.LINGER, 0)
         huge.connect(target.endpoint)
         huge.send(b"\x00" * (MAX_REQUEST_BYTES + 1))
@@ -267,16 +290,16 @@ def test_a_lying_target_is_counted_and_dropped_by_the_drafter(tmp_path, targets)
     try:
         client.request(0, 2)
         client.request(0, 5, split="eval")
-        events = collect(client, 4)       # two batches, and a "rejected" per unrequested batch
+        events = collect(client, 4)  # two batches, and a "rejected" per unrequested batch
         time.sleep(0.3)
-        events += client.poll(0)          # nothing more may come
+        events += client.poll(0)  # nothing more may come
         batches = [e for e in events if e[0] == "batch"]
         assert sorted((e[2], e[3].g) for e in batches) == [("eval", 5), ("train", 2)]
         assert all(same_batch(e[3], make_batch(e[3].g, e[2])) for e in batches)
         # a batch nobody asked for says whoever answers may not be the target: the source asks afresh
         assert sorted((e[2], e[3]) for e in events if e[0] == "rejected") == [("eval", 105), ("train", 102)]
         assert len(events) == 4
-        expected = {kind: 2 * n for kind, n in EXPECTED_LIES.items()}   # two batches, two rounds of lies
+        expected = {kind: 2 * n for kind, n in EXPECTED_LIES.items()}  # two batches, two rounds of lies
         assert dict(client.drops.counts) == expected
         assert health.snapshot()["bad_message_kinds"] == expected
     finally:
@@ -292,7 +315,7 @@ def test_target_killed_mid_stream_and_restarted(tmp_path, targets, scheme):
     try:
         client.request(0, 4)
         assert first.proc.wait(30) == -signal.SIGKILL
-        assert client.poll(300) == []          # two chunks came; no batch
+        assert client.poll(300) == []  # two chunks came; no batch
         assert half_received(client) == [(0, "train", 4)]
         second = Target(tmp_path, scheme, "target-0", endpoint=first.endpoint)
         targets.append(second)
@@ -309,6 +332,7 @@ def test_target_killed_mid_stream_and_restarted(tmp_path, targets, scheme):
 
 # --- in-process pieces ---------------------------------------------------------------------
 
+
 def test_a_batch_for_a_drafter_that_is_gone_is_released(tmp_path):
     """And the log says what was dropped: a batch (its drafter will ask again), or a verify answer
     (its drafter stopped waiting and closed the socket)."""
@@ -320,8 +344,10 @@ def test_a_batch_for_a_drafter_that_is_gone_is_released(tmp_path):
         assert released.wait(5), "the batch's memory was never handed back"
         server.send_messages(b"gone-verifier", [wire.encode({"kind": "verify"})])
         assert server.flush(5)
-        assert health.snapshot()["errors"] == ["drafter disconnected; batch dropped (it will ask again)",
-                                               "drafter disconnected; verify answer dropped"]
+        assert health.snapshot()["errors"] == [
+            "drafter disconnected; batch dropped (it will ask again)",
+            "drafter disconnected; verify answer dropped",
+        ]
     finally:
         server.close()
         health.close()
@@ -329,7 +355,7 @@ def test_a_batch_for_a_drafter_that_is_gone_is_released(tmp_path):
 
 def test_a_drafter_that_does_not_read_holds_up_nobody_else():
     """One drafter never reads: its queue fills. Another drafter still gets its batch at once."""
-    cfg = transport_cfg(credits=1, max_batch_bytes=1 << 20)       # a short queue per drafter
+    cfg = transport_cfg(credits=1, max_batch_bytes=1 << 20)  # a short queue per drafter
     server = BatchServer("tcp://127.0.0.1:*", cfg)
     ctx = zmq.Context()
     stuck = ctx.socket(zmq.DEALER)
@@ -344,7 +370,7 @@ def test_a_drafter_that_does_not_read_holds_up_nobody_else():
         while len(clients) < 2:
             for request in server.poll(1000):
                 clients[request.g] = request.client
-        for g in range(40):                                       # far more than the stuck queue holds
+        for g in range(40):  # far more than the stuck queue holds
             server.send_batch(clients[0], make_batch(g))
         start = time.monotonic()
         server.send_batch(clients[7], make_batch(7))
@@ -373,10 +399,10 @@ def test_buffer_pool_reuses_a_buffer_only_after_its_tensors_are_gone():
     address, view = first.data_ptr(), first[100:200].view(torch.int32)
     del first
     second = pool.get(4096)
-    assert second.data_ptr() != address       # a view of the first is still alive
+    assert second.data_ptr() != address  # a view of the first is still alive
     del view
     third = pool.get(4096)
-    assert third.data_ptr() == address        # now it is free again
+    assert third.data_ptr() == address  # now it is free again
     assert pool.get(8192).data_ptr() not in (address, second.data_ptr())
 
 
@@ -424,20 +450,20 @@ def test_a_replaced_target_is_noticed_and_its_impostor_ignored(tmp_path, targets
         real.proc.wait(10)
         impostor = Target(tmp_path, "ipc", "target-0", mode="impostor", endpoint=real.endpoint)
         targets.append(impostor)
-        client.request(0, 3, incarnation=first)           # the drafter still believes in the first target
+        client.request(0, 3, incarnation=first)  # the drafter still believes in the first target
         deadline, rejected = time.monotonic() + 20, []
         while not client.drops.counts["data-incarnation"] and time.monotonic() < deadline:
             events = client.poll(200)
             assert all(e[0] == "rejected" for e in events), "a batch from the impostor was taken"
             rejected += events
         assert client.drops.counts["data-incarnation"] >= 1
-        rejected += client.poll(200)          # the drop is handed on, so the drafter asks again at once
+        rejected += client.poll(200)  # the drop is handed on, so the drafter asks again at once
         assert rejected and rejected[0][:4] == ("rejected", 0, "train", 3), rejected
 
-        back = Target(tmp_path, "ipc", "target-0", endpoint=real.endpoint)     # the supervisor's restart
+        back = Target(tmp_path, "ipc", "target-0", endpoint=real.endpoint)  # the supervisor's restart
         targets.append(back)
         second = back.status()["incarnation"]
-        assert second != first and impostor.proc.poll() is None   # the impostor still holds the old connection
+        assert second != first and impostor.proc.poll() is None  # the impostor still holds the old connection
         client.reconnect(0)
         client.request(0, 3, incarnation=second)
         events = collect(client, 1)

@@ -8,9 +8,9 @@ is mostly right; the figures equal those of the same loop on the target loaded i
 Hostile verify messages are counted and dropped while the worker keeps serving batches; a target
 restarted mid-eval costs a retried or skipped prompt, never a hang.
 """
+
 from __future__ import annotations
 
-import shutil
 import signal
 import subprocess
 import sys
@@ -46,17 +46,31 @@ def hybrid_model(demo, out: Path) -> str:
     """A tiny random Qwen3.5 hybrid with the demo's tokenizer, saved like a checkpoint."""
     from transformers import AutoTokenizer
     from transformers.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
     tokenizer = AutoTokenizer.from_pretrained(demo["model_path"])
     torch.manual_seed(0)
-    cfg = Qwen3_5TextConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                            num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_num_key_heads=2,
-                            linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
-                            linear_conv_kernel_dim=4, max_position_embeddings=1024, tie_word_embeddings=False,
-                            layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"],
-                            eos_token_id=tokenizer.eos_token_id, pad_token_id=0)
+    cfg = Qwen3_5TextConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        linear_conv_kernel_dim=4,
+        max_position_embeddings=1024,
+        tie_word_embeddings=False,
+        layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"],
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=0,
+    )
     model = Qwen3_5ForCausalLM(cfg)
     with torch.no_grad():
-        model.lm_head.weight.mul_(20)      # a spread of logits: greedy output is not one token repeated
+        model.lm_head.weight.mul_(20)  # a spread of logits: greedy output is not one token repeated
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return str(out)
@@ -73,8 +87,16 @@ class Worker:
         self.proc = None
 
     def start(self) -> dict:
-        cmd = [sys.executable, "-m", "services.target", "--run-dir", str(self.run_dir), "--device", "cpu",
-               *self.overrides]
+        cmd = [
+            sys.executable,
+            "-m",
+            "services.target",
+            "--run-dir",
+            str(self.run_dir),
+            "--device",
+            "cpu",
+            *self.overrides,
+        ]
         self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         return self.wait_ready()
 
@@ -99,8 +121,12 @@ class Worker:
 
 
 def _overrides(demo, model_path: str) -> list[str]:
-    return demo["overrides"] + [f'target.model_path="{model_path}"', "data.pack_len=256",
-                                f"run.spec_eval_max_new_tokens={NEW}", "drafter.block_size=4"]
+    return demo["overrides"] + [
+        f'target.model_path="{model_path}"',
+        "data.pack_len=256",
+        f"run.spec_eval_max_new_tokens={NEW}",
+        "drafter.block_size=4",
+    ]
 
 
 @pytest.fixture(scope="module", params=["dense", "hybrid"])
@@ -121,11 +147,11 @@ class MostlyRight:
         self.spec, self.block_size, self.sequence = spec, block_size, None
 
     def __call__(self, features, last_token, start):
-        for i, prompt in enumerate(self.spec.prompts):            # a prompt's first step: find its sequence
+        for i, prompt in enumerate(self.spec.prompts):  # a prompt's first step: find its sequence
             ref = self.spec._refs.get(i)
             if ref is not None and start == len(prompt) and last_token == ref.tokens[0]:
                 self.sequence = prompt + ref.tokens
-        drafts = (self.sequence[start + 1:start + self.block_size] + [0] * self.block_size)[:self.block_size - 1]
+        drafts = (self.sequence[start + 1 : start + self.block_size] + [0] * self.block_size)[: self.block_size - 1]
         drafts[-1] = (drafts[-1] + 1) % 100
         return torch.tensor(drafts, device=features.device)
 
@@ -137,13 +163,13 @@ def test_speculative_decoding_through_the_worker_equals_greedy(worker):
     try:
         assert len(spec.prompts) == PROMPTS
         torch.manual_seed(0)
-        random = spec.run(spec.proposer(None, model_cfg))                   # random drafter: most drafts rejected
+        random = spec.run(spec.proposer(None, model_cfg))  # random drafter: most drafts rejected
         assert random["prompts"] == PROMPTS and random["skipped"] == 0
         assert random["lossless"] == PROMPTS and random["differences"] == [], random["differences"]
         assert random["acceptance_per_step"] < 1.5
         right = spec.run(MostlyRight(spec, model_cfg.block_size))
         assert right["lossless"] == PROMPTS and right["differences"] == []
-        assert right["acceptance_per_step"] > 2.0                            # B-1 = 3 per step but at the end
+        assert right["acceptance_per_step"] > 2.0  # B-1 = 3 per step but at the end
         # the references really are the target's greedy output: the same loop on the target loaded here
         local = LocalSpecEval(cfg, "cpu", prompts=PROMPTS, max_new_tokens=NEW)
         local_refs = local.references(PROMPTS)
@@ -152,8 +178,15 @@ def test_speculative_decoding_through_the_worker_equals_greedy(worker):
         local_random = local.run(local.proposer(None, model_cfg))
         assert local_random["acceptance_per_step"] == pytest.approx(random["acceptance_per_step"])
         # and batched: every prompt at once, one packed target forward per step (services/eval/batched_decode.py)
-        batched = LocalSpecEval(cfg, "cpu", prompts=PROMPTS, max_new_tokens=NEW, batch=PROMPTS, target=local.target,
-                           tokenizer=local.tokenizer)
+        batched = LocalSpecEval(
+            cfg,
+            "cpu",
+            prompts=PROMPTS,
+            max_new_tokens=NEW,
+            batch=PROMPTS,
+            target=local.target,
+            tokenizer=local.tokenizer,
+        )
         assert [r.tokens for r in batched.references(PROMPTS)] == [r.tokens for r in local_refs]
         torch.manual_seed(0)
         batched_random = batched.evaluate(None, model_cfg, controls=True)
@@ -161,7 +194,7 @@ def test_speculative_decoding_through_the_worker_equals_greedy(worker):
         assert batched_random["acceptance_per_step"] == pytest.approx(random["acceptance_per_step"])
         assert batched_random["repeat_last"]["lossless"] == PROMPTS
         status = worker.status()
-        assert status["verify_requests"] > 0 and status["verify_sessions"] == 0     # every session closed
+        assert status["verify_requests"] > 0 and status["verify_sessions"] == 0  # every session closed
         assert status["bad_messages"] == 0
     finally:
         spec.close()
@@ -179,15 +212,15 @@ def test_hostile_verify_messages_are_counted_and_dropped(worker):
     head = {"kind": "verify", "id": 1, "session": 7, "incarnation": ""}
     ids = lambda n, dtype=torch.int64: {"ids": torch.ones(n, dtype=dtype)}
     hostile = [
-        ({**head, "op": "explode"}, ids(3)),                          # unknown op
-        ({**head, "op": "open"}, ids(3, torch.float32)),              # wrong dtype
-        ({**head, "op": "open"}, ids(cfg.data.pack_len + 1)),         # prompt longer than data.pack_len
-        ({**head, "op": "open"}, {"ids": torch.tensor([1, 10 ** 6])}),  # a token outside the vocabulary
-        ({**head, "op": "open", "id": -1}, ids(3)),                   # a bad id
-        ({**head, "op": "open", "session": "x"}, ids(3)),             # a session that is no int
-        ({**head, "op": "open", "features": 1}, ids(3)),              # features not a bool
-        ({**head, "op": "open"}, {"ids": torch.ones(2, 2, dtype=torch.int64)}),   # not 1-d
-        ({**head, "op": "close"}, ids(1)),                            # close with tensors
+        ({**head, "op": "explode"}, ids(3)),  # unknown op
+        ({**head, "op": "open"}, ids(3, torch.float32)),  # wrong dtype
+        ({**head, "op": "open"}, ids(cfg.data.pack_len + 1)),  # prompt longer than data.pack_len
+        ({**head, "op": "open"}, {"ids": torch.tensor([1, 10**6])}),  # a token outside the vocabulary
+        ({**head, "op": "open", "id": -1}, ids(3)),  # a bad id
+        ({**head, "op": "open", "session": "x"}, ids(3)),  # a session that is no int
+        ({**head, "op": "open", "features": 1}, ids(3)),  # features not a bool
+        ({**head, "op": "open"}, {"ids": torch.ones(2, 2, dtype=torch.int64)}),  # not 1-d
+        ({**head, "op": "close"}, ids(1)),  # close with tensors
     ]
     for header, tensors in hostile:
         _send(rogue, header, tensors)
@@ -200,7 +233,7 @@ def test_hostile_verify_messages_are_counted_and_dropped(worker):
     # a block longer than drafter.block_size on a real session
     client = VerifyClient([worker.data_ep], [worker.health_ep], cfg.transport, width=0, timeout_s=5)
     client.open(0, 1, [5, 6, 7], features=False)
-    with pytest.raises(VerifyError):                              # dropped: no answer, the call times out
+    with pytest.raises(VerifyError):  # dropped: no answer, the call times out
         client.step(0, 1, [5] * (cfg.drafter.block_size + 1), features=False)
     client.close_session(0, 1)
     after = worker.status()["bad_message_kinds"]
@@ -233,10 +266,10 @@ def test_a_target_restarted_mid_eval_costs_a_prompt_never_a_hang(demo, tmp_path)
         reply = client.open(0, 1, [5, 6, 7, 8])
         assert reply.features.shape == (4, 128)
         w.stop(signal.SIGKILL)
-        second = w.start()                                         # a new incarnation on the same endpoint
+        second = w.start()  # a new incarnation on the same endpoint
         assert second["incarnation"] != first["incarnation"]
         start = time.monotonic()
-        with pytest.raises((SessionLost, TargetUnavailable)):      # the session lived in the old process
+        with pytest.raises((SessionLost, TargetUnavailable)):  # the session lived in the old process
             client.step(0, 1, [reply.greedy[-1], 1, 2, 3])
         assert time.monotonic() - start < 15
         # the eval goes on with the new incarnation
@@ -278,10 +311,12 @@ def test_prompt_sets_of_run_eval_prompts_are_decoded_per_set(worker, tmp_path):
     the worker decodes the very tokens the local eval renders, lossless on each set."""
     import dataclasses
     import json
+
     chats = [json.loads(line) for line in Path(worker.cfg.data.path).read_text().splitlines()[:4]]
     (tmp_path / "chat.jsonl").write_text("".join(json.dumps({"messages": c["messages"]}) + "\n" for c in chats[:2]))
-    (tmp_path / "plain.jsonl").write_text("".join(json.dumps({"prompt": c["messages"][0]["content"]}) + "\n"
-                                                  for c in chats[2:]))
+    (tmp_path / "plain.jsonl").write_text(
+        "".join(json.dumps({"prompt": c["messages"][0]["content"]}) + "\n" for c in chats[2:])
+    )
     files = [str(tmp_path / "chat.jsonl"), str(tmp_path / "plain.jsonl")]
     cfg = dataclasses.replace(worker.cfg, run=dataclasses.replace(worker.cfg.run, eval_prompts=files))
     model_cfg, head = from_target(cfg)

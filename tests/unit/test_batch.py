@@ -1,4 +1,5 @@
 """The Batch contract's reading of a packed row: where its documents begin, one helper for every user."""
+
 import numpy as np
 import torch
 
@@ -11,8 +12,8 @@ ROW = torch.tensor([0, 0, 1, 1, 1, 2, -1, -1])
 def test_runs_of_a_packed_row():
     assert run_starts(ROW).tolist() == [True, False, True, False, False, True, True, False]
     assert document_starts(ROW).tolist() == [0, 0, 2, 2, 2, 5, 6, 6]
-    assert document_spans(ROW) == [(0, 2), (2, 5), (5, 6), (6, 8)]       # padding is one more run
-    assert int(count_documents(ROW)) == 3                                  # ... but not a document
+    assert document_spans(ROW) == [(0, 2), (2, 5), (5, 6), (6, 8)]  # padding is one more run
+    assert int(count_documents(ROW)) == 3  # ... but not a document
     assert document_spans(torch.tensor([0, 0, 0])) == [(0, 3)]
     assert int(count_documents(torch.full((4,), -1))) == 0
 

@@ -3,6 +3,7 @@ lengths decoded at once, one packed target forward per step with no cache, must 
 decisions of the cached one-prompt loop (speculative.py) on tiny real HF targets, dense and hybrid
 (fp32 on CPU: no rounding ties): the same tokens, the same accepted lengths per step, the same
 target forwards; the plain greedy outputs too; prompts that stop early leave the others going."""
+
 import pytest
 import torch
 
@@ -10,7 +11,7 @@ from services.eval.batched_decode import PackedVerifier, decode_many
 from services.drafter.speculative import RepeatLast, greedy_reference, speculative_generate
 from services.eval.verifier import LocalVerifier
 from tests.tiny_targets import DENSE_LAYER_IDS, HYBRID_LAYER_IDS, VOCAB, prompt
-from tests.unit.test_speculative import dense, hybrid, random_drafter  # noqa: F401 (dense, hybrid: fixtures)
+from tests.unit.test_speculative import random_drafter
 
 B = 4
 
@@ -27,17 +28,20 @@ class ManyOracle:
         self.calls += 1
         out = []
         for context, last in zip(contexts, last_tokens):
-            i, = [k for k, f in enumerate(self.features)
-                  if context.shape[0] >= f.shape[0] and torch.allclose(context[:f.shape[0]], f, atol=1e-4)]
+            (i,) = [
+                k
+                for k, f in enumerate(self.features)
+                if context.shape[0] >= f.shape[0] and torch.allclose(context[: f.shape[0]], f, atol=1e-4)
+            ]
             start, seq = context.shape[0], self.sequences[i]
             assert seq[start] == last
-            drafts = (seq[start + 1:start + B] + [0] * B)[:B - 1]
+            drafts = (seq[start + 1 : start + B] + [0] * B)[: B - 1]
             out.append([t if j < self.correct[i] else (t + 1) % VOCAB for j, t in enumerate(drafts)])
         return out
 
 
 def prompts():
-    return [prompt(60 + i, n=5 + 4 * i) for i in range(4)]      # 5, 9, 13 and 17 tokens
+    return [prompt(60 + i, n=5 + 4 * i) for i in range(4)]  # 5, 9, 13 and 17 tokens
 
 
 @pytest.mark.parametrize("kind", ["dense", "hybrid"])
@@ -54,7 +58,7 @@ def test_batched_decoding_makes_the_cached_loops_decisions(kind, dense, hybrid):
     for propose in (drafter, RepeatLast(B)):
         one = [speculative_generate(cached, propose, p, max_new_tokens=14) for p in ps]
         many = decode_many(packed, propose, ps, max_new_tokens=14)
-        assert [m.tokens for m in many] == [r.tokens for r in refs]          # lossless
+        assert [m.tokens for m in many] == [r.tokens for r in refs]  # lossless
         assert [m.steps for m in many] == [o.steps for o in one]
         assert [m.target_forwards for m in many] == [o.target_forwards for o in one]
 
@@ -68,14 +72,14 @@ def test_accepted_lengths_are_exact_per_prompt_and_drafted_in_one_call_per_step(
     assert [o.tokens for o in out] == [r.tokens for r in refs]
     assert out[0].steps == [1] * 15 and out[1].steps == [2] * 7 + [1] and out[2].steps == [3] * 5
     assert out[3].steps == [4, 4, 4, 3]
-    assert oracle.calls == 15                        # one drafter call per step, every unfinished prompt in it
+    assert oracle.calls == 15  # one drafter call per step, every unfinished prompt in it
 
 
 def test_a_prompt_that_stops_early_leaves_the_others_decoding(dense):
     packed, cached = PackedVerifier(dense), LocalVerifier(dense)
     ps = prompts()
     refs = [greedy_reference(cached, p, 16) for p in ps]
-    stop = refs[1].tokens[3]                         # prompt 1 ends at its 4th token (or earlier)
+    stop = refs[1].tokens[3]  # prompt 1 ends at its 4th token (or earlier)
     want = [greedy_reference(cached, p, 16, [stop]) for p in ps]
     got = decode_many(packed, RepeatLast(B), ps, max_new_tokens=16, stop_ids=[stop])
     assert [g.tokens for g in got] == [w.tokens for w in want]
@@ -94,8 +98,9 @@ def test_drafts_of_a_packed_batch_equal_each_prompt_drafted_alone(dense):
 
 def test_the_default_batch_follows_the_target_size_and_device(dense, monkeypatch):
     from services.eval import spec_eval
-    assert spec_eval.auto_batch(dense, torch.device("cpu")) == 1                # CPU: the cached loop
+
+    assert spec_eval.auto_batch(dense, torch.device("cpu")) == 1  # CPU: the cached loop
     assert spec_eval.auto_batch(dense, torch.device("cuda")) == spec_eval.AUTO_BATCH > 1
     params = sum(p.numel() for p in dense.model.parameters())
-    monkeypatch.setattr(spec_eval, "AUTO_BATCH_MAX_PARAMS", params - 1)   # a target past the limit
+    monkeypatch.setattr(spec_eval, "AUTO_BATCH_MAX_PARAMS", params - 1)  # a target past the limit
     assert spec_eval.auto_batch(dense, torch.device("cuda")) == 1

@@ -1,5 +1,6 @@
 """The GPU benchmarks for sliding-window layers run on the CPU at a tiny shape (smoke tests), and the
 attended-pair count behind their MFU matches the mask."""
+
 import json
 
 import pytest
@@ -14,23 +15,71 @@ from tests.masks import dense_block_mask
 
 @pytest.mark.parametrize("window", [None, 3, 12, 40])
 def test_attended_pairs_count_what_the_mask_keeps(window):
-    cfg = DrafterModelConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
-                             head_dim=8, vocab_size=64, num_target_layers=8, num_hidden_layers=1,
-                             target_layer_ids=[3], block_size=8, mask_token_id=63)
+    cfg = DrafterModelConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        vocab_size=64,
+        num_target_layers=8,
+        num_hidden_layers=1,
+        target_layer_ids=[3],
+        block_size=8,
+        mask_token_id=63,
+    )
     batch = SyntheticSource(cfg, 300).batch(2)
-    inputs = build_inputs(batch, num_anchors=24, block_size=8, mask_token_id=63, gamma=4.0,
-                          generator=torch.Generator().manual_seed(0))
+    inputs = build_inputs(
+        batch, num_anchors=24, block_size=8, mask_token_id=63, gamma=4.0, generator=torch.Generator().manual_seed(0)
+    )
     mask = dense_block_mask(inputs.anchors, 8, inputs.context_len, batch.document_ids, window)
     assert drafter_step.attended_pairs(inputs, 8, window) == int(mask.sum())
 
 
 def test_drafter_step_compares_layouts_on_cpu(tmp_path, capsys):
     out = tmp_path / "step.json"
-    assert drafter_step.main(["--shape", "custom", "--hidden", "64", "--intermediate", "128", "--heads", "4",
-                              "--kv-heads", "2", "--head-dim", "16", "--layers", "5", "--seq-len", "512",
-                              "--anchors", "32", "--block-size", "8", "--vocab", "512", "--window", "48",
-                              "--layout", "both", "--device", "cpu", "--steps", "1", "--warmup-steps", "1",
-                              "--no-compile", "--out", str(out)]) == 0
+    assert (
+        drafter_step.main(
+            [
+                "--shape",
+                "custom",
+                "--hidden",
+                "64",
+                "--intermediate",
+                "128",
+                "--heads",
+                "4",
+                "--kv-heads",
+                "2",
+                "--head-dim",
+                "16",
+                "--layers",
+                "5",
+                "--seq-len",
+                "512",
+                "--anchors",
+                "32",
+                "--block-size",
+                "8",
+                "--vocab",
+                "512",
+                "--window",
+                "48",
+                "--layout",
+                "both",
+                "--device",
+                "cpu",
+                "--steps",
+                "1",
+                "--warmup-steps",
+                "1",
+                "--no-compile",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     full, hybrid = json.loads(out.read_text())["results"]
     assert full["layer_types"] == ["full_attention"] * 5 and full["sliding_window"] is None
     assert hybrid["layer_types"] == ["sliding_attention"] * 4 + ["full_attention"] and hybrid["sliding_window"] == 48

@@ -10,8 +10,12 @@ from tests.launching import REPO
 
 def describe_defaults() -> dict[str, str]:
     """Every key with its default as JSON ("section.key" -> "8192"): what docs/config.md lists."""
-    return {f"{f.name}.{key}": json.dumps(value)
-            for f in dataclasses.fields(Config) for key, value in dataclasses.asdict(_section_class(f.name)()).items()}
+    return {
+        f"{f.name}.{key}": json.dumps(value)
+        for f in dataclasses.fields(Config)
+        for key, value in dataclasses.asdict(_section_class(f.name)()).items()
+    }
+
 
 def write(tmp_path, text, name="run.toml"):
     path = tmp_path / name
@@ -20,13 +24,13 @@ def write(tmp_path, text, name="run.toml"):
 
 
 def test_defaults_and_overrides(tmp_path):
-    path = write(tmp_path, '[drafter]\nlr = 1e-3\nnum_layers = 2\n[target]\nlayer_ids = [1, 3]\n')
+    path = write(tmp_path, "[drafter]\nlr = 1e-3\nnum_layers = 2\n[target]\nlayer_ids = [1, 3]\n")
     cfg = load_config(path, ["drafter.lr=3e-4", "data.pack_len=1024", "target.model_path=/models/x"])
-    assert cfg.drafter.lr == 3e-4            # override wins over the file
-    assert cfg.drafter.num_layers == 2       # file wins over the default
+    assert cfg.drafter.lr == 3e-4  # override wins over the file
+    assert cfg.drafter.num_layers == 2  # file wins over the default
     assert cfg.target.layer_ids == [1, 3]
     assert cfg.data.pack_len == 1024
-    assert cfg.target.model_path == "/models/x"   # bare words are strings
+    assert cfg.target.model_path == "/models/x"  # bare words are strings
     assert cfg.drafter.block_size == Config().drafter.block_size
 
 
@@ -35,14 +39,17 @@ def test_int_is_accepted_for_float(tmp_path):
     assert cfg.drafter.lr == 1.0 and isinstance(cfg.drafter.lr, float)
 
 
-@pytest.mark.parametrize("text, needle", [
-    ("[drafter]\nlrr = 1.0\n", "drafter.lrr"),
-    ("[nope]\nx = 1\n", "[nope]"),
-    ('[drafter]\nnum_layers = "five"\n', "drafter.num_layers"),
-    ("[target]\nlayer_ids = [1, \"a\"]\n", "target.layer_ids[1]"),
-    ("[data]\non_bad_sample = \"ignore\"\n", "data.on_bad_sample"),
-    ("[drafter\n", "run.toml"),
-])
+@pytest.mark.parametrize(
+    "text, needle",
+    [
+        ("[drafter]\nlrr = 1.0\n", "drafter.lrr"),
+        ("[nope]\nx = 1\n", "[nope]"),
+        ('[drafter]\nnum_layers = "five"\n', "drafter.num_layers"),
+        ('[target]\nlayer_ids = [1, "a"]\n', "target.layer_ids[1]"),
+        ('[data]\non_bad_sample = "ignore"\n', "data.on_bad_sample"),
+        ("[drafter\n", "run.toml"),
+    ],
+)
 def test_bad_files_name_the_key_and_file(tmp_path, text, needle):
     path = write(tmp_path, text)
     with pytest.raises(ConfigError) as err:
@@ -52,15 +59,18 @@ def test_bad_files_name_the_key_and_file(tmp_path, text, needle):
         assert str(path) in str(err.value)
 
 
-@pytest.mark.parametrize("override, needle", [
-    ("drafter.lr", "section.key=value"),
-    ("lr=1", "section.key=value"),
-    ("bogus.lr=1", "[bogus]"),
-    ("drafter.compile=3", "drafter.compile"),
-    ("target.compile=sometimes", "target.compile must be one of auto, on, off, got 'sometimes'"),
-    ("target.compile=true", "target.compile: expected str, got bool True"),
-    ("target.quantize=int4", "target.quantize must be one of none, fp8, got 'int4'"),
-])
+@pytest.mark.parametrize(
+    "override, needle",
+    [
+        ("drafter.lr", "section.key=value"),
+        ("lr=1", "section.key=value"),
+        ("bogus.lr=1", "[bogus]"),
+        ("drafter.compile=3", "drafter.compile"),
+        ("target.compile=sometimes", "target.compile must be one of auto, on, off, got 'sometimes'"),
+        ("target.compile=true", "target.compile: expected str, got bool True"),
+        ("target.quantize=int4", "target.quantize must be one of none, fp8, got 'int4'"),
+    ],
+)
 def test_bad_overrides(override, needle):
     with pytest.raises(ConfigError) as err:
         load_config(None, [override])
@@ -84,11 +94,13 @@ def test_docs_describe_every_key_with_its_default():
     docs = (REPO / "docs" / "config.md").read_text()
     rows = {}
     for line in docs.splitlines():
-        cells = [c.strip() for c in re.split(r"(?<!\\)\|", line.strip().strip("|"))]   # a \| stays in its cell
+        cells = [c.strip() for c in re.split(r"(?<!\\)\|", line.strip().strip("|"))]  # a \| stays in its cell
         if len(cells) == 3 and cells[0].startswith("`") and "." in cells[0]:
             rows[cells[0].strip("`")] = (cells[1].strip("`"), cells[2])
     expected = describe_defaults()
-    assert set(rows) == set(expected), f"docs/config.md: missing {set(expected) - set(rows)}, unknown {set(rows) - set(expected)}"
+    assert set(rows) == set(expected), (
+        f"docs/config.md: missing {set(expected) - set(rows)}, unknown {set(rows) - set(expected)}"
+    )
     for key, (default, meaning) in rows.items():
         assert default == expected[key], f"docs/config.md: {key} default {default}, the code says {expected[key]}"
         assert len(meaning) > 10, f"docs/config.md: {key} has no description"
@@ -103,16 +115,20 @@ def test_layer_ids_must_ascend_in_the_config_and_in_drafter_overrides():
         with pytest.raises(ConfigError, match=r"target.layer_ids \[\d, \d\] must be in ascending order"):
             load_config(None, [f"target.layer_ids={ids}"])
     cfg = load_config(None, ["drafter.num_layers=2"])
-    cfg.drafter.overrides = {"target_layer_ids": [5, 1]}            # the model config's own route to the ids
+    cfg.drafter.overrides = {"target_layer_ids": [5, 1]}  # the model config's own route to the ids
     with pytest.raises(ConfigError, match=r"target.layer_ids \[5, 1\] must be in ascending order"):
         build_model_config(cfg, SYNTHETIC_MODEL, mask_token_id=1)
 
 
 def test_toml_literal_is_what_an_override_and_a_config_file_read_back():
     """The advice lines print values as TOML (data.chat_template_kwargs = {enable_thinking = false})."""
-    for value in ({}, {"enable_thinking": False}, {"a b": 'say "hi"', "n": 3, "x": 0.5, "l": [1, "z"], "d": {"q": True}}):
+    for value in (
+        {},
+        {"enable_thinking": False},
+        {"a b": 'say "hi"', "n": 3, "x": 0.5, "l": [1, "z"], "d": {"q": True}},
+    ):
         literal = toml_literal(value)
         assert parse_value(literal) == value
         assert load_config(None, [f"data.chat_template_kwargs={literal}"]).data.chat_template_kwargs == value
     assert toml_literal({"enable_thinking": False}) == "{enable_thinking = false}"
-    assert parse_value("false") is False and parse_value("hello") == "hello"     # bare words stay strings
+    assert parse_value("false") is False and parse_value("hello") == "hello"  # bare words stay strings

@@ -1,4 +1,5 @@
 """CURVE over real tcp on loopback: a real server process, real client processes with and without the key."""
+
 from __future__ import annotations
 
 import json
@@ -61,8 +62,13 @@ CLIENT = textwrap.dedent("""
 
 
 def _client(endpoint: str, keys: str, message: str, timeout_ms: int) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", CLIENT, endpoint, keys, message, str(timeout_ms)],
-                          env=ENV, capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        [sys.executable, "-c", CLIENT, endpoint, keys, message, str(timeout_ms)],
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
 def test_only_the_keyed_client_gets_through(tmp_path):
@@ -72,8 +78,9 @@ def test_only_the_keyed_client_gets_through(tmp_path):
     # The stranger knows the server's public key (it is public) but holds another client key.
     (stranger / "server.public").write_text((keys / "server.public").read_text())
 
-    server = subprocess.Popen([sys.executable, "-c", SERVER, str(keys)], env=ENV,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    server = subprocess.Popen(
+        [sys.executable, "-c", SERVER, str(keys)], env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     try:
         endpoint = server.stdout.readline().strip()
         assert endpoint.startswith("tcp://127.0.0.1:"), server.stderr.read()
@@ -142,7 +149,7 @@ def test_context_term_stops_the_zap_handler(tmp_path):
     ctx = zmq.Context()
     first, second = ctx.socket(zmq.ROUTER), ctx.socket(zmq.ROUTER)
     handler = apply_server(first, keys)
-    assert apply_server(second, keys) is handler          # one handler per context
+    assert apply_server(second, keys) is handler  # one handler per context
     first.close()
     second.close()
     done = threading.Event()
@@ -155,4 +162,4 @@ def test_context_term_stops_the_zap_handler(tmp_path):
 def test_keys_only_for_tcp_with_a_keys_dir():
     assert keys_for(TransportConfig(scheme="tcp", curve_keys_dir="/k")) == "/k"
     assert keys_for(TransportConfig(scheme="tcp")) == ""
-    assert keys_for(TransportConfig(scheme="ipc", curve_keys_dir="/k")) == ""    # 0700 socket folder instead
+    assert keys_for(TransportConfig(scheme="ipc", curve_keys_dir="/k")) == ""  # 0700 socket folder instead

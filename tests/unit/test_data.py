@@ -1,4 +1,5 @@
 """Reading JSONL data: chat formats, assistant-only loss masks, pre-tokenized lines, bad lines."""
+
 from __future__ import annotations
 
 import json
@@ -50,6 +51,7 @@ def _expected(messages, eos="<|im_end|>"):
 
 # --- assistant masks ---------------------------------------------------------------------------------
 
+
 def test_generation_template_masks_assistant_tokens_only(tokenizer):
     assert has_generation_markers(tokenizer)
     ids, mask = chat_tokens(tokenizer, MULTI_TURN)
@@ -79,22 +81,37 @@ def test_reply_that_repeats_the_prompt_is_masked_in_the_reply(tokenizer):
     messages = [{"role": "user", "content": "green river stone"}, {"role": "assistant", "content": "green river stone"}]
     ids, mask = chat_tokens(tokenizer, messages)
     first_supervised = mask.index(1)
-    assert "assistant" in tokenizer.decode(ids[:first_supervised])   # the prompt copy stays unsupervised
+    assert "assistant" in tokenizer.decode(ids[:first_supervised])  # the prompt copy stays unsupervised
     assert _supervised_text(tokenizer, ids, mask) == "green river stone<|im_end|>"
 
 
 # --- files ---------------------------------------------------------------------------------------
 
+
 def test_reads_openai_sharegpt_and_pretokenized(tmp_path, tokenizer):
-    sharegpt = {"conversations": [{"from": "human", "value": "count from 3 to 9"}, {"from": "gpt", "value": "3 4 5 6 7 8 9"}]}
-    openai_parts = {"messages": [{"role": "user", "content": [{"type": "text", "text": "count from 3 to 9"}]},
-                                 {"role": "assistant", "content": "3 4 5 6 7 8 9"}]}
-    path = _write(tmp_path / "mixed.jsonl", [{"messages": MULTI_TURN}, sharegpt, "", openai_parts,
-                                             {"input_ids": [5, 6, 7, 8], "loss_mask": [0, 0, 1, True]}])
+    sharegpt = {
+        "conversations": [{"from": "human", "value": "count from 3 to 9"}, {"from": "gpt", "value": "3 4 5 6 7 8 9"}]
+    }
+    openai_parts = {
+        "messages": [
+            {"role": "user", "content": [{"type": "text", "text": "count from 3 to 9"}]},
+            {"role": "assistant", "content": "3 4 5 6 7 8 9"},
+        ]
+    }
+    path = _write(
+        tmp_path / "mixed.jsonl",
+        [
+            {"messages": MULTI_TURN},
+            sharegpt,
+            "",
+            openai_parts,
+            {"input_ids": [5, 6, 7, 8], "loss_mask": [0, 0, 1, True]},
+        ],
+    )
     docs = read_documents(path, tokenizer, VOCAB, "fail", BadSamples())
-    assert [d.line for d in docs] == [1, 2, 4, 5]                       # the blank line 3 is not a sample
+    assert [d.line for d in docs] == [1, 2, 4, 5]  # the blank line 3 is not a sample
     assert _supervised_text(tokenizer, docs[0].input_ids, docs[0].loss_mask) == _expected(MULTI_TURN)
-    assert np.array_equal(docs[1].input_ids, docs[2].input_ids)         # ShareGPT == OpenAI (text parts)
+    assert np.array_equal(docs[1].input_ids, docs[2].input_ids)  # ShareGPT == OpenAI (text parts)
     assert np.array_equal(docs[1].loss_mask, docs[2].loss_mask)
     assert docs[3].input_ids.tolist() == [5, 6, 7, 8] and docs[3].loss_mask.tolist() == [False, False, True, True]
     assert all(d.input_ids.dtype == np.int32 and d.loss_mask.dtype == bool for d in docs)
@@ -105,7 +122,10 @@ BAD_LINES = [
     ("[1, 2]", "expected a JSON object"),
     ({"text": "hello"}, "expected 'messages', 'conversations'"),
     ({"messages": []}, "empty conversation"),
-    ({"messages": [{"role": "wizard", "content": "x"}, {"role": "assistant", "content": "y"}]}, "unknown role 'wizard'"),
+    (
+        {"messages": [{"role": "wizard", "content": "x"}, {"role": "assistant", "content": "y"}]},
+        "unknown role 'wizard'",
+    ),
     ({"messages": [{"role": "user", "content": "hi"}]}, "no assistant reply"),
     ({"messages": [{"role": "user"}, {"role": "assistant", "content": "y"}]}, r"messages\[0\]: expected an object"),
     ({"messages": [{"role": "user", "content": 5}, {"role": "assistant", "content": "y"}]}, "content must be a string"),
@@ -122,8 +142,10 @@ def test_invalid_json_names_file_line_and_character_not_json_inner_line(tmp_path
     path.write_text('{"messages": [{"role": "user", "content": "hi"}\n{"messages": [1,, 2]}\n')
     bad = BadSamples()
     read_documents(path, tokenizer, VOCAB, "skip", bad)
-    assert bad.examples == [f"{path}:1: invalid JSON: Expecting ',' delimiter at the end of the line",
-                            f"{path}:2: invalid JSON: Expecting value at character 17"]
+    assert bad.examples == [
+        f"{path}:1: invalid JSON: Expecting ',' delimiter at the end of the line",
+        f"{path}:2: invalid JSON: Expecting value at character 17",
+    ]
 
 
 @pytest.mark.parametrize("line,reason", BAD_LINES)
@@ -149,10 +171,11 @@ def test_missing_file_and_missing_template(tmp_path, tokenizer):
     tokenizer.chat_template = None
     path = _write(tmp_path / "d.jsonl", [{"messages": MULTI_TURN}])
     with pytest.raises(DataError, match=f"{path}:1: .*no chat template"):
-        read_documents(path, tokenizer, VOCAB, "skip", BadSamples())   # not a per-line problem: never skipped
+        read_documents(path, tokenizer, VOCAB, "skip", BadSamples())  # not a per-line problem: never skipped
 
 
 # --- hostile files (issue 19): each is one bad line, named, and skippable ----------------------------------
+
 
 def _hostile(tmp_path, middle: bytes):
     good = (json.dumps({"messages": MULTI_TURN}) + "\n").encode()
@@ -164,10 +187,16 @@ def _hostile(tmp_path, middle: bytes):
 HOSTILE = [
     (b"[" * 100_000 + b"]" * 100_000, "nested too deeply", {}),
     (b'{"messages": [{"role": "user", "content": "caf\xe9"}]}', "not UTF-8", {}),
-    (json.dumps({"input_ids": [1] * 5000, "loss_mask": [1] * 5000}).encode(), "longer than data.max_line_bytes=4096",
-     {"max_line_bytes": 4096}),
-    (json.dumps({"input_ids": [1] * 500, "loss_mask": [1] * 500}).encode(),
-     "document of 500 tokens is longer than data.max_doc_tokens=100", {"max_doc_tokens": 100}),
+    (
+        json.dumps({"input_ids": [1] * 5000, "loss_mask": [1] * 5000}).encode(),
+        "longer than data.max_line_bytes=4096",
+        {"max_line_bytes": 4096},
+    ),
+    (
+        json.dumps({"input_ids": [1] * 500, "loss_mask": [1] * 500}).encode(),
+        "document of 500 tokens is longer than data.max_doc_tokens=100",
+        {"max_doc_tokens": 100},
+    ),
 ]
 
 
@@ -178,7 +207,7 @@ def test_hostile_line_fails_naming_file_and_line_or_is_skipped(tmp_path, tokeniz
         read_documents(path, tokenizer, VOCAB, "fail", BadSamples(), **limits)
     bad = BadSamples()
     docs = read_documents(path, tokenizer, VOCAB, "skip", bad, **limits)
-    assert [d.line for d in docs] == [1, 3] and bad.count == 1        # the line after the bad one is read as usual
+    assert [d.line for d in docs] == [1, 3] and bad.count == 1  # the line after the bad one is read as usual
     assert bad.examples[0].startswith(f"{path}:2: ") and reason in bad.examples[0]
 
 
@@ -187,18 +216,20 @@ def test_a_line_over_the_limit_is_never_read_whole(tmp_path):
     (in a fresh process, so the peak RSS measured is this read's alone)."""
     import subprocess
     import sys
+
     good = json.dumps({"input_ids": [1, 2, 3], "loss_mask": [0, 1, 1]}).encode() + b"\n"
     path = tmp_path / "long.jsonl"
-    path.write_bytes(good + b'{"input_ids": [' + b"1," * (25 << 20) + b'1]}\n' + good)
+    path.write_bytes(good + b'{"input_ids": [' + b"1," * (25 << 20) + b"1]}\n" + good)
     # VmHWM: this process's peak (ru_maxrss would carry the pytest parent's peak over the exec)
-    code = ("import re, sys; from services.target.data import BadSamples, read_documents\n"
-            "peak = lambda: int(re.search(r'VmHWM:\\s+(\\d+)', open('/proc/self/status').read())[1])\n"
-            "before = peak()\n"
-            "bad = BadSamples(); docs = read_documents(sys.argv[1], None, 10, 'skip', bad)\n"
-            "grown = (peak() - before) // 1024\n"
-            "print([d.line for d in docs], bad.count, grown)")
-    out = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=120,
-                         cwd=REPO)
+    code = (
+        "import re, sys; from services.target.data import BadSamples, read_documents\n"
+        "peak = lambda: int(re.search(r'VmHWM:\\s+(\\d+)', open('/proc/self/status').read())[1])\n"
+        "before = peak()\n"
+        "bad = BadSamples(); docs = read_documents(sys.argv[1], None, 10, 'skip', bad)\n"
+        "grown = (peak() - before) // 1024\n"
+        "print([d.line for d in docs], bad.count, grown)"
+    )
+    out = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=120, cwd=REPO)
     lines, count, grown_mb = out.stdout.rsplit(" ", 2) if out.returncode == 0 else (out.stderr, 0, 0)
     assert lines == "[1, 3]" and count == "1", out.stdout + out.stderr
     assert int(grown_mb) < 30, f"peak memory grew by {grown_mb} MB reading past a 50 MB line"

@@ -1,5 +1,6 @@
 """Data that turns real acceptance off says so where the user looks: the `data:` line that `launcher
 up` prints at the start, and `launcher status` and `report` show (from <run_dir>/data.json)."""
+
 import json
 
 import pytest
@@ -8,17 +9,25 @@ from transformers import AutoTokenizer, Qwen3Config
 from launcher.report import describe_data, report
 from services.config import dump_json, load_config
 from services.target import packing
+
 CHAT = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello there ."}]}
-TOKENS = {"input_ids": list(range(5, 45)), "loss_mask": [0] * 10 + [1] * 30}      # its prompt: the first 10
-NO_PROMPT = {"input_ids": list(range(5, 45)), "loss_mask": [1] * 40}             # supervised from the first token
+TOKENS = {"input_ids": list(range(5, 45)), "loss_mask": [0] * 10 + [1] * 30}  # its prompt: the first 10
+NO_PROMPT = {"input_ids": list(range(5, 45)), "loss_mask": [1] * 40}  # supervised from the first token
 
 
 @pytest.fixture
 def model_dir(tok_dir, tmp_path):
     """A target folder as far as packing reads it: its config and tokenizer (no weights needed)."""
     tokenizer = AutoTokenizer.from_pretrained(tok_dir)
-    Qwen3Config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                num_attention_heads=2, num_key_value_heads=1, head_dim=16).save_pretrained(tmp_path / "model")
+    Qwen3Config(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+    ).save_pretrained(tmp_path / "model")
     tokenizer.save_pretrained(tmp_path / "model")
     return tmp_path / "model"
 
@@ -30,7 +39,7 @@ def pack(capsys, tmp_path, model_dir, lines, *extra):
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     dump_json(cfg, run_dir / "config.json")
-    code = packing.main(["--config", str(run_dir / "config.json"), "--run-dir", str(run_dir)])   # what `up` runs
+    code = packing.main(["--config", str(run_dir / "config.json"), "--run-dir", str(run_dir)])  # what `up` runs
     out = capsys.readouterr()
     assert code == 0, out.err[-2000:]
     return json.loads(out.out.strip().splitlines()[-1]), run_dir
@@ -42,7 +51,7 @@ def test_data_without_prompts_says_real_acceptance_is_off(capsys, tmp_path, mode
     text = describe_data(info)
     assert text.startswith("data: ") and "\nreal acceptance: off, the held-out data has no prompts" in text
     assert "run.eval_prompts" in text
-    (run_dir / "data.json").write_text(json.dumps(info))                    # what `launcher up` keeps
+    (run_dir / "data.json").write_text(json.dumps(info))  # what `launcher up` keeps
     (run_dir / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 5.0, "tau": 1.0}) + "\n")
     lines, _ = report(run_dir, out=tmp_path / "p.png")
     assert any(line.startswith("real acceptance: off, the held-out data has no prompts") for line in lines)
@@ -51,6 +60,7 @@ def test_data_without_prompts_says_real_acceptance_is_off(capsys, tmp_path, mode
 def test_pre_tokenized_lines_yield_their_tokens_before_the_first_supervised_one(capsys, tmp_path, model_dir):
     from transformers import AutoTokenizer
     from services.prompts import heldout_prompts
+
     info, run_dir = pack(capsys, tmp_path, model_dir, [TOKENS, NO_PROMPT, TOKENS], "run.spec_eval_prompts=8")
     assert info["prompts"] == 2 and "real acceptance" not in describe_data(info)
     cfg = load_config(run_dir / "config.json")
@@ -62,15 +72,18 @@ def test_a_bad_prompt_file_is_one_line_naming_file_and_line(capsys, tmp_path, mo
     bad.write_text('{"prompt": "fine"}\n{"nothing": 1}\n')
     data = tmp_path / "data.jsonl"
     data.write_text(json.dumps(CHAT) + "\n")
-    cfg = load_config(None, [f"data.path={data}", f"target.model_path={model_dir}", "data.pack_len=64",
-                             f'run.eval_prompts=["{bad}"]'])
+    cfg = load_config(
+        None, [f"data.path={data}", f"target.model_path={model_dir}", "data.pack_len=64", f'run.eval_prompts=["{bad}"]']
+    )
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     dump_json(cfg, run_dir / "config.json")
     assert packing.main(["--config", str(run_dir / "config.json"), "--run-dir", str(run_dir)]) == 2
     err = capsys.readouterr().err.strip()
-    assert err == (f"run.eval_prompts: {bad}:2: expected 'messages', 'conversations', 'prompt' or 'input_ids'; "
-                   "got keys ['nothing']")
+    assert err == (
+        f"run.eval_prompts: {bad}:2: expected 'messages', 'conversations', 'prompt' or 'input_ids'; "
+        "got keys ['nothing']"
+    )
 
 
 def test_chat_data_counts_its_prompts_and_says_nothing_more(capsys, tmp_path, model_dir):

@@ -1,4 +1,5 @@
 """Packing, splitting, the deterministic batch index g, the eval split, and the on-disk cache."""
+
 from __future__ import annotations
 
 import json
@@ -43,6 +44,7 @@ def _documents(row):
 
 # --- pure helpers ----------------------------------------------------------------------------------
 
+
 def test_split_document_into_separate_pieces():
     doc = Document(7, np.arange(10, dtype=np.int32), np.arange(10) % 2 == 0)
     pieces = split_document(doc, 4)
@@ -55,14 +57,15 @@ def test_split_document_into_separate_pieces():
 def test_pack_rows_best_fit():
     lengths = [60, 50, 70, 30, 20, 128, 10, 45]
     rows = pack_rows(lengths, 128)
-    assert sorted(i for row in rows for i in row) == list(range(len(lengths)))   # every document exactly once
+    assert sorted(i for row in rows for i in row) == list(range(len(lengths)))  # every document exactly once
     assert all(sum(lengths[i] for i in row) <= 128 for row in rows)
-    assert rows == [[0, 1, 6], [2, 3, 4], [5], [7]]      # 30 goes to the fuller row (room 58), not row 0 (room 18 < 30)
+    assert rows == [[0, 1, 6], [2, 3, 4], [5], [7]]  # 30 goes to the fuller row (room 58), not row 0 (room 18 < 30)
     with pytest.raises(ValueError, match="129 tokens > pack_len 128"):
         pack_rows([129], 128)
 
 
 # --- the packed dataset --------------------------------------------------------------------------
+
 
 def test_rows_layout_and_every_document_once_per_epoch(tmp_path, data_file, tokenizer):
     cfg = _cfg(data_file)
@@ -78,15 +81,15 @@ def test_rows_layout_and_every_document_once_per_epoch(tmp_path, data_file, toke
             doc, pos, mask = row["document_ids"], row["position_ids"], row["loss_mask"]
             pad = doc < 0
             assert not mask[pad].any() and (row["input_ids"][pad] == tokenizer.pad_token_id).all()
-            assert pad.sum() == 0 or pad[-int(pad.sum()):].all()                    # padding only at the tail
-            for d in range(int(doc.max()) + 1):                                     # positions restart per doc
+            assert pad.sum() == 0 or pad[-int(pad.sum()) :].all()  # padding only at the tail
+            for d in range(int(doc.max()) + 1):  # positions restart per doc
                 assert pos[doc == d].tolist() == list(range(int((doc == d).sum())))
             seen.update(_documents(row))
         per_epoch.append([tuple(data.batch(g)["input_ids"][:8].tolist()) for g in range(epoch * n, (epoch + 1) * n)])
-        assert sum(seen.values()) == 300                          # 300 lines, none longer than pack_len
+        assert sum(seen.values()) == 300  # 300 lines, none longer than pack_len
         seen_per_epoch.append(seen)
     assert seen_per_epoch[0] == seen_per_epoch[1] == seen_per_epoch[2]
-    assert per_epoch[0] != per_epoch[1] and sorted(per_epoch[0]) == sorted(per_epoch[1])   # reshuffled rows
+    assert per_epoch[0] != per_epoch[1] and sorted(per_epoch[0]) == sorted(per_epoch[1])  # reshuffled rows
     with pytest.raises(IndexError, match=f"g={3 * n} out of range"):
         data.batch(3 * n)
     with pytest.raises(IndexError, match="out of range"):
@@ -109,8 +112,9 @@ def test_batch_g_is_a_pure_function_of_data_config_and_seed(tmp_path, data_file,
 def test_long_documents_are_split_into_pieces(tmp_path, tokenizer):
     path = tmp_path / "long.jsonl"
     path.write_text(json.dumps({"input_ids": list(range(1, 301)), "loss_mask": [1] * 300}) + "\n")
-    data = open_or_build(_cfg(path, "data.max_doc_len=100", "data.shuffle=false"), tmp_path / "run", tokenizer,
-                         VOCAB, log=_quiet)
+    data = open_or_build(
+        _cfg(path, "data.max_doc_len=100", "data.shuffle=false"), tmp_path / "run", tokenizer, VOCAB, log=_quiet
+    )
     rows = [data.batch(g) for g in range(data.num_batches())]
     pieces = sorted(doc for row in rows for doc in _documents(row))
     assert pieces == [tuple(range(1, 101)), tuple(range(101, 201)), tuple(range(201, 301))]
@@ -126,7 +130,7 @@ def test_eval_split_from_fraction_and_from_file(tmp_path, data_file, tokenizer):
     assert sum(evals.values()) == 30 and sum(train.values()) == 270
     whole = open_or_build(_cfg(data_file), tmp_path / "run", tokenizer, VOCAB, log=_quiet)
     everything = Counter(d for g in range(whole.num_batches()) for d in _documents(whole.batch(g)))
-    assert train + evals == everything                               # a partition of the lines
+    assert train + evals == everything  # a partition of the lines
     again = open_or_build(_cfg(data_file, "data.eval_fraction=0.1"), tmp_path / "other", tokenizer, VOCAB, log=_quiet)
     assert evals == Counter(d for g in range(again.num_batches("eval")) for d in _documents(again.batch(g, "eval")))
     with pytest.raises(IndexError, match="split 'eval'"):
@@ -144,14 +148,17 @@ def test_bad_samples_are_counted_in_the_index(tmp_path, data_file, tokenizer):
     with pytest.raises(DataError, match=f"{data_file}:301: invalid JSON"):
         open_or_build(_cfg(data_file), tmp_path / "run", tokenizer, VOCAB, log=_quiet)
     logged = []
-    data = open_or_build(_cfg(data_file, "data.on_bad_sample=skip"), tmp_path / "run", tokenizer, VOCAB, log=logged.append)
+    data = open_or_build(
+        _cfg(data_file, "data.on_bad_sample=skip"), tmp_path / "run", tokenizer, VOCAB, log=logged.append
+    )
     assert data.bad_samples == 1 and data.bad_examples[0].startswith(f"{data_file}:301: invalid JSON")
     assert any("skipped 1 bad lines" in m for m in logged)
     again = open_or_build(_cfg(data_file, "data.on_bad_sample=skip"), tmp_path / "run", tokenizer, VOCAB, log=_quiet)
-    assert again.bad_samples == 1                                    # still reported when read from the cache
+    assert again.bad_samples == 1  # still reported when read from the cache
 
 
 # --- the cache -------------------------------------------------------------------------------------
+
 
 def test_cache_is_reused_and_invalidated(tmp_path, data_file, tokenizer, tok_dir):
     run = tmp_path / "run"
@@ -161,18 +168,18 @@ def test_cache_is_reused_and_invalidated(tmp_path, data_file, tokenizer, tok_dir
     assert first.path.parent == run / "data-cache" and first.path.suffix == ".safetensors"
     assert set(load_file(str(first.path))) >= {"train_tokens", "train_loss_mask", "train_doc_lens", "train_row_docs"}
     open_or_build(_cfg(data_file), run, tokenizer, VOCAB, log=logged.append)
-    assert sum("built" in m for m in logged) == 1                     # reused, not rebuilt
+    assert sum("built" in m for m in logged) == 1  # reused, not rebuilt
     key = cache_key(_cfg(data_file), tokenizer, VOCAB)
     assert cache_key(_cfg(data_file, "data.pack_len=256"), tokenizer, VOCAB) != key
     assert cache_key(_cfg(data_file, "data.max_doc_len=64"), tokenizer, VOCAB) != key
     assert cache_key(_cfg(data_file, "run.seed=5"), tokenizer, VOCAB) != key
-    assert cache_key(_cfg(data_file, "run.epochs=9"), tokenizer, VOCAB) == key          # not a packing input
+    assert cache_key(_cfg(data_file, "run.epochs=9"), tokenizer, VOCAB) == key  # not a packing input
     tokenizer.chat_template = tokenizer.chat_template + " "
     assert cache_key(_cfg(data_file), tokenizer, VOCAB) != key
     tokenizer = AutoTokenizer.from_pretrained(tok_dir)
     assert cache_key(_cfg(data_file), tokenizer, VOCAB) == key
     text = data_file.read_text()
-    data_file.write_text(text.replace("count from", "count frum", 1))                  # same size, new content
+    data_file.write_text(text.replace("count from", "count frum", 1))  # same size, new content
     assert cache_key(_cfg(data_file), tokenizer, VOCAB) != key
     rebuilt = open_or_build(_cfg(data_file), run, tokenizer, VOCAB, log=logged.append)
     assert sum("built" in m for m in logged) == 2 and rebuilt.path != first.path
@@ -191,13 +198,21 @@ print("ROWS", data.num_batches(), data.path.name)
 
 @pytest.mark.slow
 def test_concurrent_targets_share_one_build(tmp_path, data_file, tok_dir):
-    procs = [subprocess.Popen([sys.executable, "-c", BUILD_SCRIPT, str(data_file), str(tmp_path / "run"), str(tok_dir)],
-                              cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(3)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", BUILD_SCRIPT, str(data_file), str(tmp_path / "run"), str(tok_dir)],
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(3)
+    ]
     outs = [p.communicate(timeout=120) for p in procs]
     assert all(p.returncode == 0 for p in procs), [err[-2000:] for _, err in outs]
     results = {line for out, _ in outs for line in out.splitlines() if line.startswith("ROWS")}
-    assert len(results) == 1                                          # same rows, same file for all three
-    assert sum("built" in out for out, _ in outs) == 1                # exactly one of them built it
+    assert len(results) == 1  # same rows, same file for all three
+    assert sum("built" in out for out, _ in outs) == 1  # exactly one of them built it
     leftovers = [p.name for p in (tmp_path / "run" / "data-cache").iterdir() if p.name.endswith(".tmp")]
     assert leftovers == []
 
@@ -208,17 +223,20 @@ def test_published_digests_name_every_batch_as_the_packed_data_does(tmp_path, da
     from services.batch import token_digest
     from services.drafter.source import batch_content
     from services.packed_data import PublishedDigests, digests_path
+
     cfg = _cfg(data_file, "data.eval_fraction=0.1")
     data = open_or_build(cfg, tmp_path / "run", tokenizer, VOCAB, log=_quiet)
     published = PublishedDigests(digests_path(data.path), cfg)
     for split, limit in (("train", data.num_batches() * 3), ("eval", data.num_batches("eval"))):
         assert limit > 0
         for g in range(limit):
-            assert published.digest(g, split) == data.digest(g, split) == token_digest(data.batch(g, split)["input_ids"])
+            assert (
+                published.digest(g, split) == data.digest(g, split) == token_digest(data.batch(g, split)["input_ids"])
+            )
     assert len({published.digest(g) for g in range(data.num_batches())}) == data.num_batches()
     content, how = batch_content(cfg, tmp_path / "run", data.key)
     assert how == "packed data" and content.digest(5) == data.digest(5)
-    data.path.unlink()                                   # a drafter host with the digests only
+    data.path.unlink()  # a drafter host with the digests only
     content, how = batch_content(cfg, tmp_path / "run", data.key)
     assert how == "published digests" and content.digest(5) == published.digest(5)
     assert batch_content(cfg, tmp_path / "run", "0" * 32) == (None, "off")

@@ -3,6 +3,7 @@ and the Gated DeltaNet conv / recurrent state are those of a session fed only th
 for every n and both rollback methods; the one-token-per-forward greedy reference equals a full
 no-cache forward (and HF generate on a dense target); attention on a KV cache is causal aligned
 bottom-right; layers whose state cannot be rolled back are refused by name."""
+
 import pytest
 import torch
 
@@ -12,26 +13,16 @@ from services.decode_step import ROLLBACKS, rounding_tolerance
 from services.target.decode import DecodeSession
 from services.target.model import _sdpa_packed
 from tests.greedy import hf_greedy_generate
-from tests.tiny_targets import HYBRID_DEVICES, dense_target, hybrid_target, plain_hf, prompt
+from tests.tiny_targets import dense_target, hybrid_target, plain_hf, prompt
 
 B = 6
-
-
-@pytest.fixture(scope="module", params=HYBRID_DEVICES)
-def hybrid(request):
-    return hybrid_target(device=request.param)
-
-
-@pytest.fixture(scope="module")
-def dense():
-    return dense_target()
 
 
 def assert_same_state(a: DecodeSession, b: DecodeSession):
     # fla's kernels on CUDA compute in TF32 inside: agreement to 1e-3 there, to fp32 rounding on CPU
     tol = dict(rtol=2e-3, atol=2e-4) if a.target.device.type == "cuda" else dict(rtol=1e-5, atol=1e-6)
     assert a.length == b.length and not a.pending and not b.pending
-    assert sorted(a.state.layers) == sorted(b.state.layers) == [0, 1, 2, 4, 5, 6]     # the Gated DeltaNet layers
+    assert sorted(a.state.layers) == sorted(b.state.layers) == [0, 1, 2, 4, 5, 6]  # the Gated DeltaNet layers
     for i, sa in a.state.layers.items():
         sb = b.state.layers[i]
         torch.testing.assert_close(sa.conv, sb.conv, **tol)
@@ -80,7 +71,7 @@ def test_rollback_methods_agree_and_the_rejected_tokens_mattered(hybrid):
     for i, a in sessions[0].state.layers.items():
         torch.testing.assert_close(a.recurrent, sessions[1].state.layers[i].recurrent, **tol)
     whole = DecodeSession(hybrid)
-    whole.prefill(p + block)                  # the state had the whole block been kept: different
+    whole.prefill(p + block)  # the state had the whole block been kept: different
     assert (whole.state.layers[0].recurrent - kept.recurrent).abs().max() > 1e-3
     assert (before - kept.recurrent).abs().max() > 1e-4
 
@@ -93,16 +84,17 @@ def test_greedy_reference_equals_a_full_forward_without_cache(make):
     assert len(ref.tokens) == 14 and len(set(ref.tokens)) > 3 and ref.target_forwards == 14
     ids = torch.tensor(p + ref.tokens)
     n = ids.shape[0]
-    features, labels = target.capture(ids, torch.arange(n), torch.zeros(n, dtype=torch.long), with_labels=True,
-                                      out_dtype=torch.float32)
-    assert labels[len(p) - 1:-1].tolist() == ref.tokens
-    session = DecodeSession(target)            # the decoded features are the capture's, position by position
+    features, labels = target.capture(
+        ids, torch.arange(n), torch.zeros(n, dtype=torch.long), with_labels=True, out_dtype=torch.float32
+    )
+    assert labels[len(p) - 1 : -1].tolist() == ref.tokens
+    session = DecodeSession(target)  # the decoded features are the capture's, position by position
     parts = [session.prefill(p).features]
     for token in ref.tokens[:-1]:
         parts.append(session.verify([token]).features)
         session.commit(1)
     torch.testing.assert_close(torch.cat(parts), features[:-1], rtol=1e-4, atol=1e-5)
-    assert all(m > t for m, t in zip(ref.margins, ref.tolerances))     # no near-tie on this model
+    assert all(m > t for m, t in zip(ref.margins, ref.tolerances))  # no near-tie on this model
 
 
 def test_greedy_reference_equals_hf_generate_on_a_dense_target(dense):
@@ -116,13 +108,14 @@ def test_greedy_reference_equals_hf_generate_on_a_dense_target(dense):
 def test_cached_attention_is_causal_bottom_right():
     class Module:
         num_key_value_groups, is_causal = 2, True
+
     gen = torch.Generator().manual_seed(7)
     q = torch.randn(1, 4, 3, 8, generator=gen)
     k, v = torch.randn(1, 2, 7, 8, generator=gen), torch.randn(1, 2, 7, 8, generator=gen)
     for window in (None, 3):
-        got, _ = _sdpa_packed(Module(), q, k, v, None, scaling=8 ** -0.5, doc_spans=[(0, 3)], sliding_window=window)
+        got, _ = _sdpa_packed(Module(), q, k, v, None, scaling=8**-0.5, doc_spans=[(0, 3)], sliding_window=window)
         kr, vr = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)
-        scores = (q @ kr.transpose(-1, -2)) * 8 ** -0.5
+        scores = (q @ kr.transpose(-1, -2)) * 8**-0.5
         i, j = torch.arange(4, 7)[:, None], torch.arange(7)[None]
         seen = (j <= i) if window is None else (j <= i) & (i - j < window)
         want = (scores.masked_fill(~seen, float("-inf")).softmax(-1) @ vr).transpose(1, 2)
@@ -149,6 +142,6 @@ def test_bad_use_and_unknown_recurrent_layers_are_refused(hybrid):
 
 def test_rounding_tolerance_follows_the_dtype():
     top = torch.tensor([0.5, 20.0])
-    assert rounding_tolerance(top, torch.bfloat16).tolist() == pytest.approx([4 * 2 ** -7, 80 * 2 ** -7])
-    assert rounding_tolerance(top, torch.float16).tolist() == pytest.approx([4 * 2 ** -10, 80 * 2 ** -10])
-    assert rounding_tolerance(top, torch.float32)[1] == pytest.approx(80 * 2 ** -23)
+    assert rounding_tolerance(top, torch.bfloat16).tolist() == pytest.approx([4 * 2**-7, 80 * 2**-7])
+    assert rounding_tolerance(top, torch.float16).tolist() == pytest.approx([4 * 2**-10, 80 * 2**-10])
+    assert rounding_tolerance(top, torch.float32)[1] == pytest.approx(80 * 2**-23)

@@ -1,5 +1,6 @@
 """The docs say what the software does and what was measured, where and with which command: no
 issue numbers, no words about how the project was made; the quickstart's config files load."""
+
 import os
 import re
 from pathlib import Path
@@ -13,8 +14,15 @@ DOCS = sorted((REPO / "docs").glob("*.md")) + [REPO / "README.md"]
 ISSUE_REF = re.compile(r"\bissues?[ -]?#?\d+|(?<![\w&/])#\d+(?![\w-])", re.IGNORECASE)
 # a folder beside a developer's checkout, which users do not have: docs must not point there
 OUTSIDE_FOLDER = os.path.join("..", "shared")
-PROCESS_WORDS = ("this session", "other helpers", "helpers' tests", "dev/ci vm", "the user's split",
-                 "threaded design", OUTSIDE_FOLDER)
+PROCESS_WORDS = (
+    "this session",
+    "other helpers",
+    "helpers' tests",
+    "dev/ci vm",
+    "the user's split",
+    "threaded design",
+    OUTSIDE_FOLDER,
+)
 
 
 def fenced_blocks(path: Path) -> list[tuple[str, str]]:
@@ -41,7 +49,13 @@ def test_no_issue_numbers_and_no_words_about_how_it_was_made(path):
 def test_the_checks_catch_what_they_are_for():
     for bad in ("see issue 12", "(#12)", "issue-17", "Issues 3"):
         assert ISSUE_REF.search(bad), bad
-    for fine in ("[τ](#tau-and-real-acceptance)", "[8](#8-walkthrough-your-own-model)", "&#8212;", "github.com/x/y/pull/12", "8 × 128 heads"):
+    for fine in (
+        "[τ](#tau-and-real-acceptance)",
+        "[8](#8-walkthrough-your-own-model)",
+        "&#8212;",
+        "github.com/x/y/pull/12",
+        "8 × 128 heads",
+    ):
         assert not ISSUE_REF.search(fine), fine
 
 
@@ -68,8 +82,8 @@ def without_code(text: str) -> str:
 def github_slug(heading: str) -> str:
     """GitHub's anchor of a heading: its rendered text lowercased, punctuation dropped except '-'
     and '_', spaces turned into '-'; letters outside ASCII (τ) are kept."""
-    text = re.sub(r"!?\[([^\]]*)\]\([^)]*\)", r"\1", heading)       # a link: its words
-    text = re.sub(r"<[^>]+>", "", text).replace("`", "")            # html tags, code marks
+    text = re.sub(r"!?\[([^\]]*)\]\([^)]*\)", r"\1", heading)  # a link: its words
+    text = re.sub(r"<[^>]+>", "", text).replace("`", "")  # html tags, code marks
     return re.sub(r"[^\w\- ]", "", text.strip().lower()).replace(" ", "-")
 
 
@@ -80,7 +94,7 @@ def anchors(path: Path) -> set[str]:
         slug = github_slug(m.group(2))
         n = seen.get(slug, 0)
         seen[slug] = n + 1
-        found.add(slug if n == 0 else f"{slug}-{n}")        # a repeated heading: -1, -2, ...
+        found.add(slug if n == 0 else f"{slug}-{n}")  # a repeated heading: -1, -2, ...
     return found
 
 
@@ -88,7 +102,7 @@ def broken_links(path: Path) -> list[str]:
     bad = []
     for m in LINK.finditer(without_code(path.read_text())):
         target = m.group(1)
-        if re.match(r"^[a-z][a-z0-9+.-]*:", target, re.I):          # http:, https:, mailto:
+        if re.match(r"^[a-z][a-z0-9+.-]*:", target, re.I):  # http:, https:, mailto:
             continue
         file_part, _, fragment = target.partition("#")
         linked = (path.parent / file_part).resolve() if file_part else path
@@ -102,13 +116,19 @@ def broken_links(path: Path) -> list[str]:
 def test_github_slugs_and_the_link_check_catch_what_they_are_for(tmp_path):
     assert github_slug("τ and real acceptance") == "τ-and-real-acceptance"
     assert github_slug("8. Walkthrough: your own model") == "8-walkthrough-your-own-model"
-    assert github_slug("Target precision: bf16 against FP8 (`bench/target_precision.py`)") == \
-        "target-precision-bf16-against-fp8-benchtarget_precisionpy"
+    assert (
+        github_slug("Target precision: bf16 against FP8 (`bench/target_precision.py`)")
+        == "target-precision-bf16-against-fp8-benchtarget_precisionpy"
+    )
     doc = tmp_path / "a.md"
-    doc.write_text('# Top\n\n<a id="tau-x"></a>\n## τ x\n\n[ok](#top) [ok](#tau-x) [ok](#τ-x) [bad](#nope) '
-                   '[bad](missing.md) `[code](#not-a-link)`\n```\n[code](#nor-this)\n```\n')
-    assert broken_links(doc) == ["a.md: #nope: no heading or <a id> with that anchor in a.md",
-                                 "a.md: missing.md: no such file"]
+    doc.write_text(
+        '# Top\n\n<a id="tau-x"></a>\n## τ x\n\n[ok](#top) [ok](#tau-x) [ok](#τ-x) [bad](#nope) '
+        "[bad](missing.md) `[code](#not-a-link)`\n```\n[code](#nor-this)\n```\n"
+    )
+    assert broken_links(doc) == [
+        "a.md: #nope: no heading or <a id> with that anchor in a.md",
+        "a.md: missing.md: no such file",
+    ]
 
 
 @pytest.mark.parametrize("path", DOCS, ids=lambda p: p.name)
@@ -123,10 +143,13 @@ def paragraph_with(text: str, needle: str) -> str:
 
 def test_what_users_tried_from_the_docs_is_so():
     from services.config import TARGET_DTYPES
+
     texts = {p.name: p.read_text() for p in DOCS}
     sources = [p.read_text() for p in (REPO / "launcher").glob("*.py")]
     # huggingface-hub's command line is `hf` (`huggingface-cli` is gone from the versions installed)
-    assert not [n for n, t in texts.items() if "huggingface-cli" in t] and not any("huggingface-cli" in s for s in sources)
+    assert not [n for n, t in texts.items() if "huggingface-cli" in t] and not any(
+        "huggingface-cli" in s for s in sources
+    )
     # `eval --help` calls --eval-device the older name
     assert not [n for n, t in texts.items() if "--eval-device" in t]
     # every capture path the target can log (services/target/model.py)

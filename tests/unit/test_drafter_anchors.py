@@ -1,13 +1,13 @@
 """Anchors, blocks, positions, labels and loss weights (docs/dflash.md "Anchors, blocks, loss"), and the
 k = 1 coverage the anchor rule reaches on the demo data."""
+
 import math
 
 import pytest
 import torch
 
 from services.batch import Batch
-from services.drafter.anchors import (build_inputs, loss_gamma, padded_anchor_count, sample_anchors,
-                                      valid_anchor_mask)
+from services.drafter.anchors import build_inputs, loss_gamma, padded_anchor_count, sample_anchors, valid_anchor_mask
 
 MASK = 99
 
@@ -18,9 +18,15 @@ def packed_batch(docs, loss_mask, hidden_width=4, g=0, target_labels=None):
     position_ids = torch.zeros(s, dtype=torch.long)
     for i in range(1, s):
         position_ids[i] = position_ids[i - 1] + 1 if docs[i] == docs[i - 1] else 0
-    return Batch(g=g, hidden=torch.randn(s, hidden_width).to(torch.bfloat16),
-                 input_ids=torch.arange(s) + 10, loss_mask=torch.tensor(loss_mask, dtype=torch.bool),
-                 position_ids=position_ids, document_ids=docs, target_labels=target_labels)
+    return Batch(
+        g=g,
+        hidden=torch.randn(s, hidden_width).to(torch.bfloat16),
+        input_ids=torch.arange(s) + 10,
+        loss_mask=torch.tensor(loss_mask, dtype=torch.bool),
+        position_ids=position_ids,
+        document_ids=docs,
+        target_labels=target_labels,
+    )
 
 
 def test_valid_anchors_are_supervised_with_a_supervised_next_token_in_the_same_document():
@@ -40,7 +46,7 @@ def test_sampling_is_sorted_unique_valid_and_pads_with_minus_one():
     valid[[3, 7, 8, 20, 33, 41]] = True
     gen = torch.Generator().manual_seed(0)
     few = sample_anchors(valid, 10, gen)
-    assert few.tolist() == [3, 7, 8, 20, 33, 41, -1, -1, -1, -1]      # fewer valid: keep them all
+    assert few.tolist() == [3, 7, 8, 20, 33, 41, -1, -1, -1, -1]  # fewer valid: keep them all
     some = sample_anchors(valid, 4, gen)
     assert len(some) == 4 and some.tolist() == sorted(some.tolist())
     assert len(set(some.tolist())) == 4 and all(valid[a] for a in some.tolist())
@@ -50,25 +56,25 @@ def test_sampling_is_sorted_unique_valid_and_pads_with_minus_one():
 
 def test_sampling_is_uniform_over_valid_positions():
     valid = torch.zeros(40, dtype=torch.bool)
-    valid[::2] = True                                                # 20 valid positions
+    valid[::2] = True  # 20 valid positions
     gen = torch.Generator().manual_seed(1)
     counts = torch.zeros(40)
     for _ in range(2000):
         counts[sample_anchors(valid, 5, gen)] += 1
     assert counts[1::2].sum() == 0
-    expected = 2000 * 5 / 20                                         # 500 each
+    expected = 2000 * 5 / 20  # 500 each
     assert (counts[::2] - expected).abs().max() < 5 * math.sqrt(expected)
 
 
 def test_padded_anchor_counts_fill_whole_query_tiles():
     assert padded_anchor_count(512, 16) == 512
-    assert padded_anchor_count(500, 16) == 504                       # 504 * 16 = 63 * 128
+    assert padded_anchor_count(500, 16) == 504  # 504 * 16 = 63 * 128
     assert padded_anchor_count(512, 10) == 512 and (padded_anchor_count(100, 10) * 10) % 128 == 0
     assert padded_anchor_count(3, 256) == 3
 
 
 def test_gamma():
-    assert loss_gamma(16) == 4.0 and loss_gamma(8) == 2.0 and loss_gamma(32) == 8.0     # the measured default
+    assert loss_gamma(16) == 4.0 and loss_gamma(8) == 2.0 and loss_gamma(32) == 8.0  # the measured default
     assert loss_gamma(16, configured=7.0) == 7.0 and loss_gamma(16, configured=3.0) == 3.0
 
 
@@ -79,19 +85,20 @@ def test_blocks_positions_labels_and_weights_by_hand():
     loss[0] = loss[1] = loss[2] = loss[14] = 0
     batch = packed_batch(docs, loss)
     gamma = 7.0
-    inp = build_inputs(batch, num_anchors=20, block_size=4, mask_token_id=MASK, gamma=gamma,
-                       generator=torch.Generator().manual_seed(0))
+    inp = build_inputs(
+        batch, num_anchors=20, block_size=4, mask_token_id=MASK, gamma=gamma, generator=torch.Generator().manual_seed(0)
+    )
     valid = [a for a in range(19) if loss[a] and loss[a + 1] and docs[a] == docs[a + 1]]
     assert valid == [3, 4, 5, 6, 7, 8, 10, 11, 12, 15, 16, 17, 18]
-    slots = padded_anchor_count(20, 4)                                # 32 slots: 128 query rows
+    slots = padded_anchor_count(20, 4)  # 32 slots: 128 query rows
     assert inp.anchors.tolist() == valid + [-1] * (slots - len(valid))
     decay = torch.tensor([math.exp(-(k - 1) / gamma) for k in (1, 2, 3)])
 
-    i = valid.index(12)                                               # anchor 12: position 2 in doc 1
-    assert inp.block_ids[i].tolist() == [22, MASK, MASK, MASK]        # input_ids = index + 10
+    i = valid.index(12)  # anchor 12: position 2 in doc 1
+    assert inp.block_ids[i].tolist() == [22, MASK, MASK, MASK]  # input_ids = index + 10
     assert inp.block_positions[i].tolist() == [2, 3, 4, 5]
-    assert inp.labels[i].tolist() == [23, 24, 25]                     # tokens at a+1 .. a+3
-    assert torch.allclose(inp.weights[i], decay * torch.tensor([1.0, 0.0, 1.0]))   # loss_mask[14] = 0
+    assert inp.labels[i].tolist() == [23, 24, 25]  # tokens at a+1 .. a+3
+    assert torch.allclose(inp.weights[i], decay * torch.tensor([1.0, 0.0, 1.0]))  # loss_mask[14] = 0
     assert inp.context_starts[i] == 10
 
     # anchor 8 runs past the end of doc 0 (a+2 = 10 is doc 1): positions, mask tokens and
@@ -103,8 +110,8 @@ def test_blocks_positions_labels_and_weights_by_hand():
     i = valid.index(18)
     assert inp.labels[i, 0] == 29 and torch.allclose(inp.weights[i], decay * torch.tensor([1.0, 0.0, 0.0]))
 
-    assert inp.weights[len(valid):].abs().sum() == 0                   # empty blocks weigh nothing
-    assert (inp.block_ids[len(valid):] == MASK).all()
+    assert inp.weights[len(valid) :].abs().sum() == 0  # empty blocks weigh nothing
+    assert (inp.block_ids[len(valid) :] == MASK).all()
     assert inp.context_len == 128 and inp.hidden.shape == (128, 4) and inp.hidden[20:].abs().sum() == 0
     assert inp.context_positions[:20].tolist() == batch.position_ids.tolist()
     # coverage counts: 16 supervised tokens; a+1 of every valid anchor is one of them (13)
@@ -113,12 +120,19 @@ def test_blocks_positions_labels_and_weights_by_hand():
 
 def test_target_labels_are_the_targets_argmax_one_before():
     docs = [0] * 12
-    labels = torch.arange(12) + 500                                  # target's guess for token j+1, made at j
+    labels = torch.arange(12) + 500  # target's guess for token j+1, made at j
     batch = packed_batch(docs, [1] * 12, target_labels=labels)
-    inp = build_inputs(batch, num_anchors=2, block_size=4, mask_token_id=MASK, gamma=7.0,
-                       labels_from_target=True, generator=torch.Generator().manual_seed(3))
+    inp = build_inputs(
+        batch,
+        num_anchors=2,
+        block_size=4,
+        mask_token_id=MASK,
+        gamma=7.0,
+        labels_from_target=True,
+        generator=torch.Generator().manual_seed(3),
+    )
     a = int(inp.anchors[0])
-    assert inp.labels[0].tolist() == [500 + a, 501 + a, 502 + a]    # target_labels[a+k-1]
+    assert inp.labels[0].tolist() == [500 + a, 501 + a, 502 + a]  # target_labels[a+k-1]
 
 
 def test_bad_inputs_are_named():
@@ -131,10 +145,19 @@ def test_bad_inputs_are_named():
 
 def test_same_seed_and_g_give_the_same_anchors():
     from services.drafter.anchors import anchor_generator
+
     batch = packed_batch([0] * 300, [1] * 300)
-    runs = [build_inputs(batch, num_anchors=16, block_size=8, mask_token_id=MASK, gamma=4.0,
-                         generator=anchor_generator(seed, g, torch.device("cpu"))).anchors
-            for seed, g in ((0, 5), (0, 5), (0, 6))]
+    runs = [
+        build_inputs(
+            batch,
+            num_anchors=16,
+            block_size=8,
+            mask_token_id=MASK,
+            gamma=4.0,
+            generator=anchor_generator(seed, g, torch.device("cpu")),
+        ).anchors
+        for seed, g in ((0, 5), (0, 5), (0, 6))
+    ]
     assert torch.equal(runs[0], runs[1]) and not torch.equal(runs[0], runs[2])
 
 
@@ -148,22 +171,29 @@ def demo_rows(tmp_path_factory):
     from services.target.packing import open_or_build
 
     tmp = tmp_path_factory.mktemp("demo")
-    demo = make_demo(tmp / "demo", target_steps=0)          # the data and tokenizer only
+    demo = make_demo(tmp / "demo", target_steps=0)  # the data and tokenizer only
     cfg = load_config(None, demo["overrides"])
     tokenizer = AutoTokenizer.from_pretrained(demo["model_path"])
     data = open_or_build(cfg, tmp / "run", tokenizer, len(tokenizer), log=lambda _m: None)
-    return [Batch(g=g, hidden=torch.zeros(cfg.data.pack_len, 4, dtype=torch.bfloat16), **data.batch(g))
-            for g in range(40)]
+    return [
+        Batch(g=g, hidden=torch.zeros(cfg.data.pack_len, 4, dtype=torch.bfloat16), **data.batch(g)) for g in range(40)
+    ]
 
 
 def k1_targets(batch, block_size):
     """Supervised positions that some block trains as its first prediction, with every valid anchor drawn."""
     s = batch.seq_len
-    inp = build_inputs(batch, num_anchors=s, block_size=block_size, mask_token_id=MASK, gamma=4.0,
-                       generator=torch.Generator().manual_seed(batch.g))
+    inp = build_inputs(
+        batch,
+        num_anchors=s,
+        block_size=block_size,
+        mask_token_id=MASK,
+        gamma=4.0,
+        generator=torch.Generator().manual_seed(batch.g),
+    )
     anchors = inp.anchors[inp.anchors >= 0]
     trained = inp.weights[: len(anchors), 0] > 0
-    assert trained.all()                                   # a valid anchor always trains k = 1
+    assert trained.all()  # a valid anchor always trains k = 1
     targets = torch.zeros(s, dtype=torch.bool)
     targets[anchors[trained] + 1] = True
     return targets, anchors, inp
@@ -179,12 +209,12 @@ def test_k1_coverage_of_supervised_tokens_on_the_demo_data(demo_rows, block_size
     for batch in demo_rows:
         targets, anchors, inp = k1_targets(batch, block_size)
         loss, doc = batch.loss_mask.tolist(), batch.document_ids.tolist()
-        assert all(loss[a] for a in anchors.tolist())      # never an anchor on an unsupervised token
+        assert all(loss[a] for a in anchors.tolist())  # never an anchor on an unsupervised token
         supervised += sum(loss)
         covered += int((targets & batch.loss_mask).sum())
         reported += int(inp.reachable)
         expected += sum(1 for t in range(1, len(loss)) if loss[t] and loss[t - 1] and doc[t] == doc[t - 1] >= 0)
-        for d in set(doc) - {-1}:                          # the final end-of-turn token of each document
+        for d in set(doc) - {-1}:  # the final end-of-turn token of each document
             sup = [t for t in range(len(doc)) if doc[t] == d and loss[t]]
             docs += bool(sup)
             last_trained += bool(sup) and bool(targets[sup[-1]])

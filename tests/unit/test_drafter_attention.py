@@ -1,12 +1,20 @@
 """The DFlash block mask: semantics, dense == flex mask_mod == direct BlockMask, and the backends."""
+
 import math
 
 import pytest
 import torch
 from torch.nn.attention.flex_attention import create_block_mask
 
-from services.drafter.attention import (DenseAttention, FlexAttention, anchor_context_starts, block_tiles,
-                                        document_starts, flex_block_mask, flex_mask_mod)
+from services.drafter.attention import (
+    DenseAttention,
+    FlexAttention,
+    anchor_context_starts,
+    block_tiles,
+    document_starts,
+    flex_block_mask,
+    flex_mask_mod,
+)
 from tests.masks import dense_block_mask
 
 
@@ -35,7 +43,7 @@ def brute_force_mask(anchors, block_size, context_len, document_ids=None, window
 def random_case(seed, block_size, seq_len, num_anchors, num_docs, empty=3):
     gen = torch.Generator().manual_seed(seed)
     docs = torch.sort(torch.randint(0, num_docs, (seq_len,), generator=gen)).values
-    docs[-5:] = -1                                              # padding at the end
+    docs[-5:] = -1  # padding at the end
     real = torch.nonzero(docs >= 0).flatten()
     k = min(num_anchors - empty, len(real))
     anchors = torch.sort(real[torch.randperm(len(real), generator=gen)[:k]]).values
@@ -46,8 +54,8 @@ def test_hand_checked_mask_with_two_documents_and_an_empty_block():
     docs = torch.tensor([0, 0, 0, 1, 1, 1, -1, -1])
     anchors = torch.tensor([1, 4, -1])
     m = dense_block_mask(anchors, block_size=2, context_len=8, document_ids=docs)
-    block0 = [1, 0, 0, 0, 0, 0, 0, 0] + [1, 1, 0, 0, 0, 0]   # context before anchor 1 in doc 0, own block
-    block1 = [0, 0, 0, 1, 0, 0, 0, 0] + [0, 0, 1, 1, 0, 0]   # doc 1 starts at 3: only key 3; own block
+    block0 = [1, 0, 0, 0, 0, 0, 0, 0] + [1, 1, 0, 0, 0, 0]  # context before anchor 1 in doc 0, own block
+    block1 = [0, 0, 0, 1, 0, 0, 0, 0] + [0, 0, 1, 1, 0, 0]  # doc 1 starts at 3: only key 3; own block
     empty = [0] * 14
     expected = torch.tensor([block0, block0, block1, block1, empty, empty], dtype=torch.bool)
     assert torch.equal(m, expected)
@@ -63,10 +71,12 @@ def test_hand_checked_sliding_window_mask():
     window stops at the document start; the block stays whole (W >= B)."""
     docs = torch.tensor([0, 0, 0, 0, 0, 1, 1, 1])
     m = dense_block_mask(torch.tensor([4, 6]), block_size=2, context_len=8, document_ids=docs, window=3)
-    expected = [[0, 0, 1, 1, 0, 0, 0, 0] + [1, 1, 0, 0],     # block 0, k=0: keys 2, 3
-                [0, 0, 0, 1, 0, 0, 0, 0] + [1, 1, 0, 0],     # block 0, k=1: key 3 only
-                [0, 0, 0, 0, 0, 1, 0, 0] + [0, 0, 1, 1],     # block 1: document 1 starts at 5
-                [0, 0, 0, 0, 0, 1, 0, 0] + [0, 0, 1, 1]]
+    expected = [
+        [0, 0, 1, 1, 0, 0, 0, 0] + [1, 1, 0, 0],  # block 0, k=0: keys 2, 3
+        [0, 0, 0, 1, 0, 0, 0, 0] + [1, 1, 0, 0],  # block 0, k=1: key 3 only
+        [0, 0, 0, 0, 0, 1, 0, 0] + [0, 0, 1, 1],  # block 1: document 1 starts at 5
+        [0, 0, 0, 0, 0, 1, 0, 0] + [0, 0, 1, 1],
+    ]
     assert torch.equal(m, torch.tensor(expected, dtype=torch.bool))
     # a window smaller than the block also bounds the block itself on the left (never on the right)
     m1 = dense_block_mask(torch.tensor([4]), block_size=3, context_len=5, window=1)
@@ -85,8 +95,9 @@ def test_bad_windows_are_refused():
 @pytest.mark.parametrize("block_size", [4, 10, 16])
 def test_dense_mask_equals_brute_force(block_size, window):
     anchors, docs = random_case(1, block_size, seq_len=90, num_anchors=12, num_docs=4)
-    assert torch.equal(dense_block_mask(anchors, block_size, 96, docs, window),
-                       brute_force_mask(anchors, block_size, 96, docs, window))
+    assert torch.equal(
+        dense_block_mask(anchors, block_size, 96, docs, window), brute_force_mask(anchors, block_size, 96, docs, window)
+    )
 
 
 def test_document_starts_and_contiguity_check():
@@ -100,14 +111,27 @@ def test_document_starts_and_contiguity_check():
         dense_block_mask(torch.tensor([9]), 2, 8, docs)
 
 
-@pytest.mark.parametrize("block_size,seq_len,num_docs,window", [
-    (8, 300, 3, None), (10, 700, 1, None), (16, 1400, 1, None), (16, 1400, 4, None), (32, 1000, 2, None),
-    (256, 300, 2, None),
-    # windows: wider than a tile, narrower than a tile, narrower than the block, anchors across q tiles
-    (16, 1400, 1, 300), (16, 1400, 4, 100), (10, 700, 1, 129), (8, 300, 3, 5), (32, 1000, 2, 20), (256, 300, 2, 150)])
+@pytest.mark.parametrize(
+    "block_size,seq_len,num_docs,window",
+    [
+        (8, 300, 3, None),
+        (10, 700, 1, None),
+        (16, 1400, 1, None),
+        (16, 1400, 4, None),
+        (32, 1000, 2, None),
+        (256, 300, 2, None),
+        # windows: wider than a tile, narrower than a tile, narrower than the block, anchors across q tiles
+        (16, 1400, 1, 300),
+        (16, 1400, 4, 100),
+        (10, 700, 1, 129),
+        (8, 300, 3, 5),
+        (32, 1000, 2, 20),
+        (256, 300, 2, 150),
+    ],
+)
 def test_direct_block_mask_equals_create_block_mask(block_size, seq_len, num_docs, window):
     step = 128 // math.gcd(block_size, 128)
-    num_anchors = -(-min(40, 3072 // block_size) // step) * step    # B 256: 12 anchors, 24 q tiles (the loops are slow)
+    num_anchors = -(-min(40, 3072 // block_size) // step) * step  # B 256: 12 anchors, 24 q tiles (the loops are slow)
     context_len = -(-seq_len // 128) * 128
     anchors, docs = random_case(block_size + seq_len, block_size, seq_len, num_anchors, num_docs)
     starts = anchor_context_starts(anchors, docs)
@@ -118,7 +142,7 @@ def test_direct_block_mask_equals_create_block_mask(block_size, seq_len, num_doc
     q_idx, kv_idx = torch.arange(q_len)[:, None], torch.arange(kv_len)[None, :]
     dense = dense_block_mask(anchors, block_size, context_len, docs, window)
     assert torch.equal(mask_mod(0, 0, q_idx, kv_idx), dense)
-    if window is not None and context_len <= 768:       # the Python loops are slow at larger shapes
+    if window is not None and context_len <= 768:  # the Python loops are slow at larger shapes
         assert torch.equal(dense, brute_force_mask(anchors, block_size, context_len, docs, window))
 
     direct = flex_block_mask(anchors, starts, block_size, context_len, window=window)
@@ -166,7 +190,8 @@ def test_dense_backend_empty_rows_give_zero_not_nan():
     assert torch.equal(q.grad[:, :, 4:], torch.zeros_like(q.grad[:, :, 4:]))
     # GQA: query heads 0,1 share kv head 0 -> same as repeating kv heads by hand
     ref = torch.nn.functional.scaled_dot_product_attention(
-        q[:, :, :4], k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), attn_mask=mask[:4])
+        q[:, :, :4], k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), attn_mask=mask[:4]
+    )
     assert torch.allclose(out[:, :, :4], ref, atol=1e-6)
 
 
@@ -184,10 +209,20 @@ def test_compiled_flex_forward_equals_dense_forward_on_cpu(compile_layers, layou
     from services.drafter.synthetic import SyntheticSource
 
     torch.manual_seed(0)
-    cfg = DrafterModelConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
-                             head_dim=8, vocab_size=64, num_target_layers=6, num_hidden_layers=2,
-                             target_layer_ids=[1, 3], block_size=16, mask_token_id=63,
-                             **({} if layout is None else {"layer_types": layout[0], "sliding_window": layout[1]}))
+    cfg = DrafterModelConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        vocab_size=64,
+        num_target_layers=6,
+        num_hidden_layers=2,
+        target_layer_ids=[1, 3],
+        block_size=16,
+        mask_token_id=63,
+        **({} if layout is None else {"layer_types": layout[0], "sliding_window": layout[1]}),
+    )
     source = SyntheticSource(cfg, 200)
     dense_model = DFlashDrafter(cfg, attention=DenseAttention())
     flex_model = DFlashDrafter(cfg, attention=FlexAttention())
@@ -202,7 +237,7 @@ def test_compiled_flex_forward_equals_dense_forward_on_cpu(compile_layers, layou
         # 4 valid anchors, 4 empty blocks; two blocks run past the end of their document
         doc = batch.document_ids
         ends = torch.nonzero((doc[:-1] >= 0) & (doc[1:] != doc[:-1])).flatten()
-        fits = torch.nonzero((doc[:-15] >= 0) & (doc[15:] == doc[:-15])).flatten()     # whole block inside
+        fits = torch.nonzero((doc[:-15] >= 0) & (doc[15:] == doc[:-15])).flatten()  # whole block inside
         inside = [a for a in fits[::23].tolist() if all(abs(a - e + 3) > 2 for e in ends[:2].tolist())]
         chosen = torch.cat([ends[:2] - 3, torch.tensor(inside[:2])])
         batch.loss_mask[:] = False
@@ -214,12 +249,15 @@ def test_compiled_flex_forward_equals_dense_forward_on_cpu(compile_layers, layou
         for model in (dense_model, flex_model):
             masks = model.build_masks(inputs.anchors, inputs.context_starts, inputs.context_len)
             with torch.no_grad():
-                outs.append(model(inputs.hidden.float(), embeds, inputs.context_positions,
-                                  inputs.block_positions.flatten(), masks))
+                outs.append(
+                    model(
+                        inputs.hidden.float(), embeds, inputs.context_positions, inputs.block_positions.flatten(), masks
+                    )
+                )
         assert torch.isfinite(outs[1]).all()
         torch.testing.assert_close(outs[1], outs[0], atol=2e-5, rtol=1e-4)
         if watch is None:
-            watch = RecompileWatch()                               # a second batch must reuse the graphs
+            watch = RecompileWatch()  # a second batch must reuse the graphs
     assert watch.count == 0
 
 
@@ -232,29 +270,44 @@ def test_a_block_past_its_documents_end_sees_nothing_of_the_next_document():
     from services.drafter.synthetic import SyntheticSource
 
     torch.manual_seed(0)
-    cfg = DrafterModelConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
-                             head_dim=8, vocab_size=64, num_target_layers=6, num_hidden_layers=2,
-                             target_layer_ids=[1, 3], block_size=8, mask_token_id=63)
+    cfg = DrafterModelConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        vocab_size=64,
+        num_target_layers=6,
+        num_hidden_layers=2,
+        target_layer_ids=[1, 3],
+        block_size=8,
+        mask_token_id=63,
+    )
     model = DFlashDrafter(cfg, attention=DenseAttention())
     table = torch.randn(64, 32)
     batch = SyntheticSource(cfg, 200).batch(1)
     doc = batch.document_ids
-    end = int(torch.nonzero(doc == 0).max())                  # last token of document 0
+    end = int(torch.nonzero(doc == 0).max())  # last token of document 0
     assert doc[end + 8] == 1
     batch.loss_mask[:] = False
-    batch.loss_mask[end - 3:end + 9] = True                    # anchors end-3..end-1 and end+1..end+7
+    batch.loss_mask[end - 3 : end + 9] = True  # anchors end-3..end-1 and end+1..end+7
 
     def block_output(b):
         inputs = build_inputs(b, num_anchors=16, block_size=8, mask_token_id=63, gamma=4.0)
         i = inputs.anchors.tolist().index(end - 3)
         mask = model.attention.build_mask(inputs.anchors, inputs.context_starts, 8, inputs.context_len)
         with torch.no_grad():
-            out = model(inputs.hidden.float(), table[inputs.block_ids.flatten()], inputs.context_positions,
-                        inputs.block_positions.flatten(), mask)
-        return out[i * 8:(i + 1) * 8], inputs.weights[i]
+            out = model(
+                inputs.hidden.float(),
+                table[inputs.block_ids.flatten()],
+                inputs.context_positions,
+                inputs.block_positions.flatten(),
+                mask,
+            )
+        return out[i * 8 : (i + 1) * 8], inputs.weights[i]
 
     before, weights = block_output(batch)
-    assert (weights[:3] > 0).all() and (weights[3:] == 0).all()          # a+4.. is document 1: no loss
+    assert (weights[:3] > 0).all() and (weights[3:] == 0).all()  # a+4.. is document 1: no loss
     later = doc > 0
     batch.hidden[later] = torch.randn(int(later.sum()), batch.hidden.shape[1]).to(batch.hidden.dtype)
     batch.input_ids[later] = (batch.input_ids[later] + 7) % 63

@@ -1,4 +1,5 @@
 """Chunked weighted cross-entropy and the acceptance metrics."""
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -22,7 +23,7 @@ def test_chunked_equals_full_logits_value_and_grads(chunk):
     weights = torch.rand(rows, dtype=torch.float64) * (torch.rand(rows) > 0.3)
 
     loss, preds = chunked_cross_entropy(hidden, lm_head, labels, weights, chunk=chunk)
-    (3.0 * loss).backward()                                         # upstream scale reaches the grad
+    (3.0 * loss).backward()  # upstream scale reaches the grad
     grad = hidden.grad.clone()
 
     hidden.grad = None
@@ -53,17 +54,18 @@ def test_no_grad_path_gives_the_same_loss():
 
 
 def test_acceptance_metrics_by_hand():
-    labels = torch.tensor([[1, 2, 3, 4],
-                           [1, 2, 3, 4],
-                           [1, 2, 3, 4],
-                           [1, 2, 3, 4]])
-    preds = torch.tensor([[1, 2, 3, 4],     # 4 accepted
-                          [1, 9, 3, 4],     # 1 accepted (a miss ends the run)
-                          [9, 2, 3, 4],     # 0 accepted
-                          [1, 2, 3, 4]])    # empty block: weights 0, not counted
+    labels = torch.tensor([[1, 2, 3, 4], [1, 2, 3, 4], [1, 2, 3, 4], [1, 2, 3, 4]])
+    preds = torch.tensor(
+        [
+            [1, 2, 3, 4],  # 4 accepted
+            [1, 9, 3, 4],  # 1 accepted (a miss ends the run)
+            [9, 2, 3, 4],  # 0 accepted
+            [1, 2, 3, 4],
+        ]
+    )  # empty block: weights 0, not counted
     weights = torch.ones(4, 4)
     weights[3] = 0
-    weights[0, 3] = 0                       # untrained position ends the run too: block 0 accepts 3
+    weights[0, 3] = 0  # untrained position ends the run too: block 0 accepts 3
     m = acceptance_metrics(preds, labels, weights)
     assert m["trained_blocks"].item() == 3
     assert m["tau"].item() == pytest.approx(1 + (3 + 1 + 0) / 3)

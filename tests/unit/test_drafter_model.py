@@ -1,5 +1,6 @@
 """The drafter model against HF Qwen3 building blocks, and what it takes from a (tiny, random,
 made-on-the-fly) HF target checkpoint: config, embedding, lm_head, mask token."""
+
 import json
 
 import pytest
@@ -16,13 +17,22 @@ from services.drafter.target_head import from_target, resolve_mask_token_id
 from tests.drafters import build_model_config
 from services.runspec import target_fields_of
 
-TINY = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=8, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=8, rope_theta=50000.0)
+TINY = dict(
+    vocab_size=96,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=8,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    rope_theta=50000.0,
+)
 
 
 def save_tokenizer(path, mask_token=None, added_mask=False):
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
+
     vocab = {f"w{i}": i for i in range(80)}
     vocab["[UNK]"] = 80
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
@@ -36,6 +46,7 @@ def save_tokenizer(path, mask_token=None, added_mask=False):
 
 def save_qwen3(path, tied: bool, shard: bool):
     from transformers import Qwen3Config, Qwen3ForCausalLM
+
     torch.manual_seed(0)
     model = Qwen3ForCausalLM(Qwen3Config(**TINY, tie_word_embeddings=tied))
     model.save_pretrained(path, max_shard_size="20KB" if shard else "10GB")
@@ -44,8 +55,16 @@ def save_qwen3(path, tied: bool, shard: bool):
 
 
 def config_for(path, *overrides):
-    return load_config(None, [f"target.model_path={json.dumps(str(path))}", "drafter.num_layers=3",
-                              "data.pack_len=256", "drafter.num_anchors=16", *overrides])
+    return load_config(
+        None,
+        [
+            f"target.model_path={json.dumps(str(path))}",
+            "drafter.num_layers=3",
+            "data.pack_len=256",
+            "drafter.num_anchors=16",
+            *overrides,
+        ],
+    )
 
 
 @pytest.mark.parametrize("tied,shard", [(True, True), (False, False), (False, True)])
@@ -60,22 +79,46 @@ def test_embed_and_lm_head_come_from_the_checkpoint(tmp_path, tied, shard):
     assert model_cfg.hidden_size == 32 and model_cfg.vocab_size == 96 and model_cfg.num_target_layers == 8
     assert model_cfg.num_key_value_heads == 2 and model_cfg.head_dim == 8 and model_cfg.rope_theta == 50000.0
     assert model_cfg.target_layer_ids == default_layer_ids(8, 3) == [1, 3, 5]
-    assert model_cfg.mask_token_id == 81                  # no mask token, no <|MASK|>: len(tokenizer)
+    assert model_cfg.mask_token_id == 81  # no mask token, no <|MASK|>: len(tokenizer)
     drafter = DFlashDrafter(model_cfg)
     assert not any("embed" in k or "lm_head" in k for k in drafter.state_dict())
 
 
 def test_state_dict_uses_the_released_dflash_names():
-    cfg = DrafterModelConfig(hidden_size=16, intermediate_size=32, num_attention_heads=2, num_key_value_heads=1,
-                             head_dim=8, vocab_size=10, num_target_layers=8, num_hidden_layers=2,
-                             target_layer_ids=[1, 4, 5], block_size=4, mask_token_id=9)
-    per_layer = ["input_layernorm.weight", "post_attention_layernorm.weight", "mlp.gate_proj.weight",
-                 "mlp.up_proj.weight", "mlp.down_proj.weight", "self_attn.q_proj.weight", "self_attn.k_proj.weight",
-                 "self_attn.v_proj.weight", "self_attn.o_proj.weight", "self_attn.q_norm.weight", "self_attn.k_norm.weight"]
-    expected = {f"layers.{i}.{n}" for i in range(2) for n in per_layer} | {"fc.weight", "hidden_norm.weight", "norm.weight"}
+    cfg = DrafterModelConfig(
+        hidden_size=16,
+        intermediate_size=32,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+        vocab_size=10,
+        num_target_layers=8,
+        num_hidden_layers=2,
+        target_layer_ids=[1, 4, 5],
+        block_size=4,
+        mask_token_id=9,
+    )
+    per_layer = [
+        "input_layernorm.weight",
+        "post_attention_layernorm.weight",
+        "mlp.gate_proj.weight",
+        "mlp.up_proj.weight",
+        "mlp.down_proj.weight",
+        "self_attn.q_proj.weight",
+        "self_attn.k_proj.weight",
+        "self_attn.v_proj.weight",
+        "self_attn.o_proj.weight",
+        "self_attn.q_norm.weight",
+        "self_attn.k_norm.weight",
+    ]
+    expected = {f"layers.{i}.{n}" for i in range(2) for n in per_layer} | {
+        "fc.weight",
+        "hidden_norm.weight",
+        "norm.weight",
+    }
     sd = DFlashDrafter(cfg).state_dict()
     assert set(sd) == expected
-    assert sd["fc.weight"].shape == (16, 48)              # K*H -> H, no bias
+    assert sd["fc.weight"].shape == (16, 48)  # K*H -> H, no bias
     assert sd["layers.0.self_attn.k_proj.weight"].shape == (8, 16)
 
 
@@ -87,16 +130,23 @@ def test_default_layer_ids_match_dflash():
 
 def test_composite_config_resolves_to_text_config_and_language_model_tensors(tmp_path):
     from transformers import Qwen3VLConfig
+
     Qwen3VLConfig(text_config=dict(TINY)).save_pretrained(tmp_path)
     fields = target_fields_of(str(tmp_path))
     assert fields["hidden_size"] == 32 and fields["num_target_layers"] == 8 and fields["rope_theta"] == 50000.0
     embed, lm_head = torch.randn(96, 32), torch.randn(96, 32)
-    save_file({"model.language_model.embed_tokens.weight": embed, "lm_head.weight": lm_head,
-               "model.visual.embed_tokens.weight": torch.randn(4, 32)}, str(tmp_path / "model.safetensors"))
+    save_file(
+        {
+            "model.language_model.embed_tokens.weight": embed,
+            "lm_head.weight": lm_head,
+            "model.visual.embed_tokens.weight": torch.randn(4, 32),
+        },
+        str(tmp_path / "model.safetensors"),
+    )
     save_tokenizer(tmp_path, mask_token="[UNK]")
     model_cfg, head = from_target(config_for(tmp_path))
     assert torch.equal(head.embed, embed) and torch.equal(head.lm_head, lm_head)
-    assert model_cfg.mask_token_id == 80                  # the tokenizer's own mask token
+    assert model_cfg.mask_token_id == 80  # the tokenizer's own mask token
 
 
 def test_mask_token_resolution(tmp_path):
@@ -127,12 +177,23 @@ def reference_block_outputs(drafter, inputs, embeds):
     """Each valid block on its own, with HF Qwen3 modules: keys = its context prefix + itself; in a
     sliding_attention layer, only keys less than sliding_window positions before the query."""
     from transformers import Qwen3Config
-    from transformers.models.qwen3.modeling_qwen3 import (Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding,
-                                                          apply_rotary_pos_emb)
+    from transformers.models.qwen3.modeling_qwen3 import (
+        Qwen3MLP,
+        Qwen3RMSNorm,
+        Qwen3RotaryEmbedding,
+        apply_rotary_pos_emb,
+    )
+
     c = drafter.cfg
-    hf = Qwen3Config(hidden_size=c.hidden_size, intermediate_size=c.intermediate_size, head_dim=c.head_dim,
-                     num_attention_heads=c.num_attention_heads, num_key_value_heads=c.num_key_value_heads,
-                     rope_theta=c.rope_theta, rms_norm_eps=c.rms_norm_eps)
+    hf = Qwen3Config(
+        hidden_size=c.hidden_size,
+        intermediate_size=c.intermediate_size,
+        head_dim=c.head_dim,
+        num_attention_heads=c.num_attention_heads,
+        num_key_value_heads=c.num_key_value_heads,
+        rope_theta=c.rope_theta,
+        rms_norm_eps=c.rms_norm_eps,
+    )
     rotary = Qwen3RotaryEmbedding(hf)
     sd = drafter.state_dict()
 
@@ -152,22 +213,26 @@ def reference_block_outputs(drafter, inputs, embeds):
             continue
         s0 = int(inputs.context_starts[i])
         ctx = ctx_all[s0:a]
-        x = embeds[i * B:(i + 1) * B]
+        x = embeds[i * B : (i + 1) * B]
         pos = torch.cat([inputs.context_positions[s0:a], inputs.block_positions[i]])[None]
         cos, sin = rotary(x[None], pos)
         for layer in range(c.num_hidden_layers):
             p = f"layers.{layer}."
             h = norm(p + "input_layernorm.weight", c.hidden_size)(x)
             kv_in = torch.cat([ctx, h])
-            q = norm(p + "self_attn.q_norm.weight", D)(lin(p + "self_attn.q_proj.weight", h).view(B, heads, D)).transpose(0, 1)
-            k = norm(p + "self_attn.k_norm.weight", D)(lin(p + "self_attn.k_proj.weight", kv_in).view(-1, kv_heads, D)).transpose(0, 1)
+            q = norm(p + "self_attn.q_norm.weight", D)(
+                lin(p + "self_attn.q_proj.weight", h).view(B, heads, D)
+            ).transpose(0, 1)
+            k = norm(p + "self_attn.k_norm.weight", D)(
+                lin(p + "self_attn.k_proj.weight", kv_in).view(-1, kv_heads, D)
+            ).transpose(0, 1)
             v = lin(p + "self_attn.v_proj.weight", kv_in).view(-1, kv_heads, D).transpose(0, 1)
             # q sits at the last B positions: rotate it with the tail of cos/sin
             q, _ = apply_rotary_pos_emb(q[None], q[None], cos[:, -B:], sin[:, -B:])
             _, k = apply_rotary_pos_emb(k[None], k[None], cos, sin)
             k = k[0].repeat_interleave(heads // kv_heads, 0)
             v = v.repeat_interleave(heads // kv_heads, 0)
-            scores = q[0] @ k.transpose(1, 2) / D ** 0.5
+            scores = q[0] @ k.transpose(1, 2) / D**0.5
             if c.layer_types[layer] == "sliding_attention":
                 too_far = pos[0, -B:, None] - pos[0, None, :] >= c.sliding_window
                 scores = scores.masked_fill(too_far, float("-inf"))
@@ -181,21 +246,36 @@ def reference_block_outputs(drafter, inputs, embeds):
     return outs
 
 
-@pytest.mark.parametrize("layer_types, window", [([], None), (["sliding_attention", "full_attention"], 3),
-                                                  (["full_attention", "sliding_attention"], 6)])
+@pytest.mark.parametrize(
+    "layer_types, window",
+    [([], None), (["sliding_attention", "full_attention"], 3), (["full_attention", "sliding_attention"], 6)],
+)
 def test_drafter_forward_matches_a_per_block_hf_reference(layer_types, window):
     torch.manual_seed(0)
-    cfg = DrafterModelConfig(hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2,
-                             head_dim=8, vocab_size=64, num_target_layers=8, num_hidden_layers=2,
-                             target_layer_ids=[1, 3, 5], block_size=4, mask_token_id=63, rope_theta=10000.0,
-                             layer_types=layer_types, sliding_window=window)
+    cfg = DrafterModelConfig(
+        hidden_size=32,
+        intermediate_size=48,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        vocab_size=64,
+        num_target_layers=8,
+        num_hidden_layers=2,
+        target_layer_ids=[1, 3, 5],
+        block_size=4,
+        mask_token_id=63,
+        rope_theta=10000.0,
+        layer_types=layer_types,
+        sliding_window=window,
+    )
     drafter = DFlashDrafter(cfg, attention=DenseAttention())
-    for p in drafter.parameters():                      # make norms non-trivial
+    for p in drafter.parameters():  # make norms non-trivial
         p.data.add_(torch.randn_like(p) * 0.05)
     batch = SyntheticSource(cfg, 120, seed=3).batch(1)
-    inputs = build_inputs(batch, num_anchors=10, block_size=4, mask_token_id=63, gamma=4.0,
-                          generator=torch.Generator().manual_seed(0))
-    assert len(set(batch.document_ids[inputs.anchors[inputs.anchors >= 0]].tolist())) > 1   # several documents
+    inputs = build_inputs(
+        batch, num_anchors=10, block_size=4, mask_token_id=63, gamma=4.0, generator=torch.Generator().manual_seed(0)
+    )
+    assert len(set(batch.document_ids[inputs.anchors[inputs.anchors >= 0]].tolist())) > 1  # several documents
     embeds = torch.randn(64, 32)[inputs.block_ids.flatten()]
     masks = drafter.build_masks(inputs.anchors, inputs.context_starts, inputs.context_len)
     with torch.no_grad():
@@ -203,11 +283,12 @@ def test_drafter_forward_matches_a_per_block_hf_reference(layer_types, window):
         ref = reference_block_outputs(drafter, inputs, embeds)
     assert len(ref) >= 5
     for i, expected in ref.items():
-        torch.testing.assert_close(out[i * 4:(i + 1) * 4], expected, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(out[i * 4 : (i + 1) * 4], expected, atol=1e-5, rtol=1e-4)
 
 
 def test_synthetic_model_config_and_overrides():
     from services.drafter.synthetic import SYNTHETIC_MODEL
+
     cfg = load_config(None, ["drafter.overrides={hidden_size=48, num_hidden_layers=1}", "target.layer_ids=[2]"])
     m = build_model_config(cfg, SYNTHETIC_MODEL, mask_token_id=5)
     assert m.hidden_size == 48 and m.num_hidden_layers == 1 and m.target_layer_ids == [2] and m.hidden_width == 48
@@ -218,13 +299,25 @@ def test_a_window_keeps_context_beyond_it_out():
     at position a, counts itself in the window); changing the features of a-5 changes nothing,
     changing those of a-4 changes the block; with full attention a-5 is visible."""
     from services.drafter.attention import anchor_context_starts
+
     outputs = {}
     for kind, window in (("sliding_attention", 5), ("full_attention", None)):
         torch.manual_seed(0)
-        cfg = DrafterModelConfig(hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2,
-                                 head_dim=8, vocab_size=64, num_target_layers=8, num_hidden_layers=1,
-                                 target_layer_ids=[3], block_size=4, mask_token_id=63, layer_types=[kind],
-                                 sliding_window=window)
+        cfg = DrafterModelConfig(
+            hidden_size=32,
+            intermediate_size=48,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=8,
+            vocab_size=64,
+            num_target_layers=8,
+            num_hidden_layers=1,
+            target_layer_ids=[3],
+            block_size=4,
+            mask_token_id=63,
+            layer_types=[kind],
+            sliding_window=window,
+        )
         drafter = DFlashDrafter(cfg, attention=DenseAttention())
         anchors, a = torch.tensor([20]), 20
         hidden = torch.randn(32, 32)
@@ -245,26 +338,42 @@ def test_a_window_keeps_context_beyond_it_out():
     assert outputs["full_attention"] == {15: True, 16: True}
 
 
-@pytest.mark.parametrize("layer_types, window, message", [
-    (["full_attention", "sliding"], 8, r"layer_types\[1\] = 'sliding': unknown layer type"),
-    (["sliding_attention", "full_attention"], None, "sliding_attention layers but sliding_window is not set"),
-    (["sliding_attention", "full_attention"], 0, "sliding_window must be an integer > 0, got 0"),
-    (["sliding_attention", "full_attention"], -1, "sliding_window must be an integer > 0, got -1"),
-    (["full_attention", "full_attention"], 8, "sliding_window = 8 is set but no layer"),
-    (["sliding_attention"], 8, "layer_types has 1 entries, but the drafter has 2 layers"),
-])
+@pytest.mark.parametrize(
+    "layer_types, window, message",
+    [
+        (["full_attention", "sliding"], 8, r"layer_types\[1\] = 'sliding': unknown layer type"),
+        (["sliding_attention", "full_attention"], None, "sliding_attention layers but sliding_window is not set"),
+        (["sliding_attention", "full_attention"], 0, "sliding_window must be an integer > 0, got 0"),
+        (["sliding_attention", "full_attention"], -1, "sliding_window must be an integer > 0, got -1"),
+        (["full_attention", "full_attention"], 8, "sliding_window = 8 is set but no layer"),
+        (["sliding_attention"], 8, "layer_types has 1 entries, but the drafter has 2 layers"),
+    ],
+)
 def test_bad_attention_layouts_are_refused(layer_types, window, message):
     with pytest.raises(ValueError, match=message):
-        DrafterModelConfig(hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2,
-                           head_dim=8, vocab_size=64, num_target_layers=8, num_hidden_layers=2, target_layer_ids=[3],
-                           layer_types=layer_types, sliding_window=window)
+        DrafterModelConfig(
+            hidden_size=32,
+            intermediate_size=48,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=8,
+            vocab_size=64,
+            num_target_layers=8,
+            num_hidden_layers=2,
+            target_layer_ids=[3],
+            layer_types=layer_types,
+            sliding_window=window,
+        )
 
 
 def test_layout_errors_name_the_config_key():
     from services.drafter.synthetic import SYNTHETIC_MODEL
+
     with pytest.raises(ConfigError, match=r"drafter.layer_types\[0\] = 'swa': unknown layer type"):
         load_config(None, ["drafter.num_layers=2", 'drafter.layer_types=["swa", "full_attention"]'])
-    with pytest.raises(ConfigError, match="drafter.layer_types has sliding_attention layers but drafter.sliding_window"):
+    with pytest.raises(
+        ConfigError, match="drafter.layer_types has sliding_attention layers but drafter.sliding_window"
+    ):
         load_config(None, ["drafter.num_layers=2", 'drafter.layer_types=["sliding_attention", "full_attention"]'])
     with pytest.raises(ConfigError, match="drafter.sliding_window must be > 0"):
         load_config(None, ["drafter.sliding_window=-4"])
@@ -276,7 +385,13 @@ def test_layout_errors_name_the_config_key():
     cfg = load_config(None, ["drafter.num_layers=2", "drafter.overrides={sliding_window=16}"])
     with pytest.raises(ConfigError, match="drafter model config: sliding_window = 16 is set but no layer"):
         build_model_config(cfg, SYNTHETIC_MODEL, mask_token_id=5)
-    cfg = load_config(None, ["drafter.num_layers=2", 'drafter.layer_types=["sliding_attention", "full_attention"]',
-                             "drafter.sliding_window=16"])
+    cfg = load_config(
+        None,
+        [
+            "drafter.num_layers=2",
+            'drafter.layer_types=["sliding_attention", "full_attention"]',
+            "drafter.sliding_window=16",
+        ],
+    )
     m = build_model_config(cfg, SYNTHETIC_MODEL, mask_token_id=5)
     assert m.layer_types == ["sliding_attention", "full_attention"] and m.sliding_window == 16

@@ -1,4 +1,5 @@
 """The training step in-process on CPU (dense attention, no compile): learning, bad batches, warmup."""
+
 import dataclasses
 import math
 
@@ -15,13 +16,24 @@ from services.drafter.train import WarmupCosine, build_train_state, parameter_fi
 
 
 def make(*overrides, steps=40, device="cpu"):
-    cfg = load_config(None, ["data.pack_len=256", "drafter.num_anchors=16", "drafter.num_layers=2",
-                             "drafter.compile=false", "drafter.lr=3e-3", "drafter.warmup_ratio=0.1", *overrides])
+    cfg = load_config(
+        None,
+        [
+            "data.pack_len=256",
+            "drafter.num_anchors=16",
+            "drafter.num_layers=2",
+            "drafter.compile=false",
+            "drafter.lr=3e-3",
+            "drafter.warmup_ratio=0.1",
+            *overrides,
+        ],
+    )
     model_cfg = build_model_config(cfg, SYNTHETIC_MODEL, mask_token_id=SYNTHETIC_MODEL["vocab_size"] - 1)
     head = TargetHead.random(model_cfg.vocab_size, model_cfg.hidden_size, seed=0)
     state = build_train_state(cfg, model_cfg, head, device, total_steps=steps)
-    source = SyntheticSource(model_cfg, cfg.data.pack_len, total_steps=steps,
-                             with_target_labels=cfg.target.labels_from_target)
+    source = SyntheticSource(
+        model_cfg, cfg.data.pack_len, total_steps=steps, with_target_labels=cfg.target.labels_from_target
+    )
     return state, source
 
 
@@ -35,7 +47,7 @@ def test_loss_falls_and_tau_rises_on_synthetic_data():
     assert mean(last, "tau") > mean(first, "tau") + 1.0
     assert all(math.isfinite(m["loss"]) and m["trained_blocks"] == 16 for m in metrics)
     assert state.step == 40 and state.micro_step == 40 and state.samples_done > 40
-    assert metrics[-1]["lr"] < metrics[5]["lr"]                          # cosine decay
+    assert metrics[-1]["lr"] < metrics[5]["lr"]  # cosine decay
     assert len(metrics[0]["accuracy_per_position"]) == 15
 
 
@@ -67,7 +79,7 @@ def test_gradient_accumulation_steps_every_n_batches():
 
 
 def test_bad_batches_are_named_before_any_work():
-    state, source = make("target.labels_from_target=false", steps=2)      # batches without target labels
+    state, source = make("target.labels_from_target=false", steps=2)  # batches without target labels
     good = source.batch(0)
     bad_width = dataclasses.replace(good, hidden=good.hidden[:, :-1])
     with pytest.raises(BatchError, match="field 'hidden' has width 127, config expects 128"):
@@ -87,7 +99,7 @@ def test_bad_batches_are_named_before_any_work():
     state2, source2 = make("target.labels_from_target=true", steps=2)
     with pytest.raises(BatchError, match="field 'target_labels' is missing"):
         train_step(state2, source.batch(0))
-    assert state.step == 0                                              # nothing was trained
+    assert state.step == 0  # nothing was trained
 
 
 def test_the_step_reports_how_many_supervised_tokens_the_anchors_can_and_did_train():
@@ -97,49 +109,61 @@ def test_the_step_reports_how_many_supervised_tokens_the_anchors_can_and_did_tra
     supervised = sum(loss)
     reachable = sum(1 for t in range(1, len(loss)) if loss[t] and loss[t - 1] and doc[t] == doc[t - 1] >= 0)
     m = train_step(state, batch)
-    assert (m["supervised"], m["reachable"], m["sampled"]) == (supervised, reachable, 16)   # 16 = num_anchors
+    assert (m["supervised"], m["reachable"], m["sampled"]) == (supervised, reachable, 16)  # 16 = num_anchors
     assert m["coverage"] == pytest.approx(reachable / supervised) and 0.8 < m["coverage"] < 1.0
 
 
 def test_empty_batch_trains_nothing_and_stays_finite():
     state, source = make(steps=2)
     batch = source.batch(0)
-    batch.loss_mask[:] = False                                          # no valid anchor at all
+    batch.loss_mask[:] = False  # no valid anchor at all
     before = parameter_fingerprint(state.drafter)
     m = train_step(state, batch)
     assert m["loss"] == 0.0 and m["trained_blocks"] == 0 and m["grad_norm"] == 0.0
     assert m["supervised"] == m["reachable"] == m["sampled"] == 0 and m["coverage"] == 0.0
     assert all(torch.isfinite(p).all() for p in state.drafter.parameters())
-    assert parameter_fingerprint(state.drafter) == before               # zero grads, no weight decay
+    assert parameter_fingerprint(state.drafter) == before  # zero grads, no weight decay
 
 
 def test_warmup_cosine_schedule():
     s = WarmupCosine(warmup=4, total=14, min_ratio=0.1)
     assert [s(i) for i in range(4)] == [0.25, 0.5, 0.75, 1.0]
-    assert s(9) == pytest.approx(0.1 + 0.9 * 0.5)                       # halfway through the decay
+    assert s(9) == pytest.approx(0.1 + 0.9 * 0.5)  # halfway through the decay
     assert s(14) == pytest.approx(0.1) and s(100) == pytest.approx(0.1)
 
 
 def test_the_lr_follows_the_batches_trained_so_a_resume_on_another_split_continues_the_curve():
     from services.schedule import make_plan
     from services.drafter.train import make_scheduler
+
     cfg = load_config(None, ["drafter.warmup_ratio=0.1", "drafter.min_lr_ratio=0.1"])
-    curve = lambda plan: make_scheduler(torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0), cfg,
-                                        plan.optimizer_steps, plan).lr_lambdas[0]
-    two = make_plan(400, 1, drafters=2, grad_accum=2)                 # 100 steps of 4 batches
-    by_steps = WarmupCosine(warmup=10, total=100, min_ratio=0.1)       # the same run, one unit per step
+    curve = lambda plan: make_scheduler(
+        torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0), cfg, plan.optimizer_steps, plan
+    ).lr_lambdas[0]
+    two = make_plan(400, 1, drafters=2, grad_accum=2)  # 100 steps of 4 batches
+    by_steps = WarmupCosine(warmup=10, total=100, min_ratio=0.1)  # the same run, one unit per step
     assert [curve(two)(k) for k in range(100)] == pytest.approx([by_steps(k) for k in range(100)])
-    one = make_plan(400, 1, drafters=1, grad_accum=2, first_step=40, first_g=160)   # 120 more steps of 2
+    one = make_plan(400, 1, drafters=1, grad_accum=2, first_step=40, first_g=160)  # 120 more steps of 2
     assert one.optimizer_steps == 160
-    assert curve(one)(40) == pytest.approx(curve(two)(40))              # where the data is, not where the steps are
-    assert curve(one)(100) == pytest.approx(curve(two)(70))             # 280 batches in, either way
-    assert curve(one)(160) == pytest.approx(0.1)                        # and it ends with the data
+    assert curve(one)(40) == pytest.approx(curve(two)(40))  # where the data is, not where the steps are
+    assert curve(one)(100) == pytest.approx(curve(two)(70))  # 280 batches in, either way
+    assert curve(one)(160) == pytest.approx(0.1)  # and it ends with the data
     restarted = make_scheduler(torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0), cfg, 160).lr_lambdas[0]
-    assert abs(restarted(40) - curve(two)(40)) > 0.1                    # a step clock would have jumped
+    assert abs(restarted(40) - curve(two)(40)) > 0.1  # a step clock would have jumped
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="the fused-AdamW skip (found_inf) runs on CUDA only"))])
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param(
+            "cuda",
+            marks=pytest.mark.skipif(
+                not torch.cuda.is_available(), reason="the fused-AdamW skip (found_inf) runs on CUDA only"
+            ),
+        ),
+    ],
+)
 def test_a_non_finite_batch_is_skipped_named_and_never_reaches_the_weights(device):
     """inf in one captured layer's features: the optimizer step is skipped (weights and AdamW state
     untouched; on CUDA inside fused AdamW), the batch counts for nothing and names the layer; the
@@ -151,7 +175,7 @@ def test_a_non_finite_batch_is_skipped_named_and_never_reaches_the_weights(devic
     bad = source.batch(1)
     ids = state.drafter.cfg.target_layer_ids
     width = bad.hidden.shape[1] // len(ids)
-    bad.hidden[7, width * (len(ids) - 1)] = float("inf")          # the last captured layer only
+    bad.hidden[7, width * (len(ids) - 1)] = float("inf")  # the last captured layer only
     m = train_step(state, bad)
     assert m["skipped_step"] and m["nonfinite"] == f"non-finite hidden states of captured layer {ids[-1]}"
     assert m["tokens"] == m["trained_blocks"] == 0 and m["grad_norm"] == 0.0 and math.isfinite(m["loss"])
@@ -165,11 +189,14 @@ def test_a_non_finite_batch_is_skipped_named_and_never_reaches_the_weights(devic
 def test_non_finite_weights_are_never_written(tmp_path):
     from services.drafter import checkpoint as ckpt
     from services.drafter.export import ExportError, export_weights
+
     state, _ = make(steps=1)
     weights = state.drafter.state_dict()
     name = next(iter(weights))
     weights[name] = weights[name].clone().fill_(float("nan"))
-    with pytest.raises(ValueError, match=f"checkpoint at step 5 not written: non-finite values in 1 weight tensor.*{name}"):
+    with pytest.raises(
+        ValueError, match=f"checkpoint at step 5 not written: non-finite values in 1 weight tensor.*{name}"
+    ):
         ckpt.write_checkpoint(tmp_path / "ck", 5, weights=weights, optimizer={}, rng={}, meta={}, config={}, keep=2)
     with pytest.raises(ExportError, match=f"export not written: non-finite values .*{name}"):
         export_weights(weights, state.drafter.cfg, tmp_path / "export")

@@ -1,6 +1,7 @@
 """`launcher export`'s output: words first, then serving commands for the run's own target and drafter
 (a Qwen3.5/3.6 hybrid target needs SGLang's extra_buffer; a drafter mixing sliding and full layers
 needs vLLM's V2 model runner), kept in export.json."""
+
 import json
 import shlex
 from pathlib import Path
@@ -12,16 +13,28 @@ from services.drafter import export
 from services.drafter.checkpoint import make_meta, write_checkpoint
 from services.drafter.model import DFlashDrafter, DrafterModelConfig
 
-TINY = dict(hidden_size=32, intermediate_size=64, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
-            vocab_size=64, num_target_layers=4, num_hidden_layers=2, target_layer_ids=[1, 2], block_size=4,
-            mask_token_id=3)
+TINY = dict(
+    hidden_size=32,
+    intermediate_size=64,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=16,
+    vocab_size=64,
+    num_target_layers=4,
+    num_hidden_layers=2,
+    target_layer_ids=[1, 2],
+    block_size=4,
+    mask_token_id=3,
+)
 PLAIN = {"model_type": "qwen3", "layer_types": ["full_attention"] * 4}
-HYBRID = {"model_type": "qwen3_5", "text_config": {"model_type": "qwen3_5_text",
-                                                   "layer_types": ["linear_attention", "full_attention"] * 2}}
+HYBRID = {
+    "model_type": "qwen3_5",
+    "text_config": {"model_type": "qwen3_5_text", "layer_types": ["linear_attention", "full_attention"] * 2},
+}
 
 
 def target_folder(tmp_path: Path, config: dict) -> Path:
-    folder = tmp_path / "my target"           # a space: the commands must quote it
+    folder = tmp_path / "my target"  # a space: the commands must quote it
     folder.mkdir()
     (folder / "config.json").write_text(json.dumps(config))
     return folder
@@ -39,9 +52,17 @@ def test_plain_target_and_drafter_serve_with_the_real_paths(tmp_path):
     assert shlex.split(serve["vllm"])[:3] == ["vllm", "serve", str(target)]
     spec = json.loads(shlex.split(serve["vllm"])[4])
     assert spec == {"method": "dflash", "model": str(tmp_path / "export"), "num_speculative_tokens": 3}
-    assert shlex.split(serve["sglang"]) == ["python", "-m", "sglang.launch_server", "--model-path", str(target),
-                                            "--speculative-algorithm", "DFLASH", "--speculative-draft-model-path",
-                                            str(tmp_path / "export")]
+    assert shlex.split(serve["sglang"]) == [
+        "python",
+        "-m",
+        "sglang.launch_server",
+        "--model-path",
+        str(target),
+        "--speculative-algorithm",
+        "DFLASH",
+        "--speculative-draft-model-path",
+        str(tmp_path / "export"),
+    ]
     assert "<target>" not in serve["vllm"] + serve["sglang"]
 
 
@@ -67,8 +88,16 @@ def test_export_prints_words_then_the_commands_export_json_keeps(tmp_path, capsy
     torch.manual_seed(0)
     weights = DFlashDrafter(cfg).state_dict()
     counters = {"step": 5, "micro_step": 5}
-    write_checkpoint(run / "checkpoints", 5, weights=weights, optimizer={}, rng={}, config={}, keep=2,
-                     meta=make_meta(counters, cfg, world_size=1))
+    write_checkpoint(
+        run / "checkpoints",
+        5,
+        weights=weights,
+        optimizer={},
+        rng={},
+        config={},
+        keep=2,
+        meta=make_meta(counters, cfg, world_size=1),
+    )
     assert export.main(["--checkpoint", str(run), "--out", str(tmp_path / "export")]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith("exported step 5 (last of its run) from ") and not out[0].startswith("{"), out[0]
@@ -88,12 +117,28 @@ def test_checkpoints_this_version_does_not_read_are_refused_by_name(tmp_path, ca
     weights = DFlashDrafter(cfg).state_dict()
     meta = make_meta({"step": 5, "micro_step": 5}, cfg, world_size=1)
     unsorted = tmp_path / "unsorted"
-    write_checkpoint(unsorted / "checkpoints", 5, weights=weights, optimizer={}, rng={}, config={}, keep=2,
-                     meta={**meta, "model": {**meta["model"], "target_layer_ids": [2, 1]}})
+    write_checkpoint(
+        unsorted / "checkpoints",
+        5,
+        weights=weights,
+        optimizer={},
+        rng={},
+        config={},
+        keep=2,
+        meta={**meta, "model": {**meta["model"], "target_layer_ids": [2, 1]}},
+    )
     assert export.main(["--checkpoint", str(unsorted), "--out", str(tmp_path / "x")]) == 2
     assert "target_layer_ids [2, 1] out of order" in capsys.readouterr().err
     no_position = tmp_path / "no-position"
-    write_checkpoint(no_position / "checkpoints", 5, weights=weights, optimizer={}, rng={}, config={}, keep=2,
-                     meta={k: v for k, v in meta.items() if k != "next_g"})
+    write_checkpoint(
+        no_position / "checkpoints",
+        5,
+        weights=weights,
+        optimizer={},
+        rng={},
+        config={},
+        keep=2,
+        meta={k: v for k, v in meta.items() if k != "next_g"},
+    )
     with pytest.raises(ConfigError, match="records no data position"):
         find_resume_point(no_position, cfg, load_config(None, []), 1, warn=print)

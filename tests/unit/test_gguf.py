@@ -1,5 +1,6 @@
 """GGUF targets before any worker: the conversion to a cached folder (same weights, reused by a second
 resolve without hashing), and each user error as one line and exit 2."""
+
 import json
 import subprocess
 import sys
@@ -22,14 +23,26 @@ def tiny(tmp_path_factory):
 
 def child(*args, pre: str = "pass") -> subprocess.CompletedProcess:
     """python -m services.tools.gguf_model ARGS; pre: Python run first (to hide a package)."""
-    code = f"import sys, runpy; {pre}; sys.argv = ['gguf_model', *{list(args)!r}]; " \
-           "sys.exit(runpy.run_module('services.tools.gguf_model', run_name='__main__'))"
+    code = (
+        f"import sys, runpy; {pre}; sys.argv = ['gguf_model', *{list(args)!r}]; "
+        "sys.exit(runpy.run_module('services.tools.gguf_model', run_name='__main__'))"
+    )
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=ENV, timeout=300)
 
 
 def up(*overrides: str, cwd) -> subprocess.CompletedProcess:
-    return run_launcher("up", "--device", "cpu", "--gpus", "0:target,1:drafter",
-                        "--run-dir", str(Path(cwd) / "run"), *overrides, cwd=cwd, timeout=300)
+    return run_launcher(
+        "up",
+        "--device",
+        "cpu",
+        "--gpus",
+        "0:target,1:drafter",
+        "--run-dir",
+        str(Path(cwd) / "run"),
+        *overrides,
+        cwd=cwd,
+        timeout=300,
+    )
 
 
 def one_line(out: subprocess.CompletedProcess) -> str:
@@ -39,12 +52,13 @@ def one_line(out: subprocess.CompletedProcess) -> str:
     return lines[0]
 
 
-@pytest.mark.slow        # converts in a child process: torch and transformers load
+@pytest.mark.slow  # converts in a child process: torch and transformers load
 def test_the_converted_folder_holds_the_gguf_weights_and_is_reused(tiny, tmp_path, monkeypatch):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
     monkeypatch.setenv("DFLASH_CACHE_DIR", str(tmp_path))
-    monkeypatch.setenv("DFLASH_GGUF_DTYPE", "float32")         # exact: compare with the GGUF loaded directly
+    monkeypatch.setenv("DFLASH_GGUF_DTYPE", "float32")  # exact: compare with the GGUF loaded directly
     folder = Path(gguf.resolve(tiny))
     sha = sha256_file(tiny)
     assert folder == tmp_path / "gguf" / f"{sha}-float32"
@@ -60,15 +74,19 @@ def test_the_converted_folder_holds_the_gguf_weights_and_is_reused(tiny, tmp_pat
 
     from services.config import ConfigError, load_config
     from services.drafter.target_head import from_target
+
     bad_mask = load_config(None, [f"target.model_path={folder}", "drafter.num_layers=1", "drafter.mask_token_id=448"])
-    with pytest.raises(ConfigError, match=r"outside the embedding \(448 rows\); set drafter.mask_token_id to a special "
-                       r"token the data never uses, e.g. drafter.mask_token_id=3 \(<\|MASK\|>\)"):
-        from_target(bad_mask)          # a GGUF tokenizer has no mask token: its spare special token is named
+    with pytest.raises(
+        ConfigError,
+        match=r"outside the embedding \(448 rows\); set drafter.mask_token_id to a special "
+        r"token the data never uses, e.g. drafter.mask_token_id=3 \(<\|MASK\|>\)",
+    ):
+        from_target(bad_mask)  # a GGUF tokenizer has no mask token: its spare special token is named
 
     monkeypatch.setattr(gguf, "sha256_file", lambda *_: pytest.fail("hashed again"))
     monkeypatch.setattr(gguf, "convert", lambda *_: pytest.fail("converted again"))
-    assert gguf.resolve(tiny) == str(folder)                    # path + size + mtime: a stat, no hashing
-    assert gguf.gguf_file(str(tiny.parent)) == tiny             # a folder with one .gguf and no config.json
+    assert gguf.resolve(tiny) == str(folder)  # path + size + mtime: a stat, no hashing
+    assert gguf.gguf_file(str(tiny.parent)) == tiny  # a folder with one .gguf and no config.json
 
 
 def test_a_folder_with_several_gguf_files_names_them(tmp_path):
@@ -76,7 +94,7 @@ def test_a_folder_with_several_gguf_files_names_them(tmp_path):
     (tmp_path / "b.Q8_0.gguf").write_bytes(b"GGUF")
     with pytest.raises(gguf.GgufError, match=r"several \.gguf files \(a\.Q4_0\.gguf, b\.Q8_0\.gguf\)"):
         gguf.gguf_file(str(tmp_path))
-    (tmp_path / "config.json").write_text("{}")                 # an HF folder that also holds GGUFs: the folder
+    (tmp_path / "config.json").write_text("{}")  # an HF folder that also holds GGUFs: the folder
     assert gguf.gguf_file(str(tmp_path)) is None
 
 
@@ -89,6 +107,7 @@ def test_missing_packages_stop_up_before_hashing(tiny, tmp_path, monkeypatch):
     from launcher.inputs import with_local_model
     from launcher.errors import UsageError
     from services.config import load_config
+
     monkeypatch.setenv("DFLASH_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(gguf, "missing_packages", lambda: ["gguf", "accelerate"])
     with pytest.raises(UsageError, match=r"needs the gguf and accelerate package\(s\): pip install -e '\.\[gguf\]'"):

@@ -1,4 +1,5 @@
 """The target's info and the drafter's check of it (services/handshake.py)."""
+
 import pytest
 
 from services import runspec
@@ -8,9 +9,20 @@ from services.wire import WireError
 
 
 def _info(**changes) -> TargetInfo:
-    values = dict(num_batches=10, num_eval_batches=2, seq_len=256, hidden_size=64, layer_ids=[1, 3], vocab_size=160,
-                  mask_token_id=-1, labels_from_target=False, config_digest="abc", model_path="/m",
-                  capture_path="packed", bad_samples=0)
+    values = dict(
+        num_batches=10,
+        num_eval_batches=2,
+        seq_len=256,
+        hidden_size=64,
+        layer_ids=[1, 3],
+        vocab_size=160,
+        mask_token_id=-1,
+        labels_from_target=False,
+        config_digest="abc",
+        model_path="/m",
+        capture_path="packed",
+        bad_samples=0,
+    )
     return TargetInfo(**{**values, **changes})
 
 
@@ -31,14 +43,17 @@ def test_the_wire_form_round_trips_and_every_field_is_typed():
 def test_the_info_is_built_from_what_the_target_captures():
     shape = CaptureShape(layer_ids=[0, 2, 5], hidden_size=48, vocab_size=99, num_layers=6)
     info = _info(hidden_size=1, layer_ids=[0], vocab_size=1)
-    built = TargetInfo.of(shape, **{k: v for k, v in vars(info).items() if k not in ("hidden_size", "layer_ids", "vocab_size")})
+    built = TargetInfo.of(
+        shape, **{k: v for k, v in vars(info).items() if k not in ("hidden_size", "layer_ids", "vocab_size")}
+    )
     assert (built.layer_ids, built.hidden_size, built.vocab_size) == ([0, 2, 5], 48, 99)
     assert built.hidden_width == shape.hidden_width == 3 * 48 and built.to_wire()["hidden_width"] == 144
 
 
 def test_check_names_every_disagreement_with_both_values():
-    mine = dict(hidden_size=64, vocab_size=160, layer_ids=[1, 3], seq_len=256, labels_from_target=False,
-                config_digest="abc")
+    mine = dict(
+        hidden_size=64, vocab_size=160, layer_ids=[1, 3], seq_len=256, labels_from_target=False, config_digest="abc"
+    )
     _info().check(**mine)
     with pytest.raises(HandshakeError) as err:
         _info().check(**{**mine, "layer_ids": [1, 2], "vocab_size": 200})
@@ -55,4 +70,4 @@ def test_the_digest_follows_what_a_batch_holds_and_nothing_else():
     assert _digest(load_config(None, ["data.pack_len=4096"])) != base
     assert _digest(load_config(None, ["run.seed=1"])) != base
     assert _digest(load_config(None, ["drafter.lr=1e-3", "run.log_every=5"])) == base
-    assert _digest(load_config(None, ['data.path="/mnt/b/chat.jsonl"'])) == base    # hosts mount apart
+    assert _digest(load_config(None, ['data.path="/mnt/b/chat.jsonl"'])) == base  # hosts mount apart

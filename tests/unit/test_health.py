@@ -1,4 +1,5 @@
 """services.health: a real responder in a real worker process, probed from outside."""
+
 from __future__ import annotations
 
 import os
@@ -41,8 +42,13 @@ def worker(tmp_path):
     sock_dir.mkdir(mode=0o700)
     endpoint = f"ipc://{sock_dir}/drafter-1.health"
     stall_file = tmp_path / "stall"
-    proc = subprocess.Popen([sys.executable, "-c", WORKER, endpoint, str(stall_file)], cwd=REPO,
-                            stdout=subprocess.PIPE, text=True, env=child_env())
+    proc = subprocess.Popen(
+        [sys.executable, "-c", WORKER, endpoint, str(stall_file)],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=child_env(),
+    )
     ready, _, _ = select.select([proc.stdout], [], [], 30)
     assert ready and proc.stdout.readline().strip() == "ready"
     yield proc, endpoint, stall_file
@@ -69,7 +75,7 @@ def test_healthy_worker_answers_with_its_status(worker):
     assert status["step"] > 0 and status["samples_done"] == 4 * status["step"]
     assert 0 <= status["last_progress_age_s"] < 0.5
     assert status["rss_bytes"] > 0 and status["bad_messages"] == 0
-    socket_file = endpoint[len("ipc://"):]
+    socket_file = endpoint[len("ipc://") :]
     assert stat.S_IMODE(os.stat(socket_file).st_mode) == 0o600
 
 
@@ -80,7 +86,7 @@ def test_stalled_main_loop_reads_as_unhealthy_although_the_responder_answers(wor
     code, status, reason = _until(endpoint, lambda c, s: c == EXIT_UNHEALTHY)
     assert code == EXIT_UNHEALTHY and "stalled" in reason
     assert status["stalled"] is True and status["last_progress_age_s"] > 0.5
-    stall_file.unlink()        # the loop recovers: healthy again
+    stall_file.unlink()  # the loop recovers: healthy again
     assert _until(endpoint, lambda c, s: c == EXIT_HEALTHY)[0] == EXIT_HEALTHY
 
 
@@ -98,9 +104,13 @@ def test_garbage_is_counted_and_the_responder_keeps_answering(worker):
     proc, endpoint, _ = worker
     ctx = zmq.Context()
     try:
-        garbage = [b"\xc1\xc1", msgpack.packb([1, 2, 3]), msgpack.packb({"op": "shutdown"}),
-                   msgpack.packb({"op": "status", "x": b"\x00" * 10})]
-        for payload in garbage:          # REQ: each gets an error answer
+        garbage = [
+            b"\xc1\xc1",
+            msgpack.packb([1, 2, 3]),
+            msgpack.packb({"op": "shutdown"}),
+            msgpack.packb({"op": "status", "x": b"\x00" * 10}),
+        ]
+        for payload in garbage:  # REQ: each gets an error answer
             req = ctx.socket(zmq.REQ)
             req.setsockopt(zmq.LINGER, 0)
             req.connect(endpoint)
@@ -108,11 +118,11 @@ def test_garbage_is_counted_and_the_responder_keeps_answering(worker):
             assert req.poll(3000), "responder stopped answering"
             assert "error" in msgpack.unpackb(req.recv())
             req.close()
-        dealer = ctx.socket(zmq.DEALER)   # too many frames
+        dealer = ctx.socket(zmq.DEALER)  # too many frames
         dealer.setsockopt(zmq.LINGER, 0)
         dealer.connect(endpoint)
         dealer.send_multipart([b"", b"a", b"b", msgpack.packb({"op": "status"})])
-        big = ctx.socket(zmq.DEALER)      # over MAX_REQUEST_BYTES: ZMQ itself drops this peer
+        big = ctx.socket(zmq.DEALER)  # over MAX_REQUEST_BYTES: ZMQ itself drops this peer
         big.setsockopt(zmq.LINGER, 0)
         big.connect(endpoint)
         big.send(b"\x00" * 100_000)
@@ -140,8 +150,15 @@ def test_probe_of_a_bad_endpoint_returns_2():
     assert code == EXIT_UNREACHABLE and reason
 
 
-@pytest.mark.parametrize("answer", [b"\xc1", msgpack.packb([1]), msgpack.packb({"state": "dancing"}),
-                                    msgpack.packb({"state": "ready", "stalled": True})])
+@pytest.mark.parametrize(
+    "answer",
+    [
+        b"\xc1",
+        msgpack.packb([1]),
+        msgpack.packb({"state": "dancing"}),
+        msgpack.packb({"state": "ready", "stalled": True}),
+    ],
+)
 def test_probe_of_a_garbage_answer_returns_2(answer):
     ctx = zmq.Context()
     router = ctx.socket(zmq.ROUTER)
@@ -152,6 +169,7 @@ def test_probe_of_a_garbage_answer_returns_2(answer):
         if router.poll(3000):
             identity, empty, _ = router.recv_multipart()
             router.send_multipart([identity, empty, answer])
+
     thread = threading.Thread(target=answer_once)
     thread.start()
     try:

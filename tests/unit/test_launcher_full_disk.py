@@ -1,5 +1,6 @@
 """The launcher on a disk that is full (a real tmpfs that fills up), supervising real worker
 processes that are ready at once and stay healthy."""
+
 from __future__ import annotations
 
 import os
@@ -42,7 +43,8 @@ FAKE_RUN = textwrap.dedent("""
             return [sys.executable, "-c", WORKER, self.endpoints(w)["health"]]
 
     sup = Fake(Path(sys.argv[1]), load_config(None, []), parse_gpu_spec("0:target,1:drafter"), "cpu")
-    code, reason = run_supervised(sup, on_ready=lambda: print("ready", *[p.pid for p in sup.procs.values()], flush=True))
+    pids = lambda: [p.pid for p in sup.procs.values()]
+    code, reason = run_supervised(sup, on_ready=lambda: print("ready", *pids(), flush=True))
     sup.record_outcome(code, reason)
     print("exit", code, flush=True)
 """)
@@ -50,8 +52,13 @@ FAKE_RUN = textwrap.dedent("""
 
 def test_a_launcher_that_cannot_write_fails_the_run_in_one_line_and_stops_the_workers(small_disk):
     run_dir = small_disk("8m") / "run"
-    proc = subprocess.Popen([sys.executable, "-c", FAKE_RUN, str(run_dir)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=child_env())
+    proc = subprocess.Popen(
+        [sys.executable, "-c", FAKE_RUN, str(run_dir)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=child_env(),
+    )
     try:
         line = ""
         while not line.startswith("ready"):
@@ -59,7 +66,7 @@ def test_a_launcher_that_cannot_write_fails_the_run_in_one_line_and_stops_the_wo
             assert line or proc.poll() is None, proc.stderr.read()
         target, drafter = map(int, line.split()[1:])
         fill(run_dir.parent)
-        os.kill(target, signal.SIGKILL)               # its restart needs a log and run.json: no room
+        os.kill(target, signal.SIGKILL)  # its restart needs a log and run.json: no room
         out, err = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:

@@ -10,6 +10,7 @@ may use a role's code.
 
 Every import counts, also one inside a function: a lazy import loads the module all the same.
 """
+
 from __future__ import annotations
 
 import ast
@@ -19,13 +20,14 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.launching import REPO
+
 ABOVE_SHARED = ("services.drafter", "services.target", "services.eval", "services.tools")
-FORBIDDEN = {                       # the layer of a module -> the packages it must not import
+FORBIDDEN = {  # the layer of a module -> the packages it must not import
     "services.drafter": ("services.target", "services.eval"),
     "services.target": ("services.drafter", "services.eval"),
     "launcher": ABOVE_SHARED,
-    "services": ABOVE_SHARED,       # the shared modules, services/*.py
+    "services": ABOVE_SHARED,  # the shared modules, services/*.py
 }
 
 
@@ -54,7 +56,7 @@ def imported(source: str, module: str) -> list[tuple[int, str]]:
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
-                base = ".".join(package[:len(package) - node.level + 1] + ([base] if base else []))
+                base = ".".join(package[: len(package) - node.level + 1] + ([base] if base else []))
             # the module itself first; `from services import target` imports services.target
             found += [(node.lineno, base)] + [(node.lineno, f"{base}.{alias.name}") for alias in node.names]
     return found
@@ -64,7 +66,7 @@ def violations(source: str, module: str) -> list[str]:
     layer = layer_of(module)
     if layer is None:
         return []
-    bad = {}                        # one line per import statement: its first forbidden name
+    bad = {}  # one line per import statement: its first forbidden name
     for line, name in imported(source, module):
         if any(name == banned or name.startswith(banned + ".") for banned in FORBIDDEN[layer]):
             bad.setdefault(line, name)
@@ -91,31 +93,37 @@ def test_the_check_sees_every_layer():
     assert layer_of("services.tools.demo") is None and layer_of("services.drafter.worker") == "services.drafter"
 
 
-@pytest.mark.parametrize("module, source", [
-    ("services.drafter.x", "from services.target.decode import Step\n"),
-    ("services.drafter.x", "def f():\n    import services.target.model as m\n    return m\n"),
-    ("services.drafter.x", "def f():\n    from services.target import packing\n"),
-    ("services.drafter.x", "from services import target\n"),
-    ("services.drafter.x", "from ..target import decode\n"),
-    ("services.drafter.x", "from services.eval.cli import main\n"),
-    ("services.target.x", "from services.drafter.prompts import prompt_sets\n"),
-    ("services.x", "from services.drafter.schedule import Plan\n"),
-    ("services.x", "from .eval import spec_eval\n"),
-    ("launcher.x", "class A:\n    def f(self):\n        from services.drafter import checkpoint_compat\n"),
-    ("launcher.x", "import services.target.regenerate\n"),
-    ("launcher.x", "from services.tools.gguf_model import load\n"),
-])
+@pytest.mark.parametrize(
+    "module, source",
+    [
+        ("services.drafter.x", "from services.target.decode import Step\n"),
+        ("services.drafter.x", "def f():\n    import services.target.model as m\n    return m\n"),
+        ("services.drafter.x", "def f():\n    from services.target import packing\n"),
+        ("services.drafter.x", "from services import target\n"),
+        ("services.drafter.x", "from ..target import decode\n"),
+        ("services.drafter.x", "from services.eval.cli import main\n"),
+        ("services.target.x", "from services.drafter.prompts import prompt_sets\n"),
+        ("services.x", "from services.drafter.schedule import Plan\n"),
+        ("services.x", "from .eval import spec_eval\n"),
+        ("launcher.x", "class A:\n    def f(self):\n        from services.drafter import checkpoint_compat\n"),
+        ("launcher.x", "import services.target.regenerate\n"),
+        ("launcher.x", "from services.tools.gguf_model import load\n"),
+    ],
+)
 def test_the_check_catches_a_violation(module, source):
     assert violations(source, module), source
 
 
-@pytest.mark.parametrize("module, source", [
-    ("services.drafter.x", "from services.decode_step import Step\nfrom services.drafter import model\n"),
-    ("services.target.x", "from services import runspec\nfrom .hybrid import ROLLBACKS\n"),
-    ("launcher.x", "from services.schedule import Plan\nimport services.config\n"),
-    ("services.eval.x", "from services.target.model import load_target\nfrom services.drafter import spec_eval\n"),
-    ("services.x", "from services.drafter_like import thing\n"),
-])
+@pytest.mark.parametrize(
+    "module, source",
+    [
+        ("services.drafter.x", "from services.decode_step import Step\nfrom services.drafter import model\n"),
+        ("services.target.x", "from services import runspec\nfrom .hybrid import ROLLBACKS\n"),
+        ("launcher.x", "from services.schedule import Plan\nimport services.config\n"),
+        ("services.eval.x", "from services.target.model import load_target\nfrom services.drafter import spec_eval\n"),
+        ("services.x", "from services.drafter_like import thing\n"),
+    ],
+)
 def test_the_check_lets_allowed_imports_be(module, source):
     assert not violations(source, module), violations(source, module)
 
@@ -128,9 +136,11 @@ def test_a_drafter_process_loads_no_transformers_model_code():
     GenerationConfig lazily, at its first evaluation: a tokenizer and a config, never a model
     (remote_eval.models_in_process counts the models; test_verify_wire checks that
     transformers.modeling_utils stays out). A fresh process, as the drafter worker is."""
-    code = ("import sys\n"
-            "import services.drafter.__main__, services.drafter.worker\n"
-            "print('\\n'.join(m for m in sys.modules if m.startswith('transformers')))\n")
+    code = (
+        "import sys\n"
+        "import services.drafter.__main__, services.drafter.worker\n"
+        "print('\\n'.join(m for m in sys.modules if m.startswith('transformers')))\n"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=REPO)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == []

@@ -1,4 +1,5 @@
 """The one log format of every worker (services/log.py) and the exit codes (services/exits.py)."""
+
 import io
 import logging
 import re
@@ -37,26 +38,30 @@ def test_events_go_to_stdout_and_text_to_stderr_every_line_prefixed(streams):
     assert re.fullmatch(PREFIX + r'\{"event": "ready", "rank": 3, "plan": "3 steps"\}\n', out.getvalue())
     lines = err.getvalue().splitlines()
     assert re.fullmatch(PREFIX + "warning low disk", lines[0])
-    assert all(re.match(PREFIX + "error ", line) for line in lines[1:])       # the traceback too
+    assert all(re.match(PREFIX + "error ", line) for line in lines[1:])  # the traceback too
     assert lines[-1].endswith("error ValueError: boom")
 
 
 def test_parse_event_reads_events_from_a_log_with_both_streams():
-    text = ("2026-12-01T02:40:00.123Z drafter-0 info compiling\n"
-            '2026-12-01T02:40:01.000Z drafter-0 {"event": "ready", "rank": 0}\n'
-            "2026-12-01T02:40:02.000Z drafter-0 error Traceback (most recent call last):\n"
-            '2026-12-01T02:40:03.000Z drafter-0 {"event": "step", "step": 1, "loss": 4.5}\n'
-            '{"event": "stopped", "step": 1}\n'                   # bare JSON (a library caller): read too
-            '2026-12-01T02:40:04.000Z drafter-0 {"no": "event"}\n'
-            "2026-12-01T02:40:05.000Z drafter-0 {not json\n")
+    text = (
+        "2026-12-01T02:40:00.123Z drafter-0 info compiling\n"
+        '2026-12-01T02:40:01.000Z drafter-0 {"event": "ready", "rank": 0}\n'
+        "2026-12-01T02:40:02.000Z drafter-0 error Traceback (most recent call last):\n"
+        '2026-12-01T02:40:03.000Z drafter-0 {"event": "step", "step": 1, "loss": 4.5}\n'
+        '{"event": "stopped", "step": 1}\n'  # bare JSON (a library caller): read too
+        '2026-12-01T02:40:04.000Z drafter-0 {"no": "event"}\n'
+        "2026-12-01T02:40:05.000Z drafter-0 {not json\n"
+    )
     assert [e["event"] for e in log.events(text)] == ["ready", "step", "stopped"]
     assert log.events(text, "step") == [{"event": "step", "step": 1, "loss": 4.5}]
     assert log.parse_event("2026-12-01T02:40:00.123Z drafter-0 info {x}") is None
 
 
 def test_message_of_drops_time_and_writer_only_from_log_lines():
-    assert log.message_of("2026-12-01T02:40:00.123Z target-0 error DataError: data.jsonl:7: bad JSON") == \
-        "DataError: data.jsonl:7: bad JSON"
+    assert (
+        log.message_of("2026-12-01T02:40:00.123Z target-0 error DataError: data.jsonl:7: bad JSON")
+        == "DataError: data.jsonl:7: bad JSON"
+    )
     assert log.message_of("RuntimeError: plain") == "RuntimeError: plain"
 
 

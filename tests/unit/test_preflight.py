@@ -1,5 +1,6 @@
 """What `launcher up` refuses before it makes a run folder (one line, exit 2, no folder left behind),
 and the small things it says: a resume, the prompts of real acceptance, `keys`, `plan --gpus`."""
+
 import json
 import os
 import re
@@ -27,9 +28,18 @@ def model(tmp_path, tok_dir):
     (not read before the workers)."""
     path = tmp_path / "model"
     shutil.copytree(tok_dir, path)
-    (path / "config.json").write_text(json.dumps({"model_type": "qwen3", "num_hidden_layers": 8, "hidden_size": 64,
-                                                  "vocab_size": 640, "num_attention_heads": 4,
-                                                  "intermediate_size": 128}))
+    (path / "config.json").write_text(
+        json.dumps(
+            {
+                "model_type": "qwen3",
+                "num_hidden_layers": 8,
+                "hidden_size": 64,
+                "vocab_size": 640,
+                "num_attention_heads": 4,
+                "intermediate_size": 128,
+            }
+        )
+    )
     (path / "model.safetensors").write_bytes(b"")
     return path
 
@@ -47,7 +57,7 @@ def refused(tmp_path, *args) -> str:
     assert out.returncode == 2, out.stdout + out.stderr
     assert "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr
     runs = tmp_path / "runs"
-    assert not runs.exists() or not list(runs.iterdir()), list(runs.iterdir())     # no orphan, no staging folder
+    assert not runs.exists() or not list(runs.iterdir()), list(runs.iterdir())  # no orphan, no staging folder
     return out.stderr.strip()
 
 
@@ -58,20 +68,29 @@ def test_a_model_folder_without_tokenizer_files_is_one_line(tmp_path, model, dat
     assert f"target.model_path: no tokenizer in {model}" in line
 
 
-@pytest.mark.parametrize("weights, needle", [
-    ({}, "target.model_path: no weights in {model} (no *.safetensors, *.bin or index json"),
-    ({"model.safetensors.index.json": json.dumps({"weight_map": {"a": "model-00001-of-00002.safetensors",
-                                                                 "b": "model-00002-of-00002.safetensors"}}),
-      "model-00001-of-00002.safetensors": ""},
-     "model.safetensors.index.json names 1 weight files that are not in {model} (model-00002-of-00002.safetensors)"),
-    ({"pytorch_model.bin": ""}, "{model} has weights as pytorch_model.bin but no model.safetensors"),
-])
+@pytest.mark.parametrize(
+    "weights, needle",
+    [
+        ({}, "target.model_path: no weights in {model} (no *.safetensors, *.bin or index json"),
+        (
+            {
+                "model.safetensors.index.json": json.dumps(
+                    {"weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}
+                ),
+                "model-00001-of-00002.safetensors": "",
+            },
+            "model.safetensors.index.json names 1 weight files that are not in {model} "
+            "(model-00002-of-00002.safetensors)",
+        ),
+        ({"pytorch_model.bin": ""}, "{model} has weights as pytorch_model.bin but no model.safetensors"),
+    ],
+)
 def test_a_model_folder_without_its_weights_is_one_line(tmp_path, model, data, weights, needle):
     (model / "model.safetensors").unlink()
     for name, text in weights.items():
         (model / name).write_text(text)
     assert needle.format(model=model) in refused(tmp_path, f"target.model_path={model}", f"data.path={data}")
-    (model / "model-00002-of-00002.safetensors").write_text("")        # every file of an index: passes
+    (model / "model-00002-of-00002.safetensors").write_text("")  # every file of an index: passes
     if "model.safetensors.index.json" in weights:
         preflight(load_config(None, [f"target.model_path={model}", f"data.path={data}"]), "cpu", True)
 
@@ -80,7 +99,7 @@ def test_chat_data_needs_a_chat_template(tmp_path, model, data):
     (model / "chat_template.jinja").unlink()
     line = refused(tmp_path, f"target.model_path={model}", f"data.path={data}")
     assert f"the tokenizer in {model} has no chat template, needed for the chat lines of data.path {data}" in line
-    pretokenized = tmp_path / "ids.jsonl"                  # pre-tokenized lines need no template: not refused for it
+    pretokenized = tmp_path / "ids.jsonl"  # pre-tokenized lines need no template: not refused for it
     pretokenized.write_text(json.dumps({"input_ids": [1, 2, 3], "loss_mask": [0, 1, 1]}) + "\n")
     line = refused(tmp_path, f"target.model_path={model}", f"data.path={pretokenized}", "drafter.attention=flex")
     assert "chat template" not in line and "drafter.attention=flex needs --device cuda" in line
@@ -99,27 +118,37 @@ def test_a_bad_data_line_leaves_no_run_folder(tmp_path, model):
     assert f"{bad}:2: invalid JSON: Expecting value at the end of the line" in line
 
 
-@pytest.mark.parametrize("overrides, needle", [
-    (["data.pack_len=8"], "drafter.num_anchors=512 is larger than data.pack_len=8"),
-    (["data.pack_len=64", "drafter.num_anchors=8", "drafter.block_size=128"],
-     "drafter.block_size=128 is larger than data.pack_len=64"),
-    (["drafter.attention=flex"], "drafter.attention=flex needs --device cuda"),
-    (["transport.max_batch_bytes=1000000", "transport.chunk_bytes=1000000"],
-     "transport.max_batch_bytes=1000000 is smaller than one batch's hidden states (5242880 bytes: data.pack_len=8192"),
-    (["data.max_doc_len=10000"], "data.max_doc_len=10000 is larger than data.pack_len=8192"),
-    (["drafter.grad_accum=0"], "drafter.grad_accum must be >= 1"),
-    (["drafter.lr=-1"], "drafter.lr must be > 0, got -1"),
-    (["drafter.lr=0"], "drafter.lr must be > 0, got 0"),
-    (["drafter.warmup_ratio=1"], "drafter.warmup_ratio must be in [0, 1), got 1"),
-    (["drafter.grad_clip=-0.5"], "drafter.grad_clip must be >= 0"),
-    (["drafter.weight_decay=-0.1"], "drafter.weight_decay must be >= 0"),
-    (["drafter.min_lr_ratio=2"], "drafter.min_lr_ratio must be in [0, 1]"),
-    (["run.max_steps=-3"], "run.max_steps must be >= 0"),
-    (["transport.base_port=70000"], "transport.base_port must be a port"),
-    (["target.dtype=float64"], "target.dtype must be one of"),
-    (["target.attn_implementation=flash_attention_2", "target.dtype=float32"],
-     "target.attn_implementation=flash_attention_2 needs target.dtype bfloat16 or float16"),
-])
+@pytest.mark.parametrize(
+    "overrides, needle",
+    [
+        (["data.pack_len=8"], "drafter.num_anchors=512 is larger than data.pack_len=8"),
+        (
+            ["data.pack_len=64", "drafter.num_anchors=8", "drafter.block_size=128"],
+            "drafter.block_size=128 is larger than data.pack_len=64",
+        ),
+        (["drafter.attention=flex"], "drafter.attention=flex needs --device cuda"),
+        (
+            ["transport.max_batch_bytes=1000000", "transport.chunk_bytes=1000000"],
+            "transport.max_batch_bytes=1000000 is smaller than one batch's hidden states "
+            "(5242880 bytes: data.pack_len=8192",
+        ),
+        (["data.max_doc_len=10000"], "data.max_doc_len=10000 is larger than data.pack_len=8192"),
+        (["drafter.grad_accum=0"], "drafter.grad_accum must be >= 1"),
+        (["drafter.lr=-1"], "drafter.lr must be > 0, got -1"),
+        (["drafter.lr=0"], "drafter.lr must be > 0, got 0"),
+        (["drafter.warmup_ratio=1"], "drafter.warmup_ratio must be in [0, 1), got 1"),
+        (["drafter.grad_clip=-0.5"], "drafter.grad_clip must be >= 0"),
+        (["drafter.weight_decay=-0.1"], "drafter.weight_decay must be >= 0"),
+        (["drafter.min_lr_ratio=2"], "drafter.min_lr_ratio must be in [0, 1]"),
+        (["run.max_steps=-3"], "run.max_steps must be >= 0"),
+        (["transport.base_port=70000"], "transport.base_port must be a port"),
+        (["target.dtype=float64"], "target.dtype must be one of"),
+        (
+            ["target.attn_implementation=flash_attention_2", "target.dtype=float32"],
+            "target.attn_implementation=flash_attention_2 needs target.dtype bfloat16 or float16",
+        ),
+    ],
+)
 def test_config_sizes_and_the_device_are_checked_before_any_folder(tmp_path, model, data, overrides, needle):
     line = refused(tmp_path, f"target.model_path={model}", f"data.path={data}", *overrides)
     assert needle in line
@@ -128,13 +157,17 @@ def test_config_sizes_and_the_device_are_checked_before_any_folder(tmp_path, mod
 def test_empty_or_odd_data_files_are_named(tmp_path, model):
     empty = tmp_path / "empty.jsonl"
     empty.write_text("\n\n")
-    assert f"data.path: {empty} is empty (no JSONL lines)" in refused(tmp_path, f"target.model_path={model}",
-                                                                      f"data.path={empty}")
-    assert f"data.path: {tmp_path} is not a file" in refused(tmp_path, f"target.model_path={model}",
-                                                            f"data.path={tmp_path}")
+    assert f"data.path: {empty} is empty (no JSONL lines)" in refused(
+        tmp_path, f"target.model_path={model}", f"data.path={empty}"
+    )
+    assert f"data.path: {tmp_path} is not a file" in refused(
+        tmp_path, f"target.model_path={model}", f"data.path={tmp_path}"
+    )
     good = tmp_path / "good.jsonl"
     good.write_text(json.dumps(CHAT) + "\n")
-    line = refused(tmp_path, f"target.model_path={model}", f"data.path={good}", f"data.eval_path={tmp_path / 'no.jsonl'}")
+    line = refused(
+        tmp_path, f"target.model_path={model}", f"data.path={good}", f"data.eval_path={tmp_path / 'no.jsonl'}"
+    )
     assert f"data.eval_path: {tmp_path / 'no.jsonl'} does not exist" in line
 
 
@@ -142,19 +175,26 @@ def test_data_regenerated_with_other_chat_template_options_is_refused(tmp_path, 
     """`launcher regenerate`'s record beside the data: the run must render the chats as it did."""
     write_record(data, {"chat_template_kwargs": {"enable_thinking": False}})
     line = refused(tmp_path, f"target.model_path={model}", f"data.path={data}")
-    assert line == (f'launcher: error: data.path {data} was regenerated with chat_template_kwargs '
-                    '{"enable_thinking": false}, the run renders with {}: '
-                    'set data.chat_template_kwargs = {enable_thinking = false}')
+    assert line == (
+        f"launcher: error: data.path {data} was regenerated with chat_template_kwargs "
+        '{"enable_thinking": false}, the run renders with {}: '
+        "set data.chat_template_kwargs = {enable_thinking = false}"
+    )
     base = [f"target.model_path={model}", f"data.path={data}"]
     preflight(load_config(None, base + ["data.chat_template_kwargs={enable_thinking=false}"]), "cpu", True)
     with pytest.raises(PreflightError, match=re.escape('the run renders with {"enable_thinking": true}')):
         preflight(load_config(None, base + ["data.chat_template_kwargs={enable_thinking=true}"]), "cpu", True)
-    heldout = tmp_path / "heldout.jsonl"                           # data.eval_path is checked the same way
+    heldout = tmp_path / "heldout.jsonl"  # data.eval_path is checked the same way
     heldout.write_text(json.dumps(CHAT) + "\n")
     write_record(heldout, {"chat_template_kwargs": {"enable_thinking": True}})
     with pytest.raises(PreflightError, match=re.escape(f"data.eval_path {heldout} was regenerated with")):
-        preflight(load_config(None, base + ["data.chat_template_kwargs={enable_thinking=false}",
-                                            f"data.eval_path={heldout}"]), "cpu", True)
+        preflight(
+            load_config(
+                None, base + ["data.chat_template_kwargs={enable_thinking=false}", f"data.eval_path={heldout}"]
+            ),
+            "cpu",
+            True,
+        )
     assert capsys.readouterr().err == ""
     # an edited file is no longer what the record describes: a warning, not a refusal
     with open(data, "a") as f:
@@ -163,19 +203,26 @@ def test_data_regenerated_with_other_chat_template_options_is_refused(tmp_path, 
     assert capsys.readouterr().err == (
         f"launcher: warning: {data.name}.regenerate.json says data.path {data} was regenerated with "
         'chat_template_kwargs {"enable_thinking": false}, the run renders with {}; but '
-        f"{data} changed since (its sha256 differs), so this is not checked: render as the data was written\n")
+        f"{data} changed since (its sha256 differs), so this is not checked: render as the data was written\n"
+    )
 
 
 def test_data_without_a_record_or_with_a_broken_one_is_not_checked(tmp_path, model, data):
     base = [f"target.model_path={model}", f"data.path={data}", "data.chat_template_kwargs={enable_thinking=false}"]
-    preflight(load_config(None, base), "cpu", True)                 # no record: nothing to compare
+    preflight(load_config(None, base), "cpu", True)  # no record: nothing to compare
     record_path(data).write_text("{not json")
     preflight(load_config(None, base), "cpu", True)
 
 
 def test_resume_of_a_run_dir_that_does_not_exist_is_refused(tmp_path, model, data):
-    line = refused(tmp_path, f"target.model_path={model}", f"data.path={data}", "--resume",
-                   "--run-dir", str(tmp_path / "runs" / "nope"))
+    line = refused(
+        tmp_path,
+        f"target.model_path={model}",
+        f"data.path={data}",
+        "--resume",
+        "--run-dir",
+        str(tmp_path / "runs" / "nope"),
+    )
     assert f"--resume: {tmp_path / 'runs' / 'nope'} does not exist, so there is nothing to resume" in line
 
 
@@ -184,26 +231,46 @@ def test_the_launcher_says_what_a_drafter_resumed_from(tmp_path):
 
     from services.log import EVENTS, LineFormat
 
-    def line(logger: str, message: str) -> str:      # as a worker's log has it (services.log's format)
-        return LineFormat("drafter-0").format(logging.LogRecord(logger, logging.INFO, "", 0, message, None, None)) + "\n"
+    def line(logger: str, message: str) -> str:  # as a worker's log has it (services.log's format)
+        return (
+            LineFormat("drafter-0").format(logging.LogRecord(logger, logging.INFO, "", 0, message, None, None)) + "\n"
+        )
+
     log = tmp_path / "logs" / "drafter-0.log"
     log.parent.mkdir()
-    resumed = {"event": "resumed", "rank": 0, "checkpoint": "/r/checkpoints/step-00000040", "step": 40, "micro_step": 80}
-    log.write_text("\n===== 2026-01-01 00:00:00 start: drafter\n" + line(EVENTS.name, json.dumps(resumed))
-                   + "\n===== 2026-01-01 00:10:00 start: drafter\n" + line("drafter", "loading"))
+    resumed = {
+        "event": "resumed",
+        "rank": 0,
+        "checkpoint": "/r/checkpoints/step-00000040",
+        "step": 40,
+        "micro_step": 80,
+    }
+    log.write_text(
+        "\n===== 2026-01-01 00:00:00 start: drafter\n"
+        + line(EVENTS.name, json.dumps(resumed))
+        + "\n===== 2026-01-01 00:10:00 start: drafter\n"
+        + line("drafter", "loading")
+    )
     assert resumed_line(log) == f"no checkpoint in {tmp_path / 'checkpoints'}: training starts at step 0"
-    with open(log, "a") as f:          # only what this start of the worker logged counts
+    with open(log, "a") as f:  # only what this start of the worker logged counts
         f.write(line(EVENTS.name, json.dumps(dict(resumed, step=60))))
     assert resumed_line(log) == "resumed from step 60 (/r/checkpoints/step-00000040)"
 
 
 def test_real_acceptance_on_training_prompts_says_so():
-    record = {"prompts": 16, "acceptance_per_prompt": 3.0, "acceptance_per_step": 2.5, "tokens_per_forward": 2.0,
-              "lossless": 16}
-    assert "16 training prompts (no held-out split: set data.eval_fraction or data.eval_path)" in \
-        describe_spec(dict(record, held_out=False), "step 9")[0]
+    record = {
+        "prompts": 16,
+        "acceptance_per_prompt": 3.0,
+        "acceptance_per_step": 2.5,
+        "tokens_per_forward": 2.0,
+        "lossless": 16,
+    }
+    assert (
+        "16 training prompts (no held-out split: set data.eval_fraction or data.eval_path)"
+        in describe_spec(dict(record, held_out=False), "step 9")[0]
+    )
     assert "16 held-out prompts" in describe_spec(dict(record, held_out=True), "step 9")[0]
-    assert "held-out" not in describe_spec(record, "step 9")[0]          # older records: not claimed either way
+    assert "held-out" not in describe_spec(record, "step 9")[0]  # older records: not claimed either way
 
 
 def test_the_demo_target_is_bfloat16_on_cuda():
@@ -225,13 +292,17 @@ def test_plan_gpus_takes_a_count_a_list_or_an_up_spec():
     for bad, needle in (("1", "at least 2 GPUs"), ("0-1:painter", "unknown role"), ("0:target@h,1:drafter@h", "@HOST")):
         with pytest.raises(ValueError, match=needle):
             plan_gpus(bad)
-    measured = {"device": "cuda", "target": {"tok_s": 100.0, "path": "packed", "mean_real_tokens": 10},
-                "drafter": {"tok_s": 100.0, "step_s": 0.1}}
+    measured = {
+        "device": "cuda",
+        "target": {"tok_s": 100.0, "path": "packed", "mean_real_tokens": 10},
+        "drafter": {"tok_s": 100.0, "step_s": 0.1},
+    }
     assert describe(measured, [2, 4, 5, 6]).endswith("use: --gpus 2+4:target,5-6:drafter")
 
 
 def test_eval_takes_device_like_every_other_command(tmp_path):
     from launcher.parser import build_parser
+
     for flag in ("--device", "--eval-device"):
         args = build_parser().parse_args(["eval", flag, "cuda:1"])
         assert args.eval_device == "cuda:1"
@@ -244,7 +315,8 @@ def test_wait_ready_never_shows_an_empty_waiting_list(capsys):
     from launcher.topology import parse_gpu_spec
     from services.config import load_config
     from services.health import HealthServer
-    run_dir = Path(tempfile.mkdtemp(prefix="dfl"))             # short: ipc socket paths stay < 108 bytes
+
+    run_dir = Path(tempfile.mkdtemp(prefix="dfl"))  # short: ipc socket paths stay < 108 bytes
     workers = parse_gpu_spec("0:target,1:drafter")
     sup = Supervisor(run_dir, load_config(None, []), workers, "cpu")
     servers = [HealthServer(sup.endpoints(w)["health"], w.role, w.rank, "cpu") for w in workers]
@@ -267,10 +339,12 @@ def test_wait_ready_never_shows_an_empty_waiting_list(capsys):
 
 # --- paths: written absolute, so the run's config reads the same from any folder ----------------------
 
+
 def up_in_process(monkeypatch, cwd, *args) -> int:
     """`launcher up` in this process, run from cwd, up to the workers (none is started: the run
     'finishes' at once); returns its exit code."""
     from launcher import cli, up
+
     monkeypatch.chdir(cwd)
     monkeypatch.setattr(up, "run_supervised", lambda sup, on_ready=None: (0, ""))
     monkeypatch.setattr(up.Supervisor, "install_signal_handlers", lambda self: None)
@@ -280,6 +354,7 @@ def up_in_process(monkeypatch, cwd, *args) -> int:
 def test_relative_paths_are_written_absolute_and_read_back_from_another_folder(tmp_path, model, data, monkeypatch):
     from launcher.inputs import check_inputs
     from services import runspec
+
     a, b, run = tmp_path / "A", tmp_path / "B", tmp_path / "run"
     (a / "models").mkdir(parents=True)
     (a / "data").mkdir()
@@ -288,9 +363,17 @@ def test_relative_paths_are_written_absolute_and_read_back_from_another_folder(t
     shutil.move(data, a / "data" / "chat.jsonl")
     (a / "prompts.jsonl").write_text(json.dumps({"prompt": "hi"}) + "\n")
     (a / "keys").mkdir()
-    code = up_in_process(monkeypatch, a, "--run-dir", str(run), "target.model_path=./models/my-model",
-                         "data.path=data/chat.jsonl", "data.eval_path=data/../data/chat.jsonl",
-                         'run.eval_prompts=["prompts.jsonl"]', "transport.curve_keys_dir=keys")
+    code = up_in_process(
+        monkeypatch,
+        a,
+        "--run-dir",
+        str(run),
+        "target.model_path=./models/my-model",
+        "data.path=data/chat.jsonl",
+        "data.eval_path=data/../data/chat.jsonl",
+        'run.eval_prompts=["prompts.jsonl"]',
+        "transport.curve_keys_dir=keys",
+    )
     assert code == 0
     written = json.loads((run / "config.json").read_text())
     assert written["target"]["model_path"] == str(a / "models" / "my-model")
@@ -298,7 +381,7 @@ def test_relative_paths_are_written_absolute_and_read_back_from_another_folder(t
     assert written["run"]["eval_prompts"] == [str(a / "prompts.jsonl")]
     assert written["transport"]["curve_keys_dir"] == str(a / "keys")
     assert runspec.load(run / "runspec.json").model_path == str(a / "models" / "my-model")
-    monkeypatch.chdir(b)                               # `launcher eval --checkpoint RUN/export` from elsewhere
+    monkeypatch.chdir(b)  # `launcher eval --checkpoint RUN/export` from elsewhere
     cfg = load_config(run / "config.json")
     check_inputs(cfg, runs_targets=True)
     preflight(cfg, "cpu", runs_targets=True)
@@ -309,25 +392,38 @@ def test_a_repo_id_stays_a_repo_id_and_every_path_key_is_made_absolute(tmp_path,
 
     from launcher.inputs import PATH_KEYS, absolute_paths
     from services.config import Config
+
     monkeypatch.chdir(tmp_path)
     cfg = absolute_paths(load_config(None, ["target.model_path=Qwen/Qwen3-8B", "data.path=~/d.jsonl"]))
     assert cfg.target.model_path == "Qwen/Qwen3-8B" and cfg.data.path == str(Path.home() / "d.jsonl")
-    assert cfg.data.eval_path == "" and cfg.run.eval_prompts == []           # unset stays unset
-    (tmp_path / "Qwen" / "Qwen3-8B").mkdir(parents=True)                    # a local folder of that name: a path
-    assert absolute_paths(load_config(None, ["target.model_path=Qwen/Qwen3-8B"])).target.model_path == \
-        str(tmp_path / "Qwen" / "Qwen3-8B")
-    named_like_paths = {f"{s.name}.{k.name}" for s in dataclasses.fields(Config)
-                        for k in dataclasses.fields(s.type if not isinstance(s.type, str) else type(getattr(Config(), s.name)))
-                        if k.name.endswith(("path", "_dir", "_prompts")) and k.name != "spec_eval_prompts"}
+    assert cfg.data.eval_path == "" and cfg.run.eval_prompts == []  # unset stays unset
+    (tmp_path / "Qwen" / "Qwen3-8B").mkdir(parents=True)  # a local folder of that name: a path
+    assert absolute_paths(load_config(None, ["target.model_path=Qwen/Qwen3-8B"])).target.model_path == str(
+        tmp_path / "Qwen" / "Qwen3-8B"
+    )
+    named_like_paths = {
+        f"{s.name}.{k.name}"
+        for s in dataclasses.fields(Config)
+        for k in dataclasses.fields(s.type if not isinstance(s.type, str) else type(getattr(Config(), s.name)))
+        if k.name.endswith(("path", "_dir", "_prompts")) and k.name != "spec_eval_prompts"
+    }
     assert named_like_paths == set(PATH_KEYS)
 
 
 def test_units_write_absolute_paths(tmp_path, monkeypatch):
     from launcher.units import render_units
+
     monkeypatch.chdir(tmp_path)
     (tmp_path / "cfg.toml").write_text('[target]\nmodel_path = "./models/m"\n[data]\npath = "data/chat.jsonl"\n')
-    render_units("0:target,1:drafter", "cfg.toml", "out", str(tmp_path / "run"), device="cpu",
-                 overrides=['run.eval_prompts=["p.jsonl"]'], env_dir=str(tmp_path / "env"))
+    render_units(
+        "0:target,1:drafter",
+        "cfg.toml",
+        "out",
+        str(tmp_path / "run"),
+        device="cpu",
+        overrides=['run.eval_prompts=["p.jsonl"]'],
+        env_dir=str(tmp_path / "env"),
+    )
     written = json.loads((tmp_path / "out" / "dflash-env" / "config.json").read_text())
     assert written["target"]["model_path"] == str(tmp_path / "models" / "m")
     assert written["data"]["path"] == str(tmp_path / "data" / "chat.jsonl")
@@ -336,21 +432,34 @@ def test_units_write_absolute_paths(tmp_path, monkeypatch):
 
 # --- resume: refused before the run folder is touched; the run's own config by default ----------------
 
+
 @pytest.fixture
 def finished_run(tmp_path, model, data, monkeypatch):
     """A run as `up` leaves it once trained: config.json, runspec.json, data.json, run.json (finished)
     and a checkpoint (its config.json and state.json, as services/drafter/checkpoint.py writes them)."""
     from launcher import runlock
     from services import runspec
+
     run, held = tmp_path / "run", len(runlock._held)
-    assert up_in_process(monkeypatch, tmp_path, "--run-dir", str(run), f"target.model_path={model}",
-                         f"data.path={data}", "data.pack_len=1024", "drafter.num_anchors=64") == 0
-    for fd in runlock._held[held:]:                 # this launcher has ended: its lock goes
+    assert (
+        up_in_process(
+            monkeypatch,
+            tmp_path,
+            "--run-dir",
+            str(run),
+            f"target.model_path={model}",
+            f"data.path={data}",
+            "data.pack_len=1024",
+            "drafter.num_anchors=64",
+        )
+        == 0
+    )
+    for fd in runlock._held[held:]:  # this launcher has ended: its lock goes
         os.close(fd)
     del runlock._held[held:]
     record = json.loads((run / "run.json").read_text())
     assert record["outcome"]["state"] == "finished"
-    (run / "run.json").write_text(json.dumps(dict(record, launcher=None)))    # its launcher is gone
+    (run / "run.json").write_text(json.dumps(dict(record, launcher=None)))  # its launcher is gone
     step = run / "checkpoints" / "step-00000020"
     step.mkdir(parents=True)
     shutil.copy(run / "config.json", step / "config.json")
@@ -365,9 +474,19 @@ def snapshot(folder: Path) -> dict:
 
 def test_a_refused_resume_leaves_every_file_of_the_run_as_it_was(tmp_path, model, data, finished_run):
     before = snapshot(finished_run)
-    out = run_launcher(*SPEC, "--run-dir", str(finished_run), "--resume", f"target.model_path={model}",
-                   f"data.path={data}", "data.pack_len=512", "drafter.num_anchors=64", "drafter.num_layers=2",
-                   cwd=tmp_path, timeout=60)
+    out = run_launcher(
+        *SPEC,
+        "--run-dir",
+        str(finished_run),
+        "--resume",
+        f"target.model_path={model}",
+        f"data.path={data}",
+        "data.pack_len=512",
+        "drafter.num_anchors=64",
+        "drafter.num_layers=2",
+        cwd=tmp_path,
+        timeout=60,
+    )
     assert out.returncode == 2, out.stdout + out.stderr
     assert "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr
     assert "data.pack_len: checkpoint 1024, now 512" in out.stderr
@@ -380,8 +499,10 @@ def test_resume_without_config_uses_the_runs_own_config(tmp_path, finished_run):
     before = snapshot(finished_run)
     out = run_launcher(*SPEC, "--run-dir", str(finished_run), "--resume", "data.pack_len=512", cwd=tmp_path, timeout=60)
     assert out.returncode == 2, out.stdout + out.stderr
-    assert out.stdout.strip() == (f"--resume without --config: using the run's config, {finished_run / 'config.json'} "
-                                  "(the overrides given here apply on top)")
+    assert out.stdout.strip() == (
+        f"--resume without --config: using the run's config, {finished_run / 'config.json'} "
+        "(the overrides given here apply on top)"
+    )
     assert "data.pack_len: checkpoint 1024, now 512" in out.stderr and "is not set" not in out.stderr
     assert snapshot(finished_run) == before
 
@@ -391,8 +512,14 @@ def test_max_steps_past_the_epochs_is_said_before_any_worker(tmp_path, model, da
     ends and what to set for the steps asked."""
     args = [f"target.model_path={model}", f"data.path={data}", "data.pack_len=1024", "drafter.num_anchors=64"]
     assert up_in_process(monkeypatch, tmp_path, "--run-dir", str(tmp_path / "run"), *args, "run.max_steps=3") == 0
-    assert ("launcher: warning: run.max_steps=3 is past the end of run.epochs=1 (1 optimizer steps: 1 rows per "
-            "epoch on 1 drafter): the run ends at step 1; set run.epochs=3 to train 3 steps\n") in capsys.readouterr().err
-    assert up_in_process(monkeypatch, tmp_path, "--run-dir", str(tmp_path / "run2"), *args, "run.max_steps=3",
-                         "run.epochs=3") == 0
+    assert (
+        "launcher: warning: run.max_steps=3 is past the end of run.epochs=1 (1 optimizer steps: 1 rows per "
+        "epoch on 1 drafter): the run ends at step 1; set run.epochs=3 to train 3 steps\n"
+    ) in capsys.readouterr().err
+    assert (
+        up_in_process(
+            monkeypatch, tmp_path, "--run-dir", str(tmp_path / "run2"), *args, "run.max_steps=3", "run.epochs=3"
+        )
+        == 0
+    )
     assert "past the end" not in capsys.readouterr().err

@@ -1,6 +1,7 @@
 """The recipe presets (presets/*.toml): loaded through the real config loader against the target
 shapes they are for, and the 27B preset trained end to end on the CPU demo with its window scaled
 down to the demo's documents."""
+
 import json
 import re
 import subprocess
@@ -54,19 +55,41 @@ def test_the_27b_preset_trains_on_the_demo_with_a_scaled_window(tmp_path):
     mask token, and heads the 128-wide demo target can carry. At the demo's lr (3e-3) five layers did
     not learn in 120 steps (all-full did not either); 1e-3 does (tau 1.1 -> 2.4 in 80 steps)."""
     run_dir = tmp_path / "run"
-    scaled = ["drafter.num_layers=5", "drafter.block_size=16", "drafter.sliding_window=48",
-              "target.layer_ids=[0, 1, 2]", "drafter.mask_token_id=-1", "drafter.num_anchors=64",
-              "drafter.overrides={num_attention_heads=4, num_key_value_heads=2, head_dim=32}",
-              "drafter.lr=1e-3", "run.max_steps=80", "run.log_every=1"]
-    cmd = launcher_argv("up", "--demo", "--device", "cpu", "--gpus", "0:target,1:drafter",
-           "--config", str(PRESETS / "qwen3.6-27b.toml"), "--run-dir", str(run_dir), *scaled)
+    scaled = [
+        "drafter.num_layers=5",
+        "drafter.block_size=16",
+        "drafter.sliding_window=48",
+        "target.layer_ids=[0, 1, 2]",
+        "drafter.mask_token_id=-1",
+        "drafter.num_anchors=64",
+        "drafter.overrides={num_attention_heads=4, num_key_value_heads=2, head_dim=32}",
+        "drafter.lr=1e-3",
+        "run.max_steps=80",
+        "run.log_every=1",
+    ]
+    cmd = launcher_argv(
+        "up",
+        "--demo",
+        "--device",
+        "cpu",
+        "--gpus",
+        "0:target,1:drafter",
+        "--config",
+        str(PRESETS / "qwen3.6-27b.toml"),
+        "--run-dir",
+        str(run_dir),
+        *scaled,
+    )
     out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     resolved = json.loads((run_dir / "config.json").read_text())
     assert resolved["drafter"]["layer_types"] == ["sliding_attention"] * 4 + ["full_attention"]
     # --demo's own overrides (pack 512, lr, warmup, epochs) come after the file; the rest is the preset's
     assert (resolved["drafter"]["gamma"], resolved["drafter"]["grad_clip"], resolved["run"]["name"]) == (
-        7.0, 1.0, "qwen3.6-27b-dflash")
+        7.0,
+        1.0,
+        "qwen3.6-27b-dflash",
+    )
     steps = [m for m in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if not m.get("eval")]
     first, last = (sum(m["loss"] for m in part) / len(part) for part in (steps[:5], steps[-5:]))
     assert len(steps) == 80 and last < first * 0.9, f"loss did not fall: {first:.3f} -> {last:.3f}"

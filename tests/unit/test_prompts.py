@@ -1,5 +1,6 @@
 """Prompt-set files for real acceptance (`launcher eval --prompts FILE`, run.eval_prompts): every line
 shape a benchmark ships, rendered as training renders its chats, and a bad line named by file and line."""
+
 import gzip
 import json
 
@@ -19,17 +20,20 @@ def write(path, lines):
 
 def test_every_line_shape_becomes_the_prompt_a_server_would_see(tmp_path, tokenizer):
     rendered = prompt_tokens(tokenizer, USER)
-    assert rendered[-3:] != tokenizer("add two numbers")["input_ids"][-3:]       # the template's generation prompt
-    path = write(tmp_path / "bench.jsonl", [
-        {"messages": USER},
-        {"messages": USER + [{"role": "assistant", "content": "a + b"}]},       # the answer is the target's to give
-        {"conversations": [{"from": "human", "value": "add two numbers"}]},
-        {"prompt": "add two numbers", "task_id": "x/0"},                       # HumanEval's own lines
-        json.dumps("add two numbers"),
-        "",
-        {"input_ids": [5, 6, 7, 8], "loss_mask": [0, 0, 1, 1]},                 # pre-tokenized: before the answer
-        {"input_ids": [9, 10]},
-    ])
+    assert rendered[-3:] != tokenizer("add two numbers")["input_ids"][-3:]  # the template's generation prompt
+    path = write(
+        tmp_path / "bench.jsonl",
+        [
+            {"messages": USER},
+            {"messages": USER + [{"role": "assistant", "content": "a + b"}]},  # the answer is the target's to give
+            {"conversations": [{"from": "human", "value": "add two numbers"}]},
+            {"prompt": "add two numbers", "task_id": "x/0"},  # HumanEval's own lines
+            json.dumps("add two numbers"),
+            "",
+            {"input_ids": [5, 6, 7, 8], "loss_mask": [0, 0, 1, 1]},  # pre-tokenized: before the answer
+            {"input_ids": [9, 10]},
+        ],
+    )
     assert read_prompt_file(path, tokenizer, {}) == [rendered] * 5 + [[5, 6], [9, 10]]
     assert read_prompt_file(path, tokenizer, {}, limit=2) == [rendered] * 2
 
@@ -49,25 +53,30 @@ def test_gzip_files_read_as_they_ship_and_sets_are_named_by_file(tmp_path, token
 
 
 def test_the_runs_template_options_render_the_prompts(tmp_path, tokenizer):
-    tokenizer.chat_template = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
-                               "{% if add_generation_prompt %}{% if enable_thinking is defined and not enable_thinking %}"
-                               "<assistant>[no think]{% else %}<assistant>{% endif %}{% endif %}")
+    tokenizer.chat_template = (
+        "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+        "{% if add_generation_prompt %}{% if enable_thinking is defined and not enable_thinking %}"
+        "<assistant>[no think]{% else %}<assistant>{% endif %}{% endif %}"
+    )
     path = write(tmp_path / "p.jsonl", [{"prompt": "hi"}])
     plain = read_prompt_file(path, tokenizer, {})
     off = read_prompt_file(path, tokenizer, {"enable_thinking": False})
     assert off != plain and tokenizer.decode(off[0]).endswith(tokenizer.decode(tokenizer("[no think]")["input_ids"]))
 
 
-@pytest.mark.parametrize("line, reason", [
-    ("{not json", "invalid JSON"),
-    ({"nothing": 1}, "expected 'messages', 'conversations', 'prompt' or 'input_ids'; got keys ['nothing']"),
-    ({"messages": [{"role": "assistant", "content": "hi"}]}, "only an assistant turn"),
-    ({"messages": [{"role": "wizard", "content": "hi"}]}, "unknown role 'wizard'"),
-    ({"input_ids": [1, "x"]}, "'input_ids' must be a list of token ids"),
-    ({"input_ids": [1, 2], "loss_mask": [1]}, "'loss_mask' must be a list as long as 'input_ids'"),
-    ({"input_ids": [1, 2], "loss_mask": [1, 1]}, "empty prompt"),
-    ([1, 2], "expected a JSON object or string, got list"),
-])
+@pytest.mark.parametrize(
+    "line, reason",
+    [
+        ("{not json", "invalid JSON"),
+        ({"nothing": 1}, "expected 'messages', 'conversations', 'prompt' or 'input_ids'; got keys ['nothing']"),
+        ({"messages": [{"role": "assistant", "content": "hi"}]}, "only an assistant turn"),
+        ({"messages": [{"role": "wizard", "content": "hi"}]}, "unknown role 'wizard'"),
+        ({"input_ids": [1, "x"]}, "'input_ids' must be a list of token ids"),
+        ({"input_ids": [1, 2], "loss_mask": [1]}, "'loss_mask' must be a list as long as 'input_ids'"),
+        ({"input_ids": [1, 2], "loss_mask": [1, 1]}, "empty prompt"),
+        ([1, 2], "expected a JSON object or string, got list"),
+    ],
+)
 def test_a_bad_line_names_file_and_line(tmp_path, tokenizer, line, reason):
     path = write(tmp_path / "bench.jsonl", [{"prompt": "fine"}, line])
     with pytest.raises(PromptFileError) as err:
@@ -76,7 +85,10 @@ def test_a_bad_line_names_file_and_line(tmp_path, tokenizer, line, reason):
 
 
 def test_missing_empty_and_undecodable_files_are_named(tmp_path, tokenizer):
-    for path, reason in ((tmp_path / "none.jsonl", "prompt file not found"), (write(tmp_path / "e.jsonl", [""]), "no prompts")):
+    for path, reason in (
+        (tmp_path / "none.jsonl", "prompt file not found"),
+        (write(tmp_path / "e.jsonl", [""]), "no prompts"),
+    ):
         with pytest.raises(PromptFileError, match=reason):
             read_prompt_file(path, tokenizer, {})
     bad = tmp_path / "b.jsonl.gz"

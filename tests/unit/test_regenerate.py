@@ -1,6 +1,7 @@
 """`launcher regenerate`: every assistant turn rewritten by the target, turn by turn, with batched HF
 generate; checked against one-prompt-at-a-time greedy decoding of a tiny real Qwen3 made on the spot.
 Its chat-template options reach every prompt and its record, which `up` checks; --gpus is a plain list."""
+
 import json
 import re
 
@@ -22,20 +23,34 @@ from tests.launching import REPO, run_launcher
 CHATS = [
     {"messages": [{"role": "user", "content": "count from 3 to 9"}, {"role": "assistant", "content": "3 4 5 6 7 8 9"}]},
     {"input_ids": [1, 2, 3], "loss_mask": [0, 1, 1]},
-    {"messages": [{"role": "system", "content": "you are a helpful assistant ."},
-                  {"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello !"},
-                  {"role": "user", "content": "spell river"}, {"role": "assistant", "content": "r i v e r . done ."}]},
-    {"conversations": [{"from": "human", "value": "repeat after me : red stone"}, {"from": "gpt", "value": "red stone"}]},
+    {
+        "messages": [
+            {"role": "system", "content": "you are a helpful assistant ."},
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "hello !"},
+            {"role": "user", "content": "spell river"},
+            {"role": "assistant", "content": "r i v e r . done ."},
+        ]
+    },
+    {
+        "conversations": [
+            {"from": "human", "value": "repeat after me : red stone"},
+            {"from": "gpt", "value": "red stone"},
+        ]
+    },
 ]
 
 
 # Qwen3-like: the generation prompt says so when enable_thinking is false; and this one refuses to
 # render without the variable, so a prompt rendered without the options fails loudly
-THINKING_TEMPLATE = ("{%- if enable_thinking is not defined -%}{{ raise_exception('enable_thinking is not set') }}"
-                     "{%- endif -%}" + CHAT_TEMPLATE.replace(
-                         "'<|im_start|>assistant\\n' -}}",
-                         "'<|im_start|>assistant\\n' -}}{%- if not enable_thinking -%}{{- 'no thinking .\\n' -}}"
-                         "{%- endif -%}"))
+THINKING_TEMPLATE = (
+    "{%- if enable_thinking is not defined -%}{{ raise_exception('enable_thinking is not set') }}"
+    "{%- endif -%}"
+    + CHAT_TEMPLATE.replace(
+        "'<|im_start|>assistant\\n' -}}",
+        "'<|im_start|>assistant\\n' -}}{%- if not enable_thinking -%}{{- 'no thinking .\\n' -}}{%- endif -%}",
+    )
+)
 
 
 def make_model(tok_dir, out, chat_template=None):
@@ -43,12 +58,22 @@ def make_model(tok_dir, out, chat_template=None):
     if chat_template:
         tokenizer.chat_template = chat_template
     torch.manual_seed(0)
-    cfg = Qwen3Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=False,
-                      eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=None)
+    cfg = Qwen3Config(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        tie_word_embeddings=False,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=None,
+    )
     model = Qwen3ForCausalLM(cfg).eval()
     with torch.no_grad():
-        model.lm_head.weight.mul_(20)            # decisive argmaxes: padding must not change a greedy token
+        model.lm_head.weight.mul_(20)  # decisive argmaxes: padding must not change a greedy token
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return model, tokenizer
@@ -61,15 +86,16 @@ def test_every_assistant_turn_is_the_targets_greedy_reply(tok_dir, tmp_path):
     items = read_conversations(data)
     engine = HFEngine(str(tmp_path / "model"), "cpu", temperature=0.0)
     out = regenerate(engine, items, max_new_tokens=8, batch_size=3)
-    assert out[1] == CHATS[1]                                       # not chat: copied unchanged
+    assert out[1] == CHATS[1]  # not chat: copied unchanged
     for record in (out[0], out[2], out[3]):
         messages = record["messages"]
         for i, m in enumerate(messages):
             if m["role"] != "assistant":
                 continue
             # each turn is what the target writes after the turns before it *as regenerated*
-            prompt = tokenizer.apply_chat_template(messages[:i], tokenize=True, add_generation_prompt=True,
-                                                   return_dict=True)["input_ids"]
+            prompt = tokenizer.apply_chat_template(
+                messages[:i], tokenize=True, add_generation_prompt=True, return_dict=True
+            )["input_ids"]
             want = greedy_generate(model, list(prompt), 8, [tokenizer.eos_token_id])
             assert m["content"] == tokenizer.decode(want, skip_special_tokens=True).strip()
     assert [m["content"] for m in out[2]["messages"] if m["role"] == "user"] == ["hi", "spell river"]
@@ -79,11 +105,23 @@ def test_launcher_regenerate_writes_the_lines_in_input_order(tok_dir, tmp_path):
     make_model(tok_dir, tmp_path / "model")
     data = tmp_path / "chat.jsonl"
     data.write_text("".join(json.dumps(c) + "\n" for c in CHATS))
-    out = run_launcher("regenerate", "--model", str(tmp_path / "model"),
-                          "--data", str(data), "--out", str(tmp_path / "regen.jsonl"), "--device", "cpu",
-                          "--max-new-tokens", "6", cwd=REPO, timeout=300)
+    out = run_launcher(
+        "regenerate",
+        "--model",
+        str(tmp_path / "model"),
+        "--data",
+        str(data),
+        "--out",
+        str(tmp_path / "regen.jsonl"),
+        "--device",
+        "cpu",
+        "--max-new-tokens",
+        "6",
+        cwd=REPO,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
-    assert "Loading weights" not in out.stderr + out.stdout          # transformers' bars are silenced
+    assert "Loading weights" not in out.stderr + out.stdout  # transformers' bars are silenced
     lines = [json.loads(t) for t in (tmp_path / "regen.jsonl").read_text().splitlines()]
     assert len(lines) == 4 and lines[1] == CHATS[1]
     assert lines[3]["messages"][0] == {"role": "user", "content": "repeat after me : red stone"}
@@ -92,12 +130,16 @@ def test_launcher_regenerate_writes_the_lines_in_input_order(tok_dir, tmp_path):
     assert "regenerating 4 assistant turns in 3 chat lines" in said and "regenerating: " in said, said
     assert re.search(r"^regenerated \d assistant turns in 3 chat lines in \dm\d\ds \(hf, the CPU\)$", said, re.M), said
     assert "1 pre-tokenized lines copied unchanged" in said and f"wrote {tmp_path / 'regen.jsonl'}: 4 lines" in said
-    assert "target.labels_from_target=true" in said and "labels_from_target=false" not in said   # a copied line
-    assert ".part" not in said + out.stderr and '"event"' not in said                        # no internal paths
-    assert "chat template with" not in said and "data.chat_template_kwargs" not in said       # no options given
+    assert "target.labels_from_target=true" in said and "labels_from_target=false" not in said  # a copied line
+    assert ".part" not in said + out.stderr and '"event"' not in said  # no internal paths
+    assert "chat template with" not in said and "data.chat_template_kwargs" not in said  # no options given
     assert json.loads(record_path(tmp_path / "regen.jsonl").read_text())["chat_template_kwargs"] == {}
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["chat.jsonl", "model", "regen.jsonl",
-                                                         "regen.jsonl.regenerate.json"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "chat.jsonl",
+        "model",
+        "regen.jsonl",
+        "regen.jsonl.regenerate.json",
+    ]
 
 
 def test_all_chat_data_is_advised_data_labels_and_pre_tokenized_only_data_is_refused(tok_dir, tmp_path):
@@ -105,10 +147,24 @@ def test_all_chat_data_is_advised_data_labels_and_pre_tokenized_only_data_is_ref
     chat, tokens = tmp_path / "chat.jsonl", tmp_path / "tokens.jsonl"
     chat.write_text(json.dumps(CHATS[0]) + "\n")
     tokens.write_text(json.dumps(CHATS[1]) + "\n" + json.dumps(CHATS[1]) + "\n")
+
     def regen(data):
-        return run_launcher("regenerate", "--model", str(tmp_path / "model"),
-                               "--data", str(data), "--out", str(tmp_path / "regen.jsonl"), "--device", "cpu",
-                               "--max-new-tokens", "4", cwd=REPO, timeout=300)
+        return run_launcher(
+            "regenerate",
+            "--model",
+            str(tmp_path / "model"),
+            "--data",
+            str(data),
+            "--out",
+            str(tmp_path / "regen.jsonl"),
+            "--device",
+            "cpu",
+            "--max-new-tokens",
+            "4",
+            cwd=REPO,
+            timeout=300,
+        )
+
     out = regen(chat)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "target.labels_from_target=false: every reply is now the target's own" in out.stdout
@@ -123,12 +179,23 @@ def test_a_broken_line_is_named_and_nothing_is_written(tok_dir, tmp_path):
     make_model(tok_dir, tmp_path / "model")
     data = tmp_path / "chat.jsonl"
     data.write_text(json.dumps(CHATS[0]) + "\n\n" + '{"messages": [{"role": "user", "content": "hi"}\n')
-    out = run_launcher("regenerate", "--model", str(tmp_path / "model"), "--data", str(data),
-                       "--out", str(tmp_path / "regen.jsonl"), "--device", "cpu", cwd=REPO, timeout=300)
+    out = run_launcher(
+        "regenerate",
+        "--model",
+        str(tmp_path / "model"),
+        "--data",
+        str(data),
+        "--out",
+        str(tmp_path / "regen.jsonl"),
+        "--device",
+        "cpu",
+        cwd=REPO,
+        timeout=300,
+    )
     assert out.returncode == 2, out.stderr[-2000:]
     assert f"launcher: error: {data}:3: " in out.stderr and "Traceback" not in out.stderr, out.stderr
     assert f"{data}:3: invalid JSON: Expecting ',' delimiter at the end of the line" in out.stderr, out.stderr
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["chat.jsonl", "model"]     # no output, no parts
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["chat.jsonl", "model"]  # no output, no parts
 
 
 def test_the_chat_template_options_reach_every_prompt(tok_dir, tmp_path):
@@ -138,19 +205,23 @@ def test_the_chat_template_options_reach_every_prompt(tok_dir, tmp_path):
     engine = HFEngine(str(tmp_path / "model"), "cpu", temperature=0.0, template_kwargs=off)
     fed, generate = [], engine.model.generate
 
-    def spy(ids, attention_mask, **kw):             # the prompt rows the model is given, padding dropped
+    def spy(ids, attention_mask, **kw):  # the prompt rows the model is given, padding dropped
         fed.extend(row[mask.bool()].tolist() for row, mask in zip(ids, attention_mask))
         return generate(ids, attention_mask=attention_mask, **kw)
 
     engine.model.generate = spy
     out = regenerate(engine, items, max_new_tokens=4, batch_size=8)
     tokenizer = engine.tokenizer
-    want = [prompt_tokens(tokenizer, c["messages"][:i], off) for c in out
-            for i, m in enumerate(c["messages"]) if m["role"] == "assistant"]
+    want = [
+        prompt_tokens(tokenizer, c["messages"][:i], off)
+        for c in out
+        for i, m in enumerate(c["messages"])
+        if m["role"] == "assistant"
+    ]
     assert sorted(fed) == sorted(want) and len(fed) == 3
     assert all(tokenizer.decode(p).endswith("<|im_start|>assistant\nno thinking .\n") for p in fed)
     on = prompt_tokens(tokenizer, CHATS[0]["messages"][:1], {"enable_thinking": True})
-    assert not tokenizer.decode(on).endswith("no thinking .\n")                # the marker is the option's
+    assert not tokenizer.decode(on).endswith("no thinking .\n")  # the marker is the option's
 
 
 def read_conversations_of(records, tmp_path):
@@ -160,39 +231,63 @@ def read_conversations_of(records, tmp_path):
 
 
 def regenerate_cli(model, data, out, *extra):
-    return run_launcher("regenerate", "--model", str(model), "--data", str(data),
-                           "--out", str(out), *extra, cwd=REPO, timeout=300)
+    return run_launcher(
+        "regenerate", "--model", str(model), "--data", str(data), "--out", str(out), *extra, cwd=REPO, timeout=300
+    )
 
 
 def test_launcher_regenerate_renders_with_the_options_records_them_and_says_the_config_line(tok_dir, tmp_path):
-    make_model(tok_dir, tmp_path / "model", THINKING_TEMPLATE)       # fails to render without enable_thinking
+    make_model(tok_dir, tmp_path / "model", THINKING_TEMPLATE)  # fails to render without enable_thinking
     data, regen = tmp_path / "chat.jsonl", tmp_path / "regen.jsonl"
     data.write_text("".join(json.dumps(c) + "\n" for c in CHATS))
-    out = regenerate_cli(tmp_path / "model", data, regen, "--device", "cpu", "--max-new-tokens", "4",
-                         "--template-kwarg", "enable_thinking=false", "--temperature", "0")
+    out = regenerate_cli(
+        tmp_path / "model",
+        data,
+        regen,
+        "--device",
+        "cpu",
+        "--max-new-tokens",
+        "4",
+        "--template-kwarg",
+        "enable_thinking=false",
+        "--temperature",
+        "0",
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     said = out.stdout
     assert 'chat template with {"enable_thinking": false}' in said.splitlines()[0], said
-    assert ("train with data.chat_template_kwargs = {enable_thinking = false} "
-            "(in [data]: chat_template_kwargs = {enable_thinking = false})") in said, said
+    assert (
+        "train with data.chat_template_kwargs = {enable_thinking = false} "
+        "(in [data]: chat_template_kwargs = {enable_thinking = false})"
+    ) in said, said
     record = json.loads(record_path(regen).read_text())
     assert record["chat_template_kwargs"] == {"enable_thinking": False}
     assert record["model"] == str((tmp_path / "model").resolve()) and record["data"] == str(data.resolve())
     assert (record["engine"], record["temperature"], record["max_new_tokens"]) == ("hf", 0.0, 4)
     assert (record["lines"], record["chat_lines"], record["turns"]) == (4, 3, 4)
     import hashlib
+
     assert record["sha256"] == hashlib.sha256(regen.read_bytes()).hexdigest()
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["chat.jsonl", "model", "regen.jsonl",
-                                                         "regen.jsonl.regenerate.json"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "chat.jsonl",
+        "model",
+        "regen.jsonl",
+        "regen.jsonl.regenerate.json",
+    ]
     # what `up` makes of it: the same options pass, others are refused with the fix
     check_regenerated("data.path", str(regen), {"enable_thinking": False})
-    with pytest.raises(PreflightError, match=re.escape(
+    with pytest.raises(
+        PreflightError,
+        match=re.escape(
             f'data.path {regen} was regenerated with chat_template_kwargs {{"enable_thinking": false}}, the run '
-            "renders with {}: set data.chat_template_kwargs = {enable_thinking = false}")):
+            "renders with {}: set data.chat_template_kwargs = {enable_thinking = false}"
+        ),
+    ):
         check_regenerated("data.path", str(regen), {})
     # without the options the template refuses to render: they are what made the run above work
-    again = regenerate_cli(tmp_path / "model", data, tmp_path / "plain.jsonl", "--device", "cpu",
-                           "--max-new-tokens", "2")
+    again = regenerate_cli(
+        tmp_path / "model", data, tmp_path / "plain.jsonl", "--device", "cpu", "--max-new-tokens", "2"
+    )
     assert again.returncode != 0 and "enable_thinking is not set" in again.stderr
 
 
@@ -210,7 +305,8 @@ def test_a_bad_template_kwarg_is_one_line(tok_dir, tmp_path):
     data = one_chat_and_a_bare_model(tmp_path)
     out = regenerate_cli(tmp_path / "model", data, tmp_path / "o.jsonl", "--device", "cpu", "--template-kwarg", "=1")
     assert out.returncode == 2 and out.stderr.strip() == (
-        "launcher: error: --template-kwarg '=1': expected KEY=VALUE, e.g. enable_thinking=false"), out.stderr
+        "launcher: error: --template-kwarg '=1': expected KEY=VALUE, e.g. enable_thinking=false"
+    ), out.stderr
 
 
 def test_gpus_is_a_plain_list():
@@ -218,10 +314,13 @@ def test_gpus_is_a_plain_list():
     assert parse_gpu_list("0,2,5") == parse_gpu_list("0+2+5") == [0, 2, 5]
     assert parse_gpu_list(" 4-5,1 ") == [4, 5, 1]
     assert parse_gpu_list("0-3", available=4) == [0, 1, 2, 3]
-    for bad, needle in (("0-x", "--gpus '0-x': '0-x' is not a GPU number or range like 0-4"),
-                        ("3-1", "--gpus '3-1': range '3-1' is empty or negative"),
-                        ("0-3:target", "without roles or hosts"), ("1,0-2", "GPU 1 is given twice"),
-                        ("", "--gpus is empty")):
+    for bad, needle in (
+        ("0-x", "--gpus '0-x': '0-x' is not a GPU number or range like 0-4"),
+        ("3-1", "--gpus '3-1': range '3-1' is empty or negative"),
+        ("0-3:target", "without roles or hosts"),
+        ("1,0-2", "GPU 1 is given twice"),
+        ("", "--gpus is empty"),
+    ):
         with pytest.raises(SpecError, match=re.escape(needle)):
             parse_gpu_list(bad)
     with pytest.raises(SpecError, match=re.escape("GPU 4 does not exist (this machine has 4: 0-3)")):
@@ -233,11 +332,13 @@ def test_launcher_regenerate_gpus_is_not_an_up_spec(tmp_path):
     data = one_chat_and_a_bare_model(tmp_path)
     bad = regenerate_cli(tmp_path / "model", data, tmp_path / "o.jsonl", "--device", "cuda", "--gpus", "0-x")
     assert bad.returncode == 2 and bad.stderr.strip() == (
-        "launcher: error: --gpus '0-x': '0-x' is not a GPU number or range like 0-4"), bad.stderr
+        "launcher: error: --gpus '0-x': '0-x' is not a GPU number or range like 0-4"
+    ), bad.stderr
     if process.gpu_count():
         pytest.skip("this machine has a GPU: the no-GPU line is not reachable")
     out = regenerate_cli(tmp_path / "model", data, tmp_path / "o.jsonl", "--device", "cuda", "--gpus", "0-1")
     assert out.returncode == 2 and "drafter" not in out.stderr, out.stderr
-    assert out.stderr.strip() == ("launcher: error: --device cuda but no NVIDIA GPU is visible; "
-                                  "use --device cpu for a CPU run"), out.stderr
+    assert out.stderr.strip() == (
+        "launcher: error: --device cuda but no NVIDIA GPU is visible; use --device cpu for a CPU run"
+    ), out.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["chat.jsonl", "model"]

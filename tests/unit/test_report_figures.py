@@ -1,5 +1,6 @@
 """`launcher report`'s figures from a metrics.jsonl written by hand: throughput is tokens ÷ time over
 windows of different lengths, and the PNG's labels do not overlap (no workers, fast)."""
+
 import json
 
 import pytest
@@ -16,8 +17,16 @@ def write_metrics(run_dir, with_window_fields=True):
     lines, done = [], 0
     for step, tokens, seconds in WINDOWS:
         done += tokens
-        record = {"step": step, "loss": 4.0, "tau": 2.0, "lr": 1e-3, "tokens_per_s": round(tokens / seconds, 1),
-                  "tokens_done": done, "samples_done": step, "data_wait_frac": 0.5 if step == 30 else 0.0}
+        record = {
+            "step": step,
+            "loss": 4.0,
+            "tau": 2.0,
+            "lr": 1e-3,
+            "tokens_per_s": round(tokens / seconds, 1),
+            "tokens_done": done,
+            "samples_done": step,
+            "data_wait_frac": 0.5 if step == 30 else 0.0,
+        }
         if with_window_fields:
             record.update(window_tokens=tokens, window_s=seconds)
         lines.append(json.dumps(record))
@@ -37,7 +46,7 @@ def test_report_throughput_is_tokens_over_time_not_the_mean_of_rates(tmp_path):
     assert f"throughput: {tokens / seconds:,.0f} tokens/s" in throughput_line(lines)
     assert f"{sum(rates) / len(rates):,.0f}" not in throughput_line(lines)
     assert "last 3 records, 30 s" in throughput_line(lines)
-    assert "data wait 33%" in throughput_line(lines)            # 10 s of 30 waited, weighted by time too
+    assert "data wait 33%" in throughput_line(lines)  # 10 s of 30 waited, weighted by time too
 
 
 def test_files_without_the_window_fields_give_the_same_figure_from_the_counters(tmp_path):
@@ -45,7 +54,9 @@ def test_files_without_the_window_fields_give_the_same_figure_from_the_counters(
     line has no line before it and is left out."""
     lines, _ = report(write_metrics(tmp_path / "run", with_window_fields=False), out=tmp_path / "p.png")
     tokens, seconds = sum(w[1] for w in WINDOWS[1:]), sum(w[2] for w in WINDOWS[1:])
-    assert f"throughput: {tokens / seconds:,.0f} tokens/s (tokens ÷ time of the last 2 records" in throughput_line(lines)
+    assert f"throughput: {tokens / seconds:,.0f} tokens/s (tokens ÷ time of the last 2 records" in throughput_line(
+        lines
+    )
 
 
 def test_no_label_of_the_png_overlaps_another_or_leaves_the_figure(tmp_path):
@@ -64,6 +75,6 @@ def test_no_label_of_the_png_overlaps_another_or_leaves_the_figure(tmp_path):
     for text, box in zip(texts, boxes):
         assert whole.x0 <= box.x0 and box.x1 <= whole.x1 and whole.y0 <= box.y0 and box.y1 <= whole.y1, text.get_text()
     for i, (a, box_a) in enumerate(zip(texts, boxes)):
-        for b, box_b in zip(texts[i + 1:], boxes[i + 1:]):
+        for b, box_b in zip(texts[i + 1 :], boxes[i + 1 :]):
             assert not box_a.overlaps(box_b), (a.get_text(), b.get_text())
     plt.close(fig)

@@ -1,4 +1,5 @@
 """The marks on the config keys (services/config.py `setting`) and the checks derived from them."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -26,8 +27,10 @@ def test_every_config_key_says_what_it_decides_about_a_batch():
 
 def test_the_three_checks_come_from_the_marks():
     assert set(RUN_FIELDS) == set(runspec.keys_deciding(runspec.RESUME_KINDS))
-    assert {"data.path", "data.pack_len", "run.seed", "drafter.grad_accum", "target.labels_from_target"} <= set(RUN_FIELDS)
-    assert "run.epochs" not in RUN_FIELDS                  # more epochs later: batch g < N stays the same
+    assert {"data.path", "data.pack_len", "run.seed", "drafter.grad_accum", "target.labels_from_target"} <= set(
+        RUN_FIELDS
+    )
+    assert "run.epochs" not in RUN_FIELDS  # more epochs later: batch g < N stays the same
     base = _digest(load_config(None, ['data.on_bad_sample="skip"']))
     for dotted in runspec.keys_deciding(runspec.HANDSHAKE_KINDS):
         changed = load_config(None, ['data.on_bad_sample="skip"', _changed(dotted)])
@@ -42,9 +45,16 @@ def _changed(dotted: str) -> str:
     """An override that gives `dotted` another valid value."""
     section, key = dotted.split(".")
     default = getattr(getattr(load_config(None, []), section), key)
-    special = {"data.on_bad_sample": '"fail"', "data.eval_fraction": "0.25", "target.layer_ids": "[1, 2]",
-               "data.pack_len": "96", "data.max_doc_len": "40", "data.max_line_bytes": "200",
-               "data.max_doc_tokens": "30", "data.chat_template_kwargs": "{enable_thinking = false}"}
+    special = {
+        "data.on_bad_sample": '"fail"',
+        "data.eval_fraction": "0.25",
+        "target.layer_ids": "[1, 2]",
+        "data.pack_len": "96",
+        "data.max_doc_len": "40",
+        "data.max_line_bytes": "200",
+        "data.max_doc_tokens": "30",
+        "data.chat_template_kwargs": "{enable_thinking = false}",
+    }
     if dotted in special:
         return f"{dotted}={special[dotted]}"
     if isinstance(default, bool):
@@ -54,7 +64,7 @@ def _changed(dotted: str) -> str:
     if isinstance(default, str):
         return f'{dotted}="{default}x"'
     if isinstance(default, list):
-        return f"{dotted}=[]" if default else f'{dotted}=[1]'
+        return f"{dotted}=[]" if default else f"{dotted}=[1]"
     return f"{dotted}={{}}"
 
 
@@ -62,8 +72,12 @@ def _changed(dotted: str) -> str:
 def data_file(tmp_path):
     path = tmp_path / "chat.jsonl"
     lines = [json.dumps(c) for c in conversations(120, seed=3)]
-    lines.insert(5, json.dumps({"messages": [{"role": "user", "content": "x " * 400},
-                                             {"role": "assistant", "content": "y " * 400}]}))   # long: max_* bite
+    lines.insert(
+        5,
+        json.dumps(
+            {"messages": [{"role": "user", "content": "x " * 400}, {"role": "assistant", "content": "y " * 400}]}
+        ),
+    )  # long: max_* bite
     path.write_text("\n".join(lines) + "\n")
     return path
 
@@ -75,6 +89,7 @@ def _packed(cfg, tokenizer):
 
 def test_the_resume_check_reads_every_model_field_but_the_named_ones():
     from services.shapes import MODEL_FIELDS as ALL, SYNTHETIC_MODEL, DrafterModelConfig
+
     assert set(MODEL_FIELDS) == set(ALL) - NOT_FOR_RESUME and NOT_FOR_RESUME < set(ALL)
     now = DrafterModelConfig(**SYNTHETIC_MODEL).to_dict()
     assert model_errors({"model": dict(now, initializer_range=0.5)}, now) == []
@@ -94,38 +109,58 @@ def test_keys_not_marked_as_deciding_tokens_leave_the_packed_data_alone(data_fil
     for section, f in ALL_KEYS:
         dotted = f"{section}.{f.name}"
         if section not in ("run", "data", "target") or f.metadata["batch"] == "path" or dotted == "target.model_path":
-            continue                                     # files: by content (tests/unit/test_data_packing.py)
+            continue  # files: by content (tests/unit/test_data_packing.py)
         try:
             cfg = load_config(None, base_args + [_changed(dotted)])
         except Exception:
-            continue                                     # a value this key refuses: nothing to compare
+            continue  # a value this key refuses: nothing to compare
         if f.metadata["batch"] in runspec.CACHE_KINDS:
             assert cache_key(cfg, tokenizer, VOCAB) != key, dotted
             continue
         assert cache_key(cfg, tokenizer, VOCAB) == key, dotted
         other = _packed(cfg, tokenizer)
-        assert other.keys() == base.keys() and all(np.array_equal(other[k], base[k]) for k in base), \
-            f"{dotted} changes the packed data: mark it batch=\"content\" in services/config.py"
+        assert other.keys() == base.keys() and all(np.array_equal(other[k], base[k]) for k in base), (
+            f'{dotted} changes the packed data: mark it batch="content" in services/config.py'
+        )
 
 
 # --- the run spec: resolved once, by the launcher or by a worker alike ------------------------------
+
 
 def _tiny_target(path, tok_dir, layers: int = 8, hidden: int = 32, weights: bool = False):
     """A target folder: config.json and the tokenizer (and random weights when asked), made on the fly."""
     import shutil
 
     from transformers import Qwen3Config, Qwen3ForCausalLM
+
     shutil.rmtree(path, ignore_errors=True)
     shutil.copytree(tok_dir, path)
-    config = Qwen3Config(vocab_size=640, hidden_size=hidden, intermediate_size=64, num_hidden_layers=layers,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, tie_word_embeddings=False)
+    config = Qwen3Config(
+        vocab_size=640,
+        hidden_size=hidden,
+        intermediate_size=64,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        tie_word_embeddings=False,
+    )
     (Qwen3ForCausalLM(config) if weights else config).save_pretrained(path)
     return path
 
 
 def _config(model, data="", *more):
-    return load_config(None, [f"target.model_path={json.dumps(str(model))}", f"data.path={json.dumps(str(data))}",
-                              "data.pack_len=256", "drafter.num_layers=3", "drafter.num_anchors=16", *more])
+    return load_config(
+        None,
+        [
+            f"target.model_path={json.dumps(str(model))}",
+            f"data.path={json.dumps(str(data))}",
+            "data.pack_len=256",
+            "drafter.num_layers=3",
+            "drafter.num_anchors=16",
+            *more,
+        ],
+    )
 
 
 def test_launcher_up_writes_the_spec_a_worker_without_it_resolves_too(tmp_path, tok_dir):
@@ -134,30 +169,48 @@ def test_launcher_up_writes_the_spec_a_worker_without_it_resolves_too(tmp_path, 
     runspec.json; a systemd unit from `launcher units`) resolves it with the same function: one answer."""
     from launcher.units import render_units
     from services.layers import default_layer_ids
-    model = _tiny_target(tmp_path / "model", tok_dir, weights=True)        # `up` checks the weights are there
+
+    model = _tiny_target(tmp_path / "model", tok_dir, weights=True)  # `up` checks the weights are there
     data = tmp_path / "chat.jsonl"
     data.write_text(json.dumps(conversations(1, seed=0)[0]) + "\n" + '{"messages": [\n')
     toml = tmp_path / "run.toml"
-    toml.write_text(f'[target]\nmodel_path = "{model}"\n[data]\npath = "{data}"\npack_len = 256\neval_fraction = 0.5\n'
-                    '[drafter]\nnum_layers = 3\nnum_anchors = 16\n')
+    toml.write_text(
+        f'[target]\nmodel_path = "{model}"\n[data]\npath = "{data}"\npack_len = 256\neval_fraction = 0.5\n'
+        "[drafter]\nnum_layers = 3\nnum_anchors = 16\n"
+    )
     run_dir = tmp_path / "run"
-    run_dir.mkdir()                    # an existing folder is prepared in place: what `up` wrote stays
-    out = run_launcher("up", "--config", str(toml), "--device", "cpu", "--gpus", "0:target,1:drafter",
-                       "--run-dir", str(run_dir), timeout=120)
+    run_dir.mkdir()  # an existing folder is prepared in place: what `up` wrote stays
+    out = run_launcher(
+        "up",
+        "--config",
+        str(toml),
+        "--device",
+        "cpu",
+        "--gpus",
+        "0:target,1:drafter",
+        "--run-dir",
+        str(run_dir),
+        timeout=120,
+    )
     assert out.returncode == 2 and f"{data}:2: invalid JSON" in out.stderr, out.stderr
-    assert not (run_dir / "run.json").exists()                          # no worker was started
-    assert [p.name for p in run_dir.iterdir() if "runspec" in p.name] == ["runspec.json"]   # no temp file left
+    assert not (run_dir / "run.json").exists()  # no worker was started
+    assert [p.name for p in run_dir.iterdir() if "runspec" in p.name] == ["runspec.json"]  # no temp file left
     written = json.loads((run_dir / "runspec.json").read_text())
-    assert written["target"] == {"num_layers": 8, "hidden_size": 32, "vocab_size": 640,
-                                 "layer_ids": default_layer_ids(8, 3), "hidden_width": 3 * 32}
+    assert written["target"] == {
+        "num_layers": 8,
+        "hidden_size": 32,
+        "vocab_size": 640,
+        "layer_ids": default_layer_ids(8, 3),
+        "hidden_width": 3 * 32,
+    }
     assert written["drafter"]["target_layer_ids"] == [1, 3, 5] and written["drafter"]["block_size"] == 16
     assert written["held_out"] == {"source": "data.eval_fraction", "path": str(data), "fraction": 0.5, "seed": 0}
     assert written["batch_keys"]["data.pack_len"] == {"decides": "content", "value": 256}
     assert set(written["batch_keys"]) == set(runspec.keys_deciding(runspec.DECIDING))
     cfg = load_config(run_dir / "config.json")
     assert written["config_digest"] == _digest(cfg)
-    assert runspec.for_worker(cfg, run_dir).to_dict() == written               # read from the file
-    assert runspec.for_worker(cfg, tmp_path / "no-launcher").to_dict() == written   # resolved by the worker
+    assert runspec.for_worker(cfg, run_dir).to_dict() == written  # read from the file
+    assert runspec.for_worker(cfg, tmp_path / "no-launcher").to_dict() == written  # resolved by the worker
     render_units("0:target,1:drafter", str(toml), str(tmp_path / "units"), str(tmp_path / "srv"), device="cpu")
     under_systemd = load_config(tmp_path / "units" / "dflash-env" / "config.json")
     assert runspec.for_worker(under_systemd, tmp_path / "srv").to_dict() == written
@@ -168,14 +221,19 @@ def test_a_spec_from_another_config_or_another_model_is_refused_naming_the_field
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     runspec.resolve(_config(model)).save(run_dir)
-    with pytest.raises(runspec.SpecError, match=r"resolved from another config than this worker's \(data.pack_len: "
-                                                r"256 there, 128 here\)"):
+    with pytest.raises(
+        runspec.SpecError,
+        match=r"resolved from another config than this worker's \(data.pack_len: "
+        r"256 there, 128 here\)",
+    ):
         runspec.for_worker(_config(model, "", "data.pack_len=128"), run_dir)
-    _tiny_target(model, tok_dir, layers=6, hidden=48)      # the folder now holds another model
+    _tiny_target(model, tok_dir, layers=6, hidden=48)  # the folder now holds another model
     with pytest.raises(runspec.SpecError) as err:
         runspec.for_worker(_config(model), run_dir)
-    assert str(err.value) == (f"the model at {model} (its config.json) has num_layers=6, the run spec says 8; "
-                              f"hidden_size=48, the run spec says 32 (run spec: {run_dir / 'runspec.json'})")
+    assert str(err.value) == (
+        f"the model at {model} (its config.json) has num_layers=6, the run spec says 8; "
+        f"hidden_size=48, the run spec says 32 (run spec: {run_dir / 'runspec.json'})"
+    )
     (run_dir / "runspec.json").write_text("{}")
     with pytest.raises(runspec.SpecError, match="runspec.json: not a run spec"):
         runspec.for_worker(_config(model), run_dir)
@@ -186,24 +244,39 @@ def test_what_a_target_loaded_is_compared_with_the_spec(tmp_path, tok_dir):
     (a real HF model here); in the drafter, of what its target says it loaded."""
     from services.handshake import HandshakeError, TargetInfo
     from services.target.model import load_target
+
     model = _tiny_target(tmp_path / "model", tok_dir, weights=True)
     cfg = _config(model, "", 'target.dtype="float32"')
     spec = runspec.resolve(cfg)
     same = load_target(spec.target_config(cfg), "cpu")
     spec.check_loaded(same.info)
     assert same.info == spec.target and same.info.hidden_width == spec.model().hidden_width == 96
-    _tiny_target(model, tok_dir, layers=6, hidden=48, weights=True)      # replaced after the spec was made
+    _tiny_target(model, tok_dir, layers=6, hidden=48, weights=True)  # replaced after the spec was made
     other = load_target(spec.target_config(cfg), "cpu")
-    with pytest.raises(runspec.SpecError, match=f"the target loaded from {model} has num_layers=6, the run spec says "
-                                                "8; hidden_size=48, the run spec says 32"):
+    with pytest.raises(
+        runspec.SpecError,
+        match=f"the target loaded from {model} has num_layers=6, the run spec says "
+        "8; hidden_size=48, the run spec says 32",
+    ):
         spec.check_loaded(other.info)
-    said = TargetInfo.of(other.info, num_batches=4, num_eval_batches=1, seq_len=256, mask_token_id=-1,
-                         labels_from_target=True, config_digest=spec.config_digest, model_path=str(model),
-                         capture_path="packed", bad_samples=0)
+    said = TargetInfo.of(
+        other.info,
+        num_batches=4,
+        num_eval_batches=1,
+        seq_len=256,
+        mask_token_id=-1,
+        labels_from_target=True,
+        config_digest=spec.config_digest,
+        model_path=str(model),
+        capture_path="packed",
+        bad_samples=0,
+    )
     TargetInfo.of(same.info, **{k: v for k, v in vars(said).items() if k not in vars(same.info)}).check(
-        **spec.expected_of_target())
-    with pytest.raises(HandshakeError, match="disagree on num_layers: target 6, drafter 8; hidden_size: target 48, "
-                                             "drafter 32"):
+        **spec.expected_of_target()
+    )
+    with pytest.raises(
+        HandshakeError, match="disagree on num_layers: target 6, drafter 8; hidden_size: target 48, drafter 32"
+    ):
         TargetInfo.from_wire(said.to_wire()).check(**spec.expected_of_target())
 
 
@@ -214,11 +287,24 @@ def test_config_json_is_read_as_transformers_reads_it(tmp_path):
 
     from bench.shapes import checkpoint_config
     from tests.drafters import model_config_from_hf
-    small = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=8, num_attention_heads=4,
-                 num_key_value_heads=2, head_dim=8, rope_theta=50000.0)
-    configs = {"tied": Qwen3Config(**small, tie_word_embeddings=True), "untied": Qwen3Config(**small),
-               "composite": Qwen3VLConfig(text_config=dict(small)), "8b": checkpoint_config("8b"),
-               "27b-hybrid": checkpoint_config("27b-hybrid")}
+
+    small = dict(
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=8,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        rope_theta=50000.0,
+    )
+    configs = {
+        "tied": Qwen3Config(**small, tie_word_embeddings=True),
+        "untied": Qwen3Config(**small),
+        "composite": Qwen3VLConfig(text_config=dict(small)),
+        "8b": checkpoint_config("8b"),
+        "27b-hybrid": checkpoint_config("27b-hybrid"),
+    }
     for name, config in configs.items():
         config.save_pretrained(tmp_path / name)
         full = AutoConfig.from_pretrained(tmp_path / name)
@@ -230,6 +316,7 @@ def test_config_json_is_read_as_transformers_reads_it(tmp_path):
 def test_a_synthetic_drafter_gets_the_made_up_target_and_the_same_shape_as_before():
     from tests.drafters import build_model_config
     from services.shapes import SYNTHETIC_MODEL
+
     cfg = load_config(None, ["drafter.overrides={hidden_size=48}", "drafter.num_layers=2"])
     spec = runspec.resolve(cfg, synthetic=True)
     assert spec.model() == build_model_config(cfg, SYNTHETIC_MODEL, mask_token_id=SYNTHETIC_MODEL["vocab_size"] - 1)
@@ -242,6 +329,7 @@ def test_a_synthetic_drafter_gets_the_made_up_target_and_the_same_shape_as_befor
 def test_the_block_size_is_the_drafters_everywhere(tmp_path, tok_dir):
     """drafter.overrides may set the model's block size: the target's verify limits take the spec's."""
     from services.target.verifying import verify_limits
+
     model = _tiny_target(tmp_path / "model", tok_dir)
     cfg = _config(model, "", "drafter.overrides={block_size=4}")
     spec = runspec.resolve(cfg)
@@ -253,15 +341,17 @@ def test_the_held_out_split_is_the_specs(data_file, tokenizer, tmp_path):
     number: a bad line (here the file's first, blank lines around it) moves no other line."""
     from services.data_lines import heldout_lines, nonblank_lines
     from services.target.data import BadSamples, read_documents
+
     good = data_file.read_text().splitlines()
     path = tmp_path / "with-bad.jsonl"
     path.write_text("not json\n\n" + "\n".join(good) + "\n")
-    cfg = load_config(None, [f"data.path={path}", "data.pack_len=4096", "data.eval_fraction=0.1",
-                             'data.on_bad_sample="skip"'])
+    cfg = load_config(
+        None, [f"data.path={path}", "data.pack_len=4096", "data.eval_fraction=0.1", 'data.on_bad_sample="skip"']
+    )
     held_out = runspec.HeldOut.of(cfg)
     assert runspec.HeldOut(**json.loads(json.dumps(dataclasses.asdict(held_out)))) == held_out
     numbers = [n for n, _ in nonblank_lines(path)]
-    assert numbers == [1] + list(range(3, len(good) + 3))          # the blank line 2 is no line of the split
+    assert numbers == [1] + list(range(3, len(good) + 3))  # the blank line 2 is no line of the split
     chosen = held_out.lines(numbers)
     docs = {d.line: d for d in read_documents(str(path), tokenizer, VOCAB, "skip", BadSamples())}
     tensors, meta = build_index(cfg, tokenizer, VOCAB)
@@ -269,7 +359,7 @@ def test_the_held_out_split_is_the_specs(data_file, tokenizer, tmp_path):
     assert int(meta["eval_samples"]) == len(chosen - {1}) == sum(1 for n in chosen if n in docs) > 3
     expected = [path.read_text().splitlines()[n - 1] for n in sorted(chosen - {1})]
     assert [line.rstrip("\n") for line in heldout_lines(cfg)] == expected
-    if 1 in chosen:                                                  # the bad line was drawn: it holds nothing
+    if 1 in chosen:  # the bad line was drawn: it holds nothing
         assert len(chosen - {1}) == len(chosen) - 1
 
 
@@ -281,6 +371,7 @@ def test_a_target_worker_on_another_model_than_the_spec_stops_with_one_line(tmp_
     import sys
 
     from services.config import dump_json
+
     model = _tiny_target(tmp_path / "model", tok_dir)
     run_dir = tmp_path / "run"
     run_dir.mkdir()
@@ -288,10 +379,26 @@ def test_a_target_worker_on_another_model_than_the_spec_stops_with_one_line(tmp_
     dump_json(cfg, run_dir / "config.json")
     runspec.resolve(cfg).save(run_dir)
     _tiny_target(model, tok_dir, layers=6, weights=True)
-    out = subprocess.run([sys.executable, "-m", "services.target", "--config", str(run_dir / "config.json"),
-                          "--run-dir", str(run_dir), "--device", "cpu"], capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "services.target",
+            "--config",
+            str(run_dir / "config.json"),
+            "--run-dir",
+            str(run_dir),
+            "--device",
+            "cpu",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 2, out.stderr[-3000:]
-    line, = [line for line in out.stderr.splitlines() if " error " in line]
-    assert line.endswith(f"config error: the model at {model} (its config.json) has num_layers=6, the run spec "
-                         f"says 8 (run spec: {run_dir / 'runspec.json'})")
+    (line,) = [line for line in out.stderr.splitlines() if " error " in line]
+    assert line.endswith(
+        f"config error: the model at {model} (its config.json) has num_layers=6, the run spec "
+        f"says 8 (run spec: {run_dir / 'runspec.json'})"
+    )
     assert "Traceback" not in out.stderr

@@ -1,4 +1,5 @@
 """sd_notify: a real datagram NOTIFY_SOCKET, a real worker-like subprocess, the messages checked."""
+
 from __future__ import annotations
 
 import json
@@ -64,8 +65,9 @@ def test_worker_subprocess_messages(tmp_path):
     sock = _listen(path)
     env = child_env(NOTIFY_SOCKET=path, WATCHDOG_USEC="400000")
     env.pop("WATCHDOG_PID", None)
-    proc = subprocess.Popen([sys.executable, "-c", WORKER], env=env, cwd=tmp_path,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", WORKER], env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     messages = _drain(sock, until=lambda: proc.poll() is not None)
     out, err = proc.communicate(timeout=30)
     sock.close()
@@ -83,10 +85,10 @@ def test_worker_subprocess_messages(tmp_path):
     pings = messages.count("WATCHDOG=1")
     gap = facts["watchdog_s"] / 4
     assert 1 <= pings <= facts["elapsed"] / gap + 1, (pings, facts)
-    assert pings < facts["calls"]                     # rate-limited, not one per step
+    assert pings < facts["calls"]  # rate-limited, not one per step
 
     stall = messages.index("STATUS=stalled on purpose")
-    assert "WATCHDOG=1" not in messages[stall:]       # no progress, no ping
+    assert "WATCHDOG=1" not in messages[stall:]  # no progress, no ping
     assert "EXTEND_TIMEOUT_USEC=30000000\nSTATUS=checkpoint" in messages[stall:]
     assert messages[-1] == "STOPPING=1\nSTATUS=stopping"
 
@@ -96,9 +98,9 @@ def test_abstract_socket_name():
     sock = _listen("\0" + name)
     try:
         n = Notifier(env={"NOTIFY_SOCKET": "@" + name})
-        assert n.enabled and n.watchdog_s is None     # no WATCHDOG_USEC: no pings at all
+        assert n.enabled and n.watchdog_s is None  # no WATCHDOG_USEC: no pings at all
         assert n.ready("up")
-        assert not n.ready("again")                   # READY=1 once only
+        assert not n.ready("again")  # READY=1 once only
         assert not n.watchdog()
         assert n.stopping("bye")
         n.close()

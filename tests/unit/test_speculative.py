@@ -4,32 +4,36 @@ for any drafter (its output is the plain greedy output of the same target, one t
 on the dense one also HF generate's), mostly-rejected drafts included (the rollback case), and the
 acceptance figures exact on constructed drafters whose acceptance is known in advance; a difference
 reads as a near-tie or a bug."""
+
 import pytest
 import torch
 
 from services.lossless import describe_lossless, first_difference
 from services.drafter.model import DrafterModelConfig
-from services.drafter.speculative import (Decoded, DrafterProposer, RepeatLast, eval_drafter,
-                                          greedy_reference, speculative_generate, summarize)
+from services.drafter.speculative import (
+    Decoded,
+    DrafterProposer,
+    RepeatLast,
+    eval_drafter,
+    greedy_reference,
+    speculative_generate,
+    summarize,
+)
 from services.drafter.target_head import TargetHead
 from services.eval.verifier import LocalVerifier
 from services.decode_step import ROLLBACKS
 from tests.greedy import hf_greedy_generate
-from tests.tiny_targets import HYBRID_DEVICES, DENSE_LAYER_IDS, HYBRID_LAYER_IDS, VOCAB, dense_target, hybrid_target, plain_hf, prompt
+from tests.tiny_targets import (
+    DENSE_LAYER_IDS,
+    HYBRID_LAYER_IDS,
+    VOCAB,
+    plain_hf,
+    prompt,
+)
 
 B = 4
 LAYERS = 4
 LAYER_IDS = DENSE_LAYER_IDS
-
-
-@pytest.fixture(scope="module")
-def dense():
-    return dense_target()
-
-
-@pytest.fixture(scope="module", params=HYBRID_DEVICES)
-def hybrid(request):
-    return hybrid_target(device=request.param)
 
 
 @pytest.fixture(scope="module")
@@ -45,9 +49,9 @@ class Oracle:
         self.sequence, self.correct, self.block_size = sequence, correct, block_size
 
     def __call__(self, features, last_token, start):
-        assert last_token == self.sequence[start] and features.shape[0] == start   # context: positions < start
-        drafts = self.sequence[start + 1:start + self.block_size] + [0] * self.block_size
-        drafts = [t if j < self.correct else (t + 1) % VOCAB for j, t in enumerate(drafts[:self.block_size - 1])]
+        assert last_token == self.sequence[start] and features.shape[0] == start  # context: positions < start
+        drafts = self.sequence[start + 1 : start + self.block_size] + [0] * self.block_size
+        drafts = [t if j < self.correct else (t + 1) % VOCAB for j, t in enumerate(drafts[: self.block_size - 1])]
         return torch.tensor(drafts, device=features.device)
 
 
@@ -60,10 +64,19 @@ def reference(verifier, p, max_new=16, stops=()):
 
 
 def random_drafter(target, layer_ids, block_size=B, seed=3):
-    cfg = DrafterModelConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-                             head_dim=16, vocab_size=VOCAB, num_target_layers=target.info.num_layers,
-                             num_hidden_layers=1, target_layer_ids=layer_ids, block_size=block_size,
-                             mask_token_id=VOCAB - 1)
+    cfg = DrafterModelConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=VOCAB,
+        num_target_layers=target.info.num_layers,
+        num_hidden_layers=1,
+        target_layer_ids=layer_ids,
+        block_size=block_size,
+        mask_token_id=VOCAB - 1,
+    )
     model = target.model
     head = TargetHead(model.get_input_embeddings().weight.detach(), model.lm_head.weight.detach())
     torch.manual_seed(seed)
@@ -74,10 +87,10 @@ def random_drafter(target, layer_ids, block_size=B, seed=3):
 def test_acceptance_counts_on_constructed_drafters(target, correct, steps):
     p = prompt(1)
     ref = reference(target, p)
-    assert len(ref.tokens) == 16 and len(set(ref.tokens)) > 3            # a varied greedy output, no early stop
+    assert len(ref.tokens) == 16 and len(set(ref.tokens)) > 3  # a varied greedy output, no early stop
     out = decode(target, Oracle(p + ref.tokens, correct), p)
     assert out.tokens == ref.tokens
-    assert out.steps == steps                                # the prefill's token is not a step
+    assert out.steps == steps  # the prefill's token is not a step
     assert out.target_forwards == len(steps) + 1
     s = summarize([out], [ref])
     assert s["acceptance_per_step"] == pytest.approx(sum(steps) / len(steps))
@@ -86,7 +99,7 @@ def test_acceptance_counts_on_constructed_drafters(target, correct, steps):
 
 
 def test_summary_per_prompt_and_per_step():
-    a = Decoded(tokens=list(range(9)), steps=[4, 4], target_forwards=3)        # 8 / 2 steps = 4.0
+    a = Decoded(tokens=list(range(9)), steps=[4, 4], target_forwards=3)  # 8 / 2 steps = 4.0
     b = Decoded(tokens=list(range(5)), steps=[1, 1, 1, 1], target_forwards=5)  # 4 / 4 steps = 1.0
     refs = [Decoded(list(range(9)), [], 9, [1.0] * 9, [0.1] * 9), Decoded([9] * 5, [], 5, [1.0] * 5, [0.1] * 5)]
     b.margins, b.tolerances = [2.0] * 5, [0.1] * 5
@@ -122,8 +135,8 @@ def test_a_difference_reads_as_near_tie_or_bug():
 def test_stop_token_ends_the_output_as_greedy_does(target, dense):
     p = prompt(2)
     ref = reference(target, p).tokens
-    stop = ref[5]                                           # a token the greedy output reaches
-    want = ref[:ref.index(stop) + 1]
+    stop = ref[5]  # a token the greedy output reaches
+    want = ref[: ref.index(stop) + 1]
     assert reference(target, p, stops=[stop]).tokens == want
     with plain_hf(dense) as model:
         assert hf_greedy_generate(model, p, 16, [stop]) == want
@@ -135,7 +148,7 @@ def test_lossless_with_random_drafter_and_repeat_last(target, dense):
     drafter = random_drafter(dense, LAYER_IDS)
     for seed in range(3):
         p = prompt(10 + seed, n=5 + 3 * seed)
-        ref = reference(target, p, 24)                 # equal to HF generate: test_decode.py
+        ref = reference(target, p, 24)  # equal to HF generate: test_decode.py
         for propose in (drafter, RepeatLast(B)):
             out = decode(target, propose, p, max_new=24)
             assert out.tokens == ref.tokens
@@ -171,10 +184,22 @@ def test_a_sliding_window_drafter_drafts_as_it_was_trained(target, dense):
 
     from services.drafter.attention import DenseAttention
     from services.drafter.model import DFlashDrafter
-    cfg = DrafterModelConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-                             head_dim=16, vocab_size=VOCAB, num_target_layers=LAYERS, num_hidden_layers=2,
-                             target_layer_ids=LAYER_IDS, block_size=B, mask_token_id=VOCAB - 1,
-                             layer_types=["sliding_attention", "full_attention"], sliding_window=3)
+
+    cfg = DrafterModelConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=VOCAB,
+        num_target_layers=LAYERS,
+        num_hidden_layers=2,
+        target_layer_ids=LAYER_IDS,
+        block_size=B,
+        mask_token_id=VOCAB - 1,
+        layer_types=["sliding_attention", "full_attention"],
+        sliding_window=3,
+    )
     head = TargetHead(dense.model.get_input_embeddings().weight.detach(), dense.model.lm_head.weight.detach())
     torch.manual_seed(5)
     trained = DFlashDrafter(cfg, attention=DenseAttention()).eval()
@@ -195,7 +220,7 @@ def test_a_sliding_window_drafter_drafts_as_it_was_trained(target, dense):
         got = sliding(features, 7, start).tolist()
         packed = sliding.many([torch.randn(5, features.shape[1]), features], [3, 7])[1]
     assert got == want_tokens and packed == want_tokens
-    assert (unwindowed - want).abs().max() > 1e-3                  # the window changed what was seen
+    assert (unwindowed - want).abs().max() > 1e-3  # the window changed what was seen
     p = prompt(30, n=10)
     ref = reference(target, p, 20).tokens
     assert decode(target, sliding, p, max_new=20).tokens == ref
@@ -206,10 +231,22 @@ def test_an_exported_sliding_window_drafter_loads_with_its_window(tmp_path):
     from services.drafter.export import export_weights
     from services.drafter.model import DFlashDrafter
     from services.eval.cli import load_weights
-    cfg = DrafterModelConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-                             head_dim=16, vocab_size=VOCAB, num_target_layers=LAYERS, num_hidden_layers=2,
-                             target_layer_ids=LAYER_IDS, block_size=B, mask_token_id=VOCAB - 1,
-                             layer_types=["sliding_attention", "full_attention"], sliding_window=3)
+
+    cfg = DrafterModelConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=VOCAB,
+        num_target_layers=LAYERS,
+        num_hidden_layers=2,
+        target_layer_ids=LAYER_IDS,
+        block_size=B,
+        mask_token_id=VOCAB - 1,
+        layer_types=["sliding_attention", "full_attention"],
+        sliding_window=3,
+    )
     out = export_weights(DFlashDrafter(cfg).state_dict(), cfg, tmp_path / "export", dtype="float32")
     _, loaded, what = load_weights(out)
     assert what.startswith("export ") and loaded.layer_types == cfg.layer_types and loaded.sliding_window == 3

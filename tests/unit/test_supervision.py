@@ -1,5 +1,6 @@
 """What the launcher says when a worker exits (launcher/causes.py), one stop per stop request
 (services/lifecycle.py), and one launcher per run dir (launcher/runlock.py)."""
+
 import os
 import signal
 import subprocess
@@ -39,7 +40,7 @@ def crash(log: Path, what: str) -> int:
 
 def test_the_cpu_allocator_running_out_is_an_out_of_memory_that_no_restart_mends(tmp_path):
     log = tmp_path / "drafter-0.log"
-    code = crash(log, "torch.empty(1 << 46, dtype=torch.uint8)")   # the real allocator: 64 TiB, refused
+    code = crash(log, "torch.empty(1 << 46, dtype=torch.uint8)")  # the real allocator: 64 TiB, refused
     assert code == exits.CRASHED
     cause = exit_cause("drafter", code, read_log(log))
     assert "DefaultCPUAllocator: can't allocate memory: you tried to allocate 70368744177664 bytes" in cause.text
@@ -50,8 +51,10 @@ def test_the_cpu_allocator_running_out_is_an_out_of_memory_that_no_restart_mends
 
 def test_a_cuda_out_of_memory_is_named_as_torch_names_it(tmp_path):
     log = tmp_path / "drafter-1.log"
-    message = ("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 139.81 GiB "
-               "of which 1.06 GiB is free.")                   # torch's wording of a CUDA OOM
+    message = (
+        "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 139.81 GiB "
+        "of which 1.06 GiB is free."
+    )  # torch's wording of a CUDA OOM
     code = crash(log, f"raise torch.OutOfMemoryError({message!r})")
     cause = exit_cause("drafter", code, read_log(log))
     assert cause.text == f"torch.OutOfMemoryError: {message}" and cause.fatal
@@ -61,33 +64,39 @@ def test_non_finite_data_exits_final_and_no_restart_is_tried(tmp_path):
     """A NonFiniteError (services/drafter/bookkeeping.py) repeats on a restart: its own exit code,
     and the launcher's cause is fatal the first time, not after a second exit with the same line."""
     log = tmp_path / "drafter-0.log"
-    code = crash(log, "from services.drafter.bookkeeping import NonFiniteError; raise NonFiniteError("
-                      "'12 optimizer steps in a row skipped: non-finite hidden states of captured layer 2 from target-0')")
+    code = crash(
+        log,
+        "from services.drafter.bookkeeping import NonFiniteError; raise NonFiniteError("
+        "'12 optimizer steps in a row skipped: non-finite hidden states of captured layer 2 from target-0')",
+    )
     assert code == exits.FINAL == 4
     cause = exit_cause("drafter", code, read_log(log))
     assert cause.text.startswith("NonFiniteError: 12 optimizer steps in a row skipped") and "target-0" in cause.text
     assert cause.fatal and "restart" in cause.fatal
-    assert not exit_cause("drafter", exits.CRASHED, read_log(log)).fatal      # the same line as a crash: once, kept
+    assert not exit_cause("drafter", exits.CRASHED, read_log(log)).fatal  # the same line as a crash: once, kept
 
 
 def test_last_error_line_reads_the_latest_start_only_and_a_repeat_is_fatal(tmp_path):
     log = tmp_path / "target-0.log"
     first = crash(log, "raise ValueError('first start')")
     assert exit_cause("target", first, read_log(log)).text == "ValueError: first start"
-    assert crash(log, "print('no error line')") == 0           # a start whose last line is not an error
+    assert crash(log, "print('no error line')") == 0  # a start whose last line is not an error
     assert last_error_line(read_log(log)) == "no error line"
     crash(log, "raise KeyError('layer 7')")
     one = exit_cause("target", 1, read_log(log))
-    assert one.text == "KeyError: 'layer 7'" and not one.fatal                      # once: worth a restart
+    assert one.text == "KeyError: 'layer 7'" and not one.fatal  # once: worth a restart
     twice = exit_cause("target", 1, read_log(log), previous=one.text)
     assert twice.fatal == "the same error twice in a row: a restart does not help"
 
 
-@pytest.mark.parametrize("code, text, fatal", [
-    (-signal.SIGSEGV, "killed by SIGSEGV", False),
-    (-signal.SIGKILL, "killed by SIGKILL (often the kernel's OOM killer: see `dmesg`)", False),
-    (143, "hard exit: a second stop signal, or run.stop_timeout_s passed", False),
-])
+@pytest.mark.parametrize(
+    "code, text, fatal",
+    [
+        (-signal.SIGSEGV, "killed by SIGSEGV", False),
+        (-signal.SIGKILL, "killed by SIGKILL (often the kernel's OOM killer: see `dmesg`)", False),
+        (143, "hard exit: a second stop signal, or run.stop_timeout_s passed", False),
+    ],
+)
 def test_signals_and_hard_exits_keep_the_restart_budget(code, text, fatal):
     cause = exit_cause("drafter", code, "")
     assert cause.text == text and bool(cause.fatal) == fatal
@@ -102,13 +111,13 @@ def test_a_config_error_is_fatal_with_its_line():
 def test_stop_requests_repeat_within_the_window_or_from_the_same_sender():
     r = StopRequests(repeat_s=2.0)
     assert r.classify(signal.SIGTERM, sender=100, now=0.0) == "stop"
-    assert r.classify(signal.SIGTERM, sender=100, now=0.001) == "repeat"     # GNU timeout: pid, then group
-    assert r.classify(signal.SIGTERM, sender=100, now=30.0) == "repeat"      # one sender's duplicate, ever
-    assert r.classify(signal.SIGTERM, sender=200, now=1.0) == "repeat"       # too soon
-    assert r.classify(signal.SIGTERM, sender=300, now=3.0) == "now"          # a second sender, later: a person
-    ctrl_c = StopRequests(repeat_s=2.0)                                      # a terminal: no sender pid
+    assert r.classify(signal.SIGTERM, sender=100, now=0.001) == "repeat"  # GNU timeout: pid, then group
+    assert r.classify(signal.SIGTERM, sender=100, now=30.0) == "repeat"  # one sender's duplicate, ever
+    assert r.classify(signal.SIGTERM, sender=200, now=1.0) == "repeat"  # too soon
+    assert r.classify(signal.SIGTERM, sender=300, now=3.0) == "now"  # a second sender, later: a person
+    ctrl_c = StopRequests(repeat_s=2.0)  # a terminal: no sender pid
     assert [ctrl_c.classify(signal.SIGINT, 0, t) for t in (0.0, 0.5, 2.5)] == ["stop", "repeat", "now"]
-    orphan = StopRequests(repeat_s=2.0)                                      # the launcher died
+    orphan = StopRequests(repeat_s=2.0)  # the launcher died
     assert [orphan.classify(PARENT_DIED, 0, t) for t in (0.0, 0.08, 10.0)] == ["stop", "repeat", "repeat"]
     assert orphan.classify(signal.SIGTERM, 0, 11.0) == "now"
 
@@ -125,10 +134,12 @@ HOLD = textwrap.dedent("""
 
 def test_the_run_dir_lock_names_its_holder_and_dies_with_it(tmp_path):
     from launcher.runlock import RunDirBusy, lock_run_dir
+
     run_dir = tmp_path / "run"
-    run_dir.mkdir()                             # `up` locks a run dir once it exists
-    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(run_dir)], stdout=subprocess.PIPE, text=True,
-                              env=child_env())
+    run_dir.mkdir()  # `up` locks a run dir once it exists
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD, str(run_dir)], stdout=subprocess.PIPE, text=True, env=child_env()
+    )
     try:
         assert holder.stdout.readline() == "locked\n"
         with pytest.raises(RunDirBusy, match=f"another launcher is running on {run_dir} \\(pid {holder.pid}\\)"):
@@ -136,7 +147,7 @@ def test_the_run_dir_lock_names_its_holder_and_dies_with_it(tmp_path):
     finally:
         holder.kill()
         holder.wait()
-    lock_run_dir(run_dir)                       # kill -9 released it; the file now names this process
+    lock_run_dir(run_dir)  # kill -9 released it; the file now names this process
     assert (run_dir / "launcher.lock").read_text() == f"{os.getpid()}\n"
     assert oct((run_dir / "launcher.lock").stat().st_mode & 0o777) == "0o600"
 
@@ -160,8 +171,9 @@ LATE = textwrap.dedent("""
 def test_a_repeat_while_the_interpreter_shuts_down_does_not_kill_it():
     """Python gives signals back their default action (terminate) at shutdown: a repeat arriving
     then, after the checkpoint was written, must not end the worker with -15 instead of 0."""
-    proc = subprocess.Popen([sys.executable, "-c", LATE], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                            text=True, env=child_env())
+    proc = subprocess.Popen(
+        [sys.executable, "-c", LATE], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=child_env()
+    )
     assert proc.stdout.readline() == "ready\n"
     proc.send_signal(signal.SIGTERM)
     assert proc.stdout.readline() == "done\n"

@@ -5,6 +5,7 @@ layers equal the eager ones on rows of different document counts, and after the 
 is compiled again (the row's boundaries reach the layers through the row slot, never as arguments).
 CPU runs dynamo with the aot_eager backend (what decides recompiles is dynamo's guards; inductor's
 C++ compile would only add minutes here); CUDA runs inductor, the workers' backend."""
+
 import random
 
 import pytest
@@ -29,14 +30,17 @@ def random_row(rng: random.Random) -> dict[str, torch.Tensor]:
         n = min(left, rng.randint(1, longest))
         lengths.append(n)
         left -= n
-    return {"input_ids": torch.randint(0, VOCAB, (S,), generator=torch.Generator().manual_seed(rng.randint(0, 1 << 30))),
-            "position_ids": torch.cat([torch.arange(n) for n in lengths]),
-            "document_ids": torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])}
+    return {
+        "input_ids": torch.randint(0, VOCAB, (S,), generator=torch.Generator().manual_seed(rng.randint(0, 1 << 30))),
+        "position_ids": torch.cat([torch.arange(n) for n in lengths]),
+        "document_ids": torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)]),
+    }
 
 
 def capture(target, row, labels=True):
-    return target.capture(row["input_ids"], row["position_ids"], row["document_ids"], with_labels=labels,
-                          out_dtype=torch.float32)
+    return target.capture(
+        row["input_ids"], row["position_ids"], row["document_ids"], with_labels=labels, out_dtype=torch.float32
+    )
 
 
 @pytest.mark.parametrize("device", HYBRID_DEVICES)
@@ -46,28 +50,33 @@ def test_compiled_capture_equals_eager_and_later_rows_compile_nothing_new(make, 
     assert compile_and_warm_up(compiled, "on", S, with_labels=True, backend=backend(device)) > 0
     assert compiled.compiled == backend(device)
     baseline = graphs_compiled()
-    assert baseline > 0                                               # the warmup did compile
+    assert baseline > 0  # the warmup did compile
     rng = random.Random(0)
     counts = set()
     # fla's kernels on CUDA compute in TF32 inside: the fused layers' fp32 reassociation comes out of
     # them at 1e-3 (test_decode's tolerance there), and a label may flip on a near-tie
     fla = make is hybrid_target and device == "cuda"
-    tol = dict(rtol=2e-3, atol=2e-4) if fla else dict(rtol=1e-4, atol=1e-4) if device == "cuda" else \
-        dict(rtol=1e-5, atol=1e-5)
+    tol = (
+        dict(rtol=2e-3, atol=2e-4)
+        if fla
+        else dict(rtol=1e-4, atol=1e-4)
+        if device == "cuda"
+        else dict(rtol=1e-5, atol=1e-5)
+    )
     # 50 rows; the hybrid on CPU runs its plain-torch reference recurrence, piece by piece: 12 rows there
     rows = 12 if make is hybrid_target and device == "cpu" else 50
     for i in range(rows):
         row = random_row(rng)
         counts.add(int(row["document_ids"].max()) + 1)
         got, got_labels = capture(compiled, row, labels=i % 2 == 0)
-        if i % 5 == 0:                                                # every 5th row against the eager layers
+        if i % 5 == 0:  # every 5th row against the eager layers
             want, want_labels = capture(eager, row)
             torch.testing.assert_close(got, want, **tol)
             if got_labels is not None:
                 same = (got_labels == want_labels).float().mean()
                 assert same >= 0.99 if fla else same == 1, (i, float(same))
-    assert len(counts) > rows // 5                                           # rows really differed in document count
-    assert graphs_compiled() == baseline                              # 0 recompiles
+    assert len(counts) > rows // 5  # rows really differed in document count
+    assert graphs_compiled() == baseline  # 0 recompiles
 
 
 @pytest.mark.skipif(not cuda_with_kernels(), reason="needs CUDA and flash-linear-attention")
@@ -87,11 +96,16 @@ def test_cuda_bf16_compiled_packed_row_equals_documents_one_by_one(make):
     assert graphs_compiled() == baseline
     start = 0
     for n in lengths:
-        want, want_labels = alone.capture(ids[start:start + n], torch.arange(n), torch.zeros(n, dtype=torch.long),
-                                          with_labels=True, out_dtype=torch.float32)
-        torch.testing.assert_close(packed[start:start + n], want, rtol=3e-2, atol=3e-2)
+        want, want_labels = alone.capture(
+            ids[start : start + n],
+            torch.arange(n),
+            torch.zeros(n, dtype=torch.long),
+            with_labels=True,
+            out_dtype=torch.float32,
+        )
+        torch.testing.assert_close(packed[start : start + n], want, rtol=3e-2, atol=3e-2)
         # argmax of bf16 logits: a near-tie may flip, so most labels, not all
-        assert (labels[start:start + n] == want_labels).float().mean() >= 0.8, n
+        assert (labels[start : start + n] == want_labels).float().mean() >= 0.8, n
         start += n
 
 
@@ -108,7 +122,7 @@ def test_decoding_on_a_compiled_target_runs_the_eager_layers(device):
         session.commit(2)
         steps.append((first.greedy, block.greedy, session.verify(prompt(5, 3)).greedy))
     assert all(torch.equal(a, b) for a, b in zip(*steps))
-    assert graphs_compiled() == baseline                              # decoding shapes never reached the compiler
+    assert graphs_compiled() == baseline  # decoding shapes never reached the compiler
 
 
 @pytest.mark.parametrize("device", HYBRID_DEVICES)
@@ -124,7 +138,7 @@ def test_the_verify_warmup_leaves_captures_and_graphs_as_they_were(device):
     assert target.slot.decode is None and graphs_compiled() == baseline
     after, after_labels = capture(target, row)
     assert torch.equal(before, after) and torch.equal(before_labels, after_labels)
-    assert graphs_compiled() == baseline                  # the capture after it reuses the warmup's graphs
+    assert graphs_compiled() == baseline  # the capture after it reuses the warmup's graphs
     target.model.config.layer_types[2] = "mamba"
     assert warm_up_verify(target, 4).startswith("verify path not warmed up: decoding: layer 2 is of type 'mamba'")
 
@@ -136,13 +150,15 @@ def test_after_the_verify_warmup_an_evaluation_compiles_no_triton_kernel():
     kernel, so its first verify pays no first call (one of a prompt past RECURRENT_TOKENS took over
     30 s on an H200 when the warmup had only short prompts)."""
     from triton import knobs
+
     target = hybrid_target(device="cuda")
     assert warm_up_verify(target, 4).startswith("warmed up the verify path in ")
     compiled = []
 
-    def before_compile(*, fn, **_):          # Triton calls it before compiling a kernel it has not in memory
+    def before_compile(*, fn, **_):  # Triton calls it before compiling a kernel it has not in memory
         compiled.append(fn.name)
-        return False                         # go on and compile
+        return False  # go on and compile
+
     knobs.runtime.jit_cache_hook = before_compile
     try:
         rng = random.Random(1)
@@ -172,12 +188,14 @@ def test_when_the_target_is_not_compiled():
         compile_and_warm_up(per_document, "on", S, with_labels=False)
     row = warmup_row(S, VOCAB)
     assert row["input_ids"].shape == (S,) and int(row["document_ids"].max()) == 7
-    assert row["position_ids"].tolist()[:S // 8 + 1] == list(range(S // 8)) + [0]
+    assert row["position_ids"].tolist()[: S // 8 + 1] == list(range(S // 8)) + [0]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="needs CUDA"))])
+@pytest.mark.parametrize(
+    "device",
+    ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))],
+)
 def test_compiled_bf16_capture_is_as_close_to_fp32_as_the_eager_one(device):
     """In bfloat16 the compiled layers round differently from the eager ones (fused kernels keep
     fp32 intermediates): judged against the same weights in float32, their error must be no larger
@@ -185,16 +203,27 @@ def test_compiled_bf16_capture_is_as_close_to_fp32_as_the_eager_one(device):
     import copy
     from transformers import Qwen3Config, Qwen3ForCausalLM
     from services.target.model import PACKED_SDPA, Target, _register_packed_sdpa
+
     torch.manual_seed(0)
-    cfg = Qwen3Config(vocab_size=512, hidden_size=256, intermediate_size=768, num_hidden_layers=12,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=1024,
-                      tie_word_embeddings=False)
+    cfg = Qwen3Config(
+        vocab_size=512,
+        hidden_size=256,
+        intermediate_size=768,
+        num_hidden_layers=12,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        max_position_embeddings=1024,
+        tie_word_embeddings=False,
+    )
     _register_packed_sdpa()
     cfg._attn_implementation = PACKED_SDPA
     fp32 = Qwen3ForCausalLM(cfg).eval().requires_grad_(False).to(device)
     layer_ids = [1, 4, 7, 11]
-    reference, eager, compiled = (Target(m, layer_ids) for m in
-                                  (fp32, copy.deepcopy(fp32).to(torch.bfloat16), copy.deepcopy(fp32).to(torch.bfloat16)))
+    reference, eager, compiled = (
+        Target(m, layer_ids)
+        for m in (fp32, copy.deepcopy(fp32).to(torch.bfloat16), copy.deepcopy(fp32).to(torch.bfloat16))
+    )
     compile_and_warm_up(compiled, "on", 256, with_labels=False)
     row = warmup_row(256, 512)
     want, base, got = (capture(t, row, labels=False)[0] for t in (reference, eager, compiled))

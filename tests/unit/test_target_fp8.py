@@ -11,6 +11,7 @@ quantized GEMMs run before it, two in sequence per decoder layer (attention in a
 out): about sqrt(2 x 3) x 3.5 % = 8.6 % after three layers of these random models (measured 4-9 %),
 so features within 0.15, cosine above 0.98.
 """
+
 import json
 import math
 
@@ -26,11 +27,17 @@ from services.target.model import decoder_layers, load_target
 E4M3 = torch.float8_e4m3fn
 BLOCK = 128
 VOCAB = 96
-SPEC = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [BLOCK, BLOCK],
-        "modules_to_not_convert": ["lm_head"]}
+SPEC = {
+    "quant_method": "fp8",
+    "fmt": "e4m3",
+    "activation_scheme": "dynamic",
+    "weight_block_size": [BLOCK, BLOCK],
+    "modules_to_not_convert": ["lm_head"],
+}
 
 
 # --- a block-scaled checkpoint, written the way the published ones are ---------------------------
+
 
 def block_quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Block by block: scale = amax / 448, fp8 = w / scale (the reference for the layout)."""
@@ -57,28 +64,51 @@ def block_dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 def dense_model():
     from transformers import Qwen3Config, Qwen3ForCausalLM
+
     torch.manual_seed(0)
-    cfg = Qwen3Config(vocab_size=VOCAB, hidden_size=160, intermediate_size=288, num_hidden_layers=3,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=512,
-                      tie_word_embeddings=False)
+    cfg = Qwen3Config(
+        vocab_size=VOCAB,
+        hidden_size=160,
+        intermediate_size=288,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+    )
     return Qwen3ForCausalLM(cfg).eval()
 
 
 def hybrid_model():
     """The composite multimodal checkpoint of the Qwen3.5 / 3.6 family (text under model.language_model.)."""
     from transformers.models.qwen3_5 import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+
     torch.manual_seed(0)
     config = Qwen3_5Config(
-        text_config=dict(hidden_size=160, intermediate_size=288, num_hidden_layers=4, num_attention_heads=4,
-                         num_key_value_heads=2, head_dim=32, vocab_size=VOCAB, linear_num_key_heads=2,
-                         linear_num_value_heads=4, linear_key_head_dim=32, linear_value_head_dim=32,
-                         layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"]),
+        text_config=dict(
+            hidden_size=160,
+            intermediate_size=288,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=32,
+            vocab_size=VOCAB,
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            linear_key_head_dim=32,
+            linear_value_head_dim=32,
+            layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+        ),
         vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=160),
-        tie_word_embeddings=False)
+        tie_word_embeddings=False,
+    )
     return Qwen3_5ForConditionalGeneration(config).eval()
 
 
-def write_fp8_checkpoint(model: nn.Module, path, extra: tuple[str, ...] = ()) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+def write_fp8_checkpoint(
+    model: nn.Module, path, extra: tuple[str, ...] = ()
+) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """save_pretrained, then every nn.Linear but lm_head as float8_e4m3fn + weight_scale_inv (a
     composite's vision tower too), and `extra` [288, 160] FP8 weights the text model does not have
     (MTP layers, as the Qwen3.5 family ships them). Returns the FP8 tensors."""
@@ -120,9 +150,10 @@ def one_doc(n: int):
 
 # --- quantization and the FP8 linear ------------------------------------------------------------
 
+
 def test_block_quantization_is_the_published_layout_with_partial_blocks():
     w = torch.randn(288, 160) * 0.02
-    w[5, 7] = 0.9                                            # one block with an outlier
+    w[5, 7] = 0.9  # one block with an outlier
     q, scale = fp8.quantize_blocks(w, (BLOCK, BLOCK))
     want_q, want_scale = block_quantize(w)
     assert q.dtype == E4M3 and scale.shape == (3, 2)
@@ -133,7 +164,7 @@ def test_block_quantization_is_the_published_layout_with_partial_blocks():
     assert (error <= 16 * scale.repeat_interleave(BLOCK, 0)[:288].repeat_interleave(BLOCK, 1)[:, :160]).all()
     rows, row_scale = fp8.quantize_rows(w)
     assert row_scale.shape == (288, 1) and ((w - rows.float() * row_scale).abs() <= 16 * row_scale).all()
-    zero, zero_scale = fp8.quantize_rows(torch.zeros(3, 32))                 # all-zero rows: zeros, not NaN
+    zero, zero_scale = fp8.quantize_rows(torch.zeros(3, 32))  # all-zero rows: zeros, not NaN
     assert torch.isfinite(zero_scale).all() and not zero.float().any()
 
 
@@ -152,8 +183,8 @@ def test_fp8_linear_is_close_to_the_bf16_one(layout):
     outs = [layer(x) for layer in layers]
     for out in outs:
         assert out.shape == (2, 37, 288) and out.dtype == torch.bfloat16
-        assert 1e-3 < rel_err(out, want) < 0.1              # quantized for real, and within e4m3's error
-    if len(outs) == 2:                                      # torch._scaled_mm and the plain math: the same operands
+        assert 1e-3 < rel_err(out, want) < 0.1  # quantized for real, and within e4m3's error
+    if len(outs) == 2:  # torch._scaled_mm and the plain math: the same operands
         assert rel_err(outs[0], outs[1]) < 5e-3
 
 
@@ -171,19 +202,21 @@ def test_quantize_decoder_swaps_the_decoder_linears_only():
 
 # --- FP8 checkpoints ------------------------------------------------------------------------------
 
+
 def test_dense_fp8_checkpoint_loads_its_exact_weights(dense_fp8, capfd):
     from transformers import Qwen3ForCausalLM
+
     path, quantized = dense_fp8
     capfd.readouterr()
     target = load_target(TargetConfig(model_path=str(path), dtype="float32", layer_ids=[1, 2]))
-    assert "weight_scale_inv" not in capfd.readouterr().err        # read here, not an "unexpected key" report
-    assert "_keys_to_ignore_on_load_unexpected" not in Qwen3ForCausalLM.__dict__   # transformers' class as it was
+    assert "weight_scale_inv" not in capfd.readouterr().err  # read here, not an "unexpected key" report
+    assert "_keys_to_ignore_on_load_unexpected" not in Qwen3ForCausalLM.__dict__  # transformers' class as it was
     params = dict(target.model.named_parameters())
     assert len(quantized) == 21
     for key, (q, scale) in quantized.items():
         assert torch.equal(params[key], block_dequantize(q, scale)), key
     original = load_file(str(path / "model.safetensors"))
-    assert torch.equal(params["lm_head.weight"], original["lm_head.weight"])       # kept in high precision
+    assert torch.equal(params["lm_head.weight"], original["lm_head.weight"])  # kept in high precision
     bf16 = load_target(TargetConfig(model_path=str(path), dtype="bfloat16", layer_ids=[1, 2]))
     q, scale = quantized["model.layers.2.mlp.down_proj.weight"]
     assert torch.equal(bf16.model.model.layers[2].mlp.down_proj.weight, block_dequantize(q, scale).to(torch.bfloat16))
@@ -193,14 +226,14 @@ def test_composite_hybrid_fp8_checkpoint_loads_the_text_model(hybrid_fp8):
     path, quantized = hybrid_fp8
     target = load_target(TargetConfig(model_path=str(path), dtype="float32", layer_ids=[1, 2]))
     assert type(target.model).__name__ == "Qwen3_5ForCausalLM" and target.path == "packed-reference"
-    assert type(target.model)._keys_to_ignore_on_load_unexpected == [r"^mtp.*", r"^model.visual.*"]   # restored
+    assert type(target.model)._keys_to_ignore_on_load_unexpected == [r"^mtp.*", r"^model.visual.*"]  # restored
     params = dict(target.model.named_parameters())
     text = {k: v for k, v in quantized.items() if k.startswith("model.language_model.")}
-    assert len(text) == 2 * (5 + 3) + 2 * (4 + 3)          # Gated DeltaNet and attention layers, with their MLPs
+    assert len(text) == 2 * (5 + 3) + 2 * (4 + 3)  # Gated DeltaNet and attention layers, with their MLPs
     assert any(k.startswith("model.visual.") for k in quantized) and "mtp.layers.0.mlp.up_proj.weight" in quantized
     for key, (q, scale) in text.items():
         name = key.replace("model.language_model.", "model.")
-        name = name if name in params else name.replace(".linear_attn.", ".linear_attn.layer.")   # the packed stand-in
+        name = name if name in params else name.replace(".linear_attn.", ".linear_attn.layer.")  # the packed stand-in
         assert torch.equal(params[name], block_dequantize(q, scale)), key
     ids = torch.randint(0, VOCAB, (40,), generator=torch.Generator().manual_seed(3))
     hidden, _ = target.capture(ids, *one_doc(40), out_dtype=torch.float32)
@@ -215,23 +248,26 @@ def test_fp8_target_capture_drifts_from_bf16_by_a_small_measured_amount(which, d
     if which == "dense":
         dense_model().save_pretrained(tmp_path / "bf16")
     ids = torch.randint(0, VOCAB, (36,), generator=torch.Generator().manual_seed(4))
-    pos = torch.cat([torch.arange(16), torch.arange(20)])                        # a packed row of two documents
+    pos = torch.cat([torch.arange(16), torch.arange(20)])  # a packed row of two documents
     doc = torch.cat([torch.zeros(16, dtype=torch.long), torch.ones(20, dtype=torch.long)])
 
     def capture(model_path, quantize):
-        target = load_target(TargetConfig(model_path=str(model_path), dtype="bfloat16", quantize=quantize,
-                                          layer_ids=[1, 2]))
+        target = load_target(
+            TargetConfig(model_path=str(model_path), dtype="bfloat16", quantize=quantize, layer_ids=[1, 2])
+        )
         return target, target.capture(ids, pos, doc)[0]
 
-    for model_path in ((tmp_path / "bf16", path) if which == "dense" else (path,)):
+    for model_path in (tmp_path / "bf16", path) if which == "dense" else (path,):
         _, ref = capture(model_path, "none")
         target, got = capture(model_path, "fp8")
         layouts = {m.rowwise for m in target.model.modules() if isinstance(m, fp8.FP8Linear)}
-        assert layouts == ({True} if model_path != path else {False})   # bf16: rowwise; FP8 checkpoint: its blocks
+        assert layouts == ({True} if model_path != path else {False})  # bf16: rowwise; FP8 checkpoint: its blocks
         for k in range(2):
             cols = slice(k * 160, (k + 1) * 160)
             drift = rel_err(got[:, cols], ref[:, cols])
-            cosine = float(torch.nn.functional.cosine_similarity(got[:, cols].float(), ref[:, cols].float(), dim=-1).min())
+            cosine = float(
+                torch.nn.functional.cosine_similarity(got[:, cols].float(), ref[:, cols].float(), dim=-1).min()
+            )
             print(f"{which} {model_path.name} layer {k + 1}: rel err {drift:.4f}, min cosine {cosine:.5f}")
             assert 1e-3 < drift < 0.15 and cosine > 0.98
 
@@ -251,6 +287,7 @@ def test_fp8_checkpoint_requantized_rowwise_where_blocks_do_not_run(dense_fp8):
 
 # --- malformed checkpoints ------------------------------------------------------------------------
 
+
 def _broken_copy(path, tmp_path, edit) -> str:
     out = tmp_path / "broken"
     out.mkdir()
@@ -261,12 +298,21 @@ def _broken_copy(path, tmp_path, edit) -> str:
     return str(out)
 
 
-@pytest.mark.parametrize("fault, words", [
-    ("missing-scale", r"model\.layers\.1\.mlp\.up_proj\.weight is float8_e4m3fn but "
-                      r"model\.layers\.1\.mlp\.up_proj\.weight_scale_inv is missing"),
-    ("scale-shape", r"model\.layers\.0\.self_attn\.k_proj\.weight_scale_inv is F32 \[2, 2\], expected float32 \[1, 2\]"),
-    ("e5m2", r"model\.layers\.0\.mlp\.gate_proj\.weight is F8_E5M2"),
-])
+@pytest.mark.parametrize(
+    "fault, words",
+    [
+        (
+            "missing-scale",
+            r"model\.layers\.1\.mlp\.up_proj\.weight is float8_e4m3fn but "
+            r"model\.layers\.1\.mlp\.up_proj\.weight_scale_inv is missing",
+        ),
+        (
+            "scale-shape",
+            r"model\.layers\.0\.self_attn\.k_proj\.weight_scale_inv is F32 \[2, 2\], expected float32 \[1, 2\]",
+        ),
+        ("e5m2", r"model\.layers\.0\.mlp\.gate_proj\.weight is F8_E5M2"),
+    ],
+)
 def test_a_malformed_fp8_checkpoint_is_one_line_naming_the_tensor_and_file(fault, words, dense_fp8, tmp_path):
     path, _ = dense_fp8
 
@@ -278,6 +324,7 @@ def test_a_malformed_fp8_checkpoint_is_one_line_naming_the_tensor_and_file(fault
         else:
             key = "model.layers.0.mlp.gate_proj.weight"
             t[key] = t[key].float().to(torch.float8_e5m2)
+
     broken = _broken_copy(path, tmp_path, edit)
     with pytest.raises(ConfigError, match=words) as info:
         load_target(TargetConfig(model_path=broken, dtype="float32", layer_ids=[1, 2]))
@@ -302,10 +349,11 @@ def test_eval_takes_the_target_precision_to_verify_with(tmp_path, capsys):
     override is (a drafter trained on FP8 features, verified by the bf16 target or the reverse)."""
     from services.config import Config, dump_json
     from services.eval import cli as eval_cli
+
     dump_json(Config(), tmp_path / "config.json")
     assert eval_cli.main(["--run-dir", str(tmp_path), "--set", "target.quantize=int8"]) == 2
     assert "eval: error: target.quantize must be one of none, fp8, got 'int8'" in capsys.readouterr().err
-    assert eval_cli.main(["--run-dir", str(tmp_path), "--set", "target.quantize=fp8"]) == 2   # no checkpoint here
+    assert eval_cli.main(["--run-dir", str(tmp_path), "--set", "target.quantize=fp8"]) == 2  # no checkpoint here
     assert "target.quantize" not in capsys.readouterr().err
 
 
@@ -343,8 +391,11 @@ def test_cuda_block_scaled_gemm_where_it_runs_agrees_with_the_plain_math():
         got, want = (fp8.FP8Linear(q, scale, (BLOCK, BLOCK), None, kernel)(x) for kernel in (True, False))
         assert rel_err(got, want) < 5e-3
     model = dense_model().to("cuda", torch.bfloat16)
-    blocks = {name + ".weight": (*fp8.quantize_blocks(m.weight, (BLOCK, BLOCK)), (BLOCK, BLOCK))
-              for name, m in model.named_modules() if isinstance(m, nn.Linear)}
+    blocks = {
+        name + ".weight": (*fp8.quantize_blocks(m.weight, (BLOCK, BLOCK)), (BLOCK, BLOCK))
+        for name, m in model.named_modules()
+        if isinstance(m, nn.Linear)
+    }
     summary = fp8.quantize_decoder(model, decoder_layers(model), blocks.get)
     assert summary["block"] + summary["requantized"] == 21 and summary["plain"] == 0
 
@@ -353,23 +404,47 @@ def test_cuda_block_scaled_gemm_where_it_runs_agrees_with_the_plain_math():
 def test_cuda_fp8_checkpoint_loads_and_captures_close_to_bf16(dense_fp8):
     path, _ = dense_fp8
     ids = torch.randint(0, VOCAB, (64,), generator=torch.Generator().manual_seed(6))
-    ref, got = (load_target(TargetConfig(model_path=str(path), dtype="bfloat16", quantize=q, layer_ids=[1, 2]),
-                            "cuda:0").capture(ids, *one_doc(64))[0] for q in ("none", "fp8"))
+    ref, got = (
+        load_target(
+            TargetConfig(model_path=str(path), dtype="bfloat16", quantize=q, layer_ids=[1, 2]), "cuda:0"
+        ).capture(ids, *one_doc(64))[0]
+        for q in ("none", "fp8")
+    )
     assert got.is_cuda and 1e-3 < rel_err(got, ref) < 0.15
 
 
 # --- the benchmark, as a CPU smoke test -----------------------------------------------------------
 
+
 def test_precision_benchmark_runs_on_cpu_at_the_tiny_shape(tmp_path, capsys):
     from bench import target_precision
+
     out = tmp_path / "precision.json"
-    result = target_precision.main(["--shape", "tiny", "--keep-layers", "4", "--layers", "1", "--seq", "64",
-                                    "--mixes", "single", "--iters", "1", "--warmup", "0", "--out", str(out)])
+    result = target_precision.main(
+        [
+            "--shape",
+            "tiny",
+            "--keep-layers",
+            "4",
+            "--layers",
+            "1",
+            "--seq",
+            "64",
+            "--mixes",
+            "single",
+            "--iters",
+            "1",
+            "--warmup",
+            "0",
+            "--out",
+            str(out),
+        ]
+    )
     assert json.loads(out.read_text())["precisions"].keys() == {"bf16", "fp8", "fp8-block"}
     runs = result["precisions"]
     assert "quantized rowwise" in runs["fp8"]["summary"] and "block scales" in runs["fp8-block"]["summary"]
     for name in ("fp8", "fp8-block"):
         drift = runs[name]["mixes"]["single"]["drift"]
         assert len(drift) == 1 and all(1e-3 < d["rel_err"] < 0.2 and d["cos_mean"] > 0.98 for d in drift)
-    assert all(d["rel_err"] == 0 for d in runs["bf16"]["mixes"]["single"]["drift"])   # bf16 against itself
+    assert all(d["rel_err"] == 0 for d in runs["bf16"]["mixes"]["single"]["drift"])  # bf16 against itself
     assert "drift against bf16 on the same row" in capsys.readouterr().out

@@ -4,6 +4,7 @@ The reference is always transformers' own forward run on one document at a time.
 must equal it in every captured layer, including the documents shorter than the conv kernel, and
 the test must notice when the conv leak across documents is put back.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -14,21 +15,35 @@ from services.target import hybrid
 from services.target.model import Target, choose_path, decoder_layers, slow_path_warning
 from services.target.row import RowSlot
 
-TEXT = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-            head_dim=16, vocab_size=160, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
-            linear_value_head_dim=16, linear_conv_kernel_dim=4, max_position_embeddings=512,
-            layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"])
-LAYERS = [0, 1, 2, 3]                 # every layer captured: GDN, GDN, full attention, GDN (final norm)
-LENGTHS = [9, 1, 3, 17, 2, 30, 6]     # documents shorter than the kernel (4) too
+TEXT = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    vocab_size=160,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+    linear_conv_kernel_dim=4,
+    max_position_embeddings=512,
+    layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"],
+)
+LAYERS = [0, 1, 2, 3]  # every layer captured: GDN, GDN, full attention, GDN (final norm)
+LENGTHS = [9, 1, 3, 17, 2, 30, 6]  # documents shorter than the kernel (4) too
 PAD = 5
 
 
 def _hybrid(dtype=torch.float32, device="cpu"):
     from transformers import AutoModelForCausalLM
     from transformers.models.qwen3_5 import Qwen3_5TextConfig
+
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(Qwen3_5TextConfig(**TEXT), dtype=dtype, attn_implementation="sdpa")
     from services.target.model import PACKED_SDPA, _register_packed_sdpa
+
     _register_packed_sdpa()
     model.config._attn_implementation = PACKED_SDPA
     return model.to(device).eval().requires_grad_(False)
@@ -46,8 +61,9 @@ def _one_by_one(target, ids, lengths, dtype):
     """Each document through transformers' own forward, alone."""
     parts, start = [], 0
     for n in lengths:
-        hidden, _ = target.capture(ids[start:start + n], torch.arange(n), torch.zeros(n, dtype=torch.long),
-                                   out_dtype=dtype)
+        hidden, _ = target.capture(
+            ids[start : start + n], torch.arange(n), torch.zeros(n, dtype=torch.long), out_dtype=dtype
+        )
         parts.append(hidden)
         start += n
     return torch.cat(parts)
@@ -56,7 +72,7 @@ def _one_by_one(target, ids, lengths, dtype):
 def _leaky_conv(x, weight, positions):
     """What transformers 5.x does on a packed row: one conv over the whole row."""
     k = weight.shape[1]
-    return F.silu(F.conv1d(x.T[None], weight[:, None, :], padding=k - 1, groups=x.shape[1])[0, :, :x.shape[0]].T)
+    return F.silu(F.conv1d(x.T[None], weight[:, None, :], padding=k - 1, groups=x.shape[1])[0, :, : x.shape[0]].T)
 
 
 def test_document_conv_equals_conv_of_each_document_alone():
@@ -68,15 +84,16 @@ def test_document_conv_equals_conv_of_each_document_alone():
     packed = hybrid.document_causal_conv(x, w, pos)
     alone = torch.cat([_leaky_conv(part, w, None) for part in torch.split(x, lengths)])
     torch.testing.assert_close(packed, alone, rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(hybrid.masked_tap_conv(x, w, pos), alone, rtol=1e-6, atol=1e-6)   # the compiled form
+    torch.testing.assert_close(hybrid.masked_tap_conv(x, w, pos), alone, rtol=1e-6, atol=1e-6)  # the compiled form
     leaky = _leaky_conv(x, w, pos)
-    assert (leaky - alone).abs().max() > 1e-2     # the control: the plain row conv does leak
+    assert (leaky - alone).abs().max() > 1e-2  # the control: the plain row conv does leak
 
 
 def test_reference_delta_rule_equals_transformers_chunked_kernel():
     import inspect
     from transformers.models.qwen3_5 import modeling_qwen3_5 as m
-    torch_chunk = inspect.unwrap(m.torch_chunk_gated_delta_rule)   # the pure-torch one, never a hub kernel
+
+    torch_chunk = inspect.unwrap(m.torch_chunk_gated_delta_rule)  # the pure-torch one, never a hub kernel
     gen = torch.Generator().manual_seed(3)
     lengths, h, dk, dv = [7, 70], 2, 8, 6
     s = sum(lengths)
@@ -86,8 +103,9 @@ def test_reference_delta_rule_equals_transformers_chunked_kernel():
     cu = torch.tensor([0, 7, s], dtype=torch.int32)
     ours = hybrid.reference_delta_rule(q, k, v, g, beta, cu)
     for a, b in ((0, 7), (7, s)):
-        theirs, _ = torch_chunk(q[None, a:b], k[None, a:b], v[None, a:b], g=g[None, a:b], beta=beta[None, a:b],
-                                use_qk_l2norm_in_kernel=True)
+        theirs, _ = torch_chunk(
+            q[None, a:b], k[None, a:b], v[None, a:b], g=g[None, a:b], beta=beta[None, a:b], use_qk_l2norm_in_kernel=True
+        )
         torch.testing.assert_close(ours[a:b], theirs[0], rtol=1e-4, atol=1e-4)
 
 
@@ -102,11 +120,12 @@ def test_chunked_delta_rule_equals_the_rule_token_by_token():
     g, beta = -2 * torch.rand(s, h, generator=gen), torch.rand(s, h, generator=gen)
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
     want = hybrid.token_by_token_delta_rule(q, k, v, g, beta, cu)
-    torch.testing.assert_close(hybrid.reference_delta_rule(q, k, v, g, beta, cu, chunk=chunk), want,
-                               rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        hybrid.reference_delta_rule(q, k, v, g, beta, cu, chunk=chunk), want, rtol=1e-5, atol=1e-5
+    )
     torch.testing.assert_close(hybrid.reference_delta_rule(q, k, v, g, beta, cu), want, rtol=1e-5, atol=1e-5)
     one_document = hybrid.reference_delta_rule(q, k, v, g, beta, torch.tensor([0, s], dtype=torch.int32), chunk=chunk)
-    assert (one_document[lengths[0]:] - want[lengths[0]:]).abs().max() > 1e-2    # the control: no restart, no match
+    assert (one_document[lengths[0] :] - want[lengths[0] :]).abs().max() > 1e-2  # the control: no restart, no match
 
 
 def test_paths_chosen_at_load():
@@ -115,9 +134,9 @@ def test_paths_chosen_at_load():
     assert choose_path(model, decoder_layers(model), torch.device("cpu"), slot) == "packed-reference"
     assert all(layer.linear_attn.row is slot for layer in decoder_layers(model) if hasattr(layer, "linear_attn"))
     target = Target(_hybrid(), LAYERS, packed_recurrent=False)
-    assert target.path == "per-document" and target.warning == ""    # only CUDA runs warn about the slow path
+    assert target.path == "per-document" and target.warning == ""  # only CUDA runs warn about the slow path
     assert Target(_hybrid(), LAYERS).path == "packed-reference"
-    if hybrid.fla_delta_rule() is None:     # CUDA without the kernels: per-document, and it says so
+    if hybrid.fla_delta_rule() is None:  # CUDA without the kernels: per-document, and it says so
         model = _hybrid()
         assert choose_path(model, decoder_layers(model), torch.device("cuda"), RowSlot()) == "per-document"
     warning = slow_path_warning("per-document", torch.device("cuda"))
@@ -128,7 +147,7 @@ def test_paths_chosen_at_load():
 def test_plain_forward_through_packed_layers_is_one_document(hf_torch_hybrid):
     ids = torch.randint(0, 160, (1, 25), generator=torch.Generator().manual_seed(6))
     plain, model = _hybrid(), _hybrid()
-    Target(model, LAYERS)                      # installs the packed layers
+    Target(model, LAYERS)  # installs the packed layers
     for m in (plain, model):
         m.config._attn_implementation = "sdpa"
     want = plain(input_ids=ids).logits
@@ -144,12 +163,12 @@ def test_packed_hybrid_row_equals_documents_run_one_by_one(monkeypatch, hf_torch
     real = doc >= 0
     torch.testing.assert_close(packed[real], reference, rtol=1e-4, atol=1e-4)
 
-    monkeypatch.setattr(hybrid, "document_causal_conv", _leaky_conv)   # put the leak back
+    monkeypatch.setattr(hybrid, "document_causal_conv", _leaky_conv)  # put the leak back
     leaky, _ = packed_target.capture(ids, pos, doc, out_dtype=torch.float32)
     h = TEXT["hidden_size"]
     first_gdn = (leaky[real][:, :h] - reference[:, :h]).abs().amax(dim=1)
-    assert first_gdn.max() > 1e-3                       # layer 0 already differs (exact: ~1e-8) ...
-    assert first_gdn[:LENGTHS[0]].max() < 1e-6          # ... but never in the first document
+    assert first_gdn.max() > 1e-3  # layer 0 already differs (exact: ~1e-8) ...
+    assert first_gdn[: LENGTHS[0]].max() < 1e-6  # ... but never in the first document
 
 
 def test_packed_hybrid_labels_equal_one_by_one(hf_torch_hybrid):
@@ -159,22 +178,29 @@ def test_packed_hybrid_labels_equal_one_by_one(hf_torch_hybrid):
     alone = Target(_hybrid(), LAYERS, packed_recurrent=False)
     start = 0
     for n in (20, 3, 11):
-        _, want = alone.capture(ids[start:start + n], torch.arange(n), torch.zeros(n, dtype=torch.long),
-                                with_labels=True, out_dtype=torch.float32)
-        assert torch.equal(labels[start:start + n], want)
+        _, want = alone.capture(
+            ids[start : start + n],
+            torch.arange(n),
+            torch.zeros(n, dtype=torch.long),
+            with_labels=True,
+            out_dtype=torch.float32,
+        )
+        assert torch.equal(labels[start : start + n], want)
         start += n
 
 
-@pytest.mark.skipif(not torch.cuda.is_available() or hybrid.fla_delta_rule() is None,
-                    reason="needs CUDA and flash-linear-attention")
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or hybrid.fla_delta_rule() is None, reason="needs CUDA and flash-linear-attention"
+)
 def test_cuda_varlen_packed_row_equals_documents_one_by_one(monkeypatch):
     lengths = [300, 2, 57, 1, 640, 3, 129]
     ids, pos, doc = _row(lengths, 40, seed=5)
     target = Target(_hybrid(torch.bfloat16, "cuda"), LAYERS)
     assert target.path == "packed-varlen"
     packed, _ = target.capture(ids, pos, doc)
-    reference = _one_by_one(Target(_hybrid(torch.bfloat16, "cuda"), LAYERS, packed_recurrent=False), ids, lengths,
-                            torch.bfloat16)
+    reference = _one_by_one(
+        Target(_hybrid(torch.bfloat16, "cuda"), LAYERS, packed_recurrent=False), ids, lengths, torch.bfloat16
+    )
     real = (doc >= 0).cuda()
     torch.testing.assert_close(packed[real].float(), reference.float(), rtol=3e-2, atol=3e-2)
     monkeypatch.setattr(hybrid, "document_causal_conv", _leaky_conv)

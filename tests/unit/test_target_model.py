@@ -3,6 +3,7 @@
 Real tiny HF models (random weights) are built and saved on the fly; the reference is always
 HF's own forward with output_hidden_states=True on a stock "sdpa" model.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -11,12 +12,27 @@ from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
 
 from services.config import TargetConfig
 from services.layers import default_layer_ids
-from services.target.model import (PACKED_SDPA, Target, TargetLoadError, document_spans,
-                                   load_hf_model, load_target, packed_attention, resolve_layer_ids,
-                                   varlen_attention)
+from services.target.model import (
+    PACKED_SDPA,
+    Target,
+    TargetLoadError,
+    document_spans,
+    load_hf_model,
+    load_target,
+    packed_attention,
+    resolve_layer_ids,
+    varlen_attention,
+)
 
-SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
-             num_key_value_heads=2, vocab_size=160, max_position_embeddings=512)
+SHAPE = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=6,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=160,
+    max_position_embeddings=512,
+)
 
 
 def _save(tmp_path, config, name):
@@ -56,19 +72,20 @@ def _packed(lengths, pad=0):
 
 # --- layer ids -------------------------------------------------------------------------------------
 
+
 def test_default_layer_ids_follow_dflash():
     assert default_layer_ids(36, 5) == [1, 9, 17, 25, 33]
     assert default_layer_ids(36, 1) == [18]
     assert default_layer_ids(64, 5) == [1, 16, 31, 46, 61]
     assert resolve_layer_ids([], 36, 5) == [1, 9, 17, 25, 33]
-    assert resolve_layer_ids([17, 3], 36, 5) == [3, 17]          # explicit ids win, in layer order
+    assert resolve_layer_ids([17, 3], 36, 5) == [3, 17]  # explicit ids win, in layer order
 
 
 def test_bad_layer_ids_are_named():
     with pytest.raises(TargetLoadError, match=r"\[6, -1\] out of range.*6 decoder layers"):
         resolve_layer_ids([1, 6, -1], 6, 3)
     with pytest.raises(TargetLoadError, match="4 decoder layers, too few for drafter.num_layers=3"):
-        resolve_layer_ids([], 4, 3)                              # 4 layers cannot spread 3 ids from 1 to 1
+        resolve_layer_ids([], 4, 3)  # 4 layers cannot spread 3 ids from 1 to 1
     with pytest.raises(TargetLoadError, match=r"target.layer_ids \[2, 2\] has duplicates"):
         resolve_layer_ids([2, 2], 6, 2)
 
@@ -79,6 +96,7 @@ def test_document_spans():
 
 
 # --- loading ---------------------------------------------------------------------------------------
+
 
 def test_missing_model_dir_and_config_are_named(tmp_path):
     with pytest.raises(TargetLoadError, match=f"model directory not found: {tmp_path / 'nope'}"):
@@ -92,7 +110,7 @@ def test_missing_model_dir_and_config_are_named(tmp_path):
 
 def test_load_target_uses_config(model_dir):
     target = load_target(TargetConfig(model_path=str(model_dir), dtype="float32"), "cpu", num_draft_layers=2)
-    assert target.info.layer_ids == [1, 3]                       # spread from 1 to L-3 = 3
+    assert target.info.layer_ids == [1, 3]  # spread from 1 to L-3 = 3
     assert target.info.hidden_width == 2 * 64
     assert target.model.config._attn_implementation == PACKED_SDPA
     assert next(target.model.parameters()).dtype == torch.float32
@@ -103,6 +121,7 @@ def test_load_target_uses_config(model_dir):
 
 # --- capture ---------------------------------------------------------------------------------------
 
+
 def test_capture_equals_hf_hidden_states(model_dir):
     target = Target(load_hf_model(model_dir, torch.float32, "sdpa", "cpu"), [0, 2, 5])
     ids = torch.randint(0, 160, (48,), generator=torch.Generator().manual_seed(1))
@@ -110,8 +129,8 @@ def test_capture_equals_hf_hidden_states(model_dir):
     assert labels is None and hidden.dtype == torch.float32 and hidden.shape == (48, 3 * 64)
     reference, _ = _hf_hidden(_reference(model_dir), ids)
     for k, layer in enumerate([0, 2, 5]):
-        assert torch.equal(hidden[:, k * 64:(k + 1) * 64], reference[layer + 1]), f"layer {layer}"
-    bf16, _ = target.capture(ids, *_one_doc(48))                   # the wire dtype
+        assert torch.equal(hidden[:, k * 64 : (k + 1) * 64], reference[layer + 1]), f"layer {layer}"
+    bf16, _ = target.capture(ids, *_one_doc(48))  # the wire dtype
     assert bf16.dtype == torch.bfloat16 and torch.equal(bf16, hidden.to(torch.bfloat16))
 
 
@@ -121,9 +140,9 @@ def test_early_exit_skips_upper_layers_and_matches_full_forward(model_dir):
     target.layers[4].register_forward_hook(lambda *_: calls.append(1))
     ids = torch.randint(0, 160, (40,), generator=torch.Generator().manual_seed(2))
     early, none = target.capture(ids, *_one_doc(40), out_dtype=torch.float32)
-    assert none is None and calls == []                           # layers above the deepest never ran
+    assert none is None and calls == []  # layers above the deepest never ran
     full, labels = target.capture(ids, *_one_doc(40), with_labels=True, out_dtype=torch.float32)
-    assert calls == [1] and labels is not None                    # the full forward did run them
+    assert calls == [1] and labels is not None  # the full forward did run them
     assert torch.equal(early, full)
 
 
@@ -142,14 +161,16 @@ def test_packed_row_equals_documents_run_alone(model_dir):
     ids = torch.randint(0, 160, (total,), generator=torch.Generator().manual_seed(4))
     pos, doc = _packed(lengths, pad)
     packed, labels = target.capture(ids, pos, doc, with_labels=True, out_dtype=torch.float32)
-    leaky, _ = target.capture(ids, *_one_doc(total), out_dtype=torch.float32)   # no isolation: control
+    leaky, _ = target.capture(ids, *_one_doc(total), out_dtype=torch.float32)  # no isolation: control
     start = 0
     for n in lengths:
-        alone, alone_labels = target.capture(ids[start:start + n], *_one_doc(n), with_labels=True, out_dtype=torch.float32)
-        torch.testing.assert_close(packed[start:start + n], alone, rtol=1e-5, atol=1e-5)
-        assert torch.equal(labels[start:start + n], alone_labels)
-        if start > 0:   # later documents would see earlier ones without the block-diagonal mask
-            assert (leaky[start:start + n] - alone).abs().max() > 1e-3
+        alone, alone_labels = target.capture(
+            ids[start : start + n], *_one_doc(n), with_labels=True, out_dtype=torch.float32
+        )
+        torch.testing.assert_close(packed[start : start + n], alone, rtol=1e-5, atol=1e-5)
+        assert torch.equal(labels[start : start + n], alone_labels)
+        if start > 0:  # later documents would see earlier ones without the block-diagonal mask
+            assert (leaky[start : start + n] - alone).abs().max() > 1e-3
         start += n
     # HF's own packed-sequence path (eager attention, mask from the restarting positions) agrees
     eager = Target(load_hf_model(model_dir, torch.float32, "eager", "cpu"), [1, 3])
@@ -160,21 +181,34 @@ def test_packed_row_equals_documents_run_alone(model_dir):
 
 # --- composite (multimodal) config -----------------------------------------------------------------
 
+
 def test_composite_config_resolves_to_text_model(tmp_path, hf_torch_hybrid):
     from transformers.models.qwen3_5 import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+
     config = Qwen3_5Config(
-        text_config=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-                         num_key_value_heads=2, head_dim=16, vocab_size=160, linear_num_key_heads=2,
-                         linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
-                         layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"]),
-        vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64))
+        text_config=dict(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            vocab_size=160,
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            linear_key_head_dim=16,
+            linear_value_head_dim=16,
+            layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+        ),
+        vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64),
+    )
     torch.manual_seed(0)
     full = Qwen3_5ForConditionalGeneration(config).eval()
     full.save_pretrained(tmp_path / "composite")
     target = load_target(TargetConfig(model_path=str(tmp_path / "composite"), dtype="float32", layer_ids=[1, 2]))
-    assert type(target.model).__name__ == "Qwen3_5ForCausalLM"    # the text model only, no vision tower
+    assert type(target.model).__name__ == "Qwen3_5ForCausalLM"  # the text model only, no vision tower
     assert target.info.hidden_size == 64 and target.info.num_layers == 4
-    assert target.path == "packed-reference"                       # Gated DeltaNet layers, no CUDA kernels
+    assert target.path == "packed-reference"  # Gated DeltaNet layers, no CUDA kernels
     ids = torch.randint(0, 160, (30,), generator=torch.Generator().manual_seed(5))
     hidden, _ = target.capture(ids, *_one_doc(30), out_dtype=torch.float32)
     with torch.no_grad():
@@ -197,8 +231,8 @@ def test_cuda_bf16_packed_capture(model_dir):
     assert packed.is_cuda and packed.dtype == torch.bfloat16
     start = 0
     for n in lengths:
-        alone, _ = target.capture(ids[start:start + n], *_one_doc(n))
-        torch.testing.assert_close(packed[start:start + n].float(), alone.float(), rtol=2e-2, atol=2e-2)
+        alone, _ = target.capture(ids[start : start + n], *_one_doc(n))
+        torch.testing.assert_close(packed[start : start + n].float(), alone.float(), rtol=2e-2, atol=2e-2)
         start += n
 
 
@@ -228,10 +262,11 @@ def test_cuda_fp32_packed_capture_equals_each_document_alone(model_dir):
     assert packed.is_cuda and packed.dtype == torch.float32
     start = 0
     for n in lengths:
-        alone, alone_labels = target.capture(ids[start:start + n], *_one_doc(n), with_labels=True,
-                                             out_dtype=torch.float32)
-        torch.testing.assert_close(packed[start:start + n], alone, rtol=1e-4, atol=1e-4)
-        assert torch.equal(labels[start:start + n], alone_labels)
+        alone, alone_labels = target.capture(
+            ids[start : start + n], *_one_doc(n), with_labels=True, out_dtype=torch.float32
+        )
+        torch.testing.assert_close(packed[start : start + n], alone, rtol=1e-4, atol=1e-4)
+        assert torch.equal(labels[start : start + n], alone_labels)
         start += n
 
 
@@ -244,20 +279,21 @@ def test_sliding_window_layers_keep_their_window_inside_each_document(tmp_path):
     ids = torch.randint(0, 160, (50,), generator=torch.Generator().manual_seed(7))
     packed, _ = target.capture(ids, *_packed(lengths), out_dtype=torch.float32)
     reference = _reference(path)
-    no_window = _save(tmp_path, Qwen3Config(head_dim=16, **SHAPE), "plain")      # same seed, same weights
+    no_window = _save(tmp_path, Qwen3Config(head_dim=16, **SHAPE), "plain")  # same seed, same weights
     control = _reference(no_window)
     start = 0
     for n in lengths:
-        hidden, _ = _hf_hidden(reference, ids[start:start + n])
-        torch.testing.assert_close(packed[start:start + n, 64:], hidden[5], rtol=1e-5, atol=1e-5)
-        wide, _ = _hf_hidden(control, ids[start:start + n])
-        assert (packed[start:start + n, 64:] - wide[5]).abs().max() > 1e-3    # the window did matter
+        hidden, _ = _hf_hidden(reference, ids[start : start + n])
+        torch.testing.assert_close(packed[start : start + n, 64:], hidden[5], rtol=1e-5, atol=1e-5)
+        wide, _ = _hf_hidden(control, ids[start : start + n])
+        assert (packed[start : start + n, 64:] - wide[5]).abs().max() > 1e-3  # the window did matter
         start += n
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_capture_to_host_gives_pinned_copies(model_dir):
     from services.target.model import capture_to_host
+
     target = load_target(TargetConfig(model_path=str(model_dir), dtype="bfloat16", layer_ids=[1, 3]), "cuda:0")
     pos, doc = _packed([100, 156])
     row = {"input_ids": torch.randint(0, 160, (256,)), "position_ids": pos, "document_ids": doc}
@@ -266,4 +302,4 @@ def test_cuda_capture_to_host_gives_pinned_copies(model_dir):
     assert first.device.type == "cpu" and first.is_pinned() and labels.device.type == "cpu"
     assert torch.equal(first, device_out.cpu())
     second, _ = capture_to_host(target, row, False, device_out)
-    assert torch.equal(first, second) and first.data_ptr() != second.data_ptr()   # the first is still held
+    assert torch.equal(first, second) and first.data_ptr() != second.data_ptr()  # the first is still held

@@ -1,4 +1,5 @@
 """Rendered systemd units: `systemd-analyze verify` accepts them, and their wiring is what the docs say."""
+
 from __future__ import annotations
 
 import math
@@ -18,8 +19,8 @@ from services.endpoints import endpoint
 SPEC = "0-4:target,5-7:drafter"
 SYSTEMD_ANALYZE = shutil.which("systemd-analyze")
 needs_systemd = pytest.mark.skipif(
-    SYSTEMD_ANALYZE is None,
-    reason="systemd-analyze not installed (apt-get install -y --no-install-recommends systemd)")
+    SYSTEMD_ANALYZE is None, reason="systemd-analyze not installed (apt-get install -y --no-install-recommends systemd)"
+)
 
 
 def _config(tmp_path: Path, text: str = "") -> Path:
@@ -45,8 +46,9 @@ def _env(path: Path) -> dict[str, str]:
 
 
 def _directives(path: Path) -> list[tuple[str, str]]:
-    return [tuple(line.split("=", 1)) for line in path.read_text().splitlines()
-            if "=" in line and not line.startswith("#")]
+    return [
+        tuple(line.split("=", 1)) for line in path.read_text().splitlines() if "=" in line and not line.startswith("#")
+    ]
 
 
 def _verify(units: list[Path]) -> subprocess.CompletedProcess:
@@ -56,7 +58,9 @@ def _verify(units: list[Path]) -> subprocess.CompletedProcess:
 @needs_systemd
 def test_rendered_units_pass_systemd_analyze_verify(tmp_path):
     out, _ = _render(tmp_path)
-    instances = [out / f"dflash-target@{g}.service" for g in range(5)] + [out / f"dflash-drafter@{g}.service" for g in (5, 6, 7)]
+    instances = [out / f"dflash-target@{g}.service" for g in range(5)] + [
+        out / f"dflash-drafter@{g}.service" for g in (5, 6, 7)
+    ]
     units = [out / "dflash.target", out / "dflash-drafters.target", out / "dflash-drafters-restart.service", *instances]
     result = _verify(units)
     # Unknown keys, bad values, missing executables and ordering cycles all print here.
@@ -69,7 +73,7 @@ def test_verify_catches_a_broken_unit(tmp_path):
     bad = out / "dflash-target@.service"
     bad.write_text(bad.read_text().replace("Type=notify", "Type=notifi"))
     result = _verify([out / "dflash-target@0.service"])
-    assert "notifi" in result.stderr           # the check above would have failed on this
+    assert "notifi" in result.stderr  # the check above would have failed on this
 
 
 def test_service_settings(tmp_path):
@@ -79,10 +83,10 @@ def test_service_settings(tmp_path):
         assert unit["Type"] == "notify"
         assert unit["KillMode"] == "control-group"
         assert unit["LimitMEMLOCK"] == "infinity"
-        assert unit["WatchdogSec"] == str(math.ceil(120.5))          # run.stall_after_s
+        assert unit["WatchdogSec"] == str(math.ceil(120.5))  # run.stall_after_s
         assert unit["TimeoutStopSec"] == "600" and unit["TimeoutStartSec"] == "1800"
-        assert unit["StartLimitBurst"] == "3"                           # run.max_restarts + 1
-        assert unit["EnvironmentFile"] == f"{tmp_path / 'etc-dflash'}/dflash-{role}@%i.env"   # where it is installed
+        assert unit["StartLimitBurst"] == "3"  # run.max_restarts + 1
+        assert unit["EnvironmentFile"] == f"{tmp_path / 'etc-dflash'}/dflash-{role}@%i.env"  # where it is installed
         assert "User" not in unit and "Group" not in unit
         assert unit["ExecStart"].startswith(f"{sys.executable} -m services.{role} --config ${{DFLASH_CONFIG}}")
         assert unit["ExecStart"].endswith("--resume") == (role == "drafter")
@@ -91,8 +95,8 @@ def test_service_settings(tmp_path):
         assert unit["ExecStartPost"] == f"{sys.executable} -m launcher probe ${{DFLASH_HEALTH_ENDPOINT}}"
         assert unit["WorkingDirectory"] == str(run.resolve())
     assert not re.search(r"@[A-Z_]+@", "".join(p.read_text() for p in out.rglob("*") if p.is_file()))
-    assert str(out) not in "".join(p.read_text() for p in out.rglob("*") if p.is_file())   # staging only
-    assert not run.exists() and not (tmp_path / "etc-dflash").exists()                    # rendering made neither
+    assert str(out) not in "".join(p.read_text() for p in out.rglob("*") if p.is_file())  # staging only
+    assert not run.exists() and not (tmp_path / "etc-dflash").exists()  # rendering made neither
 
 
 def test_targets_restart_alone_and_drafters_as_a_group(tmp_path):
@@ -102,24 +106,28 @@ def test_targets_restart_alone_and_drafters_as_a_group(tmp_path):
     assert "OnFailure" not in target
 
     drafter = dict(_directives(out / "dflash-drafter@.service"))
-    assert drafter["Restart"] == "no"                                   # never alone
+    assert drafter["Restart"] == "no"  # never alone
     assert drafter["OnFailure"] == "dflash-drafters-restart.service"
-    assert drafter["SuccessExitStatus"] == "3"       # stopped before the end (exits.STOPPED): no group restart
-    assert "SuccessExitStatus" not in target          # a target's stop exits 0
-    assert drafter["PartOf"] == "dflash-drafters.target"                # group restart reaches every rank
-    assert "dflash-drafters.target" in drafter["After"].split()         # all stop before any starts
+    assert drafter["SuccessExitStatus"] == "3"  # stopped before the end (exits.STOPPED): no group restart
+    assert "SuccessExitStatus" not in target  # a target's stop exits 0
+    assert drafter["PartOf"] == "dflash-drafters.target"  # group restart reaches every rank
+    assert "dflash-drafters.target" in drafter["After"].split()  # all stop before any starts
 
     conditions = [v for k, v in _directives(out / "dflash-drafters-restart.service") if k == "ExecCondition"]
     restart = dict(_directives(out / "dflash-drafters-restart.service"))
     assert restart["Type"] == "oneshot"
     assert conditions[0] == "systemctl is-active --quiet dflash-drafters.target"
     # a rank that exited 4 (exits.FINAL: the same error again after a restart) keeps the group down
-    assert "ExecMainStatus" in conditions[1] and '!= 4 ] || exit 1' in conditions[1]
+    assert "ExecMainStatus" in conditions[1] and "!= 4 ] || exit 1" in conditions[1]
     assert restart["ExecStart"] == "systemctl restart --job-mode=fail dflash-drafters.target"
     assert restart["StartLimitBurst"] == "3"
 
     group = dict(_directives(out / "dflash-drafters.target"))
-    assert group["Wants"].split() == ["dflash-drafter@5.service", "dflash-drafter@6.service", "dflash-drafter@7.service"]
+    assert group["Wants"].split() == [
+        "dflash-drafter@5.service",
+        "dflash-drafter@6.service",
+        "dflash-drafter@7.service",
+    ]
     assert group["PartOf"] == "dflash.target"
     run = dict(_directives(out / "dflash.target"))
     assert run["Wants"].split() == [f"dflash-target@{g}.service" for g in range(5)] + ["dflash-drafters.target"]
@@ -139,7 +147,7 @@ def test_environment_files(tmp_path):
     assert int(common["TORCHINDUCTOR_COMPILE_THREADS"]) >= 1
     assert common["PYTORCH_CUDA_ALLOC_CONF"] == cfg.run.alloc_conf and "OMP_NUM_THREADS" not in common
     assert common["DFLASH_NUM_TARGETS"] == "5"
-    assert "DFLASH_CURVE_KEYS_DIR" not in common                        # ipc: no keys
+    assert "DFLASH_CURVE_KEYS_DIR" not in common  # ipc: no keys
 
     target = _env(out / "dflash-env" / "dflash-target@3.env")
     assert (target["DFLASH_ROLE"], target["DFLASH_RANK"], target["DFLASH_WORLD_SIZE"]) == ("target", "3", "5")
@@ -150,11 +158,14 @@ def test_environment_files(tmp_path):
 
     drafter = _env(out / "dflash-env" / "dflash-drafter@6.env")
     assert (drafter["DFLASH_RANK"], drafter["DFLASH_WORLD_SIZE"], drafter["CUDA_VISIBLE_DEVICES"]) == ("1", "3", "6")
-    assert "RANK" not in drafter and "WORLD_SIZE" not in drafter       # the unit passes --rank, --world-size
+    assert "RANK" not in drafter and "WORLD_SIZE" not in drafter  # the unit passes --rank, --world-size
     assert (drafter["MASTER_ADDR"], drafter["MASTER_PORT"]) == ("127.0.0.1", str(cfg.transport.dist_port))
     assert drafter["DFLASH_HEALTH_ENDPOINT"] == f"ipc://{run}/sock/drafter-1.health"
     assert sorted(p.name for p in (out / "dflash-env").iterdir()) == sorted(
-        ["config.json", "dflash.env"] + [f"dflash-target@{g}.env" for g in range(5)] + [f"dflash-drafter@{g}.env" for g in (5, 6, 7)])
+        ["config.json", "dflash.env"]
+        + [f"dflash-target@{g}.env" for g in range(5)]
+        + [f"dflash-drafter@{g}.env" for g in (5, 6, 7)]
+    )
 
 
 def test_cpu_device_hides_gpus(tmp_path):
@@ -170,13 +181,20 @@ def test_cpu_device_hides_gpus(tmp_path):
 def test_drafter_host_of_a_two_host_run(tmp_path):
     # Host B runs the drafters only; the spec still names host A's targets (0-1) for the world sizes.
     keys = tmp_path / "keys"
-    out, _ = _render(tmp_path, "0-1:target,0-2:drafter", roles=("drafter",), master_addr="10.0.0.2",
-                     config_text=f'[transport]\nscheme = "tcp"\nhost = "10.0.0.1"\ncurve_keys_dir = "{keys}"\n')
+    out, _ = _render(
+        tmp_path,
+        "0-1:target,0-2:drafter",
+        roles=("drafter",),
+        master_addr="10.0.0.2",
+        config_text=f'[transport]\nscheme = "tcp"\nhost = "10.0.0.1"\ncurve_keys_dir = "{keys}"\n',
+    )
     assert not (out / "dflash-target@.service").exists()
     assert dict(_directives(out / "dflash.target"))["Wants"] == "dflash-drafters.target"
     drafter = _env(out / "dflash-env" / "dflash-drafter@2.env")
     assert (drafter["DFLASH_RANK"], drafter["DFLASH_WORLD_SIZE"], drafter["MASTER_ADDR"]) == ("2", "3", "10.0.0.2")
-    assert drafter["DFLASH_HEALTH_ENDPOINT"] == endpoint("/unused", TransportConfig(scheme="tcp", host="10.0.0.1"), "drafter", 2, "health")
+    assert drafter["DFLASH_HEALTH_ENDPOINT"] == endpoint(
+        "/unused", TransportConfig(scheme="tcp", host="10.0.0.1"), "drafter", 2, "health"
+    )
     common = _env(out / "dflash-env" / "dflash.env")
     assert (common["DFLASH_CURVE_KEYS_DIR"], common["DFLASH_NUM_TARGETS"]) == (str(keys), "2")
     result = _verify([out / "dflash.target", out / "dflash-drafter@0.service"])
@@ -187,7 +205,11 @@ def test_rendering_again_for_fewer_gpus_drops_stale_instances(tmp_path):
     out, _ = _render(tmp_path)
     out, _ = _render(tmp_path, "0:target,1:drafter")
     assert sorted(p.name for p in (out / "dflash-env").iterdir()) == [
-        "config.json", "dflash-drafter@1.env", "dflash-target@0.env", "dflash.env"]
+        "config.json",
+        "dflash-drafter@1.env",
+        "dflash-target@0.env",
+        "dflash.env",
+    ]
     assert dict(_directives(out / "dflash-drafters.target"))["Wants"] == "dflash-drafter@1.service"
 
 
@@ -203,11 +225,13 @@ def test_the_printed_install_puts_everything_where_the_units_look(tmp_path):
     command = install_command(str(out), str(env_dir), str(run), str(unit_dir), "daemon", "daemon")
     assert command.endswith("systemctl daemon-reload && systemctl start dflash.target")
     subprocess.run(command.split(" && systemctl")[0], shell=True, check=True, timeout=60)
-    shutil.rmtree(out)                                   # nothing may depend on the staging folder
+    shutil.rmtree(out)  # nothing may depend on the staging folder
     assert run.is_dir() and (run.stat().st_mode & 0o777) == 0o700
     assert load_config(env_dir / "config.json").run.name == "units-test"
     assert _env(env_dir / "dflash.env")["DFLASH_CONFIG"] == str(env_dir / "config.json")
-    result = _verify([unit_dir / "dflash.target", unit_dir / "dflash-target@0.service", unit_dir / "dflash-drafter@1.service"])
+    result = _verify(
+        [unit_dir / "dflash.target", unit_dir / "dflash-target@0.service", unit_dir / "dflash-drafter@1.service"]
+    )
     assert result.returncode == 0 and result.stderr == "", result.stderr
 
 

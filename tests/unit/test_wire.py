@@ -1,4 +1,5 @@
 """services.wire: round trips of every dtype, zero-copy on both sides, and every way a message can lie."""
+
 from __future__ import annotations
 
 import math
@@ -25,14 +26,19 @@ def random_tensor(dtype: torch.dtype, shape: tuple, seed: int = 0) -> torch.Tens
     if dtype.is_floating_point:
         return (torch.randn(shape, generator=gen) * 100).to(dtype)
     info = torch.iinfo(dtype)
-    return torch.randint(max(info.min, -(2**31)), min(info.max, 2**31 - 1), shape, generator=gen, dtype=torch.int64).to(dtype)
+    return torch.randint(max(info.min, -(2**31)), min(info.max, 2**31 - 1), shape, generator=gen, dtype=torch.int64).to(
+        dtype
+    )
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Bit-identical (NaN-safe): equal dtype, shape and raw bytes."""
-    return (a.dtype == b.dtype and a.shape == b.shape
-            and bytes(a.contiguous().reshape(-1).view(torch.uint8).numpy())
-            == bytes(b.contiguous().reshape(-1).view(torch.uint8).numpy()))
+    return (
+        a.dtype == b.dtype
+        and a.shape == b.shape
+        and bytes(a.contiguous().reshape(-1).view(torch.uint8).numpy())
+        == bytes(b.contiguous().reshape(-1).view(torch.uint8).numpy())
+    )
 
 
 def as_bytes(frames) -> list[bytes]:
@@ -44,6 +50,7 @@ def test_dtype_names_are_the_ones_docs_wire_md_lists():
     from services.config import TARGET_DTYPES
     from services.drafter import export
     from services.target import model
+
     assert list(wire.DTYPES) == ["bf16", "fp16", "fp32", "fp64", "int8", "int16", "int32", "int64", "uint8", "bool"]
     assert wire.DTYPES["bf16"] is torch.bfloat16 and wire.DTYPE_NAMES[torch.float32] == "fp32"
     assert tuple(model.DTYPES) == TARGET_DTYPES and model.DTYPES["fp16"] is model.DTYPES["float16"] is torch.float16
@@ -62,8 +69,13 @@ def test_round_trip_every_dtype_and_shape(dtype):
 
 def test_non_contiguous_inputs_arrive_contiguous_and_equal():
     base = random_tensor(torch.bfloat16, (6, 8))
-    tensors = {"transposed": base.t(), "strided": base[::2, 1::3], "expanded": torch.arange(3).expand(4, 3),
-               "corner": base[2:, 2:], "offset": base[2:]}
+    tensors = {
+        "transposed": base.t(),
+        "strided": base[::2, 1::3],
+        "expanded": torch.arange(3).expand(4, 3),
+        "corner": base[2:, 2:],
+        "offset": base[2:],
+    }
     assert not any(tensors[n].is_contiguous() for n in ("transposed", "strided", "expanded", "corner"))
     _, out = decode(as_bytes(encode({"kind": "info"}, tensors)))
     for name, tensor in tensors.items():
@@ -102,16 +114,19 @@ def test_decode_makes_no_copy_of_received_zmq_frames():
         ctx.term()
 
 
-@pytest.mark.parametrize("header, tensors, words", [
-    ({"kind": "nope"}, {}, "kind"),
-    ({"kind": ["batch"]}, {}, "kind"),
-    ({"kind": "batch", "tensors": []}, {}, "reserved"),
-    ({"kind": "batch", "x": object()}, {}, "msgpack"),
-    ({"kind": "batch"}, {"c": torch.zeros(2, dtype=torch.complex64)}, "whitelist"),
-    ({"kind": "batch"}, {"s": torch.zeros(3).to_sparse()}, "dense CPU"),
-    ({"kind": "batch"}, {"n": [1, 2]}, "torch.Tensor"),
-    ({"kind": "batch", "big": "x" * (wire.MAX_HEADER_BYTES + 1)}, {}, "header is"),
-])
+@pytest.mark.parametrize(
+    "header, tensors, words",
+    [
+        ({"kind": "nope"}, {}, "kind"),
+        ({"kind": ["batch"]}, {}, "kind"),
+        ({"kind": "batch", "tensors": []}, {}, "reserved"),
+        ({"kind": "batch", "x": object()}, {}, "msgpack"),
+        ({"kind": "batch"}, {"c": torch.zeros(2, dtype=torch.complex64)}, "whitelist"),
+        ({"kind": "batch"}, {"s": torch.zeros(3).to_sparse()}, "dense CPU"),
+        ({"kind": "batch"}, {"n": [1, 2]}, "torch.Tensor"),
+        ({"kind": "batch", "big": "x" * (wire.MAX_HEADER_BYTES + 1)}, {}, "header is"),
+    ],
+)
 def test_encode_refuses_what_cannot_travel(header, tensors, words):
     with pytest.raises(WireError, match=words):
         encode(header, tensors)
@@ -119,8 +134,12 @@ def test_encode_refuses_what_cannot_travel(header, tensors, words):
 
 def good_message() -> tuple[dict, list[bytes]]:
     """A valid message as (its header map, its frames) for the liars below to bend."""
-    frames = as_bytes(encode({"kind": "batch", "g": 3}, {"a": torch.arange(6, dtype=torch.int32).view(2, 3),
-                                                          "m": torch.tensor([True, False])}))
+    frames = as_bytes(
+        encode(
+            {"kind": "batch", "g": 3},
+            {"a": torch.arange(6, dtype=torch.int32).view(2, 3), "m": torch.tensor([True, False])},
+        )
+    )
     return msgpack.unpackb(frames[0]), frames
 
 
@@ -153,7 +172,10 @@ CASES = {
     "nbytes lies": (repack(lambda h: h["tensors"][0].update(shape=[4, 3], nbytes=48)), "frame has"),
     "dtype lies": (repack(lambda h: h["tensors"][0].update(dtype="int64")), "nbytes"),
     "extra spec key": (repack(lambda h: h["tensors"][0].update(extra=1)), "exactly"),
-    "duplicate name": (repack(lambda h: h["tensors"][1].update(name="a", dtype="int32", shape=[1], nbytes=4)), "duplicate"),
+    "duplicate name": (
+        repack(lambda h: h["tensors"][1].update(name="a", dtype="int32", shape=[1], nbytes=4)),
+        "duplicate",
+    ),
     "empty name": (repack(lambda h: h["tensors"][0].update(name="")), "name"),
     "bool bytes": (repack(lambda h: None)[:2] + [b"\x02\x00"], "bool"),
     "missing frame": (repack(lambda h: None)[:2], "tensor frames"),
@@ -173,7 +195,7 @@ def test_each_malformed_message_raises_wire_error_naming_the_problem(name):
 def test_frames_may_be_any_contiguous_buffer_but_not_a_strided_one():
     frames = encode({"kind": "batch"}, {"x": torch.arange(4, dtype=torch.int32)})
     as_arrays = [np.frombuffer(bytes(f), dtype=np.uint8) for f in frames]
-    as_arrays[1] = np.frombuffer(bytes(frames[1]), dtype=np.int32)      # format 'i', not 'B'
+    as_arrays[1] = np.frombuffer(bytes(frames[1]), dtype=np.int32)  # format 'i', not 'B'
     assert torch.equal(decode(as_arrays)[1]["x"], torch.arange(4, dtype=torch.int32))
     strided = memoryview(bytes(frames[1]) * 2)[::2]
     with pytest.raises(WireError, match="contiguous"):
@@ -186,15 +208,15 @@ def test_message_size_cap_is_checked_before_parsing():
     _, frames = good_message()
     with pytest.raises(WireError, match="cap"):
         decode(frames, max_message_bytes=10)
-    decode(frames, max_message_bytes=26)   # exactly the 24 + 2 tensor bytes fits
+    decode(frames, max_message_bytes=26)  # exactly the 24 + 2 tensor bytes fits
 
 
 def test_a_wire_error_is_a_value_error_for_callers_that_catch_broadly():
     assert issubclass(WireError, ValueError)
 
 
-
 # --- property tests: nothing but WireError, and nothing big allocated -----------------
+
 
 def decode_bounded(frames) -> None:
     """decode must raise WireError (or succeed consistently) and allocate ~nothing on the way."""
@@ -208,15 +230,20 @@ def decode_bounded(frames) -> None:
         peak = tracemalloc.get_traced_memory()[1]
         tracemalloc.stop()
     assert peak < (1 << 20) + 4 * size, f"decode allocated {peak} bytes for a {size}-byte message"
-    if header is not None:   # a mutation may happen to be valid; then it must be self-consistent
+    if header is not None:  # a mutation may happen to be valid; then it must be self-consistent
         assert sum(t.numel() * t.element_size() for t in tensors.values()) == size - len(frames[0])
 
 
 msgpack_values = st.recursive(
-    st.none() | st.booleans() | st.integers(min_value=-(2**63), max_value=2**64 - 1) | st.floats()
-    | st.text(max_size=20) | st.binary(max_size=20),
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=-(2**63), max_value=2**64 - 1)
+    | st.floats()
+    | st.text(max_size=20)
+    | st.binary(max_size=20),
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
-    max_leaves=12)
+    max_leaves=12,
+)
 
 FAST = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -237,15 +264,17 @@ def test_truncated_frames_always_raise_wire_error(data):
     cut = data.draw(st.integers(min_value=0, max_value=len(frames[index]) - 1))
     frames[index] = frames[index][:cut]
     if data.draw(st.booleans()):
-        frames = frames[:data.draw(st.integers(min_value=0, max_value=len(frames)))] or frames
+        frames = frames[: data.draw(st.integers(min_value=0, max_value=len(frames)))] or frames
     with pytest.raises(WireError):
         decode(frames)
 
 
 def honest(field: str, value) -> bool:
     """Whether `value` is a true statement for the first tensor (2x3 int32, 24 bytes) or the header."""
+
     def is_int(x):
         return type(x) is int
+
     if field == "v":
         return is_int(value) and value == 1
     if field == "kind":
@@ -255,8 +284,12 @@ def honest(field: str, value) -> bool:
     if field == "dtype":
         return value in ("int32", "fp32")
     if field == "shape":
-        return (isinstance(value, list) and len(value) <= wire.MAX_DIMS
-                and all(is_int(d) and 0 <= d <= wire.MAX_DIM_SIZE for d in value) and math.prod(value) == 6)
+        return (
+            isinstance(value, list)
+            and len(value) <= wire.MAX_DIMS
+            and all(is_int(d) and 0 <= d <= wire.MAX_DIM_SIZE for d in value)
+            and math.prod(value) == 6
+        )
     return False
 
 
@@ -280,6 +313,7 @@ def test_lying_headers_always_raise_wire_error(field, data):
     def mutate(header):
         target = header if field in ("v", "kind", "tensors") else header["tensors"][0]
         target[field] = lie
+
     frames = repack(mutate)
     with pytest.raises(WireError):
         decode(frames)
@@ -306,16 +340,21 @@ def test_huge_announced_sizes_never_allocate(size, ndims, consistent_nbytes):
     """A header claiming a huge tensor over a 16-byte frame fails on a size check, never in malloc."""
     shape = [size] + [2] * ndims
     nbytes = min(4 * math.prod(shape), 2**64 - 1) if consistent_nbytes else 16
-    frames = [msgpack.packb({"v": 1, "kind": "batch", "tensors": [
-        {"name": "h", "dtype": "fp32", "shape": shape, "nbytes": nbytes}]}), b"\x00" * 16]
+    frames = [
+        msgpack.packb(
+            {"v": 1, "kind": "batch", "tensors": [{"name": "h", "dtype": "fp32", "shape": shape, "nbytes": nbytes}]}
+        ),
+        b"\x00" * 16,
+    ]
     if shape in ([4], [2, 2], [1, 2, 2]) and nbytes == 16:
-        return   # the honest cases
+        return  # the honest cases
     with pytest.raises(WireError):
         decode(frames)
     decode_bounded(frames)
 
 
 # --- the transport's messages (services/batch_stream.py) ---------------------------------------
+
 
 def test_each_transport_message_round_trips_and_names_a_bad_field():
     from services.batch_stream import Announce, Ask, Chunk, Info, Refusal
@@ -325,9 +364,13 @@ def test_each_transport_message_round_trips_and_names_a_bad_field():
         return cls.from_wire(header, tensors, *rest)
 
     spec = wire.TensorSpec("input_ids", "int64", (4,), 32)
-    messages = [(Ask, Ask("batch", 3, "eval", "inc"), ()), (Ask, Ask("info"), ()), (Info, Info({"a": 1}), ()),
-                (Refusal, Refusal(3, "train", "past the end", "inc"), ()),
-                (Announce, Announce(3, "train", "inc", "0" * 32, [spec]), (1 << 20,))]
+    messages = [
+        (Ask, Ask("batch", 3, "eval", "inc"), ()),
+        (Ask, Ask("info"), ()),
+        (Info, Info({"a": 1}), ()),
+        (Refusal, Refusal(3, "train", "past the end", "inc"), ()),
+        (Announce, Announce(3, "train", "inc", "0" * 32, [spec]), (1 << 20,)),
+    ]
     for cls, message, rest in messages:
         assert back(cls, message, *rest) == message
     chunk = back(Chunk, Chunk(3, "train", 64, torch.arange(8, dtype=torch.uint8)))
@@ -338,8 +381,12 @@ def test_each_transport_message_round_trips_and_names_a_bad_field():
         (Ask, {"kind": "request", "want": "all"}, {}, "'want'"),
         (Ask, {"kind": "request", "want": "batch", "g": -1, "split": "train"}, {}, "'g'"),
         (Ask, {"kind": "request", "want": "batch", "g": 1, "split": "test"}, {}, "'split'"),
-        (Ask, {"kind": "request", "want": "batch", "g": 1, "split": "train", "incarnation": "x" * 65}, {},
-         "'incarnation'"),
+        (
+            Ask,
+            {"kind": "request", "want": "batch", "g": 1, "split": "train", "incarnation": "x" * 65},
+            {},
+            "'incarnation'",
+        ),
         (Ask, {"kind": "request", "want": "info"}, {"x": torch.zeros(1)}, "no tensors"),
         (Info, {"kind": "info", "info": [1]}, {}, "'info'"),
         (Refusal, {"kind": "error", "g": "1", "split": "train"}, {}, "'g'"),
@@ -347,12 +394,30 @@ def test_each_transport_message_round_trips_and_names_a_bad_field():
         (Announce, {"kind": "batch", "g": 1.5, "split": "train"}, {}, "'g'"),
         (Announce, {"kind": "batch", "g": 1, "split": "train", "digest": "ab", "stream": stream}, {}, "'digest'"),
         (Announce, {"kind": "batch", "g": 1, "split": "train", "digest": "0" * 32, "stream": {}}, {}, "'stream'"),
-        (Announce, {"kind": "batch", "g": 1, "split": "train", "digest": "0" * 32,
-                    "stream": [{**stream[0], "name": "evil"}]}, {}, "not a batch field"),
-        (Announce, {"kind": "batch", "g": 1, "split": "train", "digest": "0" * 32,
-                    "stream": [{**stream[0], "shape": [1 << 30], "nbytes": 8 << 30}]}, {}, "cap"),
-        (Chunk, {"kind": "chunk", "g": 1, "split": "train", "offset": -1}, {"bytes": torch.zeros(2, dtype=torch.uint8)},
-         "'offset'"),
+        (
+            Announce,
+            {"kind": "batch", "g": 1, "split": "train", "digest": "0" * 32, "stream": [{**stream[0], "name": "evil"}]},
+            {},
+            "not a batch field",
+        ),
+        (
+            Announce,
+            {
+                "kind": "batch",
+                "g": 1,
+                "split": "train",
+                "digest": "0" * 32,
+                "stream": [{**stream[0], "shape": [1 << 30], "nbytes": 8 << 30}],
+            },
+            {},
+            "cap",
+        ),
+        (
+            Chunk,
+            {"kind": "chunk", "g": 1, "split": "train", "offset": -1},
+            {"bytes": torch.zeros(2, dtype=torch.uint8)},
+            "'offset'",
+        ),
         (Chunk, {"kind": "chunk", "g": 1, "split": "train", "offset": 0}, {"bytes": torch.zeros(2)}, "'bytes'"),
     ]
     for cls, header, tensors, words in bad:
