@@ -11,7 +11,7 @@
 # pyzmq is not on the GPU image: a wheel in .whl/ is installed into /tmp/site when present.
 set -u
 OUT=${OUT:-bench-out}; mkdir -p "$OUT"
-if ls .whl/*.whl >/dev/null 2>&1; then
+if [ -z "${SITE_READY:-}" ] && ls .whl/*.whl >/dev/null 2>&1; then   # SITE_READY: installed already
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 fi
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
