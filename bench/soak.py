@@ -39,6 +39,13 @@ ROOT = Path(__file__).resolve().parents[1]
 ROLES = ("launcher", "target", "drafter")
 
 
+def child_env(**extra) -> dict:
+    """This checkout first on the path, what the caller's PYTHONPATH holds after it (e.g. wheels
+    installed into a folder)."""
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    return {**os.environ, "PYTHONPATH": path, **extra}
+
+
 def role_of(proc: psutil.Process) -> str | None:
     try:
         cmd = " ".join(proc.cmdline())
@@ -101,7 +108,7 @@ def worker_statuses(run_dir: Path) -> list[dict]:
             capture_output=True,
             text=True,
             timeout=30,
-            env={**os.environ, "PYTHONPATH": str(ROOT)},
+            env=child_env(),
         )
         return json.loads(out.stdout).get("workers", [])
     except (subprocess.TimeoutExpired, ValueError):
@@ -138,7 +145,7 @@ def start_launcher(run_dir: Path, resume: bool, log, device: str = "cpu") -> sub
         stdout=log,
         stderr=subprocess.STDOUT,
         start_new_session=True,
-        env={**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"},
+        env=child_env(PYTHONUNBUFFERED="1"),
     )
 
 
