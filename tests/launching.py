@@ -29,6 +29,11 @@ def launcher_argv(*args) -> list[str]:
     return [sys.executable, "-m", "launcher", *map(str, args)]
 
 
+def target_argv(run_dir, *args) -> list[str]:
+    """`python -m services.target --run-dir RUN_DIR --device cpu ARGS` (rank 0 of 1) as an argv."""
+    return [sys.executable, "-m", "services.target", "--run-dir", str(run_dir), "--device", "cpu", *map(str, args)]
+
+
 def run_launcher(*args, cwd=None, timeout: float = 120, env: dict | None = None, **run) -> subprocess.CompletedProcess:
     """`python -m launcher ARGS` to its end; stdout and stderr captured as text (`run`: more of
     subprocess.run's keywords)."""

@@ -4,7 +4,6 @@ trains (the plan) and the split's end when the drafter count does not divide it.
 import json
 import signal
 import subprocess
-import sys
 import time
 from collections import Counter
 
@@ -16,7 +15,7 @@ from services.drafter.ledger import read_all
 from services.endpoints import endpoint
 from services.health import probe
 from services.log import events
-from tests.launching import REPO, free_port, spawn_drafter
+from tests.launching import REPO, free_port, spawn_drafter, target_argv
 
 pytestmark = pytest.mark.slow
 DRAFTERS = 2
@@ -40,20 +39,7 @@ def demo(tmp_path_factory):
 def train_over_zmq(run_dir, overrides: list[str]) -> list[dict]:
     """One target and DRAFTERS drafter ranks until the drafters finish; each rank's "stopped" line."""
     target = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "services.target",
-            "--run-dir",
-            str(run_dir),
-            "--rank",
-            "0",
-            "--world-size",
-            "1",
-            "--device",
-            "cpu",
-            *overrides,
-        ],
+        target_argv(run_dir, *overrides),
         cwd=REPO,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
@@ -122,21 +108,7 @@ def test_a_drafter_whose_config_disagrees_with_its_target_refuses_to_train(tmp_p
     """The handshake: the target packs rows of 256 tokens, the drafter was told 128. It stops at
     connect with exit 2 naming the field and both values, before training on anything."""
     target = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "services.target",
-            "--run-dir",
-            str(tmp_path),
-            "--rank",
-            "0",
-            "--world-size",
-            "1",
-            "--device",
-            "cpu",
-            *demo["overrides"],
-            *SMALL,
-        ],
+        target_argv(tmp_path, *demo["overrides"], *SMALL),
         cwd=REPO,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,

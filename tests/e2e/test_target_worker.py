@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -22,7 +21,7 @@ from services import log
 from services.target.model import load_target
 from services.target.packing import open_or_build
 from services.batch_client import BatchClient
-from tests.launching import REPO
+from tests.launching import REPO, target_argv
 
 START_TIMEOUT_S = 90
 
@@ -33,21 +32,9 @@ def demo(tmp_path_factory):
 
 
 def _start(run_dir: Path, overrides: list[str]) -> subprocess.Popen:
-    cmd = [
-        sys.executable,
-        "-m",
-        "services.target",
-        "--run-dir",
-        str(run_dir),
-        "--rank",
-        "0",
-        "--world-size",
-        "1",
-        "--device",
-        "cpu",
-        *overrides,
-    ]
-    return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        target_argv(run_dir, *overrides), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
 
 
 def _wait_state(proc, health_ep, states, timeout=START_TIMEOUT_S) -> dict:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -32,7 +31,7 @@ from services.drafter.target_head import from_target
 from services.endpoints import endpoint
 from services.health import probe
 from services.verify import SessionLost, TargetUnavailable, VerifyClient, VerifyError
-from tests.launching import REPO
+from tests.launching import REPO, target_argv
 
 PROMPTS, NEW = 3, 12
 
@@ -87,17 +86,13 @@ class Worker:
         self.proc = None
 
     def start(self) -> dict:
-        cmd = [
-            sys.executable,
-            "-m",
-            "services.target",
-            "--run-dir",
-            str(self.run_dir),
-            "--device",
-            "cpu",
-            *self.overrides,
-        ]
-        self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        self.proc = subprocess.Popen(
+            target_argv(self.run_dir, *self.overrides),
+            cwd=REPO,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         return self.wait_ready()
 
     def wait_ready(self, timeout=120) -> dict:

@@ -13,7 +13,7 @@ from services.config import BATCH_KINDS, SECTIONS, _section_class, load_config
 from services.tools.demo import conversations
 from services.checkpoint_compat import MODEL_FIELDS, NOT_FOR_RESUME, RUN_FIELDS, model_errors
 from services.target.packing import build_index, cache_key
-from tests.launching import run_launcher
+from tests.launching import run_launcher, target_argv
 
 VOCAB = 4096
 ALL_KEYS = [(s, f) for s in SECTIONS for f in dataclasses.fields(_section_class(s))]
@@ -368,7 +368,6 @@ def test_a_target_worker_on_another_model_than_the_spec_stops_with_one_line(tmp_
     """A real target worker in a run dir whose runspec.json was resolved for another model (the
     folder was replaced since `launcher up`): exit 2 before loading weights, one line naming the field."""
     import subprocess
-    import sys
 
     from services.config import dump_json
 
@@ -380,17 +379,7 @@ def test_a_target_worker_on_another_model_than_the_spec_stops_with_one_line(tmp_
     runspec.resolve(cfg).save(run_dir)
     _tiny_target(model, tok_dir, layers=6, weights=True)
     out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "services.target",
-            "--config",
-            str(run_dir / "config.json"),
-            "--run-dir",
-            str(run_dir),
-            "--device",
-            "cpu",
-        ],
+        target_argv(run_dir, "--config", run_dir / "config.json"),
         capture_output=True,
         text=True,
         timeout=120,
