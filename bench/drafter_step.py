@@ -2,8 +2,12 @@
 
 Runs the real training step (services.drafter.train.train_step: anchors, block mask, compiled
 layers with flex attention, chunked loss, AdamW) on synthetic batches at fixed shapes, one GPU,
-no DDP. MFU = useful model FLOPs per second (model.model_flops) / the bf16 matmul rate measured
-in the same run.
+no DDP. MFU = useful model FLOPs per second (model.model_flops) / the GPU's datasheet dense bf16
+peak (bench/timing.py; 989.4 TFLOP/s on an H200), whatever the precision, so runs compare; the bf16
+matmul rate measured in the same run is printed beside it.
+
+--precision bf16,fp8 runs each shape once per drafter.precision, side by side in one process, and
+prints the ratio of each to the first.
 
     python bench/drafter_step.py                                   # (a) recipe and (b) large
     python bench/drafter_step.py --shape recipe --steps 20 --out $OUT/drafter_step.json
@@ -39,7 +43,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.timing import matmul_peak_tflops, timed  # noqa: E402
+from bench.timing import datasheet_tflops, matmul_peak_tflops, timed  # noqa: E402
 
 SHAPES = {
     "recipe": dict(
@@ -111,6 +115,7 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=10, help="timed steps")
     p.add_argument("--warmup-steps", type=int, default=3, help="untimed steps after compile")
     p.add_argument("--loss-chunk", type=int, default=2048)
+    p.add_argument("--precision", default="bf16", help="drafter.precision, or a comma list run side by side: bf16,fp8")
     p.add_argument("--attention", choices=["auto", "flex", "dense"], default="auto")
     p.add_argument("--no-compile", action="store_true", help="eager layers and loss (flex stays compiled)")
     p.add_argument("--no-breakdown", action="store_true")
@@ -182,7 +187,7 @@ def attended_pairs(inputs, block_size: int, window: int | None = None) -> int:
     return int(((seen + own[None, :]) * valid[:, None]).sum())
 
 
-def bench_shape(name, shape, args, peak_tflops, layout="full"):
+def bench_shape(name, shape, args, peak_tflops, layout="full", precision="bf16"):
     import torch
     from services.config import load_config
     from services.drafter.anchors import anchor_generator, build_inputs
@@ -204,6 +209,7 @@ def bench_shape(name, shape, args, peak_tflops, layout="full"):
             f"drafter.num_layers={shape['layers']}",
             f"drafter.compile={'false' if args.no_compile else 'true'}",
             f"drafter.loss_chunk={args.loss_chunk}",
+            f'drafter.precision="{precision}"',
             f'drafter.attention="{args.attention}"',
             "drafter.lr=1e-4",
             *layout_overrides(layout, shape["layers"], args.window),
@@ -234,6 +240,7 @@ def bench_shape(name, shape, args, peak_tflops, layout="full"):
         "shape": name,
         **shape,
         "layout": layout,
+        "precision": precision,
         "layer_types": model_cfg.layer_types,
         "sliding_window": model_cfg.sliding_window,
         "device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu",
@@ -242,9 +249,13 @@ def bench_shape(name, shape, args, peak_tflops, layout="full"):
         "compile": not args.no_compile,
         "trainable_params": state.drafter.num_parameters(),
         "loss_chunk": args.loss_chunk,
-        "matmul_peak_tflops": round(peak_tflops, 1),
+        "datasheet_tflops": peak_tflops["datasheet"],
+        "matmul_measured_tflops": round(peak_tflops["measured"], 1),
     }
-    print(f"[{name} {layout}] {result['trainable_params'] / 1e9:.3f} B trainable params; compiling ...", flush=True)
+    print(
+        f"[{name} {layout} {precision}] {result['trainable_params'] / 1e9:.3f} B trainable params; compiling ...",
+        flush=True,
+    )
 
     result["compile_s"] = round(warmup(state, batches[0]), 1)
     watch = RecompileWatch()
@@ -284,7 +295,8 @@ def bench_shape(name, shape, args, peak_tflops, layout="full"):
         model_tflop_per_step=round(flops["total"] / 1e12, 2),
         flop_split_tflop={k: round(v / 1e12, 2) for k, v in flops.items()},
         achieved_tflops=round(flops["total"] / step_s / 1e12, 1),
-        mfu=round(flops["total"] / step_s / 1e12 / peak_tflops, 4),
+        mfu=round(flops["total"] / step_s / 1e12 / (peak_tflops["datasheet"] or peak_tflops["measured"]), 4),
+        mfu_of_measured=round(flops["total"] / step_s / 1e12 / peak_tflops["measured"], 4),
         mask_density=round(
             all_pairs
             / (
@@ -388,35 +400,52 @@ def main(argv=None):
     device = torch.device("cuda:0" if args.device == "cuda" else "cpu")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("no CUDA device (use --device cpu for a smoke run)")
-    peak = matmul_peak_tflops(device)
-    print(f"bf16 matmul peak measured: {peak:.1f} TFLOP/s", flush=True)
+    peak = {"measured": matmul_peak_tflops(device), "datasheet": datasheet_tflops(device)}
+    yardstick = f"datasheet {peak['datasheet']}" if peak["datasheet"] else "none known: MFU is of the measured rate"
+    print(f"bf16 matmul measured: {peak['measured']:.1f} TFLOP/s; datasheet dense bf16 peak: {yardstick}", flush=True)
     names = ["recipe", "large"] if args.shape == "all" else [args.shape]
     layouts = ["full", "hybrid"] if args.layout == "both" else [args.layout]
+    precisions = args.precision.split(",")
     results = []
     for name in names:
-        by_layout = {}
+        runs = {}
         for layout in layouts:
-            r = bench_shape(name, shape_from_args(args, name), args, peak, layout)
-            results.append(r)
-            by_layout[layout] = r
-            print(json.dumps(r, indent=1), flush=True)
-            print(
-                f"[{name} {layout}] step {r['step_s'] * 1e3:.1f} ms | {r['tokens_per_s']:.0f} tok/s | "
-                f"{r['trained_positions_per_s']:.0f} trained positions/s | peak {r['peak_memory_gib']} GiB | "
-                f"{r['achieved_tflops']} TFLOP/s = MFU {r['mfu'] * 100:.1f}% | compile {r['compile_s']} s | "
-                f"recompiles {r['recompiles']}",
-                flush=True,
-            )
-        if len(by_layout) == 2:
-            full, hybrid = by_layout["full"], by_layout["hybrid"]
-            print(
-                f"[{name}] hybrid (window {args.window}) vs full: step {hybrid['step_s'] / full['step_s']:.3f}x, "
-                f"i.e. {full['step_s'] / hybrid['step_s']:.2f}x faster; attention TFLOP "
-                f"{hybrid['flop_split_tflop']['attention']} vs {full['flop_split_tflop']['attention']}",
-                flush=True,
-            )
+            for precision in precisions:
+                r = bench_shape(name, shape_from_args(args, name), args, peak, layout, precision)
+                results.append(r)
+                runs[layout, precision] = r
+                print(json.dumps(r, indent=1), flush=True)
+                print(
+                    f"[{name} {layout} {precision}] step {r['step_s'] * 1e3:.1f} ms | {r['tokens_per_s']:.0f} tok/s | "
+                    f"{r['trained_positions_per_s']:.0f} trained positions/s | peak {r['peak_memory_gib']} GiB | "
+                    f"{r['achieved_tflops']} TFLOP/s = MFU {r['mfu'] * 100:.1f}% "
+                    f"({r['mfu_of_measured'] * 100:.1f}% of the measured matmul rate) | compile {r['compile_s']} s | "
+                    f"recompiles {r['recompiles']}",
+                    flush=True,
+                )
+        for precision in precisions:
+            if len(layouts) == 2:
+                full, hybrid = runs["full", precision], runs["hybrid", precision]
+                print(
+                    f"[{name} {precision}] hybrid (window {args.window}) vs full: step "
+                    f"{hybrid['step_s'] / full['step_s']:.3f}x, i.e. {full['step_s'] / hybrid['step_s']:.2f}x faster; "
+                    f"attention TFLOP {hybrid['flop_split_tflop']['attention']} vs "
+                    f"{full['flop_split_tflop']['attention']}",
+                    flush=True,
+                )
+        for layout in layouts:
+            base = runs[layout, precisions[0]]
+            for precision in precisions[1:]:
+                r = runs[layout, precision]
+                print(
+                    f"[{name} {layout}] {precision} vs {precisions[0]}: "
+                    f"{r['tokens_per_s'] / base['tokens_per_s']:.3f}x tok/s "
+                    f"({base['step_s'] * 1e3:.1f} -> {r['step_s'] * 1e3:.1f} ms), "
+                    f"loss {base['last_loss']} vs {r['last_loss']}",
+                    flush=True,
+                )
     if args.out:
-        Path(args.out).write_text(json.dumps({"matmul_peak_tflops": peak, "results": results}, indent=2))
+        Path(args.out).write_text(json.dumps({"peak_tflops": peak, "results": results}, indent=2))
     return 0
 
 

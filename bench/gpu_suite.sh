@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU figures in docs/benchmarks.md come from this script, run on the device host:
 #   bash bench/gpu_suite.sh PART...   (logs and JSON under $OUT, default ./bench-out)
-# Parts: checks drafter target8b target8k target32b large transport transportq isolation e2e
+# Parts: checks drafter drafterfp8 target8b target8k target32b large transport transportq isolation e2e
 #        hybridtests hybrid hybridnofla ckptstall demo demohybrid fp32 compiletests compiled27 compiled8
 #        precision27 e2eeval e2ex2 e2ehybrid (the last two need nvidia-h200-x2)
 # compiled27 / compiled8: target.compile side by side with the eager layers; precision27: bf16 vs FP8;
@@ -26,6 +26,10 @@ for part in "$@"; do case $part in
   checks)     run flex_check 300 python3 bench/flex_check.py --out "$OUT/flex_check.json"
               run gpu_tests 240 python3 -m pytest -q -x tests/unit/test_target_model.py tests/unit/test_drafter_attention.py ;;
   drafter)    run drafter_recipe 300 python3 bench/drafter_step.py --shape recipe --steps 10 --out "$OUT/drafter_recipe.json" ;;
+  drafterfp8) run drafter_fp8_recipe 500 python3 bench/drafter_step.py --shape recipe --precision bf16,fp8 --steps 10 \
+                  --out "$OUT/drafter_fp8_recipe.json"
+              run drafter_fp8_27b 500 python3 bench/drafter_step.py --shape qwen36 --layout hybrid --seq-len 4096 \
+                  --anchors 512 --block-size 16 --precision bf16,fp8 --steps 10 --no-breakdown --out "$OUT/drafter_fp8_27b.json" ;;
   large)      run drafter_large 400 python3 bench/drafter_step.py --shape large --steps 5 --out "$OUT/drafter_large.json" ;;
   target8b)   run target_8b 300 python3 bench/target_capture.py --shapes 8b --seq 8192,32768 --labels --out "$OUT/target_8b.json" ;;
   target32b)  run target_32b 280 python3 bench/target_capture.py --shapes 32b --seq 8192 --iters 3 --out "$OUT/target_32b.json" ;;
@@ -44,7 +48,8 @@ for part in "$@"; do case $part in
   hybridnofla) run target_hybrid_nofla 300 python3 bench/target_capture.py --shapes 27b-hybrid --seq 8192 \
                   --mixes single,medium --iters 1 --warmup 1 --no-fla --out "$OUT/target_hybrid_nofla.json" ;;
   compiletests) run compile_tests 400 python3 -m pytest -q -rs -p no:logging -k cuda tests/unit/test_target_compiled.py \
-                  tests/unit/test_target_hybrid.py tests/unit/test_target_model.py tests/unit/test_target_fp8.py ;;
+                  tests/unit/test_target_hybrid.py tests/unit/test_target_model.py tests/unit/test_target_fp8.py \
+                  tests/unit/test_drafter_precision.py ;;
   compiled27) run compiled_27b 300 python3 bench/target_capture.py --shapes 27b-hybrid --seq 8192 --mixes single,short \
                   --compile --recompile-rows 10 --iters 4 --out "$OUT/compiled_27b.json" ;;
   compiled8)  run compiled_8b 200 python3 bench/target_capture.py --shapes 8b --seq 8192 --mixes short --compile \

@@ -1,5 +1,6 @@
 """Timing on the device, shared by the benchmarks: wall time with CUDA synchronised around the
-timed loop, and the bf16 matmul rate measured in the same run (the MFU yardstick)."""
+timed loop; MFU's yardstick, the datasheet's dense bf16 peak, and beside it the bf16 matmul rate
+measured in the same run (which moves with clocks and the other tenants of the GPU)."""
 
 from __future__ import annotations
 
@@ -23,6 +24,24 @@ def timed(fn, iters: int = 1, warmup: int = 0) -> float:
         fn()
     sync()
     return (time.perf_counter() - start) / iters
+
+
+# Dense (no sparsity) bf16 tensor-core peaks, TFLOP/s, from NVIDIA's datasheets: H200 SXM and H100 SXM
+# 989.4 ("1,979 TFLOPS with sparsity"), H100 PCIe 756, A100 312. Matched against the device name,
+# longest first; None for other devices (MFU is then against the measured rate, and says so).
+DATASHEET_BF16_TFLOPS = {"H200": 989.4, "H100 80GB HBM3": 989.4, "H100 PCIe": 756.0, "H100": 989.4, "A100": 312.0}
+
+
+def datasheet_tflops(device) -> float | None:
+    import torch
+
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next(
+        (DATASHEET_BF16_TFLOPS[k] for k in sorted(DATASHEET_BF16_TFLOPS, key=len, reverse=True) if k in name), None
+    )
 
 
 def matmul_peak_tflops(device, n: int = 8192, repeats: int = 20) -> float:

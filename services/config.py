@@ -137,6 +137,7 @@ class DrafterConfig:
     attention: str = setting("auto", batch="")  # "auto" | "flex" | "dense"; auto = flex on cuda, dense on cpu
     compile: bool = setting(True, batch="")
     loss_chunk: int = setting(2048, batch="")  # query rows per lm_head/CE chunk
+    precision: str = setting("bf16", batch="")  # "bf16" | "fp8": the drafter linears' matmuls (docs/operations.md)
     overrides: dict = setting(factory=dict, batch="")  # drafter model config fields to override
 
 
@@ -330,6 +331,10 @@ def validate(cfg: Config) -> None:
         cfg.drafter.attention in ("auto", "flex", "dense"),
         f"drafter.attention must be auto|flex|dense, got {cfg.drafter.attention!r}",
     )
+    need(
+        cfg.drafter.precision in DRAFTER_PRECISIONS,
+        f"drafter.precision must be one of {', '.join(DRAFTER_PRECISIONS)}, got {cfg.drafter.precision!r}",
+    )
     need(cfg.drafter.block_size >= 2, f"drafter.block_size must be >= 2, got {cfg.drafter.block_size}")
     need(cfg.drafter.num_anchors >= 1, f"drafter.num_anchors must be >= 1, got {cfg.drafter.num_anchors}")
     need(
@@ -404,6 +409,7 @@ FULL, SLIDING = "full_attention", "sliding_attention"
 TARGET_COMPILE = ("auto", "on", "off")
 TARGET_DTYPES = ("bfloat16", "bf16", "float16", "fp16", "float32", "fp32")  # services/dtypes.py maps them to torch's
 TARGET_QUANTIZE = ("none", "fp8")
+DRAFTER_PRECISIONS = ("bf16", "fp8")  # services/drafter/precision.py
 
 
 def check_layout(layer_types: list, sliding_window, num_layers: int, prefix: str = "") -> None:

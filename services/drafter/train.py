@@ -6,6 +6,7 @@ in sync, gradients accumulate in fp32 (exact over grad_accum), and DDP, clipping
 checkpoint see one set of tensors. The cost is one bf16 cast of each weight per step (autocast
 caches it for the backward), small next to Q_LEN-row matmuls, and fp32 gradient all-reduce.
 The frozen embedding and lm_head are kept in bf16 only (they never need a master copy).
+With drafter.precision = "fp8" the linears' matmuls run in FP8 from the same fp32 weights (precision.py).
 
 Finite or not at all: each step checks its features and loss (isfinite, on the device) and a
 batch that fails scales its loss by NaN, so its gradient is NaN and DDP's own all-reduce carries
@@ -29,6 +30,7 @@ from services.drafter.anchors import anchor_generator, build_inputs, loss_gamma
 from services.drafter.attention import check_documents_contiguous, make_attention
 from services.drafter.loss import ChunkFns, acceptance_metrics, chunked_cross_entropy
 from services.drafter.model import DFlashDrafter, DrafterModelConfig
+from services.drafter.precision import apply_precision
 from services.drafter.target_head import TargetHead
 
 
@@ -136,6 +138,7 @@ def build_train_state(
     device = torch.device(device)
     torch.manual_seed(cfg.run.seed)  # identical init on every rank (DDP also broadcasts rank 0's)
     drafter = DFlashDrafter(model_cfg, attention=make_attention(cfg.drafter.attention, device)).to(device)
+    apply_precision(drafter, cfg.drafter.precision, device)  # FP8 linears, before compile wraps them
     if cfg.drafter.compile:
         for layer in drafter.layers:  # one graph, shared by the layers (same code, same shapes)
             layer.compile(dynamic=False)

@@ -1,0 +1,62 @@
+"""drafter.precision: the matmuls of the drafter's own linears in bf16 (autocast) or in FP8.
+
+"fp8" is torchao's float8 training with dynamic rowwise scales (recipe "rowwise": e4m3 inputs,
+weights and output gradients, each scaled per row, scales rounded to powers of two). Each
+nn.Linear of the drafter (fc and every projection of every layer) becomes a Float8Linear: the
+parameters stay the same fp32 tensors under the same names, so AdamW, DDP, checkpoints and the
+export see nothing new, and a run may switch precision on resume. Only the three GEMMs of each
+linear (output, input grad, weight grad) run in FP8; norms, attention, the loss and the update
+stay as they are. The frozen lm_head is not a drafter linear and stays bf16.
+
+FP8 matmuls need a GPU with FP8 tensor cores (compute capability 8.9: Ada, Hopper and newer)
+and the `fp8` extra (torchao). docs/operations.md ("Drafter precision") says when to use it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import nn
+
+from services.config import DRAFTER_PRECISIONS as PRECISIONS
+
+FP8_RECIPE = "rowwise"
+
+
+def fp8_unavailable(device: torch.device) -> str | None:
+    """Why FP8 training cannot run on this device, or None when it can."""
+    if device.type != "cuda":
+        return f"drafter.precision='fp8' needs a CUDA GPU with FP8 matmuls; this drafter runs on {device.type}"
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) < (8, 9):
+        name = torch.cuda.get_device_name(device)
+        return f"drafter.precision='fp8' needs compute capability 8.9 or newer; {name} is {major}.{minor}"
+    try:
+        import torchao.float8  # noqa: F401
+    except ImportError:
+        return "drafter.precision='fp8' needs torchao: pip install 'dflash-service[fp8]' (or torchao>=0.18)"
+    return None
+
+
+def apply_precision(drafter: nn.Module, precision: str, device: torch.device, *, emulate: bool = False) -> nn.Module:
+    """Swap the drafter's linears to FP8 training in place (before compile and DDP); bf16 is a no-op.
+    emulate: torchao's emulated FP8 matmuls (any device; for tests, not for speed)."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"drafter.precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+    if precision == "bf16":
+        return drafter
+    if not emulate and (why := fp8_unavailable(torch.device(device))):
+        raise ValueError(why)
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    config = Float8LinearConfig.from_recipe_name(FP8_RECIPE)
+    # FP8 GEMMs need inner dimensions in multiples of 16; the token count is the inner dimension of
+    # the weight gradient, and pack_len or anchors x block size need not be one
+    config = dataclasses.replace(config, pad_inner_dim=True, emulate=emulate)
+    return convert_to_float8_training(drafter, config=config, module_filter_fn=fits_fp8)
+
+
+def fits_fp8(module: nn.Module, _name: str) -> bool:
+    """A linear whose weight dimensions FP8 GEMMs accept (multiples of 16); others stay bf16."""
+    return isinstance(module, nn.Linear) and module.in_features % 16 == 0 and module.out_features % 16 == 0
