@@ -3,6 +3,8 @@
     python bench/e2e.py --gpus 0:target,1:drafter --shape 27b-hybrid --steps 60 --out $OUT/e2e.json
     python bench/e2e.py --gpus 0:target,0:drafter --shape 8b --steps 200 --drafter-json $OUT/drafter.json
     python bench/e2e.py --gpus 0:target,0:drafter --share-gpus --shape 27b-hybrid --steps 40 --eval-every 10 --no-alone
+    python bench/e2e.py --gpus 0:target,0:drafter --shape 27b-hybrid --config presets/qwen3.6-27b.toml \
+        --drafter-json $OUT/drafter_fp8_27b.json data.pack_len=4096 target.quantize='"fp8"'    # the users' preset
 
 1. Assets: a random-weight target of the shape (bench/shapes.py; hybrid shapes are saved as the
    composite Qwen3_5ForConditionalGeneration checkpoint, like the real Qwen3.6-27B) with the demo's
@@ -78,7 +80,7 @@ def make_assets(work: Path, shape: str, conversations: int, layers: int = 0) -> 
     return model_dir, Path(demo["data_path"])
 
 
-def target_alone(overrides: list[str], work: Path, rows: int, warmup: int) -> dict:
+def target_alone(overrides: list[str], work: Path, rows: int, warmup: int, config: str | None = None) -> dict:
     """A: the target worker's capture path on the run's own packed rows, GPU 0, nothing else running."""
     import torch
     from transformers import AutoTokenizer
@@ -87,7 +89,7 @@ def target_alone(overrides: list[str], work: Path, rows: int, warmup: int) -> di
     from services.target.model import capture_to_host, load_target
     from services.target.packing import open_or_build
 
-    cfg = load_config(None, overrides)
+    cfg = load_config(config, overrides)
     device = "cuda:0" if torch.cuda.is_available() else "cpu"
     from services.target.compiled import compile_and_warm_up
 
@@ -120,13 +122,13 @@ def target_alone(overrides: list[str], work: Path, rows: int, warmup: int) -> di
     return result
 
 
-def target_alone_in_child(overrides: list[str], work: Path, rows: int, warmup: int) -> dict:
+def target_alone_in_child(overrides: list[str], work: Path, rows: int, warmup: int, config: str | None = None) -> dict:
     """target_alone in a spawned process: when it returns, its GPU memory is free for the service."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
     with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        return pool.submit(target_alone, overrides, work, rows, warmup).result()
+        return pool.submit(target_alone, overrides, work, rows, warmup, config).result()
 
 
 def eval_on_off(run_dir: Path, metrics: list[dict], every: int, skip: int) -> dict:
@@ -191,6 +193,15 @@ def steady_rate(metrics: list[dict], skip: int) -> dict:
     }
 
 
+def drafter_alone(path: Path, config: str | None, overrides: list[str]) -> float:
+    """B: tok/s of the drafter_step result at the run's drafter.precision (the first result without one)."""
+    from services.config import load_config
+
+    precision = load_config(config, overrides).drafter.precision
+    results = json.loads(path.read_text())["results"]
+    return next((r for r in results if r.get("precision", precision) == precision), results[0])["tokens_per_s"]
+
+
 def ideal(spec: str, a: float, b: float | None) -> float:
     """Separate GPUs: the slower role's sum. A GPU holding both roles: the two take turns."""
     from launcher.topology import parse_gpu_spec
@@ -229,6 +240,7 @@ def main() -> None:
     )
     ap.add_argument("--no-alone", action="store_true", help="skip A, the target alone (saves a model load)")
     ap.add_argument("--timeout", type=float, default=540)
+    ap.add_argument("--config", help="a run config (TOML, e.g. a preset) under the overrides, as for `up`")
     ap.add_argument("--out")
     ap.add_argument("overrides", nargs="*", help="extra section.key=value for the run")
     a = ap.parse_args()
@@ -246,9 +258,9 @@ def main() -> None:
             "run.spec_eval_budget_s=30",
         ]
     overrides += a.overrides
-    alone = None if a.no_alone else target_alone_in_child(overrides, work, a.alone_rows, warmup=2)
+    alone = None if a.no_alone else target_alone_in_child(overrides, work, a.alone_rows, 2, a.config)
     print(f"A (target alone): {alone}", flush=True)
-    b = json.loads(Path(a.drafter_json).read_text())["results"][0]["tokens_per_s"] if a.drafter_json else None
+    b = drafter_alone(Path(a.drafter_json), a.config, overrides) if a.drafter_json else None
 
     run_dir = work / "run"
     shutil.rmtree(run_dir, ignore_errors=True)
@@ -271,6 +283,7 @@ def main() -> None:
         device,
         "--run-dir",
         str(run_dir),
+        *(["--config", a.config] if a.config else []),
         *overrides,
     ]
     t1 = time.time()
