@@ -80,6 +80,39 @@ def time_steps(target: Target, method: str, context: list[int], block: int, iter
     return {"verify_ms": ms(verify_s), "commit_ms": ms(commit_s), "step_ms": ms(verify_s + commit_s)}
 
 
+def profile_verify(target: Target, context: list[int], block: int, gen) -> dict:
+    """One verify step under torch.profiler: its wall time against the time the GPU spent in kernels
+    (a step far above its kernel time is bound by the host: Python, launches, syncs), and the top
+    host-side ops, printed."""
+    from torch.profiler import ProfilerActivity, profile
+
+    session = DecodeSession(target, ROLLBACKS[0])
+    session.prefill(context)
+    ids = lambda: torch.randint(0, target.info.vocab_size, (block,), generator=gen).tolist()  # noqa: E731
+    for _ in range(2):
+        session.verify(ids())
+        session.commit(block // 2)
+    sync()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        session.verify(ids())
+        sync()
+        wall = time.perf_counter() - t0
+    events = prof.key_averages()
+    kernel_us = sum(e.self_device_time_total for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
+    launches = sum(e.count for e in events if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx"))
+    syncs = sum(
+        e.count for e in events if "Synchronize" in e.key or e.key in ("aten::item", "aten::_local_scalar_dense")
+    )
+    print(events.table(sort_by="self_cpu_time_total", row_limit=30), file=sys.stderr, flush=True)
+    return {
+        "wall_ms": round(1000 * wall, 2),
+        "gpu_kernel_ms": round(kernel_us / 1000, 2),
+        "kernel_launches": launches,
+        "host_syncs": syncs,
+    }
+
+
 def bench_steps(args) -> dict:
     device = args.device
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
@@ -103,6 +136,8 @@ def bench_steps(args) -> dict:
     }
     for method in ROLLBACKS:
         result[method] = time_steps(target, method, context, args.block, args.iters, gen)
+    if args.profile:
+        result["profile"] = profile_verify(target, context, args.block, gen)
     result["plain_one_token"] = time_steps(target, ROLLBACKS[0], context, 1, args.iters, gen)
     if device == "cuda":
         result["peak_memory_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
@@ -202,6 +237,7 @@ def main(argv=None) -> int:
     p.add_argument("--block", type=int, default=16, help="block size B (verified tokens per step)")
     p.add_argument("--iters", type=int, default=12, help="timed steps per method")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--profile", action="store_true", help="also profile one verify step (host vs kernel time)")
     p.add_argument("--lossless", action="store_true", help="the tiny-hybrid lossless check instead of the timing")
     p.add_argument("--prompts", type=int, default=8, help="--lossless: prompts")
     p.add_argument("--max-new-tokens", type=int, default=48, help="--lossless: tokens per prompt")
