@@ -115,6 +115,11 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=10, help="timed steps")
     p.add_argument("--warmup-steps", type=int, default=3, help="untimed steps after compile")
     p.add_argument("--loss-chunk", type=int, default=2048)
+    p.add_argument(
+        "--fp8-recipe",
+        default=None,
+        help="torchao float8 recipe for drafter.precision=fp8: rowwise (the product's), tensorwise, rowwise_with_gw_hp",
+    )
     p.add_argument("--precision", default="bf16", help="drafter.precision, or a comma list run side by side: bf16,fp8")
     p.add_argument("--attention", choices=["auto", "flex", "dense"], default="auto")
     p.add_argument("--no-compile", action="store_true", help="eager layers and loss (flex stays compiled)")
@@ -198,6 +203,7 @@ def bench_shape(name, shape, args, peak_tflops, layout="full", precision="bf16")
     from services.drafter.target_head import TargetHead
     from services.runspec import drafter_shape
     from services.drafter.train import build_train_state, train_step
+    from services.drafter import precision as drafter_precision
 
     device = torch.device("cuda:0" if args.device == "cuda" else "cpu")
     cfg = load_config(
@@ -241,6 +247,9 @@ def bench_shape(name, shape, args, peak_tflops, layout="full", precision="bf16")
         **shape,
         "layout": layout,
         "precision": precision,
+        "fp8_recipe": __import__("services.drafter.precision").drafter.precision.FP8_RECIPE
+        if precision == "fp8"
+        else None,
         "layer_types": model_cfg.layer_types,
         "sliding_window": model_cfg.sliding_window,
         "device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu",
@@ -398,6 +407,10 @@ def main(argv=None):
     import torch
 
     device = torch.device("cuda:0" if args.device == "cuda" else "cpu")
+    if args.fp8_recipe:  # a benchmark knob: the product's recipe is precision.FP8_RECIPE
+        import services.drafter.precision
+
+        services.drafter.precision.FP8_RECIPE = args.fp8_recipe
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("no CUDA device (use --device cpu for a smoke run)")
     peak = {"measured": matmul_peak_tflops(device), "datasheet": datasheet_tflops(device)}

@@ -27,6 +27,7 @@ from __future__ import annotations
 import inspect
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import DynamicCache
 
 from services.decode_step import Step, rounding_tolerance
@@ -34,6 +35,10 @@ from services.target import hybrid
 from services.target.model import Target
 
 ATTENTION_KINDS = {"full_attention", "sliding_attention"}
+# Not cuDNN's SDPA: it builds a plan on the host for every new key length (about 14 ms a call on an
+# H200, bench/verify_step.py --profile), and decoding grows the key length every step, so no plan
+# is ever reused. Flash and memory-efficient attention have no per-shape plan.
+DECODE_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 class AttentionCache(DynamicCache):
@@ -126,7 +131,7 @@ class DecodeSession:
         self.state.verifying = verifying
         t.slot.decode = self.state  # the Gated DeltaNet layers continue from it; compiled layers step aside
         try:
-            with t.capturing_into(features):
+            with t.capturing_into(features), sdpa_kernel(DECODE_SDPA):
                 out = t.backbone(
                     input_ids=input_ids,
                     position_ids=positions,
