@@ -247,9 +247,7 @@ def bench_shape(name, shape, args, peak_tflops, layout="full", precision="bf16")
         **shape,
         "layout": layout,
         "precision": precision,
-        "fp8_recipe": __import__("services.drafter.precision").drafter.precision.FP8_RECIPE
-        if precision == "fp8"
-        else None,
+        "fp8_recipe": drafter_precision.FP8_RECIPE if precision == "fp8" else None,
         "layer_types": model_cfg.layer_types,
         "sliding_window": model_cfg.sliding_window,
         "device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu",
