@@ -118,7 +118,7 @@ def parse_args(argv=None):
     p.add_argument(
         "--fp8-recipe",
         default=None,
-        help="torchao float8 recipe for drafter.precision=fp8: rowwise (the product's), tensorwise, rowwise_with_gw_hp",
+        help="torchao float8 recipe for drafter.precision=fp8: tensorwise (the product's), rowwise, rowwise_with_gw_hp",
     )
     p.add_argument("--precision", default="bf16", help="drafter.precision, or a comma list run side by side: bf16,fp8")
     p.add_argument("--attention", choices=["auto", "flex", "dense"], default="auto")

@@ -1,7 +1,9 @@
 """drafter.precision: the matmuls of the drafter's own linears in bf16 (autocast) or in FP8.
 
-"fp8" is torchao's float8 training with dynamic rowwise scales (recipe "rowwise": e4m3 inputs,
-weights and output gradients, each scaled per row, scales rounded to powers of two). Each
+"fp8" is torchao's float8 training with dynamic tensorwise scales (recipe "tensorwise": inputs and
+weights in e4m3, output gradients in e5m2, one scale per tensor computed each step, cuBLAS's FP8
+GEMM). Its "rowwise" recipe (a scale per row, CUTLASS's kernel) was measured slower on an H200:
+0.96x and 1.02x of bf16 against 1.06x and 1.15x (docs/benchmarks.md, "FP8 drafter"). Each
 nn.Linear of the drafter (fc and every projection of every layer) becomes a Float8Linear: the
 parameters stay the same fp32 tensors under the same names, so AdamW, DDP, checkpoints and the
 export see nothing new, and a run may switch precision on resume. Only the three GEMMs of each
@@ -21,7 +23,7 @@ from torch import nn
 
 from services.config import DRAFTER_PRECISIONS as PRECISIONS
 
-FP8_RECIPE = "rowwise"
+FP8_RECIPE = "tensorwise"  # measured fastest (above); bench/drafter_step.py --fp8-recipe tries others
 
 
 def fp8_unavailable(device: torch.device) -> str | None:
