@@ -464,7 +464,10 @@ class Supervisor:
                     [w.name for w, rc in zip(drafters, codes) if rc == DRAFTER_STOPPED], "a stop request sent to it"
                 )
             if all(rc == 0 for rc in codes) and (drafters or self._remote_drafters_done(everyone)):
-                if not drafters and (early := [n for n in map(self._short_of_end, everyone) if n]):
+                early = [n for n in map(self._short_of_end, everyone) if n]
+                # ranks step together: one seen at the last step means all reached it (the others
+                # may have exited between two probes)
+                if not drafters and early and len(early) == len(everyone):
                     return self._drafters_stopped(early, "seen from this host")
                 self.progress.done(self._progress_text(everyone, final=True))
                 self.stop_targets()
@@ -498,15 +501,17 @@ class Supervisor:
     def _remote_drafters_done(self, drafters: list[Worker]) -> bool:
         """For a host without drafters: has every drafter finished (stopped, or gone for good)?"""
         now, done = time.monotonic(), True
-        for w, (_, status, _) in zip(drafters, self.probe_all(drafters, timeout_s=0.5)):
+        answers = list(zip(drafters, self.probe_all(drafters, timeout_s=0.5)))
+        for w, (_, status, _) in answers:
             if status:
                 self.remote_seen[w.name], self.remote_last[w.name] = now, status
+        # ranks step together: one seen at the last step means every rank reached it
+        ended = any(w.name in self.remote_last and not self._short_of_end(w) for w in drafters)
+        for w, (_, status, _) in answers:
             silent = now - self.remote_seen.get(w.name, now)
-            # gone: silent for long (a group across hosts is silent while its agents meet again), or
-            # at once when its last status had reached the last step (it has finished)
-            gone = w.name in self.remote_seen and (
-                silent > self.remote_gone_s or (not status and not self._short_of_end(w))
-            )
+            # gone: silent for long (a group across hosts is silent while its agents meet again),
+            # or at once once the group has reached its last step
+            gone = w.name in self.remote_seen and (silent > self.remote_gone_s or (not status and ended))
             done &= bool(status and status.get("state") == "stopped") or gone
         return done
 
@@ -544,6 +549,9 @@ class Supervisor:
 
     def _troubled_workers(self) -> dict[str, tuple[str, str]]:
         """Running workers that are stalled or unresponsive: name -> (kind, why)."""
+        if self.elastic and (agent := self.agent_status()) and agent.get("restarts") != self.restarts["drafter"]:
+            self.restarts["drafter"] = agent.get("restarts", 0)  # the agents' restarts, in run.json
+            self.write_run_json()
         running = [w for w in self.local if self.procs[w.name].poll() is None]
         now, trouble = time.monotonic(), {}
         for w, (_, status, _) in zip(running, self.probe_all(running, timeout_s=2.0)):

@@ -1,8 +1,11 @@
 """The pure parts of a drafter group across hosts: the ranks each host's agent gives its workers
 (from the --gpus spec) and their check across hosts, and what the launcher starts on each host."""
 
+import pytest
+
 from launcher.supervisor import Supervisor
 from launcher.topology import host_overrides, parse_gpu_spec
+from launcher.units import UnitsError, render_units
 from services.config import load_config
 from services.drafter.agent import check_ranks, parse
 
@@ -46,3 +49,8 @@ def test_a_target_host_and_a_one_host_drafter_group_start_no_agent(tmp_path):
     assert not supervisor(tmp_path, "10.0.0.1").local_group
     one = supervisor(tmp_path, "10.0.0.1", "0:target@10.0.0.1,0-1:drafter@10.0.0.2")
     assert not one.elastic
+
+
+def test_units_refuse_a_drafter_group_across_hosts_and_say_what_to_run(tmp_path):
+    with pytest.raises(UnitsError, match="launcher up --gpus SPEC --host HOST"):
+        render_units(SPEC, None, str(tmp_path / "out"), str(tmp_path / "run"), device="cpu")
