@@ -52,7 +52,10 @@ def check_ranks(claims: dict[str, list[int]], world_size: int) -> str:
     for host, ranks in claims.items():
         for r in ranks:
             if r in owner:
-                return f"drafter rank {r} is claimed by {owner[r]} and {host}: were the hosts started with one --gpus spec?"
+                return (
+                    f"drafter rank {r} is claimed by {owner[r]} and {host}: "
+                    "were the hosts started with one --gpus spec?"
+                )
             owner[r] = host
     missing = sorted(set(range(world_size)) - set(owner))
     extra = sorted(set(owner) - set(range(world_size)))
@@ -75,7 +78,7 @@ def worker_side(rank: int) -> bool:
     fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     os.write(
         fd,
-        f"\n===== {time.strftime('%Y-%m-%d %H:%M:%S')} start (elastic group start {os.environ.get(ENV_START)})\n".encode(),
+        f"\n===== {time.strftime('%Y-%m-%d %H:%M:%S')} start (group start {os.environ.get(ENV_START)})\n".encode(),
     )
     for std in (1, 2):
         os.dup2(fd, std)
@@ -258,36 +261,44 @@ def main(argv=None) -> int:
 
     signal.signal(PARENT_DIED, lambda *_: os.kill(os.getpid(), signal.SIGTERM))
     from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.rendezvous.api import RendezvousError
+    from torch.distributed.elastic.rendezvous.api import RendezvousClosedError, RendezvousError
 
-    agent, starts = None, 0
+    agent = None
     try:
         agent = make_agent(args)
         result = agent.run()
-        starts = agent.starts
         if result.is_failed():
-            reason = f"{describe(result.failures, args.ranks)}; drafter restarts exhausted (run.max_restarts={args.max_restarts})"
-            return fail(args, reason, starts)
+            why = f"{describe(result.failures, args.ranks)}; drafter restarts exhausted"
+            why += f" (run.max_restarts={args.max_restarts})"
+            return fail(args, why, agent)
     except SignalException:  # a stop: the workers were sent it and have ended
-        starts = agent.starts if agent else 0
+        pass
+    except RendezvousClosedError:
+        return fail(args, "another drafter host's agent failed and closed the group (its launcher says why)", agent)
     except RendezvousError as exc:
-        starts = agent.starts if agent else 0
         return fail(
             args,
             f"the drafter hosts ({', '.join(args.hosts)}) did not all meet within run.rendezvous_timeout_s="
             f"{args.rendezvous_timeout:.0f}s at {args.hosts[0]}:{args.port} ({type(exc).__name__}: {exc})",
-            starts,
+            agent,
         )
     except Exception as exc:  # the store gone (rank 0's host died), ranks that do not add up...
-        return fail(args, f"{type(exc).__name__}: {exc}", agent.starts if agent else 0)
+        return fail(args, f"{type(exc).__name__}: {exc}", agent)
     stopped = [r for r in args.ranks if (marks / f"stopped-{r}").exists()]
-    write_status(args, state="stopped" if stopped else "finished", starts=starts)
+    write_status(args, state="stopped" if stopped else "finished", starts=agent.starts)
     return STOPPED if stopped else 0
 
 
-def fail(args: argparse.Namespace, reason: str, starts: int) -> int:
+def fail(args: argparse.Namespace, reason: str, agent) -> int:
+    """One line, the status file, and the rendezvous closed: the other hosts' agents end now rather
+    than wait run.rendezvous_timeout_s for this one."""
     print(f"agent: failed: {reason}", file=sys.stderr, flush=True)
-    write_status(args, state="failed", reason=reason, starts=starts)
+    write_status(args, state="failed", reason=reason, starts=agent.starts if agent else 0)
+    if agent is not None:
+        try:
+            agent.get_worker_group().spec.rdzv_handler.shutdown()
+        except Exception:  # noqa: BLE001 - the store may be gone with rank 0's host
+            pass
     return 1
 
 
