@@ -18,7 +18,7 @@ from services.config import load_config
 from services.drafter.ledger import read_all
 from services.endpoints import endpoint
 from services.health import probe
-from tests.launching import start_launcher
+from tests.launching import run_launcher, start_launcher
 
 pytestmark = pytest.mark.slow
 TARGET, FIRST, SECOND = "127.0.0.1", "127.0.0.2", "127.0.0.3"
@@ -106,6 +106,8 @@ def test_a_drafter_killed_on_the_second_host_restarts_the_whole_group_and_every_
     for run_dir in (first, second):  # the agents restarted the group once, on both hosts
         elastic = json.loads((run_dir / "run.json").read_text())["elastic"]
         assert elastic["restarts"] >= 1 and elastic["state"] == "finished", elastic
+    status = run_launcher("status", "--run-dir", first, "--json", "--timeout", "1")
+    assert [a["restarts"] >= 1 for a in json.loads(status.stdout)["elastic"]] == [True], status.stdout
     # the second host shares no folder: the checkpoint it resumed from came from rank 0
     assert (second / "checkpoints" / "latest").is_dir()
     schedule = json.loads((first / "schedule.json").read_text())
