@@ -53,6 +53,9 @@ def start(tmp_path, steps: int, rendezvous_s: int) -> dict:
 
 
 def drafter_pid(run_dir, rank: int) -> int | None:
+    """The pid of drafter `rank` while it trains (its health, on its host), else None."""
+    if not (run_dir / "config.json").exists():  # the launcher has not staged the run folder yet
+        return None
     cfg = load_config(run_dir / "config.json")
     status = probe(endpoint(run_dir, cfg.transport, "drafter", rank, "health"), timeout_s=2)[1]
     return status["pid"] if status and status.get("state") == "training" else None
@@ -99,6 +102,7 @@ def test_a_drafter_killed_on_the_second_host_restarts_the_whole_group_and_every_
     wait(lambda: (first / "checkpoints" / "latest").exists(), "a checkpoint", launchers)
     wait(lambda: drafter_pid(second, 2) is not None, "drafter-2 training", launchers)
     victim = drafter_pid(second, 2)
+    assert victim is not None, "drafter-2 ended before it could be killed"
     psutil.Process(victim).send_signal(signal.SIGKILL)
     ended = finish(launchers)
     for host, (code, text) in ended.items():

@@ -6,6 +6,7 @@ import pytest
 from launcher.errors import UsageError
 from launcher.slurm import expand_hostlist, from_slurm, spec_on_nodes, this_node
 from launcher.topology import parse_gpu_spec
+from tests.launching import child_env, run_launcher
 
 ADDRESSES = {"node01": "10.0.0.1", "node02": "10.0.0.2", "node03": "10.0.0.3", "node07": "10.0.0.7", "gpu5": "10.0.1.5"}
 
@@ -77,3 +78,16 @@ def test_a_node_that_resolves_to_loopback_is_refused_across_nodes():
 def test_without_slurm_it_says_to_use_srun():
     with pytest.raises(UsageError, match="SLURM_JOB_NODELIST is not set"):
         from_slurm("0:target@0,0:drafter@1", {})
+
+
+def test_launcher_up_slurm_says_what_is_missing_in_one_line():
+    env = {k: v for k, v in child_env().items() if not k.startswith("SLURM")}
+    out = run_launcher("up", "--slurm", "--device", "cpu", "--gpus", "0:target@0,0:drafter@1", env=env)
+    assert out.returncode == 2 and "SLURM_JOB_NODELIST is not set" in out.stderr and "Traceback" not in out.stderr
+    env.update(SLURM_JOB_NODELIST="localhost", SLURM_NODEID="0")
+    out = run_launcher(
+        "up", "--slurm", "--host", "127.0.0.1", "--device", "cpu", "--gpus", "0:target@0,0:drafter@0", env=env
+    )
+    assert out.returncode == 2 and "--slurm sets --host" in out.stderr
+    out = run_launcher("up", "--slurm", "--device", "cpu", "--gpus", "0:target@0,0:drafter@1", env=env)
+    assert out.returncode == 2 and "node 1 of 1 (localhost)" in out.stderr
