@@ -39,11 +39,14 @@ import errno
 import hashlib
 import json
 import os
+import signal
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
+
+import psutil
 
 from launcher import process
 from launcher.causes import exit_cause, read_log
@@ -292,12 +295,19 @@ class Supervisor:
             return f"drafter host {', '.join(gone)} is gone ({names} unreachable): {reason}"
         return f"drafter group failed: {reason}"
 
-    def kill_drafter(self, w: Worker) -> None:
-        """A stalled or unresponsive drafter under the agent: kill it, and the agents restart the group."""
+    def kill_drafter(self, w: Worker) -> bool:
+        """A stalled or unresponsive drafter under the agent: kill it (True), and the agents restart
+        the group. Only a live child of this host's agent is killed."""
         pid = self.last_pid.get(w.name)
         agent = process.verified(self.idents.get(next(d.name for d in self.local if d.role == "drafter")))
-        if pid and agent is not None and pid in {c.pid for c in agent.children(recursive=True)}:
-            os.kill(pid, 9)
+        try:
+            if pid and agent is not None and pid in {c.pid for c in agent.children(recursive=True)}:
+                os.kill(pid, signal.SIGKILL)
+                self.last_pid.pop(w.name, None)
+                return True
+        except (ProcessLookupError, psutil.Error):
+            pass
+        return False
 
     def _new_dist_store(self) -> None:
         if self.local_group:
@@ -476,9 +486,9 @@ class Supervisor:
             if bad and self.elastic:
                 if (rc := codes[0]) not in (None, 0, DRAFTER_STOPPED):
                     raise RunFailed(self.agent_failed(rc))
-                for w in bad:
-                    self.progress.done(f"{w.name} {trouble[w.name][1]}; killing it: the drafter group restarts")
-                    self.kill_drafter(w)
+                for w in bad:  # (not while the agents meet again: then its last pid is gone)
+                    if self.kill_drafter(w):
+                        self.progress.done(f"{w.name} {trouble[w.name][1]}; killed it: the drafter group restarts")
             elif bad:
                 self._restart_drafter_group(drafters, bad, codes, trouble)
             self.progress.show(self._progress_text(everyone))

@@ -279,7 +279,7 @@ def main(argv=None) -> int:
         return fail(
             args,
             f"the drafter hosts ({', '.join(args.hosts)}) did not all meet within run.rendezvous_timeout_s="
-            f"{args.rendezvous_timeout:.0f}s at {args.hosts[0]}:{args.port} ({type(exc).__name__}: {exc})",
+            f"{args.rendezvous_timeout:.0f}s at {args.hosts[0]}:{args.port}" + (f" ({exc})" if str(exc) else ""),
             agent,
         )
     except Exception as exc:  # the store gone (rank 0's host died), ranks that do not add up...
