@@ -272,7 +272,10 @@ def main(argv=None) -> int:
             why += f" (run.max_restarts={args.max_restarts})"
             return fail(args, why, agent)
     except SignalException:  # a stop: the workers were sent it and have ended
-        pass
+        try:  # the other hosts' agents wait there for this one before they exit
+            agent._exit_barrier()
+        except Exception:  # noqa: BLE001 - the store may be gone already
+            pass
     except RendezvousClosedError:
         return fail(args, "another drafter host's agent failed and closed the group (its launcher says why)", agent)
     except RendezvousError as exc:

@@ -134,3 +134,15 @@ def test_a_whole_drafter_host_killed_is_named_in_one_line_and_the_other_stops(tm
     assert outcome["state"] == "failed" and SECOND in outcome["reason"]
     launchers[TARGET].send_signal(signal.SIGTERM)  # the target host would wait for the drafters a while longer
     assert finish({TARGET: launchers[TARGET]}, timeout_s=120)[TARGET][0] in (0, 3)
+
+
+def test_a_stop_on_one_drafter_host_stops_the_group_on_every_host_with_a_checkpoint(tmp_path):
+    launchers = start(tmp_path, steps=400, rendezvous_s=60)
+    first, second = tmp_path / FIRST, tmp_path / SECOND
+    wait(lambda: drafter_pid(second, 3) is not None and drafter_pid(first, 0) is not None, "training", launchers)
+    launchers[SECOND].send_signal(signal.SIGTERM)  # what `launcher down` sends, on the second drafter host
+    ended = finish(launchers, timeout_s=300)
+    assert {host: code for host, (code, _) in ended.items()} == {TARGET: 3, FIRST: 3, SECOND: 3}, ended
+    for run_dir in (first, second):
+        assert json.loads((run_dir / "run.json").read_text())["elastic"]["state"] == "stopped"
+    assert (first / "checkpoints" / "latest").is_dir()  # the final checkpoint, on rank 0's host
