@@ -33,6 +33,8 @@ import time
 from pathlib import Path
 
 STOPPED = 3  # services.exits.STOPPED; this module imports nothing of the worker at import time
+# services.exits' codes that a restart would meet again: no restart, as the launcher does on one host
+FINAL_CODES = {2: "a config or checkpoint error (one line in its log)", 4: "an error a restart would meet again"}
 ENV_DIR = "DFLASH_AGENT_DIR"  # <run_dir>/elastic: marks and the agent's status
 ENV_START = "DFLASH_GROUP_START"  # 1 for the first start of the group, 2 after one restart...
 ENV_GPUS = "DFLASH_AGENT_GPUS"  # this host's drafter GPUs, by local rank
@@ -167,7 +169,7 @@ def make_agent(args: argparse.Namespace):
             return str(marks)
 
     class DrafterAgent(LocalElasticAgent):
-        starts = 0
+        starts, final = 0, ""
 
         def _assign_worker_ranks(self, store, group_rank, group_world_size, spec):
             """The spec's ranks, checked across hosts through this round's store."""
@@ -197,6 +199,11 @@ def make_agent(args: argparse.Namespace):
         def _monitor_workers(self, worker_group):
             result = super()._monitor_workers(worker_group)
             if result.state == WorkerState.FAILED:
+                if final := [f for f in result.failures.values() if f.exitcode in FINAL_CODES]:
+                    self._remaining_restarts = 0  # a restart would meet it again: end now, as on one host
+                    self.final = (
+                        f"; {FINAL_CODES[final[0].exitcode]}, see logs/drafter-{args.ranks[final[0].local_rank]}.log"
+                    )
                 write_status(
                     args, state="restarting", starts=self.starts, failures=describe(result.failures, args.ranks)
                 )
@@ -245,7 +252,15 @@ def write_status(args: argparse.Namespace, **status) -> None:
     restarts = max(0, status.get("starts", 1) - 1)
     write_json_atomic(
         status_path(args.run_dir, args.host),
-        {"host": args.host, "ranks": args.ranks, "restarts": restarts, "pid": os.getpid(), "at": time.time(), **status},
+        {
+            "host": args.host,
+            "ranks": args.ranks,
+            "port": args.port,
+            "restarts": restarts,
+            "pid": os.getpid(),
+            "at": time.time(),
+            **status,
+        },
     )
 
 
@@ -268,8 +283,8 @@ def main(argv=None) -> int:
         agent = make_agent(args)
         result = agent.run()
         if result.is_failed():
-            why = f"{describe(result.failures, args.ranks)}; drafter restarts exhausted"
-            why += f" (run.max_restarts={args.max_restarts})"
+            why = f"{describe(result.failures, args.ranks)}"
+            why += agent.final or f"; drafter restarts exhausted (run.max_restarts={args.max_restarts})"
             return fail(args, why, agent)
     except SignalException:  # a stop: the workers were sent it and have ended
         try:  # the other hosts' agents wait there for this one before they exit

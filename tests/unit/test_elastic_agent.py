@@ -1,5 +1,9 @@
-"""The pure parts of a drafter group across hosts: the ranks each host's agent gives its workers
-(from the --gpus spec) and their check across hosts, and what the launcher starts on each host."""
+"""A drafter group across hosts, the parts that need no second host: the ranks each host's agent
+gives its workers (from the --gpus spec) and their check across hosts, what the launcher starts on
+each host, and a real agent (torch's engine, one host) over tiny python workers: ranks, restarts,
+no restart after a config error, a stop."""
+
+import json
 
 import pytest
 
@@ -54,3 +58,61 @@ def test_a_target_host_and_a_one_host_drafter_group_start_no_agent(tmp_path):
 def test_units_refuse_a_drafter_group_across_hosts_and_say_what_to_run(tmp_path):
     with pytest.raises(UnitsError, match="launcher up --gpus SPEC --host HOST"):
         render_units(SPEC, None, str(tmp_path / "out"), str(tmp_path / "run"), device="cpu")
+
+
+def run_agent(tmp_path, worker_code: str, ranks="0,1", world_size=2, max_restarts=2) -> tuple[int, dict, str]:
+    """A real agent (torch's engine, one host: 127.0.0.1) over a tiny python worker."""
+    import subprocess
+    import sys
+
+    from tests.launching import REPO, child_env, free_port
+
+    argv = [
+        sys.executable, "-m", "services.drafter.agent", "--run-dir", str(tmp_path), "--host", "127.0.0.1",
+        "--hosts", "127.0.0.1", "--ranks", ranks, "--world-size", str(world_size), "--port", str(free_port()),
+        "--run-id", "t", "--max-restarts", str(max_restarts), "--rendezvous-timeout", "60", "--stop-timeout", "10",
+        "--", sys.executable, "-c", worker_code,
+    ]  # fmt: skip
+    (tmp_path / "logs").mkdir(exist_ok=True)
+    done = subprocess.run(argv, cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=120)
+    status = json.loads((tmp_path / "elastic" / "agent-127.0.0.1.json").read_text())
+    return done.returncode, status, done.stderr
+
+
+@pytest.mark.slow  # a real agent starts its workers three times
+def test_a_real_agent_gives_the_spec_ranks_and_stops_restarting_on_a_config_error(tmp_path):
+    record = (  # the drafter's side first: its output to logs/drafter-<RANK>.log
+        "import os, json; from services.drafter.agent import worker_side; worker_side(int(os.environ['RANK'])); "
+        "print(json.dumps({k: os.environ[k] for k in ('RANK', 'WORLD_SIZE', 'MASTER_PORT')}), flush=True)"
+    )
+    code, status, _ = run_agent(tmp_path, record)
+    assert code == 0 and status["state"] == "finished" and status["restarts"] == 0
+    logs = [
+        json.loads(line)
+        for r in (0, 1)
+        for line in (tmp_path / "logs" / f"drafter-{r}.log").read_text().splitlines()
+        if line.startswith("{")
+    ]
+    assert sorted((d["RANK"], d["WORLD_SIZE"], d["MASTER_PORT"]) for d in logs) == [
+        ("0", "2", str(status["port"] + 1)),
+        ("1", "2", str(status["port"] + 1)),
+    ]  # the process group's store: dist_port + 1
+
+    code, status, _ = run_agent(tmp_path, record, ranks="2,3", world_size=4)  # hosts started with other specs
+    assert code == 1 and "no host runs drafter rank(s) [0, 1]" in status["reason"]
+
+    code, status, err = run_agent(tmp_path, "raise SystemExit(1)")
+    assert code == 1 and status["restarts"] == 2 and "restarts exhausted (run.max_restarts=2)" in status["reason"], err
+
+    code, status, err = run_agent(tmp_path, "raise SystemExit(2)")  # what a restart would meet again
+    assert code == 1 and status["starts"] == 1 and "exited with code 2" in status["reason"], err
+    assert "config" in status["reason"] and "see logs/drafter-" in status["reason"]
+
+
+@pytest.mark.slow
+def test_a_stop_is_exit_0_to_torch_and_3_from_the_agent(tmp_path):
+    stop = (
+        "import os, sys; from services.drafter.agent import worker_exit as e; sys.exit(e(int(os.environ['RANK']), 3))"
+    )
+    code, status, err = run_agent(tmp_path, stop)
+    assert code == 3 and status["state"] == "stopped" and status["restarts"] == 0, err
