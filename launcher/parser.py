@@ -77,6 +77,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     up.add_argument("--share-gpus", action="store_true", help="allow several workers on one GPU")
     up.add_argument("--host", default="", help="across hosts: which GPUS:ROLE@HOST host this launcher runs")
+    up.add_argument(
+        "--slurm",
+        action="store_true",
+        help="under srun (one task per node): --host and the hosts of --gpus from the Slurm environment; "
+        "in --gpus, @N is the job's N-th node (@1-2: the same group on nodes 1 and 2)",
+    )
     up.add_argument("--ready-timeout", type=float, default=3600.0, help="seconds to wait for every worker to be ready")
     up.add_argument(
         "--stop-timeout",

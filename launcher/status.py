@@ -48,6 +48,7 @@ def cmd_status(args) -> int:
     outcome = describe_outcome(run, live)
     # no worker answers (an ended run, drafters down): the last line of metrics.jsonl, as they would report it
     window = next((r["window"] for r in rows if r.get("window")), None) or last_window(run_dir)
+    agents = elastic_agents(run_dir)  # a drafter group across hosts: this host's agent (docs/elastic.md)
     if args.json:
         print(
             json.dumps(
@@ -58,6 +59,7 @@ def cmd_status(args) -> int:
                     "outcome": run.get("outcome"),
                     "window": window,
                     "plan": plan.to_dict() if plan else None,
+                    "elastic": agents,
                     "workers": rows,
                 },
                 indent=2,
@@ -84,6 +86,11 @@ def cmd_status(args) -> int:
                     f"optimizer steps skipped; last: {books['last_nonfinite'] or 'another rank'}"
                 )
         _print_drops(rows, run.get("outcome") or {}, live)
+        for agent in agents:
+            print(
+                f"drafter agent on {agent.get('host')} (ranks {agent.get('ranks')}): {agent.get('state')}, "
+                f"{agent.get('restarts', 0)} group restart(s)" + (f"; {agent['reason']}" if agent.get("reason") else "")
+            )
         _print_last_exits(rows)
         if plan:
             print(f"plan: {plan.describe()}")
@@ -96,6 +103,17 @@ def cmd_status(args) -> int:
     if not live and state in OUTCOME_EXIT:
         return OUTCOME_EXIT[state]  # an ended run: its own exit code, not "every worker unreachable"
     return max((r["probe"] for r in rows), default=0)
+
+
+def elastic_agents(run_dir: Path) -> list[dict]:
+    """What each elastic agent of this run dir last wrote (services/drafter/agent.py): state, restarts."""
+    found = []
+    for path in sorted((run_dir / "elastic").glob("agent-*.json")):
+        try:
+            found.append(json.loads(path.read_text()))
+        except (OSError, ValueError):
+            continue
+    return found
 
 
 def last_window(run_dir: Path) -> dict | None:

@@ -27,18 +27,26 @@ Policy (docs/operations.md):
 Across hosts every launcher supervises the workers of its own host. A host with targets only
 ends when every (remote) drafter has reported "stopped" or stayed unreachable for REMOTE_GONE_S:
 finished (0) when each drafter's last status had reached its last step, else stopped (3).
-A drafter group spread over several hosts is not restarted as one: keep the drafters on one host.
+A drafter group spread over several hosts runs under torch's elastic agent, one per drafter host
+(services/drafter/agent.py, docs/elastic.md): the agents restart the whole group, on every host,
+when any rank fails; this launcher starts its host's agent, probes its drafters, kills a stalled or
+unresponsive one (the agents then restart the group) and ends the run when its agent ends.
 """
 
 from __future__ import annotations
 
 import errno
+import hashlib
+import json
 import os
+import signal
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
+
+import psutil
 
 from launcher import process
 from launcher.causes import exit_cause, read_log
@@ -105,15 +113,22 @@ class Supervisor:
         # private socket folder, and opens no TCP port. Across hosts: at the drafter host of the
         # spec, port transport.dist_port, which every launcher knows.
         self.local_group = all(w.host == host for w in workers if w.role == "drafter")
+        # drafters on several hosts: one elastic agent per host starts and restarts them (docs/elastic.md)
+        self.drafter_hosts = list(dict.fromkeys(w.host for w in workers if w.role == "drafter"))
+        self.elastic = len(self.drafter_hosts) > 1
+        self.host = host
         self.master_addr = cfg.transport.drafter_hosts[0] if host else "127.0.0.1"
         self.dist_port = cfg.transport.dist_port
         self.groups_started = 0
+        # a group across hosts is unreachable while its agents meet again: wait that long too
+        self.remote_gone_s = REMOTE_GONE_S + (cfg.run.rendezvous_timeout_s if self.elastic else 0)
         self.remote_seen: dict[str, float] = {}  # remote drafter -> last time it answered
         self.remote_last: dict[str, dict] = {}  # ... and what it said then
         self.answered: set[str] = set()  # workers whose health answered since they started
         self.silent_since: dict[str, float] = {}  # ... and has not answered since this time
         self.target_trouble_at = -float("inf")  # the last time a target was in trouble or not ready
         self.last_state: dict[str, str] = {}  # each worker's state at the last probe
+        self.last_pid: dict[str, int] = {}  # each worker's pid, as its health says (the agent's drafters)
         self.trained: set[str] = set()  # drafters seen in state "training" (they have steps to save)
         self.stopping = self.forced = False
         self.stop_reason = ""  # why the drafters stopped early (run.json's reason)
@@ -152,7 +167,41 @@ class Supervisor:
             argv += ["--num-targets", str(count(self.workers, "target"))]
             if self.resume or self.restarts["drafter"]:
                 argv.append("--resume")
+            if self.elastic:  # the agent gives each worker its rank and the world size (RANK, WORLD_SIZE)
+                del argv[argv.index("--rank") : argv.index("--rank") + 4]
         return argv
+
+    def agent_argv(self, drafters: list[Worker]) -> list[str]:
+        """services/drafter/agent.py for this host's drafters, then the drafter worker's argv."""
+        run = self.cfg.run
+        spec = ",".join(f"{w.name}@{w.host}" for w in self.workers)
+        return [
+            sys.executable,
+            "-m",
+            "services.drafter.agent",
+            "--run-dir",
+            str(self.run_dir),
+            "--host",
+            self.host,
+            "--hosts",
+            ",".join(self.drafter_hosts),
+            "--ranks",
+            ",".join(str(w.rank) for w in drafters),
+            "--world-size",
+            str(count(self.workers, "drafter")),
+            "--port",
+            str(self.dist_port),
+            "--run-id",
+            f"dflash-{run.name}-{hashlib.sha256(spec.encode()).hexdigest()[:12]}",
+            "--max-restarts",
+            str(run.max_restarts),
+            "--rendezvous-timeout",
+            str(run.rendezvous_timeout_s),
+            "--stop-timeout",
+            str(self.stop_timeout_s),
+            "--",
+            *self.argv(drafters[0]),
+        ]
 
     def env(self, w: Worker) -> dict[str, str]:
         env = dict(os.environ)
@@ -174,7 +223,7 @@ class Supervisor:
             env["OMP_NUM_THREADS"] = str(share)
         if w.role == "drafter" and self.local_group:  # the rendezvous; rank and world size are arguments
             env["DFLASH_DIST_STORE"] = str(self.dist_store())
-        elif w.role == "drafter":
+        elif w.role == "drafter" and not self.elastic:
             env.update({"MASTER_ADDR": self.master_addr, "MASTER_PORT": str(self.dist_port)})
         return env
 
@@ -202,7 +251,63 @@ class Supervisor:
     def start_all(self) -> None:
         self._new_dist_store()
         for w in self.local:
-            self.start(w)
+            if not (self.elastic and w.role == "drafter"):
+                self.start(w)
+        if drafters := [w for w in self.local if w.role == "drafter" and self.elastic]:
+            self.start_agent(drafters)
+
+    def start_agent(self, drafters: list[Worker]) -> None:
+        """One elastic agent for this host's drafters: each drafter's process is the agent's (its
+        exit is theirs), recorded once (a stop signals it once: it forwards the stop to them)."""
+        env = self.env(drafters[0])
+        if self.device == "cuda":
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(w.gpu) for w in drafters)
+        env["DFLASH_AGENT_GPUS"] = ",".join(str(w.gpu) for w in drafters)
+        env["LOCAL_WORLD_SIZE"] = str(len(drafters))
+        log = self.run_dir / "logs" / "drafter-agent.log"
+        try:
+            proc = process.spawn(self.agent_argv(drafters), env, log)
+        except OSError as exc:
+            raise RunFailed(cannot_write(log, exc)) from None
+        ident = process.identity(proc.pid)
+        for i, w in enumerate(drafters):
+            self.procs[w.name] = proc
+            self.idents[w.name] = ident if i == 0 else None
+            self.pids_seen[w.name].append(proc.pid)
+            self.answered.discard(w.name)
+        self.write_run_json()
+
+    def agent_status(self) -> dict | None:
+        """What this host's agent last wrote (services/drafter/agent.py): state, restarts, reason."""
+        try:
+            return json.loads((self.run_dir / "elastic" / f"agent-{self.host}.json").read_text())
+        except (OSError, ValueError):
+            return None
+
+    def agent_failed(self, rc: int) -> str:
+        """One line for an agent that ended in failure, naming the drafter hosts that are gone."""
+        reason = (self.agent_status() or {}).get("reason") or f"the drafter agent exited with code {rc}"
+        remote = [w for w in self.workers if w.role == "drafter" and w.host != self.host]
+        silent = [w for w, (_, status, _) in zip(remote, self.probe_all(remote, timeout_s=1.0)) if status is None]
+        gone = [h for h in self.drafter_hosts if h != self.host and any(w.host == h for w in silent)]
+        if gone:
+            names = ", ".join(w.name for w in silent)
+            return f"drafter host {', '.join(gone)} is gone ({names} unreachable): {reason}"
+        return f"drafter group failed: {reason}"
+
+    def kill_drafter(self, w: Worker) -> bool:
+        """A stalled or unresponsive drafter under the agent: kill it (True), and the agents restart
+        the group. Only a live child of this host's agent is killed."""
+        pid = self.last_pid.get(w.name)
+        agent = process.verified(self.idents.get(next(d.name for d in self.local if d.role == "drafter")))
+        try:
+            if pid and agent is not None and pid in {c.pid for c in agent.children(recursive=True)}:
+                os.kill(pid, signal.SIGKILL)
+                self.last_pid.pop(w.name, None)
+                return True
+        except (ProcessLookupError, psutil.Error):
+            pass
+        return False
 
     def _new_dist_store(self) -> None:
         if self.local_group:
@@ -226,6 +331,7 @@ class Supervisor:
             "started": self.started,
             "run_dir": str(self.run_dir),
             "dist_port": None if self.local_group else self.dist_port,
+            "elastic": self.agent_status() if self.elastic else None,
             "restarts": self.restarts,
             "outcome": self.outcome or {"state": "running"},
             "workers": [
@@ -282,7 +388,7 @@ class Supervisor:
                 ended = w.role == "drafter" and self.procs[w.name].poll() in (0, DRAFTER_STOPPED)
                 if state in ("ready", "training") or ended:
                     del pending[w.name]
-                elif state == "failed":
+                elif state == "failed" and not (self.elastic and w.role == "drafter"):  # the agent restarts those
                     raise RunFailed(f"{w.name} failed while starting: {status.get('errors')} (log: {self.log(w)})")
                 states[w.name] = state or "?"
             if not pending:
@@ -295,6 +401,10 @@ class Supervisor:
 
     def _check_exited_during_start(self, w: Worker) -> None:
         rc = self.procs[w.name].poll()
+        if self.elastic and w.role == "drafter" and rc not in (None, 0, DRAFTER_STOPPED):  # its agent gave up
+            agent_log = self.run_dir / "logs" / "drafter-agent.log"
+            tail = "\n".join(read_log(agent_log).splitlines()[-15:]) if agent_log.exists() else "(no log)"
+            raise RunFailed(f"{self.agent_failed(rc)}\nlast lines of {agent_log}:\n{tail}")
         if rc is not None and not (w.role == "drafter" and rc in (0, DRAFTER_STOPPED)):  # ended, not failed
             cause = self.exit_cause(w, rc)
             advice = f"; {cause.fatal}" if cause.fatal and rc != 2 else ""
@@ -364,13 +474,22 @@ class Supervisor:
                     [w.name for w, rc in zip(drafters, codes) if rc == DRAFTER_STOPPED], "a stop request sent to it"
                 )
             if all(rc == 0 for rc in codes) and (drafters or self._remote_drafters_done(everyone)):
-                if not drafters and (early := [n for n in map(self._short_of_end, everyone) if n]):
+                early = [n for n in map(self._short_of_end, everyone) if n]
+                # ranks step together: one seen at the last step means all reached it (the others
+                # may have exited between two probes)
+                if not drafters and early and len(early) == len(everyone):
                     return self._drafters_stopped(early, "seen from this host")
                 self.progress.done(self._progress_text(everyone, final=True))
                 self.stop_targets()
                 return EXIT_DONE
             bad = [w for w, rc in zip(drafters, codes) if (rc not in (None, 0, DRAFTER_STOPPED)) or w.name in trouble]
-            if bad:
+            if bad and self.elastic:
+                if (rc := codes[0]) not in (None, 0, DRAFTER_STOPPED):
+                    raise RunFailed(self.agent_failed(rc))
+                for w in bad:  # (not while the agents meet again: then its last pid is gone)
+                    if self.kill_drafter(w):
+                        self.progress.done(f"{w.name} {trouble[w.name][1]}; killed it: the drafter group restarts")
+            elif bad:
                 self._restart_drafter_group(drafters, bad, codes, trouble)
             self.progress.show(self._progress_text(everyone))
             time.sleep(0.5)
@@ -392,10 +511,17 @@ class Supervisor:
     def _remote_drafters_done(self, drafters: list[Worker]) -> bool:
         """For a host without drafters: has every drafter finished (stopped, or gone for good)?"""
         now, done = time.monotonic(), True
-        for w, (_, status, _) in zip(drafters, self.probe_all(drafters, timeout_s=0.5)):
+        answers = list(zip(drafters, self.probe_all(drafters, timeout_s=0.5)))
+        for w, (_, status, _) in answers:
             if status:
                 self.remote_seen[w.name], self.remote_last[w.name] = now, status
-            gone = w.name in self.remote_seen and now - self.remote_seen[w.name] > REMOTE_GONE_S
+        # ranks step together: one seen at the last step means every rank reached it
+        ended = any(w.name in self.remote_last and not self._short_of_end(w) for w in drafters)
+        for w, (_, status, _) in answers:
+            silent = now - self.remote_seen.get(w.name, now)
+            # gone: silent for long (a group across hosts is silent while its agents meet again),
+            # or at once once the group has reached its last step
+            gone = w.name in self.remote_seen and (silent > self.remote_gone_s or (not status and ended))
             done &= bool(status and status.get("state") == "stopped") or gone
         return done
 
@@ -433,12 +559,16 @@ class Supervisor:
 
     def _troubled_workers(self) -> dict[str, tuple[str, str]]:
         """Running workers that are stalled or unresponsive: name -> (kind, why)."""
+        if self.elastic and (agent := self.agent_status()) and agent.get("restarts") != self.restarts["drafter"]:
+            self.restarts["drafter"] = agent.get("restarts", 0)  # the agents' restarts, in run.json
+            self.write_run_json()
         running = [w for w in self.local if self.procs[w.name].poll() is None]
         now, trouble = time.monotonic(), {}
         for w, (_, status, _) in zip(running, self.probe_all(running, timeout_s=2.0)):
             if status is not None:
                 self.answered.add(w.name)
                 self.last_state[w.name] = status.get("state")
+                self.last_pid[w.name] = status.get("pid")
                 if w.role == "drafter" and status.get("state") == "training":
                     self.trained.add(w.name)
                 self.silent_since.pop(w.name, None)

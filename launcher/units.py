@@ -87,6 +87,12 @@ def render_units(
         raise UnitsError(f"python {python} is not an executable file")
     cfg = load_run_config(config_path, overrides)  # paths absolute: the units run in run_dir
     workers = parse_gpu_spec(gpu_spec, share_gpus=set(roles) != set(ROLES))
+    if len({w.host for w in workers if w.role == "drafter"}) > 1:  # systemd restarts a group on one host only
+        raise UnitsError(
+            f"--gpus {gpu_spec!r} puts drafters on several hosts: a drafter group across hosts is restarted "
+            "as one by the launcher's elastic agents, not by per-worker units; run `launcher up --gpus SPEC "
+            "--host HOST` as one systemd service on each host instead (docs/elastic.md, 'Under systemd')"
+        )
     local = [w for w in workers if w.role in roles]
     names = [_instance(w) for w in local]
     if len(set(names)) != len(names):

@@ -5,10 +5,11 @@ Exit codes: 0 training finished, 1 failed, 2 bad usage or config, 3 stopped befo
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
-from launcher import process
+from launcher import process, slurm
 from launcher.errors import UsageError
 from launcher.inputs import check_inputs, load_run_config, make_demo, prepare_data, with_local_model
 from launcher.preflight import (
@@ -36,6 +37,11 @@ def cmd_up(args) -> int:
             raise UsageError("--device cuda but no NVIDIA GPU is visible; use --device cpu for a CPU run")
     else:
         available = None  # on cpu, GPU numbers are logical slots
+    if args.slurm:  # this node and the spec's hosts from the Slurm environment
+        if args.host:
+            raise UsageError("--slurm sets --host from the Slurm environment: give one of them")
+        args.gpus, args.host = slurm.from_slurm(args.gpus, os.environ)
+        print(f"slurm: --gpus {args.gpus} --host {args.host}", flush=True)
     workers = parse_gpu_spec(args.gpus, available=available, share_gpus=args.share_gpus, local_host=args.host)
     named = hosts(workers)
     if named and args.host not in named:

@@ -79,6 +79,7 @@ class RunConfig:
         300.0, batch=""
     )  # SIGTERM: finish the step and checkpoint within this, else exit hard
     max_restarts: int = setting(3, batch="")  # per role, over the whole run
+    rendezvous_timeout_s: float = setting(600.0, batch="")  # a drafter group across hosts: wait this for every host
     wandb_project: str = setting("", batch="")  # Weights & Biases project (the `wandb` extra); "" = off
     alloc_conf: str = setting("expandable_segments:True", batch="")  # PYTORCH_CUDA_ALLOC_CONF for GPU workers
 
@@ -353,7 +354,13 @@ def validate(cfg: Config) -> None:
     need(cfg.run.max_steps >= 0, f"run.max_steps must be >= 0 (0 = every epoch), got {cfg.run.max_steps}")
     for key in ("checkpoint_every", "keep_checkpoints", "eval_every", "max_restarts"):
         need(getattr(cfg.run, key) >= 0, f"run.{key} must be >= 0, got {getattr(cfg.run, key)}")
-    for key in ("stall_after_s", "startup_stall_after_s", "stop_timeout_s", "spec_eval_budget_s"):
+    for key in (
+        "stall_after_s",
+        "startup_stall_after_s",
+        "stop_timeout_s",
+        "spec_eval_budget_s",
+        "rendezvous_timeout_s",
+    ):
         need(getattr(cfg.run, key) > 0, f"run.{key} must be > 0, got {getattr(cfg.run, key)}")
     need(
         cfg.transport.resend_after_s >= 0,

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import os
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Protocol
@@ -25,6 +26,9 @@ from services.config import Config, ConfigError, load_config
 from services.endpoints import endpoint
 from services.health import HealthServer
 from services.log import setup_logging
+
+
+STOPPED_LINGER_S = 3.0  # across hosts, the launchers of other hosts probe every second or so
 
 
 class Worker(Protocol):
@@ -112,4 +116,6 @@ def main(role: Role, argv=None) -> int:
     finally:
         if worker is not None:
             worker.close()
+        if role.name == "drafter" and health.endpoint.startswith("tcp://") and health.snapshot()["state"] == "stopped":
+            time.sleep(STOPPED_LINGER_S)  # a host without drafters reads "stopped" here (launcher/supervisor.py)
         health.close()

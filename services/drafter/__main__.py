@@ -10,6 +10,7 @@ import os
 import sys
 
 from services import exits
+from services.drafter import agent
 from services.compile_setup import setup_environment
 from services.worker_main import Role, main as worker_main, workers_on_node
 
@@ -69,7 +70,10 @@ ROLE = Role(
 
 
 def main(argv=None) -> int:
-    return worker_main(ROLE, argv)
+    rank = defaults()["rank"]
+    if agent.worker_side(rank):  # started by services/drafter/agent.py: a restart of the group resumes
+        argv = [*(sys.argv[1:] if argv is None else argv), "--resume"]
+    return agent.worker_exit(rank, worker_main(ROLE, argv))
 
 
 if __name__ == "__main__":

@@ -31,7 +31,7 @@ from services.files import cpu_share
 from services.health import HealthServer
 from services.log import event
 from services.drafter import checkpoint as ckpt
-from services.drafter import collectives
+from services.drafter import checkpoint_share, collectives
 from services.drafter.bookkeeping import BookSettings, Bookkeeping
 from services.compile_setup import RecompileWatch
 from services.drafter.warmup import warmup
@@ -86,6 +86,8 @@ class DrafterWorker:
         if device.type == "cuda" and not torch.cuda.is_available():
             raise RuntimeError("--device cuda but CUDA is not available")
         collectives.join(cfg, rank, self.world_size, device, args.dist_backend)
+        if args.resume:  # rank 0's checkpoint, sent to ranks on hosts without it (a group across hosts)
+            found = checkpoint_share.share(found, self.run_dir, rank, tick=health.progress)
         if not collectives.same_everywhere(found.micro_step if found else -1, device):
             raise RuntimeError("drafter ranks picked different checkpoints to resume from (is checkpoints/ shared?)")
         self.state = state = build_train_state(
