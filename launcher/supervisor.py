@@ -35,22 +35,18 @@ unresponsive one (the agents then restart the group) and ends the run when its a
 
 from __future__ import annotations
 
-import errno
-import hashlib
-import json
 import os
-import signal
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
 
-import psutil
-
 from launcher import process
 from launcher.causes import exit_cause, read_log
 from launcher.drops import DropWatch
+from launcher.elastic import ElasticDrafters
+from launcher.errors import RunFailed, cannot_write
 from launcher.progress import ProgressLine
 from launcher.topology import Worker, count
 from services import curve
@@ -67,17 +63,6 @@ REMOTE_GONE_S = 30.0
 KILL_AFTER_S = 5.0  # a worker in trouble gets SIGTERM, then SIGKILL (a frozen one ignores SIGTERM)
 
 
-class RunFailed(RuntimeError):
-    pass
-
-
-def cannot_write(path: Path, exc: OSError) -> str:
-    """One line for a file the launcher cannot write (a full disk above all)."""
-    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-        return f"no space left on {path.parent} (writing {path.name}); free space, then resume with --resume"
-    return f"cannot write {path}: {exc.strerror or exc}"
-
-
 def probe_all(endpoints: list[str], timeout_s: float, keys_dir: str = "") -> list[tuple[int, dict | None, str]]:
     """Probe several health endpoints at once: N dead workers cost one timeout, not N."""
     if not endpoints:
@@ -86,7 +71,7 @@ def probe_all(endpoints: list[str], timeout_s: float, keys_dir: str = "") -> lis
         return list(pool.map(lambda e: probe(e, timeout_s=timeout_s, keys_dir=keys_dir), endpoints))
 
 
-class Supervisor:
+class Supervisor(ElasticDrafters):
     def __init__(
         self,
         run_dir: Path,
@@ -171,38 +156,6 @@ class Supervisor:
                 del argv[argv.index("--rank") : argv.index("--rank") + 4]
         return argv
 
-    def agent_argv(self, drafters: list[Worker]) -> list[str]:
-        """services/drafter/agent.py for this host's drafters, then the drafter worker's argv."""
-        run = self.cfg.run
-        spec = ",".join(f"{w.name}@{w.host}" for w in self.workers)
-        return [
-            sys.executable,
-            "-m",
-            "services.drafter.agent",
-            "--run-dir",
-            str(self.run_dir),
-            "--host",
-            self.host,
-            "--hosts",
-            ",".join(self.drafter_hosts),
-            "--ranks",
-            ",".join(str(w.rank) for w in drafters),
-            "--world-size",
-            str(count(self.workers, "drafter")),
-            "--port",
-            str(self.dist_port),
-            "--run-id",
-            f"dflash-{run.name}-{hashlib.sha256(spec.encode()).hexdigest()[:12]}",
-            "--max-restarts",
-            str(run.max_restarts),
-            "--rendezvous-timeout",
-            str(run.rendezvous_timeout_s),
-            "--stop-timeout",
-            str(self.stop_timeout_s),
-            "--",
-            *self.argv(drafters[0]),
-        ]
-
     def env(self, w: Worker) -> dict[str, str]:
         env = dict(os.environ)
         share = cpu_share(len(self.local))
@@ -255,59 +208,6 @@ class Supervisor:
                 self.start(w)
         if drafters := [w for w in self.local if w.role == "drafter" and self.elastic]:
             self.start_agent(drafters)
-
-    def start_agent(self, drafters: list[Worker]) -> None:
-        """One elastic agent for this host's drafters: each drafter's process is the agent's (its
-        exit is theirs), recorded once (a stop signals it once: it forwards the stop to them)."""
-        env = self.env(drafters[0])
-        if self.device == "cuda":
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(w.gpu) for w in drafters)
-        env["DFLASH_AGENT_GPUS"] = ",".join(str(w.gpu) for w in drafters)
-        env["LOCAL_WORLD_SIZE"] = str(len(drafters))
-        log = self.run_dir / "logs" / "drafter-agent.log"
-        try:
-            proc = process.spawn(self.agent_argv(drafters), env, log)
-        except OSError as exc:
-            raise RunFailed(cannot_write(log, exc)) from None
-        ident = process.identity(proc.pid)
-        for i, w in enumerate(drafters):
-            self.procs[w.name] = proc
-            self.idents[w.name] = ident if i == 0 else None
-            self.pids_seen[w.name].append(proc.pid)
-            self.answered.discard(w.name)
-        self.write_run_json()
-
-    def agent_status(self) -> dict | None:
-        """What this host's agent last wrote (services/drafter/agent.py): state, restarts, reason."""
-        try:
-            return json.loads((self.run_dir / "elastic" / f"agent-{self.host}.json").read_text())
-        except (OSError, ValueError):
-            return None
-
-    def agent_failed(self, rc: int) -> str:
-        """One line for an agent that ended in failure, naming the drafter hosts that are gone."""
-        reason = (self.agent_status() or {}).get("reason") or f"the drafter agent exited with code {rc}"
-        remote = [w for w in self.workers if w.role == "drafter" and w.host != self.host]
-        silent = [w for w, (_, status, _) in zip(remote, self.probe_all(remote, timeout_s=1.0)) if status is None]
-        gone = [h for h in self.drafter_hosts if h != self.host and any(w.host == h for w in silent)]
-        if gone:
-            names = ", ".join(w.name for w in silent)
-            return f"drafter host {', '.join(gone)} is gone ({names} unreachable): {reason}"
-        return f"drafter group failed: {reason}"
-
-    def kill_drafter(self, w: Worker) -> bool:
-        """A stalled or unresponsive drafter under the agent: kill it (True), and the agents restart
-        the group. Only a live child of this host's agent is killed."""
-        pid = self.last_pid.get(w.name)
-        agent = process.verified(self.idents.get(next(d.name for d in self.local if d.role == "drafter")))
-        try:
-            if pid and agent is not None and pid in {c.pid for c in agent.children(recursive=True)}:
-                os.kill(pid, signal.SIGKILL)
-                self.last_pid.pop(w.name, None)
-                return True
-        except (ProcessLookupError, psutil.Error):
-            pass
-        return False
 
     def _new_dist_store(self) -> None:
         if self.local_group:
