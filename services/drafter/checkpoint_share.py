@@ -99,6 +99,7 @@ def share(found: ckpt.Found | None, run_dir: str | Path, rank: int, tick=lambda:
     has = (local / "manifest.json").is_file() and (local / "manifest.json").read_bytes() == manifest
     lacking = torch.tensor([0 if has else 1], dtype=torch.int64)
     dist.all_reduce(lacking, group=group)
+    meta = None  # state.json of the checkpoint, once verified here
     if int(lacking):
         tmp = None
         if not has:
@@ -110,10 +111,11 @@ def share(found: ckpt.Found | None, run_dir: str | Path, rank: int, tick=lambda:
             _file(mine / file if rank == 0 else None, tmp / file if tmp else None, group)
             tick()
         if tmp is not None:
-            ckpt.verify(tmp, tick)  # CorruptCheckpoint if the bytes did not arrive whole
+            meta = ckpt.verify(tmp, tick)  # CorruptCheckpoint if the bytes did not arrive whole
             fsync_dir(tmp)
             _install(tmp, local, manifest)
     if has and found is not None and found.path.resolve() == local.resolve():
         return found
-    meta = ckpt.verify(local, tick)
+    if meta is None:  # (bytes received here were hashed once already, above)
+        meta = ckpt.verify(local, tick)
     return ckpt.Found(local, meta, json.loads((local / "config.json").read_text()))

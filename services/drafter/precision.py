@@ -21,8 +21,6 @@ import dataclasses
 import torch
 from torch import nn
 
-from services.config import DRAFTER_PRECISIONS as PRECISIONS
-
 FP8_RECIPE = "tensorwise"  # measured fastest (above); bench/drafter_step.py --fp8-recipe tries others
 
 
@@ -44,9 +42,7 @@ def fp8_unavailable(device: torch.device) -> str | None:
 def apply_precision(drafter: nn.Module, precision: str, device: torch.device, *, emulate: bool = False) -> nn.Module:
     """Swap the drafter's linears to FP8 training in place (before compile and DDP); bf16 is a no-op.
     emulate: torchao's emulated FP8 matmuls (any device; for tests, not for speed)."""
-    if precision not in PRECISIONS:
-        raise ValueError(f"drafter.precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
-    if precision == "bf16":
+    if precision == "bf16":  # (config.validate refused any other value but "fp8")
         return drafter
     if not emulate and (why := fp8_unavailable(torch.device(device))):
         raise ValueError(why)
