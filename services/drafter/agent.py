@@ -32,9 +32,13 @@ import sys
 import time
 from pathlib import Path
 
-STOPPED = 3  # services.exits.STOPPED; this module imports nothing of the worker at import time
-# services.exits' codes that a restart would meet again: no restart, as the launcher does on one host
-FINAL_CODES = {2: "a config or checkpoint error (one line in its log)", 4: "an error a restart would meet again"}
+from services.exits import CONFIG, FINAL, STOPPED
+
+# the exit codes that a restart would meet again: no restart, as the launcher does on one host
+FINAL_CODES = {
+    CONFIG: "a config or checkpoint error (one line in its log)",
+    FINAL: "an error a restart would meet again",
+}
 ENV_DIR = "DFLASH_AGENT_DIR"  # <run_dir>/elastic: marks and the agent's status
 ENV_START = "DFLASH_GROUP_START"  # 1 for the first start of the group, 2 after one restart...
 ENV_GPUS = "DFLASH_AGENT_GPUS"  # this host's drafter GPUs, by local rank
