@@ -376,7 +376,7 @@ def breakdown(state, batch, inputs, step_s) -> dict:
     labels, weights = inputs.labels.flatten(), inputs.weights.flatten()
 
     def loss_fwd_bwd():
-        loss, _ = chunked_cross_entropy(hidden, state.head.lm_head, labels, weights, s.loss_chunk, state.chunk_fns)
+        loss, _ = chunked_cross_entropy(hidden, state.loss_head, labels, weights, s.loss_chunk, state.chunk_fns)
         loss.backward()
 
     timed(loss_fwd_bwd, 1)

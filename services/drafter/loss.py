@@ -8,32 +8,83 @@ hand (softmax minus one-hot, times the row's weight, back through the lm_head), 
 never a third time to recompute logits, and memory holds one chunk of logits at a time.
 
     loss = sum_r w_r * CE_r / sum_r w_r          (0 when every weight is 0, with zero grads)
+
+With drafter.precision = "fp8" both lm_head GEMMs run in FP8 (`Fp8Head`): the frozen lm_head is
+cast to e4m3 once, the chunk's hidden rows to e4m3 and its logit gradients to e5m2 with one scale
+per chunk, as torchao's tensorwise recipe does for the drafter's linears. The softmax, the loss and
+the argmax stay in fp32 on the fp32 logits the GEMM writes.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 
-def ce_chunk_loss(h: torch.Tensor, lm_head: torch.Tensor, labels: torch.Tensor, scale: torch.Tensor):
+class Fp8Head(NamedTuple):
+    """The frozen lm_head [V, H] in e4m3 with one scale, kept in the two layouts FP8 GEMMs need:
+    [V, H] rows for the logits (h @ W^T) and [H, V] rows for the input grad (g @ W)."""
+
+    weight: torch.Tensor  # [V, H] e4m3
+    weight_t: torch.Tensor  # [H, V] e4m3
+    scale: torch.Tensor  # fp32 scalar: lm_head ~ weight * scale
+
+    @classmethod
+    def of(cls, lm_head: torch.Tensor) -> "Fp8Head | None":
+        """None when a dimension is not a multiple of 16 (FP8 GEMMs need that): the loss stays bf16."""
+        if lm_head.shape[0] % 16 or lm_head.shape[1] % 16:
+            return None
+        weight, scale = to_fp8(lm_head, torch.float8_e4m3fn)
+        return cls(weight, weight.t().contiguous(), scale)
+
+
+LossHead = torch.Tensor | Fp8Head  # what the chunk functions take: the bf16 lm_head, or its FP8 form
+
+
+def to_fp8(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x / s in dtype, s) with one scale s that maps x's largest magnitude to dtype's largest."""
+    top = torch.finfo(dtype).max
+    s = x.abs().amax().float().clamp(min=1e-12) / top
+    return (x.float() / s).clamp(-top, top).to(dtype), s
+
+
+def head_logits(h: torch.Tensor, head: LossHead) -> torch.Tensor:
+    """fp32 logits [rows, V] of hidden rows h [rows, H]."""
+    if isinstance(head, Fp8Head):
+        h8, s = to_fp8(h, torch.float8_e4m3fn)
+        # fast accumulation for the output GEMM, not for the gradient's: torchao's tensorwise choice
+        return torch._scaled_mm(h8, head.weight.t(), s, head.scale, out_dtype=torch.float32, use_fast_accum=True)
+    return (h @ head.t()).float()
+
+
+def head_input_grad(g: torch.Tensor, head: LossHead, dtype: torch.dtype) -> torch.Tensor:
+    """d loss / d h [rows, H] from the logits' gradient g [rows, V] (fp32)."""
+    if isinstance(head, Fp8Head):
+        g8, s = to_fp8(g, torch.float8_e5m2)  # gradients in e5m2: more range, as torchao's recipe
+        return torch._scaled_mm(g8, head.weight_t.t(), s, head.scale, out_dtype=dtype)
+    return g.to(dtype) @ head
+
+
+def ce_chunk_loss(h: torch.Tensor, lm_head: LossHead, labels: torch.Tensor, scale: torch.Tensor):
     """One chunk, no grad: (sum of scale * CE, argmax predictions)."""
-    logits = (h @ lm_head.t()).float()
+    logits = head_logits(h, lm_head)
     lse = torch.logsumexp(logits, dim=-1)
     picked = logits.gather(1, labels[:, None])[:, 0]
     loss = torch.where(scale > 0, (lse - picked) * scale, 0.0).sum()
     return loss, logits.argmax(-1)
 
 
-def ce_chunk_loss_and_grad(h: torch.Tensor, lm_head: torch.Tensor, labels: torch.Tensor, scale: torch.Tensor):
+def ce_chunk_loss_and_grad(h: torch.Tensor, lm_head: LossHead, labels: torch.Tensor, scale: torch.Tensor):
     """One chunk: (sum of scale * CE, argmax predictions, d loss / d h)."""
-    logits = (h @ lm_head.t()).float()
+    logits = head_logits(h, lm_head)
     lse = torch.logsumexp(logits, dim=-1)
     picked = logits.gather(1, labels[:, None])[:, 0]
     loss = torch.where(scale > 0, (lse - picked) * scale, 0.0).sum()
     pred = logits.argmax(-1)
     probs = torch.exp(logits - lse[:, None])
     probs.scatter_add_(1, labels[:, None], torch.full_like(picked[:, None], -1.0))  # softmax - onehot
-    grad_h = (probs * scale[:, None]).to(h.dtype) @ lm_head
+    grad_h = head_input_grad(probs * scale[:, None], lm_head, h.dtype)
     return loss, pred, grad_h
 
 
@@ -78,13 +129,13 @@ class _ChunkedCE(torch.autograd.Function):
 
 def chunked_cross_entropy(
     hidden: torch.Tensor,
-    lm_head: torch.Tensor,
+    lm_head: LossHead,
     labels: torch.Tensor,
     weights: torch.Tensor,
     chunk: int = 2048,
     fns: ChunkFns | None = None,
 ):
-    """hidden [R, H], lm_head [V, H] (frozen), labels [R], weights [R] -> (loss, predictions [R]).
+    """hidden [R, H], lm_head [V, H] (frozen, or its Fp8Head), labels [R], weights [R] -> (loss, predictions [R]).
 
     loss = sum(w * CE) / sum(w); 0 with zero gradients when all weights are 0.
     """
@@ -92,7 +143,9 @@ def chunked_cross_entropy(
         raise ValueError(f"drafter.loss_chunk must be >= 1, got {chunk}")
     weights = weights.float()
     scale = weights / weights.sum().clamp(min=torch.finfo(torch.float32).tiny)
-    return _ChunkedCE.apply(hidden.to(lm_head.dtype), lm_head, labels, scale, chunk, fns or _EAGER)
+    if isinstance(lm_head, torch.Tensor):
+        hidden = hidden.to(lm_head.dtype)
+    return _ChunkedCE.apply(hidden, lm_head, labels, scale, chunk, fns or _EAGER)
 
 
 @torch.no_grad()

@@ -8,7 +8,8 @@ nn.Linear of the drafter (fc and every projection of every layer) becomes a Floa
 parameters stay the same fp32 tensors under the same names, so AdamW, DDP, checkpoints and the
 export see nothing new, and a run may switch precision on resume. Only the three GEMMs of each
 linear (output, input grad, weight grad) run in FP8; norms, attention, the loss and the update
-stay as they are. The frozen lm_head is not a drafter linear and stays bf16.
+stay as they are. The frozen lm_head's two GEMMs in the loss run in FP8 too (services/drafter/loss.py,
+`Fp8Head`), with the same tensorwise scales.
 
 FP8 matmuls need a GPU with FP8 tensor cores (compute capability 8.9: Ada, Hopper and newer)
 and the `fp8` extra (torchao). docs/operations.md ("Drafter precision") says when to use it.

@@ -28,7 +28,7 @@ from services.batch import Batch, BatchError, count_documents
 from services.config import Config
 from services.drafter.anchors import anchor_generator, build_inputs, loss_gamma
 from services.drafter.attention import check_documents_contiguous, make_attention
-from services.drafter.loss import ChunkFns, acceptance_metrics, chunked_cross_entropy
+from services.drafter.loss import ChunkFns, Fp8Head, LossHead, acceptance_metrics, chunked_cross_entropy
 from services.drafter.model import DFlashDrafter, DrafterModelConfig
 from services.drafter.precision import apply_precision
 from services.drafter.target_head import TargetHead
@@ -97,10 +97,15 @@ class TrainState:
     settings: StepSettings
     device: torch.device
     chunk_fns: ChunkFns = field(default_factory=ChunkFns)
+    fp8_head: Fp8Head | None = None  # the lm_head's FP8 form, with drafter.precision = "fp8"
     step: int = 0  # optimizer steps done
     micro_step: int = 0  # batches trained
     samples_done: int = 0  # documents trained
     tokens_done: int = 0  # real (non-padding) context tokens trained
+
+    @property
+    def loss_head(self) -> LossHead:
+        return self.head.lm_head if self.fp8_head is None else self.fp8_head
 
     @property
     def autocast_dtype(self):
@@ -160,6 +165,7 @@ def build_train_state(
         settings=settings,
         device=device,
         chunk_fns=ChunkFns(compile=cfg.drafter.compile and device.type == "cuda"),
+        fp8_head=Fp8Head.of(head.lm_head) if cfg.drafter.precision == "fp8" else None,
     )
 
 
@@ -210,7 +216,7 @@ def forward_loss(state: TrainState, batch: Batch):
     trained_rows = out.view(n, b, -1)[:, 1:].reshape(n * (b - 1), -1)  # position 0 is not trained
     loss, preds = chunked_cross_entropy(
         trained_rows,
-        state.head.lm_head,
+        state.loss_head,
         inputs.labels.flatten(),
         inputs.weights.flatten(),
         s.loss_chunk,

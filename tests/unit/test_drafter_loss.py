@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from services.drafter.loss import acceptance_metrics, chunked_cross_entropy
+from services.drafter.loss import Fp8Head, acceptance_metrics, chunked_cross_entropy
 
 
 def naive_loss(hidden, lm_head, labels, weights):
@@ -51,6 +51,29 @@ def test_no_grad_path_gives_the_same_loss():
         loss, preds = chunked_cross_entropy(hidden, lm_head, labels, weights, chunk=4)
     ref, ref_preds = naive_loss(hidden, lm_head, labels, weights)
     assert torch.allclose(loss, ref, rtol=1e-5) and torch.equal(preds, ref_preds)
+
+
+def test_fp8_lm_head_stays_close_to_the_exact_loss_and_grad():
+    # real FP8 GEMMs (torch._scaled_mm runs on the CPU too): e4m3 rows and lm_head, e5m2 logit grads
+    torch.manual_seed(2)
+    rows, H, V = 300, 64, 512
+    hidden = torch.randn(rows, H, requires_grad=True)
+    lm_head = torch.randn(V, H) / H**0.5
+    labels, weights = torch.randint(0, V, (rows,)), torch.rand(rows)
+    head = Fp8Head.of(lm_head)
+    assert head.weight.dtype == torch.float8_e4m3fn and head.weight_t.shape == (H, V)
+
+    loss, _ = chunked_cross_entropy(hidden, head, labels, weights, chunk=128)
+    loss.backward()
+    grad, hidden.grad = hidden.grad.clone(), None
+    ref, _ = naive_loss(hidden, lm_head, labels, weights)
+    ref.backward()
+    assert abs(loss.item() - ref.item()) / ref.item() < 0.01
+    assert 0 < float((grad - hidden.grad).norm() / hidden.grad.norm()) < 0.1  # rounded, not far off
+
+
+def test_fp8_lm_head_needs_dimensions_in_multiples_of_16():
+    assert Fp8Head.of(torch.randn(50, 16)) is None  # the loss then stays in bf16
 
 
 def test_acceptance_metrics_by_hand():

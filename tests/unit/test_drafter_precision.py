@@ -79,6 +79,7 @@ def test_fp8_trains_like_bf16_on_cuda():
         cfg, model_cfg = model_config(f'drafter.precision="{precision}"', "drafter.lr=3e-3")
         head = TargetHead.random(model_cfg.vocab_size, model_cfg.hidden_size, seed=0)
         state = build_train_state(cfg, model_cfg, head, "cuda", total_steps=30)
+        assert (state.fp8_head is not None) == (precision == "fp8")  # the loss's lm_head GEMMs in FP8 too
         source = SyntheticSource(
             model_cfg, cfg.data.pack_len, total_steps=30, device=torch.device("cuda"), with_target_labels=True
         )
