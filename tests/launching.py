@@ -10,6 +10,7 @@ process lives), wait_metrics (N lines of metrics.jsonl), wait_ready_then_metrics
 
 import json
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -90,9 +91,31 @@ def spawn_drafter(run_dir, *args, rank=0, world_size=1, port=None, preexec_fn=No
 
 def free_port(host: str = "127.0.0.1") -> int:
     """A tcp port nobody listens on right now (the rendezvous of a lone drafter rank)."""
+    return free_ports(1, host)
+
+
+def free_ports(count: int, host: str = "127.0.0.1", align: int = 1) -> int:
+    """The first of `count` consecutive tcp ports (the first a multiple of align) that bind right now,
+    all below the kernel's ephemeral range: a port found free inside that range can be taken by any
+    outgoing connection (gloo and the stores open many) before the worker binds it."""
+    try:
+        ephemeral = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral = 32768  # Linux's default
+    for _ in range(100):
+        first = random.randrange(-(-10000 // align) * align, ephemeral - count, align)
+        if all(_binds(host, port) for port in range(first, first + count)):
+            return first
+    raise RuntimeError(f"no {count} free tcp ports in a row below {ephemeral} on {host}")
+
+
+def _binds(host: str, port: int) -> bool:
     with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
 
 
 # --- waiting on a real run ---------------------------------------------------------------------

@@ -6,7 +6,6 @@ own run folder, so the checkpoint a restart resumes from reaches ranks 2-3 over 
 """
 
 import json
-import random
 import signal
 import time
 from collections import Counter
@@ -18,7 +17,7 @@ from services.config import load_config
 from services.drafter.ledger import read_all
 from services.endpoints import endpoint
 from services.health import probe
-from tests.launching import run_launcher, start_launcher
+from tests.launching import free_ports, run_launcher, start_launcher
 
 pytestmark = pytest.mark.slow
 TARGET, FIRST, SECOND = "127.0.0.1", "127.0.0.2", "127.0.0.3"
@@ -26,7 +25,8 @@ SPEC = f"0:target@{TARGET},0-1:drafter@{FIRST},2-3:drafter@{SECOND}"
 
 
 def start(tmp_path, steps: int, rendezvous_s: int) -> dict:
-    base_port, dist_port = random.randrange(20000, 40000, 1024), random.randrange(41000, 49000)
+    base_port = free_ports(1024 + 2, align=1024)  # the workers' 1 024 ports, then dist_port and dist_port + 1
+    dist_port = base_port + 1024
     launchers = {}
     for host in (TARGET, FIRST, SECOND):
         launchers[host] = start_launcher(

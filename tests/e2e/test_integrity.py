@@ -81,6 +81,9 @@ def test_a_same_uid_takeover_replaying_the_incarnation_trains_nothing_and_does_n
                     "run.spec_eval_prompts=0",
                     "run.checkpoint_every=0",
                     "transport.credits=4",
+                    # re-ask unanswered requests soon: the derived wait (10 s at least) outlasts the
+                    # launcher's restart of target-0, so the impostor could go unasked
+                    "transport.resend_after_s=2",
                 ),
                 stdout=out,
                 stderr=subprocess.STDOUT,

@@ -20,7 +20,7 @@ import psutil
 import pytest
 
 from launcher import process
-from tests.launching import child_env, free_port, run_launcher, start_launcher
+from tests.launching import child_env, free_ports, run_launcher, start_launcher
 
 
 @pytest.fixture
@@ -491,7 +491,7 @@ def test_a_host_with_targets_only_ends_as_the_remote_drafters_did(tmp_path, step
     spec = "0:target@127.0.0.1,0:drafter@127.0.0.2"
     overrides = (
         *host_overrides(parse_gpu_spec(spec)),
-        f"transport.base_port={free_port() // 1024 * 1024 % 40000 + 20000}",
+        f"transport.base_port={free_ports(1024, align=1024)}",
     )
     sup = ending_supervisor(tmp_path, [], spec=spec, host="127.0.0.1", overrides=overrides)
     remote = HealthServer(endpoint(tmp_path, sup.cfg.transport, "drafter", 0, "health"), "drafter", 0, 0)

@@ -4,7 +4,6 @@ A third party without the key gets nothing from the target.
 """
 
 import json
-import random
 import subprocess
 import time
 from collections import Counter
@@ -16,7 +15,7 @@ from services import wire
 from services.config import load_config
 from services.drafter.ledger import read_all
 from services.endpoints import endpoint
-from tests.launching import launcher_argv, run_launcher
+from tests.launching import free_ports, launcher_argv, run_launcher
 
 pytestmark = pytest.mark.slow
 TARGET_HOST, DRAFTER_HOST = "127.0.0.1", "127.0.0.2"
@@ -46,7 +45,8 @@ def up(run_dir, host, keys, base_port, dist_port):
 def test_run_across_two_hosts_with_curve(tmp_path):
     keys = tmp_path / "keys"
     assert subprocess.run(launcher_argv("keys", str(keys)), capture_output=True).returncode == 0
-    base_port, dist_port = random.randrange(20000, 40000, 1024), random.randrange(41000, 49000)
+    base_port = free_ports(1024 + 2, align=1024)  # the workers' 1 024 ports, then dist_port and dist_port + 1
+    dist_port = base_port + 1024
     target_run, drafter_run = tmp_path / "host-a", tmp_path / "host-b"
     host_a = subprocess.Popen(
         up(target_run, TARGET_HOST, keys, base_port, dist_port),
