@@ -37,7 +37,10 @@ class IoThread:
         self._thread.start()
 
     def _wake(self) -> None:
-        self._wake_out.send(b"", zmq.NOBLOCK)
+        try:
+            self._wake_out.send(b"", zmq.NOBLOCK)
+        except zmq.Again:  # no room or no peer: a wake is pending, or the thread has ended (close() raced it)
+            pass
 
     def _woken(self) -> None:
         while self._wake_in.poll(0):

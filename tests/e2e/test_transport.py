@@ -386,6 +386,16 @@ def test_a_drafter_that_does_not_read_holds_up_nobody_else():
         server.close()
 
 
+def test_close_after_the_io_thread_has_ended_is_clean():
+    """close() may find the I/O thread already gone (it saw the closing flag first): waking it must not raise."""
+    server = BatchServer("tcp://127.0.0.1:*", transport_cfg())
+    server._closing.set()  # what close() does first; the thread may end before close() wakes it
+    server._thread.join(timeout=5)
+    assert not server._thread.is_alive()
+    time.sleep(0.5)  # let ZMQ finish tearing down the closed end of the wake pipe
+    server.close()
+
+
 def test_layout_aligns_every_tensor():
     specs = [wire.spec_of(n, t) for n, t in make_batch(0).tensors().items()]
     offsets, total = layout(specs)
