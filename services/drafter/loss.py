@@ -33,10 +33,15 @@ class Fp8Head(NamedTuple):
     @classmethod
     def of(cls, lm_head: torch.Tensor) -> "Fp8Head | None":
         """None when a dimension is not a multiple of 16 (FP8 GEMMs need that): the loss stays bf16."""
-        if lm_head.shape[0] % 16 or lm_head.shape[1] % 16:
+        if not fp8_dims(*lm_head.shape):
             return None
         weight, scale = to_fp8(lm_head, torch.float8_e4m3fn)
         return cls(weight, weight.t().contiguous(), scale)
+
+
+def fp8_dims(*dims: int) -> bool:
+    """Whether FP8 GEMMs take these matrix dimensions (cuBLAS wants multiples of 16)."""
+    return all(d % 16 == 0 for d in dims)
 
 
 LossHead = torch.Tensor | Fp8Head  # what the chunk functions take: the bf16 lm_head, or its FP8 form

@@ -22,6 +22,8 @@ import dataclasses
 import torch
 from torch import nn
 
+from services.drafter.loss import fp8_dims
+
 FP8_RECIPE = "tensorwise"  # measured fastest (above); bench/drafter_step.py --fp8-recipe tries others
 
 
@@ -58,4 +60,4 @@ def apply_precision(drafter: nn.Module, precision: str, device: torch.device, *,
 
 def fits_fp8(module: nn.Module, _name: str) -> bool:
     """A linear whose weight dimensions FP8 GEMMs accept (multiples of 16); others stay bf16."""
-    return isinstance(module, nn.Linear) and module.in_features % 16 == 0 and module.out_features % 16 == 0
+    return isinstance(module, nn.Linear) and fp8_dims(module.in_features, module.out_features)
