@@ -310,9 +310,9 @@ def _eval_options(p) -> None:
         "--batch",
         type=int,
         default=0,
-        help="prompts decoded at once, one packed target forward per step with no KV cache (default: 32 "
-        "on a GPU for a target of at most 3B parameters, else 1); 1: one prompt at a time on a KV "
-        "cache, which a large target decodes faster",
+        help="prompts decoded at once, one target forward per step for all of them: a KV-cache row each "
+        "for a target of attention layers (default 128 on a GPU), packed without a cache for a hybrid "
+        "(default 32 up to 3B parameters); 1 (the default on a CPU): one prompt at a time on a KV cache",
     )
     p.add_argument(
         "--device",

@@ -39,17 +39,18 @@ def _follow(child: subprocess.Popen, state: dict) -> None:
         except (ValueError, AttributeError):
             event = None
         if event == "progress":
-            state["done"] = int(record["done"])
+            state["done"], state["tokens"] = int(record["done"]), int(record.get("tokens", 0))
         elif event == "regenerated":
             state["final"] = record
         else:
             sys.stderr.write(line)
 
 
-def progress_text(done: int, total: int, rate: float) -> str:
+def progress_text(done: int, total: int, rate: float, token_rate: float = 0.0) -> str:
     eta = _duration((total - done) / rate) if rate > 0 else "?"
     pct = 100 * done / total if total else 100.0
-    return f"regenerating: {done}/{total} assistant turns ({pct:.1f}%), {rate:.1f} turns/s, ETA {eta}"
+    tokens = f", {token_rate:,.0f} generated tok/s" if token_rate > 0 else ""
+    return f"regenerating: {done}/{total} assistant turns ({pct:.1f}%), {rate:.1f} turns/s{tokens}, ETA {eta}"
 
 
 def advice(out: Path, pre_tokenized: int) -> str:
@@ -129,7 +130,7 @@ def run(args) -> None:
                 base + ["--out", str(part), "--shard", f"{i}/{len(gpus)}"], env=env, stdout=subprocess.PIPE, text=True
             )
             children.append(child)
-            states.append({"done": 0, "final": None})
+            states.append({"done": 0, "tokens": 0, "final": None})
             readers.append(threading.Thread(target=_follow, args=(child, states[-1]), daemon=True))
             readers[-1].start()
         first: tuple[float, int] | None = None  # (time, turns) at the first batch done
@@ -139,7 +140,8 @@ def run(args) -> None:
                 first = (time.monotonic(), done)
             elapsed = time.monotonic() - first[0] if first else 0.0
             rate = (done - first[1]) / elapsed if first and elapsed > 0 else 0.0
-            line.show(progress_text(done, total, rate))
+            token_rate = sum(s["tokens"] for s in states) / max(time.monotonic() - start, 1e-9)
+            line.show(progress_text(done, total, rate, token_rate))
             time.sleep(0.5)
         for reader in readers:
             reader.join(timeout=10)

@@ -18,7 +18,7 @@ ROLLBACKS names how a hybrid target's Gated DeltaNet state drops a rejected suff
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -40,6 +40,49 @@ class Verifier(Protocol):
     def commit(self, n: int) -> None: ...
 
 
+@dataclass
+class Decoded:
+    tokens: list[int]  # the new tokens (prompt excluded)
+    steps: list[int]  # tokens committed by each verify forward: accepted drafts + 1
+    target_forwards: int  # the prefill and one per step
+    margins: list[float] = field(default_factory=list)  # per token: top-1 - top-2 logit of the forward that chose it
+    tolerances: list[float] = field(default_factory=list)  # per token: that forward's rounding tolerance
+    seconds: float = 0.0  # wall time of the decoding
+
+    @classmethod
+    def first(cls, step) -> "Decoded":
+        """After the prefill: its last position's greedy token is the first new token."""
+        return cls([int(step.greedy[-1])], [], 1, [float(step.margin[-1])], [float(step.tolerance[-1])])
+
+    def accept(
+        self,
+        drafts: list[int],
+        greedy: list[int],
+        margins: list[float],
+        tolerances: list[float],
+        max_new_tokens: int,
+        stop: set,
+    ) -> int:
+        """One verify step (greedy[j]: the target's token after the block's first j+1 tokens): the
+        longest prefix of the drafts equal to the target's tokens, plus the target's own next token,
+        cut at a stop token or the length limit, appended. Returns how many drafts were accepted."""
+        accepted = next((j for j, (d, g) in enumerate(zip(drafts, greedy)) if d != g), len(drafts))
+        new = drafts[:accepted] + [greedy[accepted]]
+        for n, token in enumerate(new):
+            if token in stop or len(self.tokens) + n + 1 >= max_new_tokens:
+                new = new[: n + 1]
+                break
+        self.tokens += new
+        self.margins += margins[: len(new)]
+        self.tolerances += tolerances[: len(new)]
+        self.steps.append(len(new))
+        self.target_forwards += 1
+        return accepted
+
+    def done(self, max_new_tokens: int, stop: set) -> bool:
+        return len(self.tokens) >= max_new_tokens or self.tokens[-1] in stop
+
+
 NEAR_TIE_ULPS = 4
 
 
@@ -47,6 +90,23 @@ def rounding_tolerance(top1: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """NEAR_TIE_ULPS units of rounding of `dtype` at the logits' magnitude (at least 1): a margin
     below it can flip between two forwards that only round differently (docs/operations.md)."""
     return NEAR_TIE_ULPS * torch.finfo(dtype).eps * top1.float().abs().clamp(min=1.0)
+
+
+def exact_logits(hidden: torch.Tensor, lm_head: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """fp32 logits of a model computing in `dtype`: hidden (in dtype) @ lm_head.t() (its fp32 copy).
+
+    A bf16 value has 8 significant bits, TF32 has 11: a TF32 tensor-core GEMM of bf16 values
+    multiplies exactly and adds in fp32, like the fp32 GEMM, at several times its speed (the
+    lm_head of a 128 K vocabulary was the largest cost of a decoding step on an H200)."""
+    if hidden.device.type != "cuda" or dtype != torch.bfloat16:
+        return hidden.float() @ lm_head.t()
+    matmul = torch.backends.cuda.matmul
+    saved = matmul.allow_tf32
+    matmul.allow_tf32 = True
+    try:
+        return hidden.float() @ lm_head.t()
+    finally:
+        matmul.allow_tf32 = saved
 
 
 ROLLBACKS = ("per-token", "refeed")  # the first is the default (docs/operations.md: measured)

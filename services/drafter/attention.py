@@ -91,6 +91,22 @@ def visibility(
     return visible
 
 
+def padded_mask(anchors: torch.Tensor, block_size: int, context_len: int, window: int | None = None) -> torch.Tensor:
+    """visibility() for a batch of padded rows, one block each (decoding many prompts at once):
+    row b's context is its first anchors[b] keys (the rest padding), its block the last block_size
+    keys. Returns [B, 1, block_size, context_len + block_size] bool."""
+    check_window(window)
+    offset = torch.arange(block_size, device=anchors.device)[:, None]  # the query sits at anchor + offset
+    key = torch.arange(context_len + block_size, device=anchors.device)[None, :]
+    anchor = anchors[:, None, None, None]
+    in_context = (key < context_len) & (key < anchor)
+    in_block = key >= context_len
+    if window is not None:
+        in_context = in_context & (key >= anchor + offset - (window - 1))
+        in_block = in_block & (key - context_len >= offset - (window - 1))
+    return in_context | in_block
+
+
 def flex_mask_mod(anchors, context_starts, block_size: int, context_len: int, window: int | None = None):
     visible = visibility(anchors, context_starts, block_size, context_len, window)
 

@@ -40,9 +40,10 @@ class RMSNorm(nn.Module):
 
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin tables [len, head_dim] for integer positions, computed in fp32 (HF Qwen3 layout)."""
+    """cos/sin tables [len, head_dim] ([B, len, head_dim] for positions [B, len]) for integer
+    positions, computed in fp32 (HF Qwen3 layout)."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim))
-    freqs = positions.float()[:, None] * inv_freq[None, :]
+    freqs = positions.float()[..., None] * inv_freq  # [..., len, head_dim / 2]: a row of positions or a batch
     emb = torch.cat([freqs, freqs], dim=-1)
     return emb.cos(), emb.sin()
 
@@ -71,20 +72,24 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
 
     def forward(self, x, ctx, rope, attend, mask):
-        """x [Q, H] block tokens (already layer-normed), ctx [C, H] context features."""
+        """x [Q, H] block tokens (already layer-normed), ctx [C, H] context features; or a batch of
+        padded rows, x [B, Q, H] and ctx [B, C, H] (many prompts decoded at once: services/target/slots.py)."""
+        batched = x.dim() == 3
+        x, ctx = (x, ctx) if batched else (x[None], ctx[None])
         q_cos, q_sin, k_cos, k_sin = rope
-        q_len, kv_len = x.shape[0], ctx.shape[0] + x.shape[0]
-        q = self.q_norm(self.q_proj(x).view(1, q_len, self.num_heads, self.head_dim)).transpose(1, 2)
+        b, q_len, kv_len = x.shape[0], x.shape[1], ctx.shape[1] + x.shape[1]
+        q = self.q_norm(self.q_proj(x).view(b, q_len, self.num_heads, self.head_dim)).transpose(1, 2)
         # the same k/v projections for context and block; project separately, then concatenate
         # the (narrower) outputs instead of the inputs
-        k = torch.cat([self.k_proj(ctx), self.k_proj(x)]).view(1, kv_len, self.num_kv_heads, self.head_dim)
-        v = torch.cat([self.v_proj(ctx), self.v_proj(x)]).view(1, kv_len, self.num_kv_heads, self.head_dim)
-        k = self.k_norm(k).transpose(1, 2)  # [1, kv_heads, KV, head_dim]
+        k = torch.cat([self.k_proj(ctx), self.k_proj(x)], 1).view(b, kv_len, self.num_kv_heads, self.head_dim)
+        v = torch.cat([self.v_proj(ctx), self.v_proj(x)], 1).view(b, kv_len, self.num_kv_heads, self.head_dim)
+        k = self.k_norm(k).transpose(1, 2)  # [B, kv_heads, KV, head_dim]
         v = v.transpose(1, 2)
         q = apply_rope(q, q_cos, q_sin)
         k = apply_rope(k, k_cos, k_sin)
-        out = attend(q, k, v, mask)  # [1, heads, Q, head_dim]
-        return self.o_proj(out.transpose(1, 2).reshape(q_len, self.num_heads * self.head_dim))
+        out = attend(q, k, v, mask)  # [B, heads, Q, head_dim]
+        out = self.o_proj(out.transpose(1, 2).reshape(b, q_len, self.num_heads * self.head_dim))
+        return out if batched else out[0]
 
 
 class MLP(nn.Module):
@@ -147,7 +152,8 @@ class DFlashDrafter(nn.Module):
         }
 
     def forward(self, hidden, block_embeds, context_positions, block_positions, masks):
-        """hidden [C, K*H] target features; block_embeds [Q, H]; positions [C], [Q] -> [Q, H].
+        """hidden [C, K*H] target features; block_embeds [Q, H]; positions [C], [Q] -> [Q, H]. Or a
+        batch of padded rows: [B, C, K*H], [B, Q, H], [B, C], [B, Q] -> [B, Q, H], masks [B, 1, Q, C+Q].
         masks: build_masks' dict, or one mask when every layer is full_attention."""
         cfg = self.cfg
         if not isinstance(masks, dict):
@@ -156,8 +162,10 @@ class DFlashDrafter(nn.Module):
             masks = {FULL: masks}
         ctx = self.hidden_norm(self.fc(hidden))
         q_cos, q_sin = rope_cos_sin(block_positions, cfg.head_dim, cfg.rope_theta)
-        k_cos, k_sin = rope_cos_sin(torch.cat([context_positions, block_positions]), cfg.head_dim, cfg.rope_theta)
+        k_cos, k_sin = rope_cos_sin(torch.cat([context_positions, block_positions], -1), cfg.head_dim, cfg.rope_theta)
         rope = (q_cos, q_sin, k_cos, k_sin)  # keys: context at its positions, blocks at pos(a)+k
+        if hidden.dim() == 3:  # a batch of rows: the tables broadcast over the heads
+            rope = tuple(t[:, None] for t in rope)
         x = block_embeds
         for layer, kind in zip(self.layers, cfg.layer_types):
             x = layer(x, ctx, rope, self.attention, masks[kind])

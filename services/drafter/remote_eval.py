@@ -25,6 +25,7 @@ from types import SimpleNamespace
 
 import torch
 
+from services.decode_progress import Progress
 from services.decode_step import Step
 from services.runspec import HeldOut
 from services.prompts import interleave, prompt_sets, stop_token_ids
@@ -121,6 +122,7 @@ class RemoteSpecEval(SpecEval):
             )
         self._refs: dict[int, object] = {}
         self._controls: dict[tuple, dict] = {}
+        self.progress = Progress("real acceptance", say=log.info)
         self._sessions = itertools.count(1)
         self.down: set[int] = set()
         self.skipped = 0
@@ -169,7 +171,9 @@ class RemoteSpecEval(SpecEval):
         the figures of those decoded, and their `indices` (a skipped prompt is not among them)."""
         start, results, refs, decoded = time.perf_counter(), [], [], []
         self.down, self.skipped = set(), 0
-        for index in range(len(self.prompts)) if indices is None else indices:
+        todo = range(len(self.prompts)) if indices is None else indices
+        self.progress.phase(getattr(propose, "label", "drafter"), len(todo) * self.max_new_tokens)
+        for index in todo:
             if budget_s > 0 and (results or self.skipped) and time.perf_counter() - start > budget_s:
                 break
             if tick:
@@ -188,6 +192,7 @@ class RemoteSpecEval(SpecEval):
                 )
             )
             if out is not None:
+                self.progress.add(len(out.tokens))  # a log line every 10 s while it lasts
                 results.append(out)
                 refs.append(ref)
                 decoded.append(index)

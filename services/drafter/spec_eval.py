@@ -35,6 +35,11 @@ class SpecEval:
         """The drafter (weights; None: its random initial weights) as evaluated here, with the target's head."""
         return DrafterProposer(eval_drafter(weights, model_cfg, self.device, self.dtype), self.head(model_cfg))
 
+    def _random(self, model_cfg: DrafterModelConfig) -> DrafterProposer:
+        random = self.proposer(None, model_cfg)
+        random.label = "random-drafter control"
+        return random
+
     def evaluate(
         self,
         weights: dict,
@@ -57,7 +62,7 @@ class SpecEval:
                 torch.manual_seed(seed)
                 self._controls[key] = {
                     "repeat_last": self.run(RepeatLast(model_cfg.block_size), tick=tick, indices=decoded),
-                    "random": self.run(self.proposer(None, model_cfg), tick=tick, indices=decoded),
+                    "random": self.run(self._random(model_cfg), tick=tick, indices=decoded),
                 }
             result.update(self._controls[key])
         result["held_out"] = self.held_out

@@ -34,12 +34,12 @@ is a drafter of the same shape with its initial (random) weights.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
-from services.drafter.attention import DenseAttention
+from services.decode_step import Decoded
+from services.drafter.attention import DenseAttention, padded_mask
 from services.lossless import first_difference, lossless_figures
 from services.drafter.model import DFlashDrafter, DrafterModelConfig
 from services.drafter.target_head import TargetHead
@@ -56,6 +56,8 @@ def inference_attention(q, k, v, mask):
 
 class DrafterProposer:
     """A DFlash drafter with the target's embedding and lm_head."""
+
+    label = "drafter"  # what a progress line calls it
 
     def __init__(self, drafter: DFlashDrafter, head: TargetHead):
         self.drafter, self.head, self.cfg = drafter, head, drafter.cfg
@@ -87,9 +89,32 @@ class DrafterProposer:
         )
         return (out.view(len(contexts), B, -1)[:, 1:] @ head.lm_head.t()).argmax(-1).tolist()
 
+    def padded(self, features: torch.Tensor, starts: torch.Tensor, last_tokens: torch.Tensor) -> torch.Tensor:
+        """Every row's B-1 drafts in one call on padded rows (services/target/slots.py): row b's context
+        is features[b, :starts[b]], its block an anchor at starts[b]. Returns [rows, B-1] on the host."""
+        B, head = self.block_size, self.head
+        device, dtype = head.embed.device, head.embed.dtype
+        context_len = int(starts.max())
+        anchors = starts.to(device)
+        block = torch.full((len(last_tokens), B), self.cfg.mask_token_id, dtype=torch.long)
+        block[:, 0] = last_tokens
+        masks = {
+            kind: padded_mask(anchors, B, context_len, self.cfg.window(kind)) for kind in set(self.cfg.layer_types)
+        }
+        out = self.drafter(
+            features[:, :context_len].to(device=device, dtype=dtype),
+            head.embed_tokens(block.to(device)),
+            torch.arange(context_len, device=device).expand(len(last_tokens), -1),
+            anchors[:, None] + torch.arange(B, device=device),
+            masks,
+        )
+        return (out[:, 1:] @ head.lm_head.t()).argmax(-1).cpu()
+
 
 class RepeatLast:
     """The trivial baseline: draft the last accepted token B-1 times."""
+
+    label = "repeat-last control"
 
     def __init__(self, block_size: int):
         self.block_size = block_size
@@ -99,6 +124,9 @@ class RepeatLast:
 
     def many(self, contexts, last_tokens: list[int]) -> list[list[int]]:
         return [[token] * (self.block_size - 1) for token in last_tokens]
+
+    def padded(self, features, starts, last_tokens: torch.Tensor) -> torch.Tensor:
+        return last_tokens[:, None].expand(-1, self.block_size - 1).clone()
 
 
 def eval_drafter(weights: dict, cfg: DrafterModelConfig, device, dtype=torch.float32) -> DFlashDrafter:
@@ -110,49 +138,6 @@ def eval_drafter(weights: dict, cfg: DrafterModelConfig, device, dtype=torch.flo
 
 
 # --- the loop --------------------------------------------------------------------------------------
-
-
-@dataclass
-class Decoded:
-    tokens: list[int]  # the new tokens (prompt excluded)
-    steps: list[int]  # tokens committed by each verify forward: accepted drafts + 1
-    target_forwards: int  # the prefill and one per step
-    margins: list[float] = field(default_factory=list)  # per token: top-1 - top-2 logit of the forward that chose it
-    tolerances: list[float] = field(default_factory=list)  # per token: that forward's rounding tolerance
-    seconds: float = 0.0  # wall time of the decoding
-
-    @classmethod
-    def first(cls, step) -> "Decoded":
-        """After the prefill: its last position's greedy token is the first new token."""
-        return cls([int(step.greedy[-1])], [], 1, [float(step.margin[-1])], [float(step.tolerance[-1])])
-
-    def accept(
-        self,
-        drafts: list[int],
-        greedy: list[int],
-        margins: list[float],
-        tolerances: list[float],
-        max_new_tokens: int,
-        stop: set,
-    ) -> int:
-        """One verify step (greedy[j]: the target's token after the block's first j+1 tokens): the
-        longest prefix of the drafts equal to the target's tokens, plus the target's own next token,
-        cut at a stop token or the length limit, appended. Returns how many drafts were accepted."""
-        accepted = next((j for j, (d, g) in enumerate(zip(drafts, greedy)) if d != g), len(drafts))
-        new = drafts[:accepted] + [greedy[accepted]]
-        for n, token in enumerate(new):
-            if token in stop or len(self.tokens) + n + 1 >= max_new_tokens:
-                new = new[: n + 1]
-                break
-        self.tokens += new
-        self.margins += margins[: len(new)]
-        self.tolerances += tolerances[: len(new)]
-        self.steps.append(len(new))
-        self.target_forwards += 1
-        return accepted
-
-    def done(self, max_new_tokens: int, stop: set) -> bool:
-        return len(self.tokens) >= max_new_tokens or self.tokens[-1] in stop
 
 
 def _take(step, n: int) -> tuple[list[int], list[float], list[float]]:

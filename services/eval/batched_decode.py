@@ -35,8 +35,8 @@ import time
 
 import torch
 
-from services.drafter.speculative import Decoded
-from services.decode_step import Step, rounding_tolerance
+from services.decode_step import Decoded
+from services.decode_step import Step, exact_logits, rounding_tolerance
 
 
 class PackedVerifier:
@@ -63,7 +63,7 @@ class PackedVerifier:
         t.capture(ids, positions, documents, out=features, final_out=final)
         ends = torch.cumsum(lengths, 0).tolist()
         rows = torch.cat([torch.arange(end - tail, end) for end, tail in zip(ends, tails)]).to(device)
-        top = (final[rows].float() @ self.lm_head.t()).topk(2, dim=-1)
+        top = exact_logits(final[rows], self.lm_head, self.dtype).topk(2, dim=-1)
         greedy, margin = top.indices[:, 0].cpu(), (top.values[:, 0] - top.values[:, 1]).cpu()
         tolerance = rounding_tolerance(top.values[:, 0], self.dtype).cpu()
         out, first = [], 0

@@ -106,8 +106,8 @@ def main(argv=None) -> int:
         "--batch",
         type=int,
         default=0,
-        help="prompts decoded at once (default: 32 on a GPU for a target of at "
-        "most 3B parameters, else 1; `launcher eval --help`)",
+        help="prompts decoded at once (default: 128 on a GPU for a target of attention layers, 32 for a "
+        "hybrid of at most 3B parameters, else 1; `launcher eval --help`)",
     )
     p.add_argument("--threads", type=int, default=1, help="CPU threads (tiny demo models decode fastest on one)")
     p.add_argument(
@@ -148,6 +148,7 @@ def main(argv=None) -> int:
         return 2
     from services.eval.spec_eval import LocalSpecEval
 
+    print(f"eval: loading the target {cfg.target.model_path} on {args.device}", file=sys.stderr, flush=True)
     try:
         spec = LocalSpecEval(
             cfg,
@@ -161,6 +162,11 @@ def main(argv=None) -> int:
     except Exception as exc:  # the target cannot be loaded or decoded: one line
         print(f"eval: error: {exc}", file=sys.stderr)
         return 2
+    from services.decode_progress import Progress
+
+    spec.progress = Progress("eval")  # a line on stderr every 10 s while it decodes
+    how = "one at a time" if spec.batch == 1 else f"{spec.batch} at once" + (" (KV-cache rows)" if spec.slots else "")
+    print(f"eval: {len(spec.prompts)} prompts, decoded {how}", file=sys.stderr, flush=True)
     if not spec.prompts:
         print(
             f"eval: error: no prompts in the held-out data of {run_dir} (chat lines, or pre-tokenized lines with "

@@ -2,9 +2,11 @@
 this process: the target, its prompts (services/prompts.py) and their plain greedy outputs, made
 once; then any drafter is decoded on them.
 
-`batch` prompts decode together, one packed target forward per step (batched_decode.py); batch 1
-decodes one prompt at a time on a KV cache (services/drafter/speculative.py), the references as the
-drafters.
+`batch` prompts decode together, one target forward per step: each on its own row of a KV cache
+(slots.py) for a target of attention layers, or packed without a cache (batched_decode.py) for one
+with recurrent layers; batch 1 decodes one prompt at a time on a KV cache
+(services/drafter/speculative.py), the references as the drafters. A Progress (progress.py) prints a
+line every 10 s while it decodes.
 
 The target is loaded by services.target.model.load_target (the training capture's own loader,
 hooks and packed Gated DeltaNet layers) in fp32 on CPU and in target.dtype elsewhere, and runs
@@ -22,9 +24,11 @@ from services import runspec
 from services.decode_step import ROLLBACKS
 from services.drafter.model import DrafterModelConfig
 from services.drafter.spec_eval import SpecEval
-from services.drafter.speculative import Decoded, greedy_reference, speculative_generate, summarize_sets
+from services.decode_step import Decoded
+from services.drafter.speculative import greedy_reference, speculative_generate, summarize_sets
 from services.drafter.target_head import TargetHead
 from services.eval.batched_decode import PackedVerifier, decode_many
+from services.target.slots import decode_slots, slot_decodable
 from services.eval.verifier import LocalVerifier
 from services.prompts import interleave, prompt_sets, stop_token_ids
 from services.target.model import load_target
@@ -36,17 +40,23 @@ def load_eval_target(cfg, device: torch.device):
     return load_target(dataclasses.replace(target_cfg, dtype="float32") if device.type == "cpu" else target_cfg, device)
 
 
-# Recomputing every prompt's context each step (batched_decode.py) costs FLOPs in proportion to the
-# target's size; the cached one-prompt loop is bound by kernel launches on a small target and by
-# reading the weights on a large one: past a few billion parameters the cached loop wins.
-AUTO_BATCH, AUTO_BATCH_MAX_PARAMS = 32, 3e9
+# Recomputing every prompt's context each step (batched_decode.py, recurrent targets) costs FLOPs in
+# proportion to the target's size; the cached one-prompt loop is bound by kernel launches on a small
+# target and by reading the weights on a large one: past a few billion parameters the cached loop
+# wins. Rows of a KV cache (slots.py, attention-only targets) cost O(block) per prompt and step: many
+# at once win at every size, up to what their cache takes (docs/benchmarks.md, "Evaluation speed").
+AUTO_BATCH, AUTO_BATCH_MAX_PARAMS, AUTO_SLOTS = 32, 3e9, 128
 
 
 def auto_batch(target, device: torch.device) -> int:
-    """Prompts decoded at once by default: AUTO_BATCH on a GPU for a target of at most
-    AUTO_BATCH_MAX_PARAMS parameters, else 1."""
+    """Prompts decoded at once by default on a GPU: AUTO_SLOTS for an attention-only target,
+    AUTO_BATCH for a recurrent one of at most AUTO_BATCH_MAX_PARAMS parameters; else 1."""
+    if device.type != "cuda":
+        return 1
+    if slot_decodable(target):
+        return AUTO_SLOTS
     params = sum(p.numel() for p in target.model.parameters())
-    return AUTO_BATCH if device.type == "cuda" and params <= AUTO_BATCH_MAX_PARAMS else 1
+    return AUTO_BATCH if params <= AUTO_BATCH_MAX_PARAMS else 1
 
 
 class LocalSpecEval(SpecEval):
@@ -76,7 +86,9 @@ class LocalSpecEval(SpecEval):
         self.target = target if target is not None else load_eval_target(cfg, self.device)  # a Target
         self.verifier = LocalVerifier(self.target, rollback)
         self.batch = batch or auto_batch(self.target, self.device)
-        self.packed = PackedVerifier(self.target) if self.batch > 1 else None
+        self.slots = self.batch > 1 and slot_decodable(self.target)
+        self.packed = PackedVerifier(self.target) if self.batch > 1 and not self.slots else None
+        self.progress = None  # a Progress (progress.py): a console line every 10 s
         self.dtype = self.target.model.dtype
         self.max_new_tokens = max_new_tokens
         self.stop_ids = stop_token_ids(self.tokenizer, self.target.model)
@@ -91,11 +103,21 @@ class LocalSpecEval(SpecEval):
             [self.prompts[i] for i in indices],
             dict(max_new_tokens=self.max_new_tokens, stop_ids=self.stop_ids),
         )
+        step = self.progress.add if self.progress else lambda tokens: None
+        if self.slots:
+            return decode_slots(self.target, propose, prompts, **limits, on_step=step)
         if self.packed is not None:
-            return decode_many(self.packed, propose, prompts, **limits)
-        if propose is None:
-            return [greedy_reference(self.verifier, p, self.max_new_tokens, self.stop_ids) for p in prompts]
-        return [speculative_generate(self.verifier, propose, p, **limits) for p in prompts]
+            outs = decode_many(self.packed, propose, prompts, **limits)
+        elif propose is None:
+            outs = [greedy_reference(self.verifier, p, self.max_new_tokens, self.stop_ids) for p in prompts]
+        else:
+            outs = [speculative_generate(self.verifier, propose, p, **limits) for p in prompts]
+        step(sum(len(o.tokens) for o in outs))
+        return outs
+
+    def _phase(self, name: str, prompts: int) -> None:
+        if self.progress:
+            self.progress.phase(name, prompts * self.max_new_tokens)
 
     def references(self, n: int) -> list[Decoded]:
         """Plain greedy outputs of the first n prompts (computed `batch` at a time, once, reused at
@@ -126,6 +148,7 @@ class LocalSpecEval(SpecEval):
         start = time.perf_counter()
         if indices is None:  # references inside the budget too: the first evaluation computes them
             count = 0
+            self._phase("greedy references", len(self.prompts) - len(self._references))
             while count < len(self.prompts):
                 if budget_s > 0 and count and time.perf_counter() - start > budget_s / 2:
                     break
@@ -135,6 +158,7 @@ class LocalSpecEval(SpecEval):
             indices = list(range(count))
         refs = self.references(max(indices, default=-1) + 1)  # cached: the drafter's run computed them
         began, results = time.perf_counter(), []
+        self._phase(getattr(propose, "label", "drafter"), len(indices))
         for first in range(0, len(indices), self.batch):
             if budget_s > 0 and results and time.perf_counter() - start > budget_s:
                 break

@@ -27,18 +27,16 @@ from __future__ import annotations
 import inspect
 
 import torch
-from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention import sdpa_kernel
 from transformers import DynamicCache
 
 from services.decode_step import Step, rounding_tolerance
 from services.target import hybrid
-from services.target.model import Target
+from services.target.model import NO_CUDNN_SDPA, Target
 
 ATTENTION_KINDS = {"full_attention", "sliding_attention"}
-# Not cuDNN's SDPA: it builds a plan on the host for every new key length (about 14 ms a call on an
-# H200, bench/verify_step.py --profile), and decoding grows the key length every step, so no plan
-# is ever reused. Flash and memory-efficient attention have no per-shape plan.
-DECODE_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+# decoding grows the key length every step: no cuDNN SDPA plan would ever be reused (model.py)
+DECODE_SDPA = NO_CUDNN_SDPA
 
 
 class AttentionCache(DynamicCache):

@@ -45,6 +45,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from services import dtypes, layers
 from services.batch import FIELDS, document_spans
@@ -55,6 +56,12 @@ from services.target.row import RowLayout, RowSlot
 
 log = logging.getLogger("target")
 PACKED_SDPA = "sdpa_packed"
+# Not cuDNN's SDPA where shapes change call by call (a document's length, a growing KV cache): it
+# builds a plan on the host for every new shape (about 14 ms a call on an H200, bench/verify_step.py
+# --profile), and a packed row of documents of other lengths than the last never reuses one: a
+# Gemma-3 target's sliding-window layers, attended document by document, left the GPU 1 % busy.
+# Flash and memory-efficient attention have no per-shape plan.
+NO_CUDNN_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 DTYPES = dtypes.TARGET
 
 
@@ -90,11 +97,12 @@ def _sdpa_packed(module, query, key, value, attention_mask, scaling=None, dropou
     packed_attention) one varlen flash-attention call covers every document; else causal SDPA per
     document.
     """
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     spans, layout = kwargs.pop("doc_spans", None), None
+    slot = getattr(module, "row_slot", None)
+    if spans is None and slot is not None and slot.slots is not None:  # many prompts, each on its KV cache
+        return slot.slots.attend(module, query, key, value, kwargs.get("sliding_window"), scaling)
     if spans is None:
-        slot = getattr(module, "row_slot", None)
         layout = slot.layout if slot is not None else None
         if layout is None:
             raise RuntimeError(
@@ -105,18 +113,28 @@ def _sdpa_packed(module, query, key, value, attention_mask, scaling=None, dropou
     window = kwargs.pop("sliding_window", None)
     if key.shape[2] != query.shape[2]:  # decoding on top of a KV cache (decode.py)
         return _sdpa_cached(module, query, key, value, spans, window, scaling)
-    if layout is not None and layout.varlen and window is None and len(spans) > 1:
-        out = varlen_attention()(
+    varlen = varlen_attention() if layout is not None and layout.varlen and len(spans) > 1 else None
+    if varlen is not None and (window is None or varlen.windows):
+        out = varlen(
             query[0].transpose(0, 1),
             key[0].transpose(0, 1),
             value[0].transpose(0, 1),
             layout.cu_seqlens,
             layout.longest,
             scaling,
+            window,
         )
         return out[None], None
     b, hq, s, d = query.shape
     out = query.new_empty(b, s, hq, value.shape[-1])
+    with sdpa_kernel(NO_CUDNN_SDPA):
+        _sdpa_per_document(module, query, key, value, spans, window, scaling, out)
+    return out, None
+
+
+def _sdpa_per_document(module, query, key, value, spans, window, scaling, out) -> None:
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
     for start, end in spans:
         mask = None
         if window is not None and end - start > window:  # a sliding-window layer: band inside the document
@@ -132,7 +150,6 @@ def _sdpa_packed(module, query, key, value, attention_mask, scaling=None, dropou
             scaling=scaling,
         )
         out[:, start:end] = o
-    return out, None
 
 
 def _sdpa_cached(module, query, key, value, spans, window, scaling):
@@ -164,8 +181,10 @@ def _sdpa_cached(module, query, key, value, spans, window, scaling):
 def varlen_attention():
     """torch's varlen flash attention (torch >= 2.10) as f(q, k, v, cu, max_len, scale), or None.
 
-    q [T, Hq, D], k/v [T, Hkv, D], causal inside each span of cu. The keyword for "causal" and
-    for grouped KV heads changed between torch releases, so both spellings are handled.
+    q [T, Hq, D], k/v [T, Hkv, D], causal inside each span of cu; with `window` W, each query sees
+    its last W keys (itself included: a sliding-window layer), where this torch takes a window
+    (attend.windows). The keyword for "causal" and for grouped KV heads changed between torch
+    releases, so both spellings are handled.
     """
     try:
         from torch.nn.attention.varlen import varlen_attn
@@ -175,14 +194,16 @@ def varlen_attention():
     causal = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
     gqa = "enable_gqa" in params
 
-    def attend(q, k, v, cu, longest, scale):
+    def attend(q, k, v, cu, longest, scale, window=None):
         if k.shape[1] != q.shape[1] and not gqa:
             k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
         extra = {"enable_gqa": True} if gqa else {}
+        band = causal if window is None else {"window_size": (window - 1, 0)}
         return varlen_attn(
-            q.contiguous(), k.contiguous(), v.contiguous(), cu, cu, longest, longest, scale=scale, **causal, **extra
+            q.contiguous(), k.contiguous(), v.contiguous(), cu, cu, longest, longest, scale=scale, **band, **extra
         )
 
+    attend.windows = "window_size" in params
     return attend
 
 
@@ -370,7 +391,7 @@ class Target:
             hidden = output[0] if isinstance(output, tuple) else output
             if last:  # HF's hidden_states[L] is the last layer's output after the final norm
                 hidden = self.backbone.norm(hidden)
-            self._out[:, cols].copy_(hidden[0])
+            self._out[:, cols].copy_(hidden.reshape(-1, hidden.shape[-1]))  # [1, S, H] or a batch [B, q, H]
             if deepest and self._stop_after:
                 raise _StopForward
 

@@ -18,15 +18,20 @@ Every engine renders the prompts with --chat-template-kwargs (the chat template'
 as data.chat_template_kwargs gives them to training): the replies are what the target writes
 under the options it will be served with.
 
-Engines: batched HF `generate` (default, left padding); vLLM or SGLang when installed (their own
-batching, much faster on GPU). `launcher regenerate --gpus 0-3` runs one shard per GPU (lines
+Engines: "hf" (default) decodes many prompts at once on one KV cache, a row per prompt
+(services/target/slots.py: one forward per token for the whole batch, greedy output identical to
+transformers' `generate`; temperature > 0 samples over the whole vocabulary), for any target of
+attention layers; a target with recurrent layers (Gated DeltaNet) runs transformers' batched
+`generate` (left padding). vLLM or SGLang when installed (their own batching).
+`launcher regenerate --gpus 0-3` runs one shard per GPU (lines
 i, i+N, ...) and interleaves the shards back into the input order. Lines that are not chat
 (pre-tokenized) are copied unchanged. Output lines are OpenAI-style {"messages": [...]}.
 
-Stdout is JSON lines: {"event": "progress", "done": D, "total": T} (assistant turns) after each
-generate batch, and one {"event": "regenerated", ...} at the end with what changed: lines, chat
-lines, pre_tokenized lines copied unchanged, turns rewritten, empty_replies_kept. `launcher
-regenerate` reads them for its progress line and summary.
+Stdout is JSON lines: {"event": "progress", "done": D, "total": T, "tokens": N} (assistant turns
+done, tokens generated) after each batch and every 2 s inside one, and one {"event":
+"regenerated", ...} at the end with what changed: lines, chat lines, pre_tokenized lines copied
+unchanged, turns rewritten, empty_replies_kept. `launcher regenerate` reads them for its progress
+line and summary.
 """
 
 from __future__ import annotations
@@ -42,7 +47,8 @@ from services.files import write_text_atomic
 
 
 class HFEngine:
-    """Batched greedy (or sampled) HF generate, left-padded, prompts sorted by length."""
+    """Batched greedy (or sampled) decoding, prompts sorted by length: rows of a KV cache (slots.py)
+    for an attention-only target, else HF generate, left-padded."""
 
     def __init__(self, model_path: str, device: str, temperature: float, template_kwargs: dict | None = None):
         import torch
@@ -55,6 +61,8 @@ class HFEngine:
         self.tokenizer.padding_side = "left"
         dtype = torch.float32 if device == "cpu" else torch.bfloat16
         self.model = load_causal_lm(model_path, dtype, device)  # the training target's loader, HF's attention
+        self.slots = slot_target(self.model)  # None: a recurrent target, HF generate
+        self.generator = torch.Generator(device).manual_seed(0) if temperature > 0 else None
         self.device, self.temperature, self.template_kwargs = device, temperature, template_kwargs or {}
         self.pad = (
             self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
@@ -74,6 +82,24 @@ class HFEngine:
         )
         for start in range(0, len(order), batch_size):
             chunk = order[start : start + batch_size]
+            if self.slots is not None:
+                from services.target.slots import decode_slots
+
+                outs = decode_slots(
+                    self.slots,
+                    None,
+                    [prompts[i] for i in chunk],
+                    max_new_tokens=max_new_tokens,
+                    stop_ids=[self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else [],
+                    temperature=self.temperature,
+                    generator=self.generator,
+                    on_step=(lambda tokens: tick(0, tokens)) if tick else None,
+                )
+                for i, out in zip(chunk, outs):
+                    replies[i] = self.tokenizer.decode(out.tokens, skip_special_tokens=True).strip()
+                if tick:
+                    tick(len(chunk))
+                continue
             width = max(len(prompts[i]) for i in chunk)
             ids = torch.full((len(chunk), width), self.pad, dtype=torch.long)
             mask = torch.zeros((len(chunk), width), dtype=torch.long)
@@ -94,6 +120,21 @@ class HFEngine:
             if tick:
                 tick(len(chunk))
         return replies
+
+
+def slot_target(model):
+    """The model as a Target decoded on rows of a KV cache (slots.py), or None when it has recurrent
+    layers (slot decoding keeps no recurrent state)."""
+    from services.target.slots import slot_decodable
+    from services.target.decode import ATTENTION_KINDS
+    from services.target.model import PACKED_SDPA, Target, _register_packed_sdpa
+
+    if set(getattr(model.config, "layer_types", None) or []) - ATTENTION_KINDS:
+        return None
+    _register_packed_sdpa()
+    model.config._attn_implementation = PACKED_SDPA  # its slot branch reads the rows' masks
+    target = Target(model, [])
+    return target if slot_decodable(target) else None
 
 
 class VLLMEngine:
@@ -204,10 +245,16 @@ def main(argv=None) -> int:
     engine = ENGINES[args.engine](args.model, device, args.temperature, args.chat_template_kwargs)
     counts, done, total = {}, 0, assistant_turns(items)
 
-    def tick(n: int) -> None:
-        nonlocal done
-        done += n
-        print(json.dumps({"event": "progress", "done": done, "total": total}), flush=True)
+    generated, said = 0, time.monotonic()
+
+    def tick(n: int, tokens: int = 0) -> None:
+        """n more turns done, `tokens` more generated: a progress line per batch, and every 2 s
+        inside one (a batch of long replies runs for minutes)."""
+        nonlocal done, generated, said
+        done, generated = done + n, generated + tokens
+        if n or time.monotonic() - said >= 2:
+            said = time.monotonic()
+            print(json.dumps({"event": "progress", "done": done, "total": total, "tokens": generated}), flush=True)
 
     records = regenerate(engine, items, args.max_new_tokens, args.batch_size, counts, tick=tick)
     out = write_text_atomic(Path(args.out), "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))

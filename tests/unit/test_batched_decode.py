@@ -96,11 +96,13 @@ def test_drafts_of_a_packed_batch_equal_each_prompt_drafted_alone(dense):
     assert drafter.many(contexts, lasts) == alone
 
 
-def test_the_default_batch_follows_the_target_size_and_device(dense, monkeypatch):
+def test_the_default_batch_follows_the_target_kind_size_and_device(dense, hybrid, monkeypatch):
     from services.eval import spec_eval
 
     assert spec_eval.auto_batch(dense, torch.device("cpu")) == 1  # CPU: the cached loop
-    assert spec_eval.auto_batch(dense, torch.device("cuda")) == spec_eval.AUTO_BATCH > 1
-    params = sum(p.numel() for p in dense.model.parameters())
-    monkeypatch.setattr(spec_eval, "AUTO_BATCH_MAX_PARAMS", params - 1)  # a target past the limit
-    assert spec_eval.auto_batch(dense, torch.device("cuda")) == 1
+    assert spec_eval.auto_batch(dense, torch.device("cuda")) == spec_eval.AUTO_SLOTS > 1  # a KV-cache row each
+    assert spec_eval.auto_batch(hybrid, torch.device("cuda")) == spec_eval.AUTO_BATCH > 1  # packed, no cache
+    params = sum(p.numel() for p in hybrid.model.parameters())
+    monkeypatch.setattr(spec_eval, "AUTO_BATCH_MAX_PARAMS", params - 1)  # a recurrent target past the limit
+    assert spec_eval.auto_batch(hybrid, torch.device("cuda")) == 1
+    assert spec_eval.auto_batch(dense, torch.device("cuda")) == spec_eval.AUTO_SLOTS  # no limit on slots

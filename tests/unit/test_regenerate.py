@@ -198,18 +198,20 @@ def test_a_broken_line_is_named_and_nothing_is_written(tok_dir, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["chat.jsonl", "model"]  # no output, no parts
 
 
-def test_the_chat_template_options_reach_every_prompt(tok_dir, tmp_path):
+def test_the_chat_template_options_reach_every_prompt(tok_dir, tmp_path, monkeypatch):
+    from services.target import slots
+
     make_model(tok_dir, tmp_path / "model", THINKING_TEMPLATE)
     items = read_conversations_of([CHATS[0], CHATS[2]], tmp_path)
     off = {"enable_thinking": False}
     engine = HFEngine(str(tmp_path / "model"), "cpu", temperature=0.0, template_kwargs=off)
-    fed, generate = [], engine.model.generate
+    fed, decode = [], slots.decode_slots
 
-    def spy(ids, attention_mask, **kw):  # the prompt rows the model is given, padding dropped
-        fed.extend(row[mask.bool()].tolist() for row, mask in zip(ids, attention_mask))
-        return generate(ids, attention_mask=attention_mask, **kw)
+    def spy(target, propose, prompts, **kw):  # the prompts the model is given
+        fed.extend(prompts)
+        return decode(target, propose, prompts, **kw)
 
-    engine.model.generate = spy
+    monkeypatch.setattr(slots, "decode_slots", spy)
     out = regenerate(engine, items, max_new_tokens=4, batch_size=8)
     tokenizer = engine.tokenizer
     want = [
@@ -342,3 +344,25 @@ def test_launcher_regenerate_gpus_is_not_an_up_spec(tmp_path):
         "launcher: error: --device cuda but no NVIDIA GPU is visible; use --device cpu for a CPU run"
     ), out.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["chat.jsonl", "model"]
+
+
+def test_slot_regeneration_is_transformers_generate_and_samples_reproducibly(tok_dir, tmp_path):
+    """The hf engine decodes an attention-only target on rows of a KV cache (services/target/slots.py):
+    greedy replies equal transformers' own batched, left-padded `generate`; sampling is seeded."""
+    from transformers import AutoModelForCausalLM
+
+    make_model(tok_dir, tmp_path / "model")
+    engine = HFEngine(str(tmp_path / "model"), "cpu", temperature=0.0)
+    assert engine.slots is not None
+    convs = [c["messages"][:-1] for c in (CHATS[0], CHATS[2])] + [[{"role": "user", "content": "spell stone"}]]
+    got = engine.generate(convs, max_new_tokens=12, batch_size=2)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "model").eval()
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "model", padding_side="left")
+    texts = [tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in convs]
+    batch = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+    with torch.no_grad():
+        out = model.generate(**batch, max_new_tokens=12, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    want = [tokenizer.decode(row[batch["input_ids"].shape[1] :], skip_special_tokens=True).strip() for row in out]
+    assert got == want and any(want)
+    sampled = [HFEngine(str(tmp_path / "model"), "cpu", temperature=5.0).generate(convs, 12, 2) for _ in range(2)]
+    assert sampled[0] == sampled[1] != got  # the same seed, the same draws; not the greedy replies

@@ -1,0 +1,155 @@
+"""Many prompts decoded at once on one KV cache, a row per prompt (services/target/slots.py), must make
+exactly the decisions of the cached one-prompt loop (speculative.py) on tiny real HF targets (fp32
+on CPU: no rounding ties): the same tokens, the same accepted lengths per step, the same target
+forwards; plain greedy too; rows that stop early leave the batch and the others go on. Dense Qwen3
+and a Gemma-3-style target with sliding-window layers (a window shorter than the prompts)."""
+
+import pytest
+import torch
+
+from services.drafter.attention import padded_mask, visibility
+from services.drafter.speculative import RepeatLast, greedy_reference, speculative_generate
+from services.target.slots import decode_slots, slot_decodable
+from services.eval.verifier import LocalVerifier
+from services.target.model import PACKED_SDPA, Target, _register_packed_sdpa
+from tests.tiny_targets import DENSE_LAYER_IDS, VOCAB, dense_target, prompt
+from tests.unit.test_speculative import random_drafter
+
+B = 4
+NEW = 14
+
+
+def sliding_target(seed: int = 0, device: str = "cpu") -> Target:
+    """A tiny Gemma-3-shaped target: sliding-window layers (window 6) around one full-attention layer."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    torch.manual_seed(seed)
+    cfg = Gemma3TextConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=32,
+        sliding_window=6,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+        max_position_embeddings=512,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
+    model = Gemma3ForCausalLM(cfg).to(device)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(20)  # a spread of logits, so greedy output varies
+    _register_packed_sdpa()
+    model.config._attn_implementation = PACKED_SDPA
+    return Target(model.eval().requires_grad_(False), DENSE_LAYER_IDS)
+
+
+@pytest.fixture(scope="module")
+def sliding():
+    return sliding_target()
+
+
+def prompts():
+    return [prompt(60 + i, n=5 + 4 * i) for i in range(4)]  # 5, 9, 13 and 17 tokens
+
+
+CUDA = pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+@pytest.mark.parametrize("kind", ["dense", "sliding"])
+def test_slot_decoding_makes_the_cached_loops_decisions(kind, device, dense, sliding, monkeypatch):
+    if device == "cuda":  # fp32 on CUDA: the same kernels as bf16 serving (strided cache reads), no ties
+        monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+        target = dense_target(device="cuda") if kind == "dense" else sliding_target(device="cuda")
+    else:
+        target = dense if kind == "dense" else sliding
+    assert slot_decodable(target)
+    cached = LocalVerifier(target)
+    ps = prompts()
+    refs = [greedy_reference(cached, p, NEW) for p in ps]
+    assert len({tuple(r.tokens) for r in refs}) > 1  # varied outputs: a real comparison
+    slot_refs = decode_slots(target, None, ps, max_new_tokens=NEW)
+    assert [r.tokens for r in slot_refs] == [r.tokens for r in refs]
+    assert all(r.target_forwards == len(r.tokens) and r.steps == [1] * (len(r.tokens) - 1) for r in slot_refs)
+    for propose in (random_drafter(target, DENSE_LAYER_IDS, B), RepeatLast(B)):
+        one = [speculative_generate(cached, propose, p, max_new_tokens=NEW) for p in ps]
+        many = decode_slots(target, propose, ps, max_new_tokens=NEW)
+        assert [m.tokens for m in many] == [r.tokens for r in refs]  # lossless
+        assert [m.steps for m in many] == [o.steps for o in one]
+        assert [m.target_forwards for m in many] == [o.target_forwards for o in one]
+        for m, o in zip(many, one):
+            assert m.margins == pytest.approx(o.margins, rel=1e-4, abs=1e-4)
+
+
+def test_rows_that_stop_early_leave_and_the_others_go_on(dense):
+    cached = LocalVerifier(dense)
+    ps = prompts()
+    refs = [greedy_reference(cached, p, 16) for p in ps]
+    stop = refs[1].tokens[3]  # prompt 1 ends at its 4th token (or earlier)
+    want = [greedy_reference(cached, p, 16, [stop]) for p in ps]
+    steps = []
+    got = decode_slots(dense, RepeatLast(B), ps, max_new_tokens=16, stop_ids=[stop], on_step=steps.append)
+    assert [g.tokens for g in got] == [w.tokens for w in want]
+    assert len(got[1].tokens) <= 4 and max(len(g.tokens) for g in got) == 16
+    assert sum(steps) == sum(len(g.tokens) for g in got)  # on_step counts every new token once
+
+
+def test_padded_drafts_equal_each_prompt_drafted_alone(dense):
+    drafter = random_drafter(dense, DENSE_LAYER_IDS, B)
+    g = torch.Generator().manual_seed(2)
+    lengths = [3, 11, 7]
+    width = len(DENSE_LAYER_IDS) * 64
+    features = torch.randn(len(lengths), 16, width, generator=g)
+    lasts = [5, 17, 42]
+    alone = [drafter(features[i, :n], t, n).tolist() for i, (n, t) in enumerate(zip(lengths, lasts))]
+    assert drafter.padded(features, torch.tensor(lengths), torch.tensor(lasts)).tolist() == alone
+    assert RepeatLast(B).padded(features, torch.tensor(lengths), torch.tensor(lasts)).tolist() == [
+        [t] * (B - 1) for t in lasts
+    ]
+
+
+@pytest.mark.parametrize("window", [None, 2, 5])
+def test_the_padded_mask_is_the_training_mask_row_by_row(window):
+    anchors = torch.tensor([3, 9, 0])
+    context_len = 10
+    mask = padded_mask(anchors, B, context_len, window).expand(-1, -1, B, -1)  # full attention: one row, broadcast
+    assert mask.shape == (3, 1, B, context_len + B)
+    q = torch.arange(B)[:, None]
+    kv = torch.arange(context_len + B)[None, :]
+    for b, a in enumerate(anchors):
+        want = visibility(a[None], torch.tensor([0]), B, context_len, window)(q, kv)
+        assert torch.equal(mask[b, 0], want), (b, window)
+
+
+def test_a_hybrid_target_is_not_slot_decodable(hybrid):
+    assert not slot_decodable(hybrid)
+    with pytest.raises(ValueError, match="attention layers only"):
+        decode_slots(hybrid, None, prompts(), max_new_tokens=4)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="varlen flash attention runs on CUDA")
+def test_cuda_packed_row_of_a_sliding_window_target_equals_its_documents_alone():
+    """Training's capture and the packed evaluation run a sliding-window layer as one varlen
+    flash-attention call with a window over the row (not SDPA document by document, which left the
+    GPU idle building cuDNN plans): each document's features as if it were alone."""
+    target = sliding_target()
+    target.model.to("cuda", torch.bfloat16)
+    target.device = torch.device("cuda")
+    from services.target.model import packed_attention
+
+    target.varlen, _ = packed_attention(target.model, target.device)
+    assert target.varlen
+    docs = [prompt(70 + i, n=n) for i, n in enumerate((9, 23, 4, 17))]  # longer and shorter than the window
+    ids = torch.tensor([t for d in docs for t in d])
+    positions = torch.cat([torch.arange(len(d)) for d in docs])
+    documents = torch.repeat_interleave(torch.arange(len(docs)), torch.tensor([len(d) for d in docs]))
+    row, _ = target.capture(ids, positions, documents, out_dtype=torch.float32)
+    first = 0
+    for d in docs:
+        alone, _ = target.capture(torch.tensor(d), torch.arange(len(d)), torch.zeros(len(d), dtype=torch.long))
+        torch.testing.assert_close(row[first : first + len(d)], alone.float(), atol=3e-2, rtol=3e-2)
+        first += len(d)
