@@ -11,3 +11,17 @@ def test_a_small_cpu_run_shows_its_rate_in_tok_s_not_zero_ktok_s():
     assert live.endswith("| loss 5.100 τ 1.40 cov 50% 17.3 tok/s"), live
     assert describe_window(SMALL_RUN).endswith("coverage 50% 17.3 tok/s")
     assert describe_window({**SMALL_RUN, "tokens_per_s": 2_345_000.0}).endswith(" 2.3 Mtok/s")
+
+
+def test_the_converted_gguf_folder_is_readable_by_a_server_under_another_account(tmp_path):
+    """The printed serving commands point at the converted folder: its files get the usual mode
+    (0666 minus the umask), not safetensors' owner-only 0600."""
+    from services.files import current_umask
+    from services.tools.gguf_model import convert
+    from tests.gguf_files import write_llama_gguf
+
+    out = tmp_path / "converted"
+    convert(write_llama_gguf(tmp_path / "tiny.gguf"), out, dtype="float32")
+    modes = {p.name: oct(p.stat().st_mode & 0o777) for p in out.iterdir()}
+    assert "model.safetensors" in modes
+    assert set(modes.values()) == {oct(0o666 & ~current_umask())}, modes
