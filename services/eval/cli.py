@@ -73,7 +73,10 @@ def model_config_from_export(conf: dict) -> DrafterModelConfig:
 
 
 def main(argv=None) -> int:
+    from services import torchao_gate
     from services.config import load_config
+
+    torchao_gate.hide()  # transformers would import it (and print its warnings) for nothing here
 
     p = argparse.ArgumentParser(
         prog="launcher eval",

@@ -122,6 +122,7 @@ def test_launcher_regenerate_writes_the_lines_in_input_order(tok_dir, tmp_path):
     )
     assert out.returncode == 0, out.stderr[-2000:]
     assert "Loading weights" not in out.stderr + out.stdout  # transformers' bars are silenced
+    assert "torchao" not in out.stderr + out.stdout and "_pytree" not in out.stderr  # fp8 training's only
     lines = [json.loads(t) for t in (tmp_path / "regen.jsonl").read_text().splitlines()]
     assert len(lines) == 4 and lines[1] == CHATS[1]
     assert lines[3]["messages"][0] == {"role": "user", "content": "repeat after me : red stone"}
