@@ -131,12 +131,13 @@ def first_line_is_chat(line: bytes) -> bool:
     return isinstance(record, dict) and ("messages" in record or "conversations" in record)
 
 
-def check_tokenizer(folder: Path, chat_data: str = "") -> None:
-    """The target folder has tokenizer files, and a chat template when chat_data ("data.path FILE") needs one."""
+def check_tokenizer(folder: Path, chat_data: str = "", key: str = "target.model_path") -> None:
+    """The target folder has tokenizer files, and a chat template when chat_data ("data.path FILE") needs one.
+    key: what the user named the folder with (`regenerate` and `eval` call it with their option's name)."""
     names = {p.name for p in folder.iterdir()}
     if not names & set(TOKENIZER_FILES) and not any(n.endswith(".tiktoken") for n in names):
         raise PreflightError(
-            f"target.model_path: no tokenizer in {folder} (none of {', '.join(TOKENIZER_FILES)}): "
+            f"{key}: no tokenizer in {folder} (none of {', '.join(TOKENIZER_FILES)}): "
             "save the model's tokenizer there (tokenizer.save_pretrained(FOLDER))"
         )
     if chat_data and not has_chat_template(folder, names):

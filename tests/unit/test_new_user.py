@@ -25,3 +25,31 @@ def test_the_converted_gguf_folder_is_readable_by_a_server_under_another_account
     modes = {p.name: oct(p.stat().st_mode & 0o777) for p in out.iterdir()}
     assert "model.safetensors" in modes
     assert set(modes.values()) == {oct(0o666 & ~current_umask())}, modes
+
+
+def test_regenerate_with_a_model_folder_without_tokenizer_is_one_line_before_any_child(tmp_path, capsys):
+    from launcher.cli import main
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text('{"model_type": "qwen3"}')
+    (model / "model.safetensors").write_bytes(b"")
+    data = tmp_path / "chat.jsonl"
+    data.write_text('{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}\n')
+    code = main(
+        [
+            "regenerate",
+            "--model",
+            str(model),
+            "--data",
+            str(data),
+            "--out",
+            str(tmp_path / "out.jsonl"),
+            "--device",
+            "cpu",
+        ]
+    )
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1, err
+    assert err.startswith(f"launcher: error: --model: no tokenizer in {model} (none of tokenizer.json, "), err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["chat.jsonl", "model"]  # no shard, no output
