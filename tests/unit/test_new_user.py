@@ -1,6 +1,8 @@
 """What a new user met in the first week (issue 49): each defect, in process or one short
 console-script run."""
 
+import json
+
 from launcher.progress import ProgressLine, describe_window
 
 SMALL_RUN = {"step": 20, "loss": 5.1, "tau": 1.4, "coverage": 0.5, "tokens_per_s": 17.3, "steps": 10}
@@ -53,3 +55,30 @@ def test_regenerate_with_a_model_folder_without_tokenizer_is_one_line_before_any
     assert code == 2 and err.count("\n") == 1, err
     assert err.startswith(f"launcher: error: --model: no tokenizer in {model} (none of tokenizer.json, "), err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["chat.jsonl", "model"]  # no shard, no output
+
+
+def test_a_template_kwarg_the_chat_template_never_reads_is_warned_about(tmp_path, capsys):
+    """Pre-tokenized data only: regenerate stops (exit 2) before any child, after its warnings."""
+    from launcher.cli import main
+    from services.tools.demo import CHAT_TEMPLATE
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    (model / "tokenizer.json").write_text("{}")
+    data = tmp_path / "tokens.jsonl"
+    data.write_text('{"input_ids": [1, 2], "loss_mask": [0, 1]}\n')
+
+    def regenerate(template: str) -> str:
+        (model / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
+        argv = ["regenerate", "--model", str(model), "--data", str(data), "--out", str(tmp_path / "o.jsonl")]
+        assert main([*argv, "--device", "cpu", "--template-kwarg", "enable_thinking=false"]) == 2
+        return capsys.readouterr().err
+
+    err = regenerate(CHAT_TEMPLATE)  # ChatML that never reads enable_thinking
+    assert err.splitlines()[0] == (
+        f"launcher: warning: --template-kwarg enable_thinking: the chat template of {model} never reads "
+        "enable_thinking, so it renders alike with it or without it"
+    ), err
+    reads = CHAT_TEMPLATE + "{%- if enable_thinking is false -%}{{- 'no thinking .' -}}{%- endif -%}"
+    assert "warning" not in regenerate(reads)
