@@ -293,12 +293,13 @@ def test_launcher_regenerate_renders_with_the_options_records_them_and_says_the_
 
 
 def one_chat_and_a_bare_model(tmp_path):
-    """A one-line chat file, and tmp_path/model: a folder with a config.json, enough for the
-    launcher's checks that come before any model loads."""
+    """A one-line chat file, and tmp_path/model: a folder with a config.json and a tokenizer file,
+    enough for the launcher's checks that come before any model loads."""
     data = tmp_path / "chat.jsonl"
     data.write_text(json.dumps(CHATS[0]) + "\n")
     (tmp_path / "model").mkdir()
     (tmp_path / "model" / "config.json").write_text("{}")
+    (tmp_path / "model" / "tokenizer.json").write_text("{}")
     return data
 
 
