@@ -82,3 +82,38 @@ def test_a_template_kwarg_the_chat_template_never_reads_is_warned_about(tmp_path
     ), err
     reads = CHAT_TEMPLATE + "{%- if enable_thinking is false -%}{{- 'no thinking .' -}}{%- endif -%}"
     assert "warning" not in regenerate(reads)
+
+
+def test_eval_names_the_step_and_digest_of_the_weights_it_read(tmp_path):
+    """An export rewritten by a resume after eval read it: eval's header and record keep the step
+    and the sha256 of the weights it measured, not just the path."""
+    from services.drafter.export import export_record, export_weights
+    from services.drafter.model import DFlashDrafter, DrafterModelConfig
+    from services.eval.cli import load_weights
+    from services.files import sha256_file
+
+    cfg = DrafterModelConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        vocab_size=64,
+        num_target_layers=4,
+        num_hidden_layers=1,
+        target_layer_ids=[1, 2],
+        block_size=4,
+        mask_token_id=63,
+    )
+
+    def export(step: int):
+        record = export_record(step, last=True, best=False, best_step=None)
+        return export_weights(DFlashDrafter(cfg).state_dict(), cfg, tmp_path / "export", "float32", record)
+
+    out = export(120)
+    digest = sha256_file(out / "model.safetensors")
+    _, _, what, identity = load_weights(out)
+    export(200)  # the resume's export, after eval read the first
+    assert identity == {"drafter_step": 120, "drafter_sha256": digest}
+    assert what == f"export {out} (step 120, weights sha256 {digest[:12]})"
+    assert sha256_file(out / "model.safetensors") != digest
