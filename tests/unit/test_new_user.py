@@ -2,6 +2,8 @@
 console-script run."""
 
 import json
+import os
+from pathlib import Path
 
 from launcher.progress import ProgressLine, describe_window
 
@@ -117,3 +119,35 @@ def test_eval_names_the_step_and_digest_of_the_weights_it_read(tmp_path):
     assert identity == {"drafter_step": 120, "drafter_sha256": digest}
     assert what == f"export {out} (step 120, weights sha256 {digest[:12]})"
     assert sha256_file(out / "model.safetensors") != digest
+
+
+def untrained_demo_cache(cache: Path) -> Path:
+    """A demo cache the launcher reuses as it is: a real demo (tokenizer, model, data) made small and
+    with an untrained target, marked as the default build (the tests here only need a loadable one)."""
+    from services.tools.demo import DEMO_VERSION, TARGET_STEPS, make_demo
+
+    out = cache / f"demo-v{DEMO_VERSION}"
+    make_demo(out, num_conversations=300, target_steps=0)
+    marker = {"version": DEMO_VERSION, "seed": 0, "num_conversations": 4000, "target_steps": TARGET_STEPS}
+    (out / "demo.json").write_text(json.dumps({**marker, "variant": "dense"}))
+    return cache
+
+
+def test_a_refused_demo_resume_leaves_the_run_dir_and_its_lock_alone(tmp_path):
+    from tests.launching import child_env, run_launcher
+
+    env = child_env(DFLASH_CACHE_DIR=untrained_demo_cache(tmp_path / "cache"))
+    run_dir = tmp_path / "run"
+    ckpt = run_dir / "checkpoints" / "step-00000010"
+    ckpt.mkdir(parents=True)
+    (ckpt / "config.json").write_text(json.dumps({"data": {"pack_len": 4096}}))  # not the demo's 512
+    (ckpt / "state.json").write_text(json.dumps({"step": 10}))
+    (run_dir / "launcher.lock").write_text("12345\n")
+    os.utime(run_dir / "launcher.lock", (1_000_000_000, 1_000_000_000))
+    before = {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in run_dir.rglob("*") if p.is_file()}
+    out = run_launcher(
+        "up", "--demo", "--device", "cpu", "--gpus", "0:target,1:drafter", "--run-dir", run_dir, "--resume", env=env
+    )
+    assert out.returncode == 2 and "--resume: the checkpoint " in out.stderr, out.stdout + out.stderr
+    assert "data.pack_len: checkpoint 4096, now 512" in out.stderr, out.stderr
+    assert {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in run_dir.rglob("*") if p.is_file()} == before
