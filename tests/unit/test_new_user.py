@@ -151,3 +151,20 @@ def test_a_refused_demo_resume_leaves_the_run_dir_and_its_lock_alone(tmp_path):
     assert out.returncode == 2 and "--resume: the checkpoint " in out.stderr, out.stdout + out.stderr
     assert "data.pack_len: checkpoint 4096, now 512" in out.stderr, out.stderr
     assert {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in run_dir.rglob("*") if p.is_file()} == before
+
+
+def test_the_demo_build_shows_its_progress_and_a_reuse_says_so(tmp_path, capsys, monkeypatch):
+    from launcher.inputs import make_demo as launcher_demo
+    from services.tools.demo import DEMO_VERSION, make_demo
+
+    said = []
+    built = make_demo(tmp_path / "small", num_conversations=100, target_steps=20, progress=said.append)
+    assert said[0] == f"building the demo target and dataset in {tmp_path / 'small'} (once; later demo runs reuse it)"
+    assert said[1].startswith("training the demo target on its data: step 10/20, about ") and len(said) == 2, said
+    assert not built["reused"] and make_demo(tmp_path / "small", num_conversations=100, target_steps=20)["reused"]
+
+    monkeypatch.setenv("DFLASH_CACHE_DIR", str(untrained_demo_cache(tmp_path / "cache")))
+    overrides = launcher_demo("cpu")
+    assert f'target.model_path="{tmp_path / "cache" / f"demo-v{DEMO_VERSION}" / "model"}"' in overrides
+    out = capsys.readouterr().out
+    assert out == f"reusing the demo target and dataset in {tmp_path / 'cache' / f'demo-v{DEMO_VERSION}'}\n", out
