@@ -5,6 +5,8 @@ import json
 import os
 from pathlib import Path
 
+import pytest
+
 from launcher.progress import ProgressLine, describe_window
 
 SMALL_RUN = {"step": 20, "loss": 5.1, "tau": 1.4, "coverage": 0.5, "tokens_per_s": 17.3, "steps": 10}
@@ -168,3 +170,23 @@ def test_the_demo_build_shows_its_progress_and_a_reuse_says_so(tmp_path, capsys,
     assert f'target.model_path="{tmp_path / "cache" / f"demo-v{DEMO_VERSION}" / "model"}"' in overrides
     out = capsys.readouterr().out
     assert out == f"reusing the demo target and dataset in {tmp_path / 'cache' / f'demo-v{DEMO_VERSION}'}\n", out
+
+
+def test_bench_e2e_layers_maps_the_presets_layer_ids_onto_the_layers_kept():
+    """`bench/e2e.py --config presets/qwen3.6-27b.toml --layers 16` kept layer ids 1..61 of 64: a
+    traceback. They map to the same depths in 16 layers, and the output says so."""
+    from bench.e2e import layer_overrides
+    from services.layers import resolve_layer_ids
+    from tests.launching import REPO
+
+    preset = str(REPO / "presets" / "qwen3.6-27b.toml")
+    overrides, said = layer_overrides("27b-hybrid", 16, preset, [])
+    assert overrides == ["target.layer_ids=[0, 4, 7, 11, 15]"]
+    assert (
+        said
+        == "--layers 16: target.layer_ids [1, 16, 31, 46, 61] (of 64 layers) mapped proportionally to [0, 4, 7, 11, 15]"
+    )
+    assert resolve_layer_ids([0, 4, 7, 11, 15], num_layers=16, num_draft_layers=5) == [0, 4, 7, 11, 15]
+    assert layer_overrides("27b-hybrid", 0, preset, []) == ([], "")  # all 64 layers: the preset's own ids
+    with pytest.raises(ValueError, match=r"--layers 3: too few to map target.layer_ids \[1, 16, 31, 46, 61\]"):
+        layer_overrides("27b-hybrid", 3, preset, [])
