@@ -12,6 +12,7 @@ from pathlib import Path
 from launcher import process, slurm
 from launcher.errors import UsageError
 from launcher.inputs import check_inputs, load_run_config, make_demo, prepare_data, with_local_model
+from launcher.output import keep_running_on_closed_pipes
 from launcher.preflight import (
     max_steps_warning,
     check_resume_config,
@@ -31,6 +32,7 @@ from services.files import point
 
 
 def cmd_up(args) -> int:
+    keep_running_on_closed_pipes()  # `up ... | head`: the run goes on, its output dropped (the logs keep it)
     if args.device == "cuda":
         available = process.gpu_count()
         if available == 0:

@@ -3,11 +3,11 @@ console-script run."""
 
 import json
 import os
-from pathlib import Path
 
 import pytest
 
 from launcher.progress import ProgressLine, describe_window
+from tests.demo_cache import untrained_demo_cache
 
 SMALL_RUN = {"step": 20, "loss": 5.1, "tau": 1.4, "coverage": 0.5, "tokens_per_s": 17.3, "steps": 10}
 
@@ -121,18 +121,6 @@ def test_eval_names_the_step_and_digest_of_the_weights_it_read(tmp_path):
     assert identity == {"drafter_step": 120, "drafter_sha256": digest}
     assert what == f"export {out} (step 120, weights sha256 {digest[:12]})"
     assert sha256_file(out / "model.safetensors") != digest
-
-
-def untrained_demo_cache(cache: Path) -> Path:
-    """A demo cache the launcher reuses as it is: a real demo (tokenizer, model, data) made small and
-    with an untrained target, marked as the default build (the tests here only need a loadable one)."""
-    from services.tools.demo import DEMO_VERSION, TARGET_STEPS, make_demo
-
-    out = cache / f"demo-v{DEMO_VERSION}"
-    make_demo(out, num_conversations=300, target_steps=0)
-    marker = {"version": DEMO_VERSION, "seed": 0, "num_conversations": 4000, "target_steps": TARGET_STEPS}
-    (out / "demo.json").write_text(json.dumps({**marker, "variant": "dense"}))
-    return cache
 
 
 def test_a_refused_demo_resume_leaves_the_run_dir_and_its_lock_alone(tmp_path):

@@ -1,0 +1,25 @@
+"""What a new user met in the first week (issue 49) that only a real run shows: short runs of
+`launcher up --demo` on a small untrained demo (tests/demo_cache.py), real workers and sockets."""
+
+import json
+import subprocess
+
+from tests.demo_cache import untrained_demo_cache
+from tests.launching import child_env, launcher_argv
+
+SHORT = ["run.epochs=1", "run.max_steps=6", "run.eval_every=0", "run.spec_eval_prompts=2", "run.export_at_end=false"]
+
+
+def test_up_piped_into_head_goes_on_to_its_end_and_records_its_outcome(tmp_path):
+    """`launcher up ... | head -3`: the reader goes away after three lines; the run trains to its
+    end and records it, its output to the closed pipe dropped."""
+    env = child_env(DFLASH_CACHE_DIR=untrained_demo_cache(tmp_path / "cache"))
+    run_dir = tmp_path / "run"
+    argv = launcher_argv("up", "--demo", "--device", "cpu", "--gpus", "0:target,1:drafter", "--run-dir", run_dir)
+    proc = subprocess.Popen([*argv, *SHORT], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
+    head = [proc.stdout.readline() for _ in range(3)]
+    proc.stdout.close()  # `head -3` exits
+    code = proc.wait(timeout=300)
+    outcome = json.loads((run_dir / "run.json").read_text()).get("outcome") or {}
+    assert code == 0 and outcome.get("state") == "finished", (code, outcome, head)
+    assert (run_dir / "metrics.jsonl").read_text().count("\n") >= 1
