@@ -178,3 +178,17 @@ def test_bench_e2e_layers_maps_the_presets_layer_ids_onto_the_layers_kept():
     assert layer_overrides("27b-hybrid", 0, preset, []) == ([], "")  # all 64 layers: the preset's own ids
     with pytest.raises(ValueError, match=r"--layers 3: too few to map target.layer_ids \[1, 16, 31, 46, 61\]"):
         layer_overrides("27b-hybrid", 3, preset, [])
+
+
+def test_the_live_line_says_what_the_drafters_wait_for_while_a_target_restarts():
+    from launcher.supervisor import target_waits
+    from launcher.topology import parse_gpu_spec
+
+    targets = [w for w in parse_gpu_spec("0-1:target,2:drafter") if w.role == "target"]
+    ready, since = {"target-0": "ready", "target-1": "training"}, {}
+    assert target_waits(targets, {}, ready, since, now=100.0) == ""
+    restarting = target_waits(targets, {"target-1": 102.0}, ready, since, now=100.0)
+    assert restarting == "waiting for target-1 (restarts in 2s, 0s)"
+    loading = target_waits(targets, {}, {**ready, "target-1": "loading"}, since, now=112.0)
+    assert loading == "waiting for target-1 (loading, 12s)"  # counted from the restart
+    assert target_waits(targets, {}, ready, since, now=130.0) == "" and since == {}
