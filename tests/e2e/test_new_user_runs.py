@@ -3,9 +3,10 @@
 
 import json
 import subprocess
+import time
 
 from tests.demo_cache import untrained_demo_cache
-from tests.launching import child_env, launcher_argv
+from tests.launching import child_env, launcher_argv, spawn_drafter
 
 SHORT = ["run.epochs=1", "run.max_steps=6", "run.eval_every=0", "run.spec_eval_prompts=2", "run.export_at_end=false"]
 
@@ -23,3 +24,19 @@ def test_up_piped_into_head_goes_on_to_its_end_and_records_its_outcome(tmp_path)
     outcome = json.loads((run_dir / "run.json").read_text()).get("outcome") or {}
     assert code == 0 and outcome.get("state") == "finished", (code, outcome, head)
     assert (run_dir / "metrics.jsonl").read_text().count("\n") >= 1
+
+
+def test_a_worker_exits_within_a_second_of_its_last_line(tmp_path):
+    """A drafter that ends (here its plan done; a NonFiniteError ends it the same way) leaves at
+    once: the interpreter's teardown of torch and the rest took 3 to 8 s of a busy CPU after its
+    last line, seconds the launcher waited before it ended the run."""
+    proc = spawn_drafter(
+        tmp_path, "--max-steps", "2", "data.pack_len=256", "drafter.num_anchors=16", "drafter.num_layers=1"
+    )
+    last = time.monotonic()
+    for _ in proc.stdout:  # its log lines, unbuffered, as they come
+        last = time.monotonic()
+    proc.wait(timeout=120)
+    took = time.monotonic() - last
+    assert proc.returncode == 0, proc.stderr.read()[-2000:]
+    assert took < 1.0, f"exited {took:.1f}s after its last line"
