@@ -40,3 +40,53 @@ def test_a_worker_exits_within_a_second_of_its_last_line(tmp_path):
     took = time.monotonic() - last
     assert proc.returncode == 0, proc.stderr.read()[-2000:]
     assert took < 1.0, f"exited {took:.1f}s after its last line"
+
+
+def test_the_live_line_says_what_the_drafters_wait_for_while_a_target_restarts(tmp_path):
+    """target-0 killed mid-run: while it restarts and loads its model again (30-40 s on a busy CPU),
+    the live line (a terminal here: it redraws every half second) says so first."""
+    import os
+    import pty
+    import signal
+    import threading
+
+    env = child_env(DFLASH_CACHE_DIR=untrained_demo_cache(tmp_path / "cache"))
+    run_dir = tmp_path / "run"
+    argv = launcher_argv("up", "--demo", "--device", "cpu", "--gpus", "0:target,1:drafter", "--run-dir", run_dir)
+    terminal, console = pty.openpty()
+    proc = subprocess.Popen(
+        [*argv, "run.max_steps=30", "run.eval_every=0", "run.spec_eval_prompts=0"],
+        stdout=console,
+        stderr=console,
+        env=env,
+    )
+    os.close(console)
+    seen = bytearray()
+
+    def read():
+        try:
+            while chunk := os.read(terminal, 4096):
+                seen.extend(chunk)
+        except OSError:  # the launcher ended: the terminal is gone
+            pass
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        metrics = run_dir / "metrics.jsonl"
+        deadline = time.monotonic() + 300
+        while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
+            assert proc.poll() is None and time.monotonic() < deadline, seen.decode(errors="replace")[-2000:]
+            time.sleep(0.2)
+        workers = json.loads((run_dir / "run.json").read_text())["workers"]
+        os.kill(next(w["pid"] for w in workers if w["name"] == "target-0"), signal.SIGKILL)
+        code = proc.wait(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        reader.join(timeout=10)
+        os.close(terminal)
+    text = seen.decode(errors="replace")
+    assert code == 0 and "target-0 exited with code -9" in text, text[-3000:]
+    assert "\rwaiting for target-0 (loading, " in text or "\rwaiting for target-0 (starting, " in text, text[-3000:]
