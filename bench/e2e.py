@@ -80,6 +80,31 @@ def make_assets(work: Path, shape: str, conversations: int, layers: int = 0) -> 
     return model_dir, Path(demo["data_path"])
 
 
+def scaled_layer_ids(ids: list[int], layers: int, kept: int) -> list[int]:
+    """A config's target.layer_ids for a target of `layers` decoder layers, mapped to the same depths
+    in its first `kept` (--layers): id i becomes round(i * (kept - 1) / (layers - 1)), so the first
+    and last layers stay first and last. ValueError when two ids would meet."""
+    mapped = [round(i * (kept - 1) / (layers - 1)) for i in ids]
+    if len(set(mapped)) != len(mapped):
+        raise ValueError(f"--layers {kept}: too few to map target.layer_ids {ids} to distinct layers ({mapped})")
+    return mapped
+
+
+def layer_overrides(shape: str, kept: int, config: str | None, overrides: list[str]) -> tuple[list[str], str]:
+    """With --layers N: the run's target.layer_ids (a preset's, an override's) mapped proportionally
+    onto the N layers kept, as an override, and the line that says so; ([], "") when all are in range."""
+    from services.config import load_config
+
+    text = checkpoint_config(shape)
+    layers = getattr(text, "text_config", text).num_hidden_layers
+    ids = load_config(config, overrides).target.layer_ids
+    if not kept or not ids or max(ids) < kept:
+        return [], ""
+    mapped = scaled_layer_ids(ids, layers, kept)
+    said = f"--layers {kept}: target.layer_ids {ids} (of {layers} layers) mapped proportionally to {mapped}"
+    return [f"target.layer_ids={mapped}"], said
+
+
 def target_alone(overrides: list[str], work: Path, rows: int, warmup: int, config: str | None = None) -> dict:
     """A: the target worker's capture path on the run's own packed rows, GPU 0, nothing else running."""
     import torch
@@ -223,7 +248,13 @@ def main() -> None:
     ap.add_argument("--shape", default="8b", choices=SHAPES)
     ap.add_argument("--work", default="/tmp/e2e")
     ap.add_argument("--steps", type=int, default=100)
-    ap.add_argument("--layers", type=int, default=0, help="keep the shape's first N decoder layers (0: all)")
+    ap.add_argument(
+        "--layers",
+        type=int,
+        default=0,
+        help="keep the shape's first N decoder layers (0: all); a config's target.layer_ids beyond them are "
+        "mapped proportionally onto the N (the output says so)",
+    )
     ap.add_argument("--skip", type=int, default=10, help="steps left out of the steady-state rate")
     ap.add_argument("--conversations", type=int, default=60000)
     ap.add_argument("--alone-rows", type=int, default=8, help="rows timed for A")
@@ -258,6 +289,10 @@ def main() -> None:
             "run.spec_eval_budget_s=30",
         ]
     overrides += a.overrides
+    mapped, said = layer_overrides(a.shape, a.layers, a.config, overrides)
+    if said:
+        print(said, flush=True)
+    overrides += mapped
     alone = None if a.no_alone else target_alone_in_child(overrides, work, a.alone_rows, 2, a.config)
     print(f"A (target alone): {alone}", flush=True)
     b = drafter_alone(Path(a.drafter_json), a.config, overrides) if a.drafter_json else None
@@ -302,6 +337,7 @@ def main() -> None:
         "launcher_wall_s": round(time.time() - t1, 1),
         "target_alone": alone,
         "drafter_alone_tok_s": b,
+        **({"layer_ids_mapped": said} if said else {}),
         **steady_rate(metrics, a.skip),
     }
     if a.eval_every > 0:

@@ -15,7 +15,7 @@ from pathlib import Path
 from launcher import process
 from launcher.errors import UsageError
 from launcher.inputs import PATH_KEYS, check_inputs, load_run_config, make_demo, with_local_model
-from launcher.preflight import preflight
+from launcher.preflight import check_tokenizer, preflight, unread_template_kwargs
 from launcher.rundir import LATEST, run_holding
 from launcher.topology import host_overrides, hosts, parse_gpu_list, parse_gpu_spec
 from services import runspec
@@ -212,7 +212,15 @@ def cmd_regenerate(args) -> int:
     args.model = _local_model(args.model, "--model")
     if not (Path(args.model) / "config.json").is_file():
         raise UsageError(f"--model {args.model} is not a Hugging Face model folder (no config.json)")
+    check_tokenizer(Path(args.model), key="--model")  # a PreflightError: one line, before any child loads
     args.template_kwargs = template_kwargs(args.template_kwargs)
+    for key in unread_template_kwargs(Path(args.model), args.template_kwargs):  # the record would tie the data to it
+        print(
+            f"launcher: warning: --template-kwarg {key}: the chat template of {args.model} never reads "
+            f"{key}, so it renders alike with it or without it",
+            file=sys.stderr,
+            flush=True,
+        )
     args.gpu_list = []
     if args.device == "cuda":  # a plain GPU list: every GPU runs the one kind of child
         parse_gpu_list(args.gpus)  # a typo is named before the GPUs are counted

@@ -9,10 +9,12 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 from launcher.errors import UsageError
 from launcher.models import REPO_ID, ModelNotFound, resolve_model_path
+from launcher.progress import ProgressLine
 from launcher.report import describe_data
 from services.files import write_json_atomic
 from services import runspec
@@ -113,12 +115,23 @@ def prepare_data(run_dir: Path) -> dict:
 def make_demo(device: str, variant: str = "dense") -> list[str]:
     """Build (or reuse, from the demo cache) the demo model and data in a child process (torch
     stays out of the launcher); its config suits the device (bfloat16 target on cuda).
-    variant: dense (a Qwen3) or hybrid (a Qwen3.5-family Gated DeltaNet)."""
-    out = subprocess.run(
-        [sys.executable, "-m", "services.tools.demo", "--device", device, "--variant", variant],
-        capture_output=True,
-        text=True,
+    variant: dense (a Qwen3) or hybrid (a Qwen3.5-family Gated DeltaNet). A build (minutes on a
+    busy CPU) shows its progress on the live line; a reuse says so in one line."""
+    argv = [sys.executable, "-m", "services.tools.demo", "--device", device, "--variant", variant, "--progress"]
+    line, last = ProgressLine(), ""
+    with tempfile.TemporaryFile("w+") as err:  # a file, not a pipe: it never fills while stdout is read
+        child = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=err, text=True)
+        for text in child.stdout:
+            record = json.loads(text) if text.startswith("{") else {}
+            if "progress" in record:
+                (line.done if record["progress"].startswith("building") else line.show)(record["progress"])
+            elif record:
+                last = record
+        if child.wait() != 0 or not last:
+            err.seek(0)
+            raise UsageError(f"building the demo failed:\n{err.read()[-2000:]}")
+    model = Path(last["model_path"]).parent
+    line.done(
+        "demo target and dataset built" if not last["reused"] else f"reusing the demo target and dataset in {model}"
     )
-    if out.returncode != 0:
-        raise UsageError(f"building the demo failed:\n{out.stderr[-2000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])["overrides"]
+    return last["overrides"]

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -131,12 +132,13 @@ def first_line_is_chat(line: bytes) -> bool:
     return isinstance(record, dict) and ("messages" in record or "conversations" in record)
 
 
-def check_tokenizer(folder: Path, chat_data: str = "") -> None:
-    """The target folder has tokenizer files, and a chat template when chat_data ("data.path FILE") needs one."""
+def check_tokenizer(folder: Path, chat_data: str = "", key: str = "target.model_path") -> None:
+    """The target folder has tokenizer files, and a chat template when chat_data ("data.path FILE") needs one.
+    key: what the user named the folder with (`regenerate` and `eval` call it with their option's name)."""
     names = {p.name for p in folder.iterdir()}
     if not names & set(TOKENIZER_FILES) and not any(n.endswith(".tiktoken") for n in names):
         raise PreflightError(
-            f"target.model_path: no tokenizer in {folder} (none of {', '.join(TOKENIZER_FILES)}): "
+            f"{key}: no tokenizer in {folder} (none of {', '.join(TOKENIZER_FILES)}): "
             "save the model's tokenizer there (tokenizer.save_pretrained(FOLDER))"
         )
     if chat_data and not has_chat_template(folder, names):
@@ -180,6 +182,32 @@ def check_weights(folder: Path) -> None:
         f"target.model_path: no weights in {folder} (no *.safetensors, *.bin or index json; only "
         "config and tokenizer files?): download the model's weights too"
     )
+
+
+def template_texts(folder: Path) -> list[str]:
+    """Every chat template of a tokenizer folder, as text (chat_template.jinja, chat_template.json,
+    additional_chat_templates/, tokenizer_config.json's chat_template: a string or named ones)."""
+    texts = [p.read_text(errors="replace") for p in sorted(folder.glob("chat_template.jinja"))]
+    texts += [p.read_text(errors="replace") for p in sorted(folder.glob("additional_chat_templates/*.jinja"))]
+    for name in ("chat_template.json", "tokenizer_config.json"):
+        try:
+            value = json.loads((folder / name).read_text()).get("chat_template")
+        except (OSError, ValueError, AttributeError):
+            continue
+        if isinstance(value, str):
+            texts.append(value)
+        elif isinstance(value, list):
+            texts += [t.get("template", "") for t in value if isinstance(t, dict)]
+    return texts
+
+
+def unread_template_kwargs(folder: Path, keys) -> list[str]:
+    """The keys no chat template of the folder names (a template that never reads enable_thinking
+    renders alike with it or without it); [] when the folder has no template to read."""
+    texts = template_texts(folder)
+    if not texts:
+        return []
+    return [k for k in keys if not any(re.search(rf"\b{re.escape(k)}\b", t) for t in texts)]
 
 
 def has_chat_template(folder: Path, names: set[str]) -> bool:

@@ -29,7 +29,7 @@ def describe_window(window: dict | None) -> str:
     coverage = f" coverage {100 * window['coverage']:.0f}%" if window.get("coverage") is not None else ""
     return (
         f"@{window['step']} (all ranks, last {window.get('steps', '?')} steps): loss {window['loss']:.4f} "
-        f"τ {window['tau']:.2f}{coverage} {window['tokens_per_s'] / 1000:.1f} Ktok/s"
+        f"τ {window['tau']:.2f}{coverage} {rate(window['tokens_per_s'])}"
     )
 
 
@@ -38,7 +38,16 @@ def compact_window(window: dict | None) -> str:
     if not window:
         return ""
     coverage = f" cov {100 * window['coverage']:.0f}%" if window.get("coverage") is not None else ""
-    return f"loss {window['loss']:.3f} τ {window['tau']:.2f}{coverage} {window['tokens_per_s'] / 1000:.1f} Ktok/s"
+    return f"loss {window['loss']:.3f} τ {window['tau']:.2f}{coverage} {rate(window['tokens_per_s'])}"
+
+
+def rate(tokens_per_s: float) -> str:
+    """'17.3 tok/s', '11.7 Ktok/s', '1.2 Mtok/s': the unit that keeps three figures (a small CPU run
+    trains tens of tok/s, which '0.0 Ktok/s' hid)."""
+    for scale, unit in ((1e6, "Mtok/s"), (1e3, "Ktok/s")):
+        if tokens_per_s >= scale:
+            return f"{tokens_per_s / scale:.1f} {unit}"
+    return f"{tokens_per_s:.1f} tok/s"
 
 
 class ProgressLine:

@@ -346,6 +346,7 @@ class Supervisor(ElasticDrafters):
         drafters = [w for w in self.local if w.role == "drafter"]
         everyone = [w for w in self.workers if w.role == "drafter"]
         restart_due: dict[str, float] = {}
+        down_since: dict[str, float] = {}  # targets restarting or loading again: since when
         last_probe = 0.0
         while not self.stopping:
             now = time.monotonic()
@@ -391,7 +392,8 @@ class Supervisor(ElasticDrafters):
                         self.progress.done(f"{w.name} {trouble[w.name][1]}; killed it: the drafter group restarts")
             elif bad:
                 self._restart_drafter_group(drafters, bad, codes, trouble)
-            self.progress.show(self._progress_text(everyone))
+            waits = target_waits(targets, restart_due, self.last_state, down_since, now)
+            self.progress.show(" | ".join(p for p in (waits, self._progress_text(everyone)) if p))
             time.sleep(0.5)
         return self.shutdown()
 
@@ -543,3 +545,20 @@ class Supervisor(ElasticDrafters):
     def install_signal_handlers(self) -> None:
         """Before any thread starts: SIGINT/SIGTERM are read with their sender (lifecycle.watch_with_sender)."""
         watch_with_sender(self.request_stop)
+
+
+def target_waits(targets, restart_due: dict, states: dict, down_since: dict, now: float) -> str:
+    """The live line's note while a target restarts: 'waiting for target-0 (loading, 12s)'. A model
+    load takes 30-40 s on a busy CPU (minutes for a large model), and the drafters' data and
+    evaluations wait for it: the line says so instead of a step that does not move."""
+    notes = []
+    for w in targets:
+        if w.name in restart_due:
+            what = f"restarts in {max(0.0, restart_due[w.name] - now):.0f}s"
+        elif states.get(w.name) not in ("ready", "training"):
+            what = states.get(w.name) or "starting"
+        else:
+            down_since.pop(w.name, None)
+            continue
+        notes.append(f"{w.name} ({what}, {now - down_since.setdefault(w.name, now):.0f}s)")
+    return f"waiting for {', '.join(notes)}" if notes else ""

@@ -12,6 +12,7 @@ from pathlib import Path
 from launcher import process, slurm
 from launcher.errors import UsageError
 from launcher.inputs import check_inputs, load_run_config, make_demo, prepare_data, with_local_model
+from launcher.output import keep_running_on_closed_pipes
 from launcher.preflight import (
     max_steps_warning,
     check_resume_config,
@@ -31,6 +32,7 @@ from services.files import point
 
 
 def cmd_up(args) -> int:
+    keep_running_on_closed_pipes()  # `up ... | head`: the run goes on, its output dropped (the logs keep it)
     if args.device == "cuda":
         available = process.gpu_count()
         if available == 0:
@@ -69,15 +71,12 @@ def cmd_up(args) -> int:
     spec = None  # the run spec, resolved once (runspec.json)
     if not args.demo:  # drafters read the target's head: every host resolves
         spec = check_inputs(with_local_model(cfg), runs_targets)
-    if args.resume and not args.demo:  # before anything is written in the run folder (its lock too)
-        check_resumable(run_dir, cfg, spec)
-    locked = claim(run_dir, args.resume)
     if args.demo:  # built once the user's config and run dir passed; the user's overrides win over its own
-        print("building the demo target and dataset (once; then reused from the demo cache)…", flush=True)
         cfg = with_local_model(load_run_config(args.config, make_demo(args.device, args.demo) + overrides))
         spec = check_inputs(cfg, runs_targets)
-        if args.resume:
-            check_resumable(run_dir, cfg, spec)
+    if args.resume:  # before anything is written in the run folder (its lock too)
+        check_resumable(run_dir, cfg, spec)
+    locked = claim(run_dir, args.resume)
     preflight(cfg, args.device, runs_targets)
     with staged(run_dir) as where:  # a new run dir appears only once the data is ready
         dump_json(cfg, where / "config.json")

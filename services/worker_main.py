@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Protocol
 
-from services import curve, exits, lifecycle
+from services import curve, exits, lifecycle, torchao_gate
 from services.config import Config, ConfigError, load_config
 from services.endpoints import endpoint
 from services.health import HealthServer
@@ -88,6 +88,8 @@ def main(role: Role, argv=None) -> int:
         cfg = load_config(args.config, args.overrides)
     except ConfigError as exc:  # bad config: one clear line, no traceback
         return exits.exit_code(exc)
+    if not (role.name == "drafter" and cfg.drafter.precision == "fp8"):
+        torchao_gate.hide()  # FP8 drafter training is its only user (its import prints warnings)
     role.prepare(args, cfg)
     import torch  # after prepare: the compile environment is set
 

@@ -343,6 +343,9 @@ def describe_export(out: Path, checkpoint: Path, record: dict) -> str:
 
 
 def main(argv=None) -> int:
+    from services import torchao_gate
+
+    torchao_gate.hide()  # transformers would import it (and print its warnings) for nothing here
     p = argparse.ArgumentParser(
         prog="python -m services.drafter.export",
         description="Export a drafter checkpoint as an HF-style DFlash drafter dir.",

@@ -22,6 +22,7 @@ import dataclasses
 import torch
 from torch import nn
 
+from services import torchao_gate
 from services.drafter.loss import fp8_dims
 
 FP8_RECIPE = "tensorwise"  # measured fastest (above); bench/drafter_step.py --fp8-recipe tries others
@@ -36,7 +37,8 @@ def fp8_unavailable(device: torch.device) -> str | None:
         name = torch.cuda.get_device_name(device)
         return f"drafter.precision='fp8' needs compute capability 8.9 or newer; {name} is {major}.{minor}"
     try:
-        import torchao.float8  # noqa: F401
+        with torchao_gate.quiet_import():
+            import torchao.float8  # noqa: F401
     except ImportError:
         return "drafter.precision='fp8' needs torchao: pip install 'dflash-service[fp8]' (or torchao>=0.18)"
     return None
@@ -49,7 +51,8 @@ def apply_precision(drafter: nn.Module, precision: str, device: torch.device, *,
         return drafter
     if not emulate and (why := fp8_unavailable(torch.device(device))):
         raise ValueError(why)
-    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    with torchao_gate.quiet_import():
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
     config = Float8LinearConfig.from_recipe_name(FP8_RECIPE)
     # FP8 GEMMs need inner dimensions in multiples of 16; the token count is the inner dimension of

@@ -28,24 +28,40 @@ from services.acceptance_text import by_set, tables
 # --- loading a drafter ----------------------------------------------------------------------------
 
 
-def load_weights(path: str | Path) -> tuple[dict, DrafterModelConfig, str]:
-    """(weights, model config, what) from a checkpoint dir, a run dir (its checkpoints/latest) or an export."""
-    from safetensors.torch import load_file
+def read_weights(file: Path) -> tuple[dict, dict, str]:
+    """(tensors, the file's safetensors metadata, sha256) from one read of the file: the step and the
+    digest recorded are those of the weights measured, even if a resume rewrites the export meanwhile."""
+    import hashlib
 
+    from safetensors.torch import load
+
+    data = file.read_bytes()
+    size = int.from_bytes(data[:8], "little")
+    metadata = json.loads(data[8 : 8 + size]).get("__metadata__") or {}
+    return load(data), metadata, hashlib.sha256(data).hexdigest()
+
+
+def load_weights(path: str | Path) -> tuple[dict, DrafterModelConfig, str, dict]:
+    """(weights, model config, what, identity) from a checkpoint dir, a run dir (its checkpoints/latest)
+    or an export. identity: {"drafter_step", "drafter_sha256"} (step None: an export without one);
+    `what` names the path, the step and the digest's first 12 digits, for the header."""
     path = Path(path)
     conf = json.loads((path / "config.json").read_text()) if (path / "config.json").is_file() else {}
     if "DFlashDraftModel" in conf.get("architectures", []):
-        return load_file(str(path / "model.safetensors")), model_config_from_export(conf), f"export {path.resolve()}"
-    from services.drafter.checkpoint import verify
-    from services.drafter.export import resolve_checkpoint
+        weights, metadata, digest = read_weights(path / "model.safetensors")
+        step = json.loads(metadata["step"]) if "step" in metadata else None  # export.json's, in the same file
+        what, model_cfg = f"export {path.resolve()}", model_config_from_export(conf)
+    else:
+        from services.drafter.checkpoint import verify
+        from services.drafter.export import resolve_checkpoint
 
-    ckpt = resolve_checkpoint(path)
-    meta = verify(ckpt)
-    return (
-        load_file(str(ckpt / "model.safetensors")),
-        DrafterModelConfig(**meta["model"]),
-        f"checkpoint {ckpt} (step {meta['step']})",
-    )
+        ckpt = resolve_checkpoint(path)
+        meta = verify(ckpt)
+        weights, _, digest = read_weights(ckpt / "model.safetensors")
+        step, what, model_cfg = int(meta["step"]), f"checkpoint {ckpt}", DrafterModelConfig(**meta["model"])
+    held = "step unknown" if step is None else f"step {step}"
+    identity = {"drafter_step": step, "drafter_sha256": digest}
+    return weights, model_cfg, f"{what} ({held}, weights sha256 {digest[:12]})", identity
 
 
 def model_config_from_export(conf: dict) -> DrafterModelConfig:
@@ -73,7 +89,10 @@ def model_config_from_export(conf: dict) -> DrafterModelConfig:
 
 
 def main(argv=None) -> int:
+    from services import torchao_gate
     from services.config import load_config
+
+    torchao_gate.hide()  # transformers would import it (and print its warnings) for nothing here
 
     p = argparse.ArgumentParser(
         prog="launcher eval",
@@ -174,11 +193,12 @@ def main(argv=None) -> int:
             file=sys.stderr,
         )
         return 2
-    for weights, model_cfg, what in drafters:
+    for weights, model_cfg, what, identity in drafters:
         result = spec.evaluate(weights, model_cfg, controls=not args.no_controls, seed=cfg.run.seed)
         record = {
             "event": "spec_eval",
             "drafter": what,
+            **identity,
             "block_size": model_cfg.block_size,
             "max_new_tokens": args.max_new_tokens,
             **result,

@@ -1,5 +1,4 @@
-import sys
-
+from services.exits import end_process
 from services.target.worker import main
 
-sys.exit(main())
+end_process(main())

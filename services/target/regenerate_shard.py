@@ -213,6 +213,9 @@ def regenerate(
 
 
 def main(argv=None) -> int:
+    from services import torchao_gate
+
+    torchao_gate.hide()  # transformers would import it (and print its warnings) for nothing here
     p = argparse.ArgumentParser(prog="python -m services.target.regenerate_shard", description=__doc__.split("\n")[0])
     p.add_argument("--model", required=True, help="the target (local HF folder)")
     p.add_argument("--data", required=True, help="chat JSONL to regenerate")

@@ -179,12 +179,16 @@ def torch_linear_attention():
             setattr(qwen3_5, name, fn)
 
 
-def train_target(model, tokenizer, convs: list[dict], steps: int, seed: int, batch_size: int = 16, lr: float = 3e-3):
+def train_target(
+    model, tokenizer, convs: list[dict], steps: int, seed: int, batch_size: int = 16, lr: float = 3e-3, progress=None
+):
     """Teach the tiny target its data: next-token loss on the assistant tokens, AdamW, warmup + cosine.
     A fixed number of steps on a seeded sample, so the weights are a function of the seed. A target
     that models its data is what makes the demo's acceptance mean something: a random target's
-    greedy output is one token repeated, which a drafter that repeats the last token predicts."""
+    greedy output is one token repeated, which a drafter that repeats the last token predicts.
+    progress(text): called every 10 steps with the step and an ETA (minutes on a busy CPU)."""
     import math
+    import time
 
     import torch
 
@@ -198,7 +202,11 @@ def train_target(model, tokenizer, convs: list[dict], steps: int, seed: int, bat
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     warmup = max(1, steps // 10)
     model.train()
+    start = time.monotonic()
     for step in range(steps):
+        if progress and step and step % 10 == 0:
+            eta = (time.monotonic() - start) / step * (steps - step)
+            progress(f"training the demo target on its data: step {step}/{steps}, about {eta:.0f} s left")
         for group in opt.param_groups:
             group["lr"] = lr * min((step + 1) / warmup, 0.5 * (1 + math.cos(math.pi * step / steps)))
         batch = rng.sample(docs, min(batch_size, len(docs)))
@@ -259,10 +267,12 @@ def make_demo(
     target_steps: int = TARGET_STEPS,
     variant: str = "dense",
     device: str = "cpu",
+    progress=None,
 ) -> dict:
-    """Create (or reuse) the demo under out_dir; return model_path, data_path and config overrides.
-    target_steps: training steps of the target on its data (0: random weights, for tests that
-    only need a loadable model). variant: "dense" or "hybrid" (see the top of this file)."""
+    """Create (or reuse) the demo under out_dir; return model_path, data_path, config overrides and
+    whether it was reused. target_steps: training steps of the target on its data (0: random weights,
+    for tests that only need a loadable model). variant: "dense" or "hybrid" (see the top of this
+    file). progress(text): what the build is doing, while it builds."""
     if variant not in VARIANTS:
         raise ValueError(f"demo variant must be one of {', '.join(VARIANTS)}, got {variant!r}")
     out = Path(out_dir).resolve()
@@ -276,20 +286,24 @@ def make_demo(
         "variant": variant,
     }
     out.mkdir(parents=True, exist_ok=True)
+    say = progress or (lambda text: None)
     with open(out / ".lock", "w") as lock:  # demo runs started together build it once
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if not (marker.is_file() and json.loads(marker.read_text()) == want):
+        reused = marker.is_file() and json.loads(marker.read_text()) == want
+        if not reused:
             marker.unlink(missing_ok=True)  # a build cut short leaves no marker: rebuilt next time
-            _build(out, seed, num_conversations, target_steps, variant)
+            say(f"building the demo target and dataset in {out} (once; later demo runs reuse it)")
+            _build(out, seed, num_conversations, target_steps, variant, say)
             marker.write_text(json.dumps(want))
     return {
         "model_path": str(model_path),
         "data_path": str(data_path),
         "overrides": demo_overrides(str(model_path), str(data_path), device),
+        "reused": reused,
     }
 
 
-def _build(out: Path, seed: int, num_conversations: int, target_steps: int, variant: str) -> None:
+def _build(out: Path, seed: int, num_conversations: int, target_steps: int, variant: str, say) -> None:
     from transformers import AutoTokenizer
 
     out.mkdir(parents=True, exist_ok=True)
@@ -306,7 +320,7 @@ def _build(out: Path, seed: int, num_conversations: int, target_steps: int, vari
     tokenizer = AutoTokenizer.from_pretrained(tmp)
     if target_steps > 0:
         with torch_linear_attention() if variant == "hybrid" else contextlib.nullcontext():
-            model, _ = train_target(model, tokenizer, convs, target_steps, seed)
+            model, _ = train_target(model, tokenizer, convs, target_steps, seed, progress=say)
     model.save_pretrained(tmp)
     shutil.rmtree(out / "model", ignore_errors=True)
     os.replace(tmp, out / "model")
@@ -338,6 +352,9 @@ def main(argv=None) -> None:
     p.add_argument("--conversations", type=int, default=4000)
     p.add_argument("--target-steps", type=int, default=TARGET_STEPS, help="0: an untrained (random) target")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="the device the demo will train on")
+    p.add_argument(
+        "--progress", action="store_true", help='while building, JSON lines {"progress": TEXT} before the result'
+    )
     args = p.parse_args(argv)
     demo = make_demo(
         args.out or cache_dir(args.variant),
@@ -346,6 +363,7 @@ def main(argv=None) -> None:
         target_steps=args.target_steps,
         variant=args.variant,
         device=args.device,
+        progress=(lambda text: print(json.dumps({"progress": text}), flush=True)) if args.progress else None,
     )
     print(json.dumps(demo), flush=True)
 

@@ -87,7 +87,7 @@ def plain_copy(model):
 def convert(path: Path, out: Path, dtype: str = "bfloat16", sha256: str = "") -> dict:
     """Write the folder for the GGUF at path into out (aside, then renamed); its gguf_source.json."""
     import transformers
-    from services.files import sha256_file
+    from services.files import default_file_mode, sha256_file
 
     start = time.monotonic()
     model, tokenizer, generation = load(path, dtype)
@@ -99,6 +99,8 @@ def convert(path: Path, out: Path, dtype: str = "bfloat16", sha256: str = "") ->
         tokenizer.save_pretrained(tmp)
         if generation is not None:
             generation.save_pretrained(tmp)
+        for weights in tmp.glob("*.safetensors"):  # saved 0600: the serving commands printed point here
+            default_file_mode(weights)
         source = {
             "gguf": str(path.resolve()),
             "size": path.stat().st_size,

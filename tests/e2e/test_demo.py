@@ -40,7 +40,7 @@ def test_demo_is_deterministic_and_idempotent(tmp_path):
     assert fa["weights"].keys() == fb["weights"].keys()
     assert all(torch.equal(fa["weights"][k], fb["weights"][k]) for k in fa["weights"])
     stamp = Path(a["data_path"]).stat().st_mtime_ns
-    assert make_demo(tmp_path / "a", num_conversations=N, target_steps=3) == a  # reused, not rebuilt
+    assert make_demo(tmp_path / "a", num_conversations=N, target_steps=3) == {**a, "reused": True}  # not rebuilt
     assert Path(a["data_path"]).stat().st_mtime_ns == stamp
     other = make_demo(tmp_path / "c", seed=1, num_conversations=N, target_steps=0)
     assert Path(other["data_path"]).read_bytes() != fa["data"]

@@ -19,6 +19,7 @@ import psutil
 import pytest
 
 from services.drafter.ledger import read_all
+from services.files import sha256_file
 from tests.launching import REPO, child_env, launcher_argv, run_launcher
 
 pytestmark = pytest.mark.slow
@@ -137,6 +138,9 @@ def test_demo_trains_end_to_end(tmp_path):
     assert record["prompts"] == 8 and record["lossless"] == 8 and record["random"]["lossless"] == 8
     assert record["acceptance_per_prompt"] > record["repeat_last"]["acceptance_per_prompt"]
     assert record["prompt_files"] == [str(tmp_path / "chat.jsonl"), str(tmp_path / "plain.jsonl")]
+    exported = json.loads((run_dir / "export" / "export.json").read_text())["step"]  # what eval measured
+    assert record["drafter_step"] == exported and f"(step {exported}, weights sha256 " in ev.stdout
+    assert record["drafter_sha256"] == sha256_file(run_dir / "export" / "model.safetensors")
     for name in ("chat", "plain"):
         figures = record["sets"][name]
         assert figures["prompts"] == 4 and figures["lossless"] == figures["random"]["lossless"] == 4

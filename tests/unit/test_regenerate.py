@@ -122,6 +122,7 @@ def test_launcher_regenerate_writes_the_lines_in_input_order(tok_dir, tmp_path):
     )
     assert out.returncode == 0, out.stderr[-2000:]
     assert "Loading weights" not in out.stderr + out.stdout  # transformers' bars are silenced
+    assert "torchao" not in out.stderr + out.stdout and "_pytree" not in out.stderr  # fp8 training's only
     lines = [json.loads(t) for t in (tmp_path / "regen.jsonl").read_text().splitlines()]
     assert len(lines) == 4 and lines[1] == CHATS[1]
     assert lines[3]["messages"][0] == {"role": "user", "content": "repeat after me : red stone"}
@@ -294,12 +295,13 @@ def test_launcher_regenerate_renders_with_the_options_records_them_and_says_the_
 
 
 def one_chat_and_a_bare_model(tmp_path):
-    """A one-line chat file, and tmp_path/model: a folder with a config.json, enough for the
-    launcher's checks that come before any model loads."""
+    """A one-line chat file, and tmp_path/model: a folder with a config.json and a tokenizer file,
+    enough for the launcher's checks that come before any model loads."""
     data = tmp_path / "chat.jsonl"
     data.write_text(json.dumps(CHATS[0]) + "\n")
     (tmp_path / "model").mkdir()
     (tmp_path / "model" / "config.json").write_text("{}")
+    (tmp_path / "model" / "tokenizer.json").write_text("{}")
     return data
 
 

@@ -248,5 +248,5 @@ def test_an_exported_sliding_window_drafter_loads_with_its_window(tmp_path):
         sliding_window=3,
     )
     out = export_weights(DFlashDrafter(cfg).state_dict(), cfg, tmp_path / "export", dtype="float32")
-    _, loaded, what = load_weights(out)
+    _, loaded, what, _ = load_weights(out)
     assert what.startswith("export ") and loaded.layer_types == cfg.layer_types and loaded.sliding_window == 3
