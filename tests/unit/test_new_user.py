@@ -96,19 +96,9 @@ def test_eval_names_the_step_and_digest_of_the_weights_it_read(tmp_path):
     from services.eval.cli import load_weights
     from services.files import sha256_file
 
-    cfg = DrafterModelConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=16,
-        vocab_size=64,
-        num_target_layers=4,
-        num_hidden_layers=1,
-        target_layer_ids=[1, 2],
-        block_size=4,
-        mask_token_id=63,
-    )
+    from tests.unit.test_export_serving import TINY
+
+    cfg = DrafterModelConfig(**{**TINY, "num_hidden_layers": 1, "mask_token_id": 63})
 
     def export(step: int):
         record = export_record(step, last=True, best=False, best_step=None)
