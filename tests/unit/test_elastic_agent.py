@@ -20,7 +20,7 @@ def supervisor(tmp_path, host: str, spec: str = SPEC) -> Supervisor:
     workers = parse_gpu_spec(spec, local_host=host)
     return Supervisor(
         tmp_path,
-        load_config(None, [*host_overrides(workers), "transport.allow_plaintext=true"]),
+        load_config(None, [*host_overrides(workers), f"transport.curve_keys_dir={tmp_path / 'keys'}"]),
         workers,
         "cpu",
         host=host,
@@ -44,6 +44,7 @@ def test_each_drafter_host_starts_one_agent_with_the_spec_ranks_in_spec_order(tm
     assert (a.ranks, b.ranks) == ([0, 1], [2, 3]) and a.world_size == b.world_size == 4
     assert a.hosts == b.hosts == ["10.0.0.10", "10.0.0.2"]  # the first is rank 0's: the rendezvous store
     assert a.run_id == b.run_id and a.port == b.port == first.cfg.transport.dist_port
+    assert a.keys_dir == b.keys_dir == str(tmp_path / "keys") and not a.insecure_rendezvous
     assert "--rank" not in a.worker and "--world-size" not in a.worker  # RANK, WORLD_SIZE from the agent
     assert a.worker[1:3] == ["-m", "services.drafter"]
     assert "MASTER_ADDR" not in first.env(first.local[0])  # the agent sets it: rank 0's address, dist_port + 1
@@ -83,7 +84,7 @@ def run_agent(tmp_path, worker_code: str, ranks="0,1", world_size=2, max_restart
 def test_a_real_agent_gives_the_spec_ranks_and_stops_restarting_on_a_config_error(tmp_path):
     record = (  # the drafter's side first: its output to logs/drafter-<RANK>.log
         "import os, json; from services.drafter.agent import worker_side; worker_side(int(os.environ['RANK'])); "
-        "print(json.dumps({k: os.environ[k] for k in ('RANK', 'WORLD_SIZE', 'MASTER_PORT')}), flush=True)"
+        "print(json.dumps({k: os.environ[k] for k in ('RANK', 'WORLD_SIZE', 'DFLASH_AGENT_STORE')}), flush=True)"
     )
     code, status, _ = run_agent(tmp_path, record)
     assert code == 0 and status["state"] == "finished" and status["restarts"] == 0
@@ -93,10 +94,11 @@ def test_a_real_agent_gives_the_spec_ranks_and_stops_restarting_on_a_config_erro
         for line in (tmp_path / "logs" / f"drafter-{r}.log").read_text().splitlines()
         if line.startswith("{")
     ]
-    assert sorted((d["RANK"], d["WORLD_SIZE"], d["MASTER_PORT"]) for d in logs) == [
-        ("0", "2", str(status["port"] + 1)),
-        ("1", "2", str(status["port"] + 1)),
-    ]  # the process group's store: dist_port + 1
+    store = f"ipc://{tmp_path.resolve()}/sock/drafter-store"  # one host: the store on an owner-only ipc socket
+    assert sorted((d["RANK"], d["WORLD_SIZE"], d["DFLASH_AGENT_STORE"]) for d in logs) == [
+        ("0", "2", store),
+        ("1", "2", store),
+    ]  # the workers' process group meets in the agents' store
 
     code, status, _ = run_agent(tmp_path, record, ranks="2,3", world_size=4)  # hosts started with other specs
     assert code == 1 and "no host runs drafter rank(s) [0, 1]" in status["reason"]
