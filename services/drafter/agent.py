@@ -209,6 +209,14 @@ def make_agent(args: argparse.Namespace):
             write_status(args, state="running", starts=self.starts)
             return super()._start_workers(worker_group)
 
+        def _restart_workers(self, worker_group):
+            """torch's, but the workers are killed, not sent SIGTERM: that is a stop to a drafter, which
+            checkpoints and reports "stopped", and the target hosts would end the run. As after a failure,
+            the group resumes from its last checkpoint (the ledger cuts the steps after it)."""
+            self._shutdown(signal.SIGKILL)
+            worker_group.state = WorkerState.STOPPED
+            self._initialize_workers(worker_group)
+
         def _monitor_workers(self, worker_group):
             result = super()._monitor_workers(worker_group)
             if result.state == WorkerState.FAILED:

@@ -165,6 +165,10 @@ class StoreServer:
 class KeyStore(dist.Store):
     """A torch.distributed.Store client of a StoreServer (gloo's init works over it). Thread-safe."""
 
+    # A PrefixStore or gloo holds only the C++ side of a Python store: without a Python reference
+    # this object would be collected under them ("Not implemented" from torch). Kept until close().
+    _alive: set[KeyStore] = set()
+
     def __init__(self, endpoint: str, keys_dir: str = "", timeout_s: float = 300.0, answer_s: float = 10.0):
         super().__init__()
         self.endpoint, self.answer_s = endpoint, answer_s
@@ -178,6 +182,8 @@ class KeyStore(dist.Store):
             curve.apply_client(self._sock, keys_dir)
         self._sock.connect(endpoint)
         self._next = 0
+        self._keys_dir = keys_dir
+        KeyStore._alive.add(self)
 
     def _call(self, op: str, key=b"", a=None, b=None):
         with self._lock:
@@ -197,6 +203,9 @@ class KeyStore(dist.Store):
             raise StoreGone(f"the drafter group's store at {self.endpoint} did not answer within {self.answer_s:.0f}s")
 
     # torch.distributed.Store
+    def clone(self) -> KeyStore:  # gloo asks for one (a client of its own)
+        return KeyStore(self.endpoint, self._keys_dir, self._timeout_s, self.answer_s)
+
     def set(self, key: str, value) -> None:
         self._call("set", _key(key), _value(value))
 
@@ -249,6 +258,7 @@ class KeyStore(dist.Store):
         return got
 
     def close(self) -> None:
+        KeyStore._alive.discard(self)
         self._sock.close(linger=0)
 
 
