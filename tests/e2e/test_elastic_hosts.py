@@ -189,20 +189,26 @@ def test_a_drafter_killed_on_the_second_host_restarts_the_whole_group_and_every_
     assert not (tmp_path / "pwned").exists()  # nothing unpickled what the attack sent
 
 
-def test_a_whole_drafter_host_killed_is_named_in_one_line_and_the_other_stops(tmp_path):
-    launchers = start(tmp_path, steps=400, rendezvous_s=30)
+def test_rank_0s_whole_host_killed_is_named_in_one_line_and_the_others_stop(tmp_path):
+    launchers = start(tmp_path, steps=400, rendezvous_s=120)
     first, second = tmp_path / FIRST, tmp_path / SECOND
     wait(lambda: drafter_pid(second, 3) is not None and drafter_pid(first, 0) is not None, "training", launchers)
-    kill_tree(launchers[SECOND].pid)  # its launcher, its agent and its workers
-    launchers[SECOND].wait()
-    code, text = finish({FIRST: launchers[FIRST]}, timeout_s=300)[FIRST]
+    kill_tree(launchers[FIRST].pid)  # its launcher, its agent (the group's store) and its workers
+    launchers[FIRST].wait()
+    t0 = time.monotonic()
+    code, text = finish({SECOND: launchers[SECOND]}, timeout_s=300)[SECOND]
     assert code == 1, text[-3000:]
     lines = [line for line in text.splitlines() if "run failed" in line]
-    assert lines and f"drafter host {SECOND} is gone" in lines[0], text[-3000:]
-    outcome = json.loads((first / "run.json").read_text())["outcome"]
-    assert outcome["state"] == "failed" and SECOND in outcome["reason"]
+    assert lines and f"drafter host {FIRST} is gone" in lines[0], text[-3000:]
+    # the store went with it: said as such, at once, rather than as a rendezvous that timed out
+    assert f"drafter rank 0's host {FIRST} stopped answering" in lines[0] and "rendezvous_timeout" not in lines[0]
+    assert time.monotonic() - t0 < 60, lines[0]  # not run.rendezvous_timeout_s=120
+    outcome = json.loads((second / "run.json").read_text())["outcome"]
+    assert outcome["state"] == "failed" and FIRST in outcome["reason"]
     launchers[TARGET].send_signal(signal.SIGTERM)  # the target host would wait for the drafters a while longer
-    assert finish({TARGET: launchers[TARGET]}, timeout_s=120)[TARGET][0] in (0, 3)
+    code, text = finish({TARGET: launchers[TARGET]}, timeout_s=120)[TARGET]
+    assert code in (0, 3) and "nothing to checkpoint" not in text, text[-3000:]
+    assert "the drafters run on other hosts; last seen at step" in text, text[-3000:]
 
 
 def test_a_stop_on_one_drafter_host_stops_the_group_on_every_host_with_a_checkpoint(tmp_path):

@@ -16,7 +16,7 @@ import zmq
 from services.curve import generate_keys
 from services.drafter.keystore import MAX_VALUE, KeyStore, StoreGone, StoreServer
 from services.drafter.rendezvous import KeyedRendezvous, MembershipLoop
-from torch.distributed.elastic.rendezvous.api import RendezvousClosedError
+from torch.distributed.elastic.rendezvous.api import RendezvousClosedError, RendezvousTimeoutError
 
 
 @pytest.fixture
@@ -269,3 +269,10 @@ def test_a_closed_group_ends_a_waiting_agent(server, keys):
     with pytest.raises(RendezvousClosedError):
         a.next_rendezvous()
     assert 0.4 < time.monotonic() - t0 < 2
+
+
+def test_an_agent_alone_waits_out_the_join_timeout_and_names_the_missing_host(server, keys):
+    a = agents(server.endpoint, keys)[0]
+    a.join_timeout_s = 0.5
+    with pytest.raises(RendezvousTimeoutError, match="round 0: no agent of 10.0.0.1 joined"):
+        a.next_rendezvous()
