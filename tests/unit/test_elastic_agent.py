@@ -118,3 +118,20 @@ def test_a_stop_is_exit_0_to_torch_and_3_from_the_agent(tmp_path):
     )
     code, status, err = run_agent(tmp_path, stop)
     assert code == 3 and status["state"] == "stopped" and status["restarts"] == 0, err
+
+
+def test_a_group_across_hosts_without_keys_is_refused_unless_insecure_rendezvous_says_so(tmp_path):
+    from launcher.elastic import rendezvous_problems
+    from tests.launching import run_launcher
+
+    spec = "0:target@127.0.0.1,0:drafter@127.0.0.2,1:drafter@127.0.0.3"
+    out = run_launcher("up", "--device", "cpu", "--gpus", spec, "--host", "127.0.0.2", "--run-dir", tmp_path / "run")
+    assert out.returncode == 2 and not (tmp_path / "run").exists(), out.stderr
+    assert "transport.curve_keys_dir" in out.stderr and "transport.insecure_rendezvous=true" in out.stderr
+    cfg = load_config(None, ["transport.scheme=tcp", "transport.insecure_rendezvous=true"])
+    refusal, warning = rendezvous_problems(cfg.transport, ["127.0.0.2", "127.0.0.3"])
+    assert not refusal and "anyone who reaches that port can read and write it" in warning
+    assert rendezvous_problems(cfg.transport, ["127.0.0.2", "127.0.0.2"]) == ("", "")  # one host: ipc/file
+    with pytest.raises(SystemExit):  # and the agent, started by hand without keys
+        parse(["--run-dir", "r", "--host", "a", "--hosts", "a,b", "--ranks", "0", "--world-size", "2", "--port", "1"]
+              + ["--run-id", "x", "--", "w"])  # fmt: skip
