@@ -172,7 +172,8 @@ class KeyStore(dist.Store):
     def __init__(self, endpoint: str, keys_dir: str = "", timeout_s: float = 300.0, answer_s: float = 10.0):
         super().__init__()
         self.endpoint, self.answer_s = endpoint, answer_s
-        self._timeout_s = timeout_s
+        self.set_timeout(timedelta(seconds=timeout_s))  # torch's own (PrefixStore.set_timeout reaches it)
+        self.gone = False  # a request went unanswered: the server is gone, later calls fail at once
         self._lock = threading.Lock()
         self._ctx = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.DEALER)
@@ -186,7 +187,12 @@ class KeyStore(dist.Store):
         KeyStore._alive.add(self)
 
     def _call(self, op: str, key=b"", a=None, b=None):
+        for x in (key, a, b):  # the server drops what is too big without an answer: say it here
+            if isinstance(x, bytes) and len(x) > MAX_VALUE:
+                raise ValueError(f"the drafter group's store takes values up to {MAX_VALUE} bytes, not {len(x)}")
         with self._lock:
+            if self.gone:
+                raise StoreGone(f"the drafter group's store at {self.endpoint} stopped answering")
             self._next += 1
             rid = self._next
             self._sock.send(msgpack.packb([rid, op, key, a, b], use_bin_type=True))
@@ -200,11 +206,12 @@ class KeyStore(dist.Store):
                     continue
                 if isinstance(reply, list) and len(reply) == 3 and reply[0] == rid:  # an older one: late
                     return reply[2]
+            self.gone = True
             raise StoreGone(f"the drafter group's store at {self.endpoint} did not answer within {self.answer_s:.0f}s")
 
     # torch.distributed.Store
     def clone(self) -> KeyStore:  # gloo asks for one (a client of its own)
-        return KeyStore(self.endpoint, self._keys_dir, self._timeout_s, self.answer_s)
+        return KeyStore(self.endpoint, self._keys_dir, self.timeout.total_seconds(), self.answer_s)
 
     def set(self, key: str, value) -> None:
         self._call("set", _key(key), _value(value))
@@ -239,16 +246,9 @@ class KeyStore(dist.Store):
         for k, v in zip(keys, values):
             self.set(k, v)
 
-    def set_timeout(self, timeout: timedelta) -> None:
-        self._timeout_s = timeout.total_seconds()
-
-    @property
-    def timeout(self) -> timedelta:
-        return timedelta(seconds=self._timeout_s)
-
     def _block_until(self, ready, what: str, timeout: timedelta | None = None):
         """ready()'s first answer that is not None or False, polled until the store's timeout."""
-        limit = timeout.total_seconds() if timeout else self._timeout_s
+        limit = (timeout or self.timeout).total_seconds()
         deadline, pause = time.monotonic() + limit, 0.001
         while (got := ready()) is None or got is False:
             if time.monotonic() > deadline:

@@ -183,15 +183,6 @@ def test_a_replayed_session_is_refused_and_counted(server, keys):
     assert until(lambda: server.refused > refused)
 
 
-def test_a_store_that_stops_answering_says_so(keys):
-    s = StoreServer("tcp://127.0.0.1:0", keys)
-    client = KeyStore(s.endpoint, keys, timeout_s=1, answer_s=0.5)
-    client.set("a", "1")
-    s.close()
-    with pytest.raises(StoreGone, match="did not answer within"):
-        client.get("a")
-
-
 def agents(store_endpoint, keys, n=2, limit=2):
     return [
         KeyedRendezvous(
@@ -276,3 +267,17 @@ def test_an_agent_alone_waits_out_the_join_timeout_and_names_the_missing_host(se
     a.join_timeout_s = 0.5
     with pytest.raises(RendezvousTimeoutError, match="round 0: no agent of 10.0.0.1 joined"):
         a.next_rendezvous()
+
+
+def test_a_value_too_big_is_refused_by_the_client_and_a_gone_store_fails_at_once(keys):
+    s = StoreServer("tcp://127.0.0.1:0", keys)
+    client = KeyStore(s.endpoint, keys, timeout_s=1, answer_s=0.5)
+    with pytest.raises(ValueError, match="values up to"):
+        client.set("big", b"x" * (MAX_VALUE + 1))
+    s.close()
+    with pytest.raises(StoreGone):
+        client.check(["a"])
+    t0 = time.monotonic()
+    with pytest.raises(StoreGone, match="stopped answering"):  # the next call does not wait again
+        client.check(["a"])
+    assert time.monotonic() - t0 < 0.1
