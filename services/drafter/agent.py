@@ -55,6 +55,9 @@ INSECURE = (
 )
 
 
+SERVER = None  # the group's store, on drafter rank 0's host (make_agent)
+
+
 def folder(run_dir: str | Path) -> Path:
     return Path(run_dir) / "elastic"
 
@@ -231,7 +234,8 @@ def make_agent(args: argparse.Namespace):
             return result
 
     endpoint = store_endpoint(args)
-    server = StoreServer(endpoint, args.keys_dir) if args.host == args.hosts[0] else None
+    global SERVER
+    server = SERVER = StoreServer(endpoint, args.keys_dir) if args.host == args.hosts[0] else None
     store = KeyStore(endpoint, args.keys_dir, timeout_s=args.rendezvous_timeout)
     os.environ.update({ENV_STORE: endpoint, ENV_STORE_KEYS: args.keys_dir})
     handler = KeyedRendezvous(
@@ -275,6 +279,8 @@ def write_status(args: argparse.Namespace, **status) -> None:
     from services.files import write_json_atomic
 
     restarts = max(0, status.get("starts", 1) - 1)
+    if SERVER is not None:  # rank 0's host: what its store answered, refused (handshakes) and dropped
+        status["store"] = {"served": SERVER.served, "refused": SERVER.refused, "dropped": SERVER.dropped}
     write_json_atomic(
         status_path(args.run_dir, args.host),
         {

@@ -88,6 +88,7 @@ def test_a_real_agent_gives_the_spec_ranks_and_stops_restarting_on_a_config_erro
     )
     code, status, _ = run_agent(tmp_path, record)
     assert code == 0 and status["state"] == "finished" and status["restarts"] == 0
+    assert status["store"]["served"] > 0 and status["store"]["refused"] == status["store"]["dropped"] == 0
     logs = [
         json.loads(line)
         for r in (0, 1)
