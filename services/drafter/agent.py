@@ -235,7 +235,7 @@ def make_agent(args: argparse.Namespace):
 
     endpoint = store_endpoint(args)
     global SERVER
-    server = SERVER = StoreServer(endpoint, args.keys_dir) if args.host == args.hosts[0] else None
+    SERVER = StoreServer(endpoint, args.keys_dir) if args.host == args.hosts[0] else None
     store = KeyStore(endpoint, args.keys_dir, timeout_s=args.rendezvous_timeout)
     os.environ.update({ENV_STORE: endpoint, ENV_STORE_KEYS: args.keys_dir})
     handler = KeyedRendezvous(
@@ -259,11 +259,9 @@ def make_agent(args: argparse.Namespace):
         master_port=args.port,
         local_addr=args.host,
     )
-    agent = DrafterAgent(
+    return DrafterAgent(
         spec, InheritLogs(), start_method="spawn", shutdown_timeout=int(args.stop_timeout), exit_barrier_timeout=60
     )
-    agent.server = server
-    return agent
 
 
 def describe(failures: dict, ranks: list[int]) -> str:
@@ -343,17 +341,16 @@ def main(argv=None) -> int:
         return fail(args, f"{type(exc).__name__}: {exc}", agent)
     stopped = [r for r in args.ranks if (marks / f"stopped-{r}").exists()]
     write_status(args, state="stopped" if stopped else "finished", starts=agent.starts)
-    linger(agent)
+    linger()
     return STOPPED if stopped else 0
 
 
-def linger(agent) -> None:
+def linger() -> None:
     """On rank 0's host: keep the store up a moment, so that the other agents read its last keys
     (the exit barrier, the group closed) rather than wait for an answer that will not come."""
-    server = getattr(agent, "server", None)
-    if server is not None:
+    if SERVER is not None:
         time.sleep(3)
-        server.close()
+        SERVER.close()
 
 
 def fail(args: argparse.Namespace, reason: str, agent) -> int:
@@ -366,7 +363,7 @@ def fail(args: argparse.Namespace, reason: str, agent) -> int:
             agent.get_worker_group().spec.rdzv_handler.shutdown()
         except Exception:  # noqa: BLE001 - the store may be gone with rank 0's host
             pass
-        linger(agent)
+        linger()
     return 1
 
 
