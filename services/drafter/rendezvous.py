@@ -4,7 +4,8 @@ elastic agent: no TCPStore, no pickle (torch's DynamicRendezvous keeps its state
 The hosts are fixed by the --gpus spec (min = max nodes), so a round is simple: host i writes
 `round/<r>/in/<i>` and waits for every other host's; the round's number is one past the last this
 agent met, or the highest any host has joined when that round is still open. Every value read is
-a number parsed as such; anything else is counted (`bad`) and ignored.
+a number parsed as such; anything else is counted (`bad`) and ignored. An agent that comes back
+(its host restarted) finds its old round met and waits in the next: the others restart to join it.
 
 - A host counts as waiting for a new round (torch's agent then restarts its workers: a membership
   change) only while its heartbeat counter moves: a forged wait-list entry without a live agent
@@ -102,7 +103,7 @@ class KeyedRendezvous(RendezvousHandler):
             raise RendezvousClosedError()
         joined = [self._number(self._k("host", j, "round")) for j in range(len(self.hosts))]
         target = max([self.round + 1] + [r for r in joined if r is not None])
-        if target > self.round + 1 and self._round_full(target):  # a round met without this agent
+        if self._round_full(target):  # met already: by this host's agent before a restart of it
             target += 1
         self.store.set(self._k("host", self.index, "round"), str(target))
         self.store.set(self._k("round", target, "in", self.index), "1")

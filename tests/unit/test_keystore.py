@@ -253,6 +253,16 @@ def test_a_host_that_rejoins_restarts_the_group_and_membership_restarts_are_limi
     a.shutdown()
 
 
+def test_an_agent_that_comes_back_waits_in_a_new_round_and_the_others_join_it(server, keys):
+    a, b = agents(server.endpoint, keys)
+    meet([a, b])
+    b._stop.set()  # b's host dies; its launcher comes back with a fresh agent
+    b = agents(server.endpoint, keys)[1]
+    background(b.next_rendezvous)
+    assert until(lambda: a.num_nodes_waiting() > 0, 4)  # a restarts its workers for it
+    assert meet([a])[0] is not None and until(lambda: b.round == 1) and a.round == 1
+
+
 def test_a_closed_group_ends_a_waiting_agent(server, keys):
     a, b = agents(server.endpoint, keys)
     background(lambda: time.sleep(0.5) or b.shutdown())
