@@ -136,3 +136,63 @@ def test_a_group_across_hosts_without_keys_is_refused_unless_insecure_rendezvous
     with pytest.raises(SystemExit):  # and the agent, started by hand without keys
         parse(["--run-dir", "r", "--host", "a", "--hosts", "a,b", "--ranks", "0", "--world-size", "2", "--port", "1"]
               + ["--run-id", "x", "--", "w"])  # fmt: skip
+
+
+@pytest.mark.slow  # two real agents (127.0.0.2, 127.0.0.3) over the store, behind real CURVE keys
+def test_a_host_that_comes_back_restarts_the_other_hosts_workers_without_a_stop(tmp_path):
+    """A membership change (a drafter host's agent killed, then back) restarts the other host's
+    workers with SIGKILL, not SIGTERM: a SIGTERM is a stop to a drafter, which would end the run."""
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    from services.curve import generate_keys
+    from tests.launching import REPO, child_env, free_port
+
+    generate_keys(tmp_path / "keys")
+    port, hosts = free_port("127.0.0.2"), ["127.0.0.2", "127.0.0.3"]
+    worker = (  # records each start and any SIGTERM, then waits to be stopped
+        "import os, signal, sys, time; from pathlib import Path; from services.drafter.agent import worker_side; "
+        "r = int(os.environ['RANK']); worker_side(r); d = Path(os.environ['DFLASH_AGENT_DIR']); "
+        "signal.signal(signal.SIGTERM, lambda *a: ((d / f'sigterm-{r}').touch(), sys.exit(0))); "
+        "(d / f'started-{os.environ[\"DFLASH_GROUP_START\"]}').touch(); time.sleep(120)"
+    )
+
+    def agent(i: int) -> subprocess.Popen:
+        run = tmp_path / hosts[i]
+        (run / "logs").mkdir(parents=True, exist_ok=True)
+        argv = [
+            sys.executable, "-m", "services.drafter.agent", "--run-dir", str(run), "--host", hosts[i],
+            "--hosts", ",".join(hosts), "--ranks", str(i), "--world-size", "2", "--port", str(port), "--run-id", "t",
+            "--keys-dir", str(tmp_path / "keys"), "--max-restarts", "1", "--rendezvous-timeout", "60",
+            "--stop-timeout", "10", "--", sys.executable, "-c", worker,
+        ]  # fmt: skip
+        return subprocess.Popen(argv, cwd=REPO, env=child_env(), stderr=subprocess.PIPE, text=True)
+
+    def until(path, timeout_s: float = 60) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while not path.exists() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        return path.exists()
+
+    def kill_tree(p: subprocess.Popen) -> None:
+        for proc in [psutil.Process(p.pid), *psutil.Process(p.pid).children(recursive=True)]:
+            proc.kill()
+        p.wait()
+
+    first, second = agent(0), agent(1)
+    marks = [tmp_path / h / "elastic" for h in hosts]
+    try:
+        assert until(marks[0] / "started-1") and until(marks[1] / "started-1")
+        kill_tree(second)  # the second host dies: its agent and its worker
+        second = agent(1)  # ... and comes back
+        assert until(marks[0] / "started-2"), "the first host's worker was not restarted for the second's return"
+        assert not (marks[0] / "sigterm-0").exists()  # killed, not sent a stop
+        status = json.loads((marks[0] / "agent-127.0.0.2.json").read_text())
+        assert status["state"] == "running" and status["starts"] == 2
+    finally:
+        for p in (first, second):
+            if p.poll() is None:
+                kill_tree(p)
