@@ -19,6 +19,25 @@ from launcher.errors import RunFailed, cannot_write
 from launcher.topology import Worker, count
 
 
+def rendezvous_problems(transport, drafter_hosts: list[str]) -> tuple[str, str]:
+    """(refusal, warning) for a drafter group across hosts without the run's keys: its store would
+    admit anyone who reaches rank 0's host (docs/operations.md, threat model)."""
+    if len(set(drafter_hosts)) < 2 or transport.curve_keys_dir:
+        return "", ""
+    said = (
+        f"the drafter group's store at {drafter_hosts[0]}:{transport.dist_port} (transport.dist_port) without "
+        "transport.curve_keys_dir: anyone who reaches that port can read and write it, join or stall the drafter "
+        "group and steer its gloo connections"
+    )
+    if not transport.insecure_rendezvous:
+        return (
+            f"{said}. Make keys with `launcher keys DIR` and set transport.curve_keys_dir=DIR on every host, or set "
+            "transport.insecure_rendezvous=true on a network you trust completely",
+            "",
+        )
+    return "", f"{said} (transport.insecure_rendezvous=true)"
+
+
 class ElasticDrafters:
     """Supervisor methods for the agent of this host's drafters (uses the Supervisor's state)."""
 
@@ -44,6 +63,8 @@ class ElasticDrafters:
             str(self.dist_port),
             "--run-id",
             f"dflash-{run.name}-{hashlib.sha256(spec.encode()).hexdigest()[:12]}",
+            *(["--keys-dir", keys] if (keys := self.cfg.transport.curve_keys_dir) else []),
+            *(["--insecure-rendezvous"] if self.cfg.transport.insecure_rendezvous else []),
             "--max-restarts",
             str(run.max_restarts),
             "--rendezvous-timeout",

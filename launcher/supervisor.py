@@ -526,7 +526,10 @@ class Supervisor(ElasticDrafters):
 
     def shutdown(self) -> int:
         """Graceful stop: drafters first (they checkpoint), then targets, then anything left."""
-        if self.trained:
+        if not any(w.role == "drafter" for w in self.local):  # the drafters are another host's to stop
+            last = max((s.get("step", 0) for s in self.remote_last.values()), default=0)
+            what = f"stopping this host's targets (the drafters run on other hosts; last seen at step {last})"
+        elif self.trained:
             what = "stopping: drafters checkpoint and exit, then targets"
         else:  # nothing trained yet (a failed start): there is nothing to checkpoint
             what = "stopping the workers (no drafter reached training: nothing to checkpoint)"

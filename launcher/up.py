@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from launcher import process, slurm
+from launcher.elastic import rendezvous_problems
 from launcher.errors import UsageError
 from launcher.inputs import check_inputs, load_run_config, make_demo, prepare_data, with_local_model
 from launcher.output import keep_running_on_closed_pipes
@@ -61,6 +62,11 @@ def cmd_up(args) -> int:
     refusal, warning = plaintext_problems(
         cfg.transport, sum(w.role == "target" for w in workers), sum(w.role == "drafter" for w in workers)
     )  # every rank's real endpoint
+    if refusal:
+        raise UsageError(refusal)
+    if warning:
+        print(f"launcher: warning: {warning}", file=sys.stderr, flush=True)
+    refusal, warning = rendezvous_problems(cfg.transport, [w.host for w in workers if w.role == "drafter"])
     if refusal:
         raise UsageError(refusal)
     if warning:

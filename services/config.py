@@ -160,7 +160,10 @@ class TransportConfig:
     allow_plaintext: bool = setting(
         False, batch=""
     )  # tcp without keys on a non-loopback address (trusted network only)
-    dist_port: int = setting(29500, batch="")  # torch.distributed rendezvous port among drafters
+    dist_port: int = setting(29500, batch="")  # the drafter group's store across hosts (rank 0's host)
+    insecure_rendezvous: bool = setting(
+        False, batch=""
+    )  # a drafter group across hosts without curve_keys_dir (its store then admits anyone)
 
 
 @dataclass

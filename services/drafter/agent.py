@@ -1,20 +1,21 @@
 """A drafter group across hosts, restarted as one by torch's elastic agent (docs/elastic.md).
 
     python -m services.drafter.agent --run-dir DIR --host H --hosts H0,H1 --ranks 2,3 --world-size 4
-        --port P --max-restarts N --rendezvous-timeout S --stop-timeout S -- WORKER ARGV...
+        --port P --keys-dir KEYS --max-restarts N --rendezvous-timeout S --stop-timeout S -- WORKER ARGV...
 
 When the drafters of a run live on more than one host, each host's launcher starts this one process
-instead of its drafter workers. It runs torch's LocalElasticAgent over a c10d rendezvous at drafter
-rank 0's host: when any rank anywhere fails, every host's agent stops its workers, meets the others
-again and starts them all anew; the workers resume from the last checkpoint (rank 0 sends it to the
-ranks of hosts that do not share the checkpoints folder: checkpoint_share.py).
+instead of its drafter workers. It runs torch's LocalElasticAgent over a rendezvous of our own
+(rendezvous.py) in a store served by drafter rank 0's host agent (keystore.py): when any rank
+anywhere fails, every host's agent stops its workers, meets the others again and starts them all
+anew; the workers resume from the last checkpoint (rank 0 sends it to the ranks of hosts that do
+not share the checkpoints folder: checkpoint_share.py).
 
 - Ranks come from the --gpus spec, not from the rendezvous order (torch orders hosts by their
   address as text): each agent gives its workers the spec's ranks, and checks through the store
   that the agents' ranks together are 0..D-1 once each, else fails naming the hosts.
-- Both TCP stores listen on rank 0's address alone: the rendezvous on `port` (this process, on
-  host 0), the workers' process group on `port + 1` (drafter rank 0); the rendezvous store is not
-  shared with the workers (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1).
+- One store, no TCPStore: rank 0's host agent serves it on rank 0's address and `port`, a CURVE
+  server admitting only the run's client key (--keys-dir), msgpack, nothing unpickled. The agents
+  meet in it, and the workers' process group too, under a fresh prefix each start.
 - torch counts any nonzero exit as a failure to restart from, so a drafter under the agent exits 0
   after a stop and leaves a `stopped-<rank>` mark here; this process exits 0 (finished), 3
   (stopped) or 1 (failed, with one line on stderr and in agent-<host>.json).
@@ -42,6 +43,19 @@ FINAL_CODES = {
 ENV_DIR = "DFLASH_AGENT_DIR"  # <run_dir>/elastic: marks and the agent's status
 ENV_START = "DFLASH_GROUP_START"  # 1 for the first start of the group, 2 after one restart...
 ENV_GPUS = "DFLASH_AGENT_GPUS"  # this host's drafter GPUs, by local rank
+ENV_STORE = "DFLASH_AGENT_STORE"  # the group's store (keystore.py): the workers' process group meets there
+ENV_STORE_KEYS = "DFLASH_AGENT_STORE_KEYS"  # ... with these CURVE keys ("" on one host: ipc)
+ENV_STORE_PREFIX = "DFLASH_AGENT_STORE_PREFIX"  # ... under this round's prefix
+
+
+INSECURE = (
+    "without transport.curve_keys_dir anyone who reaches drafter rank 0's host on transport.dist_port can read and "
+    "write the drafter group's store: join or stall the group, and steer its gloo connections; set "
+    "transport.curve_keys_dir (`launcher keys DIR`), or transport.insecure_rendezvous=true on a network you trust"
+)
+
+
+SERVER = None  # the group's store, on drafter rank 0's host (make_agent)
 
 
 def folder(run_dir: str | Path) -> Path:
@@ -119,6 +133,10 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--world-size", type=int, required=True)
     p.add_argument("--port", type=int, required=True, help="the rendezvous store's port (transport.dist_port)")
     p.add_argument("--run-id", required=True)
+    p.add_argument("--keys-dir", default="", help="the run's CURVE keys (transport.curve_keys_dir)")
+    p.add_argument(
+        "--insecure-rendezvous", action="store_true", help="serve the store across hosts without keys (trusted network)"
+    )
     p.add_argument("--max-restarts", type=int, default=3)
     p.add_argument("--rendezvous-timeout", type=float, default=600.0)
     p.add_argument("--stop-timeout", type=float, default=330.0)
@@ -128,35 +146,28 @@ def parse(argv: list[str]) -> argparse.Namespace:
     args.hosts, args.ranks = args.hosts.split(","), [int(r) for r in args.ranks.split(",")]
     if not args.worker or args.host not in args.hosts:
         p.error("give the worker's argv after --, and a --host among --hosts")
+    if len(args.hosts) > 1 and not args.keys_dir and not args.insecure_rendezvous:
+        p.error(f"a drafter group across hosts needs --keys-dir: {INSECURE}")
     return args
 
 
-def rendezvous_store(address: str, port: int, is_host: bool, timeout_s: float):
-    """The rendezvous TCPStore, listening on `address` alone on host 0 (TCPStore binds every
-    interface by itself; a socket bound here keeps it off the others)."""
-    import socket
-    from datetime import timedelta
+def store_endpoint(args: argparse.Namespace) -> str:
+    """Where drafter rank 0's host agent serves the group's store: on one host an ipc socket in the
+    run's private socket folder, across hosts rank 0's address and transport.dist_port."""
+    if len(args.hosts) == 1:
+        from services.endpoints import socket_dir
 
-    import torch.distributed as dist
-
-    timeout = timedelta(seconds=timeout_s)
-    if not is_host:
-        return dist.TCPStore(address, port, None, False, timeout)
-    listener = socket.socket(socket.AF_INET6 if ":" in address else socket.AF_INET, socket.SOCK_STREAM)
-    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    listener.bind((address, port))
-    listener.listen(128)
-    return dist.TCPStore(address, port, None, True, timeout, master_listen_fd=listener.detach())
+        return f"ipc://{socket_dir(args.run_dir)}/drafter-store"
+    return f"tcp://{args.hosts[0]}:{args.port}"
 
 
 def make_agent(args: argparse.Namespace):
-    from datetime import timedelta
-
     from torch.distributed.elastic.agent.server.api import Worker, WorkerSpec, WorkerState
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
     from torch.distributed.elastic.multiprocessing import LogsDest, LogsSpecs
-    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
-    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler, RendezvousTimeout
+
+    from services.drafter.keystore import KeyStore, StoreServer
+    from services.drafter.rendezvous import KeyedRendezvous
 
     marks = folder(args.run_dir)
 
@@ -197,8 +208,17 @@ def make_agent(args: argparse.Namespace):
         def _start_workers(self, worker_group):
             self.starts += 1
             os.environ[ENV_START] = str(self.starts)  # the workers' environment is a copy of ours
+            os.environ[ENV_STORE_PREFIX] = handler.workers_prefix()  # a fresh group's keys
             write_status(args, state="running", starts=self.starts)
             return super()._start_workers(worker_group)
+
+        def _restart_workers(self, worker_group):
+            """torch's, but the workers are killed, not sent SIGTERM: that is a stop to a drafter, which
+            checkpoints and reports "stopped", and the target hosts would end the run. As after a failure,
+            the group resumes from its last checkpoint (the ledger cuts the steps after it)."""
+            self._shutdown(signal.SIGKILL)
+            worker_group.state = WorkerState.STOPPED
+            self._initialize_workers(worker_group)
 
         def _monitor_workers(self, worker_group):
             result = super()._monitor_workers(worker_group)
@@ -213,16 +233,19 @@ def make_agent(args: argparse.Namespace):
                 )
             return result
 
-    store = rendezvous_store(args.hosts[0], args.port, args.host == args.hosts[0], args.rendezvous_timeout)
-    timeout = RendezvousTimeout(join=timedelta(seconds=args.rendezvous_timeout), close=timedelta(seconds=30))
-    handler = DynamicRendezvousHandler.from_backend(
-        run_id=args.run_id,
-        store=store,
-        backend=C10dRendezvousBackend(store, args.run_id),
-        min_nodes=len(args.hosts),
-        max_nodes=len(args.hosts),
-        local_addr=args.host,
-        timeout=timeout,
+    endpoint = store_endpoint(args)
+    global SERVER
+    SERVER = StoreServer(endpoint, args.keys_dir) if args.host == args.hosts[0] else None
+    store = KeyStore(endpoint, args.keys_dir, timeout_s=args.rendezvous_timeout)
+    os.environ.update({ENV_STORE: endpoint, ENV_STORE_KEYS: args.keys_dir})
+    handler = KeyedRendezvous(
+        store,
+        args.run_id,
+        args.hosts,
+        args.hosts.index(args.host),
+        args.port,
+        join_timeout_s=args.rendezvous_timeout,
+        max_membership_restarts=args.max_restarts,
     )
     spec = WorkerSpec(
         role="drafter",
@@ -232,8 +255,8 @@ def make_agent(args: argparse.Namespace):
         args=tuple(args.worker[1:]),
         max_restarts=args.max_restarts,
         monitor_interval=0.5,
-        master_addr=args.hosts[0],  # the workers' process group store: rank 0's address, port + 1
-        master_port=args.port + 1,
+        master_addr=args.hosts[0],  # unused: the workers' process group meets in the store above
+        master_port=args.port,
         local_addr=args.host,
     )
     return DrafterAgent(
@@ -254,6 +277,8 @@ def write_status(args: argparse.Namespace, **status) -> None:
     from services.files import write_json_atomic
 
     restarts = max(0, status.get("starts", 1) - 1)
+    if SERVER is not None:  # rank 0's host: what its store answered, refused (handshakes) and dropped
+        status["store"] = {"served": SERVER.served, "refused": SERVER.refused, "dropped": SERVER.dropped}
     write_json_atomic(
         status_path(args.run_dir, args.host),
         {
@@ -274,13 +299,16 @@ def main(argv=None) -> int:
     marks.mkdir(parents=True, exist_ok=True)
     for r in args.ranks:
         (marks / f"stopped-{r}").unlink(missing_ok=True)
-    os.environ.update({ENV_DIR: str(marks), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
+    os.environ[ENV_DIR] = str(marks)
     # the launcher's death signal (launcher/process.py) is a stop, as SIGTERM (torch's agent handles that one)
     from services.lifecycle import PARENT_DIED
 
     signal.signal(PARENT_DIED, lambda *_: os.kill(os.getpid(), signal.SIGTERM))
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.rendezvous.api import RendezvousClosedError, RendezvousError
+
+    from services.drafter.keystore import StoreGone
+    from services.drafter.rendezvous import MembershipLoop
 
     agent = None
     try:
@@ -297,6 +325,11 @@ def main(argv=None) -> int:
             pass
     except RendezvousClosedError:
         return fail(args, "another drafter host's agent failed and closed the group (its launcher says why)", agent)
+    except StoreGone as exc:
+        said = f"drafter rank 0's host {args.hosts[0]} stopped answering ({exc}): it or its agent is gone"
+        return fail(args, said, agent)
+    except MembershipLoop as exc:
+        return fail(args, str(exc), agent)
     except RendezvousError as exc:
         return fail(
             args,
@@ -308,7 +341,16 @@ def main(argv=None) -> int:
         return fail(args, f"{type(exc).__name__}: {exc}", agent)
     stopped = [r for r in args.ranks if (marks / f"stopped-{r}").exists()]
     write_status(args, state="stopped" if stopped else "finished", starts=agent.starts)
+    linger()
     return STOPPED if stopped else 0
+
+
+def linger() -> None:
+    """On rank 0's host: keep the store up a moment, so that the other agents read its last keys
+    (the exit barrier, the group closed) rather than wait for an answer that will not come."""
+    if SERVER is not None:
+        time.sleep(3)
+        SERVER.close()
 
 
 def fail(args: argparse.Namespace, reason: str, agent) -> int:
@@ -321,6 +363,7 @@ def fail(args: argparse.Namespace, reason: str, agent) -> int:
             agent.get_worker_group().spec.rdzv_handler.shutdown()
         except Exception:  # noqa: BLE001 - the store may be gone with rank 0's host
             pass
+        linger()
     return 1
 
 

@@ -46,6 +46,8 @@ def join(cfg: Config, rank: int, world_size: int, device: torch.device, backend:
     "Threat model and guarantees"):
     - DFLASH_DIST_STORE (the launcher sets it when every drafter is on this host): a FileStore in
       the private run dir, and gloo's and NCCL's own sockets on loopback: no port off loopback;
+    - DFLASH_AGENT_STORE (the elastic agent sets it, drafters across hosts): the group's store behind
+      the run's CURVE keys (keystore.py), served by rank 0's host agent; no TCPStore;
     - else MASTER_ADDR:MASTER_PORT (across hosts: the drafter host from the spec), the store bound
       to that address only, and gloo/NCCL on the interface that holds it;
     - else (a rank started by hand) 127.0.0.1:transport.dist_port, or any free port when alone."""
@@ -61,6 +63,11 @@ def join(cfg: Config, rank: int, world_size: int, device: torch.device, backend:
             os.environ.setdefault(name, interface)
     if store_path:
         store = dist.FileStore(store_path, world_size)
+    elif agent_store := os.environ.get("DFLASH_AGENT_STORE"):
+        from services.drafter.keystore import KeyStore
+
+        client = KeyStore(agent_store, os.environ.get("DFLASH_AGENT_STORE_KEYS", ""), timeout_s=1800)
+        store = dist.PrefixStore(os.environ["DFLASH_AGENT_STORE_PREFIX"], client)
     else:
         port = int(os.environ.get("MASTER_PORT", cfg.transport.dist_port if world_size > 1 else 0))
         store = _tcp_store(address, port, rank, world_size)

@@ -20,7 +20,7 @@ def supervisor(tmp_path, host: str, spec: str = SPEC) -> Supervisor:
     workers = parse_gpu_spec(spec, local_host=host)
     return Supervisor(
         tmp_path,
-        load_config(None, [*host_overrides(workers), "transport.allow_plaintext=true"]),
+        load_config(None, [*host_overrides(workers), f"transport.curve_keys_dir={tmp_path / 'keys'}"]),
         workers,
         "cpu",
         host=host,
@@ -44,6 +44,7 @@ def test_each_drafter_host_starts_one_agent_with_the_spec_ranks_in_spec_order(tm
     assert (a.ranks, b.ranks) == ([0, 1], [2, 3]) and a.world_size == b.world_size == 4
     assert a.hosts == b.hosts == ["10.0.0.10", "10.0.0.2"]  # the first is rank 0's: the rendezvous store
     assert a.run_id == b.run_id and a.port == b.port == first.cfg.transport.dist_port
+    assert a.keys_dir == b.keys_dir == str(tmp_path / "keys") and not a.insecure_rendezvous
     assert "--rank" not in a.worker and "--world-size" not in a.worker  # RANK, WORLD_SIZE from the agent
     assert a.worker[1:3] == ["-m", "services.drafter"]
     assert "MASTER_ADDR" not in first.env(first.local[0])  # the agent sets it: rank 0's address, dist_port + 1
@@ -83,20 +84,22 @@ def run_agent(tmp_path, worker_code: str, ranks="0,1", world_size=2, max_restart
 def test_a_real_agent_gives_the_spec_ranks_and_stops_restarting_on_a_config_error(tmp_path):
     record = (  # the drafter's side first: its output to logs/drafter-<RANK>.log
         "import os, json; from services.drafter.agent import worker_side; worker_side(int(os.environ['RANK'])); "
-        "print(json.dumps({k: os.environ[k] for k in ('RANK', 'WORLD_SIZE', 'MASTER_PORT')}), flush=True)"
+        "print(json.dumps({k: os.environ[k] for k in ('RANK', 'WORLD_SIZE', 'DFLASH_AGENT_STORE')}), flush=True)"
     )
     code, status, _ = run_agent(tmp_path, record)
     assert code == 0 and status["state"] == "finished" and status["restarts"] == 0
+    assert status["store"]["served"] > 0 and status["store"]["refused"] == status["store"]["dropped"] == 0
     logs = [
         json.loads(line)
         for r in (0, 1)
         for line in (tmp_path / "logs" / f"drafter-{r}.log").read_text().splitlines()
         if line.startswith("{")
     ]
-    assert sorted((d["RANK"], d["WORLD_SIZE"], d["MASTER_PORT"]) for d in logs) == [
-        ("0", "2", str(status["port"] + 1)),
-        ("1", "2", str(status["port"] + 1)),
-    ]  # the process group's store: dist_port + 1
+    store = f"ipc://{tmp_path.resolve()}/sock/drafter-store"  # one host: the store on an owner-only ipc socket
+    assert sorted((d["RANK"], d["WORLD_SIZE"], d["DFLASH_AGENT_STORE"]) for d in logs) == [
+        ("0", "2", store),
+        ("1", "2", store),
+    ]  # the workers' process group meets in the agents' store
 
     code, status, _ = run_agent(tmp_path, record, ranks="2,3", world_size=4)  # hosts started with other specs
     assert code == 1 and "no host runs drafter rank(s) [0, 1]" in status["reason"]
@@ -116,3 +119,80 @@ def test_a_stop_is_exit_0_to_torch_and_3_from_the_agent(tmp_path):
     )
     code, status, err = run_agent(tmp_path, stop)
     assert code == 3 and status["state"] == "stopped" and status["restarts"] == 0, err
+
+
+def test_a_group_across_hosts_without_keys_is_refused_unless_insecure_rendezvous_says_so(tmp_path):
+    from launcher.elastic import rendezvous_problems
+    from tests.launching import run_launcher
+
+    spec = "0:target@127.0.0.1,0:drafter@127.0.0.2,1:drafter@127.0.0.3"
+    out = run_launcher("up", "--device", "cpu", "--gpus", spec, "--host", "127.0.0.2", "--run-dir", tmp_path / "run")
+    assert out.returncode == 2 and not (tmp_path / "run").exists(), out.stderr
+    assert "transport.curve_keys_dir" in out.stderr and "transport.insecure_rendezvous=true" in out.stderr
+    cfg = load_config(None, ["transport.scheme=tcp", "transport.insecure_rendezvous=true"])
+    refusal, warning = rendezvous_problems(cfg.transport, ["127.0.0.2", "127.0.0.3"])
+    assert not refusal and "anyone who reaches that port can read and write it" in warning
+    assert rendezvous_problems(cfg.transport, ["127.0.0.2", "127.0.0.2"]) == ("", "")  # one host: ipc/file
+    with pytest.raises(SystemExit):  # and the agent, started by hand without keys
+        parse(["--run-dir", "r", "--host", "a", "--hosts", "a,b", "--ranks", "0", "--world-size", "2", "--port", "1"]
+              + ["--run-id", "x", "--", "w"])  # fmt: skip
+
+
+@pytest.mark.slow  # two real agents (127.0.0.2, 127.0.0.3) over the store, behind real CURVE keys
+def test_a_host_that_comes_back_restarts_the_other_hosts_workers_without_a_stop(tmp_path):
+    """A membership change (a drafter host's agent killed, then back) restarts the other host's
+    workers with SIGKILL, not SIGTERM: a SIGTERM is a stop to a drafter, which would end the run."""
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    from services.curve import generate_keys
+    from tests.launching import REPO, child_env, free_port
+
+    generate_keys(tmp_path / "keys")
+    port, hosts = free_port("127.0.0.2"), ["127.0.0.2", "127.0.0.3"]
+    worker = (  # records each start and any SIGTERM, then waits to be stopped
+        "import os, signal, sys, time; from pathlib import Path; from services.drafter.agent import worker_side; "
+        "r = int(os.environ['RANK']); worker_side(r); d = Path(os.environ['DFLASH_AGENT_DIR']); "
+        "signal.signal(signal.SIGTERM, lambda *a: ((d / f'sigterm-{r}').touch(), sys.exit(0))); "
+        "(d / f'started-{os.environ[\"DFLASH_GROUP_START\"]}').touch(); time.sleep(120)"
+    )
+
+    def agent(i: int) -> subprocess.Popen:
+        run = tmp_path / hosts[i]
+        (run / "logs").mkdir(parents=True, exist_ok=True)
+        argv = [
+            sys.executable, "-m", "services.drafter.agent", "--run-dir", str(run), "--host", hosts[i],
+            "--hosts", ",".join(hosts), "--ranks", str(i), "--world-size", "2", "--port", str(port), "--run-id", "t",
+            "--keys-dir", str(tmp_path / "keys"), "--max-restarts", "1", "--rendezvous-timeout", "60",
+            "--stop-timeout", "10", "--", sys.executable, "-c", worker,
+        ]  # fmt: skip
+        return subprocess.Popen(argv, cwd=REPO, env=child_env(), stderr=subprocess.PIPE, text=True)
+
+    def until(path, timeout_s: float = 60) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while not path.exists() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        return path.exists()
+
+    def kill_tree(p: subprocess.Popen) -> None:
+        for proc in [psutil.Process(p.pid), *psutil.Process(p.pid).children(recursive=True)]:
+            proc.kill()
+        p.wait()
+
+    first, second = agent(0), agent(1)
+    marks = [tmp_path / h / "elastic" for h in hosts]
+    try:
+        assert until(marks[0] / "started-1") and until(marks[1] / "started-1")
+        kill_tree(second)  # the second host dies: its agent and its worker
+        second = agent(1)  # ... and comes back
+        assert until(marks[0] / "started-2"), "the first host's worker was not restarted for the second's return"
+        assert not (marks[0] / "sigterm-0").exists()  # killed, not sent a stop
+        status = json.loads((marks[0] / "agent-127.0.0.2.json").read_text())
+        assert status["state"] == "running" and status["starts"] == 2
+    finally:
+        for p in (first, second):
+            if p.poll() is None:
+                kill_tree(p)
