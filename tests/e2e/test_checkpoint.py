@@ -17,6 +17,8 @@ from services.drafter.ledger import read_all
 from services.log import events, parse_event
 from tests.launching import free_port, spawn_drafter
 
+pytestmark = pytest.mark.processes  # one drafter rank at a time, synthetic data
+
 SMALL = [
     "data.pack_len=256",
     "drafter.num_anchors=16",
@@ -50,6 +52,7 @@ def assert_same_training_state(a: Path, b: Path):
     assert all(torch.equal(oa[i][k], ob[i][k]) for i in oa for k in oa[i])
 
 
+@pytest.mark.training  # two gloo ranks
 @pytest.mark.parametrize("world_size, grad_accum", [(2, 1), (1, 2)])
 def test_resume_after_sigkill_equals_uninterrupted_training_bit_for_bit(tmp_path, world_size, grad_accum):
     N, K = 24, 4
@@ -152,6 +155,7 @@ def write(root, step, keep=3, value=1.0):
     )
 
 
+@pytest.mark.inprocess
 def test_rotation_keeps_the_newest_and_the_best(tmp_path):
     root = tmp_path / "checkpoints"
     for step in (1, 2, 3):
@@ -169,6 +173,7 @@ def test_rotation_keeps_the_newest_and_the_best(tmp_path):
     assert os.readlink(root / "latest") == "step-00000005"  # relative: the run dir can move
 
 
+@pytest.mark.inprocess
 def test_a_crash_mid_write_leaves_latest_alone(tmp_path):
     root = tmp_path / "checkpoints"
     write(root, 1)
@@ -181,6 +186,7 @@ def test_a_crash_mid_write_leaves_latest_alone(tmp_path):
     assert not half.exists() and ckpt.pointer(root, "latest").name == "step-00000002"
 
 
+@pytest.mark.inprocess
 def test_verify_names_what_is_wrong(tmp_path):
     root = tmp_path / "checkpoints"
     path = write(root, 1)

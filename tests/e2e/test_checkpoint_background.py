@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -38,6 +39,7 @@ def _write(writer: BackgroundWriter, step: int, weights: dict, optimizer: dict) 
     )
 
 
+@pytest.mark.inprocess
 def test_the_files_hold_the_state_at_the_snapshot_not_later(tmp_path):
     writer = BackgroundWriter(tmp_path / "checkpoints", keep=2, device=torch.device("cpu"))
     weights, optimizer = _state(1000, 1.0)
@@ -74,6 +76,7 @@ time.sleep(60)
 """
 
 
+@pytest.mark.processes
 def test_sigkill_during_a_background_write_keeps_the_previous_checkpoint(tmp_path):
     root = tmp_path / "checkpoints"
     proc = subprocess.Popen(

@@ -4,9 +4,13 @@ incompatible configs, a full disk (a real EFBIG from the kernel, through RLIMIT_
 import json
 import resource
 
+import pytest
+
 from services.drafter import checkpoint as ckpt
 from services.log import events
 from tests.e2e.test_checkpoint import latest, train_single
+
+pytestmark = pytest.mark.processes  # one drafter rank at a time, synthetic data
 
 
 def test_corrupt_or_truncated_latest_falls_back_to_the_previous_one_with_a_warning(tmp_path):
@@ -75,8 +79,8 @@ def test_full_disk_keeps_the_previous_checkpoint_and_training_goes_on(tmp_path):
 # --- a disk that is really full (a small tmpfs) ----------------------------------------------------------
 
 
+@pytest.mark.inprocess
 def test_a_write_that_fills_the_disk_says_so_with_the_space_needed(small_disk):
-    import pytest
     import torch
 
     root = small_disk("1m") / "checkpoints"

@@ -15,7 +15,7 @@ import pytest
 from tests.e2e.test_launcher_demo import assert_exactly_once, assert_no_worker_left, metrics
 from tests.launching import launcher_argv, run_launcher
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.quality
 DEMO = ["--demo", "hybrid", "--device", "cpu", "--gpus", "0:target,1-2:drafter"]
 
 

@@ -10,14 +10,14 @@ from collections import Counter
 import pytest
 
 from services.config import load_config
-from services.tools.demo import make_demo
 from services.drafter.ledger import read_all
 from services.endpoints import endpoint
 from services.health import probe
 from services.log import events
+from tests.assets import random_demo
 from tests.launching import REPO, free_port, spawn_drafter, target_argv
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.training
 DRAFTERS = 2
 # 100 demo conversations at pack_len 256, 30% held out: 15 train batches and 7 eval batches, both odd
 SMALL = [
@@ -33,7 +33,7 @@ SMALL = [
 
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory):
-    return make_demo(tmp_path_factory.mktemp("demo"), num_conversations=100, target_steps=0)  # transport only
+    return random_demo(100)  # transport only
 
 
 def train_over_zmq(run_dir, overrides: list[str]) -> list[dict]:

@@ -22,6 +22,8 @@ import pytest
 from launcher import process
 from tests.launching import child_env, free_ports, run_launcher, start_launcher
 
+pytestmark = pytest.mark.processes  # the launcher, its workers stood in for by small Python processes
+
 
 @pytest.fixture
 def sleepers():
@@ -178,6 +180,7 @@ def test_status_probes_dead_workers_in_parallel_and_labels_columns(tmp_path):
     assert "tokens this rank trained per second over the last metrics window" in out.stdout
 
 
+@pytest.mark.inprocess
 def test_live_line_shows_the_metrics_window():
     from launcher.progress import ProgressLine
 
@@ -291,7 +294,6 @@ def test_gpus_with_a_comma_inside_a_role_suggests_plus():
 # --- 7 and 3 on the demo: errors before workers, and runs/latest ------------------------------------------
 
 
-@pytest.mark.slow
 def test_target_too_shallow_is_a_config_error_before_any_worker(tmp_path):
     out = run_launcher(
         "up",
@@ -311,7 +313,6 @@ def test_target_too_shallow_is_a_config_error_before_any_worker(tmp_path):
     assert not (tmp_path / "run" / "run.json").exists()  # no worker was started
 
 
-@pytest.mark.slow
 def test_a_run_that_fails_while_starting_does_not_become_latest(sleepers):
     # a short folder: ipc socket paths under runs/<name>-<time>/sock must stay within 107 bytes
     tmp_path = Path(tempfile.mkdtemp(prefix="dfl"))
@@ -335,7 +336,7 @@ def test_a_run_that_fails_while_starting_does_not_become_latest(sleepers):
     shutil.rmtree(tmp_path)
 
 
-@pytest.mark.slow
+@pytest.mark.training  # its second launch starts the workers
 def test_a_bad_data_line_stops_up_before_any_worker_and_skips_are_reported(tmp_path):
     bad = tmp_path / "bad.jsonl"
     good = '{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello there"}]}\n'
@@ -385,6 +386,7 @@ def test_a_bad_data_line_stops_up_before_any_worker_and_skips_are_reported(tmp_p
     assert "data: " in status.stdout and "skipped 1 bad lines" in status.stdout, status.stdout + status.stderr
 
 
+@pytest.mark.inprocess
 def test_each_drafter_group_meets_in_a_fresh_store_across_launches(tmp_path):
     """A resumed run is a new launcher on the same run dir. A FileStore the last launch left behind
     holds the old group's gloo addresses; a rank that read them would connect to dead ports

@@ -30,6 +30,8 @@ from services.health import HealthServer, probe
 from services.transport import MAX_REQUEST_BYTES, BatchServer
 from tests.launching import REPO, child_env
 
+pytestmark = pytest.mark.processes  # target processes; the drafter's side in this process
+
 SEQ, WIDTH, N_BATCHES = 300, 640, 8
 CHUNK = 64 << 10  # hidden is 300 x 640 bf16 = 375 KiB: 6 chunks
 
@@ -333,6 +335,7 @@ def test_target_killed_mid_stream_and_restarted(tmp_path, targets, scheme):
 # --- in-process pieces ---------------------------------------------------------------------
 
 
+@pytest.mark.inprocess
 def test_a_batch_for_a_drafter_that_is_gone_is_released(tmp_path):
     """And the log says what was dropped: a batch (its drafter will ask again), or a verify answer
     (its drafter stopped waiting and closed the socket)."""
@@ -353,6 +356,7 @@ def test_a_batch_for_a_drafter_that_is_gone_is_released(tmp_path):
         health.close()
 
 
+@pytest.mark.inprocess
 def test_a_drafter_that_does_not_read_holds_up_nobody_else():
     """One drafter never reads: its queue fills. Another drafter still gets its batch at once."""
     cfg = transport_cfg(credits=1, max_batch_bytes=1 << 20)  # a short queue per drafter
@@ -386,6 +390,7 @@ def test_a_drafter_that_does_not_read_holds_up_nobody_else():
         server.close()
 
 
+@pytest.mark.inprocess
 def test_close_after_the_io_thread_has_ended_is_clean():
     """close() may find the I/O thread already gone (it saw the closing flag first): waking it must not raise."""
     server = BatchServer("tcp://127.0.0.1:*", transport_cfg())
@@ -396,6 +401,7 @@ def test_close_after_the_io_thread_has_ended_is_clean():
     server.close()
 
 
+@pytest.mark.inprocess
 def test_layout_aligns_every_tensor():
     specs = [wire.spec_of(n, t) for n, t in make_batch(0).tensors().items()]
     offsets, total = layout(specs)
@@ -403,6 +409,7 @@ def test_layout_aligns_every_tensor():
     assert all(offsets[i] + specs[i].nbytes <= offsets[i + 1] for i in range(len(specs) - 1))
 
 
+@pytest.mark.inprocess
 def test_buffer_pool_reuses_a_buffer_only_after_its_tensors_are_gone():
     pool = BufferPool(pin=False, keep=2)
     first = pool.get(4096)
@@ -416,6 +423,7 @@ def test_buffer_pool_reuses_a_buffer_only_after_its_tensors_are_gone():
     assert pool.get(8192).data_ptr() not in (address, second.data_ptr())
 
 
+@pytest.mark.inprocess
 def test_tcp_with_curve_keys_serves_key_holders_only(tmp_path):
     """With transport.curve_keys_dir set, tcp traffic is CURVE-encrypted and a drafter without the keys gets nothing."""
     keys = tmp_path / "keys"
@@ -483,6 +491,7 @@ def test_a_replaced_target_is_noticed_and_its_impostor_ignored(tmp_path, targets
         client.close()
 
 
+@pytest.mark.inprocess
 def test_a_batch_whose_ids_do_not_match_its_digest_is_dropped(tmp_path):
     """The digest is checked on arrival: a batch whose token ids changed on the way is not taken."""
     endpoint = f"ipc://{tmp_path}/t.data"
@@ -507,6 +516,7 @@ def test_a_batch_whose_ids_do_not_match_its_digest_is_dropped(tmp_path):
         server.close()
 
 
+@pytest.mark.inprocess
 def test_a_batch_with_other_content_than_the_data_says_is_dropped_and_handed_on(tmp_path):
     """The request names the digest batch g must have: batch 0 relabelled as 1 (self-consistent, from
     the incarnation asked) is dropped as data-content, and the drafter is told at once."""
