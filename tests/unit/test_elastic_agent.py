@@ -79,7 +79,7 @@ def run_agent(tmp_path, worker_code: str, ranks="0,1", world_size=2, max_restart
     return done.returncode, status, done.stderr
 
 
-@pytest.mark.slow  # a real agent starts its workers three times
+@pytest.mark.processes  # a real agent starts its workers three times
 def test_a_real_agent_gives_the_spec_ranks_and_stops_restarting_on_a_config_error(tmp_path):
     record = (  # the drafter's side first: its output to logs/drafter-<RANK>.log
         "import os, json; from services.drafter.agent import worker_side; worker_side(int(os.environ['RANK'])); "
@@ -109,7 +109,7 @@ def test_a_real_agent_gives_the_spec_ranks_and_stops_restarting_on_a_config_erro
     assert "config" in status["reason"] and "see logs/drafter-" in status["reason"]
 
 
-@pytest.mark.slow
+@pytest.mark.processes
 def test_a_stop_is_exit_0_to_torch_and_3_from_the_agent(tmp_path):
     stop = (
         "import os, sys; from services.drafter.agent import worker_exit as e; sys.exit(e(int(os.environ['RANK']), 3))"
