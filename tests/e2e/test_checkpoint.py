@@ -1,9 +1,8 @@
 """Checkpoints with real drafter processes (synthetic data, gloo on CPU): exact resume after SIGKILL
-and after SIGTERM; and the on-disk rules (atomic writes, rotation, pointers, verification).
-Faults (corrupt, incompatible, full disk): test_checkpoint_faults.py."""
+and after SIGTERM. Faults (corrupt, incompatible, full disk): test_checkpoint_faults.py; the on-disk
+rules (atomic writes, rotation, pointers, verification), in process: tests/unit/test_checkpoint_files.py."""
 
 import json
-import os
 import signal
 from collections import Counter
 from pathlib import Path
@@ -140,61 +139,3 @@ def test_sigterm_checkpoints_the_step_in_hand_and_resume_continues_from_it(tmp_p
 
 
 # --- the on-disk rules, in-process ------------------------------------------------------------------
-
-
-def write(root, step, keep=3, value=1.0):
-    return ckpt.write_checkpoint(
-        root,
-        step,
-        weights={"w": torch.full((4,), value)},
-        optimizer={"state": {}},
-        rng={"cpu.0": torch.get_rng_state()},
-        meta={"step": step, "micro_step": step},
-        config={},
-        keep=keep,
-    )
-
-
-@pytest.mark.inprocess
-def test_rotation_keeps_the_newest_and_the_best(tmp_path):
-    root = tmp_path / "checkpoints"
-    for step in (1, 2, 3):
-        write(root, step)
-    ckpt.set_best_pointer(root, root / "step-00000001")
-    for step in (4, 5):
-        write(root, step)
-    assert sorted(p.name for p in ckpt.list_checkpoints(root)) == [
-        "step-00000001",
-        "step-00000003",
-        "step-00000004",
-        "step-00000005",
-    ]
-    assert ckpt.pointer(root, "best").name == "step-00000001" and ckpt.pointer(root, "latest").name == "step-00000005"
-    assert os.readlink(root / "latest") == "step-00000005"  # relative: the run dir can move
-
-
-@pytest.mark.inprocess
-def test_a_crash_mid_write_leaves_latest_alone(tmp_path):
-    root = tmp_path / "checkpoints"
-    write(root, 1)
-    half = root / ".tmp-step-00000002-12345"  # what a SIGKILL mid-write leaves
-    half.mkdir()
-    (half / "model.safetensors").write_bytes(b"partial")
-    assert ckpt.pointer(root, "latest").name == "step-00000001"
-    assert [p.name for p in ckpt.list_checkpoints(root)] == ["step-00000001"]
-    write(root, 2)  # the next write cleans it up
-    assert not half.exists() and ckpt.pointer(root, "latest").name == "step-00000002"
-
-
-@pytest.mark.inprocess
-def test_verify_names_what_is_wrong(tmp_path):
-    root = tmp_path / "checkpoints"
-    path = write(root, 1)
-    assert ckpt.verify(path)["step"] == 1
-    (path / "rng.safetensors").unlink()
-    with pytest.raises(ckpt.CorruptCheckpoint, match="rng.safetensors missing"):
-        ckpt.verify(path)
-    path = write(root, 2)
-    (path / "manifest.json").write_text("{not json")
-    with pytest.raises(ckpt.CorruptCheckpoint, match="manifest.json unreadable"):
-        ckpt.verify(path)
