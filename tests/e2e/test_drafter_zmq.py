@@ -15,12 +15,15 @@ from services.endpoints import endpoint
 from services.health import probe
 from services.log import events
 from tests.assets import random_demo
-from tests.launching import REPO, free_port, spawn_drafter, target_argv
+from tests.launching import PLUMBING, REPO, free_port, spawn_drafter, target_argv
 
 pytestmark = pytest.mark.training
 DRAFTERS = 2
-# 100 demo conversations at pack_len 256, 30% held out: 15 train batches and 7 eval batches, both odd
+# 100 demo conversations at pack_len 256, 30% held out: 15 train batches and 7 eval batches, both odd;
+# no real-acceptance pass (the demo's 8 held-out prompts x 64 tokens, 3 times, ran past the drafters'
+# 300 s on a loaded 2-core machine; these tests check the plan and the split)
 SMALL = [
+    *PLUMBING,
     "data.pack_len=256",
     "data.eval_fraction=0.3",
     "run.epochs=1",
