@@ -16,7 +16,6 @@ from services.drafter.ledger import read_all
 from services.log import events, parse_event
 from tests.launching import free_port, spawn_drafter
 
-pytestmark = pytest.mark.processes  # one drafter rank at a time, synthetic data
 
 SMALL = [
     "data.pack_len=256",
@@ -51,8 +50,10 @@ def assert_same_training_state(a: Path, b: Path):
     assert all(torch.equal(oa[i][k], ob[i][k]) for i in oa for k in oa[i])
 
 
-@pytest.mark.training  # two gloo ranks
-@pytest.mark.parametrize("world_size, grad_accum", [(2, 1), (1, 2)])
+@pytest.mark.parametrize(
+    "world_size, grad_accum",
+    [pytest.param(2, 1, marks=pytest.mark.training), pytest.param(1, 2, marks=pytest.mark.processes)],  # 2 gloo ranks
+)
 def test_resume_after_sigkill_equals_uninterrupted_training_bit_for_bit(tmp_path, world_size, grad_accum):
     N, K = 24, 4
     args = ["--max-steps", str(N), *SMALL, f"run.checkpoint_every={K}", f"drafter.grad_accum={grad_accum}"]
@@ -112,6 +113,7 @@ def train_single(run_dir, steps, *extra, resume=False, preexec_fn=None):
     return proc.returncode, out, err
 
 
+@pytest.mark.processes  # one drafter rank at a time, synthetic data
 def test_resume_without_checkpoints_starts_fresh(tmp_path):
     code, out, err = train_single(tmp_path, 3, resume=True)
     assert code == 0, err[-2000:]
@@ -119,6 +121,7 @@ def test_resume_without_checkpoints_starts_fresh(tmp_path):
     assert [e for e in events(out) if e.get("event") == "stopped"][0]["step"] == 3
 
 
+@pytest.mark.processes  # one drafter rank at a time, synthetic data
 def test_sigterm_checkpoints_the_step_in_hand_and_resume_continues_from_it(tmp_path):
     proc = spawn_drafter(tmp_path, "--max-steps", "100000", *SMALL, "run.checkpoint_every=1000")
     for line in proc.stdout:

@@ -24,7 +24,6 @@ from services.drafter.ledger import read_all
 from tests.assets import shared_data
 from tests.launching import PLUMBING, REPO, child_env, launcher_argv, run_launcher
 
-pytestmark = pytest.mark.training
 DEMO = ["--demo", "--device", "cpu", "--gpus", "0:target,1-2:drafter"]
 
 
@@ -152,6 +151,7 @@ def test_demo_trains_end_to_end(tmp_path):
         assert figures["acceptance_per_prompt"] > figures["random"]["acceptance_per_prompt"]
 
 
+@pytest.mark.training
 def test_killed_target_is_restarted_and_nothing_is_lost(tmp_path):
     run_dir = tmp_path / "run"
     proc = subprocess.Popen(
@@ -187,6 +187,7 @@ def test_killed_target_is_restarted_and_nothing_is_lost(tmp_path):
     assert_no_worker_left(run_dir)
 
 
+@pytest.mark.training
 def test_launcher_kill_9_leaves_no_orphans(tmp_path):
     """kill -9 of the launcher: the kernel's parent-death signal takes the workers down."""
     run_dir = tmp_path / "run"
@@ -211,6 +212,7 @@ def test_launcher_kill_9_leaves_no_orphans(tmp_path):
 STATUS_RUN = ("run.max_steps=200", "run.log_every=5", "run.spec_eval_prompts=2", "run.spec_eval_max_new_tokens=16")
 
 
+@pytest.mark.training
 def test_status_down_and_resume(tmp_path):
     """`launcher status` sees every worker; `launcher down` stops gracefully (drafters checkpoint);
     `launcher up --resume` finishes the run, and no batch is trained twice or skipped."""
@@ -296,6 +298,7 @@ def readme_command(start: str) -> list[str]:
     raise AssertionError(f"README.md has no `{start}` command")
 
 
+@pytest.mark.training
 def test_the_readme_export_command_works_right_after_the_readme_demo():
     """README's demo (a few steps of it), then README's export command, as written, from the same folder."""
     import tempfile

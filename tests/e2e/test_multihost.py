@@ -17,7 +17,6 @@ from services.drafter.ledger import read_all
 from services.endpoints import endpoint
 from tests.launching import PLUMBING, free_ports, launcher_argv, run_launcher
 
-pytestmark = pytest.mark.training
 TARGET_HOST, DRAFTER_HOST = "127.0.0.1", "127.0.0.2"
 SPEC = f"0:target@{TARGET_HOST},0:drafter@{DRAFTER_HOST}"
 
@@ -43,6 +42,7 @@ def up(run_dir, host, keys, base_port, dist_port):
     )
 
 
+@pytest.mark.training
 def test_run_across_two_hosts_with_curve(tmp_path):
     keys = tmp_path / "keys"
     assert subprocess.run(launcher_argv("keys", str(keys)), capture_output=True).returncode == 0

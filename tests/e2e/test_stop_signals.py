@@ -21,8 +21,6 @@ from services.log import events
 from tests.assets import shared_data
 from tests.launching import PLUMBING, REPO, child_env, launcher_argv, run_launcher, start_launcher, wait_metrics
 
-pytestmark = pytest.mark.training
-
 
 def up_args(run_dir: Path, *extra: str) -> list[str]:
     """The demo on the plumbing settings, running until stopped."""
@@ -72,6 +70,7 @@ KILL_9 = textwrap.dedent("""
 """)
 
 
+@pytest.mark.training
 def test_kill_9_of_the_launcher_every_drafter_checkpoints_and_exits_stopped(tmp_path):
     run_dir = tmp_path / "run"
     out = subprocess.run(
@@ -104,6 +103,7 @@ def stopped_once(run_dir: Path, rank: int = 0) -> dict:
     return stopped
 
 
+@pytest.mark.processes  # the first launcher is killed while it prepares: no worker starts
 def test_a_second_launcher_is_refused_in_under_two_seconds_while_the_first_prepares(tmp_path):
     """The first `up` holds the lock beside a new run dir while it builds the demo and packs the data
     (the run dir does not exist yet); a second `up` on it exits 2 at once, naming the first, without
@@ -134,6 +134,7 @@ def test_a_second_launcher_is_refused_in_under_two_seconds_while_the_first_prepa
     assert took < 2.0, f"refused after {took:.1f}s"
 
 
+@pytest.mark.training
 def test_one_stop_per_request_and_one_launcher_per_run_dir(tmp_path):
     run_dir = tmp_path / "run"
     first = start_launcher(*up_args(shared_data(run_dir)))
