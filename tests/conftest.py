@@ -114,6 +114,8 @@ def pytest_collection_modifyitems(items):
             item.add_marker(pytest.mark.xdist_group(item.path.stem))  # drafter, a target worker) made once
         if kind != "inprocess":
             item.add_marker(pytest.mark.slow)
+        if any("CUDA" in m.kwargs.get("reason", "") for m in item.iter_markers("skipif")):
+            item.add_marker(pytest.mark.gpu)  # a test that runs only where CUDA is (its skip says so)
 
 
 @pytest.fixture(scope="module")
