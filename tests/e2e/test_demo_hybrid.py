@@ -19,6 +19,7 @@ pytestmark = pytest.mark.quality
 DEMO = ["--demo", "hybrid", "--device", "cpu", "--gpus", "0:target,1-2:drafter"]
 
 
+@pytest.mark.timeout(1500)  # it builds the hybrid demo first (its target trained 300 steps, one thread)
 def test_hybrid_demo_trains_exports_and_evaluates(tmp_path):
     run_dir = tmp_path / "run"
     out = run_launcher("up", *DEMO, "--run-dir", str(run_dir), "run.epochs=1", timeout=900)

@@ -65,6 +65,7 @@ def assert_no_worker_left(run_dir: Path) -> None:
 
 
 @pytest.mark.quality
+@pytest.mark.timeout(1500)  # the first demo run of a test run builds the demo too
 def test_demo_trains_end_to_end(tmp_path):
     run_dir = tmp_path / "run"
     out = subprocess.run(launcher(run_dir, "run.epochs=1"), capture_output=True, text=True, timeout=600)
