@@ -1,4 +1,4 @@
-"""Fixtures shared by several test files, and the folder rules: tests/unit is fast, tests/e2e slow."""
+"""Fixtures shared by several test files, the folder rules, and the markers that say what a test starts."""
 
 import atexit
 import os
@@ -70,12 +70,17 @@ def small_disk(tmp_path):
         subprocess.run(["umount", "-l", str(path)], capture_output=True)
 
 
-# The folder decides what is slow. tests/e2e: files that start real workers or launchers (targets,
-# drafters, the launcher over them), the "slow" set; tests/unit: the fast set a developer runs after
-# each change (a test there that is itself slow carries @pytest.mark.slow):
-#   python3 -m pytest -q -m "not slow" tests       (about a minute)     python3 -m pytest -q tests   (everything)
+# What a test starts, as markers (pyproject.toml): inprocess (the default), processes, training,
+# quality, gpu. tests/unit holds the tests that start no training run, tests/e2e the ones that do or
+# that start workers and launchers; every test in tests/e2e names its kind. Under pytest-xdist
+# (`-n 2 --dist loadgroup`, README) the training and quality tests are one xdist_group, run one
+# after the other on one worker: two training runs never share the 2 cores. "slow" is everything
+# that starts processes:
+#   python3 -m pytest -q -m "not slow" tests        the fast set, in process
 TESTS = Path(__file__).resolve().parent
 E2E = TESTS / "e2e"
+KINDS = ("inprocess", "processes", "training", "quality")
+TRAINING_GROUP = "training"
 
 
 class Misplaced(pytest.File):
@@ -83,8 +88,8 @@ class Misplaced(pytest.File):
 
     def collect(self):
         raise self.CollectError(
-            f"tests/{self.path.name}: put it in tests/unit (fast) or tests/e2e (it starts "
-            f"real workers or launchers: the slow set), not directly in tests/"
+            f"tests/{self.path.name}: put it in tests/unit (starts no training run) or tests/e2e "
+            f"(starts real workers or launchers), not directly in tests/"
         )
 
 
@@ -93,10 +98,24 @@ def pytest_pycollect_makemodule(module_path, parent):
         return Misplaced.from_parent(parent, path=module_path)
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the xdist_group markers
 def pytest_collection_modifyitems(items):
     for item in items:
-        if item.path.is_relative_to(E2E):
+        # its kind: the closest marker (the test's own over its module's)
+        kind = next((m.name for m in item.iter_markers() if m.name in KINDS), None)
+        if kind is None:
+            if item.path.is_relative_to(E2E):
+                raise pytest.UsageError(f"{item.nodeid}: a test in tests/e2e must be marked one of {', '.join(KINDS)}")
+            kind = "inprocess"
+            item.add_marker(pytest.mark.inprocess)
+        if kind in ("training", "quality"):
+            item.add_marker(pytest.mark.xdist_group(TRAINING_GROUP))
+        elif item.path.is_relative_to(E2E):  # one worker per file: its module fixtures (a trained
+            item.add_marker(pytest.mark.xdist_group(item.path.stem))  # drafter, a target worker) made once
+        if kind != "inprocess":
             item.add_marker(pytest.mark.slow)
+        if any("CUDA" in m.kwargs.get("reason", "") for m in item.iter_markers("skipif")):
+            item.add_marker(pytest.mark.gpu)  # a test that runs only where CUDA is (its skip says so)
 
 
 @pytest.fixture(scope="module")

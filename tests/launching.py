@@ -1,7 +1,8 @@
 """Starting the launcher and the workers from tests, and waiting on them.
 
-REPO is this checkout; child_env() is the environment every child gets (this checkout first on
-PYTHONPATH, so the code under test runs, not an installed copy). run_launcher() runs `python -m
+REPO is this checkout; PLUMBING the overrides of a lifecycle or fault test's demo run; child_env()
+is the environment every child gets (this checkout first on PYTHONPATH, so the code under test
+runs, not an installed copy). run_launcher() runs `python -m
 launcher ...` to its end, start_launcher() in the background; spawn_drafter() starts one drafter
 rank on its own (drafter_env() is its environment). The waits: wait_for (any condition while a
 process lives), wait_metrics (N lines of metrics.jsonl), wait_ready_then_metrics (the launcher's
@@ -18,6 +19,12 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+
+# The plumbing run: what a lifecycle or fault test needs of training (real workers, steps, checkpoints,
+# restarts) at a fraction of the demo's cost: rows of 256 tokens, 16 anchors, no real-acceptance pass
+# (each test sets its steps). The demo's own settings are for the quality runs, which check that it
+# learns: test_launcher_demo.py's first test and test_demo_hybrid.py.
+PLUMBING = ("data.pack_len=256", "drafter.num_anchors=16", "run.spec_eval_prompts=0")
 
 
 def child_env(**extra) -> dict[str, str]:

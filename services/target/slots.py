@@ -54,6 +54,7 @@ class SlotCache(DynamicCache):
         self.keys: dict[int, torch.Tensor] = {}
         self.values: dict[int, torch.Tensor] = {}
         self.where: tuple[torch.Tensor, torch.Tensor] | None = None  # (row ids [b, 1], positions [b, q])
+        self.in_order = True  # the forward in flight holds every row, in row order (else: `where`'s rows)
         self.length = 0
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):  # the extras vary by version
@@ -66,7 +67,7 @@ class SlotCache(DynamicCache):
         rows, positions = self.where
         keys[rows, :, positions] = key_states.transpose(1, 2)  # [b, q, h, d] at (row, position)
         values[rows, :, positions] = value_states.transpose(1, 2)
-        if rows.shape[0] == self.rows:  # every row: a view, no copy
+        if self.in_order:  # every row, in row order: a view, no copy
             return keys[:, :, : self.length], values[:, :, : self.length]
         return keys[rows[:, 0], :, : self.length], values[rows[:, 0], :, : self.length]
 
@@ -147,6 +148,7 @@ class Slots:
         `temperature` > 0), its top-1 minus top-2 logit and the rounding tolerance."""
         t, dev = self.target, self.device
         b, q = ids.shape
+        self.cache.in_order = rows is None
         rows = torch.arange(self.cache.rows) if rows is None else rows
         positions = (starts[:, None] + torch.arange(q)).to(dev)
         row_ids = rows.to(dev)[:, None]

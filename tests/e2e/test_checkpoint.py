@@ -1,9 +1,8 @@
 """Checkpoints with real drafter processes (synthetic data, gloo on CPU): exact resume after SIGKILL
-and after SIGTERM; and the on-disk rules (atomic writes, rotation, pointers, verification).
-Faults (corrupt, incompatible, full disk): test_checkpoint_faults.py."""
+and after SIGTERM. Faults (corrupt, incompatible, full disk): test_checkpoint_faults.py; the on-disk
+rules (atomic writes, rotation, pointers, verification), in process: tests/unit/test_checkpoint_files.py."""
 
 import json
-import os
 import signal
 from collections import Counter
 from pathlib import Path
@@ -16,6 +15,7 @@ from services.drafter import checkpoint as ckpt
 from services.drafter.ledger import read_all
 from services.log import events, parse_event
 from tests.launching import free_port, spawn_drafter
+
 
 SMALL = [
     "data.pack_len=256",
@@ -50,7 +50,10 @@ def assert_same_training_state(a: Path, b: Path):
     assert all(torch.equal(oa[i][k], ob[i][k]) for i in oa for k in oa[i])
 
 
-@pytest.mark.parametrize("world_size, grad_accum", [(2, 1), (1, 2)])
+@pytest.mark.parametrize(
+    "world_size, grad_accum",
+    [pytest.param(2, 1, marks=pytest.mark.training), pytest.param(1, 2, marks=pytest.mark.processes)],  # 2 gloo ranks
+)
 def test_resume_after_sigkill_equals_uninterrupted_training_bit_for_bit(tmp_path, world_size, grad_accum):
     N, K = 24, 4
     args = ["--max-steps", str(N), *SMALL, f"run.checkpoint_every={K}", f"drafter.grad_accum={grad_accum}"]
@@ -110,6 +113,7 @@ def train_single(run_dir, steps, *extra, resume=False, preexec_fn=None):
     return proc.returncode, out, err
 
 
+@pytest.mark.processes  # one drafter rank at a time, synthetic data
 def test_resume_without_checkpoints_starts_fresh(tmp_path):
     code, out, err = train_single(tmp_path, 3, resume=True)
     assert code == 0, err[-2000:]
@@ -117,6 +121,7 @@ def test_resume_without_checkpoints_starts_fresh(tmp_path):
     assert [e for e in events(out) if e.get("event") == "stopped"][0]["step"] == 3
 
 
+@pytest.mark.processes  # one drafter rank at a time, synthetic data
 def test_sigterm_checkpoints_the_step_in_hand_and_resume_continues_from_it(tmp_path):
     proc = spawn_drafter(tmp_path, "--max-steps", "100000", *SMALL, "run.checkpoint_every=1000")
     for line in proc.stdout:
@@ -137,58 +142,3 @@ def test_sigterm_checkpoints_the_step_in_hand_and_resume_continues_from_it(tmp_p
 
 
 # --- the on-disk rules, in-process ------------------------------------------------------------------
-
-
-def write(root, step, keep=3, value=1.0):
-    return ckpt.write_checkpoint(
-        root,
-        step,
-        weights={"w": torch.full((4,), value)},
-        optimizer={"state": {}},
-        rng={"cpu.0": torch.get_rng_state()},
-        meta={"step": step, "micro_step": step},
-        config={},
-        keep=keep,
-    )
-
-
-def test_rotation_keeps_the_newest_and_the_best(tmp_path):
-    root = tmp_path / "checkpoints"
-    for step in (1, 2, 3):
-        write(root, step)
-    ckpt.set_best_pointer(root, root / "step-00000001")
-    for step in (4, 5):
-        write(root, step)
-    assert sorted(p.name for p in ckpt.list_checkpoints(root)) == [
-        "step-00000001",
-        "step-00000003",
-        "step-00000004",
-        "step-00000005",
-    ]
-    assert ckpt.pointer(root, "best").name == "step-00000001" and ckpt.pointer(root, "latest").name == "step-00000005"
-    assert os.readlink(root / "latest") == "step-00000005"  # relative: the run dir can move
-
-
-def test_a_crash_mid_write_leaves_latest_alone(tmp_path):
-    root = tmp_path / "checkpoints"
-    write(root, 1)
-    half = root / ".tmp-step-00000002-12345"  # what a SIGKILL mid-write leaves
-    half.mkdir()
-    (half / "model.safetensors").write_bytes(b"partial")
-    assert ckpt.pointer(root, "latest").name == "step-00000001"
-    assert [p.name for p in ckpt.list_checkpoints(root)] == ["step-00000001"]
-    write(root, 2)  # the next write cleans it up
-    assert not half.exists() and ckpt.pointer(root, "latest").name == "step-00000002"
-
-
-def test_verify_names_what_is_wrong(tmp_path):
-    root = tmp_path / "checkpoints"
-    path = write(root, 1)
-    assert ckpt.verify(path)["step"] == 1
-    (path / "rng.safetensors").unlink()
-    with pytest.raises(ckpt.CorruptCheckpoint, match="rng.safetensors missing"):
-        ckpt.verify(path)
-    path = write(root, 2)
-    (path / "manifest.json").write_text("{not json")
-    with pytest.raises(ckpt.CorruptCheckpoint, match="manifest.json unreadable"):
-        ckpt.verify(path)

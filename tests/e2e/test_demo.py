@@ -17,6 +17,8 @@ from services.tools.demo import make_demo
 from services.target.data import has_generation_markers
 from services.target.model import load_target
 from services.target.packing import open_or_build
+import pytest
+
 from tests.launching import REPO
 
 N = 1000
@@ -32,6 +34,8 @@ def _files(demo):
     }
 
 
+@pytest.mark.inprocess
+@pytest.mark.slow  # builds demos (a tokenizer, a target trained a few steps) here
 def test_demo_is_deterministic_and_idempotent(tmp_path):
     a = make_demo(tmp_path / "a", num_conversations=N, target_steps=3)  # a few steps: training is deterministic too
     b = make_demo(tmp_path / "b", num_conversations=N, target_steps=3)
@@ -46,6 +50,7 @@ def test_demo_is_deterministic_and_idempotent(tmp_path):
     assert Path(other["data_path"]).read_bytes() != fa["data"]
 
 
+@pytest.mark.processes
 def test_demo_cli_prints_one_json_line(tmp_path):
     out = subprocess.run(
         [
@@ -69,6 +74,8 @@ def test_demo_cli_prints_one_json_line(tmp_path):
     assert Path(demo["model_path"], "config.json").is_file() and Path(demo["data_path"]).is_file()
 
 
+@pytest.mark.inprocess
+@pytest.mark.slow  # builds demos (a tokenizer, a target trained a few steps) here
 def test_demo_target_and_data_load_with_its_overrides(tmp_path):
     demo = make_demo(tmp_path / "demo", num_conversations=N, target_steps=0)
     cfg = load_config(None, demo["overrides"] + ["data.eval_fraction=0.1"])
@@ -98,6 +105,8 @@ def test_demo_target_and_data_load_with_its_overrides(tmp_path):
     assert len(results) > 200 and sum(results) / len(results) > 0.5
 
 
+@pytest.mark.inprocess
+@pytest.mark.slow  # builds demos (a tokenizer, a target trained a few steps) here
 def test_hybrid_demo_is_a_composite_checkpoint_whose_trained_weights_the_target_loads(tmp_path):
     """The hybrid demo: Qwen3_5ForConditionalGeneration on disk (text_config + vision_config, keys
     under model.language_model. / model.visual.), and the target's loader returns the text model

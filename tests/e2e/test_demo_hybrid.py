@@ -15,10 +15,11 @@ import pytest
 from tests.e2e.test_launcher_demo import assert_exactly_once, assert_no_worker_left, metrics
 from tests.launching import launcher_argv, run_launcher
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.quality
 DEMO = ["--demo", "hybrid", "--device", "cpu", "--gpus", "0:target,1-2:drafter"]
 
 
+@pytest.mark.timeout(1500)  # it builds the hybrid demo first (its target trained 300 steps, one thread)
 def test_hybrid_demo_trains_exports_and_evaluates(tmp_path):
     run_dir = tmp_path / "run"
     out = run_launcher("up", *DEMO, "--run-dir", str(run_dir), "run.epochs=1", timeout=900)

@@ -15,7 +15,7 @@ from tests.launching import free_port, spawn_drafter
 SMALL = ["data.pack_len=256", "drafter.num_anchors=16", "drafter.lr=3e-3", "drafter.warmup_ratio=0.1"]
 
 
-@pytest.mark.slow
+@pytest.mark.training
 def test_three_ranks_cold_compile_train_in_lockstep(tmp_path):
     port = free_port()
     procs = [
@@ -48,6 +48,7 @@ def test_three_ranks_cold_compile_train_in_lockstep(tmp_path):
     assert len(digests) == 1  # identical parameters on all ranks
 
 
+@pytest.mark.processes
 def test_health_while_training_then_sigterm_drains_and_exits_stopped(tmp_path):
     proc = spawn_drafter(tmp_path, "--max-steps", "100000", *SMALL, "drafter.compile=false", "run.log_every=1")
     try:
@@ -71,6 +72,7 @@ def test_health_while_training_then_sigterm_drains_and_exits_stopped(tmp_path):
     assert lines and all(0.8 < r["coverage"] <= 1.0 and 0 < r["sampled_coverage"] <= r["coverage"] for r in lines)
 
 
+@pytest.mark.processes
 def test_bad_config_fails_fast_with_a_named_error(tmp_path):
     start = time.monotonic()
     proc = spawn_drafter(tmp_path, "--max-steps", "1", *SMALL, "target.layer_ids=[1, 9]")

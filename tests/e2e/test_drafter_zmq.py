@@ -10,17 +10,19 @@ from collections import Counter
 import pytest
 
 from services.config import load_config
-from services.tools.demo import make_demo
 from services.drafter.ledger import read_all
 from services.endpoints import endpoint
 from services.health import probe
 from services.log import events
-from tests.launching import REPO, free_port, spawn_drafter, target_argv
+from tests.assets import random_demo
+from tests.launching import PLUMBING, REPO, free_port, spawn_drafter, target_argv
 
-pytestmark = pytest.mark.slow
 DRAFTERS = 2
-# 100 demo conversations at pack_len 256, 30% held out: 15 train batches and 7 eval batches, both odd
+# 100 demo conversations at pack_len 256, 30% held out: 15 train batches and 7 eval batches, both odd;
+# no real-acceptance pass (the demo's 8 held-out prompts x 64 tokens, 3 times, ran past the drafters'
+# 300 s on a loaded 2-core machine; these tests check the plan and the split)
 SMALL = [
+    *PLUMBING,
     "data.pack_len=256",
     "data.eval_fraction=0.3",
     "run.epochs=1",
@@ -33,7 +35,7 @@ SMALL = [
 
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory):
-    return make_demo(tmp_path_factory.mktemp("demo"), num_conversations=100, target_steps=0)  # transport only
+    return random_demo(100)  # transport only
 
 
 def train_over_zmq(run_dir, overrides: list[str]) -> list[dict]:
@@ -72,6 +74,7 @@ def metrics(run_dir, evals: bool) -> list[dict]:
     return [r for r in records if bool(r.get("eval")) == evals]
 
 
+@pytest.mark.training
 def test_grad_accum_with_max_steps_trains_max_steps_optimizer_steps(tmp_path, demo):
     stopped = train_over_zmq(tmp_path, demo["overrides"] + SMALL + ["drafter.grad_accum=2", "run.max_steps=3"])
     assert [(m["step"], m["micro_step"], m["signal"]) for m in stopped] == [(3, 6, False)] * DRAFTERS
@@ -86,6 +89,7 @@ def test_grad_accum_with_max_steps_trains_max_steps_optimizer_steps(tmp_path, de
     assert [m["step"] for m in metrics(tmp_path, evals=False)] == [1, 2, 3]
 
 
+@pytest.mark.training
 def test_target_labels_with_a_split_the_drafters_do_not_divide(tmp_path, demo):
     """15 train and 7 eval batches on 2 drafters: rank 1 pads each split's end with an empty batch,
     which must carry target labels too."""
@@ -104,6 +108,7 @@ def test_target_labels_with_a_split_the_drafters_do_not_divide(tmp_path, demo):
     assert len(metrics(tmp_path, evals=False)) == 8
 
 
+@pytest.mark.processes  # it stops at the handshake: nothing trains
 def test_a_drafter_whose_config_disagrees_with_its_target_refuses_to_train(tmp_path, demo):
     """The handshake: the target packs rows of 256 tokens, the drafter was told 128. It stops at
     connect with exit 2 naming the field and both values, before training on anything."""
@@ -128,6 +133,7 @@ def test_a_drafter_whose_config_disagrees_with_its_target_refuses_to_train(tmp_p
     assert not (tmp_path / "ledger").exists() or not read_all(tmp_path)
 
 
+@pytest.mark.processes  # a drafter alone, stopped before it trains
 def test_a_drafter_stopped_while_it_waits_for_its_target_exits_stopped(tmp_path, demo):
     """No target yet: the drafter waits for target 0's info. A stop then is a stop before the end of
     training too: exit 3 (exits.STOPPED), not the 0 that the launcher reads as a finished run."""

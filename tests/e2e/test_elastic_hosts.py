@@ -21,9 +21,9 @@ from services.config import load_config
 from services.drafter.ledger import read_all
 from services.endpoints import endpoint
 from services.health import probe
-from tests.launching import free_ports, run_launcher, start_launcher
+from tests.launching import PLUMBING, free_ports, run_launcher, start_launcher
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.training
 TARGET, FIRST, SECOND = "127.0.0.1", "127.0.0.2", "127.0.0.3"
 SPEC = f"0:target@{TARGET},0-1:drafter@{FIRST},2-3:drafter@{SECOND}"
 
@@ -50,12 +50,12 @@ def start(tmp_path, steps: int, rendezvous_s: int) -> dict:
             f"transport.base_port={base_port}",
             f"transport.dist_port={dist_port}",
             f"transport.curve_keys_dir={keys}",
+            *PLUMBING,
             "run.epochs=1",
             f"run.max_steps={steps}",
             "run.checkpoint_every=4",
             f"run.rendezvous_timeout_s={rendezvous_s}",
             "run.export_at_end=false",
-            "run.spec_eval_prompts=0",
         )
     return launchers
 

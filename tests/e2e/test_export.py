@@ -18,6 +18,8 @@ from transformers import AutoConfig, Qwen3Config, Qwen3ForCausalLM
 
 from tests.launching import REPO, drafter_env, run_launcher
 
+pytestmark = pytest.mark.processes  # one drafter rank (synthetic data), `launcher export`
+
 VOCAB, MASK_ID = 160, 159
 
 

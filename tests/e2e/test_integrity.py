@@ -24,8 +24,9 @@ import pytest
 
 from launcher.cli import main as launcher_main
 from launcher.drops import describe_drops
+from tests.assets import random_demo
 from tests.e2e.test_launcher_demo import assert_exactly_once, assert_no_worker_left, launcher, metrics
-from tests.launching import REPO, child_env, wait_for
+from tests.launching import PLUMBING, REPO, child_env, wait_for
 
 
 def impostor(run_dir: str, report: str) -> None:
@@ -63,7 +64,7 @@ def impostor(run_dir: str, report: str) -> None:
                 Path(report).write_text(json.dumps({"killed": pid, "incarnation": incarnation, "answered": answered}))
 
 
-@pytest.mark.slow
+@pytest.mark.training
 def test_a_same_uid_takeover_replaying_the_incarnation_trains_nothing_and_does_not_stall_the_eval():
     from services.batch import token_digest
     from services.config import load_config
@@ -74,11 +75,11 @@ def test_a_same_uid_takeover_replaying_the_incarnation_trains_nothing_and_does_n
         run_dir, log, report = Path(folder) / "run", Path(folder) / "out.txt", Path(folder) / "impostor.json"
         with open(log, "w") as out:
             proc = subprocess.Popen(
-                launcher(
+                launcher(  # its own packed data: the test reads the run's one cache file
                     run_dir,
-                    "run.epochs=1",
+                    *PLUMBING,
+                    "run.max_steps=100",
                     "run.eval_every=8",
-                    "run.spec_eval_prompts=0",
                     "run.checkpoint_every=0",
                     "transport.credits=4",
                     # re-ask unanswered requests soon: the derived wait (10 s at least) outlasts the
@@ -180,7 +181,7 @@ def poisoned_demo_target(out: Path, layer: int) -> Path:
     return out
 
 
-@pytest.mark.slow
+@pytest.mark.training
 def test_a_target_with_inf_weights_stops_the_run_naming_it_and_nothing_non_finite_is_saved():
     """Layer 1 of the target is poisoned; captured layers 0 and 2: layer 0's features are finite,
     layer 2's are not. Every step is skipped, `launcher status` counts it, the run ends with an
@@ -197,12 +198,12 @@ def test_a_target_with_inf_weights_stops_the_run_naming_it_and_nothing_non_finit
             proc = subprocess.Popen(
                 launcher(
                     run_dir,
+                    *PLUMBING,
                     f'target.model_path="{model}"',
                     "target.layer_ids=[0,2]",
                     "run.max_restarts=3",
                     "drafter.max_nonfinite_steps=12",
                     "run.checkpoint_every=4",
-                    "run.spec_eval_prompts=0",
                     "run.epochs=1",
                 ),
                 stdout=out,
@@ -268,7 +269,7 @@ def test_a_target_with_inf_weights_stops_the_run_naming_it_and_nothing_non_finit
             assert all(bool(t.isfinite().all()) for t in load_file(str(path)).values()), path
 
 
-@pytest.mark.slow
+@pytest.mark.processes  # a target worker; the drafter's source in this process
 def test_an_error_for_a_batch_that_exists_is_dropped_and_asked_again(tmp_path):
     """A process that took target-0's socket over under its incarnation answers every request with
     an `error`: for a g the handshake says exists that is no real target's answer, so the drafter's
@@ -277,13 +278,12 @@ def test_an_error_for_a_batch_that_exists_is_dropped_and_asked_again(tmp_path):
     import threading
 
     from services.batch import token_digest
-    from services.tools.demo import make_demo
     from services.drafter.source import SourceError, SourceSettings, ZmqSource
     from services.packed_data import PackedData
     from services.transport import BatchServer
     from tests.e2e.test_verify import Worker, _overrides
 
-    demo = make_demo(tmp_path / "demo", num_conversations=300, target_steps=0)
+    demo = random_demo()
     w = Worker(tmp_path / "run", _overrides(demo, demo["model_path"]) + ["transport.credits=1"])
     first = w.start()
     source = ZmqSource(SourceSettings.from_config(w.cfg, w.run_dir), None)

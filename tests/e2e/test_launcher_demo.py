@@ -1,7 +1,9 @@
 """The whole service as a user runs it: `launcher up --demo --device cpu`, real processes, real sockets.
 
-These are the slowest tests (about a minute each on 2 cores): one clean run, one where a target
-is killed mid-run and must be restarted without losing or repeating a batch.
+The dense quality run (the demo as a user runs it: the drafter learns and beats the controls), then
+lifecycle runs on the plumbing settings (tests/launching.py PLUMBING): a target killed mid-run and
+restarted without losing or repeating a batch, the launcher killed, status / down / resume, README's
+commands.
 """
 
 import importlib.util
@@ -20,14 +22,19 @@ import pytest
 
 from services.drafter.ledger import read_all
 from services.files import sha256_file
-from tests.launching import REPO, child_env, launcher_argv, run_launcher
+from tests.assets import shared_data
+from tests.launching import PLUMBING, REPO, child_env, launcher_argv, run_launcher
 
-pytestmark = pytest.mark.slow
 DEMO = ["--demo", "--device", "cpu", "--gpus", "0:target,1-2:drafter"]
 
 
 def launcher(run_dir: Path, *extra: str) -> list[str]:
     return launcher_argv("up", *DEMO, "--run-dir", str(run_dir), *extra)
+
+
+def plumbing(run_dir: Path, *extra: str) -> list[str]:
+    """The demo on the plumbing settings, its packed data from the asset store."""
+    return launcher(shared_data(run_dir), *PLUMBING, *extra)
 
 
 def metrics(run_dir: Path) -> list[dict]:
@@ -58,6 +65,8 @@ def assert_no_worker_left(run_dir: Path) -> None:
     assert not left, f"workers still running after the launcher exited: {left}"
 
 
+@pytest.mark.quality
+@pytest.mark.timeout(1500)  # the first demo run of a test run builds the demo too
 def test_demo_trains_end_to_end(tmp_path):
     run_dir = tmp_path / "run"
     out = subprocess.run(launcher(run_dir, "run.epochs=1"), capture_output=True, text=True, timeout=600)
@@ -147,10 +156,11 @@ def test_demo_trains_end_to_end(tmp_path):
         assert figures["acceptance_per_prompt"] > figures["random"]["acceptance_per_prompt"]
 
 
+@pytest.mark.training
 def test_killed_target_is_restarted_and_nothing_is_lost(tmp_path):
     run_dir = tmp_path / "run"
     proc = subprocess.Popen(
-        launcher(run_dir, "run.epochs=1", "transport.credits=3"),
+        plumbing(run_dir, "run.max_steps=60", "run.log_every=1", "transport.credits=3"),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -158,7 +168,7 @@ def test_killed_target_is_restarted_and_nothing_is_lost(tmp_path):
     try:
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:  # wait until training is under way
-            if (run_dir / "metrics.jsonl").exists() and len(metrics(run_dir)) >= 10:
+            if (run_dir / "metrics.jsonl").exists() and len(metrics(run_dir)) >= 3:
                 break
             assert proc.poll() is None, proc.stdout.read()
             time.sleep(0.2)
@@ -182,10 +192,11 @@ def test_killed_target_is_restarted_and_nothing_is_lost(tmp_path):
     assert_no_worker_left(run_dir)
 
 
+@pytest.mark.training
 def test_launcher_kill_9_leaves_no_orphans(tmp_path):
     """kill -9 of the launcher: the kernel's parent-death signal takes the workers down."""
     run_dir = tmp_path / "run"
-    proc = subprocess.Popen(launcher(run_dir), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(plumbing(run_dir), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and not (run_dir / "run.json").exists():
         time.sleep(0.2)
@@ -203,12 +214,20 @@ def test_launcher_kill_9_leaves_no_orphans(tmp_path):
     assert_no_worker_left(run_dir)
 
 
+STATUS_RUN = ("run.max_steps=200", "run.log_every=5", "run.spec_eval_prompts=2", "run.spec_eval_max_new_tokens=16")
+
+
+@pytest.mark.training
 def test_status_down_and_resume(tmp_path):
     """`launcher status` sees every worker; `launcher down` stops gracefully (drafters checkpoint);
     `launcher up --resume` finishes the run, and no batch is trained twice or skipped."""
     run_dir = tmp_path / "run"
     proc = subprocess.Popen(
-        launcher(run_dir, "run.epochs=1"), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        # real acceptance on 2 prompts: the finished run's final pass must not run again on a resume
+        plumbing(run_dir, *STATUS_RUN),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
     try:
         deadline = time.monotonic() + 300
@@ -247,7 +266,7 @@ def test_status_down_and_resume(tmp_path):
     assert json.loads((run_dir / "run.json").read_text())["outcome"]["state"] == "stopped"
     hint = output.split("stopped before the end; to continue: ")[1].splitlines()[0]
     resume = [sys.executable, "-m"] + shlex.split(hint)  # the printed command, as the user would paste it
-    assert resume[-3:] == ["--run-dir", str(run_dir), "--resume"] and "run.epochs=1" in resume
+    assert resume[-3:] == ["--run-dir", str(run_dir), "--resume"] and all(o in resume for o in STATUS_RUN)
 
     saved = (run_dir / "checkpoints" / "latest").resolve()
     again = subprocess.run(resume, capture_output=True, text=True, timeout=600)
@@ -284,6 +303,7 @@ def readme_command(start: str) -> list[str]:
     raise AssertionError(f"README.md has no `{start}` command")
 
 
+@pytest.mark.training
 def test_the_readme_export_command_works_right_after_the_readme_demo():
     """README's demo (a few steps of it), then README's export command, as written, from the same folder."""
     import tempfile
@@ -295,7 +315,8 @@ def test_the_readme_export_command_works_right_after_the_readme_demo():
 def readme_demo_then_export(tmp_path: Path) -> None:
     env = child_env()
     up = subprocess.run(
-        readme_command("launcher up --demo") + ["run.max_steps=4"],
+        # a few steps, no real-acceptance pass (the quality run checks that one)
+        readme_command("launcher up --demo") + ["run.max_steps=4", "run.spec_eval_prompts=0"],
         cwd=tmp_path,
         env=env,
         capture_output=True,

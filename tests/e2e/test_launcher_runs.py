@@ -69,6 +69,7 @@ def reused(pid: int) -> dict:
 # --- 2: identity before any signal ------------------------------------------------------------------
 
 
+@pytest.mark.processes
 def test_down_leaves_processes_that_only_share_a_recorded_pid_alone(tmp_path, sleepers):
     a, b = sleepers(), sleepers()
     write_run(tmp_path / "run", reused(a.pid), [reused(a.pid), reused(b.pid)])
@@ -102,6 +103,7 @@ def test_down_leaves_processes_that_only_share_a_recorded_pid_alone(tmp_path, sl
     assert a.poll() is None and b.poll() is None
 
 
+@pytest.mark.processes
 def test_down_stops_a_process_whose_identity_matches(tmp_path, sleepers):
     worker = sleepers()
     write_run(tmp_path / "run", None, [process.identity(worker.pid)])
@@ -110,6 +112,7 @@ def test_down_stops_a_process_whose_identity_matches(tmp_path, sleepers):
     assert worker.wait(timeout=10) == -signal.SIGTERM
 
 
+@pytest.mark.processes
 def test_identity_survives_only_for_the_same_process(sleepers):
     p = sleepers()
     ident = process.identity(p.pid)
@@ -127,6 +130,7 @@ def test_identity_survives_only_for_the_same_process(sleepers):
 # --- 3, 4: which run, and how it ended ---------------------------------------------------------------
 
 
+@pytest.mark.processes
 def test_down_and_status_name_the_live_runs(tmp_path, sleepers):
     launcher_a = sleepers()
     runs = tmp_path / "runs"
@@ -153,6 +157,7 @@ def test_down_and_status_name_the_live_runs(tmp_path, sleepers):
     assert f"live runs: {runs / 'A'}" in status.stdout
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("state, code", [("finished", 0), ("stopped", 3)])
 def test_status_of_an_ended_run_says_how_it_ended(tmp_path, state, code):
     write_run(
@@ -165,6 +170,7 @@ def test_status_of_an_ended_run_says_how_it_ended(tmp_path, state, code):
 # --- 5: labelled columns, probes in parallel ------------------------------------------------------------
 
 
+@pytest.mark.processes
 def test_status_probes_dead_workers_in_parallel_and_labels_columns(tmp_path):
     write_run(tmp_path / "run", None, [None, None, None])
     start = time.monotonic()
@@ -176,14 +182,6 @@ def test_status_probes_dead_workers_in_parallel_and_labels_columns(tmp_path):
     assert header[:8] == ["name", "gpu", "pid", "state", "step", "batches", "tok/s", "samples"]
     assert "ended without recording an outcome" in out.stdout.splitlines()[0]
     assert "tokens this rank trained per second over the last metrics window" in out.stdout
-
-
-def test_live_line_shows_the_metrics_window():
-    from launcher.progress import ProgressLine
-
-    window = {"step": 300, "loss": 4.17, "tau": 3.59, "tokens_per_s": 11700.0, "data_wait_frac": 0.1, "steps": 10}
-    text = ProgressLine().format(step=305, total=1000, window=window)
-    assert text.startswith("step 305/1000 30.5% ETA ") and text.endswith(" | loss 4.170 τ 3.59 11.7 Ktok/s")
 
 
 # --- 9: signals, terminal, help -------------------------------------------------------------------------
@@ -213,6 +211,7 @@ STUBBORN = textwrap.dedent("""
 """)
 
 
+@pytest.mark.processes
 def test_second_ctrl_c_kills_a_stuck_stop(tmp_path):
     proc = subprocess.Popen(
         [sys.executable, "-c", STUBBORN, str(tmp_path)],
@@ -239,6 +238,7 @@ def test_second_ctrl_c_kills_a_stuck_stop(tmp_path):
     assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids)
 
 
+@pytest.mark.processes
 def test_progress_line_fits_a_narrow_terminal():
     main, child = pty.openpty()
     fcntl.ioctl(child, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 60, 0, 0))
@@ -268,6 +268,7 @@ def test_progress_line_fits_a_narrow_terminal():
     assert max(len(r.rstrip("\n")) for r in redraws) <= 59, [len(r) for r in redraws]
 
 
+@pytest.mark.processes
 def test_help_describes_every_option_with_defaults():
     from launcher.parser import build_parser
 
@@ -283,6 +284,7 @@ def test_help_describes_every_option_with_defaults():
     assert version.returncode == 0 and version.stdout.startswith("launcher ")
 
 
+@pytest.mark.processes
 def test_gpus_with_a_comma_inside_a_role_suggests_plus():
     out = run_launcher("up", "--device", "cpu", "--gpus", "0,1:target,2:drafter")
     assert out.returncode == 2 and "did you mean 0+1:target?" in out.stderr, out.stderr
@@ -291,7 +293,7 @@ def test_gpus_with_a_comma_inside_a_role_suggests_plus():
 # --- 7 and 3 on the demo: errors before workers, and runs/latest ------------------------------------------
 
 
-@pytest.mark.slow
+@pytest.mark.processes
 def test_target_too_shallow_is_a_config_error_before_any_worker(tmp_path):
     out = run_launcher(
         "up",
@@ -311,7 +313,7 @@ def test_target_too_shallow_is_a_config_error_before_any_worker(tmp_path):
     assert not (tmp_path / "run" / "run.json").exists()  # no worker was started
 
 
-@pytest.mark.slow
+@pytest.mark.processes
 def test_a_run_that_fails_while_starting_does_not_become_latest(sleepers):
     # a short folder: ipc socket paths under runs/<name>-<time>/sock must stay within 107 bytes
     tmp_path = Path(tempfile.mkdtemp(prefix="dfl"))
@@ -335,7 +337,7 @@ def test_a_run_that_fails_while_starting_does_not_become_latest(sleepers):
     shutil.rmtree(tmp_path)
 
 
-@pytest.mark.slow
+@pytest.mark.training  # its second launch starts the workers
 def test_a_bad_data_line_stops_up_before_any_worker_and_skips_are_reported(tmp_path):
     bad = tmp_path / "bad.jsonl"
     good = '{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello there"}]}\n'
@@ -385,27 +387,6 @@ def test_a_bad_data_line_stops_up_before_any_worker_and_skips_are_reported(tmp_p
     assert "data: " in status.stdout and "skipped 1 bad lines" in status.stdout, status.stdout + status.stderr
 
 
-def test_each_drafter_group_meets_in_a_fresh_store_across_launches(tmp_path):
-    """A resumed run is a new launcher on the same run dir. A FileStore the last launch left behind
-    holds the old group's gloo addresses; a rank that read them would connect to dead ports
-    ('connectFullMesh ... Connection refused', seen in CI)."""
-    from launcher.supervisor import Supervisor
-    from launcher.topology import parse_gpu_spec
-    from services.config import load_config
-
-    cfg, workers = load_config(None, []), parse_gpu_spec("0:target,1-2:drafter")
-    used = []
-    for _ in range(2):  # two launches of the same run, as `up` then `up --resume`
-        sup = Supervisor(tmp_path, cfg, workers, "cpu")
-        for _ in range(2):  # a start and a group restart within one launch
-            sup._new_dist_store()
-            path = sup.dist_store()
-            assert not path.exists(), f"{path.name} holds an earlier group's keys"
-            path.write_bytes(b"stale keys")  # what a killed group leaves behind
-            used.append(path)
-    assert oct(used[0].parent.stat().st_mode & 0o777) == "0o700"
-
-
 # --- how a run ends: finished only when the drafters reached their last step ----------------------------
 
 WAITS = [sys.executable, "-c", "import time; time.sleep(600)"]  # a worker that never answers health
@@ -434,6 +415,7 @@ def ending_supervisor(
     )
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize(
     "codes, exit_code, state, reason",
     [
@@ -458,6 +440,7 @@ def test_drafters_that_end_before_they_are_seen_ready(tmp_path, codes, exit_code
 SIGTERM_EXITS = "import signal, sys, time; signal.signal(signal.SIGTERM, lambda *_: sys.exit({})); time.sleep(600)"
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize(
     "drafter, exit_code",
     [
@@ -480,6 +463,7 @@ def test_a_stop_of_the_launcher_is_stopped_unless_training_had_ended(tmp_path, d
     assert not any(process.alive(ident) for ident in sup.idents.values())
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("step, exit_code", [(37, 3), (150, 0)])
 def test_a_host_with_targets_only_ends_as_the_remote_drafters_did(tmp_path, step, exit_code):
     """The drafters' host reports "stopped" both at the end and after a stop: the target host

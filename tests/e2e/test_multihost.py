@@ -15,9 +15,8 @@ from services import wire
 from services.config import load_config
 from services.drafter.ledger import read_all
 from services.endpoints import endpoint
-from tests.launching import free_ports, launcher_argv, run_launcher
+from tests.launching import PLUMBING, free_ports, launcher_argv, run_launcher
 
-pytestmark = pytest.mark.slow
 TARGET_HOST, DRAFTER_HOST = "127.0.0.1", "127.0.0.2"
 SPEC = f"0:target@{TARGET_HOST},0:drafter@{DRAFTER_HOST}"
 
@@ -37,11 +36,13 @@ def up(run_dir, host, keys, base_port, dist_port):
         f'transport.curve_keys_dir="{keys}"',
         f"transport.base_port={base_port}",
         f"transport.dist_port={dist_port}",
+        *PLUMBING,
         "run.epochs=1",
-        "run.max_steps=150",
+        "run.max_steps=150",  # on long enough for the checks below while it trains
     )
 
 
+@pytest.mark.training
 def test_run_across_two_hosts_with_curve(tmp_path):
     keys = tmp_path / "keys"
     assert subprocess.run(launcher_argv("keys", str(keys)), capture_output=True).returncode == 0
@@ -100,6 +101,7 @@ def test_run_across_two_hosts_with_curve(tmp_path):
     assert max(trained.values()) == 1
 
 
+@pytest.mark.processes
 def test_host_must_be_named():
     out = run_launcher("up", "--device", "cpu", "--gpus", SPEC)
     assert out.returncode == 2 and "--host" in out.stderr and "Traceback" not in out.stderr

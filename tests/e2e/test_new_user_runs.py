@@ -5,10 +5,14 @@ import json
 import subprocess
 import time
 
+import pytest
+
 from tests.demo_cache import untrained_demo_cache
 from tests.launching import child_env, launcher_argv, spawn_drafter
 
 SHORT = ["run.epochs=1", "run.max_steps=6", "run.eval_every=0", "run.spec_eval_prompts=2", "run.export_at_end=false"]
+
+pytestmark = pytest.mark.training  # each test runs launcher up with real workers
 
 
 def test_up_piped_into_head_goes_on_to_its_end_and_records_its_outcome(tmp_path):

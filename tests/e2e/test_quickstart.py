@@ -11,13 +11,16 @@ import sys
 import tempfile
 from pathlib import Path
 
-from services.tools.demo import make_demo
+import pytest
+
+from tests.assets import random_demo
 from tests.unit.test_docs import quickstart_block
 from tests.launching import child_env
 
 
+@pytest.mark.training
 def test_the_cpu_walkthrough_runs_as_written(tmp_path):
-    demo = make_demo(tmp_path / "demo", num_conversations=1500, target_steps=0)  # a random target, 70 rows
+    demo = random_demo(1500)  # a random target, 70 rows
     work = Path(tempfile.mkdtemp(prefix="qs-", dir="/tmp"))  # short: ipc socket paths are at most 107 bytes
     try:
         run_walkthrough(demo, work, tmp_path)

@@ -10,6 +10,8 @@ import pytest
 
 from tests.launching import REPO, drafter_env
 
+pytestmark = pytest.mark.processes  # one drafter rank (synthetic data), the launcher in a fresh interpreter
+
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):

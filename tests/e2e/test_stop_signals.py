@@ -18,12 +18,12 @@ from pathlib import Path
 import pytest
 
 from services.log import events
-from tests.launching import REPO, child_env, launcher_argv, run_launcher, start_launcher, wait_metrics
-
-pytestmark = pytest.mark.slow
+from tests.assets import shared_data
+from tests.launching import PLUMBING, REPO, child_env, launcher_argv, run_launcher, start_launcher, wait_metrics
 
 
 def up_args(run_dir: Path, *extra: str) -> list[str]:
+    """The demo on the plumbing settings, running until stopped."""
     return [
         "up",
         "--demo",
@@ -33,6 +33,7 @@ def up_args(run_dir: Path, *extra: str) -> list[str]:
         "0:target,1-2:drafter",
         "--run-dir",
         str(run_dir),
+        *PLUMBING,
         "run.epochs=50",
         "run.checkpoint_every=100000",
         *extra,
@@ -69,10 +70,11 @@ KILL_9 = textwrap.dedent("""
 """)
 
 
+@pytest.mark.training
 def test_kill_9_of_the_launcher_every_drafter_checkpoints_and_exits_stopped(tmp_path):
     run_dir = tmp_path / "run"
     out = subprocess.run(
-        [sys.executable, "-c", KILL_9, str(run_dir), *launcher_argv(*up_args(run_dir))],
+        [sys.executable, "-c", KILL_9, str(run_dir), *launcher_argv(*up_args(shared_data(run_dir)))],
         capture_output=True,
         text=True,
         timeout=600,
@@ -101,6 +103,7 @@ def stopped_once(run_dir: Path, rank: int = 0) -> dict:
     return stopped
 
 
+@pytest.mark.processes  # the first launcher is killed while it prepares: no worker starts
 def test_a_second_launcher_is_refused_in_under_two_seconds_while_the_first_prepares(tmp_path):
     """The first `up` holds the lock beside a new run dir while it builds the demo and packs the data
     (the run dir does not exist yet); a second `up` on it exits 2 at once, naming the first, without
@@ -131,9 +134,10 @@ def test_a_second_launcher_is_refused_in_under_two_seconds_while_the_first_prepa
     assert took < 2.0, f"refused after {took:.1f}s"
 
 
+@pytest.mark.training
 def test_one_stop_per_request_and_one_launcher_per_run_dir(tmp_path):
     run_dir = tmp_path / "run"
-    first = start_launcher(*up_args(run_dir))
+    first = start_launcher(*up_args(shared_data(run_dir)))
     try:
         lock = run_dir / "launcher.lock"
         deadline = time.monotonic() + 180  # after the demo is loaded and its data packed

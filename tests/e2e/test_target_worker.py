@@ -14,21 +14,23 @@ import zmq
 from transformers import AutoTokenizer
 
 from services.config import load_config
-from services.tools.demo import make_demo
 from services.endpoints import endpoint
 from services.health import probe
 from services import log
 from services.target.model import load_target
 from services.target.packing import open_or_build
 from services.batch_client import BatchClient
+from tests.assets import random_demo
 from tests.launching import REPO, target_argv
+
+pytestmark = pytest.mark.processes
 
 START_TIMEOUT_S = 90
 
 
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory):
-    return make_demo(tmp_path_factory.mktemp("demo"), num_conversations=300, target_steps=0)
+    return random_demo()
 
 
 def _start(run_dir: Path, overrides: list[str]) -> subprocess.Popen:

@@ -14,12 +14,14 @@ import pytest
 
 from services.drafter.ledger import read_all
 from services.log import events
-from tests.launching import REPO, drafter_stuck, launcher_argv, run_launcher, wait_for
+from tests.assets import shared_data
+from tests.launching import PLUMBING, REPO, drafter_stuck, launcher_argv, run_launcher, wait_for
 
-STEPS, CHECKPOINT_EVERY, LOG_EVERY, EVAL_EVERY = 120, 20, 5, 40
+# the plumbing settings; steps enough for three evaluations and a loss that falls
+STEPS, CHECKPOINT_EVERY, LOG_EVERY, EVAL_EVERY = 60, 10, 5, 20
+pytestmark = pytest.mark.training
 
 
-@pytest.mark.slow
 def test_sigkilled_drafter_resumes_and_every_batch_is_trained_once(tmp_path):
     run_dir = tmp_path / "run"
     launcher = subprocess.Popen(
@@ -31,7 +33,8 @@ def test_sigkilled_drafter_resumes_and_every_batch_is_trained_once(tmp_path):
             "--gpus",
             "0:target,1-2:drafter",
             "--run-dir",
-            str(run_dir),
+            str(shared_data(run_dir)),
+            *PLUMBING,
             f"run.max_steps={STEPS}",
             f"run.checkpoint_every={CHECKPOINT_EVERY}",
             f"run.log_every={LOG_EVERY}",
@@ -98,7 +101,6 @@ def test_sigkilled_drafter_resumes_and_every_batch_is_trained_once(tmp_path):
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
 
 
-@pytest.mark.slow
 def test_stop_while_waiting_for_data_checkpoints_and_resume_finishes_the_run(tmp_path):
     """`launcher down` while the drafters wait for a frozen target: they leave the wait, checkpoint
     and exit 0 (nothing killed hard); `launcher up --resume` then finishes, every batch once."""
@@ -113,7 +115,8 @@ def test_stop_while_waiting_for_data_checkpoints_and_resume_finishes_the_run(tmp
         "--gpus",
         "0:target,1-2:drafter",
         "--run-dir",
-        str(run_dir),
+        str(shared_data(run_dir)),
+        *PLUMBING,
         f"run.max_steps={steps}",
         "run.checkpoint_every=1000",
         f"run.log_every={LOG_EVERY}",

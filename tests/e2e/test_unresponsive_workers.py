@@ -15,8 +15,10 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.e2e.test_launcher_demo import all_pids, assert_exactly_once, assert_no_worker_left, launcher, metrics
+from tests.e2e.test_launcher_demo import all_pids, assert_exactly_once, assert_no_worker_left, metrics, plumbing
 from tests.launching import child_env, wait_for
+
+pytestmark = pytest.mark.training
 
 
 def open_ports_off_loopback(pids: list[int]) -> list[str]:
@@ -50,7 +52,6 @@ def worker_pids(run_dir: Path, name: str) -> list[int]:
     return next(w["pids_seen"] for w in run["workers"] if w["name"] == name)
 
 
-@pytest.mark.slow
 def test_frozen_workers_are_restarted_alone_and_no_port_opens_off_loopback():
     """SIGSTOP freezes the health thread too. A frozen target is restarted (not the drafters waiting
     for it, although one of them sits in an all-reduce and reads as stalled); a frozen drafter takes
@@ -61,7 +62,7 @@ def test_frozen_workers_are_restarted_alone_and_no_port_opens_off_loopback():
         log = Path(folder) / "out.txt"
         with open(log, "w") as out:
             proc = subprocess.Popen(
-                launcher(run_dir, "run.epochs=2", "run.unresponsive_after_s=4", "run.stall_after_s=15"),
+                plumbing(run_dir, "run.max_steps=200", "run.unresponsive_after_s=4", "run.stall_after_s=15"),
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 env=child_env(),

@@ -24,21 +24,23 @@ import zmq
 from services import wire
 from services.batch_client import BatchClient
 from services.config import load_config
-from services.tools.demo import make_demo
 from services.drafter.remote_eval import RemoteSpecEval
 from services.eval.spec_eval import LocalSpecEval
 from services.drafter.target_head import from_target
 from services.endpoints import endpoint
 from services.health import probe
 from services.verify import SessionLost, TargetUnavailable, VerifyClient, VerifyError
+from tests.assets import random_demo
 from tests.launching import REPO, target_argv
+
+pytestmark = pytest.mark.processes
 
 PROMPTS, NEW = 3, 12
 
 
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory):
-    return make_demo(tmp_path_factory.mktemp("demo"), num_conversations=300, target_steps=0)
+    return random_demo()
 
 
 def hybrid_model(demo, out: Path) -> str:

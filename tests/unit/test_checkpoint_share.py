@@ -44,6 +44,7 @@ def rank_main(rank: int, folders: list[str], port: int, out: str) -> None:
     dist.destroy_process_group()
 
 
+@pytest.mark.processes
 @pytest.mark.skipif(sys.platform != "linux", reason="gloo on loopback")
 def test_a_rank_without_the_checkpoint_gets_rank_0s_and_one_with_a_stale_one_too(tmp_path):
     folders = [tmp_path / "host-a", tmp_path / "host-b", tmp_path / "host-c"]

@@ -71,6 +71,7 @@ def _client(endpoint: str, keys: str, message: str, timeout_ms: int) -> subproce
     )
 
 
+@pytest.mark.processes
 def test_only_the_keyed_client_gets_through(tmp_path):
     keys, stranger = tmp_path / "keys", tmp_path / "stranger"
     generate_keys(keys)

@@ -211,6 +211,7 @@ def test_hostile_line_fails_naming_file_and_line_or_is_skipped(tmp_path, tokeniz
     assert bad.examples[0].startswith(f"{path}:2: ") and reason in bad.examples[0]
 
 
+@pytest.mark.processes
 def test_a_line_over_the_limit_is_never_read_whole(tmp_path):
     """A 50 MB line with the default 8 MiB limit: skipped without its bytes ever being in memory
     (in a fresh process, so the peak RSS measured is this read's alone)."""

@@ -196,7 +196,7 @@ print("ROWS", data.num_batches(), data.path.name)
 """
 
 
-@pytest.mark.slow
+@pytest.mark.processes
 def test_concurrent_targets_share_one_build(tmp_path, data_file, tok_dir):
     procs = [
         subprocess.Popen(

@@ -163,3 +163,12 @@ def test_what_users_tried_from_the_docs_is_so():
     assert "default" in paragraph_with(texts["quickstart.md"], "labels_from_target = true")
     # the fast test set takes minutes, not one
     assert "about a minute" not in paragraph_with(texts["README.md"], '-m "not slow"')
+
+
+def test_the_readmes_test_command_is_the_one_ci_runs():
+    """README's "Run the tests" block is, word for word, the pytest line of .ci/run (its time is CI's)."""
+    readme = (REPO / "README.md").read_text()
+    command = readme.split("Run the tests:", 1)[1].split("```bash\n", 1)[1].split("```", 1)[0].strip()
+    assert command.startswith("python3 -m pytest ") and "\n" not in command, command
+    ci_lines = [line.strip() for line in (REPO / ".ci" / "run").read_text().splitlines()]
+    assert command in ci_lines, f"README runs `{command}`; .ci/run does not"

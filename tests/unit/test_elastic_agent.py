@@ -56,6 +56,7 @@ def test_a_target_host_and_a_one_host_drafter_group_start_no_agent(tmp_path):
     assert not one.elastic
 
 
+@pytest.mark.processes
 def test_units_refuse_a_drafter_group_across_hosts_and_say_what_to_run(tmp_path):
     with pytest.raises(UnitsError, match="launcher up --gpus SPEC --host HOST"):
         render_units(SPEC, None, str(tmp_path / "out"), str(tmp_path / "run"), device="cpu")
@@ -80,7 +81,7 @@ def run_agent(tmp_path, worker_code: str, ranks="0,1", world_size=2, max_restart
     return done.returncode, status, done.stderr
 
 
-@pytest.mark.slow  # a real agent starts its workers three times
+@pytest.mark.processes  # a real agent starts its workers three times
 def test_a_real_agent_gives_the_spec_ranks_and_stops_restarting_on_a_config_error(tmp_path):
     record = (  # the drafter's side first: its output to logs/drafter-<RANK>.log
         "import os, json; from services.drafter.agent import worker_side; worker_side(int(os.environ['RANK'])); "
@@ -112,7 +113,7 @@ def test_a_real_agent_gives_the_spec_ranks_and_stops_restarting_on_a_config_erro
     assert "config" in status["reason"] and "see logs/drafter-" in status["reason"]
 
 
-@pytest.mark.slow
+@pytest.mark.processes
 def test_a_stop_is_exit_0_to_torch_and_3_from_the_agent(tmp_path):
     stop = (
         "import os, sys; from services.drafter.agent import worker_exit as e; sys.exit(e(int(os.environ['RANK']), 3))"
@@ -121,6 +122,7 @@ def test_a_stop_is_exit_0_to_torch_and_3_from_the_agent(tmp_path):
     assert code == 3 and status["state"] == "stopped" and status["restarts"] == 0, err
 
 
+@pytest.mark.processes
 def test_a_group_across_hosts_without_keys_is_refused_unless_insecure_rendezvous_says_so(tmp_path):
     from launcher.elastic import rendezvous_problems
     from tests.launching import run_launcher
@@ -139,6 +141,7 @@ def test_a_group_across_hosts_without_keys_is_refused_unless_insecure_rendezvous
 
 
 @pytest.mark.slow  # two real agents (127.0.0.2, 127.0.0.3) over the store, behind real CURVE keys
+@pytest.mark.processes
 def test_a_host_that_comes_back_restarts_the_other_hosts_workers_without_a_stop(tmp_path):
     """A membership change (a drafter host's agent killed, then back) restarts the other host's
     workers with SIGKILL, not SIGTERM: a SIGTERM is a stop to a drafter, which would end the run."""

@@ -98,6 +98,7 @@ def test_a_folder_with_several_gguf_files_names_them(tmp_path):
     assert gguf.gguf_file(str(tmp_path)) is None
 
 
+@pytest.mark.processes
 def test_missing_packages_name_the_extra(tiny, tmp_path):
     line = one_line(child("--gguf", str(tiny), "--out", str(tmp_path / "out"), pre="sys.modules['gguf'] = None"))
     assert "needs the gguf package(s): pip install -e '.[gguf]'" in line, line
@@ -114,6 +115,7 @@ def test_missing_packages_stop_up_before_hashing(tiny, tmp_path, monkeypatch):
         with_local_model(load_config(None, [f"target.model_path={tiny}"]))
 
 
+@pytest.mark.processes
 def test_a_corrupt_file_is_one_line_before_any_worker(tmp_path):
     bad = tmp_path / "broken.gguf"
     bad.write_bytes(b"not a gguf file at all" * 10)
@@ -124,7 +126,7 @@ def test_a_corrupt_file_is_one_line_before_any_worker(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
-@pytest.mark.slow
+@pytest.mark.processes
 def test_an_architecture_transformers_does_not_convert_is_named(tmp_path):
     odd = write_llama_gguf(tmp_path / "odd.gguf", arch="tinyfoo")
     line = one_line(child("--gguf", str(odd), "--out", str(tmp_path / "out")))

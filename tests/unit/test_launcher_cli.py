@@ -45,6 +45,7 @@ def test_bad_specs(spec, needle):
     assert needle in str(err.value)
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize(
     "spec, needle",
     [
@@ -61,6 +62,7 @@ def test_bad_spec_is_one_line_no_traceback(spec, needle):
     assert len(out.stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.processes
 def test_bad_config_key_is_one_line(tmp_path):
     cfg = tmp_path / "run.toml"
     cfg.write_text("[drafter]\nlearning_rate = 1e-3\n")
@@ -70,6 +72,7 @@ def test_bad_config_key_is_one_line(tmp_path):
     assert "Traceback" not in out.stderr
 
 
+@pytest.mark.processes
 def test_missing_model_is_named(tmp_path):
     out = run_launcher(
         "up", "--device", "cpu", "--gpus", "0:target,1:drafter", "--run-dir", str(tmp_path / "r"), "data.path=/x.jsonl"
@@ -77,6 +80,7 @@ def test_missing_model_is_named(tmp_path):
     assert out.returncode == 2 and "target.model_path" in out.stderr
 
 
+@pytest.mark.processes
 def test_probe_unreachable_returns_2_within_timeout():
     start = time.monotonic()
     out = run_launcher("probe", "tcp://127.0.0.1:9", "--timeout", "1.5")
@@ -86,6 +90,7 @@ def test_probe_unreachable_returns_2_within_timeout():
     assert elapsed < 10  # interpreter start plus the 1.5 s timeout, never a hang
 
 
+@pytest.mark.processes
 def test_launcher_never_imports_torch():
     code = (
         "import sys, launcher.cli, launcher.supervisor, launcher.regenerate, launcher.regen_record; "
@@ -95,6 +100,7 @@ def test_launcher_never_imports_torch():
     assert out.stdout.strip() == "False"
 
 
+@pytest.mark.processes
 def test_units_for_one_host_of_a_two_host_spec(tmp_path):
     cfg = tmp_path / "run.toml"
     cfg.write_text(
@@ -127,6 +133,7 @@ def test_units_for_one_host_of_a_two_host_spec(tmp_path):
     assert missing.returncode == 2 and "--host" in missing.stderr
 
 
+@pytest.mark.processes
 def test_missing_model_folder_and_data_are_named(tmp_path):
     data = tmp_path / "d.jsonl"
     data.write_text("{}\n")
@@ -169,6 +176,7 @@ def test_missing_model_folder_and_data_are_named(tmp_path):
     assert out.returncode == 2 and "no config.json" in out.stderr
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("ids", ["[2, 0]", "[1, 1]"])
 def test_unsorted_or_repeated_layer_ids_are_refused_at_up(tmp_path, ids):
     """The target concatenates layers in ascending order and the export declares the configured list:
@@ -182,6 +190,7 @@ def test_unsorted_or_repeated_layer_ids_are_refused_at_up(tmp_path, ids):
     assert not run_dir.exists()  # refused before anything was written
 
 
+@pytest.mark.processes
 def test_probe_takes_a_socket_path_and_names_bad_endpoints_and_keys(tmp_path):
     import os
 
@@ -206,6 +215,7 @@ def test_probe_takes_a_socket_path_and_names_bad_endpoints_and_keys(tmp_path):
     assert "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.processes
 def test_plaintext_tcp_off_loopback_is_refused_and_on_loopback_warned(tmp_path):
     """Issue 19, 5: tcp without CURVE keys. Every run below stops at the missing model (exit 2) at the
     latest, before any worker or socket exists; what matters is what is said before that."""
@@ -239,6 +249,7 @@ def test_plaintext_tcp_off_loopback_is_refused_and_on_loopback_warned(tmp_path):
     assert "plaintext" not in keys.stderr and "target.model_path is not set" in keys.stderr, keys.stderr
 
 
+@pytest.mark.processes
 def test_demo_takes_an_optional_variant_and_names_a_bad_one():
     from launcher.inputs import DEMOS
     from launcher.parser import build_parser
@@ -253,6 +264,7 @@ def test_demo_takes_an_optional_variant_and_names_a_bad_one():
     assert out.returncode == 2 and "argument --demo: invalid choice: 'moe'" in out.stderr
 
 
+@pytest.mark.processes
 def test_plaintext_is_refused_for_a_rank_past_the_host_lists(tmp_path):
     """The check reads the endpoints every rank will bind: target-1 is past target_hosts, so it binds
     transport.host. Refused (exit 2, one line naming that endpoint) before any run dir or socket exists."""
@@ -280,6 +292,7 @@ def test_plaintext_is_refused_for_a_rank_past_the_host_lists(tmp_path):
     assert not (tmp_path / "r").exists()
 
 
+@pytest.mark.processes
 def test_eval_of_a_runs_checkpoint_reads_that_runs_config(tmp_path):
     """`launcher eval --checkpoint RUN/checkpoints/step-N` (or RUN, or RUN/export) from anywhere takes
     RUN's config; before, it looked for runs/latest under the working directory."""

@@ -11,6 +11,7 @@ import textwrap
 from pathlib import Path
 
 import psutil
+import pytest
 
 from tests.launching import child_env
 
@@ -50,6 +51,7 @@ FAKE_RUN = textwrap.dedent("""
 """)
 
 
+@pytest.mark.processes
 def test_a_launcher_that_cannot_write_fails_the_run_in_one_line_and_stops_the_workers(small_disk):
     run_dir = small_disk("8m") / "run"
     proc = subprocess.Popen(

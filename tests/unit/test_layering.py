@@ -128,6 +128,7 @@ def test_the_check_lets_allowed_imports_be(module, source):
     assert not violations(source, module), violations(source, module)
 
 
+@pytest.mark.processes
 def test_a_drafter_process_loads_no_transformers_model_code():
     """What a drafter worker imports at startup (its entry module and the worker, which imports the
     training loop, the bookkeeping and real acceptance) holds no transformers module at all: none of

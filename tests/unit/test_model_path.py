@@ -1,5 +1,6 @@
 """target.model_path as a Hugging Face repo id: resolved through a real local HF cache (no network)."""
 
+import pytest
 import json
 import os
 import subprocess
@@ -33,6 +34,7 @@ def _resolve_in(cache, value: str) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.processes
 def test_a_cached_repo_id_resolves_to_its_snapshot(tmp_path):
     snapshot = _cache_with(tmp_path, "acme/tiny-model", {"config.json": "{}"})
     assert _resolve_in(tmp_path, "acme/tiny-model").stdout.strip() == snapshot
@@ -47,6 +49,7 @@ def test_paths_stay_paths(tmp_path):
     assert resolve_model_path("") == ""  # names the missing key
 
 
+@pytest.mark.processes
 def test_launcher_up_writes_the_local_folder_into_the_run_config(tmp_path):
     env = child_env(HF_HUB_CACHE=tmp_path / "hub", HF_HUB_OFFLINE=1)
     snapshot = _cache_with(tmp_path / "hub", "acme/not-a-model", {"config.json": json.dumps({"num_hidden_layers": 2})})

@@ -113,6 +113,7 @@ def test_eval_names_the_step_and_digest_of_the_weights_it_read(tmp_path):
     assert sha256_file(out / "model.safetensors") != digest
 
 
+@pytest.mark.processes  # one real console run
 def test_a_refused_demo_resume_leaves_the_run_dir_and_its_lock_alone(tmp_path):
     from tests.launching import child_env, run_launcher
 

@@ -61,6 +61,7 @@ def refused(tmp_path, *args) -> str:
     return out.stderr.strip()
 
 
+@pytest.mark.processes
 def test_a_model_folder_without_tokenizer_files_is_one_line(tmp_path, model, data):
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         (model / name).unlink()
@@ -68,6 +69,7 @@ def test_a_model_folder_without_tokenizer_files_is_one_line(tmp_path, model, dat
     assert f"target.model_path: no tokenizer in {model}" in line
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize(
     "weights, needle",
     [
@@ -95,6 +97,7 @@ def test_a_model_folder_without_its_weights_is_one_line(tmp_path, model, data, w
         preflight(load_config(None, [f"target.model_path={model}", f"data.path={data}"]), "cpu", True)
 
 
+@pytest.mark.processes
 def test_chat_data_needs_a_chat_template(tmp_path, model, data):
     (model / "chat_template.jinja").unlink()
     line = refused(tmp_path, f"target.model_path={model}", f"data.path={data}")
@@ -105,12 +108,14 @@ def test_chat_data_needs_a_chat_template(tmp_path, model, data):
     assert "chat template" not in line and "drafter.attention=flex needs --device cuda" in line
 
 
+@pytest.mark.processes
 def test_a_tokenizer_that_does_not_load_is_one_line_and_leaves_no_folder(tmp_path, model, data):
     (model / "tokenizer.json").write_text("{not a tokenizer")
     line = refused(tmp_path, f"target.model_path={model}", f"data.path={data}")
     assert line.startswith(f"launcher: error: target.model_path: cannot load the config and tokenizer of {model}: ")
 
 
+@pytest.mark.processes
 def test_a_bad_data_line_leaves_no_run_folder(tmp_path, model):
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps(CHAT) + "\n" + '{"messages": [\n')
@@ -118,6 +123,7 @@ def test_a_bad_data_line_leaves_no_run_folder(tmp_path, model):
     assert f"{bad}:2: invalid JSON: Expecting value at the end of the line" in line
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize(
     "overrides, needle",
     [
@@ -154,6 +160,7 @@ def test_config_sizes_and_the_device_are_checked_before_any_folder(tmp_path, mod
     assert needle in line
 
 
+@pytest.mark.processes
 def test_empty_or_odd_data_files_are_named(tmp_path, model):
     empty = tmp_path / "empty.jsonl"
     empty.write_text("\n\n")
@@ -171,6 +178,7 @@ def test_empty_or_odd_data_files_are_named(tmp_path, model):
     assert f"data.eval_path: {tmp_path / 'no.jsonl'} does not exist" in line
 
 
+@pytest.mark.processes
 def test_data_regenerated_with_other_chat_template_options_is_refused(tmp_path, model, data, capsys):
     """`launcher regenerate`'s record beside the data: the run must render the chats as it did."""
     write_record(data, {"chat_template_kwargs": {"enable_thinking": False}})
@@ -214,6 +222,7 @@ def test_data_without_a_record_or_with_a_broken_one_is_not_checked(tmp_path, mod
     preflight(load_config(None, base), "cpu", True)
 
 
+@pytest.mark.processes
 def test_resume_of_a_run_dir_that_does_not_exist_is_refused(tmp_path, model, data):
     line = refused(
         tmp_path,
@@ -278,6 +287,7 @@ def test_the_demo_target_is_bfloat16_on_cuda():
     assert "target.dtype=float32" in demo_overrides("/m", "/d.jsonl", "cpu")
 
 
+@pytest.mark.processes
 def test_keys_says_force(tmp_path):
     assert run_launcher("keys", str(tmp_path / "k"), cwd=tmp_path).returncode == 0
     again = run_launcher("keys", str(tmp_path / "k"), cwd=tmp_path)
@@ -308,6 +318,7 @@ def test_eval_takes_device_like_every_other_command(tmp_path):
         assert args.eval_device == "cuda:1"
 
 
+@pytest.mark.processes
 def test_wait_ready_never_shows_an_empty_waiting_list(capsys):
     import tempfile
 
@@ -472,6 +483,7 @@ def snapshot(folder: Path) -> dict:
     return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
+@pytest.mark.processes
 def test_a_refused_resume_leaves_every_file_of_the_run_as_it_was(tmp_path, model, data, finished_run):
     before = snapshot(finished_run)
     out = run_launcher(
@@ -495,6 +507,7 @@ def test_a_refused_resume_leaves_every_file_of_the_run_as_it_was(tmp_path, model
     assert snapshot(finished_run) == before
 
 
+@pytest.mark.processes
 def test_resume_without_config_uses_the_runs_own_config(tmp_path, finished_run):
     before = snapshot(finished_run)
     out = run_launcher(*SPEC, "--run-dir", str(finished_run), "--resume", "data.pack_len=512", cwd=tmp_path, timeout=60)

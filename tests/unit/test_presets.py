@@ -47,7 +47,7 @@ def test_every_preset_number_names_its_source(name):
             assert "# [" in line, f"{name}: no source for {line!r}"
 
 
-@pytest.mark.slow
+@pytest.mark.training
 def test_the_27b_preset_trains_on_the_demo_with_a_scaled_window(tmp_path):
     """The preset's layout and training recipe on the demo's tiny target: 5 layers (4 sliding + 1
     full), block 16; what cannot fit the demo is scaled: the window (2048 of a 4096 pack -> 48 of the

@@ -101,6 +101,7 @@ def test_every_assistant_turn_is_the_targets_greedy_reply(tok_dir, tmp_path):
     assert [m["content"] for m in out[2]["messages"] if m["role"] == "user"] == ["hi", "spell river"]
 
 
+@pytest.mark.processes
 def test_launcher_regenerate_writes_the_lines_in_input_order(tok_dir, tmp_path):
     make_model(tok_dir, tmp_path / "model")
     data = tmp_path / "chat.jsonl"
@@ -143,6 +144,7 @@ def test_launcher_regenerate_writes_the_lines_in_input_order(tok_dir, tmp_path):
     ]
 
 
+@pytest.mark.processes
 def test_all_chat_data_is_advised_data_labels_and_pre_tokenized_only_data_is_refused(tok_dir, tmp_path):
     make_model(tok_dir, tmp_path / "model")
     chat, tokens = tmp_path / "chat.jsonl", tmp_path / "tokens.jsonl"
@@ -176,6 +178,7 @@ def test_all_chat_data_is_advised_data_labels_and_pre_tokenized_only_data_is_ref
     assert len(out.stderr.strip().splitlines()) == 1 and not (tmp_path / "regen.jsonl").exists()
 
 
+@pytest.mark.processes
 def test_a_broken_line_is_named_and_nothing_is_written(tok_dir, tmp_path):
     make_model(tok_dir, tmp_path / "model")
     data = tmp_path / "chat.jsonl"
@@ -239,6 +242,7 @@ def regenerate_cli(model, data, out, *extra):
     )
 
 
+@pytest.mark.processes
 def test_launcher_regenerate_renders_with_the_options_records_them_and_says_the_config_line(tok_dir, tmp_path):
     make_model(tok_dir, tmp_path / "model", THINKING_TEMPLATE)  # fails to render without enable_thinking
     data, regen = tmp_path / "chat.jsonl", tmp_path / "regen.jsonl"
@@ -305,6 +309,7 @@ def one_chat_and_a_bare_model(tmp_path):
     return data
 
 
+@pytest.mark.processes
 def test_a_bad_template_kwarg_is_one_line(tok_dir, tmp_path):
     data = one_chat_and_a_bare_model(tmp_path)
     out = regenerate_cli(tmp_path / "model", data, tmp_path / "o.jsonl", "--device", "cpu", "--template-kwarg", "=1")
@@ -331,6 +336,7 @@ def test_gpus_is_a_plain_list():
         parse_gpu_list("2-4", available=4)
 
 
+@pytest.mark.processes
 def test_launcher_regenerate_gpus_is_not_an_up_spec(tmp_path):
     """`--gpus 0-1 --device cuda` once failed with up's 'no drafter GPU'; now: a GPU list, checked against the GPUs."""
     data = one_chat_and_a_bare_model(tmp_path)

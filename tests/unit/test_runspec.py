@@ -163,6 +163,7 @@ def _config(model, data="", *more):
     )
 
 
+@pytest.mark.processes
 def test_launcher_up_writes_the_spec_a_worker_without_it_resolves_too(tmp_path, tok_dir):
     """`launcher up` writes runspec.json before any worker starts (here a bad data line stops it right
     after, before any worker); a worker in that run dir reads it, one started without a launcher (no
@@ -363,7 +364,7 @@ def test_the_held_out_split_is_the_specs(data_file, tokenizer, tmp_path):
         assert len(chosen - {1}) == len(chosen) - 1
 
 
-@pytest.mark.slow
+@pytest.mark.processes
 def test_a_target_worker_on_another_model_than_the_spec_stops_with_one_line(tmp_path, tok_dir):
     """A real target worker in a run dir whose runspec.json was resolved for another model (the
     folder was replaced since `launcher up`): exit 2 before loading weights, one line naming the field."""

@@ -60,6 +60,7 @@ def _drain(sock: socket.socket, until=lambda: False, max_s: float = 30.0) -> lis
     return messages
 
 
+@pytest.mark.processes
 def test_worker_subprocess_messages(tmp_path):
     path = str(tmp_path / "notify.sock")
     sock = _listen(path)

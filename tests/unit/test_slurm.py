@@ -80,6 +80,7 @@ def test_without_slurm_it_says_to_use_srun():
         from_slurm("0:target@0,0:drafter@1", {})
 
 
+@pytest.mark.processes
 def test_launcher_up_slurm_says_what_is_missing_in_one_line():
     env = {k: v for k, v in child_env().items() if not k.startswith("SLURM")}
     out = run_launcher("up", "--slurm", "--device", "cpu", "--gpus", "0:target@0,0:drafter@1", env=env)

@@ -38,6 +38,7 @@ def crash(log: Path, what: str) -> int:
     return process.spawn([sys.executable, "-c", CRASH.format(what=what)], env, log).wait(timeout=120)
 
 
+@pytest.mark.processes
 def test_the_cpu_allocator_running_out_is_an_out_of_memory_that_no_restart_mends(tmp_path):
     log = tmp_path / "drafter-0.log"
     code = crash(log, "torch.empty(1 << 46, dtype=torch.uint8)")  # the real allocator: 64 TiB, refused
@@ -49,6 +50,7 @@ def test_the_cpu_allocator_running_out_is_an_out_of_memory_that_no_restart_mends
     assert "own" in exit_cause("target", code, read_log(log)).fatal
 
 
+@pytest.mark.processes
 def test_a_cuda_out_of_memory_is_named_as_torch_names_it(tmp_path):
     log = tmp_path / "drafter-1.log"
     message = (
@@ -60,6 +62,7 @@ def test_a_cuda_out_of_memory_is_named_as_torch_names_it(tmp_path):
     assert cause.text == f"torch.OutOfMemoryError: {message}" and cause.fatal
 
 
+@pytest.mark.processes
 def test_non_finite_data_exits_final_and_no_restart_is_tried(tmp_path):
     """A NonFiniteError (services/drafter/bookkeeping.py) repeats on a restart: its own exit code,
     and the launcher's cause is fatal the first time, not after a second exit with the same line."""
@@ -76,6 +79,7 @@ def test_non_finite_data_exits_final_and_no_restart_is_tried(tmp_path):
     assert not exit_cause("drafter", exits.CRASHED, read_log(log)).fatal  # the same line as a crash: once, kept
 
 
+@pytest.mark.processes
 def test_last_error_line_reads_the_latest_start_only_and_a_repeat_is_fatal(tmp_path):
     log = tmp_path / "target-0.log"
     first = crash(log, "raise ValueError('first start')")
@@ -132,6 +136,7 @@ HOLD = textwrap.dedent("""
 """)
 
 
+@pytest.mark.processes
 def test_the_run_dir_lock_names_its_holder_and_dies_with_it(tmp_path):
     from launcher.runlock import RunDirBusy, lock_run_dir
 
@@ -168,6 +173,7 @@ LATE = textwrap.dedent("""
 """)
 
 
+@pytest.mark.processes
 def test_a_repeat_while_the_interpreter_shuts_down_does_not_kill_it():
     """Python gives signals back their default action (terminate) at shutdown: a repeat arriving
     then, after the checkpoint was written, must not end the worker with -15 instead of 0."""

@@ -55,6 +55,7 @@ def _verify(units: list[Path]) -> subprocess.CompletedProcess:
     return subprocess.run([SYSTEMD_ANALYZE, "verify", *map(str, units)], capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.processes
 @needs_systemd
 def test_rendered_units_pass_systemd_analyze_verify(tmp_path):
     out, _ = _render(tmp_path)
@@ -67,6 +68,7 @@ def test_rendered_units_pass_systemd_analyze_verify(tmp_path):
     assert result.returncode == 0 and result.stderr == "", result.stderr
 
 
+@pytest.mark.processes
 @needs_systemd
 def test_verify_catches_a_broken_unit(tmp_path):
     out, _ = _render(tmp_path)
@@ -76,6 +78,7 @@ def test_verify_catches_a_broken_unit(tmp_path):
     assert "notifi" in result.stderr  # the check above would have failed on this
 
 
+@pytest.mark.processes
 def test_service_settings(tmp_path):
     out, run = _render(tmp_path)
     for role in ("target", "drafter"):
@@ -177,6 +180,7 @@ def test_cpu_device_hides_gpus(tmp_path):
     assert _env(out / "dflash-env" / "dflash-drafter@2.env")["CUDA_VISIBLE_DEVICES"] == ""
 
 
+@pytest.mark.processes
 @needs_systemd
 def test_drafter_host_of_a_two_host_run(tmp_path):
     # Host B runs the drafters only; the spec still names host A's targets (0-1) for the world sizes.
@@ -213,6 +217,7 @@ def test_rendering_again_for_fewer_gpus_drops_stale_instances(tmp_path):
     assert dict(_directives(out / "dflash-drafters.target"))["Wants"] == "dflash-drafter@1.service"
 
 
+@pytest.mark.processes
 @needs_systemd
 def test_the_printed_install_puts_everything_where_the_units_look(tmp_path):
     """The install command, run (without systemctl) into folders under tmp: the installed units

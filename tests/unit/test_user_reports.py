@@ -1,6 +1,7 @@
 """Defects users met at the command line: an ended run's status, a missing eval checkpoint, a closed
 pipe, the stop message of a start that never trained."""
 
+import pytest
 import io
 import json
 import subprocess
@@ -62,6 +63,7 @@ def test_eval_of_a_missing_checkpoint_says_so_before_loading_anything(tmp_path, 
     assert err.strip().splitlines() == [f"launcher: error: --checkpoint {tmp_path / 'nope'} does not exist"]
 
 
+@pytest.mark.processes
 def test_a_closed_stdout_ends_status_and_report_quietly(tmp_path):
     run_dir = ended_run(tmp_path)
     for argv in (["status", "--timeout", "0.2"], ["report", "--out", str(tmp_path / "r.png")]):

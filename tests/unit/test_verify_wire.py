@@ -123,6 +123,7 @@ def test_counting_models_in_the_process_survives_dead_weak_proxies():
     assert models_in_process() == alive
 
 
+@pytest.mark.processes
 def test_the_drafters_evaluation_registers_no_pytree_class_after_its_worker_is_imported():
     """Every graph the drafter compiled guards on the number of classes registered with torch's
     pytree; an import at the first evaluation that registered one recompiled flex attention (on CUDA,
