@@ -5,7 +5,7 @@ once; then any drafter is decoded on them.
 `batch` prompts decode together, one target forward per step: each on its own row of a KV cache
 (slots.py) for a target of attention layers, or packed without a cache (batched_decode.py) for one
 with recurrent layers; batch 1 decodes one prompt at a time on a KV cache
-(services/drafter/speculative.py), the references as the drafters. A Progress (progress.py) prints a
+(services/drafter/speculative.py), the references as the drafters. A Progress (services/decode_progress.py) prints a
 line every 10 s while it decodes.
 
 The target is loaded by services.target.model.load_target (the training capture's own loader,
@@ -88,7 +88,7 @@ class LocalSpecEval(SpecEval):
         self.batch = batch or auto_batch(self.target, self.device)
         self.slots = self.batch > 1 and slot_decodable(self.target)
         self.packed = PackedVerifier(self.target) if self.batch > 1 and not self.slots else None
-        self.progress = None  # a Progress (progress.py): a console line every 10 s
+        self.progress = None  # a Progress (services/decode_progress.py): a line every 10 s
         self.dtype = self.target.model.dtype
         self.max_new_tokens = max_new_tokens
         self.stop_ids = stop_token_ids(self.tokenizer, self.target.model)
