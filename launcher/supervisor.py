@@ -289,6 +289,8 @@ class Supervisor(ElasticDrafters):
                 if state in ("ready", "training") or ended:
                     del pending[w.name]
                 elif state == "failed" and not (self.elastic and w.role == "drafter"):  # the agent restarts those
+                    self._await_exit(w, timeout_s=5.0)  # its exit code says whether a restart could mend it
+                    self._check_exited_during_start(w)
                     raise RunFailed(f"{w.name} failed while starting: {status.get('errors')} (log: {self.log(w)})")
                 states[w.name] = state or "?"
             if not pending:
@@ -298,6 +300,12 @@ class Supervisor(ElasticDrafters):
             self.progress.show("starting… waiting for " + " ".join(f"{n}:{states[n]}" for n in sorted(pending)))
             time.sleep(0.5)
         self.progress.done("all workers ready")
+
+    def _await_exit(self, w: Worker, timeout_s: float) -> None:
+        """A worker that reports `failed` is on its way out: wait for it a moment."""
+        deadline = time.monotonic() + timeout_s
+        while self.procs[w.name].poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
 
     def _check_exited_during_start(self, w: Worker) -> None:
         rc = self.procs[w.name].poll()

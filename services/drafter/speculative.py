@@ -89,26 +89,26 @@ class DrafterProposer:
         )
         return (out.view(len(contexts), B, -1)[:, 1:] @ head.lm_head.t()).argmax(-1).tolist()
 
-    def padded(self, features: torch.Tensor, starts: torch.Tensor, last_tokens: torch.Tensor) -> torch.Tensor:
+    def padded(self, features, starts: torch.Tensor, last_tokens: torch.Tensor, context_len: int) -> torch.Tensor:
         """Every row's B-1 drafts in one call on padded rows (services/target/slots.py): row b's context
-        is features[b, :starts[b]], its block an anchor at starts[b]. Returns [rows, B-1] on the host."""
+        is features[b, :starts[b]], its block an anchor at starts[b]; context_len = max(starts), known
+        to the caller. Returns [rows, B-1] on the drafter's device, with no host sync."""
         B, head = self.block_size, self.head
         device, dtype = head.embed.device, head.embed.dtype
-        context_len = int(starts.max())
         anchors = starts.to(device)
-        block = torch.full((len(last_tokens), B), self.cfg.mask_token_id, dtype=torch.long)
-        block[:, 0] = last_tokens
+        block = torch.full((len(last_tokens), B), self.cfg.mask_token_id, dtype=torch.long, device=device)
+        block[:, 0] = last_tokens.to(device)
         masks = {
             kind: padded_mask(anchors, B, context_len, self.cfg.window(kind)) for kind in set(self.cfg.layer_types)
         }
         out = self.drafter(
             features[:, :context_len].to(device=device, dtype=dtype),
-            head.embed_tokens(block.to(device)),
+            head.embed_tokens(block),
             torch.arange(context_len, device=device).expand(len(last_tokens), -1),
             anchors[:, None] + torch.arange(B, device=device),
             masks,
         )
-        return (out[:, 1:] @ head.lm_head.t()).argmax(-1).cpu()
+        return (out[:, 1:] @ head.lm_head.t()).argmax(-1)
 
 
 class RepeatLast:
@@ -125,7 +125,7 @@ class RepeatLast:
     def many(self, contexts, last_tokens: list[int]) -> list[list[int]]:
         return [[token] * (self.block_size - 1) for token in last_tokens]
 
-    def padded(self, features, starts, last_tokens: torch.Tensor) -> torch.Tensor:
+    def padded(self, features, starts, last_tokens: torch.Tensor, context_len: int) -> torch.Tensor:
         return last_tokens[:, None].expand(-1, self.block_size - 1).clone()
 
 

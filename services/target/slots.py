@@ -35,6 +35,8 @@ from services.target.decode import ATTENTION_KINDS, DECODE_SDPA
 from services.target.model import Target
 
 PREFILL_TOKENS = 1 << 15  # prompt tokens per prefill forward: bounds the padded activations and masks
+SYNC_EVERY = 8  # plain decoding reads the device back every 8 steps (to drop finished rows, to stop)
+LENGTH_STEP = 128  # cache and context lengths are read in multiples of this: a few shapes, not one a step
 
 
 def slot_decodable(target: Target) -> bool:
@@ -134,26 +136,33 @@ class Slots:
             torch.zeros(len(prompts), self.capacity, width, dtype=self.dtype, device=self.device) if features else None
         )
         self.lm_head = target.model.get_output_embeddings().weight.detach().float()
-        self.index = list(range(len(prompts)))  # row -> prompt
         params = inspect.signature(target.backbone.forward).parameters
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"  # renamed in transformers 5.2x
 
     @torch.no_grad()
-    def forward(
-        self, ids: torch.Tensor, starts: torch.Tensor, take: torch.Tensor, rows=None, temperature=0.0, generator=None
+    def step(
+        self,
+        ids: torch.Tensor,
+        starts: torch.Tensor,
+        length: int,
+        rows=None,
+        take=None,
+        temperature=0.0,
+        generator=None,
     ):
-        """ids [b, q] at positions starts[b] + 0..q-1 of `rows` (default: every row), all host
-        tensors; the captured layers go to `features`. Returns (tokens, margin, tolerance) [b, t] on
-        the host at the block indices `take` [b, t]: the greedy token (or one sampled at
+        """ids [b, q] at positions starts[b] + 0..q-1 of `rows` (default: every row), on the device;
+        `length` (the host's bound: max(starts) + q) is how far the cache is read. The captured
+        layers go to `features`. Returns (tokens, margin, tolerance) [b, t] on the device, no host sync,
+        at the block indices `take` [b, t] (default: all q): the greedy token (or one sampled at
         `temperature` > 0), its top-1 minus top-2 logit and the rounding tolerance."""
         t, dev = self.target, self.device
         b, q = ids.shape
         self.cache.in_order = rows is None
-        rows = torch.arange(self.cache.rows) if rows is None else rows
-        positions = (starts[:, None] + torch.arange(q)).to(dev)
-        row_ids = rows.to(dev)[:, None]
-        self.cache.where, self.cache.length = (row_ids, positions), int(starts.max()) + q
-        masks = SlotMasks(positions, self.cache.length)
+        rows = torch.arange(self.cache.rows, device=dev) if rows is None else rows.to(dev)
+        positions = starts.to(dev)[:, None] + torch.arange(q, device=dev)
+        row_ids = rows[:, None]
+        self.cache.where, self.cache.length = (row_ids, positions), length
+        masks = SlotMasks(positions, length)
         captured = torch.empty(b * q, t.info.hidden_width, dtype=self.dtype, device=dev)
         t.slot.slots = masks
         try:
@@ -169,8 +178,10 @@ class Slots:
             t.slot.slots = None
         if self.features is not None:
             self.features[row_ids, positions] = captured.view(b, q, -1)
-        take = take.to(dev)
-        hidden = out.last_hidden_state.gather(1, take[..., None].expand(-1, -1, out.last_hidden_state.shape[-1]))
+        hidden = out.last_hidden_state
+        if take is not None:
+            take = take.to(dev)
+            hidden = hidden.gather(1, take[..., None].expand(-1, -1, hidden.shape[-1]))
         logits = exact_logits(hidden, self.lm_head, self.dtype)  # [b, t, vocab] in fp32
         top = logits.topk(2, dim=-1)
         tokens = top.indices[..., 0]
@@ -178,9 +189,7 @@ class Slots:
             probs = torch.softmax(logits.flatten(0, 1) / temperature, -1)
             tokens = torch.multinomial(probs, 1, generator=generator).view(tokens.shape)
         margin = top.values[..., 0] - top.values[..., 1]
-        tolerance = rounding_tolerance(top.values[..., 0], self.dtype)
-        host = torch.stack([tokens.double(), margin.double(), tolerance.double()]).cpu()  # one sync
-        return host[0].long(), host[1].float(), host[2].float()
+        return tokens, margin, rounding_tolerance(top.values[..., 0], self.dtype)
 
     def prefill(self, prompts: list[list[int]], **sample) -> list[Decoded]:
         """Every prompt through the target (rows of similar length together, at most PREFILL_TOKENS
@@ -198,9 +207,10 @@ class Slots:
             for r, i in enumerate(chunk):
                 ids[r, : len(prompts[i])] = torch.tensor(prompts[i])
             take = torch.tensor([[len(prompts[i]) - 1] for i in chunk])
-            tokens, margin, tolerance = self.forward(
-                ids, torch.zeros(len(chunk), dtype=torch.long), take, rows=torch.tensor(chunk), **sample
+            found = self.step(
+                ids, torch.zeros(len(chunk), dtype=torch.long), width, torch.tensor(chunk), take, **sample
             )
+            tokens, margin, tolerance = torch.stack([x.double() for x in found]).cpu()  # one sync
             for r, i in enumerate(chunk):
                 outs[i] = Decoded([int(tokens[r, 0])], [], 1, [float(margin[r, 0])], [float(tolerance[r, 0])])
             first = last
@@ -212,7 +222,57 @@ class Slots:
         self.cache.keep_rows(index.to(self.device))
         if self.features is not None:
             self.features = self.features[index.to(self.device)]
-        self.index = [self.index[r] for r in keep]
+
+
+class Record:
+    """What every prompt decoded so far, on the device (indexed by prompt, not by row): its new
+    tokens with their margins and tolerances, how many, how many each verify step committed, and
+    whether it goes on. A step updates it for all rows at once: no Python per prompt, no sync."""
+
+    def __init__(self, firsts: list[Decoded], max_new_tokens: int, stop_ids, device):
+        n, self.max_new = len(firsts), max_new_tokens
+        width = max_new_tokens + 1  # the last column takes the writes of what is not committed
+        self.tokens = torch.zeros(n, width, dtype=torch.long, device=device)
+        self.margins = torch.zeros(n, width, device=device)
+        self.tolerances = torch.zeros(n, width, device=device)
+        self.tokens[:, 0] = torch.tensor([f.tokens[0] for f in firsts])
+        self.margins[:, 0] = torch.tensor([f.margins[0] for f in firsts])
+        self.tolerances[:, 0] = torch.tensor([f.tolerances[0] for f in firsts])
+        self.count = torch.ones(n, dtype=torch.long, device=device)
+        self.steps = torch.zeros(n, max_new_tokens, dtype=torch.long, device=device)  # a live step commits >= 1
+        self.stop = torch.tensor(sorted(stop_ids), dtype=torch.long, device=device)
+        self.live = torch.tensor([not f.done(max_new_tokens, set(stop_ids)) for f in firsts], device=device)
+
+    def last(self, index: torch.Tensor) -> torch.Tensor:
+        return self.tokens[index, self.count[index] - 1]
+
+    def accept(self, index, drafts, greedy, margin, tolerance, step: int) -> torch.Tensor:
+        """Decoded.accept for every row at once (row r is prompt index[r]): the longest prefix of the
+        drafts [b, q-1] equal to the target's tokens greedy [b, q], plus the target's next token, cut
+        at a stop token or the length limit. Returns how far each row's next position moves."""
+        live, count = self.live[index], self.count[index]
+        j = torch.arange(greedy.shape[1], device=greedy.device)
+        accepted = (drafts == greedy[:, :-1]).long().cumprod(1).sum(1)
+        ends = (torch.isin(greedy, self.stop) | (count[:, None] + j + 1 >= self.max_new)) & (j <= accepted[:, None])
+        ended = ends.any(1)
+        new = torch.where(ended, ends.long().argmax(1) + 1, accepted + 1) * live
+        columns = torch.where(j < new[:, None], count[:, None] + j, self.max_new)
+        self.tokens[index[:, None], columns] = greedy
+        self.margins[index[:, None], columns] = margin
+        self.tolerances[index[:, None], columns] = tolerance
+        self.steps[index, step] = new
+        self.count[index] = count + new
+        self.live[index] = live & ~ended
+        return (accepted + 1) * live
+
+    def decoded(self) -> list[Decoded]:
+        tokens, margins, tolerances = self.tokens.tolist(), self.margins.tolist(), self.tolerances.tolist()
+        counts, steps = self.count.tolist(), self.steps.tolist()
+        outs = []
+        for i, n in enumerate(counts):
+            committed = [s for s in steps[i] if s]
+            outs.append(Decoded(tokens[i][:n], committed, 1 + len(committed), margins[i][:n], tolerances[i][:n]))
+        return outs
 
 
 @torch.no_grad()
@@ -229,40 +289,56 @@ def decode_slots(
 ) -> list[Decoded]:
     """speculative_generate for all `prompts` at once (propose None: plain greedy, one token per
     forward: the reference; temperature > 0 samples instead, for regeneration). propose.padded drafts
-    every row's block in one call. on_step(new tokens) after every forward."""
-    stop, began = set(stop_ids), time.perf_counter()
+    every row's block in one call. on_step(new tokens) after every forward that reads back.
+
+    The host reads the device once a step (the rows' next positions, which the drafter's context and
+    the cache's read length need) with drafts, once every SYNC_EVERY steps without (every row moves
+    by one: the host knows where)."""
+    began = time.perf_counter()
     draft_len = 0 if propose is None else propose.block_size - 1
-    sample = dict(temperature=temperature, generator=generator)
-    slots = Slots(target, prompts, max_new_tokens + draft_len + 1, features=propose is not None)
-    outs = slots.prefill(prompts, **sample)
-    starts = torch.tensor([len(p) for p in prompts])  # each row's next position (its last token's)
+    q = draft_len + 1
+    slots = Slots(target, prompts, max_new_tokens + q, features=propose is not None)
+    dev = slots.device
+    record = Record(slots.prefill(prompts, temperature=temperature, generator=generator), max_new_tokens, stop_ids, dev)
     if on_step:
         on_step(len(prompts))
-    live = [not o.done(max_new_tokens, stop) for o in outs]
-    take = torch.arange(draft_len + 1)[None]
-    while any(live[i] for i in slots.index):
-        if sum(live[i] for i in slots.index) <= len(slots.index) * 7 // 8:  # finished rows leave in bulk
-            keep = [r for r, i in enumerate(slots.index) if live[i]]
-            starts = starts[torch.tensor(keep)]
-            slots.keep_rows(keep)
-        last = torch.tensor([outs[i].tokens[-1] for i in slots.index])
+    index = torch.arange(len(prompts), device=dev)  # row -> prompt
+    starts = torch.tensor([len(p) for p in prompts])  # each row's next position (its last token's), on the host
+    starts_dev, committed = starts.to(dev), len(prompts)
+    live = record.live.tolist()
+    for step in range(max_new_tokens - 1):  # a live row commits >= 1 token a step
+        if sum(live) <= len(live) * 7 // 8:  # finished rows leave in bulk
+            keep = torch.tensor([r for r, alive in enumerate(live) if alive])
+            slots.keep_rows(keep.tolist())
+            index, starts, starts_dev = index[keep.to(dev)], starts[keep], starts_dev[keep.to(dev)]
+            live = [True] * len(keep)
+        last = record.last(index)
+        # the lengths read, rounded up: what lies past a row's own length is masked, and each new
+        # length would be new kernel shapes to plan (cuBLAS, attention): slow the first time each
+        context = min(slots.capacity, -(-int(starts.max()) // LENGTH_STEP) * LENGTH_STEP)
         drafts = (
-            propose.padded(slots.features, starts, last) if draft_len else torch.empty(len(last), 0, dtype=torch.long)
+            propose.padded(slots.features, starts_dev, last, context) if draft_len else last.new_empty(len(last), 0)
         )
         ids = torch.cat([last[:, None], drafts], 1)
-        tokens, margin, tolerance = slots.forward(ids, starts, take.expand(len(last), -1), **sample)
-        drafts, tokens, margin, tolerance = drafts.tolist(), tokens.tolist(), margin.tolist(), tolerance.tolist()
-        new = 0
-        for r, i in enumerate(slots.index):
-            if not live[i]:  # a finished row still in the batch: its result is dropped
+        length = min(slots.capacity, -(-(int(starts.max()) + q) // LENGTH_STEP) * LENGTH_STEP)
+        greedy, margin, tolerance = slots.step(ids, starts_dev, length, temperature=temperature, generator=generator)
+        moved = record.accept(index, drafts, greedy, margin, tolerance, step)
+        if not draft_len:  # every row moves by one, finished or not (positions stay below the room)
+            starts, starts_dev = starts + 1, starts_dev + 1
+            if step % SYNC_EVERY != SYNC_EVERY - 1 and step < max_new_tokens - 2:
                 continue
-            before = len(outs[i].tokens)
-            accepted = outs[i].accept(drafts[r], tokens[r], margin[r], tolerance[r], max_new_tokens, stop)
-            starts[r] += accepted + 1
-            new += len(outs[i].tokens) - before
-            live[i] = not outs[i].done(max_new_tokens, stop)
+        else:
+            starts_dev = starts_dev + moved
+        host = torch.cat([record.live[index].long(), starts_dev, record.count.sum()[None]]).cpu()  # the one sync
+        live, total = host[: len(index)].bool().tolist(), int(host[-1])
+        if draft_len:
+            starts = host[len(index) : 2 * len(index)]
         if on_step:
-            on_step(new)
+            on_step(total - committed)
+        committed = total
+        if not any(live):
+            break
+    outs = record.decoded()
     seconds = (time.perf_counter() - began) / len(prompts)  # the batch's wall time, shared out
     for out in outs:
         out.seconds = seconds

@@ -97,6 +97,15 @@ def test_rows_that_stop_early_leave_and_the_others_go_on(dense):
     assert [g.tokens for g in got] == [w.tokens for w in want]
     assert len(got[1].tokens) <= 4 and max(len(g.tokens) for g in got) == 16
     assert sum(steps) == sum(len(g.tokens) for g in got)  # on_step counts every new token once
+    # plain decoding reads the device back every few steps only: the rows that ended meanwhile keep
+    # nothing past their stop token, and the count of new tokens is still exact
+    steps = []
+    plain = decode_slots(dense, None, ps, max_new_tokens=16, stop_ids=[stop], on_step=steps.append)
+    assert [g.tokens for g in plain] == [w.tokens for w in want]
+    assert [g.steps for g in plain] == [w.steps for w in want]
+    for g, w in zip(plain, want):
+        assert g.margins == pytest.approx(w.margins, rel=1e-4, abs=1e-4)
+    assert sum(steps) == sum(len(g.tokens) for g in plain)
 
 
 def test_padded_drafts_equal_each_prompt_drafted_alone(dense):
@@ -107,8 +116,8 @@ def test_padded_drafts_equal_each_prompt_drafted_alone(dense):
     features = torch.randn(len(lengths), 16, width, generator=g)
     lasts = [5, 17, 42]
     alone = [drafter(features[i, :n], t, n).tolist() for i, (n, t) in enumerate(zip(lengths, lasts))]
-    assert drafter.padded(features, torch.tensor(lengths), torch.tensor(lasts)).tolist() == alone
-    assert RepeatLast(B).padded(features, torch.tensor(lengths), torch.tensor(lasts)).tolist() == [
+    assert drafter.padded(features, torch.tensor(lengths), torch.tensor(lasts), max(lengths)).tolist() == alone
+    assert RepeatLast(B).padded(features, torch.tensor(lengths), torch.tensor(lasts), max(lengths)).tolist() == [
         [t] * (B - 1) for t in lasts
     ]
 
