@@ -4,6 +4,7 @@ import atexit
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -116,6 +117,33 @@ def pytest_collection_modifyitems(items):
             item.add_marker(pytest.mark.slow)
         if any("CUDA" in m.kwargs.get("reason", "") for m in item.iter_markers("skipif")):
             item.add_marker(pytest.mark.gpu)  # a test that runs only where CUDA is (its skip says so)
+    # the hybrid demo's run last: the background builder (pytest_collection_finish) makes its demo second
+    items.sort(key=lambda item: item.path.stem == "test_demo_hybrid")
+
+
+def pytest_collection_finish(session):
+    """The trained demos (`launcher up --demo`, dense and hybrid: one and two and a half minutes of one
+    core) built in the background from the start, on the core the training tests leave idle while
+    they wait on their workers; the tests that run them wait on make_demo's lock if it is not done.
+    One builder per test run: the first xdist worker's, or the only process's."""
+    if session.config.option.collectonly or os.environ.get("PYTEST_XDIST_WORKER", "gw0") != "gw0":
+        return
+    kinds = {m.name for item in session.items for m in item.iter_markers() if m.name in ("training", "quality")}
+    if not kinds:
+        return
+    variants = ["dense"] + (["hybrid"] if any(i.path.stem == "test_demo_hybrid" for i in session.items) else [])
+    code = "from services.tools.demo import cache_dir, make_demo\n" + "".join(
+        f"make_demo(cache_dir({v!r}), variant={v!r})\n" for v in variants
+    )
+    log = open(Path(os.environ["DFLASH_CACHE_DIR"]) / "demo-builder.log", "w")
+    builder = subprocess.Popen(
+        [sys.executable, "-c", code],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        cwd=TESTS.parent,
+        env={**os.environ, "PYTHONPATH": str(TESTS.parent)},
+    )
+    atexit.register(builder.kill)  # before the cache's removal (atexit runs last-registered first)
 
 
 @pytest.fixture(scope="module")

@@ -33,6 +33,7 @@ from transformers import DynamicCache
 from services.decode_step import Decoded, exact_logits, rounding_tolerance
 from services.target.decode import ATTENTION_KINDS, DECODE_SDPA
 from services.target.model import Target
+from services.target.step_graphs import StepGraphs
 
 PREFILL_TOKENS = 1 << 15  # prompt tokens per prefill forward: bounds the padded activations and masks
 SYNC_EVERY = 8  # plain decoding reads the device back every 8 steps (to drop finished rows, to stop)
@@ -70,17 +71,18 @@ class SlotCache(DynamicCache):
         keys[rows, :, positions] = key_states.transpose(1, 2)  # [b, q, h, d] at (row, position)
         values[rows, :, positions] = value_states.transpose(1, 2)
         if self.in_order:  # every row, in row order: a view, no copy
-            return keys[:, :, : self.length], values[:, :, : self.length]
+            return keys[: self.rows, :, : self.length], values[: self.rows, :, : self.length]
         return keys[rows[:, 0], :, : self.length], values[rows[:, 0], :, : self.length]
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.length
 
     def keep_rows(self, keep: torch.Tensor) -> None:
-        """Drop every row not in `keep` (finished prompts), in that order."""
+        """Only the rows `keep` (ascending) from now on, moved to the front in place: the storage
+        stays where it is, so CUDA graphs captured on it stay valid (step_graphs.py)."""
         for store in (self.keys, self.values):
-            for i in store:
-                store[i] = store[i][keep]
+            for t in store.values():
+                t[: len(keep)] = t[keep]
         self.rows = int(keep.shape[0])
 
 
@@ -217,11 +219,41 @@ class Slots:
         return outs
 
     def keep_rows(self, keep: list[int]) -> None:
-        """Only these rows from now on (the others' prompts are done)."""
-        index = torch.tensor(keep)
-        self.cache.keep_rows(index.to(self.device))
+        """Only these rows from now on (the others' prompts are done), in place (SlotCache.keep_rows)."""
+        index = torch.tensor(keep, device=self.device)
+        self.cache.keep_rows(index)
         if self.features is not None:
-            self.features = self.features[index.to(self.device)]
+            self.features[: len(keep)] = self.features[index]
+
+
+class GraphedSteps:
+    """decode_slots' step (the drafts, then the verify forward) as CUDA graphs: the inputs copied
+    into fixed buffers (row b of a step is row b of each), the graphs of that shape replayed."""
+
+    def __init__(self, slots: Slots, propose, q: int):
+        rows, dev = slots.cache.rows, slots.device
+        self.slots, self.propose, self.graphs = slots, propose, StepGraphs()
+        self.starts = torch.zeros(rows, dtype=torch.long, device=dev)
+        self.ids = torch.zeros(rows, q, dtype=torch.long, device=dev)  # column 0: each row's last token
+
+    def __call__(self, starts: torch.Tensor, last: torch.Tensor, context: int, length: int):
+        """Returns the block ids [b, q] (a copy: a graph's outputs are overwritten by the next replay)
+        and the verify forward's (tokens, margin, tolerance)."""
+        b = len(last)
+        self.starts[:b], self.ids[:b, 0] = starts, last
+        if self.ids.shape[1] > 1:
+            features = self.slots.features[:b]
+
+            def draft(starts, last):
+                return self.propose.padded(features, starts, last, context)
+
+            self.ids[:b, 1:] = self.graphs.run(("draft", b, context), draft, self.starts[:b], self.ids[:b, 0])
+
+        def verify(ids, starts):
+            return self.slots.step(ids, starts, length)
+
+        ids = self.ids[:b].clone()
+        return (ids, *self.graphs.run(("verify", b, length), verify, self.ids[:b], self.starts[:b]))
 
 
 class Record:
@@ -286,6 +318,7 @@ def decode_slots(
     on_step=None,
     temperature: float = 0.0,
     generator: torch.Generator | None = None,
+    graphs: bool = True,
 ) -> list[Decoded]:
     """speculative_generate for all `prompts` at once (propose None: plain greedy, one token per
     forward: the reference; temperature > 0 samples instead, for regeneration). propose.padded drafts
@@ -293,13 +326,16 @@ def decode_slots(
 
     The host reads the device once a step (the rows' next positions, which the drafter's context and
     the cache's read length need) with drafts, once every SYNC_EVERY steps without (every row moves
-    by one: the host knows where)."""
+    by one: the host knows where). On CUDA, greedy steps run as CUDA graphs (`graphs`; step_graphs.py),
+    one per shape: rows, and lengths rounded up to LENGTH_STEP."""
     began = time.perf_counter()
     draft_len = 0 if propose is None else propose.block_size - 1
     q = draft_len + 1
     slots = Slots(target, prompts, max_new_tokens + q, features=propose is not None)
     dev = slots.device
-    record = Record(slots.prefill(prompts, temperature=temperature, generator=generator), max_new_tokens, stop_ids, dev)
+    sample = dict(temperature=temperature, generator=generator)
+    record = Record(slots.prefill(prompts, **sample), max_new_tokens, stop_ids, dev)
+    steps = GraphedSteps(slots, propose, q) if graphs and dev.type == "cuda" and temperature == 0 else None
     if on_step:
         on_step(len(prompts))
     index = torch.arange(len(prompts), device=dev)  # row -> prompt
@@ -316,13 +352,14 @@ def decode_slots(
         # the lengths read, rounded up: what lies past a row's own length is masked, and each new
         # length would be new kernel shapes to plan (cuBLAS, attention): slow the first time each
         context = min(slots.capacity, -(-int(starts.max()) // LENGTH_STEP) * LENGTH_STEP)
-        drafts = (
-            propose.padded(slots.features, starts_dev, last, context) if draft_len else last.new_empty(len(last), 0)
-        )
-        ids = torch.cat([last[:, None], drafts], 1)
         length = min(slots.capacity, -(-(int(starts.max()) + q) // LENGTH_STEP) * LENGTH_STEP)
-        greedy, margin, tolerance = slots.step(ids, starts_dev, length, temperature=temperature, generator=generator)
-        moved = record.accept(index, drafts, greedy, margin, tolerance, step)
+        if steps is not None:
+            ids, greedy, margin, tolerance = steps(starts_dev, last, context, length)
+        else:
+            drafts = propose.padded(slots.features[: len(last)], starts_dev, last, context) if draft_len else None
+            ids = last[:, None] if drafts is None else torch.cat([last[:, None], drafts], 1)
+            greedy, margin, tolerance = slots.step(ids, starts_dev, length, **sample)
+        moved = record.accept(index, ids[:, 1:], greedy, margin, tolerance, step)
         if not draft_len:  # every row moves by one, finished or not (positions stay below the room)
             starts, starts_dev = starts + 1, starts_dev + 1
             if step % SYNC_EVERY != SYNC_EVERY - 1 and step < max_new_tokens - 2:

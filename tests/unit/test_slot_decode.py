@@ -86,6 +86,26 @@ def test_slot_decoding_makes_the_cached_loops_decisions(kind, device, dense, sli
             assert m.margins == pytest.approx(o.margins, rel=1e-4, abs=1e-4)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need CUDA")
+@pytest.mark.parametrize("kind", ["dense", "sliding"])
+def test_cuda_graphed_steps_make_the_eager_steps_decisions(kind, monkeypatch, capfd):
+    """The graphed steps (a graph per shape, replayed; rows leave in place) against the same steps
+    run eagerly, fp32: the same tokens, steps and margins; and the graphs were really used."""
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    target = dense_target(device="cuda") if kind == "dense" else sliding_target(device="cuda")
+    ps = prompts()
+    refs = decode_slots(target, None, ps, max_new_tokens=NEW, graphs=False)
+    stop = refs[1].tokens[3]  # prompt 1 ends early: rows leave, the graphs of fewer rows follow
+    for propose in (None, random_drafter(target, DENSE_LAYER_IDS, B), RepeatLast(B)):
+        eager = decode_slots(target, propose, ps, max_new_tokens=NEW, stop_ids=[stop], graphs=False)
+        graphed = decode_slots(target, propose, ps, max_new_tokens=NEW, stop_ids=[stop])
+        assert [g.tokens for g in graphed] == [e.tokens for e in eager]
+        assert [g.steps for g in graphed] == [e.steps for e in eager]
+        for g, e in zip(graphed, eager):
+            assert g.margins == pytest.approx(e.margins, rel=1e-5, abs=1e-5)
+    assert "CUDA graphs off" not in capfd.readouterr().err
+
+
 def test_rows_that_stop_early_leave_and_the_others_go_on(dense):
     cached = LocalVerifier(dense)
     ps = prompts()
