@@ -94,17 +94,22 @@ class SlotMasks:
     def __init__(self, positions: torch.Tensor, length: int):
         self.query = positions[:, None, :, None]  # [b, 1, q, 1]
         self.key = torch.arange(length, device=positions.device)  # [L]
-        self.by_window: dict[tuple, torch.Tensor] = {}  # (window, groups) -> mask
+        self.by_window: dict[tuple, torch.Tensor] = {}  # (window, groups, dtype) -> mask
 
-    def mask(self, window: int | None, groups: int = 1) -> torch.Tensor:
-        """[b, 1, groups * q, L]: the rows of the q queries, `groups` times over."""
-        if (window, groups) not in self.by_window:
-            if groups > 1:
-                self.by_window[window, groups] = self.mask(window).repeat(1, 1, groups, 1)
-            else:
-                seen = self.key <= self.query
-                self.by_window[window, 1] = seen if window is None else seen & (self.query - self.key < window)
-        return self.by_window[window, groups]
+    def mask(self, window: int | None) -> torch.Tensor:
+        """[b, 1, q, L] bool: True where the query sees the key."""
+        seen = self.key <= self.query
+        return seen if window is None else seen & (self.query - self.key < window)
+
+    def bias(self, window: int | None, groups: int, dtype: torch.dtype) -> torch.Tensor:
+        """[b, 1, groups * q, L]: the mask as the additive bias SDPA adds (0 or -inf) in the queries'
+        dtype, the rows of the q queries `groups` times over. Made once a forward for all layers: a
+        bool mask would be converted in every layer's SDPA call."""
+        if (window, groups, dtype) not in self.by_window:
+            seen = self.mask(window)
+            bias = torch.zeros(seen.shape, dtype=dtype, device=seen.device).masked_fill_(~seen, float("-inf"))
+            self.by_window[window, groups, dtype] = bias.repeat(1, 1, groups, 1) if groups > 1 else bias
+        return self.by_window[window, groups, dtype]
 
     def attend(self, module, query, key, value, window, scaling):
         """HF's attention interface: query [b, Hq, q, D], key/value [b, Hkv, L, D] -> ([b, q, Hq, D], None).
@@ -116,7 +121,7 @@ class SlotMasks:
             query.reshape(b, key.shape[1], groups * q, d),
             key,
             value,
-            attn_mask=self.mask(window, groups),
+            attn_mask=self.bias(window, groups, query.dtype),
             scale=scaling,
         )
         return out.reshape(b, heads, q, -1).transpose(1, 2), None
