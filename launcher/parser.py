@@ -243,7 +243,13 @@ def build_parser() -> argparse.ArgumentParser:
         default="hf",
         help="hf: batched transformers generate; vllm / sglang when installed",
     )
-    rg.add_argument("--batch-size", type=int, default=32, help="prompts per HF generate call")
+    rg.add_argument(
+        "--batch-size",
+        type=int,
+        default=0,
+        help="prompts decoded at once (default 0: on a GPU as many KV-cache rows as half the free memory "
+        "holds, at most 3072; 32 on CPU)",
+    )
     rg.add_argument("--max-new-tokens", type=int, default=1024, help="longest reply")
     rg.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     rg.add_argument(

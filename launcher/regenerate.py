@@ -23,7 +23,7 @@ from pathlib import Path
 from launcher.progress import ProgressLine, _duration
 from launcher.regen_record import write_record
 from services.config import toml_literal
-from services.data_lines import assistant_turns, read_conversations
+from services.data_lines import plain_prompt, read_conversations, replies_to_write
 
 
 class RegenerateError(Exception):
@@ -50,7 +50,13 @@ def progress_text(done: int, total: int, rate: float, token_rate: float = 0.0) -
     eta = _duration((total - done) / rate) if rate > 0 else "?"
     pct = 100 * done / total if total else 100.0
     tokens = f", {token_rate:,.0f} generated tok/s" if token_rate > 0 else ""
-    return f"regenerating: {done}/{total} assistant turns ({pct:.1f}%), {rate:.1f} turns/s{tokens}, ETA {eta}"
+    return f"regenerating: {done}/{total} replies ({pct:.1f}%), {rate:.1f} replies/s{tokens}, ETA {eta}"
+
+
+def _kinds(chat: int, plain: int) -> str:
+    """What the replies are: assistant turns of chat lines, continuations of plain-text lines."""
+    said = [f"assistant turns of {chat} chat lines"] if chat else []
+    return ", ".join(said + ([f"continuations of {plain} plain-text lines"] if plain else []))
 
 
 def advice(out: Path, pre_tokenized: int) -> str:
@@ -85,13 +91,14 @@ def run(args) -> None:
     except ValueError as exc:  # names file:line
         raise RegenerateError(str(exc)) from None
     chat = sum(m is not None for _, m in items)
-    if not chat:
+    plain = sum(m is None and plain_prompt(record) is not None for record, m in items)
+    if not chat + plain:
         raise RegenerateError(
-            f"{data} has no chat lines ({len(items)} pre-tokenized lines): regeneration rewrites "
-            f"assistant turns of chat text; train on {data} as it is (target.labels_from_target="
-            "true, the default, has the target label it)"
+            f"{data} has no chat or plain-text lines ({len(items)} pre-tokenized lines): regeneration "
+            f"rewrites assistant turns of chat text and continues plain-text prompts; train on {data} "
+            "as it is (target.labels_from_target=true, the default, has the target label it)"
         )
-    total = assistant_turns(items)
+    total = replies_to_write(items)
     gpus = [str(g) for g in args.gpu_list] if args.device == "cuda" else [None]
     base = [
         sys.executable,
@@ -119,8 +126,8 @@ def run(args) -> None:
     line = ProgressLine()
     options = f", chat template with {json.dumps(args.template_kwargs)}" if args.template_kwargs else ""
     line.done(
-        f"regenerating {total} assistant turns in {chat} chat lines of {data} on {where}{options} "
-        f"({len(items) - chat} pre-tokenized lines are copied unchanged)"
+        f"regenerating {total} replies ({_kinds(chat, plain)}) of {data} on {where}{options} "
+        f"({len(items) - chat - plain} pre-tokenized lines are copied unchanged)"
     )
     start, children, states, readers = time.monotonic(), [], [], []
     try:
@@ -178,12 +185,13 @@ def run(args) -> None:
             "data": str(data.resolve()),
             "lines": len(items),
             "chat_lines": chat,
+            "plain_lines": plain,
             "turns": total,
             "empty_replies_kept": empty,
         },
     )
     lines = [
-        f"regenerated {sum(f['turns'] for f in finals) - empty} assistant turns in {chat} chat lines "
+        f"regenerated {sum(f['turns'] for f in finals) - empty} replies ({_kinds(chat, plain)}) "
         f"in {_duration(time.monotonic() - start)} ({args.engine}, {where})"
     ]
     if empty:

@@ -101,7 +101,7 @@ class TargetConfig:
 
 @dataclass
 class DataConfig:
-    path: str = setting("", batch="path")  # JSONL: chat (messages / conversations) or pre-tokenized
+    path: str = setting("", batch="path")  # JSONL: chat, plain text (text / prompt + completion) or pre-tokenized
     eval_path: str = setting("", batch="path")  # optional held-out file
     eval_fraction: float = setting(0.0, batch="content")  # else: this fraction of documents is held out
     pack_len: int = setting(8192, batch="content")

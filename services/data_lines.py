@@ -185,6 +185,16 @@ def read_conversations(path: str | Path, shard: int = 0, num_shards: int = 1) ->
     return out
 
 
-def assistant_turns(items: list[tuple[dict, list | None]]) -> int:
-    """How many assistant turns read_conversations' items hold: what regeneration rewrites (its progress total)."""
-    return sum(m["role"] == "assistant" for _, messages in items for m in messages or [])
+def plain_prompt(record) -> str | None:
+    """The text a base model continues: a non-chat line's "prompt", else its "text"; None for other
+    lines (chat, pre-tokenized)."""
+    if not isinstance(record, dict) or "messages" in record or "conversations" in record:
+        return None
+    return next((record[k] for k in ("prompt", "text") if isinstance(record.get(k), str)), None)
+
+
+def replies_to_write(items: list[tuple[dict, list | None]]) -> int:
+    """What regeneration writes for read_conversations' items (its progress total): every assistant
+    turn of the chat lines, and one completion per plain-text line."""
+    turns = sum(m["role"] == "assistant" for _, messages in items for m in messages or [])
+    return turns + sum(plain_prompt(record) is not None for record, messages in items if messages is None)

@@ -106,7 +106,8 @@ def read_prompt_file(path: str | Path, tokenizer, template_kwargs: dict, limit: 
 def heldout_prompts(cfg, tokenizer, limit: int) -> list[list[int]]:
     """Up to `limit` prompts of the held-out lines (data_lines.heldout_lines): a chat up to its last
     assistant turn, with the chat template's generation prompt; a pre-tokenized line's tokens before
-    its first supervised one. Lines with neither are skipped."""
+    its first supervised one; a plain-text line's prompt, or the first half of its text (at most 512
+    tokens). Other lines are skipped."""
     prompts = []
     for text in heldout_lines(cfg):
         if len(prompts) >= limit:
@@ -115,6 +116,11 @@ def heldout_prompts(cfg, tokenizer, limit: int) -> list[list[int]]:
             record = json.loads(text)
             if "input_ids" in record:
                 prompt = _before_supervised(record)
+            elif isinstance(record.get("prompt"), str):  # a base model's prompt + completion line
+                prompt = list(tokenizer(record["prompt"])["input_ids"])
+            elif isinstance(record.get("text"), str):  # plain text: its first half, at most 512 tokens
+                ids = list(tokenizer(record["text"])["input_ids"])
+                prompt = ids[: min(len(ids) // 2, 512)]
             else:
                 messages = normalize_messages(record)
                 turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]

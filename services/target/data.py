@@ -4,6 +4,13 @@ Accepted line shapes (one JSON object per line; blank lines are ignored):
   {"messages": [{"role": "user"|"assistant"|"system"|"tool", "content": "..."}, ...]}     OpenAI chat
   {"conversations": [{"from": "human"|"gpt"|"system"|..., "value": "..."}, ...]}           ShareGPT
   {"input_ids": [int, ...], "loss_mask": [0|1, ...]}                                       pre-tokenized
+  {"text": "..."}                                                    plain text (a base model's data)
+  {"prompt": "...", "completion": "..."}        a plain-text prompt and its continuation (regenerated)
+
+Plain text needs no chat template: a {"text"} line supervises every token (the tokenizer's own
+special tokens, a BOS, open it unsupervised), a {"prompt", "completion"} line its completion only,
+the prompt and the completion tokenized apart (as `launcher regenerate` generated the completion:
+tokens after the prompt's tokens).
 
 Chat lines are formatted with the tokenizer's own chat template. The loss mask covers assistant
 tokens only:
@@ -116,6 +123,23 @@ def _mask_by_content_search(tokenizer, messages: list[dict], text: str) -> tuple
     return list(enc["input_ids"]), mask.astype(np.int64).tolist()
 
 
+def text_tokens(tokenizer, record: dict) -> tuple[list[int], list[int]]:
+    """A plain-text line (the module docstring): its token ids and loss mask."""
+    if "text" in record:
+        if not isinstance(record["text"], str):
+            raise SampleError(f"'text' must be a string, got {type(record['text']).__name__}")
+        enc = tokenizer(record["text"], add_special_tokens=True, return_special_tokens_mask=True)
+        return list(enc["input_ids"]), [0 if special else 1 for special in enc["special_tokens_mask"]]
+    prompt, completion = record["prompt"], record.get("completion")
+    if completion is None:
+        raise SampleError("a 'prompt' line needs its 'completion' to train on (`launcher regenerate` writes one)")
+    if not isinstance(prompt, str) or not isinstance(completion, str):
+        raise SampleError("'prompt' and 'completion' must be strings")
+    head = list(tokenizer(prompt, add_special_tokens=True)["input_ids"])
+    tail = list(tokenizer(completion, add_special_tokens=False)["input_ids"])
+    return head + tail, [0] * len(head) + [1] * len(tail)
+
+
 def pretokenized(record: dict, vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
     ids, mask = record["input_ids"], record.get("loss_mask")
     if mask is None:
@@ -152,9 +176,16 @@ def line_to_document(
         if ids.size and ids.max() >= vocab_size:
             raise SampleError(f"the tokenizer produced ids >= the model's vocab_size {vocab_size}")
         ids = ids.astype(np.int32)
+    elif "text" in record or "prompt" in record:
+        ids, mask = text_tokens(tokenizer, record)
+        ids, mask = np.asarray(ids, dtype=np.int64), np.asarray(mask, dtype=bool)
+        if ids.size and ids.max() >= vocab_size:
+            raise SampleError(f"the tokenizer produced ids >= the model's vocab_size {vocab_size}")
+        ids = ids.astype(np.int32)
     else:
         raise SampleError(
-            f"expected 'messages', 'conversations', or 'input_ids' + 'loss_mask'; got keys {sorted(record)[:8]}"
+            "expected 'messages', 'conversations', 'text', 'prompt' + 'completion', or 'input_ids' + "
+            f"'loss_mask'; got keys {sorted(record)[:8]}"
         )
     if ids.size == 0:
         raise SampleError("empty document after tokenization")

@@ -11,7 +11,7 @@ produces. Three ways to line the labels up with the target (docs/operations.md#w
     and labels are then exactly what the target produces in real decoding.
 
     python -m services.target.regenerate_shard --model PATH --data IN.jsonl --out OUT.jsonl
-        [--batch-size 32] [--max-new-tokens 1024] [--engine hf|vllm|sglang] [--device cuda|cpu]
+        [--batch-size 0] [--max-new-tokens 1024] [--engine hf|vllm|sglang] [--device cuda|cpu]
         [--shard I/N] [--chat-template-kwargs '{"enable_thinking": false}']
 
 Every engine renders the prompts with --chat-template-kwargs (the chat template's extra variables,
@@ -29,9 +29,9 @@ i, i+N, ...) and interleaves the shards back into the input order. Lines that ar
 
 Stdout is JSON lines: {"event": "progress", "done": D, "total": T, "tokens": N} (assistant turns
 done, tokens generated) after each batch and every 2 s inside one, and one {"event":
-"regenerated", ...} at the end with what changed: lines, chat lines, pre_tokenized lines copied
-unchanged, turns rewritten, empty_replies_kept. `launcher regenerate` reads them for its progress
-line and summary.
+"regenerated", ...} at the end with what changed: lines, chat lines, plain-text lines,
+pre_tokenized lines copied unchanged, turns rewritten, empty_replies_kept. `launcher regenerate`
+reads them for its progress line and summary.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ import sys
 import time
 from pathlib import Path
 
-from services.data_lines import assistant_turns, read_conversations
+from services.data_lines import plain_prompt, read_conversations, replies_to_write
 from services.files import write_text_atomic
 
 
@@ -72,7 +72,10 @@ class HFEngine:
         from services.data_lines import prompt_tokens
 
         torch = self.torch
-        prompts = [prompt_tokens(self.tokenizer, m, self.template_kwargs) for m in conversations]
+        prompts = [
+            prompt_tokens(self.tokenizer, m, self.template_kwargs) if isinstance(m, list) else self.text_ids(m)
+            for m in conversations
+        ]
         order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
         replies = [""] * len(prompts)
         sampling = (
@@ -80,6 +83,8 @@ class HFEngine:
             if self.temperature > 0
             else {"do_sample": False, "temperature": None, "top_p": None, "top_k": None}
         )
+        if batch_size <= 0:  # auto: as many as fit
+            batch_size = self.rows_that_fit(max(map(len, prompts), default=1) + max_new_tokens + 1)
         for start in range(0, len(order), batch_size):
             chunk = order[start : start + batch_size]
             if self.slots is not None:
@@ -96,7 +101,7 @@ class HFEngine:
                     on_step=(lambda tokens: tick(0, tokens)) if tick else None,
                 )
                 for i, out in zip(chunk, outs):
-                    replies[i] = self.tokenizer.decode(out.tokens, skip_special_tokens=True).strip()
+                    replies[i] = self.reply(conversations[i], out.tokens)
                 if tick:
                     tick(len(chunk))
                 continue
@@ -116,10 +121,39 @@ class HFEngine:
                     **sampling,
                 )
             for row, i in enumerate(chunk):
-                replies[i] = self.tokenizer.decode(out[row, width:], skip_special_tokens=True).strip()
+                replies[i] = self.reply(conversations[i], out[row, width:])
             if tick:
                 tick(len(chunk))
         return replies
+
+    def text_ids(self, text: str) -> list[int]:
+        """A plain-text prompt's tokens, as the tokenizer encodes text (its BOS, if it adds one)."""
+        return list(self.tokenizer(text)["input_ids"])
+
+    def reply(self, prompt, tokens) -> str:
+        """The new tokens as text: a chat reply stripped, a continuation of plain text as it is (its
+        leading space belongs to it)."""
+        text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+        return text.strip() if isinstance(prompt, list) else text
+
+    def rows_that_fit(self, capacity: int) -> int:
+        """Prompts at once when --batch-size is 0: on a GPU, as many KV-cache rows of `capacity` tokens
+        (with their fp32 logits) as half the free memory holds, at most AUTO_ROWS; AUTO_ROWS_CPU on CPU
+        and for HF generate."""
+        if self.device == "cpu" or self.slots is None:
+            return AUTO_ROWS_CPU
+        cfg = self.model.config.get_text_config()
+        heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        per_row = capacity * cfg.num_hidden_layers * 2 * heads * head_dim * self.model.dtype.itemsize
+        per_row += 3 * cfg.vocab_size * 4  # the fp32 logits, their top-2 and softmax
+        free, _ = self.torch.cuda.mem_get_info(self.torch.device(self.device))
+        return max(1, min(AUTO_ROWS, int(free * 0.5 // per_row)))
+
+
+# --batch-size 0 (auto) at most: 3 072 rows were 1.1x the replies/s of 1 536 on a 135M target, an H200
+# (docs/benchmarks.md, "Evaluation and regeneration speed"); on CPU, rows bound by the cores
+AUTO_ROWS, AUTO_ROWS_CPU = 3072, 32
 
 
 def slot_target(model):
@@ -149,8 +183,11 @@ class VLLMEngine:
         from vllm import SamplingParams
 
         params = SamplingParams(temperature=self.temperature, max_tokens=max_new_tokens)
-        outputs = self.llm.chat(conversations, params, use_tqdm=False, chat_template_kwargs=self.template_kwargs)
-        replies = [o.outputs[0].text.strip() for o in outputs]
+        if all(isinstance(c, str) for c in conversations):  # plain text: a base model continues it
+            replies = [o.outputs[0].text for o in self.llm.generate(conversations, params, use_tqdm=False)]
+        else:
+            outputs = self.llm.chat(conversations, params, use_tqdm=False, chat_template_kwargs=self.template_kwargs)
+            replies = [o.outputs[0].text.strip() for o in outputs]
         if tick:
             tick(len(replies))
         return replies
@@ -170,12 +207,14 @@ class SGLangEngine:
     def generate(self, conversations, max_new_tokens, batch_size, tick=None):
         prompts = [
             self.tokenizer.apply_chat_template(m, tokenize=False, add_generation_prompt=True, **self.template_kwargs)
+            if isinstance(m, list)
+            else m  # plain text: a base model continues it
             for m in conversations
         ]
         out = self.engine.generate(prompts, {"temperature": self.temperature, "max_new_tokens": max_new_tokens})
         if tick:
             tick(len(out))
-        return [o["text"].strip() for o in out]
+        return [o["text"].strip() if isinstance(m, list) else o["text"] for m, o in zip(conversations, out)]
 
 
 ENGINES = {"hf": HFEngine, "vllm": VLLMEngine, "sglang": SGLangEngine}
@@ -190,7 +229,9 @@ def regenerate(
     tick=None,
 ) -> list[dict]:
     """Rewrite every assistant turn, round by round: round r regenerates each conversation's r-th
-    assistant turn, seeing the turns before it as already rewritten. An empty reply (the target
+    assistant turn, seeing the turns before it as already rewritten. A plain-text line ({"prompt"}
+    or {"text"}: a base model's data) becomes {"prompt": its text, "completion": the target's
+    continuation}. An empty reply (the target
     ends the turn at once) keeps the data's reply: a turn without text has nothing to train;
     counts["empty"] says how many. tick(n): n more turns done."""
     counts = counts if counts is not None else {}
@@ -209,7 +250,17 @@ def regenerate(
                 convs[ci][mi] = {"role": "assistant", "content": reply}
             else:
                 counts["empty"] += 1
-    return [{"messages": c} if c is not None else record for (record, _), c in zip(items, convs)]
+    out = [{"messages": c} if c is not None else record for (record, _), c in zip(items, convs)]
+    texts = [plain_prompt(record) if m is None else None for record, m in items]
+    plain = [(i, text) for i, text in enumerate(texts) if text is not None]
+    completions = engine.generate([text for _, text in plain], max_new_tokens, batch_size, tick=tick) if plain else []
+    for (i, text), completion in zip(plain, completions):
+        if completion.strip():  # a base model's line: the prompt, and the target's continuation of it
+            rest = {k: v for k, v in items[i][0].items() if k not in ("text", "prompt", "completion")}
+            out[i] = {**rest, "prompt": text, "completion": completion}
+        else:
+            counts["empty"] += 1
+    return out
 
 
 def main(argv=None) -> int:
@@ -222,7 +273,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", required=True, help="JSONL to write")
     p.add_argument("--engine", choices=sorted(ENGINES), default="hf")
     p.add_argument("--device", default="")
-    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--batch-size", type=int, default=0, help="0: as many as fit (HFEngine.rows_that_fit)")
     p.add_argument("--max-new-tokens", type=int, default=1024)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (what greedy decoding will see)")
     p.add_argument("--shard", default="0/1", help="I/N: this process regenerates lines I, I+N, ...")
@@ -246,7 +297,7 @@ def main(argv=None) -> int:
         print(f"regenerate: error: {exc}", file=sys.stderr, flush=True)
         return 2
     engine = ENGINES[args.engine](args.model, device, args.temperature, args.chat_template_kwargs)
-    counts, done, total = {}, 0, assistant_turns(items)
+    counts, done, total = {}, 0, replies_to_write(items)
 
     generated, said = 0, time.monotonic()
 
@@ -262,6 +313,7 @@ def main(argv=None) -> int:
     records = regenerate(engine, items, args.max_new_tokens, args.batch_size, counts, tick=tick)
     out = write_text_atomic(Path(args.out), "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
     chat = sum(m is not None for _, m in items)
+    plain = sum(m is None and plain_prompt(record) is not None for record, m in items)
     print(
         json.dumps(
             {
@@ -269,7 +321,8 @@ def main(argv=None) -> int:
                 "out": str(out),
                 "lines": len(records),
                 "chat": chat,
-                "pre_tokenized": len(records) - chat,
+                "plain": plain,
+                "pre_tokenized": len(records) - chat - plain,
                 "turns": total,
                 "empty_replies_kept": counts["empty"],
                 "engine": args.engine,

@@ -129,8 +129,10 @@ def test_launcher_regenerate_writes_the_lines_in_input_order(tok_dir, tmp_path):
     assert lines[3]["messages"][0] == {"role": "user", "content": "repeat after me : red stone"}
     # what it does, while and after: 4 assistant turns in 3 chat lines; the pre-tokenized line is named
     said = out.stdout
-    assert "regenerating 4 assistant turns in 3 chat lines" in said and "regenerating: " in said, said
-    assert re.search(r"^regenerated \d assistant turns in 3 chat lines in \dm\d\ds \(hf, the CPU\)$", said, re.M), said
+    assert "regenerating 4 replies (assistant turns of 3 chat lines)" in said and "regenerating: " in said, said
+    assert re.search(
+        r"^regenerated \d replies \(assistant turns of 3 chat lines\) in \dm\d\ds \(hf, the CPU\)$", said, re.M
+    ), said
     assert "1 pre-tokenized lines copied unchanged" in said and f"wrote {tmp_path / 'regen.jsonl'}: 4 lines" in said
     assert "target.labels_from_target=true" in said and "labels_from_target=false" not in said  # a copied line
     assert ".part" not in said + out.stderr and '"event"' not in said  # no internal paths
@@ -372,5 +374,44 @@ def test_slot_regeneration_is_transformers_generate_and_samples_reproducibly(tok
         out = model.generate(**batch, max_new_tokens=12, do_sample=False, pad_token_id=tokenizer.pad_token_id)
     want = [tokenizer.decode(row[batch["input_ids"].shape[1] :], skip_special_tokens=True).strip() for row in out]
     assert got == want and any(want)
+    assert engine.generate(convs, max_new_tokens=12, batch_size=0) == want  # 0: as many as fit (32 on CPU)
     sampled = [HFEngine(str(tmp_path / "model"), "cpu", temperature=5.0).generate(convs, 12, 2) for _ in range(2)]
     assert sampled[0] == sampled[1] != got  # the same seed, the same draws; not the greedy replies
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_auto_batch_takes_the_rows_half_the_free_gpu_memory_holds(tok_dir, tmp_path):
+    make_model(tok_dir, tmp_path / "model")
+    engine = HFEngine(str(tmp_path / "model"), "cuda", temperature=0.0)
+    few = engine.rows_that_fit(capacity=1 << 20)  # a million-token row: few fit
+    assert 1 <= few < engine.rows_that_fit(capacity=256) <= 3072
+
+
+def test_a_base_model_continues_plain_text_lines_and_trains_on_them(tok_dir, tmp_path):
+    """A target without a chat template (a pretrained base model): {"prompt"} and {"text"} lines are
+    continued as plain text and written as {"prompt", "completion"}, the completion the target's
+    greedy continuation of the prompt's tokens; training reads such lines (the completion
+    supervised, the prompt not) and {"text"} lines (every token)."""
+    from services.target.data import line_to_document
+
+    model, _ = make_model(tok_dir, tmp_path / "base")
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "base")
+    tokenizer.chat_template = None
+    tokenizer.save_pretrained(tmp_path / "base")  # no template: a base model
+    data = tmp_path / "plain.jsonl"
+    lines = [{"prompt": "count from 3 to", "id": 7}, {"text": "spell river : r i"}, CHATS[1]]
+    data.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    engine = HFEngine(str(tmp_path / "base"), "cpu", temperature=0.0)
+    out = regenerate(engine, read_conversations(data), max_new_tokens=6, batch_size=0)
+    assert out[2] == CHATS[1]  # pre-tokenized: copied
+    assert out[0]["id"] == 7 and out[0]["prompt"] == "count from 3 to" and out[1]["prompt"] == "spell river : r i"
+    for line, text in zip(out[:2], ("count from 3 to", "spell river : r i")):
+        ids = tokenizer(text)["input_ids"]
+        want = greedy_generate(model, ids, 6, stop_ids=[tokenizer.eos_token_id])
+        assert line["completion"] == tokenizer.decode(want, skip_special_tokens=True) and line["completion"].strip()
+        doc_ids, mask = line_to_document(json.dumps(line), tokenizer, len(tokenizer))
+        assert list(doc_ids[: len(ids)]) == ids and not mask[: len(ids)].any() and mask[len(ids) :].all()
+    doc_ids, mask = line_to_document(json.dumps(lines[1]), tokenizer, len(tokenizer))
+    assert list(doc_ids) == tokenizer(lines[1]["text"])["input_ids"] and mask.all()
+    with pytest.raises(ValueError, match="'completion'"):
+        line_to_document(json.dumps(lines[0]), tokenizer, len(tokenizer))
