@@ -15,6 +15,15 @@ from services.tools.demo import build_tokenizer, conversations
 from tests.tiny_targets import HYBRID_DEVICES, dense_target, hybrid_target
 
 
+# Under pytest-xdist (README: `-n 2`) two test processes share the machine's cores with the workers
+# the tests start: one torch thread each, for them and the processes they start (a launcher still
+# gives its workers their share), rather than every process spinning as many threads as there are cores
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    import torch
+
+    torch.set_num_threads(1)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 # `launcher up --demo` builds the demo once per cache and reuses it: one cache for this test
 # session (the first demo test builds it), none of it in the user's ~/.cache
 if "DFLASH_CACHE_DIR" not in os.environ:

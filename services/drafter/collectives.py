@@ -41,16 +41,18 @@ def _tcp_store(address: str, port: int, rank: int, world_size: int):
     )  # the store owns the socket from here
 
 
-def join(cfg: Config, rank: int, world_size: int, device: torch.device, backend: str) -> None:
+def join(cfg: Config, rank: int, world_size: int, device: torch.device, backend: str, run_dir=None) -> None:
     """Join the drafter group without opening a port beyond what the run needs (docs/operations.md,
     "Threat model and guarantees"):
     - DFLASH_DIST_STORE (the launcher sets it when every drafter is on this host): a FileStore in
       the private run dir, and gloo's and NCCL's own sockets on loopback: no port off loopback;
     - DFLASH_AGENT_STORE (the elastic agent sets it, drafters across hosts): the group's store behind
       the run's CURVE keys (keystore.py), served by rank 0's host agent; no TCPStore;
-    - else MASTER_ADDR:MASTER_PORT (across hosts: the drafter host from the spec), the store bound
-      to that address only, and gloo/NCCL on the interface that holds it;
-    - else (a rank started by hand) 127.0.0.1:transport.dist_port, or any free port when alone."""
+    - else, every rank on this host (MASTER_ADDR a loopback address or unset: systemd units, ranks
+      started by hand): rank 0 serves the store on an ipc socket in the run's private socket folder
+      (only this user can reach it; local_store); no TCPStore;
+    - else MASTER_ADDR:MASTER_PORT (across hosts by hand: the drafter host from the spec), a
+      TCPStore bound to that address only, and gloo/NCCL on the interface that holds it."""
     if backend == "auto":
         backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
@@ -68,15 +70,37 @@ def join(cfg: Config, rank: int, world_size: int, device: torch.device, backend:
 
         client = KeyStore(agent_store, os.environ.get("DFLASH_AGENT_STORE_KEYS", ""), timeout_s=1800)
         store = dist.PrefixStore(os.environ["DFLASH_AGENT_STORE_PREFIX"], client)
+    elif is_loopback(address) and run_dir is not None:
+        store = local_store(run_dir, rank)
     else:
         port = int(os.environ.get("MASTER_PORT", cfg.transport.dist_port if world_size > 1 else 0))
         store = _tcp_store(address, port, rank, world_size)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
 
 
+_SERVED = []  # rank 0's StoreServer of local_store, for the life of the group
+
+
+def local_store(run_dir, rank: int):
+    """The group's store when every rank is on this host: served by rank 0 on
+    ipc://<run dir's socket folder>/drafter-store (a 0700 folder: the uid check), a client in every
+    rank. A client sent before rank 0 binds is queued by ZeroMQ, hence the long first answer."""
+    from services.drafter.keystore import KeyStore, StoreServer
+    from services.endpoints import socket_dir
+
+    folder = socket_dir(run_dir)
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    endpoint = f"ipc://{folder}/drafter-store"
+    if rank == 0:
+        _SERVED.append(StoreServer(endpoint))
+    return KeyStore(endpoint, timeout_s=1800, answer_s=600)  # rank 0 may still be importing torch
+
+
 def leave() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
+    while _SERVED:
+        _SERVED.pop().close()
 
 
 def stop_everywhere(local: bool, device: torch.device) -> bool:

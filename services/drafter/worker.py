@@ -85,7 +85,7 @@ class DrafterWorker:
         found = self.find_checkpoint(model_cfg)
         if device.type == "cuda" and not torch.cuda.is_available():
             raise RuntimeError("--device cuda but CUDA is not available")
-        collectives.join(cfg, rank, self.world_size, device, args.dist_backend)
+        collectives.join(cfg, rank, self.world_size, device, args.dist_backend, run_dir=self.run_dir)
         if args.resume:  # rank 0's checkpoint, sent to ranks on hosts without it (a group across hosts)
             found = checkpoint_share.share(found, self.run_dir, rank, tick=health.progress)
         if not collectives.same_everywhere(found.micro_step if found else -1, device):

@@ -2,8 +2,8 @@
 
 A tiny Gated DeltaNet + full-attention target, saved as the composite Qwen3_5ForConditionalGeneration
 checkpoint, trained on the demo data when the demo is built; captured on the packed path; a drafter
-trained on it; its export evaluated by `launcher eval`. About three minutes on 2 cores (the first
-run also builds the hybrid demo, about two more).
+trained on it; its export evaluated by `launcher eval`. About two minutes on 2 cores (the test
+run's background builder makes the hybrid demo first: tests/conftest.py).
 """
 
 import json
@@ -22,7 +22,18 @@ DEMO = ["--demo", "hybrid", "--device", "cpu", "--gpus", "0:target,1-2:drafter"]
 @pytest.mark.timeout(1500)  # it builds the hybrid demo first (its target trained 300 steps, one thread)
 def test_hybrid_demo_trains_exports_and_evaluates(tmp_path):
     run_dir = tmp_path / "run"
-    out = run_launcher("up", *DEMO, "--run-dir", str(run_dir), "run.epochs=1", timeout=900)
+    # one real-acceptance pass in training (step 200) before the final one, 32 new tokens each: the
+    # passes on the CPU hybrid (packed, no cache) were two thirds of this run's time
+    out = run_launcher(
+        "up",
+        *DEMO,
+        "--run-dir",
+        str(run_dir),
+        "run.epochs=1",
+        "run.eval_every=200",
+        "run.spec_eval_max_new_tokens=32",
+        timeout=900,
+    )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "training finished" in out.stdout
     assert_no_worker_left(run_dir)
@@ -35,7 +46,8 @@ def test_hybrid_demo_trains_exports_and_evaluates(tmp_path):
     assert_exactly_once(run_dir)
 
     # the drafter learns: held-out tau far above an untrained drafter's (which is at most the
-    # tau of the first ten steps: about 1.2; an untrained drafter is right 1 time in 704)
+    # tau of the first ten steps: about 1.2; an untrained drafter is right 1 time in 704); the
+    # held-out evaluation at step 200 (run.eval_every)
     steps = metrics(run_dir)
     evals = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if '"eval"' in line]
     assert evals, "no held-out evaluation"

@@ -2,12 +2,14 @@
 
 import json
 import signal
+import stat
 import time
 
+import psutil
 import pytest
 
 from services.config import TransportConfig
-from services.endpoints import endpoint
+from services.endpoints import endpoint, socket_dir
 from services.health import probe
 from services.log import events, parse_event
 from tests.launching import free_port, spawn_drafter
@@ -32,6 +34,20 @@ def test_three_ranks_cold_compile_train_in_lockstep(tmp_path):
         )
         for r in range(3)
     ]
+    # ranks on one host without a launcher (as systemd units run them): the group's store is rank 0's
+    # ipc socket in the run's 0700 socket folder; nothing listens on MASTER_PORT
+    store = socket_dir(tmp_path) / "drafter-store"
+    deadline = time.monotonic() + 180
+    while not store.exists() and time.monotonic() < deadline and all(p.poll() is None for p in procs):
+        time.sleep(0.2)
+    assert store.exists() and stat.S_IMODE(store.parent.stat().st_mode) == 0o700
+    listening = set()
+    for p in procs:
+        try:
+            listening |= {c.laddr.port for c in psutil.Process(p.pid).net_connections("tcp") if c.status == "LISTEN"}
+        except psutil.NoSuchProcess:
+            pass
+    assert port not in listening, listening
     outs = [p.communicate(timeout=240) for p in procs]
     for p, (out, err) in zip(procs, outs):
         assert p.returncode == 0, err[-3000:]

@@ -5,6 +5,7 @@ runs offline (WANDB_MODE=offline, a temporary WANDB_DIR); without the package, o
 import json
 import struct
 import sys
+import time
 
 import pytest
 
@@ -151,7 +152,11 @@ def test_wandb_offline_logs_what_tensorboard_logs_and_a_resume_continues_the_run
     files = list((tmp_path / "wandb-dir" / "wandb").glob(f"offline-run-*-{run_id}/run-{run_id}.wandb"))
     assert len(files) == 1, list((tmp_path / "wandb-dir").rglob("*"))
     logged = {}
-    for row in wandb_history(files[0]):
+    rows, deadline = wandb_history(files[0]), time.monotonic() + 30
+    while not rows and time.monotonic() < deadline:  # wandb's own service may still be writing it (a busy CI)
+        time.sleep(0.5)
+        rows = wandb_history(files[0])
+    for row in rows:
         assert row["step"] == 3
         logged.update({k: v for k, v in row.items() if not k.startswith("_") and k != "step"})
     tb = {tag: events[0].value for tag, events in tensorboard_scalars(run_dir).items()}
