@@ -120,7 +120,9 @@ def test_reads_openai_sharegpt_and_pretokenized(tmp_path, tokenizer):
 BAD_LINES = [
     ("{not json", "invalid JSON"),
     ("[1, 2]", "expected a JSON object"),
-    ({"text": "hello"}, "expected 'messages', 'conversations'"),
+    ({"body": "hello"}, "expected 'messages', 'conversations', 'text'"),
+    ({"prompt": "hello"}, "a 'prompt' line needs its 'completion'"),
+    ({"text": ["hello"]}, "'text' must be a string"),
     ({"messages": []}, "empty conversation"),
     (
         {"messages": [{"role": "wizard", "content": "x"}, {"role": "assistant", "content": "y"}]},
