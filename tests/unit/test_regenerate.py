@@ -176,7 +176,7 @@ def test_all_chat_data_is_advised_data_labels_and_pre_tokenized_only_data_is_ref
     assert "pre-tokenized" not in out.stdout.split("\n", 1)[1]
     (tmp_path / "regen.jsonl").unlink()
     out = regen(tokens)
-    assert out.returncode == 2 and f"{tokens} has no chat lines (2 pre-tokenized lines)" in out.stderr
+    assert out.returncode == 2 and f"{tokens} has no chat or plain-text lines (2 pre-tokenized lines)" in out.stderr
     assert len(out.stderr.strip().splitlines()) == 1 and not (tmp_path / "regen.jsonl").exists()
 
 
