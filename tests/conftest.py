@@ -83,17 +83,14 @@ def small_disk(tmp_path):
 # What a test starts, as markers (pyproject.toml): inprocess (the default), processes, training,
 # quality, gpu. tests/unit holds the tests that start no training run, tests/e2e the ones that do or
 # that start workers and launchers; every test in tests/e2e names its kind. Under pytest-xdist
-# (`-n 2 --dist loadgroup`, README) the training and quality tests are two xdist_groups, each run
-# one test after the other on one worker: the runs that emulate several hosts (HOSTS_FILES: three
-# launchers each, elastic agents) beside all the others. At most two training runs at once, one a
-# worker: one group alone was the whole CI's length while the other worker sat idle. "slow" is
-# everything that starts processes:
+# (`-n 2 --dist loadgroup`, README) the training and quality tests are one xdist_group, run one
+# after the other on one worker: two training runs never share the 2 cores. "slow" is everything
+# that starts processes:
 #   python3 -m pytest -q -m "not slow" tests        the fast set, in process
 TESTS = Path(__file__).resolve().parent
 E2E = TESTS / "e2e"
 KINDS = ("inprocess", "processes", "training", "quality")
 TRAINING_GROUP = "training"
-HOSTS_GROUP, HOSTS_FILES = "training-hosts", ("test_elastic_hosts", "test_elastic_resume", "test_multihost")
 
 
 class Misplaced(pytest.File):
@@ -122,7 +119,7 @@ def pytest_collection_modifyitems(items):
             kind = "inprocess"
             item.add_marker(pytest.mark.inprocess)
         if kind in ("training", "quality"):
-            item.add_marker(pytest.mark.xdist_group(HOSTS_GROUP if item.path.stem in HOSTS_FILES else TRAINING_GROUP))
+            item.add_marker(pytest.mark.xdist_group(TRAINING_GROUP))
         elif item.path.is_relative_to(E2E):  # one worker per file: its module fixtures (a trained
             item.add_marker(pytest.mark.xdist_group(item.path.stem))  # drafter, a target worker) made once
         if kind != "inprocess":
