@@ -23,7 +23,7 @@ from pathlib import Path
 from launcher.progress import ProgressLine, _duration
 from launcher.regen_record import write_record
 from services.config import toml_literal
-from services.data_lines import plain_prompt, read_conversations, replies_to_write
+from services.data_lines import plain_lines, read_conversations, replies_to_write
 
 
 class RegenerateError(Exception):
@@ -91,7 +91,7 @@ def run(args) -> None:
     except ValueError as exc:  # names file:line
         raise RegenerateError(str(exc)) from None
     chat = sum(m is not None for _, m in items)
-    plain = sum(m is None and plain_prompt(record) is not None for record, m in items)
+    plain = plain_lines(items)
     if not chat + plain:
         raise RegenerateError(
             f"{data} has no chat or plain-text lines ({len(items)} pre-tokenized lines): regeneration "

@@ -35,7 +35,9 @@ unresponsive one (the agents then restart the group) and ends the run when its a
 
 from __future__ import annotations
 
+import contextlib
 import os
+import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -289,7 +291,8 @@ class Supervisor(ElasticDrafters):
                 if state in ("ready", "training") or ended:
                     del pending[w.name]
                 elif state == "failed" and not (self.elastic and w.role == "drafter"):  # the agent restarts those
-                    self._await_exit(w, timeout_s=5.0)  # its exit code says whether a restart could mend it
+                    with contextlib.suppress(subprocess.TimeoutExpired):  # a failed worker is on its way out:
+                        self.procs[w.name].wait(timeout=5.0)  # its exit code says whether a restart could mend it
                     self._check_exited_during_start(w)
                     raise RunFailed(f"{w.name} failed while starting: {status.get('errors')} (log: {self.log(w)})")
                 states[w.name] = state or "?"
@@ -300,12 +303,6 @@ class Supervisor(ElasticDrafters):
             self.progress.show("starting… waiting for " + " ".join(f"{n}:{states[n]}" for n in sorted(pending)))
             time.sleep(0.5)
         self.progress.done("all workers ready")
-
-    def _await_exit(self, w: Worker, timeout_s: float) -> None:
-        """A worker that reports `failed` is on its way out: wait for it a moment."""
-        deadline = time.monotonic() + timeout_s
-        while self.procs[w.name].poll() is None and time.monotonic() < deadline:
-            time.sleep(0.05)
 
     def _check_exited_during_start(self, w: Worker) -> None:
         rc = self.procs[w.name].poll()

@@ -91,6 +91,11 @@ def prompt_tokens(tokenizer, messages: list[dict], template_kwargs: dict | None 
     )
 
 
+def raw_tokens(tokenizer, text: str) -> list[int]:
+    """Token ids of plain text as a base model reads it (the tokenizer's own special tokens, a BOS, included)."""
+    return list(tokenizer(text, add_special_tokens=True)["input_ids"])
+
+
 def parse_json_line(text: str):
     """One JSONL line's value; SampleError "invalid JSON: <what> at character N" (json's own
     "line 2 column 1" counts lines inside this one line, its newline included)."""
@@ -193,8 +198,12 @@ def plain_prompt(record) -> str | None:
     return next((record[k] for k in ("prompt", "text") if isinstance(record.get(k), str)), None)
 
 
+def plain_lines(items: list[tuple[dict, list | None]]) -> int:
+    """How many of read_conversations' items are plain-text lines (a base model continues them)."""
+    return sum(messages is None and plain_prompt(record) is not None for record, messages in items)
+
+
 def replies_to_write(items: list[tuple[dict, list | None]]) -> int:
     """What regeneration writes for read_conversations' items (its progress total): every assistant
     turn of the chat lines, and one completion per plain-text line."""
-    turns = sum(m["role"] == "assistant" for _, messages in items for m in messages or [])
-    return turns + sum(plain_prompt(record) is not None for record, messages in items if messages is None)
+    return sum(m["role"] == "assistant" for _, messages in items for m in messages or []) + plain_lines(items)

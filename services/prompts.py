@@ -20,7 +20,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from services.data_lines import heldout_lines, normalize_messages, parse_json_line, prompt_tokens
+from services.data_lines import heldout_lines, normalize_messages, parse_json_line, prompt_tokens, raw_tokens
 
 HELD_OUT = "held-out"
 
@@ -64,7 +64,7 @@ def file_prompt(record, tokenizer, template_kwargs: dict) -> list[int]:
         return prompt_tokens(tokenizer, messages, template_kwargs)
     if isinstance(record.get("prompt"), str):
         if not tokenizer.chat_template:  # a base model: the text itself
-            return list(tokenizer(record["prompt"])["input_ids"])
+            return raw_tokens(tokenizer, record["prompt"])
         return prompt_tokens(tokenizer, [{"role": "user", "content": record["prompt"]}], template_kwargs)
     raise ValueError(f"expected 'messages', 'conversations', 'prompt' or 'input_ids'; got keys {sorted(record)[:8]}")
 
@@ -117,9 +117,9 @@ def heldout_prompts(cfg, tokenizer, limit: int) -> list[list[int]]:
             if "input_ids" in record:
                 prompt = _before_supervised(record)
             elif isinstance(record.get("prompt"), str):  # a base model's prompt + completion line
-                prompt = list(tokenizer(record["prompt"])["input_ids"])
+                prompt = raw_tokens(tokenizer, record["prompt"])
             elif isinstance(record.get("text"), str):  # plain text: its first half, at most 512 tokens
-                ids = list(tokenizer(record["text"])["input_ids"])
+                ids = raw_tokens(tokenizer, record["text"])
                 prompt = ids[: min(len(ids) // 2, 512)]
             else:
                 messages = normalize_messages(record)

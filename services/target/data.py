@@ -43,7 +43,7 @@ from pathlib import Path
 
 import numpy as np
 
-from services.data_lines import DataError, SampleError, each_nonblank, normalize_messages, parse_json_line
+from services.data_lines import DataError, SampleError, each_nonblank, normalize_messages, parse_json_line, raw_tokens
 
 MAX_BAD_EXAMPLES = 20
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
@@ -135,7 +135,7 @@ def text_tokens(tokenizer, record: dict) -> tuple[list[int], list[int]]:
         raise SampleError("a 'prompt' line needs its 'completion' to train on (`launcher regenerate` writes one)")
     if not isinstance(prompt, str) or not isinstance(completion, str):
         raise SampleError("'prompt' and 'completion' must be strings")
-    head = list(tokenizer(prompt, add_special_tokens=True)["input_ids"])
+    head = raw_tokens(tokenizer, prompt)
     tail = list(tokenizer(completion, add_special_tokens=False)["input_ids"])
     return head + tail, [0] * len(head) + [1] * len(tail)
 

@@ -42,7 +42,7 @@ import sys
 import time
 from pathlib import Path
 
-from services.data_lines import plain_prompt, read_conversations, replies_to_write
+from services.data_lines import plain_lines, plain_prompt, read_conversations, replies_to_write
 from services.files import write_text_atomic
 
 
@@ -69,11 +69,12 @@ class HFEngine:
         )
 
     def generate(self, conversations: list[list[dict]], max_new_tokens: int, batch_size: int, tick=None) -> list[str]:
-        from services.data_lines import prompt_tokens
+        from services.data_lines import prompt_tokens, raw_tokens
 
         torch = self.torch
+        tok = self.tokenizer
         prompts = [
-            prompt_tokens(self.tokenizer, m, self.template_kwargs) if isinstance(m, list) else self.text_ids(m)
+            prompt_tokens(tok, m, self.template_kwargs) if isinstance(m, list) else raw_tokens(tok, m)
             for m in conversations
         ]
         order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
@@ -125,10 +126,6 @@ class HFEngine:
             if tick:
                 tick(len(chunk))
         return replies
-
-    def text_ids(self, text: str) -> list[int]:
-        """A plain-text prompt's tokens, as the tokenizer encodes text (its BOS, if it adds one)."""
-        return list(self.tokenizer(text)["input_ids"])
 
     def reply(self, prompt, tokens) -> str:
         """The new tokens as text: a chat reply stripped, a continuation of plain text as it is (its
@@ -313,7 +310,7 @@ def main(argv=None) -> int:
     records = regenerate(engine, items, args.max_new_tokens, args.batch_size, counts, tick=tick)
     out = write_text_atomic(Path(args.out), "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
     chat = sum(m is not None for _, m in items)
-    plain = sum(m is None and plain_prompt(record) is not None for record, m in items)
+    plain = plain_lines(items)
     print(
         json.dumps(
             {

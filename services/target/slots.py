@@ -94,7 +94,7 @@ class SlotMasks:
     def __init__(self, positions: torch.Tensor, length: int):
         self.query = positions[:, None, :, None]  # [b, 1, q, 1]
         self.key = torch.arange(length, device=positions.device)  # [L]
-        self.by_window: dict[tuple, torch.Tensor] = {}  # (window, groups, dtype) -> mask
+        self.by_window: dict[tuple, torch.Tensor] = {}  # (window, groups, dtype) -> bias
 
     def mask(self, window: int | None) -> torch.Tensor:
         """[b, 1, q, L] bool: True where the query sees the key."""
@@ -223,12 +223,11 @@ class Slots:
             first = last
         return outs
 
-    def keep_rows(self, keep: list[int]) -> None:
-        """Only these rows from now on (the others' prompts are done), in place (SlotCache.keep_rows)."""
-        index = torch.tensor(keep, device=self.device)
-        self.cache.keep_rows(index)
+    def keep_rows(self, keep: torch.Tensor) -> None:
+        """Only the rows `keep` (ascending, on the device) from now on, in place (SlotCache.keep_rows)."""
+        self.cache.keep_rows(keep)
         if self.features is not None:
-            self.features[: len(keep)] = self.features[index]
+            self.features[: len(keep)] = self.features[keep]
 
 
 class GraphedSteps:
@@ -278,7 +277,8 @@ class Record:
         self.count = torch.ones(n, dtype=torch.long, device=device)
         self.steps = torch.zeros(n, max_new_tokens, dtype=torch.long, device=device)  # a live step commits >= 1
         self.stop = torch.tensor(sorted(stop_ids), dtype=torch.long, device=device)
-        self.live = torch.tensor([not f.done(max_new_tokens, set(stop_ids)) for f in firsts], device=device)
+        stop = set(stop_ids)
+        self.live = torch.tensor([not f.done(max_new_tokens, stop) for f in firsts], device=device)
 
     def last(self, index: torch.Tensor) -> torch.Tensor:
         return self.tokens[index, self.count[index] - 1]
@@ -340,7 +340,7 @@ def decode_slots(
     dev = slots.device
     sample = dict(temperature=temperature, generator=generator)
     record = Record(slots.prefill(prompts, **sample), max_new_tokens, stop_ids, dev)
-    steps = GraphedSteps(slots, propose, q) if graphs and dev.type == "cuda" and temperature == 0 else None
+    graphed = GraphedSteps(slots, propose, q) if graphs and dev.type == "cuda" and temperature == 0 else None
     if on_step:
         on_step(len(prompts))
     index = torch.arange(len(prompts), device=dev)  # row -> prompt
@@ -350,16 +350,17 @@ def decode_slots(
     for step in range(max_new_tokens - 1):  # a live row commits >= 1 token a step
         if sum(live) <= len(live) * 7 // 8:  # finished rows leave in bulk
             keep = torch.tensor([r for r, alive in enumerate(live) if alive])
-            slots.keep_rows(keep.tolist())
-            index, starts, starts_dev = index[keep.to(dev)], starts[keep], starts_dev[keep.to(dev)]
+            keep_dev = keep.to(dev)
+            slots.keep_rows(keep_dev)
+            index, starts, starts_dev = index[keep_dev], starts[keep], starts_dev[keep_dev]
             live = [True] * len(keep)
         last = record.last(index)
         # the lengths read, rounded up: what lies past a row's own length is masked, and each new
         # length would be new kernel shapes to plan (cuBLAS, attention): slow the first time each
         context = min(slots.capacity, -(-int(starts.max()) // LENGTH_STEP) * LENGTH_STEP)
         length = min(slots.capacity, -(-(int(starts.max()) + q) // LENGTH_STEP) * LENGTH_STEP)
-        if steps is not None:
-            ids, greedy, margin, tolerance = steps(starts_dev, last, context, length)
+        if graphed is not None:
+            ids, greedy, margin, tolerance = graphed(starts_dev, last, context, length)
         else:
             drafts = propose.padded(slots.features[: len(last)], starts_dev, last, context) if draft_len else None
             ids = last[:, None] if drafts is None else torch.cat([last[:, None], drafts], 1)
