@@ -858,7 +858,7 @@ def parse_args(argv=None):
     )
     ap.add_argument("--per-package", type=int, default=3000, help="of each installed package at most")
     ap.add_argument("--regen-gpus", default="0", help="GPUs for `launcher regenerate`")
-    ap.add_argument("--regen-batch-size", type=int, default=64)
+    ap.add_argument("--regen-batch-size", type=int, default=0, help="0: as many rows as fit (launcher's default)")
     ap.add_argument("--regen-max-new-tokens", type=int, default=512)
     ap.add_argument("--pack-len", type=int, default=4096, help="data.pack_len of every run")
     ap.add_argument("--tokens", default="2M,8M,32M", help="token amounts of main's checkpoints to evaluate")
@@ -885,8 +885,9 @@ def parse_args(argv=None):
     ap.add_argument(
         "--eval-batch",
         type=int,
-        default=64,
-        help="prompts each eval process decodes at once (`launcher eval --batch`; 1: one at a time on a KV cache)",
+        default=0,
+        help="prompts each eval process decodes at once (`launcher eval --batch`; 0: as many as fit, "
+        "launcher's default; 1: one at a time on a KV cache)",
     )
     ap.add_argument("--eval-limit", type=int, default=0, help="prompts per set at most (0: all)")
     ap.add_argument("--eval-max-new-tokens", type=int, default=256)

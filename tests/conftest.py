@@ -84,7 +84,10 @@ def small_disk(tmp_path):
 # quality, gpu. tests/unit holds the tests that start no training run, tests/e2e the ones that do or
 # that start workers and launchers; every test in tests/e2e names its kind. Under pytest-xdist
 # (`-n 2 --dist loadgroup`, README) the training and quality tests are one xdist_group, run one
-# after the other on one worker: two training runs never share the 2 cores. "slow" is everything
+# after the other on one worker: two training runs never share the 2 cores, so what they time
+# (restarts, stops, deadlines) is not slowed by another run. A training test marked `untimed` asserts
+# nothing of the kind (its data, its weights, its output): it runs in its file's group instead,
+# beside the other worker's tests, which keeps the two workers busy to the end. "slow" is everything
 # that starts processes:
 #   python3 -m pytest -q -m "not slow" tests        the fast set, in process
 TESTS = Path(__file__).resolve().parent
@@ -118,10 +121,10 @@ def pytest_collection_modifyitems(items):
                 raise pytest.UsageError(f"{item.nodeid}: a test in tests/e2e must be marked one of {', '.join(KINDS)}")
             kind = "inprocess"
             item.add_marker(pytest.mark.inprocess)
-        if kind in ("training", "quality"):
+        if kind in ("training", "quality") and not item.get_closest_marker("untimed"):
             item.add_marker(pytest.mark.xdist_group(TRAINING_GROUP))
-        elif item.path.is_relative_to(E2E):  # one worker per file: its module fixtures (a trained
-            item.add_marker(pytest.mark.xdist_group(item.path.stem))  # drafter, a target worker) made once
+        elif item.path.is_relative_to(E2E) or kind != "inprocess":  # one worker per file: its module
+            item.add_marker(pytest.mark.xdist_group(item.path.stem))  # fixtures (a trained drafter, a target) made once
         if kind != "inprocess":
             item.add_marker(pytest.mark.slow)
         if any("CUDA" in m.kwargs.get("reason", "") for m in item.iter_markers("skipif")):

@@ -28,7 +28,7 @@ from services.decode_step import Decoded
 from services.drafter.speculative import greedy_reference, speculative_generate, summarize_sets
 from services.drafter.target_head import TargetHead
 from services.eval.batched_decode import PackedVerifier, decode_many
-from services.target.slots import decode_slots, slot_decodable
+from services.target.slots import decode_slots, rows_that_fit, slot_decodable
 from services.eval.verifier import LocalVerifier
 from services.prompts import interleave, prompt_sets, stop_token_ids
 from services.target.model import load_target
@@ -44,17 +44,20 @@ def load_eval_target(cfg, device: torch.device):
 # proportion to the target's size; the cached one-prompt loop is bound by kernel launches on a small
 # target and by reading the weights on a large one: past a few billion parameters the cached loop
 # wins. Rows of a KV cache (slots.py, attention-only targets) cost O(block) per prompt and step: many
-# at once win at every size, up to what their cache takes (docs/benchmarks.md, "Evaluation speed").
-AUTO_BATCH, AUTO_BATCH_MAX_PARAMS, AUTO_SLOTS = 32, 3e9, 128
+# at once win at every size, up to what their cache takes (docs/benchmarks.md, "Evaluation speed"):
+# as many as half the free memory holds, at most AUTO_SLOTS (the 264 prompts of two benchmark sets
+# in one pass).
+AUTO_BATCH, AUTO_BATCH_MAX_PARAMS, AUTO_SLOTS = 32, 3e9, 512
 
 
-def auto_batch(target, device: torch.device) -> int:
-    """Prompts decoded at once by default on a GPU: AUTO_SLOTS for an attention-only target,
-    AUTO_BATCH for a recurrent one of at most AUTO_BATCH_MAX_PARAMS parameters; else 1."""
+def auto_batch(target, device: torch.device, capacity: int) -> int:
+    """Prompts decoded at once by default on a GPU: the KV-cache rows of `capacity` tokens that fit
+    (at most AUTO_SLOTS) for an attention-only target, AUTO_BATCH for a recurrent one of at most
+    AUTO_BATCH_MAX_PARAMS parameters; else 1."""
     if device.type != "cuda":
         return 1
     if slot_decodable(target):
-        return AUTO_SLOTS
+        return rows_that_fit(target.model, device, capacity, AUTO_SLOTS)
     params = sum(p.numel() for p in target.model.parameters())
     return AUTO_BATCH if params <= AUTO_BATCH_MAX_PARAMS else 1
 
@@ -85,7 +88,9 @@ class LocalSpecEval(SpecEval):
         self.prompts, self.names = interleave(prompt_sets(cfg, self.tokenizer, list(files), prompts))
         self.target = target if target is not None else load_eval_target(cfg, self.device)  # a Target
         self.verifier = LocalVerifier(self.target, rollback)
-        self.batch = batch or auto_batch(self.target, self.device)
+        # a row holds its prompt, the new tokens and a block of drafts past them
+        capacity = max(map(len, self.prompts), default=1) + max_new_tokens + cfg.drafter.block_size
+        self.batch = batch or auto_batch(self.target, self.device, capacity)
         self.slots = self.batch > 1 and slot_decodable(self.target)
         self.packed = PackedVerifier(self.target) if self.batch > 1 and not self.slots else None
         self.progress = None  # a Progress (services/decode_progress.py): a line every 10 s

@@ -135,17 +135,13 @@ class HFEngine:
 
     def rows_that_fit(self, capacity: int) -> int:
         """Prompts at once when --batch-size is 0: on a GPU, as many KV-cache rows of `capacity` tokens
-        (with their fp32 logits) as half the free memory holds, at most AUTO_ROWS; AUTO_ROWS_CPU on CPU
+        as half the free memory holds, at most AUTO_ROWS (slots.rows_that_fit); AUTO_ROWS_CPU on CPU
         and for HF generate."""
         if self.device == "cpu" or self.slots is None:
             return AUTO_ROWS_CPU
-        cfg = self.model.config.get_text_config()
-        heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        per_row = capacity * cfg.num_hidden_layers * 2 * heads * head_dim * self.model.dtype.itemsize
-        per_row += 3 * cfg.vocab_size * 4  # the fp32 logits, their top-2 and softmax
-        free, _ = self.torch.cuda.mem_get_info(self.torch.device(self.device))
-        return max(1, min(AUTO_ROWS, int(free * 0.5 // per_row)))
+        from services.target.slots import rows_that_fit
+
+        return rows_that_fit(self.model, self.device, capacity, AUTO_ROWS)
 
 
 # --batch-size 0 (auto) at most: 3 072 rows were 1.1x the replies/s of 1 536 on a 135M target, an H200

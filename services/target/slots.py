@@ -46,6 +46,18 @@ def slot_decodable(target: Target) -> bool:
     return not types - ATTENTION_KINDS and not any(hasattr(layer, "linear_attn") for layer in target.layers)
 
 
+def rows_that_fit(model, device, capacity: int, most: int) -> int:
+    """KV-cache rows of `capacity` tokens (with their fp32 logits) that half the free memory of a CUDA
+    device holds, at most `most`: the rows of one batch when the user leaves the choice to us."""
+    cfg = model.config.get_text_config()
+    heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    per_row = capacity * cfg.num_hidden_layers * 2 * heads * head_dim * model.dtype.itemsize
+    per_row += 3 * cfg.vocab_size * 4  # the fp32 logits, their top-2 and softmax
+    free, _ = torch.cuda.mem_get_info(torch.device(device))
+    return max(1, min(most, int(free * 0.5 // per_row)))
+
+
 class SlotCache(DynamicCache):
     """Every attention layer's keys and values, [rows, kv_heads, capacity, head_dim], written at each
     row's own positions (`where`) and read up to `length` (the longest row of the forward in flight).

@@ -52,7 +52,10 @@ def assert_same_training_state(a: Path, b: Path):
 
 @pytest.mark.parametrize(
     "world_size, grad_accum",
-    [pytest.param(2, 1, marks=pytest.mark.training), pytest.param(1, 2, marks=pytest.mark.processes)],  # 2 gloo ranks
+    [
+        pytest.param(2, 1, marks=[pytest.mark.training, pytest.mark.untimed]),  # 2 gloo ranks
+        pytest.param(1, 2, marks=pytest.mark.processes),
+    ],
 )
 def test_resume_after_sigkill_equals_uninterrupted_training_bit_for_bit(tmp_path, world_size, grad_accum):
     N, K = 24, 4

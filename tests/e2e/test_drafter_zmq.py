@@ -75,6 +75,7 @@ def metrics(run_dir, evals: bool) -> list[dict]:
 
 
 @pytest.mark.training
+@pytest.mark.untimed  # steps, batches and the ledger
 def test_grad_accum_with_max_steps_trains_max_steps_optimizer_steps(tmp_path, demo):
     stopped = train_over_zmq(tmp_path, demo["overrides"] + SMALL + ["drafter.grad_accum=2", "run.max_steps=3"])
     assert [(m["step"], m["micro_step"], m["signal"]) for m in stopped] == [(3, 6, False)] * DRAFTERS
@@ -90,6 +91,7 @@ def test_grad_accum_with_max_steps_trains_max_steps_optimizer_steps(tmp_path, de
 
 
 @pytest.mark.training
+@pytest.mark.untimed
 def test_target_labels_with_a_split_the_drafters_do_not_divide(tmp_path, demo):
     """15 train and 7 eval batches on 2 drafters: rank 1 pads each split's end with an empty batch,
     which must carry target labels too."""

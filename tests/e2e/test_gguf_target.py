@@ -14,7 +14,7 @@ from services.tools.demo import conversations
 from tests.gguf_files import write_llama_gguf
 from tests.launching import child_env, run_launcher
 
-pytestmark = pytest.mark.training
+pytestmark = [pytest.mark.training, pytest.mark.untimed]  # a conversion, a run to its end, its files
 
 
 def test_a_gguf_target_trains_end_to_end(tmp_path):

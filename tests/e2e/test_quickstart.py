@@ -19,6 +19,7 @@ from tests.launching import child_env
 
 
 @pytest.mark.training
+@pytest.mark.untimed  # commands, their output and files
 def test_the_cpu_walkthrough_runs_as_written(tmp_path):
     demo = random_demo(1500)  # a random target, 70 rows
     work = Path(tempfile.mkdtemp(prefix="qs-", dir="/tmp"))  # short: ipc socket paths are at most 107 bytes

@@ -172,9 +172,14 @@ def test_one_stop_per_request_and_one_launcher_per_run_dir(tmp_path):
     try:
         wait_metrics(run_dir, again, lines=logged + 2)  # the resumed run trains
         os.kill(again.pid, signal.SIGTERM)  # the launcher, as GNU timeout does: the pid, then the group
-        time.sleep(0.3)  # (sooner, the kernel may merge the two into one)
+        # the second once the launcher says it is stopping: the first was taken (sooner, the kernel may
+        # merge the two into one), and the stop of this tiny run cannot be over (a fixed pause was)
+        seen = []
+        while (line := again.stdout.readline()) and not line.startswith("stopping:"):
+            seen.append(line)
         os.kill(again.pid, signal.SIGTERM)
-        out, _ = again.communicate(timeout=300)
+        rest, _ = again.communicate(timeout=300)
+        out = "".join(seen) + line + rest
     finally:
         if again.poll() is None:
             again.kill()

@@ -99,10 +99,15 @@ def test_drafts_of_a_packed_batch_equal_each_prompt_drafted_alone(dense):
 def test_the_default_batch_follows_the_target_kind_size_and_device(dense, hybrid, monkeypatch):
     from services.eval import spec_eval
 
-    assert spec_eval.auto_batch(dense, torch.device("cpu")) == 1  # CPU: the cached loop
-    assert spec_eval.auto_batch(dense, torch.device("cuda")) == spec_eval.AUTO_SLOTS > 1  # a KV-cache row each
-    assert spec_eval.auto_batch(hybrid, torch.device("cuda")) == spec_eval.AUTO_BATCH > 1  # packed, no cache
+    free = {"bytes": 80 << 30}
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free["bytes"], 140 << 30))
+    cuda = torch.device("cuda")
+    assert spec_eval.auto_batch(dense, torch.device("cpu"), 512) == 1  # CPU: the cached loop
+    assert spec_eval.auto_batch(dense, cuda, 512) == spec_eval.AUTO_SLOTS > 1  # a KV-cache row each
+    assert spec_eval.auto_batch(hybrid, cuda, 512) == spec_eval.AUTO_BATCH > 1  # packed, no cache
+    free["bytes"] = 64 << 20  # little free memory: fewer rows, and fewer still when they are longer
+    long_rows, short_rows = spec_eval.auto_batch(dense, cuda, 1 << 16), spec_eval.auto_batch(dense, cuda, 512)
+    assert 1 <= long_rows < short_rows < spec_eval.AUTO_SLOTS
     params = sum(p.numel() for p in hybrid.model.parameters())
     monkeypatch.setattr(spec_eval, "AUTO_BATCH_MAX_PARAMS", params - 1)  # a recurrent target past the limit
-    assert spec_eval.auto_batch(hybrid, torch.device("cuda")) == 1
-    assert spec_eval.auto_batch(dense, torch.device("cuda")) == spec_eval.AUTO_SLOTS  # no limit on slots
+    assert spec_eval.auto_batch(hybrid, cuda, 512) == 1

@@ -48,6 +48,7 @@ def test_every_preset_number_names_its_source(name):
 
 
 @pytest.mark.training
+@pytest.mark.untimed  # the resolved config, the loss and tau, the export
 def test_the_27b_preset_trains_on_the_demo_with_a_scaled_window(tmp_path):
     """The preset's layout and training recipe on the demo's tiny target: 5 layers (4 sliding + 1
     full), block 16; what cannot fit the demo is scaled: the window (2048 of a 4096 pack -> 48 of the
@@ -66,6 +67,7 @@ def test_the_27b_preset_trains_on_the_demo_with_a_scaled_window(tmp_path):
         "drafter.lr=1e-3",
         "run.max_steps=80",
         "run.log_every=1",
+        "run.spec_eval_prompts=8",  # the final real acceptance: lossless and above random on 8 prompts
     ]
     cmd = launcher_argv(
         "up",
