@@ -317,8 +317,8 @@ def _eval_options(p) -> None:
         type=int,
         default=0,
         help="prompts decoded at once, one target forward per step for all of them: a KV-cache row each "
-        "for a target of attention layers (default on a GPU: as many as half the free memory holds, at "
-        "most 512), packed without a cache for a hybrid "
+        "for a target of attention and Gated DeltaNet layers (default on a GPU: as many as half the free "
+        "memory holds, at most 512), packed without a cache for another recurrent target "
         "(default 32 up to 3B parameters); 1 (the default on a CPU): one prompt at a time on a KV cache",
     )
     p.add_argument(

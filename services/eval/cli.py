@@ -126,8 +126,8 @@ def main(argv=None) -> int:
         type=int,
         default=0,
         help="prompts decoded at once (default on a GPU: as many KV-cache rows as half the free memory holds, "
-        "at most 512, for a target of attention layers; 32 for a "
-        "hybrid of at most 3B parameters, else 1; `launcher eval --help`)",
+        "at most 512, for a target of attention and Gated DeltaNet layers; 32 for another recurrent "
+        "target of at most 3B parameters, else 1; `launcher eval --help`)",
     )
     p.add_argument("--threads", type=int, default=1, help="CPU threads (tiny demo models decode fastest on one)")
     p.add_argument(

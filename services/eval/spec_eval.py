@@ -40,20 +40,20 @@ def load_eval_target(cfg, device: torch.device):
     return load_target(dataclasses.replace(target_cfg, dtype="float32") if device.type == "cpu" else target_cfg, device)
 
 
-# Recomputing every prompt's context each step (batched_decode.py, recurrent targets) costs FLOPs in
-# proportion to the target's size; the cached one-prompt loop is bound by kernel launches on a small
-# target and by reading the weights on a large one: past a few billion parameters the cached loop
-# wins. Rows of a KV cache (slots.py, attention-only targets) cost O(block) per prompt and step: many
-# at once win at every size, up to what their cache takes (docs/benchmarks.md, "Evaluation speed"):
-# as many as half the free memory holds, at most AUTO_SLOTS (the 264 prompts of two benchmark sets
-# in one pass).
+# Recomputing every prompt's context each step (batched_decode.py, a target slots.py cannot run) costs
+# FLOPs in proportion to the target's size; the cached one-prompt loop is bound by kernel launches on
+# a small target and by reading the weights on a large one: past a few billion parameters the cached
+# loop wins. Rows of a KV cache (slots.py: attention and Gated DeltaNet layers) cost O(block) per
+# prompt and step: many at once win at every size, up to what their cache and states take
+# (docs/benchmarks.md, "Evaluation speed"): as many as half the free memory holds, at most AUTO_SLOTS
+# (the 264 prompts of two benchmark sets in one pass).
 AUTO_BATCH, AUTO_BATCH_MAX_PARAMS, AUTO_SLOTS = 32, 3e9, 512
 
 
 def auto_batch(target, device: torch.device, capacity: int) -> int:
     """Prompts decoded at once by default on a GPU: the KV-cache rows of `capacity` tokens that fit
-    (at most AUTO_SLOTS) for an attention-only target, AUTO_BATCH for a recurrent one of at most
-    AUTO_BATCH_MAX_PARAMS parameters; else 1."""
+    (at most AUTO_SLOTS) for a target slots.py runs, else AUTO_BATCH packed for one of at most
+    AUTO_BATCH_MAX_PARAMS parameters, else 1."""
     if device.type != "cuda":
         return 1
     if slot_decodable(target):

@@ -99,17 +99,26 @@ def recurrent_delta_rule(q, k, v, g, beta, state, keep_states: bool = False):
     q, k [T, H, Dk], v [T, H, Dv], g (log decay) and beta [T, H], state [H, Dk, Dv] ->
     (out [T, H, Dv], final state [H, Dk, Dv], the state after every token [T, H, Dk, Dv] or None).
     """
+    out, final, states = batched_delta_rule(*(x[None] for x in (q, k, v, g, beta, state)), keep_states)
+    return out[0], final[0], None if states is None else states[0]
+
+
+def batched_delta_rule(q, k, v, g, beta, state, keep_states: bool = False):
+    """recurrent_delta_rule for b sequences at once: q, k [b, T, H, Dk], v [b, T, H, Dv], g and beta
+    [b, T, H], state [b, H, Dk, Dv] -> (out [b, T, H, Dv], final [b, H, Dk, Dv], states [b, T, ...] or None).
+    A token with g = 0 and beta = 0 leaves the state as it is (no decay, no write): how a row's
+    padding, or the rejected drafts of a block, are kept out of its state."""
     q = _l2norm(q.float()) * q.shape[-1] ** -0.5
     k, v, g, beta = _l2norm(k.float()), v.float(), g.float(), beta.float()
     out = torch.empty_like(v)
-    states = v.new_empty(v.shape[0], *state.shape) if keep_states else None
-    for t in range(q.shape[0]):
-        state = state * g[t].exp()[:, None, None]
-        delta = (v[t] - torch.einsum("hk,hkv->hv", k[t], state)) * beta[t][:, None]
-        state = state + k[t][:, :, None] * delta[:, None, :]
-        out[t] = torch.einsum("hk,hkv->hv", q[t], state)
+    states = v.new_empty(v.shape[0], v.shape[1], *state.shape[1:]) if keep_states else None
+    for t in range(q.shape[1]):
+        state = state * g[:, t].exp()[..., None, None]
+        delta = (v[:, t] - torch.einsum("bhk,bhkv->bhv", k[:, t], state)) * beta[:, t, :, None]
+        state = state + k[:, t, :, :, None] * delta[:, :, None, :]
+        out[:, t] = torch.einsum("bhk,bhkv->bhv", q[:, t], state)
         if states is not None:
-            states[t] = state
+            states[:, t] = state
     return out, state, states
 
 
@@ -226,6 +235,8 @@ class PackedGatedDeltaNet(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         m = self.layer
+        if self.row.rows is not None:  # slots.py: a batch of rows, each from its own state
+            return self._rows(hidden_states, self.row.rows)
         if hidden_states.shape[0] != 1:
             raise ValueError(f"packed Gated DeltaNet takes one row at a time, got a batch of {hidden_states.shape[0]}")
         x = hidden_states[0]  # [S, hidden]
@@ -299,6 +310,34 @@ class PackedGatedDeltaNet(nn.Module):
         )
         return o[0, -t:], states
 
+    def run_rows(self, q, k, v, g, beta, state):
+        """The rule over b sequences [b, T, ...] from their states [b, H, Dk, Dv] -> (out, final states)."""
+        if self.kernel is None:
+            return batched_delta_rule(q, k, v, g, beta, state)[:2]
+        few = self.recurrent_kernel is not None and q.shape[1] <= RECURRENT_TOKENS
+        rule = self.recurrent_kernel if few else self.kernel
+        return rule(q, k, v, g=g, beta=beta, initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=True)
+
+    def _rows(self, x, states: "RowStates") -> torch.Tensor:
+        """x [b, T, hidden]: the next T tokens of rows states.where, after each row's committed state."""
+        m, i, (b, t, _) = self.layer, self.index, x.shape
+        rows = states.where
+        mixed = m.in_proj_qkv(x)  # [b, T, C]
+        if i not in states.conv:
+            states.allocate(i, self, mixed)
+        window = torch.cat([states.conv[i][rows], mixed], 1)  # the K-1 inputs before, then T
+        w = m.conv1d.weight[:, 0]
+        qkv = F.silu(F.conv1d(window.transpose(1, 2), w[:, None, :].to(x.dtype), groups=w.shape[0]).transpose(1, 2))
+        inputs = [y.unflatten(0, (b, t)) for y in self._rule_inputs(x.flatten(0, 1), qkv.flatten(0, 1))]
+        state = states.recurrent[i][rows]
+        if states.lengths is not None:  # a prefill: each row's first `lengths` tokens committed now
+            o, states.recurrent[i][rows] = self.run_rows(*only_first(states.lengths, *inputs), state)
+            states.conv[i][rows] = conv_after(window, states.lengths, states.conv[i].shape[1])
+        else:  # a block: commit() keeps each row's accepted prefix of it
+            o, _ = self.run_rows(*inputs, state)
+            states.keep_block(i, window, inputs)
+        return self._output(x.flatten(0, 1), o.flatten(0, 1)).unflatten(0, (b, t))
+
     def _decode(self, x, decode: "DecodeState") -> torch.Tensor:
         """Incremental decoding: x [T, hidden] are the tokens after the layer's state in `decode`."""
         m = self.layer
@@ -367,6 +406,66 @@ class DecodeState:
             raise ValueError(f"rollback must be one of {ROLLBACKS}, got {rollback!r}")
         self.rollback, self.verifying = rollback, False
         self.layers: dict[int, LayerState] = {}
+
+
+def only_first(n: torch.Tensor, q, k, v, g, beta):
+    """The rule's inputs [b, T, ...] with every token of row r past its first n[r] made a no-op
+    (g = 0, beta = 0: batched_delta_rule), so the final state is the state after those n[r]."""
+    keep = (torch.arange(g.shape[1], device=g.device) < n[:, None])[..., None]  # [b, T, 1]
+    return q, k, v, g * keep, beta * keep
+
+
+def conv_after(window: torch.Tensor, n: torch.Tensor, width: int) -> torch.Tensor:
+    """The conv state after n[r] tokens: the last `width` inputs of row r's window up to them."""
+    index = n[:, None] + torch.arange(width, device=n.device)  # window = [state (width), the T new]
+    return window.gather(1, index[..., None].expand(-1, -1, window.shape[-1]))
+
+
+class RowStates:
+    """Every Gated DeltaNet layer's state for every row of slots.py's KV cache, and the block each
+    layer saw last (its conv window and rule inputs, in buffers that stay put: CUDA graphs replay
+    into them). A step that feeds blocks leaves the states as they were; commit(n) then moves
+    row r past the first n[r] tokens of its block: the rule run again from the state before the
+    block with the tokens past n[r] made no-ops. A prefill (lengths set) commits at once."""
+
+    def __init__(self, rows: int):
+        self.rows = rows
+        self.conv: dict[int, torch.Tensor] = {}  # layer -> [rows, K-1, C]
+        self.recurrent: dict[int, torch.Tensor] = {}  # layer -> [rows, H, Dk, Dv] fp32
+        self.blocks: dict[int, list[torch.Tensor]] = {}  # layer -> [window, q, k, v, g, beta] of every row
+        self.layers: dict[int, PackedGatedDeltaNet] = {}
+        self.where: torch.Tensor | None = None  # the rows of the forward in flight [b]
+        self.lengths: torch.Tensor | None = None  # a prefill's tokens per row [b]; None: a block
+
+    def allocate(self, i: int, layer: "PackedGatedDeltaNet", mixed: torch.Tensor) -> None:
+        m = layer.layer
+        self.layers[i] = layer
+        self.conv[i] = mixed.new_zeros(self.rows, m.conv1d.weight.shape[-1] - 1, mixed.shape[-1])
+        self.recurrent[i] = torch.zeros(self.rows, m.num_v_heads, m.head_k_dim, m.head_v_dim, device=mixed.device)
+
+    def keep_block(self, i: int, window: torch.Tensor, inputs: list[torch.Tensor]) -> None:
+        """The block of rows 0..b-1 (blocks are fed to every row in order) into layer i's buffers."""
+        b, tensors = window.shape[0], [window, *inputs]
+        if i not in self.blocks or self.blocks[i][0].shape[1:] != window.shape[1:]:
+            self.blocks[i] = [x.new_empty(self.rows, *x.shape[1:]) for x in tensors]
+        for buffer, x in zip(self.blocks[i], tensors):
+            buffer[:b].copy_(x)
+
+    def commit(self, n: torch.Tensor) -> None:
+        """Rows 0..len(n)-1 past the first n[r] tokens of the block each layer saw last."""
+        b = n.shape[0]
+        for i, block in self.blocks.items():
+            window, *inputs = (x[:b] for x in block)
+            state = self.recurrent[i][:b]
+            self.recurrent[i][:b] = self.layers[i].run_rows(*only_first(n, *inputs), state)[1]
+            self.conv[i][:b] = conv_after(window, n, self.conv[i].shape[1])
+
+    def keep_rows(self, keep: torch.Tensor) -> None:
+        """Only the rows `keep` (ascending) from now on, moved to the front in place."""
+        for store in (self.conv, self.recurrent):
+            for t in store.values():
+                t[: len(keep)] = t[keep]
+        self.rows = int(keep.shape[0])
 
 
 def install(layers: nn.ModuleList, kernel, slot: RowSlot) -> bool:

@@ -21,8 +21,8 @@ under the options it will be served with.
 Engines: "hf" (default) decodes many prompts at once on one KV cache, a row per prompt
 (services/target/slots.py: one forward per token for the whole batch, greedy output identical to
 transformers' `generate`; temperature > 0 samples over the whole vocabulary), for any target of
-attention layers; a target with recurrent layers (Gated DeltaNet) runs transformers' batched
-`generate` (left padding). vLLM or SGLang when installed (their own batching).
+attention and Gated DeltaNet layers (the hybrids' recurrent state kept per row); any other runs
+transformers' batched `generate` (left padding). vLLM or SGLang when installed (their own batching).
 `launcher regenerate --gpus 0-3` runs one shard per GPU (lines
 i, i+N, ...) and interleaves the shards back into the input order. Lines that are not chat
 (pre-tokenized) are copied unchanged. Output lines are OpenAI-style {"messages": [...]}.
@@ -150,14 +150,12 @@ AUTO_ROWS, AUTO_ROWS_CPU = 3072, 32
 
 
 def slot_target(model):
-    """The model as a Target decoded on rows of a KV cache (slots.py), or None when it has recurrent
-    layers (slot decoding keeps no recurrent state)."""
+    """The model as a Target decoded on rows of a KV cache (slots.py), or None when it has a layer
+    slot decoding does not run (a recurrent layer other than the Gated DeltaNet, or one without
+    flash-linear-attention's kernels on CUDA: the Target then runs one document at a time)."""
     from services.target.slots import slot_decodable
-    from services.target.decode import ATTENTION_KINDS
     from services.target.model import PACKED_SDPA, Target, _register_packed_sdpa
 
-    if set(getattr(model.config, "layer_types", None) or []) - ATTENTION_KINDS:
-        return None
     _register_packed_sdpa()
     model.config._attn_implementation = PACKED_SDPA  # its slot branch reads the rows' masks
     target = Target(model, [])

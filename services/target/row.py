@@ -44,4 +44,5 @@ class RowSlot:
         self.layout: RowLayout | None = None
         self.decode = None
         self.slots = None  # services/target/slots.py: the masks of a forward of many prompts on their KV cache
+        self.rows = None  # slots.py with a hybrid target: the Gated DeltaNet states of its rows (hybrid.RowStates)
         self.compiled = False  # captures run the compiled layers (compiled.py)

@@ -12,8 +12,10 @@ prefix. Rolling back a rejected suffix is moving the row's length: what lies pas
 and is overwritten by the next block. So each step costs O(block) per prompt, not O(length) as the
 packed recomputation of batched_decode.py does, and there is no rollback to get wrong.
 
-Attention layers only (full and sliding window, any transformers causal LM the loader takes); a target
-with recurrent layers (Gated DeltaNet) keeps batched_decode.py's packed forward, which needs no state.
+Attention layers (full and sliding window, any transformers causal LM the loader takes) and the Gated
+DeltaNet layers of the Qwen3.5 / Qwen3.6 hybrids: their recurrent and conv states are kept per row
+(hybrid.RowStates); a step feeds each row its block from its committed state, and commit_block then
+keeps each row's accepted prefix (the rule run again with the rejected tokens made no-ops).
 
 The decisions (acceptance, stop tokens, limits) are speculative.py's Decoded.accept, so the records
 and figures are the same as the one-prompt loop's; logits are computed in fp32 from the final hidden
@@ -32,6 +34,7 @@ from transformers import DynamicCache
 
 from services.decode_step import Decoded, exact_logits, rounding_tolerance
 from services.target.decode import ATTENTION_KINDS, DECODE_SDPA
+from services.target.hybrid import PackedGatedDeltaNet, RowStates
 from services.target.model import Target
 from services.target.step_graphs import StepGraphs
 
@@ -41,9 +44,13 @@ LENGTH_STEP = 128  # cache and context lengths are read in multiples of this: a 
 
 
 def slot_decodable(target: Target) -> bool:
-    """True when every decoder layer is an attention layer (no recurrent state to keep per row)."""
-    types = set(getattr(target.model.config, "layer_types", None) or [])
-    return not types - ATTENTION_KINDS and not any(hasattr(layer, "linear_attn") for layer in target.layers)
+    """True when every decoder layer is an attention layer, or a Gated DeltaNet this service runs
+    (hybrid.PackedGatedDeltaNet: its state kept per row, hybrid.RowStates)."""
+    recurrent = [layer.linear_attn for layer in target.layers if hasattr(layer, "linear_attn")]
+    if not all(isinstance(m, PackedGatedDeltaNet) for m in recurrent):
+        return False
+    types = set(getattr(target.model.config.get_text_config(), "layer_types", None) or [])
+    return not types - ATTENTION_KINDS - ({"linear_attention"} if recurrent else set())
 
 
 def rows_that_fit(model, device, capacity: int, most: int) -> int:
@@ -54,6 +61,10 @@ def rows_that_fit(model, device, capacity: int, most: int) -> int:
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     per_row = capacity * cfg.num_hidden_layers * 2 * heads * head_dim * model.dtype.itemsize
     per_row += 3 * cfg.vocab_size * 4  # the fp32 logits, their top-2 and softmax
+    recurrent = sum(kind == "linear_attention" for kind in getattr(cfg, "layer_types", None) or [])
+    if recurrent:  # a hybrid's Gated DeltaNet state per row (fp32), and its copy while a block commits
+        heads, k, v = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        per_row += recurrent * 2 * heads * k * v * 4
     free, _ = torch.cuda.mem_get_info(torch.device(device))
     return max(1, min(most, int(free * 0.5 // per_row)))
 
@@ -144,12 +155,14 @@ class Slots:
 
     def __init__(self, target: Target, prompts: list[list[int]], room: int, features: bool = True):
         if not slot_decodable(target):
-            raise ValueError("slot decoding takes attention layers only (a hybrid target decodes packed)")
+            raise ValueError("slot decoding takes attention and Gated DeltaNet layers only")
         if not prompts or not all(prompts):
             raise ValueError("slot decoding needs at least one prompt, each of at least one token")
         self.target, self.device, self.dtype = target, target.device, target.model.dtype
         self.capacity = max(len(p) for p in prompts) + room
         self.cache = SlotCache(len(prompts), self.capacity)
+        hybrid = any(hasattr(layer, "linear_attn") for layer in target.layers)
+        self.states = RowStates(len(prompts)) if hybrid else None  # the Gated DeltaNet layers' rows
         width = target.info.hidden_width
         self.features = (
             torch.zeros(len(prompts), self.capacity, width, dtype=self.dtype, device=self.device) if features else None
@@ -168,12 +181,15 @@ class Slots:
         take=None,
         temperature=0.0,
         generator=None,
+        commit=None,
     ):
         """ids [b, q] at positions starts[b] + 0..q-1 of `rows` (default: every row), on the device;
         `length` (the host's bound: max(starts) + q) is how far the cache is read. The captured
         layers go to `features`. Returns (tokens, margin, tolerance) [b, t] on the device, no host sync,
         at the block indices `take` [b, t] (default: all q): the greedy token (or one sampled at
-        `temperature` > 0), its top-1 minus top-2 logit and the rounding tolerance."""
+        `temperature` > 0), its top-1 minus top-2 logit and the rounding tolerance. A hybrid's
+        recurrent states take each row's first commit[b] tokens now (a prefill), or, commit None,
+        nothing until commit_block()."""
         t, dev = self.target, self.device
         b, q = ids.shape
         self.cache.in_order = rows is None
@@ -184,6 +200,9 @@ class Slots:
         masks = SlotMasks(positions, length)
         captured = torch.empty(b * q, t.info.hidden_width, dtype=self.dtype, device=dev)
         t.slot.slots = masks
+        if self.states is not None:
+            self.states.where, self.states.lengths = rows, None if commit is None else commit.to(dev)
+            t.slot.rows = self.states
         try:
             with t.capturing_into(captured), sdpa_kernel(DECODE_SDPA):
                 out = t.backbone(
@@ -194,7 +213,7 @@ class Slots:
                     **{self._cache_kwarg: self.cache},
                 )
         finally:
-            t.slot.slots = None
+            t.slot.slots = t.slot.rows = None
         if self.features is not None:
             self.features[row_ids, positions] = captured.view(b, q, -1)
         hidden = out.last_hidden_state
@@ -226,18 +245,26 @@ class Slots:
             for r, i in enumerate(chunk):
                 ids[r, : len(prompts[i])] = torch.tensor(prompts[i])
             take = torch.tensor([[len(prompts[i]) - 1] for i in chunk])
-            found = self.step(
-                ids, torch.zeros(len(chunk), dtype=torch.long), width, torch.tensor(chunk), take, **sample
-            )
+            lengths = torch.tensor([len(prompts[i]) for i in chunk])
+            starts = torch.zeros(len(chunk), dtype=torch.long)
+            found = self.step(ids, starts, width, torch.tensor(chunk), take, **sample, commit=lengths)
             tokens, margin, tolerance = torch.stack([x.double() for x in found]).cpu()  # one sync
             for r, i in enumerate(chunk):
                 outs[i] = Decoded([int(tokens[r, 0])], [], 1, [float(margin[r, 0])], [float(tolerance[r, 0])])
             first = last
         return outs
 
+    def commit_block(self, n: torch.Tensor) -> None:
+        """A hybrid's rows 0..len(n)-1 past the first n[r] tokens of the block they were fed last
+        (hybrid.RowStates.commit); nothing to do for attention layers (a row's length is its cache)."""
+        if self.states is not None:
+            self.states.commit(n)
+
     def keep_rows(self, keep: torch.Tensor) -> None:
         """Only the rows `keep` (ascending, on the device) from now on, in place (SlotCache.keep_rows)."""
         self.cache.keep_rows(keep)
+        if self.states is not None:
+            self.states.keep_rows(keep)
         if self.features is not None:
             self.features[: len(keep)] = self.features[keep]
 
@@ -378,6 +405,7 @@ def decode_slots(
             ids = last[:, None] if drafts is None else torch.cat([last[:, None], drafts], 1)
             greedy, margin, tolerance = slots.step(ids, starts_dev, length, **sample)
         moved = record.accept(index, ids[:, 1:], greedy, margin, tolerance, step)
+        slots.commit_block(moved)  # a hybrid keeps the fed tokens of its rows that the cache keeps
         if not draft_len:  # every row moves by one, finished or not (positions stay below the room)
             starts, starts_dev = starts + 1, starts_dev + 1
             if step % SYNC_EVERY != SYNC_EVERY - 1 and step < max_new_tokens - 2:

@@ -98,16 +98,25 @@ def test_drafts_of_a_packed_batch_equal_each_prompt_drafted_alone(dense):
 
 def test_the_default_batch_follows_the_target_kind_size_and_device(dense, hybrid, monkeypatch):
     from services.eval import spec_eval
+    from services.target import slots
 
     free = {"bytes": 80 << 30}
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free["bytes"], 140 << 30))
     cuda = torch.device("cuda")
     assert spec_eval.auto_batch(dense, torch.device("cpu"), 512) == 1  # CPU: the cached loop
     assert spec_eval.auto_batch(dense, cuda, 512) == spec_eval.AUTO_SLOTS > 1  # a KV-cache row each
-    assert spec_eval.auto_batch(hybrid, cuda, 512) == spec_eval.AUTO_BATCH > 1  # packed, no cache
+    assert spec_eval.auto_batch(hybrid, cuda, 512) == spec_eval.AUTO_SLOTS  # rows with their recurrent state
     free["bytes"] = 64 << 20  # little free memory: fewer rows, and fewer still when they are longer
     long_rows, short_rows = spec_eval.auto_batch(dense, cuda, 1 << 16), spec_eval.auto_batch(dense, cuda, 512)
     assert 1 <= long_rows < short_rows < spec_eval.AUTO_SLOTS
+    # a hybrid's row holds its Gated DeltaNet states too: fewer rows fit than its layers as attention would
+    with_states = slots.rows_that_fit(hybrid.model, cuda, 512, 1 << 30)
+    cfg = hybrid.model.config.get_text_config()
+    monkeypatch.setattr(cfg, "layer_types", ["full_attention"] * len(cfg.layer_types))
+    assert with_states < slots.rows_that_fit(hybrid.model, cuda, 512, 1 << 30)
+    monkeypatch.setattr(spec_eval, "slot_decodable", lambda target: False)  # a target slots.py cannot run
+    free["bytes"] = 80 << 30
+    assert spec_eval.auto_batch(hybrid, cuda, 512) == spec_eval.AUTO_BATCH > 1  # packed, no cache
     params = sum(p.numel() for p in hybrid.model.parameters())
     monkeypatch.setattr(spec_eval, "AUTO_BATCH_MAX_PARAMS", params - 1)  # a recurrent target past the limit
     assert spec_eval.auto_batch(hybrid, cuda, 512) == 1

@@ -53,16 +53,17 @@ THINKING_TEMPLATE = (
 )
 
 
-def make_model(tok_dir, out, chat_template=None):
+def make_model(tok_dir, out, chat_template=None, hybrid=False):
+    """A tiny random Qwen3 (or, hybrid, a Qwen3.5 of Gated DeltaNet and full attention layers) with
+    the test tokenizer, saved in `out`."""
     tokenizer = AutoTokenizer.from_pretrained(tok_dir)
     if chat_template:
         tokenizer.chat_template = chat_template
     torch.manual_seed(0)
-    cfg = Qwen3Config(
+    sizes = dict(
         vocab_size=len(tokenizer),
         hidden_size=64,
         intermediate_size=128,
-        num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
         head_dim=16,
@@ -71,7 +72,21 @@ def make_model(tok_dir, out, chat_template=None):
         pad_token_id=tokenizer.pad_token_id,
         bos_token_id=None,
     )
-    model = Qwen3ForCausalLM(cfg).eval()
+    if hybrid:
+        from transformers.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+        cfg = Qwen3_5TextConfig(
+            **sizes,
+            num_hidden_layers=4,
+            layer_types=["linear_attention", "full_attention"] * 2,
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            linear_key_head_dim=16,
+            linear_value_head_dim=16,
+        )
+        model = Qwen3_5ForCausalLM(cfg).eval()
+    else:
+        model = Qwen3ForCausalLM(Qwen3Config(**sizes, num_hidden_layers=2)).eval()
     with torch.no_grad():
         model.lm_head.weight.mul_(20)  # decisive argmaxes: padding must not change a greedy token
     model.save_pretrained(out)
@@ -356,12 +371,16 @@ def test_launcher_regenerate_gpus_is_not_an_up_spec(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["chat.jsonl", "model"]
 
 
-def test_slot_regeneration_is_transformers_generate_and_samples_reproducibly(tok_dir, tmp_path):
-    """The hf engine decodes an attention-only target on rows of a KV cache (services/target/slots.py):
-    greedy replies equal transformers' own batched, left-padded `generate`; sampling is seeded."""
+@pytest.mark.parametrize("hybrid", [False, True])
+def test_slot_regeneration_is_transformers_generate_and_samples_reproducibly(tok_dir, tmp_path, hybrid, request):
+    """The hf engine decodes a target on rows of a KV cache (services/target/slots.py; a hybrid's
+    Gated DeltaNet state per row): greedy replies equal transformers' own batched, left-padded
+    `generate`; sampling is seeded."""
     from transformers import AutoModelForCausalLM
 
-    make_model(tok_dir, tmp_path / "model")
+    if hybrid:
+        request.getfixturevalue("hf_torch_hybrid")  # transformers' reference: its pure-torch Gated DeltaNet
+    make_model(tok_dir, tmp_path / "model", hybrid=hybrid)
     engine = HFEngine(str(tmp_path / "model"), "cpu", temperature=0.0)
     assert engine.slots is not None
     convs = [c["messages"][:-1] for c in (CHATS[0], CHATS[2])] + [[{"role": "user", "content": "spell stone"}]]

@@ -12,7 +12,7 @@ from services.drafter.speculative import RepeatLast, greedy_reference, speculati
 from services.target.slots import decode_slots, slot_decodable
 from services.eval.verifier import LocalVerifier
 from services.target.model import PACKED_SDPA, Target, _register_packed_sdpa
-from tests.tiny_targets import DENSE_LAYER_IDS, VOCAB, dense_target, prompt
+from tests.tiny_targets import DENSE_LAYER_IDS, HYBRID_LAYER_IDS, VOCAB, dense_target, hybrid_target, prompt
 from tests.unit.test_speculative import random_drafter
 
 B = 4
@@ -87,16 +87,18 @@ def test_slot_decoding_makes_the_cached_loops_decisions(kind, device, dense, sli
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need CUDA")
-@pytest.mark.parametrize("kind", ["dense", "sliding"])
+@pytest.mark.parametrize("kind", ["dense", "sliding", "hybrid"])
 def test_cuda_graphed_steps_make_the_eager_steps_decisions(kind, monkeypatch, capfd):
     """The graphed steps (a graph per shape, replayed; rows leave in place) against the same steps
     run eagerly, fp32: the same tokens, steps and margins; and the graphs were really used."""
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
-    target = dense_target(device="cuda") if kind == "dense" else sliding_target(device="cuda")
+    make = {"dense": dense_target, "sliding": sliding_target, "hybrid": hybrid_target}[kind]
+    target = make(device="cuda")
+    ids = HYBRID_LAYER_IDS if kind == "hybrid" else DENSE_LAYER_IDS
     ps = prompts()
     refs = decode_slots(target, None, ps, max_new_tokens=NEW, graphs=False)
     stop = refs[1].tokens[3]  # prompt 1 ends early: rows leave, the graphs of fewer rows follow
-    for propose in (None, random_drafter(target, DENSE_LAYER_IDS, B), RepeatLast(B)):
+    for propose in (None, random_drafter(target, ids, B), RepeatLast(B)):
         eager = decode_slots(target, propose, ps, max_new_tokens=NEW, stop_ids=[stop], graphs=False)
         graphed = decode_slots(target, propose, ps, max_new_tokens=NEW, stop_ids=[stop])
         assert [g.tokens for g in graphed] == [e.tokens for e in eager]
@@ -155,10 +157,63 @@ def test_the_padded_mask_is_the_training_mask_row_by_row(window):
         assert torch.equal(mask[b, 0], want), (b, window)
 
 
-def test_a_hybrid_target_is_not_slot_decodable(hybrid):
-    assert not slot_decodable(hybrid)
-    with pytest.raises(ValueError, match="attention layers only"):
-        decode_slots(hybrid, None, prompts(), max_new_tokens=4)
+class RowOracle:
+    """Drafts each prompt's known greedy continuation, right for the first correct[i] drafts of prompt
+    i's blocks and wrong after: the rows of one step keep different numbers of their block's tokens.
+    A row is known by its next position and last token (the test checks no two prompts share one)."""
+
+    def __init__(self, sequences: list[list[int]], correct: list[int], block_size: int):
+        self.block_size, self.sequences, self.correct = block_size, sequences, correct
+        self.row_of = {(pos, t): i for i, seq in enumerate(sequences) for pos, t in enumerate(seq)}
+        assert len(self.row_of) == sum(map(len, sequences)), "two prompts share a (position, token)"
+
+    def drafts(self, i: int, start: int) -> list[int]:
+        seq = self.sequences[i] + [0] * self.block_size
+        return [
+            t if j < self.correct[i] else (t + 1) % VOCAB
+            for j, t in enumerate(seq[start + 1 : start + self.block_size])
+        ]
+
+    def __call__(self, features, last_token, start):  # the one-prompt loop's drafter
+        return torch.tensor(self.drafts(self.row_of[start, last_token], start))
+
+    def padded(self, features, starts, last_tokens, context_len):  # slots.py's
+        rows = [self.row_of[s, t] for s, t in zip(starts.tolist(), last_tokens.tolist())]
+        return torch.tensor([self.drafts(i, s) for i, s in zip(rows, starts.tolist())], device=features.device)
+
+
+def test_a_hybrids_rows_keep_their_gated_deltanet_state_through_any_acceptance(hybrid):
+    """A Gated DeltaNet hybrid on KV-cache rows (its recurrent state per row: hybrid.RowStates) makes
+    the one-prompt loop's decisions: plain greedy; a drafter right for 0, 2, 3 or 4 tokens of a block
+    of 6, a different number per row in the same step (0: every draft rejected); and rows that stop
+    early and leave the batch."""
+    assert slot_decodable(hybrid)
+    cached, block = LocalVerifier(hybrid), 6
+    ps = prompts()
+    refs = [greedy_reference(cached, p, NEW) for p in ps]
+    assert len({tuple(r.tokens) for r in refs}) > 1
+    assert [r.tokens for r in decode_slots(hybrid, None, ps, max_new_tokens=NEW)] == [r.tokens for r in refs]
+    oracle = RowOracle([p + r.tokens for p, r in zip(ps, refs)], [0, 2, 3, 4], block)
+    stop = refs[1].tokens[5]
+    for propose, stops in ((oracle, ()), (oracle, [stop])):
+        one = [speculative_generate(cached, propose, p, max_new_tokens=NEW, stop_ids=stops) for p in ps]
+        many = decode_slots(hybrid, propose, ps, max_new_tokens=NEW, stop_ids=stops)
+        assert [m.tokens for m in many] == [o.tokens for o in one]
+        assert [m.steps for m in many] == [o.steps for o in one]
+        for m, o in zip(many, one):
+            assert m.margins == pytest.approx(o.margins, rel=1e-4, abs=1e-4)
+    assert {s for o in one for s in o.steps} >= {1, 3, 4, 5}  # rows kept different shares of their blocks
+
+
+def test_a_recurrent_layer_the_service_does_not_run_is_not_slot_decodable(hybrid):
+    layer = next(layer for layer in hybrid.layers if hasattr(layer, "linear_attn"))
+    swapped, layer.linear_attn = layer.linear_attn, layer.linear_attn.layer  # transformers' own module
+    try:
+        assert not slot_decodable(hybrid)
+        with pytest.raises(ValueError, match="attention and Gated DeltaNet layers only"):
+            decode_slots(hybrid, None, prompts(), max_new_tokens=4)
+    finally:
+        layer.linear_attn = swapped
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="varlen flash attention runs on CUDA")
