@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import functools
 import gzip
 import importlib.util
 import json
@@ -136,14 +137,21 @@ def function_prompts(node, qualname: str, lines: list[str]) -> list[tuple[str, s
     return prompts
 
 
-def module_prompts(path: Path) -> list[tuple[str, str, str]]:
+def module_prompts(path: Path) -> tuple[tuple[str, str, str], ...]:
     """(qualified name, kind, prompt) for every documented function and method of one file, in source
-    order (dunder methods left out); [] for a file this interpreter cannot parse."""
+    order (dunder methods left out); () for a file this interpreter cannot parse. A file is parsed once
+    a process while it is unchanged (the corpus's tests build it several times)."""
+    stat = path.stat()
+    return _module_prompts(path, stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=None)
+def _module_prompts(path: Path, mtime_ns: int, size: int) -> tuple[tuple[str, str, str], ...]:
     try:
         source = path.read_text(encoding="utf-8")
         tree = ast.parse(source)
     except (SyntaxError, UnicodeDecodeError, ValueError):
-        return []
+        return ()
     lines, out = source.splitlines(keepends=True), []
 
     def visit(body, prefix: str):
@@ -155,7 +163,7 @@ def module_prompts(path: Path) -> list[tuple[str, str, str]]:
                 out.extend((qualname, kind, text) for kind, text in function_prompts(node, qualname, lines))
 
     visit(tree.body, "")
-    return out
+    return tuple(out)
 
 
 def heldout_modules(modules: list[str], seed: int, fraction: float = HELDOUT_FRACTION) -> list[str]:

@@ -62,7 +62,7 @@ def test_the_27b_preset_trains_on_the_demo_with_a_scaled_window(tmp_path):
         "drafter.sliding_window=48",
         "target.layer_ids=[0, 1, 2]",
         "drafter.mask_token_id=-1",
-        "drafter.num_anchors=64",
+        "drafter.num_anchors=32",
         "drafter.overrides={num_attention_heads=4, num_key_value_heads=2, head_dim=32}",
         "drafter.lr=1e-3",
         "run.max_steps=80",
