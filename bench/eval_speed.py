@@ -6,6 +6,7 @@ side by side in one run, with the GPU's busy share sampled from NVML while each 
     python bench/eval_speed.py --shapes smollm2-135m --prompts 64 --old-prompts 64
     python bench/eval_speed.py --regen 3072 --regen-new 256     # regeneration: slots against HF generate
     python bench/eval_speed.py --device cpu --shapes tiny --prompts 4 --old-prompts 4 --new 8 --regen 0
+    python bench/eval_speed.py --shapes qwen3.5-0.8b-hybrid --regen 0    # a Gated DeltaNet hybrid (fla on CUDA)
 
 An evaluation of one checkpoint is four passes over the prompts: the greedy references, the drafter,
 and the repeat-last and random-drafter controls (references and controls are made once for several
@@ -82,6 +83,11 @@ FAMILIES = {
             tie_word_embeddings=True,
         ),
     ),
+    # the Qwen3.5 / Qwen3.6 hybrids (Gated DeltaNet + full attention; bench/shapes.py's HYBRID shapes,
+    # the recurrent state kept per row): a sub-1B one, the 27B, and a tiny one for the CPU
+    "qwen3.5-0.8b-hybrid": ("qwen3_5", "0.8b-hybrid"),
+    "qwen3.6-27b-hybrid": ("qwen3_5", "27b-hybrid"),
+    "tiny-hybrid": ("qwen3_5", "tiny-hybrid"),
     "tiny": (
         "gemma3",
         dict(
@@ -103,7 +109,12 @@ def build_target(shape: str, device: str, dtype: torch.dtype) -> Target:
     from transformers import AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig
 
     family, fields = FAMILIES[shape]
-    config = (LlamaConfig if family == "llama" else Gemma3TextConfig)(max_position_embeddings=8192, **fields)
+    if family == "qwen3_5":
+        from bench import shapes
+
+        config = shapes.text_config(fields)
+    else:
+        config = (LlamaConfig if family == "llama" else Gemma3TextConfig)(max_position_embeddings=8192, **fields)
     _register_packed_sdpa()
     torch.manual_seed(0)
     with torch.device(device):
