@@ -22,8 +22,8 @@ DEMO = ["--demo", "hybrid", "--device", "cpu", "--gpus", "0:target,1-2:drafter"]
 @pytest.mark.timeout(1500)  # it builds the hybrid demo first (its target trained 300 steps, one thread)
 def test_hybrid_demo_trains_exports_and_evaluates(tmp_path):
     run_dir = tmp_path / "run"
-    # one real-acceptance pass in training (step 200) before the final one, 32 new tokens each: the
-    # passes on the CPU hybrid (packed, no cache) were two thirds of this run's time
+    # one real-acceptance pass in training (step 200) before the final one, 16 prompts x 32 new tokens
+    # each: the passes on the CPU hybrid (a prompt at a time) were two thirds of this run's time
     out = run_launcher(
         "up",
         *DEMO,
@@ -32,6 +32,7 @@ def test_hybrid_demo_trains_exports_and_evaluates(tmp_path):
         "run.epochs=1",
         "run.eval_every=200",
         "run.spec_eval_max_new_tokens=32",
+        "run.spec_eval_prompts=16",
         timeout=900,
     )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
@@ -86,7 +87,7 @@ def test_hybrid_demo_trains_exports_and_evaluates(tmp_path):
             "32",
             "--batch",
             "8",
-        ),  # every prompt at once: services/eval/batched_decode.py on the hybrid target
+        ),  # every prompt at once, a KV-cache row each with its Gated DeltaNet state (slots.py)
         capture_output=True,
         text=True,
         timeout=600,
