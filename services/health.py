@@ -129,9 +129,12 @@ class HealthServer:
             status["bad_message_kinds"] = dict(self._bad_kinds)
             status["bad_message_from"] = dict(self._bad_from)
             age = time.monotonic() - self._last_progress
+        # The reported age decides "stalled", so the two never disagree (0.5004 s was "0.5" and stalled).
         status["last_progress_age_s"] = round(age, 3)
         status["stall_after_s"] = self._stall_after["startup" if status["state"] in STARTUP_STATES else "running"]
-        status["stalled"] = status["state"] not in ("stopped", "failed") and age > status["stall_after_s"]
+        status["stalled"] = (
+            status["state"] not in ("stopped", "failed") and status["last_progress_age_s"] > status["stall_after_s"]
+        )
         try:
             status["rss_bytes"] = psutil.Process().memory_info().rss
         except psutil.Error:

@@ -57,7 +57,7 @@ def auto_batch(target, device: torch.device, capacity: int) -> int:
     if device.type != "cuda":
         return 1
     if slot_decodable(target):
-        return rows_that_fit(target.model, device, capacity, AUTO_SLOTS)
+        return rows_that_fit(target.model, device, capacity, AUTO_SLOTS, target.info.hidden_width)
     params = sum(p.numel() for p in target.model.parameters())
     return AUTO_BATCH if params <= AUTO_BATCH_MAX_PARAMS else 1
 

@@ -53,18 +53,29 @@ def slot_decodable(target: Target) -> bool:
     return not types - ATTENTION_KINDS - ({"linear_attention"} if recurrent else set())
 
 
-def rows_that_fit(model, device, capacity: int, most: int) -> int:
-    """KV-cache rows of `capacity` tokens (with their fp32 logits) that half the free memory of a CUDA
-    device holds, at most `most`: the rows of one batch when the user leaves the choice to us."""
-    cfg = model.config.get_text_config()
+def row_bytes(cfg, itemsize: int, capacity: int, feature_width: int = 0) -> int:
+    """What one row of `capacity` tokens takes: the keys and values of every attention layer (a Gated
+    DeltaNet layer keeps none), the drafter's features (feature_width: the captured layers' width; 0
+    without a drafter), the fp32 logits with their top-2 and softmax, and each Gated DeltaNet layer's
+    fp32 state (twice: its copy while a block commits) and conv window. cfg: the text config."""
+    kinds = getattr(cfg, "layer_types", None) or []
+    recurrent = sum(kind == "linear_attention" for kind in kinds)
     heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    per_row = capacity * cfg.num_hidden_layers * 2 * heads * head_dim * model.dtype.itemsize
-    per_row += 3 * cfg.vocab_size * 4  # the fp32 logits, their top-2 and softmax
-    recurrent = sum(kind == "linear_attention" for kind in getattr(cfg, "layer_types", None) or [])
-    if recurrent:  # a hybrid's Gated DeltaNet state per row (fp32), and its copy while a block commits
-        heads, k, v = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
-        per_row += recurrent * 2 * heads * k * v * 4
+    per_token = (cfg.num_hidden_layers - recurrent) * 2 * heads * head_dim + feature_width
+    total = capacity * per_token * itemsize + 3 * cfg.vocab_size * 4
+    if recurrent:
+        v_heads, k, v = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        conv_channels = 2 * cfg.linear_num_key_heads * k + v_heads * v
+        window = (cfg.linear_conv_kernel_dim - 1) * conv_channels * itemsize
+        total += recurrent * (2 * v_heads * k * v * 4 + window)
+    return total
+
+
+def rows_that_fit(model, device, capacity: int, most: int, feature_width: int = 0) -> int:
+    """Rows of `capacity` tokens (row_bytes) that half the free memory of a CUDA device holds, at most
+    `most`: the rows of one batch when the user leaves the choice to us."""
+    per_row = row_bytes(model.config.get_text_config(), model.dtype.itemsize, capacity, feature_width)
     free, _ = torch.cuda.mem_get_info(torch.device(device))
     return max(1, min(most, int(free * 0.5 // per_row)))
 

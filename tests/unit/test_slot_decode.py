@@ -9,7 +9,7 @@ import torch
 
 from services.drafter.attention import padded_mask, visibility
 from services.drafter.speculative import RepeatLast, greedy_reference, speculative_generate
-from services.target.slots import decode_slots, slot_decodable
+from services.target.slots import Slots, decode_slots, row_bytes, slot_decodable
 from services.eval.verifier import LocalVerifier
 from services.target.model import PACKED_SDPA, Target, _register_packed_sdpa
 from tests.tiny_targets import DENSE_LAYER_IDS, HYBRID_LAYER_IDS, VOCAB, dense_target, hybrid_target, prompt
@@ -238,3 +238,29 @@ def test_cuda_packed_row_of_a_sliding_window_target_equals_its_documents_alone()
         alone, _ = target.capture(torch.tensor(d), torch.arange(len(d)), torch.zeros(len(d), dtype=torch.long))
         torch.testing.assert_close(row[first : first + len(d)], alone.float(), atol=3e-2, rtol=3e-2)
         first += len(d)
+
+
+@pytest.mark.parametrize("kind", ["dense", "sliding", "hybrid"])
+def test_a_rows_memory_is_what_the_automatic_batch_counts(kind, dense, sliding, hybrid):
+    """slots.row_bytes, which sizes a batch when the user leaves it to us (rows_that_fit), against the
+    tensors a row holds once it decoded a block: keys and values of the attention layers only, the
+    drafter's features, a Gated DeltaNet layer's conv window and state (counted twice: its copy while
+    a block commits). A hybrid's recurrent layers keep no keys."""
+    target = {"dense": dense, "sliding": sliding, "hybrid": hybrid}[kind]
+    ps = prompts()
+    slots = Slots(target, ps, NEW + B)
+    slots.prefill(ps)
+    starts = torch.tensor([len(p) for p in ps])
+    slots.step(torch.randint(VOCAB, (len(ps), B)), starts, int(starts.max()) + B)
+    slots.commit_block(torch.full((len(ps),), 2))
+    held = [*slots.cache.keys.values(), *slots.cache.values.values(), slots.features]
+    recurrent = []
+    if slots.states is not None:
+        held += list(slots.states.conv.values())
+        recurrent = list(slots.states.recurrent.values())
+    cfg = target.model.config.get_text_config()
+    attention = sum(not hasattr(layer, "linear_attn") for layer in target.layers)
+    assert len(slots.cache.keys) == attention and len(recurrent) == len(target.layers) - attention
+    nbytes = sum(t.numel() * t.element_size() for t in held + 2 * recurrent)
+    counted = row_bytes(cfg, 4, slots.capacity, target.info.hidden_width) - 3 * VOCAB * 4  # less the logits
+    assert counted * len(ps) == nbytes
