@@ -18,7 +18,7 @@ from launcher.inputs import PATH_KEYS, check_inputs, load_run_config, make_demo,
 from launcher.preflight import check_tokenizer, preflight, unread_template_kwargs
 from launcher.rundir import LATEST, run_holding
 from launcher.topology import host_overrides, hosts, parse_gpu_list, parse_gpu_spec
-from services import runspec
+from services import jobs, runspec
 from services.config import parse_value, toml_literal
 from services.health import probe
 
@@ -115,9 +115,7 @@ def cmd_keys(args) -> int:
 def cmd_export(args) -> int:
     """The export reads tensors, so it runs in a child process: the launcher never imports torch."""
     argv = [
-        sys.executable,
-        "-m",
-        "services.drafter.export",
+        *jobs.argv("export"),
         "--checkpoint",
         args.checkpoint,
         "--out",
@@ -152,9 +150,7 @@ def cmd_plan(args) -> int:
 
 def _eval_argv(args, run_dir: str, checkpoints: list[str]) -> list[str]:
     argv = [
-        sys.executable,
-        "-m",
-        "services.eval.cli",
+        *jobs.argv("eval"),
         "--run-dir",
         run_dir,
         "--max-new-tokens",

@@ -10,13 +10,13 @@ import hashlib
 import json
 import os
 import signal
-import sys
 
 import psutil
 
 from launcher import process
 from launcher.errors import RunFailed, cannot_write
 from launcher.topology import Worker, count
+from services import jobs
 
 
 def rendezvous_problems(transport, drafter_hosts: list[str]) -> tuple[str, str]:
@@ -46,9 +46,7 @@ class ElasticDrafters:
         run = self.cfg.run
         spec = ",".join(f"{w.name}@{w.host}" for w in self.workers)
         return [
-            sys.executable,
-            "-m",
-            "services.drafter.agent",
+            *jobs.argv("drafter-agent"),
             "--run-dir",
             str(self.run_dir),
             "--host",

@@ -20,9 +20,9 @@ import hashlib
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
+from services import jobs
 from services.files import cache_root, sha256_file, write_json_atomic
 from services.gguf_support import DTYPES, missing_line, missing_packages
 
@@ -87,9 +87,7 @@ def resolve(path: Path, key: str = "target.model_path") -> str:
 def convert(src: Path, folder: Path, kind: str, sha: str) -> None:
     out = subprocess.run(
         [
-            sys.executable,
-            "-m",
-            "services.tools.gguf_model",
+            *jobs.argv("gguf-model"),
             "--gguf",
             str(src),
             "--out",

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
+
+from services import jobs
 
 
 def splits(num_gpus: int, a: float, b: float) -> list[dict]:
@@ -38,9 +39,7 @@ def best(rows: list[dict]) -> dict:
 
 def measure(config: str | None, device: str, seconds: float, overrides: list[str]) -> dict:
     cmd = [
-        sys.executable,
-        "-m",
-        "services.tools.measure_roles",
+        *jobs.argv("measure-roles"),
         "--device",
         device,
         "--seconds",

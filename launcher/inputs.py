@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
@@ -17,7 +16,7 @@ from launcher.models import REPO_ID, ModelNotFound, resolve_model_path
 from launcher.progress import ProgressLine
 from launcher.report import describe_data
 from services.files import write_json_atomic
-from services import runspec
+from services import jobs, runspec
 from services.config import Config, load_config
 
 DEMOS = ("dense", "hybrid")  # services.tools.demo.VARIANTS (the launcher never imports torch)
@@ -92,9 +91,7 @@ def prepare_data(run_dir: Path) -> dict:
     a bad line is one line and exit 2 before any worker starts; the targets reuse the cache."""
     out = subprocess.run(
         [
-            sys.executable,
-            "-m",
-            "services.target.packing",
+            *jobs.argv("packing"),
             "--config",
             str(run_dir / "config.json"),
             "--run-dir",
@@ -117,7 +114,7 @@ def make_demo(device: str, variant: str = "dense") -> list[str]:
     stays out of the launcher); its config suits the device (bfloat16 target on cuda).
     variant: dense (a Qwen3) or hybrid (a Qwen3.5-family Gated DeltaNet). A build (minutes on a
     busy CPU) shows its progress on the live line; a reuse says so in one line."""
-    argv = [sys.executable, "-m", "services.tools.demo", "--device", device, "--variant", variant, "--progress"]
+    argv = jobs.argv("demo", "--device", device, "--variant", variant, "--progress")
     line, last = ProgressLine(), ""
     with tempfile.TemporaryFile("w+") as err:  # a file, not a pipe: it never fills while stdout is read
         child = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=err, text=True)

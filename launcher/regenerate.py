@@ -23,6 +23,7 @@ from pathlib import Path
 from launcher.progress import ProgressLine, _duration
 from launcher.regen_record import write_record
 from services.config import toml_literal
+from services import jobs
 from services.data_lines import plain_lines, read_conversations, replies_to_write
 
 
@@ -101,9 +102,7 @@ def run(args) -> None:
     total = replies_to_write(items)
     gpus = [str(g) for g in args.gpu_list] if args.device == "cuda" else [None]
     base = [
-        sys.executable,
-        "-m",
-        "services.target.regenerate_shard",
+        *jobs.argv("regenerate-shard"),
         "--model",
         args.model,
         "--data",

@@ -51,7 +51,7 @@ from launcher.elastic import ElasticDrafters
 from launcher.errors import RunFailed, cannot_write
 from launcher.progress import ProgressLine
 from launcher.topology import Worker, count
-from services import curve
+from services import curve, jobs
 from services.config import Config
 from services.endpoints import endpoint, socket_dir
 from services.exits import STOPPED as DRAFTER_STOPPED
@@ -136,9 +136,7 @@ class Supervisor(ElasticDrafters):
 
     def argv(self, w: Worker) -> list[str]:
         argv = [
-            sys.executable,
-            "-m",
-            f"services.{w.role}",
+            *jobs.argv(w.role),
             "--config",
             str(self.run_dir / "config.json"),
             "--run-dir",

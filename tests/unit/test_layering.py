@@ -6,7 +6,8 @@ may use a role's code.
     services/target     imports no services.drafter, no services.eval
     services/drafter    imports no services.target, no services.eval
     launcher/           imports the shared layer only; it runs the roles, `launcher eval` and the
-                        tools as child processes
+                        tools as child processes, each a job of services/jobs.py's table, and names
+                        no services module itself
 
 Every import counts, also one inside a function: a lazy import loads the module all the same.
 """
@@ -91,6 +92,39 @@ def test_the_check_sees_every_layer():
     assert {layer_of(n) for n in names} >= {"services", "services.drafter", "services.target", "launcher"}
     assert layer_of("services.schedule") == "services" and layer_of("services.eval.cli") is None
     assert layer_of("services.tools.demo") is None and layer_of("services.drafter.worker") == "services.drafter"
+
+
+def services_strings(source: str) -> list[tuple[int, str]]:
+    """(line, text) of every string literal (f-strings' literal parts too) that names a services module."""
+    return [
+        (node.lineno, node.value)
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.startswith("services.")
+    ]
+
+
+def test_the_launcher_starts_children_only_through_the_job_table():
+    found = [
+        f"{path.relative_to(REPO)}:{line}: {text!r}"
+        for path in sorted((REPO / "launcher").rglob("*.py"))
+        for line, text in services_strings(path.read_text())
+    ]
+    assert not found, "a child the launcher starts goes through services.jobs.argv:\n" + "\n".join(found)
+    assert services_strings('argv = [sys.executable, "-m", f"services.{role}"]\n')  # the check sees f-strings
+
+
+def test_every_job_of_the_table_runs_as_a_program():
+    """Each job's module is a product module that `python -m` runs: a package with __main__.py, or a
+    module with its `if __name__ == "__main__":` block; the roles' jobs are named as the roles."""
+    from services.jobs import JOBS
+
+    for job, (module, what) in JOBS.items():
+        path = REPO / Path(*module.split("."))
+        main = path / "__main__.py" if path.is_dir() else path.with_suffix(".py")
+        assert main.is_file(), f"{job}: {module} has no {main.relative_to(REPO)}"
+        assert main.name == "__main__.py" or '__name__ == "__main__"' in main.read_text(), f"{job}: {module}"
+        assert what, job
+    assert {"target", "drafter"} <= set(JOBS) and JOBS["target"][0] == "services.target"
 
 
 @pytest.mark.parametrize(
