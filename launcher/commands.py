@@ -18,7 +18,7 @@ from launcher.inputs import PATH_KEYS, check_inputs, load_run_config, make_demo,
 from launcher.preflight import check_tokenizer, preflight, unread_template_kwargs
 from launcher.rundir import LATEST, run_holding
 from launcher.topology import host_overrides, hosts, parse_gpu_list, parse_gpu_spec
-from services import jobs, runspec
+from services import eval_options, jobs, runspec
 from services.config import parse_value, toml_literal
 from services.health import probe
 
@@ -148,37 +148,15 @@ def cmd_plan(args) -> int:
     print(gpu_split.describe(measured, gpus))
 
 
-def _eval_argv(args, run_dir: str, checkpoints: list[str]) -> list[str]:
-    argv = [
-        *jobs.argv("eval"),
-        "--run-dir",
-        run_dir,
-        "--max-new-tokens",
-        str(args.max_new_tokens),
-        "--limit",
-        str(args.limit),
-    ]
-    argv += [f"--prompts={p}" for p in args.prompts]
-    argv += [f"--checkpoint={c}" for c in checkpoints]
-    if args.eval_device:
-        argv += ["--device", args.eval_device]
-    if args.batch:
-        argv += ["--batch", str(args.batch)]
-    return argv
-
-
 def cmd_eval(args) -> int:
     """Real speculative decoding loads the target and the drafter: a child process (no torch here)."""
     for checkpoint in args.checkpoint:  # before anything loads: a typo costs no target load
         if not Path(checkpoint).exists():
             raise UsageError(f"--checkpoint {checkpoint} does not exist")
     # a run's checkpoint names its run (the first's, of several)
-    run_dir = args.run_dir or str((run_holding(args.checkpoint[0]) if args.checkpoint else None) or LATEST)
-    argv = _eval_argv(args, run_dir, args.checkpoint)
-    argv += ["--no-controls"] if args.no_controls else []
-    argv += [f"--set={_with_local_model(item)}" for item in args.set]
-    argv += ["--json"] if args.json else []
-    return subprocess.run(argv).returncode
+    args.run_dir = args.run_dir or str((run_holding(args.checkpoint[0]) if args.checkpoint else None) or LATEST)
+    args.set = [_with_local_model(item) for item in args.set]
+    return subprocess.run(jobs.argv("eval", *eval_options.forward(args))).returncode
 
 
 def _local_model(value: str, key: str) -> str:
@@ -246,7 +224,8 @@ def cmd_report(args) -> int:
     from launcher.report import ReportError, report
 
     if args.eval:
-        code = subprocess.run(_eval_argv(args, args.run_dir, [])).returncode
+        argv = jobs.argv("eval", f"--run-dir={args.run_dir}", *eval_options.forward(args, eval_options.PROMPT_OPTIONS))
+        code = subprocess.run(argv).returncode
         if code != 0:
             return code
     try:

@@ -12,7 +12,7 @@ from launcher.inputs import DEMOS
 from launcher.rundir import LATEST
 from launcher.status import cmd_status
 from launcher.up import cmd_up
-from services import __version__
+from services import __version__, eval_options
 
 
 class _Help(argparse.HelpFormatter):
@@ -217,7 +217,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="first run `launcher eval` on the run's latest checkpoint (loads the target)",
     )
-    _eval_options(rep)
+    eval_options.add(rep, eval_options.PROMPT_OPTIONS)
     rep.set_defaults(func=cmd_report)
 
     rg = sub.add_parser(
@@ -274,57 +274,6 @@ def build_parser() -> argparse.ArgumentParser:
         "repeat-last-token and random-drafter controls on the same prompts; a table "
         "per set. Appends to <run-dir>/spec_eval.jsonl.",
     )
-    ev.add_argument(
-        "--checkpoint",
-        action="append",
-        default=[],
-        help="checkpoint dir, export dir or run dir (default: <run-dir>/checkpoints/latest); repeatable: "
-        "each is decoded on the same prompts, their greedy references and the controls made once",
-    )
-    ev.add_argument(
-        "--run-dir",
-        help="run dir whose config names the target and data (default: the run that "
-        "--checkpoint is or lies in, else runs/latest: the last run started here whose workers became ready)",
-    )
-    ev.add_argument("--no-controls", action="store_true", help="skip the repeat-last and random-drafter controls")
-    ev.add_argument(
-        "--set",
-        action="append",
-        default=[],
-        metavar="SECTION.KEY=VALUE",
-        help="override a key of the run's config for this evaluation, e.g. target.quantize=none",
-    )
-    ev.add_argument("--json", action="store_true", help="print one JSON line")
-    _eval_options(ev)
+    eval_options.add(ev)
     ev.set_defaults(func=cmd_eval)
     return parser
-
-
-def _eval_options(p) -> None:
-    p.add_argument(
-        "--prompts",
-        action="append",
-        default=[],
-        metavar="FILE|N",
-        help='a prompt-set file, JSONL or .jsonl.gz, one prompt a line: {"messages": [...]}, '
-        '{"prompt": "..."} or {"input_ids": [...]} (repeatable: a table per set); or N '
-        "held-out prompts of the run's data (default: 32 held-out prompts)",
-    )
-    p.add_argument("--limit", type=int, default=0, help="prompts per set at most (0: every prompt of a file)")
-    p.add_argument("--max-new-tokens", type=int, default=128, help="new tokens per prompt at most")
-    p.add_argument(
-        "--batch",
-        type=int,
-        default=0,
-        help="prompts decoded at once, one target forward per step for all of them: a KV-cache row each "
-        "for a target of attention and Gated DeltaNet layers (default on a GPU: as many as half the free "
-        "memory holds, at most 512), packed without a cache for another recurrent target "
-        "(default 32 up to 3B parameters); 1 (the default on a CPU): one prompt at a time on a KV cache",
-    )
-    p.add_argument(
-        "--device",
-        "--eval-device",
-        dest="eval_device",
-        help="device for the target and drafter, e.g. cuda, cuda:1, cpu (default: cuda if available, "
-        "else cpu; --eval-device is the older name)",
-    )

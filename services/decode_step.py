@@ -23,6 +23,8 @@ from typing import Protocol
 
 import torch
 
+from services.eval_options import ROLLBACKS  # noqa: F401  (declared with the options, without torch)
+
 
 @dataclass
 class Step:
@@ -107,6 +109,3 @@ def exact_logits(hidden: torch.Tensor, lm_head: torch.Tensor, dtype: torch.dtype
         return hidden.float() @ lm_head.t()
     finally:
         matmul.allow_tf32 = saved
-
-
-ROLLBACKS = ("per-token", "refeed")  # the first is the default (docs/operations.md: measured)

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import torch
 
+from services import eval_options
 from services.config import describe_prompts
-from services.decode_step import ROLLBACKS
 from services.drafter.model import DrafterModelConfig
 from services.acceptance_text import by_set, tables
 
@@ -100,57 +100,15 @@ def main(argv=None) -> int:
         "with its target on prompt-set files, or on held-out prompts of the run's data "
         "(without a held-out split: its last training lines).",
     )
-    p.add_argument("--run-dir", default="runs/latest", help="the run: its config.json names the target and the data")
-    p.add_argument(
-        "--checkpoint",
-        action="append",
-        default=[],
-        help="checkpoint dir, export dir, or run dir (default: <run-dir>/checkpoints/latest); repeatable: "
-        "each is decoded on the same prompts, whose greedy references (and the controls) are made once",
-    )
-    p.add_argument(
-        "--prompts",
-        action="append",
-        default=[],
-        metavar="FILE|N",
-        help="a prompt-set file (JSONL or .jsonl.gz, repeatable: a table per set), or N held-out prompts "
-        "of the run's data (the default: 32)",
-    )
-    p.add_argument("--limit", type=int, default=0, help="prompts per set at most (0: every prompt of a file)")
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--no-controls", action="store_true", help="skip the repeat-last and random-drafter controls")
-    p.add_argument("--json", action="store_true", help="print the result as one JSON line")
-    p.add_argument(
-        "--batch",
-        type=int,
-        default=0,
-        help="prompts decoded at once (default on a GPU: as many KV-cache rows as half the free memory holds, "
-        "at most 512, for a target of attention and Gated DeltaNet layers; 32 for another recurrent "
-        "target of at most 3B parameters, else 1; `launcher eval --help`)",
-    )
-    p.add_argument("--threads", type=int, default=1, help="CPU threads (tiny demo models decode fastest on one)")
-    p.add_argument(
-        "--rollback",
-        choices=ROLLBACKS,
-        default=ROLLBACKS[0],
-        help="how a hybrid target's Gated DeltaNet state drops rejected drafts (docs/operations.md)",
-    )
-    p.add_argument(
-        "--set",
-        action="append",
-        default=[],
-        metavar="SECTION.KEY=VALUE",
-        help="override a key of the run's config for this evaluation, e.g. target.quantize=none "
-        "(verify an FP8-trained drafter with the bf16 target); repeatable",
-    )
+    eval_options.add(p)
     args = p.parse_args(argv)
+    args.device = args.eval_device or ("cuda" if torch.cuda.is_available() else "cpu")
+    run_dir = Path(args.run_dir or "runs/latest")
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # no "Loading weights" bars in the launcher's output
     if args.device == "cpu":
         torch.set_num_threads(args.threads)
-    run_dir = Path(args.run_dir)
     counts, files = [p for p in args.prompts if p.isdigit()], [p for p in args.prompts if not p.isdigit()]
     if counts and files:
         print("eval: error: --prompts takes prompt files or a number of held-out prompts, not both", file=sys.stderr)
