@@ -37,8 +37,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python bench/compare_upstream.py` from a checkout
 
-from services.eval.cli import load_weights  # noqa: E402
-from services.eval.spec_eval import LocalSpecEval  # noqa: E402
+from services.eval.launcher_eval import load_weights  # noqa: E402
+from services.eval.local_spec_eval import LocalSpecEval  # noqa: E402
 from services.drafter.speculative import Decoded, speculative_generate, summarize  # noqa: E402
 
 

@@ -1,6 +1,6 @@
 """`launcher eval`'s options, declared once.
 
-The launcher's parser (which never imports torch) and the evaluation's own (services/eval/cli.py,
+The launcher's parser (which never imports torch) and the evaluation's own (services/eval/launcher_eval.py,
 the child process `launcher eval` runs) both add them from here; the launcher hands on what the
 user gave with forward(). `launcher report --eval` takes the prompt options only.
 """

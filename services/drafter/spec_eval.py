@@ -4,7 +4,7 @@ held-out lines; services/prompts.py) and their plain greedy references, made onc
 
 SpecEval holds what does not depend on where the target runs; a subclass says how prompts are
 decoded (`run`) and where the target's embedding and lm_head come from (`head`): RemoteSpecEval
-(remote_eval.py) through the target workers during training, LocalSpecEval (services/eval/spec_eval.py)
+(remote_eval.py) through the target workers during training, LocalSpecEval (services/eval/local_spec_eval.py)
 with the target in this process for `launcher eval`.
 """
 

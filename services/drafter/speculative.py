@@ -28,7 +28,7 @@ Figures (summarize):
 Controls, on the same prompts: "repeat-last" drafts the last accepted token B-1 times; "random"
 is a drafter of the same shape with its initial (random) weights.
 
-`launcher eval` (services/eval/cli.py) runs it on a drafter; spec_eval.SpecEval holds the prompts.
+`launcher eval` (services/eval/launcher_eval.py) runs it on a drafter; spec_eval.SpecEval holds the prompts.
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ from services import wire
 from services.batch_client import BatchClient
 from services.config import load_config
 from services.drafter.remote_eval import RemoteSpecEval
-from services.eval.spec_eval import LocalSpecEval
+from services.eval.local_spec_eval import LocalSpecEval
 from services.drafter.target_head import from_target
 from services.endpoints import endpoint
 from services.health import probe

@@ -97,7 +97,7 @@ def test_drafts_of_a_packed_batch_equal_each_prompt_drafted_alone(dense):
 
 
 def test_the_default_batch_follows_the_target_kind_size_and_device(dense, hybrid, monkeypatch):
-    from services.eval import spec_eval
+    from services.eval import local_spec_eval as spec_eval
     from services.target import slots
 
     free = {"bytes": 80 << 30}

@@ -90,7 +90,7 @@ def test_no_module_imports_across_roles_or_upward():
 def test_the_check_sees_every_layer():
     names = {module_name(p) for p in product_modules()}
     assert {layer_of(n) for n in names} >= {"services", "services.drafter", "services.target", "launcher"}
-    assert layer_of("services.schedule") == "services" and layer_of("services.eval.cli") is None
+    assert layer_of("services.schedule") == "services" and layer_of("services.eval.launcher_eval") is None
     assert layer_of("services.tools.demo") is None and layer_of("services.drafter.worker") == "services.drafter"
 
 
@@ -135,7 +135,7 @@ def test_every_job_of_the_table_runs_as_a_program():
         ("services.drafter.x", "def f():\n    from services.target import packing\n"),
         ("services.drafter.x", "from services import target\n"),
         ("services.drafter.x", "from ..target import decode\n"),
-        ("services.drafter.x", "from services.eval.cli import main\n"),
+        ("services.drafter.x", "from services.eval.launcher_eval import main\n"),
         ("services.target.x", "from services.drafter.prompts import prompt_sets\n"),
         ("services.x", "from services.drafter.schedule import Plan\n"),
         ("services.x", "from .eval import spec_eval\n"),

@@ -93,7 +93,7 @@ def test_eval_names_the_step_and_digest_of_the_weights_it_read(tmp_path):
     and the sha256 of the weights it measured, not just the path."""
     from services.drafter.export import export_record, export_weights
     from services.drafter.model import DFlashDrafter, DrafterModelConfig
-    from services.eval.cli import load_weights
+    from services.eval.launcher_eval import load_weights
     from services.files import sha256_file
 
     from tests.unit.test_export_serving import TINY

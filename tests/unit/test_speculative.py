@@ -230,7 +230,7 @@ def test_an_exported_sliding_window_drafter_loads_with_its_window(tmp_path):
     """`launcher eval --checkpoint EXPORT` reads the layout back: its windows, not all-full layers."""
     from services.drafter.export import export_weights
     from services.drafter.model import DFlashDrafter
-    from services.eval.cli import load_weights
+    from services.eval.launcher_eval import load_weights
 
     cfg = DrafterModelConfig(
         hidden_size=64,

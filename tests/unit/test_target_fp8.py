@@ -348,7 +348,7 @@ def test_eval_takes_the_target_precision_to_verify_with(tmp_path, capsys):
     """launcher eval --set target.quantize=...: the run's config with that key changed, checked as any
     override is (a drafter trained on FP8 features, verified by the bf16 target or the reverse)."""
     from services.config import Config, dump_json
-    from services.eval import cli as eval_cli
+    from services.eval import launcher_eval as eval_cli
 
     dump_json(Config(), tmp_path / "config.json")
     assert eval_cli.main(["--run-dir", str(tmp_path), "--set", "target.quantize=int8"]) == 2

@@ -1,7 +1,7 @@
 """`launcher eval`: real (greedy) speculative decoding of a drafter with its target on prompt sets
 (benchmark files) or the run's held-out prompts.
 
-    python -m services.eval.cli --run-dir runs/latest [--checkpoint DIR] [--prompts FILE.jsonl ...]
+    python -m services.eval.launcher_eval --run-dir runs/latest [--checkpoint DIR] [--prompts FILE.jsonl ...]
 
 The drafter comes from a checkpoint dir, a run dir (its checkpoints/latest) or an export; the
 target and the data from the run's config.json. Prompts are rendered with the run's
@@ -124,7 +124,7 @@ def main(argv=None) -> int:
     except Exception as exc:  # a bad run dir or checkpoint: one line for the user
         print(f"eval: error: {exc}", file=sys.stderr)
         return 2
-    from services.eval.spec_eval import LocalSpecEval
+    from services.eval.local_spec_eval import LocalSpecEval
 
     print(f"eval: loading the target {cfg.target.model_path} on {args.device}", file=sys.stderr, flush=True)
     try:
