@@ -37,9 +37,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python bench/compare_upstream.py` from a checkout
 
+from services.drafter.speculative import Decoded, speculative_generate, summarize  # noqa: E402
 from services.eval.launcher_eval import load_weights  # noqa: E402
 from services.eval.local_spec_eval import LocalSpecEval  # noqa: E402
-from services.drafter.speculative import Decoded, speculative_generate, summarize  # noqa: E402
 
 
 def load_upstream(path: str):

@@ -33,6 +33,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def worker(idx: int, heads: int, head_dim: int, context: int, anchors: int, block: int, iters: int) -> float:
     """Compile flex_attention with the DFlash mask and run fwd+bwd `iters` times; returns seconds."""
     import torch
+
     from services.drafter.attention import FlexAttention, anchor_context_starts
 
     start = time.perf_counter()

@@ -23,10 +23,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 from services.config import load_config  # noqa: E402
-from services.tools.demo import cache_dir, make_demo  # noqa: E402
 from services.target import hybrid  # noqa: E402
 from services.target.model import load_target  # noqa: E402
 from services.target.packing import open_or_build  # noqa: E402
+from services.tools.demo import cache_dir, make_demo  # noqa: E402
 
 
 def time_rows(target, rows) -> tuple[float, list[torch.Tensor]]:

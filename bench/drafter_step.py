@@ -194,16 +194,17 @@ def attended_pairs(inputs, block_size: int, window: int | None = None) -> int:
 
 def bench_shape(name, shape, args, peak_tflops, layout="full", precision="bf16"):
     import torch
-    from services.config import load_config
-    from services.drafter.anchors import anchor_generator, build_inputs
+
     from services.compile_setup import RecompileWatch
-    from services.drafter.warmup import warmup
+    from services.config import load_config
+    from services.drafter import precision as drafter_precision
+    from services.drafter.anchors import anchor_generator, build_inputs
     from services.drafter.model import model_flops
     from services.drafter.synthetic import SyntheticSource
     from services.drafter.target_head import TargetHead
-    from services.runspec import drafter_shape
     from services.drafter.train import build_train_state, train_step
-    from services.drafter import precision as drafter_precision
+    from services.drafter.warmup import warmup
+    from services.runspec import drafter_shape
 
     device = torch.device("cuda:0" if args.device == "cuda" else "cpu")
     cfg = load_config(
@@ -335,6 +336,7 @@ def bench_shape(name, shape, args, peak_tflops, layout="full", precision="bf16")
 def breakdown(state, batch, inputs, step_s) -> dict:
     """Where a step's time goes, each part timed alone at the step's shapes (approximate)."""
     import torch
+
     from services.drafter.anchors import anchor_generator, build_inputs
     from services.drafter.loss import chunked_cross_entropy
 

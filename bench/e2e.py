@@ -54,6 +54,7 @@ def make_assets(work: Path, shape: str, conversations: int, layers: int = 0) -> 
     import torch
     from transformers import AutoModelForCausalLM
     from transformers.models.qwen3_5 import Qwen3_5ForConditionalGeneration
+
     from services.tools.demo import make_demo
 
     demo = make_demo(work / "demo", num_conversations=conversations)
@@ -109,6 +110,7 @@ def target_alone(overrides: list[str], work: Path, rows: int, warmup: int, confi
     """A: the target worker's capture path on the run's own packed rows, GPU 0, nothing else running."""
     import torch
     from transformers import AutoTokenizer
+
     from bench.timing import sync
     from services.config import load_config
     from services.target.model import capture_to_host, load_target

@@ -33,8 +33,8 @@ from services.drafter.model import DrafterModelConfig  # noqa: E402
 from services.drafter.speculative import DrafterProposer, RepeatLast, eval_drafter, summarize  # noqa: E402
 from services.drafter.target_head import TargetHead  # noqa: E402
 from services.eval.batched_decode import PackedVerifier, decode_many  # noqa: E402
-from services.target.slots import decode_slots  # noqa: E402
 from services.target.model import PACKED_SDPA, Target, _register_packed_sdpa  # noqa: E402
+from services.target.slots import decode_slots  # noqa: E402
 
 # published config.json values of each family (random weights here): SmolLM2-135M (Llama), a
 # Gemma-3 270M (sliding window 512 on 5 of every 6 layers, head_dim 256, vocabulary 262 144),

@@ -130,8 +130,8 @@ def model_check(hybrid=False):
     from services.config import load_config
     from services.drafter.synthetic import SYNTHETIC_MODEL, SyntheticSource
     from services.drafter.target_head import TargetHead
-    from services.runspec import drafter_shape
     from services.drafter.train import build_train_state, forward_loss
+    from services.runspec import drafter_shape
 
     overrides = [
         "data.pack_len=2000",

@@ -57,6 +57,7 @@ def hide_fla() -> None:
 
 def build_model(shape: str, device: str):
     from transformers import AutoModelForCausalLM
+
     from services.target.model import _register_packed_sdpa
 
     _register_packed_sdpa()
@@ -225,6 +226,7 @@ def compiled_records(target, rec: dict, seq: int, model, ids, out, gen, peak, ar
 
 def profile(target, row, out, path: str, title: str) -> None:
     from torch.profiler import ProfilerActivity
+
     from services.target.model import capture_to_host
 
     with torch.profiler.profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:

@@ -32,8 +32,8 @@ import torch  # noqa: E402
 import zmq  # noqa: E402
 
 from services.batch import Batch  # noqa: E402
-from services.config import TransportConfig  # noqa: E402
 from services.batch_client import BatchClient  # noqa: E402
+from services.config import TransportConfig  # noqa: E402
 from services.transport import BatchServer  # noqa: E402
 
 LAYERS, WIDTH = 5, 4096

@@ -156,7 +156,6 @@ class Oracle:
 
 
 def bench_lossless(args) -> dict:
-    from services.lossless import describe_lossless
     from services.drafter.model import DrafterModelConfig
     from services.drafter.speculative import (
         DrafterProposer,
@@ -167,6 +166,7 @@ def bench_lossless(args) -> dict:
     )
     from services.drafter.target_head import TargetHead
     from services.eval.verifier import LocalVerifier
+    from services.lossless import describe_lossless
 
     device = args.device
     dtype = torch.bfloat16 if device == "cuda" else torch.float32

@@ -21,7 +21,6 @@ from launcher.supervisor import EXIT_USAGE
 from launcher.topology import SpecError
 from services.config import ConfigError
 
-
 EXIT_PIPE = 141  # 128 + SIGPIPE: what a shell reports for a writer whose reader went away
 
 

@@ -25,10 +25,10 @@ import sys
 from pathlib import Path
 
 from launcher.regen_record import template_kwargs_problem
-from services.config import Config, ConfigError
 from services.checkpoint_compat import model_errors, run_errors
-from services.schedule import make_plan
+from services.config import Config, ConfigError
 from services.log import events
+from services.schedule import make_plan
 
 # A tokenizer folder has at least one of these (fast tokenizers: tokenizer.json; sentencepiece
 # models: tokenizer.model / spiece.model; BPE and WordPiece vocabularies; tiktoken files).

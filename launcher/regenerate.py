@@ -22,8 +22,8 @@ from pathlib import Path
 
 from launcher.progress import ProgressLine, _duration
 from launcher.regen_record import write_record
-from services.config import toml_literal
 from services import jobs
+from services.config import toml_literal
 from services.data_lines import plain_lines, read_conversations, replies_to_write
 
 

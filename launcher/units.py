@@ -29,8 +29,8 @@ import sys
 from pathlib import Path
 from typing import Iterable
 
-from launcher.topology import ROLES, Worker, count, parse_gpu_spec
 from launcher.inputs import load_run_config
+from launcher.topology import ROLES, Worker, count, parse_gpu_spec
 from services.config import dump_json
 from services.endpoints import endpoint
 from services.files import cpu_share, write_text_atomic

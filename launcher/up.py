@@ -15,8 +15,8 @@ from launcher.errors import UsageError
 from launcher.inputs import check_inputs, load_run_config, make_demo, prepare_data, with_local_model
 from launcher.output import keep_running_on_closed_pipes
 from launcher.preflight import (
-    max_steps_warning,
     check_resume_config,
+    max_steps_warning,
     preflight,
     resume_config_path,
     resumed_line,

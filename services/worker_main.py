@@ -27,7 +27,6 @@ from services.endpoints import endpoint
 from services.health import HealthServer
 from services.log import setup_logging
 
-
 STOPPED_LINGER_S = 3.0  # across hosts, the launchers of other hosts probe every second or so
 
 

@@ -14,7 +14,6 @@ from transformers import AutoTokenizer
 from services.tools.demo import build_tokenizer, conversations
 from tests.tiny_targets import HYBRID_DEVICES, dense_target, hybrid_target
 
-
 # Under pytest-xdist (README: `-n 2`) two test processes share the machine's cores with the workers
 # the tests start: one torch thread each, for them and the processes they start (a launcher still
 # gives its workers their share), rather than every process spinning as many threads as there are cores
@@ -53,6 +52,7 @@ def hf_torch_hybrid(monkeypatch):
     Triton kernels; the reference must be the readable torch code, so unwrap those functions.
     """
     import inspect
+
     from transformers.models.qwen3_5 import modeling_qwen3_5 as m
 
     for name in ("causal_conv1d_fn", "torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule"):

@@ -10,9 +10,10 @@ import os
 import sys
 
 from services import exits
-from services.drafter import agent
 from services.compile_setup import setup_environment
-from services.worker_main import Role, main as worker_main, workers_on_node
+from services.drafter import agent
+from services.worker_main import Role, workers_on_node
+from services.worker_main import main as worker_main
 
 
 def defaults() -> dict:

@@ -34,7 +34,6 @@ from services.drafter.train import TrainState
 from services.health import HealthServer
 from services.log import event
 
-
 # Real acceptance (speculative.py), rank 0, after each evaluation and at the end of a completed run
 # (that one with "final": true and the repeat_last and random controls): step, prompts, steps,
 # tokens, acceptance_per_step, acceptance_per_prompt, tokens_per_forward, lossless, seconds, indices (of

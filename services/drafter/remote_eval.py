@@ -27,12 +27,12 @@ import torch
 
 from services.decode_progress import Progress
 from services.decode_step import Step
-from services.runspec import HeldOut
-from services.prompts import interleave, prompt_sets, stop_token_ids
 from services.drafter.spec_eval import SpecEval
 from services.drafter.speculative import greedy_reference, speculative_generate, summarize_sets
 from services.endpoints import endpoint
 from services.health import Drops
+from services.prompts import interleave, prompt_sets, stop_token_ids
+from services.runspec import HeldOut
 from services.verify import TargetUnavailable, VerifyClient, VerifyError
 
 log = logging.getLogger("drafter")
@@ -185,7 +185,7 @@ class RemoteSpecEval(SpecEval):
                 if ref is None
                 else self._attempt(
                     index,
-                    lambda v: speculative_generate(
+                    lambda v, prompt=prompt: speculative_generate(
                         v, propose, prompt, max_new_tokens=self.max_new_tokens, stop_ids=self.stop_ids
                     ),
                     features=True,

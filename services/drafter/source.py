@@ -46,19 +46,19 @@ from typing import Callable, Iterator, Protocol
 
 import torch
 
+from services import curve, lifecycle
 from services.batch import FIELDS, Batch
 from services.batch_client import BatchClient
 from services.config import Config, TransportConfig
+from services.drafter.model import DrafterModelConfig
+from services.drafter.synthetic import SyntheticEval, SyntheticSource
 from services.endpoints import endpoint
 from services.files import write_json_atomic
-from services.drafter.model import DrafterModelConfig
-from services.schedule import Plan, make_plan
-from services.drafter.synthetic import SyntheticEval, SyntheticSource
-from services import curve, lifecycle
 from services.handshake import TargetInfo
 from services.health import HealthServer, probe
-from services.runspec import RunSpec
 from services.packed_data import PackedData, PublishedDigests, digests_path
+from services.runspec import RunSpec
+from services.schedule import Plan, make_plan
 from services.wire import WireError
 
 CHECK_TARGETS_EVERY_S = 2.0

@@ -40,9 +40,9 @@ import torch.nn.functional as F
 
 from services.decode_step import Decoded
 from services.drafter.attention import DenseAttention, padded_mask
-from services.lossless import first_difference, lossless_figures
 from services.drafter.model import DFlashDrafter, DrafterModelConfig
 from services.drafter.target_head import TargetHead
+from services.lossless import first_difference, lossless_figures
 
 
 def inference_attention(q, k, v, mask):

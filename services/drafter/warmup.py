@@ -14,6 +14,7 @@ def warmup(state, batch, repeats: int = 2) -> float:
     """Compile at the exact shapes: full forward + backward on `batch`, `repeats` times (the second
     pass proves the graphs are reused), leaving parameters and optimizer untouched. Returns seconds."""
     import torch
+
     from services.drafter.train import train_step
 
     start = time.perf_counter()

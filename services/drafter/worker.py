@@ -26,21 +26,21 @@ from pathlib import Path
 import torch
 
 from services import lifecycle, runspec
+from services.compile_setup import RecompileWatch
 from services.config import Config, ConfigError
-from services.files import cpu_share
-from services.health import HealthServer
-from services.log import event
 from services.drafter import checkpoint as ckpt
 from services.drafter import checkpoint_share, collectives
-from services.drafter.bookkeeping import BookSettings, Bookkeeping
-from services.compile_setup import RecompileWatch
-from services.drafter.warmup import warmup
+from services.drafter.bookkeeping import Bookkeeping, BookSettings
 from services.drafter.evaluate import evaluate
 from services.drafter.source import BatchSource, SourceSettings, eval_batches, train_batches
 from services.drafter.synthetic import SyntheticSource
 from services.drafter.target_head import model_and_head
 from services.drafter.train import build_train_state, check_batch, make_scheduler, parameter_fingerprint, train_step
+from services.drafter.warmup import warmup
+from services.files import cpu_share
 from services.gpu_memory import gpu_memory
+from services.health import HealthServer
+from services.log import event
 
 log = logging.getLogger("drafter")
 

@@ -35,8 +35,7 @@ import time
 
 import torch
 
-from services.decode_step import Decoded
-from services.decode_step import Step, exact_logits, rounding_tolerance
+from services.decode_step import Decoded, Step, exact_logits, rounding_tolerance
 
 
 class PackedVerifier:

@@ -20,10 +20,9 @@ from pathlib import Path
 import torch
 
 from services import eval_options
+from services.acceptance_text import by_set, tables
 from services.config import describe_prompts
 from services.drafter.model import DrafterModelConfig
-from services.acceptance_text import by_set, tables
-
 
 # --- loading a drafter ----------------------------------------------------------------------------
 

@@ -21,17 +21,16 @@ import time
 import torch
 
 from services import runspec
-from services.decode_step import ROLLBACKS
+from services.decode_step import ROLLBACKS, Decoded
 from services.drafter.model import DrafterModelConfig
 from services.drafter.spec_eval import SpecEval
-from services.decode_step import Decoded
 from services.drafter.speculative import greedy_reference, speculative_generate, summarize_sets
 from services.drafter.target_head import TargetHead
 from services.eval.batched_decode import PackedVerifier, decode_many
-from services.target.slots import decode_slots, rows_that_fit, slot_decodable
 from services.eval.verifier import LocalVerifier
 from services.prompts import interleave, prompt_sets, stop_token_ids
 from services.target.model import load_target
+from services.target.slots import decode_slots, rows_that_fit, slot_decodable
 
 
 def load_eval_target(cfg, device: torch.device):

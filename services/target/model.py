@@ -49,7 +49,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from services import dtypes, layers
 from services.batch import FIELDS, document_spans
-from services.config import TARGET_QUANTIZE as QUANTIZE, ConfigError, TargetConfig
+from services.config import TARGET_QUANTIZE as QUANTIZE
+from services.config import ConfigError, TargetConfig
 from services.handshake import CaptureShape
 from services.target import fp8, hybrid
 from services.target.row import RowLayout, RowSlot

@@ -239,6 +239,7 @@ def eval_prompt_count(cfg: Config) -> int | None:
     """How many prompts real acceptance will decode in training (run.eval_prompts' files, read and
     checked now, else the held-out lines'); None when it is off (run.spec_eval_prompts = 0)."""
     from transformers import AutoTokenizer
+
     from services.prompts import prompt_sets
 
     if cfg.run.spec_eval_prompts <= 0:

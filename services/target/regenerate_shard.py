@@ -153,8 +153,8 @@ def slot_target(model):
     """The model as a Target decoded on rows of a KV cache (slots.py), or None when it has a layer
     slot decoding does not run (a recurrent layer other than the Gated DeltaNet, or one without
     flash-linear-attention's kernels on CUDA: the Target then runs one document at a time)."""
-    from services.target.slots import slot_decodable
     from services.target.model import PACKED_SDPA, Target, _register_packed_sdpa
+    from services.target.slots import slot_decodable
 
     _register_packed_sdpa()
     model.config._attn_implementation = PACKED_SDPA  # its slot branch reads the rows' masks

@@ -28,20 +28,21 @@ import torch
 
 from services import runspec
 from services.batch import Batch, count_documents
+from services.compile_setup import RecompileWatch, setup_environment
 from services.config import Config, TransportConfig
 from services.endpoints import endpoint
+from services.gpu_memory import gpu_memory
 from services.handshake import TargetInfo
 from services.health import HealthServer
 from services.log import event
-from services.compile_setup import RecompileWatch, setup_environment
 from services.target.compiled import compile_and_warm_up
 from services.target.model import load_target
+from services.target.packing import open_or_build
 from services.target.ring import CaptureRing
 from services.target.verifying import VerifyService, VerifySettings, warm_up_verify
-from services.target.packing import open_or_build
 from services.transport import BatchServer, Request
-from services.gpu_memory import gpu_memory
-from services.worker_main import Role, main as worker_main, workers_on_node
+from services.worker_main import Role, workers_on_node
+from services.worker_main import main as worker_main
 
 log = logging.getLogger("target")
 POLL_MS = 100

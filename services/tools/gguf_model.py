@@ -87,6 +87,7 @@ def plain_copy(model):
 def convert(path: Path, out: Path, dtype: str = "bfloat16", sha256: str = "") -> dict:
     """Write the folder for the GGUF at path into out (aside, then renamed); its gguf_source.json."""
     import transformers
+
     from services.files import default_file_mode, sha256_file
 
     start = time.monotonic()

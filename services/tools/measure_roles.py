@@ -86,10 +86,10 @@ def target_rate(cfg, device: torch.device, seconds: float, work: Path) -> dict:
 def drafter_rate(cfg, device: torch.device, seconds: float, mean_real_tokens: float) -> dict:
     import dataclasses
 
-    from services.drafter.warmup import warmup
     from services.drafter.synthetic import SyntheticSource
     from services.drafter.target_head import from_target
     from services.drafter.train import build_train_state, train_step
+    from services.drafter.warmup import warmup
 
     model_cfg, head = from_target(cfg)
     state = build_train_state(cfg, model_cfg, head, device, total_steps=1000)

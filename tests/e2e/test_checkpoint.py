@@ -16,7 +16,6 @@ from services.drafter.ledger import read_all
 from services.log import events, parse_event
 from tests.launching import free_port, spawn_drafter
 
-
 SMALL = [
     "data.pack_len=256",
     "drafter.num_anchors=16",

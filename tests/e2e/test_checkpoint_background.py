@@ -14,7 +14,6 @@ from services.drafter.checkpoint_writer import BackgroundWriter
 from tests.launching import REPO
 from tests.unit.test_checkpoint_files import _state, _write
 
-
 KILLED_WRITER = """
 import sys, time, torch
 from pathlib import Path

@@ -8,17 +8,16 @@ import sys
 from collections import Counter, defaultdict
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file
 from transformers import AutoTokenizer
 
 from services.config import load_config
-from services.tools.demo import make_demo
 from services.target.data import has_generation_markers
 from services.target.model import load_target
 from services.target.packing import open_or_build
-import pytest
-
+from services.tools.demo import make_demo
 from tests.launching import REPO
 
 N = 1000
@@ -111,8 +110,8 @@ def test_hybrid_demo_is_a_composite_checkpoint_whose_trained_weights_the_target_
     """The hybrid demo: Qwen3_5ForConditionalGeneration on disk (text_config + vision_config, keys
     under model.language_model. / model.visual.), and the target's loader returns the text model
     with the trained weights (not freshly initialized ones where a key prefix was missed)."""
-    from services.tools.demo import build_model, conversations, torch_linear_attention, train_target
     from services.target.model import load_hf_model
+    from services.tools.demo import build_model, conversations, torch_linear_attention, train_target
 
     demo = make_demo(tmp_path / "hybrid", num_conversations=N, target_steps=3, variant="hybrid")
     config = json.loads(Path(demo["model_path"], "config.json").read_text())

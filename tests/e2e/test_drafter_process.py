@@ -49,7 +49,7 @@ def test_three_ranks_cold_compile_train_in_lockstep(tmp_path):
             pass
     assert port not in listening, listening
     outs = [p.communicate(timeout=240) for p in procs]
-    for p, (out, err) in zip(procs, outs):
+    for p, (_out, err) in zip(procs, outs):
         assert p.returncode == 0, err[-3000:]
     assert any((tmp_path / "compile-cache").iterdir())  # the cache was built here, cold
     digests = set()

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from tests.assets import random_demo
-from tests.unit.test_docs import quickstart_block
 from tests.launching import child_env
+from tests.unit.test_docs import quickstart_block
 
 
 @pytest.mark.training

@@ -13,13 +13,13 @@ import torch
 import zmq
 from transformers import AutoTokenizer
 
+from services import log
+from services.batch_client import BatchClient
 from services.config import load_config
 from services.endpoints import endpoint
 from services.health import probe
-from services import log
 from services.target.model import load_target
 from services.target.packing import open_or_build
-from services.batch_client import BatchClient
 from tests.assets import random_demo
 from tests.launching import REPO, target_argv
 

@@ -26,7 +26,7 @@ from services.batch_client import BatchClient
 from services.batch_stream import batch_messages
 from services.health import HealthServer, probe
 from services.transport import MAX_REQUEST_BYTES, BatchServer
-from tests.batches import CHUNK, SEQ, N_BATCHES, collect, make_batch, same_batch, transport_cfg
+from tests.batches import CHUNK, N_BATCHES, SEQ, collect, make_batch, same_batch, transport_cfg
 from tests.launching import REPO, child_env
 
 pytestmark = pytest.mark.processes  # target processes; the drafter's side in this process

@@ -25,9 +25,9 @@ from services import wire
 from services.batch_client import BatchClient
 from services.config import load_config
 from services.drafter.remote_eval import RemoteSpecEval
-from services.eval.local_spec_eval import LocalSpecEval
 from services.drafter.target_head import from_target
 from services.endpoints import endpoint
+from services.eval.local_spec_eval import LocalSpecEval
 from services.health import probe
 from services.verify import SessionLost, TargetUnavailable, VerifyClient, VerifyError
 from tests.assets import random_demo

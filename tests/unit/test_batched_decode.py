@@ -7,8 +7,8 @@ target forwards; the plain greedy outputs too; prompts that stop early leave the
 import pytest
 import torch
 
-from services.eval.batched_decode import PackedVerifier, decode_many
 from services.drafter.speculative import RepeatLast, greedy_reference, speculative_generate
+from services.eval.batched_decode import PackedVerifier, decode_many
 from services.eval.verifier import LocalVerifier
 from tests.tiny_targets import DENSE_LAYER_IDS, HYBRID_LAYER_IDS, VOCAB, prompt
 from tests.unit.test_speculative import random_drafter

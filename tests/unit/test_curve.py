@@ -14,7 +14,7 @@ import pytest
 import zmq
 
 from services.config import TransportConfig
-from services.curve import CurveError, KEY_FILES, apply_client, apply_server, generate_keys, keys_for
+from services.curve import KEY_FILES, CurveError, apply_client, apply_server, generate_keys, keys_for
 from tests.launching import child_env
 
 ENV = child_env()

@@ -7,8 +7,8 @@ import json
 import numpy as np
 import pytest
 
-from services.tools.demo import CHAT_TEMPLATE, conversations
 from services.target.data import BadSamples, DataError, chat_tokens, has_generation_markers, read_documents
+from services.tools.demo import CHAT_TEMPLATE, conversations
 from tests.launching import REPO
 
 VOCAB = 4096

@@ -59,6 +59,7 @@ def test_data_without_prompts_says_real_acceptance_is_off(capsys, tmp_path, mode
 
 def test_pre_tokenized_lines_yield_their_tokens_before_the_first_supervised_one(capsys, tmp_path, model_dir):
     from transformers import AutoTokenizer
+
     from services.prompts import heldout_prompts
 
     info, run_dir = pack(capsys, tmp_path, model_dir, [TOKENS, NO_PROMPT, TOKENS], "run.spec_eval_prompts=8")

@@ -13,9 +13,9 @@ from safetensors.numpy import load_file
 from transformers import AutoTokenizer
 
 from services.config import load_config
-from services.tools.demo import conversations
 from services.target.data import DataError, Document
 from services.target.packing import cache_key, open_or_build, pack_rows, split_document
+from services.tools.demo import conversations
 from tests.launching import REPO
 
 VOCAB = 4096

@@ -7,9 +7,9 @@ bottom-right; layers whose state cannot be rolled back are refused by name."""
 import pytest
 import torch
 
+from services.decode_step import ROLLBACKS, rounding_tolerance
 from services.drafter.speculative import greedy_reference
 from services.eval.verifier import LocalVerifier
-from services.decode_step import ROLLBACKS, rounding_tolerance
 from services.target.decode import DecodeSession
 from services.target.model import _sdpa_packed
 from tests.greedy import hf_greedy_generate

@@ -167,8 +167,8 @@ def demo_rows(tmp_path_factory):
     from transformers import AutoTokenizer
 
     from services.config import load_config
-    from services.tools.demo import make_demo
     from services.target.packing import open_or_build
+    from services.tools.demo import make_demo
 
     tmp = tmp_path_factory.mktemp("demo")
     demo = make_demo(tmp / "demo", target_steps=0)  # the data and tokenizer only

@@ -11,11 +11,11 @@ from services.config import ConfigError, load_config
 from services.drafter.anchors import build_inputs
 from services.drafter.attention import DenseAttention
 from services.drafter.model import DFlashDrafter, DrafterModelConfig
-from services.layers import default_layer_ids
 from services.drafter.synthetic import SyntheticSource
 from services.drafter.target_head import from_target, resolve_mask_token_id
-from tests.drafters import build_model_config
+from services.layers import default_layer_ids
 from services.runspec import target_fields_of
+from tests.drafters import build_model_config
 
 TINY = dict(
     vocab_size=96,

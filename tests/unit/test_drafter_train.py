@@ -8,11 +8,11 @@ import torch
 
 from services.batch import BatchError
 from services.config import load_config
-from services.drafter.warmup import warmup
 from services.drafter.synthetic import SYNTHETIC_MODEL, SyntheticSource
 from services.drafter.target_head import TargetHead
-from tests.drafters import build_model_config
 from services.drafter.train import WarmupCosine, build_train_state, parameter_fingerprint, train_step
+from services.drafter.warmup import warmup
+from tests.drafters import build_model_config
 
 
 def make(*overrides, steps=40, device="cpu"):
@@ -133,8 +133,8 @@ def test_warmup_cosine_schedule():
 
 
 def test_the_lr_follows_the_batches_trained_so_a_resume_on_another_split_continues_the_curve():
-    from services.schedule import make_plan
     from services.drafter.train import make_scheduler
+    from services.schedule import make_plan
 
     cfg = load_config(None, ["drafter.warmup_ratio=0.1", "drafter.min_lr_ratio=0.1"])
     curve = lambda plan: make_scheduler(

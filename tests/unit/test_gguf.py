@@ -105,8 +105,8 @@ def test_missing_packages_name_the_extra(tiny, tmp_path):
 
 
 def test_missing_packages_stop_up_before_hashing(tiny, tmp_path, monkeypatch):
-    from launcher.inputs import with_local_model
     from launcher.errors import UsageError
+    from launcher.inputs import with_local_model
     from services.config import load_config
 
     monkeypatch.setenv("DFLASH_CACHE_DIR", str(tmp_path))

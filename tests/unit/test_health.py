@@ -18,7 +18,6 @@ import zmq
 from services.health import EXIT_HEALTHY, EXIT_UNHEALTHY, EXIT_UNREACHABLE, HealthServer, probe
 from tests.launching import REPO, child_env
 
-
 # A worker main loop: stamps progress every 50 ms until the stall file appears.
 WORKER = """
 import os, sys, time

@@ -12,11 +12,11 @@ import msgpack
 import pytest
 import torch.distributed as dist
 import zmq
+from torch.distributed.elastic.rendezvous.api import RendezvousClosedError, RendezvousTimeoutError
 
 from services.curve import generate_keys
 from services.drafter.keystore import MAX_VALUE, KeyStore, StoreGone, StoreServer
 from services.drafter.rendezvous import KeyedRendezvous, MembershipLoop
-from torch.distributed.elastic.rendezvous.api import RendezvousClosedError, RendezvousTimeoutError
 
 
 @pytest.fixture

@@ -1,10 +1,11 @@
 """target.model_path as a Hugging Face repo id: resolved through a real local HF cache (no network)."""
 
-import pytest
 import json
 import os
 import subprocess
 import sys
+
+import pytest
 
 from launcher.models import resolve_model_path
 from tests.launching import child_env, run_launcher

@@ -95,7 +95,6 @@ def test_eval_names_the_step_and_digest_of_the_weights_it_read(tmp_path):
     from services.drafter.model import DFlashDrafter, DrafterModelConfig
     from services.eval.launcher_eval import load_weights
     from services.files import sha256_file
-
     from tests.unit.test_export_serving import TINY
 
     cfg = DrafterModelConfig(**{**TINY, "num_hidden_layers": 1, "mask_token_id": 63})

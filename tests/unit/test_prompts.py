@@ -7,8 +7,8 @@ import json
 import pytest
 
 from services.config import load_config
-from services.prompts import PromptFileError, interleave, prompt_sets, read_prompt_file, set_name
 from services.data_lines import prompt_tokens
+from services.prompts import PromptFileError, interleave, prompt_sets, read_prompt_file, set_name
 
 USER = [{"role": "user", "content": "add two numbers"}]
 

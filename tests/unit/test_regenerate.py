@@ -13,11 +13,10 @@ from launcher import process
 from launcher.preflight import PreflightError, check_regenerated
 from launcher.regen_record import record_path
 from launcher.topology import SpecError, parse_gpu_list
-from tests.greedy import hf_greedy_generate as greedy_generate
-from services.data_lines import prompt_tokens
-from services.data_lines import read_conversations
+from services.data_lines import prompt_tokens, read_conversations
 from services.target.regenerate_shard import HFEngine, regenerate
 from services.tools.demo import CHAT_TEMPLATE
+from tests.greedy import hf_greedy_generate as greedy_generate
 from tests.launching import REPO, run_launcher
 
 CHATS = [

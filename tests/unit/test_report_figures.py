@@ -62,6 +62,7 @@ def test_files_without_the_window_fields_give_the_same_figure_from_the_counters(
 def test_no_label_of_the_png_overlaps_another_or_leaves_the_figure(tmp_path):
     pytest.importorskip("matplotlib")
     import matplotlib.pyplot as plt
+
     from launcher.report import figure, read_metrics
 
     train, evals = read_metrics(write_metrics(tmp_path / "run"))

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 
 from services import runspec
-from services.config import BATCH_KINDS, SECTIONS, _section_class, load_config
-from services.tools.demo import conversations
 from services.checkpoint_compat import MODEL_FIELDS, NOT_FOR_RESUME, RUN_FIELDS, model_errors
+from services.config import BATCH_KINDS, SECTIONS, _section_class, load_config
 from services.target.packing import build_index, cache_key
+from services.tools.demo import conversations
 from tests.launching import run_launcher, target_argv
 
 VOCAB = 4096
@@ -88,7 +88,8 @@ def _packed(cfg, tokenizer):
 
 
 def test_the_resume_check_reads_every_model_field_but_the_named_ones():
-    from services.shapes import MODEL_FIELDS as ALL, SYNTHETIC_MODEL, DrafterModelConfig
+    from services.shapes import MODEL_FIELDS as ALL
+    from services.shapes import SYNTHETIC_MODEL, DrafterModelConfig
 
     assert set(MODEL_FIELDS) == set(ALL) - NOT_FOR_RESUME and NOT_FOR_RESUME < set(ALL)
     now = DrafterModelConfig(**SYNTHETIC_MODEL).to_dict()
@@ -315,8 +316,8 @@ def test_config_json_is_read_as_transformers_reads_it(tmp_path):
 
 
 def test_a_synthetic_drafter_gets_the_made_up_target_and_the_same_shape_as_before():
-    from tests.drafters import build_model_config
     from services.shapes import SYNTHETIC_MODEL
+    from tests.drafters import build_model_config
 
     cfg = load_config(None, ["drafter.overrides={hidden_size=48}", "drafter.num_layers=2"])
     spec = runspec.resolve(cfg, synthetic=True)

@@ -16,7 +16,6 @@ from services import sdnotify
 from services.sdnotify import Notifier
 from tests.launching import child_env
 
-
 # A stand-in for a worker's main loop, using the real Notifier: load, ready, train, stall, stop.
 WORKER = textwrap.dedent("""
     import json, sys, time

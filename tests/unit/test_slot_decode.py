@@ -9,9 +9,9 @@ import torch
 
 from services.drafter.attention import padded_mask, visibility
 from services.drafter.speculative import RepeatLast, greedy_reference, speculative_generate
-from services.target.slots import Slots, decode_slots, row_bytes, slot_decodable
 from services.eval.verifier import LocalVerifier
 from services.target.model import PACKED_SDPA, Target, _register_packed_sdpa
+from services.target.slots import Slots, decode_slots, row_bytes, slot_decodable
 from tests.tiny_targets import DENSE_LAYER_IDS, HYBRID_LAYER_IDS, VOCAB, dense_target, hybrid_target, prompt
 from tests.unit.test_speculative import random_drafter
 

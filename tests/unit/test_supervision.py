@@ -17,7 +17,6 @@ from services import exits
 from services.lifecycle import PARENT_DIED, StopRequests
 from tests.launching import child_env
 
-
 # A worker process as the launcher starts one (process.spawn: its log, its start line), logging in
 # the workers' format and ending through services/exits.py like every worker.
 CRASH = textwrap.dedent("""

@@ -201,7 +201,9 @@ def test_compiled_bf16_capture_is_as_close_to_fp32_as_the_eager_one(device):
     fp32 intermediates): judged against the same weights in float32, their error must be no larger
     than the eager layers' own (inductor on both devices; a 12-layer random Qwen3)."""
     import copy
+
     from transformers import Qwen3Config, Qwen3ForCausalLM
+
     from services.target.model import PACKED_SDPA, Target, _register_packed_sdpa
 
     torch.manual_seed(0)

@@ -91,6 +91,7 @@ def test_document_conv_equals_conv_of_each_document_alone():
 
 def test_reference_delta_rule_equals_transformers_chunked_kernel():
     import inspect
+
     from transformers.models.qwen3_5 import modeling_qwen3_5 as m
 
     torch_chunk = inspect.unwrap(m.torch_chunk_gated_delta_rule)  # the pure-torch one, never a hub kernel

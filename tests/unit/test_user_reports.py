@@ -1,11 +1,12 @@
 """Defects users met at the command line: an ended run's status, a missing eval checkpoint, a closed
 pipe, the stop message of a start that never trained."""
 
-import pytest
 import io
 import json
 import subprocess
 from pathlib import Path
+
+import pytest
 
 from launcher import commands
 from launcher.cli import main

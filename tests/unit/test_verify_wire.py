@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from services import wire
-from services.verify import VerifyLimits, VerifyRequest, Verified, _Assembly, reply_messages
+from services.verify import Verified, VerifyLimits, VerifyRequest, _Assembly, reply_messages
 
 LIMITS = VerifyLimits(max_prompt=16, max_block=4, max_length=40, vocab_size=100)
 
@@ -36,7 +36,7 @@ def test_a_good_request_parses_and_each_bad_field_is_named():
             {"kind": "verify", "op": "open", "id": 1, "session": 1}, {"ids": torch.ones(2, dtype=torch.int32)}
         ),
     }
-    for name, frames in bad.items():
+    for frames in bad.values():
         with pytest.raises(wire.WireError):
             parsed(frames)
     named = {
@@ -108,6 +108,7 @@ def test_counting_models_in_the_process_survives_dead_weak_proxies():
     ReferenceError, which once crashed drafter rank 0's eval (the same error twice: the run failed)."""
     import gc
     import weakref
+
     from services.drafter.remote_eval import models_in_process
 
     class Thing:
