@@ -25,6 +25,7 @@ import sys
 from pathlib import Path
 
 from launcher.regen_record import template_kwargs_problem
+from services import runspec
 from services.checkpoint_compat import model_errors, run_errors
 from services.config import Config, ConfigError
 from services.log import events
@@ -51,7 +52,7 @@ class PreflightError(ConfigError):
 
 def preflight(cfg: Config, device: str, runs_targets: bool) -> None:
     """Every check of `up` that needs no worker (after config.validate and the input checks)."""
-    check_sizes(cfg)
+    runspec.check_sizes(cfg)
     check_attention(cfg, device)
     if not runs_targets:  # another host's targets read the model and the data
         return
@@ -74,17 +75,6 @@ def check_regenerated(key: str, path: str, template_kwargs: dict) -> None:
         raise PreflightError(refusal)
     if warning:
         print(f"launcher: warning: {warning}", file=sys.stderr, flush=True)
-
-
-def check_sizes(cfg: Config) -> None:
-    d = cfg.drafter
-    if d.num_anchors > cfg.data.pack_len:
-        raise PreflightError(
-            f"drafter.num_anchors={d.num_anchors} is larger than data.pack_len={cfg.data.pack_len}: "
-            "a row of pack_len tokens holds at most pack_len anchors; lower drafter.num_anchors"
-        )
-    if d.block_size > cfg.data.pack_len:
-        raise PreflightError(f"drafter.block_size={d.block_size} is larger than data.pack_len={cfg.data.pack_len}")
 
 
 def check_attention(cfg: Config, device: str) -> None:

@@ -214,18 +214,24 @@ def drafter_shape(
             f"not a multiple of num_key_value_heads={m.num_key_value_heads}",
         ),
         (m.head_dim % 2 == 0, f"head_dim={m.head_dim} must be even for RoPE"),
-        (
-            cfg.drafter.num_anchors <= cfg.data.pack_len,
-            f"drafter.num_anchors={cfg.drafter.num_anchors} is larger than data.pack_len={cfg.data.pack_len}",
-        ),
-        (
-            m.block_size <= cfg.data.pack_len,
-            f"drafter.block_size={m.block_size} is larger than data.pack_len={cfg.data.pack_len}",
-        ),
     ):
         if not ok:
             raise SpecError(message)
+    check_sizes(cfg)
     return m
+
+
+def check_sizes(cfg: Config) -> None:
+    """What a row of data.pack_len tokens holds of the drafter: its anchors and its block (after
+    drafter.overrides). drafter_shape and the launcher's preflight both check here."""
+    block_size = cfg.drafter.overrides.get("block_size", cfg.drafter.block_size)
+    if cfg.drafter.num_anchors > cfg.data.pack_len:
+        raise SpecError(
+            f"drafter.num_anchors={cfg.drafter.num_anchors} is larger than data.pack_len={cfg.data.pack_len}: "
+            "a row of pack_len tokens holds at most pack_len anchors; lower drafter.num_anchors"
+        )
+    if block_size > cfg.data.pack_len:
+        raise SpecError(f"drafter.block_size={block_size} is larger than data.pack_len={cfg.data.pack_len}")
 
 
 # --- the spec --------------------------------------------------------------------------------------

@@ -81,6 +81,74 @@ class DrafterModelConfig:
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
+    def to_hf(self, dtype: str = "bfloat16") -> dict:
+        """config.json of an export: the released z-lab drafters' fields at this shape (services/drafter/export.py
+        says what each engine reads of it)."""
+        return {
+            "architectures": [ARCHITECTURE],
+            "model_type": "qwen3",
+            "attention_bias": self.attention_bias,
+            "attention_dropout": 0.0,
+            "block_size": self.block_size,
+            "dflash_config": {"mask_token_id": self.mask_token_id, "target_layer_ids": list(self.target_layer_ids)},
+            "dtype": dtype,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "hidden_size": self.hidden_size,
+            "initializer_range": self.initializer_range,
+            "intermediate_size": self.intermediate_size,
+            "is_causal": False,
+            "layer_types": list(self.layer_types),
+            "max_position_embeddings": self.max_position_embeddings,
+            "max_window_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_key_value_heads": self.num_key_value_heads,
+            "num_target_layers": self.num_target_layers,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_scaling": None,
+            "rope_theta": self.rope_theta,
+            "sliding_window": self.sliding_window,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "use_cache": True,
+            "use_sliding_window": self.sliding_window is not None,
+            "vocab_size": self.vocab_size,
+        }
+
+    @classmethod
+    def from_hf(cls, conf: dict) -> "DrafterModelConfig":
+        """The shape of an export's (or a released drafter's) config.json: target_layer_ids and mask_token_id
+        from dflash_config, else the top level; the layout fields when present."""
+        dflash = conf.get("dflash_config") or {}
+        return cls(
+            **{name: conf[name] for name in HF_REQUIRED},
+            initializer_range=conf.get("initializer_range", 0.02),
+            target_layer_ids=list(dflash.get("target_layer_ids", conf.get("target_layer_ids", []))),
+            mask_token_id=dflash.get("mask_token_id", conf.get("mask_token_id", -1)),
+            layer_types=list(conf.get("layer_types") or []),
+            sliding_window=conf.get("sliding_window"),
+        )
+
+
+ARCHITECTURE = "DFlashDraftModel"  # what an export's config.json is read as (SGLang, vLLM)
+# the fields an export's config.json must hold (from_hf); the others have defaults
+HF_REQUIRED = (
+    "hidden_size",
+    "intermediate_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "vocab_size",
+    "num_target_layers",
+    "num_hidden_layers",
+    "block_size",
+    "rms_norm_eps",
+    "rope_theta",
+    "attention_bias",
+    "max_position_embeddings",
+    "tie_word_embeddings",
+)
+
 
 MODEL_FIELDS = tuple(f.name for f in dataclasses.fields(DrafterModelConfig))
 

@@ -59,48 +59,14 @@ import torch
 
 from services import dtypes
 from services.drafter.model import DrafterModelConfig
+from services.shapes import ARCHITECTURE
 
 DTYPES = dtypes.EXPORT
-ARCHITECTURE = "DFlashDraftModel"
 EXPORT_RECORD = "export.json"
 
 
 class ExportError(Exception):
     pass
-
-
-def hf_config(m: DrafterModelConfig, dtype: str = "bfloat16") -> dict:
-    """config.json of the export: the released drafters' fields, at this drafter's shapes."""
-    return {
-        "architectures": [ARCHITECTURE],
-        "model_type": "qwen3",
-        "attention_bias": m.attention_bias,
-        "attention_dropout": 0.0,
-        "block_size": m.block_size,
-        "dflash_config": {"mask_token_id": m.mask_token_id, "target_layer_ids": list(m.target_layer_ids)},
-        "dtype": dtype,
-        "head_dim": m.head_dim,
-        "hidden_act": "silu",
-        "hidden_size": m.hidden_size,
-        "initializer_range": m.initializer_range,
-        "intermediate_size": m.intermediate_size,
-        "is_causal": False,
-        "layer_types": list(m.layer_types),
-        "max_position_embeddings": m.max_position_embeddings,
-        "max_window_layers": m.num_hidden_layers,
-        "num_attention_heads": m.num_attention_heads,
-        "num_hidden_layers": m.num_hidden_layers,
-        "num_key_value_heads": m.num_key_value_heads,
-        "num_target_layers": m.num_target_layers,
-        "rms_norm_eps": m.rms_norm_eps,
-        "rope_scaling": None,
-        "rope_theta": m.rope_theta,
-        "sliding_window": m.sliding_window,
-        "tie_word_embeddings": m.tie_word_embeddings,
-        "use_cache": True,
-        "use_sliding_window": m.sliding_window is not None,
-        "vocab_size": m.vocab_size,
-    }
 
 
 def num_speculative_tokens(block_size: int) -> int:
@@ -259,7 +225,7 @@ def export_weights(
         metadata = {"format": "pt", **{k: json.dumps(v) for k, v in record.items()}}
         save_file(tensors, str(tmp / "model.safetensors"), metadata=metadata)
         default_file_mode(tmp / "model.safetensors")
-        (tmp / "config.json").write_text(json.dumps(hf_config(model_cfg, dtype), indent=2, sort_keys=True) + "\n")
+        (tmp / "config.json").write_text(json.dumps(model_cfg.to_hf(dtype), indent=2, sort_keys=True) + "\n")
         (tmp / EXPORT_RECORD).write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
         _replace_dir(tmp, out)
     except BaseException:

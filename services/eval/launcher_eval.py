@@ -49,7 +49,7 @@ def load_weights(path: str | Path) -> tuple[dict, DrafterModelConfig, str, dict]
     if "DFlashDraftModel" in conf.get("architectures", []):
         weights, metadata, digest = read_weights(path / "model.safetensors")
         step = json.loads(metadata["step"]) if "step" in metadata else None  # export.json's, in the same file
-        what, model_cfg = f"export {path.resolve()}", model_config_from_export(conf)
+        what, model_cfg = f"export {path.resolve()}", DrafterModelConfig.from_hf(conf)
     else:
         from services.drafter.checkpoint import verify
         from services.drafter.export import resolve_checkpoint
@@ -61,30 +61,6 @@ def load_weights(path: str | Path) -> tuple[dict, DrafterModelConfig, str, dict]
     held = "step unknown" if step is None else f"step {step}"
     identity = {"drafter_step": step, "drafter_sha256": digest}
     return weights, model_cfg, f"{what} ({held}, weights sha256 {digest[:12]})", identity
-
-
-def model_config_from_export(conf: dict) -> DrafterModelConfig:
-    dflash = conf.get("dflash_config") or {}
-    return DrafterModelConfig(
-        hidden_size=conf["hidden_size"],
-        intermediate_size=conf["intermediate_size"],
-        num_attention_heads=conf["num_attention_heads"],
-        num_key_value_heads=conf["num_key_value_heads"],
-        head_dim=conf["head_dim"],
-        vocab_size=conf["vocab_size"],
-        num_target_layers=conf["num_target_layers"],
-        num_hidden_layers=conf["num_hidden_layers"],
-        target_layer_ids=list(dflash.get("target_layer_ids", conf.get("target_layer_ids", []))),
-        block_size=conf["block_size"],
-        mask_token_id=dflash.get("mask_token_id", conf.get("mask_token_id", -1)),
-        rms_norm_eps=conf["rms_norm_eps"],
-        rope_theta=conf["rope_theta"],
-        attention_bias=conf["attention_bias"],
-        max_position_embeddings=conf["max_position_embeddings"],
-        tie_word_embeddings=conf["tie_word_embeddings"],
-        layer_types=list(conf.get("layer_types") or []),
-        sliding_window=conf.get("sliding_window"),
-    )
 
 
 def main(argv=None) -> int:

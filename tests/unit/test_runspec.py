@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 
-from services import runspec
+from services import runspec, shapes
 from services.checkpoint_compat import MODEL_FIELDS, NOT_FOR_RESUME, RUN_FIELDS, model_errors
 from services.config import BATCH_KINDS, SECTIONS, _section_class, load_config
 from services.target.packing import build_index, cache_key
@@ -393,3 +393,32 @@ def test_a_target_worker_on_another_model_than_the_spec_stops_with_one_line(tmp_
         f"says 8 (run spec: {run_dir / 'runspec.json'})"
     )
     assert "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        dict(),  # every layer full attention, the released drafters' layout
+        dict(
+            num_hidden_layers=3,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            sliding_window=64,
+            initializer_range=0.01,
+            tie_word_embeddings=True,
+            mask_token_id=7,
+        ),
+    ],
+)
+def test_the_drafter_shape_is_its_export_config_and_back(layout):
+    """One shape: an export's config.json (to_hf) reads back as the same DrafterModelConfig (from_hf), the
+    launcher eval of an export builds the drafter that was trained."""
+    m = shapes.DrafterModelConfig(
+        **{**shapes.SYNTHETIC_MODEL, "target_layer_ids": [1, 4, 6], "block_size": 8, **layout}
+    )
+    conf = json.loads(json.dumps(m.to_hf("bfloat16")))
+    assert shapes.DrafterModelConfig.from_hf(conf) == m
+    assert conf["use_sliding_window"] is ("sliding_window" in layout) and conf["architectures"] == [shapes.ARCHITECTURE]
+    released = {k: v for k, v in conf.items() if k not in ("layer_types", "sliding_window", "initializer_range")}
+    assert shapes.DrafterModelConfig.from_hf(released).layer_types == ["full_attention"] * m.num_hidden_layers
+    with pytest.raises(KeyError, match="num_target_layers"):
+        shapes.DrafterModelConfig.from_hf({k: v for k, v in conf.items() if k != "num_target_layers"})
