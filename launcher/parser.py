@@ -253,6 +253,15 @@ def build_parser() -> argparse.ArgumentParser:
     rg.add_argument("--max-new-tokens", type=int, default=1024, help="longest reply")
     rg.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     rg.add_argument(
+        "--samples",
+        type=int,
+        default=0,
+        metavar="K",
+        help="after that pass, K more replies per prompt sampled at --sample-temperature, written after it: "
+        "varied replies beside the greedy one (docs/operations.md)",
+    )
+    rg.add_argument("--sample-temperature", type=float, default=1.0, help="the sampled passes' temperature")
+    rg.add_argument(
         "--template-kwarg",
         action="append",
         default=[],

@@ -24,7 +24,7 @@ from launcher.progress import ProgressLine, _duration
 from launcher.regen_record import write_record
 from services import jobs
 from services.config import toml_literal
-from services.data_lines import plain_lines, read_conversations, replies_to_write
+from services.data_lines import plain_lines, read_conversations, replies_to_write, sample_path
 
 
 class RegenerateError(Exception):
@@ -84,6 +84,12 @@ def template_advice(template_kwargs: dict) -> str:
     )
 
 
+def interleave(shards: list[str]) -> list[str]:
+    """One pass's lines in input order: shard i holds lines i, i+N, ... (N shards)."""
+    rows = [text.splitlines() for text in shards]
+    return [r[i] for i in range(max(map(len, rows), default=0)) for r in rows if i < len(r)]
+
+
 def run(args) -> None:
     """Regenerate args.data into args.out, then print what changed. Raises RegenerateError."""
     data, out = Path(args.data), Path(args.out).resolve()
@@ -99,7 +105,12 @@ def run(args) -> None:
             f"rewrites assistant turns of chat text and continues plain-text prompts; train on {data} "
             "as it is (target.labels_from_target=true, the default, has the target label it)"
         )
-    total = replies_to_write(items)
+    if args.samples < 0 or (args.samples and args.sample_temperature <= 0):
+        raise RegenerateError(
+            f"--samples {args.samples} --sample-temperature {args.sample_temperature}: sampled passes need "
+            "--samples >= 1 and --sample-temperature > 0 (--temperature sets the first pass)"
+        )
+    total = replies_to_write(items) * (1 + args.samples)
     gpus = [str(g) for g in args.gpu_list] if args.device == "cuda" else [None]
     base = [
         *jobs.argv("regenerate-shard"),
@@ -117,15 +128,21 @@ def run(args) -> None:
         str(args.max_new_tokens),
         "--temperature",
         str(args.temperature),
+        "--samples",
+        str(args.samples),
+        "--sample-temperature",
+        str(args.sample_temperature),
         "--chat-template-kwargs",
         json.dumps(args.template_kwargs),
     ]
     parts = [out.with_name(f".{out.name}.part{i}") for i in range(len(gpus))]
+    passes = [parts] + [[sample_path(part, k) for part in parts] for k in range(1, args.samples + 1)]
     where = f"{len(gpus)} GPUs" if len(gpus) > 1 else (f"GPU {gpus[0]}" if gpus[0] is not None else "the CPU")
     line = ProgressLine()
     options = f", chat template with {json.dumps(args.template_kwargs)}" if args.template_kwargs else ""
+    sampled = f", then {args.samples} sampled at temperature {args.sample_temperature}" if args.samples else ""
     line.done(
-        f"regenerating {total} replies ({_kinds(chat, plain)}) of {data} on {where}{options} "
+        f"regenerating {total} replies ({_kinds(chat, plain)}{sampled}) of {data} on {where}{options} "
         f"({len(items) - chat - plain} pre-tokenized lines are copied unchanged)"
     )
     start, children, states, readers = time.monotonic(), [], [], []
@@ -156,20 +173,17 @@ def run(args) -> None:
             raise RegenerateError(
                 f"regeneration failed (exit codes {codes}; the error is above); {out.name} was not written"
             )
-        shards = [part.read_text(encoding="utf-8").splitlines() for part in parts]
         tmp = out.with_name(f".{out.name}.tmp")
         with open(tmp, "w", encoding="utf-8") as f:
-            for row in range(max(len(s) for s in shards)):
-                for s in shards:
-                    if row < len(s):
-                        f.write(s[row] + "\n")
+            for shard_files in passes:  # the first pass, then each sampled one: each in input order
+                f.writelines(row + "\n" for row in interleave([p.read_text(encoding="utf-8") for p in shard_files]))
         os.replace(tmp, out)
     finally:
         for child in children:
             if child.poll() is None:
                 child.kill()
                 child.wait()
-        for part in parts:
+        for part in (p for shard_files in passes for p in shard_files):
             part.unlink(missing_ok=True)
     finals = [s["final"] for s in states]
     empty, pre_tokenized = sum(f["empty_replies_kept"] for f in finals), sum(f["pre_tokenized"] for f in finals)
@@ -180,6 +194,8 @@ def run(args) -> None:
             "engine": args.engine,
             "chat_template_kwargs": args.template_kwargs,
             "temperature": args.temperature,
+            "samples": args.samples,
+            "sample_temperature": args.sample_temperature if args.samples else None,
             "max_new_tokens": args.max_new_tokens,
             "data": str(data.resolve()),
             "lines": len(items),
@@ -197,8 +213,10 @@ def run(args) -> None:
         lines.append(f"{empty} replies came back empty: those turns keep the data's text")
     if pre_tokenized:
         lines.append(f"{pre_tokenized} pre-tokenized lines copied unchanged (no text to regenerate)")
+    written = sum(f["lines"] for f in finals) + args.samples * (chat + plain)
+    order = f"in input order, then {args.samples} sampled passes of its {chat + plain} lines" if args.samples else ""
     lines += [
-        f"wrote {out}: {sum(f['lines'] for f in finals)} lines, in input order "
+        f"wrote {out}: {written} lines, {order or 'in input order'} "
         f"(how it was made: {record.name}, read by `launcher up`)",
         advice(out, pre_tokenized),
     ]

@@ -207,3 +207,13 @@ def replies_to_write(items: list[tuple[dict, list | None]]) -> int:
     """What regeneration writes for read_conversations' items (its progress total): every assistant
     turn of the chat lines, and one completion per plain-text line."""
     return sum(m["role"] == "assistant" for _, messages in items for m in messages or []) + plain_lines(items)
+
+
+def regenerable(items: list[tuple[dict, list | None]]) -> list[tuple[dict, list | None]]:
+    """The items regeneration rewrites (chat and plain-text lines), without the pre-tokenized ones."""
+    return [(record, messages) for record, messages in items if messages is not None or plain_prompt(record)]
+
+
+def sample_path(out: Path, k: int) -> Path:
+    """Where a regeneration shard writes its k-th sampled pass (`launcher regenerate --samples`)."""
+    return out.with_name(f"{out.name}.sample{k}")

@@ -13,6 +13,7 @@ produces. Three ways to line the labels up with the target (docs/operations.md#w
     python -m services.target.regenerate_shard --model PATH --data IN.jsonl --out OUT.jsonl
         [--batch-size 0] [--max-new-tokens 1024] [--engine hf|vllm|sglang] [--device cuda|cpu]
         [--shard I/N] [--chat-template-kwargs '{"enable_thinking": false}']
+        [--samples K --sample-temperature T]
 
 Every engine renders the prompts with --chat-template-kwargs (the chat template's extra variables,
 as data.chat_template_kwargs gives them to training): the replies are what the target writes
@@ -26,6 +27,9 @@ transformers' batched `generate` (left padding). vLLM or SGLang when installed (
 `launcher regenerate --gpus 0-3` runs one shard per GPU (lines
 i, i+N, ...) and interleaves the shards back into the input order. Lines that are not chat
 (pre-tokenized) are copied unchanged. Output lines are OpenAI-style {"messages": [...]}.
+--samples K: after that pass, K more of the lines with text to regenerate, each reply sampled at
+--sample-temperature (pass k of shard i from seed SAMPLE_SEED * k + i), to OUT.sample1..K: more
+varied replies per prompt for the drafter to learn from (docs/operations.md).
 
 Stdout is JSON lines: {"event": "progress", "done": D, "total": T, "tokens": N} (assistant turns
 done, tokens generated) after each batch and every 2 s inside one, and one {"event":
@@ -42,7 +46,14 @@ import sys
 import time
 from pathlib import Path
 
-from services.data_lines import plain_lines, plain_prompt, read_conversations, replies_to_write
+from services.data_lines import (
+    plain_lines,
+    plain_prompt,
+    read_conversations,
+    regenerable,
+    replies_to_write,
+    sample_path,
+)
 from services.files import write_text_atomic
 
 
@@ -62,11 +73,18 @@ class HFEngine:
         dtype = torch.float32 if device == "cpu" else torch.bfloat16
         self.model = load_causal_lm(model_path, dtype, device)  # the training target's loader, HF's attention
         self.slots = slot_target(self.model)  # None: a recurrent target, HF generate
-        self.generator = torch.Generator(device).manual_seed(0) if temperature > 0 else None
-        self.device, self.temperature, self.template_kwargs = device, temperature, template_kwargs or {}
+        self.device, self.template_kwargs = device, template_kwargs or {}
+        self.set_sampling(temperature, seed=0)
         self.pad = (
             self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
         )
+
+    def set_sampling(self, temperature: float, seed: int) -> None:
+        """Greedy (0) or sampled at `temperature`, from a generator seeded with `seed` (the slot rows'
+        own; transformers' generate draws from torch's global one, seeded here too)."""
+        self.temperature = temperature
+        self.generator = self.torch.Generator(self.device).manual_seed(seed) if temperature > 0 else None
+        self.torch.manual_seed(seed)
 
     def generate(self, conversations: list[list[dict]], max_new_tokens: int, batch_size: int, tick=None) -> list[str]:
         from services.data_lines import prompt_tokens, raw_tokens
@@ -168,12 +186,16 @@ class VLLMEngine:
     def __init__(self, model_path: str, device: str, temperature: float, template_kwargs: dict | None = None):
         from vllm import LLM
 
-        self.llm, self.temperature, self.template_kwargs = LLM(model=model_path), temperature, template_kwargs or {}
+        self.llm, self.template_kwargs = LLM(model=model_path), template_kwargs or {}
+        self.set_sampling(temperature, seed=0)
+
+    def set_sampling(self, temperature: float, seed: int) -> None:
+        self.temperature, self.seed = temperature, seed
 
     def generate(self, conversations, max_new_tokens, batch_size, tick=None):
         from vllm import SamplingParams
 
-        params = SamplingParams(temperature=self.temperature, max_tokens=max_new_tokens)
+        params = SamplingParams(temperature=self.temperature, max_tokens=max_new_tokens, seed=self.seed)
         if all(isinstance(c, str) for c in conversations):  # plain text: a base model continues it
             replies = [o.outputs[0].text for o in self.llm.generate(conversations, params, use_tqdm=False)]
         else:
@@ -195,6 +217,9 @@ class SGLangEngine:
         self.template_kwargs = template_kwargs or {}
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
 
+    def set_sampling(self, temperature: float, seed: int) -> None:
+        self.temperature = temperature  # SGLang's own sampling state: passes differ, not reproducibly
+
     def generate(self, conversations, max_new_tokens, batch_size, tick=None):
         prompts = [
             self.tokenizer.apply_chat_template(m, tokenize=False, add_generation_prompt=True, **self.template_kwargs)
@@ -209,6 +234,11 @@ class SGLangEngine:
 
 
 ENGINES = {"hf": HFEngine, "vllm": VLLMEngine, "sglang": SGLangEngine}
+SAMPLE_SEED = 1_000_003  # sampled pass k of shard i draws from seed SAMPLE_SEED * k + i
+
+
+def write_lines(path: Path, records: list[dict]) -> Path:
+    return write_text_atomic(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
 
 
 def regenerate(
@@ -267,6 +297,8 @@ def main(argv=None) -> int:
     p.add_argument("--batch-size", type=int, default=0, help="0: as many as fit (HFEngine.rows_that_fit)")
     p.add_argument("--max-new-tokens", type=int, default=1024)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (what greedy decoding will see)")
+    p.add_argument("--samples", type=int, default=0, help="sampled passes after the first, each to OUT.sample<k>")
+    p.add_argument("--sample-temperature", type=float, default=1.0, help="the sampled passes' temperature")
     p.add_argument("--shard", default="0/1", help="I/N: this process regenerates lines I, I+N, ...")
     p.add_argument(
         "--chat-template-kwargs",
@@ -288,7 +320,7 @@ def main(argv=None) -> int:
         print(f"regenerate: error: {exc}", file=sys.stderr, flush=True)
         return 2
     engine = ENGINES[args.engine](args.model, device, args.temperature, args.chat_template_kwargs)
-    counts, done, total = {}, 0, replies_to_write(items)
+    counts, done, total = {}, 0, replies_to_write(items) * (1 + args.samples)
 
     generated, said = 0, time.monotonic()
 
@@ -302,7 +334,12 @@ def main(argv=None) -> int:
             print(json.dumps({"event": "progress", "done": done, "total": total, "tokens": generated}), flush=True)
 
     records = regenerate(engine, items, args.max_new_tokens, args.batch_size, counts, tick=tick)
-    out = write_text_atomic(Path(args.out), "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
+    out = write_lines(Path(args.out), records)
+    rewritten = regenerable(items)
+    for k in range(1, args.samples + 1):  # each pass its own seed, distinct across passes and shards
+        engine.set_sampling(args.sample_temperature, seed=SAMPLE_SEED * k + shard)
+        sampled = regenerate(engine, rewritten, args.max_new_tokens, args.batch_size, counts, tick)
+        write_lines(sample_path(out, k), sampled)
     chat = sum(m is not None for _, m in items)
     plain = plain_lines(items)
     print(
@@ -314,6 +351,7 @@ def main(argv=None) -> int:
                 "chat": chat,
                 "plain": plain,
                 "pre_tokenized": len(records) - chat - plain,
+                "samples": args.samples,
                 "turns": total,
                 "empty_replies_kept": counts["empty"],
                 "engine": args.engine,

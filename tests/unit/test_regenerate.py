@@ -12,8 +12,10 @@ from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 from launcher import process
 from launcher.preflight import PreflightError, check_regenerated
 from launcher.regen_record import record_path
+from launcher.regenerate import interleave
 from launcher.topology import SpecError, parse_gpu_list
-from services.data_lines import prompt_tokens, read_conversations
+from services.data_lines import prompt_tokens, read_conversations, sample_path
+from services.target import regenerate_shard
 from services.target.regenerate_shard import HFEngine, regenerate
 from services.tools.demo import CHAT_TEMPLATE
 from tests.greedy import hf_greedy_generate as greedy_generate
@@ -116,7 +118,7 @@ def test_every_assistant_turn_is_the_targets_greedy_reply(tok_dir, tmp_path):
 
 
 @pytest.mark.processes
-def test_launcher_regenerate_writes_the_lines_in_input_order(tok_dir, tmp_path):
+def test_launcher_regenerate_writes_the_lines_in_input_order_then_its_sampled_passes(tok_dir, tmp_path):
     make_model(tok_dir, tmp_path / "model")
     data = tmp_path / "chat.jsonl"
     data.write_text("".join(json.dumps(c) + "\n" for c in CHATS))
@@ -132,6 +134,10 @@ def test_launcher_regenerate_writes_the_lines_in_input_order(tok_dir, tmp_path):
         "cpu",
         "--max-new-tokens",
         "6",
+        "--samples",
+        "2",
+        "--sample-temperature",
+        "5",
         cwd=REPO,
         timeout=300,
     )
@@ -139,19 +145,31 @@ def test_launcher_regenerate_writes_the_lines_in_input_order(tok_dir, tmp_path):
     assert "Loading weights" not in out.stderr + out.stdout  # transformers' bars are silenced
     assert "torchao" not in out.stderr + out.stdout and "_pytree" not in out.stderr  # fp8 training's only
     lines = [json.loads(t) for t in (tmp_path / "regen.jsonl").read_text().splitlines()]
-    assert len(lines) == 4 and lines[1] == CHATS[1]
-    assert lines[3]["messages"][0] == {"role": "user", "content": "repeat after me : red stone"}
-    # what it does, while and after: 4 assistant turns in 3 chat lines; the pre-tokenized line is named
+    assert len(lines) == 4 + 2 * 3 and lines[1] == CHATS[1]  # the first pass, then two of the 3 chat lines
+    greedy, *sampled = lines[:4], lines[4:7], lines[7:]
+    assert greedy[3]["messages"][0] == {"role": "user", "content": "repeat after me : red stone"}
+    for chats in sampled:  # each sampled pass: the chat lines in input order, their own replies
+        assert [c["messages"][:1] for c in chats] == [g["messages"][:1] for g in (greedy[0], greedy[2], greedy[3])]
+    replies = [[m["content"] for c in chats for m in c["messages"] if m["role"] == "assistant"] for chats in sampled]
+    assert replies[0] != replies[1] and replies[0] != [
+        m["content"] for c in (greedy[0], greedy[2], greedy[3]) for m in c["messages"] if m["role"] == "assistant"
+    ]
+    # what it does, while and after: 4 assistant turns in 3 chat lines, 3 times; the pre-tokenized line is named
     said = out.stdout
-    assert "regenerating 4 replies (assistant turns of 3 chat lines)" in said and "regenerating: " in said, said
-    assert re.search(
-        r"^regenerated \d replies \(assistant turns of 3 chat lines\) in \dm\d\ds \(hf, the CPU\)$", said, re.M
+    assert (
+        "regenerating 12 replies (assistant turns of 3 chat lines, then 2 sampled at temperature 5.0)" in said
+        and "regenerating: " in said
     ), said
-    assert "1 pre-tokenized lines copied unchanged" in said and f"wrote {tmp_path / 'regen.jsonl'}: 4 lines" in said
+    assert re.search(
+        r"^regenerated \d+ replies \(assistant turns of 3 chat lines\) in \dm\d\ds \(hf, the CPU\)$", said, re.M
+    ), said
+    assert "1 pre-tokenized lines copied unchanged" in said
+    assert f"wrote {tmp_path / 'regen.jsonl'}: 10 lines, in input order, then 2 sampled passes of its 3 lines" in said
     assert "target.labels_from_target=true" in said and "labels_from_target=false" not in said  # a copied line
     assert ".part" not in said + out.stderr and '"event"' not in said  # no internal paths
     assert "chat template with" not in said and "data.chat_template_kwargs" not in said  # no options given
-    assert json.loads(record_path(tmp_path / "regen.jsonl").read_text())["chat_template_kwargs"] == {}
+    record = json.loads(record_path(tmp_path / "regen.jsonl").read_text())
+    assert record["chat_template_kwargs"] == {} and (record["samples"], record["sample_temperature"]) == (2, 5.0)
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         "chat.jsonl",
         "model",
@@ -433,3 +451,29 @@ def test_a_base_model_continues_plain_text_lines_and_trains_on_them(tok_dir, tmp
     assert list(doc_ids) == tokenizer(lines[1]["text"])["input_ids"] and mask.all()
     with pytest.raises(ValueError, match="'completion'"):
         line_to_document(json.dumps(lines[0]), tokenizer, len(tokenizer))
+
+
+def test_each_sampled_pass_of_a_shard_draws_from_its_own_seed(tok_dir, tmp_path, capsys):
+    """regenerate_shard --samples: pass k of shard i from seed SAMPLE_SEED * k + i, so a rerun writes
+    the same replies, and the passes (and the shards) differ from each other."""
+    make_model(tok_dir, tmp_path / "model")
+    data = tmp_path / "chat.jsonl"
+    data.write_text("".join(json.dumps(c) + "\n" for c in CHATS))
+
+    def shard(out, index):
+        argv = ["--model", str(tmp_path / "model"), "--data", str(data), "--out", str(out), "--device", "cpu"]
+        argv += ["--max-new-tokens", "6", "--samples", "2", "--sample-temperature", "5", "--shard", f"{index}/1"]
+        assert regenerate_shard.main(argv) == 0
+        return [sample_path(out, k).read_text() for k in (1, 2)]
+
+    first, again = shard(tmp_path / "a.jsonl", 0), shard(tmp_path / "b.jsonl", 0)
+    assert first == again and first[0] != first[1]
+    assert len(first[0].splitlines()) == 3  # the chat lines; the pre-tokenized one only in the first pass
+    final = json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert final["samples"] == 2 and final["turns"] == 3 * 4
+
+
+def test_the_shards_of_a_pass_interleave_back_into_input_order():
+    shards = ["0\n3\n6\n", "1\n4\n", "2\n5\n"]  # 7 lines over 3 shards: i, i+3, ...
+    assert interleave(shards) == [str(i) for i in range(7)]
+    assert interleave([""]) == []
