@@ -290,4 +290,4 @@ def test_a_value_too_big_is_refused_by_the_client_and_a_gone_store_fails_at_once
     t0 = time.monotonic()
     with pytest.raises(StoreGone, match="stopped answering"):  # the next call does not wait again
         client.check(["a"])
-    assert time.monotonic() - t0 < 0.1
+    assert time.monotonic() - t0 < 0.4  # not answer_s=0.5 again
