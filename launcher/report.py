@@ -95,6 +95,10 @@ def describe_data(info: dict) -> str:
         else "; no bad lines"
     )
     line = f"data: {info['train_rows']} training rows, {info['eval_rows']} held-out rows{skipped}"
+    if info.get("packing"):  # built now, or reused from this machine's store (no tokenizing)
+        line += f"; {info['packing']}"
+    if info.get("store_problem"):
+        line += f"\nwarning: {info['store_problem']}"
     if info.get("prompts", info.get("chat_prompts")) == 0:  # ("chat_prompts": data.json of older runs)
         line += (
             "\nreal acceptance: off, the held-out data has no prompts (a pre-tokenized line's prompt is its "

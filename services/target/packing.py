@@ -19,9 +19,11 @@ Rules:
 So batch g is a pure function of (dataset, tokenizer, config, seed, g): any target can build it.
 
 Cache: <run_dir>/data-cache/<key>.safetensors, key = hash of the data files' size, mtime and
-sha256, the tokenizer, the relevant config and FORMAT_VERSION. Several targets may start at
-once: one builds under an flock while the others wait, and the file appears by atomic rename.
-The file is memory-mapped and rows are sliced from it, so the tokens are not held in RAM.
+sha256, the tokenizer, the relevant config and FORMAT_VERSION. It is a hard link to the machine's
+store of packed data (store_dir(): every run of the same key shares one build, so a second run on
+the same data, or one that changes only the drafter, tokenizes nothing). Several targets may start
+at once: one builds under an flock while the others wait, and the file appears by atomic rename,
+read-only. The file is memory-mapped and rows are sliced from it, so the tokens are not held in RAM.
 
 Published digests: next to the cache, <key>.digests.safetensors holds the token digest
 (services.batch.token_digest) of every row of both splits. A drafter checks each batch it is
@@ -35,11 +37,13 @@ Both files are read by services/packed_data.py (PackedData, PublishedDigests), s
 from __future__ import annotations
 
 import bisect
+import contextlib
 import fcntl
 import hashlib
 import json
 import logging
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -49,7 +53,7 @@ import numpy as np
 from services import runspec
 from services.batch import SPLITS
 from services.config import Config
-from services.files import sha256_file
+from services.files import cache_root, sha256_file
 from services.packed_data import FORMAT_VERSION, PackedData, digests_path
 from services.target.data import BadSamples, DataError, Document, read_documents
 
@@ -179,33 +183,85 @@ def build_index(cfg: Config, tokenizer, vocab_size: int) -> tuple[dict[str, np.n
     return tensors, meta
 
 
-def open_or_build(cfg: Config, run_dir: str | Path, tokenizer, vocab_size: int, log=None) -> "PackedData":
-    """The run's packed dataset: reuse <run_dir>/data-cache/<key>.safetensors or build it (once, locked)."""
-    from safetensors.numpy import save_file
+def store_dir() -> Path:
+    """This machine's packed data, shared by every run of the same data, tokenizer and packing keys
+    (the content key says so): $DFLASH_CACHE_DIR/packed-data, else ~/.cache/dflash/packed-data."""
+    return cache_root() / "packed-data"
 
+
+def open_or_build(
+    cfg: Config, run_dir: str | Path, tokenizer, vocab_size: int, log=None, store: Path | None = None
+) -> "PackedData":
+    """The run's packed dataset, <run_dir>/data-cache/<key>.safetensors (and its digests): a link to
+    the machine's store (store_dir(), or `store`), built there once if no run has built it yet. A
+    store that cannot be written (read-only, full, another filesystem than the run's without room)
+    is said in one line and the run builds its own copy."""
     log = log or logging.getLogger("target").info
     cache_dir = Path(run_dir) / "data-cache"
     cache_dir.mkdir(parents=True, exist_ok=True)
     key = cache_key(cfg, tokenizer, vocab_size)
     path = cache_dir / f"{key}.safetensors"
-    with open(cache_dir / f"{key}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # another target may be building this very index
+    with _locked(cache_dir / f"{key}.link.lock"):  # another target may be linking (or building) it
         if not path.is_file():
-            t0 = time.monotonic()
-            tensors, meta = build_index(cfg, tokenizer, vocab_size)
-            tmp = cache_dir / f".{key}.{os.getpid()}.tmp"
-            save_file(tensors, str(tmp), metadata=meta)
-            os.replace(tmp, path)
-            log(f"data: built {path.name} in {time.monotonic() - t0:.1f}s")
+            store = store_dir() if store is None else store
+            try:
+                built = _build(cfg, Path(store), key, tokenizer, vocab_size, log)
+                for source in (built, digests_path(built)):
+                    _link(source, cache_dir / source.name)
+            except OSError as exc:
+                log(f"data: the packed-data store {store} is not usable ({exc}); building in the run folder")
+                _build(cfg, cache_dir, key, tokenizer, vocab_size, log)
         data = PackedData(path, cfg)
-        digests = digests_path(path)
-        if not digests.is_file():
-            tmp = cache_dir / f".{key}.{os.getpid()}.digests.tmp"
-            save_file({f"{s}_row_digests": data.row_digests(s) for s in SPLITS}, str(tmp))
-            os.replace(tmp, digests)
     if data.bad_samples:
         log(f"data: skipped {data.bad_samples} bad lines; first: " + "; ".join(data.bad_examples[:3]))
     return data
+
+
+@contextlib.contextmanager
+def _locked(path: Path):
+    with open(path, "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+def _build(cfg: Config, folder: Path, key: str, tokenizer, vocab_size: int, log) -> Path:
+    """<folder>/<key>.safetensors and its digests, built unless there (under the folder's lock for
+    the key); read-only, since runs hold them as hard links."""
+    from safetensors.numpy import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{key}.safetensors"
+    with _locked(folder / f"{key}.lock"):
+        if not path.is_file():
+            t0 = time.monotonic()
+            tensors, meta = build_index(cfg, tokenizer, vocab_size)
+            tmp = folder / f".{key}.{os.getpid()}.tmp"
+            save_file(tensors, str(tmp), metadata=meta)
+            os.chmod(tmp, 0o444)
+            os.replace(tmp, path)
+            log(f"data: built {path.name} in {time.monotonic() - t0:.1f}s")
+        else:
+            log(f"data: packed data {path.name} reused from {folder}")
+        digests = digests_path(path)
+        if not digests.is_file():
+            data = PackedData(path, cfg)
+            tmp = folder / f".{key}.{os.getpid()}.digests.tmp"
+            save_file({f"{s}_row_digests": data.row_digests(s) for s in SPLITS}, str(tmp))
+            os.chmod(tmp, 0o444)
+            os.replace(tmp, digests)
+    return path
+
+
+def _link(source: Path, dest: Path) -> None:
+    """dest as a hard link to source, or a copy where they are on different filesystems."""
+    if dest.is_file():
+        return
+    tmp = dest.with_name(f".{dest.name}.{os.getpid()}.link")
+    try:
+        os.link(source, tmp)
+    except OSError:
+        shutil.copyfile(source, tmp)
+    os.replace(tmp, dest)
 
 
 # --- serve ---------------------------------------------------------------------------------------
@@ -213,7 +269,7 @@ def open_or_build(cfg: Config, run_dir: str | Path, tokenizer, vocab_size: int, 
 # --- `launcher up` builds the index before any worker starts ------------------------------------
 
 
-def prepare(cfg: Config, run_dir: str | Path) -> "PackedData":
+def prepare(cfg: Config, run_dir: str | Path, log=None) -> "PackedData":
     """Tokenize and pack cfg.data into the run's cache, with the tokenizer and vocabulary of the
     target's config, not its weights: a bad line stops the run in seconds, before a 27B model
     loads, and the target workers then open the same cache file (same key)."""
@@ -228,7 +284,7 @@ def prepare(cfg: Config, run_dir: str | Path) -> "PackedData":
             f"target.model_path: cannot load the config and tokenizer of {cfg.target.model_path}: "
             f"{type(exc).__name__}: {first}"
         ) from None
-    return open_or_build(cfg, run_dir, tokenizer, vocab_size, log=lambda msg: None)
+    return open_or_build(cfg, run_dir, tokenizer, vocab_size, log=log or (lambda msg: None))
 
 
 class ModelFilesError(DataError):
@@ -261,7 +317,8 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     try:
         cfg = load_config(args.config)
-        data = prepare(cfg, args.run_dir)
+        said = []
+        data = prepare(cfg, args.run_dir, log=said.append)
     except (DataError, runspec.SpecError) as exc:
         print(
             exc if isinstance(exc, (ModelFilesError, runspec.SpecError)) else f"data: {exc}",
@@ -282,6 +339,8 @@ def main(argv=None) -> int:
                 "bad_samples": data.bad_samples,
                 "bad_examples": data.bad_examples[:3],
                 "prompts": prompts,
+                "packing": next((m.removeprefix("data: ") for m in said if "reused from" in m or "built" in m), ""),
+                "store_problem": next((m.removeprefix("data: ") for m in said if "not usable" in m), ""),
             }
         ),
         flush=True,

@@ -14,7 +14,6 @@ import pytest
 
 from services.drafter.ledger import read_all
 from services.log import events
-from tests.assets import shared_data
 from tests.launching import PLUMBING, REPO, drafter_stuck, launcher_argv, wait_for
 
 STEPS, LOG_EVERY = 30, 2
@@ -92,7 +91,7 @@ def stop_after_some_steps(run_dir: Path, args: list[str]) -> int:
     ],
 )
 def test_resume_on_another_split_trains_every_batch_once(tmp_path, before, d_before, after, d_after, accum):
-    run_dir = shared_data(tmp_path / "run")
+    run_dir = tmp_path / "run"
     stopped = stop_after_some_steps(run_dir, up(run_dir, before, f"drafter.grad_accum={accum}"))
     first_targets = target_pids(run_dir)
     done = stopped * accum * d_before  # every rank finished the steps before the stop

@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 
-from tests.assets import shared_data
 from tests.launching import PLUMBING, REPO, run_launcher, start_launcher, wait_ready_then_metrics
 
 pytestmark = pytest.mark.training
@@ -18,9 +17,7 @@ ONE_DRAFTER = ["--demo", "--device", "cpu", "--gpus", "0:target,1:drafter"]
 
 
 def up(run_dir: Path, *extra: str) -> subprocess.Popen:
-    return start_launcher(
-        "up", *ONE_DRAFTER, "--run-dir", str(shared_data(run_dir)), *PLUMBING, "run.max_steps=2000", *extra
-    )
+    return start_launcher("up", *ONE_DRAFTER, "--run-dir", str(run_dir), *PLUMBING, "run.max_steps=2000", *extra)
 
 
 def status(run_dir: Path) -> subprocess.CompletedProcess:

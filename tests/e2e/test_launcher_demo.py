@@ -22,7 +22,6 @@ import pytest
 
 from services.drafter.ledger import read_all
 from services.files import sha256_file
-from tests.assets import shared_data
 from tests.launching import PLUMBING, REPO, child_env, launcher_argv, run_launcher
 
 DEMO = ["--demo", "--device", "cpu", "--gpus", "0:target,1-2:drafter"]
@@ -34,7 +33,7 @@ def launcher(run_dir: Path, *extra: str) -> list[str]:
 
 def plumbing(run_dir: Path, *extra: str) -> list[str]:
     """The demo on the plumbing settings, its packed data from the asset store."""
-    return launcher(shared_data(run_dir), *PLUMBING, *extra)
+    return launcher(run_dir, *PLUMBING, *extra)
 
 
 def metrics(run_dir: Path) -> list[dict]:

@@ -19,7 +19,6 @@ from pathlib import Path
 import pytest
 
 from services.log import events
-from tests.assets import shared_data
 from tests.launching import PLUMBING, REPO, child_env, launcher_argv, run_launcher, start_launcher, wait_metrics
 
 
@@ -75,7 +74,7 @@ KILL_9 = textwrap.dedent("""
 def test_kill_9_of_the_launcher_every_drafter_checkpoints_and_exits_stopped(tmp_path):
     run_dir = tmp_path / "run"
     out = subprocess.run(
-        [sys.executable, "-c", KILL_9, str(run_dir), *launcher_argv(*up_args(shared_data(run_dir)))],
+        [sys.executable, "-c", KILL_9, str(run_dir), *launcher_argv(*up_args(run_dir))],
         capture_output=True,
         text=True,
         timeout=600,
@@ -138,7 +137,7 @@ def test_a_second_launcher_is_refused_in_under_two_seconds_while_the_first_prepa
 @pytest.mark.training
 def test_one_stop_per_request_and_one_launcher_per_run_dir(tmp_path):
     run_dir = tmp_path / "run"
-    first = start_launcher(*up_args(shared_data(run_dir)))
+    first = start_launcher(*up_args(run_dir))
     try:
         lock = run_dir / "launcher.lock"
         deadline = time.monotonic() + 180  # after the demo is loaded and its data packed

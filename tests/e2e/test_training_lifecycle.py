@@ -14,7 +14,6 @@ import pytest
 
 from services.drafter.ledger import read_all
 from services.log import events
-from tests.assets import shared_data
 from tests.launching import PLUMBING, REPO, drafter_stuck, launcher_argv, run_launcher, wait_for
 
 # the plumbing settings; steps enough for three evaluations and a loss that falls
@@ -33,7 +32,7 @@ def test_sigkilled_drafter_resumes_and_every_batch_is_trained_once(tmp_path):
             "--gpus",
             "0:target,1-2:drafter",
             "--run-dir",
-            str(shared_data(run_dir)),
+            str(run_dir),
             *PLUMBING,
             f"run.max_steps={STEPS}",
             f"run.checkpoint_every={CHECKPOINT_EVERY}",
@@ -115,7 +114,7 @@ def test_stop_while_waiting_for_data_checkpoints_and_resume_finishes_the_run(tmp
         "--gpus",
         "0:target,1-2:drafter",
         "--run-dir",
-        str(shared_data(run_dir)),
+        str(run_dir),
         *PLUMBING,
         f"run.max_steps={steps}",
         "run.checkpoint_every=1000",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import stat
 import subprocess
 import sys
 from collections import Counter
@@ -13,6 +14,7 @@ from safetensors.numpy import load_file
 from transformers import AutoTokenizer
 
 from services.config import load_config
+from services.packed_data import digests_path
 from services.target.data import DataError, Document
 from services.target.packing import cache_key, open_or_build, pack_rows, split_document
 from services.tools.demo import conversations
@@ -161,13 +163,13 @@ def test_bad_samples_are_counted_in_the_index(tmp_path, data_file, tokenizer):
 
 
 def test_cache_is_reused_and_invalidated(tmp_path, data_file, tokenizer, tok_dir):
-    run = tmp_path / "run"
+    run, store = tmp_path / "run", tmp_path / "store"
     logged = []
-    first = open_or_build(_cfg(data_file), run, tokenizer, VOCAB, log=logged.append)
+    first = open_or_build(_cfg(data_file), run, tokenizer, VOCAB, log=logged.append, store=store)
     assert sum("built" in m for m in logged) == 1
     assert first.path.parent == run / "data-cache" and first.path.suffix == ".safetensors"
     assert set(load_file(str(first.path))) >= {"train_tokens", "train_loss_mask", "train_doc_lens", "train_row_docs"}
-    open_or_build(_cfg(data_file), run, tokenizer, VOCAB, log=logged.append)
+    open_or_build(_cfg(data_file), run, tokenizer, VOCAB, log=logged.append, store=store)
     assert sum("built" in m for m in logged) == 1  # reused, not rebuilt
     key = cache_key(_cfg(data_file), tokenizer, VOCAB)
     assert cache_key(_cfg(data_file, "data.pack_len=256"), tokenizer, VOCAB) != key
@@ -181,17 +183,43 @@ def test_cache_is_reused_and_invalidated(tmp_path, data_file, tokenizer, tok_dir
     text = data_file.read_text()
     data_file.write_text(text.replace("count from", "count frum", 1))  # same size, new content
     assert cache_key(_cfg(data_file), tokenizer, VOCAB) != key
-    rebuilt = open_or_build(_cfg(data_file), run, tokenizer, VOCAB, log=logged.append)
+    rebuilt = open_or_build(_cfg(data_file), run, tokenizer, VOCAB, log=logged.append, store=store)
     assert sum("built" in m for m in logged) == 2 and rebuilt.path != first.path
+
+
+def test_runs_of_the_same_data_share_one_build_through_the_store(tmp_path, data_file, tokenizer):
+    """Another run folder on the same data and packing keys (a new drafter recipe, say) tokenizes
+    nothing: its data-cache holds hard links to the store's read-only files. A store that cannot be
+    written is said, and the run builds its own."""
+    store, logged = tmp_path / "store", []
+    first = open_or_build(_cfg(data_file), tmp_path / "a", tokenizer, VOCAB, log=logged.append, store=store)
+    second = open_or_build(
+        _cfg(data_file, "drafter.num_anchors=8"), tmp_path / "b", tokenizer, VOCAB, log=logged.append, store=store
+    )
+    assert sum("built" in m for m in logged) == 1 and any("reused from" in m for m in logged)
+    for run in (first, second):
+        for path in (run.path, digests_path(run.path)):
+            stored = store / path.name
+            assert path.stat().st_ino == stored.stat().st_ino and stat.S_IMODE(stored.stat().st_mode) == 0o444
+    assert second.batch(3)["input_ids"].tolist() == first.batch(3)["input_ids"].tolist()
+    blocked = tmp_path / "blocked"
+    blocked.write_text("a file where the store's folder would be")
+    logged.clear()
+    own = open_or_build(_cfg(data_file), tmp_path / "c", tokenizer, VOCAB, log=logged.append, store=blocked)
+    assert any(f"the packed-data store {blocked} is not usable" in m for m in logged), logged
+    assert own.path.is_file() and own.path.stat().st_ino != first.path.stat().st_ino
+    assert own.batch(3)["input_ids"].tolist() == first.batch(3)["input_ids"].tolist()
 
 
 BUILD_SCRIPT = """
 import sys
+from pathlib import Path
 from transformers import AutoTokenizer
 from services.config import load_config
 from services.target.packing import open_or_build
 cfg = load_config(None, [f"data.path={sys.argv[1]}", "data.pack_len=128"])
-data = open_or_build(cfg, sys.argv[2], AutoTokenizer.from_pretrained(sys.argv[3]), 4096, log=print)
+tok = AutoTokenizer.from_pretrained(sys.argv[3])
+data = open_or_build(cfg, sys.argv[2], tok, 4096, log=print, store=Path(sys.argv[4]))
 print("ROWS", data.num_batches(), data.path.name)
 """
 
@@ -200,7 +228,15 @@ print("ROWS", data.num_batches(), data.path.name)
 def test_concurrent_targets_share_one_build(tmp_path, data_file, tok_dir):
     procs = [
         subprocess.Popen(
-            [sys.executable, "-c", BUILD_SCRIPT, str(data_file), str(tmp_path / "run"), str(tok_dir)],
+            [
+                sys.executable,
+                "-c",
+                BUILD_SCRIPT,
+                str(data_file),
+                str(tmp_path / "run"),
+                str(tok_dir),
+                str(tmp_path / "s"),
+            ],
             cwd=REPO,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
