@@ -211,7 +211,7 @@ def replies_to_write(items: list[tuple[dict, list | None]]) -> int:
 
 def regenerable(items: list[tuple[dict, list | None]]) -> list[tuple[dict, list | None]]:
     """The items regeneration rewrites (chat and plain-text lines), without the pre-tokenized ones."""
-    return [(record, messages) for record, messages in items if messages is not None or plain_prompt(record)]
+    return [(r, messages) for r, messages in items if messages is not None or plain_prompt(r) is not None]
 
 
 def sample_path(out: Path, k: int) -> Path:

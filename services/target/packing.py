@@ -304,6 +304,12 @@ def eval_prompt_count(cfg: Config) -> int | None:
     return sum(len(s.prompts) for s in prompt_sets(cfg, tokenizer, cfg.run.eval_prompts, cfg.run.spec_eval_prompts))
 
 
+def said_first(said: list[str], *starts: str) -> str:
+    """The first of open_or_build's lines that begins with one of `starts`, without "data: " (by the
+    start only: a skipped line quotes data lines, which may hold any words)."""
+    return next((m.removeprefix("data: ") for m in said if m.startswith(starts)), "")
+
+
 def main(argv=None) -> int:
     """python -m services.target.packing --config FILE --run-dir DIR: one JSON line, or one error line, exit 2."""
     import argparse
@@ -339,8 +345,8 @@ def main(argv=None) -> int:
                 "bad_samples": data.bad_samples,
                 "bad_examples": data.bad_examples[:3],
                 "prompts": prompts,
-                "packing": next((m.removeprefix("data: ") for m in said if "reused from" in m or "built" in m), ""),
-                "store_problem": next((m.removeprefix("data: ") for m in said if "not usable" in m), ""),
+                "packing": said_first(said, "data: built ", "data: packed data "),
+                "store_problem": said_first(said, "data: the packed-data store "),
             }
         ),
         flush=True,

@@ -276,3 +276,13 @@ def test_published_digests_name_every_batch_as_the_packed_data_does(tmp_path, da
     content, how = batch_content(cfg, tmp_path / "run", data.key)
     assert how == "published digests" and content.digest(5) == published.digest(5)
     assert batch_content(cfg, tmp_path / "run", "0" * 32) == (None, "off")
+
+
+def test_launcher_ups_data_line_reads_the_store_lines_by_their_start():
+    """A skipped line quotes data lines, which may hold any words: only the store's own lines count."""
+    from services.target.packing import said_first
+
+    skipped = 'data: skipped 1 bad lines; first: d.jsonl:3: invalid JSON ("built", "not usable")'
+    said = [skipped, "data: packed data k.safetensors reused from /s"]
+    assert said_first(said, "data: built ", "data: packed data ") == "packed data k.safetensors reused from /s"
+    assert said_first(said, "data: the packed-data store ") == ""

@@ -352,6 +352,14 @@ def test_a_bad_template_kwarg_is_one_line(tok_dir, tmp_path):
     ), out.stderr
 
 
+@pytest.mark.parametrize("samples", [["--samples", "-1"], ["--samples", "2", "--sample-temperature", "0"]])
+def test_sampled_passes_without_a_count_or_a_temperature_are_one_line(tok_dir, tmp_path, samples):
+    data = one_chat_and_a_bare_model(tmp_path)
+    out = regenerate_cli(tmp_path / "model", data, tmp_path / "o.jsonl", "--device", "cpu", *samples)
+    assert out.returncode == 2 and "sampled passes need --samples >= 1 and --sample-temperature > 0" in out.stderr
+    assert out.stderr.count("\n") == 1 and not (tmp_path / "o.jsonl").exists(), out.stderr
+
+
 def test_gpus_is_a_plain_list():
     assert parse_gpu_list("0-3") == [0, 1, 2, 3]
     assert parse_gpu_list("0,2,5") == parse_gpu_list("0+2+5") == [0, 2, 5]
