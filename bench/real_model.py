@@ -307,6 +307,10 @@ def phase_regen(a, work: Path) -> None:
         str(a.regen_max_new_tokens),
         "--temperature",
         "0",
+        "--samples",
+        str(a.regen_samples),
+        "--sample-temperature",
+        str(a.regen_sample_temperature),
     ]
     if run_logged(cmd, work / "regen.log") != 0 or not out.is_file():
         raise SystemExit(f"regenerate failed: {work / 'regen.log'}")
@@ -318,6 +322,7 @@ def phase_regen(a, work: Path) -> None:
         lines=lines,
         max_new_tokens=a.regen_max_new_tokens,
         batch_size=a.regen_batch_size,
+        samples=a.regen_samples,
     )
 
 
@@ -860,6 +865,8 @@ def parse_args(argv=None):
     ap.add_argument("--regen-gpus", default="0", help="GPUs for `launcher regenerate`")
     ap.add_argument("--regen-batch-size", type=int, default=0, help="0: as many rows as fit (launcher's default)")
     ap.add_argument("--regen-max-new-tokens", type=int, default=512)
+    ap.add_argument("--regen-samples", type=int, default=0, help="sampled replies per prompt beside the greedy one")
+    ap.add_argument("--regen-sample-temperature", type=float, default=1.0)
     ap.add_argument("--pack-len", type=int, default=4096, help="data.pack_len of every run")
     ap.add_argument("--tokens", default="2M,8M,32M", help="token amounts of main's checkpoints to evaluate")
     ap.add_argument(

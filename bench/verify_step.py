@@ -12,6 +12,10 @@ prefill of --context tokens, each step verifies a block of --block tokens and co
   refeed      the block runs as one sequence; commit re-runs the delta rule over the kept prefix
   per-token   the rule runs token by token and keeps every state; commit picks one
 and, as the yardstick, a plain one-token forward (verify([t]) + commit(1), the greedy reference).
+Then the same steps on one row of services/target/slots.py's KV cache (what `launcher eval`'s
+batched path runs: the Gated DeltaNet states in fixed buffers, the block's positions as tensors),
+eagerly and, on CUDA, as CUDA graphs (the verify forward one graph, the commit two).
+--quantize fp8 swaps the decoder linears for FP8 ones first (target.quantize = "fp8", rowwise).
 Prints one JSON object: milliseconds per verify, per commit, per step, and peak memory.
 
 --lossless runs real speculative decoding on the tiny-hybrid shape (bf16 on CUDA, the kernels when
@@ -39,6 +43,7 @@ from services.decode_step import ROLLBACKS  # noqa: E402
 from services.target import hybrid  # noqa: E402
 from services.target.decode import DecodeSession  # noqa: E402
 from services.target.model import PACKED_SDPA, Target, _register_packed_sdpa  # noqa: E402
+from services.target.slots import LENGTH_STEP, GraphedSteps, Slots  # noqa: E402
 
 
 def build_target(shape: str, num_layers: int | None, device: str, dtype: torch.dtype, logit_scale: float = 1.0):
@@ -80,6 +85,38 @@ def time_steps(target: Target, method: str, context: list[int], block: int, iter
     return {"verify_ms": ms(verify_s), "commit_ms": ms(commit_s), "step_ms": ms(verify_s + commit_s)}
 
 
+def time_slot_steps(target: Target, context: list[int], block: int, iters: int, gen, graphs: bool) -> dict:
+    """time_steps on one KV-cache row (slots.Slots): the block verified, then k of it committed;
+    graphs: as decode_slots runs them on CUDA (slots.GraphedSteps), else eagerly."""
+    slots = Slots(target, [context], room=block * (iters + 2) + LENGTH_STEP)
+    slots.prefill([context])
+    graphed = GraphedSteps(slots, None, block) if graphs else None
+    ids = graphed.ids if graphed else torch.zeros(1, block, dtype=torch.long, device=slots.device)
+    starts = graphed.starts if graphed else torch.zeros(1, dtype=torch.long, device=slots.device)
+    verify = graphed.verify if graphed else lambda b, length: slots.step(ids, starts, length)
+    commit = graphed.commit if graphed else slots.commit_block
+    start = len(context)
+    keeps = [1, max(1, block // 4), max(1, block // 2), block]
+    verify_s = commit_s = 0.0
+    for i in range(iters + 2):  # two warmup steps (the first of a length also captures its graph)
+        ids[0] = torch.randint(0, target.info.vocab_size, (block,), generator=gen).to(slots.device)
+        starts[0] = start
+        length = -(-(start + block) // LENGTH_STEP) * LENGTH_STEP
+        kept = torch.tensor([keeps[i % len(keeps)]], device=slots.device)
+        sync()
+        t0 = time.perf_counter()
+        verify(1, length)
+        sync()
+        t1 = time.perf_counter()
+        commit(kept)
+        sync()
+        start += keeps[i % len(keeps)]
+        if i >= 2:
+            verify_s, commit_s = verify_s + t1 - t0, commit_s + time.perf_counter() - t1
+    ms = lambda s: round(1000 * s / iters, 3)  # noqa: E731
+    return {"verify_ms": ms(verify_s), "commit_ms": ms(commit_s), "step_ms": ms(verify_s + commit_s)}
+
+
 def profile_verify(target: Target, context: list[int], block: int, gen) -> dict:
     """One verify step under torch.profiler: its wall time against the time the GPU spent in kernels
     (a step far above its kernel time is bound by the host: Python, launches, syncs), and the top
@@ -113,14 +150,27 @@ def profile_verify(target: Target, context: list[int], block: int, gen) -> dict:
     }
 
 
+def time_all(args, target: Target, context: list[int], gen) -> dict:
+    """Every timing of one precision: the DecodeSession methods, the plain one-token step, the slot row."""
+    out = {}
+    for method in filter(None, args.methods.split(",")):
+        out[method] = time_steps(target, method, context, args.block, args.iters, gen)
+    if args.profile:
+        out["profile"] = profile_verify(target, context, args.block, gen)
+    out["plain_one_token"] = time_steps(target, ROLLBACKS[0], context, 1, args.iters, gen)
+    out["slot_row_eager"] = time_slot_steps(target, context, args.block, args.iters, gen, graphs=False)
+    if target.device.type == "cuda":
+        out["slot_row_graphed"] = time_slot_steps(target, context, args.block, args.iters, gen, graphs=True)
+        out["peak_memory_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+    return out
+
+
 def bench_steps(args) -> dict:
     device = args.device
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     target = build_target(args.shape, args.layers, device, dtype)
     gen = torch.Generator().manual_seed(1)
     context = torch.randint(0, target.info.vocab_size, (args.context,), generator=gen).tolist()
-    if device == "cuda":
-        torch.cuda.reset_peak_memory_stats()
     result = {
         "shape": args.shape,
         "layers": target.info.num_layers,
@@ -134,13 +184,15 @@ def bench_steps(args) -> dict:
         "torch": torch.__version__,
         "transformers": __import__("transformers").__version__,
     }
-    for method in ROLLBACKS:
-        result[method] = time_steps(target, method, context, args.block, args.iters, gen)
-    if args.profile:
-        result["profile"] = profile_verify(target, context, args.block, gen)
-    result["plain_one_token"] = time_steps(target, ROLLBACKS[0], context, 1, args.iters, gen)
-    if device == "cuda":
-        result["peak_memory_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+    for precision in args.quantize.split(","):  # "none" first: fp8 replaces the linears in place
+        if precision == "fp8":
+            from services.target import fp8
+
+            result["fp8_summary"] = str(fp8.quantize_decoder(target.model, target.layers))
+        if device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        result[precision] = time_all(args, target, context, gen)
+        print(json.dumps({precision: result[precision]}), file=sys.stderr, flush=True)
     return result
 
 
@@ -237,6 +289,8 @@ def main(argv=None) -> int:
     p.add_argument("--block", type=int, default=16, help="block size B (verified tokens per step)")
     p.add_argument("--iters", type=int, default=12, help="timed steps per method")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--quantize", default="none", help="none, fp8 or none,fp8 (FP8 decoder linears, rowwise)")
+    p.add_argument("--methods", default=",".join(ROLLBACKS), help="DecodeSession methods to time ('' for none)")
     p.add_argument("--profile", action="store_true", help="also profile one verify step (host vs kernel time)")
     p.add_argument("--lossless", action="store_true", help="the tiny-hybrid lossless check instead of the timing")
     p.add_argument("--prompts", type=int, default=8, help="--lossless: prompts")

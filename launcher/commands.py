@@ -52,7 +52,13 @@ def cmd_probe(args) -> int:
 def cmd_units(args) -> int:
     from launcher.units import UnitsError, install_command, render_units
 
-    roles, master, overrides = args.roles.split(","), args.master, list(args.overrides)
+    roles, overrides = args.roles.split(","), list(args.overrides)
+    if args.master is not None:
+        print(
+            "launcher units: --master is no longer used: a units run's drafter ranks are on one host and "
+            "meet on an ipc socket of the run dir (no TCP port)",
+            file=sys.stderr,
+        )
     model = load_run_config(args.config, overrides).target.model_path  # a GGUF: the units name its converted folder
     if (local := _local_model(model, "target.model_path")) != model:
         overrides.append(f'target.model_path="{local}"')
@@ -61,7 +67,6 @@ def cmd_units(args) -> int:
         if args.host not in hosts(workers):
             raise UsageError(f"--gpus names hosts {', '.join(hosts(workers))}: pass --host with this one")
         roles = sorted({w.role for w in workers if w.host == args.host})
-        master = next(w.host for w in workers if w.role == "drafter")
         overrides = host_overrides(workers) + overrides
     try:
         paths = render_units(
@@ -72,7 +77,6 @@ def cmd_units(args) -> int:
             python=args.python,
             device=args.device,
             roles=roles,
-            master_addr=master,
             overrides=overrides,
             start_timeout_s=args.start_timeout,
             stop_timeout_s=args.stop_timeout,

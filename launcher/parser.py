@@ -153,7 +153,7 @@ def build_parser() -> argparse.ArgumentParser:
     units.add_argument("--group", default="", help="Group= of the workers")
     units.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="device the workers train on")
     units.add_argument("--roles", default="target,drafter", help="roles that run on this host")
-    units.add_argument("--master", default="127.0.0.1", help="host of drafter rank 0 (rendezvous)")
+    units.add_argument("--master", default=None, help=argparse.SUPPRESS)  # no longer used: said, then ignored
     units.add_argument("--host", default="", help="with GPUS:ROLE@HOST specs: the host these units are for")
     units.add_argument("--python", default=sys.executable, help="interpreter the units run")
     units.add_argument("--start-timeout", type=int, default=1800, help="systemd TimeoutStartSec: load and warm-up")

@@ -57,7 +57,6 @@ def render_units(
     device: str = "cuda",
     *,
     roles: Iterable[str] = ROLES,
-    master_addr: str = "127.0.0.1",
     overrides: Iterable[str] = (),
     start_timeout_s: int = 1800,
     stop_timeout_s: int = 600,
@@ -70,7 +69,6 @@ def render_units(
     roles: the roles that run on this host ('target', 'drafter' or both). On a host with only
       one role, gpu_spec still names every worker of the run (world sizes come from it), and
       the GPU numbers of the other role refer to the other host.
-    master_addr: the host of drafter rank 0 (torch.distributed rendezvous, port transport.dist_port).
     start_timeout_s / stop_timeout_s: systemd TimeoutStartSec (load + warm-up) and
       TimeoutStopSec (finish the step, checkpoint). WatchdogSec is run.stall_after_s.
     env_dir: where the environment files and config.json will be installed (default
@@ -112,7 +110,7 @@ def render_units(
     common = _common_env(cfg, run_dir, config_json, device, len(local), count(workers, "target"))
     written = [staged / "config.json", _write(staged / "dflash.env", _env_text(common))]
     for w in local:
-        env = _instance_env(cfg, w, workers, run_dir, device, master_addr)
+        env = _instance_env(cfg, w, workers, run_dir, device)
         written.append(_write(staged / f"{_instance(w)}.env", _env_text(env)))
     _remove_stale_env(staged, keep={p.name for p in written})
 
@@ -186,9 +184,7 @@ def _common_env(
     return env
 
 
-def _instance_env(
-    cfg, w: Worker, workers: list[Worker], run_dir: Path, device: str, master_addr: str
-) -> dict[str, str]:
+def _instance_env(cfg, w: Worker, workers: list[Worker], run_dir: Path, device: str) -> dict[str, str]:
     world = count(workers, w.role)
     env = {
         "DFLASH_ROLE": w.role,
@@ -200,8 +196,8 @@ def _instance_env(
         "DFLASH_HEALTH_ENDPOINT": endpoint(run_dir, cfg.transport, w.role, w.rank, "health"),
         "DFLASH_DATA_ENDPOINT": endpoint(run_dir, cfg.transport, w.role, w.rank, "data"),
     }
-    if w.role == "drafter":  # the rendezvous; rank and world size are arguments
-        env.update(MASTER_ADDR=master_addr, MASTER_PORT=str(cfg.transport.dist_port))
+    # No MASTER_ADDR for a drafter: the units refuse a group across hosts, so its ranks meet in
+    # the store rank 0 serves on an ipc socket of the run dir (collectives.local_store): no TCP port.
     return env
 
 

@@ -453,12 +453,25 @@ class RowStates:
 
     def commit(self, n: torch.Tensor) -> None:
         """Rows 0..len(n)-1 past the first n[r] tokens of the block each layer saw last."""
-        b = n.shape[0]
+        self.store(*self.committed(n))
+
+    def committed(self, n: torch.Tensor) -> list[torch.Tensor]:
+        """What commit(n) stores, changing nothing: each layer's recurrent and conv states of rows
+        0..len(n)-1 after the first n[r] tokens of the block. Kept apart from store() so that each
+        half, run twice, does what it does once (a CUDA graph's first use runs it, then replays it)."""
+        b, new = n.shape[0], []
         for i, block in self.blocks.items():
             window, *inputs = (x[:b] for x in block)
-            state = self.recurrent[i][:b]
-            self.recurrent[i][:b] = self.layers[i].run_rows(*only_first(n, *inputs), state)[1]
-            self.conv[i][:b] = conv_after(window, n, self.conv[i].shape[1])
+            new.append(self.layers[i].run_rows(*only_first(n, *inputs), self.recurrent[i][:b])[1])
+            new.append(conv_after(window, n, self.conv[i].shape[1]))
+        return new
+
+    def store(self, *new: torch.Tensor) -> None:
+        """committed()'s states into rows 0..b-1 of every layer."""
+        for k, i in enumerate(self.blocks):
+            recurrent, conv = new[2 * k], new[2 * k + 1]
+            self.recurrent[i][: recurrent.shape[0]].copy_(recurrent)
+            self.conv[i][: conv.shape[0]].copy_(conv)
 
     def keep_rows(self, keep: torch.Tensor) -> None:
         """Only the rows `keep` (ascending) from now on, moved to the front in place."""

@@ -281,33 +281,48 @@ class Slots:
 
 
 class GraphedSteps:
-    """decode_slots' step (the drafts, then the verify forward) as CUDA graphs: the inputs copied
-    into fixed buffers (row b of a step is row b of each), the graphs of that shape replayed."""
+    """decode_slots' step (the drafts, the verify forward, a hybrid's commit) as CUDA graphs: the
+    inputs copied into fixed buffers (row b of a step is row b of each), the graphs of that shape
+    replayed."""
 
     def __init__(self, slots: Slots, propose, q: int):
         rows, dev = slots.cache.rows, slots.device
         self.slots, self.propose, self.graphs = slots, propose, StepGraphs()
         self.starts = torch.zeros(rows, dtype=torch.long, device=dev)
         self.ids = torch.zeros(rows, q, dtype=torch.long, device=dev)  # column 0: each row's last token
+        self.kept = torch.zeros(rows, dtype=torch.long, device=dev)  # commit: tokens each row keeps
 
     def __call__(self, starts: torch.Tensor, last: torch.Tensor, context: int, length: int):
         """Returns the block ids [b, q] (a copy: a graph's outputs are overwritten by the next replay)
         and the verify forward's (tokens, margin, tolerance)."""
         b = len(last)
         self.starts[:b], self.ids[:b, 0] = starts, last
-        if self.ids.shape[1] > 1:
+        if self.propose is not None and self.ids.shape[1] > 1:
             features = self.slots.features[:b]
 
             def draft(starts, last):
                 return self.propose.padded(features, starts, last, context)
 
             self.ids[:b, 1:] = self.graphs.run(("draft", b, context), draft, self.starts[:b], self.ids[:b, 0])
+        ids = self.ids[:b].clone()
+        return (ids, *self.verify(b, length))
+
+    def verify(self, b: int, length: int):
+        """The verify forward of rows 0..b-1 fed self.ids at self.starts: (tokens, margin, tolerance)."""
 
         def verify(ids, starts):
             return self.slots.step(ids, starts, length)
 
-        ids = self.ids[:b].clone()
-        return (ids, *self.graphs.run(("verify", b, length), verify, self.ids[:b], self.starts[:b]))
+        return self.graphs.run(("verify", b, length), verify, self.ids[:b], self.starts[:b])
+
+    def commit(self, n: torch.Tensor) -> None:
+        """Slots.commit_block(n) as two graphs: the new states computed, then stored (hybrid.RowStates)."""
+        states, b = self.slots.states, len(n)
+        if states is None:
+            return
+        self.kept[:b] = n
+        new = self.graphs.run(("commit", b), states.committed, self.kept[:b])
+        self.graphs.run(("store", b), states.store, *new)
 
 
 class Record:
@@ -416,7 +431,8 @@ def decode_slots(
             ids = last[:, None] if drafts is None else torch.cat([last[:, None], drafts], 1)
             greedy, margin, tolerance = slots.step(ids, starts_dev, length, **sample)
         moved = record.accept(index, ids[:, 1:], greedy, margin, tolerance, step)
-        slots.commit_block(moved)  # a hybrid keeps the fed tokens of its rows that the cache keeps
+        # a hybrid keeps the fed tokens of its rows that the cache keeps
+        (graphed.commit if graphed is not None else slots.commit_block)(moved)
         if not draft_len:  # every row moves by one, finished or not (positions stay below the room)
             starts, starts_dev = starts + 1, starts_dev + 1
             if step % SYNC_EVERY != SYNC_EVERY - 1 and step < max_new_tokens - 2:

@@ -98,7 +98,10 @@ def test_cuda_graphed_steps_make_the_eager_steps_decisions(kind, monkeypatch, ca
     ps = prompts()
     refs = decode_slots(target, None, ps, max_new_tokens=NEW, graphs=False)
     stop = refs[1].tokens[3]  # prompt 1 ends early: rows leave, the graphs of fewer rows follow
-    for propose in (None, random_drafter(target, ids, B), RepeatLast(B)):
+    proposers = [None, random_drafter(target, ids, B), RepeatLast(B)]
+    if kind == "hybrid":  # rows keeping 1, 3 or 4 tokens of a block in one step: the commit graphs' work
+        proposers.append(DeviceRowOracle([p + r.tokens for p, r in zip(ps, refs)], [0, 2, 3, 4], B, "cuda"))
+    for propose in proposers:
         eager = decode_slots(target, propose, ps, max_new_tokens=NEW, stop_ids=[stop], graphs=False)
         graphed = decode_slots(target, propose, ps, max_new_tokens=NEW, stop_ids=[stop])
         assert [g.tokens for g in graphed] == [e.tokens for e in eager]
@@ -182,6 +185,37 @@ class RowOracle:
         return torch.tensor([self.drafts(i, s) for i, s in zip(rows, starts.tolist())], device=features.device)
 
 
+class DeviceRowOracle(RowOracle):
+    """RowOracle's drafts made from device tensors alone (no host read: a CUDA graph captures it).
+    A row is found by table[next position, last token]."""
+
+    def __init__(self, sequences: list[list[int]], correct: list[int], block_size: int, device):
+        super().__init__(sequences, correct, block_size)
+        width = max(map(len, sequences)) + block_size
+        self.table = torch.zeros(width, VOCAB, dtype=torch.long)
+        self.known = torch.zeros(len(sequences), width, dtype=torch.long)  # 0 past each sequence's end
+        for (pos, t), i in self.row_of.items():
+            self.table[pos, t] = i
+        for i, seq in enumerate(sequences):
+            self.known[i, : len(seq)] = torch.tensor(seq)
+        self.table, self.known = self.table.to(device), self.known.to(device)
+        self.right = torch.tensor(correct, device=device)
+
+    def padded(self, features, starts, last_tokens, context_len):
+        i = self.table[starts, last_tokens]  # [b] the prompt of each row
+        j = torch.arange(self.block_size - 1, device=starts.device)
+        t = self.known[i[:, None], starts[:, None] + 1 + j]
+        return torch.where(j < self.right[i][:, None], t, (t + 1) % VOCAB)
+
+
+def test_a_device_oracle_drafts_as_the_host_one(hybrid):
+    ps = prompts()
+    sequences = [p + greedy_reference(LocalVerifier(hybrid), p, NEW).tokens for p in ps]
+    host, device = RowOracle(sequences, [0, 2, 3, 4], 6), DeviceRowOracle(sequences, [0, 2, 3, 4], 6, "cpu")
+    starts, last = torch.tensor([13, 7, 20, 9]), torch.tensor([sequences[i][s] for i, s in enumerate((13, 7, 20, 9))])
+    assert torch.equal(device.padded(None, starts, last, 0), host.padded(torch.zeros(1), starts, last, 0))
+
+
 def test_a_hybrids_rows_keep_their_gated_deltanet_state_through_any_acceptance(hybrid):
     """A Gated DeltaNet hybrid on KV-cache rows (its recurrent state per row: hybrid.RowStates) makes
     the one-prompt loop's decisions: plain greedy; a drafter right for 0, 2, 3 or 4 tokens of a block
@@ -252,7 +286,7 @@ def test_a_rows_memory_is_what_the_automatic_batch_counts(kind, dense, sliding, 
     slots.prefill(ps)
     starts = torch.tensor([len(p) for p in ps])
     slots.step(torch.randint(VOCAB, (len(ps), B)), starts, int(starts.max()) + B)
-    slots.commit_block(torch.full((len(ps),), 2))
+    slots.commit_block(torch.full((len(ps),), 2, device=slots.device))
     held = [*slots.cache.keys.values(), *slots.cache.values.values(), slots.features]
     recurrent = []
     if slots.states is not None:

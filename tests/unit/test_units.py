@@ -162,7 +162,7 @@ def test_environment_files(tmp_path):
     drafter = _env(out / "dflash-env" / "dflash-drafter@6.env")
     assert (drafter["DFLASH_RANK"], drafter["DFLASH_WORLD_SIZE"], drafter["CUDA_VISIBLE_DEVICES"]) == ("1", "3", "6")
     assert "RANK" not in drafter and "WORLD_SIZE" not in drafter  # the unit passes --rank, --world-size
-    assert (drafter["MASTER_ADDR"], drafter["MASTER_PORT"]) == ("127.0.0.1", str(cfg.transport.dist_port))
+    assert "MASTER_ADDR" not in drafter and "MASTER_PORT" not in drafter  # rank 0's ipc store: no port
     assert drafter["DFLASH_HEALTH_ENDPOINT"] == f"ipc://{run}/sock/drafter-1.health"
     assert sorted(p.name for p in (out / "dflash-env").iterdir()) == sorted(
         ["config.json", "dflash.env"]
@@ -189,13 +189,13 @@ def test_drafter_host_of_a_two_host_run(tmp_path):
         tmp_path,
         "0-1:target,0-2:drafter",
         roles=("drafter",),
-        master_addr="10.0.0.2",
         config_text=f'[transport]\nscheme = "tcp"\nhost = "10.0.0.1"\ncurve_keys_dir = "{keys}"\n',
     )
     assert not (out / "dflash-target@.service").exists()
     assert dict(_directives(out / "dflash.target"))["Wants"] == "dflash-drafters.target"
     drafter = _env(out / "dflash-env" / "dflash-drafter@2.env")
-    assert (drafter["DFLASH_RANK"], drafter["DFLASH_WORLD_SIZE"], drafter["MASTER_ADDR"]) == ("2", "3", "10.0.0.2")
+    assert (drafter["DFLASH_RANK"], drafter["DFLASH_WORLD_SIZE"]) == ("2", "3")
+    assert "MASTER_ADDR" not in drafter  # the ranks meet on an ipc socket: no TCPStore on the drafter host
     assert drafter["DFLASH_HEALTH_ENDPOINT"] == endpoint(
         "/unused", TransportConfig(scheme="tcp", host="10.0.0.1"), "drafter", 2, "health"
     )
