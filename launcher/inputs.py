@@ -88,34 +88,24 @@ def check_inputs(cfg, runs_targets: bool) -> runspec.RunSpec | None:
 
 def prepare_data(run_dir: Path) -> dict:
     """Tokenize and pack the data now, in a child process (no torch here, no model weights there):
-    a bad line is one line and exit 2 before any worker starts; the targets reuse the cache."""
-    out = subprocess.run(
-        [
-            *jobs.argv("packing"),
-            "--config",
-            str(run_dir / "config.json"),
-            "--run-dir",
-            str(run_dir),
-        ],
-        capture_output=True,
-        text=True,
-    )
-    if out.returncode != 0:
-        lines = out.stderr.strip().splitlines() or [f"exit {out.returncode}"]
-        raise UsageError(lines[-1] if out.returncode == 2 else "preparing the data failed:\n" + out.stderr[-2000:])
-    info = json.loads(out.stdout.strip().splitlines()[-1])
+    a bad line is one line and exit 2 before any worker starts; the targets reuse the cache. A
+    long tokenizing shows its progress on the live line."""
+    argv = [*jobs.argv("packing"), "--config", str(run_dir / "config.json"), "--run-dir", str(run_dir)]
+    line = ProgressLine()
+    code, info, stderr = run_with_progress(argv, line)
+    if code != 0 or not info:
+        lines = stderr.strip().splitlines() or [f"exit {code}"]
+        raise UsageError(lines[-1] if code == 2 else "preparing the data failed:\n" + stderr[-2000:])
     write_json_atomic(run_dir / "data.json", info)  # for `launcher status` and `launcher report`
-    print(describe_data(info), flush=True)
+    line.done(describe_data(info))
     return info
 
 
-def make_demo(device: str, variant: str = "dense") -> list[str]:
-    """Build (or reuse, from the demo cache) the demo model and data in a child process (torch
-    stays out of the launcher); its config suits the device (bfloat16 target on cuda).
-    variant: dense (a Qwen3) or hybrid (a Qwen3.5-family Gated DeltaNet). A build (minutes on a
-    busy CPU) shows its progress on the live line; a reuse says so in one line."""
-    argv = jobs.argv("demo", "--device", device, "--variant", variant, "--progress")
-    line, last = ProgressLine(), ""
+def run_with_progress(argv: list[str], line: ProgressLine) -> tuple[int, dict, str]:
+    """Run a child that prints JSON lines: {"progress": text} shown on `line` (a text starting with
+    "building" stays as a line of its own), the last other record returned with the exit status
+    and the child's stderr."""
+    last = {}
     with tempfile.TemporaryFile("w+") as err:  # a file, not a pipe: it never fills while stdout is read
         child = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=err, text=True)
         for text in child.stdout:
@@ -124,9 +114,21 @@ def make_demo(device: str, variant: str = "dense") -> list[str]:
                 (line.done if record["progress"].startswith("building") else line.show)(record["progress"])
             elif record:
                 last = record
-        if child.wait() != 0 or not last:
-            err.seek(0)
-            raise UsageError(f"building the demo failed:\n{err.read()[-2000:]}")
+        code = child.wait()
+        err.seek(0)
+        return code, last, err.read()
+
+
+def make_demo(device: str, variant: str = "dense") -> list[str]:
+    """Build (or reuse, from the demo cache) the demo model and data in a child process (torch
+    stays out of the launcher); its config suits the device (bfloat16 target on cuda).
+    variant: dense (a Qwen3) or hybrid (a Qwen3.5-family Gated DeltaNet). A build (minutes on a
+    busy CPU) shows its progress on the live line; a reuse says so in one line."""
+    argv = jobs.argv("demo", "--device", device, "--variant", variant, "--progress")
+    line = ProgressLine()
+    code, last, stderr = run_with_progress(argv, line)
+    if code != 0 or not last:
+        raise UsageError(f"building the demo failed:\n{stderr[-2000:]}")
     model = Path(last["model_path"]).parent
     line.done(
         "demo target and dataset built" if not last["reused"] else f"reusing the demo target and dataset in {model}"

@@ -205,25 +205,33 @@ def read_documents(
     max_line_bytes: int = 8 << 20,
     max_doc_tokens: int = 0,
     template_kwargs: dict | None = None,
+    workers: int = 1,
+    progress=None,
 ) -> list[Document]:
-    """Every non-blank line of a JSONL file -> Document. Bad lines: raise (fail) or count in `bad` (skip)."""
+    """Every non-blank line of a JSONL file -> Document, in file order. Bad lines: raise (fail) or
+    count in `bad` (skip). workers > 1: lines tokenized in that many processes (tokenizing.py), the
+    same documents; progress(lines done, bytes read, file bytes) after each chunk of lines."""
+    from services.target.tokenizing import LineConverter, converted_chunks
+
     path = Path(path)
     if not path.is_file():
         raise DataError(f"data file not found: {path}")
-    docs = []
+    convert = LineConverter(tokenizer, vocab_size, max_doc_tokens, template_kwargs)
+    docs, done, size = [], 0, path.stat().st_size
     with open(path, "rb") as f:  # bytes: a line that is not UTF-8 is one bad line, not a failed file
-        for lineno, text in each_nonblank(f, max_line_bytes):
-            try:
-                if isinstance(text, SampleError):
-                    raise text
-                ids, mask = line_to_document(text, tokenizer, vocab_size, max_doc_tokens, template_kwargs)
-            except SampleError as exc:
-                message = f"{path}:{lineno}: {exc}"
+        for chunk in converted_chunks(convert, each_nonblank(f, max_line_bytes), workers):
+            for lineno, ids, mask, problem in chunk:
+                if problem is None:
+                    docs.append(Document(lineno, ids, mask))
+                    continue
+                kind, message = problem
+                if kind == "data":  # not a per-line problem (no chat template): never skipped
+                    raise DataError(f"{path}:{lineno}: {message}")
+                message = f"{path}:{lineno}: {message}"
                 if on_bad == "fail":
-                    raise DataError(message + " (set data.on_bad_sample=skip to skip bad lines)") from None
+                    raise DataError(message + " (set data.on_bad_sample=skip to skip bad lines)")
                 bad.add(message, path, lineno)
-                continue
-            except DataError as exc:
-                raise DataError(f"{path}:{lineno}: {exc}") from None
-            docs.append(Document(lineno, ids, mask))
+            done += len(chunk)
+            if progress:
+                progress(done, f.tell(), size)
     return docs

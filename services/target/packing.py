@@ -56,6 +56,7 @@ from services.config import Config
 from services.files import cache_root, sha256_file
 from services.packed_data import FORMAT_VERSION, PackedData, digests_path
 from services.target.data import BadSamples, DataError, Document, read_documents
+from services.target.tokenizing import tokenizing_workers
 
 _PACK_SALT = 0x9AC4
 
@@ -150,16 +151,25 @@ def _pack_split(docs: list[Document], cfg: Config, prefix: str) -> dict[str, np.
     }
 
 
-def build_index(cfg: Config, tokenizer, vocab_size: int) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+def build_index(cfg: Config, tokenizer, vocab_size: int, progress=None) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    """progress(file, lines, bytes read, file bytes) while the data files are tokenized."""
     d = cfg.data
     bad = BadSamples()
     limits = dict(
         max_line_bytes=d.max_line_bytes, max_doc_tokens=d.max_doc_tokens, template_kwargs=d.chat_template_kwargs
     )
-    train = read_documents(d.path, tokenizer, vocab_size, d.on_bad_sample, bad, **limits)
+
+    def read(path):
+        said = (lambda *done: progress(path, *done)) if progress else None
+        workers = tokenizing_workers(path) if Path(path).is_file() else 1
+        return read_documents(
+            path, tokenizer, vocab_size, d.on_bad_sample, bad, **limits, workers=workers, progress=said
+        )
+
+    train = read(d.path)
     held_out = runspec.HeldOut.of(cfg)
     if held_out.source == "data.eval_path":
-        evals = read_documents(held_out.path, tokenizer, vocab_size, d.on_bad_sample, bad, **limits)
+        evals = read(held_out.path)
     elif held_out.source == "data.eval_fraction":  # by line number: a bad line moves no other line
         nonblank = sorted([doc.line for doc in train] + [n for f, n in bad.lines if f == str(Path(d.path))])
         chosen = held_out.lines(nonblank)  # data_lines.nonblank_lines, from what was just read
@@ -190,7 +200,7 @@ def store_dir() -> Path:
 
 
 def open_or_build(
-    cfg: Config, run_dir: str | Path, tokenizer, vocab_size: int, log=None, store: Path | None = None
+    cfg: Config, run_dir: str | Path, tokenizer, vocab_size: int, log=None, store: Path | None = None, progress=None
 ) -> "PackedData":
     """The run's packed dataset, <run_dir>/data-cache/<key>.safetensors (and its digests): a link to
     the machine's store (store_dir(), or `store`), built there once if no run has built it yet. A
@@ -205,12 +215,12 @@ def open_or_build(
         if not path.is_file():
             store = store_dir() if store is None else store
             try:
-                built = _build(cfg, Path(store), key, tokenizer, vocab_size, log)
+                built = _build(cfg, Path(store), key, tokenizer, vocab_size, log, progress)
                 for source in (built, digests_path(built)):
                     _link(source, cache_dir / source.name)
             except OSError as exc:
                 log(f"data: the packed-data store {store} is not usable ({exc}); building in the run folder")
-                _build(cfg, cache_dir, key, tokenizer, vocab_size, log)
+                _build(cfg, cache_dir, key, tokenizer, vocab_size, log, progress)
         data = PackedData(path, cfg)
     if data.bad_samples:
         log(f"data: skipped {data.bad_samples} bad lines; first: " + "; ".join(data.bad_examples[:3]))
@@ -224,7 +234,7 @@ def _locked(path: Path):
         yield
 
 
-def _build(cfg: Config, folder: Path, key: str, tokenizer, vocab_size: int, log) -> Path:
+def _build(cfg: Config, folder: Path, key: str, tokenizer, vocab_size: int, log, progress=None) -> Path:
     """<folder>/<key>.safetensors and its digests, built unless there (under the folder's lock for
     the key); read-only, since runs hold them as hard links."""
     from safetensors.numpy import save_file
@@ -234,7 +244,7 @@ def _build(cfg: Config, folder: Path, key: str, tokenizer, vocab_size: int, log)
     with _locked(folder / f"{key}.lock"):
         if not path.is_file():
             t0 = time.monotonic()
-            tensors, meta = build_index(cfg, tokenizer, vocab_size)
+            tensors, meta = build_index(cfg, tokenizer, vocab_size, progress)
             tmp = folder / f".{key}.{os.getpid()}.tmp"
             save_file(tensors, str(tmp), metadata=meta)
             os.chmod(tmp, 0o444)
@@ -269,7 +279,7 @@ def _link(source: Path, dest: Path) -> None:
 # --- `launcher up` builds the index before any worker starts ------------------------------------
 
 
-def prepare(cfg: Config, run_dir: str | Path, log=None) -> "PackedData":
+def prepare(cfg: Config, run_dir: str | Path, log=None, progress=None) -> "PackedData":
     """Tokenize and pack cfg.data into the run's cache, with the tokenizer and vocabulary of the
     target's config, not its weights: a bad line stops the run in seconds, before a 27B model
     loads, and the target workers then open the same cache file (same key)."""
@@ -284,7 +294,7 @@ def prepare(cfg: Config, run_dir: str | Path, log=None) -> "PackedData":
             f"target.model_path: cannot load the config and tokenizer of {cfg.target.model_path}: "
             f"{type(exc).__name__}: {first}"
         ) from None
-    return open_or_build(cfg, run_dir, tokenizer, vocab_size, log=log or (lambda msg: None))
+    return open_or_build(cfg, run_dir, tokenizer, vocab_size, log=log or (lambda msg: None), progress=progress)
 
 
 class ModelFilesError(DataError):
@@ -310,6 +320,28 @@ def said_first(said: list[str], *starts: str) -> str:
     return next((m.removeprefix("data: ") for m in said if m.startswith(starts)), "")
 
 
+class ProgressReport:
+    """Tokenizing's progress as {"progress": "..."} lines on stdout (the launcher shows them on its
+    live line), one every EVERY_S at most."""
+
+    EVERY_S = 5.0
+
+    def __init__(self):
+        self.began = self.last = time.monotonic()
+
+    def __call__(self, path, lines: int, read: int, size: int) -> None:
+        now = time.monotonic()
+        if now - self.last < self.EVERY_S:
+            return
+        self.last, rate = now, read / max(now - self.began, 1e-9)
+        eta = f", ETA {int((size - read) / rate)} s" if rate > 0 and read < size else ""
+        text = (
+            f"data: tokenizing {Path(path).name}: {lines:,} lines, {100 * read / max(size, 1):.0f}% of "
+            f"{size / 2**20:,.0f} MiB{eta}"
+        )
+        print(json.dumps({"progress": text}), flush=True)
+
+
 def main(argv=None) -> int:
     """python -m services.target.packing --config FILE --run-dir DIR: one JSON line, or one error line, exit 2."""
     import argparse
@@ -324,7 +356,7 @@ def main(argv=None) -> int:
     try:
         cfg = load_config(args.config)
         said = []
-        data = prepare(cfg, args.run_dir, log=said.append)
+        data = prepare(cfg, args.run_dir, log=said.append, progress=ProgressReport())
     except (DataError, runspec.SpecError) as exc:
         print(
             exc if isinstance(exc, (ModelFilesError, runspec.SpecError)) else f"data: {exc}",

@@ -236,3 +236,31 @@ def test_a_line_over_the_limit_is_never_read_whole(tmp_path):
     lines, count, grown_mb = out.stdout.rsplit(" ", 2) if out.returncode == 0 else (out.stderr, 0, 0)
     assert lines == "[1, 3]" and count == "1", out.stdout + out.stderr
     assert int(grown_mb) < 30, f"peak memory grew by {grown_mb} MB reading past a 50 MB line"
+
+
+# --- tokenizing in worker processes (services/target/tokenizing.py) ----------------------------------------
+
+
+def test_worker_processes_give_the_same_documents_bad_lines_and_first_failure(tmp_path, tokenizer, monkeypatch):
+    """read_documents with workers=2 (spawned processes, chunks of 3 lines here): the documents in
+    file order, the bad lines and the first failure are those of one process; progress ends at
+    every line and the whole file."""
+    from services.target import tokenizing
+
+    monkeypatch.setattr(tokenizing, "CHUNK_LINES", 3)
+    lines = [{"messages": MULTI_TURN}, *(c for c in conversations(7, seed=3))] + [line for line, _ in BAD_LINES]
+    path = _write(tmp_path / "data.jsonl", lines * 2)
+    with open(path, "ab") as f:
+        f.write(
+            b'{"messages": [{"role": "user", "content": "caf\xe9"}]}\n' + json.dumps({"messages": MULTI_TURN}).encode()
+        )
+    one_bad, two_bad, seen = BadSamples(), BadSamples(), []
+    one = read_documents(path, tokenizer, VOCAB, "skip", one_bad)
+    two = read_documents(path, tokenizer, VOCAB, "skip", two_bad, workers=2, progress=lambda *done: seen.append(done))
+    assert len(one) == 2 * 8 + 1 and [d.line for d in two] == [d.line for d in one]
+    for a, b in zip(one, two):
+        assert np.array_equal(a.input_ids, b.input_ids) and np.array_equal(a.loss_mask, b.loss_mask)
+    assert two_bad.count == one_bad.count == 2 * len(BAD_LINES) + 1 and two_bad.examples == one_bad.examples
+    assert seen[-1] == (2 * len(lines) + 2, path.stat().st_size, path.stat().st_size)
+    with pytest.raises(DataError, match=rf"^{path}:{len(lines) - len(BAD_LINES) + 1}: "):
+        read_documents(path, tokenizer, VOCAB, "fail", BadSamples(), workers=2)
