@@ -473,6 +473,12 @@ class RowStates:
             self.recurrent[i][: recurrent.shape[0]].copy_(recurrent)
             self.conv[i][: conv.shape[0]].copy_(conv)
 
+    def clear(self, rows: torch.Tensor) -> None:
+        """Rows `rows` back to the state before any token (a row that takes another prompt), in place."""
+        for store in (self.conv, self.recurrent):
+            for t in store.values():
+                t[rows] = 0
+
     def keep_rows(self, keep: torch.Tensor) -> None:
         """Only the rows `keep` (ascending) from now on, moved to the front in place."""
         for store in (self.conv, self.recurrent):

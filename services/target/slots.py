@@ -164,19 +164,23 @@ class SlotMasks:
 class Slots:
     """Many prompts on one target: row b is prompt b, with room for `room` tokens after it."""
 
-    def __init__(self, target: Target, prompts: list[list[int]], room: int, features: bool = True):
+    def __init__(
+        self, target: Target, prompts: list[list[int]], room: int, features: bool = True, rows: int | None = None
+    ):
+        """rows: fewer rows than prompts, each taking any of them in turn (decode_slots' `rows`)."""
         if not slot_decodable(target):
             raise ValueError("slot decoding takes attention and Gated DeltaNet layers only")
         if not prompts or not all(prompts):
             raise ValueError("slot decoding needs at least one prompt, each of at least one token")
         self.target, self.device, self.dtype = target, target.device, target.model.dtype
         self.capacity = max(len(p) for p in prompts) + room
-        self.cache = SlotCache(len(prompts), self.capacity)
+        rows = rows or len(prompts)
+        self.cache = SlotCache(rows, self.capacity)
         hybrid = any(hasattr(layer, "linear_attn") for layer in target.layers)
-        self.states = RowStates(len(prompts)) if hybrid else None  # the Gated DeltaNet layers' rows
+        self.states = RowStates(rows) if hybrid else None  # the Gated DeltaNet layers' rows
         width = target.info.hidden_width
         self.features = (
-            torch.zeros(len(prompts), self.capacity, width, dtype=self.dtype, device=self.device) if features else None
+            torch.zeros(rows, self.capacity, width, dtype=self.dtype, device=self.device) if features else None
         )
         self.lm_head = target.model.get_output_embeddings().weight.detach().float()
         params = inspect.signature(target.backbone.forward).parameters
@@ -240,9 +244,13 @@ class Slots:
         margin = top.values[..., 0] - top.values[..., 1]
         return tokens, margin, rounding_tolerance(top.values[..., 0], self.dtype)
 
-    def prefill(self, prompts: list[list[int]], **sample) -> list[Decoded]:
-        """Every prompt through the target (rows of similar length together, at most PREFILL_TOKENS
-        padded tokens a forward): a Decoded per prompt holding its first new token."""
+    def prefill(self, prompts: list[list[int]], rows: list[int] | None = None, **sample) -> list[Decoded]:
+        """Every prompt through the target, prompt i into row rows[i] (default: row i), a row's
+        earlier prompt forgotten (prompts of similar length together, at most PREFILL_TOKENS padded
+        tokens a forward): a Decoded per prompt holding its first new token."""
+        rows = list(range(len(prompts))) if rows is None else rows
+        if self.states is not None:
+            self.states.clear(torch.tensor(rows, device=self.device))
         order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
         outs: list[Decoded | None] = [None] * len(prompts)
         first = 0
@@ -258,7 +266,8 @@ class Slots:
             take = torch.tensor([[len(prompts[i]) - 1] for i in chunk])
             lengths = torch.tensor([len(prompts[i]) for i in chunk])
             starts = torch.zeros(len(chunk), dtype=torch.long)
-            found = self.step(ids, starts, width, torch.tensor(chunk), take, **sample, commit=lengths)
+            at = torch.tensor([rows[i] for i in chunk])
+            found = self.step(ids, starts, width, at, take, **sample, commit=lengths)
             tokens, margin, tolerance = torch.stack([x.double() for x in found]).cpu()  # one sync
             for r, i in enumerate(chunk):
                 outs[i] = Decoded([int(tokens[r, 0])], [], 1, [float(margin[r, 0])], [float(tolerance[r, 0])])
@@ -330,25 +339,34 @@ class Record:
     tokens with their margins and tolerances, how many, how many each verify step committed, and
     whether it goes on. A step updates it for all rows at once: no Python per prompt, no sync."""
 
-    def __init__(self, firsts: list[Decoded], max_new_tokens: int, stop_ids, device):
-        n, self.max_new = len(firsts), max_new_tokens
+    def __init__(self, prompts: int, max_new_tokens: int, stop_ids, device):
+        n, self.max_new = prompts, max_new_tokens
         width = max_new_tokens + 1  # the last column takes the writes of what is not committed
         self.tokens = torch.zeros(n, width, dtype=torch.long, device=device)
         self.margins = torch.zeros(n, width, device=device)
         self.tolerances = torch.zeros(n, width, device=device)
-        self.tokens[:, 0] = torch.tensor([f.tokens[0] for f in firsts])
-        self.margins[:, 0] = torch.tensor([f.margins[0] for f in firsts])
-        self.tolerances[:, 0] = torch.tensor([f.tolerances[0] for f in firsts])
-        self.count = torch.ones(n, dtype=torch.long, device=device)
-        self.steps = torch.zeros(n, max_new_tokens, dtype=torch.long, device=device)  # a live step commits >= 1
+        self.count = torch.zeros(n, dtype=torch.long, device=device)  # 1 from its first token on
+        self.steps = torch.zeros(n, width, dtype=torch.long, device=device)  # a live step commits >= 1
+        self.taken = torch.zeros(n, dtype=torch.long, device=device)  # verify steps so far, per prompt
         self.stop = torch.tensor(sorted(stop_ids), dtype=torch.long, device=device)
-        stop = set(stop_ids)
-        self.live = torch.tensor([not f.done(max_new_tokens, stop) for f in firsts], device=device)
+        self.stop_set = set(stop_ids)
+        self.live = torch.zeros(n, dtype=torch.bool, device=device)
+
+    def begin(self, index: list[int], firsts: list[Decoded]) -> list[bool]:
+        """Prompts `index` start with their prefill's first token; returns which of them go on."""
+        at = torch.tensor(index, device=self.tokens.device)
+        self.tokens[at, 0] = torch.tensor([f.tokens[0] for f in firsts], device=at.device)
+        self.margins[at, 0] = torch.tensor([f.margins[0] for f in firsts], device=at.device)
+        self.tolerances[at, 0] = torch.tensor([f.tolerances[0] for f in firsts], device=at.device)
+        self.count[at] = 1
+        going = [not f.done(self.max_new, self.stop_set) for f in firsts]
+        self.live[at] = torch.tensor(going, device=at.device)
+        return going
 
     def last(self, index: torch.Tensor) -> torch.Tensor:
         return self.tokens[index, self.count[index] - 1]
 
-    def accept(self, index, drafts, greedy, margin, tolerance, step: int) -> torch.Tensor:
+    def accept(self, index, drafts, greedy, margin, tolerance) -> torch.Tensor:
         """Decoded.accept for every row at once (row r is prompt index[r]): the longest prefix of the
         drafts [b, q-1] equal to the target's tokens greedy [b, q], plus the target's next token, cut
         at a stop token or the length limit. Returns how far each row's next position moves."""
@@ -362,17 +380,19 @@ class Record:
         self.tokens[index[:, None], columns] = greedy
         self.margins[index[:, None], columns] = margin
         self.tolerances[index[:, None], columns] = tolerance
-        self.steps[index, step] = new
+        taken = self.taken[index]
+        self.steps[index, torch.where(live, taken, self.max_new)] = new
+        self.taken[index] = taken + live
         self.count[index] = count + new
         self.live[index] = live & ~ended
         return (accepted + 1) * live
 
     def decoded(self) -> list[Decoded]:
         tokens, margins, tolerances = self.tokens.tolist(), self.margins.tolist(), self.tolerances.tolist()
-        counts, steps = self.count.tolist(), self.steps.tolist()
+        counts, steps, taken = self.count.tolist(), self.steps.tolist(), self.taken.tolist()
         outs = []
         for i, n in enumerate(counts):
-            committed = [s for s in steps[i] if s]
+            committed = steps[i][: taken[i]]
             outs.append(Decoded(tokens[i][:n], committed, 1 + len(committed), margins[i][:n], tolerances[i][:n]))
         return outs
 
@@ -389,31 +409,40 @@ def decode_slots(
     temperature: float = 0.0,
     generator: torch.Generator | None = None,
     graphs: bool = True,
+    rows: int = 0,
 ) -> list[Decoded]:
     """speculative_generate for all `prompts` at once (propose None: plain greedy, one token per
     forward: the reference; temperature > 0 samples instead, for regeneration). propose.padded drafts
     every row's block in one call. on_step(new tokens) after every forward that reads back.
 
+    rows: decode on that many KV-cache rows (0: one per prompt); a row whose prompt ended takes the
+    next waiting prompt at the next read-back (continuous batching), so a batch of long and short
+    replies does not idle its finished rows until the longest ends.
+
     The host reads the device once a step (the rows' next positions, which the drafter's context and
-    the cache's read length need) with drafts, once every SYNC_EVERY steps without (every row moves
-    by one: the host knows where). On CUDA, greedy steps run as CUDA graphs (`graphs`; step_graphs.py),
-    one per shape: rows, and lengths rounded up to LENGTH_STEP."""
+    the cache's read length need) with drafts, once every SYNC_EVERY steps without (every live row
+    moves by one: the host bounds where). On CUDA, greedy steps run as CUDA graphs (`graphs`;
+    step_graphs.py), one per shape: rows, and lengths rounded up to LENGTH_STEP."""
     began = time.perf_counter()
     draft_len = 0 if propose is None else propose.block_size - 1
     q = draft_len + 1
-    slots = Slots(target, prompts, max_new_tokens + q, features=propose is not None)
+    width = min(rows or len(prompts), len(prompts))
+    slots = Slots(target, prompts, max_new_tokens + q, features=propose is not None, rows=width)
     dev = slots.device
     sample = dict(temperature=temperature, generator=generator)
-    record = Record(slots.prefill(prompts, **sample), max_new_tokens, stop_ids, dev)
+    record = Record(len(prompts), max_new_tokens, stop_ids, dev)
+    live = record.begin(list(range(width)), slots.prefill(prompts[:width], **sample))
+    waiting = list(range(width, len(prompts)))  # prompts not given a row yet, in order
     graphed = GraphedSteps(slots, propose, q) if graphs and dev.type == "cuda" and temperature == 0 else None
     if on_step:
-        on_step(len(prompts))
-    index = torch.arange(len(prompts), device=dev)  # row -> prompt
-    starts = torch.tensor([len(p) for p in prompts])  # each row's next position (its last token's), on the host
-    starts_dev, committed = starts.to(dev), len(prompts)
-    live = record.live.tolist()
-    for step in range(max_new_tokens - 1):  # a live row commits >= 1 token a step
-        if sum(live) <= len(live) * 7 // 8:  # finished rows leave in bulk
+        on_step(width)
+    index = torch.arange(width, device=dev)  # row -> prompt
+    starts = torch.tensor([len(p) for p in prompts[:width]])  # each row's next position, on the host (a bound)
+    starts_dev, committed = starts.to(dev), width
+    deadline = max_new_tokens - 2  # the step by which every row's prompt has ended (a live row commits >= 1)
+    step = 0
+    while any(live) or waiting:
+        if not waiting and sum(live) <= len(live) * 7 // 8:  # finished rows leave in bulk
             keep = torch.tensor([r for r, alive in enumerate(live) if alive])
             keep_dev = keep.to(dev)
             slots.keep_rows(keep_dev)
@@ -430,24 +459,34 @@ def decode_slots(
             drafts = propose.padded(slots.features[: len(last)], starts_dev, last, context) if draft_len else None
             ids = last[:, None] if drafts is None else torch.cat([last[:, None], drafts], 1)
             greedy, margin, tolerance = slots.step(ids, starts_dev, length, **sample)
-        moved = record.accept(index, ids[:, 1:], greedy, margin, tolerance, step)
+        moved = record.accept(index, ids[:, 1:], greedy, margin, tolerance)
         # a hybrid keeps the fed tokens of its rows that the cache keeps
         (graphed.commit if graphed is not None else slots.commit_block)(moved)
-        if not draft_len:  # every row moves by one, finished or not (positions stay below the room)
-            starts, starts_dev = starts + 1, starts_dev + 1
-            if step % SYNC_EVERY != SYNC_EVERY - 1 and step < max_new_tokens - 2:
+        starts_dev = starts_dev + moved  # a finished row stays where it is
+        step += 1
+        if not draft_len:  # every live row moves by one: the host's bound moves every row
+            starts = torch.clamp(starts + 1, max=slots.capacity - q)
+            if step % SYNC_EVERY and step <= deadline:
                 continue
-        else:
-            starts_dev = starts_dev + moved
         host = torch.cat([record.live[index].long(), starts_dev, record.count.sum()[None]]).cpu()  # the one sync
         live, total = host[: len(index)].bool().tolist(), int(host[-1])
-        if draft_len:
-            starts = host[len(index) : 2 * len(index)]
+        starts = host[len(index) : 2 * len(index)]
         if on_step:
             on_step(total - committed)
         committed = total
-        if not any(live):
-            break
+        if waiting and not all(live):  # continuous batching: finished rows take the next prompts
+            free = [r for r, alive in enumerate(live) if not alive][: len(waiting)]
+            taken, waiting = waiting[: len(free)], waiting[len(free) :]
+            going = record.begin(taken, slots.prefill([prompts[i] for i in taken], rows=free, **sample))
+            for r, alive in zip(free, going):
+                live[r] = alive
+            rows_at, lengths = torch.tensor(free), torch.tensor([len(prompts[i]) for i in taken])
+            index[rows_at.to(dev)] = torch.tensor(taken, device=dev)
+            starts[rows_at], starts_dev[rows_at.to(dev)] = lengths, lengths.to(dev)
+            committed += len(taken)  # their first tokens: said now, counted in the next total
+            if on_step:
+                on_step(len(taken))
+            deadline = step + max_new_tokens - 2
     outs = record.decoded()
     seconds = (time.perf_counter() - began) / len(prompts)  # the batch's wall time, shared out
     for out in outs:

@@ -133,6 +133,35 @@ def test_rows_that_stop_early_leave_and_the_others_go_on(dense):
     assert sum(steps) == sum(len(g.tokens) for g in plain)
 
 
+@pytest.mark.parametrize("kind", ["dense", "sliding", "hybrid"])
+def test_fewer_rows_than_prompts_make_the_same_decisions(kind, dense, sliding, hybrid):
+    """Continuous batching (decode_slots' rows): 6 prompts on 2 rows, each finished row taking the
+    next prompt (a hybrid's row its Gated DeltaNet state anew), against one row per prompt: the same
+    tokens, steps, forwards and margins, plain and with drafts (kept in part, a share per row, on
+    the hybrid); every token counted."""
+    target = {"dense": dense, "sliding": sliding, "hybrid": hybrid}[kind]
+    ps = prompts() + [prompt(70, n=11), prompt(71, n=6)]
+    refs = [greedy_reference(LocalVerifier(target), p, NEW) for p in ps]
+    stop = refs[1].tokens[2]  # some prompts end early, at different steps: rows free at different times
+    block = 6
+    if kind == "hybrid":  # rows keeping different shares of their blocks
+        firsts = [len(p) - 1 for p in ps]
+        drafts = RowOracle([p + r.tokens for p, r in zip(ps, refs)], [0, 2, 3, 4, 1, 5], block, firsts)
+    else:
+        drafts = RepeatLast(block)
+    for propose in (None, drafts):
+        want = decode_slots(target, propose, ps, max_new_tokens=NEW, stop_ids=[stop])
+        counted = []
+        got = decode_slots(target, propose, ps, max_new_tokens=NEW, stop_ids=[stop], rows=2, on_step=counted.append)
+        assert [g.tokens for g in got] == [w.tokens for w in want]
+        assert [g.steps for g in got] == [w.steps for w in want]
+        assert [g.target_forwards for g in got] == [w.target_forwards for w in want]
+        for g, w in zip(got, want):
+            assert g.margins == pytest.approx(w.margins, rel=1e-4, abs=1e-4)
+        assert sum(counted) == sum(len(g.tokens) for g in got)
+    assert len({len(w.tokens) for w in want}) > 1  # replies of different lengths: rows really refilled
+
+
 def test_padded_drafts_equal_each_prompt_drafted_alone(dense):
     drafter = random_drafter(dense, DENSE_LAYER_IDS, B)
     g = torch.Generator().manual_seed(2)
@@ -165,10 +194,13 @@ class RowOracle:
     i's blocks and wrong after: the rows of one step keep different numbers of their block's tokens.
     A row is known by its next position and last token (the test checks no two prompts share one)."""
 
-    def __init__(self, sequences: list[list[int]], correct: list[int], block_size: int):
+    def __init__(self, sequences: list[list[int]], correct: list[int], block_size: int, firsts=None):
+        """firsts[i]: the first position of sequence i a block may start at (its prompt's last); 0 by default."""
         self.block_size, self.sequences, self.correct = block_size, sequences, correct
-        self.row_of = {(pos, t): i for i, seq in enumerate(sequences) for pos, t in enumerate(seq)}
-        assert len(self.row_of) == sum(map(len, sequences)), "two prompts share a (position, token)"
+        firsts = firsts or [0] * len(sequences)
+        keys = [(pos, seq[pos], i) for i, seq in enumerate(sequences) for pos in range(firsts[i], len(seq))]
+        self.row_of = {(pos, t): i for pos, t, i in keys}
+        assert len(self.row_of) == len(keys), "two prompts share a (position, token)"
 
     def drafts(self, i: int, start: int) -> list[int]:
         seq = self.sequences[i] + [0] * self.block_size
