@@ -104,8 +104,11 @@ class HFEngine:
         )
         if batch_size <= 0:  # auto: as many as fit
             batch_size = self.rows_that_fit(max(map(len, prompts), default=1) + max_new_tokens + 1)
-        for start in range(0, len(order), batch_size):
-            chunk = order[start : start + batch_size]
+        # KV-cache rows: batch_size rows, each taking the next prompt when its reply ends (continuous
+        # batching), over windows of WINDOW_BATCHES batches (what the device keeps of every prompt)
+        step = batch_size * WINDOW_BATCHES if self.slots is not None else batch_size
+        for start in range(0, len(order), step):
+            chunk = order[start : start + step]
             if self.slots is not None:
                 from services.target.slots import decode_slots
 
@@ -118,11 +121,11 @@ class HFEngine:
                     temperature=self.temperature,
                     generator=self.generator,
                     on_step=(lambda tokens: tick(0, tokens)) if tick else None,
+                    on_done=tick,
+                    rows=batch_size,
                 )
                 for i, out in zip(chunk, outs):
                     replies[i] = self.reply(conversations[i], out.tokens)
-                if tick:
-                    tick(len(chunk))
                 continue
             width = max(len(prompts[i]) for i in chunk)
             ids = torch.full((len(chunk), width), self.pad, dtype=torch.long)
@@ -165,6 +168,7 @@ class HFEngine:
 # --batch-size 0 (auto) at most: 3 072 rows were 1.1x the replies/s of 1 536 on a 135M target, an H200
 # (docs/benchmarks.md, "Evaluation and regeneration speed"); on CPU, rows bound by the cores
 AUTO_ROWS, AUTO_ROWS_CPU = 3072, 32
+WINDOW_BATCHES = 16  # prompts one decode_slots call takes, in batches: its record of them all lies on the GPU
 
 
 def slot_target(model):

@@ -410,10 +410,12 @@ def decode_slots(
     generator: torch.Generator | None = None,
     graphs: bool = True,
     rows: int = 0,
+    on_done=None,
 ) -> list[Decoded]:
     """speculative_generate for all `prompts` at once (propose None: plain greedy, one token per
     forward: the reference; temperature > 0 samples instead, for regeneration). propose.padded drafts
-    every row's block in one call. on_step(new tokens) after every forward that reads back.
+    every row's block in one call. on_step(new tokens) after every forward that reads back, and
+    on_done(prompts) with how many more prompts ended.
 
     rows: decode on that many KV-cache rows (0: one per prompt); a row whose prompt ended takes the
     next waiting prompt at the next read-back (continuous batching), so a batch of long and short
@@ -438,7 +440,7 @@ def decode_slots(
         on_step(width)
     index = torch.arange(width, device=dev)  # row -> prompt
     starts = torch.tensor([len(p) for p in prompts[:width]])  # each row's next position, on the host (a bound)
-    starts_dev, committed = starts.to(dev), width
+    starts_dev, committed, ended = starts.to(dev), width, 0
     deadline = max_new_tokens - 2  # the step by which every row's prompt has ended (a live row commits >= 1)
     step = 0
     while any(live) or waiting:
@@ -468,12 +470,15 @@ def decode_slots(
             starts = torch.clamp(starts + 1, max=slots.capacity - q)
             if step % SYNC_EVERY and step <= deadline:
                 continue
-        host = torch.cat([record.live[index].long(), starts_dev, record.count.sum()[None]]).cpu()  # the one sync
-        live, total = host[: len(index)].bool().tolist(), int(host[-1])
+        over = ((record.count > 0) & ~record.live).sum()[None]  # prompts that ended
+        host = torch.cat([record.live[index].long(), starts_dev, record.count.sum()[None], over]).cpu()  # the sync
+        live, total = host[: len(index)].bool().tolist(), int(host[-2])
         starts = host[len(index) : 2 * len(index)]
         if on_step:
             on_step(total - committed)
-        committed = total
+        if on_done and int(host[-1]) > ended:
+            on_done(int(host[-1]) - ended)
+        committed, ended = total, int(host[-1])
         if waiting and not all(live):  # continuous batching: finished rows take the next prompts
             free = [r for r, alive in enumerate(live) if not alive][: len(waiting)]
             taken, waiting = waiting[: len(free)], waiting[len(free) :]
@@ -487,6 +492,8 @@ def decode_slots(
             if on_step:
                 on_step(len(taken))
             deadline = step + max_new_tokens - 2
+    if on_done and len(prompts) > ended:  # those that ended after the last read-back, or at their first token
+        on_done(len(prompts) - ended)
     outs = record.decoded()
     seconds = (time.perf_counter() - began) / len(prompts)  # the batch's wall time, shared out
     for out in outs:

@@ -151,14 +151,23 @@ def test_fewer_rows_than_prompts_make_the_same_decisions(kind, dense, sliding, h
         drafts = RepeatLast(block)
     for propose in (None, drafts):
         want = decode_slots(target, propose, ps, max_new_tokens=NEW, stop_ids=[stop])
-        counted = []
-        got = decode_slots(target, propose, ps, max_new_tokens=NEW, stop_ids=[stop], rows=2, on_step=counted.append)
+        counted, ended = [], []
+        got = decode_slots(
+            target,
+            propose,
+            ps,
+            max_new_tokens=NEW,
+            stop_ids=[stop],
+            rows=2,
+            on_step=counted.append,
+            on_done=ended.append,
+        )
         assert [g.tokens for g in got] == [w.tokens for w in want]
         assert [g.steps for g in got] == [w.steps for w in want]
         assert [g.target_forwards for g in got] == [w.target_forwards for w in want]
         for g, w in zip(got, want):
             assert g.margins == pytest.approx(w.margins, rel=1e-4, abs=1e-4)
-        assert sum(counted) == sum(len(g.tokens) for g in got)
+        assert sum(counted) == sum(len(g.tokens) for g in got) and sum(ended) == len(ps)
     assert len({len(w.tokens) for w in want}) > 1  # replies of different lengths: rows really refilled
 
 
