@@ -108,8 +108,8 @@ class LocalSpecEval(SpecEval):
             dict(max_new_tokens=self.max_new_tokens, stop_ids=self.stop_ids),
         )
         step = self.progress.add if self.progress else lambda tokens: None
-        if self.slots:
-            return decode_slots(self.target, propose, prompts, **limits, on_step=step)
+        if self.slots:  # `batch` rows, each taking the next prompt when its own ends
+            return decode_slots(self.target, propose, prompts, **limits, on_step=step, rows=self.batch)
         if self.packed is not None:
             outs = decode_many(self.packed, propose, prompts, **limits)
         elif propose is None:
@@ -124,11 +124,12 @@ class LocalSpecEval(SpecEval):
             self.progress.phase(name, prompts * self.max_new_tokens)
 
     def references(self, n: int) -> list[Decoded]:
-        """Plain greedy outputs of the first n prompts (computed `batch` at a time, once, reused at
-        every evaluation)."""
+        """Plain greedy outputs of the first n prompts (computed once, reused at every evaluation;
+        on KV-cache rows in one call, else `batch` at a time)."""
+        span = len(self.prompts) if self.slots else self.batch
         while len(self._references) < min(n, len(self.prompts)):
             done = len(self._references)
-            self._references += self.decode(None, list(range(done, min(done + self.batch, len(self.prompts)))))
+            self._references += self.decode(None, list(range(done, min(done + span, n, len(self.prompts)))))
         return self._references[:n]
 
     def head(self, model_cfg: DrafterModelConfig) -> TargetHead:
@@ -156,19 +157,21 @@ class LocalSpecEval(SpecEval):
             while count < len(self.prompts):
                 if budget_s > 0 and count and time.perf_counter() - start > budget_s / 2:
                     break
-                count = len(self.references(count + self.batch))
+                count = len(self.references(count + (self.batch if budget_s > 0 else len(self.prompts))))
                 if tick:
                     tick()
             indices = list(range(count))
         refs = self.references(max(indices, default=-1) + 1)  # cached: the drafter's run computed them
         began, results = time.perf_counter(), []
         self._phase(getattr(propose, "label", "drafter"), len(indices))
-        for first in range(0, len(indices), self.batch):
+        # within a budget `batch` prompts at a time (it is checked between them), else all in one call
+        span = self.batch if budget_s > 0 or not self.slots else max(len(indices), 1)
+        for first in range(0, len(indices), span):
             if budget_s > 0 and results and time.perf_counter() - start > budget_s:
                 break
             if tick:
                 tick()
-            results += self.decode(propose, indices[first : first + self.batch])
+            results += self.decode(propose, indices[first : first + span])
         decoded = indices[: len(results)]
         return {
             **summarize_sets(

@@ -86,8 +86,9 @@ def test_hybrid_demo_trains_exports_and_evaluates(tmp_path):
             "--max-new-tokens",
             "32",
             "--batch",
-            "8",
-        ),  # every prompt at once, a KV-cache row each with its Gated DeltaNet state (slots.py)
+            "3",
+        ),  # 3 KV-cache rows for the 8 prompts, each with its Gated DeltaNet state, taking the next prompt
+        # when its own ends (slots.py, continuous batching)
         capture_output=True,
         text=True,
         timeout=600,
