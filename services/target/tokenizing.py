@@ -12,6 +12,8 @@ from __future__ import annotations
 import itertools
 import multiprocessing
 import os
+import pickle
+import sys
 from collections import deque
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
@@ -71,10 +73,21 @@ def _convert(chunk: list) -> list[tuple]:
     return _CONVERT(chunk)
 
 
+def _sendable(convert: LineConverter) -> bool:
+    """Whether the converter (its tokenizer) pickles, as a spawned worker needs; one that does not
+    is tokenized in this process, and said."""
+    try:
+        pickle.dumps(convert)
+        return True
+    except Exception as exc:  # a tokenizer class of a model's own code may hold what does not pickle
+        print(f"data: tokenizing in one process: the tokenizer does not pickle ({exc})", file=sys.stderr, flush=True)
+        return False
+
+
 def converted_chunks(convert: LineConverter, lines, workers: int):
     """convert's results for `lines` (an iterator), chunk by chunk, in order."""
     chunks = iter(lambda: list(itertools.islice(lines, CHUNK_LINES)), [])
-    if workers <= 1:
+    if workers <= 1 or not _sendable(convert):
         yield from map(convert, chunks)
         return
     spawn = multiprocessing.get_context("spawn")

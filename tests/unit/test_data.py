@@ -264,3 +264,14 @@ def test_worker_processes_give_the_same_documents_bad_lines_and_first_failure(tm
     assert seen[-1] == (2 * len(lines) + 2, path.stat().st_size, path.stat().st_size)
     with pytest.raises(DataError, match=rf"^{path}:{len(lines) - len(BAD_LINES) + 1}: "):
         read_documents(path, tokenizer, VOCAB, "fail", BadSamples(), workers=2)
+
+
+def test_a_tokenizer_that_does_not_pickle_is_tokenized_in_this_process(tmp_path, tokenizer, capfd):
+    import threading
+
+    path = _write(tmp_path / "data.jsonl", [{"messages": MULTI_TURN}] * 3)
+    want = read_documents(path, tokenizer, VOCAB, "fail", BadSamples())
+    tokenizer.held = threading.Lock()  # what a model's own tokenizer class may keep
+    got = read_documents(path, tokenizer, VOCAB, "fail", BadSamples(), workers=2)
+    assert [d.input_ids.tolist() for d in got] == [d.input_ids.tolist() for d in want]
+    assert "tokenizing in one process: the tokenizer does not pickle" in capfd.readouterr().err
