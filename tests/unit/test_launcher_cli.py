@@ -124,7 +124,8 @@ def test_units_for_one_host_of_a_two_host_spec(tmp_path):
     env_dir = tmp_path / "units" / "dflash-env"
     assert sorted(p.name for p in env_dir.glob("dflash-*@*.env")) == ["dflash-drafter@0.env"]  # only this host's
     env = (env_dir / "dflash-drafter@0.env").read_text()
-    assert "DFLASH_HEALTH_ENDPOINT=tcp://10.0.0.2:" in env and "MASTER_ADDR=10.0.0.2" in env
+    assert "DFLASH_HEALTH_ENDPOINT=tcp://10.0.0.2:" in env
+    assert "MASTER_ADDR" not in env  # the drafters meet on rank 0's ipc store: no TCPStore on 10.0.0.2
     resolved = (env_dir / "config.json").read_text()  # installed with the env files, not into the run dir
     assert '"10.0.0.1"' in resolved and '"tcp"' in resolved  # workers reach the targets on host A
     missing = run_launcher(
