@@ -210,12 +210,14 @@ def read_documents(
 ) -> list[Document]:
     """Every non-blank line of a JSONL file -> Document, in file order. Bad lines: raise (fail) or
     count in `bad` (skip). workers > 1: lines tokenized in that many processes (tokenizing.py), the
-    same documents; progress(lines done, bytes read, file bytes) after each chunk of lines."""
-    from services.target.tokenizing import LineConverter, converted_chunks
+    same documents; 0: as many as suit the file (tokenizing_workers); progress(lines done, bytes
+    read, file bytes) after each chunk of lines."""
+    from services.target.tokenizing import LineConverter, converted_chunks, tokenizing_workers
 
     path = Path(path)
     if not path.is_file():
         raise DataError(f"data file not found: {path}")
+    workers = workers or tokenizing_workers(path)
     convert = LineConverter(tokenizer, vocab_size, max_doc_tokens, template_kwargs)
     docs, done, size = [], 0, path.stat().st_size
     with open(path, "rb") as f:  # bytes: a line that is not UTF-8 is one bad line, not a failed file

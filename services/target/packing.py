@@ -56,7 +56,6 @@ from services.config import Config
 from services.files import cache_root, sha256_file
 from services.packed_data import FORMAT_VERSION, PackedData, digests_path
 from services.target.data import BadSamples, DataError, Document, read_documents
-from services.target.tokenizing import tokenizing_workers
 
 _PACK_SALT = 0x9AC4
 
@@ -161,10 +160,7 @@ def build_index(cfg: Config, tokenizer, vocab_size: int, progress=None) -> tuple
 
     def read(path):
         said = (lambda *done: progress(path, *done)) if progress else None
-        workers = tokenizing_workers(path) if Path(path).is_file() else 1
-        return read_documents(
-            path, tokenizer, vocab_size, d.on_bad_sample, bad, **limits, workers=workers, progress=said
-        )
+        return read_documents(path, tokenizer, vocab_size, d.on_bad_sample, bad, **limits, workers=0, progress=said)
 
     train = read(d.path)
     held_out = runspec.HeldOut.of(cfg)
