@@ -248,11 +248,33 @@ def bench_shape(a, shape: str) -> dict:
             / ((phases["references"]["seconds"] + phases["drafter"]["seconds"]) / a.prompts),
             2,
         )
+    if a.compile_steps:  # the same passes with every layer compiled for the steps (Target.compile_steps), last
+        result["compiled"] = compiled_passes(a, target, prompts, (drafter, random_control, extra), refs)
     if a.profile_old and a.old_prompts:
         profile_packed(a, target, prompts[: a.old_batch])
     if a.profile_slots:
         profile_slots(a, target, drafter, prompts)
     return result
+
+
+def compiled_passes(a, target, prompts, drafters, eager_refs) -> dict:
+    """The checkpoint's passes again, the target's layers compiled for decoding steps: the compile's
+    seconds (its warm-up), each pass, the references' agreement with the eager layers'."""
+    drafter, random_control, extra = drafters
+    limits = dict(max_new_tokens=a.new)
+    target.compile_steps()
+    _, seconds, _ = timed(a.device, lambda: decode_slots(target, drafter, prompts[:2], max_new_tokens=4))
+    out = {"compile_warmup_s": seconds}
+    refs, seconds, busy = timed(a.device, lambda: decode_slots(target, None, prompts, **limits))
+    out["references"] = {"seconds": seconds, "gpu_busy": busy}
+    out["same_references_as_eager"] = f"{sum(x.tokens == y.tokens for x, y in zip(refs, eager_refs))}/{len(refs)}"
+    for name, propose in (("drafter", drafter), ("repeat_last", RepeatLast(a.block)), ("random", random_control)):
+        outs, seconds, busy = timed(a.device, lambda: decode_slots(target, propose, prompts, **limits))
+        out[name] = figures(outs, refs, seconds, busy)
+    out["checkpoint_s"] = round(sum(out[k]["seconds"] for k in ("references", "drafter", "repeat_last", "random")), 2)
+    outs, seconds, busy = timed(a.device, lambda: decode_slots(target, extra, prompts, **limits))
+    out["extra_checkpoint"] = figures(outs, refs, seconds, busy)
+    return out
 
 
 def profile_packed(a, target, prompts):
@@ -301,6 +323,30 @@ def bench_regen(a) -> dict:
     replies, seconds, busy = timed(a.device, slots)
     out["slots"] = {"seconds": seconds, "gpu_busy": busy, "replies_per_s": round(len(replies) / seconds, 1)}
     out["slots"]["generated_tok_per_s"] = round(sum(len(r.tokens) for r in replies) / seconds)
+    if a.regen_stops:  # replies of varied lengths: batch by batch against rows refilled as replies end
+        stops = dict(stop_ids=range(1, a.regen_stops + 1), **limits)
+
+        def batches():
+            return [
+                o
+                for f in range(0, len(prompts), a.regen_batch)
+                for o in decode_slots(target, None, prompts[f : f + a.regen_batch], **stops)
+            ]
+
+        for name, run in (
+            ("batches", batches),
+            ("continuous", lambda: decode_slots(target, None, prompts, rows=a.regen_batch, **stops)),
+        ):
+            outs, seconds, busy = timed(a.device, run)
+            out[f"stops_{name}"] = {
+                "seconds": seconds,
+                "gpu_busy": busy,
+                "replies_per_s": round(len(outs) / seconds, 1),
+                "mean_reply_tokens": round(sum(len(o.tokens) for o in outs) / len(outs), 1),
+            }
+            out.setdefault("stops_replies", []).append([o.tokens for o in outs])
+        same = sum(x == y for x, y in zip(*out.pop("stops_replies")))
+        out["stops_same_replies"] = f"{same}/{len(prompts)}"
     hf = prompts[: a.regen_hf]
     model = target.model
     model.config._attn_implementation = "sdpa"  # HF generate: HF's own attention
@@ -349,6 +395,10 @@ def main(argv=None) -> int:
     ap.add_argument("--regen-hf", type=int, default=512, help="prompts HF generate decodes (one batch)")
     ap.add_argument("--regen-shape", default="smollm2-135m")
     ap.add_argument("--refs-again", action="store_true", help="time the references' pass a second time (warm)")
+    ap.add_argument("--compile-steps", action="store_true", help="the passes again with compiled layers (last)")
+    ap.add_argument(
+        "--regen-stops", type=int, default=0, help="regeneration with N stop tokens too: batches vs continuous"
+    )
     a = ap.parse_args(argv)
     device_name = torch.cuda.get_device_name() if a.device == "cuda" else "cpu"
     for shape in [s for s in a.shapes.split(",") if s]:

@@ -85,10 +85,16 @@ def time_steps(target: Target, method: str, context: list[int], block: int, iter
     return {"verify_ms": ms(verify_s), "commit_ms": ms(commit_s), "step_ms": ms(verify_s + commit_s)}
 
 
-def time_slot_steps(target: Target, context: list[int], block: int, iters: int, gen, graphs: bool) -> dict:
+def time_slot_steps(
+    target: Target, context: list[int], block: int, iters: int, gen, graphs: bool, fp32_head=False, profile=False
+) -> dict:
     """time_steps on one KV-cache row (slots.Slots): the block verified, then k of it committed;
-    graphs: as decode_slots runs them on CUDA (slots.GraphedSteps), else eagerly."""
-    slots = Slots(target, [context], room=block * (iters + 2) + LENGTH_STEP)
+    graphs: as decode_slots runs them on CUDA (slots.GraphedSteps), else eagerly. fp32_head: the
+    logits from an fp32 copy of the lm_head (the way before decode_step.logits_weight). profile:
+    then one more step under torch.profiler, its kernels by GPU time (printed)."""
+    slots = Slots(target, [context], room=block * (iters + 3) + LENGTH_STEP)
+    if fp32_head:
+        slots.lm_head = slots.lm_head.float()
     slots.prefill([context])
     graphed = GraphedSteps(slots, None, block) if graphs else None
     ids = graphed.ids if graphed else torch.zeros(1, block, dtype=torch.long, device=slots.device)
@@ -114,7 +120,27 @@ def time_slot_steps(target: Target, context: list[int], block: int, iters: int, 
         if i >= 2:
             verify_s, commit_s = verify_s + t1 - t0, commit_s + time.perf_counter() - t1
     ms = lambda s: round(1000 * s / iters, 3)  # noqa: E731
-    return {"verify_ms": ms(verify_s), "commit_ms": ms(commit_s), "step_ms": ms(verify_s + commit_s)}
+    out = {"verify_ms": ms(verify_s), "commit_ms": ms(commit_s), "step_ms": ms(verify_s + commit_s)}
+    if profile:
+        out["profile"] = profile_kernels(lambda: (verify(1, length), commit(kept)))
+    return out
+
+
+def profile_kernels(step) -> dict:
+    """One call of step() under torch.profiler: its kernels grouped by name, by GPU time (the top 25
+    printed), their total and count; inside CUDA graphs too (the profiler sees a replay's kernels)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    sync()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        step()
+        sync()
+    kernels = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    kernels.sort(key=lambda e: -e.self_device_time_total)
+    total = sum(e.self_device_time_total for e in kernels)
+    for e in kernels[:25]:
+        print(f"{e.self_device_time_total / 1000:9.3f} ms {e.count:6d}x  {e.key[:110]}", file=sys.stderr, flush=True)
+    return {"gpu_kernel_ms": round(total / 1000, 2), "kernels": sum(e.count for e in kernels)}
 
 
 def profile_verify(target: Target, context: list[int], block: int, gen) -> dict:
@@ -158,9 +184,17 @@ def time_all(args, target: Target, context: list[int], gen) -> dict:
     if args.profile:
         out["profile"] = profile_verify(target, context, args.block, gen)
     out["plain_one_token"] = time_steps(target, ROLLBACKS[0], context, 1, args.iters, gen)
-    out["slot_row_eager"] = time_slot_steps(target, context, args.block, args.iters, gen, graphs=False)
+    steps = lambda **kw: time_slot_steps(target, context, args.block, args.iters, gen, **kw)  # noqa: E731
+    target.steps_backend = ""  # the eager layers first (an earlier precision may have compiled them)
+    out["slot_row_eager"] = steps(graphs=False, profile=args.profile)
     if target.device.type == "cuda":
-        out["slot_row_graphed"] = time_slot_steps(target, context, args.block, args.iters, gen, graphs=True)
+        out["slot_row_graphed_fp32_head"] = steps(graphs=True)
+        out["slot_row_graphed"] = steps(graphs=True, profile=args.profile)
+        if args.compile_steps:  # last: the target keeps its compiled layers
+            target.compile_steps()
+            t0 = time.perf_counter()
+            out["slot_row_compiled_graphed"] = steps(graphs=True, profile=args.profile)
+            out["slot_row_compiled_graphed"]["with_compile_s"] = round(time.perf_counter() - t0, 1)
         out["peak_memory_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
     return out
 
@@ -292,6 +326,7 @@ def main(argv=None) -> int:
     p.add_argument("--quantize", default="none", help="none, fp8 or none,fp8 (FP8 decoder linears, rowwise)")
     p.add_argument("--methods", default=",".join(ROLLBACKS), help="DecodeSession methods to time ('' for none)")
     p.add_argument("--profile", action="store_true", help="also profile one verify step (host vs kernel time)")
+    p.add_argument("--compile-steps", action="store_true", help="also the slot row with compiled layers (last)")
     p.add_argument("--lossless", action="store_true", help="the tiny-hybrid lossless check instead of the timing")
     p.add_argument("--prompts", type=int, default=8, help="--lossless: prompts")
     p.add_argument("--max-new-tokens", type=int, default=48, help="--lossless: tokens per prompt")

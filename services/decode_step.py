@@ -18,6 +18,7 @@ ROLLBACKS names how a hybrid target's Gated DeltaNet state drops a rejected suff
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -94,12 +95,35 @@ def rounding_tolerance(top1: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return NEAR_TIE_ULPS * torch.finfo(dtype).eps * top1.float().abs().clamp(min=1.0)
 
 
-def exact_logits(hidden: torch.Tensor, lm_head: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """fp32 logits of a model computing in `dtype`: hidden (in dtype) @ lm_head.t() (its fp32 copy).
+def logits_weight(lm_head: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """What exact_logits multiplies by: a bf16 lm_head itself on CUDA, where a bf16 GEMM can write
+    fp32 (torch.mm's out_dtype: exact products, fp32 sums, half the bytes of an fp32 copy: 2.5 GB
+    less to read every step at a 27B target's 248 K vocabulary); its fp32 copy everywhere else."""
+    if lm_head.device.type == "cuda" and dtype == torch.bfloat16 and _mm_writes_fp32(lm_head.device):
+        return lm_head.detach()
+    return lm_head.detach().float()
 
-    A bf16 value has 8 significant bits, TF32 has 11: a TF32 tensor-core GEMM of bf16 values
-    multiplies exactly and adds in fp32, like the fp32 GEMM, at several times its speed (the
-    lm_head of a 128 K vocabulary was the largest cost of a decoding step on an H200)."""
+
+@functools.cache
+def _mm_writes_fp32(device: torch.device) -> bool:
+    """torch.mm(bf16, bf16, out_dtype=fp32) runs here (torch 2.8 and later on CUDA)."""
+    try:
+        a = torch.ones(2, 2, dtype=torch.bfloat16, device=device)
+        return torch.mm(a, a, out_dtype=torch.float32).dtype == torch.float32
+    except (RuntimeError, TypeError, NotImplementedError):
+        return False
+
+
+def exact_logits(hidden: torch.Tensor, lm_head: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """fp32 logits of a model computing in `dtype`: hidden (in dtype) @ lm_head.t() (logits_weight).
+
+    Either way the products of bf16 values are exact and summed in fp32: a bf16 weight by a bf16 GEMM
+    writing fp32; an fp32 copy of it by a TF32 tensor-core GEMM (a bf16 value has 8 significant bits,
+    TF32 11), at several times the fp32 GEMM's speed (the lm_head of a 128 K vocabulary was the
+    largest cost of a decoding step on an H200)."""
+    if lm_head.dtype == torch.bfloat16:
+        flat = torch.mm(hidden.reshape(-1, hidden.shape[-1]), lm_head.t(), out_dtype=torch.float32)
+        return flat.view(*hidden.shape[:-1], -1)
     if hidden.device.type != "cuda" or dtype != torch.bfloat16:
         return hidden.float() @ lm_head.t()
     matmul = torch.backends.cuda.matmul

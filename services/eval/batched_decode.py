@@ -35,7 +35,7 @@ import time
 
 import torch
 
-from services.decode_step import Decoded, Step, exact_logits, rounding_tolerance
+from services.decode_step import Decoded, Step, exact_logits, logits_weight, rounding_tolerance
 
 
 class PackedVerifier:
@@ -44,7 +44,7 @@ class PackedVerifier:
     def __init__(self, target):
         self.target = target
         self.dtype = target.model.dtype
-        self.lm_head = target.model.get_output_embeddings().weight.detach().float()
+        self.lm_head = logits_weight(target.model.get_output_embeddings().weight, self.dtype)
 
     @torch.no_grad()
     def forward(self, sequences: list[list[int]], tails: list[int]) -> list[Step]:

@@ -6,7 +6,8 @@ varies from row to row (where the documents begin) stays outside the graphs: the
 and the Gated DeltaNet conv and kernel read it from the row slot (row.py) inside functions marked
 torch.compiler.disable. Every row has pack_len tokens, so the graphs compiled on the warmup row
 serve every later row (graphs_compiled() counts; the worker reports recompiles after warmup).
-Decoding forwards (decode.py: a KV cache and a few tokens) and plain forwards keep the eager layers.
+decode.py's decoding forwards and plain forwards keep the eager layers; slots.py's decoding steps
+can have compiled layers of their own (compile_steps: dynamic shapes, target.compile_steps()).
 """
 
 from __future__ import annotations
@@ -24,19 +25,38 @@ log = logging.getLogger("target")
 
 def compile_layers(layers: nn.ModuleList, slot: RowSlot, backend: str = "inductor") -> None:
     """Compile each decoder layer's capture forward; the eager forward stays for everything else."""
+    _compile_each(layers, slot, "capture_forward", lambda eager: torch.compile(eager, dynamic=False, backend=backend))
+
+
+def compile_steps(layers: nn.ModuleList, slot: RowSlot, backend: str = "inductor") -> None:
+    """Compile each decoder layer's forward for slots.py's decoding steps: a few tokens on each of
+    many KV-cache rows. The rows and the cache length change from step to step, so the shapes are
+    dynamic (one graph per layer kind serves them all); the KV cache writes and the Gated DeltaNet
+    states stay eager (torch.compiler.disable). Inside a CUDA graph (step_graphs.py) this removes
+    what the graph cannot: the many small kernels of the norms, rotary, gates and SwiGLU."""
+    _compile_each(layers, slot, "step_forward", lambda eager: torch.compile(eager, dynamic=True, backend=backend))
+
+
+def _compile_each(layers: nn.ModuleList, slot: RowSlot, name: str, compile_one) -> None:
     import torch._dynamo
 
-    # layers of one kind share their graph; room for a model whose layers all differ
-    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 2 * len(layers))
+    # layers of one kind share their graph; room for a model whose layers all differ, twice
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 4 * len(layers))
     for layer in layers:
         eager = layer.__dict__.setdefault("eager_forward", layer.forward)  # compiling again wraps the eager one
-        layer.forward = _capture_or_eager(slot, eager, torch.compile(eager, dynamic=False, backend=backend))
+        layer.__dict__[name] = compile_one(eager)
+        layer.forward = _dispatch(layer.__dict__, slot, eager)
 
 
-def _capture_or_eager(slot: RowSlot, eager, compiled):
+def _dispatch(compiled: dict, slot: RowSlot, eager):
+    """The layer's forward: a compiled one where the slot says this forward is of its kind."""
+
     def forward(*args, **kwargs):
+        if slot.slots is not None:
+            step = compiled.get("step_forward") if slot.compiled_steps else None
+            return (step or eager)(*args, **kwargs)
         if slot.compiled and slot.layout is not None and slot.decode is None:
-            return compiled(*args, **kwargs)
+            return compiled["capture_forward"](*args, **kwargs)
         return eager(*args, **kwargs)
 
     return forward

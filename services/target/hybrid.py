@@ -320,15 +320,25 @@ class PackedGatedDeltaNet(nn.Module):
 
     def _rows(self, x, states: "RowStates") -> torch.Tensor:
         """x [b, T, hidden]: the next T tokens of rows states.where, after each row's committed state."""
-        m, i, (b, t, _) = self.layer, self.index, x.shape
-        rows = states.where
+        m, (b, t, _) = self.layer, x.shape
         mixed = m.in_proj_qkv(x)  # [b, T, C]
-        if i not in states.conv:
-            states.allocate(i, self, mixed)
-        window = torch.cat([states.conv[i][rows], mixed], 1)  # the K-1 inputs before, then T
+        window = self._row_window(states, mixed)  # the K-1 inputs before, then T
         w = m.conv1d.weight[:, 0]
         qkv = F.silu(F.conv1d(window.transpose(1, 2), w[:, None, :].to(x.dtype), groups=w.shape[0]).transpose(1, 2))
         inputs = [y.unflatten(0, (b, t)) for y in self._rule_inputs(x.flatten(0, 1), qkv.flatten(0, 1))]
+        o = self._row_rule(states, window, inputs)
+        return self._output(x.flatten(0, 1), o.flatten(0, 1)).unflatten(0, (b, t))
+
+    # The two halves that read and write the rows' states: eager, outside compiled layers (compiled.py)
+    @torch.compiler.disable
+    def _row_window(self, states: "RowStates", mixed: torch.Tensor) -> torch.Tensor:
+        if self.index not in states.conv:
+            states.allocate(self.index, self, mixed)
+        return torch.cat([states.conv[self.index][states.where], mixed], 1)
+
+    @torch.compiler.disable
+    def _row_rule(self, states: "RowStates", window: torch.Tensor, inputs: list[torch.Tensor]) -> torch.Tensor:
+        i, rows = self.index, states.where
         state = states.recurrent[i][rows]
         if states.lengths is not None:  # a prefill: each row's first `lengths` tokens committed now
             o, states.recurrent[i][rows] = self.run_rows(*only_first(states.lengths, *inputs), state)
@@ -336,7 +346,7 @@ class PackedGatedDeltaNet(nn.Module):
         else:  # a block: commit() keeps each row's accepted prefix of it
             o, _ = self.run_rows(*inputs, state)
             states.keep_block(i, window, inputs)
-        return self._output(x.flatten(0, 1), o.flatten(0, 1)).unflatten(0, (b, t))
+        return o
 
     def _decode(self, x, decode: "DecodeState") -> torch.Tensor:
         """Incremental decoding: x [T, hidden] are the tokens after the layer's state in `decode`."""

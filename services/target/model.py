@@ -355,6 +355,7 @@ class Target:
         self.per_document = self.path == "per-document"
         self.varlen, self.attention = packed_attention(model, self.device)
         self._backend = ""  # the torch.compile backend, once compile() ran
+        self.steps_backend = ""  # slots.py's decoding steps run compiled layers of this backend (compile_steps)
         self.hf_varlen = str(getattr(model.config, "_attn_implementation", "")).startswith("flash_attention")
         self.warning = slow_path_warning(self.path, self.device)
         h = self.info.hidden_size
@@ -374,6 +375,15 @@ class Target:
 
         compile_layers(self.layers, self.slot, backend)
         self._backend, self.slot.compiled = backend, True
+
+    def compile_steps(self, backend: str = "inductor") -> None:
+        """Compile every decoder layer for slots.py's decoding steps (compiled.compile_steps), once;
+        steps_backend = "" turns them off again, this on."""
+        from services.target.compiled import compile_steps
+
+        if "step_forward" not in self.layers[0].__dict__:
+            compile_steps(self.layers, self.slot, backend)
+        self.steps_backend = backend
 
     @contextmanager
     def capturing_into(self, out: torch.Tensor):

@@ -46,3 +46,4 @@ class RowSlot:
         self.slots = None  # services/target/slots.py: the masks of a forward of many prompts on their KV cache
         self.rows = None  # slots.py with a hybrid target: the Gated DeltaNet states of its rows (hybrid.RowStates)
         self.compiled = False  # captures run the compiled layers (compiled.py)
+        self.compiled_steps = False  # slots.py's decoding steps run the step-compiled layers (compiled.py)

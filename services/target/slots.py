@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch.nn.attention import sdpa_kernel
 from transformers import DynamicCache
 
-from services.decode_step import Decoded, exact_logits, rounding_tolerance
+from services.decode_step import Decoded, exact_logits, logits_weight, rounding_tolerance
 from services.target.decode import ATTENTION_KINDS, DECODE_SDPA
 from services.target.hybrid import PackedGatedDeltaNet, RowStates
 from services.target.model import Target
@@ -94,6 +94,7 @@ class SlotCache(DynamicCache):
         self.in_order = True  # the forward in flight holds every row, in row order (else: `where`'s rows)
         self.length = 0
 
+    @torch.compiler.disable  # writes the rows in place: kept out of compiled layers (compiled.compile_steps)
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):  # the extras vary by version
         if layer_idx not in self.keys:
             b, h, _, d = key_states.shape
@@ -182,7 +183,7 @@ class Slots:
         self.features = (
             torch.zeros(rows, self.capacity, width, dtype=self.dtype, device=self.device) if features else None
         )
-        self.lm_head = target.model.get_output_embeddings().weight.detach().float()
+        self.lm_head = logits_weight(target.model.get_output_embeddings().weight, self.dtype)
         params = inspect.signature(target.backbone.forward).parameters
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"  # renamed in transformers 5.2x
 
@@ -215,6 +216,7 @@ class Slots:
         masks = SlotMasks(positions, length)
         captured = torch.empty(b * q, t.info.hidden_width, dtype=self.dtype, device=dev)
         t.slot.slots = masks
+        t.slot.compiled_steps = bool(t.steps_backend) and commit is None  # a prefill runs the eager layers
         if self.states is not None:
             self.states.where, self.states.lengths = rows, None if commit is None else commit.to(dev)
             t.slot.rows = self.states
@@ -229,6 +231,7 @@ class Slots:
                 )
         finally:
             t.slot.slots = t.slot.rows = None
+            t.slot.compiled_steps = False
         if self.features is not None:
             self.features[row_ids, positions] = captured.view(b, q, -1)
         hidden = out.last_hidden_state

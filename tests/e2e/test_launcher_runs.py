@@ -28,7 +28,7 @@ def sleepers():
     procs = []
 
     def start():
-        p = subprocess.Popen(["sleep", "300"])
+        p = subprocess.Popen(["sleep", "3600"])
         procs.append(p)
         return p
 
@@ -116,7 +116,7 @@ def test_down_stops_a_process_whose_identity_matches(tmp_path, sleepers):
 def test_identity_survives_only_for_the_same_process(sleepers):
     p = sleepers()
     ident = process.identity(p.pid)
-    assert ident["cmdline"] == ["sleep", "300"]  # not the empty cmdline of a process mid-exec
+    assert ident["cmdline"] == ["sleep", "3600"]  # not the empty cmdline of a process mid-exec
     assert process.alive(ident) and process.tree(ident)[0].pid == p.pid
     assert not process.alive(dict(ident, create_time=ident["create_time"] - 5))
     assert not process.alive(dict(ident, cmdline=["python3", "worker"]))

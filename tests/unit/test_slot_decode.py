@@ -111,6 +111,51 @@ def test_cuda_graphed_steps_make_the_eager_steps_decisions(kind, monkeypatch, ca
     assert "CUDA graphs off" not in capfd.readouterr().err
 
 
+COMPILED = [
+    pytest.param("cpu", "hybrid", id="cpu-hybrid"),  # full attention and Gated DeltaNet layers (aot_eager)
+    *(
+        pytest.param(
+            "cuda",
+            kind,
+            id=f"cuda-{kind}",
+            marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+        )
+        for kind in ("dense", "sliding", "hybrid")
+    ),
+]
+
+
+@pytest.mark.parametrize("device,kind", COMPILED)
+def test_compiled_steps_make_the_eager_steps_decisions(device, kind, monkeypatch, capfd):
+    """Target.compile_steps (compiled.py: every layer compiled for the decoding steps, dynamic shapes)
+    against the eager layers, fp32: the same tokens, steps and margins, plain and with drafts, rows
+    leaving early; on CUDA inside the CUDA graphs, with inductor; and the compiled layers really ran."""
+    import torch._dynamo
+
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    make = {"dense": dense_target, "sliding": sliding_target, "hybrid": hybrid_target}[kind]
+    target = make(device=device)
+    ids = HYBRID_LAYER_IDS if kind == "hybrid" else DENSE_LAYER_IDS
+    ps = prompts()
+    refs = decode_slots(target, None, ps, max_new_tokens=NEW, graphs=False)
+    stop = refs[1].tokens[3]  # prompt 1 ends early: fewer rows, a new shape for the compiled layers
+    proposers = [None, random_drafter(target, ids, B)] if device == "cuda" else []  # CPU: the oracle alone (CI time)
+    if kind == "hybrid":  # rows keeping 1, 3 or 4 tokens of a block in one step
+        proposers.append(DeviceRowOracle([p + r.tokens for p, r in zip(ps, refs)], [0, 2, 3, 4], B, device))
+    eager = [decode_slots(target, p, ps, max_new_tokens=NEW, stop_ids=[stop], graphs=False) for p in proposers]
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    target.compile_steps("inductor" if device == "cuda" else "aot_eager")
+    for propose, want in zip(proposers, eager):
+        got = decode_slots(target, propose, ps, max_new_tokens=NEW, stop_ids=[stop])
+        assert [g.tokens for g in got] == [w.tokens for w in want]
+        assert [g.steps for g in got] == [w.steps for w in want]
+        for g, w in zip(got, want):
+            assert g.margins == pytest.approx(w.margins, rel=1e-4, abs=1e-4)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > 0  # compiled layers ran
+    assert "CUDA graphs off" not in capfd.readouterr().err
+
+
 def test_rows_that_stop_early_leave_and_the_others_go_on(dense):
     cached = LocalVerifier(dense)
     ps = prompts()
