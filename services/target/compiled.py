@@ -31,9 +31,11 @@ def compile_layers(layers: nn.ModuleList, slot: RowSlot, backend: str = "inducto
 def compile_steps(layers: nn.ModuleList, slot: RowSlot, backend: str = "inductor") -> None:
     """Compile each decoder layer's forward for slots.py's decoding steps: a few tokens on each of
     many KV-cache rows. The rows and the cache length change from step to step, so the shapes are
-    dynamic (one graph per layer kind serves them all); the KV cache writes and the Gated DeltaNet
-    states stay eager (torch.compiler.disable). Inside a CUDA graph (step_graphs.py) this removes
-    what the graph cannot: the many small kernels of the norms, rotary, gates and SwiGLU."""
+    dynamic; the KV cache writes and the Gated DeltaNet states stay eager (torch.compiler.disable).
+    Inside a CUDA graph (step_graphs.py) this removes what the graph cannot: the many small kernels
+    of the norms, rotary, gates and SwiGLU. Each layer still compiles on its own (transformers hands
+    the cache its layer_idx, an int torch.compile keeps constant), so compiling costs 30-130 s:
+    docs/benchmarks.md, "The verify step with compiled layers"."""
     _compile_each(layers, slot, "step_forward", lambda eager: torch.compile(eager, dynamic=True, backend=backend))
 
 
