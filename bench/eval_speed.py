@@ -7,6 +7,8 @@ side by side in one run, with the GPU's busy share sampled from NVML while each 
     python bench/eval_speed.py --regen 3072 --regen-new 256     # regeneration: slots against HF generate
     python bench/eval_speed.py --device cpu --shapes tiny --prompts 4 --old-prompts 4 --new 8 --regen 0
     python bench/eval_speed.py --shapes qwen3.5-0.8b-hybrid --regen 0    # a Gated DeltaNet hybrid (fla on CUDA)
+    python bench/eval_speed.py --shapes smollm2-135m --regen 0 --compile-steps   # then with compiled layers
+    python bench/eval_speed.py --shapes '' --regen 3072 --regen-batch 1536 --regen-stops 500   # refilled rows
 
 An evaluation of one checkpoint is four passes over the prompts: the greedy references, the drafter,
 and the repeat-last and random-drafter controls (references and controls are made once for several

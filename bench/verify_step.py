@@ -3,6 +3,7 @@
     python bench/verify_step.py                                   # 27b-hybrid shape, all 64 layers
     python bench/verify_step.py --layers 16 --context 1024        # a quarter of the layers
     python bench/verify_step.py --lossless                        # tiny hybrid: spec decoding == greedy
+    python bench/verify_step.py --methods '' --compile-steps --profile   # slot row: eager, graphed, compiled
 
 A random-weight model of a real shape (bench/shapes.py), built on the GPU in bf16, wrapped in the
 training Target (services/target/model.py: packed Gated DeltaNet layers, flash-linear-attention's
