@@ -213,20 +213,14 @@ def bench_shape(a, shape: str) -> dict:
     drafter, random_control = random_drafter(target, a.block, 1, dtype), random_drafter(target, a.block, 2, dtype)
     decode_slots(target, drafter, prompts[:2], max_new_tokens=4)  # warm-up: kernels, allocator
     result = {"shape": shape, "prompts": a.prompts, "new_tokens": a.new, "block": a.block, "slots": {}}
+    # an extra checkpoint (`launcher eval --checkpoint A --checkpoint B`): one drafter pass, after the first's
+    drafters = (drafter, random_control, random_drafter(target, a.block, 3, dtype))
     refs, seconds, busy = timed(a.device, lambda: decode_slots(target, None, prompts, **limits))
-    result["slots"]["references"] = {"seconds": seconds, "gpu_busy": busy}
+    references = {"seconds": seconds, "gpu_busy": busy}
     if a.refs_again:  # the same pass once more: what the first one spent meeting new kernels (fla's JIT)
         _, seconds, busy = timed(a.device, lambda: decode_slots(target, None, prompts, **limits))
         result["references_again"] = {"seconds": seconds, "gpu_busy": busy}
-    for name, propose in (("drafter", drafter), ("repeat_last", RepeatLast(a.block)), ("random", random_control)):
-        outs, seconds, busy = timed(a.device, lambda: decode_slots(target, propose, prompts, **limits))
-        result["slots"][name] = figures(outs, refs, seconds, busy)
-    phases = result["slots"]
-    result["slots"]["checkpoint_s"] = round(sum(p["seconds"] for p in phases.values()), 2)
-    # an extra checkpoint (`launcher eval --checkpoint A --checkpoint B`): one drafter pass, after the first's
-    extra = random_drafter(target, a.block, 3, dtype)
-    outs, seconds, busy = timed(a.device, lambda: decode_slots(target, extra, prompts, **limits))
-    result["slots"]["extra_checkpoint"] = figures(outs, refs, seconds, busy)
+    result["slots"] = phases = checkpoint_passes(a, target, prompts, drafters, refs, references)
     if a.old_prompts:  # today's path: packed recomputation, --batch 64, on the first old_prompts prompts
         packed, old = PackedVerifier(target), prompts[: a.old_prompts]
         decode_many(packed, drafter, old[:2], max_new_tokens=4)
@@ -251,7 +245,7 @@ def bench_shape(a, shape: str) -> dict:
             2,
         )
     if a.compile_steps:  # the same passes with every layer compiled for the steps (Target.compile_steps), last
-        result["compiled"] = compiled_passes(a, target, prompts, (drafter, random_control, extra), refs)
+        result["compiled"] = compiled_passes(a, target, prompts, drafters, refs)
     if a.profile_old and a.old_prompts:
         profile_packed(a, target, prompts[: a.old_batch])
     if a.profile_slots:
@@ -259,24 +253,30 @@ def bench_shape(a, shape: str) -> dict:
     return result
 
 
-def compiled_passes(a, target, prompts, drafters, eager_refs) -> dict:
-    """The checkpoint's passes again, the target's layers compiled for decoding steps: the compile's
-    seconds (its warm-up), each pass, the references' agreement with the eager layers'."""
+def checkpoint_passes(a, target, prompts, drafters, refs, references: dict) -> dict:
+    """After the references' pass (its figures `references`): the drafter's and both controls'
+    passes, the checkpoint's seconds (the four), then one more drafter pass (an extra checkpoint)."""
     drafter, random_control, extra = drafters
     limits = dict(max_new_tokens=a.new)
-    target.compile_steps()
-    _, seconds, _ = timed(a.device, lambda: decode_slots(target, drafter, prompts[:2], max_new_tokens=4))
-    out = {"compile_warmup_s": seconds}
-    refs, seconds, busy = timed(a.device, lambda: decode_slots(target, None, prompts, **limits))
-    out["references"] = {"seconds": seconds, "gpu_busy": busy}
-    out["same_references_as_eager"] = f"{sum(x.tokens == y.tokens for x, y in zip(refs, eager_refs))}/{len(refs)}"
+    out = {"references": references}
     for name, propose in (("drafter", drafter), ("repeat_last", RepeatLast(a.block)), ("random", random_control)):
         outs, seconds, busy = timed(a.device, lambda: decode_slots(target, propose, prompts, **limits))
         out[name] = figures(outs, refs, seconds, busy)
-    out["checkpoint_s"] = round(sum(out[k]["seconds"] for k in ("references", "drafter", "repeat_last", "random")), 2)
+    out["checkpoint_s"] = round(sum(p["seconds"] for p in out.values()), 2)
     outs, seconds, busy = timed(a.device, lambda: decode_slots(target, extra, prompts, **limits))
     out["extra_checkpoint"] = figures(outs, refs, seconds, busy)
     return out
+
+
+def compiled_passes(a, target, prompts, drafters, eager_refs) -> dict:
+    """The checkpoint's passes again, the target's layers compiled for decoding steps: the compile's
+    seconds (its warm-up), each pass, the references' agreement with the eager layers'."""
+    target.compile_steps()
+    _, warmup, _ = timed(a.device, lambda: decode_slots(target, drafters[0], prompts[:2], max_new_tokens=4))
+    refs, seconds, busy = timed(a.device, lambda: decode_slots(target, None, prompts, max_new_tokens=a.new))
+    same = sum(x.tokens == y.tokens for x, y in zip(refs, eager_refs))
+    passes = checkpoint_passes(a, target, prompts, drafters, refs, {"seconds": seconds, "gpu_busy": busy})
+    return {"compile_warmup_s": warmup, "same_references_as_eager": f"{same}/{len(refs)}", **passes}
 
 
 def profile_packed(a, target, prompts):
