@@ -16,7 +16,8 @@ and, as the yardstick, a plain one-token forward (verify([t]) + commit(1), the g
 Then the same steps on one row of services/target/slots.py's KV cache (what `launcher eval`'s
 batched path runs: the Gated DeltaNet states in fixed buffers, the block's positions as tensors),
 eagerly and, on CUDA, as CUDA graphs (the verify forward one graph, the commit two).
---quantize fp8 swaps the decoder linears for FP8 ones first (target.quantize = "fp8", rowwise).
+--quantize fp8 swaps the decoder linears for FP8 ones first (target.quantize = "fp8", rowwise);
+fp8-scaled the same with every token count through cuBLASLt's scaled GEMM (no few-token kernel).
 Prints one JSON object: milliseconds per verify, per commit, per step, and peak memory.
 
 --lossless runs real speculative decoding on the tiny-hybrid shape (bf16 on CUDA, the kernels when
@@ -220,10 +221,16 @@ def bench_steps(args) -> dict:
         "transformers": __import__("transformers").__version__,
     }
     for precision in args.quantize.split(","):  # "none" first: fp8 replaces the linears in place
-        if precision == "fp8":
+        if precision.startswith("fp8"):
             from services.target import fp8
 
-            result["fp8_summary"] = str(fp8.quantize_decoder(target.model, target.layers))
+            if "fp8_summary" not in result:
+                result["fp8_summary"] = str(fp8.quantize_decoder(target.model, target.layers))
+            for layer in target.model.modules():  # fp8-scaled: every token count through cuBLASLt
+                if isinstance(layer, fp8.FP8Linear):
+                    layer.few = precision == "fp8" and fp8.runs_few_tokens(
+                        "rowwise" if layer.rowwise else "block", *layer.weight.shape, str(layer.weight.device)
+                    )
         if device == "cuda":
             torch.cuda.reset_peak_memory_stats()
         result[precision] = time_all(args, target, context, gen)
@@ -324,7 +331,12 @@ def main(argv=None) -> int:
     p.add_argument("--block", type=int, default=16, help="block size B (verified tokens per step)")
     p.add_argument("--iters", type=int, default=12, help="timed steps per method")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--quantize", default="none", help="none, fp8 or none,fp8 (FP8 decoder linears, rowwise)")
+    p.add_argument(
+        "--quantize",
+        default="none",
+        help="none, fp8, fp8-scaled (FP8 without the few-token kernel) or a list: none,fp8-scaled,fp8 "
+        "(FP8 decoder linears, rowwise)",
+    )
     p.add_argument("--methods", default=",".join(ROLLBACKS), help="DecodeSession methods to time ('' for none)")
     p.add_argument("--profile", action="store_true", help="also profile one verify step (host vs kernel time)")
     p.add_argument("--compile-steps", action="store_true", help="also the slot row with compiled layers (last)")

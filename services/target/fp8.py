@@ -10,8 +10,11 @@ FP8Linear computes y = x W^T (+ b) with W stored as float8_e4m3fn and x quantize
            token: how vLLM and SGLang serve Qwen's FP8 checkpoints.
 The GEMM is torch's scaled matmul (torch._scaled_mm rowwise, torch.nn.functional.scaled_mm block-
 scaled) where this device runs it for the layer's shape, checked once per shape at load against the
-plain math. Elsewhere the plain math runs: dequantize both operands, matmul in float32, round to the
-output dtype (the CPU's block layout, so the tests run the real quantization). On CUDA a layer
+plain math; but a decoding step's few tokens (at most fp8_few_tokens.MAX_TOKENS rows) run weight-only
+on CUDA: x stays in its dtype and fp8_few_tokens' Triton kernel reads W in FP8 (cuBLASLt's FP8 GEMM
+pads the tokens to 128 and is no faster than bf16 there). Elsewhere the plain math runs: dequantize
+both operands, matmul in float32, round to the output dtype (the CPU's block layout, so the tests run
+the real quantization). On CUDA a layer
 whose block-scaled GEMM does not run is requantized rowwise from its dequantized weight, and a GPU
 with no FP8 GEMM at all is an error, never a silent slow path.
 
@@ -39,6 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from services.config import ConfigError
+from services.target import fp8_few_tokens as few
 
 log = logging.getLogger("target")
 FP8 = torch.float8_e4m3fn
@@ -97,6 +101,9 @@ class FP8Linear(nn.Module):
         self.register_buffer("weight", weight)
         self.register_buffer("weight_scale", scale.float())
         self.register_buffer("kernel_scale", self._kernel_scale() if kernel else None)
+        layout = "rowwise" if self.rowwise else "block"
+        # few: a decoding step's few tokens go through fp8_few_tokens' kernel (benchmarks turn it off)
+        self.few = weight.is_cuda and few.available() and runs_few_tokens(layout, *weight.shape, str(weight.device))
 
     @classmethod
     def rowwise_of(cls, weight: torch.Tensor, bias: torch.Tensor | None, kernel: bool) -> "FP8Linear":
@@ -115,7 +122,10 @@ class FP8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
-        out = self._rowwise(rows, x.dtype) if self.rowwise else self._block(rows, x.dtype)
+        if self.few and rows.shape[0] <= few.MAX_TOKENS and x.dtype in few.DTYPES:
+            out = few.few_token_mm(rows, self.weight, self.weight_scale, self.block)
+        else:
+            out = self._rowwise(rows, x.dtype) if self.rowwise else self._block(rows, x.dtype)
         if self.bias is not None:
             out = out + self.bias
         return out.reshape(*x.shape[:-1], self.out_features)
@@ -154,7 +164,7 @@ def runs_kernel(layout: str, n: int, k: int, device: str, dtype: torch.dtype) ->
     [n, k] weight and agrees with the plain math (any failure of the kernel means no)."""
     gen = torch.Generator(device).manual_seed(0)
     weight = torch.randn(n, k, generator=gen, device=device, dtype=dtype)
-    x = torch.randn(61, k, generator=gen, device=device, dtype=dtype)  # 61 rows: the padding path too
+    x = torch.randn(2 * few.MAX_TOKENS + 2, k, generator=gen, device=device, dtype=dtype)  # padded to 4 rows too
     try:
         layers = [
             FP8Linear.rowwise_of(weight, None, kernel)
@@ -167,6 +177,26 @@ def runs_kernel(layout: str, n: int, k: int, device: str, dtype: torch.dtype) ->
         log.debug("no %s FP8 GEMM for [%d, %d] %s on %s: %s", layout, n, k, dtype, device, exc)
         return False
     return bool(torch.isfinite(got).all()) and float((got - want).norm() / want.norm().clamp(min=TINY)) < 0.02
+
+
+@functools.cache
+def runs_few_tokens(layout: str, n: int, k: int, device: str) -> bool:
+    """Whether fp8_few_tokens' kernel runs on `device` for an [n, k] weight of `layout` and agrees
+    with the weight-only math (x in bf16 times the dequantized weight); any failure means no."""
+    gen = torch.Generator(device).manual_seed(0)
+    weight = torch.randn(n, k, generator=gen, device=device)
+    x = torch.randn(13, k, generator=gen, device=device, dtype=torch.bfloat16)
+    block = (1, k) if layout == "rowwise" else (128, 128)
+    q, scale = quantize_rows(weight) if layout == "rowwise" else quantize_blocks(weight, block)
+    try:
+        got = few.few_token_mm(x, q, scale, block).float()
+    except Exception as exc:  # noqa: BLE001 - no triton kernel for this device or shape
+        log.warning(
+            "FP8 few-token GEMM unavailable for [%d, %d] on %s (%s): decoding steps use scaled_mm", n, k, device, exc
+        )
+        return False
+    want = x.float() @ dequantize(q, scale, block).t()
+    return bool(torch.isfinite(got).all()) and float((got - want).norm() / want.norm().clamp(min=TINY)) < 0.01
 
 
 # --- swapping the decoder's linears --------------------------------------------------------------

@@ -413,6 +413,42 @@ def test_cuda_fp8_checkpoint_loads_and_captures_close_to_bf16(dense_fp8):
     assert got.is_cuda and 1e-3 < rel_err(got, ref) < 0.15
 
 
+@needs_cuda
+@pytest.mark.parametrize("layout", ["rowwise", "block"])
+def test_cuda_few_token_fp8_gemm_is_the_weight_only_math_eager_compiled_and_graphed(layout):
+    """A decoding step's few tokens: the Triton kernel equals x (bf16) times the dequantized weight
+    at 1, 13 and 64 rows (64 the most it takes), with partial tiles on both weight dimensions;
+    torch.compile traces it and a CUDA graph replays it; 65 rows take the scaled GEMM."""
+    from services.target import fp8_few_tokens
+
+    if not fp8_few_tokens.available() or torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("needs triton and an FP8 GPU")
+    torch.manual_seed(4)
+    weight = torch.randn(1000, 1040, device="cuda") * 0.02  # neither a multiple of 64 nor of 128
+    q, scale = fp8.quantize_rows(weight) if layout == "rowwise" else fp8.quantize_blocks(weight, (BLOCK, BLOCK))
+    block = (1, 1040) if layout == "rowwise" else (BLOCK, BLOCK)
+    layer = fp8.FP8Linear(q, scale, None if layout == "rowwise" else block, None, kernel=False)
+    assert layer.few
+    exact = fp8.dequantize(q, scale, block)
+    for rows in (1, 13, 64):
+        x = torch.randn(rows, 1040, device="cuda", dtype=torch.bfloat16)
+        assert rel_err(layer(x), x.float() @ exact.t()) < 4e-3
+    compiled = torch.compile(layer, dynamic=True)
+    x = torch.randn(16, 1040, device="cuda", dtype=torch.bfloat16)
+    assert rel_err(compiled(x), layer(x)) < 1e-3  # inductor may add the split-K partials in another order
+    graph, static_x = torch.cuda.CUDAGraph(), x.clone()
+    compiled(static_x)  # compiled and warm before capture
+    with torch.cuda.graph(graph):
+        static_out = compiled(static_x)
+    static_x.copy_(torch.randn_like(x))
+    graph.replay()
+    assert torch.equal(static_out, compiled(static_x))
+    many = torch.randn(fp8_few_tokens.MAX_TOKENS + 1, 1040, device="cuda", dtype=torch.bfloat16)
+    got = layer(many)
+    layer.few = False
+    assert torch.equal(got, layer(many))  # the same path as a layer without the kernel
+
+
 # --- the benchmark, as a CPU smoke test -----------------------------------------------------------
 
 

@@ -1,0 +1,153 @@
+"""The FP8 GEMM of a decoding step: y = x W^T with W float8_e4m3fn and x in bf16, for 1-64 tokens.
+
+    y = few_token_mm(x, layer.weight, layer.weight_scale, layer.block)      # x [M, K], M <= MAX_TOKENS
+
+A verify step multiplies 16 tokens by every weight of the target, so its time is the time to read the
+weights. cuBLASLt's FP8 GEMM tiles the tokens by 128 and, at 16 tokens, reads the FP8 weights no
+faster than the bf16 GEMM reads twice the bytes (docs/benchmarks.md). This Triton kernel is
+weight-only: x stays in its dtype (no activation quantization), each program streams a
+[BLOCK_N, K / SPLIT_K] slab of W, converts it to x's dtype in registers, multiplies on the tensor
+cores (W's tile as the first operand: y^T = W x^T), and applies W's scales (one per output row, or
+one per 128 x 128 block inside the K loop). On an H200 it reads the 27B's FP8 decoder weights at
+about 2 TB/s in a 16-token step, 11.3 ms against cuBLAS's 14 ms for the bf16 weights
+(docs/benchmarks.md): better than cuBLASLt's FP8, still short of the 4.8 TB/s the memory allows.
+SPLIT_K > 1 writes float32 partial sums that one sum adds up, so narrow layers still fill the GPU.
+
+It is a torch.library.triton_op, so torch.compile traces into it and CUDA graphs capture it. Where
+triton does not import (CPU-only torch) `available()` is False and FP8Linear keeps its other paths.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+MAX_TOKENS = 64  # beyond this the scaled GEMM's 128-token tiles are no longer mostly padding
+DTYPES = (torch.bfloat16, torch.float16)  # x's dtypes: the tensor cores' 16-bit inputs
+
+
+@functools.cache
+def available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    if not torch.cuda.is_available():
+        return False
+    _op()  # registered before any torch.compile traces few_token_mm
+    return True
+
+
+def config_for(m: int, n: int, k: int) -> tuple[int, ...]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages), as bench/fp8_gemm.py --sweep
+    found best on an H200 for every decoder linear of the 27B hybrid at 16 tokens: 64 weight rows by
+    128 columns per tile (32 by 256 for a narrow layer), K split in 4."""
+    block_m = 16 if m <= 16 else (32 if m <= 32 else 64)
+    block_n, block_k = (64, 128) if n >= 2048 else (32, 256)
+    split = 4
+    while split > 1 and k < block_k * split * 4:  # each part at least 4 tiles deep
+        split //= 2
+    return block_m, block_n, block_k, split, 4, 3
+
+
+@functools.cache
+def _kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def fp8_weight_mm_kernel(
+        x_ptr,
+        w_ptr,
+        scale_ptr,
+        out_ptr,
+        M,
+        N,
+        K,
+        stride_scale_n,
+        stride_scale_k,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        SPLIT_K: tl.constexpr,
+        SCALE_ROWS: tl.constexpr,  # rows of W per scale: 1 (rowwise) or the block's 128
+        SCALE_COLS: tl.constexpr,  # columns of W per scale: 0 (rowwise: no K blocks) or 128
+    ):
+        pid_n, pid_k, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rk = tl.arange(0, BLOCK_K)
+        chunk = tl.cdiv(K, SPLIT_K * BLOCK_K) * BLOCK_K
+        start = pid_k * chunk
+        # y^T = W x^T: W's tile is the dot's first operand (its rows fill the tensor cores' 64-row
+        # side, the few tokens the narrow side)
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        for k0 in range(start, tl.minimum(start + chunk, K), BLOCK_K):
+            kk = k0 + rk
+            w = tl.load(w_ptr + rn[:, None] * K + kk[None, :], mask=(rn[:, None] < N) & (kk[None, :] < K), other=0.0)
+            xt = tl.load(x_ptr + rm[None, :] * K + kk[:, None], mask=(rm[None, :] < M) & (kk[:, None] < K), other=0.0)
+            part = tl.dot(w.to(xt.dtype), xt)
+            if SCALE_COLS:  # block-scaled: this K block's scale for each output column
+                s = tl.load(
+                    scale_ptr + (rn // SCALE_ROWS) * stride_scale_n + (k0 // SCALE_COLS) * stride_scale_k,
+                    mask=rn < N,
+                    other=0.0,
+                )
+                part = part * s[:, None]
+            acc += part
+        if SCALE_COLS == 0:
+            acc = acc * tl.load(scale_ptr + rn * stride_scale_n, mask=rn < N, other=0.0)[:, None]
+        out = out_ptr + pid_k * M * N + rm[None, :] * N + rn[:, None]
+        tl.store(out, acc, mask=(rm[None, :] < M) & (rn[:, None] < N))
+
+    return fp8_weight_mm_kernel
+
+
+def launch(x, w, scale, scale_rows: int, scale_cols: int, config, wrap=lambda kernel: kernel) -> torch.Tensor:
+    """Run the kernel with config (BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages)."""
+    (m, k), n = x.shape, w.shape[0]
+    block_m, block_n, block_k, split, warps, stages = config
+    out = x.new_empty((split, m, n), dtype=x.dtype if split == 1 else torch.float32)
+    grid = (-(-n // block_n), split, -(-m // block_m))
+    wrap(_kernel())[grid](
+        x,
+        w,
+        scale,
+        out,
+        m,
+        n,
+        k,
+        scale.stride(0),
+        scale.stride(1) if scale_cols else 0,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=min(block_k, scale_cols) if scale_cols else block_k,  # a K tile within one scale block
+        SPLIT_K=split,
+        SCALE_ROWS=scale_rows,
+        SCALE_COLS=scale_cols,
+        num_warps=warps,
+        num_stages=stages,
+    )
+    return out[0] if split == 1 else out.sum(0).to(x.dtype)
+
+
+@functools.cache
+def _op():
+    from torch.library import triton_op, wrap_triton
+
+    @triton_op("dflash::fp8_weight_mm", mutates_args=())
+    def fp8_weight_mm(
+        x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, scale_rows: int, scale_cols: int
+    ) -> torch.Tensor:
+        config = config_for(x.shape[0], w.shape[0], x.shape[1])
+        return launch(x, w, scale, scale_rows, scale_cols, config, wrap_triton)
+
+    return fp8_weight_mm
+
+
+def few_token_mm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """x [M, K] (contiguous, bf16/fp16) times the FP8 weight [N, K] with its float32 scales: [N, 1]
+    rowwise (block (1, K)) or [ceil(N/br), ceil(K/bc)] block-scaled -> [M, N] in x's dtype."""
+    rowwise = block[0] == 1
+    return torch.ops.dflash.fp8_weight_mm(x.contiguous(), weight, scale, block[0], 0 if rowwise else block[1])
