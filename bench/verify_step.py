@@ -16,8 +16,9 @@ and, as the yardstick, a plain one-token forward (verify([t]) + commit(1), the g
 Then the same steps on one row of services/target/slots.py's KV cache (what `launcher eval`'s
 batched path runs: the Gated DeltaNet states in fixed buffers, the block's positions as tensors),
 eagerly and, on CUDA, as CUDA graphs (the verify forward one graph, the commit two).
---quantize fp8 swaps the decoder linears for FP8 ones first (target.quantize = "fp8", rowwise);
-fp8-scaled the same with every token count through cuBLASLt's scaled GEMM (no few-token kernel).
+--quantize fp8 swaps the decoder linears for FP8 ones first (target.quantize = "fp8", rowwise: every
+token count through cuBLASLt's scaled GEMM, as the service runs them); fp8-weight-only the same with
+a step's few tokens through services/target/fp8_few_tokens.py's weight-only kernel.
 Prints one JSON object: milliseconds per verify, per commit, per step, and peak memory.
 
 --lossless runs real speculative decoding on the tiny-hybrid shape (bf16 on CUDA, the kernels when
@@ -226,11 +227,8 @@ def bench_steps(args) -> dict:
 
             if "fp8_summary" not in result:
                 result["fp8_summary"] = str(fp8.quantize_decoder(target.model, target.layers))
-            for layer in target.model.modules():  # fp8-scaled: every token count through cuBLASLt
-                if isinstance(layer, fp8.FP8Linear):
-                    layer.few = precision == "fp8" and fp8.runs_few_tokens(
-                        "rowwise" if layer.rowwise else "block", *layer.weight.shape, str(layer.weight.device)
-                    )
+            weight_only = precision == "fp8-weight-only"
+            result[f"{precision}_weight_only_linears"] = fp8.weight_only_steps(target.model, weight_only)
         if device == "cuda":
             torch.cuda.reset_peak_memory_stats()
         result[precision] = time_all(args, target, context, gen)
@@ -334,7 +332,7 @@ def main(argv=None) -> int:
     p.add_argument(
         "--quantize",
         default="none",
-        help="none, fp8, fp8-scaled (FP8 without the few-token kernel) or a list: none,fp8-scaled,fp8 "
+        help="none, fp8, fp8-weight-only (FP8 with the few-token kernel) or a list: none,fp8,fp8-weight-only "
         "(FP8 decoder linears, rowwise)",
     )
     p.add_argument("--methods", default=",".join(ROLLBACKS), help="DecodeSession methods to time ('' for none)")

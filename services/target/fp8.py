@@ -10,9 +10,12 @@ FP8Linear computes y = x W^T (+ b) with W stored as float8_e4m3fn and x quantize
            token: how vLLM and SGLang serve Qwen's FP8 checkpoints.
 The GEMM is torch's scaled matmul (torch._scaled_mm rowwise, torch.nn.functional.scaled_mm block-
 scaled) where this device runs it for the layer's shape, checked once per shape at load against the
-plain math; but a decoding step's few tokens (at most fp8_few_tokens.MAX_TOKENS rows) run weight-only
-on CUDA: x stays in its dtype and fp8_few_tokens' Triton kernel reads W in FP8 (cuBLASLt's FP8 GEMM
-pads the tokens to 128 and is no faster than bf16 there). Elsewhere the plain math runs: dequantize
+plain math. `weight_only_steps` (benchmarks only, for now) sends a decoding step's few tokens (at
+most fp8_few_tokens.MAX_TOKENS rows) through fp8_few_tokens' weight-only Triton GEMM instead: x stays
+in its dtype, W is read in FP8 (cuBLASLt's FP8 GEMM pads the tokens to 128 and is no faster than bf16
+there). It is off in the service: a batch of more rows would still quantize x, so a greedy reference
+and the verification of the same tokens could compute differently, and the lossless rule compares
+them at a few ulps (docs/operations.md#fp8-targets). Elsewhere the plain math runs: dequantize
 both operands, matmul in float32, round to the output dtype (the CPU's block layout, so the tests run
 the real quantization). On CUDA a layer
 whose block-scaled GEMM does not run is requantized rowwise from its dequantized weight, and a GPU
@@ -101,9 +104,7 @@ class FP8Linear(nn.Module):
         self.register_buffer("weight", weight)
         self.register_buffer("weight_scale", scale.float())
         self.register_buffer("kernel_scale", self._kernel_scale() if kernel else None)
-        layout = "rowwise" if self.rowwise else "block"
-        # few: a decoding step's few tokens go through fp8_few_tokens' kernel (benchmarks turn it off)
-        self.few = weight.is_cuda and few.available() and runs_few_tokens(layout, *weight.shape, str(weight.device))
+        self.few = False  # a decoding step's few tokens through fp8_few_tokens (weight_only_steps)
 
     @classmethod
     def rowwise_of(cls, weight: torch.Tensor, bias: torch.Tensor | None, kernel: bool) -> "FP8Linear":
@@ -177,6 +178,19 @@ def runs_kernel(layout: str, n: int, k: int, device: str, dtype: torch.dtype) ->
         log.debug("no %s FP8 GEMM for [%d, %d] %s on %s: %s", layout, n, k, dtype, device, exc)
         return False
     return bool(torch.isfinite(got).all()) and float((got - want).norm() / want.norm().clamp(min=TINY)) < 0.02
+
+
+def weight_only_steps(model: nn.Module, on: bool = True) -> int:
+    """Send (on) or stop sending every FP8Linear's few-token calls through fp8_few_tokens' kernel,
+    where it runs and agrees (runs_few_tokens); returns how many take it."""
+    count = 0
+    for layer in model.modules():
+        if isinstance(layer, FP8Linear):
+            layout, (n, k) = ("rowwise" if layer.rowwise else "block"), layer.weight.shape
+            layer.few = bool(on and layer.weight.is_cuda and few.available())
+            layer.few = layer.few and runs_few_tokens(layout, n, k, str(layer.weight.device))
+            count += layer.few
+    return count
 
 
 @functools.cache

@@ -14,7 +14,9 @@ about 2 TB/s in a 16-token step, 11.3 ms against cuBLAS's 14 ms for the bf16 wei
 SPLIT_K > 1 writes float32 partial sums that one sum adds up, so narrow layers still fill the GPU.
 
 It is a torch.library.triton_op, so torch.compile traces into it and CUDA graphs capture it. Where
-triton does not import (CPU-only torch) `available()` is False and FP8Linear keeps its other paths.
+triton does not import (CPU-only torch) `available()` is False. FP8Linear takes it only after
+fp8.weight_only_steps(model), which benchmarks call: the service keeps the scaled GEMM, whose
+quantized activations give the same numbers at every token count (docs/operations.md#fp8-targets).
 """
 
 from __future__ import annotations

@@ -428,7 +428,7 @@ def test_cuda_few_token_fp8_gemm_is_the_weight_only_math_eager_compiled_and_grap
     q, scale = fp8.quantize_rows(weight) if layout == "rowwise" else fp8.quantize_blocks(weight, (BLOCK, BLOCK))
     block = (1, 1040) if layout == "rowwise" else (BLOCK, BLOCK)
     layer = fp8.FP8Linear(q, scale, None if layout == "rowwise" else block, None, kernel=False)
-    assert layer.few
+    assert not layer.few and fp8.weight_only_steps(layer) == 1 and layer.few  # off unless asked
     exact = fp8.dequantize(q, scale, block)
     for rows in (1, 13, 64):
         x = torch.randn(rows, 1040, device="cuda", dtype=torch.bfloat16)
