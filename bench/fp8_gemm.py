@@ -8,6 +8,7 @@ For each distinct decoder linear of the shape (bench/shapes.py) and each token c
   scaled_mm   FP8Linear rowwise through torch._scaled_mm, the activations quantized per row (cuBLASLt)
   few_tokens  FP8Linear rowwise through services/target/fp8_few_tokens.py (weight-only, Triton)
   few_block   the same kernel with 128 x 128 block scales (an FP8 checkpoint's layout)
+  few_quantized  the kernel with the activations quantized as scaled_mm quantizes them (its numbers)
 each weight read from HBM (copies cycled so they do not stay in L2), the calls in one CUDA graph
 (GPU time, no launch overhead: as in a graphed verify step), with the bandwidth it reaches
 and the error against the exact product. Then the sum over the shape's decoder linears (how many of
@@ -79,8 +80,11 @@ def bench_shape(n: int, k: int, tokens: list[int], iters: int, sweep: list | Non
     weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02 for _ in range(copies)]
     rowwise = [fp8.FP8Linear.rowwise_of(w, None, kernel=True) for w in weights]
     block = [fp8.FP8Linear(*fp8.quantize_blocks(w, (128, 128)), (128, 128), None, kernel=False) for w in weights]
+    quantized = [fp8.FP8Linear(layer.weight, layer.weight_scale, None, None, kernel=False) for layer in rowwise]
     for layer in rowwise + block:  # their few-token calls through the kernel (off in the service)
-        fp8.weight_only_steps(layer)
+        fp8.few_token_steps(layer, "weight-only")
+    for layer in quantized:
+        fp8.few_token_steps(layer, "quantized")
     out = {"n": n, "k": k, "copies": copies}
     for m in tokens:
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=gen)
@@ -92,12 +96,14 @@ def bench_shape(n: int, k: int, tokens: list[int], iters: int, sweep: list | Non
             "scaled_mm": [lambda layer=layer: layer._rowwise(x, x.dtype) for layer in rowwise],
             "few_tokens": [lambda layer=layer: layer(x) for layer in rowwise],
             "few_block": [lambda layer=layer: layer(x) for layer in block],
+            "few_quantized": [lambda layer=layer: layer(x) for layer in quantized],
         }
         row = {name: round(time_cycled(fns, max(iters, len(fns))), 4) for name, fns in paths.items()}
         row["few_tokens_GBps"] = round(n * k / row["few_tokens"] / 1e6, 1)
         row["bf16_GBps"] = round(2 * n * k / row["bf16"] / 1e6, 1)
         row["err_few_tokens"] = rel_err(rowwise[0](x), exact)
         row["err_few_block"] = rel_err(block[0](x), exact_block)
+        row["err_few_quantized_vs_scaled_mm"] = rel_err(quantized[0](x), rowwise[0]._rowwise(x, x.dtype).float())
         row["err_scaled_mm"] = rel_err(rowwise[0]._rowwise(x, x.dtype), exact)
         row["config"] = few.config_for(m, n, k)
         if sweep and m == 16:
@@ -143,7 +149,7 @@ def main(argv=None) -> int:
     step = {
         m: {
             path: round(sum(s[m][path] * linears[(s["n"], s["k"])] for s in shapes), 2)
-            for path in ("bf16", "scaled_mm", "few_tokens", "few_block")
+            for path in ("bf16", "scaled_mm", "few_tokens", "few_block", "few_quantized")
         }
         for m in tokens
     }

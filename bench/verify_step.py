@@ -17,8 +17,9 @@ Then the same steps on one row of services/target/slots.py's KV cache (what `lau
 batched path runs: the Gated DeltaNet states in fixed buffers, the block's positions as tensors),
 eagerly and, on CUDA, as CUDA graphs (the verify forward one graph, the commit two).
 --quantize fp8 swaps the decoder linears for FP8 ones first (target.quantize = "fp8", rowwise: every
-token count through cuBLASLt's scaled GEMM, as the service runs them); fp8-weight-only the same with
-a step's few tokens through services/target/fp8_few_tokens.py's weight-only kernel.
+token count through cuBLASLt's scaled GEMM, as the service runs them); fp8-quantized and
+fp8-weight-only the same with a step's few tokens through services/target/fp8_few_tokens.py's kernel
+in that mode (fp8.few_token_steps).
 Prints one JSON object: milliseconds per verify, per commit, per step, and peak memory.
 
 --lossless runs real speculative decoding on the tiny-hybrid shape (bf16 on CUDA, the kernels when
@@ -227,8 +228,8 @@ def bench_steps(args) -> dict:
 
             if "fp8_summary" not in result:
                 result["fp8_summary"] = str(fp8.quantize_decoder(target.model, target.layers))
-            weight_only = precision == "fp8-weight-only"
-            result[f"{precision}_weight_only_linears"] = fp8.weight_only_steps(target.model, weight_only)
+            mode = precision.removeprefix("fp8").removeprefix("-")  # "", "quantized" or "weight-only"
+            result[f"{precision}_few_token_linears"] = fp8.few_token_steps(target.model, mode)
         if device == "cuda":
             torch.cuda.reset_peak_memory_stats()
         result[precision] = time_all(args, target, context, gen)
@@ -332,8 +333,8 @@ def main(argv=None) -> int:
     p.add_argument(
         "--quantize",
         default="none",
-        help="none, fp8, fp8-weight-only (FP8 with the few-token kernel) or a list: none,fp8,fp8-weight-only "
-        "(FP8 decoder linears, rowwise)",
+        help="none, fp8, fp8-quantized, fp8-weight-only (FP8 with the few-token kernel in that mode) or a "
+        "list: none,fp8,fp8-quantized (FP8 decoder linears, rowwise)",
     )
     p.add_argument("--methods", default=",".join(ROLLBACKS), help="DecodeSession methods to time ('' for none)")
     p.add_argument("--profile", action="store_true", help="also profile one verify step (host vs kernel time)")

@@ -10,16 +10,20 @@ FP8Linear computes y = x W^T (+ b) with W stored as float8_e4m3fn and x quantize
            token: how vLLM and SGLang serve Qwen's FP8 checkpoints.
 The GEMM is torch's scaled matmul (torch._scaled_mm rowwise, torch.nn.functional.scaled_mm block-
 scaled) where this device runs it for the layer's shape, checked once per shape at load against the
-plain math. `weight_only_steps` (benchmarks only, for now) sends a decoding step's few tokens (at
-most fp8_few_tokens.MAX_TOKENS rows) through fp8_few_tokens' weight-only Triton GEMM instead: x stays
-in its dtype, W is read in FP8 (cuBLASLt's FP8 GEMM pads the tokens to 128 and is no faster than bf16
-there). It is off in the service: a batch of more rows would still quantize x, so a greedy reference
-and the verification of the same tokens could compute differently, and the lossless rule compares
-them at a few ulps (docs/operations.md#fp8-targets). Elsewhere the plain math runs: dequantize
-both operands, matmul in float32, round to the output dtype (the CPU's block layout, so the tests run
-the real quantization). On CUDA a layer
+plain math. Elsewhere the plain math runs: dequantize both operands, matmul in float32, round to the
+output dtype (the CPU's block layout, so the tests run the real quantization). On CUDA a layer
 whose block-scaled GEMM does not run is requantized rowwise from its dequantized weight, and a GPU
 with no FP8 GEMM at all is an error, never a silent slow path.
+
+`few_token_steps` (benchmarks only, for now) sends a decoding step's few tokens (at most
+fp8_few_tokens.MAX_TOKENS rows) through fp8_few_tokens' Triton GEMM instead (cuBLASLt's FP8 GEMM pads
+the tokens to 128 and is no faster than bf16 there), in one of two modes:
+  quantized    x quantized as above: the scaled GEMM's numbers (up to the order of the fp32 sums),
+               so every token count computes alike;
+  weight-only  x left in its dtype: less work, but then a batch of more rows (the scaled GEMM)
+               computes differently from one of few, and the lossless rule compares a greedy
+               reference and the verification of the same tokens at a few ulps.
+Neither is on in the service until measured on the GPU (docs/operations.md#fp8-targets).
 
 The checkpoint layout (Qwen3-*-FP8, Qwen3.6-27B-FP8, DeepSeek-V3): config.json has
 "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
@@ -104,7 +108,7 @@ class FP8Linear(nn.Module):
         self.register_buffer("weight", weight)
         self.register_buffer("weight_scale", scale.float())
         self.register_buffer("kernel_scale", self._kernel_scale() if kernel else None)
-        self.few = False  # a decoding step's few tokens through fp8_few_tokens (weight_only_steps)
+        self.few = ""  # a decoding step's few tokens through fp8_few_tokens: "quantized", "weight-only" or not
 
     @classmethod
     def rowwise_of(cls, weight: torch.Tensor, bias: torch.Tensor | None, kernel: bool) -> "FP8Linear":
@@ -124,12 +128,18 @@ class FP8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
         if self.few and rows.shape[0] <= few.MAX_TOKENS and x.dtype in few.DTYPES:
-            out = few.few_token_mm(rows, self.weight, self.weight_scale, self.block)
+            out = self._few_tokens(rows, x.dtype)
         else:
             out = self._rowwise(rows, x.dtype) if self.rowwise else self._block(rows, x.dtype)
         if self.bias is not None:
             out = out + self.bias
         return out.reshape(*x.shape[:-1], self.out_features)
+
+    def _few_tokens(self, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        if self.few == "weight-only":
+            return few.few_token_mm(rows, self.weight, self.weight_scale, self.block)
+        xq, sx = quantize_rows(rows) if self.rowwise else quantize_blocks(rows, (1, self.block[1]))
+        return few.few_token_mm(xq, self.weight, self.weight_scale, self.block, x_scale=sx, out_dtype=dtype)
 
     def _rowwise(self, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         xq, sx = quantize_rows(rows)
@@ -180,36 +190,48 @@ def runs_kernel(layout: str, n: int, k: int, device: str, dtype: torch.dtype) ->
     return bool(torch.isfinite(got).all()) and float((got - want).norm() / want.norm().clamp(min=TINY)) < 0.02
 
 
-def weight_only_steps(model: nn.Module, on: bool = True) -> int:
-    """Send (on) or stop sending every FP8Linear's few-token calls through fp8_few_tokens' kernel,
-    where it runs and agrees (runs_few_tokens); returns how many take it."""
+FEW_TOKEN_MODES = ("quantized", "weight-only")
+
+
+def few_token_steps(model: nn.Module, mode: str = "quantized") -> int:
+    """Send every FP8Linear's few-token calls through fp8_few_tokens' kernel in `mode` (one of
+    FEW_TOKEN_MODES; "" sends none), where it runs and agrees (runs_few_tokens); returns how many."""
+    if mode and mode not in FEW_TOKEN_MODES:
+        raise ValueError(f"few-token mode {mode!r}: one of {FEW_TOKEN_MODES} or empty")
     count = 0
     for layer in model.modules():
         if isinstance(layer, FP8Linear):
             layout, (n, k) = ("rowwise" if layer.rowwise else "block"), layer.weight.shape
-            layer.few = bool(on and layer.weight.is_cuda and few.available())
-            layer.few = layer.few and runs_few_tokens(layout, n, k, str(layer.weight.device))
-            count += layer.few
+            usable = bool(mode) and layer.weight.is_cuda and few.available()
+            layer.few = mode if usable and runs_few_tokens(layout, n, k, str(layer.weight.device), mode) else ""
+            count += bool(layer.few)
     return count
 
 
 @functools.cache
-def runs_few_tokens(layout: str, n: int, k: int, device: str) -> bool:
-    """Whether fp8_few_tokens' kernel runs on `device` for an [n, k] weight of `layout` and agrees
-    with the weight-only math (x in bf16 times the dequantized weight); any failure means no."""
+def runs_few_tokens(layout: str, n: int, k: int, device: str, mode: str) -> bool:
+    """Whether fp8_few_tokens' kernel runs on `device` for an [n, k] weight of `layout` in `mode` and
+    agrees with that mode's math (x, or x quantized, times the dequantized weight); any failure
+    means no."""
     gen = torch.Generator(device).manual_seed(0)
     weight = torch.randn(n, k, generator=gen, device=device)
     x = torch.randn(13, k, generator=gen, device=device, dtype=torch.bfloat16)
     block = (1, k) if layout == "rowwise" else (128, 128)
     q, scale = quantize_rows(weight) if layout == "rowwise" else quantize_blocks(weight, block)
+    group = (1, block[1])
+    xq, sx = quantize_rows(x) if layout == "rowwise" else quantize_blocks(x, group)
     try:
-        got = few.few_token_mm(x, q, scale, block).float()
+        if mode == "weight-only":
+            got, want = few.few_token_mm(x, q, scale, block), x.float()
+        else:
+            got, want = few.few_token_mm(xq, q, scale, block, sx, torch.bfloat16), dequantize(xq, sx, group)
     except Exception as exc:  # noqa: BLE001 - no triton kernel for this device or shape
         log.warning(
             "FP8 few-token GEMM unavailable for [%d, %d] on %s (%s): decoding steps use scaled_mm", n, k, device, exc
         )
         return False
-    want = x.float() @ dequantize(q, scale, block).t()
+    want = want @ dequantize(q, scale, block).t()
+    got = got.float()
     return bool(torch.isfinite(got).all()) and float((got - want).norm() / want.norm().clamp(min=TINY)) < 0.01
 
 

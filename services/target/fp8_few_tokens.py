@@ -1,11 +1,11 @@
-"""The FP8 GEMM of a decoding step: y = x W^T with W float8_e4m3fn and x in bf16, for 1-64 tokens.
+"""The FP8 GEMM of a decoding step: y = x W^T with W float8_e4m3fn, for 1-64 tokens.
 
     y = few_token_mm(x, layer.weight, layer.weight_scale, layer.block)      # x [M, K], M <= MAX_TOKENS
 
 A verify step multiplies 16 tokens by every weight of the target, so its time is the time to read the
 weights. cuBLASLt's FP8 GEMM tiles the tokens by 128 and, at 16 tokens, reads the FP8 weights no
-faster than the bf16 GEMM reads twice the bytes (docs/benchmarks.md). This Triton kernel is
-weight-only: x stays in its dtype (no activation quantization), each program streams a
+faster than the bf16 GEMM reads twice the bytes (docs/benchmarks.md). This Triton kernel is, in
+its first mode, weight-only: x stays in its dtype (no activation quantization), each program streams a
 [BLOCK_N, K / SPLIT_K] slab of W, converts it to x's dtype in registers, multiplies on the tensor
 cores (W's tile as the first operand: y^T = W x^T), and applies W's scales (one per output row, or
 one per 128 x 128 block inside the K loop). On an H200 it reads the 27B's FP8 decoder weights at
@@ -14,9 +14,10 @@ about 2 TB/s in a 16-token step, 11.3 ms against cuBLAS's 14 ms for the bf16 wei
 SPLIT_K > 1 writes float32 partial sums that one sum adds up, so narrow layers still fill the GPU.
 
 It is a torch.library.triton_op, so torch.compile traces into it and CUDA graphs capture it. Where
-triton does not import (CPU-only torch) `available()` is False. FP8Linear takes it only after
-fp8.weight_only_steps(model), which benchmarks call: the service keeps the scaled GEMM, whose
-quantized activations give the same numbers at every token count (docs/operations.md#fp8-targets).
+triton does not import (CPU-only torch) `available()` is False. x may also come quantized (FP8 with
+its scales, as the scaled GEMM quantizes it): then the kernel gives the scaled GEMM's numbers at any
+token count. FP8Linear takes the kernel only after fp8.few_token_steps(model, mode), which
+benchmarks call; the service keeps the scaled GEMM for now (docs/operations.md#fp8-targets).
 """
 
 from __future__ import annotations
@@ -63,12 +64,17 @@ def _kernel():
         x_ptr,
         w_ptr,
         scale_ptr,
+        x_scale_ptr,
         out_ptr,
         M,
         N,
         K,
         stride_scale_n,
         stride_scale_k,
+        stride_x_scale_m,
+        stride_x_scale_k,
+        X_SCALED: tl.constexpr,  # x is FP8 with its scales, laid out as W's along K (per row or per block)
+        X_AS_FP16: tl.constexpr,  # an FP8 x multiplies as fp16 (an fp16 output), else as bf16
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
@@ -89,39 +95,64 @@ def _kernel():
             kk = k0 + rk
             w = tl.load(w_ptr + rn[:, None] * K + kk[None, :], mask=(rn[:, None] < N) & (kk[None, :] < K), other=0.0)
             xt = tl.load(x_ptr + rm[None, :] * K + kk[:, None], mask=(rm[None, :] < M) & (kk[:, None] < K), other=0.0)
+            if X_SCALED:  # exact either way: every e4m3 value is a bf16 and an fp16 value
+                if X_AS_FP16:
+                    xt = xt.to(tl.float16)
+                else:
+                    xt = xt.to(tl.bfloat16)
             part = tl.dot(w.to(xt.dtype), xt)
-            if SCALE_COLS:  # block-scaled: this K block's scale for each output column
+            if SCALE_COLS:  # block-scaled: this K block's scale for each output column (and token)
                 s = tl.load(
                     scale_ptr + (rn // SCALE_ROWS) * stride_scale_n + (k0 // SCALE_COLS) * stride_scale_k,
                     mask=rn < N,
                     other=0.0,
                 )
                 part = part * s[:, None]
+                if X_SCALED:
+                    sx = tl.load(
+                        x_scale_ptr + rm * stride_x_scale_m + (k0 // SCALE_COLS) * stride_x_scale_k,
+                        mask=rm < M,
+                        other=0.0,
+                    )
+                    part = part * sx[None, :]
             acc += part
         if SCALE_COLS == 0:
             acc = acc * tl.load(scale_ptr + rn * stride_scale_n, mask=rn < N, other=0.0)[:, None]
+            if X_SCALED:
+                acc = acc * tl.load(x_scale_ptr + rm * stride_x_scale_m, mask=rm < M, other=0.0)[None, :]
         out = out_ptr + pid_k * M * N + rm[None, :] * N + rn[:, None]
         tl.store(out, acc, mask=(rm[None, :] < M) & (rn[:, None] < N))
 
     return fp8_weight_mm_kernel
 
 
-def launch(x, w, scale, scale_rows: int, scale_cols: int, config, wrap=lambda kernel: kernel) -> torch.Tensor:
-    """Run the kernel with config (BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages)."""
+def launch(
+    x, w, scale, scale_rows: int, scale_cols: int, config, wrap=lambda kernel: kernel, x_scale=None, out_dtype=None
+) -> torch.Tensor:
+    """Run the kernel with config (BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages); x_scale:
+    x is FP8 and these its scales ([M, 1], or [M, ceil(K/128)] for a block-scaled W), out_dtype then
+    the output's dtype."""
     (m, k), n = x.shape, w.shape[0]
     block_m, block_n, block_k, split, warps, stages = config
-    out = x.new_empty((split, m, n), dtype=x.dtype if split == 1 else torch.float32)
+    dtype = out_dtype or x.dtype
+    out = x.new_empty((split, m, n), dtype=dtype if split == 1 else torch.float32)
     grid = (-(-n // block_n), split, -(-m // block_m))
+    x_scaled = x_scale is not None
     wrap(_kernel())[grid](
         x,
         w,
         scale,
+        x_scale if x_scaled else scale,  # any pointer when unused
         out,
         m,
         n,
         k,
         scale.stride(0),
         scale.stride(1) if scale_cols else 0,
+        x_scale.stride(0) if x_scaled else 0,
+        x_scale.stride(1) if x_scaled and scale_cols else 0,
+        X_SCALED=x_scaled,
+        X_AS_FP16=dtype == torch.float16,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_K=min(block_k, scale_cols) if scale_cols else block_k,  # a K tile within one scale block
@@ -131,7 +162,7 @@ def launch(x, w, scale, scale_rows: int, scale_cols: int, config, wrap=lambda ke
         num_warps=warps,
         num_stages=stages,
     )
-    return out[0] if split == 1 else out.sum(0).to(x.dtype)
+    return out[0] if split == 1 else out.sum(0).to(dtype)
 
 
 @functools.cache
@@ -148,8 +179,20 @@ def _op():
     return fp8_weight_mm
 
 
-def few_token_mm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+def few_token_mm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    block: tuple[int, int],
+    x_scale: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
     """x [M, K] (contiguous, bf16/fp16) times the FP8 weight [N, K] with its float32 scales: [N, 1]
-    rowwise (block (1, K)) or [ceil(N/br), ceil(K/bc)] block-scaled -> [M, N] in x's dtype."""
+    rowwise (block (1, K)) or [ceil(N/br), ceil(K/bc)] block-scaled -> [M, N] in x's dtype.
+    x_scale: x is FP8, quantized as the scaled GEMM quantizes it (fp8.quantize_rows, or groups of
+    block[1] columns per token for a block-scaled W), and the result is in out_dtype."""
     rowwise = block[0] == 1
-    return torch.ops.dflash.fp8_weight_mm(x.contiguous(), weight, scale, block[0], 0 if rowwise else block[1])
+    dtype = out_dtype or x.dtype
+    return torch.ops.dflash.fp8_weight_mm(
+        x.contiguous(), weight, scale, x_scale, block[0], 0 if rowwise else block[1], dtype
+    )

@@ -357,6 +357,21 @@ def test_eval_takes_the_target_precision_to_verify_with(tmp_path, capsys):
     assert "target.quantize" not in capsys.readouterr().err
 
 
+def test_few_token_steps_are_off_unless_asked_and_never_where_the_kernel_cannot_run():
+    """The few-token kernel is off in the service; asked for on the CPU (no triton kernel there) it
+    stays off and the layer computes as before; a mode that does not exist is refused by name."""
+    model = dense_model()
+    fp8.quantize_decoder(model, decoder_layers(model))
+    layers = [m for m in model.modules() if isinstance(m, fp8.FP8Linear)]
+    assert layers and not any(layer.few for layer in layers)
+    x = torch.randn(3, layers[0].in_features)
+    before = layers[0](x)
+    assert fp8.few_token_steps(model, "quantized") == 0 and not any(layer.few for layer in layers)
+    assert torch.equal(layers[0](x), before)
+    with pytest.raises(ValueError, match="few-token mode 'fast'"):
+        fp8.few_token_steps(model, "fast")
+
+
 # --- on the GPU: torch's scaled GEMMs against the plain math -------------------------------------
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -428,7 +443,7 @@ def test_cuda_few_token_fp8_gemm_is_the_weight_only_math_eager_compiled_and_grap
     q, scale = fp8.quantize_rows(weight) if layout == "rowwise" else fp8.quantize_blocks(weight, (BLOCK, BLOCK))
     block = (1, 1040) if layout == "rowwise" else (BLOCK, BLOCK)
     layer = fp8.FP8Linear(q, scale, None if layout == "rowwise" else block, None, kernel=False)
-    assert not layer.few and fp8.weight_only_steps(layer) == 1 and layer.few  # off unless asked
+    assert not layer.few and fp8.few_token_steps(layer, "weight-only") == 1  # off unless asked
     exact = fp8.dequantize(q, scale, block)
     for rows in (1, 13, 64):
         x = torch.randn(rows, 1040, device="cuda", dtype=torch.bfloat16)
@@ -445,8 +460,35 @@ def test_cuda_few_token_fp8_gemm_is_the_weight_only_math_eager_compiled_and_grap
     assert torch.equal(static_out, compiled(static_x))
     many = torch.randn(fp8_few_tokens.MAX_TOKENS + 1, 1040, device="cuda", dtype=torch.bfloat16)
     got = layer(many)
-    layer.few = False
+    layer.few = ""
     assert torch.equal(got, layer(many))  # the same path as a layer without the kernel
+
+
+@needs_cuda
+@pytest.mark.parametrize("layout", ["rowwise", "block"])
+def test_cuda_few_token_fp8_gemm_quantized_gives_the_scaled_gemms_numbers(layout):
+    """The quantized mode quantizes x as the scaled GEMM does, so at 1-64 tokens it gives the plain
+    math's numbers (and the scaled GEMM's where it runs) up to the order of the sums: a batch of few
+    rows and one of many compute alike."""
+    from services.target import fp8_few_tokens
+
+    if not fp8_few_tokens.available() or torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("needs triton and an FP8 GPU")
+    torch.manual_seed(5)
+    weight = torch.randn(1000, 1040, device="cuda") * 0.02
+    q, scale = fp8.quantize_rows(weight) if layout == "rowwise" else fp8.quantize_blocks(weight, (BLOCK, BLOCK))
+    block = (1, 1040) if layout == "rowwise" else (BLOCK, BLOCK)
+    layer = fp8.FP8Linear(q, scale, None if layout == "rowwise" else block, None, kernel=False)
+    assert fp8.few_token_steps(layer, "quantized") == 1 and layer.few == "quantized"
+    for rows in (1, 13, 64):
+        x = torch.randn(rows, 1040, device="cuda", dtype=torch.bfloat16)
+        got = layer(x)
+        layer.few = ""
+        want = layer(x)  # the plain math: x quantized the same way, float32 sums
+        layer.few = "quantized"
+        assert rel_err(got, want) < 2e-3
+    with pytest.raises(ValueError, match="few-token mode"):
+        fp8.few_token_steps(layer, "fast")
 
 
 # --- the benchmark, as a CPU smoke test -----------------------------------------------------------
