@@ -3,7 +3,8 @@
 #   bash bench/gpu_suite.sh PART...   (logs and JSON under $OUT, default ./bench-out)
 # Parts: checks drafter drafterfp8 target8b target8k target32b large transport transportq isolation e2e
 #        hybridtests hybrid hybridnofla ckptstall demo demohybrid fp32 compiletests compiled27 compiled8
-#        precision27 e2eeval e2ex2 e2ehybrid (the last two need nvidia-h200-x2)
+#        precision27 e2eeval fp8few e2ex2 e2ehybrid (the last two need nvidia-h200-x2)
+# fp8few: the FP8 few-token kernel's tests, its GEMMs side by side, and the 27B verify step in its modes
 # compiled27 / compiled8: target.compile side by side with the eager layers; precision27: bf16 vs FP8;
 # e2eeval: the 27B hybrid shape through the service with the real-acceptance eval on (on vs off).
 # demo / demohybrid: the README demo (and the hybrid demo) with --device cuda end to end, from a fresh
@@ -63,6 +64,10 @@ for part in "$@"; do case $part in
   demohybrid) demo demo_hybrid 560 hybrid ;;
   fp32)       demo demo_fp32 400 "" target.dtype=float32 run.max_steps=40 run.spec_eval_prompts=8 ;;
   transportq) run transport 120 python3 bench/transport.py --quick --out "$OUT/transport.json" ;;
+  fp8few)     run fp8_tests 90 python3 -m pytest -q -p no:cacheprovider -k cuda tests/unit/test_target_fp8.py
+              run fp8_gemm 240 python3 bench/fp8_gemm.py --iters 40
+              run verify_fp8 420 python3 bench/verify_step.py --quantize fp8-quantized,fp8,fp8-weight-only --methods '' \
+                  --iters 8 --compile-steps ;;
   isolation)  run isolation 560 python3 bench/compile_isolation.py --workers 3 --trials 2 --timeout 120 --out "$OUT/isolation.json" ;;
   *) echo "unknown part $part" ;;
 esac; done
