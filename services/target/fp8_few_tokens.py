@@ -171,10 +171,16 @@ def _op():
 
     @triton_op("dflash::fp8_weight_mm", mutates_args=())
     def fp8_weight_mm(
-        x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, scale_rows: int, scale_cols: int
+        x: torch.Tensor,
+        w: torch.Tensor,
+        scale: torch.Tensor,
+        x_scale: torch.Tensor | None,
+        scale_rows: int,
+        scale_cols: int,
+        out_dtype: torch.dtype,
     ) -> torch.Tensor:
         config = config_for(x.shape[0], w.shape[0], x.shape[1])
-        return launch(x, w, scale, scale_rows, scale_cols, config, wrap_triton)
+        return launch(x, w, scale, scale_rows, scale_cols, config, wrap_triton, x_scale, out_dtype)
 
     return fp8_weight_mm
 
