@@ -152,14 +152,43 @@ class SlotMasks:
         does for one token): the cache is read once per key head, never copied per query head."""
         b, heads, q, d = query.shape
         groups = heads // key.shape[1]
-        out = F.scaled_dot_product_attention(
-            query.reshape(b, key.shape[1], groups * q, d),
-            key,
-            value,
-            attn_mask=self.bias(window, groups, query.dtype),
-            scale=scaling,
-        )
+        rows, bias = query.reshape(b, key.shape[1], groups * q, d), self.bias(window, groups, query.dtype)
+        if gemm_attention_applies(rows):
+            out = gemm_attention(rows, key, value, bias, scaling)
+        else:
+            out = F.scaled_dot_product_attention(rows, key, value, attn_mask=bias, scale=scaling)
         return out.reshape(b, heads, q, -1).transpose(1, 2), None
+
+
+GEMM_ATTENTION_ROWS = 256  # query rows per key head (query heads per key head x tokens): a decoding step's
+GEMM_ATTENTION_HEADS = 64  # rows x key heads: while SDPA's blocks (one per key head and 32 query rows) are few
+
+
+def gemm_attention_applies(rows: torch.Tensor) -> bool:
+    """A decoding step on CUDA in bf16/fp16 with few rows: there SDPA's memory-efficient kernel (the one
+    that takes the mask as a bias) runs one block per key head and 32 query rows, a dozen blocks on an
+    H200's 132 SMs for one row of a 27B (docs/benchmarks.md), where two GEMMs spread the keys over them.
+    Decided by the rows and heads alone, so a step of 1 token and one of a 16-token block (the greedy
+    reference and the verification of one evaluation) take the same path."""
+    b, kv_heads, n, _ = rows.shape
+    return (
+        rows.is_cuda
+        and rows.dtype in (torch.bfloat16, torch.float16)
+        and n <= GEMM_ATTENTION_ROWS
+        and b * kv_heads <= GEMM_ATTENTION_HEADS
+    )
+
+
+def gemm_attention(rows, key, value, bias, scale):
+    """softmax(rows key^T * scale + bias) value as two batched GEMMs around an fp32 softmax: rows [b, h, n, D],
+    key/value [b, h, L, D], bias [b, 1, n, L] (0 or -inf) -> [b, h, n, Dv] in rows' dtype. The scores are
+    written in fp32 (a bf16 GEMM's out_dtype on CUDA: exact products, fp32 sums, as SDPA keeps them)."""
+    b, h, n, d = rows.shape
+    length = key.shape[2]
+    q, k = rows.reshape(b * h, n, d), key.reshape(b * h, length, d).transpose(1, 2)
+    scores = torch.bmm(q, k, out_dtype=torch.float32) if q.dtype != torch.float32 else torch.bmm(q, k)
+    probs = (scores.view(b, h, n, length) * scale + bias).softmax(-1).to(value.dtype)
+    return torch.bmm(probs.view(b * h, n, length), value.reshape(b * h, length, -1)).view(b, h, n, -1)
 
 
 class Slots:

@@ -10,8 +10,9 @@ import torch
 from services.drafter.attention import padded_mask, visibility
 from services.drafter.speculative import RepeatLast, greedy_reference, speculative_generate
 from services.eval.verifier import LocalVerifier
+from services.target import slots as slots_module
 from services.target.model import PACKED_SDPA, Target, _register_packed_sdpa
-from services.target.slots import Slots, decode_slots, row_bytes, slot_decodable
+from services.target.slots import SlotMasks, Slots, decode_slots, gemm_attention, row_bytes, slot_decodable
 from tests.tiny_targets import DENSE_LAYER_IDS, HYBRID_LAYER_IDS, VOCAB, dense_target, hybrid_target, prompt
 from tests.unit.test_speculative import random_drafter
 
@@ -384,3 +385,68 @@ def test_a_rows_memory_is_what_the_automatic_batch_counts(kind, dense, sliding, 
     nbytes = sum(t.numel() * t.element_size() for t in held + 2 * recurrent)
     counted = row_bytes(cfg, 4, slots.capacity, target.info.hidden_width) - 3 * VOCAB * 4  # less the logits
     assert counted * len(ps) == nbytes
+
+
+def few_query_inputs(device, dtype, rows=1, kv_heads=4, groups=6, q=16, length=300):
+    """A decoding step's attention inputs: q tokens of each row at its own positions (rows of different
+    lengths), the masks SlotMasks makes for them."""
+    gen = torch.Generator().manual_seed(0)
+    starts = torch.tensor([length - q - 7 * r for r in range(rows)])
+    positions = (starts[:, None] + torch.arange(q)).to(device)
+    masks = SlotMasks(positions, length)
+    make = lambda *shape: torch.randn(*shape, generator=gen).to(device, dtype)  # noqa: E731
+    query = make(rows, kv_heads * groups, q, 64)
+    key, value = make(rows, kv_heads, length, 64), make(rows, kv_heads, length, 64)
+    return masks, query, key, value
+
+
+@pytest.mark.parametrize("window", [None, 40])
+def test_gemm_attention_is_sdpa_with_the_slot_masks(window):
+    """The two-GEMM attention of a decoding step against SDPA on the same rows and masks (fp32 on the
+    CPU: the math; the bf16 path and its speed are the CUDA test's and docs/benchmarks.md's)."""
+    masks, query, key, value = few_query_inputs("cpu", torch.float32, rows=2)
+    b, heads, q, d = query.shape
+    rows = query.reshape(b, key.shape[1], heads // key.shape[1] * q, d)
+    bias = masks.bias(window, heads // key.shape[1], query.dtype)
+    want = torch.nn.functional.scaled_dot_product_attention(rows, key, value, attn_mask=bias, scale=0.125)
+    got = gemm_attention(rows, key, value, bias, 0.125)
+    assert got.shape == want.shape and torch.allclose(got, want, atol=1e-5, rtol=1e-5)
+    assert not slots_module.gemm_attention_applies(rows)  # CPU decoding keeps SDPA
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("rows,applies", [(1, True), (16, True), (17, False)])
+def test_cuda_bf16_decoding_steps_of_few_rows_take_the_gemm_attention(rows, applies):
+    """bf16 on CUDA: a step of up to 16 rows of 4 key heads (64) takes the two GEMMs, as close to SDPA as
+    bf16 outputs allow, whether it feeds 1 token a row or a 16-token block; more rows keep SDPA."""
+    for q in (1, 16):
+        masks, query, key, value = few_query_inputs("cuda", torch.bfloat16, rows=rows, q=q)
+        b, heads, _, d = query.shape
+        packed = query.reshape(b, key.shape[1], heads // key.shape[1] * q, d)
+        assert slots_module.gemm_attention_applies(packed) == applies
+        out, _ = masks.attend(None, query, key, value, None, 0.125)
+        bias = masks.bias(None, heads // key.shape[1], query.dtype)
+        want = torch.nn.functional.scaled_dot_product_attention(
+            packed.float(), key.float(), value.float(), attn_mask=bias.float(), scale=0.125
+        )
+        want = want.reshape(b, heads, q, -1).transpose(1, 2)
+        assert (out.float() - want).abs().max() < 2e-2, (rows, q)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_bf16_slot_decoding_with_the_gemm_attention_is_lossless(monkeypatch):
+    """bf16 decoding of a few rows through the two-GEMM attention (counted): the drafted decoding gives
+    the plain greedy decoding's tokens, as with SDPA; and so do the compiled, graphed steps."""
+    calls = []
+    real = slots_module.gemm_attention
+    monkeypatch.setattr(slots_module, "gemm_attention", lambda *a: calls.append(1) or real(*a))
+    target = dense_target(device="cuda", dtype=torch.bfloat16)
+    ps = prompts()
+    refs = decode_slots(target, None, ps, max_new_tokens=NEW, graphs=False)
+    many = decode_slots(target, RepeatLast(B), ps, max_new_tokens=NEW, graphs=False)
+    assert [m.tokens for m in many] == [r.tokens for r in refs]
+    assert calls
+    target.compile_steps("inductor")  # traced by inductor (the GEMM writing fp32), inside CUDA graphs
+    compiled_refs = decode_slots(target, None, ps, max_new_tokens=NEW)  # compiled layers round their own way
+    compiled = decode_slots(target, RepeatLast(B), ps, max_new_tokens=NEW)
+    assert [m.tokens for m in compiled] == [r.tokens for r in compiled_refs]
