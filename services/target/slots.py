@@ -168,8 +168,10 @@ def gemm_attention_applies(rows: torch.Tensor) -> bool:
     """A decoding step on CUDA in bf16/fp16 with few rows: there SDPA's memory-efficient kernel (the one
     that takes the mask as a bias) runs one block per key head and 32 query rows, a dozen blocks on an
     H200's 132 SMs for one row of a 27B (docs/benchmarks.md), where two GEMMs spread the keys over them.
-    Decided by the rows and heads alone, so a step of 1 token and one of a 16-token block (the greedy
-    reference and the verification of one evaluation) take the same path."""
+    Decided by the rows and heads alone, so a step of 1 token and one of a 16-token block on the same
+    rows take the same path. As rows finish and leave, a pass can change path midway: the two agree to
+    the rounding of their bf16 outputs, as GEMMs of different token counts do, which the lossless
+    rule's tolerance covers."""
     b, kv_heads, n, _ = rows.shape
     return (
         rows.is_cuda
