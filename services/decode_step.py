@@ -99,13 +99,13 @@ def logits_weight(lm_head: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """What exact_logits multiplies by: a bf16 lm_head itself on CUDA, where a bf16 GEMM can write
     fp32 (torch.mm's out_dtype: exact products, fp32 sums, half the bytes of an fp32 copy: 2.5 GB
     less to read every step at a 27B target's 248 K vocabulary); its fp32 copy everywhere else."""
-    if lm_head.device.type == "cuda" and dtype == torch.bfloat16 and _mm_writes_fp32(lm_head.device):
+    if lm_head.device.type == "cuda" and dtype == torch.bfloat16 and mm_writes_fp32(lm_head.device):
         return lm_head.detach()
     return lm_head.detach().float()
 
 
 @functools.cache
-def _mm_writes_fp32(device: torch.device) -> bool:
+def mm_writes_fp32(device: torch.device) -> bool:
     """torch.mm(bf16, bf16, out_dtype=fp32) runs here (torch 2.8 and later on CUDA)."""
     try:
         a = torch.ones(2, 2, dtype=torch.bfloat16, device=device)

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch.nn.attention import sdpa_kernel
 from transformers import DynamicCache
 
-from services.decode_step import Decoded, exact_logits, logits_weight, rounding_tolerance
+from services.decode_step import Decoded, exact_logits, logits_weight, mm_writes_fp32, rounding_tolerance
 from services.target.decode import ATTENTION_KINDS, DECODE_SDPA
 from services.target.hybrid import PackedGatedDeltaNet, RowStates
 from services.target.model import Target
@@ -126,7 +126,10 @@ class SlotMasks:
     query i of row b sits at position positions[b, i] and sees keys 0..positions[b, i] (the last
     `window` of them in a sliding-window layer)."""
 
-    def __init__(self, positions: torch.Tensor, length: int):
+    def __init__(self, positions: torch.Tensor, length: int, gemm: bool = False):
+        """gemm: a bf16 GEMM can write fp32 on this device (decode_step.mm_writes_fp32; torch >= 2.8 on
+        CUDA), found once per Slots, outside the compiled layers and the CUDA graphs that read it."""
+        self.gemm = gemm
         self.query = positions[:, None, :, None]  # [b, 1, q, 1]
         self.key = torch.arange(length, device=positions.device)  # [L]
         self.by_window: dict[tuple, torch.Tensor] = {}  # (window, groups, dtype) -> bias
@@ -153,7 +156,7 @@ class SlotMasks:
         b, heads, q, d = query.shape
         groups = heads // key.shape[1]
         rows, bias = query.reshape(b, key.shape[1], groups * q, d), self.bias(window, groups, query.dtype)
-        if gemm_attention_applies(rows):
+        if self.gemm and gemm_attention_applies(rows):
             out = gemm_attention(rows, key, value, bias, scaling)
         else:
             out = F.scaled_dot_product_attention(rows, key, value, attn_mask=bias, scale=scaling)
@@ -215,6 +218,7 @@ class Slots:
             torch.zeros(rows, self.capacity, width, dtype=self.dtype, device=self.device) if features else None
         )
         self.lm_head = logits_weight(target.model.get_output_embeddings().weight, self.dtype)
+        self.gemm_attention = torch.device(self.device).type == "cuda" and mm_writes_fp32(torch.device(self.device))
         params = inspect.signature(target.backbone.forward).parameters
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"  # renamed in transformers 5.2x
 
@@ -244,7 +248,7 @@ class Slots:
         positions = starts.to(dev)[:, None] + torch.arange(q, device=dev)
         row_ids = rows[:, None]
         self.cache.where, self.cache.length = (row_ids, positions), length
-        masks = SlotMasks(positions, length)
+        masks = SlotMasks(positions, length, self.gemm_attention)
         captured = torch.empty(b * q, t.info.hidden_width, dtype=self.dtype, device=dev)
         t.slot.slots = masks
         t.slot.compiled_steps = bool(t.steps_backend) and commit is None  # a prefill runs the eager layers

@@ -393,7 +393,7 @@ def few_query_inputs(device, dtype, rows=1, kv_heads=4, groups=6, q=16, length=3
     gen = torch.Generator().manual_seed(0)
     starts = torch.tensor([length - q - 7 * r for r in range(rows)])
     positions = (starts[:, None] + torch.arange(q)).to(device)
-    masks = SlotMasks(positions, length)
+    masks = SlotMasks(positions, length, gemm=device == "cuda")
     make = lambda *shape: torch.randn(*shape, generator=gen).to(device, dtype)  # noqa: E731
     query = make(rows, kv_heads * groups, q, 64)
     key, value = make(rows, kv_heads, length, 64), make(rows, kv_heads, length, 64)
