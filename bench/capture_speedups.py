@@ -47,6 +47,7 @@ def build(shape: str, layers: int):
     return model.eval().requires_grad_(False)
 
 
+@torch.no_grad()  # the whole benchmark; a decorator, so a test calling main() keeps its grad mode
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--shape", default="27b-hybrid")
@@ -58,7 +59,6 @@ def main() -> None:
     args = p.parse_args()
     if not torch.cuda.is_available():
         sys.exit("this benchmark needs a CUDA GPU")
-    torch.set_grad_enabled(False)
     import transformers
 
     model = build(args.shape, args.layers)

@@ -9,6 +9,7 @@ For each distinct decoder linear of the shape (bench/shapes.py) and each token c
   few_tokens  FP8Linear rowwise through services/target/fp8_few_tokens.py (weight-only, Triton)
   few_block   the same kernel with 128 x 128 block scales (an FP8 checkpoint's layout)
   few_quantized  the kernel with the activations quantized as scaled_mm quantizes them (its numbers)
+  few_fp8_dot    its GEMM alone: x quantized once beforehand, FP8 times FP8 on the tensor cores
 each weight read from HBM (copies cycled so they do not stay in L2), the calls in one CUDA graph
 (GPU time, no launch overhead: as in a graphed verify step), with the bandwidth it reaches
 and the error against the exact product. Then the sum over the shape's decoder linears (how many of
@@ -74,7 +75,7 @@ def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got.float() - want).norm() / want.norm())
 
 
-def bench_shape(n: int, k: int, tokens: list[int], iters: int, sweep: list | None) -> dict:
+def bench_shape(n: int, k: int, tokens: list[int], iters: int, sweep: list | None, fp8_sweep: list | None) -> dict:
     copies = max(2, -(-L2_BYTES // (n * k)))  # FP8 bytes; the bf16 copies are twice that
     gen = torch.Generator("cuda").manual_seed(0)
     weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02 for _ in range(copies)]
@@ -89,6 +90,7 @@ def bench_shape(n: int, k: int, tokens: list[int], iters: int, sweep: list | Non
     for m in tokens:
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=gen)
         exact = x.float() @ fp8.dequantize(rowwise[0].weight, rowwise[0].weight_scale, rowwise[0].block).t()
+        xq, sx = fp8.quantize_rows(x)
         exact_block = x.float() @ fp8.dequantize(block[0].weight, block[0].weight_scale, block[0].block).t()
 
         paths = {
@@ -97,6 +99,10 @@ def bench_shape(n: int, k: int, tokens: list[int], iters: int, sweep: list | Non
             "few_tokens": [lambda layer=layer: layer(x) for layer in rowwise],
             "few_block": [lambda layer=layer: layer(x) for layer in block],
             "few_quantized": [lambda layer=layer: layer(x) for layer in quantized],
+            "few_fp8_dot": [
+                lambda layer=layer: few.few_token_mm(xq, layer.weight, layer.weight_scale, layer.block, sx, x.dtype)
+                for layer in quantized
+            ],
         }
         row = {name: round(time_cycled(fns, max(iters, len(fns))), 4) for name, fns in paths.items()}
         row["few_tokens_GBps"] = round(n * k / row["few_tokens"] / 1e6, 1)
@@ -106,16 +112,25 @@ def bench_shape(n: int, k: int, tokens: list[int], iters: int, sweep: list | Non
         row["err_few_quantized_vs_scaled_mm"] = rel_err(quantized[0](x), rowwise[0]._rowwise(x, x.dtype).float())
         row["err_scaled_mm"] = rel_err(rowwise[0]._rowwise(x, x.dtype), exact)
         row["config"] = few.config_for(m, n, k)
+        row["config_fp8_dot"] = few.config_for(m, n, k, fp8_x=True)
         if sweep and m == 16:
             row["sweep_best"] = best_config(x, rowwise, sweep, iters)
+        if fp8_sweep and m == 16:
+            row["fp8_dot_sweep_best"] = best_config(xq, quantized, fp8_sweep, iters, sx)
         out[m] = row
     return out
 
 
-def best_config(x: torch.Tensor, layers: list, sweep: list, iters: int) -> dict:
+def best_config(x: torch.Tensor, layers: list, sweep: list, iters: int, x_scale=None) -> dict:
+    """The sweep's configs ranked at x's tokens (x_scale: x is FP8, the quantized mode's GEMM)."""
     times = {}
     for config in sweep:
-        fns = [lambda layer=layer: few.launch(x, layer.weight, layer.weight_scale, 1, 0, config) for layer in layers]
+        fns = [
+            lambda layer=layer: few.launch(
+                x, layer.weight, layer.weight_scale, 1, 0, config, x_scale=x_scale, out_dtype=torch.bfloat16
+            )
+            for layer in layers
+        ]
         try:
             times[config] = time_cycled(fns, max(iters, len(fns)))
         except Exception as exc:  # noqa: BLE001 - a config the compiler or the GPU refuses
@@ -131,6 +146,12 @@ SWEEP = [
     for split in (1, 2, 4)
     for warps, stages in ((4, 3), (4, 4), (8, 4))
 ]
+FP8_DOT_SWEEP = [  # the FP8 x FP8 GEMM reads a K tile of half the bytes: deeper tiles, fewer splits
+    (16, bn, bk, split, warps, stages)
+    for bn, bk in ((64, 128), (64, 256), (128, 128), (128, 256), (32, 512))
+    for split in (1, 2, 4)
+    for warps, stages in ((4, 3), (4, 5))
+]
 
 
 def main(argv=None) -> int:
@@ -139,17 +160,19 @@ def main(argv=None) -> int:
     p.add_argument("--tokens", default="1,16,64")
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--sweep", action="store_true", help="time every config of SWEEP at 16 tokens")
+    p.add_argument("--sweep-fp8-dot", action="store_true", help="time FP8_DOT_SWEEP's configs at 16 tokens")
     args = p.parse_args(argv)
     if not few.available():
         print(json.dumps({"error": "needs CUDA and triton: the few-token kernel runs on the GPU only"}))
         return 1
     tokens = [int(t) for t in args.tokens.split(",")]
     linears = decoder_linears(args.shape)
-    shapes = [bench_shape(n, k, tokens, args.iters, SWEEP if args.sweep else None) for (n, k) in linears]
+    sweeps = (SWEEP if args.sweep else None, FP8_DOT_SWEEP if args.sweep_fp8_dot else None)
+    shapes = [bench_shape(n, k, tokens, args.iters, *sweeps) for (n, k) in linears]
     step = {
         m: {
             path: round(sum(s[m][path] * linears[(s["n"], s["k"])] for s in shapes), 2)
-            for path in ("bf16", "scaled_mm", "few_tokens", "few_block", "few_quantized")
+            for path in ("bf16", "scaled_mm", "few_tokens", "few_block", "few_quantized", "few_fp8_dot")
         }
         for m in tokens
     }

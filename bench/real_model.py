@@ -630,18 +630,19 @@ def phase_eval(a, work: Path) -> None:
         log(f"eval shard {i}: $ {' '.join(cmd)}")
         err = open(work / "eval" / f"shard{i}.log", "w")
         procs.append((subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, cwd=ROOT), err))
-    outputs = []
+    outputs, failed = [], []
     for i, (proc, err) in enumerate(procs):
         text, _ = proc.communicate()
         err.close()
         records = [json.loads(line) for line in text.splitlines() if line.startswith("{")]
         if proc.returncode != 0 or len(records) != len(todo):
-            raise SystemExit(
+            failed.append(
                 f"eval shard {i} failed (exit {proc.returncode}, {len(records)} of {len(todo)} "
                 f"results): {work / 'eval' / f'shard{i}.log'}"
             )
         outputs.append(records)
-    for k, job in enumerate(todo):
+    done = min(len(records) for records in outputs)  # the checkpoints every shard finished: kept
+    for k, job in enumerate(todo[:done]):
         sets = {
             name: pool(
                 [
@@ -664,6 +665,8 @@ def phase_eval(a, work: Path) -> None:
                 for s in SETS
             )
         )
+    if failed:  # what finished is written above; running the phase again evaluates only the rest
+        raise SystemExit("\n".join(failed))
     record_phase(work, f"eval-{int(start)}", time.time() - start, checkpoints=len(todo), shards=len(procs))
 
 

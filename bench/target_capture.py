@@ -274,6 +274,7 @@ def format_record(r: dict) -> str:
     return "\n".join(rows)
 
 
+@torch.no_grad()  # the whole benchmark; a decorator, so a test calling main() keeps its grad mode
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--shapes", default="8b,32b", help=f"comma list of {SHAPES}")
@@ -296,7 +297,6 @@ def main() -> None:
         sys.exit("this benchmark needs a CUDA GPU (only the tiny shapes run on CPU, as a smoke test)")
     if args.no_fla:
         hide_fla()
-    torch.set_grad_enabled(False)
     device_name = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     import transformers
 

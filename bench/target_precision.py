@@ -163,6 +163,7 @@ def format_result(r: dict) -> str:
     return "\n".join(lines)
 
 
+@torch.no_grad()  # the whole benchmark; a decorator, so a test calling main() keeps its grad mode
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--shape", default="27b-hybrid", help=f"one of {SHAPES}")
@@ -180,7 +181,6 @@ def main(argv=None) -> dict:
         sys.exit("this benchmark needs a CUDA GPU (only the tiny shapes run on CPU, as a smoke test)")
     if unknown := set(args.precision.split(",")) - set(PRECISIONS):
         sys.exit(f"--precision: unknown {sorted(unknown)} (known: {', '.join(PRECISIONS)})")
-    torch.set_grad_enabled(False)
     import transformers
 
     device_name = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"

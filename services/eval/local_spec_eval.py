@@ -140,11 +140,15 @@ class LocalSpecEval(SpecEval):
                 f"the target's embedding is {tuple(embed.shape)}, the drafter expects "
                 f"[{model_cfg.vocab_size}, {model_cfg.hidden_size}]"
             )
-        if sorted(model_cfg.target_layer_ids) != list(self.target.info.layer_ids):
-            raise ValueError(
-                f"the drafter reads target layers {sorted(model_cfg.target_layer_ids)}, the target "
-                f"captures {self.target.info.layer_ids} (target.layer_ids of the run's config)"
-            )
+        wanted = sorted(model_cfg.target_layer_ids)
+        if wanted != list(self.target.info.layer_ids):  # a checkpoint of another recipe (drafter.num_layers)
+            try:
+                self.target.capture_layers(wanted)
+            except ValueError as exc:
+                raise ValueError(
+                    f"the drafter reads target layers {wanted}, which this target of "
+                    f"{self.target.info.num_layers} layers cannot capture ({exc})"
+                ) from None
         return TargetHead(embed.detach(), lm_head.detach())
 
     def run(self, propose, budget_s: float = 0.0, tick=None, indices: list[int] | None = None) -> dict:

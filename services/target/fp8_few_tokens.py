@@ -16,8 +16,11 @@ SPLIT_K > 1 writes float32 partial sums that one sum adds up, so narrow layers s
 It is a torch.library.triton_op, so torch.compile traces into it and CUDA graphs capture it. Where
 triton does not import (CPU-only torch) `available()` is False. x may also come quantized (FP8 with
 its scales, as the scaled GEMM quantizes it): then the kernel gives the scaled GEMM's numbers at any
-token count. FP8Linear takes the kernel only after fp8.few_token_steps(model, mode), which
-benchmarks call; the service keeps the scaled GEMM for now (docs/operations.md#fp8-targets).
+token count, and on Hopper multiplies the two FP8 tiles on the tensor cores as they are (products
+exact in fp32 either way; no conversion of W in registers), which reads the weights faster: 10.4
+against 13.7 ms for the 27B's 496 GEMMs at 16 tokens (docs/benchmarks.md). FP8Linear takes the
+kernel only after fp8.few_token_steps(model, mode), which benchmarks call; the service keeps the
+scaled GEMM for now (docs/operations.md#fp8-targets).
 """
 
 from __future__ import annotations
@@ -42,11 +45,23 @@ def available() -> bool:
     return True
 
 
-def config_for(m: int, n: int, k: int) -> tuple[int, ...]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages), as bench/fp8_gemm.py --sweep
-    found best on an H200 for every decoder linear of the 27B hybrid at 16 tokens: 64 weight rows by
-    128 columns per tile (32 by 256 for a narrow layer), K split in 4."""
+@functools.cache
+def fp8_dot(device: torch.device) -> bool:
+    """Whether an FP8 x multiplies the FP8 weight on the tensor cores as it is: Hopper and later
+    (compute 9.0+; Ada's e4m3 MMA is left out: its shared memory does not hold config_for's stages)."""
+    return torch.cuda.get_device_capability(device) >= (9, 0)
+
+
+def config_for(m: int, n: int, k: int, fp8_x: bool = False) -> tuple[int, ...]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages), as bench/fp8_gemm.py's sweeps
+    found best on an H200 for every decoder linear of the 27B hybrid at 16 tokens.
+    x in bf16 (--sweep): 64 weight rows by 128 columns per tile (32 by 256 for a narrow layer), K
+    split in 4. x in FP8 multiplied as it is (--sweep-fp8-dot: a K tile is half the bytes): 64 by 256,
+    K whole (no partial sums to add), 5 stages in flight where the layer gives few tiles (N < 12 288),
+    3 where it gives many."""
     block_m = 16 if m <= 16 else (32 if m <= 32 else 64)
+    if fp8_x:
+        return block_m, 64, 256, 1, 4, 3 if n >= 12288 else 5
     block_n, block_k = (64, 128) if n >= 2048 else (32, 256)
     split = 4
     while split > 1 and k < block_k * split * 4:  # each part at least 4 tiles deep
@@ -75,6 +90,7 @@ def _kernel():
         stride_x_scale_k,
         X_SCALED: tl.constexpr,  # x is FP8 with its scales, laid out as W's along K (per row or per block)
         X_AS_FP16: tl.constexpr,  # an FP8 x multiplies as fp16 (an fp16 output), else as bf16
+        FP8_DOT: tl.constexpr,  # an FP8 x multiplies FP8 W on the tensor cores as it is (fp8_dot)
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
@@ -95,12 +111,15 @@ def _kernel():
             kk = k0 + rk
             w = tl.load(w_ptr + rn[:, None] * K + kk[None, :], mask=(rn[:, None] < N) & (kk[None, :] < K), other=0.0)
             xt = tl.load(x_ptr + rm[None, :] * K + kk[:, None], mask=(rm[None, :] < M) & (kk[:, None] < K), other=0.0)
-            if X_SCALED:  # exact either way: every e4m3 value is a bf16 and an fp16 value
-                if X_AS_FP16:
-                    xt = xt.to(tl.float16)
-                else:
-                    xt = xt.to(tl.bfloat16)
-            part = tl.dot(w.to(xt.dtype), xt)
+            if FP8_DOT:  # products exact in fp32 either way; no conversion of W's tile in registers
+                part = tl.dot(w, xt)
+            else:
+                if X_SCALED:  # exact either way: every e4m3 value is a bf16 and an fp16 value
+                    if X_AS_FP16:
+                        xt = xt.to(tl.float16)
+                    else:
+                        xt = xt.to(tl.bfloat16)
+                part = tl.dot(w.to(xt.dtype), xt)
             if SCALE_COLS:  # block-scaled: this K block's scale for each output column (and token)
                 s = tl.load(
                     scale_ptr + (rn // SCALE_ROWS) * stride_scale_n + (k0 // SCALE_COLS) * stride_scale_k,
@@ -153,6 +172,7 @@ def launch(
         x_scale.stride(1) if x_scaled and scale_cols else 0,
         X_SCALED=x_scaled,
         X_AS_FP16=dtype == torch.float16,
+        FP8_DOT=x_scaled and fp8_dot(x.device),
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_K=min(block_k, scale_cols) if scale_cols else block_k,  # a K tile within one scale block
@@ -179,7 +199,7 @@ def _op():
         scale_cols: int,
         out_dtype: torch.dtype,
     ) -> torch.Tensor:
-        config = config_for(x.shape[0], w.shape[0], x.shape[1])
+        config = config_for(x.shape[0], w.shape[0], x.shape[1], x_scale is not None and fp8_dot(x.device))
         return launch(x, w, scale, scale_rows, scale_cols, config, wrap_triton, x_scale, out_dtype)
 
     return fp8_weight_mm

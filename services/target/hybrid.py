@@ -332,8 +332,6 @@ class PackedGatedDeltaNet(nn.Module):
     # The two halves that read and write the rows' states: eager, outside compiled layers (compiled.py)
     @torch.compiler.disable
     def _row_window(self, states: "RowStates", mixed: torch.Tensor) -> torch.Tensor:
-        if self.index not in states.conv:
-            states.allocate(self.index, self, mixed)
         return torch.cat([states.conv[self.index][states.where], mixed], 1)
 
     @torch.compiler.disable
@@ -431,68 +429,104 @@ def conv_after(window: torch.Tensor, n: torch.Tensor, width: int) -> torch.Tenso
     return window.gather(1, index[..., None].expand(-1, -1, window.shape[-1]))
 
 
+class StackedLayers:
+    """Gated DeltaNet layers of one shape, their rows' states in one tensor each, row-major
+    ([rows, layers, ...]: rows 0..b-1 of every layer are one contiguous block), so that a commit
+    runs the rule once for all of them: b x layers sequences in one kernel call, not one call a
+    layer (48 on the 27B hybrid, most of a commit's time when each call is a few microseconds)."""
+
+    def __init__(self, layers: list["PackedGatedDeltaNet"], rows: int, dtype: torch.dtype, device):
+        m, n = layers[0].layer, len(layers)
+        self.layers = layers
+        self.conv = torch.zeros(
+            rows, n, m.conv1d.weight.shape[-1] - 1, m.conv1d.weight.shape[0], dtype=dtype, device=device
+        )
+        self.recurrent = torch.zeros(rows, n, m.num_v_heads, m.head_k_dim, m.head_v_dim, device=device)
+        self.blocks: list[torch.Tensor] = []  # [window, k, v, g, beta] of every row and layer: the block fed last
+
+    @staticmethod
+    def shape_of(layer: "PackedGatedDeltaNet") -> tuple:
+        m = layer.layer
+        return (*m.conv1d.weight.shape, m.num_v_heads, m.head_k_dim, m.head_v_dim)
+
+    def keep_block(self, k: int, window: torch.Tensor, inputs: list[torch.Tensor]) -> None:
+        """Layer k's block of rows 0..b-1 (blocks are fed to every row in order) into the buffers."""
+        b, (_, key, value, g, beta) = window.shape[0], inputs  # q is not kept: the commit reads no output
+        tensors = [window, key, value, g, beta]
+        if not self.blocks or self.blocks[0].shape[2:] != window.shape[1:]:
+            rows, n = self.conv.shape[:2]
+            self.blocks = [x.new_empty(rows, n, *x.shape[1:]) for x in tensors]
+        for buffer, x in zip(self.blocks, tensors):
+            buffer[:b, k].copy_(x)
+
+    def committed(self, n: torch.Tensor) -> list[torch.Tensor]:
+        """The recurrent [b, layers, H, Dk, Dv] and conv states of rows 0..b-1 after n[r] tokens."""
+        b, layers = n.shape[0], len(self.layers)
+        window, key, value, g, beta = (x[:b].flatten(0, 1) for x in self.blocks)  # [b x layers, ...]
+        each = n[:, None].expand(b, layers).flatten()
+        # every layer's parameters are already in its inputs: the rule is the same for all of them
+        _, final = self.layers[0].run_rows(
+            *only_first(each, key, key, value, g, beta), self.recurrent[:b].flatten(0, 1)
+        )
+        conv = conv_after(window, each, self.conv.shape[2])
+        return [final.unflatten(0, (b, layers)), conv.unflatten(0, (b, layers))]
+
+
 class RowStates:
     """Every Gated DeltaNet layer's state for every row of slots.py's KV cache, and the block each
     layer saw last (its conv window and rule inputs, in buffers that stay put: CUDA graphs replay
     into them). A step that feeds blocks leaves the states as they were; commit(n) then moves
     row r past the first n[r] tokens of its block: the rule run again from the state before the
-    block with the tokens past n[r] made no-ops. A prefill (lengths set) commits at once."""
+    block with the tokens past n[r] made no-ops, for all layers of a shape at once (StackedLayers).
+    A prefill (lengths set) commits at once."""
 
-    def __init__(self, rows: int):
+    def __init__(self, rows: int, layers: list["PackedGatedDeltaNet"], dtype: torch.dtype, device):
         self.rows = rows
-        self.conv: dict[int, torch.Tensor] = {}  # layer -> [rows, K-1, C]
-        self.recurrent: dict[int, torch.Tensor] = {}  # layer -> [rows, H, Dk, Dv] fp32
-        self.blocks: dict[int, list[torch.Tensor]] = {}  # layer -> [window, q, k, v, g, beta] of every row
-        self.layers: dict[int, PackedGatedDeltaNet] = {}
+        shapes: dict[tuple, list[PackedGatedDeltaNet]] = {}
+        for layer in layers:
+            shapes.setdefault(StackedLayers.shape_of(layer), []).append(layer)
+        self.stacks = [StackedLayers(group, rows, dtype, device) for group in shapes.values()]
+        self.place: dict[int, tuple[StackedLayers, int]] = {}  # layer index -> its stack and place in it
+        self.conv: dict[int, torch.Tensor] = {}  # layer -> [rows, K-1, C] (a view of its stack)
+        self.recurrent: dict[int, torch.Tensor] = {}  # layer -> [rows, H, Dk, Dv] fp32 (a view)
+        for stack in self.stacks:
+            for k, layer in enumerate(stack.layers):
+                self.place[layer.index] = stack, k
+                self.conv[layer.index], self.recurrent[layer.index] = stack.conv[:, k], stack.recurrent[:, k]
         self.where: torch.Tensor | None = None  # the rows of the forward in flight [b]
         self.lengths: torch.Tensor | None = None  # a prefill's tokens per row [b]; None: a block
 
-    def allocate(self, i: int, layer: "PackedGatedDeltaNet", mixed: torch.Tensor) -> None:
-        m = layer.layer
-        self.layers[i] = layer
-        self.conv[i] = mixed.new_zeros(self.rows, m.conv1d.weight.shape[-1] - 1, mixed.shape[-1])
-        self.recurrent[i] = torch.zeros(self.rows, m.num_v_heads, m.head_k_dim, m.head_v_dim, device=mixed.device)
-
     def keep_block(self, i: int, window: torch.Tensor, inputs: list[torch.Tensor]) -> None:
-        """The block of rows 0..b-1 (blocks are fed to every row in order) into layer i's buffers."""
-        b, tensors = window.shape[0], [window, *inputs]
-        if i not in self.blocks or self.blocks[i][0].shape[1:] != window.shape[1:]:
-            self.blocks[i] = [x.new_empty(self.rows, *x.shape[1:]) for x in tensors]
-        for buffer, x in zip(self.blocks[i], tensors):
-            buffer[:b].copy_(x)
+        stack, k = self.place[i]
+        stack.keep_block(k, window, inputs)
 
     def commit(self, n: torch.Tensor) -> None:
         """Rows 0..len(n)-1 past the first n[r] tokens of the block each layer saw last."""
         self.store(*self.committed(n))
 
     def committed(self, n: torch.Tensor) -> list[torch.Tensor]:
-        """What commit(n) stores, changing nothing: each layer's recurrent and conv states of rows
+        """What commit(n) stores, changing nothing: each stack's recurrent and conv states of rows
         0..len(n)-1 after the first n[r] tokens of the block. Kept apart from store() so that each
         half, run twice, does what it does once (a CUDA graph's first use runs it, then replays it)."""
-        b, new = n.shape[0], []
-        for i, block in self.blocks.items():
-            window, *inputs = (x[:b] for x in block)
-            new.append(self.layers[i].run_rows(*only_first(n, *inputs), self.recurrent[i][:b])[1])
-            new.append(conv_after(window, n, self.conv[i].shape[1]))
-        return new
+        return [state for stack in self.stacks if stack.blocks for state in stack.committed(n)]
 
     def store(self, *new: torch.Tensor) -> None:
-        """committed()'s states into rows 0..b-1 of every layer."""
-        for k, i in enumerate(self.blocks):
-            recurrent, conv = new[2 * k], new[2 * k + 1]
-            self.recurrent[i][: recurrent.shape[0]].copy_(recurrent)
-            self.conv[i][: conv.shape[0]].copy_(conv)
+        """committed()'s states into rows 0..b-1 of every stack."""
+        stacks = [stack for stack in self.stacks if stack.blocks]
+        for stack, recurrent, conv in zip(stacks, new[::2], new[1::2]):
+            stack.recurrent[: recurrent.shape[0]].copy_(recurrent)
+            stack.conv[: conv.shape[0]].copy_(conv)
 
     def clear(self, rows: torch.Tensor) -> None:
         """Rows `rows` back to the state before any token (a row that takes another prompt), in place."""
-        for store in (self.conv, self.recurrent):
-            for t in store.values():
-                t[rows] = 0
+        for stack in self.stacks:
+            stack.conv[rows] = 0
+            stack.recurrent[rows] = 0
 
     def keep_rows(self, keep: torch.Tensor) -> None:
         """Only the rows `keep` (ascending) from now on, moved to the front in place."""
-        for store in (self.conv, self.recurrent):
-            for t in store.values():
+        for stack in self.stacks:
+            for t in (stack.conv, stack.recurrent):
                 t[: len(keep)] = t[keep]
         self.rows = int(keep.shape[0])
 

@@ -37,6 +37,7 @@ recurrence must restart at every document too. The capture path is chosen once, 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import logging
@@ -358,11 +359,26 @@ class Target:
         self.steps_backend = ""  # slots.py's decoding steps run compiled layers of this backend (compile_steps)
         self.hf_varlen = str(getattr(model.config, "_attn_implementation", "")).startswith("flash_attention")
         self.warning = slow_path_warning(self.path, self.device)
-        h = self.info.hidden_size
-        deepest = self.info.layer_ids[-1]
-        last = self.info.num_layers - 1
-        for k, i in enumerate(self.info.layer_ids):
+        self._hooks: list = []
+        self.capture_layers(self.info.layer_ids)
+
+    def capture_layers(self, layer_ids: list[int]) -> None:
+        """Capture these layers (ascending, in range) from now on, in place of those before: how
+        `launcher eval` serves checkpoints that read other layers than the run's config names."""
+        if (
+            sorted(set(layer_ids)) != list(layer_ids)
+            or not layer_ids
+            or not 0 <= layer_ids[0] <= layer_ids[-1] < len(self.layers)
+        ):
+            raise ValueError(f"layer ids {layer_ids}: ascending, within [0, {len(self.layers)})")
+        for handle in self._hooks:
+            handle.remove()
+        self.info = dataclasses.replace(self.info, layer_ids=list(layer_ids))
+        h, deepest, last = self.info.hidden_size, layer_ids[-1], self.info.num_layers - 1
+        self._hooks = [
             self.layers[i].register_forward_hook(self._make_hook(slice(k * h, (k + 1) * h), i == deepest, i == last))
+            for k, i in enumerate(layer_ids)
+        ]
 
     @property
     def compiled(self) -> str:

@@ -211,8 +211,9 @@ class Slots:
         self.capacity = max(len(p) for p in prompts) + room
         rows = rows or len(prompts)
         self.cache = SlotCache(rows, self.capacity)
-        hybrid = any(hasattr(layer, "linear_attn") for layer in target.layers)
-        self.states = RowStates(rows) if hybrid else None  # the Gated DeltaNet layers' rows
+        recurrent = [layer.linear_attn for layer in target.layers if hasattr(layer, "linear_attn")]
+        # the Gated DeltaNet layers' rows
+        self.states = RowStates(rows, recurrent, self.dtype, self.device) if recurrent else None
         width = target.info.hidden_width
         self.features = (
             torch.zeros(rows, self.capacity, width, dtype=self.dtype, device=self.device) if features else None

@@ -330,3 +330,30 @@ def test_prompt_sets_of_run_eval_prompts_are_decoded_per_set(worker, tmp_path):
         assert set(result["repeat_last"]["sets"]) == {"chat", "plain"} and result["held_out"] is None
     finally:
         spec.close()
+
+
+def test_launcher_eval_serves_a_checkpoint_reading_other_target_layers(worker):
+    """A recipe variant with fewer draft layers reads fewer target layers than the run's config
+    names: `launcher eval` of it beside the run's own checkpoints (one target, several checkpoints)
+    captures what each reads, and a layer the target lacks is named (it stopped the whole evaluation
+    of seven checkpoints on the GPU, results of five lost with it)."""
+    import dataclasses
+
+    cfg = worker.cfg
+    model_cfg, _ = from_target(cfg)
+    local = LocalSpecEval(cfg, "cpu", prompts=2, max_new_tokens=NEW, batch=2)
+    layers = local.target.info.num_layers
+    run_ids = list(local.target.info.layer_ids)
+    other = dataclasses.replace(model_cfg, target_layer_ids=[0, layers - 1], num_target_layers=layers)
+    assert other.target_layer_ids != run_ids
+    torch.manual_seed(0)
+    mine = local.evaluate(None, model_cfg)
+    torch.manual_seed(0)
+    theirs = local.evaluate(None, other)
+    assert local.target.info.layer_ids == [0, layers - 1]
+    assert theirs["prompts"] == 2 and theirs["lossless"] == 2 and mine["lossless"] == 2
+    torch.manual_seed(0)
+    again = local.evaluate(None, model_cfg)  # and back to the run's layers
+    assert local.target.info.layer_ids == run_ids and again["steps"] == mine["steps"]
+    with pytest.raises(ValueError, match=rf"reads target layers \[0, {layers}\].*{layers} layers"):
+        local.evaluate(None, dataclasses.replace(other, target_layer_ids=[0, layers]))
