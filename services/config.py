@@ -121,6 +121,8 @@ class DrafterConfig:
     block_size: int = setting(16, batch="")
     num_anchors: int = setting(512, batch="")
     gamma: float = setting(0.0, batch="")  # loss decay; 0 = 4 for B=16 (measured), scaled with block size
+    position_weights: str = setting("decay", batch="")  # "decay" (gamma's) | "dpace" (from the drafter's confidence)
+    dpace_alpha: float = setting(0.5, batch="")  # D-PACE's smoothing of the confidence: (1 - alpha) q + alpha
     mask_token_id: int = setting(-1, batch="")  # -1 = tokenizer's mask token, else added <|MASK|>
     lr: float = setting(6e-4, batch="")
     min_lr_ratio: float = setting(0.0, batch="")
@@ -353,6 +355,11 @@ def validate(cfg: Config) -> None:
     need(d.weight_decay >= 0, f"drafter.weight_decay must be >= 0, got {d.weight_decay}")
     need(d.grad_clip >= 0, f"drafter.grad_clip must be >= 0 (0 = no clipping), got {d.grad_clip}")
     need(d.gamma >= 0, f"drafter.gamma must be >= 0 (0 = the default for the block size), got {d.gamma}")
+    need(
+        d.position_weights in POSITION_WEIGHTS,
+        f"drafter.position_weights must be one of {', '.join(POSITION_WEIGHTS)}, got {d.position_weights!r}",
+    )
+    need(0 < d.dpace_alpha <= 1, f"drafter.dpace_alpha must be in (0, 1], got {d.dpace_alpha}")
     need(d.loss_chunk >= 1, f"drafter.loss_chunk must be >= 1, got {d.loss_chunk}")
     need(cfg.run.max_steps >= 0, f"run.max_steps must be >= 0 (0 = every epoch), got {cfg.run.max_steps}")
     for key in ("checkpoint_every", "keep_checkpoints", "eval_every", "max_restarts"):
@@ -420,6 +427,7 @@ TARGET_COMPILE = ("auto", "on", "off")
 TARGET_DTYPES = ("bfloat16", "bf16", "float16", "fp16", "float32", "fp32")  # services/dtypes.py maps them to torch's
 TARGET_QUANTIZE = ("none", "fp8")
 DRAFTER_PRECISIONS = ("bf16", "fp8")  # services/drafter/precision.py
+POSITION_WEIGHTS = ("decay", "dpace")  # the loss weight of each block position (services/drafter/loss.py)
 
 
 def check_layout(layer_types: list, sliding_window, num_layers: int, prefix: str = "") -> None:

@@ -9,6 +9,20 @@ never a third time to recompute logits, and memory holds one chunk of logits at 
 
     loss = sum_r w_r * CE_r / sum_r w_r          (0 when every weight is 0, with zero grads)
 
+The weights w are the block positions' (drafter.position_weights): "decay", known before the loss
+(anchors.py: exp(-(k-1)/gamma) on every trained position), or "dpace", D-PACE's (Dynamic
+Position-Aware Cross-Entropy, arXiv 2605.18810), which follow from the drafter's own confidence in
+each label, q_k = exp(-CE_k): smoothed to (1 - alpha) q_k + alpha, then
+
+    w_j = sum over m >= j of prod over i <= m of q~_i      (detached; trained positions of one block)
+
+the derivative of the expected accepted length sum_m prod_{i<=m} q_i with respect to log q_j: each
+position weighs what its acceptance is worth to the block's accepted length now, so the training
+signal moves to the positions that currently limit acceptance. Those weights need every row's CE
+first: the chunks then compute each row's input gradient for a weight of 1, and the weights scale
+the stored gradient rows afterwards (the gradient is linear in a row's weight), so the lm_head still
+runs twice, not three times.
+
 With drafter.precision = "fp8" both lm_head GEMMs run in FP8 (`Fp8Head`): the frozen lm_head is
 cast to e4m3 once, the chunk's hidden rows to e4m3 and its logit gradients to e5m2 with one scale
 per chunk, as torchao's tensorwise recipe does for the drafter's linears. The softmax, the loss and
@@ -72,20 +86,19 @@ def head_input_grad(g: torch.Tensor, head: LossHead, dtype: torch.dtype) -> torc
 
 
 def ce_chunk_loss(h: torch.Tensor, lm_head: LossHead, labels: torch.Tensor, scale: torch.Tensor):
-    """One chunk, no grad: (sum of scale * CE, argmax predictions)."""
+    """One chunk, no grad: (CE of each row where scale > 0, else 0; argmax predictions)."""
     logits = head_logits(h, lm_head)
     lse = torch.logsumexp(logits, dim=-1)
     picked = logits.gather(1, labels[:, None])[:, 0]
-    loss = torch.where(scale > 0, (lse - picked) * scale, 0.0).sum()
-    return loss, logits.argmax(-1)
+    return torch.where(scale > 0, lse - picked, 0.0), logits.argmax(-1)
 
 
 def ce_chunk_loss_and_grad(h: torch.Tensor, lm_head: LossHead, labels: torch.Tensor, scale: torch.Tensor):
-    """One chunk: (sum of scale * CE, argmax predictions, d loss / d h)."""
+    """One chunk: (CE of each row where scale > 0, else 0; argmax predictions; d (sum scale * CE) / d h)."""
     logits = head_logits(h, lm_head)
     lse = torch.logsumexp(logits, dim=-1)
     picked = logits.gather(1, labels[:, None])[:, 0]
-    loss = torch.where(scale > 0, (lse - picked) * scale, 0.0).sum()
+    loss = torch.where(scale > 0, lse - picked, 0.0)
     pred = logits.argmax(-1)
     probs = torch.exp(logits - lse[:, None])
     probs.scatter_add_(1, labels[:, None], torch.full_like(picked[:, None], -1.0))  # softmax - onehot
@@ -108,9 +121,12 @@ _EAGER = ChunkFns(compile=False)
 
 class _ChunkedCE(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, lm_head, labels, scale, chunk, fns):
+    def forward(ctx, hidden, lm_head, labels, scale, chunk, fns, reweigh):
+        """reweigh: None (scale is the rows' final weights), or a function of the rows' CE giving
+        them (D-PACE): the chunks then run with scale as it is (1 on trained rows) and the rows'
+        gradients are scaled by the weights afterwards."""
         rows = hidden.shape[0]
-        loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        ce = torch.empty(rows, dtype=torch.float32, device=hidden.device)
         preds = torch.empty(rows, dtype=torch.long, device=hidden.device)
         want_grad = ctx.needs_input_grad[0]
         grad = torch.empty_like(hidden) if want_grad else None
@@ -118,10 +134,14 @@ class _ChunkedCE(torch.autograd.Function):
             end = min(start + chunk, rows)
             args = (hidden[start:end], lm_head, labels[start:end], scale[start:end])
             if want_grad:
-                part, preds[start:end], grad[start:end] = fns.loss_and_grad(*args)
+                ce[start:end], preds[start:end], grad[start:end] = fns.loss_and_grad(*args)
             else:
-                part, preds[start:end] = fns.loss_only(*args)
-            loss = loss + part
+                ce[start:end], preds[start:end] = fns.loss_only(*args)
+        if reweigh is not None:
+            scale = reweigh(ce)
+            if want_grad:
+                grad.mul_(scale.to(grad.dtype)[:, None])
+        loss = (ce * scale).sum()
         ctx.mark_non_differentiable(preds)
         ctx.save_for_backward(grad if want_grad else hidden.new_empty(0))
         return loss, preds
@@ -129,7 +149,7 @@ class _ChunkedCE(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss, _grad_preds):
         (grad,) = ctx.saved_tensors
-        return grad * grad_loss.to(grad.dtype), None, None, None, None, None
+        return grad * grad_loss.to(grad.dtype), None, None, None, None, None, None
 
 
 def chunked_cross_entropy(
@@ -139,18 +159,43 @@ def chunked_cross_entropy(
     weights: torch.Tensor,
     chunk: int = 2048,
     fns: ChunkFns | None = None,
+    dpace_alpha: float | None = None,
 ):
-    """hidden [R, H], lm_head [V, H] (frozen, or its Fp8Head), labels [R], weights [R] -> (loss, predictions [R]).
+    """hidden [R, H], lm_head [V, H] (frozen, or its Fp8Head), labels [R], weights [N, B-1] (R = N x
+    (B-1), block by block) -> (loss, predictions [R]).
 
-    loss = sum(w * CE) / sum(w); 0 with zero gradients when all weights are 0.
+    loss = sum(w * CE) / sum(w); 0 with zero gradients when all weights are 0. dpace_alpha set: w are
+    D-PACE's weights (dpace_weights), `weights` only saying which positions are trained (> 0).
     """
     if chunk < 1:
         raise ValueError(f"drafter.loss_chunk must be >= 1, got {chunk}")
     weights = weights.float()
-    scale = weights / weights.sum().clamp(min=torch.finfo(torch.float32).tiny)
+    reweigh = None
+    if dpace_alpha is not None:
+        trained = weights > 0
+
+        def reweigh(ce: torch.Tensor) -> torch.Tensor:
+            return normalized(dpace_weights(ce.view(trained.shape), trained, dpace_alpha).flatten())
+
+        weights = trained.float()
     if isinstance(lm_head, torch.Tensor):
         hidden = hidden.to(lm_head.dtype)
-    return _ChunkedCE.apply(hidden, lm_head, labels, scale, chunk, fns or _EAGER)
+    scale = weights.flatten() if reweigh else normalized(weights.flatten())
+    return _ChunkedCE.apply(hidden, lm_head, labels, scale, chunk, fns or _EAGER, reweigh)
+
+
+def normalized(weights: torch.Tensor) -> torch.Tensor:
+    return weights / weights.sum().clamp(min=torch.finfo(torch.float32).tiny)
+
+
+@torch.no_grad()
+def dpace_weights(ce: torch.Tensor, trained: torch.Tensor, alpha: float) -> torch.Tensor:
+    """D-PACE's position weights [N, B-1] from the rows' CE [N, B-1] (module docstring): a position
+    not trained is one the drafter cannot get accepted (confidence 0, as acceptance_metrics counts it)
+    and gets no weight."""
+    q = torch.where(trained, torch.exp(-ce.float()), 0.0)
+    reach = torch.cumprod((1 - alpha) * q + alpha, dim=1) * trained  # prod_{i<=m} q~_i, where trained
+    return torch.flip(torch.cumsum(torch.flip(reach, [1]), 1), [1]) * trained  # sum over m >= j
 
 
 @torch.no_grad()

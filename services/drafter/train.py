@@ -40,6 +40,7 @@ class StepSettings:
 
     num_anchors: int
     gamma: float
+    dpace_alpha: float | None  # drafter.position_weights = "dpace": D-PACE's alpha; None: gamma's decay
     labels_from_target: bool
     loss_chunk: int
     grad_accum: int
@@ -52,6 +53,7 @@ class StepSettings:
         return cls(
             num_anchors=cfg.drafter.num_anchors,
             gamma=loss_gamma(model_cfg.block_size, cfg.drafter.gamma),
+            dpace_alpha=cfg.drafter.dpace_alpha if cfg.drafter.position_weights == "dpace" else None,
             labels_from_target=cfg.target.labels_from_target,
             loss_chunk=cfg.drafter.loss_chunk,
             grad_accum=max(1, cfg.drafter.grad_accum),
@@ -218,9 +220,10 @@ def forward_loss(state: TrainState, batch: Batch):
         trained_rows,
         state.loss_head,
         inputs.labels.flatten(),
-        inputs.weights.flatten(),
+        inputs.weights,
         s.loss_chunk,
         state.chunk_fns,
+        s.dpace_alpha,
     )
     return loss, inputs, preds.view(n, b - 1)
 

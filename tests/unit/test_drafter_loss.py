@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from services.drafter.loss import Fp8Head, acceptance_metrics, chunked_cross_entropy
+from services.drafter.loss import Fp8Head, acceptance_metrics, chunked_cross_entropy, dpace_weights
 
 
 def naive_loss(hidden, lm_head, labels, weights):
@@ -100,3 +100,43 @@ def test_acceptance_metrics_by_hand():
 def test_acceptance_metrics_with_nothing_trained():
     m = acceptance_metrics(torch.zeros(2, 3, dtype=torch.long), torch.zeros(2, 3, dtype=torch.long), torch.zeros(2, 3))
     assert m["trained_blocks"].item() == 0 and m["tau"].item() == 1.0 and m["accuracy"].item() == 0.0
+
+
+def test_dpace_weights_are_the_papers_closed_form_by_hand():
+    """w_j = sum_{m>=j} prod_{i<=m} ((1 - a) q_i + a), q = exp(-CE); an untrained position has no
+    weight and enters the products after it with confidence 0 (it cannot be accepted), smoothed to a."""
+    q = torch.tensor([[0.8, 0.5, 0.2, 0.9], [0.6, 0.4, 0.3, 0.7]], dtype=torch.float64)
+    trained = torch.tensor([[True, True, True, True], [True, True, False, True]])
+    w = dpace_weights(-q.log(), trained, alpha=0.5)
+    s = 0.5 * q + 0.5
+    p0 = [s[0, 0], s[0, 0] * s[0, 1], s[0, 0] * s[0, 1] * s[0, 2], s[0, :].prod()]
+    want0 = [sum(p0[j:]) for j in range(4)]
+    p1 = [s[1, 0], s[1, 0] * s[1, 1], 0.0, s[1, 0] * s[1, 1] * 0.5 * s[1, 3]]  # position 2: q = 0, q~ = alpha
+    want1 = [p1[0] + p1[1] + p1[3], p1[1] + p1[3], 0.0, p1[3]]
+    assert torch.allclose(w[0].double(), torch.tensor([float(x) for x in want0], dtype=torch.float64), rtol=1e-5)
+    assert torch.allclose(w[1].double(), torch.tensor([float(x) for x in want1], dtype=torch.float64), rtol=1e-5)
+    assert (w[0, :-1] >= w[0, 1:]).all() and not w.requires_grad  # non-increasing, detached
+
+
+@pytest.mark.parametrize("chunk", [5, 64])
+def test_dpace_loss_is_its_weighted_ce_with_detached_weights(chunk):
+    """The chunked loss with D-PACE weights (from the rows' own CE, after all chunks) against the
+    full logits: the same value and gradient as sum(w.detach() * CE) / sum(w) by autograd."""
+    torch.manual_seed(3)
+    n, k, H, V = 9, 7, 16, 40  # 9 blocks of 7 trained positions
+    hidden = torch.randn(n * k, H, dtype=torch.float64, requires_grad=True)
+    lm_head = torch.randn(V, H, dtype=torch.float64)
+    labels = torch.randint(0, V, (n * k,))
+    weights = torch.ones(n, k) * (torch.rand(n, k) > 0.2)  # which positions are trained
+    loss, _ = chunked_cross_entropy(hidden, lm_head, labels, weights, chunk=chunk, dpace_alpha=0.5)
+    loss.backward()
+    grad, hidden.grad = hidden.grad.clone(), None
+
+    ce = F.cross_entropy((hidden @ lm_head.t()).float(), labels, reduction="none").view(n, k)
+    w = dpace_weights(ce.detach(), weights > 0, 0.5)
+    ref = (w * ce).sum() / w.sum()
+    ref.backward()
+    assert torch.allclose(loss.double(), ref.double(), rtol=1e-5)
+    assert torch.allclose(grad, hidden.grad, rtol=1e-4, atol=1e-7)
+    decay, _ = chunked_cross_entropy(hidden.detach(), lm_head, labels, weights, chunk=chunk)
+    assert abs(decay.item() - loss.item()) > 1e-4  # the weights really are others than the given ones
