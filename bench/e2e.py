@@ -5,6 +5,7 @@
     python bench/e2e.py --gpus 0:target,0:drafter --share-gpus --shape 27b-hybrid --steps 40 --eval-every 10 --no-alone
     python bench/e2e.py --gpus 0:target,0:drafter --shape 27b-hybrid --config presets/qwen3.6-27b.toml \
         --drafter-json $OUT/drafter_fp8_27b.json data.pack_len=4096 target.quantize='"fp8"'    # the users' preset
+    python bench/e2e.py ... --fp8-checkpoint target.quantize='"fp8"'    # the same from an FP8 checkpoint (27 GB)
 
 1. Assets: a random-weight target of the shape (bench/shapes.py; hybrid shapes are saved as the
    composite Qwen3_5ForConditionalGeneration checkpoint, like the real Qwen3.6-27B) with the demo's
@@ -50,7 +51,9 @@ COMMON = [
 ]
 
 
-def make_assets(work: Path, shape: str, conversations: int, layers: int = 0) -> tuple[Path, Path]:
+def make_assets(
+    work: Path, shape: str, conversations: int, layers: int = 0, fp8_checkpoint: bool = False
+) -> tuple[Path, Path]:
     import torch
     from transformers import AutoModelForCausalLM
     from transformers.models.qwen3_5 import Qwen3_5ForConditionalGeneration
@@ -58,7 +61,7 @@ def make_assets(work: Path, shape: str, conversations: int, layers: int = 0) -> 
     from services.tools.demo import make_demo
 
     demo = make_demo(work / "demo", num_conversations=conversations)
-    model_dir = work / (f"{shape}-random" + (f"-{layers}layers" if layers else ""))
+    model_dir = work / (f"{shape}-random" + (f"-{layers}layers" if layers else "") + ("-fp8" if fp8_checkpoint else ""))
     if not (model_dir / "config.json").exists():
         config = checkpoint_config(shape)
         text = getattr(config, "text_config", config)
@@ -72,7 +75,12 @@ def make_assets(work: Path, shape: str, conversations: int, layers: int = 0) -> 
                 if shape in HYBRID
                 else AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
             )
-        model.save_pretrained(model_dir, max_shard_size="5GB")
+        if fp8_checkpoint:  # the published FP8 layout: half the bytes to write and to load
+            from bench.fp8_checkpoint import save_fp8
+
+            print(f"{save_fp8(model, model_dir)} decoder linears saved in FP8 blocks", flush=True)
+        else:
+            model.save_pretrained(model_dir, max_shard_size="5GB")
         del model
         torch.cuda.empty_cache()
         for f in Path(demo["model_path"]).iterdir():
@@ -274,12 +282,18 @@ def main() -> None:
     ap.add_argument("--no-alone", action="store_true", help="skip A, the target alone (saves a model load)")
     ap.add_argument("--timeout", type=float, default=540)
     ap.add_argument("--config", help="a run config (TOML, e.g. a preset) under the overrides, as for `up`")
+    ap.add_argument(
+        "--fp8-checkpoint",
+        action="store_true",
+        help="save the random target as an FP8 checkpoint (128 x 128 blocks, as Qwen3.6-27B-FP8): half the "
+        "bytes of bf16, so the 27B's 64 layers fit a device call; run it with target.quantize='\"fp8\"'",
+    )
     ap.add_argument("--out")
     ap.add_argument("overrides", nargs="*", help="extra section.key=value for the run")
     a = ap.parse_args()
     work = Path(a.work)
     t0 = time.time()
-    model_dir, data = make_assets(work, a.shape, a.conversations, a.layers)
+    model_dir, data = make_assets(work, a.shape, a.conversations, a.layers, a.fp8_checkpoint)
     print(f"assets ready in {time.time() - t0:.0f}s: {model_dir}", flush=True)
     overrides = [f'target.model_path="{model_dir}"', f'data.path="{data}"', f"run.max_steps={a.steps}", *COMMON]
     if a.eval_every > 0:

@@ -3,8 +3,10 @@
 #   bash bench/gpu_suite.sh PART...   (logs and JSON under $OUT, default ./bench-out)
 # Parts: checks drafter drafterfp8 target8b target8k target32b large transport transportq isolation e2e
 #        hybridtests hybrid hybridnofla ckptstall demo demohybrid fp32 compiletests compiled27 compiled8
-#        precision27 e2eeval fp8few e2ex2 e2ehybrid (the last two need nvidia-h200-x2)
+#        precision27 e2eeval fp8few demofp8 e2ex2 e2ehybrid (the last two need nvidia-h200-x2)
 # fp8few: the FP8 few-token kernel's tests, its GEMMs side by side, and the 27B verify step in its modes
+# demofp8: the demo with an FP8 target decoding through the few-token kernel, then its export evaluated
+#          with the kernel and with the scaled GEMM (target.fp8_decode_gemm): lossless counts side by side
 # compiled27 / compiled8: target.compile side by side with the eager layers; precision27: bf16 vs FP8;
 # e2eeval: the 27B hybrid shape through the service with the real-acceptance eval on (on vs off).
 # demo / demohybrid: the README demo (and the hybrid demo) with --device cuda end to end, from a fresh
@@ -63,6 +65,10 @@ for part in "$@"; do case $part in
   demo)       demo demo 560 "" ;;
   demohybrid) demo demo_hybrid 560 hybrid ;;
   fp32)       demo demo_fp32 400 "" target.dtype=float32 run.max_steps=40 run.spec_eval_prompts=8 ;;
+  demofp8)    demo demo_fp8 560 "" 'target.quantize="fp8"' 'target.fp8_decode_gemm="few-token"'
+              for gemm in few-token scaled; do  # the same export verified both ways: lossless counts and time
+                run "eval_fp8_$gemm" 240 python3 -m launcher eval --run-dir /tmp/dflash-demo_fp8/run --device cuda \
+                    --set "target.fp8_decode_gemm=\"$gemm\"" --json; done ;;
   transportq) run transport 120 python3 bench/transport.py --quick --out "$OUT/transport.json" ;;
   fp8few)     run fp8_tests 90 python3 -m pytest -q -p no:cacheprovider -k cuda tests/unit/test_target_fp8.py
               run fp8_gemm 240 python3 bench/fp8_gemm.py --iters 40

@@ -92,6 +92,7 @@ class TargetConfig:
     )  # empty = the default spread (docs/dflash.md); ascending, no repeats
     dtype: str = setting("bfloat16", batch="")
     quantize: str = setting("none", batch="")  # "fp8": decoder linears in FP8 (docs/operations.md#fp8-targets)
+    fp8_decode_gemm: str = setting("scaled", batch="")  # an FP8 target's decoding steps: "scaled" | "few-token"
     attn_implementation: str = setting("sdpa", batch="")
     compile: str = setting("auto", batch="")  # "auto" (on CUDA) | "on" | "off": regional torch.compile of the layers
     labels_from_target: bool = setting(
@@ -332,6 +333,10 @@ def validate(cfg: Config) -> None:
         cfg.target.quantize in TARGET_QUANTIZE,
         f"target.quantize must be one of {', '.join(TARGET_QUANTIZE)}, got {cfg.target.quantize!r}",
     )
+    need(
+        cfg.target.fp8_decode_gemm in FP8_DECODE_GEMMS,
+        f"target.fp8_decode_gemm must be one of {', '.join(FP8_DECODE_GEMMS)}, got {cfg.target.fp8_decode_gemm!r}",
+    )
     need(cfg.drafter.grad_accum >= 1, f"drafter.grad_accum must be >= 1, got {cfg.drafter.grad_accum}")
     need(
         cfg.drafter.attention in ("auto", "flex", "dense"),
@@ -426,6 +431,7 @@ FULL, SLIDING = "full_attention", "sliding_attention"
 TARGET_COMPILE = ("auto", "on", "off")
 TARGET_DTYPES = ("bfloat16", "bf16", "float16", "fp16", "float32", "fp32")  # services/dtypes.py maps them to torch's
 TARGET_QUANTIZE = ("none", "fp8")
+FP8_DECODE_GEMMS = ("scaled", "few-token")  # services/target/fp8_few_tokens.py, its quantized mode
 DRAFTER_PRECISIONS = ("bf16", "fp8")  # services/drafter/precision.py
 POSITION_WEIGHTS = ("decay", "dpace")  # the loss weight of each block position (services/drafter/loss.py)
 

@@ -23,7 +23,8 @@ the tokens to 128 and is no faster than bf16 there), in one of two modes:
   weight-only  x left in its dtype: less work, but then a batch of more rows (the scaled GEMM)
                computes differently from one of few, and the lossless rule compares a greedy
                reference and the verification of the same tokens at a few ulps.
-Neither is on in the service until measured on the GPU (docs/operations.md#fp8-targets).
+The quantized mode is the service's when target.fp8_decode_gemm = "few-token" (opt-in until a GPU
+run of `launcher eval` has checked it; docs/operations.md#fp8-targets).
 
 The checkpoint layout (Qwen3-*-FP8, Qwen3.6-27B-FP8, DeepSeek-V3): config.json has
 "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",

@@ -19,8 +19,8 @@ its scales, as the scaled GEMM quantizes it): then the kernel gives the scaled G
 token count, and on Hopper multiplies the two FP8 tiles on the tensor cores as they are (products
 exact in fp32 either way; no conversion of W in registers), which reads the weights faster: 10.4
 against 13.7 ms for the 27B's 496 GEMMs at 16 tokens (docs/benchmarks.md). FP8Linear takes the
-kernel only after fp8.few_token_steps(model, mode), which benchmarks call; the service keeps the
-scaled GEMM for now (docs/operations.md#fp8-targets).
+kernel only after fp8.few_token_steps(model, mode): benchmarks call it, and the target loader in the
+quantized mode when target.fp8_decode_gemm = "few-token" (opt-in for now: docs/operations.md#fp8-targets).
 """
 
 from __future__ import annotations

@@ -514,6 +514,9 @@ def load_target(cfg: TargetConfig, device: str | torch.device = "cpu", num_draft
     model = load_hf_model(cfg.model_path, DTYPES[cfg.dtype], cfg.attn_implementation, device)
     if cfg.quantize == "fp8":  # decoder linears in FP8 (services/target/fp8.py)
         log.info("%s", fp8.quantize_target(model, decoder_layers(model), cfg.model_path))
+        if cfg.fp8_decode_gemm == "few-token":  # the scaled GEMM's numbers, faster at a step's few tokens
+            count = fp8.few_token_steps(model, "quantized")
+            log.info("target.fp8_decode_gemm=few-token: %d FP8 linears take decoding steps' few tokens", count)
     num_layers = len(decoder_layers(model))
     ids = resolve_layer_ids(cfg.layer_ids, num_layers, num_draft_layers)
     target = Target(model, ids)

@@ -13,6 +13,7 @@ so features within 0.15, cosine above 0.98.
 """
 
 import json
+import logging
 import math
 
 import pytest
@@ -240,6 +241,33 @@ def test_composite_hybrid_fp8_checkpoint_loads_the_text_model(hybrid_fp8):
     assert torch.isfinite(hidden).all() and hidden.shape == (40, 2 * 160)
 
 
+def test_the_benchmarks_fp8_checkpoint_of_a_composite_hybrid_loads_with_its_blocks(tmp_path):
+    """bench/fp8_checkpoint.save_fp8 (how bench/e2e.py --fp8-checkpoint writes the 27B at half the
+    bytes): shards, an index, every decoder linear in FP8 blocks and nothing of the vision tower; the
+    service loads the text model from it with those blocks, each weight exactly fp8 x scale."""
+    from bench.fp8_checkpoint import save_fp8
+
+    model = hybrid_model()
+    count = save_fp8(model, tmp_path / "fp8", shard_bytes=200_000)
+    files = sorted((tmp_path / "fp8").glob("*.safetensors"))
+    index = json.loads((tmp_path / "fp8" / "model.safetensors.index.json").read_text())["weight_map"]
+    assert len(files) > 1 and set(index.values()) == {f.name for f in files}
+    # every decoder linear but the Gated DeltaNet's in_proj_a / in_proj_b (4 heads wide here, not a
+    # multiple of 16: they stay bf16 as the service keeps them; the 27B's 48 heads are FP8)
+    assert count == 2 * (5 + 3) + 2 * (4 + 3) - 2 * 2 and not any(".visual." in k for k in index)
+    checkpoint = fp8.BlockScaledCheckpoint.open(tmp_path / "fp8")
+    target = load_target(TargetConfig(model_path=str(tmp_path / "fp8"), dtype="float32", quantize="fp8"))
+    layers = [m for m in target.model.modules() if isinstance(m, fp8.FP8Linear)]
+    assert len(layers) == count and not any(m.rowwise for m in layers)
+    original = dict(model.named_parameters())
+    key = "model.language_model.layers.1.mlp.down_proj.weight"
+    q, scale = checkpoint.read(key)
+    assert torch.equal(q, fp8.quantize_blocks(original[key].float(), (BLOCK, BLOCK))[0])
+    ids = torch.randint(0, VOCAB, (24,), generator=torch.Generator().manual_seed(8))
+    hidden, _ = target.capture(ids, *one_doc(24), out_dtype=torch.float32)
+    assert torch.isfinite(hidden).all()
+
+
 @pytest.mark.parametrize("which", ["dense", "hybrid"])
 def test_fp8_target_capture_drifts_from_bf16_by_a_small_measured_amount(which, dense_fp8, hybrid_fp8, tmp_path):
     """A bf16 checkpoint with target.quantize=fp8 (rowwise) against the same checkpoint in bf16 (dense);
@@ -372,6 +400,23 @@ def test_few_token_steps_are_off_unless_asked_and_never_where_the_kernel_cannot_
         fp8.few_token_steps(model, "fast")
 
 
+def test_the_few_token_decode_gemm_is_opt_in_and_named_when_misspelled(dense_fp8, caplog):
+    """target.fp8_decode_gemm = "few-token" sends an FP8 target's decoding steps through the kernel's
+    quantized mode where it runs (not on the CPU: there the scaled path stays, and the log says 0);
+    a value that does not exist is named."""
+    from services.config import load_config
+
+    path, _ = dense_fp8
+    with caplog.at_level(logging.INFO, logger="target"):
+        target = load_target(
+            TargetConfig(model_path=str(path), dtype="bfloat16", quantize="fp8", fp8_decode_gemm="few-token")
+        )
+    assert "target.fp8_decode_gemm=few-token: 0 FP8 linears" in caplog.text
+    assert not any(m.few for m in target.model.modules() if isinstance(m, fp8.FP8Linear))
+    with pytest.raises(ConfigError, match="target.fp8_decode_gemm must be one of scaled, few-token, got 'fast'"):
+        load_config(None, ['target.fp8_decode_gemm="fast"'])
+
+
 # --- on the GPU: torch's scaled GEMMs against the plain math -------------------------------------
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -489,6 +534,33 @@ def test_cuda_few_token_fp8_gemm_quantized_gives_the_scaled_gemms_numbers(layout
         assert rel_err(got, want) < 2e-3
     with pytest.raises(ValueError, match="few-token mode"):
         fp8.few_token_steps(layer, "fast")
+
+
+@needs_cuda
+def test_cuda_fp8_target_with_the_few_token_decode_gemm_computes_as_the_scaled_one(dense_fp8):
+    """A decoding step of 16 tokens on an FP8 target with target.fp8_decode_gemm = "few-token": every
+    FP8 linear takes the kernel (quantized mode) and the logits are the scaled GEMM's, up to the
+    order of the sums; 65 tokens and more keep the scaled GEMM."""
+    from services.target import fp8_few_tokens
+
+    if not fp8_few_tokens.available() or torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("needs triton and an FP8 GPU")
+    path, _ = dense_fp8
+    targets = [
+        load_target(
+            TargetConfig(
+                model_path=str(path), dtype="bfloat16", quantize="fp8", fp8_decode_gemm=gemm, layer_ids=[1, 2]
+            ),
+            "cuda:0",
+        )
+        for gemm in ("scaled", "few-token")
+    ]
+    layers = [m for m in targets[1].model.modules() if isinstance(m, fp8.FP8Linear)]
+    assert layers and all(m.few == "quantized" for m in layers)
+    ids = torch.randint(0, VOCAB, (1, 16), generator=torch.Generator().manual_seed(7)).cuda()
+    with torch.no_grad():
+        scaled, few = (t.model(input_ids=ids).logits.float() for t in targets)
+    assert rel_err(few, scaled) < 5e-3
 
 
 # --- the benchmark, as a CPU smoke test -----------------------------------------------------------
