@@ -88,8 +88,9 @@ class LocalSpecEval(SpecEval):
         self.target = target if target is not None else load_eval_target(cfg, self.device)  # a Target
         self.verifier = LocalVerifier(self.target, rollback)
         # a row holds its prompt, the new tokens and a block of drafts past them
-        capacity = max(map(len, self.prompts), default=1) + max_new_tokens + cfg.drafter.block_size
-        self.batch = batch or auto_batch(self.target, self.device, capacity)
+        self.capacity = max(map(len, self.prompts), default=1) + max_new_tokens + cfg.drafter.block_size
+        self.auto = batch == 0  # the rows that fit are counted again when the captured layers change
+        self.batch = batch or auto_batch(self.target, self.device, self.capacity)
         self.slots = self.batch > 1 and slot_decodable(self.target)
         self.packed = PackedVerifier(self.target) if self.batch > 1 and not self.slots else None
         self.progress = None  # a Progress (services/decode_progress.py): a line every 10 s
@@ -149,6 +150,8 @@ class LocalSpecEval(SpecEval):
                     f"the drafter reads target layers {wanted}, which this target of "
                     f"{self.target.info.num_layers} layers cannot capture ({exc})"
                 ) from None
+            if self.auto and self.slots:  # a row holds the features of every captured layer
+                self.batch = max(1, auto_batch(self.target, self.device, self.capacity))
         return TargetHead(embed.detach(), lm_head.detach())
 
     def run(self, propose, budget_s: float = 0.0, tick=None, indices: list[int] | None = None) -> dict:
