@@ -64,11 +64,11 @@ def save_fp8(model: nn.Module, path: str | Path, shard_bytes: int = SHARD_BYTES)
         for key, value in parts.items():
             shard[key] = value.detach().to("cpu").contiguous()
             size += value.numel() * value.element_size()
+            total += value.numel() * value.element_size()
         if size >= shard_bytes:
-            total, size = total + size, 0
             flush()
+            size = 0
     if shard:
-        total += size
         flush()
     (path / "model.safetensors.index.json").write_text(
         json.dumps({"metadata": {"total_size": total}, "weight_map": index}, indent=1)

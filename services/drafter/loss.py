@@ -169,18 +169,17 @@ def chunked_cross_entropy(
     """
     if chunk < 1:
         raise ValueError(f"drafter.loss_chunk must be >= 1, got {chunk}")
-    weights = weights.float()
-    reweigh = None
-    if dpace_alpha is not None:
+    if dpace_alpha is None:
+        scale, reweigh = normalized(weights.float().flatten()), None
+    else:  # the chunks run with weight 1 on every trained row; the weights follow from their CE
         trained = weights > 0
+        scale = trained.float().flatten()
 
         def reweigh(ce: torch.Tensor) -> torch.Tensor:
             return normalized(dpace_weights(ce.view(trained.shape), trained, dpace_alpha).flatten())
 
-        weights = trained.float()
     if isinstance(lm_head, torch.Tensor):
         hidden = hidden.to(lm_head.dtype)
-    scale = weights.flatten() if reweigh else normalized(weights.flatten())
     return _ChunkedCE.apply(hidden, lm_head, labels, scale, chunk, fns or _EAGER, reweigh)
 
 

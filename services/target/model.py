@@ -363,14 +363,11 @@ class Target:
         self.capture_layers(self.info.layer_ids)
 
     def capture_layers(self, layer_ids: list[int]) -> None:
-        """Capture these layers (ascending, in range) from now on, in place of those before: how
+        """Capture these layers (in range, each once; sorted here) from now on, in place of those before: how
         `launcher eval` serves checkpoints that read other layers than the run's config names."""
-        if (
-            sorted(set(layer_ids)) != list(layer_ids)
-            or not layer_ids
-            or not 0 <= layer_ids[0] <= layer_ids[-1] < len(self.layers)
-        ):
-            raise ValueError(f"layer ids {layer_ids}: ascending, within [0, {len(self.layers)})")
+        if not layer_ids:
+            raise ValueError("no layers to capture")
+        layer_ids = layers.resolve_layer_ids(layer_ids, len(self.layers), len(layer_ids))  # in range, each once
         for handle in self._hooks:
             handle.remove()
         self.info = dataclasses.replace(self.info, layer_ids=list(layer_ids))
