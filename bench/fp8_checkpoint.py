@@ -53,6 +53,7 @@ def save_fp8(model: nn.Module, path: str | Path, shard_bytes: int = SHARD_BYTES)
         save_file(shard, str(path / file), metadata={"format": "pt"})
         index.update(dict.fromkeys(shard, file))
         shard.clear()
+        print(f"fp8 checkpoint: {file} written, {total / 1e9:.1f} GB so far", flush=True)  # 27 GB take a while
 
     for name, tensor in model.state_dict().items():
         if ".visual." in name or name.startswith("visual."):
