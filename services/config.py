@@ -92,7 +92,7 @@ class TargetConfig:
     )  # empty = the default spread (docs/dflash.md); ascending, no repeats
     dtype: str = setting("bfloat16", batch="")
     quantize: str = setting("none", batch="")  # "fp8": decoder linears in FP8 (docs/operations.md#fp8-targets)
-    fp8_decode_gemm: str = setting("scaled", batch="")  # an FP8 target's decoding steps: "scaled" | "few-token"
+    fp8_decode_gemm: str = setting("few-token", batch="")  # an FP8 target's decoding steps: "scaled" | "few-token"
     attn_implementation: str = setting("sdpa", batch="")
     compile: str = setting("auto", batch="")  # "auto" (on CUDA) | "on" | "off": regional torch.compile of the layers
     labels_from_target: bool = setting(

@@ -15,7 +15,7 @@ output dtype (the CPU's block layout, so the tests run the real quantization). O
 whose block-scaled GEMM does not run is requantized rowwise from its dequantized weight, and a GPU
 with no FP8 GEMM at all is an error, never a silent slow path.
 
-`few_token_steps` (benchmarks only, for now) sends a decoding step's few tokens (at most
+`few_token_steps` sends a decoding step's few tokens (at most
 fp8_few_tokens.MAX_TOKENS rows) through fp8_few_tokens' Triton GEMM instead (cuBLASLt's FP8 GEMM pads
 the tokens to 128 and is no faster than bf16 there), in one of two modes:
   quantized    x quantized as above: the scaled GEMM's numbers (up to the order of the fp32 sums),
@@ -23,8 +23,8 @@ the tokens to 128 and is no faster than bf16 there), in one of two modes:
   weight-only  x left in its dtype: less work, but then a batch of more rows (the scaled GEMM)
                computes differently from one of few, and the lossless rule compares a greedy
                reference and the verification of the same tokens at a few ulps.
-The quantized mode is the service's when target.fp8_decode_gemm = "few-token" (opt-in until a GPU
-run of `launcher eval` has checked it; docs/operations.md#fp8-targets).
+The quantized mode is the service's where the kernel runs: target.fp8_decode_gemm = "few-token", the
+default since a GPU run of `launcher eval` checked it both ways (docs/operations.md#fp8-targets).
 
 The checkpoint layout (Qwen3-*-FP8, Qwen3.6-27B-FP8, DeepSeek-V3): config.json has
 "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",

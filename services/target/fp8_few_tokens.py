@@ -17,10 +17,10 @@ It is a torch.library.triton_op, so torch.compile traces into it and CUDA graphs
 triton does not import (CPU-only torch) `available()` is False. x may also come quantized (FP8 with
 its scales, as the scaled GEMM quantizes it): then the kernel gives the scaled GEMM's numbers at any
 token count, and on Hopper multiplies the two FP8 tiles on the tensor cores as they are (products
-exact in fp32 either way; no conversion of W in registers), which reads the weights faster: 10.4
+exact in fp32 either way; no conversion of W in registers), which reads the weights faster: 8.0
 against 13.7 ms for the 27B's 496 GEMMs at 16 tokens (docs/benchmarks.md). FP8Linear takes the
 kernel only after fp8.few_token_steps(model, mode): benchmarks call it, and the target loader in the
-quantized mode when target.fp8_decode_gemm = "few-token" (opt-in for now: docs/operations.md#fp8-targets).
+quantized mode when target.fp8_decode_gemm = "few-token", the default (docs/operations.md#fp8-targets).
 """
 
 from __future__ import annotations
@@ -146,17 +146,18 @@ def _kernel():
 
 
 def launch(
-    x, w, scale, scale_rows: int, scale_cols: int, config, wrap=lambda kernel: kernel, x_scale=None, out_dtype=None
+    x, w, scale, scale_rows: int, scale_cols: int, config=None, wrap=lambda kernel: kernel, x_scale=None, out_dtype=None
 ) -> torch.Tensor:
-    """Run the kernel with config (BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages); x_scale:
-    x is FP8 and these its scales ([M, 1], or [M, ceil(K/128)] for a block-scaled W), out_dtype then
-    the output's dtype."""
+    """Run the kernel with config (BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages), config_for's
+    when None; x_scale: x is FP8 and these its scales ([M, 1], or [M, ceil(K/128)] for a block-scaled W),
+    out_dtype then the output's dtype."""
     (m, k), n = x.shape, w.shape[0]
-    block_m, block_n, block_k, split, warps, stages = config
+    x_scaled = x_scale is not None
+    fp8_x = x_scaled and fp8_dot(x.device)
+    block_m, block_n, block_k, split, warps, stages = config or config_for(m, n, k, fp8_x)
     dtype = out_dtype or x.dtype
     out = x.new_empty((split, m, n), dtype=dtype if split == 1 else torch.float32)
     grid = (-(-n // block_n), split, -(-m // block_m))
-    x_scaled = x_scale is not None
     wrap(_kernel())[grid](
         x,
         w,
@@ -172,7 +173,7 @@ def launch(
         x_scale.stride(1) if x_scaled and scale_cols else 0,
         X_SCALED=x_scaled,
         X_AS_FP16=dtype == torch.float16,
-        FP8_DOT=x_scaled and fp8_dot(x.device),
+        FP8_DOT=fp8_x,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_K=min(block_k, scale_cols) if scale_cols else block_k,  # a K tile within one scale block
@@ -199,8 +200,7 @@ def _op():
         scale_cols: int,
         out_dtype: torch.dtype,
     ) -> torch.Tensor:
-        config = config_for(x.shape[0], w.shape[0], x.shape[1], x_scale is not None and fp8_dot(x.device))
-        return launch(x, w, scale, scale_rows, scale_cols, config, wrap_triton, x_scale, out_dtype)
+        return launch(x, w, scale, scale_rows, scale_cols, None, wrap_triton, x_scale, out_dtype)
 
     return fp8_weight_mm
 

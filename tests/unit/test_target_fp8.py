@@ -400,17 +400,16 @@ def test_few_token_steps_are_off_unless_asked_and_never_where_the_kernel_cannot_
         fp8.few_token_steps(model, "fast")
 
 
-def test_the_few_token_decode_gemm_is_opt_in_and_named_when_misspelled(dense_fp8, caplog):
-    """target.fp8_decode_gemm = "few-token" sends an FP8 target's decoding steps through the kernel's
-    quantized mode where it runs (not on the CPU: there the scaled path stays, and the log says 0);
-    a value that does not exist is named."""
+def test_the_few_token_decode_gemm_is_the_default_and_named_when_misspelled(dense_fp8, caplog):
+    """target.fp8_decode_gemm = "few-token", the default, sends an FP8 target's decoding steps through
+    the kernel's quantized mode where it runs (not on the CPU: there the scaled path stays, and the log
+    says 0); "scaled" leaves every linear on the scaled GEMM; a value that does not exist is named."""
     from services.config import load_config
 
+    assert load_config(None, []).target.fp8_decode_gemm == "few-token"
     path, _ = dense_fp8
     with caplog.at_level(logging.INFO, logger="target"):
-        target = load_target(
-            TargetConfig(model_path=str(path), dtype="bfloat16", quantize="fp8", fp8_decode_gemm="few-token")
-        )
+        target = load_target(TargetConfig(model_path=str(path), dtype="bfloat16", quantize="fp8"))
     assert "target.fp8_decode_gemm=few-token: 0 FP8 linears" in caplog.text
     assert not any(m.few for m in target.model.modules() if isinstance(m, fp8.FP8Linear))
     with pytest.raises(ConfigError, match="target.fp8_decode_gemm must be one of scaled, few-token, got 'fast'"):
@@ -549,7 +548,8 @@ def test_cuda_fp8_target_with_the_few_token_decode_gemm_computes_as_the_scaled_o
     targets = [
         load_target(
             TargetConfig(
-                model_path=str(path), dtype="bfloat16", quantize="fp8", fp8_decode_gemm=gemm, layer_ids=[1, 2]
+                model_path=str(path), dtype="bfloat16", quantize="fp8", fp8_decode_gemm=gemm, layer_ids=[1, 2],
+                    attn_implementation="eager",
             ),
             "cuda:0",
         )
