@@ -548,8 +548,12 @@ def test_cuda_fp8_target_with_the_few_token_decode_gemm_computes_as_the_scaled_o
     targets = [
         load_target(
             TargetConfig(
-                model_path=str(path), dtype="bfloat16", quantize="fp8", fp8_decode_gemm=gemm, layer_ids=[1, 2],
-                    attn_implementation="eager",
+                model_path=str(path),
+                dtype="bfloat16",
+                quantize="fp8",
+                fp8_decode_gemm=gemm,
+                layer_ids=[1, 2],
+                attn_implementation="eager",
             ),
             "cuda:0",
         )
