@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 import threading
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterator
 
 import numpy as np
@@ -45,39 +45,20 @@ def layout(specs: list[wire.TensorSpec]) -> tuple[list[int], int]:
     return offsets, total
 
 
-def _int_field(header: dict, key: str, low: int) -> int:
-    value = header.get(key)
-    if not isinstance(value, int) or isinstance(value, bool) or value < low:
-        raise wire.WireError(f"header field {key!r}: expected an int >= {low}, got {value!r}")
-    return value
-
-
-def _split_field(header: dict) -> str:
-    split = header.get("split")
-    if split not in SPLITS:
-        raise wire.WireError(f"header field 'split': expected one of {SPLITS}, got {split!r}")
-    return split
-
-
-def incarnation_field(header: dict) -> str:
-    """The sender's incarnation ("" when it did not say)."""
-    value = header.get("incarnation", "")
-    if not isinstance(value, str) or len(value) > MAX_INCARNATION_LEN:
-        raise wire.WireError(
-            f"header field 'incarnation': expected a string of at most {MAX_INCARNATION_LEN} "
-            f"characters, got {str(value)[:80]!r}"
-        )
-    return value
+# the fields' rules on the wire (wire.read_fields checks every message's fields by them)
+SPLIT = wire.rule(choices=SPLITS)
+INCARNATION = wire.rule(max_len=MAX_INCARNATION_LEN, absent="")  # "": the sender did not say
+BATCH_INDEX = wire.rule(low=-1)  # -1: not a batch
 
 
 @dataclass(frozen=True)
 class Ask:
     """request {want: "batch", g, split, incarnation} | request {want: "info"}: a drafter asks a target."""
 
-    want: str  # "batch" | "info"
-    g: int = -1  # want == "batch": the global batch index
-    split: str = "train"
-    incarnation: str = ""  # the target incarnation the drafter believes it asks ("" if it does not say)
+    want: str = field(metadata=wire.rule(choices=("batch", "info")))
+    g: int = field(default=-1, metadata=wire.rule(low=0))  # want == "batch": the global batch index
+    split: str = field(default="train", metadata=SPLIT)
+    incarnation: str = field(default="", metadata=INCARNATION)  # the target incarnation the drafter believes it asks
 
     def to_wire(self) -> list:
         if self.want == "info":
@@ -89,12 +70,9 @@ class Ask:
     def from_wire(cls, header: dict, tensors: dict) -> "Ask":
         if tensors:
             raise wire.WireError("a request carries no tensors")
-        want = header.get("want")
-        if want == "info":
+        if wire.read_fields(cls, header, "header", names=("want",))["want"] == "info":
             return cls("info")
-        if want == "batch":
-            return cls("batch", _int_field(header, "g", 0), _split_field(header), incarnation_field(header))
-        raise wire.WireError(f"header field 'want': expected 'batch' or 'info', got {want!r}")
+        return cls(**wire.read_fields(cls, header, "header"))
 
 
 @dataclass(frozen=True)
@@ -117,10 +95,10 @@ class Info:
 class Refusal:
     """error {g, split, message, incarnation}: a target could not serve batch g (g -1: not a batch)."""
 
-    g: int
-    split: str
-    message: str
-    incarnation: str = ""
+    g: int = field(metadata=BATCH_INDEX)
+    split: str = field(metadata=SPLIT)
+    message: str = field(metadata=wire.rule(absent=""))
+    incarnation: str = field(default="", metadata=INCARNATION)
 
     def to_wire(self) -> list:
         return wire.encode(
@@ -135,19 +113,18 @@ class Refusal:
 
     @classmethod
     def from_wire(cls, header: dict, tensors: dict) -> "Refusal":
-        g = _int_field(header, "g", -1)
-        message = str(header.get("message", ""))[:1000]
-        return cls(g, _split_field(header), message, incarnation_field(header))
+        values = wire.read_fields(cls, header, "header")
+        return cls(**{**values, "message": values["message"][:1000]})
 
 
 @dataclass(frozen=True)
 class Announce:
     """batch {g, split, incarnation, digest, stream: [tensor specs]}: a batch's provenance and tensor table."""
 
-    g: int
-    split: str
-    incarnation: str
-    digest: str  # services.batch.token_digest of its input_ids
+    g: int = field(metadata=BATCH_INDEX)
+    split: str = field(metadata=SPLIT)
+    incarnation: str = field(metadata=INCARNATION)
+    digest: str = field(metadata=wire.rule(length=32))  # services.batch.token_digest of its input_ids
     stream: list[wire.TensorSpec]  # the batch's tensors, in the order their bytes follow
 
     def to_wire(self) -> list:
@@ -165,26 +142,23 @@ class Announce:
     @classmethod
     def from_wire(cls, header: dict, tensors: dict, max_batch_bytes: int) -> "Announce":
         """Checked field by field; the tensor table against max_batch_bytes and the batch's fields."""
-        g, split, incarnation = _int_field(header, "g", -1), _split_field(header), incarnation_field(header)
+        values = wire.read_fields(cls, header, "header", names=("g", "split", "incarnation", "digest"))
         if tensors:
             raise wire.WireError("a batch announcement carries no tensor frames")
-        digest = header.get("digest")
-        if not isinstance(digest, str) or len(digest) != 32:
-            raise wire.WireError(f"header field 'digest': expected 32 hex characters, got {str(digest)[:80]!r}")
         specs = wire.parse_specs(header.get("stream"), max_batch_bytes, field="stream")
         for spec in specs:
             if spec.name not in FIELDS or wire.DTYPES[spec.dtype] != FIELDS[spec.name]:
                 raise wire.WireError(f"stream: {spec.name!r} of {spec.dtype} is not a batch field")
-        return cls(g, split, incarnation, digest, specs)
+        return cls(**values, stream=specs)
 
 
 @dataclass(frozen=True)
 class Chunk:
     """chunk {g, split, offset} + bytes: at most transport.chunk_bytes of a batch, at `offset` in its buffer."""
 
-    g: int
-    split: str
-    offset: int
+    g: int = field(metadata=BATCH_INDEX)
+    split: str = field(metadata=SPLIT)
+    offset: int = field(metadata=wire.rule(low=0))
     data: torch.Tensor  # 1-d uint8
 
     def to_wire(self) -> list:
@@ -194,11 +168,11 @@ class Chunk:
 
     @classmethod
     def from_wire(cls, header: dict, tensors: dict) -> "Chunk":
-        g, split = _int_field(header, "g", -1), _split_field(header)
+        values = wire.read_fields(cls, header, "header", names=("g", "split", "offset"))
         data = tensors.get("bytes")
         if len(tensors) != 1 or data is None or data.dtype != torch.uint8 or data.dim() != 1:
             raise wire.WireError("a chunk carries exactly one 1-d uint8 tensor named 'bytes'")
-        return cls(g, split, _int_field(header, "offset", 0), data)
+        return cls(**values, data=data)
 
 
 def batch_messages(batch: Batch, split: str, chunk_bytes: int, incarnation: str = "") -> Iterator[list]:

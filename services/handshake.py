@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from services.config import ConfigError
 from services.shapes import CapturedWidth, CaptureShape
-from services.wire import WireError
+from services.wire import read_fields
 
 
 class HandshakeError(ConfigError):
@@ -58,19 +58,7 @@ class TargetInfo(CapturedWidth):
 
     @classmethod
     def from_wire(cls, data) -> "TargetInfo":
-        if not isinstance(data, dict):
-            raise WireError(f"info: expected a map, got {type(data).__name__}")
-        values = {}
-        for f in dataclasses.fields(cls):
-            value = data.get(f.name)
-            want = {"int": int, "bool": bool, "str": str, "list[int]": list}[f.type]
-            ok = isinstance(value, want) and (want is bool or not isinstance(value, bool))
-            if want is list:
-                ok = ok and all(isinstance(i, int) and not isinstance(i, bool) for i in value)
-            if not ok:
-                raise WireError(f"info field {f.name!r}: expected {f.type}, got {value!r}")
-            values[f.name] = value
-        return cls(**values)
+        return cls(**read_fields(cls, data, "info"))
 
     def check(self, **expected) -> None:
         """Raise HandshakeError unless this target says what the drafter's run spec expects

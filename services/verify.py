@@ -32,7 +32,7 @@ import torch
 import zmq
 
 from services import curve, wire
-from services.batch_stream import incarnation_field
+from services.batch_stream import INCARNATION
 from services.config import TransportConfig
 from services.health import probe
 from services.sockets import secure_socket
@@ -70,23 +70,20 @@ class VerifyLimits:
     vocab_size: int
 
 
-def _bounded_int(header: dict, key: str) -> int:
-    value = header.get(key)
-    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_ID:
-        raise wire.WireError(f"verify field {key!r}: expected an int in [0, 2^63), got {str(value)[:40]!r}")
-    return value
+OP = wire.rule(choices=OPS)
+NUMBER = wire.rule(low=0, high=MAX_ID)  # a call's id, a session, a part, a count
 
 
 @dataclass
 class VerifyRequest:
     """verify {op, id, session, incarnation, features} + ids: one call of a drafter (close: no ids)."""
 
-    op: str
-    id: int
-    session: int
-    ids: list[int]
-    features: bool = True  # send the committed tokens' features back
-    incarnation: str = ""  # the target incarnation the drafter believes it asks
+    op: str = field(metadata=OP)
+    id: int = field(metadata=NUMBER)
+    session: int = field(metadata=NUMBER)
+    ids: list[int]  # a tensor on the wire
+    features: bool = field(default=True, metadata=wire.rule(absent=True))  # send the committed tokens' features back
+    incarnation: str = field(default="", metadata=INCARNATION)  # the target incarnation the drafter believes it asks
 
     def to_wire(self) -> list:
         header = {
@@ -102,16 +99,11 @@ class VerifyRequest:
     @classmethod
     def from_wire(cls, header: dict, tensors: dict, limits: VerifyLimits | None) -> "VerifyRequest":
         """Checked against the limits (WireError naming the field); limits None: this target does not verify."""
-        incarnation = incarnation_field(header)
         if limits is None:
             raise wire.WireError("verify: this target does not serve verify requests")
-        op = header.get("op")
-        if op not in OPS:
-            raise wire.WireError(f"verify field 'op': expected one of {OPS}, got {str(op)[:40]!r}")
-        features = header.get("features", True)
-        if not isinstance(features, bool):
-            raise wire.WireError(f"verify field 'features': expected a bool, got {str(features)[:40]!r}")
-        request = cls(op, _bounded_int(header, "id"), _bounded_int(header, "session"), [], features, incarnation)
+        fields = ("op", "id", "session", "features", "incarnation")
+        request = cls(**wire.read_fields(cls, header, "verify", names=fields), ids=[])
+        op = request.op
         if op == "close":
             if tensors:
                 raise wire.WireError("verify close carries no tensors")
@@ -143,14 +135,14 @@ class Verified:
     verified {op: "close", id, session, incarnation, committed: 0}: a closed session (no parts);
     verified {op, id, session, incarnation, error, code}: a refusal (code "session": the session is unknown)."""
 
-    op: str
-    id: int
-    session: int
-    incarnation: str
-    committed: int = 0
-    part: int | None = None  # None: the answer to a close, or a refusal
-    parts: int = 1
-    row: int = 0  # the first feature row this part carries
+    op: str = field(metadata=OP)
+    id: int = field(metadata=NUMBER)
+    session: int = field(metadata=NUMBER)
+    incarnation: str = field(metadata=INCARNATION)
+    committed: int = field(default=0, metadata=NUMBER)
+    part: int | None = field(default=None, metadata=NUMBER)  # None: the answer to a close, or a refusal
+    parts: int = field(default=1, metadata=NUMBER)
+    row: int = field(default=0, metadata=NUMBER)  # the first feature row this part carries
     error: str | None = None
     code: str = "refused"
     tensors: dict = field(default_factory=dict)
@@ -173,18 +165,13 @@ class Verified:
     @classmethod
     def from_wire(cls, header: dict, tensors: dict) -> "Verified":
         """Each field's type and range; what it must be for the call asked is _Assembly's check."""
-        op = header.get("op")
-        if op not in OPS:
-            raise wire.WireError(f"verified field 'op': expected one of {OPS}, got {str(op)[:40]!r}")
-        reply = cls(
-            op, _bounded_int(header, "id"), _bounded_int(header, "session"), incarnation_field(header), tensors=tensors
-        )
+        head = wire.read_fields(cls, header, "verified", names=("op", "id", "session", "incarnation"))
         if "error" in header:
-            reply.error, reply.code = str(header["error"])[:1000], str(header.get("code"))[:40]
-        elif op != "close":
-            reply.part, reply.parts, reply.row = (_bounded_int(header, k) for k in ("part", "parts", "row"))
-            reply.committed = _bounded_int(header, "committed")
-        return reply
+            return cls(**head, error=str(header["error"])[:1000], code=str(header.get("code"))[:40])
+        if head["op"] == "close":
+            return cls(**head, tensors=tensors)
+        part = wire.read_fields(cls, header, "verified", names=("committed", "part", "parts", "row"))
+        return cls(**head, **part, tensors=tensors)
 
 
 def reply_messages(

@@ -425,3 +425,43 @@ def test_each_transport_message_round_trips_and_names_a_bad_field():
         rest = (1 << 20,) if cls is Announce else ()
         with pytest.raises(WireError, match=words):
             cls.from_wire(*decode(frames), *rest)
+
+
+def test_read_fields_checks_each_field_by_its_annotation_and_rule_and_names_it():
+    """The messages' one validator: types from the annotations, bounds and absence from wire.rule."""
+    from dataclasses import dataclass, field
+
+    @dataclass
+    class Message:
+        g: int = field(metadata=wire.rule(low=-1))
+        split: str = field(metadata=wire.rule(choices=("train", "eval")))
+        tag: str = field(metadata=wire.rule(max_len=4, absent=""))
+        digest: str = field(metadata=wire.rule(length=2, absent="ab"))
+        ids: list[int] = field(metadata=wire.rule(absent=[]))
+        ok: bool = field(metadata=wire.rule(absent=True))
+        rate: float = field(metadata=wire.rule(absent=0.0))
+        part: int | None = field(metadata=wire.rule(low=0, high=9, absent=None))
+
+    good = {"g": 3, "split": "eval", "ids": [1, 2], "ok": False, "rate": 2, "part": 9}
+    assert wire.read_fields(Message, good, "m") == {**good, "tag": "", "digest": "ab"}
+    assert wire.read_fields(Message, {"g": -1}, "m", names=("g",)) == {"g": -1}
+    bad = [
+        ({"split": "train"}, "m field 'g': expected int >= -1, got nothing"),  # absent, no absent value
+        ({"g": True, "split": "train"}, "m field 'g': expected int >= -1, got 'True'"),  # a bool is no int
+        ({"g": -2, "split": "train"}, "'g'"),
+        ({"g": 1, "split": "test"}, r"m field 'split': expected one of \('train', 'eval'\)"),
+        ({"g": 1, "split": "train", "tag": "x" * 5}, "'tag': expected str of at most 4 characters"),
+        ({"g": 1, "split": "train", "digest": "abc"}, "'digest': expected str of 2 characters"),
+        ({"g": 1, "split": "train", "ids": [1, "2"]}, "'ids'"),
+        ({"g": 1, "split": "train", "ok": 1}, "'ok': expected bool"),
+        ({"g": 1, "split": "train", "rate": "1"}, "'rate': expected float"),
+        ({"g": 1, "split": "train", "part": 10}, r"'part': expected int in \[0, 9\] or nil"),
+    ]
+    for header, message in bad:
+        with pytest.raises(wire.WireError, match=message):
+            wire.read_fields(Message, header, "m")
+    assert wire.read_fields(Message, {"g": 0, "split": "train", "part": None}, "m")["part"] is None
+    with pytest.raises(wire.WireError, match="m: expected a map, got list"):
+        wire.read_fields(Message, [1], "m")
+    with pytest.raises(TypeError, match="unknown bounds"):
+        wire.rule(minimum=1)
