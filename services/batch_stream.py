@@ -25,6 +25,7 @@ import torch
 from services import wire
 from services.batch import FIELDS, SPLITS, Batch, token_digest
 from services.config import TransportConfig
+from services.message_fields import read_fields, rule
 
 ALIGN = 64  # byte offset of every tensor in the reassembly buffer
 MAX_INCARNATION_LEN = 64
@@ -45,18 +46,18 @@ def layout(specs: list[wire.TensorSpec]) -> tuple[list[int], int]:
     return offsets, total
 
 
-# the fields' rules on the wire (wire.read_fields checks every message's fields by them)
-SPLIT = wire.rule(choices=SPLITS)
-INCARNATION = wire.rule(max_len=MAX_INCARNATION_LEN, absent="")  # "": the sender did not say
-BATCH_INDEX = wire.rule(low=-1)  # -1: not a batch
+# the fields' rules on the wire (message_fields.read_fields checks every message's fields by them)
+SPLIT = rule(choices=SPLITS)
+INCARNATION = rule(max_len=MAX_INCARNATION_LEN, absent="")  # "": the sender did not say
+BATCH_INDEX = rule(low=-1)  # -1: not a batch
 
 
 @dataclass(frozen=True)
 class Ask:
     """request {want: "batch", g, split, incarnation} | request {want: "info"}: a drafter asks a target."""
 
-    want: str = field(metadata=wire.rule(choices=("batch", "info")))
-    g: int = field(default=-1, metadata=wire.rule(low=0))  # want == "batch": the global batch index
+    want: str = field(metadata=rule(choices=("batch", "info")))
+    g: int = field(default=-1, metadata=rule(low=0))  # want == "batch": the global batch index
     split: str = field(default="train", metadata=SPLIT)
     incarnation: str = field(default="", metadata=INCARNATION)  # the target incarnation the drafter believes it asks
 
@@ -70,9 +71,9 @@ class Ask:
     def from_wire(cls, header: dict, tensors: dict) -> "Ask":
         if tensors:
             raise wire.WireError("a request carries no tensors")
-        if wire.read_fields(cls, header, "header", names=("want",))["want"] == "info":
+        if read_fields(cls, header, "header", names=("want",))["want"] == "info":
             return cls("info")
-        return cls(**wire.read_fields(cls, header, "header"))
+        return cls(**read_fields(cls, header, "header"))
 
 
 @dataclass(frozen=True)
@@ -97,7 +98,7 @@ class Refusal:
 
     g: int = field(metadata=BATCH_INDEX)
     split: str = field(metadata=SPLIT)
-    message: str = field(metadata=wire.rule(absent=""))
+    message: str = field(metadata=rule(absent=""))
     incarnation: str = field(default="", metadata=INCARNATION)
 
     def to_wire(self) -> list:
@@ -113,7 +114,7 @@ class Refusal:
 
     @classmethod
     def from_wire(cls, header: dict, tensors: dict) -> "Refusal":
-        values = wire.read_fields(cls, header, "header")
+        values = read_fields(cls, header, "header")
         return cls(**{**values, "message": values["message"][:1000]})
 
 
@@ -124,7 +125,7 @@ class Announce:
     g: int = field(metadata=BATCH_INDEX)
     split: str = field(metadata=SPLIT)
     incarnation: str = field(metadata=INCARNATION)
-    digest: str = field(metadata=wire.rule(length=32))  # services.batch.token_digest of its input_ids
+    digest: str = field(metadata=rule(length=32))  # services.batch.token_digest of its input_ids
     stream: list[wire.TensorSpec]  # the batch's tensors, in the order their bytes follow
 
     def to_wire(self) -> list:
@@ -142,7 +143,7 @@ class Announce:
     @classmethod
     def from_wire(cls, header: dict, tensors: dict, max_batch_bytes: int) -> "Announce":
         """Checked field by field; the tensor table against max_batch_bytes and the batch's fields."""
-        values = wire.read_fields(cls, header, "header", names=("g", "split", "incarnation", "digest"))
+        values = read_fields(cls, header, "header", names=("g", "split", "incarnation", "digest"))
         if tensors:
             raise wire.WireError("a batch announcement carries no tensor frames")
         specs = wire.parse_specs(header.get("stream"), max_batch_bytes, field="stream")
@@ -158,7 +159,7 @@ class Chunk:
 
     g: int = field(metadata=BATCH_INDEX)
     split: str = field(metadata=SPLIT)
-    offset: int = field(metadata=wire.rule(low=0))
+    offset: int = field(metadata=rule(low=0))
     data: torch.Tensor  # 1-d uint8
 
     def to_wire(self) -> list:
@@ -168,7 +169,7 @@ class Chunk:
 
     @classmethod
     def from_wire(cls, header: dict, tensors: dict) -> "Chunk":
-        values = wire.read_fields(cls, header, "header", names=("g", "split", "offset"))
+        values = read_fields(cls, header, "header", names=("g", "split", "offset"))
         data = tensors.get("bytes")
         if len(tensors) != 1 or data is None or data.dtype != torch.uint8 or data.dim() != 1:
             raise wire.WireError("a chunk carries exactly one 1-d uint8 tensor named 'bytes'")

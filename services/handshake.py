@@ -14,8 +14,8 @@ import dataclasses
 from dataclasses import dataclass
 
 from services.config import ConfigError
+from services.message_fields import read_fields
 from services.shapes import CapturedWidth, CaptureShape
-from services.wire import read_fields
 
 
 class HandshakeError(ConfigError):

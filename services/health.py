@@ -18,12 +18,14 @@ import socket
 import threading
 import time
 from collections import Counter
+from dataclasses import dataclass, field
 
 import msgpack
 import psutil
 import zmq
 
 from services import __version__, curve
+from services.message_fields import read_fields, rule
 from services.sdnotify import Notifier
 from services.sockets import bind_private, secure_socket
 
@@ -34,6 +36,40 @@ STARTUP_STATES = ("starting", "loading", "compiling")  # model loads and cold co
 MAX_REQUEST_BYTES = 4096
 
 EXIT_HEALTHY, EXIT_UNHEALTHY, EXIT_UNREACHABLE = 0, 1, 2
+
+
+COUNT = rule(low=0)
+ABSENT = rule(absent=None)  # a field only some roles or states report
+
+
+@dataclass(frozen=True)
+class Status:
+    """The fields of a status answer that the launcher and the drafters read, typed: probe() checks each
+    one (message_fields.read_fields) before anyone reads it, so an answer with a field of the wrong
+    type is garbage (exit 2) rather than a crash in the reader's arithmetic. Other fields a worker adds
+    pass through unchecked."""
+
+    state: str = field(metadata=rule(choices=STATES))
+    pid: int = field(metadata=COUNT)
+    step: int = field(metadata=COUNT)
+    samples_done: int = field(metadata=COUNT)
+    tokens_per_s: float
+    stalled: bool
+    last_progress_age_s: float
+    stall_after_s: float
+    bad_messages: int = field(metadata=COUNT)
+    bad_message_kinds: dict
+    bad_message_from: dict
+    errors: list[str]
+    rss_bytes: int = field(metadata=COUNT)
+    gpu_mem_bytes: int = field(metadata=COUNT)
+    total_steps: int | None = field(metadata=ABSENT)
+    batches_served: int | None = field(metadata=ABSENT)
+    train_s: float | None = field(metadata=ABSENT)
+    window: dict | None = field(metadata=ABSENT)
+    integrity: dict | None = field(metadata=ABSENT)
+    warning: str | None = field(metadata=ABSENT)
+    incarnation: str | None = field(metadata=ABSENT)
 
 
 class HealthServer:
@@ -232,11 +268,8 @@ def probe(endpoint: str, timeout_s: float = 3.0, keys_dir: str = "") -> tuple[in
         sock.close(linger=0)
     try:
         status = msgpack.unpackb(raw, raw=False)
-        if not isinstance(status, dict) or status.get("state") not in STATES:
-            raise ValueError("not a status map with a known state")
-        age = status.get("last_progress_age_s")
-        if not isinstance(status.get("stalled"), bool) or not isinstance(age, (int, float)):
-            raise ValueError("status map without 'stalled' and 'last_progress_age_s'")
+        read_fields(Status, status, "status")
+        age = status["last_progress_age_s"]
     except Exception as exc:
         return EXIT_UNREACHABLE, None, f"{endpoint}: garbage answer ({exc})"
     if status["state"] in ("failed", "stopped"):

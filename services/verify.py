@@ -35,6 +35,7 @@ from services import curve, wire
 from services.batch_stream import INCARNATION
 from services.config import TransportConfig
 from services.health import probe
+from services.message_fields import read_fields, rule
 from services.sockets import secure_socket
 
 OPS = ("open", "step", "close")
@@ -70,8 +71,8 @@ class VerifyLimits:
     vocab_size: int
 
 
-OP = wire.rule(choices=OPS)
-NUMBER = wire.rule(low=0, high=MAX_ID)  # a call's id, a session, a part, a count
+OP = rule(choices=OPS)
+NUMBER = rule(low=0, high=MAX_ID)  # a call's id, a session, a part, a count
 
 
 @dataclass
@@ -82,7 +83,7 @@ class VerifyRequest:
     id: int = field(metadata=NUMBER)
     session: int = field(metadata=NUMBER)
     ids: list[int]  # a tensor on the wire
-    features: bool = field(default=True, metadata=wire.rule(absent=True))  # send the committed tokens' features back
+    features: bool = field(default=True, metadata=rule(absent=True))  # send the committed tokens' features back
     incarnation: str = field(default="", metadata=INCARNATION)  # the target incarnation the drafter believes it asks
 
     def to_wire(self) -> list:
@@ -102,7 +103,7 @@ class VerifyRequest:
         if limits is None:
             raise wire.WireError("verify: this target does not serve verify requests")
         fields = ("op", "id", "session", "features", "incarnation")
-        request = cls(**wire.read_fields(cls, header, "verify", names=fields), ids=[])
+        request = cls(**read_fields(cls, header, "verify", names=fields), ids=[])
         op = request.op
         if op == "close":
             if tensors:
@@ -165,12 +166,12 @@ class Verified:
     @classmethod
     def from_wire(cls, header: dict, tensors: dict) -> "Verified":
         """Each field's type and range; what it must be for the call asked is _Assembly's check."""
-        head = wire.read_fields(cls, header, "verified", names=("op", "id", "session", "incarnation"))
+        head = read_fields(cls, header, "verified", names=("op", "id", "session", "incarnation"))
         if "error" in header:
             return cls(**head, error=str(header["error"])[:1000], code=str(header.get("code"))[:40])
         if head["op"] == "close":
             return cls(**head, tensors=tensors)
-        part = wire.read_fields(cls, header, "verified", names=("committed", "part", "parts", "row"))
+        part = read_fields(cls, header, "verified", names=("committed", "part", "parts", "row"))
         return cls(**head, **part, tensors=tensors)
 
 

@@ -11,7 +11,6 @@ is allocated. Nothing here pickles.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import warnings
 from dataclasses import dataclass
@@ -21,6 +20,7 @@ import torch
 import zmq
 
 from services import dtypes
+from services.message_fields import WireError, is_int
 
 VERSION = 1
 KINDS = frozenset({"request", "info", "batch", "chunk", "error", "verify", "verified"})
@@ -34,10 +34,6 @@ MAX_DIM_SIZE = (1 << 31) - 1  # any one dimension, even of an empty tensor
 MAX_NAME_LEN = 128
 DEFAULT_MAX_MESSAGE_BYTES = 64 << 20  # tensor bytes per message; transport.max_message_bytes
 _SPEC_KEYS = frozenset({"name", "dtype", "shape", "nbytes"})
-
-
-class WireError(ValueError):
-    """A message (or a header being built) is malformed; the text names the field."""
 
 
 @dataclass(frozen=True)
@@ -136,10 +132,6 @@ def _unpack_header(view: memoryview) -> dict:
     return header
 
 
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def _is_kind(value) -> bool:
     return isinstance(value, str) and value in KINDS
 
@@ -165,11 +157,11 @@ def parse_specs(raw, max_total_bytes: int, field: str = "tensors") -> list[Tenso
         if (
             not isinstance(shape, list)
             or len(shape) > MAX_DIMS
-            or not all(_is_int(d) and 0 <= d <= MAX_DIM_SIZE for d in shape)
+            or not all(is_int(d) and 0 <= d <= MAX_DIM_SIZE for d in shape)
         ):
             raise WireError(f"{where}.shape: expected at most {MAX_DIMS} ints in [0, {MAX_DIM_SIZE}], got {shape!r}")
         expected = math.prod(shape) * DTYPES[dtype].itemsize
-        if not _is_int(nbytes) or nbytes != expected:
+        if not is_int(nbytes) or nbytes != expected:
             raise WireError(f"{where}.nbytes: {nbytes!r} but shape {shape} of {dtype} needs {expected}")
         total += nbytes
         if total > max_total_bytes:
@@ -223,7 +215,7 @@ def decode(frames, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> tuple[
         raise WireError(f"message carries {body} tensor bytes; the cap is {max_message_bytes}")
     header = _unpack_header(views[0])
     version = header.get("v")
-    if version != VERSION or not _is_int(version):
+    if version != VERSION or not is_int(version):
         raise WireError(f"header field 'v': unsupported protocol version {version!r} (this side speaks {VERSION})")
     if not _is_kind(header.get("kind")):
         raise WireError(f"header field 'kind': {header.get('kind')!r} is not one of {sorted(KINDS)}")
@@ -236,87 +228,3 @@ def decode(frames, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> tuple[
             raise WireError(f"tensors[{i}] ({spec.name!r}): header says {spec.nbytes} bytes, frame has {len(view)}")
         tensors[spec.name] = tensor_from(view, spec)
     return header, tensors
-
-
-# --- a message's fields ----------------------------------------------------------
-
-
-def rule(**bounds) -> dict:
-    """A field's rule on the wire, as its dataclass metadata (`g: int = field(metadata=wire.rule(low=-1))`):
-    low, high (ints), choices, max_len, length (strings), absent (the value when the map lacks the
-    field; without it the field is required)."""
-    unknown = set(bounds) - {"low", "high", "choices", "max_len", "length", "absent"}
-    if unknown:
-        raise TypeError(f"wire.rule: unknown bounds {sorted(unknown)}")
-    return {"wire": bounds}
-
-
-FIELD_TYPES = {"int": int, "bool": bool, "str": str, "float": float, "list[int]": list}
-
-
-def read_fields(cls, header, what: str, names=None) -> dict:
-    """The fields of dataclass `cls` (those in `names`, else all) read from a decoded map, each checked
-    against its annotation (one of FIELD_TYPES, or one of them "| None") and its rule(); a field the map
-    lacks takes its rule's `absent` value, or is an error. The messages' one validator: a WireError
-    names the field, "{what} field 'g': expected int >= -1, got 'x'"."""
-    if not isinstance(header, dict):
-        raise WireError(f"{what}: expected a map, got {type(header).__name__}")
-    values = {}
-    for f in dataclasses.fields(cls):
-        if names is None or f.name in names:
-            bounds = f.metadata.get("wire", {})
-            sent = header.get(f.name)
-            value = sent if f.name in header or "absent" not in bounds else bounds["absent"]
-            if f.name not in header and "absent" not in bounds or not _fits(f, value):
-                got = repr(str(sent)[:80]) if f.name in header else "nothing"
-                raise WireError(f"{what} field {f.name!r}: expected {_describe(f)}, got {got}")
-            values[f.name] = value
-    return values
-
-
-def _fits(f: dataclasses.Field, value) -> bool:
-    kind, optional = _annotation(f)
-    if value is None:
-        return optional
-    want, bounds = FIELD_TYPES[kind], f.metadata.get("wire", {})
-    if want is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    if not isinstance(value, want) or (want is not bool and isinstance(value, bool)):
-        return False
-    if want is list:
-        return all(_is_int(i) for i in value)
-    low, high, choices = bounds.get("low"), bounds.get("high"), bounds.get("choices")
-    max_len, length = bounds.get("max_len"), bounds.get("length")
-    return (
-        (low is None or value >= low)
-        and (high is None or value <= high)
-        and (not choices or value in choices)
-        and (max_len is None or len(value) <= max_len)
-        and (length is None or len(value) == length)
-    )
-
-
-def _annotation(f: dataclasses.Field) -> tuple[str, bool]:
-    text = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
-    kind = text.removesuffix(" | None")
-    if kind not in FIELD_TYPES:
-        raise TypeError(f"{f.name}: {text} is not a wire field type ({', '.join(FIELD_TYPES)})")
-    return kind, kind != text
-
-
-def _describe(f: dataclasses.Field) -> str:
-    kind, optional = _annotation(f)
-    b = f.metadata.get("wire", {})
-    if b.get("choices"):
-        text = f"one of {b['choices']}"
-    elif b.get("low") is not None and b.get("high") is not None:
-        text = f"{kind} in [{b['low']}, {b['high']}]"
-    elif b.get("low") is not None:
-        text = f"{kind} >= {b['low']}"
-    elif b.get("length") is not None:
-        text = f"{kind} of {b['length']} characters"
-    elif b.get("max_len") is not None:
-        text = f"{kind} of at most {b['max_len']} characters"
-    else:
-        text = kind
-    return text + (" or nil" if optional else "")

@@ -159,6 +159,12 @@ def test_probe_of_a_bad_endpoint_returns_2():
     ],
 )
 def test_probe_of_a_garbage_answer_returns_2(answer):
+    code, status, reason = probe_answered_with(answer)
+    assert code == EXIT_UNREACHABLE and status is None and "garbage" in reason
+
+
+def probe_answered_with(answer: bytes) -> tuple[int, dict | None, str]:
+    """probe() of a real socket that answers `answer`, whatever it is."""
     ctx = zmq.Context()
     router = ctx.socket(zmq.ROUTER)
     router.setsockopt(zmq.LINGER, 0)
@@ -172,12 +178,28 @@ def test_probe_of_a_garbage_answer_returns_2(answer):
     thread = threading.Thread(target=answer_once)
     thread.start()
     try:
-        code, status, reason = probe(f"tcp://127.0.0.1:{port}", 2.0)
-        assert code == EXIT_UNREACHABLE and status is None and "garbage" in reason
+        return probe(f"tcp://127.0.0.1:{port}", 2.0)
     finally:
         thread.join()
         router.close()
         ctx.term()
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [("step", "3"), ("last_progress_age_s", None), ("errors", [7]), ("window", [1]), ("total_steps", 2.5)],
+)
+def test_a_status_with_one_field_of_the_wrong_type_is_garbage_and_names_it(tmp_path, field, value):
+    """A real worker's status with one field the launcher reads changed to the wrong type: probe says
+    garbage (exit 2) naming the field, instead of handing it to the launcher's arithmetic."""
+    health = HealthServer(f"ipc://{tmp_path}/w.health", role="drafter", rank=0, gpu=0)
+    try:
+        health.progress(state="training", step=3, total_steps=10, window={"loss": 1.0})
+        answer = msgpack.packb({**health.snapshot(), field: value})
+    finally:
+        health.close()
+    code, status, reason = probe_answered_with(answer)
+    assert code == EXIT_UNREACHABLE and status is None and f"status field {field!r}" in reason, reason
 
 
 def test_failed_state_and_odd_fields(tmp_path):

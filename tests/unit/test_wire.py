@@ -428,23 +428,25 @@ def test_each_transport_message_round_trips_and_names_a_bad_field():
 
 
 def test_read_fields_checks_each_field_by_its_annotation_and_rule_and_names_it():
-    """The messages' one validator: types from the annotations, bounds and absence from wire.rule."""
+    """The messages' one validator: types from the annotations, bounds and absence from message_fields.rule."""
     from dataclasses import dataclass, field
+
+    from services.message_fields import read_fields, rule
 
     @dataclass
     class Message:
-        g: int = field(metadata=wire.rule(low=-1))
-        split: str = field(metadata=wire.rule(choices=("train", "eval")))
-        tag: str = field(metadata=wire.rule(max_len=4, absent=""))
-        digest: str = field(metadata=wire.rule(length=2, absent="ab"))
-        ids: list[int] = field(metadata=wire.rule(absent=[]))
-        ok: bool = field(metadata=wire.rule(absent=True))
-        rate: float = field(metadata=wire.rule(absent=0.0))
-        part: int | None = field(metadata=wire.rule(low=0, high=9, absent=None))
+        g: int = field(metadata=rule(low=-1))
+        split: str = field(metadata=rule(choices=("train", "eval")))
+        tag: str = field(metadata=rule(max_len=4, absent=""))
+        digest: str = field(metadata=rule(length=2, absent="ab"))
+        ids: list[int] = field(metadata=rule(absent=[]))
+        ok: bool = field(metadata=rule(absent=True))
+        rate: float = field(metadata=rule(absent=0.0))
+        part: int | None = field(metadata=rule(low=0, high=9, absent=None))
 
     good = {"g": 3, "split": "eval", "ids": [1, 2], "ok": False, "rate": 2, "part": 9}
-    assert wire.read_fields(Message, good, "m") == {**good, "tag": "", "digest": "ab"}
-    assert wire.read_fields(Message, {"g": -1}, "m", names=("g",)) == {"g": -1}
+    assert read_fields(Message, good, "m") == {**good, "tag": "", "digest": "ab"}
+    assert read_fields(Message, {"g": -1}, "m", names=("g",)) == {"g": -1}
     bad = [
         ({"split": "train"}, "m field 'g': expected int >= -1, got nothing"),  # absent, no absent value
         ({"g": True, "split": "train"}, "m field 'g': expected int >= -1, got 'True'"),  # a bool is no int
@@ -459,9 +461,9 @@ def test_read_fields_checks_each_field_by_its_annotation_and_rule_and_names_it()
     ]
     for header, message in bad:
         with pytest.raises(wire.WireError, match=message):
-            wire.read_fields(Message, header, "m")
-    assert wire.read_fields(Message, {"g": 0, "split": "train", "part": None}, "m")["part"] is None
+            read_fields(Message, header, "m")
+    assert read_fields(Message, {"g": 0, "split": "train", "part": None}, "m")["part"] is None
     with pytest.raises(wire.WireError, match="m: expected a map, got list"):
-        wire.read_fields(Message, [1], "m")
+        read_fields(Message, [1], "m")
     with pytest.raises(TypeError, match="unknown bounds"):
-        wire.rule(minimum=1)
+        rule(minimum=1)
