@@ -31,10 +31,7 @@ def decoder_linears(model: nn.Module) -> set[str]:
     return {
         name + ".weight"
         for name, m in model.named_modules()
-        if isinstance(m, nn.Linear)
-        and ".layers." in name
-        and "visual" not in name
-        and all(d % fp8.ALIGN == 0 for d in m.weight.shape)
+        if isinstance(m, nn.Linear) and ".layers." in name and "visual" not in name and fp8.gemm_widths(*m.weight.shape)
     }
 
 

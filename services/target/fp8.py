@@ -60,6 +60,11 @@ TINY = 1e-12  # amax floor: an all-zero row gets a tiny scale, not 0 / 0
 SCALE_SUFFIX = "_scale_inv"  # <name>.weight -> <name>.weight_scale_inv
 
 
+def gemm_widths(n: int, k: int) -> bool:
+    """Whether an [n, k] weight has widths torch's FP8 GEMMs take (the others stay in target.dtype)."""
+    return n % ALIGN == 0 and k % ALIGN == 0
+
+
 class CheckpointError(ConfigError):
     """An FP8 checkpoint that cannot load as it is; the message names the tensor and the file."""
 
@@ -296,7 +301,7 @@ def _fp8_linear(module: nn.Linear, stored, from_checkpoint: bool, keep_blocks, s
             summary.update(["block", "kernel" if kernel else "plain"])
             return FP8Linear(q, scale, block, module.bias, kernel)
         kind, w = "requantized", dequantize(q, scale, block)
-    if n % ALIGN or k % ALIGN:
+    if not gemm_widths(n, k):
         summary["kept"] += 1
         return None
     kernel = runs_kernel("rowwise", n, k, str(device), dtype)
