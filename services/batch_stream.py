@@ -87,9 +87,7 @@ class Info:
 
     @classmethod
     def from_wire(cls, header: dict, tensors: dict) -> "Info":
-        if not isinstance(header.get("info"), dict):
-            raise wire.WireError("header field 'info': expected a map")
-        return cls(header["info"])
+        return cls(**read_fields(cls, header, "header"))
 
 
 @dataclass(frozen=True)

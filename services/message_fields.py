@@ -52,11 +52,14 @@ def read_fields(cls, header, what: str, names=None) -> dict:
     for f in dataclasses.fields(cls):
         if names is None or f.name in names:
             bounds = f.metadata.get("wire", {})
-            sent = header.get(f.name)
-            value = sent if f.name in header or "absent" not in bounds else bounds["absent"]
-            if f.name not in header and "absent" not in bounds or not _fits(f, value):
-                got = repr(str(sent)[:80]) if f.name in header else "nothing"
-                raise WireError(f"{what} field {f.name!r}: expected {_describe(f)}, got {got}")
+            if f.name in header:
+                value = header[f.name]
+                if not _fits(f, value):
+                    raise WireError(f"{what} field {f.name!r}: expected {_describe(f)}, got {str(value)[:80]!r}")
+            elif "absent" in bounds:
+                value = bounds["absent"]
+            else:
+                raise WireError(f"{what} field {f.name!r}: expected {_describe(f)}, got nothing")
             values[f.name] = value
     return values
 
