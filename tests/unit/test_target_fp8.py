@@ -459,6 +459,32 @@ def test_cuda_block_scaled_gemm_where_it_runs_agrees_with_the_plain_math():
     assert summary["block"] + summary["requantized"] == 21 and summary["plain"] == 0
 
 
+def test_the_block_scaled_gemm_is_one_op_with_the_output_shape_for_the_compiler():
+    """dynamo does not trace torch._scaled_mm_v2 (F.scaled_mm's); the block GEMM is an op of its own,
+    whose fake gives the compiler the output's shape and dtype without running it."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        xq = torch.empty(8, 256, dtype=torch.float8_e4m3fn)
+        w = torch.empty(384, 256, dtype=torch.float8_e4m3fn)
+        out = torch.ops.dflash.fp8_block_mm(xq, w, torch.empty(8, 2), torch.empty(4, 3), torch.bfloat16)
+    assert out.shape == (8, 384) and out.dtype == torch.bfloat16
+
+
+@needs_cuda
+def test_cuda_block_scaled_linear_compiles_whole_and_computes_as_eager():
+    """A compiled FP8 linear of 128 x 128 blocks is one graph (fullgraph: a break is an error) and
+    gives the eager layer's output."""
+    if not fp8.runs_kernel("block", 3072, 5120, "cuda:0", torch.bfloat16):
+        pytest.skip("no block-scaled FP8 GEMM on this GPU")
+    torch.manual_seed(4)
+    weight = torch.randn(3072, 5120, device="cuda", dtype=torch.bfloat16) * 0.02
+    layer = fp8.FP8Linear(*fp8.quantize_blocks(weight, (BLOCK, BLOCK)), (BLOCK, BLOCK), None, True)
+    x = torch.randn(4096, 5120, device="cuda", dtype=torch.bfloat16)
+    compiled = torch.compile(layer, fullgraph=True)
+    assert rel_err(compiled(x), layer(x)) < 1e-2
+
+
 @needs_cuda
 def test_cuda_fp8_checkpoint_loads_and_captures_close_to_bf16(dense_fp8):
     path, _ = dense_fp8
