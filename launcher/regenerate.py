@@ -41,6 +41,8 @@ def _follow(child: subprocess.Popen, state: dict) -> None:
             event = None
         if event == "progress":
             state["done"], state["tokens"] = int(record["done"]), int(record.get("tokens", 0))
+        elif event == "stage":
+            state["stage"] = str(record.get("stage", ""))
         elif event == "regenerated":
             state["final"] = record
         else:
@@ -52,6 +54,23 @@ def progress_text(done: int, total: int, rate: float, token_rate: float = 0.0) -
     pct = 100 * done / total if total else 100.0
     tokens = f", {token_rate:,.0f} generated tok/s" if token_rate > 0 else ""
     return f"regenerating: {done}/{total} replies ({pct:.1f}%), {rate:.1f} replies/s{tokens}, ETA {eta}"
+
+
+def waiting_text(stage: str, seconds: float) -> str:
+    """The progress line before the first token: what the shards are doing, and for how long."""
+    return f"regenerating: {stage or 'starting'} ({seconds:.0f} s)"
+
+
+def breakdown(finals: list[dict], total: int, tokens: int) -> str:
+    """Where the time went, stage by stage (the slowest shard's), with the decoding rates."""
+    names = {"start": "start", "read": "reading", "load": "model load", "tokenize": "tokenizing", "decode": "decoding"}
+    stages = [f.get("stage_seconds") or {} for f in finals]
+    took = {k: max(s.get(k, 0.0) for s in stages) for k in names if any(k in s for s in stages)}
+    said = ", ".join(f"{names[k]} {v:.1f} s" for k, v in took.items())
+    decode = took.get("decode", 0.0)
+    if decode > 0:
+        said += f" ({total / decode:.1f} replies/s, {tokens / decode:,.0f} generated tok/s while decoding)"
+    return f"time: {said}"
 
 
 def _kinds(chat: int, plain: int) -> str:
@@ -153,18 +172,23 @@ def run(args) -> None:
                 base + ["--out", str(part), "--shard", f"{i}/{len(gpus)}"], env=env, stdout=subprocess.PIPE, text=True
             )
             children.append(child)
-            states.append({"done": 0, "tokens": 0, "final": None})
+            states.append({"done": 0, "tokens": 0, "final": None, "stage": ""})
             readers.append(threading.Thread(target=_follow, args=(child, states[-1]), daemon=True))
             readers[-1].start()
         first: tuple[float, int] | None = None  # (time, turns) at the first batch done
+        decoding: tuple[float, int] | None = None  # (time, tokens) at the first token generated
         while any(c.poll() is None for c in children):
-            done = sum(s["done"] for s in states)
+            now, done, tokens = time.monotonic(), sum(s["done"] for s in states), sum(s["tokens"] for s in states)
             if done and first is None:
-                first = (time.monotonic(), done)
-            elapsed = time.monotonic() - first[0] if first else 0.0
-            rate = (done - first[1]) / elapsed if first and elapsed > 0 else 0.0
-            token_rate = sum(s["tokens"] for s in states) / max(time.monotonic() - start, 1e-9)
-            line.show(progress_text(done, total, rate, token_rate))
+                first = (now, done)
+            if tokens and decoding is None:
+                decoding = (now, tokens)
+            rate = (done - first[1]) / (now - first[0]) if first and now > first[0] else 0.0
+            token_rate = (tokens - decoding[1]) / (now - decoding[0]) if decoding and now > decoding[0] else 0.0
+            if decoding or done:
+                line.show(progress_text(done, total, rate, token_rate))
+            else:  # loading: say what, not "0 replies"
+                line.show(waiting_text(states[0]["stage"], now - start))
             time.sleep(0.5)
         for reader in readers:
             reader.join(timeout=10)
@@ -209,6 +233,7 @@ def run(args) -> None:
         f"regenerated {sum(f['turns'] for f in finals) - empty} replies ({_kinds(chat, plain)}) "
         f"in {_duration(time.monotonic() - start)} ({args.engine}, {where})"
     ]
+    lines.append(breakdown(finals, sum(f["turns"] for f in finals), sum(s["tokens"] for s in states)))
     if empty:
         lines.append(f"{empty} replies came back empty: those turns keep the data's text")
     if pre_tokenized:

@@ -91,6 +91,30 @@ def prompt_tokens(tokenizer, messages: list[dict], template_kwargs: dict | None 
     )
 
 
+def many_prompt_tokens(tokenizer, prompts: list, template_kwargs: dict | None = None) -> list[list[int]]:
+    """prompt_tokens of each chat (a list of messages) and raw_tokens of each plain text, in order,
+    rendered and tokenized in one batched call per kind: one call per prompt costs the template's
+    setup and a trip into the Rust tokenizer each time (0.39 against 0.19 ms a prompt on 2 cores,
+    and the batch spreads over every core)."""
+    out: list[list[int]] = [[] for _ in prompts]
+    chats = [i for i, p in enumerate(prompts) if isinstance(p, list)]
+    texts = [i for i, p in enumerate(prompts) if not isinstance(p, list)]
+    if chats:
+        ids = tokenizer.apply_chat_template(
+            [prompts[i] for i in chats],
+            tokenize=True,
+            add_generation_prompt=True,
+            return_dict=True,
+            **(template_kwargs or {}),
+        )["input_ids"]
+        for i, row in zip(chats, ids):
+            out[i] = list(row)
+    if texts:
+        for i, row in zip(texts, tokenizer([prompts[i] for i in texts], add_special_tokens=True)["input_ids"]):
+            out[i] = list(row)
+    return out
+
+
 def raw_tokens(tokenizer, text: str) -> list[int]:
     """Token ids of plain text as a base model reads it (the tokenizer's own special tokens, a BOS, included)."""
     return list(tokenizer(text, add_special_tokens=True)["input_ids"])

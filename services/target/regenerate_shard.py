@@ -31,10 +31,12 @@ i, i+N, ...) and interleaves the shards back into the input order. Lines that ar
 --sample-temperature (pass k of shard i from seed SAMPLE_SEED * k + i), to OUT.sample1..K: more
 varied replies per prompt for the drafter to learn from (docs/operations.md).
 
-Stdout is JSON lines: {"event": "progress", "done": D, "total": T, "tokens": N} (assistant turns
-done, tokens generated) after each batch and every 2 s inside one, and one {"event":
-"regenerated", ...} at the end with what changed: lines, chat lines, plain-text lines,
-pre_tokenized lines copied unchanged, turns rewritten, empty_replies_kept. `launcher regenerate`
+Stdout is JSON lines: {"event": "stage", "stage": WHAT} as the shard starts reading, loading and
+decoding, {"event": "progress", "done": D, "total": T, "tokens": N} (assistant turns done, tokens
+generated) after each batch and every 2 s inside one, and one {"event": "regenerated", ...} at the
+end with what changed (lines, chat lines, plain-text lines, pre_tokenized lines copied unchanged,
+turns rewritten, empty_replies_kept) and stage_seconds: the seconds of each stage (start: the
+interpreter and torch; read; load; tokenize; decode). `launcher regenerate`
 reads them for its progress line and summary.
 """
 
@@ -45,6 +47,8 @@ import json
 import sys
 import time
 from pathlib import Path
+
+import psutil
 
 from services.data_lines import (
     plain_lines,
@@ -74,6 +78,7 @@ class HFEngine:
         self.model = load_causal_lm(model_path, dtype, device)  # the training target's loader, HF's attention
         self.slots = slot_target(self.model)  # None: a recurrent target, HF generate
         self.device, self.template_kwargs = device, template_kwargs or {}
+        self.tokenize_s = 0.0  # of the prompts, for the summary's breakdown
         self.set_sampling(temperature, seed=0)
         self.pad = (
             self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
@@ -87,14 +92,12 @@ class HFEngine:
         self.torch.manual_seed(seed)
 
     def generate(self, conversations: list[list[dict]], max_new_tokens: int, batch_size: int, tick=None) -> list[str]:
-        from services.data_lines import prompt_tokens, raw_tokens
+        from services.data_lines import many_prompt_tokens
 
         torch = self.torch
-        tok = self.tokenizer
-        prompts = [
-            prompt_tokens(tok, m, self.template_kwargs) if isinstance(m, list) else raw_tokens(tok, m)
-            for m in conversations
-        ]
+        began = time.perf_counter()
+        prompts = many_prompt_tokens(self.tokenizer, conversations, self.template_kwargs)
+        self.tokenize_s += time.perf_counter() - began
         order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
         replies = [""] * len(prompts)
         sampling = (
@@ -318,12 +321,24 @@ def main(argv=None) -> int:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     shard, num_shards = (int(x) for x in args.shard.split("/"))
     start = time.perf_counter()
+    seconds_at = start - (time.time() - psutil.Process().create_time())  # the stage "start" from the exec
+    seconds: dict[str, float] = {}  # what each stage took, for the launcher's summary
+
+    def stage(done: str, next_stage: str) -> None:
+        """`done` took the time since the last stage; the launcher shows `next_stage` until decoding."""
+        nonlocal seconds_at
+        seconds[done], seconds_at = round(time.perf_counter() - seconds_at, 2), time.perf_counter()
+        print(json.dumps({"event": "stage", "stage": next_stage}), flush=True)
+
+    stage("start", "reading the data")
     try:
         items = read_conversations(args.data, shard, num_shards)
     except ValueError as exc:  # a broken line: one line naming it, exit 2
         print(f"regenerate: error: {exc}", file=sys.stderr, flush=True)
         return 2
+    stage("read", "loading the model")
     engine = ENGINES[args.engine](args.model, device, args.temperature, args.chat_template_kwargs)
+    stage("load", "tokenizing the prompts, then decoding")
     counts, done, total = {}, 0, replies_to_write(items) * (1 + args.samples)
 
     generated, said = 0, time.monotonic()
@@ -344,6 +359,10 @@ def main(argv=None) -> int:
         engine.set_sampling(args.sample_temperature, seed=SAMPLE_SEED * k + shard)
         sampled = regenerate(engine, rewritten, args.max_new_tokens, args.batch_size, counts, tick)
         write_lines(sample_path(out, k), sampled)
+    seconds["decode"] = round(time.perf_counter() - seconds_at, 2)
+    if getattr(engine, "tokenize_s", 0):  # the engine tokenized inside the decode stage
+        seconds["tokenize"] = round(engine.tokenize_s, 2)
+        seconds["decode"] = round(seconds["decode"] - engine.tokenize_s, 2)
     chat = sum(m is not None for _, m in items)
     plain = plain_lines(items)
     print(
@@ -362,6 +381,7 @@ def main(argv=None) -> int:
                 "device": device,
                 "chat_template_kwargs": args.chat_template_kwargs,
                 "seconds": round(time.perf_counter() - start, 2),
+                "stage_seconds": seconds,
             }
         ),
         flush=True,

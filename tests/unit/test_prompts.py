@@ -7,7 +7,7 @@ import json
 import pytest
 
 from services.config import load_config
-from services.data_lines import prompt_tokens
+from services.data_lines import many_prompt_tokens, prompt_tokens, raw_tokens
 from services.prompts import PromptFileError, interleave, prompt_sets, read_prompt_file, set_name
 
 USER = [{"role": "user", "content": "add two numbers"}]
@@ -36,6 +36,18 @@ def test_every_line_shape_becomes_the_prompt_a_server_would_see(tmp_path, tokeni
     )
     assert read_prompt_file(path, tokenizer, {}) == [rendered] * 5 + [[5, 6], [9, 10]]
     assert read_prompt_file(path, tokenizer, {}, limit=2) == [rendered] * 2
+
+
+def test_prompts_tokenized_in_one_batch_are_those_tokenized_one_by_one(tokenizer):
+    """Regeneration tokenizes its prompts in one batch per kind; chats and plain texts mixed keep
+    their order and each gets the ids of its own call."""
+    chats = [USER, [{"role": "user", "content": "reverse a list, then sort it " * 7}], USER[:1]]
+    texts = ["def add(a, b):", "import os\n\nclass Walker:"]
+    prompts = [texts[0], chats[0], chats[1], texts[1], chats[2]]
+    expected = [raw_tokens(tokenizer, p) if isinstance(p, str) else prompt_tokens(tokenizer, p) for p in prompts]
+    assert many_prompt_tokens(tokenizer, prompts) == expected
+    assert len({len(e) for e in expected}) > 2  # rows of different lengths: no padding crept in
+    assert many_prompt_tokens(tokenizer, []) == []
 
 
 def test_gzip_files_read_as_they_ship_and_sets_are_named_by_file(tmp_path, tokenizer):

@@ -164,6 +164,13 @@ def test_launcher_regenerate_writes_the_lines_in_input_order_then_its_sampled_pa
         r"^regenerated \d+ replies \(assistant turns of 3 chat lines\) in \dm\d\ds \(hf, the CPU\)$", said, re.M
     ), said
     assert "1 pre-tokenized lines copied unchanged" in said
+    # where the time went: every stage of the shard, and the rates while decoding
+    assert re.search(
+        r"^time: start [\d.]+ s, reading [\d.]+ s, model load [\d.]+ s, tokenizing [\d.]+ s, decoding [\d.]+ s "
+        r"\([\d.]+ replies/s, [\d,]+ generated tok/s while decoding\)$",
+        said,
+        re.M,
+    ), said
     assert f"wrote {tmp_path / 'regen.jsonl'}: 10 lines, in input order, then 2 sampled passes of its 3 lines" in said
     assert "target.labels_from_target=true" in said and "labels_from_target=false" not in said  # a copied line
     assert ".part" not in said + out.stderr and '"event"' not in said  # no internal paths
