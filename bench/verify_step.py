@@ -13,6 +13,8 @@ prefill of --context tokens, each step verifies a block of --block tokens and co
   refeed      the block runs as one sequence; commit re-runs the delta rule over the kept prefix
   per-token   the rule runs token by token and keeps every state; commit picks one
 and, as the yardstick, a plain one-token forward (verify([t]) + commit(1), the greedy reference).
+--rows N: a session of N rows (services/target/row_sessions.py, the in-training evaluation's target
+side): N prompts of --context tokens, a step verifying all their blocks in one forward.
 Then the same steps on one row of services/target/slots.py's KV cache (what `launcher eval`'s
 batched path runs: the Gated DeltaNet states in fixed buffers, the block's positions as tensors),
 eagerly and, on CUDA, as CUDA graphs (the verify forward one graph, the commit two).
@@ -47,6 +49,7 @@ from services.decode_step import ROLLBACKS  # noqa: E402
 from services.target import hybrid  # noqa: E402
 from services.target.decode import DecodeSession  # noqa: E402
 from services.target.model import PACKED_SDPA, Target, _register_packed_sdpa  # noqa: E402
+from services.target.row_sessions import RowSession  # noqa: E402
 from services.target.slots import LENGTH_STEP, GraphedSteps, Slots  # noqa: E402
 
 
@@ -180,6 +183,33 @@ def profile_verify(target: Target, context: list[int], block: int, gen) -> dict:
     }
 
 
+def time_row_session(target: Target, context_len: int, block: int, iters: int, gen, rows: int) -> dict:
+    """The in-training evaluation's target side (services/target/row_sessions.py): `rows` prompts of
+    context_len tokens verified together, a step = one forward for all rows + their commits + the
+    read-back of tokens and features; random drafts, so each row keeps what the target accepts."""
+    vocab = target.info.vocab_size
+    prompts = [torch.randint(0, vocab, (context_len,), generator=gen).tolist() for _ in range(rows)]
+    sync()
+    t0 = time.perf_counter()
+    session = RowSession(target, prompts, room=block * (iters + 3))
+    sync()
+    prefill_s, step_s = time.perf_counter() - t0, 0.0
+    for i in range(iters + 2):  # two warmup steps
+        blocks = torch.randint(0, vocab, (rows, block), generator=gen).tolist()
+        sync()
+        t0 = time.perf_counter()
+        session.step(session.rows, blocks)  # reads its answers back: the sync a reply needs
+        if i >= 2:
+            step_s += time.perf_counter() - t0
+    step_ms = 1000 * step_s / iters
+    return {
+        "rows": rows,
+        "prefill_s": round(prefill_s, 3),
+        "step_ms": round(step_ms, 3),
+        "per_row_ms": round(step_ms / rows, 3),
+    }
+
+
 def time_all(args, target: Target, context: list[int], gen) -> dict:
     """Every timing of one precision: the DecodeSession methods, the plain one-token step, the slot row."""
     out = {}
@@ -190,6 +220,8 @@ def time_all(args, target: Target, context: list[int], gen) -> dict:
     out["plain_one_token"] = time_steps(target, ROLLBACKS[0], context, 1, args.iters, gen)
     steps = lambda **kw: time_slot_steps(target, context, args.block, args.iters, gen, **kw)  # noqa: E731
     target.steps_backend = ""  # the eager layers first (an earlier precision may have compiled them)
+    if args.rows:
+        out["row_session"] = time_row_session(target, len(context), args.block, args.iters, gen, args.rows)
     out["slot_row_eager"] = steps(graphs=False, profile=args.profile)
     if target.device.type == "cuda":
         out["slot_row_graphed_fp32_head"] = steps(graphs=True)
@@ -338,6 +370,9 @@ def main(argv=None) -> int:
     )
     p.add_argument("--methods", default=",".join(ROLLBACKS), help="DecodeSession methods to time ('' for none)")
     p.add_argument("--profile", action="store_true", help="also profile one verify step (host vs kernel time)")
+    p.add_argument(
+        "--rows", type=int, default=0, help="also a session of this many rows (the in-training evaluation's path)"
+    )
     p.add_argument("--compile-steps", action="store_true", help="also the slot row with compiled layers (last)")
     p.add_argument("--lossless", action="store_true", help="the tiny-hybrid lossless check instead of the timing")
     p.add_argument("--prompts", type=int, default=8, help="--lossless: prompts")

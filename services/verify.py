@@ -14,6 +14,17 @@ tokens for the whole block, how many it committed and the captured features of t
 block is a plain greedy step (the reference decoding). The features of a long prompt can exceed
 one message; they travel as parts of at most transport.chunk_bytes of rows each, in order.
 
+Many prompts at once (a session of rows, each prompt a row of the target's KV cache: one forward a
+step for all of them):
+
+    verify {op: "open-rows", ...} + ids (the prompts, one after another) + lengths (each prompt's)
+    verify {op: "step-rows", ...} + ids (each row's block, one after another) + lengths (each
+                                    block's, all equal) + rows (which prompts, by their index at
+                                    open-rows, ascending; a prompt left out is closed for good)
+    verified {..., committed: the feature rows} + greedy, margin, tolerance (a position a prompt
+                                    at open-rows, every block position at step-rows) + counts (the
+                                    tokens each row committed) + features (theirs, row by row)
+
 Everything is validated before anything the size of a tensor is allocated: the target checks each
 request against VerifyLimits (from the run's config) on its I/O thread; the client checks each
 reply against what it asked (sizes it knows from its own request). A reply from an incarnation the
@@ -38,7 +49,9 @@ from services.health import probe
 from services.message_fields import read_fields, rule
 from services.sockets import secure_socket
 
-OPS = ("open", "step", "close")
+OPS = ("open", "step", "close", "open-rows", "step-rows")
+ROW_OPS = ("open-rows", "step-rows")
+TENSORS = {"open": ["ids"], "step": ["ids"], "open-rows": ["ids", "lengths"], "step-rows": ["ids", "lengths", "rows"]}
 MAX_ID = (1 << 63) - 1
 CALL_TIMEOUT_S = 30.0  # one call: a verify step is milliseconds, a prefill at most seconds
 FEATURE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -69,6 +82,7 @@ class VerifyLimits:
     max_block: int  # tokens per step (drafter.block_size)
     max_length: int  # a session's committed tokens at most (prompt + new tokens + a block)
     vocab_size: int
+    max_rows: int = 1  # prompts of one session of rows (run.spec_eval_prompts)
 
 
 OP = rule(choices=OPS)
@@ -85,6 +99,8 @@ class VerifyRequest:
     ids: list[int]  # a tensor on the wire
     features: bool = field(default=True, metadata=rule(absent=True))  # send the committed tokens' features back
     incarnation: str = field(default="", metadata=INCARNATION)  # the target incarnation the drafter believes it asks
+    lengths: list[int] = field(default_factory=list)  # the rows ops: each prompt's or block's tokens in ids
+    rows: list[int] = field(default_factory=list)  # step-rows: the prompts stepped, by their index at open-rows
 
     def to_wire(self) -> list:
         header = {
@@ -95,7 +111,12 @@ class VerifyRequest:
             "incarnation": self.incarnation,
             "features": self.features,
         }
-        return wire.encode(header, {"ids": torch.tensor(self.ids, dtype=torch.int64)} if self.op != "close" else {})
+        tensors = {"ids": torch.tensor(self.ids, dtype=torch.int64)} if self.op != "close" else {}
+        if self.op in ROW_OPS:
+            tensors["lengths"] = torch.tensor(self.lengths, dtype=torch.int64)
+        if self.op == "step-rows":
+            tensors["rows"] = torch.tensor(self.rows, dtype=torch.int64)
+        return wire.encode(header, tensors)
 
     @classmethod
     def from_wire(cls, header: dict, tensors: dict, limits: VerifyLimits | None) -> "VerifyRequest":
@@ -109,22 +130,46 @@ class VerifyRequest:
             if tensors:
                 raise wire.WireError("verify close carries no tensors")
             return request
-        ids = tensors.get("ids")
-        if len(tensors) != 1 or ids is None or ids.dtype != torch.int64 or ids.dim() != 1:
+        expected = TENSORS[op]
+        if sorted(tensors) != sorted(expected) or any(t.dtype != torch.int64 or t.dim() != 1 for t in tensors.values()):
             raise wire.WireError(
-                f"verify {op}: expected exactly one 1-d int64 tensor 'ids', got "
+                f"verify {op}: expected the 1-d int64 tensors {expected}, got "
                 f"{[(n, str(t.dtype), list(t.shape)) for n, t in tensors.items()]}"
             )
-        most = limits.max_prompt if op == "open" else limits.max_block
-        if not 1 <= ids.numel() <= most:
-            raise wire.WireError(
-                f"verify {op}: {ids.numel()} ids; expected 1..{most} "
-                f"({'data.pack_len' if op == 'open' else 'drafter.block_size'})"
-            )
+        ids = tensors["ids"]
+        if op in ROW_OPS:
+            request.lengths, request.rows = _row_sizes(op, ids, tensors, limits), tensors.get("rows", ids[:0]).tolist()
+        else:
+            most = limits.max_prompt if op == "open" else limits.max_block
+            if not 1 <= ids.numel() <= most:
+                raise wire.WireError(
+                    f"verify {op}: {ids.numel()} ids; expected 1..{most} "
+                    f"({'data.pack_len' if op == 'open' else 'drafter.block_size'})"
+                )
         if int(ids.min()) < 0 or int(ids.max()) >= limits.vocab_size:
             raise wire.WireError(f"verify {op}: a token id outside [0, {limits.vocab_size})")
         request.ids = ids.tolist()
         return request
+
+
+def _row_sizes(op: str, ids: torch.Tensor, tensors: dict, limits: VerifyLimits) -> list[int]:
+    """A rows request's lengths, checked: 1..max_rows prompts (blocks) of 1..max_prompt (max_block)
+    tokens each, adding up to the ids sent; a step's blocks all of one length, its rows ascending."""
+    lengths = tensors["lengths"]
+    most, key = (limits.max_prompt, "data.pack_len") if op == "open-rows" else (limits.max_block, "drafter.block_size")
+    if not 1 <= lengths.numel() <= limits.max_rows:
+        raise wire.WireError(
+            f"verify {op} 'lengths': {lengths.numel()} rows; expected 1..{limits.max_rows} (run.spec_eval_prompts)"
+        )
+    if int(lengths.min()) < 1 or int(lengths.max()) > most or int(lengths.sum()) != ids.numel():
+        raise wire.WireError(f"verify {op} 'lengths': each 1..{most} ({key}), adding up to the {ids.numel()} ids sent")
+    if op == "step-rows":
+        rows = tensors["rows"]
+        if int(lengths.min()) != int(lengths.max()):
+            raise wire.WireError(f"verify {op} 'lengths': the blocks of one step have one length")
+        if rows.numel() != lengths.numel() or int(rows.min()) < 0 or bool((rows[1:] <= rows[:-1]).any()):
+            raise wire.WireError(f"verify {op} 'rows': one per block, ascending, from 0")
+    return lengths.tolist()
 
 
 # --- replies (target side builds, drafter side parses) ------------------------------------------------
@@ -184,14 +229,18 @@ def reply_messages(
     tolerance: torch.Tensor,
     features: torch.Tensor | None,
     chunk_bytes: int,
+    counts: torch.Tensor | None = None,
 ) -> list[list]:
-    """The messages of one answer: part 0 with the per-position tensors, the features in row parts."""
+    """The messages of one answer: part 0 with the per-position tensors (and a rows answer's
+    counts: the tokens each row committed), the features in row parts."""
     rows = 0 if features is None else features.shape[0]
     per_part = max(1, chunk_bytes // max(1, features[0].numel() * features.element_size())) if rows else 1
     parts = max(1, math.ceil(rows / per_part))
     messages = []
     for part in range(parts):
         tensors = {"greedy": greedy, "margin": margin, "tolerance": tolerance} if part == 0 else {}
+        if part == 0 and counts is not None:
+            tensors["counts"] = counts
         if features is not None:
             tensors["features"] = features[part * per_part : (part + 1) * per_part]
         messages.append(
@@ -224,15 +273,17 @@ class Reply:
     greedy: list[int]  # [n] the target's greedy token after each position (open: after the prompt)
     margin: list[float]  # [n] top-1 minus top-2 logit there
     tolerance: list[float]  # [n] the logits' rounding there (a smaller margin is a near-tie)
-    committed: int  # tokens the target committed (open: the prompt's length)
+    committed: int  # tokens the target committed (open: the prompt's length; rows: all rows' together)
     features: torch.Tensor | None  # [committed, width] the captured features of the committed tokens
+    counts: list[int] | None = None  # rows ops: the tokens each row committed (its features, in row order)
 
 
 class _Assembly:
     """One answer being received: every part checked against what was asked before it is kept."""
 
-    def __init__(self, op: str, sent: int, width: int, features: bool):
+    def __init__(self, op: str, sent: int, width: int, features: bool, lengths: list[int] | None = None):
         self.op, self.sent, self.width, self.want_features = op, sent, width, features
+        self.lengths = lengths or []  # a rows call's: each prompt's or block's tokens
         self.reply: Reply | None = None
         self.next_part, self.parts, self.filled = 0, 0, 0
 
@@ -276,10 +327,11 @@ class _Assembly:
         parts, tensors = reply.parts, reply.tensors
         if not 1 <= parts <= self.sent:  # every part carries at least one row
             raise wire.WireError(f"verified field 'parts': {parts}, expected 1..{self.sent}")
-        n = 1 if self.op == "open" else self.sent
+        n = {"open": 1, "open-rows": len(self.lengths)}.get(self.op, self.sent)
         committed = reply.committed
-        if not 1 <= committed <= self.sent or (self.op == "open" and committed != self.sent):
+        if not 1 <= committed <= self.sent or (self.op in ("open", "open-rows") and committed != self.sent):
             raise wire.WireError(f"verified field 'committed': {committed} for {self.sent} tokens sent")
+        counts = self._counts(tensors.get("counts"), committed) if self.op in ROW_OPS else None
         checks = {"greedy": torch.int64, "margin": torch.float32, "tolerance": torch.float32}
         for name, dtype in checks.items():
             t = tensors.get(name)
@@ -290,8 +342,27 @@ class _Assembly:
                 )
         self.parts = parts
         self.reply = Reply(
-            tensors["greedy"].tolist(), tensors["margin"].tolist(), tensors["tolerance"].tolist(), committed, None
+            tensors["greedy"].tolist(),
+            tensors["margin"].tolist(),
+            tensors["tolerance"].tolist(),
+            committed,
+            None,
+            counts,
         )
+
+    def _counts(self, counts, committed: int) -> list[int]:
+        """A rows answer's tokens committed per row: a prefill commits each prompt whole; a step
+        1..block tokens of each row's block; together `committed`."""
+        if counts is None or counts.dtype != torch.int64 or list(counts.shape) != [len(self.lengths)]:
+            raise wire.WireError(
+                f"verified 'counts': expected int64 of shape [{len(self.lengths)}], got "
+                f"{None if counts is None else (str(counts.dtype), list(counts.shape))}"
+            )
+        said, sent = counts.tolist(), self.lengths
+        fits = said == sent if self.op == "open-rows" else all(1 <= c <= n for c, n in zip(said, sent))
+        if not fits or sum(said) != committed:
+            raise wire.WireError(f"verified 'counts': {said} for blocks of {sent} tokens, {committed} committed")
+        return said
 
 
 class VerifyClient:
@@ -340,6 +411,21 @@ class VerifyClient:
     def step(self, target: int, session: int, block: list[int], features: bool = True) -> Reply:
         return self._call(target, "step", session, block, features)
 
+    def open_rows(self, target: int, session: int, prompts: list[list[int]], features: bool = True) -> Reply:
+        """Every prompt a row of one session: a Reply with a greedy token per prompt, counts = the
+        prompts' lengths and their features one prompt after another."""
+        self.refresh(target)
+        ids = [t for p in prompts for t in p]
+        return self._call(target, "open-rows", session, ids, features, lengths=[len(p) for p in prompts])
+
+    def step_rows(
+        self, target: int, session: int, rows: list[int], blocks: list[list[int]], features: bool = True
+    ) -> Reply:
+        """Each of `rows` (prompt indices at open_rows, ascending) fed its block: greedy, margin and
+        tolerance per block position, one block after another; counts = the tokens each row committed."""
+        ids = [t for b in blocks for t in b]
+        return self._call(target, "step-rows", session, ids, features, lengths=[len(b) for b in blocks], rows=rows)
+
     def close_session(self, target: int, session: int) -> None:
         """Free the session on the target; best effort (an answer is waited for, briefly)."""
         try:
@@ -362,12 +448,23 @@ class VerifyClient:
         if sock is not None:
             sock.close(linger=0)
 
-    def _call(self, target: int, op: str, session: int, ids, features: bool, timeout_s: float | None = None):
+    def _call(
+        self,
+        target: int,
+        op: str,
+        session: int,
+        ids,
+        features: bool,
+        timeout_s: float | None = None,
+        lengths: list[int] | None = None,
+        rows: list[int] | None = None,
+    ):
         incarnation = self.incarnations.get(target) or self.refresh(target)
         call_id = next(self._ids)
         sock = self._socket(target)
-        sock.send_multipart(VerifyRequest(op, call_id, session, list(ids or ()), features, incarnation).to_wire())
-        assembly = _Assembly(op, len(ids or ()), self.width, features)
+        request = VerifyRequest(op, call_id, session, list(ids or ()), features, incarnation, lengths or [], rows or [])
+        sock.send_multipart(request.to_wire())
+        assembly = _Assembly(op, len(ids or ()), self.width, features, lengths)
         deadline = time.monotonic() + (timeout_s or self.timeout_s)
         while True:
             left = deadline - time.monotonic()

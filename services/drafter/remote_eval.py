@@ -26,14 +26,14 @@ from types import SimpleNamespace
 import torch
 
 from services.decode_progress import Progress
-from services.decode_step import Step
+from services.decode_step import Decoded, Step
 from services.drafter.spec_eval import SpecEval
 from services.drafter.speculative import greedy_reference, speculative_generate, summarize_sets
 from services.endpoints import endpoint
 from services.health import Drops
 from services.prompts import interleave, prompt_sets, stop_token_ids
 from services.runspec import HeldOut
-from services.verify import TargetUnavailable, VerifyClient, VerifyError
+from services.verify import SessionLost, TargetUnavailable, VerifyClient, VerifyError
 
 log = logging.getLogger("drafter")
 
@@ -68,6 +68,61 @@ class RemoteVerifier:
     def close(self) -> None:
         if self.opened:
             self.client.close_session(self.target, self.session)
+
+
+ROWS_TOKENS = 1 << 16  # prompt tokens of one open-rows request (8 bytes each: under transport.MAX_REQUEST_BYTES)
+
+
+@torch.no_grad()
+def decode_rows(client, target: int, session: int, prompts, propose, *, max_new_tokens, stop_ids, device, tick=None):
+    """speculative_generate (propose None: greedy_reference) for all `prompts` at once on one session of
+    rows on `target`: a round trip a step for all of them, each step one target forward. The target
+    commits each row's accepted drafts + 1 itself; the same rule here (Decoded.accept) must agree.
+    tick(new tokens) after each step."""
+    stop, began, features = set(stop_ids), time.perf_counter(), propose is not None
+    reply = client.open_rows(target, session, prompts, features)
+    outs, contexts, at = [], [], 0
+    for k, n in enumerate(reply.counts):
+        outs.append(Decoded([reply.greedy[k]], [], 1, [reply.margin[k]], [reply.tolerance[k]]))
+        contexts.append(reply.features[at : at + n].to(device) if features else None)
+        at += n
+    active = [k for k, out in enumerate(outs) if not out.done(max_new_tokens, stop)]
+    while active:
+        lasts = [outs[k].tokens[-1] for k in active]
+        drafts = propose.many([contexts[k] for k in active], lasts) if features else [[] for _ in active]
+        reply = client.step_rows(target, session, active, [[t] + d for t, d in zip(lasts, drafts)], features)
+        q, at, still, new = len(drafts[0]) + 1, 0, [], 0
+        for j, (k, d) in enumerate(zip(active, drafts)):
+            cut, had = slice(j * q, (j + 1) * q), len(outs[k].tokens)
+            said = reply.greedy[cut], reply.margin[cut], reply.tolerance[cut]
+            accepted = outs[k].accept(d, *said, max_new_tokens, stop)
+            n, new = reply.counts[j], new + len(outs[k].tokens) - had
+            if n != accepted + 1:
+                raise VerifyError(f"target {target} committed {n} tokens of row {k}'s block, the loop {accepted + 1}")
+            if features:
+                contexts[k] = torch.cat([contexts[k], reply.features[at : at + n].to(device)])
+            at += n
+            if not outs[k].done(max_new_tokens, stop):
+                still.append(k)
+        active = still
+        if tick:
+            tick(new)
+    seconds = (time.perf_counter() - began) / len(prompts)  # the batch's wall time, shared out
+    for out in outs:
+        out.seconds = seconds
+    return outs
+
+
+def batches(indices: list[int], lengths: list[int], most: int) -> list[list[int]]:
+    """`indices` in order, cut into batches of at most `most` prompts and ROWS_TOKENS prompt tokens."""
+    out, tokens = [], 0
+    for i, n in zip(indices, lengths):
+        if not out or len(out[-1]) >= most or tokens + n > ROWS_TOKENS:
+            out.append([])
+            tokens = 0
+        out[-1].append(i)
+        tokens += n
+    return out
 
 
 def models_in_process() -> int:
@@ -126,6 +181,8 @@ class RemoteSpecEval(SpecEval):
         self._sessions = itertools.count(1)
         self.down: set[int] = set()
         self.skipped = 0
+        self.rows = True  # verify on sessions of rows (decode_rows) until a target refuses them
+        self.max_rows = max(1, cfg.run.spec_eval_prompts)  # what a target takes in one (its VerifyLimits)
 
     def head(self, model_cfg):
         return self.head_on_device
@@ -166,13 +223,72 @@ class RemoteSpecEval(SpecEval):
             self._refs[index] = ref
         return self._refs[index]
 
+    def _rows(self, indices: list[int], propose, tick, past_budget) -> dict[int, Decoded]:
+        """Prompts `indices` decoded on sessions of rows, each target its own prompts (index mod T),
+        in batches (batches()) until past_budget(); what was decoded, by index. A batch whose session
+        is lost is decoded once more, then skipped; a target that refuses rows (it cannot run them)
+        turns this process to prompt-by-prompt sessions (self.rows False)."""
+        done: dict[int, Decoded] = {}
+
+        def stepped(tokens: int) -> None:
+            self.progress.add(tokens)  # a log line every 10 s while it lasts
+            if tick:
+                tick()
+
+        for target in range(self.client.num_targets):
+            mine = [i for i in indices if i % self.client.num_targets == target]
+            for batch in batches(mine, [len(self.prompts[i]) for i in mine], self.max_rows):
+                for attempt in range(2):
+                    if target in self.down or not self.rows or (done and past_budget()):
+                        break
+                    session = next(self._sessions)
+                    try:
+                        prompts = [self.prompts[i] for i in batch]
+                        limits = dict(max_new_tokens=self.max_new_tokens, stop_ids=self.stop_ids, device=self.device)
+                        outs = decode_rows(self.client, target, session, prompts, propose, **limits, tick=stepped)
+                        done.update(zip(batch, outs))
+                        break
+                    except TargetUnavailable as exc:
+                        log.warning("real acceptance: %s; target %d is left out of this evaluation", exc, target)
+                        self.down.add(target)
+                    except SessionLost as exc:
+                        log.warning("real acceptance: %d prompts, attempt %d: %s", len(batch), attempt + 1, exc)
+                    except VerifyError as exc:  # refused: this target cannot verify on rows
+                        log.warning("real acceptance: %s; verifying prompt by prompt from now on", exc)
+                        self.rows = False
+                    finally:
+                        self.client.close_session(target, session)
+        return done
+
     def run(self, propose, budget_s: float = 0.0, tick=None, indices: list[int] | None = None) -> dict:
         """Prompts in order (those of `indices`, else all) until done or past budget_s (0: no limit);
-        the figures of those decoded, and their `indices` (a skipped prompt is not among them)."""
+        the figures of those decoded, and their `indices` (a skipped prompt is not among them).
+        On rows (_rows): the references first, once per prompt, then `propose`, many prompts a step."""
         start, results, refs, decoded = time.perf_counter(), [], [], []
         self.down, self.skipped = set(), 0
-        todo = range(len(self.prompts)) if indices is None else indices
-        self.progress.phase(getattr(propose, "label", "drafter"), len(todo) * self.max_new_tokens)
+        todo = list(range(len(self.prompts)) if indices is None else indices)
+
+        def past_budget() -> bool:
+            return budget_s > 0 and time.perf_counter() - start > budget_s
+
+        if self.rows:
+            missing = [i for i in todo if i not in self._refs]
+            self.progress.phase("greedy references", len(missing) * self.max_new_tokens)
+            self._refs.update(self._rows(missing, None, tick, past_budget))
+        if self.rows:
+            self.progress.phase(getattr(propose, "label", "drafter"), len(todo) * self.max_new_tokens)
+            outs = self._rows([i for i in todo if i in self._refs], propose, tick, past_budget)
+            for index in todo:
+                if index in outs:
+                    results.append(outs[index])
+                    refs.append(self._refs[index])
+                    decoded.append(index)
+            if self.rows:  # else refused midway: the rest prompt by prompt, below
+                self.skipped, todo = len(todo) - len(decoded), []
+            else:
+                todo = [i for i in todo if i not in outs]
+        else:
+            self.progress.phase(getattr(propose, "label", "drafter"), len(todo) * self.max_new_tokens)
         for index in todo:
             if budget_s > 0 and (results or self.skipped) and time.perf_counter() - start > budget_s:
                 break

@@ -1,8 +1,9 @@
 """Verify requests on the target worker: decode sessions for real acceptance (services/verify.py).
 
 The target that serves batches also runs the eval's target forwards, so no drafter holds a copy
-of the target. Each session is a DecodeSession (decode.py) over the worker's own Target, keyed by
-(drafter connection, session id): another connection cannot touch it.
+of the target. A session is a DecodeSession (decode.py: one prompt) or a RowSession (row_sessions.py:
+the prompts of an evaluation as rows of one KV cache, one forward a step for all) over the worker's
+own Target, keyed by (drafter connection, session id): another connection cannot touch it.
 
 Bounds:
   - sessions: at most run.spec_eval_sessions at once; opening one more closes the least recently
@@ -17,6 +18,7 @@ Answers carry this process's incarnation and the request id; the drafter checks 
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections import OrderedDict, deque
@@ -27,6 +29,7 @@ import torch
 from services import verify
 from services.target.decode import DecodeSession, check_decodable
 from services.target.hybrid import RECURRENT_TOKENS
+from services.target.row_sessions import RowSession
 from services.transport import BatchServer, Request
 
 log = logging.getLogger("target")
@@ -42,6 +45,7 @@ def verify_limits(cfg, spec) -> verify.VerifyLimits:
         max_block=spec.block_size,
         max_length=cfg.data.pack_len + cfg.run.spec_eval_max_new_tokens + spec.block_size,
         vocab_size=spec.target.vocab_size,
+        max_rows=max(1, cfg.run.spec_eval_prompts),
     )
 
 
@@ -92,6 +96,12 @@ def warm_up_verify(target, block_size: int) -> str:
         for block, keep in ((1, 1), (block_size, 1), (block_size, block_size)):
             session.verify(tokens(block))
             session.commit(keep)
+    try:  # and the rows of an evaluation's prompts together (row_sessions.py), where the target runs them
+        rows = RowSession(target, [tokens(n) for n in WARMUP_PROMPTS], 2 * block_size)
+        for block in (1, block_size):
+            rows.step(rows.rows, [tokens(block) for _ in rows.rows])
+    except ValueError:
+        pass  # this target verifies prompt by prompt: the drafter learns it at its first evaluation
     if target.device.type == "cuda":
         torch.cuda.synchronize(target.device)
     return f"warmed up the verify path in {time.perf_counter() - start:.1f} s"
@@ -102,7 +112,7 @@ class VerifyService:
         self.target, self.server, self.health = target, server, health
         self.limits = server.verify_limits
         self.max_sessions, self.share = settings.max_sessions, settings.share
-        self.sessions: OrderedDict[tuple[bytes, int], tuple[DecodeSession, float]] = OrderedDict()
+        self.sessions: OrderedDict[tuple[bytes, int], tuple[DecodeSession | RowSession, float]] = OrderedDict()
         self.waiting: deque[Request] = deque()
         self.spent: deque[tuple[float, float]] = deque()  # (end time, seconds) of verify work in the window
         self.last_batch_request = float("-inf")
@@ -174,16 +184,45 @@ class VerifyService:
             **self.counts,
         )
 
+    def _open(self, key) -> None:
+        """Room for one more session: the least recently used ones go."""
+        self.sessions.pop(key, None)
+        while len(self.sessions) >= self.max_sessions:
+            self.sessions.popitem(last=False)
+            self.counts["verify_evicted"] += 1
+
+    def _rows(self, key, r: verify.VerifyRequest) -> list[list]:
+        """The rows ops: many prompts of one session, one forward a step for all (row_sessions.py)."""
+        incarnation, chunk = self.server.incarnation, self.server.transport.chunk_bytes
+        if r.op == "open-rows":
+            self._open(key)
+            cut = [0, *itertools.accumulate(r.lengths)]
+            prompts = [r.ids[a:b] for a, b in zip(cut, cut[1:])]
+            session = RowSession(self.target, prompts, self.limits.max_length - self.limits.max_prompt)
+            greedy, margin, tolerance, counts, features = session.first
+        else:
+            if key not in self.sessions or not isinstance(self.sessions[key][0], RowSession):
+                raise verify.SessionLost(f"unknown verify session {r.session}")
+            session, _ = self.sessions.pop(key)
+            q = r.lengths[0]
+            blocks = [r.ids[i * q : (i + 1) * q] for i in range(len(r.lengths))]
+            greedy, margin, tolerance, counts, features = session.step(r.rows, blocks)
+        self.sessions[key] = (session, time.monotonic())  # most recently used last
+        self.counts["verify_tokens"] += len(r.ids)
+        features = features if r.features else None
+        return verify.reply_messages(
+            r, incarnation, int(counts.sum()), greedy, margin, tolerance, features, chunk, counts=counts
+        )
+
     def _run(self, client: bytes, r: verify.VerifyRequest) -> list[list]:
         key, incarnation = (client, r.session), self.server.incarnation
         if r.op == "close":
             self.sessions.pop(key, None)
             return [verify.closed_frames(r, incarnation)]
+        if r.op in verify.ROW_OPS:
+            return self._rows(key, r)
         if r.op == "open":
-            self.sessions.pop(key, None)
-            while len(self.sessions) >= self.max_sessions:
-                self.sessions.popitem(last=False)
-                self.counts["verify_evicted"] += 1
+            self._open(key)
             session = DecodeSession(self.target)
             step = session.prefill(r.ids)
             self.sessions[key] = (session, time.monotonic())
@@ -198,7 +237,7 @@ class VerifyService:
                 step.features.cpu() if r.features else None,
                 self.server.transport.chunk_bytes,
             )
-        if key not in self.sessions:
+        if key not in self.sessions or not isinstance(self.sessions[key][0], DecodeSession):
             raise verify.SessionLost(f"unknown verify session {r.session}")
         session, _ = self.sessions.pop(key)
         if session.length + len(r.ids) > self.limits.max_length:

@@ -152,6 +152,20 @@ class MostlyRight:
         drafts[-1] = (drafts[-1] + 1) % 100
         return torch.tensor(drafts, device=features.device)
 
+    def many(self, contexts, last_tokens) -> list[list[int]]:
+        """Every prompt's block at once (the rows the target verifies together): each context's
+        prompt is the one whose greedy sequence has the last token at the context's length."""
+        out = []
+        for context, last in zip(contexts, last_tokens):
+            start = context.shape[0]
+            for i, prompt in enumerate(self.spec.prompts):
+                sequence = prompt + self.spec._refs[i].tokens
+                if len(prompt) <= start < len(sequence) and sequence[start] == last:
+                    self.sequence = sequence
+                    break
+            out.append(self(context, last, start).tolist())
+        return out
+
 
 def test_speculative_decoding_through_the_worker_equals_greedy(worker):
     cfg = worker.cfg
@@ -161,6 +175,7 @@ def test_speculative_decoding_through_the_worker_equals_greedy(worker):
         assert len(spec.prompts) == PROMPTS
         torch.manual_seed(0)
         random = spec.run(spec.proposer(None, model_cfg))  # random drafter: most drafts rejected
+        assert spec.rows  # every prompt on one session of rows: the target took them
         assert random["prompts"] == PROMPTS and random["skipped"] == 0
         assert random["lossless"] == PROMPTS and random["differences"] == [], random["differences"]
         assert random["acceptance_per_step"] < 1.5
@@ -190,6 +205,18 @@ def test_speculative_decoding_through_the_worker_equals_greedy(worker):
         assert batched_random["lossless"] == PROMPTS and batched_random["steps"] == local_random["steps"]
         assert batched_random["acceptance_per_step"] == pytest.approx(random["acceptance_per_step"])
         assert batched_random["repeat_last"]["lossless"] == PROMPTS
+        # prompt by prompt (a target that cannot run rows): the same records, many more round trips
+        before = worker.status()["verify_requests"]
+        one_by_one = RemoteSpecEval(cfg, worker.run_dir, 1, head, model_cfg, None, prompts=PROMPTS, max_new_tokens=NEW)
+        one_by_one.rows = False
+        try:
+            torch.manual_seed(0)
+            slow = one_by_one.run(one_by_one.proposer(None, model_cfg))
+            assert [one_by_one._refs[i].tokens for i in range(PROMPTS)] == [r.tokens for r in local_refs]
+        finally:
+            one_by_one.close()
+        assert (slow["steps"], slow["tokens"], slow["lossless"]) == (random["steps"], random["tokens"], PROMPTS)
+        assert worker.status()["verify_requests"] - before > 2 * random["steps"] / PROMPTS
         status = worker.status()
         assert status["verify_requests"] > 0 and status["verify_sessions"] == 0  # every session closed
         assert status["bad_messages"] == 0
@@ -218,6 +245,8 @@ def test_hostile_verify_messages_are_counted_and_dropped(worker):
         ({**head, "op": "open", "features": 1}, ids(3)),  # features not a bool
         ({**head, "op": "open"}, {"ids": torch.ones(2, 2, dtype=torch.int64)}),  # not 1-d
         ({**head, "op": "close"}, ids(1)),  # close with tensors
+        ({**head, "op": "open-rows"}, {**ids(3), "lengths": torch.tensor([1, 1])}),  # lengths not adding up
+        ({**head, "op": "open-rows"}, {**ids(3), "lengths": torch.ones(3, 1, dtype=torch.int64)}),  # not 1-d
     ]
     for header, tensors in hostile:
         _send(rogue, header, tensors)

@@ -14,6 +14,7 @@ import torch
 from services.compile_setup import graphs_compiled
 from services.target.compiled import compile_and_warm_up, warmup_row, why_not
 from services.target.decode import DecodeSession
+from services.target.row_sessions import RowSession
 from services.target.verifying import warm_up_verify
 from tests.tiny_targets import HYBRID_DEVICES, VOCAB, cuda_with_kernels, dense_target, hybrid_target, prompt
 
@@ -146,9 +147,9 @@ def test_the_verify_warmup_leaves_captures_and_graphs_as_they_were(device):
 @pytest.mark.skipif(not cuda_with_kernels(), reason="needs CUDA and flash-linear-attention")
 def test_after_the_verify_warmup_an_evaluation_compiles_no_triton_kernel():
     """What a real evaluation asks after the warmup (prompts of lengths the warmup never saw, the
-    plain greedy reference's 1-token blocks, drafted blocks accepted in part) compiles no Triton
-    kernel, so its first verify pays no first call (one of a prompt past RECURRENT_TOKENS took over
-    30 s on an H200 when the warmup had only short prompts)."""
+    plain greedy reference's 1-token blocks, drafted blocks accepted in part; one prompt a session
+    and many as rows) compiles no Triton kernel, so its first verify pays no first call (one of a
+    prompt past RECURRENT_TOKENS took over 30 s on an H200 when the warmup had only short prompts)."""
     from triton import knobs
 
     target = hybrid_target(device="cuda")
@@ -170,6 +171,11 @@ def test_after_the_verify_warmup_an_evaluation_compiles_no_triton_kernel():
                 session.commit(1)
                 session.verify(prompt(n + 2, 4))
                 session.commit(rng.randint(1, 4))
+        # and the rows of an evaluation's prompts verified together (row_sessions.py)
+        rows = RowSession(target, [prompt(n, n) for n in (7, 45, 150, 260, 301)], room=24)
+        for block in (1, 4, 4, 4):
+            rows.step(rows.rows, [prompt(block + r, block) for r in rows.rows])
+        rows.step(rows.rows[1:4], [prompt(9 + r, 4) for r in rows.rows[1:4]])  # rows that left
         torch.cuda.synchronize()
     finally:
         knobs.runtime.jit_cache_hook = None

@@ -7,7 +7,7 @@ import torch
 from services import wire
 from services.verify import Verified, VerifyLimits, VerifyRequest, _Assembly, reply_messages
 
-LIMITS = VerifyLimits(max_prompt=16, max_block=4, max_length=40, vocab_size=100)
+LIMITS = VerifyLimits(max_prompt=16, max_block=4, max_length=40, vocab_size=100, max_rows=3)
 
 
 def parsed(frames):
@@ -189,3 +189,65 @@ def test_the_verify_messages_round_trip_and_each_bad_answer_field_is_named():
     ]:
         with pytest.raises(wire.WireError, match=f"'{name}'"):
             Verified.from_wire(*wire.decode(wire.encode({**good, name: value})))
+
+
+def rows_frames(op, ids, lengths, rows=(), call_id=4, session=2):
+    return VerifyRequest(op, call_id, session, ids, True, "inc", list(lengths), list(rows)).to_wire()
+
+
+def test_a_rows_request_parses_and_each_bad_size_is_named():
+    """Many prompts in one session: the prompts' (blocks') lengths add up to the ids, at most
+    max_rows of them; a step's blocks are of one length, its rows ascending."""
+    r = parsed(rows_frames("open-rows", [1, 2, 3, 4, 5], [2, 3]))
+    assert (r.op, r.ids, r.lengths, r.rows) == ("open-rows", [1, 2, 3, 4, 5], [2, 3], [])
+    r = parsed(rows_frames("step-rows", [1, 2, 3, 4], [2, 2], [0, 2]))
+    assert (r.lengths, r.rows) == ([2, 2], [0, 2]) and parsed(r.to_wire()) == r
+    bad = {
+        "'lengths'.*1..3": rows_frames("open-rows", [1] * 4, [1, 1, 1, 1]),  # more rows than max_rows
+        "adding up": rows_frames("open-rows", [1, 2, 3], [1, 1]),
+        "each 1..16": rows_frames("open-rows", [1] * 17, [17]),  # a prompt past max_prompt
+        "each 1..4": rows_frames("step-rows", [1] * 5, [5], [0]),  # a block past max_block
+        "one length": rows_frames("step-rows", [1, 2, 3], [1, 2], [0, 1]),
+        "ascending": rows_frames("step-rows", [1, 2], [1, 1], [1, 0]),
+        "'rows'": rows_frames("step-rows", [1, 2], [1, 1], [0]),  # a row per block
+        "outside": rows_frames("open-rows", [1, 100], [2]),  # a token outside the vocabulary
+        "tensors": wire.encode(  # a rows op without its lengths
+            {"kind": "verify", "op": "open-rows", "id": 1, "session": 1}, {"ids": torch.ones(2, dtype=torch.int64)}
+        ),
+    }
+    for match, frames in bad.items():
+        with pytest.raises(wire.WireError, match=match):
+            parsed(frames)
+
+
+def _rows_answer(op, lengths, counts, q=1, width=4):
+    """An answer to a rows call: a greedy token per prompt (open-rows) or per block position."""
+    n = len(lengths) if op == "open-rows" else len(lengths) * q
+    features = torch.arange(sum(counts) * width, dtype=torch.float32).reshape(-1, width)
+    request = VerifyRequest(op, 5, 2, [], True, "inc", list(lengths))
+    tensors = torch.zeros(n, dtype=torch.int64), torch.ones(n), torch.zeros(n)
+    counts = torch.tensor(counts, dtype=torch.int64)
+    return reply_messages(request, "inc", int(counts.sum()), *tensors, features, 32, counts=counts), features
+
+
+def _receive_rows(messages, op, lengths, width=4):
+    assembly = _Assembly(op, sum(lengths), width, True, list(lengths))
+    done = False
+    for frames in messages:
+        done = assembly.add(Verified.from_wire(*wire.decode(frames)))
+    return done, assembly.reply
+
+
+def test_a_rows_answer_is_put_back_together_and_checked_against_the_call():
+    messages, features = _rows_answer("open-rows", [2, 3], [2, 3])
+    done, reply = _receive_rows(messages, "open-rows", [2, 3])
+    assert done and reply.counts == [2, 3] and reply.committed == 5 and torch.equal(reply.features, features)
+    messages, features = _rows_answer("step-rows", [4, 4], [1, 4], q=4)
+    done, reply = _receive_rows(messages, "step-rows", [4, 4])
+    assert done and reply.counts == [1, 4] and len(reply.greedy) == 8 and torch.equal(reply.features, features)
+    with pytest.raises(wire.WireError, match="counts"):  # a prefill commits each prompt whole
+        _receive_rows(_rows_answer("open-rows", [2, 3], [3, 2])[0], "open-rows", [2, 3])
+    with pytest.raises(wire.WireError, match="counts"):  # a row committed more than its block
+        _receive_rows(_rows_answer("step-rows", [2, 2], [3, 1], q=2)[0], "step-rows", [2, 2])
+    with pytest.raises(wire.WireError, match="counts"):  # counts of another call's rows
+        _receive_rows(_rows_answer("step-rows", [2, 2, 2], [1, 1, 1], q=2)[0], "step-rows", [2, 2])
