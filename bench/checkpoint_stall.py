@@ -50,13 +50,13 @@ def main() -> None:
 
     import torch
 
-    from services.config import load_config
     from services.drafter import checkpoint as ckpt
     from services.drafter.checkpoint_writer import BackgroundWriter
     from services.drafter.synthetic import SyntheticSource
     from services.drafter.target_head import TargetHead
     from services.drafter.train import build_train_state, train_step
-    from services.runspec import drafter_shape
+    from services.run.config import load_config
+    from services.run.runspec import drafter_shape
 
     device = torch.device("cuda:0" if a.device == "cuda" else "cpu")
     cfg = load_config(

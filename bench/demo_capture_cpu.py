@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
-from services.config import load_config  # noqa: E402
+from services.run.config import load_config  # noqa: E402
 from services.target import hybrid  # noqa: E402
 from services.target.model import load_target  # noqa: E402
 from services.target.packing import open_or_build  # noqa: E402

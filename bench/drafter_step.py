@@ -195,8 +195,6 @@ def attended_pairs(inputs, block_size: int, window: int | None = None) -> int:
 def bench_shape(name, shape, args, peak_tflops, layout="full", precision="bf16"):
     import torch
 
-    from services.compile_setup import RecompileWatch
-    from services.config import load_config
     from services.drafter import precision as drafter_precision
     from services.drafter.anchors import anchor_generator, build_inputs
     from services.drafter.model import model_flops
@@ -204,7 +202,9 @@ def bench_shape(name, shape, args, peak_tflops, layout="full", precision="bf16")
     from services.drafter.target_head import TargetHead
     from services.drafter.train import build_train_state, train_step
     from services.drafter.warmup import warmup
-    from services.runspec import drafter_shape
+    from services.process.compile_setup import RecompileWatch
+    from services.run.config import load_config
+    from services.run.runspec import drafter_shape
 
     device = torch.device("cuda:0" if args.device == "cuda" else "cpu")
     cfg = load_config(

@@ -102,7 +102,7 @@ def scaled_layer_ids(ids: list[int], layers: int, kept: int) -> list[int]:
 def layer_overrides(shape: str, kept: int, config: str | None, overrides: list[str]) -> tuple[list[str], str]:
     """With --layers N: the run's target.layer_ids (a preset's, an override's) mapped proportionally
     onto the N layers kept, as an override, and the line that says so; ([], "") when all are in range."""
-    from services.config import load_config
+    from services.run.config import load_config
 
     text = checkpoint_config(shape)
     layers = getattr(text, "text_config", text).num_hidden_layers
@@ -120,7 +120,7 @@ def target_alone(overrides: list[str], work: Path, rows: int, warmup: int, confi
     from transformers import AutoTokenizer
 
     from bench.timing import sync
-    from services.config import load_config
+    from services.run.config import load_config
     from services.target.model import capture_to_host, load_target
     from services.target.packing import open_or_build
 
@@ -230,7 +230,7 @@ def steady_rate(metrics: list[dict], skip: int) -> dict:
 
 def drafter_alone(path: Path, config: str | None, overrides: list[str]) -> float:
     """B: tok/s of the drafter_step result at the run's drafter.precision (the first result without one)."""
-    from services.config import load_config
+    from services.run.config import load_config
 
     precision = load_config(config, overrides).drafter.precision
     results = json.loads(path.read_text())["results"]

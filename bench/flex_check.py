@@ -39,7 +39,7 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 
 from services.drafter.attention import DenseAttention, FlexAttention, anchor_context_starts  # noqa: E402
-from services.log import events  # noqa: E402
+from services.process.log import events  # noqa: E402
 
 RESULTS: list[dict] = []
 
@@ -127,11 +127,11 @@ def window_checks(device="cuda"):
 def model_check(hybrid=False):
     """Whole drafter: compiled layers + flex + autocast vs eager dense + autocast, same weights, same batch;
     hybrid: a sliding layer (window 300) before a full one."""
-    from services.config import load_config
     from services.drafter.synthetic import SYNTHETIC_MODEL, SyntheticSource
     from services.drafter.target_head import TargetHead
     from services.drafter.train import build_train_state, forward_loss
-    from services.runspec import drafter_shape
+    from services.run.config import load_config
+    from services.run.runspec import drafter_shape
 
     overrides = [
         "data.pack_len=2000",

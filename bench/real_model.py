@@ -71,7 +71,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 from bench import real_prompts  # noqa: E402
-from services.files import write_json_atomic, write_text_atomic  # noqa: E402
+from services.process.files import write_json_atomic, write_text_atomic  # noqa: E402
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MASK_TOKEN_ID, MASK_TOKEN = 16, "<empty_output>"
@@ -365,7 +365,7 @@ def drafters(gpus: str) -> int:
 
 def runs(a, work: Path) -> list[dict]:
     """Every run: its name, overrides, token amounts, plan and the steps to evaluate."""
-    from services.config import load_config
+    from services.run.config import load_config
 
     specs = [("main", [], a.tokens)] + [(n, o, [a.variant_tokens]) for n, o in a.variants]
     out = []

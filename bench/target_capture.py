@@ -103,7 +103,7 @@ def row_of(doc_lens: list[int], vocab: int, gen: torch.Generator) -> dict[str, t
 
 
 def bench_shape(shape: str, seqs: list[int], args) -> list[dict]:
-    from services.layers import default_layer_ids
+    from services.run.layers import default_layer_ids
     from services.target.model import Target, capture_to_host
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -193,7 +193,7 @@ def drift(got: torch.Tensor, ref: torch.Tensor, hidden: int) -> list[dict]:
 
 def compiled_records(target, rec: dict, seq: int, model, ids, out, gen, peak, args, rows: dict) -> None:
     """(d): the same rows through the compiled layers, then rows of random document counts."""
-    from services.compile_setup import graphs_compiled
+    from services.process.compile_setup import graphs_compiled
     from services.target.compiled import compile_and_warm_up
     from services.target.model import capture_to_host
 

@@ -77,7 +77,7 @@ def set_precision(model, layers, bf16_linears, precision: str) -> str:
 
 
 def run(args) -> dict:
-    from services.layers import default_layer_ids
+    from services.run.layers import default_layer_ids
     from services.target.model import Target, capture_to_host, decoder_layers
 
     device = "cuda" if torch.cuda.is_available() else "cpu"

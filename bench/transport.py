@@ -1,8 +1,8 @@
-"""Transport throughput: services.transport (wire format + chunked streaming) against raw pyzmq.
+"""Transport throughput: services.net.transport (wire format + chunked streaming) against raw pyzmq.
 
 Two processes on loopback. This process is the drafter: it asks for batches with 2 in flight
 (the credits) and reassembles them. A child process is the target: it serves hidden-state-sized
-batches (tokens x 5 layers x 4096 bf16 + ids and masks) through services.transport.BatchServer,
+batches (tokens x 5 layers x 4096 bf16 + ids and masks) through services.net.transport.BatchServer,
 and, for the raw baseline, the same number of bytes as separate messages of the same chunk size
 from a pre-made buffer, received with recv_into into a pre-made buffer.
 
@@ -31,10 +31,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 import zmq  # noqa: E402
 
-from services.batch import Batch  # noqa: E402
-from services.batch_client import BatchClient  # noqa: E402
-from services.config import TransportConfig  # noqa: E402
-from services.transport import BatchServer  # noqa: E402
+from services.data.batch import Batch  # noqa: E402
+from services.net.batch_client import BatchClient  # noqa: E402
+from services.net.transport import BatchServer  # noqa: E402
+from services.run.config import TransportConfig  # noqa: E402
 
 LAYERS, WIDTH = 5, 4096
 MB = 1 << 20

@@ -44,8 +44,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 from bench.shapes import HYBRID, text_config  # noqa: E402
 from bench.timing import sync  # noqa: E402
-from services import layers as layer_rule  # noqa: E402
-from services.decode_step import ROLLBACKS  # noqa: E402
+from services.decoding.decode_step import ROLLBACKS  # noqa: E402
+from services.run import layers as layer_rule  # noqa: E402
 from services.target import hybrid  # noqa: E402
 from services.target.decode import DecodeSession  # noqa: E402
 from services.target.model import PACKED_SDPA, Target, _register_packed_sdpa  # noqa: E402
@@ -281,6 +281,7 @@ class Oracle:
 
 
 def bench_lossless(args) -> dict:
+    from services.decoding.lossless import describe_lossless
     from services.drafter.model import DrafterModelConfig
     from services.drafter.speculative import (
         DrafterProposer,
@@ -291,7 +292,6 @@ def bench_lossless(args) -> dict:
     )
     from services.drafter.target_head import TargetHead
     from services.eval.verifier import LocalVerifier
-    from services.lossless import describe_lossless
 
     device = args.device
     dtype = torch.bfloat16 if device == "cuda" else torch.float32

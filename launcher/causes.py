@@ -2,12 +2,12 @@
 
 The supervisor learns the cause from two things only: the exit status (a negative code is the
 signal that ended the process) and the worker's log, whose last `error` line since the latest
-start is the cause the worker itself reported (services/exits.py writes it last). Some causes
+start is the cause the worker itself reported (services/process/exits.py writes it last). Some causes
 come back on every restart; those end the run at once, with what to change:
 
 - out of memory (CUDA's torch.OutOfMemoryError, or the CPU allocator's "can't allocate memory"),
 - a config error (exit 2),
-- a final error (exit 4, services/exits.py FinalError: non-finite data from a target),
+- a final error (exit 4, services/process/exits.py FinalError: non-finite data from a target),
 - the same error line as the worker's previous exit (a restart reproduced it).
 
 Everything else (a signal, a hard exit, a crash seen once) keeps the restart budget.
@@ -19,7 +19,7 @@ import signal
 from dataclasses import dataclass
 from pathlib import Path
 
-from services.log import message_of
+from services.process.log import message_of
 
 START_MARK = "===== "  # launcher/process.py writes it into the log at each start
 CONFIG_EXIT, FINAL_EXIT, HARD_EXIT = 2, 4, 143

@@ -19,7 +19,7 @@ from launcher.errors import UsageError
 from launcher.parser import build_parser
 from launcher.supervisor import EXIT_USAGE
 from launcher.topology import SpecError
-from services.config import ConfigError
+from services.run.config import ConfigError
 
 EXIT_PIPE = 141  # 128 + SIGPIPE: what a shell reports for a writer whose reader went away
 

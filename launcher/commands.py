@@ -18,9 +18,10 @@ from launcher.inputs import PATH_KEYS, check_inputs, load_run_config, make_demo,
 from launcher.preflight import check_tokenizer, preflight, unread_template_kwargs
 from launcher.rundir import LATEST, run_holding
 from launcher.topology import host_overrides, hosts, parse_gpu_list, parse_gpu_spec
-from services import eval_options, jobs, runspec
-from services.config import parse_value, toml_literal
-from services.health import probe
+from services.process import jobs
+from services.process.health import probe
+from services.run import eval_options, runspec
+from services.run.config import parse_value, toml_literal
 
 
 def _probe_endpoint(text: str) -> str:
@@ -36,7 +37,7 @@ def _probe_endpoint(text: str) -> str:
 
 
 def cmd_probe(args) -> int:
-    from services.curve import CurveError
+    from services.net.curve import CurveError
 
     try:
         code, status, reason = probe(_probe_endpoint(args.endpoint), timeout_s=args.timeout, keys_dir=args.keys)
@@ -105,7 +106,7 @@ def _strip_hosts(spec: str) -> str:
 
 
 def cmd_keys(args) -> int:
-    from services.curve import CurveError, generate_keys
+    from services.net.curve import CurveError, generate_keys
 
     try:
         paths = generate_keys(args.dir, overwrite=args.force)

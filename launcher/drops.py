@@ -1,4 +1,4 @@
-"""Messages the workers dropped (services/health.py, Drops), in the launcher's words: the warning
+"""Messages the workers dropped (services/process/health.py, Drops), in the launcher's words: the warning
 of `launcher up` when a worker's counts rise, a line of `launcher status`, and the `dropped` map
 of run.json's outcome, so a run that ended well after another process answered for a target
 does not look like any other.

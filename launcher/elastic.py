@@ -16,7 +16,7 @@ import psutil
 from launcher import process
 from launcher.errors import RunFailed, cannot_write
 from launcher.topology import Worker, count
-from services import jobs
+from services.process import jobs
 
 
 def rendezvous_problems(transport, drafter_hosts: list[str]) -> tuple[str, str]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import subprocess
 
-from services import jobs
+from services.process import jobs
 
 
 def splits(num_gpus: int, a: float, b: float) -> list[dict]:

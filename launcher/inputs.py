@@ -15,9 +15,10 @@ from launcher.errors import UsageError
 from launcher.models import REPO_ID, ModelNotFound, resolve_model_path
 from launcher.progress import ProgressLine
 from launcher.report import describe_data
-from services import jobs, runspec
-from services.config import Config, load_config
-from services.files import write_json_atomic
+from services.process import jobs
+from services.process.files import write_json_atomic
+from services.run import runspec
+from services.run.config import Config, load_config
 
 DEMOS = ("dense", "hybrid")  # services.tools.demo.VARIANTS (the launcher never imports torch)
 

@@ -12,7 +12,8 @@ from launcher.inputs import DEMOS
 from launcher.rundir import LATEST
 from launcher.status import cmd_status
 from launcher.up import cmd_up
-from services import __version__, eval_options
+from services import __version__
+from services.run import eval_options
 
 
 class _Help(argparse.HelpFormatter):

@@ -5,7 +5,7 @@ device, the model folder's files, the data files' first line and what `launcher 
 recorded beside them), so a mistake costs one line and
 exit 2 in a second, not a failed worker minutes later. Each error names the key or file. What
 the run spec decides (the captured layers, the drafter's shape, one batch's size against
-transport.max_batch_bytes) is checked where it is resolved, services/runspec.py.
+transport.max_batch_bytes) is checked where it is resolved, services/run/runspec.py.
 
 A new run folder is made only once everything before the workers has passed: `up` prepares the
 run (config.json, the tokenized data) in a hidden sibling folder and renames it into place at
@@ -25,11 +25,11 @@ import sys
 from pathlib import Path
 
 from launcher.regen_record import template_kwargs_problem
-from services import runspec
-from services.checkpoint_compat import model_errors, run_errors
-from services.config import Config, ConfigError
-from services.log import events
-from services.schedule import make_plan
+from services.process.log import events
+from services.run import runspec
+from services.run.checkpoint_compat import model_errors, run_errors
+from services.run.config import Config, ConfigError
+from services.run.schedule import make_plan
 
 # A tokenizer folder has at least one of these (fast tokenizers: tokenizer.json; sentencepiece
 # models: tokenizer.model / spiece.model; BPE and WordPiece vocabularies; tiktoken files).
@@ -214,7 +214,7 @@ def has_chat_template(folder: Path, names: set[str]) -> bool:
 
 def max_steps_warning(cfg: Config, batches_per_epoch: int, drafters: int) -> str | None:
     """The line that says so when run.max_steps is past the end of run.epochs: the run ends with the
-    epochs (services/schedule.py make_plan caps it), which the user must hear before it
+    epochs (services/run/schedule.py make_plan caps it), which the user must hear before it
     starts, not find out; more epochs are the user's call (they change the lr schedule's horizon and
     how often each row is seen). Once the data is packed: its rows per epoch decide the steps. A
     max_steps far past the data is also how tests and quick runs say "until the data ends", so it
@@ -303,7 +303,7 @@ def check_resume_config(run_dir: Path, cfg: Config, model: dict | None) -> None:
     """`up --resume`: the keys that decide batch g (and the drafter's shape, `model`, when it could be
     resolved here) against the checkpoint the drafter would resume from, before anything is written:
     a refused resume leaves every file of the run as it was. The drafter checks the same again
-    (services/checkpoint_compat.py)."""
+    (services/run/checkpoint_compat.py)."""
     ckpt = resume_checkpoint(run_dir)
     if ckpt is None:
         return  # nothing to resume: the run starts at step 0

@@ -3,7 +3,7 @@
 Workers are exec'd (subprocess: fork+exec, never a bare fork of this interpreter) with
 PR_SET_PDEATHSIG, so the kernel signals them if the launcher dies, even by kill -9. That signal
 is lifecycle.PARENT_DIED, not SIGTERM: the kernel sends it once per launcher thread the worker
-is handed to, and a worker counts any number of them as one stop request (services/lifecycle.py).
+is handed to, and a worker counts any number of them as one stop request (services/process/lifecycle.py).
 A worker that gets it, or SIGTERM, finishes its step and exits; if it hangs, its own deadline kills it.
 """
 
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import psutil
 
-from services.lifecycle import PARENT_DIED, STOP_SIGNALS
+from services.process.lifecycle import PARENT_DIED, STOP_SIGNALS
 
 PR_SET_PDEATHSIG = 1
 

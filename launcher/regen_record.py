@@ -12,8 +12,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from services.config import toml_literal
-from services.files import sha256_file, write_json_atomic
+from services.process.files import sha256_file, write_json_atomic
+from services.run.config import toml_literal
 
 SUFFIX = ".regenerate.json"
 

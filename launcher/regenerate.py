@@ -22,9 +22,9 @@ from pathlib import Path
 
 from launcher.progress import ProgressLine, _duration
 from launcher.regen_record import write_record
-from services import jobs
-from services.config import toml_literal
-from services.data_lines import plain_lines, read_conversations, replies_to_write, sample_path
+from services.data.data_lines import plain_lines, read_conversations, replies_to_write, sample_path
+from services.process import jobs
+from services.run.config import toml_literal
 
 
 class RegenerateError(Exception):

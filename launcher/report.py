@@ -15,7 +15,7 @@ import json
 import os
 from pathlib import Path
 
-from services.config import describe_prompts
+from services.run.config import describe_prompts
 
 
 class ReportError(Exception):
@@ -58,7 +58,7 @@ def read_spec(run_dir: Path) -> tuple[list[dict], dict | None]:
 
 def describe_spec(record: dict, what: str) -> list[str]:
     """Real acceptance in words: the drafter's and its controls' (when the record has them), per prompt set."""
-    from services.acceptance_text import tables
+    from services.decoding.acceptance_text import tables
 
     return tables(
         record,

@@ -12,7 +12,7 @@ from launcher.progress import describe_window
 from launcher.report import describe_data
 from launcher.rundir import OUTCOME_EXIT, describe_live, describe_outcome, read_run
 from launcher.supervisor import probe_all
-from services.schedule import Plan
+from services.run.schedule import Plan
 
 STATUS_COLUMNS = (
     "name",

@@ -19,9 +19,9 @@ Policy (docs/operations.md):
 - SIGINT/SIGTERM: graceful stop (drafters checkpoint and exit, then targets), exit 3; a second
   signal during the stop kills every worker at once (a stuck stop would otherwise wait out
   --stop-timeout), but only from a person: 2 s or more after the first, and not from a sender
-  that sent that signal already (services/lifecycle.py, StopRequests);
+  that sent that signal already (services/process/lifecycle.py, StopRequests);
 - all drafters exit 0 (the last step reached, stop or not): finished, targets stopped, exit 0;
-  drafters that exit services.exits.STOPPED (3: a stop sent to a drafter itself stops its group)
+  drafters that exit services.process.exits.STOPPED (3: a stop sent to a drafter itself stops its group)
   stopped before the end: targets stopped, exit 3, as for a stop of the launcher.
 
 Across hosts every launcher supervises the workers of its own host. A host with targets only
@@ -51,13 +51,14 @@ from launcher.elastic import ElasticDrafters
 from launcher.errors import RunFailed, cannot_write
 from launcher.progress import ProgressLine
 from launcher.topology import Worker, count
-from services import curve, jobs
-from services.config import Config
-from services.endpoints import endpoint, socket_dir
-from services.exits import STOPPED as DRAFTER_STOPPED
-from services.files import cpu_share, write_json_atomic
-from services.health import probe
-from services.lifecycle import StopRequests, describe, watch_with_sender
+from services.net import curve
+from services.net.endpoints import endpoint, socket_dir
+from services.process import jobs
+from services.process.exits import STOPPED as DRAFTER_STOPPED
+from services.process.files import cpu_share, write_json_atomic
+from services.process.health import probe
+from services.process.lifecycle import StopRequests, describe, watch_with_sender
+from services.run.config import Config
 
 EXIT_DONE, EXIT_FAILED, EXIT_USAGE, EXIT_STOPPED = 0, 1, 2, 3
 PROBE_EVERY_S = 5.0

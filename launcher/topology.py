@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from services.endpoints import ROLES  # one list of roles: endpoints, units, the spec
+from services.net.endpoints import ROLES  # one list of roles: endpoints, units, the spec
 
 
 class SpecError(ValueError):

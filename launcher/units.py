@@ -31,9 +31,9 @@ from typing import Iterable
 
 from launcher.inputs import load_run_config
 from launcher.topology import ROLES, Worker, count, parse_gpu_spec
-from services.config import dump_json
-from services.endpoints import endpoint
-from services.files import cpu_share, write_text_atomic
+from services.net.endpoints import endpoint
+from services.process.files import cpu_share, write_text_atomic
+from services.run.config import dump_json
 
 SRC_DIR = Path(__file__).resolve().parents[1]
 TEMPLATE_DIR = SRC_DIR / "deploy" / "systemd"

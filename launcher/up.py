@@ -26,10 +26,10 @@ from launcher.report import describe_export, describe_spec, read_spec
 from launcher.rundir import LATEST, choose_run_dir, claim, lock, resume_command
 from launcher.supervisor import EXIT_FAILED, EXIT_STOPPED, RunFailed, Supervisor
 from launcher.topology import host_overrides, hosts, parse_gpu_spec
-from services import runspec
-from services.config import dump_json
-from services.endpoints import plaintext_problems
-from services.files import point
+from services.net.endpoints import plaintext_problems
+from services.process.files import point
+from services.run import runspec
+from services.run.config import dump_json
 
 
 def cmd_up(args) -> int:

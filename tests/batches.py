@@ -4,9 +4,9 @@ import time
 
 import torch
 
-from services.batch import Batch
-from services.batch_client import BatchClient
-from services.config import TransportConfig
+from services.data.batch import Batch
+from services.net.batch_client import BatchClient
+from services.run.config import TransportConfig
 
 SEQ, WIDTH, N_BATCHES = 300, 640, 8
 

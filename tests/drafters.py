@@ -1,7 +1,7 @@
 """The drafter's model config in tests: from a config and a target's fields, as the run spec makes it."""
 
-from services import runspec, shapes
 from services.drafter.target_head import check_mask
+from services.run import runspec, shapes
 
 
 def model_config_from_hf(text_cfg, tie: bool = False) -> dict:

@@ -1,7 +1,7 @@
 """python -m services.drafter [--config FILE] [--run-dir DIR] [--rank R --world-size D] [--num-targets T]
                              [--device cpu|cuda] [--synthetic] [--max-steps N] [--resume] [section.key=value ...]
 
-The drafter's side of the one worker bootstrap (services/worker_main.py): its options, its environment,
+The drafter's side of the one worker bootstrap (services/process/worker_main.py): its options, its environment,
 then worker.DrafterWorker."""
 
 from __future__ import annotations
@@ -9,11 +9,11 @@ from __future__ import annotations
 import os
 import sys
 
-from services import exits
-from services.compile_setup import setup_environment
 from services.drafter import agent
-from services.worker_main import Role, workers_on_node
-from services.worker_main import main as worker_main
+from services.process import exits
+from services.process.compile_setup import setup_environment
+from services.process.worker_main import Role, workers_on_node
+from services.process.worker_main import main as worker_main
 
 
 def defaults() -> dict:

@@ -33,7 +33,7 @@ import sys
 import time
 from pathlib import Path
 
-from services.exits import CONFIG, FINAL, STOPPED
+from services.process.exits import CONFIG, FINAL, STOPPED
 
 # the exit codes that a restart would meet again: no restart, as the launcher does on one host
 FINAL_CODES = {
@@ -155,7 +155,7 @@ def store_endpoint(args: argparse.Namespace) -> str:
     """Where drafter rank 0's host agent serves the group's store: on one host an ipc socket in the
     run's private socket folder, across hosts rank 0's address and transport.dist_port."""
     if len(args.hosts) == 1:
-        from services.endpoints import socket_dir
+        from services.net.endpoints import socket_dir
 
         return f"ipc://{socket_dir(args.run_dir)}/drafter-store"
     return f"tcp://{args.hosts[0]}:{args.port}"
@@ -274,7 +274,7 @@ def describe(failures: dict, ranks: list[int]) -> str:
 
 
 def write_status(args: argparse.Namespace, **status) -> None:
-    from services.files import write_json_atomic
+    from services.process.files import write_json_atomic
 
     restarts = max(0, status.get("starts", 1) - 1)
     if SERVER is not None:  # rank 0's host: what its store answered, refused (handshakes) and dropped
@@ -301,7 +301,7 @@ def main(argv=None) -> int:
         (marks / f"stopped-{r}").unlink(missing_ok=True)
     os.environ[ENV_DIR] = str(marks)
     # the launcher's death signal (launcher/process.py) is a stop, as SIGTERM (torch's agent handles that one)
-    from services.lifecycle import PARENT_DIED
+    from services.process.lifecycle import PARENT_DIED
 
     signal.signal(PARENT_DIED, lambda *_: os.kill(os.getpid(), signal.SIGTERM))
     from torch.distributed.elastic.multiprocessing.api import SignalException

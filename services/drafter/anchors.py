@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from services.batch import run_starts
+from services.data.batch import run_starts
 from services.drafter.attention import TILE, anchor_context_starts
 
 # γ for B = 16 when drafter.gamma = 0: 4 beat the released 7 by held-out real acceptance on a real

@@ -19,7 +19,7 @@ the end carry no loss weight: anchors.py).
 
 `visibility()` is the one definition: the dense mask evaluates it over index grids, flex's
 mask_mod calls it per (q_idx, kv_idx). Documents are contiguous runs of one id (packing makes
-them so; `check_documents_contiguous` checks it; services/batch.py reads the runs), so "same
+them so; `check_documents_contiguous` checks it; services/data/batch.py reads the runs), so "same
 document and before the anchor" is exactly "at or after the document's first token and before
 the anchor".
 
@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-from services.batch import document_starts, run_starts
+from services.data.batch import document_starts, run_starts
 
 TILE = 128  # flex_attention's sparse block size; Q and KV are padded to multiples of it
 

@@ -17,8 +17,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from services import exits
-from services.config import Config
 from services.drafter import checkpoint as ckpt
 from services.drafter.checkpoint_space import checkpoint_bytes, space_warning
 from services.drafter.checkpoint_writer import BackgroundWriter
@@ -31,8 +29,10 @@ from services.drafter.metrics import MetricsLog, StepTimes, reduce_train_metrics
 # with torch's pytree, which fails a guard of every compiled graph (flex attention recompiled)
 from services.drafter.remote_eval import RemoteSpecEval, models_in_process
 from services.drafter.train import TrainState
-from services.health import HealthServer
-from services.log import event
+from services.process import exits
+from services.process.health import HealthServer
+from services.process.log import event
+from services.run.config import Config
 
 # Real acceptance (speculative.py), rank 0, after each evaluation and at the end of a completed run
 # (that one with "final": true and the repeat_last and random controls): step, prompts, steps,

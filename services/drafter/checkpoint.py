@@ -35,11 +35,11 @@ from typing import Callable
 
 import torch
 
-from services.checkpoint_compat import compatibility_errors
-from services.config import Config, ConfigError
 from services.drafter.checkpoint_space import checkpoint_bytes, no_space, out_of_space
 from services.drafter.model import DrafterModelConfig
-from services.files import default_file_mode, fsync_dir, point, sha256_file
+from services.process.files import default_file_mode, fsync_dir, point, sha256_file
+from services.run.checkpoint_compat import compatibility_errors
+from services.run.config import Config, ConfigError
 
 FORMAT_VERSION = 1
 FILES = ("model.safetensors", "optimizer.pt", "rng.safetensors", "state.json", "config.json")

@@ -15,7 +15,7 @@ import psutil
 import torch
 import torch.distributed as dist
 
-from services.config import Config, is_loopback
+from services.run.config import Config, is_loopback
 
 
 def _interface_of(address: str) -> str | None:
@@ -86,7 +86,7 @@ def local_store(run_dir, rank: int):
     ipc://<run dir's socket folder>/drafter-store (a 0700 folder: the uid check), a client in every
     rank. A client sent before rank 0 binds is queued by ZeroMQ, hence the long first answer."""
     from services.drafter.keystore import KeyStore, StoreServer
-    from services.endpoints import socket_dir
+    from services.net.endpoints import socket_dir
 
     folder = socket_dir(run_dir)
     folder.mkdir(mode=0o700, parents=True, exist_ok=True)

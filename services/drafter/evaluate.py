@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import torch
 
-from services import lifecycle
 from services.drafter.collectives import all_reduce_sum
 from services.drafter.train import TrainState, check_batch, forward_loss
+from services.process import lifecycle
 
 
 @torch.no_grad()

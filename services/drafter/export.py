@@ -57,9 +57,9 @@ from pathlib import Path
 
 import torch
 
-from services import dtypes
 from services.drafter.model import DrafterModelConfig
-from services.shapes import ARCHITECTURE
+from services.run import dtypes
+from services.run.shapes import ARCHITECTURE
 
 DTYPES = dtypes.EXPORT
 EXPORT_RECORD = "export.json"
@@ -193,7 +193,7 @@ def export_weights(
     export.json keeps (`serve`: target, vllm, sglang)."""
     from safetensors.torch import save_file
 
-    from services.files import default_file_mode
+    from services.process.files import default_file_mode
 
     if dtype not in DTYPES:
         raise ExportError(f"--dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
@@ -309,7 +309,7 @@ def describe_export(out: Path, checkpoint: Path, record: dict) -> str:
 
 
 def main(argv=None) -> int:
-    from services import torchao_gate
+    from services.process import torchao_gate
 
     torchao_gate.hide()  # transformers would import it (and print its warnings) for nothing here
     p = argparse.ArgumentParser(

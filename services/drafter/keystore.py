@@ -3,7 +3,7 @@
 torch's TCPStore authenticates nobody, and its DynamicRendezvous unpickles the state it reads from
 the store. This store replaces both stores of a group across hosts: drafter rank 0's host agent
 serves it on a ZMQ ROUTER socket, a CURVE server that admits only the run's client key
-(services/curve.py) over tcp, or an ipc socket in the run's 0700 socket folder on one host. The
+(services/net/curve.py) over tcp, or an ipc socket in the run's 0700 socket folder on one host. The
 agents' rendezvous (rendezvous.py) and the workers' process group (collectives.join) are clients.
 
     request  msgpack [id, op, key, a, b]    op: set get add cas del check num
@@ -24,7 +24,7 @@ import torch.distributed as dist
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from services import curve
+from services.net import curve
 
 MAX_KEY = 1024  # bytes; torch's keys are short paths
 MAX_VALUE = 1 << 20  # gloo's addresses and the rendezvous' numbers are far smaller
@@ -68,7 +68,7 @@ class StoreServer:
             curve.apply_server(self.sock, keys_dir)
         self.monitor = self.sock.get_monitor_socket(HANDSHAKE_FAILED)
         if endpoint.startswith("ipc://"):
-            from services.sockets import bind_private
+            from services.net.sockets import bind_private
 
             bind_private(self.sock, endpoint)
         else:

@@ -22,8 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from services.config import FULL, SLIDING
-from services.shapes import DrafterModelConfig  # the drafter's shape, resolved by services/runspec.py
+from services.run.config import FULL, SLIDING
+from services.run.shapes import DrafterModelConfig  # the drafter's shape, resolved by services/run/runspec.py
 
 
 class RMSNorm(nn.Module):

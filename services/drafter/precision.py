@@ -22,8 +22,8 @@ import dataclasses
 import torch
 from torch import nn
 
-from services import torchao_gate
 from services.drafter.loss import fp8_dims
+from services.process import torchao_gate
 
 FP8_RECIPE = "tensorwise"  # measured fastest (above); bench/drafter_step.py --fp8-recipe tries others
 

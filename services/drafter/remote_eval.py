@@ -25,15 +25,15 @@ from types import SimpleNamespace
 
 import torch
 
-from services.decode_progress import Progress
-from services.decode_step import Decoded, Step
+from services.data.prompts import interleave, prompt_sets, stop_token_ids
+from services.decoding.decode_progress import Progress
+from services.decoding.decode_step import Decoded, Step
 from services.drafter.spec_eval import SpecEval
 from services.drafter.speculative import greedy_reference, speculative_generate, summarize_sets
-from services.endpoints import endpoint
-from services.health import Drops
-from services.prompts import interleave, prompt_sets, stop_token_ids
-from services.runspec import HeldOut
-from services.verify import SessionLost, TargetUnavailable, VerifyClient, VerifyError
+from services.net.endpoints import endpoint
+from services.net.verify import SessionLost, TargetUnavailable, VerifyClient, VerifyError
+from services.process.health import Drops
+from services.run.runspec import HeldOut
 
 log = logging.getLogger("drafter")
 

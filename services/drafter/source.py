@@ -46,20 +46,21 @@ from typing import Callable, Iterator, Protocol
 
 import torch
 
-from services import curve, lifecycle
-from services.batch import FIELDS, Batch
-from services.batch_client import BatchClient
-from services.config import Config, TransportConfig
+from services.data.batch import FIELDS, Batch
+from services.data.packed_data import PackedData, PublishedDigests, digests_path
 from services.drafter.model import DrafterModelConfig
 from services.drafter.synthetic import SyntheticEval, SyntheticSource
-from services.endpoints import endpoint
-from services.files import write_json_atomic
-from services.handshake import TargetInfo
-from services.health import HealthServer, probe
-from services.packed_data import PackedData, PublishedDigests, digests_path
-from services.runspec import RunSpec
-from services.schedule import Plan, make_plan
-from services.wire import WireError
+from services.net import curve
+from services.net.batch_client import BatchClient
+from services.net.endpoints import endpoint
+from services.net.handshake import TargetInfo
+from services.net.wire import WireError
+from services.process import lifecycle
+from services.process.files import write_json_atomic
+from services.process.health import HealthServer, probe
+from services.run.config import Config, TransportConfig
+from services.run.runspec import RunSpec
+from services.run.schedule import Plan, make_plan
 
 CHECK_TARGETS_EVERY_S = 2.0
 REASK_AFTER_S = 0.5  # after a dropped answer: ask again on a fresh connection this much later

@@ -1,5 +1,5 @@
 """One evaluation of drafters by real speculative decoding: prompts (prompt sets from files, else the
-held-out lines; services/prompts.py) and their plain greedy references, made once; then any drafter
+held-out lines; services/data/prompts.py) and their plain greedy references, made once; then any drafter
 (weights) is decoded on them, with figures over all prompts and per set, and the controls.
 
 SpecEval holds what does not depend on where the target runs; a subclass says how prompts are

@@ -13,7 +13,7 @@ does (DFlash, arXiv 2602.06036), and counts what the target really accepts:
               the target's own next token; verifier.commit(accepted + 1) keeps those block tokens
               (KV cache and recurrent state rolled back to them) and their features are kept
 
-The Verifier (services/decode_step.py) is the target; a local one runs the training Target's DecodeSession.
+The Verifier (services/decoding/decode_step.py) is the target; a local one runs the training Target's DecodeSession.
 Greedy verification makes the output the target's own greedy output whatever the drafter does;
 `evaluate_prompts` checks that against plain greedy decoding through the same Verifier, one token
 per forward, on every prompt (lossless.py says how a difference reads: near-tie or bug).
@@ -38,11 +38,11 @@ import time
 import torch
 import torch.nn.functional as F
 
-from services.decode_step import Decoded
+from services.decoding.decode_step import Decoded
+from services.decoding.lossless import first_difference, lossless_figures
 from services.drafter.attention import DenseAttention, padded_mask
 from services.drafter.model import DFlashDrafter, DrafterModelConfig
 from services.drafter.target_head import TargetHead
-from services.lossless import first_difference, lossless_figures
 
 
 def inference_attention(q, k, v, mask):

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from services.batch import FIELDS, Batch
+from services.data.batch import FIELDS, Batch
 from services.drafter.model import DrafterModelConfig
-from services.shapes import SYNTHETIC_MODEL  # noqa: F401  (the made-up target's fields; runspec.resolve reads them)
+from services.run.shapes import SYNTHETIC_MODEL  # noqa: F401  (the made-up target's fields; runspec.resolve reads them)
 
 _FEATURE_RANK = 64
 

@@ -1,5 +1,5 @@
 """What the drafter takes from the target checkpoint: its embedding and lm_head, and the mask token
-id; its shape comes from the run spec (services/runspec.py). Only those two tensors are read
+id; its shape comes from the run spec (services/run/runspec.py). Only those two tensors are read
 (safetensors, by name), never the whole model.
 """
 
@@ -13,9 +13,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from services import runspec
-from services.config import Config, ConfigError
 from services.drafter.model import DrafterModelConfig
+from services.run import runspec
+from services.run.config import Config, ConfigError
 
 MASK_TOKEN = "<|MASK|>"
 _EMBED_NAMES = (

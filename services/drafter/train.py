@@ -24,14 +24,14 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from services.batch import Batch, BatchError, count_documents
-from services.config import Config
+from services.data.batch import Batch, BatchError, count_documents
 from services.drafter.anchors import anchor_generator, build_inputs, loss_gamma
 from services.drafter.attention import check_documents_contiguous, make_attention
 from services.drafter.loss import ChunkFns, Fp8Head, LossHead, acceptance_metrics, chunked_cross_entropy
 from services.drafter.model import DFlashDrafter, DrafterModelConfig
 from services.drafter.precision import apply_precision
 from services.drafter.target_head import TargetHead
+from services.run.config import Config
 
 
 @dataclass

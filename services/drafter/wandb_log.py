@@ -18,7 +18,7 @@ import os
 import secrets
 from pathlib import Path
 
-from services.config import ConfigError
+from services.run.config import ConfigError
 
 ID_FILE = "wandb_id"
 PREFIXES = ("train", "eval", "spec")

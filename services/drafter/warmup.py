@@ -1,6 +1,7 @@
 """The drafter's compile warmup (docs/design.md "Drafter", docs/benchmarks.md "Compile isolation").
 
-Each drafter process compiles for itself (services/compile_setup.py sets up its cache and threads). Shapes are fixed
+Each drafter process compiles for itself (services/process/compile_setup.py sets up its cache
+and threads). Shapes are fixed
 (pack_len, padded anchor slots, Q and KV padded to multiples of 128), the warmup compiles them
 before the worker says `ready`, and every graph compiled after that is counted as a recompile.
 """

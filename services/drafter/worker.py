@@ -3,7 +3,7 @@
     starting -> loading -> compiling -> ready -> training -> stopped      (or failed)
                                                      \\-> draining (SIGTERM: finish the step, checkpoint, exit 3)
 
-DrafterWorker has the worker shape both roles share (services/worker_main.py, which starts it and maps
+DrafterWorker has the worker shape both roles share (services/process/worker_main.py, which starts it and maps
 how it ended to an exit code): setup() (config and checkpoint errors before any GPU work), train() (the
 loop, then finish()), close().
 One batch: `batches` (source.py: ZmqSource pulls batch g from target g mod T) -> train.train_step
@@ -25,9 +25,6 @@ from pathlib import Path
 
 import torch
 
-from services import lifecycle, runspec
-from services.compile_setup import RecompileWatch
-from services.config import Config, ConfigError
 from services.drafter import checkpoint as ckpt
 from services.drafter import checkpoint_share, collectives
 from services.drafter.bookkeeping import Bookkeeping, BookSettings
@@ -37,10 +34,14 @@ from services.drafter.synthetic import SyntheticSource
 from services.drafter.target_head import model_and_head
 from services.drafter.train import build_train_state, check_batch, make_scheduler, parameter_fingerprint, train_step
 from services.drafter.warmup import warmup
-from services.files import cpu_share
-from services.gpu_memory import gpu_memory
-from services.health import HealthServer
-from services.log import event
+from services.process import lifecycle
+from services.process.compile_setup import RecompileWatch
+from services.process.files import cpu_share
+from services.process.gpu_memory import gpu_memory
+from services.process.health import HealthServer
+from services.process.log import event
+from services.run import runspec
+from services.run.config import Config, ConfigError
 
 log = logging.getLogger("drafter")
 

@@ -22,7 +22,7 @@ evaluation lengths (hundreds of tokens) on a target that fits a GPU many times o
 and it needs no cache and no rollback of recurrent state. For a large target, `launcher eval
 --batch 1` keeps speculative.py's cached one-prompt loop. Decisions, records (Decoded) and figures
 are speculative.py's; the numbers differ only by rounding (another packing rounds differently:
-services/lossless.py's near-tie rule).
+services/decoding/lossless.py's near-tie rule).
 
 Logits are computed in fp32 from the final hidden state: SmolLM2's bf16 logits tie exactly often
 enough to split greedy decoding at a tie (measured); the near-tie tolerance stays the model dtype's,
@@ -35,7 +35,7 @@ import time
 
 import torch
 
-from services.decode_step import Decoded, Step, exact_logits, logits_weight, rounding_tolerance
+from services.decoding.decode_step import Decoded, Step, exact_logits, logits_weight, rounding_tolerance
 
 
 class PackedVerifier:

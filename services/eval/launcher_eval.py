@@ -5,7 +5,7 @@
 
 The drafter comes from a checkpoint dir, a run dir (its checkpoints/latest) or an export; the
 target and the data from the run's config.json. Prompts are rendered with the run's
-data.chat_template_kwargs (services/prompts.py says what a prompt file holds). The record
+data.chat_template_kwargs (services/data/prompts.py says what a prompt file holds). The record
 is appended to <run-dir>/spec_eval.jsonl.
 """
 
@@ -19,10 +19,10 @@ from pathlib import Path
 
 import torch
 
-from services import eval_options
-from services.acceptance_text import by_set, tables
-from services.config import describe_prompts
+from services.decoding.acceptance_text import by_set, tables
 from services.drafter.model import DrafterModelConfig
+from services.run import eval_options
+from services.run.config import describe_prompts
 
 # --- loading a drafter ----------------------------------------------------------------------------
 
@@ -64,8 +64,8 @@ def load_weights(path: str | Path) -> tuple[dict, DrafterModelConfig, str, dict]
 
 
 def main(argv=None) -> int:
-    from services import torchao_gate
-    from services.config import load_config
+    from services.process import torchao_gate
+    from services.run.config import load_config
 
     torchao_gate.hide()  # transformers would import it (and print its warnings) for nothing here
 
@@ -115,7 +115,7 @@ def main(argv=None) -> int:
     except Exception as exc:  # the target cannot be loaded or decoded: one line
         print(f"eval: error: {exc}", file=sys.stderr)
         return 2
-    from services.decode_progress import Progress
+    from services.decoding.decode_progress import Progress
 
     spec.progress = Progress("eval")  # a line on stderr every 10 s while it decodes
     how = "one at a time" if spec.batch == 1 else f"{spec.batch} at once" + (" (KV-cache rows)" if spec.slots else "")

@@ -1,12 +1,12 @@
 """LocalSpecEval: the drafters' evaluation (services/drafter/spec_eval.py SpecEval) with the target in
-this process: the target, its prompts (services/prompts.py) and their plain greedy outputs, made
+this process: the target, its prompts (services/data/prompts.py) and their plain greedy outputs, made
 once; then any drafter is decoded on them.
 
 `batch` prompts decode together, one target forward per step: each on its own row of a KV cache
 (slots.py) for a target of attention layers, or packed without a cache (batched_decode.py) for one
 with recurrent layers; batch 1 decodes one prompt at a time on a KV cache
-(services/drafter/speculative.py), the references as the drafters. A Progress (services/decode_progress.py) prints a
-line every 10 s while it decodes.
+(services/drafter/speculative.py), the references as the drafters. A Progress
+(services/decoding/decode_progress.py) prints a line every 10 s while it decodes.
 
 The target is loaded by services.target.model.load_target (the training capture's own loader,
 hooks and packed Gated DeltaNet layers) in fp32 on CPU and in target.dtype elsewhere, and runs
@@ -20,15 +20,15 @@ import time
 
 import torch
 
-from services import runspec
-from services.decode_step import ROLLBACKS, Decoded
+from services.data.prompts import interleave, prompt_sets, stop_token_ids
+from services.decoding.decode_step import ROLLBACKS, Decoded
 from services.drafter.model import DrafterModelConfig
 from services.drafter.spec_eval import SpecEval
 from services.drafter.speculative import greedy_reference, speculative_generate, summarize_sets
 from services.drafter.target_head import TargetHead
 from services.eval.batched_decode import PackedVerifier, decode_many
 from services.eval.verifier import LocalVerifier
-from services.prompts import interleave, prompt_sets, stop_token_ids
+from services.run import runspec
 from services.target.model import load_target
 from services.target.slots import decode_slots, rows_that_fit, slot_decodable
 
@@ -93,7 +93,7 @@ class LocalSpecEval(SpecEval):
         self.batch = batch or auto_batch(self.target, self.device, self.capacity)
         self.slots = self.batch > 1 and slot_decodable(self.target)
         self.packed = PackedVerifier(self.target) if self.batch > 1 and not self.slots else None
-        self.progress = None  # a Progress (services/decode_progress.py): a line every 10 s
+        self.progress = None  # a Progress (services/decoding/decode_progress.py): a line every 10 s
         self.dtype = self.target.model.dtype
         self.max_new_tokens = max_new_tokens
         self.stop_ids = stop_token_ids(self.tokenizer, self.target.model)

@@ -1,11 +1,11 @@
-"""LocalVerifier: the Verifier of speculative decoding (services/decode_step.py) with the target in
+"""LocalVerifier: the Verifier of speculative decoding (services/decoding/decode_step.py) with the target in
 this process, through the training Target's own DecodeSession (services/target/decode.py); the
 verifier served by the target workers (services/drafter/remote_eval.py) has the same three calls.
 """
 
 from __future__ import annotations
 
-from services.decode_step import ROLLBACKS, Step
+from services.decoding.decode_step import ROLLBACKS, Step
 from services.target.decode import DecodeSession
 from services.target.model import Target
 

@@ -1,4 +1,4 @@
-from services.exits import end_process
+from services.process.exits import end_process
 from services.target.worker import main
 
 end_process(main())

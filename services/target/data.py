@@ -31,8 +31,8 @@ empty conversation, no assistant reply, ids outside the vocabulary...) raises Da
 Nothing is dropped silently. The two limits exist because a single 50 MB line took a minute and
 4 GB of memory to tokenize: a line over the limit is never read into memory whole.
 
-Which lines count, one line's JSON and a chat's messages are services/data_lines.py's, shared with
-the eval's prompts (services/prompts.py).
+Which lines count, one line's JSON and a chat's messages are services/data/data_lines.py's, shared with
+the eval's prompts (services/data/prompts.py).
 """
 
 from __future__ import annotations
@@ -43,7 +43,14 @@ from pathlib import Path
 
 import numpy as np
 
-from services.data_lines import DataError, SampleError, each_nonblank, normalize_messages, parse_json_line, raw_tokens
+from services.data.data_lines import (
+    DataError,
+    SampleError,
+    each_nonblank,
+    normalize_messages,
+    parse_json_line,
+    raw_tokens,
+)
 
 MAX_BAD_EXAMPLES = 20
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")

@@ -5,7 +5,7 @@
     step = session.verify(block_ids)             # the block at the next positions, on the committed context
     session.commit(n)                            # keep the block's first n tokens, roll the rest back
 
-A Step (services/decode_step.py) holds, per position, the target's greedy token, the top-1 minus
+A Step (services/decoding/decode_step.py) holds, per position, the target's greedy token, the top-1 minus
 top-2 logit margin, the rounding tolerance of those logits, and the captured layers' outputs exactly
 as Target.capture makes them for training (layer i = output of decoder layer i, the final norm on the
 last layer).
@@ -30,7 +30,7 @@ import torch
 from torch.nn.attention import sdpa_kernel
 from transformers import DynamicCache
 
-from services.decode_step import Step, rounding_tolerance
+from services.decoding.decode_step import Step, rounding_tolerance
 from services.target import hybrid
 from services.target.model import NO_CUDNN_SDPA, Target
 

@@ -49,7 +49,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from services.config import ConfigError
+from services.run.config import ConfigError
 from services.target import fp8_few_tokens as few
 
 log = logging.getLogger("target")

@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from services.decode_step import ROLLBACKS
+from services.decoding.decode_step import ROLLBACKS
 from services.target.row import RowLayout, RowSlot
 
 # the layer attributes this forward reads (transformers' Qwen3.5 Gated DeltaNet, 5.x)

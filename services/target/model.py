@@ -48,11 +48,11 @@ import torch
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from services import dtypes, layers
-from services.batch import FIELDS, document_spans
-from services.config import TARGET_QUANTIZE as QUANTIZE
-from services.config import ConfigError, TargetConfig
-from services.handshake import CaptureShape
+from services.data.batch import FIELDS, document_spans
+from services.net.handshake import CaptureShape
+from services.run import dtypes, layers
+from services.run.config import TARGET_QUANTIZE as QUANTIZE
+from services.run.config import ConfigError, TargetConfig
 from services.target import fp8, hybrid
 from services.target.row import RowLayout, RowSlot
 
@@ -79,7 +79,7 @@ class _StopForward(Exception):
 
 
 def resolve_layer_ids(requested: list[int], num_layers: int, num_draft_layers: int) -> list[int]:
-    """services.layers' rule (the launcher checks the same before starting workers)."""
+    """services.run.layers' rule (the launcher checks the same before starting workers)."""
     try:
         return layers.resolve_layer_ids(requested, num_layers, num_draft_layers)
     except ValueError as exc:

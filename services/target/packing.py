@@ -5,7 +5,7 @@ Rules:
     pieces of max_doc_len tokens, [0, m), [m, 2m), ...; every piece is a separate document
     (positions restart at 0; it does not see the piece before it). Pieces are kept even if
     they hold no supervised token (they simply get no anchors).
-  - Eval split (services/runspec.py HeldOut): data.eval_path if set, else a data.eval_fraction of
+  - Eval split (services/run/runspec.py HeldOut): data.eval_path if set, else a data.eval_fraction of
     the non-blank lines of data.path by line number (at least one when the fraction is > 0),
     chosen by a permutation seeded with run.seed; a held-out line that is bad holds nothing out.
   - Packing: documents, in an order shuffled with run.seed (file order if data.shuffle is off),
@@ -26,12 +26,12 @@ at once: one builds under an flock while the others wait, and the file appears b
 read-only. The file is memory-mapped and rows are sliced from it, so the tokens are not held in RAM.
 
 Published digests: next to the cache, <key>.digests.safetensors holds the token digest
-(services.batch.token_digest) of every row of both splits. A drafter checks each batch it is
+(services.data.batch.token_digest) of every row of both splits. A drafter checks each batch it is
 sent against the packed data where the cache is on its host, else against this file (copy it to
 a drafter host's <run_dir>/data-cache/): content that a process which took a target's socket
 over sent in its name is dropped (services/drafter/source.py).
 
-Both files are read by services/packed_data.py (PackedData, PublishedDigests), shared with the drafter.
+Both files are read by services/data/packed_data.py (PackedData, PublishedDigests), shared with the drafter.
 """
 
 from __future__ import annotations
@@ -50,11 +50,11 @@ from pathlib import Path
 
 import numpy as np
 
-from services import runspec
-from services.batch import SPLITS
-from services.config import Config
-from services.files import cache_root, sha256_file
-from services.packed_data import FORMAT_VERSION, PackedData, digests_path
+from services.data.batch import SPLITS
+from services.data.packed_data import FORMAT_VERSION, PackedData, digests_path
+from services.process.files import cache_root, sha256_file
+from services.run import runspec
+from services.run.config import Config
 from services.target.data import BadSamples, DataError, Document, read_documents
 
 _PACK_SALT = 0x9AC4
@@ -302,7 +302,7 @@ def eval_prompt_count(cfg: Config) -> int | None:
     checked now, else the held-out lines'); None when it is off (run.spec_eval_prompts = 0)."""
     from transformers import AutoTokenizer
 
-    from services.prompts import prompt_sets
+    from services.data.prompts import prompt_sets
 
     if cfg.run.spec_eval_prompts <= 0:
         return None
@@ -342,8 +342,8 @@ def main(argv=None) -> int:
     """python -m services.target.packing --config FILE --run-dir DIR: one JSON line, or one error line, exit 2."""
     import argparse
 
-    from services.config import load_config
-    from services.prompts import PromptFileError
+    from services.data.prompts import PromptFileError
+    from services.run.config import load_config
 
     p = argparse.ArgumentParser(prog="python -m services.target.packing", description="build the run's data index")
     p.add_argument("--config", required=True)

@@ -50,7 +50,7 @@ from pathlib import Path
 
 import psutil
 
-from services.data_lines import (
+from services.data.data_lines import (
     plain_lines,
     plain_prompt,
     read_conversations,
@@ -58,7 +58,7 @@ from services.data_lines import (
     replies_to_write,
     sample_path,
 )
-from services.files import write_text_atomic
+from services.process.files import write_text_atomic
 
 
 class HFEngine:
@@ -92,7 +92,7 @@ class HFEngine:
         self.torch.manual_seed(seed)
 
     def generate(self, conversations: list[list[dict]], max_new_tokens: int, batch_size: int, tick=None) -> list[str]:
-        from services.data_lines import many_prompt_tokens
+        from services.data.data_lines import many_prompt_tokens
 
         torch = self.torch
         began = time.perf_counter()
@@ -292,7 +292,7 @@ def regenerate(
 
 
 def main(argv=None) -> int:
-    from services import torchao_gate
+    from services.process import torchao_gate
 
     torchao_gate.hide()  # transformers would import it (and print its warnings) for nothing here
     p = argparse.ArgumentParser(prog="python -m services.target.regenerate_shard", description=__doc__.split("\n")[0])

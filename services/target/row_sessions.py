@@ -1,6 +1,6 @@
 """A session of rows: the prompts of one real-acceptance evaluation verified together, each a row of
 one KV cache (slots.py), so a step is ONE target forward for every prompt still decoding
-(services/verify.py, the ops "open-rows" and "step-rows"; verifying.py serves them).
+(services/net/verify.py, the ops "open-rows" and "step-rows"; verifying.py serves them).
 
     session = RowSession(target, prompts, room)   # every prompt prefilled: (greedy, margin, tolerance, features)
     tokens, margin, tolerance, counts, features = session.step(rows, blocks)

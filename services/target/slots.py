@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch.nn.attention import sdpa_kernel
 from transformers import DynamicCache
 
-from services.decode_step import Decoded, exact_logits, logits_weight, mm_writes_fp32, rounding_tolerance
+from services.decoding.decode_step import Decoded, exact_logits, logits_weight, mm_writes_fp32, rounding_tolerance
 from services.target.decode import ATTENTION_KINDS, DECODE_SDPA
 from services.target.hybrid import PackedGatedDeltaNet, RowStates
 from services.target.model import Target

@@ -18,7 +18,7 @@ from collections import deque
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
-from services.data_lines import DataError, SampleError
+from services.data.data_lines import DataError, SampleError
 
 CHUNK_LINES = 256
 AHEAD = 4  # chunks in flight per worker

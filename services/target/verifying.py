@@ -1,4 +1,4 @@
-"""Verify requests on the target worker: decode sessions for real acceptance (services/verify.py).
+"""Verify requests on the target worker: decode sessions for real acceptance (services/net/verify.py).
 
 The target that serves batches also runs the eval's target forwards, so no drafter holds a copy
 of the target. A session is a DecodeSession (decode.py: one prompt) or a RowSession (row_sessions.py:
@@ -26,11 +26,11 @@ from dataclasses import dataclass
 
 import torch
 
-from services import verify
+from services.net import verify
+from services.net.transport import BatchServer, Request
 from services.target.decode import DecodeSession, check_decodable
 from services.target.hybrid import RECURRENT_TOKENS
 from services.target.row_sessions import RowSession
-from services.transport import BatchServer, Request
 
 log = logging.getLogger("target")
 SESSION_IDLE_S = 120.0
@@ -39,7 +39,7 @@ MAX_WAITING = 256
 
 
 def verify_limits(cfg, spec) -> verify.VerifyLimits:
-    """What a verify request may ask of this target, from the run's config and spec (services/runspec.py)."""
+    """What a verify request may ask of this target, from the run's config and spec (services/run/runspec.py)."""
     return verify.VerifyLimits(
         max_prompt=cfg.data.pack_len,
         max_block=spec.block_size,

@@ -3,7 +3,7 @@
     python -m services.target --config FILE --run-dir DIR --rank T --world-size NT [--device cpu|cuda] [k=v ...]
 
 States (health): starting -> loading (model + data index) -> ready -> training (serving) ->
-draining (SIGTERM: finish the batch in hand) -> stopped; failed on an error (exit codes: services/exits.py).
+draining (SIGTERM: finish the batch in hand) -> stopped; failed on an error (exit codes: services/process/exits.py).
 Requests are served in arrival order: "info" -> the dict below; "batch" g -> build row g,
 queue its capture on the GPU, hand it to the transport's I/O thread; "verify" -> a step of the
 drafters' real-acceptance eval on this process's own target (verifying.py, which bounds its share
@@ -26,23 +26,23 @@ from pathlib import Path
 
 import torch
 
-from services import runspec
-from services.batch import Batch, count_documents
-from services.compile_setup import RecompileWatch, setup_environment
-from services.config import Config, TransportConfig
-from services.endpoints import endpoint
-from services.gpu_memory import gpu_memory
-from services.handshake import TargetInfo
-from services.health import HealthServer
-from services.log import event
+from services.data.batch import Batch, count_documents
+from services.net.endpoints import endpoint
+from services.net.handshake import TargetInfo
+from services.net.transport import BatchServer, Request
+from services.process.compile_setup import RecompileWatch, setup_environment
+from services.process.gpu_memory import gpu_memory
+from services.process.health import HealthServer
+from services.process.log import event
+from services.process.worker_main import Role, workers_on_node
+from services.process.worker_main import main as worker_main
+from services.run import runspec
+from services.run.config import Config, TransportConfig
 from services.target.compiled import compile_and_warm_up
 from services.target.model import load_target
 from services.target.packing import open_or_build
 from services.target.ring import CaptureRing
 from services.target.verifying import VerifyService, VerifySettings, warm_up_verify
-from services.transport import BatchServer, Request
-from services.worker_main import Role, workers_on_node
-from services.worker_main import main as worker_main
 
 log = logging.getLogger("target")
 POLL_MS = 100
@@ -76,7 +76,7 @@ class ServeSettings:
 
 
 class TargetWorker:
-    """The worker shape both roles share (services/worker_main.py): setup() loads up to `ready`,
+    """The worker shape both roles share (services/process/worker_main.py): setup() loads up to `ready`,
     train(stop) serves until a stop request (a target has no end of its own) and finishes, close()."""
 
     def __init__(self, args: argparse.Namespace, cfg: Config, device: torch.device, health: HealthServer):

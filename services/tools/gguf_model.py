@@ -7,7 +7,7 @@ file, in a child process (torch stays out of the launcher), and every worker rea
 
 Prints one JSON line; a user's error (missing packages, an architecture transformers does not
 convert, an unreadable file) is one line on stderr and exit 2. The packages it needs are
-services/gguf_support.py's, which the launcher checks first.
+services/process/gguf_support.py's, which the launcher checks first.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-from services.gguf_support import DTYPES, missing_line, missing_packages
+from services.process.gguf_support import DTYPES, missing_line, missing_packages
 
 
 class GgufError(Exception):
@@ -88,7 +88,7 @@ def convert(path: Path, out: Path, dtype: str = "bfloat16", sha256: str = "") ->
     """Write the folder for the GGUF at path into out (aside, then renamed); its gguf_source.json."""
     import transformers
 
-    from services.files import default_file_mode, sha256_file
+    from services.process.files import default_file_mode, sha256_file
 
     start = time.monotonic()
     model, tokenizer, generation = load(path, dtype)

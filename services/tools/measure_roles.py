@@ -23,8 +23,8 @@ from pathlib import Path
 
 import torch
 
-from services.batch import FIELDS
-from services.config import load_config
+from services.data.batch import FIELDS
+from services.run.config import load_config
 
 
 def _timed_loop(step, seconds: float, warmup: int = 2) -> tuple[int, float]:
@@ -45,7 +45,7 @@ def _timed_loop(step, seconds: float, warmup: int = 2) -> tuple[int, float]:
 def target_rate(cfg, device: torch.device, seconds: float, work: Path) -> dict:
     from transformers import AutoTokenizer
 
-    from services import runspec
+    from services.run import runspec
     from services.target.compiled import compile_and_warm_up
     from services.target.model import capture_to_host, load_target
     from services.target.packing import open_or_build

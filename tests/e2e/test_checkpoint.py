@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 
 from services.drafter import checkpoint as ckpt
 from services.drafter.ledger import read_all
-from services.log import events, parse_event
+from services.process.log import events, parse_event
 from tests.launching import free_port, spawn_drafter
 
 SMALL = [

@@ -7,7 +7,7 @@ import resource
 import pytest
 
 from services.drafter import checkpoint as ckpt
-from services.log import events
+from services.process.log import events
 from tests.e2e.test_checkpoint import latest, train_single
 
 pytestmark = pytest.mark.processes  # one drafter rank at a time, synthetic data

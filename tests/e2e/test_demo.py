@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoTokenizer
 
-from services.config import load_config
+from services.run.config import load_config
 from services.target.data import has_generation_markers
 from services.target.model import load_target
 from services.target.packing import open_or_build

@@ -8,10 +8,10 @@ import time
 import psutil
 import pytest
 
-from services.config import TransportConfig
-from services.endpoints import endpoint, socket_dir
-from services.health import probe
-from services.log import events, parse_event
+from services.net.endpoints import endpoint, socket_dir
+from services.process.health import probe
+from services.process.log import events, parse_event
+from services.run.config import TransportConfig
 from tests.launching import free_port, spawn_drafter
 
 SMALL = ["data.pack_len=256", "drafter.num_anchors=16", "drafter.lr=3e-3", "drafter.warmup_ratio=0.1"]

@@ -9,11 +9,11 @@ from collections import Counter
 
 import pytest
 
-from services.config import load_config
 from services.drafter.ledger import read_all
-from services.endpoints import endpoint
-from services.health import probe
-from services.log import events
+from services.net.endpoints import endpoint
+from services.process.health import probe
+from services.process.log import events
+from services.run.config import load_config
 from tests.assets import random_demo
 from tests.launching import PLUMBING, REPO, free_port, spawn_drafter, target_argv
 

@@ -17,10 +17,10 @@ import psutil
 import pytest
 import zmq
 
-from services.config import load_config
 from services.drafter.ledger import read_all
-from services.endpoints import endpoint
-from services.health import probe
+from services.net.endpoints import endpoint
+from services.process.health import probe
+from services.run.config import load_config
 from tests.launching import PLUMBING, free_ports, run_launcher, start_launcher
 
 pytestmark = pytest.mark.training

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from services.drafter.ledger import read_all
-from services.log import events
+from services.process.log import events
 from tests.launching import PLUMBING, REPO, drafter_stuck, launcher_argv, wait_for
 
 STEPS, LOG_EVERY = 30, 2

@@ -33,11 +33,11 @@ def impostor(run_dir: str, report: str) -> None:
     """Run as its own process: fetch batch 0 of both splits from target-0 as a drafter would, SIGKILL
     target-0, bind its data socket at once and answer every batch request with batch 0's real
     frames relabelled as the batch asked for, under the killed target's own incarnation."""
-    from services.batch_client import BatchClient
-    from services.config import load_config
-    from services.endpoints import endpoint
-    from services.health import probe
-    from services.transport import BatchServer
+    from services.net.batch_client import BatchClient
+    from services.net.endpoints import endpoint
+    from services.net.transport import BatchServer
+    from services.process.health import probe
+    from services.run.config import load_config
 
     run = Path(run_dir)
     cfg = load_config(run / "config.json")
@@ -66,10 +66,10 @@ def impostor(run_dir: str, report: str) -> None:
 
 @pytest.mark.training
 def test_a_same_uid_takeover_replaying_the_incarnation_trains_nothing_and_does_not_stall_the_eval():
-    from services.batch import token_digest
-    from services.config import load_config
+    from services.data.batch import token_digest
+    from services.data.packed_data import PackedData
     from services.drafter.ledger import read_all
-    from services.packed_data import PackedData
+    from services.run.config import load_config
 
     with tempfile.TemporaryDirectory(prefix="i25", dir="/tmp") as folder:  # short: ipc paths < 108 bytes
         run_dir, log, report = Path(folder) / "run", Path(folder) / "out.txt", Path(folder) / "impostor.json"
@@ -277,10 +277,10 @@ def test_an_error_for_a_batch_that_exists_is_dropped_and_asked_again(tmp_path):
     back; an error for a g out of range still stops it."""
     import threading
 
-    from services.batch import token_digest
+    from services.data.batch import token_digest
+    from services.data.packed_data import PackedData
     from services.drafter.source import SourceError, SourceSettings, ZmqSource
-    from services.packed_data import PackedData
-    from services.transport import BatchServer
+    from services.net.transport import BatchServer
     from tests.e2e.test_verify import Worker, _overrides
 
     demo = random_demo()

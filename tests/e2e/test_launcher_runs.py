@@ -191,7 +191,7 @@ STUBBORN = textwrap.dedent("""
     from pathlib import Path
     from launcher.supervisor import Supervisor
     from launcher.topology import parse_gpu_spec
-    from services.config import load_config
+    from services.run.config import load_config
 
     class Stubborn(Supervisor):
         def argv(self, w):   # a worker whose graceful stop hangs (ignores SIGTERM)
@@ -398,7 +398,7 @@ def ending_supervisor(
     """A Supervisor whose target waits and whose drafter rank r runs the Python code drafters[r]."""
     from launcher.supervisor import Supervisor
     from launcher.topology import parse_gpu_spec
-    from services.config import load_config
+    from services.run.config import load_config
 
     class Ending(Supervisor):
         def argv(self, w):
@@ -469,8 +469,8 @@ def test_a_host_with_targets_only_ends_as_the_remote_drafters_did(tmp_path, step
     """The drafters' host reports "stopped" both at the end and after a stop: the target host
     reads the last step from that status, so a run stopped at step 37/150 is stopped there too."""
     from launcher.topology import host_overrides, parse_gpu_spec
-    from services.endpoints import endpoint
-    from services.health import HealthServer
+    from services.net.endpoints import endpoint
+    from services.process.health import HealthServer
 
     spec = "0:target@127.0.0.1,0:drafter@127.0.0.2"
     overrides = (

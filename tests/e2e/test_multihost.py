@@ -11,10 +11,10 @@ from collections import Counter
 import pytest
 import zmq
 
-from services import wire
-from services.config import load_config
 from services.drafter.ledger import read_all
-from services.endpoints import endpoint
+from services.net import wire
+from services.net.endpoints import endpoint
+from services.run.config import load_config
 from tests.launching import PLUMBING, free_ports, launcher_argv, run_launcher
 
 TARGET_HOST, DRAFTER_HOST = "127.0.0.1", "127.0.0.2"

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from services.log import events
+from services.process.log import events
 from tests.launching import PLUMBING, REPO, child_env, launcher_argv, run_launcher, start_launcher, wait_metrics
 
 

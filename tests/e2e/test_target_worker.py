@@ -13,11 +13,11 @@ import torch
 import zmq
 from transformers import AutoTokenizer
 
-from services import log
-from services.batch_client import BatchClient
-from services.config import load_config
-from services.endpoints import endpoint
-from services.health import probe
+from services.net.batch_client import BatchClient
+from services.net.endpoints import endpoint
+from services.process import log
+from services.process.health import probe
+from services.run.config import load_config
 from services.target.model import load_target
 from services.target.packing import open_or_build
 from tests.assets import random_demo

@@ -13,7 +13,7 @@ from collections import Counter
 import pytest
 
 from services.drafter.ledger import read_all
-from services.log import events
+from services.process.log import events
 from tests.launching import PLUMBING, REPO, drafter_stuck, launcher_argv, run_launcher, wait_for
 
 # the plumbing settings; steps enough for three evaluations and a loss that falls

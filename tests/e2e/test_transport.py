@@ -1,4 +1,4 @@
-"""services.transport between real processes over real ipc:// and tcp:// sockets.
+"""services.net.transport between real processes over real ipc:// and tcp:// sockets.
 
 Each target is `serve()` below, run in its own Python process; the test process is the drafter.
 """
@@ -20,12 +20,12 @@ import pytest
 import torch
 import zmq
 
-from services import wire
-from services.batch import token_digest
-from services.batch_client import BatchClient
-from services.batch_stream import batch_messages
-from services.health import HealthServer, probe
-from services.transport import MAX_REQUEST_BYTES, BatchServer
+from services.data.batch import token_digest
+from services.net import wire
+from services.net.batch_client import BatchClient
+from services.net.batch_stream import batch_messages
+from services.net.transport import MAX_REQUEST_BYTES, BatchServer
+from services.process.health import HealthServer, probe
 from tests.batches import CHUNK, N_BATCHES, SEQ, collect, make_batch, same_batch, transport_cfg
 from tests.launching import REPO, child_env
 

@@ -1,4 +1,4 @@
-"""Real acceptance verified by a real target worker process (services/verify.py, target/verifying.py,
+"""Real acceptance verified by a real target worker process (services/net/verify.py, target/verifying.py,
 drafter/remote_eval.py), on a tiny dense Qwen3 and a tiny Qwen3.5 hybrid (Gated DeltaNet + full
 attention), random weights, fp32 on CPU.
 
@@ -21,15 +21,15 @@ import pytest
 import torch
 import zmq
 
-from services import wire
-from services.batch_client import BatchClient
-from services.config import load_config
 from services.drafter.remote_eval import RemoteSpecEval
 from services.drafter.target_head import from_target
-from services.endpoints import endpoint
 from services.eval.local_spec_eval import LocalSpecEval
-from services.health import probe
-from services.verify import SessionLost, TargetUnavailable, VerifyClient, VerifyError
+from services.net import wire
+from services.net.batch_client import BatchClient
+from services.net.endpoints import endpoint
+from services.net.verify import SessionLost, TargetUnavailable, VerifyClient, VerifyError
+from services.process.health import probe
+from services.run.config import load_config
 from tests.assets import random_demo
 from tests.launching import REPO, target_argv
 

@@ -3,8 +3,8 @@
 import numpy as np
 import torch
 
-from services import shapes
-from services.batch import FIELDS, count_documents, document_spans, document_starts, run_starts
+from services.data.batch import FIELDS, count_documents, document_spans, document_starts, run_starts
+from services.run import shapes
 
 ROW = torch.tensor([0, 0, 1, 1, 1, 2, -1, -1])
 

@@ -4,7 +4,7 @@ import re
 
 import pytest
 
-from services.config import Config, ConfigError, _section_class, dump_json, load_config, parse_value, toml_literal
+from services.run.config import Config, ConfigError, _section_class, dump_json, load_config, parse_value, toml_literal
 from tests.launching import REPO
 
 

@@ -13,8 +13,8 @@ import threading
 import pytest
 import zmq
 
-from services.config import TransportConfig
-from services.curve import KEY_FILES, CurveError, apply_client, apply_server, generate_keys, keys_for
+from services.net.curve import KEY_FILES, CurveError, apply_client, apply_server, generate_keys, keys_for
+from services.run.config import TransportConfig
 from tests.launching import child_env
 
 ENV = child_env()
@@ -23,7 +23,7 @@ ENV = child_env()
 # then prints what it received and how many handshakes its ZAP handler refused.
 SERVER = textwrap.dedent("""
     import json, sys, zmq
-    from services.curve import apply_server
+    from services.net.curve import apply_server
     ctx = zmq.Context()
     sock = ctx.socket(zmq.ROUTER)
     sock.linger = 0
@@ -45,7 +45,7 @@ SERVER = textwrap.dedent("""
 # Sends one message; prints the reply, or exits 3 when nothing came back within the timeout.
 CLIENT = textwrap.dedent("""
     import sys, zmq
-    from services.curve import apply_client
+    from services.net.curve import apply_client
     endpoint, keys, message, timeout_ms = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)

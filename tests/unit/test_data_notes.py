@@ -7,7 +7,7 @@ import pytest
 from transformers import AutoTokenizer, Qwen3Config
 
 from launcher.report import describe_data, report
-from services.config import dump_json, load_config
+from services.run.config import dump_json, load_config
 from services.target import packing
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello there ."}]}
@@ -60,7 +60,7 @@ def test_data_without_prompts_says_real_acceptance_is_off(capsys, tmp_path, mode
 def test_pre_tokenized_lines_yield_their_tokens_before_the_first_supervised_one(capsys, tmp_path, model_dir):
     from transformers import AutoTokenizer
 
-    from services.prompts import heldout_prompts
+    from services.data.prompts import heldout_prompts
 
     info, run_dir = pack(capsys, tmp_path, model_dir, [TOKENS, NO_PROMPT, TOKENS], "run.spec_eval_prompts=8")
     assert info["prompts"] == 2 and "real acceptance" not in describe_data(info)

@@ -13,8 +13,8 @@ import pytest
 from safetensors.numpy import load_file
 from transformers import AutoTokenizer
 
-from services.config import load_config
-from services.packed_data import digests_path
+from services.data.packed_data import digests_path
+from services.run.config import load_config
 from services.target.data import DataError, Document
 from services.target.packing import cache_key, open_or_build, pack_rows, split_document
 from services.tools.demo import conversations
@@ -215,7 +215,7 @@ BUILD_SCRIPT = """
 import sys
 from pathlib import Path
 from transformers import AutoTokenizer
-from services.config import load_config
+from services.run.config import load_config
 from services.target.packing import open_or_build
 cfg = load_config(None, [f"data.path={sys.argv[1]}", "data.pack_len=128"])
 tok = AutoTokenizer.from_pretrained(sys.argv[3])
@@ -256,9 +256,9 @@ def test_concurrent_targets_share_one_build(tmp_path, data_file, tok_dir):
 def test_published_digests_name_every_batch_as_the_packed_data_does(tmp_path, data_file, tokenizer):
     """<key>.digests.safetensors is written with the cache; a drafter checks batch content against
     the cache where it has it, else against those digests, else says it cannot."""
-    from services.batch import token_digest
+    from services.data.batch import token_digest
+    from services.data.packed_data import PublishedDigests, digests_path
     from services.drafter.source import batch_content
-    from services.packed_data import PublishedDigests, digests_path
 
     cfg = _cfg(data_file, "data.eval_fraction=0.1")
     data = open_or_build(cfg, tmp_path / "run", tokenizer, VOCAB, log=_quiet)

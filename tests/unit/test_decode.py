@@ -7,7 +7,7 @@ bottom-right; layers whose state cannot be rolled back are refused by name."""
 import pytest
 import torch
 
-from services.decode_step import ROLLBACKS, rounding_tolerance
+from services.decoding.decode_step import ROLLBACKS, rounding_tolerance
 from services.drafter.speculative import greedy_reference
 from services.eval.verifier import LocalVerifier
 from services.target.decode import DecodeSession

@@ -1,7 +1,7 @@
-"""The progress line of a long decoding (services/decode_progress.py): at most one line per period,
+"""The progress line of a long decoding (services/decoding/decode_progress.py): at most one line per period,
 with the phase, tokens done of the total, the rate and the time left at that rate."""
 
-from services.decode_progress import Progress
+from services.decoding.decode_progress import Progress
 
 
 def test_a_line_every_period_with_rate_and_time_left():

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from services.config import load_config
+from services.run.config import load_config
 from tests.launching import REPO
 
 DOCS = sorted((REPO / "docs").glob("*.md")) + [REPO / "README.md"]
@@ -142,7 +142,7 @@ def paragraph_with(text: str, needle: str) -> str:
 
 
 def test_what_users_tried_from_the_docs_is_so():
-    from services.config import TARGET_DTYPES
+    from services.run.config import TARGET_DTYPES
 
     texts = {p.name: p.read_text() for p in DOCS}
     sources = [p.read_text() for p in (REPO / "launcher").glob("*.py")]

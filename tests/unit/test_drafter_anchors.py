@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from services.batch import Batch
+from services.data.batch import Batch
 from services.drafter.anchors import build_inputs, loss_gamma, padded_anchor_count, sample_anchors, valid_anchor_mask
 
 MASK = 99
@@ -166,7 +166,7 @@ def demo_rows(tmp_path_factory):
     """The first 40 packed training rows of the built-in demo (as `launcher up --demo` packs them)."""
     from transformers import AutoTokenizer
 
-    from services.config import load_config
+    from services.run.config import load_config
     from services.target.packing import open_or_build
     from services.tools.demo import make_demo
 

@@ -203,10 +203,10 @@ def test_compiled_flex_forward_equals_dense_forward_on_cpu(compile_layers, layou
     called eagerly (its own compiled wrapper) or from inside compiled layers (captured by dynamo);
     all-full, and a sliding layer (window 20 < the context) before a full one. Flex has no backward
     on CPU: its gradients are checked on the GPU (bench/flex_check.py)."""
-    from services.compile_setup import RecompileWatch
     from services.drafter.anchors import build_inputs
     from services.drafter.model import DFlashDrafter, DrafterModelConfig
     from services.drafter.synthetic import SyntheticSource
+    from services.process.compile_setup import RecompileWatch
 
     torch.manual_seed(0)
     cfg = DrafterModelConfig(

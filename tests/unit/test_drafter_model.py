@@ -7,14 +7,14 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from services.config import ConfigError, load_config
 from services.drafter.anchors import build_inputs
 from services.drafter.attention import DenseAttention
 from services.drafter.model import DFlashDrafter, DrafterModelConfig
 from services.drafter.synthetic import SyntheticSource
 from services.drafter.target_head import from_target, resolve_mask_token_id
-from services.layers import default_layer_ids
-from services.runspec import target_fields_of
+from services.run.config import ConfigError, load_config
+from services.run.layers import default_layer_ids
+from services.run.runspec import target_fields_of
 from tests.drafters import build_model_config
 
 TINY = dict(

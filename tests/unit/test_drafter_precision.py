@@ -7,12 +7,12 @@ the conversion and the numerics; on CUDA the real FP8 GEMMs train side by side w
 import pytest
 import torch
 
-from services.config import ConfigError, load_config
 from services.drafter.model import DFlashDrafter
 from services.drafter.precision import apply_precision
 from services.drafter.synthetic import SYNTHETIC_MODEL, SyntheticSource
 from services.drafter.target_head import TargetHead
 from services.drafter.train import build_train_state, train_step
+from services.run.config import ConfigError, load_config
 from tests.drafters import build_model_config
 
 pytest.importorskip("torchao.float8", reason="the fp8 extra (torchao) is not installed")

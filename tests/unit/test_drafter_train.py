@@ -6,12 +6,12 @@ import math
 import pytest
 import torch
 
-from services.batch import BatchError
-from services.config import load_config
+from services.data.batch import BatchError
 from services.drafter.synthetic import SYNTHETIC_MODEL, SyntheticSource
 from services.drafter.target_head import TargetHead
 from services.drafter.train import WarmupCosine, build_train_state, parameter_fingerprint, train_step
 from services.drafter.warmup import warmup
+from services.run.config import load_config
 from tests.drafters import build_model_config
 
 
@@ -148,7 +148,7 @@ def test_warmup_cosine_schedule():
 
 def test_the_lr_follows_the_batches_trained_so_a_resume_on_another_split_continues_the_curve():
     from services.drafter.train import make_scheduler
-    from services.schedule import make_plan
+    from services.run.schedule import make_plan
 
     cfg = load_config(None, ["drafter.warmup_ratio=0.1", "drafter.min_lr_ratio=0.1"])
     curve = lambda plan: make_scheduler(

@@ -1,12 +1,12 @@
 """Dropped messages in the launcher's words (launcher/drops.py): the warning line, one per burst of
-increases, totals across a worker's restarts, and the health counts it reads (services/health.py)."""
+increases, totals across a worker's restarts, and the health counts it reads (services/process/health.py)."""
 
 from __future__ import annotations
 
 import time
 
 from launcher.drops import DropWatch, describe_drops
-from services.health import Drops, HealthServer, probe
+from services.process.health import Drops, HealthServer, probe
 
 
 def test_the_line_names_the_worker_the_kinds_the_counts_and_the_target():

@@ -10,8 +10,8 @@ import pytest
 from launcher.supervisor import Supervisor
 from launcher.topology import host_overrides, parse_gpu_spec
 from launcher.units import UnitsError, render_units
-from services.config import load_config
 from services.drafter.agent import check_ranks, parse
+from services.run.config import load_config
 
 SPEC = "0:target@10.0.0.1,0-1:drafter@10.0.0.10,0-1:drafter@10.0.0.2"
 
@@ -151,7 +151,7 @@ def test_a_host_that_comes_back_restarts_the_other_hosts_workers_without_a_stop(
 
     import psutil
 
-    from services.curve import generate_keys
+    from services.net.curve import generate_keys
     from tests.launching import REPO, child_env, free_port
 
     generate_keys(tmp_path / "keys")

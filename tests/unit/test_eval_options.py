@@ -1,4 +1,4 @@
-"""`launcher eval`'s options are declared once (services/eval_options.py): what the user gives the
+"""`launcher eval`'s options are declared once (services/run/eval_options.py): what the user gives the
 launcher reaches the evaluation's own parser unchanged."""
 
 import argparse
@@ -6,7 +6,7 @@ import argparse
 import pytest
 
 from launcher.parser import build_parser
-from services import eval_options
+from services.run import eval_options
 
 
 def child_parser(options=eval_options.EVAL_OPTIONS) -> argparse.ArgumentParser:

@@ -110,8 +110,8 @@ def test_export_prints_words_then_the_commands_export_json_keeps(tmp_path, capsy
 def test_checkpoints_this_version_does_not_read_are_refused_by_name(tmp_path, capsys):
     """A checkpoint whose model lists target_layer_ids out of order does not export (exit 2, the ids
     named); one whose state.json has no next_g does not resume (a config error naming next_g)."""
-    from services.config import ConfigError, load_config
     from services.drafter.checkpoint import find_resume_point
+    from services.run.config import ConfigError, load_config
 
     cfg = DrafterModelConfig(**TINY)
     weights = DFlashDrafter(cfg).state_dict()

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from launcher import gguf
-from services.files import sha256_file
+from services.process.files import sha256_file
 from tests.gguf_files import write_llama_gguf
 from tests.launching import child_env, run_launcher
 
@@ -72,8 +72,8 @@ def test_the_converted_folder_holds_the_gguf_weights_and_is_reused(tiny, tmp_pat
     tok = AutoTokenizer.from_pretrained(folder)
     assert tok.chat_template and tok.eos_token == "<|im_end|>"
 
-    from services.config import ConfigError, load_config
     from services.drafter.target_head import from_target
+    from services.run.config import ConfigError, load_config
 
     bad_mask = load_config(None, [f"target.model_path={folder}", "drafter.num_layers=1", "drafter.mask_token_id=448"])
     with pytest.raises(
@@ -107,7 +107,7 @@ def test_missing_packages_name_the_extra(tiny, tmp_path):
 def test_missing_packages_stop_up_before_hashing(tiny, tmp_path, monkeypatch):
     from launcher.errors import UsageError
     from launcher.inputs import with_local_model
-    from services.config import load_config
+    from services.run.config import load_config
 
     monkeypatch.setenv("DFLASH_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(gguf, "missing_packages", lambda: ["gguf", "accelerate"])

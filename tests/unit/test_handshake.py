@@ -1,11 +1,11 @@
-"""The target's info and the drafter's check of it (services/handshake.py)."""
+"""The target's info and the drafter's check of it (services/net/handshake.py)."""
 
 import pytest
 
-from services import runspec
-from services.config import load_config
-from services.handshake import CaptureShape, HandshakeError, TargetInfo
-from services.wire import WireError
+from services.net.handshake import CaptureShape, HandshakeError, TargetInfo
+from services.net.wire import WireError
+from services.run import runspec
+from services.run.config import load_config
 
 
 def _info(**changes) -> TargetInfo:

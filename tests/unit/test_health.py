@@ -1,4 +1,4 @@
-"""services.health: a real responder in a real worker process, probed from outside."""
+"""services.process.health: a real responder in a real worker process, probed from outside."""
 
 from __future__ import annotations
 
@@ -15,13 +15,13 @@ import msgpack
 import pytest
 import zmq
 
-from services.health import EXIT_HEALTHY, EXIT_UNHEALTHY, EXIT_UNREACHABLE, HealthServer, probe
+from services.process.health import EXIT_HEALTHY, EXIT_UNHEALTHY, EXIT_UNREACHABLE, HealthServer, probe
 from tests.launching import REPO, child_env
 
 # A worker main loop: stamps progress every 50 ms until the stall file appears.
 WORKER = """
 import os, sys, time
-from services.health import HealthServer
+from services.process.health import HealthServer
 endpoint, stall_file = sys.argv[1], sys.argv[2]
 health = HealthServer(endpoint, role="drafter", rank=1, gpu=3, stall_after_s=0.5)
 health.set(state="training")

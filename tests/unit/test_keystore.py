@@ -14,9 +14,9 @@ import torch.distributed as dist
 import zmq
 from torch.distributed.elastic.rendezvous.api import RendezvousClosedError, RendezvousTimeoutError
 
-from services.curve import generate_keys
 from services.drafter.keystore import MAX_VALUE, KeyStore, StoreGone, StoreServer
 from services.drafter.rendezvous import KeyedRendezvous, MembershipLoop
+from services.net.curve import generate_keys
 
 
 @pytest.fixture
@@ -125,7 +125,7 @@ def test_a_pickle_is_never_loaded_and_the_store_goes_on(server, keys, tmp_path):
         time.sleep(0.3)
     ctx = zmq.Context()  # with the keys: the pickle as a message, then in a value
     sock = ctx.socket(zmq.DEALER)
-    from services.curve import apply_client
+    from services.net.curve import apply_client
 
     apply_client(sock, keys)
     sock.connect(server.endpoint)

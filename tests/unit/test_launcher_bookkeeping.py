@@ -32,7 +32,7 @@ def test_each_drafter_group_meets_in_a_fresh_store_across_launches(tmp_path):
     ('connectFullMesh ... Connection refused', seen in CI)."""
     from launcher.supervisor import Supervisor
     from launcher.topology import parse_gpu_spec
-    from services.config import load_config
+    from services.run.config import load_config
 
     cfg, workers = load_config(None, []), parse_gpu_spec("0:target,1-2:drafter")
     used = []

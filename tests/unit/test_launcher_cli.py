@@ -195,8 +195,8 @@ def test_unsorted_or_repeated_layer_ids_are_refused_at_up(tmp_path, ids):
 def test_probe_takes_a_socket_path_and_names_bad_endpoints_and_keys(tmp_path):
     import os
 
-    from services.curve import generate_keys
-    from services.health import HealthServer
+    from services.net.curve import generate_keys
+    from services.process.health import HealthServer
 
     path = tmp_path / "sock" / "target-0.health"
     health = HealthServer(f"ipc://{path}", "target", 0, "cpu")
@@ -269,8 +269,8 @@ def test_demo_takes_an_optional_variant_and_names_a_bad_one():
 def test_plaintext_is_refused_for_a_rank_past_the_host_lists(tmp_path):
     """The check reads the endpoints every rank will bind: target-1 is past target_hosts, so it binds
     transport.host. Refused (exit 2, one line naming that endpoint) before any run dir or socket exists."""
-    from services.config import load_config
-    from services.endpoints import endpoint
+    from services.net.endpoints import endpoint
+    from services.run.config import load_config
 
     out = run_launcher(
         "up",
@@ -297,7 +297,7 @@ def test_plaintext_is_refused_for_a_rank_past_the_host_lists(tmp_path):
 def test_eval_of_a_runs_checkpoint_reads_that_runs_config(tmp_path):
     """`launcher eval --checkpoint RUN/checkpoints/step-N` (or RUN, or RUN/export) from anywhere takes
     RUN's config; before, it looked for runs/latest under the working directory."""
-    from services.config import Config, dump_json
+    from services.run.config import Config, dump_json
 
     run, cwd = tmp_path / "run", tmp_path / "elsewhere"
     (run / "checkpoints" / "step-00000001").mkdir(parents=True)

@@ -33,9 +33,9 @@ FAKE_RUN = textwrap.dedent("""
     from launcher.up import run_supervised
     from launcher.supervisor import Supervisor
     from launcher.topology import parse_gpu_spec
-    from services.config import load_config
+    from services.run.config import load_config
 
-    WORKER = ("import sys, time; from services.health import HealthServer; "
+    WORKER = ("import sys, time; from services.process.health import HealthServer; "
               "h = HealthServer(sys.argv[1], 'target', 0, 0); h.set(state='ready')\\n"
               "while True: h.progress(); time.sleep(0.2)")
 

@@ -2,11 +2,12 @@
 both, and only services/eval (the in-process `launcher eval`) and services/tools (the launcher's jobs)
 may use a role's code.
 
-    services/*.py       shared: imports no role package, nor services.eval or services.tools
+    services/{run,data,net,process,decoding}
+                        shared: imports no role package, nor services.eval or services.tools
     services/target     imports no services.drafter, no services.eval
     services/drafter    imports no services.target, no services.eval
     launcher/           imports the shared layer only; it runs the roles, `launcher eval` and the
-                        tools as child processes, each a job of services/jobs.py's table, and names
+                        tools as child processes, each a job of services/process/jobs.py's table, and names
                         no services module itself
 
 Every import counts, also one inside a function: a lazy import loads the module all the same.
@@ -28,8 +29,11 @@ FORBIDDEN = {  # the layer of a module -> the packages it must not import
     "services.drafter": ("services.target", "services.eval"),
     "services.target": ("services.drafter", "services.eval"),
     "launcher": ABOVE_SHARED,
-    "services": ABOVE_SHARED,  # the shared modules, services/*.py
+    "services": ABOVE_SHARED,  # the shared modules, in SHARED's packages
 }
+# the shared layer's packages, by what their modules are: what a run is, the data, the wire, the
+# process, speculative decoding's shared parts
+SHARED = ("services.run", "services.data", "services.net", "services.process", "services.decoding")
 
 
 def layer_of(module: str) -> str | None:
@@ -43,6 +47,8 @@ def layer_of(module: str) -> str | None:
     if len(parts) <= 2:
         return "services"
     sub = f"services.{parts[1]}"
+    if sub in SHARED:
+        return "services"
     return sub if sub in FORBIDDEN else None
 
 
@@ -90,8 +96,15 @@ def test_no_module_imports_across_roles_or_upward():
 def test_the_check_sees_every_layer():
     names = {module_name(p) for p in product_modules()}
     assert {layer_of(n) for n in names} >= {"services", "services.drafter", "services.target", "launcher"}
-    assert layer_of("services.schedule") == "services" and layer_of("services.eval.launcher_eval") is None
+    assert layer_of("services.run.schedule") == "services" and layer_of("services.eval.launcher_eval") is None
     assert layer_of("services.tools.demo") is None and layer_of("services.drafter.worker") == "services.drafter"
+    # every module of the shared layer sits in one of its packages: no flat services/*.py besides __init__
+    packages = {f"services.{p.name}" for p in (REPO / "services").iterdir() if (p / "__init__.py").is_file()}
+    assert packages == set(SHARED) | {"services.drafter", "services.target", "services.eval", "services.tools"}
+    assert [p.name for p in (REPO / "services").glob("*.py")] == ["__init__.py"]
+    for package in SHARED:
+        modules = {module_name(p) for p in (REPO / Path(*package.split("."))).glob("*.py")}
+        assert modules and {layer_of(n) for n in modules} == {"services"}, package
 
 
 def services_strings(source: str) -> list[tuple[int, str]]:
@@ -109,14 +122,14 @@ def test_the_launcher_starts_children_only_through_the_job_table():
         for path in sorted((REPO / "launcher").rglob("*.py"))
         for line, text in services_strings(path.read_text())
     ]
-    assert not found, "a child the launcher starts goes through services.jobs.argv:\n" + "\n".join(found)
+    assert not found, "a child the launcher starts goes through services.process.jobs.argv:\n" + "\n".join(found)
     assert services_strings('argv = [sys.executable, "-m", f"services.{role}"]\n')  # the check sees f-strings
 
 
 def test_every_job_of_the_table_runs_as_a_program():
     """Each job's module is a product module that `python -m` runs: a package with __main__.py, or a
     module with its `if __name__ == "__main__":` block; the roles' jobs are named as the roles."""
-    from services.jobs import JOBS
+    from services.process.jobs import JOBS
 
     for job, (module, what) in JOBS.items():
         path = REPO / Path(*module.split("."))
@@ -151,9 +164,9 @@ def test_the_check_catches_a_violation(module, source):
 @pytest.mark.parametrize(
     "module, source",
     [
-        ("services.drafter.x", "from services.decode_step import Step\nfrom services.drafter import model\n"),
+        ("services.drafter.x", "from services.decoding.decode_step import Step\nfrom services.drafter import model\n"),
         ("services.target.x", "from services import runspec\nfrom .hybrid import ROLLBACKS\n"),
-        ("launcher.x", "from services.schedule import Plan\nimport services.config\n"),
+        ("launcher.x", "from services.run.schedule import Plan\nimport services.run.config\n"),
         ("services.eval.x", "from services.target.model import load_target\nfrom services.drafter import spec_eval\n"),
         ("services.x", "from services.drafter_like import thing\n"),
     ],

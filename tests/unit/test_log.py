@@ -1,4 +1,4 @@
-"""The one log format of every worker (services/log.py) and the exit codes (services/exits.py)."""
+"""The one log format of every worker (services/process/log.py) and the exit codes (services/process/exits.py)."""
 
 import io
 import logging
@@ -6,8 +6,8 @@ import re
 
 import pytest
 
-from services import exits, lifecycle, log
-from services.config import ConfigError
+from services.process import exits, lifecycle, log
+from services.run.config import ConfigError
 
 PREFIX = r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z drafter-3 "
 

@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from services.config import ConfigError, load_config
 from services.drafter.metrics import MetricsLog
+from services.run.config import ConfigError, load_config
 
 TRAIN = {
     "step": 3,

@@ -22,7 +22,7 @@ def test_a_small_cpu_run_shows_its_rate_in_tok_s_not_zero_ktok_s():
 def test_the_converted_gguf_folder_is_readable_by_a_server_under_another_account(tmp_path):
     """The printed serving commands point at the converted folder: its files get the usual mode
     (0666 minus the umask), not safetensors' owner-only 0600."""
-    from services.files import current_umask
+    from services.process.files import current_umask
     from services.tools.gguf_model import convert
     from tests.gguf_files import write_llama_gguf
 
@@ -94,7 +94,7 @@ def test_eval_names_the_step_and_digest_of_the_weights_it_read(tmp_path):
     from services.drafter.export import export_record, export_weights
     from services.drafter.model import DFlashDrafter, DrafterModelConfig
     from services.eval.launcher_eval import load_weights
-    from services.files import sha256_file
+    from services.process.files import sha256_file
     from tests.unit.test_export_serving import TINY
 
     cfg = DrafterModelConfig(**{**TINY, "num_hidden_layers": 1, "mask_token_id": 63})
@@ -154,7 +154,7 @@ def test_bench_e2e_layers_maps_the_presets_layer_ids_onto_the_layers_kept():
     """`bench/e2e.py --config presets/qwen3.6-27b.toml --layers 16` kept layer ids 1..61 of 64: a
     traceback. They map to the same depths in 16 layers, and the output says so."""
     from bench.e2e import layer_overrides
-    from services.layers import resolve_layer_ids
+    from services.run.layers import resolve_layer_ids
     from tests.launching import REPO
 
     preset = str(REPO / "presets" / "qwen3.6-27b.toml")

@@ -2,7 +2,7 @@
 
 import pytest
 
-from services.schedule import SYNTHETIC_STEPS, Plan, make_plan
+from services.run.schedule import SYNTHETIC_STEPS, Plan, make_plan
 
 
 def counts(plan: Plan) -> tuple[int, int, int]:

@@ -14,7 +14,7 @@ from launcher.gpu_split import describe, plan_gpus
 from launcher.preflight import PreflightError, preflight, resumed_line
 from launcher.regen_record import record_path, write_record
 from launcher.report import describe_spec
-from services.config import load_config
+from services.run.config import load_config
 from services.tools.demo import demo_overrides
 from tests.launching import run_launcher
 
@@ -238,9 +238,9 @@ def test_resume_of_a_run_dir_that_does_not_exist_is_refused(tmp_path, model, dat
 def test_the_launcher_says_what_a_drafter_resumed_from(tmp_path):
     import logging
 
-    from services.log import EVENTS, LineFormat
+    from services.process.log import EVENTS, LineFormat
 
-    def line(logger: str, message: str) -> str:  # as a worker's log has it (services.log's format)
+    def line(logger: str, message: str) -> str:  # as a worker's log has it (services.process.log's format)
         return (
             LineFormat("drafter-0").format(logging.LogRecord(logger, logging.INFO, "", 0, message, None, None)) + "\n"
         )
@@ -324,8 +324,8 @@ def test_wait_ready_never_shows_an_empty_waiting_list(capsys):
 
     from launcher.supervisor import Supervisor
     from launcher.topology import parse_gpu_spec
-    from services.config import load_config
-    from services.health import HealthServer
+    from services.process.health import HealthServer
+    from services.run.config import load_config
 
     run_dir = Path(tempfile.mkdtemp(prefix="dfl"))  # short: ipc socket paths stay < 108 bytes
     workers = parse_gpu_spec("0:target,1:drafter")
@@ -364,7 +364,7 @@ def up_in_process(monkeypatch, cwd, *args) -> int:
 
 def test_relative_paths_are_written_absolute_and_read_back_from_another_folder(tmp_path, model, data, monkeypatch):
     from launcher.inputs import check_inputs
-    from services import runspec
+    from services.run import runspec
 
     a, b, run = tmp_path / "A", tmp_path / "B", tmp_path / "run"
     (a / "models").mkdir(parents=True)
@@ -402,7 +402,7 @@ def test_a_repo_id_stays_a_repo_id_and_every_path_key_is_made_absolute(tmp_path,
     import dataclasses
 
     from launcher.inputs import PATH_KEYS, absolute_paths
-    from services.config import Config
+    from services.run.config import Config
 
     monkeypatch.chdir(tmp_path)
     cfg = absolute_paths(load_config(None, ["target.model_path=Qwen/Qwen3-8B", "data.path=~/d.jsonl"]))
@@ -449,7 +449,7 @@ def finished_run(tmp_path, model, data, monkeypatch):
     """A run as `up` leaves it once trained: config.json, runspec.json, data.json, run.json (finished)
     and a checkpoint (its config.json and state.json, as services/drafter/checkpoint.py writes them)."""
     from launcher import runlock
-    from services import runspec
+    from services.run import runspec
 
     run, held = tmp_path / "run", len(runlock._held)
     assert (

@@ -9,7 +9,7 @@ import subprocess
 import pytest
 
 from bench.shapes import text_config
-from services.config import load_config
+from services.run.config import load_config
 from tests.drafters import build_model_config, model_config_from_hf
 from tests.launching import REPO, launcher_argv
 

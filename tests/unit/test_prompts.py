@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from services.config import load_config
-from services.data_lines import many_prompt_tokens, prompt_tokens, raw_tokens
-from services.prompts import PromptFileError, interleave, prompt_sets, read_prompt_file, set_name
+from services.data.data_lines import many_prompt_tokens, prompt_tokens, raw_tokens
+from services.data.prompts import PromptFileError, interleave, prompt_sets, read_prompt_file, set_name
+from services.run.config import load_config
 
 USER = [{"role": "user", "content": "add two numbers"}]
 

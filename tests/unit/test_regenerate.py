@@ -14,7 +14,7 @@ from launcher.preflight import PreflightError, check_regenerated
 from launcher.regen_record import record_path
 from launcher.regenerate import interleave
 from launcher.topology import SpecError, parse_gpu_list
-from services.data_lines import prompt_tokens, read_conversations, sample_path
+from services.data.data_lines import prompt_tokens, read_conversations, sample_path
 from services.target import regenerate_shard
 from services.target.regenerate_shard import HFEngine, regenerate
 from services.tools.demo import CHAT_TEMPLATE

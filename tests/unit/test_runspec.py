@@ -1,4 +1,4 @@
-"""The marks on the config keys (services/config.py `setting`) and the checks derived from them."""
+"""The marks on the config keys (services/run/config.py `setting`) and the checks derived from them."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import json
 import numpy as np
 import pytest
 
-from services import runspec, shapes
-from services.checkpoint_compat import MODEL_FIELDS, NOT_FOR_RESUME, RUN_FIELDS, model_errors
-from services.config import BATCH_KINDS, SECTIONS, _section_class, load_config
+from services.run import runspec, shapes
+from services.run.checkpoint_compat import MODEL_FIELDS, NOT_FOR_RESUME, RUN_FIELDS, model_errors
+from services.run.config import BATCH_KINDS, SECTIONS, _section_class, load_config
 from services.target.packing import build_index, cache_key
 from services.tools.demo import conversations
 from tests.launching import run_launcher, target_argv
@@ -88,8 +88,8 @@ def _packed(cfg, tokenizer):
 
 
 def test_the_resume_check_reads_every_model_field_but_the_named_ones():
-    from services.shapes import MODEL_FIELDS as ALL
-    from services.shapes import SYNTHETIC_MODEL, DrafterModelConfig
+    from services.run.shapes import MODEL_FIELDS as ALL
+    from services.run.shapes import SYNTHETIC_MODEL, DrafterModelConfig
 
     assert set(MODEL_FIELDS) == set(ALL) - NOT_FOR_RESUME and NOT_FOR_RESUME < set(ALL)
     now = DrafterModelConfig(**SYNTHETIC_MODEL).to_dict()
@@ -121,7 +121,7 @@ def test_keys_not_marked_as_deciding_tokens_leave_the_packed_data_alone(data_fil
         assert cache_key(cfg, tokenizer, VOCAB) == key, dotted
         other = _packed(cfg, tokenizer)
         assert other.keys() == base.keys() and all(np.array_equal(other[k], base[k]) for k in base), (
-            f'{dotted} changes the packed data: mark it batch="content" in services/config.py'
+            f'{dotted} changes the packed data: mark it batch="content" in services/run/config.py'
         )
 
 
@@ -170,7 +170,7 @@ def test_launcher_up_writes_the_spec_a_worker_without_it_resolves_too(tmp_path, 
     after, before any worker); a worker in that run dir reads it, one started without a launcher (no
     runspec.json; a systemd unit from `launcher units`) resolves it with the same function: one answer."""
     from launcher.units import render_units
-    from services.layers import default_layer_ids
+    from services.run.layers import default_layer_ids
 
     model = _tiny_target(tmp_path / "model", tok_dir, weights=True)  # `up` checks the weights are there
     data = tmp_path / "chat.jsonl"
@@ -244,7 +244,7 @@ def test_a_spec_from_another_config_or_another_model_is_refused_naming_the_field
 def test_what_a_target_loaded_is_compared_with_the_spec(tmp_path, tok_dir):
     """The handshake is a comparison with the spec: in the target worker, of the model it loaded
     (a real HF model here); in the drafter, of what its target says it loaded."""
-    from services.handshake import HandshakeError, TargetInfo
+    from services.net.handshake import HandshakeError, TargetInfo
     from services.target.model import load_target
 
     model = _tiny_target(tmp_path / "model", tok_dir, weights=True)
@@ -316,7 +316,7 @@ def test_config_json_is_read_as_transformers_reads_it(tmp_path):
 
 
 def test_a_synthetic_drafter_gets_the_made_up_target_and_the_same_shape_as_before():
-    from services.shapes import SYNTHETIC_MODEL
+    from services.run.shapes import SYNTHETIC_MODEL
     from tests.drafters import build_model_config
 
     cfg = load_config(None, ["drafter.overrides={hidden_size=48}", "drafter.num_layers=2"])
@@ -341,7 +341,7 @@ def test_the_block_size_is_the_drafters_everywhere(tmp_path, tok_dir):
 def test_the_held_out_split_is_the_specs(data_file, tokenizer, tmp_path):
     """The packed eval split and the eval's prompts are the lines HeldOut.lines picks, by line
     number: a bad line (here the file's first, blank lines around it) moves no other line."""
-    from services.data_lines import heldout_lines, nonblank_lines
+    from services.data.data_lines import heldout_lines, nonblank_lines
     from services.target.data import BadSamples, read_documents
 
     good = data_file.read_text().splitlines()
@@ -371,7 +371,7 @@ def test_a_target_worker_on_another_model_than_the_spec_stops_with_one_line(tmp_
     folder was replaced since `launcher up`): exit 2 before loading weights, one line naming the field."""
     import subprocess
 
-    from services.config import dump_json
+    from services.run.config import dump_json
 
     model = _tiny_target(tmp_path / "model", tok_dir)
     run_dir = tmp_path / "run"

@@ -12,14 +12,14 @@ import time
 
 import pytest
 
-from services import sdnotify
-from services.sdnotify import Notifier
+from services.process import sdnotify
+from services.process.sdnotify import Notifier
 from tests.launching import child_env
 
 # A stand-in for a worker's main loop, using the real Notifier: load, ready, train, stall, stop.
 WORKER = textwrap.dedent("""
     import json, sys, time
-    from services.sdnotify import Notifier
+    from services.process.sdnotify import Notifier
 
     n = Notifier(status_every_s=0.0)
     n.status("loading model")

@@ -8,7 +8,8 @@ reads as a near-tie or a bug."""
 import pytest
 import torch
 
-from services.decode_step import ROLLBACKS
+from services.decoding.decode_step import ROLLBACKS
+from services.decoding.lossless import describe_lossless, first_difference
 from services.drafter.model import DrafterModelConfig
 from services.drafter.speculative import (
     Decoded,
@@ -21,7 +22,6 @@ from services.drafter.speculative import (
 )
 from services.drafter.target_head import TargetHead
 from services.eval.verifier import LocalVerifier
-from services.lossless import describe_lossless, first_difference
 from tests.greedy import hf_greedy_generate
 from tests.tiny_targets import (
     DENSE_LAYER_IDS,

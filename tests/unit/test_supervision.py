@@ -1,5 +1,5 @@
 """What the launcher says when a worker exits (launcher/causes.py), one stop per stop request
-(services/lifecycle.py), and one launcher per run dir (launcher/runlock.py)."""
+(services/process/lifecycle.py), and one launcher per run dir (launcher/runlock.py)."""
 
 import os
 import signal
@@ -13,16 +13,16 @@ import pytest
 
 from launcher import process
 from launcher.causes import exit_cause, last_error_line, read_log
-from services import exits
-from services.lifecycle import PARENT_DIED, StopRequests
+from services.process import exits
+from services.process.lifecycle import PARENT_DIED, StopRequests
 from tests.launching import child_env
 
 # A worker process as the launcher starts one (process.spawn: its log, its start line), logging in
-# the workers' format and ending through services/exits.py like every worker.
+# the workers' format and ending through services/process/exits.py like every worker.
 CRASH = textwrap.dedent("""
     import sys
     from services import exits
-    from services.log import setup_logging
+    from services.process.log import setup_logging
     setup_logging("drafter", 0)
     import torch
     try:

@@ -11,7 +11,7 @@ import random
 import pytest
 import torch
 
-from services.compile_setup import graphs_compiled
+from services.process.compile_setup import graphs_compiled
 from services.target.compiled import compile_and_warm_up, warmup_row, why_not
 from services.target.decode import DecodeSession
 from services.target.row_sessions import RowSession

@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from services.config import ConfigError, TargetConfig
+from services.run.config import ConfigError, TargetConfig
 from services.target import fp8
 from services.target.model import decoder_layers, load_target
 
@@ -375,8 +375,8 @@ def test_an_unsupported_fp8_config_names_the_key(dense_fp8, tmp_path):
 def test_eval_takes_the_target_precision_to_verify_with(tmp_path, capsys):
     """launcher eval --set target.quantize=...: the run's config with that key changed, checked as any
     override is (a drafter trained on FP8 features, verified by the bf16 target or the reverse)."""
-    from services.config import Config, dump_json
     from services.eval import launcher_eval as eval_cli
+    from services.run.config import Config, dump_json
 
     dump_json(Config(), tmp_path / "config.json")
     assert eval_cli.main(["--run-dir", str(tmp_path), "--set", "target.quantize=int8"]) == 2
@@ -404,7 +404,7 @@ def test_the_few_token_decode_gemm_is_the_default_and_named_when_misspelled(dens
     """target.fp8_decode_gemm = "few-token", the default, sends an FP8 target's decoding steps through
     the kernel's quantized mode where it runs (not on the CPU: there the scaled path stays, and the log
     says 0); "scaled" leaves every linear on the scaled GEMM; a value that does not exist is named."""
-    from services.config import load_config
+    from services.run.config import load_config
 
     assert load_config(None, []).target.fp8_decode_gemm == "few-token"
     path, _ = dense_fp8

@@ -10,8 +10,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
 
-from services.config import TargetConfig
-from services.layers import default_layer_ids
+from services.run.config import TargetConfig
+from services.run.layers import default_layer_ids
 from services.target.model import (
     PACKED_SDPA,
     Target,

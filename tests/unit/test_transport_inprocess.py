@@ -1,4 +1,4 @@
-"""services.transport in this process: the I/O thread, buffers, CURVE, and the drafter's checks on
+"""services.net.transport in this process: the I/O thread, buffers, CURVE, and the drafter's checks on
 what arrives. Between real processes: tests/e2e/test_transport.py."""
 
 from __future__ import annotations
@@ -10,12 +10,12 @@ import msgpack
 import torch
 import zmq
 
-from services import curve, wire
-from services.batch import token_digest
-from services.batch_client import BatchClient
-from services.batch_stream import BufferPool, batch_messages, layout
-from services.health import HealthServer
-from services.transport import BatchServer
+from services.data.batch import token_digest
+from services.net import curve, wire
+from services.net.batch_client import BatchClient
+from services.net.batch_stream import BufferPool, batch_messages, layout
+from services.net.transport import BatchServer
+from services.process.health import HealthServer
 from tests.batches import CHUNK, collect, make_batch, same_batch, transport_cfg
 
 

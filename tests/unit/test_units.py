@@ -13,8 +13,8 @@ import pytest
 
 from launcher.topology import SpecError
 from launcher.units import UnitsError, install_command, render_units
-from services.config import ConfigError, TransportConfig, load_config
-from services.endpoints import endpoint
+from services.net.endpoints import endpoint
+from services.run.config import ConfigError, TransportConfig, load_config
 
 SPEC = "0-4:target,5-7:drafter"
 SYSTEMD_ANALYZE = shutil.which("systemd-analyze")

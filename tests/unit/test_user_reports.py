@@ -84,7 +84,7 @@ def test_a_failed_start_says_it_stops_the_workers_not_that_drafters_checkpoint(t
     from launcher.progress import ProgressLine
     from launcher.supervisor import Supervisor
     from launcher.topology import parse_gpu_spec
-    from services.config import load_config
+    from services.run.config import load_config
 
     sup = Supervisor(tmp_path, load_config(None, []), parse_gpu_spec("0:target,1:drafter"), "cpu")
     sup.progress = ProgressLine(stream=io.StringIO())

@@ -1,11 +1,11 @@
 """The verify messages without processes: a request is checked against the target's limits, an
-answer against the client's own call, before anything is kept (services/verify.py)."""
+answer against the client's own call, before anything is kept (services/net/verify.py)."""
 
 import pytest
 import torch
 
-from services import wire
-from services.verify import Verified, VerifyLimits, VerifyRequest, _Assembly, reply_messages
+from services.net import wire
+from services.net.verify import Verified, VerifyLimits, VerifyRequest, _Assembly, reply_messages
 
 LIMITS = VerifyLimits(max_prompt=16, max_block=4, max_length=40, vocab_size=100, max_rows=3)
 

@@ -1,4 +1,4 @@
-"""services.wire: round trips of every dtype, zero-copy on both sides, and every way a message can lie."""
+"""services.net.wire: round trips of every dtype, zero-copy on both sides, and every way a message can lie."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from services import wire
-from services.wire import WireError, decode, encode
+from services.net import wire
+from services.net.wire import WireError, decode, encode
 
 SHAPES = [(), (0,), (3, 0, 2), (7,), (4, 5), (2, 3, 4)]
 
@@ -46,9 +46,9 @@ def as_bytes(frames) -> list[bytes]:
 
 
 def test_dtype_names_are_the_ones_docs_wire_md_lists():
-    # one table (services/dtypes.py) gives the wire, target.dtype and export --dtype their names
-    from services.config import TARGET_DTYPES
+    # one table (services/run/dtypes.py) gives the wire, target.dtype and export --dtype their names
     from services.drafter import export
+    from services.run.config import TARGET_DTYPES
     from services.target import model
 
     assert list(wire.DTYPES) == ["bf16", "fp16", "fp32", "fp64", "int8", "int16", "int32", "int64", "uint8", "bool"]
@@ -353,11 +353,11 @@ def test_huge_announced_sizes_never_allocate(size, ndims, consistent_nbytes):
     decode_bounded(frames)
 
 
-# --- the transport's messages (services/batch_stream.py) ---------------------------------------
+# --- the transport's messages (services/net/batch_stream.py) ---------------------------------------
 
 
 def test_each_transport_message_round_trips_and_names_a_bad_field():
-    from services.batch_stream import Announce, Ask, Chunk, Info, Refusal
+    from services.net.batch_stream import Announce, Ask, Chunk, Info, Refusal
 
     def back(cls, message, *rest):
         header, tensors = decode(message.to_wire())
@@ -431,7 +431,7 @@ def test_read_fields_checks_each_field_by_its_annotation_and_rule_and_names_it()
     """The messages' one validator: types from the annotations, bounds and absence from message_fields.rule."""
     from dataclasses import dataclass, field
 
-    from services.message_fields import read_fields, rule
+    from services.net.message_fields import read_fields, rule
 
     @dataclass
     class Message:

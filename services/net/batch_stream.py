@@ -22,10 +22,10 @@ from typing import Iterator
 import numpy as np
 import torch
 
-from services import wire
-from services.batch import FIELDS, SPLITS, Batch, token_digest
-from services.config import TransportConfig
-from services.message_fields import read_fields, rule
+from services.data.batch import FIELDS, SPLITS, Batch, token_digest
+from services.net import wire
+from services.net.message_fields import read_fields, rule
+from services.run.config import TransportConfig
 
 ALIGN = 64  # byte offset of every tensor in the reassembly buffer
 MAX_INCARNATION_LEN = 64
@@ -78,7 +78,7 @@ class Ask:
 
 @dataclass(frozen=True)
 class Info:
-    """info {info}: a target's answer to an info request (the map is services.handshake.TargetInfo's)."""
+    """info {info}: a target's answer to an info request (the map is services.net.handshake.TargetInfo's)."""
 
     info: dict
 
@@ -123,7 +123,7 @@ class Announce:
     g: int = field(metadata=BATCH_INDEX)
     split: str = field(metadata=SPLIT)
     incarnation: str = field(metadata=INCARNATION)
-    digest: str = field(metadata=rule(length=32))  # services.batch.token_digest of its input_ids
+    digest: str = field(metadata=rule(length=32))  # services.data.batch.token_digest of its input_ids
     stream: list[wire.TensorSpec]  # the batch's tensors, in the order their bytes follow
 
     def to_wire(self) -> list:

@@ -5,9 +5,9 @@ No torch here: `launcher up --resume` checks the keys before it writes anything 
 
 from __future__ import annotations
 
-from services import runspec, shapes
-from services.config import Config
-from services.shapes import DrafterModelConfig
+from services.run import runspec, shapes
+from services.run.config import Config
+from services.run.shapes import DrafterModelConfig
 
 # The drafter model fields a checkpoint does not depend on: initializer_range only draws the first
 # weights (a resume loads them); max_position_embeddings is written into the export's config.json,

@@ -19,8 +19,8 @@ import logging
 import os
 import sys
 
-from services import lifecycle
-from services.config import ConfigError
+from services.process import lifecycle
+from services.run.config import ConfigError
 
 OK, CRASHED, CONFIG, STOPPED, FINAL = 0, 1, 2, 3, 4
 

@@ -2,7 +2,7 @@
 
 The target answers an "info" request with TargetInfo.to_wire(); the drafter parses it with
 from_wire() (every field's type checked; a bad one is a WireError naming it) and then
-check()s it against its run spec (services/runspec.py: RunSpec.expected_of_target) before
+check()s it against its run spec (services/run/runspec.py: RunSpec.expected_of_target) before
 training on a single batch. Like vLLM's EngineCoreReadyResponse, the answer carries a digest of
 the config that decides what a batch contains, so a target and a drafter started from different
 configs refuse each other at once instead of training on mismatched data.
@@ -13,9 +13,9 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from services.config import ConfigError
-from services.message_fields import read_fields
-from services.shapes import CapturedWidth, CaptureShape
+from services.net.message_fields import read_fields
+from services.run.config import ConfigError
+from services.run.shapes import CapturedWidth, CaptureShape
 
 
 class HandshakeError(ConfigError):

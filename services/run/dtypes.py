@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from services.config import TARGET_DTYPES
+from services.run.config import TARGET_DTYPES
 
 BY_NAME = {
     "bfloat16": torch.bfloat16,

@@ -20,7 +20,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from services import dtypes, shapes
+from services.run import dtypes, shapes
 
 SPLITS = ("train", "eval")  # which data a batch comes from: training rows or held-out rows
 

@@ -4,7 +4,7 @@ Greedy speculative decoding must return the target's own greedy output: the chec
 equality with plain greedy decoding (one token per target forward), prompt by prompt. Where a
 prompt differs, the first differing position says why. The target's top-1 minus top-2 logit margin
 there, from the reference's forward or the verify forward (the smaller one), is compared with the
-rounding of the target's dtype at that logit's magnitude (services/decode_step.py,
+rounding of the target's dtype at that logit's magnitude (services/decoding/decode_step.py,
 rounding_tolerance: 4 ulps, 4 * eps(dtype) * max(1, |top-1 logit|); eps is 2^-7 for bf16, 2^-10
 for fp16, 2^-23 for fp32):
   - margin <= tolerance: a near-tie. A block forward and a one-token forward round differently,

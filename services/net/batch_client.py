@@ -10,13 +10,13 @@ from collections import Counter
 import torch
 import zmq
 
-from services import curve, wire
-from services.batch import SPLITS, Batch, BatchError, token_digest
-from services.batch_stream import Announce, Ask, BufferPool, Chunk, Info, Partial, Refusal, queue_depth
-from services.config import TransportConfig
-from services.health import Drops, HealthServer
-from services.io_thread import MAX_MESSAGES_PER_POLL, IoThread, get_all
-from services.sockets import secure_socket
+from services.data.batch import SPLITS, Batch, BatchError, token_digest
+from services.net import curve, wire
+from services.net.batch_stream import Announce, Ask, BufferPool, Chunk, Info, Partial, Refusal, queue_depth
+from services.net.io_thread import MAX_MESSAGES_PER_POLL, IoThread, get_all
+from services.net.sockets import secure_socket
+from services.process.health import Drops, HealthServer
+from services.run.config import TransportConfig
 
 
 class BatchClient(IoThread):
@@ -63,7 +63,7 @@ class BatchClient(IoThread):
         self, target: int, g: int, split: str = "train", incarnation: str | None = None, digest: str | None = None
     ) -> None:
         """Ask for batch g; with `incarnation`, only that target incarnation's answer is taken; with
-        `digest`, only a batch whose token ids have that digest (services.batch.token_digest)."""
+        `digest`, only a batch whose token ids have that digest (services.data.batch.token_digest)."""
         if split not in SPLITS or g < 0 or not 0 <= target < len(self._socks):
             raise ValueError(f"request: bad target={target}, g={g} or split={split!r}")
         with self._lock:

@@ -4,7 +4,7 @@
     target ROUTER   ->  drafter DEALER  info {info}  |  error {g, split, message, incarnation}
                                         batch {g, split, incarnation, digest, stream: [tensor specs]}
                                         chunk {g, split, offset} + <= chunk_bytes of raw bytes  (repeated)
-    and verify / verified (services/verify.py): real acceptance, verified by the target itself.
+    and verify / verified (services/net/verify.py): real acceptance, verified by the target itself.
 
 A batch travels as a stream of separate few-MB messages, not one big one: ZMQ moves those
 several times faster (docs/benchmarks.md, "Transport"). The drafter checks the announced size against
@@ -44,13 +44,13 @@ from typing import Iterator
 
 import zmq
 
-from services import curve, verify, wire
-from services.batch import Batch
-from services.batch_stream import Ask, Info, Refusal, batch_messages, queue_depth
-from services.config import TransportConfig
-from services.health import Drops, HealthServer
-from services.io_thread import MAX_MESSAGES_PER_POLL, IoThread, get_all
-from services.sockets import bind_private, secure_socket
+from services.data.batch import Batch
+from services.net import curve, verify, wire
+from services.net.batch_stream import Ask, Info, Refusal, batch_messages, queue_depth
+from services.net.io_thread import MAX_MESSAGES_PER_POLL, IoThread, get_all
+from services.net.sockets import bind_private, secure_socket
+from services.process.health import Drops, HealthServer
+from services.run.config import TransportConfig
 
 log = logging.getLogger(__name__)
 

@@ -24,10 +24,11 @@ import msgpack
 import psutil
 import zmq
 
-from services import __version__, curve
-from services.message_fields import read_fields, rule
-from services.sdnotify import Notifier
-from services.sockets import bind_private, secure_socket
+from services import __version__
+from services.net import curve
+from services.net.message_fields import read_fields, rule
+from services.net.sockets import bind_private, secure_socket
+from services.process.sdnotify import Notifier
 
 log = logging.getLogger(__name__)
 

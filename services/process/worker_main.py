@@ -21,11 +21,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Protocol
 
-from services import curve, exits, lifecycle, torchao_gate
-from services.config import Config, ConfigError, load_config
-from services.endpoints import endpoint
-from services.health import HealthServer
-from services.log import setup_logging
+from services.net import curve
+from services.net.endpoints import endpoint
+from services.process import exits, lifecycle, torchao_gate
+from services.process.health import HealthServer
+from services.process.log import setup_logging
+from services.run.config import Config, ConfigError, load_config
 
 STOPPED_LINGER_S = 3.0  # across hosts, the launchers of other hosts probe every second or so
 

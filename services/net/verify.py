@@ -42,12 +42,12 @@ from dataclasses import dataclass, field
 import torch
 import zmq
 
-from services import curve, wire
-from services.batch_stream import INCARNATION
-from services.config import TransportConfig
-from services.health import probe
-from services.message_fields import read_fields, rule
-from services.sockets import secure_socket
+from services.net import curve, wire
+from services.net.batch_stream import INCARNATION
+from services.net.message_fields import read_fields, rule
+from services.net.sockets import secure_socket
+from services.process.health import probe
+from services.run.config import TransportConfig
 
 OPS = ("open", "step", "close", "open-rows", "step-rows")
 ROW_OPS = ("open-rows", "step-rows")

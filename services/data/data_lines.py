@@ -4,7 +4,7 @@ conversation's prompt tokens, the held-out split's lines (the prompts of real ac
 file as `launcher regenerate` reads it. No torch, no tokenizer import: the launcher reads these too.
 
 services/target/data.py turns lines into training documents (its docstring: the line shapes and
-what makes a line bad); services/prompts.py turns them into the eval's prompts.
+what makes a line bad); services/data/prompts.py turns them into the eval's prompts.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from services import runspec
-from services.config import Config
+from services.run import runspec
+from services.run.config import Config
 
 ROLES = ("system", "user", "assistant", "tool")
 SHAREGPT_ROLES = {
@@ -183,7 +183,7 @@ def nonblank_lines(path: str | Path, max_line_bytes: int = 8 << 20) -> list[tupl
 
 def heldout_lines(cfg: Config) -> list[str]:
     """The text of the held-out split's lines (runspec.HeldOut), in the eval's order: the prompts of
-    real acceptance (services/prompts.py). The split is by line number, as in packing's build_index,
+    real acceptance (services/data/prompts.py). The split is by line number, as in packing's build_index,
     so they are the packed eval split's lines, bad lines or not. Without a held-out split: the lines
     of data.path, last first."""
     held_out = runspec.HeldOut.of(cfg)

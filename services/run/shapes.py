@@ -1,5 +1,5 @@
 """The shapes of a run, as plain data (no torch): what a target captures, what the drafter is
-built as, and how both are read from a target's config.json. services/runspec.py resolves them
+built as, and how both are read from a target's config.json. services/run/runspec.py resolves them
 once per run; the target's model and the drafter's model read them from there.
 """
 
@@ -8,9 +8,9 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from services.config import FULL, SLIDING, check_layout
+from services.run.config import FULL, SLIDING, check_layout
 
-# The captured hidden states on the wire, by name (no torch here): services/batch.py's FIELDS["hidden"] is
+# The captured hidden states on the wire, by name (no torch here): services/data/batch.py's FIELDS["hidden"] is
 # this dtype, and HIDDEN_BYTES its size per value (what one batch's hidden states weigh, for the run spec).
 HIDDEN_DTYPE = "bfloat16"
 HIDDEN_BYTES = 2

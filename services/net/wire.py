@@ -19,8 +19,8 @@ import msgpack
 import torch
 import zmq
 
-from services import dtypes
-from services.message_fields import WireError, is_int
+from services.net.message_fields import WireError, is_int
+from services.run import dtypes
 
 VERSION = 1
 KINDS = frozenset({"request", "info", "batch", "chunk", "error", "verify", "verified"})

@@ -3,7 +3,7 @@ figures and its controls', for one evaluation and for each prompt set of it."""
 
 from __future__ import annotations
 
-from services.lossless import describe_lossless
+from services.decoding.lossless import describe_lossless
 
 CONTROLS = ("repeat_last", "random")
 HEADER = f"  {'':<12}{'per prompt':>11}{'per step':>10}{'tokens/forward':>16}  lossless"

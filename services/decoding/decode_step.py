@@ -9,7 +9,7 @@ process (services/eval/verifier.py LocalVerifier, on services/target/decode.py's
 packed batched forward of services/eval/batched_decode.py returns Steps too.
 
 A Step holds, per position, the target's greedy token (argmax of the logits), the top-1 minus
-top-2 logit margin, the rounding tolerance of those logits (services/lossless.py's near-tie rule),
+top-2 logit margin, the rounding tolerance of those logits (services/decoding/lossless.py's near-tie rule),
 and the captured layers' outputs exactly as the target captures them for training.
 
 ROLLBACKS names how a hybrid target's Gated DeltaNet state drops a rejected suffix
@@ -24,7 +24,7 @@ from typing import Protocol
 
 import torch
 
-from services.eval_options import ROLLBACKS  # noqa: F401  (declared with the options, without torch)
+from services.run.eval_options import ROLLBACKS  # noqa: F401  (declared with the options, without torch)
 
 
 @dataclass

@@ -26,7 +26,7 @@ class ConfigError(ValueError):
     """A config file or override is wrong; the message names the key and the source."""
 
 
-# Every key says what it decides about batch g (services/runspec.py derives the checks from it):
+# Every key says what it decides about batch g (services/run/runspec.py derives the checks from it):
 #   "content"   the tokens of batch g: the packed data's cache key, the target/drafter handshake, resume
 #   "path"      a data file whose contents decide batch g: cache key (by fingerprint) and resume, not the
 #               handshake (hosts of one run may mount the same data at different places)
@@ -429,7 +429,14 @@ def validate(cfg: Config) -> None:
 
 FULL, SLIDING = "full_attention", "sliding_attention"
 TARGET_COMPILE = ("auto", "on", "off")
-TARGET_DTYPES = ("bfloat16", "bf16", "float16", "fp16", "float32", "fp32")  # services/dtypes.py maps them to torch's
+TARGET_DTYPES = (
+    "bfloat16",
+    "bf16",
+    "float16",
+    "fp16",
+    "float32",
+    "fp32",
+)  # services/run/dtypes.py maps them to torch's
 TARGET_QUANTIZE = ("none", "fp8")
 FP8_DECODE_GEMMS = ("scaled", "few-token")  # services/target/fp8_few_tokens.py, its quantized mode
 DRAFTER_PRECISIONS = ("bf16", "fp8")  # services/drafter/precision.py

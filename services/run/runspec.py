@@ -6,17 +6,17 @@ the launcher uses it).
     spec = runspec.for_worker(cfg, run_dir)   # a worker: runspec.json when there is one, else resolve(cfg)
 
 A spec holds (docs/operations.md, "The run spec"):
-  - target: the layers the target captures (services/layers.py's rule), its width H, vocabulary,
-    depth, and hidden_width = K·H (services/shapes.py CaptureShape);
+  - target: the layers the target captures (services/run/layers.py's rule), its width H, vocabulary,
+    depth, and hidden_width = K·H (services/run/shapes.py CaptureShape);
   - drafter: the drafter model's shape (shapes.DrafterModelConfig): the target's widths, drafter.*
     and drafter.overrides; mask_token_id -1 means the tokenizer's, which the drafter resolves;
   - held_out: which data the held-out split is (HeldOut);
   - batch_keys: the config keys that decide batch g, each with its mark and value (below);
   - config: the resolved config it was resolved from (a worker started with another refuses it).
 A target compares what it loaded with the spec, and a drafter compares what its targets say
-they loaded (the handshake, services/handshake.py) with its own.
+they loaded (the handshake, services/net/handshake.py) with its own.
 
-What decides batch g is read from the marks on the config keys (services/config.py `setting`),
+What decides batch g is read from the marks on the config keys (services/run/config.py `setting`),
 so a key added to the config is covered by every check as soon as it is marked (and
 tests/unit/test_runspec.py fails for a key with no mark):
   - the packed data's cache key (services/target/packing.py): "content" keys and "path" files;
@@ -33,8 +33,9 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from services import layers, shapes
-from services.config import (
+from services.process.files import write_json_atomic
+from services.run import layers, shapes
+from services.run.config import (
     BATCH_KINDS,
     SECTIONS,
     Config,
@@ -44,7 +45,6 @@ from services.config import (
     ascending,
     layer_ids_message,
 )
-from services.files import write_json_atomic
 
 FILE = "runspec.json"
 FORMAT = 1
@@ -176,7 +176,7 @@ def drafter_shape(
     cfg: Config, base: dict, mask_token_id: int | None = None, target: str = ""
 ) -> shapes.DrafterModelConfig:
     """base (a target's fields, or the synthetic ones) + the drafter/target sections + drafter.overrides,
-    the captured layers resolved by services/layers.py's rule. mask_token_id: default drafter.mask_token_id;
+    the captured layers resolved by services/run/layers.py's rule. mask_token_id: default drafter.mask_token_id;
     target: the model folder a layer error names."""
     values = dict(base)
     values.update(

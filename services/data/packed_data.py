@@ -12,9 +12,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from services.batch import SPLITS, document_starts, token_digest
-from services.config import Config
-from services.data_lines import DataError
+from services.data.batch import SPLITS, document_starts, token_digest
+from services.data.data_lines import DataError
+from services.run.config import Config
 
 FORMAT_VERSION = 2  # 2: the held-out split by line number (runspec.HeldOut.lines)
 
@@ -76,7 +76,7 @@ class PublishedDigests(_RowOrder):
 
 
 class PackedData(_RowOrder):
-    """Rows of a built cache file; batch(g, split) -> the tensors of services.batch.Batch minus hidden."""
+    """Rows of a built cache file; batch(g, split) -> the tensors of services.data.batch.Batch minus hidden."""
 
     def __init__(self, path: str | Path, cfg: Config):
         from safetensors import safe_open

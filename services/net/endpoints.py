@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from services.config import TransportConfig, is_loopback
+from services.run.config import TransportConfig, is_loopback
 
 PURPOSES = ("health", "data")
 ROLES = ("target", "drafter")

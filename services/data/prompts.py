@@ -20,7 +20,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from services.data_lines import heldout_lines, normalize_messages, parse_json_line, prompt_tokens, raw_tokens
+from services.data.data_lines import heldout_lines, normalize_messages, parse_json_line, prompt_tokens, raw_tokens
 
 HELD_OUT = "held-out"
 
