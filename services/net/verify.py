@@ -85,6 +85,17 @@ class VerifyLimits:
     max_rows: int = 1  # prompts of one session of rows (run.spec_eval_prompts)
 
 
+def _head(kind: str, message) -> dict:
+    """The header fields of every verify call and answer: which call of which session, to whom."""
+    return {
+        "kind": kind,
+        "op": message.op,
+        "id": message.id,
+        "session": message.session,
+        "incarnation": message.incarnation,
+    }
+
+
 OP = rule(choices=OPS)
 NUMBER = rule(low=0, high=MAX_ID)  # a call's id, a session, a part, a count
 
@@ -103,14 +114,7 @@ class VerifyRequest:
     rows: list[int] = field(default_factory=list)  # step-rows: the prompts stepped, by their index at open-rows
 
     def to_wire(self) -> list:
-        header = {
-            "kind": "verify",
-            "op": self.op,
-            "id": self.id,
-            "session": self.session,
-            "incarnation": self.incarnation,
-            "features": self.features,
-        }
+        header = {**_head("verify", self), "features": self.features}
         tensors = {"ids": torch.tensor(self.ids, dtype=torch.int64)} if self.op != "close" else {}
         if self.op in ROW_OPS:
             tensors["lengths"] = torch.tensor(self.lengths, dtype=torch.int64)
@@ -194,13 +198,7 @@ class Verified:
     tensors: dict = field(default_factory=dict)
 
     def to_wire(self) -> list:
-        head = {
-            "kind": "verified",
-            "op": self.op,
-            "id": self.id,
-            "session": self.session,
-            "incarnation": self.incarnation,
-        }
+        head = _head("verified", self)
         if self.error is not None:
             return wire.encode({**head, "error": self.error[:1000], "code": self.code})
         head["committed"] = self.committed
