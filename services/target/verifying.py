@@ -172,17 +172,17 @@ class VerifyService:
             self.sessions.pop((request.client, r.session), None)
             self.server.drops("verify-request", f"verify {r.op}: {exc}")
             messages = [verify.error_frames(r, self.server.incarnation, f"{type(exc).__name__}: {exc}")]
-        self.server.send_messages(request.client, messages)
         seconds = time.perf_counter() - start
         self.spent.append((time.monotonic(), seconds))
         self.seconds += seconds
         self.counts["verify_requests"] += 1
-        self.health.set(
+        self.health.set(  # before the answer leaves: a drafter that has it reads a status that counts it
             verify_sessions=len(self.sessions),
             verify_s=round(self.seconds, 3),
             verify_waiting=len(self.waiting),
             **self.counts,
         )
+        self.server.send_messages(request.client, messages)
 
     def _open(self, key) -> None:
         """Room for one more session: the least recently used ones go."""

@@ -165,7 +165,7 @@ def test_the_check_catches_a_violation(module, source):
     "module, source",
     [
         ("services.drafter.x", "from services.decoding.decode_step import Step\nfrom services.drafter import model\n"),
-        ("services.target.x", "from services import runspec\nfrom .hybrid import ROLLBACKS\n"),
+        ("services.target.x", "from services.run import runspec\nfrom .hybrid import ROLLBACKS\n"),
         ("launcher.x", "from services.run.schedule import Plan\nimport services.run.config\n"),
         ("services.eval.x", "from services.target.model import load_target\nfrom services.drafter import spec_eval\n"),
         ("services.x", "from services.drafter_like import thing\n"),

@@ -21,7 +21,7 @@ from tests.launching import child_env
 # the workers' format and ending through services/process/exits.py like every worker.
 CRASH = textwrap.dedent("""
     import sys
-    from services import exits
+    from services.process import exits
     from services.process.log import setup_logging
     setup_logging("drafter", 0)
     import torch
@@ -158,7 +158,7 @@ def test_the_run_dir_lock_names_its_holder_and_dies_with_it(tmp_path):
 
 LATE = textwrap.dedent("""
     import time
-    from services import lifecycle
+    from services.process import lifecycle
     stop = lifecycle.install()
     print("ready", flush=True)
 
