@@ -275,8 +275,8 @@ class RemoteSpecEval(SpecEval):
             missing = [i for i in todo if i not in self._refs]
             self.progress.phase("greedy references", len(missing) * self.max_new_tokens)
             self._refs.update(self._rows(missing, None, tick, past_budget))
+        self.progress.phase(getattr(propose, "label", "drafter"), len(todo) * self.max_new_tokens)
         if self.rows:
-            self.progress.phase(getattr(propose, "label", "drafter"), len(todo) * self.max_new_tokens)
             outs = self._rows([i for i in todo if i in self._refs], propose, tick, past_budget)
             for index in todo:
                 if index in outs:
@@ -287,10 +287,8 @@ class RemoteSpecEval(SpecEval):
                 self.skipped, todo = len(todo) - len(decoded), []
             else:
                 todo = [i for i in todo if i not in outs]
-        else:
-            self.progress.phase(getattr(propose, "label", "drafter"), len(todo) * self.max_new_tokens)
         for index in todo:
-            if budget_s > 0 and (results or self.skipped) and time.perf_counter() - start > budget_s:
+            if (results or self.skipped) and past_budget():
                 break
             if tick:
                 tick()

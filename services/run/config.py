@@ -306,6 +306,9 @@ def validate(cfg: Config) -> None:
         if not ok:
             raise ConfigError(msg)
 
+    def one_of(key: str, value, choices) -> None:
+        need(value in choices, f"{key} must be one of {', '.join(choices)}, got {value!r}")
+
     need(
         cfg.data.on_bad_sample in ("fail", "skip"),
         f"data.on_bad_sample must be 'fail' or 'skip', got {cfg.data.on_bad_sample!r}",
@@ -321,31 +324,16 @@ def validate(cfg: Config) -> None:
         f"data.max_doc_len={cfg.data.max_doc_len} is larger than data.pack_len={cfg.data.pack_len}: a document "
         "piece must fit in one row (0 = pack_len)",
     )
-    need(
-        cfg.target.dtype in TARGET_DTYPES,
-        f"target.dtype must be one of {', '.join(TARGET_DTYPES)}, got {cfg.target.dtype!r}",
-    )
-    need(
-        cfg.target.compile in TARGET_COMPILE,
-        f"target.compile must be one of {', '.join(TARGET_COMPILE)}, got {cfg.target.compile!r}",
-    )
-    need(
-        cfg.target.quantize in TARGET_QUANTIZE,
-        f"target.quantize must be one of {', '.join(TARGET_QUANTIZE)}, got {cfg.target.quantize!r}",
-    )
-    need(
-        cfg.target.fp8_decode_gemm in FP8_DECODE_GEMMS,
-        f"target.fp8_decode_gemm must be one of {', '.join(FP8_DECODE_GEMMS)}, got {cfg.target.fp8_decode_gemm!r}",
-    )
+    one_of("target.dtype", cfg.target.dtype, TARGET_DTYPES)
+    one_of("target.compile", cfg.target.compile, TARGET_COMPILE)
+    one_of("target.quantize", cfg.target.quantize, TARGET_QUANTIZE)
+    one_of("target.fp8_decode_gemm", cfg.target.fp8_decode_gemm, FP8_DECODE_GEMMS)
     need(cfg.drafter.grad_accum >= 1, f"drafter.grad_accum must be >= 1, got {cfg.drafter.grad_accum}")
     need(
         cfg.drafter.attention in ("auto", "flex", "dense"),
         f"drafter.attention must be auto|flex|dense, got {cfg.drafter.attention!r}",
     )
-    need(
-        cfg.drafter.precision in DRAFTER_PRECISIONS,
-        f"drafter.precision must be one of {', '.join(DRAFTER_PRECISIONS)}, got {cfg.drafter.precision!r}",
-    )
+    one_of("drafter.precision", cfg.drafter.precision, DRAFTER_PRECISIONS)
     need(cfg.drafter.block_size >= 2, f"drafter.block_size must be >= 2, got {cfg.drafter.block_size}")
     need(cfg.drafter.num_anchors >= 1, f"drafter.num_anchors must be >= 1, got {cfg.drafter.num_anchors}")
     need(
@@ -360,10 +348,7 @@ def validate(cfg: Config) -> None:
     need(d.weight_decay >= 0, f"drafter.weight_decay must be >= 0, got {d.weight_decay}")
     need(d.grad_clip >= 0, f"drafter.grad_clip must be >= 0 (0 = no clipping), got {d.grad_clip}")
     need(d.gamma >= 0, f"drafter.gamma must be >= 0 (0 = the default for the block size), got {d.gamma}")
-    need(
-        d.position_weights in POSITION_WEIGHTS,
-        f"drafter.position_weights must be one of {', '.join(POSITION_WEIGHTS)}, got {d.position_weights!r}",
-    )
+    one_of("drafter.position_weights", d.position_weights, POSITION_WEIGHTS)
     need(0 < d.dpace_alpha <= 1, f"drafter.dpace_alpha must be in (0, 1], got {d.dpace_alpha}")
     need(d.loss_chunk >= 1, f"drafter.loss_chunk must be >= 1, got {d.loss_chunk}")
     need(cfg.run.max_steps >= 0, f"run.max_steps must be >= 0 (0 = every epoch), got {cfg.run.max_steps}")
