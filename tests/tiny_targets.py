@@ -16,6 +16,32 @@ HYBRID_LAYER_IDS = [1, 3, 7]  # a Gated DeltaNet layer, a full-attention layer, 
 HYBRID_TYPES = ["linear_attention"] * 3 + ["full_attention"] + ["linear_attention"] * 3 + ["full_attention"]
 
 
+def tiny_hybrid_config(layer_types: list[str], vocab_size: int, **fields):
+    """A tiny Qwen3.5 text config (Gated DeltaNet + full attention), one layer per entry of layer_types:
+    the one hybrid shape of the tests; fields add to or override it."""
+    from transformers.models.qwen3_5 import Qwen3_5TextConfig
+
+    shape = dict(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=len(layer_types),
+        layer_types=layer_types,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        linear_conv_kernel_dim=4,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        pad_token_id=0,
+    )
+    return Qwen3_5TextConfig(**{**shape, **fields})
+
+
 def _wrap(model, layer_ids) -> Target:
     with torch.no_grad():  # a spread of logits, so greedy output is not one token repeated
         model.lm_head.weight.mul_(20)
@@ -61,29 +87,10 @@ HYBRID_DEVICES = [
 
 
 def hybrid_target(seed: int = 0, device: str = "cpu", dtype=torch.float32) -> Target:
-    from transformers.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+    from transformers.models.qwen3_5 import Qwen3_5ForCausalLM
 
     torch.manual_seed(seed)
-    cfg = Qwen3_5TextConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=8,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
-        linear_key_head_dim=16,
-        linear_value_head_dim=16,
-        linear_conv_kernel_dim=4,
-        max_position_embeddings=512,
-        layer_types=HYBRID_TYPES,
-        tie_word_embeddings=False,
-        bos_token_id=None,
-        eos_token_id=None,
-        pad_token_id=0,
-    )
+    cfg = tiny_hybrid_config(HYBRID_TYPES, VOCAB, bos_token_id=None, eos_token_id=None)
     target = _wrap(Qwen3_5ForCausalLM(cfg).to(device, dtype), HYBRID_LAYER_IDS)
     assert target.path == ("packed-reference" if device == "cpu" else "packed-varlen")
     return target

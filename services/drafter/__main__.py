@@ -51,10 +51,10 @@ def prepare(args, cfg) -> None:
         os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", cfg.run.alloc_conf)
 
 
-def make_worker(args, cfg, device, health):
+def make_worker(args, device, health):
     from services.drafter.worker import DrafterWorker  # torch: after prepare()
 
-    return DrafterWorker(args, cfg, device, health, workers_on_node(args))
+    return DrafterWorker(args, device, health, workers_on_node(args))
 
 
 ROLE = Role(

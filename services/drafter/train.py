@@ -122,7 +122,9 @@ class TrainState:
         }
 
 
-def make_scheduler(optimizer, cfg: Config, optimizer_steps: int, plan=None) -> torch.optim.lr_scheduler.LambdaLR:
+def make_scheduler(
+    optimizer, optimizer_steps: int, warmup_ratio: float, min_lr_ratio: float, plan=None
+) -> torch.optim.lr_scheduler.LambdaLR:
     """Warmup + cosine over the run (schedule.py). With the plan, the clock is global batches trained,
     not optimizer steps: a resume on another number of drafters (another batch per step) continues
     the curve where the data is, and it ends with the data (docs/design.md, "Scheduling")."""
@@ -132,9 +134,9 @@ def make_scheduler(optimizer, cfg: Config, optimizer_steps: int, plan=None) -> t
         per_step, first_step, first = plan.batches_per_step, plan.first_step, plan.first_g
         total = max(per_step, plan.horizon_batches)
     steps = total // per_step if total % per_step == 0 else total / per_step  # exact for one split
-    warmup = math.ceil(cfg.drafter.warmup_ratio * steps) * per_step
+    warmup = math.ceil(warmup_ratio * steps) * per_step
     return torch.optim.lr_scheduler.LambdaLR(
-        optimizer, WarmupCosine(warmup, total, cfg.drafter.min_lr_ratio, per_step, first_step, first)
+        optimizer, WarmupCosine(warmup, total, min_lr_ratio, per_step, first_step, first)
     )
 
 
@@ -156,7 +158,7 @@ def build_train_state(
         drafter.parameters(), lr=cfg.drafter.lr, weight_decay=cfg.drafter.weight_decay, fused=device.type == "cuda"
     )
     settings = StepSettings.from_config(cfg, model_cfg)
-    scheduler = make_scheduler(optimizer, cfg, total_steps)
+    scheduler = make_scheduler(optimizer, total_steps, cfg.drafter.warmup_ratio, cfg.drafter.min_lr_ratio)
     head = head.to(device, torch.bfloat16 if device.type == "cuda" else torch.float32)
     return TrainState(
         drafter=drafter,

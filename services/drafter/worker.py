@@ -4,10 +4,11 @@
                                                      \\-> draining (SIGTERM: finish the step, checkpoint, exit 3)
 
 DrafterWorker has the worker shape both roles share (services/process/worker_main.py, which starts it and maps
-how it ended to an exit code): setup() (config and checkpoint errors before any GPU work), train() (the
-loop, then finish()), close().
-One batch: `batches` (source.py: ZmqSource pulls batch g from target g mod T) -> train.train_step
-(anchors -> drafter -> loss -> DDP -> AdamW) -> bookkeeping.Bookkeeping.after_batch (ledger,
+how it ended to an exit code): setup(cfg) (config and checkpoint errors before any GPU work), train() (the
+loop, then finish()), close(). It is the process shell of the drafter's core (core.py: no sockets,
+signals or health).
+One batch: `batches` (source.py: ZmqSource pulls batch g from target g mod T) -> DrafterCore.step
+(train.train_step: anchors -> drafter -> loss -> DDP -> AdamW) -> bookkeeping.Bookkeeping.after_batch (ledger,
 metrics, evaluation, checkpoints). What every rank does together is in collectives.py.
 
 --resume continues from the newest good checkpoint in <run_dir>/checkpoints (or starts fresh when
@@ -17,7 +18,6 @@ there is none), on any number of drafter ranks: the schedule continues from the 
 from __future__ import annotations
 
 import argparse
-import functools
 import logging
 import threading
 import time
@@ -28,12 +28,11 @@ import torch
 from services.drafter import checkpoint as ckpt
 from services.drafter import checkpoint_share, collectives
 from services.drafter.bookkeeping import Bookkeeping, BookSettings
-from services.drafter.evaluate import evaluate
+from services.drafter.core import DrafterCore
 from services.drafter.source import BatchSource, SourceSettings, eval_batches, train_batches
 from services.drafter.synthetic import SyntheticSource
 from services.drafter.target_head import model_and_head
-from services.drafter.train import build_train_state, check_batch, make_scheduler, parameter_fingerprint, train_step
-from services.drafter.warmup import warmup
+from services.drafter.train import parameter_fingerprint
 from services.process import lifecycle
 from services.process.compile_setup import RecompileWatch
 from services.process.files import cpu_share
@@ -63,12 +62,13 @@ def timed(batches):
 
 
 class DrafterWorker:
-    def __init__(
-        self, args: argparse.Namespace, cfg: Config, device: torch.device, health: HealthServer, workers_on_node: int
-    ):
-        self.args, self.cfg, self.device, self.health = args, cfg, device, health
+    """The drafter's process shell around its core (core.py: DrafterCore.step(batch) -> metrics): the data
+    source, health, the stop vote, the bookkeeping. setup(cfg) builds them from the config; none of
+    them, nor this class, keeps the whole config."""
+
+    def __init__(self, args: argparse.Namespace, device: torch.device, health: HealthServer, workers_on_node: int):
+        self.args, self.device, self.health = args, device, health
         self.run_dir, self.rank, self.world_size = Path(args.run_dir), args.rank, args.world_size
-        self.max_steps = args.max_steps if args.max_steps is not None else cfg.run.max_steps
         self.workers_on_node = workers_on_node
         self.batches: BatchSource | None = None
         self.books = None
@@ -76,14 +76,16 @@ class DrafterWorker:
         self.train_s = 0.0  # seconds in batches (data wait + step), not in evals or checkpoints: the ETA's clock
 
     # --- loading -> compiling -> ready ---------------------------------------------------------
-    def setup(self) -> None:
-        args, cfg, device, health, rank = self.args, self.cfg, self.device, self.health, self.rank
+    def setup(self, cfg: Config) -> None:
+        args, device, health, rank = self.args, self.device, self.health, self.rank
         health.set(state="loading")
+        max_steps = args.max_steps if args.max_steps is not None else cfg.run.max_steps
+        self.log_every = max(1, cfg.run.log_every)
         # a fair share of the cores: several workers oversubscribing them slows every one of them down
         torch.set_num_threads(cpu_share(self.workers_on_node))
         self.spec = runspec.for_worker(cfg, self.run_dir, synthetic=args.synthetic)  # runspec.json, or resolved here
         model_cfg, head = model_and_head(cfg, self.spec)
-        found = self.find_checkpoint(model_cfg)
+        found = self.find_checkpoint(model_cfg, cfg)
         if device.type == "cuda" and not torch.cuda.is_available():
             raise RuntimeError("--device cuda but CUDA is not available")
         collectives.join(cfg, rank, self.world_size, device, args.dist_backend, run_dir=self.run_dir)
@@ -91,11 +93,11 @@ class DrafterWorker:
             found = checkpoint_share.share(found, self.run_dir, rank, tick=health.progress)
         if not collectives.same_everywhere(found.micro_step if found else -1, device):
             raise RuntimeError("drafter ranks picked different checkpoints to resume from (is checkpoints/ shared?)")
-        self.state = state = build_train_state(
-            cfg, model_cfg, head, device, world_size=self.world_size, total_steps=max(1, self.max_steps)
+        self.core = core = DrafterCore.build(
+            cfg, model_cfg, head, device, world_size=self.world_size, total_steps=max(1, max_steps)
         )
-        self.compile_s = self.compile(model_cfg)  # before asking for batches: the targets load meanwhile
-        check = functools.partial(check_batch, state=state)  # values too, before a batch goes to the GPU early
+        self.state = state = core.state
+        self.compile_s = self.compile(model_cfg, cfg)  # before asking for batches: the targets load meanwhile
         sources = SourceSettings.from_config(cfg, self.run_dir, rank, self.world_size, args.num_targets)
         self.batches, plan = train_batches(
             sources,
@@ -103,16 +105,14 @@ class DrafterWorker:
             health,
             device,
             synthetic=args.synthetic,
-            max_steps=self.max_steps,
+            max_steps=max_steps,
             start_step=found.micro_step if found else 0,
             first_g=found.batches_done if found else 0,
-            check=check,
+            check=core.check,  # values too, before a batch goes to the GPU early
         )
         self.batches.check_targets(self.spec)  # the targets' handshake, against this drafter's run spec
-        held_out = eval_batches(sources, model_cfg, health, device, synthetic=args.synthetic, check=check)
-        state.scheduler = make_scheduler(
-            state.optimizer, cfg, plan.optimizer_steps, plan
-        )  # the real horizon, now known
+        held_out = eval_batches(sources, model_cfg, health, device, synthetic=args.synthetic, check=core.check)
+        core.plan(plan)  # the lr schedule's real horizon, now known
         if found:
             for note in ckpt.restore(state, found, rank):
                 log.warning("%s", note)
@@ -131,7 +131,7 @@ class DrafterWorker:
         health.progress()
         event("ready", rank=rank, compile_s=self.compile_s, params=state.drafter.num_parameters(), plan=plan.describe())
 
-    def find_checkpoint(self, model_cfg) -> ckpt.Found | None:
+    def find_checkpoint(self, model_cfg, cfg: Config) -> ckpt.Found | None:
         """--resume: the newest good checkpoint (None: start fresh). Without --resume, refuse a run dir
         that has checkpoints (a fresh run there would mix two runs' checkpoints, ledger and metrics)."""
         if not self.args.resume:
@@ -142,27 +142,23 @@ class DrafterWorker:
                 )
             return None
         return ckpt.find_resume_point(
-            self.run_dir, model_cfg, self.cfg, self.world_size, log.warning, tick=self.health.progress
+            self.run_dir, model_cfg, cfg, self.world_size, log.warning, tick=self.health.progress
         )
 
-    def compile(self, model_cfg) -> float:
+    def compile(self, model_cfg, cfg: Config) -> float:
         """Compile the train step (and the eval forward) on a made-up batch; seconds it took."""
         self.health.set(state="compiling")
         self.health.progress()  # compiling is progress too (until the warmup returns)
         dummy = SyntheticSource(
             model_cfg,
-            self.cfg.data.pack_len,
-            seed=self.cfg.run.seed + 1,
+            cfg.data.pack_len,
+            seed=cfg.run.seed + 1,
             device=self.device,
-            with_target_labels=self.cfg.target.labels_from_target,
+            with_target_labels=cfg.target.labels_from_target,
         ).batch(0)
-        seconds = warmup(self.state, dummy)
-        if self.cfg.run.eval_every > 0:  # the forward-only graph, compiled now rather than mid-run
-            start = time.perf_counter()
-            evaluate(self.state, [dummy])
-            seconds += time.perf_counter() - start
+        seconds = self.core.compile(dummy, with_eval=cfg.run.eval_every > 0)
         self.recompiles = RecompileWatch()  # any graph compiled from here on is a recompile
-        return round(seconds, 3)
+        return seconds
 
     # --- training ------------------------------------------------------------------------------
     def train(self, stop: threading.Event) -> bool:
@@ -174,7 +170,7 @@ class DrafterWorker:
                 interrupted = True  # the checkpoint is the last optimizer step's state
                 break
             start = time.perf_counter()
-            m = train_step(self.state, batch)
+            m = self.core.step(batch)
             now = time.perf_counter()
             self.after_step(batch.g, m, waited_s=waited, compute_s=now - start, elapsed_s=now - last)
             last = now
@@ -199,7 +195,7 @@ class DrafterWorker:
         if m.get("nonfinite") and target is not None:
             m["nonfinite"] += f" from target-{target}"
         self.books.after_batch(g, m, waited_s, compute_s, provenance)  # ledger, metrics, eval, checkpoint
-        if state.micro_step % max(1, self.cfg.run.log_every) == 0:  # this rank's own step, in its log
+        if state.micro_step % self.log_every == 0:  # this rank's own step, in its log
             event(
                 "step",
                 **{

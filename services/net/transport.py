@@ -101,12 +101,13 @@ class BatchServer(IoThread):
         transport: TransportConfig,
         health: HealthServer | None = None,
         verify_limits: verify.VerifyLimits | None = None,
+        incarnation: str = "",
     ):
         self.transport = transport
         self.verify_limits = verify_limits  # None: verify requests are refused (counted and dropped)
         self.drops = Drops(health)
         self._health = health
-        self.incarnation = new_incarnation()
+        self.incarnation = incarnation or new_incarnation()  # the shell's, which its core's answers carry
         if health:
             health.set(incarnation=self.incarnation)  # drafters learn it here, before they ask
         self._ctx = zmq.Context()

@@ -3,9 +3,10 @@
     main(role, argv): the command line -> the log -> the config (a bad one: one line, exit 2)
         -> role.prepare (the environment before torch: compile cache, the CPU share)
         -> the health socket -> the stop signals (lifecycle.py) -> role.make_worker
-        -> worker.setup() -> worker.train(stop) -> the exit code (exits.py); worker.close(), health.close()
+        -> worker.setup(cfg) -> worker.train(stop) -> the exit code (exits.py); worker.close(), health.close()
 
-A worker has one shape in both roles (Worker): setup() loads (and compiles) up to `ready`; train(stop)
+A worker has one shape in both roles (Worker): setup(cfg) loads (and compiles) up to `ready`, turning the
+config into the components it builds (no worker keeps the whole config); train(stop)
 works until its end or a stop request, finishes (draining, final checkpoint, `stopped`) and says
 whether it reached its end; close() frees what it still holds, however it ended.
 No torch at import: the drafter's compile environment is set before torch is imported.
@@ -32,7 +33,7 @@ STOPPED_LINGER_S = 3.0  # across hosts, the launchers of other hosts probe every
 
 
 class Worker(Protocol):
-    def setup(self) -> None:
+    def setup(self, cfg: Config) -> None:
         """Load (and compile) up to `ready`; config and checkpoint errors come before any GPU work."""
 
     def train(self, stop: threading.Event) -> bool:
@@ -48,8 +49,8 @@ class Role:
 
     name: str  # "target" | "drafter": log, health, endpoints
     usage: str  # the argument parser's description
-    # (args, cfg, device, health) -> the worker, not started (no I/O until setup())
-    make_worker: Callable[[argparse.Namespace, Config, object, HealthServer], Worker]
+    # (args, device, health) -> the worker, not started (no I/O until setup(cfg))
+    make_worker: Callable[[argparse.Namespace, object, HealthServer], Worker]
     run_dir: str | None = None  # --run-dir's default (None: required)
     defaults: Callable[[], dict] = dict  # defaults of --rank, --world-size, --device
     add_arguments: Callable[[argparse.ArgumentParser], None] = lambda parser: None  # the role's own options
@@ -110,8 +111,8 @@ def main(role: Role, argv=None) -> int:
     stop = lifecycle.install(grace_s=cfg.run.stop_timeout_s)
     worker = None
     try:
-        worker = role.make_worker(args, cfg, device, health)
-        worker.setup()
+        worker = role.make_worker(args, device, health)
+        worker.setup(cfg)
         return exits.OK if worker.train(stop) else exits.STOPPED  # stopped before its end: not finished
     except Exception as exc:  # stopped while starting, a config error, a crash
         return exits.exit_code(exc, health, stopped=role.stopped)

@@ -27,9 +27,10 @@ from dataclasses import dataclass
 import torch
 
 from services.net import verify
-from services.net.transport import BatchServer, Request
+from services.net.transport import Request
 from services.target.decode import DecodeSession, check_decodable
 from services.target.hybrid import RECURRENT_TOKENS
+from services.target.replies import Dropped, Reply, VerifyReply
 from services.target.row_sessions import RowSession
 
 log = logging.getLogger("target")
@@ -58,6 +59,7 @@ class VerifySettings:
     share: float  # run.spec_eval_target_share
     warm_up: bool  # run.spec_eval_prompts > 0: warm the verify path up before `ready`
     block_size: int
+    chunk_bytes: int  # transport.chunk_bytes: an answer's large tensors travel in parts this big
 
     @classmethod
     def from_config(cls, cfg, spec) -> "VerifySettings":
@@ -67,6 +69,7 @@ class VerifySettings:
             share=cfg.run.spec_eval_target_share,
             warm_up=cfg.run.spec_eval_prompts > 0,
             block_size=spec.block_size,
+            chunk_bytes=cfg.transport.chunk_bytes,
         )
 
 
@@ -108,9 +111,12 @@ def warm_up_verify(target, block_size: int) -> str:
 
 
 class VerifyService:
-    def __init__(self, target, server: BatchServer, settings: VerifySettings, health):
-        self.target, self.server, self.health = target, server, health
-        self.limits = server.verify_limits
+    """The verify requests of one target: no sockets and no health. Each call returns the replies for the
+    shell to send (replies.py); status() is what health shows of it."""
+
+    def __init__(self, target, settings: VerifySettings, incarnation: str):
+        self.target, self.incarnation, self.chunk_bytes = target, incarnation, settings.chunk_bytes
+        self.limits = settings.limits
         self.max_sessions, self.share = settings.max_sessions, settings.share
         self.sessions: OrderedDict[tuple[bytes, int], tuple[DecodeSession | RowSession, float]] = OrderedDict()
         self.waiting: deque[Request] = deque()
@@ -129,25 +135,35 @@ class VerifyService:
     def saw_batch_request(self) -> None:
         self.last_batch_request = time.monotonic()
 
-    def submit(self, request: Request) -> None:
+    def submit(self, request: Request) -> list[Reply]:
         """Answer now if the share allows, else queue behind the other waiting ones."""
         if self.waiting or not self._may_run():
             if len(self.waiting) >= MAX_WAITING:
-                self.server.drops("verify-request", f"more than {MAX_WAITING} verify requests waiting; dropped")
-                return
+                return [Dropped("verify-request", f"more than {MAX_WAITING} verify requests waiting; dropped")]
             self.counts["verify_deferred"] += 1
             self.waiting.append(request)
-            return
-        self.answer(request)
+            return []
+        return self.answer(request)
 
-    def run_waiting(self) -> None:
+    def run_waiting(self) -> list[Reply]:
         """Answer the waiting requests the share allows; free idle sessions."""
+        replies = []
         while self.waiting and self._may_run():
-            self.answer(self.waiting.popleft())
+            replies += self.answer(self.waiting.popleft())
         now = time.monotonic()
         for key in [k for k, (_, used) in self.sessions.items() if now - used > SESSION_IDLE_S]:
             del self.sessions[key]
             log.info("verify session %d freed after %.0fs idle", key[1], SESSION_IDLE_S)
+        return replies
+
+    def status(self) -> dict:
+        """What health shows of the verify work."""
+        return dict(
+            verify_sessions=len(self.sessions),
+            verify_s=round(self.seconds, 3),
+            verify_waiting=len(self.waiting),
+            **self.counts,
+        )
 
     def _may_run(self) -> bool:
         now = time.monotonic()
@@ -158,31 +174,25 @@ class VerifyService:
         return sum(s for _, s in self.spent) < self.share * SHARE_WINDOW_S
 
     # --- one request --------------------------------------------------------------------------
-    def answer(self, request: Request) -> None:
+    def answer(self, request: Request) -> list[Reply]:
         start = time.perf_counter()
-        r = request.verify
+        r, replies = request.verify, []
         try:
             messages = self._run(request.client, r)
         except verify.SessionLost as exc:
             self.counts["verify_refused"] += 1
-            self.server.drops("verify-session", str(exc))  # counted; answered so the drafter reopens at once
-            messages = [verify.error_frames(r, self.server.incarnation, str(exc), code="session")]
+            replies.append(Dropped("verify-session", str(exc)))  # counted; answered so the drafter reopens at once
+            messages = [verify.error_frames(r, self.incarnation, str(exc), code="session")]
         except (ValueError, RuntimeError) as exc:  # e.g. a session grown past its bound
             self.counts["verify_refused"] += 1
             self.sessions.pop((request.client, r.session), None)
-            self.server.drops("verify-request", f"verify {r.op}: {exc}")
-            messages = [verify.error_frames(r, self.server.incarnation, f"{type(exc).__name__}: {exc}")]
+            replies.append(Dropped("verify-request", f"verify {r.op}: {exc}"))
+            messages = [verify.error_frames(r, self.incarnation, f"{type(exc).__name__}: {exc}")]
         seconds = time.perf_counter() - start
         self.spent.append((time.monotonic(), seconds))
         self.seconds += seconds
         self.counts["verify_requests"] += 1
-        self.health.set(  # before the answer leaves: a drafter that has it reads a status that counts it
-            verify_sessions=len(self.sessions),
-            verify_s=round(self.seconds, 3),
-            verify_waiting=len(self.waiting),
-            **self.counts,
-        )
-        self.server.send_messages(request.client, messages)
+        return [*replies, VerifyReply(request.client, messages)]
 
     def _open(self, key) -> None:
         """Room for one more session: the least recently used ones go."""
@@ -193,7 +203,7 @@ class VerifyService:
 
     def _rows(self, key, r: verify.VerifyRequest) -> list[list]:
         """The rows ops: many prompts of one session, one forward a step for all (row_sessions.py)."""
-        incarnation, chunk = self.server.incarnation, self.server.transport.chunk_bytes
+        incarnation, chunk = self.incarnation, self.chunk_bytes
         if r.op == "open-rows":
             self._open(key)
             cut = [0, *itertools.accumulate(r.lengths)]
@@ -215,7 +225,7 @@ class VerifyService:
         )
 
     def _run(self, client: bytes, r: verify.VerifyRequest) -> list[list]:
-        key, incarnation = (client, r.session), self.server.incarnation
+        key, incarnation = (client, r.session), self.incarnation
         if r.op == "close":
             self.sessions.pop(key, None)
             return [verify.closed_frames(r, incarnation)]
@@ -235,7 +245,7 @@ class VerifyService:
                 step.margin[-1:].cpu(),
                 step.tolerance[-1:].cpu(),
                 step.features.cpu() if r.features else None,
-                self.server.transport.chunk_bytes,
+                self.chunk_bytes,
             )
         if key not in self.sessions or not isinstance(self.sessions[key][0], DecodeSession):
             raise verify.SessionLost(f"unknown verify session {r.session}")
@@ -261,5 +271,5 @@ class VerifyService:
             step.margin.cpu(),
             step.tolerance.cpu(),
             features,
-            self.server.transport.chunk_bytes,
+            self.chunk_bytes,
         )

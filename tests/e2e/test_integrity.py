@@ -1,8 +1,8 @@
 """Nothing wrong reaches the weights, on the CPU demo with real processes: a same-uid process that
 takes a target's socket over and replays its incarnation gets none of its batches trained, and
 the held-out eval does not wait for it; a target with inf in its weights stops the run with an
-error naming it and the captured layer, and nothing non-finite is saved; an `error` claimed for a
-batch that exists is dropped and asked again."""
+error naming it and the captured layer, and nothing non-finite is saved. An `error` claimed for a
+batch that exists (no real process needed): tests/unit/test_cores.py."""
 
 from __future__ import annotations
 
@@ -24,7 +24,6 @@ import pytest
 
 from launcher.cli import main as launcher_main
 from launcher.drops import describe_drops
-from tests.assets import random_demo
 from tests.e2e.test_launcher_demo import assert_exactly_once, assert_no_worker_left, launcher, metrics
 from tests.launching import PLUMBING, REPO, child_env, wait_for
 
@@ -267,66 +266,3 @@ def test_a_target_with_inf_weights_stops_the_run_naming_it_and_nothing_non_finit
         assert saved, "no checkpoint was written while the steps were skipped"
         for path in saved:
             assert all(bool(t.isfinite().all()) for t in load_file(str(path)).values()), path
-
-
-@pytest.mark.processes  # a target worker; the drafter's source in this process
-def test_an_error_for_a_batch_that_exists_is_dropped_and_asked_again(tmp_path):
-    """A process that took target-0's socket over under its incarnation answers every request with
-    an `error`: for a g the handshake says exists that is no real target's answer, so the drafter's
-    source counts it (data-error-claim), asks again and trains the real batch once the target is
-    back; an error for a g out of range still stops it."""
-    import threading
-
-    from services.data.batch import token_digest
-    from services.data.packed_data import PackedData
-    from services.drafter.source import SourceError, SourceSettings, ZmqSource
-    from services.net.transport import BatchServer
-    from tests.e2e.test_verify import Worker, _overrides
-
-    demo = random_demo()
-    w = Worker(tmp_path / "run", _overrides(demo, demo["model_path"]) + ["transport.credits=1"])
-    first = w.start()
-    source = ZmqSource(SourceSettings.from_config(w.cfg, w.run_dir), None)
-    source.connect()
-    claimed: list[int] = []
-
-    def impostor_then_target_back():
-        server = BatchServer(w.data_ep, w.cfg.transport)
-        server.incarnation = first["incarnation"]  # the killed target's, as it announced it
-        while len(claimed) < 3:
-            for request in server.poll(100):
-                if request.kind == "batch":
-                    server.send_error(request.client, request.g, f"batch g={request.g} out of range", request.split)
-                    claimed.append(request.g)
-        server.close()
-        w.start()  # the real target again, on the same socket
-
-    try:
-        batches = iter(source)
-        assert next(batches).g == 0  # from the real target: its incarnation is known
-        assert source.total_batches > 1
-        w.stop(signal.SIGKILL)
-        thread = threading.Thread(target=impostor_then_target_back, daemon=True)
-        thread.start()
-        batch = next(batches)  # asked of the impostor first
-        thread.join(timeout=180)
-        assert set(claimed) == {1}, claimed
-        drops = source.client.drops.counts["data-error-claim"]
-        assert 1 <= drops <= len(claimed), (drops, claimed)
-        (cache,) = [p for p in (w.run_dir / "data-cache").glob("*.safetensors") if ".digests." not in p.name]
-        assert batch.g == 1 and token_digest(batch.input_ids) == token_digest(
-            PackedData(cache, w.cfg).batch(1)["input_ids"]
-        )
-        # a g out of range: the real target's error, which stops the source as before
-        beyond = source.info.num_batches * w.cfg.run.epochs
-        source.pending[beyond] = time.monotonic()
-        source.client.request(0, beyond, incarnation=source.incarnations[0])
-        with pytest.raises(SourceError, match=f"g={beyond}"):
-            deadline = time.monotonic() + 60
-            while time.monotonic() < deadline:
-                for event in source.client.poll(200):
-                    source._handle(event)
-        assert source.client.drops.counts["data-error-claim"] == drops
-    finally:
-        source.close()
-        w.stop(signal.SIGKILL)

@@ -1,4 +1,5 @@
-"""The target worker as a real process: health states, info, batches over real ZMQ, errors, SIGTERM."""
+"""The target worker as a real process: health states, info, batches over real ZMQ, errors, SIGTERM, and a
+config error's exit code. What its core answers, target labels included: tests/unit/test_cores.py."""
 
 from __future__ import annotations
 
@@ -135,35 +136,6 @@ def test_worker_serves_info_batches_errors_and_stops_on_sigterm(tmp_path, demo):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-
-
-def test_worker_sends_target_labels_when_configured(tmp_path, demo):
-    overrides = demo["overrides"] + ["target.labels_from_target=true", "data.pack_len=128"]
-    cfg = load_config(None, overrides)
-    run = tmp_path / "run"
-    proc = _start(run, overrides)
-    client = BatchClient([endpoint(run, cfg.transport, "target", 0, "data")], cfg.transport)
-    try:
-        _wait_state(proc, endpoint(run, cfg.transport, "target", 0, "health"), ("ready",))
-        client.request(0, 3)
-        ((kind, _, _, batch, _),) = _events(client, 1)
-        assert kind == "batch" and batch.target_labels is not None and batch.target_labels.dtype == torch.int64
-        from transformers import AutoModelForCausalLM
-
-        model = AutoModelForCausalLM.from_pretrained(demo["model_path"], dtype=torch.float32).eval()
-        real = batch.document_ids >= 0
-        start = 0
-        for d in range(int(batch.document_ids.max()) + 1):  # each document alone through the stock HF model
-            n = int((batch.document_ids == d).sum())
-            with torch.no_grad():
-                logits = model(input_ids=batch.input_ids[start : start + n][None]).logits[0]
-            assert torch.equal(batch.target_labels[start : start + n], logits.argmax(-1))
-            start += n
-        assert start == int(real.sum())
-    finally:
-        client.close()
-        proc.kill()
-        proc.wait()
 
 
 @pytest.mark.parametrize(

@@ -1,41 +1,24 @@
-"""Real acceptance verified by a real target worker process (services/net/verify.py, target/verifying.py,
-drafter/remote_eval.py), on a tiny dense Qwen3 and a tiny Qwen3.5 hybrid (Gated DeltaNet + full
-attention), random weights, fp32 on CPU.
-
-Speculative decoding through the worker must equal plain greedy decoding (through the same worker)
-on every prompt, for a random drafter (most drafts rejected: the rollback case) and a drafter that
-is mostly right; the figures equal those of the same loop on the target loaded in this process.
-Hostile verify messages are counted and dropped while the worker keeps serving batches; a target
-restarted mid-eval costs a retried or skipped prompt, never a hang.
+"""A real target worker process killed and restarted mid-eval (services/net/verify.py, target/verifying.py,
+drafter/remote_eval.py), on the demo's tiny dense Qwen3, random weights, fp32 on CPU: it costs a
+retried or skipped prompt, never a hang; the eval goes on with the new incarnation, losslessly.
+The verify scenarios that need no real process (lossless through the worker on dense and hybrid
+targets, hostile messages, controls, prompt sets): tests/unit/test_verify_inprocess.py.
 """
 
 from __future__ import annotations
 
 import signal
-import subprocess
 import time
-from pathlib import Path
 
-import msgpack
 import pytest
-import torch
-import zmq
 
 from services.drafter.remote_eval import RemoteSpecEval
 from services.drafter.target_head import from_target
-from services.eval.local_spec_eval import LocalSpecEval
-from services.net import wire
-from services.net.batch_client import BatchClient
-from services.net.endpoints import endpoint
-from services.net.verify import SessionLost, TargetUnavailable, VerifyClient, VerifyError
-from services.process.health import probe
-from services.run.config import load_config
+from services.net.verify import SessionLost, TargetUnavailable, VerifyClient
 from tests.assets import random_demo
-from tests.launching import REPO, target_argv
+from tests.verify_targets import TargetProcess, verify_overrides
 
 pytestmark = pytest.mark.processes
-
-PROMPTS, NEW = 3, 12
 
 
 @pytest.fixture(scope="module")
@@ -43,247 +26,8 @@ def demo(tmp_path_factory):
     return random_demo()
 
 
-def hybrid_model(demo, out: Path) -> str:
-    """A tiny random Qwen3.5 hybrid with the demo's tokenizer, saved like a checkpoint."""
-    from transformers import AutoTokenizer
-    from transformers.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5TextConfig
-
-    tokenizer = AutoTokenizer.from_pretrained(demo["model_path"])
-    torch.manual_seed(0)
-    cfg = Qwen3_5TextConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
-        linear_key_head_dim=16,
-        linear_value_head_dim=16,
-        linear_conv_kernel_dim=4,
-        max_position_embeddings=1024,
-        tie_word_embeddings=False,
-        layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"],
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=0,
-    )
-    model = Qwen3_5ForCausalLM(cfg)
-    with torch.no_grad():
-        model.lm_head.weight.mul_(20)  # a spread of logits: greedy output is not one token repeated
-    model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    return str(out)
-
-
-class Worker:
-    """A target worker process on a run dir, and its endpoints."""
-
-    def __init__(self, run_dir: Path, overrides: list[str]):
-        self.run_dir, self.overrides = run_dir, overrides
-        self.cfg = load_config(None, overrides)
-        self.health_ep = endpoint(run_dir, self.cfg.transport, "target", 0, "health")
-        self.data_ep = endpoint(run_dir, self.cfg.transport, "target", 0, "data")
-        self.proc = None
-
-    def start(self) -> dict:
-        self.proc = subprocess.Popen(
-            target_argv(self.run_dir, *self.overrides),
-            cwd=REPO,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        return self.wait_ready()
-
-    def wait_ready(self, timeout=120) -> dict:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, self.proc.communicate()[1][-3000:]
-            _, status, _ = probe(self.health_ep, timeout_s=1.0)
-            if status and status["state"] in ("ready", "training"):
-                return status
-            time.sleep(0.2)
-        raise AssertionError("the target worker did not get ready")
-
-    def status(self) -> dict:
-        _, status, _ = probe(self.health_ep, timeout_s=5.0)
-        return status
-
-    def stop(self, sig=signal.SIGTERM) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            self.proc.wait(timeout=60)
-
-
-def _overrides(demo, model_path: str) -> list[str]:
-    return demo["overrides"] + [
-        f'target.model_path="{model_path}"',
-        "data.pack_len=256",
-        f"run.spec_eval_max_new_tokens={NEW}",
-        "drafter.block_size=4",
-    ]
-
-
-@pytest.fixture(scope="module", params=["dense", "hybrid"])
-def worker(request, demo, tmp_path_factory):
-    root = tmp_path_factory.mktemp(request.param)
-    path = demo["model_path"] if request.param == "dense" else hybrid_model(demo, root / "model")
-    w = Worker(root / "run", _overrides(demo, path))
-    w.start()
-    yield w
-    w.stop()
-
-
-class MostlyRight:
-    """A 'trained' drafter: drafts the target's greedy continuation (the reference) with one wrong
-    token at the end of every block, so each step commits B-1 tokens."""
-
-    def __init__(self, spec: RemoteSpecEval, block_size: int):
-        self.spec, self.block_size, self.sequence = spec, block_size, None
-
-    def __call__(self, features, last_token, start):
-        for i, prompt in enumerate(self.spec.prompts):  # a prompt's first step: find its sequence
-            ref = self.spec._refs.get(i)
-            if ref is not None and start == len(prompt) and last_token == ref.tokens[0]:
-                self.sequence = prompt + ref.tokens
-        drafts = (self.sequence[start + 1 : start + self.block_size] + [0] * self.block_size)[: self.block_size - 1]
-        drafts[-1] = (drafts[-1] + 1) % 100
-        return torch.tensor(drafts, device=features.device)
-
-    def many(self, contexts, last_tokens) -> list[list[int]]:
-        """Every prompt's block at once (the rows the target verifies together): each context's
-        prompt is the one whose greedy sequence has the last token at the context's length."""
-        out = []
-        for context, last in zip(contexts, last_tokens):
-            start = context.shape[0]
-            for i, prompt in enumerate(self.spec.prompts):
-                sequence = prompt + self.spec._refs[i].tokens
-                if len(prompt) <= start < len(sequence) and sequence[start] == last:
-                    self.sequence = sequence
-                    break
-            out.append(self(context, last, start).tolist())
-        return out
-
-
-def test_speculative_decoding_through_the_worker_equals_greedy(worker):
-    cfg = worker.cfg
-    model_cfg, head = from_target(cfg)
-    spec = RemoteSpecEval(cfg, worker.run_dir, 1, head, model_cfg, None, prompts=PROMPTS, max_new_tokens=NEW)
-    try:
-        assert len(spec.prompts) == PROMPTS
-        torch.manual_seed(0)
-        random = spec.run(spec.proposer(None, model_cfg))  # random drafter: most drafts rejected
-        assert spec.rows  # every prompt on one session of rows: the target took them
-        assert random["prompts"] == PROMPTS and random["skipped"] == 0
-        assert random["lossless"] == PROMPTS and random["differences"] == [], random["differences"]
-        assert random["acceptance_per_step"] < 1.5
-        right = spec.run(MostlyRight(spec, model_cfg.block_size))
-        assert right["lossless"] == PROMPTS and right["differences"] == []
-        assert right["acceptance_per_step"] > 2.0  # B-1 = 3 per step but at the end
-        # the references really are the target's greedy output: the same loop on the target loaded here
-        local = LocalSpecEval(cfg, "cpu", prompts=PROMPTS, max_new_tokens=NEW)
-        local_refs = local.references(PROMPTS)
-        assert [r.tokens for r in local_refs] == [spec._refs[i].tokens for i in range(PROMPTS)]
-        torch.manual_seed(0)
-        local_random = local.run(local.proposer(None, model_cfg))
-        assert local_random["acceptance_per_step"] == pytest.approx(random["acceptance_per_step"])
-        # and batched: every prompt at once, one packed target forward per step (services/eval/batched_decode.py)
-        batched = LocalSpecEval(
-            cfg,
-            "cpu",
-            prompts=PROMPTS,
-            max_new_tokens=NEW,
-            batch=PROMPTS,
-            target=local.target,
-            tokenizer=local.tokenizer,
-        )
-        assert [r.tokens for r in batched.references(PROMPTS)] == [r.tokens for r in local_refs]
-        torch.manual_seed(0)
-        batched_random = batched.evaluate(None, model_cfg, controls=True)
-        assert batched_random["lossless"] == PROMPTS and batched_random["steps"] == local_random["steps"]
-        assert batched_random["acceptance_per_step"] == pytest.approx(random["acceptance_per_step"])
-        assert batched_random["repeat_last"]["lossless"] == PROMPTS
-        # prompt by prompt (a target that cannot run rows): the same records, many more round trips
-        before = worker.status()["verify_requests"]
-        one_by_one = RemoteSpecEval(cfg, worker.run_dir, 1, head, model_cfg, None, prompts=PROMPTS, max_new_tokens=NEW)
-        one_by_one.rows = False
-        try:
-            torch.manual_seed(0)
-            slow = one_by_one.run(one_by_one.proposer(None, model_cfg))
-            assert [one_by_one._refs[i].tokens for i in range(PROMPTS)] == [r.tokens for r in local_refs]
-        finally:
-            one_by_one.close()
-        assert (slow["steps"], slow["tokens"], slow["lossless"]) == (random["steps"], random["tokens"], PROMPTS)
-        assert worker.status()["verify_requests"] - before > 2 * random["steps"] / PROMPTS
-        status = worker.status()
-        assert status["verify_requests"] > 0 and status["verify_sessions"] == 0  # every session closed
-        assert status["bad_messages"] == 0
-    finally:
-        spec.close()
-
-
-def _send(sock, header: dict, tensors: dict | None = None) -> None:
-    sock.send_multipart(wire.encode(header, tensors))
-
-
-def test_hostile_verify_messages_are_counted_and_dropped(worker):
-    cfg, before = worker.cfg, worker.status()["bad_message_kinds"]
-    rogue = zmq.Context.instance().socket(zmq.DEALER)
-    rogue.setsockopt(zmq.LINGER, 0)
-    rogue.connect(worker.data_ep)
-    head = {"kind": "verify", "id": 1, "session": 7, "incarnation": ""}
-    ids = lambda n, dtype=torch.int64: {"ids": torch.ones(n, dtype=dtype)}
-    hostile = [
-        ({**head, "op": "explode"}, ids(3)),  # unknown op
-        ({**head, "op": "open"}, ids(3, torch.float32)),  # wrong dtype
-        ({**head, "op": "open"}, ids(cfg.data.pack_len + 1)),  # prompt longer than data.pack_len
-        ({**head, "op": "open"}, {"ids": torch.tensor([1, 10**6])}),  # a token outside the vocabulary
-        ({**head, "op": "open", "id": -1}, ids(3)),  # a bad id
-        ({**head, "op": "open", "session": "x"}, ids(3)),  # a session that is no int
-        ({**head, "op": "open", "features": 1}, ids(3)),  # features not a bool
-        ({**head, "op": "open"}, {"ids": torch.ones(2, 2, dtype=torch.int64)}),  # not 1-d
-        ({**head, "op": "close"}, ids(1)),  # close with tensors
-        ({**head, "op": "open-rows"}, {**ids(3), "lengths": torch.tensor([1, 1])}),  # lengths not adding up
-        ({**head, "op": "open-rows"}, {**ids(3), "lengths": torch.ones(3, 1, dtype=torch.int64)}),  # not 1-d
-    ]
-    for header, tensors in hostile:
-        _send(rogue, header, tensors)
-    rogue.send_multipart([msgpack.packb({"kind": "verify", "v": 1, "tensors": [], "op": "step"}), b"x"])
-    # a well-formed step for a session nobody opened: counted, and answered (the drafter reopens at once)
-    _send(rogue, {**head, "op": "step"}, ids(2))
-    assert rogue.poll(20000), "no answer to a step on an unknown session"
-    answer, _ = wire.decode(rogue.recv_multipart())
-    assert answer["kind"] == "verified" and answer["code"] == "session" and answer["id"] == 1
-    # a block longer than drafter.block_size on a real session
-    client = VerifyClient([worker.data_ep], [worker.health_ep], cfg.transport, width=0, timeout_s=5)
-    client.open(0, 1, [5, 6, 7], features=False)
-    with pytest.raises(VerifyError):  # dropped: no answer, the call times out
-        client.step(0, 1, [5] * (cfg.drafter.block_size + 1), features=False)
-    client.close_session(0, 1)
-    after = worker.status()["bad_message_kinds"]
-    assert after.get("data-request", 0) - before.get("data-request", 0) == len(hostile) + 2
-    assert after.get("verify-session", 0) - before.get("verify-session", 0) == 1
-    # the worker keeps serving: batches and a fresh session
-    batches = BatchClient([worker.data_ep], cfg.transport)
-    try:
-        batches.request(0, 0, incarnation=worker.status()["incarnation"])
-        deadline, got = time.monotonic() + 60, []
-        while not got and time.monotonic() < deadline:
-            got = [e for e in batches.poll(200) if e[0] == "batch"]
-        assert got and got[0][3].g == 0
-    finally:
-        batches.close()
-    reply = client.open(0, 2, [5, 6, 7], features=False)
-    assert reply.committed == 3 and len(reply.greedy) == 1
-    client.close_session(0, 2)
-    client.close()
-    rogue.close()
-
-
 def test_a_target_restarted_mid_eval_costs_a_prompt_never_a_hang(demo, tmp_path):
-    w = Worker(tmp_path / "run", _overrides(demo, demo["model_path"]))
+    w = TargetProcess(tmp_path / "run", verify_overrides(demo, demo["model_path"]))
     first = w.start()
     cfg = w.cfg
     model_cfg, head = from_target(cfg)
@@ -312,77 +56,3 @@ def test_a_target_restarted_mid_eval_costs_a_prompt_never_a_hang(demo, tmp_path)
     finally:
         client.close()
         w.stop(signal.SIGKILL)
-
-
-def test_controls_decode_exactly_the_prompts_the_drafter_decoded(worker):
-    """A second target that is not serving: its prompts (1, 3) are skipped; the controls run on
-    prompts 0 and 2, the ones the drafter decoded, not on the first two (0 and a skipped 1)."""
-    cfg = worker.cfg
-    model_cfg, head = from_target(cfg)
-    spec = RemoteSpecEval(cfg, worker.run_dir, 2, head, model_cfg, None, prompts=4, max_new_tokens=6)
-    try:
-        assert len(spec.prompts) == 4
-        result = spec.evaluate(None, model_cfg, controls=True)
-        assert result["prompts"] == 2 and result["skipped"] == 2 and result["indices"] == [0, 2]
-        for name in ("repeat_last", "random"):
-            control = result[name]
-            assert control["skipped"] == 0 and control["indices"] == [0, 2], (name, control)
-            assert control["prompts"] == 2 and control["lossless"] == 2
-    finally:
-        spec.close()
-
-
-def test_prompt_sets_of_run_eval_prompts_are_decoded_per_set(worker, tmp_path):
-    """run.eval_prompts: two prompt files (chat lines, plain prompts) interleaved, figures per set;
-    the worker decodes the very tokens the local eval renders, lossless on each set."""
-    import dataclasses
-    import json
-
-    chats = [json.loads(line) for line in Path(worker.cfg.data.path).read_text().splitlines()[:4]]
-    (tmp_path / "chat.jsonl").write_text("".join(json.dumps({"messages": c["messages"]}) + "\n" for c in chats[:2]))
-    (tmp_path / "plain.jsonl").write_text(
-        "".join(json.dumps({"prompt": c["messages"][0]["content"]}) + "\n" for c in chats[2:])
-    )
-    files = [str(tmp_path / "chat.jsonl"), str(tmp_path / "plain.jsonl")]
-    cfg = dataclasses.replace(worker.cfg, run=dataclasses.replace(worker.cfg.run, eval_prompts=files))
-    model_cfg, head = from_target(cfg)
-    spec = RemoteSpecEval(cfg, worker.run_dir, 1, head, model_cfg, None, prompts=PROMPTS, max_new_tokens=NEW)
-    try:
-        assert spec.names == ["chat", "plain", "chat", "plain"]
-        local = LocalSpecEval(cfg, "cpu", prompts=PROMPTS, max_new_tokens=NEW, files=files)
-        assert local.prompts == spec.prompts and local.names == spec.names
-        assert spec.prompts[0] != spec.prompts[1]
-        result = spec.evaluate(None, model_cfg, controls=True)
-        assert result["prompts"] == 4 and result["skipped"] == 0 and result["lossless"] == 4
-        assert {name: r["prompts"] for name, r in result["sets"].items()} == {"chat": 2, "plain": 2}
-        assert all(r["lossless"] == 2 for r in result["sets"].values())
-        assert set(result["repeat_last"]["sets"]) == {"chat", "plain"} and result["held_out"] is None
-    finally:
-        spec.close()
-
-
-def test_launcher_eval_serves_a_checkpoint_reading_other_target_layers(worker):
-    """A recipe variant with fewer draft layers reads fewer target layers than the run's config
-    names: `launcher eval` of it beside the run's own checkpoints (one target, several checkpoints)
-    captures what each reads, and a layer the target lacks is named (it stopped the whole evaluation
-    of seven checkpoints on the GPU, results of five lost with it)."""
-    import dataclasses
-
-    cfg = worker.cfg
-    model_cfg, _ = from_target(cfg)
-    local = LocalSpecEval(cfg, "cpu", prompts=2, max_new_tokens=NEW, batch=2)
-    layers = local.target.info.num_layers
-    run_ids = list(local.target.info.layer_ids)
-    other = dataclasses.replace(model_cfg, target_layer_ids=[0, layers - 1], num_target_layers=layers)
-    assert other.target_layer_ids != run_ids
-    torch.manual_seed(0)
-    mine = local.evaluate(None, model_cfg)
-    torch.manual_seed(0)
-    theirs = local.evaluate(None, other)
-    assert local.target.info.layer_ids == [0, layers - 1]
-    assert theirs["prompts"] == 2 and theirs["lossless"] == 2 and mine["lossless"] == 2
-    torch.manual_seed(0)
-    again = local.evaluate(None, model_cfg)  # and back to the run's layers
-    assert local.target.info.layer_ids == run_ids and again["steps"] == mine["steps"]
-    with pytest.raises(ValueError, match=rf"reads target layers \[0, {layers}\].*{layers} layers"):
-        local.evaluate(None, dataclasses.replace(other, target_layer_ids=[0, layers]))

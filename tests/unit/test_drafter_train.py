@@ -150,9 +150,8 @@ def test_the_lr_follows_the_batches_trained_so_a_resume_on_another_split_continu
     from services.drafter.train import make_scheduler
     from services.run.schedule import make_plan
 
-    cfg = load_config(None, ["drafter.warmup_ratio=0.1", "drafter.min_lr_ratio=0.1"])
     curve = lambda plan: make_scheduler(
-        torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0), cfg, plan.optimizer_steps, plan
+        torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0), plan.optimizer_steps, 0.1, 0.1, plan
     ).lr_lambdas[0]
     two = make_plan(400, 1, drafters=2, grad_accum=2)  # 100 steps of 4 batches
     by_steps = WarmupCosine(warmup=10, total=100, min_ratio=0.1)  # the same run, one unit per step
@@ -162,7 +161,8 @@ def test_the_lr_follows_the_batches_trained_so_a_resume_on_another_split_continu
     assert curve(one)(40) == pytest.approx(curve(two)(40))  # where the data is, not where the steps are
     assert curve(one)(100) == pytest.approx(curve(two)(70))  # 280 batches in, either way
     assert curve(one)(160) == pytest.approx(0.1)  # and it ends with the data
-    restarted = make_scheduler(torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0), cfg, 160).lr_lambdas[0]
+    sgd = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
+    restarted = make_scheduler(sgd, 160, 0.1, 0.1).lr_lambdas[0]
     assert abs(restarted(40) - curve(two)(40)) > 0.1  # a step clock would have jumped
 
 

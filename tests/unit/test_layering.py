@@ -192,3 +192,37 @@ def test_a_drafter_process_loads_no_transformers_model_code():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=REPO)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == []
+
+
+# A role's core works with no sockets, signals or health: its process shell (worker.py) owns those.
+CORES = (
+    "services/target/core.py",
+    "services/target/replies.py",
+    "services/target/verifying.py",
+    "services/drafter/core.py",
+)
+SHELL_ONLY = (
+    "zmq",
+    "signal",
+    "services.process.health",
+    "services.process.lifecycle",
+    "services.process.worker_main",
+    "services.net.transport.BatchServer",
+    "services.net.batch_client",
+    "services.drafter.source",
+)
+
+
+def shell_imports(source: str, module: str) -> list[str]:
+    return [
+        f"{module}:{line}: imports {name}"
+        for line, name in imported(source, module)
+        if any(name == banned or name.startswith(banned + ".") for banned in SHELL_ONLY)
+    ]
+
+
+def test_the_cores_import_no_socket_signal_or_health():
+    found = [v for path in CORES for v in shell_imports((REPO / path).read_text(), module_name(REPO / path))]
+    assert not found, "\n".join(found)
+    assert shell_imports("from services.net.transport import BatchServer, Request", "services.target.core")
+    assert not shell_imports("from services.net.transport import Request", "services.target.core")

@@ -20,6 +20,7 @@ from services.target.regenerate_shard import HFEngine, regenerate
 from services.tools.demo import CHAT_TEMPLATE
 from tests.greedy import hf_greedy_generate as greedy_generate
 from tests.launching import REPO, run_launcher
+from tests.tiny_targets import tiny_hybrid_config
 
 CHATS = [
     {"messages": [{"role": "user", "content": "count from 3 to 9"}, {"role": "assistant", "content": "3 4 5 6 7 8 9"}]},
@@ -74,17 +75,9 @@ def make_model(tok_dir, out, chat_template=None, hybrid=False):
         bos_token_id=None,
     )
     if hybrid:
-        from transformers.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+        from transformers.models.qwen3_5 import Qwen3_5ForCausalLM
 
-        cfg = Qwen3_5TextConfig(
-            **sizes,
-            num_hidden_layers=4,
-            layer_types=["linear_attention", "full_attention"] * 2,
-            linear_num_key_heads=2,
-            linear_num_value_heads=4,
-            linear_key_head_dim=16,
-            linear_value_head_dim=16,
-        )
+        cfg = tiny_hybrid_config(["linear_attention", "full_attention"] * 2, **sizes)
         model = Qwen3_5ForCausalLM(cfg).eval()
     else:
         model = Qwen3ForCausalLM(Qwen3Config(**sizes, num_hidden_layers=2)).eval()

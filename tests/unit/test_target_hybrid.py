@@ -14,23 +14,9 @@ import torch.nn.functional as F
 from services.target import hybrid
 from services.target.model import Target, choose_path, decoder_layers, slow_path_warning
 from services.target.row import RowSlot
+from tests.tiny_targets import tiny_hybrid_config
 
-TEXT = dict(
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    vocab_size=160,
-    linear_num_key_heads=2,
-    linear_num_value_heads=4,
-    linear_key_head_dim=16,
-    linear_value_head_dim=16,
-    linear_conv_kernel_dim=4,
-    max_position_embeddings=512,
-    layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"],
-)
+TYPES = ["linear_attention", "linear_attention", "full_attention", "linear_attention"]
 LAYERS = [0, 1, 2, 3]  # every layer captured: GDN, GDN, full attention, GDN (final norm)
 LENGTHS = [9, 1, 3, 17, 2, 30, 6]  # documents shorter than the kernel (4) too
 PAD = 5
@@ -38,10 +24,10 @@ PAD = 5
 
 def _hybrid(dtype=torch.float32, device="cpu"):
     from transformers import AutoModelForCausalLM
-    from transformers.models.qwen3_5 import Qwen3_5TextConfig
 
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(Qwen3_5TextConfig(**TEXT), dtype=dtype, attn_implementation="sdpa")
+    config = tiny_hybrid_config(TYPES, 160)
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
     from services.target.model import PACKED_SDPA, _register_packed_sdpa
 
     _register_packed_sdpa()
@@ -166,7 +152,7 @@ def test_packed_hybrid_row_equals_documents_run_one_by_one(monkeypatch, hf_torch
 
     monkeypatch.setattr(hybrid, "document_causal_conv", _leaky_conv)  # put the leak back
     leaky, _ = packed_target.capture(ids, pos, doc, out_dtype=torch.float32)
-    h = TEXT["hidden_size"]
+    h = tiny_hybrid_config(TYPES, 160).hidden_size
     first_gdn = (leaky[real][:, :h] - reference[:, :h]).abs().amax(dim=1)
     assert first_gdn.max() > 1e-3  # layer 0 already differs (exact: ~1e-8) ...
     assert first_gdn[: LENGTHS[0]].max() < 1e-6  # ... but never in the first document
