@@ -52,9 +52,10 @@ def main() -> None:
 
     from services.drafter import checkpoint as ckpt
     from services.drafter.checkpoint_writer import BackgroundWriter
+    from services.drafter.core import DrafterCore
     from services.drafter.synthetic import SyntheticSource
     from services.drafter.target_head import TargetHead
-    from services.drafter.train import build_train_state, train_step
+    from services.drafter.train import train_step
     from services.run.config import load_config
     from services.run.runspec import drafter_shape
 
@@ -86,7 +87,7 @@ def main() -> None:
         torch.randn(a.vocab, a.hidden, device=device, dtype=dtype) * 0.02,
         torch.randn(a.vocab, a.hidden, device=device, dtype=dtype) * (4.0 / a.hidden),
     )
-    state = build_train_state(cfg, model_cfg, head, device, total_steps=1000)
+    state = DrafterCore.build(cfg, model_cfg, head, device, total_steps=1000).state
     batch = SyntheticSource(
         model_cfg, a.seq_len, device=device, with_target_labels=cfg.target.labels_from_target
     ).batch(0)

@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script 
 from services.run.config import load_config  # noqa: E402
 from services.target import hybrid  # noqa: E402
 from services.target.model import load_target  # noqa: E402
-from services.target.packing import open_or_build  # noqa: E402
+from services.target.packing import Packing, open_or_build  # noqa: E402
 from services.tools.demo import cache_dir, make_demo  # noqa: E402
 
 
@@ -54,7 +54,9 @@ def main() -> None:
         target = load_target(cfg.target, "cpu", cfg.drafter.num_layers)
         tokenizer = AutoTokenizer.from_pretrained(demo["model_path"])
         with tempfile.TemporaryDirectory() as run_dir:
-            data = open_or_build(cfg, run_dir, tokenizer, target.info.vocab_size, log=lambda _m: None)
+            data = open_or_build(
+                Packing.from_config(cfg), run_dir, tokenizer, target.info.vocab_size, log=lambda _m: None
+            )
             rows = [data.batch(g) for g in range(min(args.rows, data.num_batches()))]
         docs = sum(len(set(r["document_ids"].tolist())) for r in rows) / len(rows)
         time_rows(target, rows[:2])  # warm-up

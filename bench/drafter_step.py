@@ -197,10 +197,11 @@ def bench_shape(name, shape, args, peak_tflops, layout="full", precision="bf16")
 
     from services.drafter import precision as drafter_precision
     from services.drafter.anchors import anchor_generator, build_inputs
+    from services.drafter.core import DrafterCore
     from services.drafter.model import model_flops
     from services.drafter.synthetic import SyntheticSource
     from services.drafter.target_head import TargetHead
-    from services.drafter.train import build_train_state, train_step
+    from services.drafter.train import train_step
     from services.drafter.warmup import warmup
     from services.process.compile_setup import RecompileWatch
     from services.run.config import load_config
@@ -238,7 +239,7 @@ def bench_shape(name, shape, args, peak_tflops, layout="full", precision="bf16")
     head = TargetHead(
         torch.randn(V, H, device=device, dtype=dtype) * 0.02, torch.randn(V, H, device=device, dtype=dtype) * (4.0 / H)
     )
-    state = build_train_state(cfg, model_cfg, head, device, total_steps=100_000)
+    state = DrafterCore.build(cfg, model_cfg, head, device, total_steps=100_000).state
     source = SyntheticSource(
         model_cfg, shape["seq_len"], device=device, with_target_labels=cfg.target.labels_from_target
     )

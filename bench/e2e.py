@@ -122,7 +122,7 @@ def target_alone(overrides: list[str], work: Path, rows: int, warmup: int, confi
     from bench.timing import sync
     from services.run.config import load_config
     from services.target.model import capture_to_host, load_target
-    from services.target.packing import open_or_build
+    from services.target.packing import Packing, open_or_build
 
     cfg = load_config(config, overrides)
     device = "cuda:0" if torch.cuda.is_available() else "cpu"
@@ -130,7 +130,7 @@ def target_alone(overrides: list[str], work: Path, rows: int, warmup: int, confi
 
     target = load_target(cfg.target, device, num_draft_layers=cfg.drafter.num_layers)
     tokenizer = AutoTokenizer.from_pretrained(cfg.target.model_path)
-    data = open_or_build(cfg, work / "alone", tokenizer, target.info.vocab_size)
+    data = open_or_build(Packing.from_config(cfg), work / "alone", tokenizer, target.info.vocab_size)
     compile_and_warm_up(target, cfg.target.compile, data.pack_len, cfg.target.labels_from_target)  # as the worker does
     out = torch.empty(data.pack_len, target.info.hidden_width, dtype=torch.bfloat16, device=device)
     docs = tokens = 0

@@ -127,9 +127,10 @@ def window_checks(device="cuda"):
 def model_check(hybrid=False):
     """Whole drafter: compiled layers + flex + autocast vs eager dense + autocast, same weights, same batch;
     hybrid: a sliding layer (window 300) before a full one."""
+    from services.drafter.core import DrafterCore
     from services.drafter.synthetic import SYNTHETIC_MODEL, SyntheticSource
     from services.drafter.target_head import TargetHead
-    from services.drafter.train import build_train_state, forward_loss
+    from services.drafter.train import forward_loss
     from services.run.config import load_config
     from services.run.runspec import drafter_shape
 
@@ -148,7 +149,7 @@ def model_check(hybrid=False):
         cfg = load_config(None, overrides + [f'drafter.attention="{kind}"', f"drafter.compile={compile_}"])
         model_cfg = drafter_shape(cfg, SYNTHETIC_MODEL, mask_token_id=4095)
         head = TargetHead.random(model_cfg.vocab_size, model_cfg.hidden_size, seed=0)
-        states[kind] = build_train_state(cfg, model_cfg, head, "cuda", total_steps=10)
+        states[kind] = DrafterCore.build(cfg, model_cfg, head, "cuda", total_steps=10).state
     states["flex"].drafter.load_state_dict(states["dense"].drafter.state_dict())
     batch = SyntheticSource(model_cfg, 2000, device="cuda", with_target_labels=cfg.target.labels_from_target).batch(5)
     losses, grads = {}, {}

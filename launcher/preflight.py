@@ -312,7 +312,7 @@ def check_resume_config(run_dir: Path, cfg: Config, model: dict | None) -> None:
         meta = json.loads((ckpt / "state.json").read_text())
     except (OSError, ValueError):
         return  # a corrupt checkpoint: the drafter falls back to an older one and says so
-    errors = run_errors(config, cfg)
+    errors = run_errors(config, cfg.to_dict())
     if model is not None and isinstance(meta, dict) and meta.get("model"):
         skip = ("mask_token_id",) if cfg.drafter.mask_token_id < 0 else ()  # the tokenizer's: the drafter resolves it
         errors += model_errors(meta, model, skip)

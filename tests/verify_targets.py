@@ -12,10 +12,11 @@ from pathlib import Path
 
 import torch
 
-from services.drafter.remote_eval import RemoteSpecEval
+from services.drafter.remote_eval import RemoteEvalSettings, RemoteSpecEval
 from services.net.endpoints import endpoint
 from services.process.health import probe
 from services.run.config import load_config
+from services.run.placement import Placement
 from tests.launching import REPO, target_argv
 from tests.tiny_targets import tiny_hybrid_config
 
@@ -117,3 +118,9 @@ class MostlyRight:
                     break
             out.append(self(context, last, start).tolist())
         return out
+
+
+def remote_spec_eval(cfg, run_dir, num_targets: int, head, model_cfg, **options) -> RemoteSpecEval:
+    """Drafter rank 0's real-acceptance eval of a run, verified by its num_targets target workers."""
+    at = Placement(run_dir, "drafter", num_targets=num_targets)
+    return RemoteSpecEval(RemoteEvalSettings.from_config(cfg, at), head, model_cfg, None, **options)

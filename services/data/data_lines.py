@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 
 from services.run import runspec
-from services.run.config import Config
+from services.run.config import DataConfig
 
 ROLES = ("system", "user", "assistant", "tool")
 SHAREGPT_ROLES = {
@@ -181,13 +181,12 @@ def nonblank_lines(path: str | Path, max_line_bytes: int = 8 << 20) -> list[tupl
         ]
 
 
-def heldout_lines(cfg: Config) -> list[str]:
-    """The text of the held-out split's lines (runspec.HeldOut), in the eval's order: the prompts of
-    real acceptance (services/data/prompts.py). The split is by line number, as in packing's build_index,
-    so they are the packed eval split's lines, bad lines or not. Without a held-out split: the lines
-    of data.path, last first."""
-    held_out = runspec.HeldOut.of(cfg)
-    lines = nonblank_lines(held_out.path or cfg.data.path, cfg.data.max_line_bytes)
+def heldout_lines(held_out: runspec.HeldOut, data: DataConfig) -> list[str]:
+    """The text of the held-out split's lines, in the eval's order: the prompts of real acceptance
+    (services/data/prompts.py). The split is by line number, as in packing's build_index, so they are
+    the packed eval split's lines, bad lines or not. Without a held-out split: the lines of data.path,
+    last first."""
+    lines = nonblank_lines(held_out.path or data.path, data.max_line_bytes)
     if held_out.source == "data.eval_fraction":
         chosen = held_out.lines([n for n, _ in lines])
         lines = [(n, text) for n, text in lines if n in chosen]

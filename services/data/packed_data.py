@@ -7,6 +7,7 @@ the content a target sends (services/drafter/source.py).
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -31,6 +32,19 @@ class _Split:
 
 def digests_path(cache: Path) -> Path:
     return cache.with_name(cache.name.replace(".safetensors", ".digests.safetensors"))
+
+
+@dataclass(frozen=True)
+class RowOrder:
+    """What decides which row batch g reads (packing.py's rules): run.seed, data.shuffle, run.epochs."""
+
+    seed: int
+    shuffle: bool
+    epochs: int
+
+    @classmethod
+    def from_config(cls, cfg: Config) -> "RowOrder":
+        return cls(cfg.run.seed, cfg.data.shuffle, cfg.run.epochs)
 
 
 class _RowOrder:
@@ -60,13 +74,13 @@ class _RowOrder:
 class PublishedDigests(_RowOrder):
     """<key>.digests.safetensors: digest(g, split) without the packed data."""
 
-    def __init__(self, path: str | Path, cfg: Config):
+    def __init__(self, path: str | Path, order: RowOrder):
         from safetensors.numpy import load_file
 
         self.path = Path(path)
         tensors = load_file(str(path))
         self.rows = {s: tensors[f"{s}_row_digests"] for s in SPLITS}
-        self.seed, self.shuffle, self.epochs = cfg.run.seed, cfg.data.shuffle, cfg.run.epochs
+        self.seed, self.shuffle, self.epochs = order.seed, order.shuffle, order.epochs
 
     def num_batches(self, split: str = "train") -> int:
         return len(self.rows[split])
@@ -78,7 +92,7 @@ class PublishedDigests(_RowOrder):
 class PackedData(_RowOrder):
     """Rows of a built cache file; batch(g, split) -> the tensors of services.data.batch.Batch minus hidden."""
 
-    def __init__(self, path: str | Path, cfg: Config):
+    def __init__(self, path: str | Path, order: RowOrder):
         from safetensors import safe_open
 
         self.path = Path(path)
@@ -88,7 +102,7 @@ class PackedData(_RowOrder):
             raise DataError(f"{path}: cache format {meta['format']}, expected {FORMAT_VERSION}")
         self.pack_len, self.pad_id = int(meta["pack_len"]), int(meta["pad_id"])
         self.bad_samples, self.bad_examples = int(meta["bad_samples"]), json.loads(meta["bad_examples"])
-        self.seed, self.shuffle, self.epochs = cfg.run.seed, cfg.data.shuffle, cfg.run.epochs
+        self.seed, self.shuffle, self.epochs = order.seed, order.shuffle, order.epochs
         self.splits = {s: _Split(self._file, s) for s in SPLITS}
         self._perm: tuple[int, np.ndarray] | None = None
 

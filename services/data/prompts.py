@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from services.data.data_lines import heldout_lines, normalize_messages, parse_json_line, prompt_tokens, raw_tokens
+from services.run.config import DataConfig
+from services.run.runspec import HeldOut
 
 HELD_OUT = "held-out"
 
@@ -103,13 +105,13 @@ def read_prompt_file(path: str | Path, tokenizer, template_kwargs: dict, limit: 
     return prompts
 
 
-def heldout_prompts(cfg, tokenizer, limit: int) -> list[list[int]]:
+def heldout_prompts(held_out: HeldOut, data: DataConfig, tokenizer, limit: int) -> list[list[int]]:
     """Up to `limit` prompts of the held-out lines (data_lines.heldout_lines): a chat up to its last
     assistant turn, with the chat template's generation prompt; a pre-tokenized line's tokens before
     its first supervised one; a plain-text line's prompt, or the first half of its text (at most 512
     tokens). Other lines are skipped."""
     prompts = []
-    for text in heldout_lines(cfg):
+    for text in heldout_lines(held_out, data):
         if len(prompts) >= limit:
             break
         try:
@@ -125,9 +127,7 @@ def heldout_prompts(cfg, tokenizer, limit: int) -> list[list[int]]:
                 messages = normalize_messages(record)
                 turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
                 prompt = (
-                    prompt_tokens(tokenizer, messages[: turns[-1]], cfg.data.chat_template_kwargs)
-                    if turns[-1] > 0
-                    else []
+                    prompt_tokens(tokenizer, messages[: turns[-1]], data.chat_template_kwargs) if turns[-1] > 0 else []
                 )
         except Exception:  # a bad line: the packed data counted it already
             continue
@@ -136,18 +136,18 @@ def heldout_prompts(cfg, tokenizer, limit: int) -> list[list[int]]:
     return prompts
 
 
-def prompt_sets(cfg, tokenizer, files: list[str], limit: int) -> list[PromptSet]:
+def prompt_sets(held_out: HeldOut, data: DataConfig, tokenizer, files: list[str], limit: int) -> list[PromptSet]:
     """The sets to decode: the files' (at most `limit` prompts each, 0: all), else the held-out set
-    (at most `limit`)."""
+    (at most `limit`). Prompts render with data.chat_template_kwargs, as training did."""
     if not files:
-        return [PromptSet(HELD_OUT, heldout_prompts(cfg, tokenizer, limit))]
+        return [PromptSet(HELD_OUT, heldout_prompts(held_out, data, tokenizer, limit))]
     sets, names = [], set()
     for path in files:
         name = set_name(path)
         while name in names:  # two files of one name: both kept, apart
             name += "'"
         names.add(name)
-        sets.append(PromptSet(name, read_prompt_file(path, tokenizer, cfg.data.chat_template_kwargs, limit)))
+        sets.append(PromptSet(name, read_prompt_file(path, tokenizer, data.chat_template_kwargs, limit)))
     return sets
 
 

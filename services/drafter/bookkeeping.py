@@ -27,12 +27,13 @@ from services.drafter.metrics import MetricsLog, StepTimes, reduce_train_metrics
 
 # imported with the worker, before it compiles: an import at the first evaluation registered a class
 # with torch's pytree, which fails a guard of every compiled graph (flex attention recompiled)
-from services.drafter.remote_eval import RemoteSpecEval, models_in_process
+from services.drafter.remote_eval import RemoteEvalSettings, RemoteSpecEval, models_in_process
 from services.drafter.train import TrainState
 from services.process import exits
 from services.process.health import HealthServer
 from services.process.log import event
 from services.run.config import Config
+from services.run.placement import Placement
 
 # Real acceptance (speculative.py), rank 0, after each evaluation and at the end of a completed run
 # (that one with "final": true and the repeat_last and random controls): step, prompts, steps,
@@ -74,15 +75,13 @@ class BookSettings:
     open_spec_eval: Callable = field(repr=False, compare=False)
 
     @classmethod
-    def from_config(
-        cls, cfg: Config, run_dir: str | Path, rank: int = 0, world_size: int = 1, num_targets: int = 0
-    ) -> "BookSettings":
+    def from_config(cls, cfg: Config, at: Placement) -> "BookSettings":
         run = cfg.run
         return cls(
-            run_dir=Path(run_dir),
-            rank=rank,
-            world_size=world_size,
-            num_targets=num_targets,
+            run_dir=at.run_dir,
+            rank=at.rank,
+            world_size=at.world_size,
+            num_targets=at.num_targets,
             log_every=run.log_every,
             eval_every=run.eval_every,
             checkpoint_every=run.checkpoint_every,
@@ -96,7 +95,7 @@ class BookSettings:
             spec_eval_max_new_tokens=run.spec_eval_max_new_tokens,
             spec_eval_budget_s=run.spec_eval_budget_s,
             config=cfg.to_dict(),
-            open_spec_eval=functools.partial(RemoteSpecEval, cfg, Path(run_dir), num_targets),
+            open_spec_eval=functools.partial(RemoteSpecEval, RemoteEvalSettings.from_config(cfg, at)),
         )
 
 

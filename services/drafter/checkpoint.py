@@ -39,7 +39,7 @@ from services.drafter.checkpoint_space import checkpoint_bytes, no_space, out_of
 from services.drafter.model import DrafterModelConfig
 from services.process.files import default_file_mode, fsync_dir, point, sha256_file
 from services.run.checkpoint_compat import compatibility_errors
-from services.run.config import Config, ConfigError
+from services.run.config import ConfigError
 
 FORMAT_VERSION = 1
 FILES = ("model.safetensors", "optimizer.pt", "rng.safetensors", "state.json", "config.json")
@@ -245,7 +245,7 @@ def verify(path: Path, tick: Callable[[], None] | None = None) -> dict:
 def find_resume_point(
     run_dir: str | Path,
     model_cfg: DrafterModelConfig,
-    cfg: Config,
+    run_config: dict,
     world_size: int,
     warn: Callable[[str], None],
     tick: Callable[[], None] | None = None,
@@ -276,7 +276,7 @@ def find_resume_point(
                 "does not resume. Start a new --run-dir, or move checkpoints/ aside to start fresh"
             )
         config = json.loads((path / "config.json").read_text())
-        errors = compatibility_errors(meta, config, model_cfg, cfg)
+        errors = compatibility_errors(meta, config, model_cfg, run_config)
         if errors:
             raise ConfigError(
                 f"checkpoint {path} was written by an incompatible config: "

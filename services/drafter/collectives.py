@@ -15,7 +15,7 @@ import psutil
 import torch
 import torch.distributed as dist
 
-from services.run.config import Config, is_loopback
+from services.run.config import is_loopback
 
 
 def _interface_of(address: str) -> str | None:
@@ -41,7 +41,7 @@ def _tcp_store(address: str, port: int, rank: int, world_size: int):
     )  # the store owns the socket from here
 
 
-def join(cfg: Config, rank: int, world_size: int, device: torch.device, backend: str, run_dir=None) -> None:
+def join(dist_port: int, rank: int, world_size: int, device: torch.device, backend: str, run_dir=None) -> None:
     """Join the drafter group without opening a port beyond what the run needs (docs/operations.md,
     "Threat model and guarantees"):
     - DFLASH_DIST_STORE (the launcher sets it when every drafter is on this host): a FileStore in
@@ -73,7 +73,7 @@ def join(cfg: Config, rank: int, world_size: int, device: torch.device, backend:
     elif is_loopback(address) and run_dir is not None:
         store = local_store(run_dir, rank)
     else:
-        port = int(os.environ.get("MASTER_PORT", cfg.transport.dist_port if world_size > 1 else 0))
+        port = int(os.environ.get("MASTER_PORT", dist_port if world_size > 1 else 0))
         store = _tcp_store(address, port, rank, world_size)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
 

@@ -1,6 +1,6 @@
 """One drafter rank's training with no sockets, signals or health: DrafterCore.step(batch) -> metrics.
 
-    core = DrafterCore.build(cfg, model_cfg, head, device, world_size=W, total_steps=N)
+    core = DrafterCore.build(cfg, model_cfg, head, device, total_steps=N, world_size=W)
     seconds = core.compile(dummy_batch, with_eval=True)   # every graph, before `ready`
     core.plan(plan)                                       # the lr schedule over the run's real horizon
     metrics = core.step(batch)                            # anchors -> drafter -> loss -> DDP -> AdamW
@@ -14,24 +14,56 @@ from __future__ import annotations
 
 import time
 
+import torch
+from torch import nn
+
 from services.data.batch import Batch
+from services.drafter.attention import make_attention
 from services.drafter.evaluate import evaluate
+from services.drafter.loss import ChunkFns, Fp8Head
+from services.drafter.model import DFlashDrafter
+from services.drafter.precision import apply_precision
 from services.drafter.target_head import TargetHead
-from services.drafter.train import TrainState, build_train_state, check_batch, make_scheduler, train_step
+from services.drafter.train import StepSettings, TrainState, check_batch, make_scheduler, train_step
 from services.drafter.warmup import warmup
 from services.run.config import Config
 
 
 class DrafterCore:
-    def __init__(self, state: TrainState, cfg: Config):
+    def __init__(self, state: TrainState, warmup_ratio: float, min_lr_ratio: float):
         self.state = state
-        self._schedule = (cfg.drafter.warmup_ratio, cfg.drafter.min_lr_ratio)
+        self.warmup_ratio, self.min_lr_ratio = warmup_ratio, min_lr_ratio  # drafter.*: the lr schedule's shape
 
     @classmethod
-    def build(cls, cfg: Config, model_cfg, head: TargetHead, device, *, world_size: int, total_steps: int):
-        """The drafter, its optimizer and a provisional lr schedule (plan() sets the real one)."""
-        state = build_train_state(cfg, model_cfg, head, device, world_size=world_size, total_steps=total_steps)
-        return cls(state, cfg)
+    def build(cls, cfg: Config, model_cfg, head: TargetHead, device, *, total_steps: int, world_size: int = 1):
+        """The drafter, its optimizer and a provisional lr schedule over total_steps optimizer steps
+        (plan() sets the real one), from the config: the one place the drafter's sections are read."""
+        d, device = cfg.drafter, torch.device(device)
+        torch.manual_seed(cfg.run.seed)  # identical init on every rank (DDP also broadcasts rank 0's)
+        drafter = DFlashDrafter(model_cfg, attention=make_attention(d.attention, device)).to(device)
+        apply_precision(drafter, d.precision, device)  # FP8 linears, before compile wraps them
+        if d.compile:
+            for layer in drafter.layers:  # one graph, shared by the layers (same code, same shapes)
+                layer.compile(dynamic=False)
+        model: nn.Module = drafter
+        if world_size > 1:
+            model = nn.parallel.DistributedDataParallel(drafter, broadcast_buffers=False, gradient_as_bucket_view=True)
+        optimizer = torch.optim.AdamW(
+            drafter.parameters(), lr=d.lr, weight_decay=d.weight_decay, fused=device.type == "cuda"
+        )
+        head = head.to(device, torch.bfloat16 if device.type == "cuda" else torch.float32)
+        state = TrainState(
+            drafter=drafter,
+            model=model,
+            head=head,
+            optimizer=optimizer,
+            scheduler=make_scheduler(optimizer, total_steps, d.warmup_ratio, d.min_lr_ratio),
+            settings=StepSettings.from_config(cfg, model_cfg),
+            device=device,
+            chunk_fns=ChunkFns(compile=d.compile and device.type == "cuda"),
+            fp8_head=Fp8Head.of(head.lm_head) if d.precision == "fp8" else None,
+        )
+        return cls(state, d.warmup_ratio, d.min_lr_ratio)
 
     def check(self, batch: Batch) -> Batch:
         """Shapes, dtypes and (on the CPU) values against the run, before a batch goes to the GPU early."""
@@ -49,9 +81,8 @@ class DrafterCore:
     def plan(self, plan) -> None:
         """The lr schedule over the run's plan (schedule.py), known once the targets have said how many
         batches there are."""
-        warmup_ratio, min_lr_ratio = self._schedule
         self.state.scheduler = make_scheduler(
-            self.state.optimizer, plan.optimizer_steps, warmup_ratio, min_lr_ratio, plan
+            self.state.optimizer, plan.optimizer_steps, self.warmup_ratio, self.min_lr_ratio, plan
         )
 
     def step(self, batch: Batch) -> dict:

@@ -1,7 +1,8 @@
 """Real acceptance during training, verified by the target workers (docs/operations.md, "Real
 acceptance during training"): drafter rank 0 proposes, the targets verify; no drafter loads the target.
 
-    spec = RemoteSpecEval(cfg, run_dir, num_targets, head, model_cfg, health, prompts=16, max_new_tokens=128)
+    settings = RemoteEvalSettings.from_config(cfg, at)  # at: a Placement (services/run/placement.py)
+    spec = RemoteSpecEval(settings, head, model_cfg, health, prompts=16, max_new_tokens=128)
     result = spec.evaluate(weights, model_cfg, controls=False, budget_s=60)
 
 Prompt i (and its plain greedy reference) goes to target i mod T, so the eval's load is spread
@@ -21,6 +22,8 @@ import itertools
 import logging
 import sys
 import time
+from dataclasses import dataclass
+from pathlib import Path
 from types import SimpleNamespace
 
 import torch
@@ -33,6 +36,8 @@ from services.drafter.speculative import greedy_reference, speculative_generate,
 from services.net.endpoints import endpoint
 from services.net.verify import SessionLost, TargetUnavailable, VerifyClient, VerifyError
 from services.process.health import Drops
+from services.run.config import Config, DataConfig, TransportConfig
+from services.run.placement import Placement
 from services.run.runspec import HeldOut
 
 log = logging.getLogger("drafter")
@@ -143,37 +148,65 @@ def models_in_process() -> int:
     return sum(map(is_model, gc.get_objects()))
 
 
+@dataclass(frozen=True)
+class RemoteEvalSettings:
+    """What the real-acceptance eval reads of the run, from the config once: where the targets listen, the
+    target's tokenizer, and where its prompts come from."""
+
+    run_dir: Path
+    num_targets: int
+    transport: TransportConfig
+    model_path: str  # target.model_path: its tokenizer and generation config
+    data: DataConfig  # pack_len (the longest prompt a target takes), chat_template_kwargs
+    held_out: HeldOut
+    files: list[str]  # run.eval_prompts; [] = the held-out lines
+    max_rows: int  # run.spec_eval_prompts: the rows a target takes in one (its VerifyLimits)
+
+    @classmethod
+    def from_config(cls, cfg: Config, at: Placement) -> "RemoteEvalSettings":
+        return cls(
+            run_dir=at.run_dir,
+            num_targets=at.num_targets,
+            transport=cfg.transport,
+            model_path=cfg.target.model_path,
+            data=cfg.data,
+            held_out=HeldOut.of(cfg),
+            files=list(cfg.run.eval_prompts),
+            max_rows=max(1, cfg.run.spec_eval_prompts),
+        )
+
+
 class RemoteSpecEval(SpecEval):
-    def __init__(self, cfg, run_dir, num_targets: int, head, model_cfg, health, *, prompts: int, max_new_tokens: int):
+    def __init__(self, settings: RemoteEvalSettings, head, model_cfg, health, *, prompts: int, max_new_tokens: int):
         from transformers import AutoTokenizer, GenerationConfig
 
-        t = cfg.transport
+        s, t = settings, settings.transport
         self.device, self.head_on_device = head.embed.device, head
         self.dtype = head.embed.dtype
         self.client = VerifyClient(
-            [endpoint(run_dir, t, "target", i, "data") for i in range(num_targets)],
-            [endpoint(run_dir, t, "target", i, "health") for i in range(num_targets)],
+            [endpoint(s.run_dir, t, "target", i, "data") for i in range(s.num_targets)],
+            [endpoint(s.run_dir, t, "target", i, "health") for i in range(s.num_targets)],
             t,
             width=model_cfg.hidden_width,
             drops=Drops(health),
         )
-        self.tokenizer = AutoTokenizer.from_pretrained(cfg.target.model_path)
+        self.tokenizer = AutoTokenizer.from_pretrained(s.model_path)
         try:
-            generation = GenerationConfig.from_pretrained(cfg.target.model_path)
+            generation = GenerationConfig.from_pretrained(s.model_path)
         except (OSError, ValueError):
             generation = None
         self.stop_ids = stop_token_ids(self.tokenizer, SimpleNamespace(generation_config=generation))
         self.max_new_tokens = max_new_tokens
-        every, names = interleave(prompt_sets(cfg, self.tokenizer, cfg.run.eval_prompts, prompts))
-        fits = [i for i, p in enumerate(every) if len(p) <= cfg.data.pack_len]  # what a target accepts
+        every, names = interleave(prompt_sets(s.held_out, s.data, self.tokenizer, s.files, prompts))
+        fits = [i for i, p in enumerate(every) if len(p) <= s.data.pack_len]  # what a target accepts
         self.prompts, self.names = [every[i] for i in fits], [names[i] for i in fits]
         # where the prompts come from: run.eval_prompts' files (None), held-out lines (True) or training lines
-        self.held_out = None if cfg.run.eval_prompts else HeldOut.of(cfg).exists
+        self.held_out = None if s.files else s.held_out.exists
         if len(self.prompts) < len(every):
             log.warning(
                 "real acceptance: %d prompts longer than data.pack_len=%d are left out",
                 len(every) - len(self.prompts),
-                cfg.data.pack_len,
+                s.data.pack_len,
             )
         self._refs: dict[int, object] = {}
         self._controls: dict[tuple, dict] = {}
@@ -182,7 +215,7 @@ class RemoteSpecEval(SpecEval):
         self.down: set[int] = set()
         self.skipped = 0
         self.rows = True  # verify on sessions of rows (decode_rows) until a target refuses them
-        self.max_rows = max(1, cfg.run.spec_eval_prompts)  # what a target takes in one (its VerifyLimits)
+        self.max_rows = s.max_rows  # what a target takes in one (its VerifyLimits)
 
     def head(self, model_cfg):
         return self.head_on_device

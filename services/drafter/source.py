@@ -47,7 +47,7 @@ from typing import Callable, Iterator, Protocol
 import torch
 
 from services.data.batch import FIELDS, Batch
-from services.data.packed_data import PackedData, PublishedDigests, digests_path
+from services.data.packed_data import PackedData, PublishedDigests, RowOrder, digests_path
 from services.drafter.model import DrafterModelConfig
 from services.drafter.synthetic import SyntheticEval, SyntheticSource
 from services.net import curve
@@ -59,6 +59,7 @@ from services.process import lifecycle
 from services.process.files import write_json_atomic
 from services.process.health import HealthServer, probe
 from services.run.config import Config, TransportConfig
+from services.run.placement import Placement
 from services.run.runspec import RunSpec
 from services.run.schedule import Plan, make_plan
 
@@ -101,13 +102,15 @@ class BatchSource(Protocol):
     def close(self) -> None: ...
 
 
-def batch_content(cfg: Config, run_dir: str | Path, data_key: str) -> tuple[PackedData | PublishedDigests | None, str]:
+def batch_content(
+    order: RowOrder, run_dir: str | Path, data_key: str
+) -> tuple[PackedData | PublishedDigests | None, str]:
     """What tells this host which token ids batch g has: (its .digest(g, split), how)."""
     cache = Path(run_dir) / "data-cache" / f"{data_key}.safetensors"
     if data_key and cache.is_file():
-        return PackedData(cache, cfg), "packed data"
+        return PackedData(cache, order), "packed data"
     if data_key and digests_path(cache).is_file():
-        return PublishedDigests(digests_path(cache), cfg), "published digests"
+        return PublishedDigests(digests_path(cache), order), "published digests"
     return None, "off"
 
 
@@ -130,14 +133,12 @@ class SourceSettings:
     content: Callable[[str], tuple] = field(repr=False, compare=False)  # data key -> batch_content(...)
 
     @classmethod
-    def from_config(
-        cls, cfg: Config, run_dir: str | Path, rank: int = 0, world_size: int = 1, num_targets: int = 1
-    ) -> "SourceSettings":
+    def from_config(cls, cfg: Config, at: Placement) -> "SourceSettings":
         return cls(
-            run_dir=Path(run_dir),
-            rank=rank,
-            world_size=world_size,
-            num_targets=num_targets,
+            run_dir=at.run_dir,
+            rank=at.rank,
+            world_size=at.world_size,
+            num_targets=at.num_targets,
             transport=cfg.transport,
             epochs=cfg.run.epochs,
             grad_accum=max(1, cfg.drafter.grad_accum),
@@ -145,7 +146,7 @@ class SourceSettings:
             pack_len=cfg.data.pack_len,
             seed=cfg.run.seed,
             evaluate=cfg.run.eval_every > 0,
-            content=functools.partial(batch_content, cfg, run_dir),
+            content=functools.partial(batch_content, RowOrder.from_config(cfg), at.run_dir),
         )
 
 

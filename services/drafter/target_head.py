@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from services.drafter.model import DrafterModelConfig
 from services.run import runspec
-from services.run.config import Config, ConfigError
+from services.run.config import ConfigError
 
 MASK_TOKEN = "<|MASK|>"
 _EMBED_NAMES = (
@@ -171,10 +171,9 @@ def load_target_head(model_path: str, vocab_size: int, hidden_size: int, tie: bo
     return TargetHead(embed, lm_head)
 
 
-def from_target(cfg: Config, spec: runspec.RunSpec | None = None) -> tuple[DrafterModelConfig, TargetHead]:
+def from_target(spec: runspec.RunSpec) -> tuple[DrafterModelConfig, TargetHead]:
     """Everything the drafter needs from target.model_path, checked, on the CPU: the run spec's
-    shape (resolved here when not given), the mask token, the embedding and lm_head."""
-    spec = spec or runspec.resolve(cfg)
+    shape, the mask token, the embedding and lm_head."""
     if not spec.model_path:
         raise ConfigError("target.model_path is empty (use --synthetic for a run without a target)")
     shape = spec.model()
@@ -184,10 +183,10 @@ def from_target(cfg: Config, spec: runspec.RunSpec | None = None) -> tuple[Draft
     return model_cfg, head
 
 
-def model_and_head(cfg: Config, spec: runspec.RunSpec) -> tuple[DrafterModelConfig, TargetHead]:
+def model_and_head(spec: runspec.RunSpec, seed: int) -> tuple[DrafterModelConfig, TargetHead]:
     """(model config, target head) on the CPU: every config error surfaces here, before GPU work.
     A synthetic run without a target checkpoint gets a random head of the spec's made-up shape."""
     if spec.model_path:
-        return from_target(cfg, spec)
+        return from_target(spec)
     model_cfg = check_mask(spec.model())
-    return model_cfg, TargetHead.random(model_cfg.vocab_size, model_cfg.hidden_size, seed=cfg.run.seed)
+    return model_cfg, TargetHead.random(model_cfg.vocab_size, model_cfg.hidden_size, seed=seed)

@@ -26,10 +26,9 @@ from torch import nn
 
 from services.data.batch import Batch, BatchError, count_documents
 from services.drafter.anchors import anchor_generator, build_inputs, loss_gamma
-from services.drafter.attention import check_documents_contiguous, make_attention
+from services.drafter.attention import check_documents_contiguous
 from services.drafter.loss import ChunkFns, Fp8Head, LossHead, acceptance_metrics, chunked_cross_entropy
 from services.drafter.model import DFlashDrafter, DrafterModelConfig
-from services.drafter.precision import apply_precision
 from services.drafter.target_head import TargetHead
 from services.run.config import Config
 
@@ -137,39 +136,6 @@ def make_scheduler(
     warmup = math.ceil(warmup_ratio * steps) * per_step
     return torch.optim.lr_scheduler.LambdaLR(
         optimizer, WarmupCosine(warmup, total, min_lr_ratio, per_step, first_step, first)
-    )
-
-
-def build_train_state(
-    cfg: Config, model_cfg: DrafterModelConfig, head: TargetHead, device, *, total_steps: int, world_size: int = 1
-) -> TrainState:
-    """total_steps: optimizer steps, the lr schedule's horizon."""
-    device = torch.device(device)
-    torch.manual_seed(cfg.run.seed)  # identical init on every rank (DDP also broadcasts rank 0's)
-    drafter = DFlashDrafter(model_cfg, attention=make_attention(cfg.drafter.attention, device)).to(device)
-    apply_precision(drafter, cfg.drafter.precision, device)  # FP8 linears, before compile wraps them
-    if cfg.drafter.compile:
-        for layer in drafter.layers:  # one graph, shared by the layers (same code, same shapes)
-            layer.compile(dynamic=False)
-    model: nn.Module = drafter
-    if world_size > 1:
-        model = nn.parallel.DistributedDataParallel(drafter, broadcast_buffers=False, gradient_as_bucket_view=True)
-    optimizer = torch.optim.AdamW(
-        drafter.parameters(), lr=cfg.drafter.lr, weight_decay=cfg.drafter.weight_decay, fused=device.type == "cuda"
-    )
-    settings = StepSettings.from_config(cfg, model_cfg)
-    scheduler = make_scheduler(optimizer, total_steps, cfg.drafter.warmup_ratio, cfg.drafter.min_lr_ratio)
-    head = head.to(device, torch.bfloat16 if device.type == "cuda" else torch.float32)
-    return TrainState(
-        drafter=drafter,
-        model=model,
-        head=head,
-        optimizer=optimizer,
-        scheduler=scheduler,
-        settings=settings,
-        device=device,
-        chunk_fns=ChunkFns(compile=cfg.drafter.compile and device.type == "cuda"),
-        fp8_head=Fp8Head.of(head.lm_head) if cfg.drafter.precision == "fp8" else None,
     )
 
 

@@ -41,6 +41,7 @@ from services.process.health import HealthServer
 from services.process.log import event
 from services.run import runspec
 from services.run.config import Config, ConfigError
+from services.run.placement import Placement
 
 log = logging.getLogger("drafter")
 
@@ -84,11 +85,13 @@ class DrafterWorker:
         # a fair share of the cores: several workers oversubscribing them slows every one of them down
         torch.set_num_threads(cpu_share(self.workers_on_node))
         self.spec = runspec.for_worker(cfg, self.run_dir, synthetic=args.synthetic)  # runspec.json, or resolved here
-        model_cfg, head = model_and_head(cfg, self.spec)
+        model_cfg, head = model_and_head(self.spec, cfg.run.seed)
         found = self.find_checkpoint(model_cfg, cfg)
         if device.type == "cuda" and not torch.cuda.is_available():
             raise RuntimeError("--device cuda but CUDA is not available")
-        collectives.join(cfg, rank, self.world_size, device, args.dist_backend, run_dir=self.run_dir)
+        collectives.join(
+            cfg.transport.dist_port, rank, self.world_size, device, args.dist_backend, run_dir=self.run_dir
+        )
         if args.resume:  # rank 0's checkpoint, sent to ranks on hosts without it (a group across hosts)
             found = checkpoint_share.share(found, self.run_dir, rank, tick=health.progress)
         if not collectives.same_everywhere(found.micro_step if found else -1, device):
@@ -98,7 +101,8 @@ class DrafterWorker:
         )
         self.state = state = core.state
         self.compile_s = self.compile(model_cfg, cfg)  # before asking for batches: the targets load meanwhile
-        sources = SourceSettings.from_config(cfg, self.run_dir, rank, self.world_size, args.num_targets)
+        at = Placement(self.run_dir, "drafter", rank, self.world_size, 0 if args.synthetic else args.num_targets)
+        sources = SourceSettings.from_config(cfg, at)
         self.batches, plan = train_batches(
             sources,
             model_cfg,
@@ -117,10 +121,7 @@ class DrafterWorker:
             for note in ckpt.restore(state, found, rank):
                 log.warning("%s", note)
             event("resumed", rank=rank, checkpoint=str(found.path), **state.counters())
-        books = BookSettings.from_config(
-            cfg, self.run_dir, rank, self.world_size, num_targets=0 if args.synthetic else args.num_targets
-        )
-        self.books = Bookkeeping(books, state, health, found, held_out, plan=plan)
+        self.books = Bookkeeping(BookSettings.from_config(cfg, at), state, health, found, held_out, plan=plan)
         health.set(
             state="ready",
             compile_s=self.compile_s,
@@ -142,7 +143,7 @@ class DrafterWorker:
                 )
             return None
         return ckpt.find_resume_point(
-            self.run_dir, model_cfg, cfg, self.world_size, log.warning, tick=self.health.progress
+            self.run_dir, model_cfg, cfg.to_dict(), self.world_size, log.warning, tick=self.health.progress
         )
 
     def compile(self, model_cfg, cfg: Config) -> float:

@@ -29,11 +29,12 @@ from services.drafter.target_head import TargetHead
 from services.eval.batched_decode import PackedVerifier, decode_many
 from services.eval.verifier import LocalVerifier
 from services.run import runspec
+from services.run.config import Config
 from services.target.model import load_target
 from services.target.slots import decode_slots, rows_that_fit, slot_decodable
 
 
-def load_eval_target(cfg, device: torch.device):
+def load_eval_target(cfg: Config, device: torch.device):
     """The run's target capturing the run spec's layers (fp32 on CPU)."""
     target_cfg = runspec.resolve(cfg).target_config(cfg)
     return load_target(dataclasses.replace(target_cfg, dtype="float32") if device.type == "cpu" else target_cfg, device)
@@ -64,7 +65,7 @@ def auto_batch(target, device: torch.device, capacity: int) -> int:
 class LocalSpecEval(SpecEval):
     def __init__(
         self,
-        cfg,
+        cfg: Config,
         device,
         *,
         prompts: int,
@@ -84,7 +85,9 @@ class LocalSpecEval(SpecEval):
         self.device = torch.device(device)
         self.tokenizer = tokenizer or AutoTokenizer.from_pretrained(cfg.target.model_path)
         # the prompts before the target: a bad prompt file is named before a large model loads
-        self.prompts, self.names = interleave(prompt_sets(cfg, self.tokenizer, list(files), prompts))
+        self.prompts, self.names = interleave(
+            prompt_sets(runspec.HeldOut.of(cfg), cfg.data, self.tokenizer, list(files), prompts)
+        )
         self.target = target if target is not None else load_eval_target(cfg, self.device)  # a Target
         self.verifier = LocalVerifier(self.target, rollback)
         # a row holds its prompt, the new tokens and a block of drafts past them

@@ -6,7 +6,6 @@ No torch here: `launcher up --resume` checks the keys before it writes anything 
 from __future__ import annotations
 
 from services.run import runspec, shapes
-from services.run.config import Config
 from services.run.shapes import DrafterModelConfig
 
 # The drafter model fields a checkpoint does not depend on: initializer_range only draws the first
@@ -25,9 +24,10 @@ def _config_value(cfg: dict, dotted: str):
     return cfg.get(section, {}).get(key)
 
 
-def compatibility_errors(meta: dict, config: dict, model_cfg: DrafterModelConfig, cfg: Config) -> list[str]:
-    """'field: checkpoint X, now Y' for every field that makes the checkpoint unusable for this run."""
-    return model_errors(meta, model_cfg.to_dict()) + run_errors(config, cfg)
+def compatibility_errors(meta: dict, config: dict, model_cfg: DrafterModelConfig, now: dict) -> list[str]:
+    """'field: checkpoint X, now Y' for every field that makes the checkpoint unusable for this run
+    (config: the checkpoint's config.json; now: this run's, as Config.to_dict() writes it)."""
+    return model_errors(meta, model_cfg.to_dict()) + run_errors(config, now)
 
 
 def model_errors(meta: dict, now_model: dict, skip: tuple[str, ...] = ()) -> list[str]:
@@ -43,12 +43,12 @@ def model_errors(meta: dict, now_model: dict, skip: tuple[str, ...] = ()) -> lis
     return errors
 
 
-def run_errors(config: dict, cfg: Config) -> list[str]:
-    """'key: checkpoint X, now Y' for every key deciding batch g (RUN_FIELDS) whose value differs."""
+def run_errors(config: dict, now_config: dict) -> list[str]:
+    """'key: checkpoint X, now Y' for every key deciding batch g (RUN_FIELDS) whose value differs
+    (both configs as Config.to_dict() writes them)."""
     errors = []
-    now_cfg = cfg.to_dict()
     for dotted in RUN_FIELDS:
-        then, now = _config_value(config, dotted), _config_value(now_cfg, dotted)
+        then, now = _config_value(config, dotted), _config_value(now_config, dotted)
         if then != now:
             errors.append(f"{dotted}: checkpoint {then!r}, now {now!r}")
     # the number of drafter ranks may change: the schedule continues from the batches done (schedule.py)

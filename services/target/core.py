@@ -26,7 +26,7 @@ from services.run import runspec
 from services.run.config import Config
 from services.target.compiled import compile_and_warm_up
 from services.target.model import load_target
-from services.target.packing import open_or_build
+from services.target.packing import Packing, open_or_build
 from services.target.replies import BatchReply, ErrorReply, InfoReply, Reply
 from services.target.ring import CaptureRing
 from services.target.verifying import VerifyService, VerifySettings, warm_up_verify
@@ -73,7 +73,7 @@ class TargetCore:
         target = load_target(spec.target_config(cfg), device)
         spec.check_loaded(target.info)  # what this process loaded is what the spec says
         tokenizer = AutoTokenizer.from_pretrained(cfg.target.model_path)
-        data = open_or_build(cfg, run_dir, tokenizer, spec.target.vocab_size)
+        data = open_or_build(Packing.from_config(cfg), run_dir, tokenizer, spec.target.vocab_size)
         info = TargetInfo.of(
             target.info,
             num_batches=data.num_batches("train"),

@@ -46,18 +46,37 @@ import os
 import shutil
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from services.data.batch import SPLITS
-from services.data.packed_data import FORMAT_VERSION, PackedData, digests_path
+from services.data.packed_data import FORMAT_VERSION, PackedData, RowOrder, digests_path
 from services.process.files import cache_root, sha256_file
 from services.run import runspec
-from services.run.config import Config
+from services.run.config import Config, DataConfig
 from services.target.data import BadSamples, DataError, Document, read_documents
 
 _PACK_SALT = 0x9AC4
+
+
+@dataclass(frozen=True)
+class Packing:
+    """What packing reads of the run, taken from the config once: the data section, the value of every
+    key that decides the packed tokens (the cache key: runspec.CACHE_KINDS), the held-out split, and
+    the rows' order."""
+
+    data: DataConfig
+    content: dict  # dotted key -> value
+    held_out: runspec.HeldOut
+    order: RowOrder
+
+    @classmethod
+    def from_config(cls, cfg: Config) -> "Packing":
+        return cls(
+            cfg.data, runspec.values(cfg, runspec.CACHE_KINDS), runspec.HeldOut.of(cfg), RowOrder.from_config(cfg)
+        )
 
 
 def split_document(doc: Document, max_len: int) -> list[Document]:
@@ -106,8 +125,8 @@ def tokenizer_fingerprint(tokenizer) -> str:
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()
 
 
-def cache_key(cfg: Config, tokenizer, vocab_size: int) -> str:
-    d = cfg.data
+def cache_key(packing: Packing, tokenizer, vocab_size: int) -> str:
+    d = packing.data
     if not d.path:
         raise DataError("data.path is not set")
     if not Path(d.path).is_file():
@@ -115,7 +134,7 @@ def cache_key(cfg: Config, tokenizer, vocab_size: int) -> str:
     if d.eval_path and not Path(d.eval_path).is_file():
         raise DataError(f"eval data file not found: {d.eval_path}")
     # every key marked as deciding batch g's tokens; data files by their contents, not their paths
-    keys = runspec.values(cfg, runspec.CACHE_KINDS)
+    keys = packing.content
     files = set(runspec.keys_deciding(("path",)))
     parts = {
         "format": FORMAT_VERSION,
@@ -129,12 +148,12 @@ def cache_key(cfg: Config, tokenizer, vocab_size: int) -> str:
 # --- build ---------------------------------------------------------------------------------------
 
 
-def _pack_split(docs: list[Document], cfg: Config, prefix: str) -> dict[str, np.ndarray]:
-    d = cfg.data
+def _pack_split(docs: list[Document], packing: Packing, prefix: str) -> dict[str, np.ndarray]:
+    d = packing.data
     max_len = d.max_doc_len or d.pack_len
     pieces = [p for doc in docs for p in split_document(doc, max_len)]
     order = (
-        np.random.default_rng([cfg.run.seed, _PACK_SALT]).permutation(len(pieces))
+        np.random.default_rng([packing.order.seed, _PACK_SALT]).permutation(len(pieces))
         if d.shuffle
         else np.arange(len(pieces))
     )
@@ -150,9 +169,11 @@ def _pack_split(docs: list[Document], cfg: Config, prefix: str) -> dict[str, np.
     }
 
 
-def build_index(cfg: Config, tokenizer, vocab_size: int, progress=None) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+def build_index(
+    packing: Packing, tokenizer, vocab_size: int, progress=None
+) -> tuple[dict[str, np.ndarray], dict[str, str]]:
     """progress(file, lines, bytes read, file bytes) while the data files are tokenized."""
-    d = cfg.data
+    d = packing.data
     bad = BadSamples()
     limits = dict(
         max_line_bytes=d.max_line_bytes, max_doc_tokens=d.max_doc_tokens, template_kwargs=d.chat_template_kwargs
@@ -163,7 +184,7 @@ def build_index(cfg: Config, tokenizer, vocab_size: int, progress=None) -> tuple
         return read_documents(path, tokenizer, vocab_size, d.on_bad_sample, bad, **limits, workers=0, progress=said)
 
     train = read(d.path)
-    held_out = runspec.HeldOut.of(cfg)
+    held_out = packing.held_out
     if held_out.source == "data.eval_path":
         evals = read(held_out.path)
     elif held_out.source == "data.eval_fraction":  # by line number: a bad line moves no other line
@@ -175,7 +196,7 @@ def build_index(cfg: Config, tokenizer, vocab_size: int, progress=None) -> tuple
         evals = []
     if not train:
         raise DataError(f"{d.path}: no usable training documents ({bad.count} bad lines skipped)")
-    tensors = {**_pack_split(train, cfg, "train"), **_pack_split(evals, cfg, "eval")}
+    tensors = {**_pack_split(train, packing, "train"), **_pack_split(evals, packing, "eval")}
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
     meta = {
         "format": str(FORMAT_VERSION),
@@ -196,7 +217,13 @@ def store_dir() -> Path:
 
 
 def open_or_build(
-    cfg: Config, run_dir: str | Path, tokenizer, vocab_size: int, log=None, store: Path | None = None, progress=None
+    packing: Packing,
+    run_dir: str | Path,
+    tokenizer,
+    vocab_size: int,
+    log=None,
+    store: Path | None = None,
+    progress=None,
 ) -> "PackedData":
     """The run's packed dataset, <run_dir>/data-cache/<key>.safetensors (and its digests): a link to
     the machine's store (store_dir(), or `store`), built there once if no run has built it yet. A
@@ -205,19 +232,19 @@ def open_or_build(
     log = log or logging.getLogger("target").info
     cache_dir = Path(run_dir) / "data-cache"
     cache_dir.mkdir(parents=True, exist_ok=True)
-    key = cache_key(cfg, tokenizer, vocab_size)
+    key = cache_key(packing, tokenizer, vocab_size)
     path = cache_dir / f"{key}.safetensors"
     with _locked(cache_dir / f"{key}.link.lock"):  # another target may be linking (or building) it
         if not path.is_file():
             store = store_dir() if store is None else store
             try:
-                built = _build(cfg, Path(store), key, tokenizer, vocab_size, log, progress)
+                built = _build(packing, Path(store), key, tokenizer, vocab_size, log, progress)
                 for source in (built, digests_path(built)):
                     _link(source, cache_dir / source.name)
             except OSError as exc:
                 log(f"data: the packed-data store {store} is not usable ({exc}); building in the run folder")
-                _build(cfg, cache_dir, key, tokenizer, vocab_size, log, progress)
-        data = PackedData(path, cfg)
+                _build(packing, cache_dir, key, tokenizer, vocab_size, log, progress)
+        data = PackedData(path, packing.order)
     if data.bad_samples:
         log(f"data: skipped {data.bad_samples} bad lines; first: " + "; ".join(data.bad_examples[:3]))
     return data
@@ -230,7 +257,7 @@ def _locked(path: Path):
         yield
 
 
-def _build(cfg: Config, folder: Path, key: str, tokenizer, vocab_size: int, log, progress=None) -> Path:
+def _build(packing: Packing, folder: Path, key: str, tokenizer, vocab_size: int, log, progress=None) -> Path:
     """<folder>/<key>.safetensors and its digests, built unless there (under the folder's lock for
     the key); read-only, since runs hold them as hard links."""
     from safetensors.numpy import save_file
@@ -240,7 +267,7 @@ def _build(cfg: Config, folder: Path, key: str, tokenizer, vocab_size: int, log,
     with _locked(folder / f"{key}.lock"):
         if not path.is_file():
             t0 = time.monotonic()
-            tensors, meta = build_index(cfg, tokenizer, vocab_size, progress)
+            tensors, meta = build_index(packing, tokenizer, vocab_size, progress)
             tmp = folder / f".{key}.{os.getpid()}.tmp"
             save_file(tensors, str(tmp), metadata=meta)
             os.chmod(tmp, 0o444)
@@ -250,7 +277,7 @@ def _build(cfg: Config, folder: Path, key: str, tokenizer, vocab_size: int, log,
             log(f"data: packed data {path.name} reused from {folder}")
         digests = digests_path(path)
         if not digests.is_file():
-            data = PackedData(path, cfg)
+            data = PackedData(path, packing.order)
             tmp = folder / f".{key}.{os.getpid()}.digests.tmp"
             save_file({f"{s}_row_digests": data.row_digests(s) for s in SPLITS}, str(tmp))
             os.chmod(tmp, 0o444)
@@ -290,24 +317,25 @@ def prepare(cfg: Config, run_dir: str | Path, log=None, progress=None) -> "Packe
             f"target.model_path: cannot load the config and tokenizer of {cfg.target.model_path}: "
             f"{type(exc).__name__}: {first}"
         ) from None
-    return open_or_build(cfg, run_dir, tokenizer, vocab_size, log=log or (lambda msg: None), progress=progress)
+    packing = Packing.from_config(cfg)
+    return open_or_build(packing, run_dir, tokenizer, vocab_size, log=log or (lambda msg: None), progress=progress)
 
 
 class ModelFilesError(DataError):
     """The target folder's config or tokenizer does not load (named by its key, not as data)."""
 
 
-def eval_prompt_count(cfg: Config) -> int | None:
-    """How many prompts real acceptance will decode in training (run.eval_prompts' files, read and
-    checked now, else the held-out lines'); None when it is off (run.spec_eval_prompts = 0)."""
+def eval_prompt_count(packing: Packing, model_path: str, files: list[str], limit: int) -> int | None:
+    """How many prompts real acceptance will decode in training (files: run.eval_prompts, read and
+    checked now, else the held-out lines'; limit: run.spec_eval_prompts); None when it is off (limit 0)."""
     from transformers import AutoTokenizer
 
     from services.data.prompts import prompt_sets
 
-    if cfg.run.spec_eval_prompts <= 0:
+    if limit <= 0:
         return None
-    tokenizer = AutoTokenizer.from_pretrained(cfg.target.model_path)
-    return sum(len(s.prompts) for s in prompt_sets(cfg, tokenizer, cfg.run.eval_prompts, cfg.run.spec_eval_prompts))
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    return sum(len(s.prompts) for s in prompt_sets(packing.held_out, packing.data, tokenizer, files, limit))
 
 
 def said_first(said: list[str], *starts: str) -> str:
@@ -361,7 +389,8 @@ def main(argv=None) -> int:
         )
         return 2
     try:  # real acceptance's prompts: None when it is off by config (run.spec_eval_prompts = 0)
-        prompts = eval_prompt_count(cfg)
+        packing = Packing.from_config(cfg)
+        prompts = eval_prompt_count(packing, cfg.target.model_path, cfg.run.eval_prompts, cfg.run.spec_eval_prompts)
     except PromptFileError as exc:
         print(f"run.eval_prompts: {exc}", file=sys.stderr, flush=True)
         return 2

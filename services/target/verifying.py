@@ -28,6 +28,7 @@ import torch
 
 from services.net import verify
 from services.net.transport import Request
+from services.run.config import Config
 from services.target.decode import DecodeSession, check_decodable
 from services.target.hybrid import RECURRENT_TOKENS
 from services.target.replies import Dropped, Reply, VerifyReply
@@ -37,17 +38,6 @@ log = logging.getLogger("target")
 SESSION_IDLE_S = 120.0
 SHARE_WINDOW_S = 10.0
 MAX_WAITING = 256
-
-
-def verify_limits(cfg, spec) -> verify.VerifyLimits:
-    """What a verify request may ask of this target, from the run's config and spec (services/run/runspec.py)."""
-    return verify.VerifyLimits(
-        max_prompt=cfg.data.pack_len,
-        max_block=spec.block_size,
-        max_length=cfg.data.pack_len + cfg.run.spec_eval_max_new_tokens + spec.block_size,
-        vocab_size=spec.target.vocab_size,
-        max_rows=max(1, cfg.run.spec_eval_prompts),
-    )
 
 
 @dataclass(frozen=True)
@@ -62,9 +52,16 @@ class VerifySettings:
     chunk_bytes: int  # transport.chunk_bytes: an answer's large tensors travel in parts this big
 
     @classmethod
-    def from_config(cls, cfg, spec) -> "VerifySettings":
+    def from_config(cls, cfg: Config, spec) -> "VerifySettings":
+        """From the run's config and spec (services/run/runspec.py)."""
         return cls(
-            limits=verify_limits(cfg, spec),
+            limits=verify.VerifyLimits(
+                max_prompt=cfg.data.pack_len,
+                max_block=spec.block_size,
+                max_length=cfg.data.pack_len + cfg.run.spec_eval_max_new_tokens + spec.block_size,
+                vocab_size=spec.target.vocab_size,
+                max_rows=max(1, cfg.run.spec_eval_prompts),
+            ),
             max_sessions=cfg.run.spec_eval_sessions,
             share=cfg.run.spec_eval_target_share,
             warm_up=cfg.run.spec_eval_prompts > 0,

@@ -24,7 +24,8 @@ from pathlib import Path
 import torch
 
 from services.data.batch import FIELDS
-from services.run.config import load_config
+from services.run import runspec
+from services.run.config import Config, load_config
 
 
 def _timed_loop(step, seconds: float, warmup: int = 2) -> tuple[int, float]:
@@ -42,18 +43,18 @@ def _timed_loop(step, seconds: float, warmup: int = 2) -> tuple[int, float]:
     return n, time.perf_counter() - start
 
 
-def target_rate(cfg, device: torch.device, seconds: float, work: Path) -> dict:
+def target_rate(cfg: Config, device: torch.device, seconds: float, work: Path) -> dict:
     from transformers import AutoTokenizer
 
     from services.run import runspec
     from services.target.compiled import compile_and_warm_up
     from services.target.model import capture_to_host, load_target
-    from services.target.packing import open_or_build
+    from services.target.packing import Packing, open_or_build
 
     spec = runspec.resolve(cfg)
     target = load_target(spec.target_config(cfg), device)
     tokenizer = AutoTokenizer.from_pretrained(cfg.target.model_path)
-    data = open_or_build(cfg, work, tokenizer, spec.target.vocab_size, log=lambda msg: None)
+    data = open_or_build(Packing.from_config(cfg), work, tokenizer, spec.target.vocab_size, log=lambda msg: None)
     compile_s = compile_and_warm_up(target, cfg.target.compile, data.pack_len, cfg.target.labels_from_target)
     rows = data.num_batches("train")
     out = (
@@ -83,16 +84,17 @@ def target_rate(cfg, device: torch.device, seconds: float, work: Path) -> dict:
     return result
 
 
-def drafter_rate(cfg, device: torch.device, seconds: float, mean_real_tokens: float) -> dict:
+def drafter_rate(cfg: Config, device: torch.device, seconds: float, mean_real_tokens: float) -> dict:
     import dataclasses
 
+    from services.drafter.core import DrafterCore
     from services.drafter.synthetic import SyntheticSource
     from services.drafter.target_head import from_target
-    from services.drafter.train import build_train_state, train_step
+    from services.drafter.train import train_step
     from services.drafter.warmup import warmup
 
-    model_cfg, head = from_target(cfg)
-    state = build_train_state(cfg, model_cfg, head, device, total_steps=1000)
+    model_cfg, head = from_target(runspec.resolve(cfg))
+    state = DrafterCore.build(cfg, model_cfg, head, device, total_steps=1000).state
     batch = SyntheticSource(
         model_cfg, cfg.data.pack_len, device=device, with_target_labels=cfg.target.labels_from_target
     ).batch(0)

@@ -16,7 +16,7 @@ from transformers import AutoTokenizer
 from services.run.config import load_config
 from services.target.data import has_generation_markers
 from services.target.model import load_target
-from services.target.packing import open_or_build
+from services.target.packing import Packing, open_or_build
 from services.tools.demo import make_demo
 from tests.launching import REPO
 
@@ -85,7 +85,9 @@ def test_demo_target_and_data_load_with_its_overrides(tmp_path):
     tokenizer = AutoTokenizer.from_pretrained(demo["model_path"])
     assert tokenizer.mask_token == "<|MASK|>" and tokenizer.mask_token_id < target.info.vocab_size
     assert has_generation_markers(tokenizer)
-    data = open_or_build(cfg, tmp_path / "run", tokenizer, target.info.vocab_size, log=lambda _m: None)
+    data = open_or_build(
+        Packing.from_config(cfg), tmp_path / "run", tokenizer, target.info.vocab_size, log=lambda _m: None
+    )
     assert data.bad_samples == 0 and data.num_batches() > 10 and data.num_batches("eval") >= 1
 
     # learnable: a trigram table from the train rows predicts most supervised eval tokens

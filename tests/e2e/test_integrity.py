@@ -66,7 +66,7 @@ def impostor(run_dir: str, report: str) -> None:
 @pytest.mark.training
 def test_a_same_uid_takeover_replaying_the_incarnation_trains_nothing_and_does_not_stall_the_eval():
     from services.data.batch import token_digest
-    from services.data.packed_data import PackedData
+    from services.data.packed_data import PackedData, RowOrder
     from services.drafter.ledger import read_all
     from services.run.config import load_config
 
@@ -118,7 +118,7 @@ def test_a_same_uid_takeover_replaying_the_incarnation_trains_nothing_and_does_n
         # every batch trained is the batch the data says: no relabelled batch 0 reached the weights
         cfg = load_config(run_dir / "config.json")
         (cache,) = [p for p in (run_dir / "data-cache").glob("*.safetensors") if ".digests." not in p.name]
-        data = PackedData(cache, cfg)
+        data = PackedData(cache, RowOrder.from_config(cfg))
         entries = [e for e in read_all(run_dir) if e["tokens"]]
         wrong = [
             (e["g"], e["incarnation"]) for e in entries if e["digest"] != token_digest(data.batch(e["g"])["input_ids"])

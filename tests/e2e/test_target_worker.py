@@ -20,7 +20,7 @@ from services.process import log
 from services.process.health import probe
 from services.run.config import load_config
 from services.target.model import load_target
-from services.target.packing import open_or_build
+from services.target.packing import Packing, open_or_build
 from tests.assets import random_demo
 from tests.launching import REPO, target_argv
 
@@ -109,7 +109,7 @@ def test_worker_serves_info_batches_errors_and_stops_on_sigterm(tmp_path, demo):
         assert len(errors) == 1 and errors[0][2] == total and "out of range" in errors[0][3]
 
         # the batches are what this process computes for the same g from the same cache
-        data_local = open_or_build(cfg, run, tokenizer, info["vocab_size"], log=lambda _m: None)
+        data_local = open_or_build(Packing.from_config(cfg), run, tokenizer, info["vocab_size"], log=lambda _m: None)
         target = load_target(cfg.target, "cpu", cfg.drafter.num_layers)
         for (split, g), batch in batches.items():
             batch.validate(hidden_width=info["hidden_width"])

@@ -12,11 +12,11 @@ import time
 
 import pytest
 
-from services.drafter.remote_eval import RemoteSpecEval
 from services.drafter.target_head import from_target
 from services.net.verify import SessionLost, TargetUnavailable, VerifyClient
+from services.run import runspec
 from tests.assets import random_demo
-from tests.verify_targets import TargetProcess, verify_overrides
+from tests.verify_targets import TargetProcess, remote_spec_eval, verify_overrides
 
 pytestmark = pytest.mark.processes
 
@@ -30,7 +30,7 @@ def test_a_target_restarted_mid_eval_costs_a_prompt_never_a_hang(demo, tmp_path)
     w = TargetProcess(tmp_path / "run", verify_overrides(demo, demo["model_path"]))
     first = w.start()
     cfg = w.cfg
-    model_cfg, head = from_target(cfg)
+    model_cfg, head = from_target(runspec.resolve(cfg))
     client = VerifyClient([w.data_ep], [w.health_ep], cfg.transport, width=128, timeout_s=10)
     try:
         reply = client.open(0, 1, [5, 6, 7, 8])
@@ -43,7 +43,7 @@ def test_a_target_restarted_mid_eval_costs_a_prompt_never_a_hang(demo, tmp_path)
             client.step(0, 1, [reply.greedy[-1], 1, 2, 3])
         assert time.monotonic() - start < 15
         # the eval goes on with the new incarnation
-        spec = RemoteSpecEval(cfg, w.run_dir, 1, head, model_cfg, None, prompts=2, max_new_tokens=6)
+        spec = remote_spec_eval(cfg, w.run_dir, 1, head, model_cfg, prompts=2, max_new_tokens=6)
         result = spec.run(spec.proposer(None, model_cfg))
         assert result["prompts"] == 2 and result["skipped"] == 0 and result["lossless"] == 2
         # with the target gone, the eval skips its prompts at once

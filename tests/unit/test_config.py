@@ -132,3 +132,14 @@ def test_toml_literal_is_what_an_override_and_a_config_file_read_back():
         assert load_config(None, [f"data.chat_template_kwargs={literal}"]).data.chat_template_kwargs == value
     assert toml_literal({"enable_thinking": False}) == "{enable_thinking = false}"
     assert parse_value("false") is False and parse_value("hello") == "hello"  # bare words stay strings
+
+
+def test_a_placement_names_a_rank_outside_its_role():
+    from pathlib import Path
+
+    from services.run.placement import Placement
+
+    with pytest.raises(ValueError, match=r"drafter rank 2 is not in \[0, 2\)"):
+        Placement("run", "drafter", rank=2, world_size=2)
+    at = Placement("run", "drafter", rank=1, world_size=2, num_targets=3)
+    assert at.run_dir == Path("run") and (at.rank, at.world_size, at.num_targets) == (1, 2, 3)

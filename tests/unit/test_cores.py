@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from services.data.batch import token_digest
-from services.data.packed_data import PackedData
+from services.data.packed_data import PackedData, RowOrder
 from services.drafter.core import DrafterCore
 from services.drafter.source import SourceError, SourceSettings, ZmqSource
 from services.drafter.target_head import model_and_head
@@ -23,6 +23,7 @@ from services.net.transport import BatchServer, Request
 from services.net.verify import VerifyRequest
 from services.run import runspec
 from services.run.config import load_config
+from services.run.placement import Placement
 from services.target.core import TargetCore
 from services.target.replies import BatchReply, Dropped, ErrorReply, InfoReply, VerifyReply
 from tests.assets import random_demo
@@ -34,7 +35,7 @@ SMALL = ["run.spec_eval_prompts=0", "drafter.num_anchors=16", "transport.credits
 
 def packed(run_dir, cfg) -> PackedData:
     (cache,) = [p for p in (run_dir / "data-cache").glob("*.safetensors") if ".digests." not in p.name]
-    return PackedData(cache, cfg)
+    return PackedData(cache, RowOrder.from_config(cfg))
 
 
 def test_the_target_core_answers_requests_with_no_socket(tmp_path):
@@ -93,9 +94,11 @@ def test_a_drafter_core_trains_on_batches_a_target_core_serves_in_one_interprete
     target.start()
     cfg = target.cfg
     spec = runspec.for_worker(cfg, target.run_dir)
-    model_cfg, head = model_and_head(cfg, spec)
+    model_cfg, head = model_and_head(spec, cfg.run.seed)
     core = DrafterCore.build(cfg, model_cfg, head, torch.device("cpu"), world_size=1, total_steps=6)
-    source = ZmqSource(SourceSettings.from_config(cfg, target.run_dir), None, max_steps=6, check=core.check)
+    source = ZmqSource(
+        SourceSettings.from_config(cfg, Placement(target.run_dir, "drafter")), None, max_steps=6, check=core.check
+    )
     try:
         plan = source.connect()
         source.check_targets(spec)
@@ -129,7 +132,7 @@ def test_an_error_for_a_batch_that_exists_is_dropped_and_asked_again(tmp_path):
     demo = random_demo()
     w = InProcessTarget(tmp_path / "run", verify_overrides(demo, demo["model_path"]) + ["transport.credits=1"])
     first = w.start()
-    source = ZmqSource(SourceSettings.from_config(w.cfg, w.run_dir), None)
+    source = ZmqSource(SourceSettings.from_config(w.cfg, Placement(w.run_dir, "drafter")), None)
     source.connect()
     claimed: list[int] = []
 

@@ -8,6 +8,7 @@ from transformers import AutoTokenizer, Qwen3Config
 
 from launcher.report import describe_data, report
 from services.run.config import dump_json, load_config
+from services.run.runspec import HeldOut
 from services.target import packing
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello there ."}]}
@@ -65,7 +66,10 @@ def test_pre_tokenized_lines_yield_their_tokens_before_the_first_supervised_one(
     info, run_dir = pack(capsys, tmp_path, model_dir, [TOKENS, NO_PROMPT, TOKENS], "run.spec_eval_prompts=8")
     assert info["prompts"] == 2 and "real acceptance" not in describe_data(info)
     cfg = load_config(run_dir / "config.json")
-    assert heldout_prompts(cfg, AutoTokenizer.from_pretrained(model_dir), 8) == [TOKENS["input_ids"][:10]] * 2
+    assert (
+        heldout_prompts(HeldOut.of(cfg), cfg.data, AutoTokenizer.from_pretrained(model_dir), 8)
+        == [TOKENS["input_ids"][:10]] * 2
+    )
 
 
 def test_a_bad_prompt_file_is_one_line_naming_file_and_line(capsys, tmp_path, model_dir):

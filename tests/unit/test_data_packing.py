@@ -13,10 +13,10 @@ import pytest
 from safetensors.numpy import load_file
 from transformers import AutoTokenizer
 
-from services.data.packed_data import digests_path
+from services.data.packed_data import RowOrder, digests_path
 from services.run.config import load_config
 from services.target.data import DataError, Document
-from services.target.packing import cache_key, open_or_build, pack_rows, split_document
+from services.target.packing import Packing, cache_key, open_or_build, pack_rows, split_document
 from services.tools.demo import conversations
 from tests.launching import REPO
 
@@ -71,7 +71,7 @@ def test_pack_rows_best_fit():
 
 def test_rows_layout_and_every_document_once_per_epoch(tmp_path, data_file, tokenizer):
     cfg = _cfg(data_file)
-    data = open_or_build(cfg, tmp_path / "run", tokenizer, VOCAB, log=_quiet)
+    data = open_or_build(Packing.from_config(cfg), tmp_path / "run", tokenizer, VOCAB, log=_quiet)
     n = data.num_batches("train")
     assert n > 10 and data.num_batches("eval") == 0
     per_epoch, seen_per_epoch = [], []
@@ -99,15 +99,19 @@ def test_rows_layout_and_every_document_once_per_epoch(tmp_path, data_file, toke
 
 
 def test_batch_g_is_a_pure_function_of_data_config_and_seed(tmp_path, data_file, tokenizer):
-    a = open_or_build(_cfg(data_file), tmp_path / "run-a", tokenizer, VOCAB, log=_quiet)
-    b = open_or_build(_cfg(data_file), tmp_path / "run-b", tokenizer, VOCAB, log=_quiet)
-    other_seed = open_or_build(_cfg(data_file, "run.seed=1"), tmp_path / "run-a", tokenizer, VOCAB, log=_quiet)
+    a = open_or_build(Packing.from_config(_cfg(data_file)), tmp_path / "run-a", tokenizer, VOCAB, log=_quiet)
+    b = open_or_build(Packing.from_config(_cfg(data_file)), tmp_path / "run-b", tokenizer, VOCAB, log=_quiet)
+    other_seed = open_or_build(
+        Packing.from_config(_cfg(data_file, "run.seed=1")), tmp_path / "run-a", tokenizer, VOCAB, log=_quiet
+    )
     n = a.num_batches()
     for g in [0, 1, n - 1, n, 2 * n + 3]:
         ra, rb = a.batch(g), b.batch(g)
         assert all(np.array_equal(ra[k], rb[k]) for k in ra)
     assert any(not np.array_equal(a.batch(g)["input_ids"], other_seed.batch(g)["input_ids"]) for g in range(3))
-    ordered = open_or_build(_cfg(data_file, "data.shuffle=false"), tmp_path / "run-a", tokenizer, VOCAB, log=_quiet)
+    ordered = open_or_build(
+        Packing.from_config(_cfg(data_file, "data.shuffle=false")), tmp_path / "run-a", tokenizer, VOCAB, log=_quiet
+    )
     assert np.array_equal(ordered.batch(0)["input_ids"], ordered.batch(ordered.num_batches())["input_ids"])
 
 
@@ -115,7 +119,11 @@ def test_long_documents_are_split_into_pieces(tmp_path, tokenizer):
     path = tmp_path / "long.jsonl"
     path.write_text(json.dumps({"input_ids": list(range(1, 301)), "loss_mask": [1] * 300}) + "\n")
     data = open_or_build(
-        _cfg(path, "data.max_doc_len=100", "data.shuffle=false"), tmp_path / "run", tokenizer, VOCAB, log=_quiet
+        Packing.from_config(_cfg(path, "data.max_doc_len=100", "data.shuffle=false")),
+        tmp_path / "run",
+        tokenizer,
+        VOCAB,
+        log=_quiet,
     )
     rows = [data.batch(g) for g in range(data.num_batches())]
     pieces = sorted(doc for row in rows for doc in _documents(row))
@@ -126,20 +134,30 @@ def test_long_documents_are_split_into_pieces(tmp_path, tokenizer):
 
 
 def test_eval_split_from_fraction_and_from_file(tmp_path, data_file, tokenizer):
-    data = open_or_build(_cfg(data_file, "data.eval_fraction=0.1"), tmp_path / "run", tokenizer, VOCAB, log=_quiet)
+    data = open_or_build(
+        Packing.from_config(_cfg(data_file, "data.eval_fraction=0.1")), tmp_path / "run", tokenizer, VOCAB, log=_quiet
+    )
     train = Counter(d for g in range(data.num_batches()) for d in _documents(data.batch(g)))
     evals = Counter(d for g in range(data.num_batches("eval")) for d in _documents(data.batch(g, "eval")))
     assert sum(evals.values()) == 30 and sum(train.values()) == 270
-    whole = open_or_build(_cfg(data_file), tmp_path / "run", tokenizer, VOCAB, log=_quiet)
+    whole = open_or_build(Packing.from_config(_cfg(data_file)), tmp_path / "run", tokenizer, VOCAB, log=_quiet)
     everything = Counter(d for g in range(whole.num_batches()) for d in _documents(whole.batch(g)))
     assert train + evals == everything  # a partition of the lines
-    again = open_or_build(_cfg(data_file, "data.eval_fraction=0.1"), tmp_path / "other", tokenizer, VOCAB, log=_quiet)
+    again = open_or_build(
+        Packing.from_config(_cfg(data_file, "data.eval_fraction=0.1")), tmp_path / "other", tokenizer, VOCAB, log=_quiet
+    )
     assert evals == Counter(d for g in range(again.num_batches("eval")) for d in _documents(again.batch(g, "eval")))
     with pytest.raises(IndexError, match="split 'eval'"):
         data.batch(data.num_batches("eval"), "eval")
     eval_file = tmp_path / "eval.jsonl"
     eval_file.write_text("".join(json.dumps(c) + "\n" for c in conversations(20, seed=9)))
-    held = open_or_build(_cfg(data_file, f"data.eval_path={eval_file}"), tmp_path / "run", tokenizer, VOCAB, log=_quiet)
+    held = open_or_build(
+        Packing.from_config(_cfg(data_file, f"data.eval_path={eval_file}")),
+        tmp_path / "run",
+        tokenizer,
+        VOCAB,
+        log=_quiet,
+    )
     assert sum(len(_documents(held.batch(g, "eval"))) for g in range(held.num_batches("eval"))) == 20
     assert sum(len(_documents(held.batch(g))) for g in range(held.num_batches())) == 300
 
@@ -148,14 +166,20 @@ def test_bad_samples_are_counted_in_the_index(tmp_path, data_file, tokenizer):
     with open(data_file, "a") as f:
         f.write("{broken\n")
     with pytest.raises(DataError, match=f"{data_file}:301: invalid JSON"):
-        open_or_build(_cfg(data_file), tmp_path / "run", tokenizer, VOCAB, log=_quiet)
+        open_or_build(Packing.from_config(_cfg(data_file)), tmp_path / "run", tokenizer, VOCAB, log=_quiet)
     logged = []
     data = open_or_build(
-        _cfg(data_file, "data.on_bad_sample=skip"), tmp_path / "run", tokenizer, VOCAB, log=logged.append
+        Packing.from_config(_cfg(data_file, "data.on_bad_sample=skip")),
+        tmp_path / "run",
+        tokenizer,
+        VOCAB,
+        log=logged.append,
     )
     assert data.bad_samples == 1 and data.bad_examples[0].startswith(f"{data_file}:301: invalid JSON")
     assert any("skipped 1 bad lines" in m for m in logged)
-    again = open_or_build(_cfg(data_file, "data.on_bad_sample=skip"), tmp_path / "run", tokenizer, VOCAB, log=_quiet)
+    again = open_or_build(
+        Packing.from_config(_cfg(data_file, "data.on_bad_sample=skip")), tmp_path / "run", tokenizer, VOCAB, log=_quiet
+    )
     assert again.bad_samples == 1  # still reported when read from the cache
 
 
@@ -165,25 +189,27 @@ def test_bad_samples_are_counted_in_the_index(tmp_path, data_file, tokenizer):
 def test_cache_is_reused_and_invalidated(tmp_path, data_file, tokenizer, tok_dir):
     run, store = tmp_path / "run", tmp_path / "store"
     logged = []
-    first = open_or_build(_cfg(data_file), run, tokenizer, VOCAB, log=logged.append, store=store)
+    first = open_or_build(Packing.from_config(_cfg(data_file)), run, tokenizer, VOCAB, log=logged.append, store=store)
     assert sum("built" in m for m in logged) == 1
     assert first.path.parent == run / "data-cache" and first.path.suffix == ".safetensors"
     assert set(load_file(str(first.path))) >= {"train_tokens", "train_loss_mask", "train_doc_lens", "train_row_docs"}
-    open_or_build(_cfg(data_file), run, tokenizer, VOCAB, log=logged.append, store=store)
+    open_or_build(Packing.from_config(_cfg(data_file)), run, tokenizer, VOCAB, log=logged.append, store=store)
     assert sum("built" in m for m in logged) == 1  # reused, not rebuilt
-    key = cache_key(_cfg(data_file), tokenizer, VOCAB)
-    assert cache_key(_cfg(data_file, "data.pack_len=256"), tokenizer, VOCAB) != key
-    assert cache_key(_cfg(data_file, "data.max_doc_len=64"), tokenizer, VOCAB) != key
-    assert cache_key(_cfg(data_file, "run.seed=5"), tokenizer, VOCAB) != key
-    assert cache_key(_cfg(data_file, "run.epochs=9"), tokenizer, VOCAB) == key  # not a packing input
+    key = cache_key(Packing.from_config(_cfg(data_file)), tokenizer, VOCAB)
+    assert cache_key(Packing.from_config(_cfg(data_file, "data.pack_len=256")), tokenizer, VOCAB) != key
+    assert cache_key(Packing.from_config(_cfg(data_file, "data.max_doc_len=64")), tokenizer, VOCAB) != key
+    assert cache_key(Packing.from_config(_cfg(data_file, "run.seed=5")), tokenizer, VOCAB) != key
+    assert (
+        cache_key(Packing.from_config(_cfg(data_file, "run.epochs=9")), tokenizer, VOCAB) == key
+    )  # not a packing input
     tokenizer.chat_template = tokenizer.chat_template + " "
-    assert cache_key(_cfg(data_file), tokenizer, VOCAB) != key
+    assert cache_key(Packing.from_config(_cfg(data_file)), tokenizer, VOCAB) != key
     tokenizer = AutoTokenizer.from_pretrained(tok_dir)
-    assert cache_key(_cfg(data_file), tokenizer, VOCAB) == key
+    assert cache_key(Packing.from_config(_cfg(data_file)), tokenizer, VOCAB) == key
     text = data_file.read_text()
     data_file.write_text(text.replace("count from", "count frum", 1))  # same size, new content
-    assert cache_key(_cfg(data_file), tokenizer, VOCAB) != key
-    rebuilt = open_or_build(_cfg(data_file), run, tokenizer, VOCAB, log=logged.append, store=store)
+    assert cache_key(Packing.from_config(_cfg(data_file)), tokenizer, VOCAB) != key
+    rebuilt = open_or_build(Packing.from_config(_cfg(data_file)), run, tokenizer, VOCAB, log=logged.append, store=store)
     assert sum("built" in m for m in logged) == 2 and rebuilt.path != first.path
 
 
@@ -192,9 +218,16 @@ def test_runs_of_the_same_data_share_one_build_through_the_store(tmp_path, data_
     nothing: its data-cache holds hard links to the store's read-only files. A store that cannot be
     written is said, and the run builds its own."""
     store, logged = tmp_path / "store", []
-    first = open_or_build(_cfg(data_file), tmp_path / "a", tokenizer, VOCAB, log=logged.append, store=store)
+    first = open_or_build(
+        Packing.from_config(_cfg(data_file)), tmp_path / "a", tokenizer, VOCAB, log=logged.append, store=store
+    )
     second = open_or_build(
-        _cfg(data_file, "drafter.num_anchors=8"), tmp_path / "b", tokenizer, VOCAB, log=logged.append, store=store
+        Packing.from_config(_cfg(data_file, "drafter.num_anchors=8")),
+        tmp_path / "b",
+        tokenizer,
+        VOCAB,
+        log=logged.append,
+        store=store,
     )
     assert sum("built" in m for m in logged) == 1 and any("reused from" in m for m in logged)
     for run in (first, second):
@@ -205,7 +238,9 @@ def test_runs_of_the_same_data_share_one_build_through_the_store(tmp_path, data_
     blocked = tmp_path / "blocked"
     blocked.write_text("a file where the store's folder would be")
     logged.clear()
-    own = open_or_build(_cfg(data_file), tmp_path / "c", tokenizer, VOCAB, log=logged.append, store=blocked)
+    own = open_or_build(
+        Packing.from_config(_cfg(data_file)), tmp_path / "c", tokenizer, VOCAB, log=logged.append, store=blocked
+    )
     assert any(f"the packed-data store {blocked} is not usable" in m for m in logged), logged
     assert own.path.is_file() and own.path.stat().st_ino != first.path.stat().st_ino
     assert own.batch(3)["input_ids"].tolist() == first.batch(3)["input_ids"].tolist()
@@ -216,10 +251,10 @@ import sys
 from pathlib import Path
 from transformers import AutoTokenizer
 from services.run.config import load_config
-from services.target.packing import open_or_build
+from services.target.packing import Packing, open_or_build
 cfg = load_config(None, [f"data.path={sys.argv[1]}", "data.pack_len=128"])
 tok = AutoTokenizer.from_pretrained(sys.argv[3])
-data = open_or_build(cfg, sys.argv[2], tok, 4096, log=print, store=Path(sys.argv[4]))
+data = open_or_build(Packing.from_config(cfg), sys.argv[2], tok, 4096, log=print, store=Path(sys.argv[4]))
 print("ROWS", data.num_batches(), data.path.name)
 """
 
@@ -261,8 +296,8 @@ def test_published_digests_name_every_batch_as_the_packed_data_does(tmp_path, da
     from services.drafter.source import batch_content
 
     cfg = _cfg(data_file, "data.eval_fraction=0.1")
-    data = open_or_build(cfg, tmp_path / "run", tokenizer, VOCAB, log=_quiet)
-    published = PublishedDigests(digests_path(data.path), cfg)
+    data = open_or_build(Packing.from_config(cfg), tmp_path / "run", tokenizer, VOCAB, log=_quiet)
+    published = PublishedDigests(digests_path(data.path), RowOrder.from_config(cfg))
     for split, limit in (("train", data.num_batches() * 3), ("eval", data.num_batches("eval"))):
         assert limit > 0
         for g in range(limit):
@@ -270,12 +305,12 @@ def test_published_digests_name_every_batch_as_the_packed_data_does(tmp_path, da
                 published.digest(g, split) == data.digest(g, split) == token_digest(data.batch(g, split)["input_ids"])
             )
     assert len({published.digest(g) for g in range(data.num_batches())}) == data.num_batches()
-    content, how = batch_content(cfg, tmp_path / "run", data.key)
+    content, how = batch_content(RowOrder.from_config(cfg), tmp_path / "run", data.key)
     assert how == "packed data" and content.digest(5) == data.digest(5)
     data.path.unlink()  # a drafter host with the digests only
-    content, how = batch_content(cfg, tmp_path / "run", data.key)
+    content, how = batch_content(RowOrder.from_config(cfg), tmp_path / "run", data.key)
     assert how == "published digests" and content.digest(5) == published.digest(5)
-    assert batch_content(cfg, tmp_path / "run", "0" * 32) == (None, "off")
+    assert batch_content(RowOrder.from_config(cfg), tmp_path / "run", "0" * 32) == (None, "off")
 
 
 def test_launcher_ups_data_line_reads_the_store_lines_by_their_start():

@@ -167,14 +167,14 @@ def demo_rows(tmp_path_factory):
     from transformers import AutoTokenizer
 
     from services.run.config import load_config
-    from services.target.packing import open_or_build
+    from services.target.packing import Packing, open_or_build
     from services.tools.demo import make_demo
 
     tmp = tmp_path_factory.mktemp("demo")
     demo = make_demo(tmp / "demo", target_steps=0)  # the data and tokenizer only
     cfg = load_config(None, demo["overrides"])
     tokenizer = AutoTokenizer.from_pretrained(demo["model_path"])
-    data = open_or_build(cfg, tmp / "run", tokenizer, len(tokenizer), log=lambda _m: None)
+    data = open_or_build(Packing.from_config(cfg), tmp / "run", tokenizer, len(tokenizer), log=lambda _m: None)
     return [
         Batch(g=g, hidden=torch.zeros(cfg.data.pack_len, 4, dtype=torch.bfloat16), **data.batch(g)) for g in range(40)
     ]

@@ -12,6 +12,7 @@ from services.drafter.attention import DenseAttention
 from services.drafter.model import DFlashDrafter, DrafterModelConfig
 from services.drafter.synthetic import SyntheticSource
 from services.drafter.target_head import from_target, resolve_mask_token_id
+from services.run import runspec
 from services.run.config import ConfigError, load_config
 from services.run.layers import default_layer_ids
 from services.run.runspec import target_fields_of
@@ -72,7 +73,7 @@ def test_embed_and_lm_head_come_from_the_checkpoint(tmp_path, tied, shard):
     model = save_qwen3(tmp_path, tied, shard)
     if shard:
         assert (tmp_path / "model.safetensors.index.json").is_file()
-    model_cfg, head = from_target(config_for(tmp_path))
+    model_cfg, head = from_target(runspec.resolve(config_for(tmp_path)))
     assert torch.equal(head.embed, model.model.embed_tokens.weight.detach())
     assert torch.equal(head.lm_head, model.lm_head.weight.detach())
     assert head.tied == tied
@@ -144,7 +145,7 @@ def test_composite_config_resolves_to_text_config_and_language_model_tensors(tmp
         str(tmp_path / "model.safetensors"),
     )
     save_tokenizer(tmp_path, mask_token="[UNK]")
-    model_cfg, head = from_target(config_for(tmp_path))
+    model_cfg, head = from_target(runspec.resolve(config_for(tmp_path)))
     assert torch.equal(head.embed, embed) and torch.equal(head.lm_head, lm_head)
     assert model_cfg.mask_token_id == 80  # the tokenizer's own mask token
 
@@ -160,17 +161,17 @@ def test_mask_token_resolution(tmp_path):
 def test_bad_target_configs_are_named(tmp_path):
     save_qwen3(tmp_path, tied=False, shard=False)
     with pytest.raises(ConfigError, match=r"target.layer_ids \[8\] out of range: the target has 8 decoder layers"):
-        from_target(config_for(tmp_path, "target.layer_ids=[1, 8]"))
+        from_target(runspec.resolve(config_for(tmp_path, "target.layer_ids=[1, 8]")))
     with pytest.raises(ConfigError, match="mask token id 96 is outside the embedding"):
-        from_target(config_for(tmp_path, "drafter.mask_token_id=96"))
+        from_target(runspec.resolve(config_for(tmp_path, "drafter.mask_token_id=96")))
     with pytest.raises(ConfigError, match="drafter.overrides.hidden: not a drafter model field"):
-        from_target(config_for(tmp_path, "drafter.overrides={hidden=3}"))
+        from_target(runspec.resolve(config_for(tmp_path, "drafter.overrides={hidden=3}")))
     with pytest.raises(ConfigError, match=r"model.embed_tokens.weight has shape \(96, 32\), config says \[96, 64\]"):
-        from_target(config_for(tmp_path, "drafter.overrides={hidden_size=64}"))
+        from_target(runspec.resolve(config_for(tmp_path, "drafter.overrides={hidden_size=64}")))
     with pytest.raises(ConfigError, match="drafter.num_anchors=300 is larger than data.pack_len=256"):
-        from_target(config_for(tmp_path, "drafter.num_anchors=300"))
+        from_target(runspec.resolve(config_for(tmp_path, "drafter.num_anchors=300")))
     with pytest.raises(ConfigError, match="model directory not found"):
-        from_target(config_for(tmp_path / "missing"))
+        from_target(runspec.resolve(config_for(tmp_path / "missing")))
 
 
 def reference_block_outputs(drafter, inputs, embeds):

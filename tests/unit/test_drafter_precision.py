@@ -7,11 +7,12 @@ the conversion and the numerics; on CUDA the real FP8 GEMMs train side by side w
 import pytest
 import torch
 
+from services.drafter.core import DrafterCore
 from services.drafter.model import DFlashDrafter
 from services.drafter.precision import apply_precision
 from services.drafter.synthetic import SYNTHETIC_MODEL, SyntheticSource
 from services.drafter.target_head import TargetHead
-from services.drafter.train import build_train_state, train_step
+from services.drafter.train import train_step
 from services.run.config import ConfigError, load_config
 from tests.drafters import build_model_config
 
@@ -33,7 +34,7 @@ def test_fp8_on_the_cpu_is_refused_with_the_reason():
     cfg, model_cfg = model_config('drafter.precision="fp8"', "drafter.compile=false")
     head = TargetHead.random(model_cfg.vocab_size, model_cfg.hidden_size, seed=0)
     with pytest.raises(ValueError, match="drafter.precision='fp8' needs a CUDA GPU with FP8 matmuls; .* on cpu"):
-        build_train_state(cfg, model_cfg, head, "cpu", total_steps=1)
+        DrafterCore.build(cfg, model_cfg, head, "cpu", total_steps=1)
 
 
 def test_fp8_keeps_every_parameter_and_name_and_stays_close_to_full_precision():
@@ -78,7 +79,7 @@ def test_fp8_trains_like_bf16_on_cuda():
     for precision in ("bf16", "fp8"):
         cfg, model_cfg = model_config(f'drafter.precision="{precision}"', "drafter.lr=3e-3")
         head = TargetHead.random(model_cfg.vocab_size, model_cfg.hidden_size, seed=0)
-        state = build_train_state(cfg, model_cfg, head, "cuda", total_steps=30)
+        state = DrafterCore.build(cfg, model_cfg, head, "cuda", total_steps=30).state
         assert (state.fp8_head is not None) == (precision == "fp8")  # the loss's lm_head GEMMs in FP8 too
         source = SyntheticSource(
             model_cfg, cfg.data.pack_len, total_steps=30, device=torch.device("cuda"), with_target_labels=True

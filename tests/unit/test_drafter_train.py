@@ -7,9 +7,10 @@ import pytest
 import torch
 
 from services.data.batch import BatchError
+from services.drafter.core import DrafterCore
 from services.drafter.synthetic import SYNTHETIC_MODEL, SyntheticSource
 from services.drafter.target_head import TargetHead
-from services.drafter.train import WarmupCosine, build_train_state, parameter_fingerprint, train_step
+from services.drafter.train import WarmupCosine, parameter_fingerprint, train_step
 from services.drafter.warmup import warmup
 from services.run.config import load_config
 from tests.drafters import build_model_config
@@ -30,7 +31,7 @@ def make(*overrides, steps=40, device="cpu"):
     )
     model_cfg = build_model_config(cfg, SYNTHETIC_MODEL, mask_token_id=SYNTHETIC_MODEL["vocab_size"] - 1)
     head = TargetHead.random(model_cfg.vocab_size, model_cfg.hidden_size, seed=0)
-    state = build_train_state(cfg, model_cfg, head, device, total_steps=steps)
+    state = DrafterCore.build(cfg, model_cfg, head, device, total_steps=steps).state
     source = SyntheticSource(
         model_cfg, cfg.data.pack_len, total_steps=steps, with_target_labels=cfg.target.labels_from_target
     )

@@ -141,4 +141,4 @@ def test_checkpoints_this_version_does_not_read_are_refused_by_name(tmp_path, ca
         meta={k: v for k, v in meta.items() if k != "next_g"},
     )
     with pytest.raises(ConfigError, match="records no data position"):
-        find_resume_point(no_position, cfg, load_config(None, []), 1, warn=print)
+        find_resume_point(no_position, cfg, load_config(None, []).to_dict(), 1, warn=print)

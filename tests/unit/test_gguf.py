@@ -10,6 +10,7 @@ import pytest
 
 from launcher import gguf
 from services.process.files import sha256_file
+from services.run import runspec
 from tests.gguf_files import write_llama_gguf
 from tests.launching import child_env, run_launcher
 
@@ -81,7 +82,7 @@ def test_the_converted_folder_holds_the_gguf_weights_and_is_reused(tiny, tmp_pat
         match=r"outside the embedding \(448 rows\); set drafter.mask_token_id to a special "
         r"token the data never uses, e.g. drafter.mask_token_id=3 \(<\|MASK\|>\)",
     ):
-        from_target(bad_mask)  # a GGUF tokenizer has no mask token: its spare special token is named
+        from_target(runspec.resolve(bad_mask))  # a GGUF tokenizer has no mask token: its spare special token is named
 
     monkeypatch.setattr(gguf, "sha256_file", lambda *_: pytest.fail("hashed again"))
     monkeypatch.setattr(gguf, "convert", lambda *_: pytest.fail("converted again"))

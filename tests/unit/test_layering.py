@@ -226,3 +226,48 @@ def test_the_cores_import_no_socket_signal_or_health():
     assert not found, "\n".join(found)
     assert shell_imports("from services.net.transport import BatchServer, Request", "services.target.core")
     assert not shell_imports("from services.net.transport import Request", "services.target.core")
+
+
+# Functions that take the whole Config. The config's boundary may: the config and the run spec that
+# resolves it, the launcher (preflight, supervisor), the workers' shells, the jobs that run as their own
+# programs (`launcher eval`'s, the tools) and the builders that turn the config into a component's
+# settings (from_config, build, load, prepare). Every other function takes its settings.
+SHELLS = ("services/target/worker.py", "services/drafter/worker.py")
+JOBS = ("services/eval/", "services/tools/")
+BOUNDARY_MODULES = ("services/run/config.py", "services/run/runspec.py", "launcher/", *SHELLS, *JOBS)
+BOUNDARY_FUNCTIONS = ("setup", "from_config", "build", "load", "prepare")
+
+
+def functions_taking_config() -> set[str]:
+    found = set()
+    for path in product_modules():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                args = [*node.args.posonlyargs, *node.args.args, *node.args.kwonlyargs]
+                if any(a.annotation is not None and ast.unparse(a.annotation).strip("'\"") == "Config" for a in args):
+                    found.add(f"{path.relative_to(REPO)} {node.name}")
+    return found
+
+
+def test_components_take_their_settings_not_the_whole_config():
+    found = functions_taking_config()
+    assert "services/drafter/worker.py setup" in found, "the check sees nothing"
+    components = sorted(
+        f for f in found if not f.startswith(BOUNDARY_MODULES) and f.split(" ")[1] not in BOUNDARY_FUNCTIONS
+    )
+    assert not components, "take the component's settings, not the whole Config:\n" + "\n".join(components)
+
+
+def test_no_worker_shell_keeps_the_whole_config():
+    """setup(cfg) builds the components from it; nothing after setup reads it."""
+    for path in SHELLS:
+        tree = ast.parse((REPO / path).read_text())
+        kept = [
+            node.lineno
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Name)
+            and node.value.id == "self"
+            and node.attr in ("cfg", "config")
+        ]
+        assert not kept, f"{path}: self.cfg at lines {kept}"

@@ -9,6 +9,7 @@ import pytest
 from services.data.data_lines import many_prompt_tokens, prompt_tokens, raw_tokens
 from services.data.prompts import PromptFileError, interleave, prompt_sets, read_prompt_file, set_name
 from services.run.config import load_config
+from services.run.runspec import HeldOut
 
 USER = [{"role": "user", "content": "add two numbers"}]
 
@@ -57,7 +58,7 @@ def test_gzip_files_read_as_they_ship_and_sets_are_named_by_file(tmp_path, token
     other = write(tmp_path / "other.jsonl", [{"prompt": "a"}, {"prompt": "b"}, {"prompt": "c"}])
     assert set_name(path) == "HumanEval" and set_name(other) == "other"
     cfg = load_config(None, [])
-    sets = prompt_sets(cfg, tokenizer, [str(path), str(other), str(other)], limit=0)
+    sets = prompt_sets(HeldOut.of(cfg), cfg.data, tokenizer, [str(path), str(other), str(other)], limit=0)
     assert [(s.name, len(s.prompts)) for s in sets] == [("HumanEval", 1), ("other", 3), ("other'", 3)]
     prompts, names = interleave(sets)
     assert names == ["HumanEval", "other", "other'", "other", "other'", "other", "other'"]

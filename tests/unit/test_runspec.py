@@ -11,7 +11,7 @@ import pytest
 from services.run import runspec, shapes
 from services.run.checkpoint_compat import MODEL_FIELDS, NOT_FOR_RESUME, RUN_FIELDS, model_errors
 from services.run.config import BATCH_KINDS, SECTIONS, _section_class, load_config
-from services.target.packing import build_index, cache_key
+from services.target.packing import Packing, build_index, cache_key
 from services.tools.demo import conversations
 from tests.launching import run_launcher, target_argv
 
@@ -83,7 +83,7 @@ def data_file(tmp_path):
 
 
 def _packed(cfg, tokenizer):
-    tensors, _ = build_index(cfg, tokenizer, VOCAB)
+    tensors, _ = build_index(Packing.from_config(cfg), tokenizer, VOCAB)
     return {k: np.asarray(v) for k, v in tensors.items()}
 
 
@@ -106,7 +106,7 @@ def test_keys_not_marked_as_deciding_tokens_leave_the_packed_data_alone(data_fil
     (and the cache key too); every key with one changes the cache key."""
     base_args = [f"data.path={data_file}", "data.pack_len=128", 'data.on_bad_sample="skip"']
     base_cfg = load_config(None, base_args)
-    base, key = _packed(base_cfg, tokenizer), cache_key(base_cfg, tokenizer, VOCAB)
+    base, key = _packed(base_cfg, tokenizer), cache_key(Packing.from_config(base_cfg), tokenizer, VOCAB)
     for section, f in ALL_KEYS:
         dotted = f"{section}.{f.name}"
         if section not in ("run", "data", "target") or f.metadata["batch"] == "path" or dotted == "target.model_path":
@@ -116,9 +116,9 @@ def test_keys_not_marked_as_deciding_tokens_leave_the_packed_data_alone(data_fil
         except Exception:
             continue  # a value this key refuses: nothing to compare
         if f.metadata["batch"] in runspec.CACHE_KINDS:
-            assert cache_key(cfg, tokenizer, VOCAB) != key, dotted
+            assert cache_key(Packing.from_config(cfg), tokenizer, VOCAB) != key, dotted
             continue
-        assert cache_key(cfg, tokenizer, VOCAB) == key, dotted
+        assert cache_key(Packing.from_config(cfg), tokenizer, VOCAB) == key, dotted
         other = _packed(cfg, tokenizer)
         assert other.keys() == base.keys() and all(np.array_equal(other[k], base[k]) for k in base), (
             f'{dotted} changes the packed data: mark it batch="content" in services/run/config.py'
@@ -330,12 +330,12 @@ def test_a_synthetic_drafter_gets_the_made_up_target_and_the_same_shape_as_befor
 
 def test_the_block_size_is_the_drafters_everywhere(tmp_path, tok_dir):
     """drafter.overrides may set the model's block size: the target's verify limits take the spec's."""
-    from services.target.verifying import verify_limits
+    from services.target.verifying import VerifySettings
 
     model = _tiny_target(tmp_path / "model", tok_dir)
     cfg = _config(model, "", "drafter.overrides={block_size=4}")
     spec = runspec.resolve(cfg)
-    assert spec.block_size == spec.model().block_size == verify_limits(cfg, spec).max_block == 4
+    assert spec.block_size == spec.model().block_size == VerifySettings.from_config(cfg, spec).limits.max_block == 4
 
 
 def test_the_held_out_split_is_the_specs(data_file, tokenizer, tmp_path):
@@ -356,11 +356,11 @@ def test_the_held_out_split_is_the_specs(data_file, tokenizer, tmp_path):
     assert numbers == [1] + list(range(3, len(good) + 3))  # the blank line 2 is no line of the split
     chosen = held_out.lines(numbers)
     docs = {d.line: d for d in read_documents(str(path), tokenizer, VOCAB, "skip", BadSamples())}
-    tensors, meta = build_index(cfg, tokenizer, VOCAB)
+    tensors, meta = build_index(Packing.from_config(cfg), tokenizer, VOCAB)
     assert meta["bad_samples"] == "1"
     assert int(meta["eval_samples"]) == len(chosen - {1}) == sum(1 for n in chosen if n in docs) > 3
     expected = [path.read_text().splitlines()[n - 1] for n in sorted(chosen - {1})]
-    assert [line.rstrip("\n") for line in heldout_lines(cfg)] == expected
+    assert [line.rstrip("\n") for line in heldout_lines(held_out, cfg.data)] == expected
     if 1 in chosen:  # the bad line was drawn: it holds nothing
         assert len(chosen - {1}) == len(chosen) - 1
 

@@ -20,15 +20,15 @@ import pytest
 import torch
 import zmq
 
-from services.drafter.remote_eval import RemoteSpecEval
 from services.drafter.target_head import from_target
 from services.eval.local_spec_eval import LocalSpecEval
 from services.net import wire
 from services.net.batch_client import BatchClient
 from services.net.verify import VerifyClient, VerifyError
+from services.run import runspec
 from tests.assets import random_demo
 from tests.inprocess import InProcessTarget
-from tests.verify_targets import NEW, PROMPTS, MostlyRight, hybrid_model, verify_overrides
+from tests.verify_targets import NEW, PROMPTS, MostlyRight, hybrid_model, remote_spec_eval, verify_overrides
 
 pytestmark = pytest.mark.xdist_group("verify_inprocess")  # one pytest worker loads the two targets, once
 
@@ -50,8 +50,8 @@ def worker(request, demo, tmp_path_factory):
 
 def test_speculative_decoding_through_the_worker_equals_greedy(worker):
     cfg = worker.cfg
-    model_cfg, head = from_target(cfg)
-    spec = RemoteSpecEval(cfg, worker.run_dir, 1, head, model_cfg, None, prompts=PROMPTS, max_new_tokens=NEW)
+    model_cfg, head = from_target(runspec.resolve(cfg))
+    spec = remote_spec_eval(cfg, worker.run_dir, 1, head, model_cfg, prompts=PROMPTS, max_new_tokens=NEW)
     try:
         assert len(spec.prompts) == PROMPTS
         torch.manual_seed(0)
@@ -88,7 +88,7 @@ def test_speculative_decoding_through_the_worker_equals_greedy(worker):
         assert batched_random["repeat_last"]["lossless"] == PROMPTS
         # prompt by prompt (a target that cannot run rows): the same records, many more round trips
         before = worker.status()["verify_requests"]
-        one_by_one = RemoteSpecEval(cfg, worker.run_dir, 1, head, model_cfg, None, prompts=PROMPTS, max_new_tokens=NEW)
+        one_by_one = remote_spec_eval(cfg, worker.run_dir, 1, head, model_cfg, prompts=PROMPTS, max_new_tokens=NEW)
         one_by_one.rows = False
         try:
             torch.manual_seed(0)
@@ -167,8 +167,8 @@ def test_controls_decode_exactly_the_prompts_the_drafter_decoded(worker):
     """A second target that is not serving: its prompts (1, 3) are skipped; the controls run on
     prompts 0 and 2, the ones the drafter decoded, not on the first two (0 and a skipped 1)."""
     cfg = worker.cfg
-    model_cfg, head = from_target(cfg)
-    spec = RemoteSpecEval(cfg, worker.run_dir, 2, head, model_cfg, None, prompts=4, max_new_tokens=6)
+    model_cfg, head = from_target(runspec.resolve(cfg))
+    spec = remote_spec_eval(cfg, worker.run_dir, 2, head, model_cfg, prompts=4, max_new_tokens=6)
     try:
         assert len(spec.prompts) == 4
         result = spec.evaluate(None, model_cfg, controls=True)
@@ -194,8 +194,8 @@ def test_prompt_sets_of_run_eval_prompts_are_decoded_per_set(worker, tmp_path):
     )
     files = [str(tmp_path / "chat.jsonl"), str(tmp_path / "plain.jsonl")]
     cfg = dataclasses.replace(worker.cfg, run=dataclasses.replace(worker.cfg.run, eval_prompts=files))
-    model_cfg, head = from_target(cfg)
-    spec = RemoteSpecEval(cfg, worker.run_dir, 1, head, model_cfg, None, prompts=PROMPTS, max_new_tokens=NEW)
+    model_cfg, head = from_target(runspec.resolve(cfg))
+    spec = remote_spec_eval(cfg, worker.run_dir, 1, head, model_cfg, prompts=PROMPTS, max_new_tokens=NEW)
     try:
         assert spec.names == ["chat", "plain", "chat", "plain"]
         local = LocalSpecEval(cfg, "cpu", prompts=PROMPTS, max_new_tokens=NEW, files=files)
@@ -218,7 +218,7 @@ def test_launcher_eval_serves_a_checkpoint_reading_other_target_layers(worker):
     import dataclasses
 
     cfg = worker.cfg
-    model_cfg, _ = from_target(cfg)
+    model_cfg, _ = from_target(runspec.resolve(cfg))
     local = LocalSpecEval(cfg, "cpu", prompts=2, max_new_tokens=NEW, batch=2)
     layers = local.target.info.num_layers
     run_ids = list(local.target.info.layer_ids)
