@@ -67,8 +67,8 @@ def main() -> None:
             "drafter.num_anchors=64",
             "drafter.block_size=16",
             f"drafter.num_layers={a.layers}",
-            "drafter.compile=false",
-            "drafter.lr=1e-4",
+            "kernels.compile=false",
+            "optimizer.lr=1e-4",
         ],
     )
     base = dict(

@@ -6,7 +6,7 @@ no DDP. MFU = useful model FLOPs per second (model.model_flops) / the GPU's data
 peak (bench/timing.py; 989.4 TFLOP/s on an H200), whatever the precision, so runs compare; the bf16
 matmul rate measured in the same run is printed beside it.
 
---precision bf16,fp8 runs each shape once per drafter.precision, side by side in one process, and
+--precision bf16,fp8 runs each shape once per kernels.precision, side by side in one process, and
 prints the ratio of each to the first.
 
     python bench/drafter_step.py                                   # (a) recipe and (b) large
@@ -118,9 +118,9 @@ def parse_args(argv=None):
     p.add_argument(
         "--fp8-recipe",
         default=None,
-        help="torchao float8 recipe for drafter.precision=fp8: tensorwise (the product's), rowwise, rowwise_with_gw_hp",
+        help="torchao float8 recipe for kernels.precision=fp8: tensorwise (the product's), rowwise, rowwise_with_gw_hp",
     )
-    p.add_argument("--precision", default="bf16", help="drafter.precision, or a comma list run side by side: bf16,fp8")
+    p.add_argument("--precision", default="bf16", help="kernels.precision, or a comma list run side by side: bf16,fp8")
     p.add_argument("--attention", choices=["auto", "flex", "dense"], default="auto")
     p.add_argument("--no-compile", action="store_true", help="eager layers and loss (flex stays compiled)")
     p.add_argument("--no-breakdown", action="store_true")
@@ -215,11 +215,11 @@ def bench_shape(name, shape, args, peak_tflops, layout="full", precision="bf16")
             f"drafter.num_anchors={shape['anchors']}",
             f"drafter.block_size={shape['block_size']}",
             f"drafter.num_layers={shape['layers']}",
-            f"drafter.compile={'false' if args.no_compile else 'true'}",
-            f"drafter.loss_chunk={args.loss_chunk}",
-            f'drafter.precision="{precision}"',
-            f'drafter.attention="{args.attention}"',
-            "drafter.lr=1e-4",
+            f"kernels.compile={'false' if args.no_compile else 'true'}",
+            f"kernels.loss_chunk={args.loss_chunk}",
+            f'kernels.precision="{precision}"',
+            f'kernels.attention="{args.attention}"',
+            "optimizer.lr=1e-4",
             *layout_overrides(layout, shape["layers"], args.window),
         ],
     )

@@ -44,10 +44,10 @@ from bench.shapes import HYBRID, SHAPES, checkpoint_config  # noqa: E402
 COMMON = [
     "data.pack_len=8192",
     "run.epochs=20",
-    "run.checkpoint_every=100000",
-    "run.export_at_end=false",
-    "run.log_every=1",
-    "run.eval_every=0",
+    "checkpoint.every=100000",
+    "checkpoint.export_at_end=false",
+    "log.every=1",
+    "eval.every=0",
 ]
 
 
@@ -167,7 +167,7 @@ def target_alone_in_child(overrides: list[str], work: Path, rows: int, warmup: i
 
 
 def eval_on_off(run_dir: Path, metrics: list[dict], every: int, skip: int) -> dict:
-    """The eval on/off comparison of one run with run.eval_every = every (module docstring)."""
+    """The eval on/off comparison of one run with eval.every = every (module docstring)."""
     rows = [m for m in metrics if not m.get("eval") and m["step"] > skip]
     after_eval = [m for m in rows if (m["step"] - 1) % every == 0 and m["step"] > 1]  # window holds an eval
 
@@ -229,10 +229,10 @@ def steady_rate(metrics: list[dict], skip: int) -> dict:
 
 
 def drafter_alone(path: Path, config: str | None, overrides: list[str]) -> float:
-    """B: tok/s of the drafter_step result at the run's drafter.precision (the first result without one)."""
+    """B: tok/s of the drafter_step result at the run's kernels.precision (the first result without one)."""
     from services.run.config import load_config
 
-    precision = load_config(config, overrides).drafter.precision
+    precision = load_config(config, overrides).kernels.precision
     results = json.loads(path.read_text())["results"]
     return next((r for r in results if r.get("precision", precision) == precision), results[0])["tokens_per_s"]
 
@@ -298,11 +298,11 @@ def main() -> None:
     overrides = [f'target.model_path="{model_dir}"', f'data.path="{data}"', f"run.max_steps={a.steps}", *COMMON]
     if a.eval_every > 0:
         overrides += [
-            f"run.eval_every={a.eval_every}",
+            f"eval.every={a.eval_every}",
             "data.eval_fraction=0.01",
-            f"run.spec_eval_prompts={a.spec_prompts}",
-            "run.spec_eval_max_new_tokens=64",
-            "run.spec_eval_budget_s=30",
+            f"eval.num_prompts={a.spec_prompts}",
+            "eval.max_new_tokens=64",
+            "eval.budget_s=30",
         ]
     overrides += a.overrides
     mapped, said = layer_overrides(a.shape, a.layers, a.config, overrides)

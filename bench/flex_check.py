@@ -146,7 +146,7 @@ def model_check(hybrid=False):
         overrides += ['drafter.layer_types=["sliding_attention", "full_attention"]', "drafter.sliding_window=300"]
     states = {}
     for kind, compile_ in (("dense", "false"), ("flex", "true")):
-        cfg = load_config(None, overrides + [f'drafter.attention="{kind}"', f"drafter.compile={compile_}"])
+        cfg = load_config(None, overrides + [f'kernels.attention="{kind}"', f"kernels.compile={compile_}"])
         model_cfg = drafter_shape(cfg, SYNTHETIC_MODEL, mask_token_id=4095)
         head = TargetHead.random(model_cfg.vocab_size, model_cfg.hidden_size, seed=0)
         states[kind] = DrafterCore.build(cfg, model_cfg, head, "cuda", total_steps=10).state
@@ -229,7 +229,7 @@ def processes_check(steps: int = 20):
         "data.pack_len=2048",
         "drafter.num_anchors=64",
         "drafter.num_layers=2",
-        "drafter.lr=2e-3",
+        "optimizer.lr=2e-3",
         "drafter.overrides={hidden_size=256, intermediate_size=512, num_attention_heads=4, "
         "num_key_value_heads=2, head_dim=64, vocab_size=2048}",
     ]

@@ -64,7 +64,7 @@ for part in "$@"; do case $part in
                   --timeout 420 --out "$OUT/e2e_eval.json" ;;
   demo)       demo demo 560 "" ;;
   demohybrid) demo demo_hybrid 560 hybrid ;;
-  fp32)       demo demo_fp32 400 "" target.dtype=float32 run.max_steps=40 run.spec_eval_prompts=8 ;;
+  fp32)       demo demo_fp32 400 "" target.dtype=float32 run.max_steps=40 eval.num_prompts=8 ;;
   demofp8)    demo demo_fp8 560 "" 'target.quantize="fp8"' 'target.fp8_decode_gemm="few-token"'
               for gemm in few-token scaled; do  # the same export verified both ways: lossless counts and time
                 run "eval_fp8_$gemm" 240 python3 -m launcher eval --run-dir /tmp/dflash-demo_fp8/run --device cuda \

@@ -30,7 +30,7 @@ GGUF file does not come with the image: pass --gguf), the commands behind docs/b
     export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
     W="--work /tmp/real --gguf /tmp/m/SmolLM2-135M-Instruct.Q4_1.gguf"
     V="--tokens 2M,8M,32M --pack-len 8192 --variant-tokens 8M --variant base: --variant gamma4:drafter.gamma=4 \\
-       --variant lr2x:drafter.lr=1.2e-3 \\
+       --variant lr2x:optimizer.lr=1.2e-3 \\
        --variant=sliding:drafter.layer_types=[\"sliding_attention\",\"sliding_attention\",\"sliding_attention\",\"sliding_attention\",\"full_attention\"],drafter.sliding_window=256"
     python3 bench/real_model.py $W --phases corpus,model,regen,train,eval,report --site-packages --max-train 32000 \\
         --regen-batch-size 3072 --regen-max-new-tokens 256 $V --eval-batch 64 --eval-max-new-tokens 128 \\
@@ -47,11 +47,11 @@ A CPU smoke run of the whole chain (about 20 minutes on 2 cores, most of it trai
 
     PYTHONPATH=$PWD python bench/real_model.py --work /tmp/real-cpu --device cpu --max-train 64 --heldout 4 \\
         --regen-max-new-tokens 32 --tokens 16K,32K --pack-len 1024 --eval-limit 2 --eval-max-new-tokens 16 \\
-        --out /tmp/real-cpu/report.json drafter.num_layers=1 drafter.compile=false target.dtype=float32
+        --out /tmp/real-cpu/report.json drafter.num_layers=1 kernels.compile=false target.dtype=float32
 
-Tokens trained = steps x data.pack_len x drafter.grad_accum x drafters (checkpoint_plan): the step of
-each amount is rounded to a multiple of the smallest amount's step, run.checkpoint_every, so every
-amount falls on a checkpoint; run.keep_checkpoints = 0 keeps them all.
+Tokens trained = steps x data.pack_len x optimizer.grad_accum x drafters (checkpoint_plan): the step of
+each amount is rounded to a multiple of the smallest amount's step, checkpoint.every, so every
+amount falls on a checkpoint; checkpoint.keep = 0 keeps them all.
 """
 
 from __future__ import annotations
@@ -336,11 +336,17 @@ def bench_toml(model: dict, work: Path, pack_len: int) -> str:
             "[run]",
             'name = "real-model"',
             "epochs = 1000",
-            "eval_every = 0",
-            "spec_eval_prompts = 0",
+            "",
+            "[eval]",
+            "every = 0",
+            "num_prompts = 0",
+            "",
+            "[checkpoint]",
             "export_at_end = true",
-            "keep_checkpoints = 0",
-            "log_every = 10",
+            "keep = 0",
+            "",
+            "[log]",
+            "every = 10",
             "",
             "[target]",
             f"model_path = {json.dumps(model['gguf'])}",
@@ -371,7 +377,7 @@ def runs(a, work: Path) -> list[dict]:
     out = []
     for name, overrides, amounts in specs:
         cfg = load_config(work / "bench.toml", [*a.overrides, *overrides])
-        per_step = cfg.data.pack_len * cfg.drafter.grad_accum * drafters(a.gpus)
+        per_step = cfg.data.pack_len * cfg.optimizer.grad_accum * drafters(a.gpus)
         plan = checkpoint_plan(amounts + ([a.variant_tokens] if name == "main" and a.variants else []), per_step)
         out.append(
             {
@@ -406,7 +412,7 @@ def run_command(a, run: dict, work: Path) -> list[str]:
         str(work / "bench.toml"),
         *resume,
         f"run.max_steps={plan['max_steps']}",
-        f"run.checkpoint_every={plan['every']}",
+        f"checkpoint.every={plan['every']}",
         *a.overrides,
         *run["overrides"],
     ]

@@ -134,10 +134,10 @@ def start_launcher(run_dir: Path, resume: bool, log, device: str = "cpu") -> sub
     # the same overrides on a resume: --demo's own (a few epochs) would otherwise end the run at once
     cmd += (["--resume"] if resume else []) + [
         "run.epochs=100000",
-        "run.checkpoint_every=100",
-        "run.eval_every=200",
-        "run.spec_eval_prompts=4",
-        "run.log_every=10",
+        "checkpoint.every=100",
+        "eval.every=200",
+        "eval.num_prompts=4",
+        "log.every=10",
     ]
     return subprocess.Popen(
         cmd,

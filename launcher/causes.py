@@ -55,7 +55,7 @@ def signal_name(code: int) -> str:
 def out_of_memory_advice(role: str) -> str:
     if role == "drafter":
         return (
-            "out of memory: lower data.pack_len or drafter.num_anchors (or drafter.loss_chunk), "
+            "out of memory: lower data.pack_len or drafter.num_anchors (or kernels.loss_chunk), "
             "or give each drafter a GPU of its own (no --share-gpus)"
         )
     return "out of memory: lower data.pack_len, or give each target a GPU of its own (no --share-gpus)"
@@ -71,7 +71,9 @@ def exit_cause(role: str, code: int, log_text: str, previous: str = "") -> Cause
         return Cause(text)
     line = last_error_line(log_text)
     if code == HARD_EXIT:
-        return Cause("hard exit: a second stop signal, or run.stop_timeout_s passed" + (f" ({line})" if line else ""))
+        return Cause(
+            "hard exit: a second stop signal, or supervise.stop_timeout_s passed" + (f" ({line})" if line else "")
+        )
     if code == CONFIG_EXIT:
         return Cause(line or "config error", fatal="no restart can fix a config error")
     text = line or f"no error line in its log (exit code {code})"

@@ -20,8 +20,8 @@ from launcher.rundir import LATEST, run_holding
 from launcher.topology import host_overrides, hosts, parse_gpu_list, parse_gpu_spec
 from services.process import jobs
 from services.process.health import probe
-from services.run import eval_options, runspec
-from services.run.config import parse_value, toml_literal
+from services.run import eval_options
+from services.run.config import parse_value, toml_literal, value_of
 
 
 def _probe_endpoint(text: str) -> str:
@@ -144,7 +144,7 @@ def cmd_plan(args) -> int:
     cfg = with_local_model(load_run_config(args.config, overrides))
     check_inputs(cfg, runs_targets=True)
     preflight(cfg, args.device, runs_targets=True)
-    overrides += [f"{key}={toml_literal(runspec.value(cfg, key))}" for key in PATH_KEYS]  # absolute, resolved
+    overrides += [f"{key}={toml_literal(value_of(cfg, key))}" for key in PATH_KEYS]  # absolute, resolved
     print(f"measuring each role on one {args.device} device, about {args.seconds:.0f} s each ...", flush=True)
     try:
         measured = gpu_split.measure(args.config, args.device, args.seconds, overrides)

@@ -25,7 +25,7 @@ DEMOS = ("dense", "hybrid")  # services.tools.demo.VARIANTS (the launcher never 
 
 # Every config key that names a file or folder (a list: each item). tests/unit/test_preflight.py
 # checks that every key named like a path is here.
-PATH_KEYS = ("target.model_path", "data.path", "data.eval_path", "transport.curve_keys_dir", "run.eval_prompts")
+PATH_KEYS = ("target.model_path", "data.path", "data.eval_path", "transport.curve_keys_dir", "eval.prompts")
 
 
 def absolute_paths(cfg: Config, base: str | Path | None = None) -> Config:

@@ -88,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument(
         "--stop-timeout",
         type=float,
-        help="seconds a graceful stop may take before workers are killed (default: run.stop_timeout_s + 30)",
+        help="seconds a graceful stop may take before workers are killed (default: supervise.stop_timeout_s + 30)",
     )
     up.add_argument(
         "overrides", nargs="*", metavar="section.key=value", help="config overrides, applied after --config"

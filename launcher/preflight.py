@@ -78,10 +78,10 @@ def check_regenerated(key: str, path: str, template_kwargs: dict) -> None:
 
 
 def check_attention(cfg: Config, device: str) -> None:
-    if cfg.drafter.attention == "flex" and device != "cuda":
+    if cfg.kernels.attention == "flex" and device != "cuda":
         raise PreflightError(
-            f"drafter.attention=flex needs --device cuda (flex attention has no backward on "
-            f"{device}); use drafter.attention=auto or dense"
+            f"kernels.attention=flex needs --device cuda (flex attention has no backward on "
+            f"{device}); use kernels.attention=auto or dense"
         )
     if cfg.target.attn_implementation.startswith("flash_attention") and cfg.target.dtype not in HALF_DTYPES:
         raise PreflightError(
@@ -219,7 +219,7 @@ def max_steps_warning(cfg: Config, batches_per_epoch: int, drafters: int) -> str
     how often each row is seen). Once the data is packed: its rows per epoch decide the steps. A
     max_steps far past the data is also how tests and quick runs say "until the data ends", so it
     is a warning, not a refusal."""
-    steps, accum = cfg.run.max_steps, max(1, cfg.drafter.grad_accum)
+    steps, accum = cfg.run.max_steps, max(1, cfg.optimizer.grad_accum)
 
     def available(epochs: int) -> int:
         return make_plan(batches_per_epoch, epochs, drafters, accum).optimizer_steps
@@ -230,7 +230,7 @@ def max_steps_warning(cfg: Config, batches_per_epoch: int, drafters: int) -> str
     while available(epochs) < steps:
         epochs += 1
     per = (
-        f"{drafters} drafters x drafter.grad_accum={accum}"
+        f"{drafters} drafters x optimizer.grad_accum={accum}"
         if accum > 1
         else f"{drafters} drafter" + "s" * (drafters > 1)
     )

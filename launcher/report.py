@@ -103,7 +103,7 @@ def describe_data(info: dict) -> str:
         line += (
             "\nreal acceptance: off, the held-out data has no prompts (a pre-tokenized line's prompt is its "
             "tokens before the first supervised one: these have none); τ is still measured. For it, set "
-            "run.eval_prompts to a prompt file (e.g. a benchmark's), or add chat lines or a data.eval_path"
+            "eval.prompts to a prompt file (e.g. a benchmark's), or add chat lines or a data.eval_path"
         )
     return line
 

@@ -1,17 +1,17 @@
 """The supervisor: start one process per GPU, wait until all are ready, watch them until training ends.
 
 Policy (docs/operations.md):
-- a worker is in trouble when it exits, stalls (its health says no progress for run.stall_after_s)
+- a worker is in trouble when it exits, stalls (its health says no progress for supervise.stall_after_s)
   or is unresponsive: its pid lives but its health, which answered before, has not answered for
-  run.unresponsive_after_s (SIGSTOP, a hung interpreter: the health thread is frozen too);
+  supervise.unresponsive_after_s (SIGSTOP, a hung interpreter: the health thread is frozen too);
 - a target in trouble is restarted with backoff (1, 2, 4 ... 60 s): SIGTERM, and SIGKILL when that
   does nothing within KILL_AFTER_S; drafters notice the new process and re-request the batches it
   owed, so nothing is lost;
 - a drafter in trouble takes the whole DDP group down; the group restarts from the latest
   checkpoint (a rank cannot rejoin a running NCCL/gloo group). A drafter that only *stalls* while
-  a target is in trouble (or was, within run.stall_after_s) is waiting for it, not at fault: it is
+  a target is in trouble (or was, within supervise.stall_after_s) is waiting for it, not at fault: it is
   left alone, so a hung target never uses up the drafters' restarts;
-- each role may restart run.max_restarts times over the run; one more failure ends the run (exit 1);
+- each role may restart supervise.max_restarts times over the run; one more failure ends the run (exit 1);
   a failure no restart can mend (out of memory, a config error, a final error: exit 4, the same
   error line twice in a row: launcher/causes.py) ends it at once, saying what to change;
 - the messages a worker dropped (its health's counts, polled with the probes): one warning when
@@ -109,7 +109,7 @@ class Supervisor(ElasticDrafters):
         self.dist_port = cfg.transport.dist_port
         self.groups_started = 0
         # a group across hosts is unreachable while its agents meet again: wait that long too
-        self.remote_gone_s = REMOTE_GONE_S + (cfg.run.rendezvous_timeout_s if self.elastic else 0)
+        self.remote_gone_s = REMOTE_GONE_S + (cfg.supervise.rendezvous_timeout_s if self.elastic else 0)
         self.remote_seen: dict[str, float] = {}  # remote drafter -> last time it answered
         self.remote_last: dict[str, dict] = {}  # ... and what it said then
         self.answered: set[str] = set()  # workers whose health answered since they started
@@ -371,7 +371,7 @@ class Supervisor(ElasticDrafters):
                     delay = self._count_restart("target", why)
                     process.stop_all([self.idents[w.name]], deadline_s=KILL_AFTER_S)  # itself, not its peers
                     restart_due[w.name] = now + delay
-            if now - self.target_trouble_at < self.cfg.run.stall_after_s:  # drafters wait for it: not their fault
+            if now - self.target_trouble_at < self.cfg.supervise.stall_after_s:  # drafters wait for it: not their fault
                 trouble = {n: t for n, t in trouble.items() if t[0] != "stalled" or not n.startswith("drafter")}
             codes = [self.procs[w.name].poll() for w in drafters]
             if drafters and DRAFTER_STOPPED in codes and all(rc in (0, DRAFTER_STOPPED) for rc in codes):
@@ -433,10 +433,14 @@ class Supervisor(ElasticDrafters):
 
     def _count_restart(self, role: str, why: str) -> float:
         self.restarts[role] += 1
-        if self.restarts[role] > self.cfg.run.max_restarts:
-            raise RunFailed(f"{why}; {role} restarts exhausted (run.max_restarts={self.cfg.run.max_restarts})")
+        if self.restarts[role] > self.cfg.supervise.max_restarts:
+            raise RunFailed(
+                f"{why}; {role} restarts exhausted (supervise.max_restarts={self.cfg.supervise.max_restarts})"
+            )
         delay = min(60.0, 2.0 ** (self.restarts[role] - 1))
-        self.progress.done(f"{why}; restarting in {delay:.0f}s ({self.restarts[role]}/{self.cfg.run.max_restarts})")
+        self.progress.done(
+            f"{why}; restarting in {delay:.0f}s ({self.restarts[role]}/{self.cfg.supervise.max_restarts})"
+        )
         return delay
 
     def _restart_drafter_group(
@@ -484,7 +488,7 @@ class Supervisor(ElasticDrafters):
                     trouble[w.name] = ("stalled", f"stalled (no progress for {status['last_progress_age_s']:.0f}s)")
             elif w.name in self.answered:  # before its first answer it may still be importing torch
                 silent = now - self.silent_since.setdefault(w.name, now)
-                if silent >= self.cfg.run.unresponsive_after_s:
+                if silent >= self.cfg.supervise.unresponsive_after_s:
                     trouble[w.name] = (
                         "unresponsive",
                         f"unresponsive (its pid lives, its health has not answered for {silent:.0f}s)",

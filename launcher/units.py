@@ -38,7 +38,7 @@ from services.run.config import dump_json
 SRC_DIR = Path(__file__).resolve().parents[1]
 TEMPLATE_DIR = SRC_DIR / "deploy" / "systemd"
 ENV_SUBDIR = "dflash-env"
-START_LIMIT_INTERVAL_S = 3600  # run.max_restarts restarts per hour, then the unit stays failed
+START_LIMIT_INTERVAL_S = 3600  # supervise.max_restarts restarts per hour, then the unit stays failed
 DEVICES = ("cuda", "cpu")
 _SAFE_VALUE = re.compile(r"[A-Za-z0-9_./:@,+=-]*")
 _PLACEHOLDER = re.compile(r"@([A-Z_]+)@")
@@ -70,7 +70,7 @@ def render_units(
       one role, gpu_spec still names every worker of the run (world sizes come from it), and
       the GPU numbers of the other role refer to the other host.
     start_timeout_s / stop_timeout_s: systemd TimeoutStartSec (load + warm-up) and
-      TimeoutStopSec (finish the step, checkpoint). WatchdogSec is run.stall_after_s.
+      TimeoutStopSec (finish the step, checkpoint). WatchdogSec is supervise.stall_after_s.
     env_dir: where the environment files and config.json will be installed (default
       /etc/dflash/<run.name>). user / group: User= / Group= of the workers (default: root).
     Raises ConfigError (config), SpecError (gpu_spec) or UnitsError (everything else).
@@ -122,11 +122,11 @@ def render_units(
         "RUN_NAME": cfg.run.name,
         "USER_LINES": "\n".join(f"{key}={value}" for key, value in (("User", user), ("Group", group)) if value),
         "START_LIMIT_INTERVAL_S": str(START_LIMIT_INTERVAL_S),
-        "START_LIMIT_BURST": str(cfg.run.max_restarts + 1),
+        "START_LIMIT_BURST": str(cfg.supervise.max_restarts + 1),
         "START_TIMEOUT_S": str(int(start_timeout_s)),
         "STOP_TIMEOUT_S": str(int(stop_timeout_s)),
         "RESTART_TIMEOUT_S": str(int(stop_timeout_s) + 120),
-        "WATCHDOG_S": str(math.ceil(cfg.run.stall_after_s)),
+        "WATCHDOG_S": str(math.ceil(cfg.supervise.stall_after_s)),
         "WANTS_DRAFTERS": _wants(f"{_instance(w)}.service" for w in local if w.role == "drafter"),
         "WANTS_RUN": _wants(
             [f"{_instance(w)}.service" for w in local if w.role == "target"]

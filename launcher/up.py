@@ -107,7 +107,7 @@ def cmd_up(args) -> int:
         resume=args.resume,
         host=args.host,
         ready_timeout_s=args.ready_timeout,
-        stop_timeout_s=args.stop_timeout or cfg.run.stop_timeout_s + 30,
+        stop_timeout_s=args.stop_timeout or cfg.supervise.stop_timeout_s + 30,
     )
     sup.install_signal_handlers()
     print(

@@ -24,7 +24,7 @@ REPO = Path(__file__).resolve().parents[1]
 # restarts) at a fraction of the demo's cost: rows of 256 tokens, 16 anchors, no real-acceptance pass
 # (each test sets its steps). The demo's own settings are for the quality runs, which check that it
 # learns: test_launcher_demo.py's first test and test_demo_hybrid.py.
-PLUMBING = ("data.pack_len=256", "drafter.num_anchors=16", "run.spec_eval_prompts=0")
+PLUMBING = ("data.pack_len=256", "drafter.num_anchors=16", "eval.num_prompts=0")
 
 
 def child_env(**extra) -> dict[str, str]:

@@ -84,7 +84,7 @@ def verify_overrides(demo, model_path: str) -> list[str]:
     return demo["overrides"] + [
         f'target.model_path="{model_path}"',
         "data.pack_len=256",
-        f"run.spec_eval_max_new_tokens={NEW}",
+        f"eval.max_new_tokens={NEW}",
         "drafter.block_size=4",
     ]
 

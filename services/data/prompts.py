@@ -1,7 +1,7 @@
 """The eval's prompts, as token ids rendered the way training renders its chats
 (data.chat_template_kwargs), in named sets:
 
-  - prompt files (`launcher eval --prompts FILE`, run.eval_prompts): JSONL (or .jsonl.gz), one prompt a
+  - prompt files (`launcher eval --prompts FILE`, eval.prompts): JSONL (or .jsonl.gz), one prompt a
     line: {"messages": [...]} or {"conversations": [...]} (a final assistant turn is dropped: the
     target answers it), {"prompt": "text"} or a bare JSON string (one user turn; raw text when the
     tokenizer has no chat template), or pre-tokenized {"input_ids": [...]} (with a "loss_mask": the

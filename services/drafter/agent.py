@@ -316,7 +316,7 @@ def main(argv=None) -> int:
         result = agent.run()
         if result.is_failed():
             why = f"{describe(result.failures, args.ranks)}"
-            why += agent.final or f"; drafter restarts exhausted (run.max_restarts={args.max_restarts})"
+            why += agent.final or f"; drafter restarts exhausted (supervise.max_restarts={args.max_restarts})"
             return fail(args, why, agent)
     except SignalException:  # a stop: the workers were sent it and have ended
         try:  # the other hosts' agents wait there for this one before they exit
@@ -333,7 +333,7 @@ def main(argv=None) -> int:
     except RendezvousError as exc:
         return fail(
             args,
-            f"the drafter hosts ({', '.join(args.hosts)}) did not all meet within run.rendezvous_timeout_s="
+            f"the drafter hosts ({', '.join(args.hosts)}) did not all meet within supervise.rendezvous_timeout_s="
             f"{args.rendezvous_timeout:.0f}s at {args.hosts[0]}:{args.port}" + (f" ({exc})" if str(exc) else ""),
             agent,
         )
@@ -355,7 +355,7 @@ def linger() -> None:
 
 def fail(args: argparse.Namespace, reason: str, agent) -> int:
     """One line, the status file, and the rendezvous closed: the other hosts' agents end now rather
-    than wait run.rendezvous_timeout_s for this one."""
+    than wait supervise.rendezvous_timeout_s for this one."""
     print(f"agent: failed: {reason}", file=sys.stderr, flush=True)
     write_status(args, state="failed", reason=reason, starts=agent.starts if agent else 0)
     if agent is not None:

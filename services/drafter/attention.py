@@ -282,4 +282,4 @@ def make_attention(kind: str, device: torch.device | str):
         return FlexAttention()
     if kind == "dense":
         return DenseAttention()
-    raise ValueError(f"drafter.attention must be auto|flex|dense, got {kind!r}")
+    raise ValueError(f"kernels.attention must be auto|flex|dense, got {kind!r}")

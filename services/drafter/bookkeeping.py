@@ -76,24 +76,23 @@ class BookSettings:
 
     @classmethod
     def from_config(cls, cfg: Config, at: Placement) -> "BookSettings":
-        run = cfg.run
         return cls(
             run_dir=at.run_dir,
             rank=at.rank,
             world_size=at.world_size,
             num_targets=at.num_targets,
-            log_every=run.log_every,
-            eval_every=run.eval_every,
-            checkpoint_every=run.checkpoint_every,
-            keep_checkpoints=run.keep_checkpoints,
-            max_nonfinite_steps=cfg.drafter.max_nonfinite_steps,
-            export_at_end=run.export_at_end,
-            wandb_project=run.wandb_project,
+            log_every=cfg.log.every,
+            eval_every=cfg.eval.every,
+            checkpoint_every=cfg.checkpoint.every,
+            keep_checkpoints=cfg.checkpoint.keep,
+            max_nonfinite_steps=cfg.optimizer.max_nonfinite_steps,
+            export_at_end=cfg.checkpoint.export_at_end,
+            wandb_project=cfg.log.wandb_project,
             target_path=cfg.target.model_path,
-            seed=run.seed,
-            spec_eval_prompts=run.spec_eval_prompts,
-            spec_eval_max_new_tokens=run.spec_eval_max_new_tokens,
-            spec_eval_budget_s=run.spec_eval_budget_s,
+            seed=cfg.run.seed,
+            spec_eval_prompts=cfg.eval.num_prompts,
+            spec_eval_max_new_tokens=cfg.eval.max_new_tokens,
+            spec_eval_budget_s=cfg.eval.budget_s,
             config=cfg.to_dict(),
             open_spec_eval=functools.partial(RemoteSpecEval, RemoteEvalSettings.from_config(cfg, at)),
         )
@@ -170,7 +169,7 @@ class Bookkeeping:
             self.checkpoint(set_best=new_best)
 
     def check_finite(self, g: int, m: dict) -> None:
-        """Count and name a non-finite batch; stop the run after drafter.max_nonfinite_steps skipped
+        """Count and name a non-finite batch; stop the run after optimizer.max_nonfinite_steps skipped
         optimizer steps in a row. m["skipped_step"] is the same on every rank (all-reduced
         gradients), so every rank stops at the same step, before any collective of it."""
         books, changed = self.integrity, False
@@ -195,7 +194,7 @@ class Bookkeeping:
             cause = books["last_nonfinite"] or "non-finite gradients from another drafter rank's batches (see its log)"
             raise NonFiniteError(
                 f"{self.skipped_in_a_row} optimizer steps in a row skipped "
-                f"(drafter.max_nonfinite_steps={limit}): {cause}; no weights were updated "
+                f"(optimizer.max_nonfinite_steps={limit}): {cause}; no weights were updated "
                 "from them and none were saved"
             )
 
@@ -254,7 +253,7 @@ class Bookkeeping:
     def spec_eval(self):
         """Rank 0's RemoteSpecEval, made once: the target workers verify (remote_eval.py), this rank
         proposes with the head it trains with; no target model is loaded here. Only with
-        run.spec_eval_prompts > 0 and targets to ask (not --synthetic); the other ranks go on to the
+        eval.num_prompts > 0 and targets to ask (not --synthetic); the other ranks go on to the
         next step and wait there, so the budget bounds their wait."""
         if self.spec is None:
             self.spec = False
@@ -271,7 +270,7 @@ class Bookkeeping:
                 )
                 if not self.spec.prompts:
                     log.warning(
-                        "real speculative decoding is off: the held-out data has no prompts (set run.eval_prompts "
+                        "real speculative decoding is off: the held-out data has no prompts (set eval.prompts "
                         "to a prompt file)"
                     )
                     self.spec.close()

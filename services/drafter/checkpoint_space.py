@@ -59,7 +59,7 @@ def space_warning(root: Path, need: int) -> str | None:
         return None
     return (
         f"disk almost full: {_gb(free)} GB free on {root}, a checkpoint needs about {_gb(need)} GB "
-        f"(room for {free // need}); free space or lower run.keep_checkpoints"
+        f"(room for {free // need}); free space or lower checkpoint.keep"
     )
 
 

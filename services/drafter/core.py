@@ -37,19 +37,19 @@ class DrafterCore:
     @classmethod
     def build(cls, cfg: Config, model_cfg, head: TargetHead, device, *, total_steps: int, world_size: int = 1):
         """The drafter, its optimizer and a provisional lr schedule over total_steps optimizer steps
-        (plan() sets the real one), from the config: the one place the drafter's sections are read."""
-        d, device = cfg.drafter, torch.device(device)
+        (plan() sets the real one), from the kernels and optimizer sections."""
+        k, o, device = cfg.kernels, cfg.optimizer, torch.device(device)
         torch.manual_seed(cfg.run.seed)  # identical init on every rank (DDP also broadcasts rank 0's)
-        drafter = DFlashDrafter(model_cfg, attention=make_attention(d.attention, device)).to(device)
-        apply_precision(drafter, d.precision, device)  # FP8 linears, before compile wraps them
-        if d.compile:
+        drafter = DFlashDrafter(model_cfg, attention=make_attention(k.attention, device)).to(device)
+        apply_precision(drafter, k.precision, device)  # FP8 linears, before compile wraps them
+        if k.compile:
             for layer in drafter.layers:  # one graph, shared by the layers (same code, same shapes)
                 layer.compile(dynamic=False)
         model: nn.Module = drafter
         if world_size > 1:
             model = nn.parallel.DistributedDataParallel(drafter, broadcast_buffers=False, gradient_as_bucket_view=True)
         optimizer = torch.optim.AdamW(
-            drafter.parameters(), lr=d.lr, weight_decay=d.weight_decay, fused=device.type == "cuda"
+            drafter.parameters(), lr=o.lr, weight_decay=o.weight_decay, fused=device.type == "cuda"
         )
         head = head.to(device, torch.bfloat16 if device.type == "cuda" else torch.float32)
         state = TrainState(
@@ -57,13 +57,13 @@ class DrafterCore:
             model=model,
             head=head,
             optimizer=optimizer,
-            scheduler=make_scheduler(optimizer, total_steps, d.warmup_ratio, d.min_lr_ratio),
+            scheduler=make_scheduler(optimizer, total_steps, o.warmup_ratio, o.min_lr_ratio),
             settings=StepSettings.from_config(cfg, model_cfg),
             device=device,
-            chunk_fns=ChunkFns(compile=d.compile and device.type == "cuda"),
-            fp8_head=Fp8Head.of(head.lm_head) if d.precision == "fp8" else None,
+            chunk_fns=ChunkFns(compile=k.compile and device.type == "cuda"),
+            fp8_head=Fp8Head.of(head.lm_head) if k.precision == "fp8" else None,
         )
-        return cls(state, d.warmup_ratio, d.min_lr_ratio)
+        return cls(state, o.warmup_ratio, o.min_lr_ratio)
 
     def check(self, batch: Batch) -> Batch:
         """Shapes, dtypes and (on the CPU) values against the run, before a batch goes to the GPU early."""

@@ -244,7 +244,7 @@ def resolve_checkpoint(path: str | Path) -> Path:
         latest = path.with_name("latest")
         raise ExportError(
             f"{path} does not exist: `best` is the checkpoint with the best held-out τ, and only runs "
-            f"that evaluate (run.eval_every > 0) have one; export {latest} instead"
+            f"that evaluate (eval.every > 0) have one; export {latest} instead"
         )
     raise ExportError(f"{path}: not a checkpoint (no manifest.json), and no checkpoints/latest under it")
 

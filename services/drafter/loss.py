@@ -23,7 +23,7 @@ first: the chunks then compute each row's input gradient for a weight of 1, and 
 the stored gradient rows afterwards (the gradient is linear in a row's weight), so the lm_head still
 runs twice, not three times.
 
-With drafter.precision = "fp8" both lm_head GEMMs run in FP8 (`Fp8Head`): the frozen lm_head is
+With kernels.precision = "fp8" both lm_head GEMMs run in FP8 (`Fp8Head`): the frozen lm_head is
 cast to e4m3 once, the chunk's hidden rows to e4m3 and its logit gradients to e5m2 with one scale
 per chunk, as torchao's tensorwise recipe does for the drafter's linears. The softmax, the loss and
 the argmax stay in fp32 on the fp32 logits the GEMM writes.
@@ -168,7 +168,7 @@ def chunked_cross_entropy(
     D-PACE's weights (dpace_weights), `weights` only saying which positions are trained (> 0).
     """
     if chunk < 1:
-        raise ValueError(f"drafter.loss_chunk must be >= 1, got {chunk}")
+        raise ValueError(f"kernels.loss_chunk must be >= 1, got {chunk}")
     if dpace_alpha is None:
         scale, reweigh = normalized(weights.float().flatten()), None
     else:  # the chunks run with weight 1 on every trained row; the weights follow from their CE

@@ -1,8 +1,8 @@
 """Training metrics: averaged over the drafter ranks, written by rank 0 to <run_dir>/metrics.jsonl
 (and as TensorBoard scalars under <run_dir>/tensorboard when `tensorboard` is installed, and to
-Weights & Biases when run.wandb_project is set: wandb_log.py).
+Weights & Biases when log.wandb_project is set: wandb_log.py).
 
-One JSON object per line. Train lines, every run.log_every optimizer steps (loss, accuracy and τ
+One JSON object per line. Train lines, every log.every optimizer steps (loss, accuracy and τ
 averaged over every batch since the previous line, weighted by trained blocks):
     step, loss, accuracy, accuracy_per_position, tau, coverage, sampled_coverage, lr, grad_norm,
     tokens_per_s, window_tokens, window_s, samples_done, tokens_done, data_wait_frac, time_data_s,
@@ -13,7 +13,7 @@ sum(window_tokens) / sum(window_s) (what `launcher report` prints).
 coverage: the share of supervised tokens that some valid anchor reaches as its block's first
 prediction (what the anchor rule lets train at all); sampled_coverage: the share that this
 window's sampled blocks did train at k = 1 (bounded by drafter.num_anchors). Both over all ranks.
-Eval lines ("eval": true), every run.eval_every steps:
+Eval lines ("eval": true), every eval.every steps:
     step, loss, accuracy, accuracy_per_position, tau, batches, blocks
 On resume from step s, lines with step > s are dropped first, so the curve continues without
 repeats (the ledger does the same for batch indices).
@@ -114,7 +114,7 @@ def scalars(prefix: str, record: dict) -> dict[str, float]:
 
 
 class MetricsLog:
-    """Rank 0's metrics.jsonl, plus TensorBoard (when installed) and W&B (when run.wandb_project is
+    """Rank 0's metrics.jsonl, plus TensorBoard (when installed) and W&B (when log.wandb_project is
     set): the same figures, train/… and eval/… from metrics.jsonl, spec/… from acceptance.jsonl (real
     acceptance), at the optimizer step, with the line's `time` as the wall time. Other ranks get an
     instance that writes nothing."""

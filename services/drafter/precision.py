@@ -1,4 +1,4 @@
-"""drafter.precision: the matmuls of the drafter's own linears in bf16 (autocast) or in FP8.
+"""kernels.precision: the matmuls of the drafter's own linears in bf16 (autocast) or in FP8.
 
 "fp8" is torchao's float8 training with dynamic tensorwise scales (recipe "tensorwise": inputs and
 weights in e4m3, output gradients in e5m2, one scale per tensor computed each step, cuBLAS's FP8
@@ -31,16 +31,16 @@ FP8_RECIPE = "tensorwise"  # measured fastest (above); bench/drafter_step.py --f
 def fp8_unavailable(device: torch.device) -> str | None:
     """Why FP8 training cannot run on this device, or None when it can."""
     if device.type != "cuda":
-        return f"drafter.precision='fp8' needs a CUDA GPU with FP8 matmuls; this drafter runs on {device.type}"
+        return f"kernels.precision='fp8' needs a CUDA GPU with FP8 matmuls; this drafter runs on {device.type}"
     major, minor = torch.cuda.get_device_capability(device)
     if (major, minor) < (8, 9):
         name = torch.cuda.get_device_name(device)
-        return f"drafter.precision='fp8' needs compute capability 8.9 or newer; {name} is {major}.{minor}"
+        return f"kernels.precision='fp8' needs compute capability 8.9 or newer; {name} is {major}.{minor}"
     try:
         with torchao_gate.quiet_import():
             import torchao.float8  # noqa: F401
     except ImportError:
-        return "drafter.precision='fp8' needs torchao: pip install 'dflash-service[fp8]' (or torchao>=0.18)"
+        return "kernels.precision='fp8' needs torchao: pip install 'dflash-service[fp8]' (or torchao>=0.18)"
     return None
 
 

@@ -159,8 +159,8 @@ class RemoteEvalSettings:
     model_path: str  # target.model_path: its tokenizer and generation config
     data: DataConfig  # pack_len (the longest prompt a target takes), chat_template_kwargs
     held_out: HeldOut
-    files: list[str]  # run.eval_prompts; [] = the held-out lines
-    max_rows: int  # run.spec_eval_prompts: the rows a target takes in one (its VerifyLimits)
+    files: list[str]  # eval.prompts; [] = the held-out lines
+    max_rows: int  # eval.num_prompts: the rows a target takes in one (its VerifyLimits)
 
     @classmethod
     def from_config(cls, cfg: Config, at: Placement) -> "RemoteEvalSettings":
@@ -171,8 +171,8 @@ class RemoteEvalSettings:
             model_path=cfg.target.model_path,
             data=cfg.data,
             held_out=HeldOut.of(cfg),
-            files=list(cfg.run.eval_prompts),
-            max_rows=max(1, cfg.run.spec_eval_prompts),
+            files=list(cfg.eval.prompts),
+            max_rows=max(1, cfg.eval.num_prompts),
         )
 
 
@@ -200,7 +200,7 @@ class RemoteSpecEval(SpecEval):
         every, names = interleave(prompt_sets(s.held_out, s.data, self.tokenizer, s.files, prompts))
         fits = [i for i, p in enumerate(every) if len(p) <= s.data.pack_len]  # what a target accepts
         self.prompts, self.names = [every[i] for i in fits], [names[i] for i in fits]
-        # where the prompts come from: run.eval_prompts' files (None), held-out lines (True) or training lines
+        # where the prompts come from: eval.prompts' files (None), held-out lines (True) or training lines
         self.held_out = None if s.files else s.held_out.exists
         if len(self.prompts) < len(every):
             log.warning(

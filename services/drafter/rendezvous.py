@@ -144,7 +144,7 @@ class KeyedRendezvous(RendezvousHandler):
             if self.membership_restarts > self.max_membership_restarts:
                 raise MembershipLoop(
                     f"{self.membership_restarts} group restarts for drafter hosts rejoining, none for a failure "
-                    f"(limit run.max_restarts={self.max_membership_restarts})"
+                    f"(limit supervise.max_restarts={self.max_membership_restarts})"
                 )
         return waiting
 

@@ -129,7 +129,7 @@ class SourceSettings:
     labels_from_target: bool
     pack_len: int
     seed: int
-    evaluate: bool  # run.eval_every > 0: a held-out source is wanted
+    evaluate: bool  # eval.every > 0: a held-out source is wanted
     content: Callable[[str], tuple] = field(repr=False, compare=False)  # data key -> batch_content(...)
 
     @classmethod
@@ -141,11 +141,11 @@ class SourceSettings:
             num_targets=at.num_targets,
             transport=cfg.transport,
             epochs=cfg.run.epochs,
-            grad_accum=max(1, cfg.drafter.grad_accum),
+            grad_accum=max(1, cfg.optimizer.grad_accum),
             labels_from_target=cfg.target.labels_from_target,
             pack_len=cfg.data.pack_len,
             seed=cfg.run.seed,
-            evaluate=cfg.run.eval_every > 0,
+            evaluate=cfg.eval.every > 0,
             content=functools.partial(batch_content, RowOrder.from_config(cfg), at.run_dir),
         )
 
@@ -502,7 +502,7 @@ def eval_batches(
     source.connect()
     if source.total_batches == 0:
         log.warning(
-            "run.eval_every is set but the data has no held-out batches (data.eval_fraction / "
+            "eval.every is set but the data has no held-out batches (data.eval_fraction / "
             "data.eval_path); evaluation is off"
         )
         source.close()

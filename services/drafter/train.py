@@ -6,7 +6,7 @@ in sync, gradients accumulate in fp32 (exact over grad_accum), and DDP, clipping
 checkpoint see one set of tensors. The cost is one bf16 cast of each weight per step (autocast
 caches it for the backward), small next to Q_LEN-row matmuls, and fp32 gradient all-reduce.
 The frozen embedding and lm_head are kept in bf16 only (they never need a master copy).
-With drafter.precision = "fp8" the linears' matmuls run in FP8 from the same fp32 weights (precision.py).
+With kernels.precision = "fp8" the linears' matmuls run in FP8 from the same fp32 weights (precision.py).
 
 Finite or not at all: each step checks its features and loss (isfinite, on the device) and a
 batch that fails scales its loss by NaN, so its gradient is NaN and DDP's own all-reduce carries
@@ -54,9 +54,9 @@ class StepSettings:
             gamma=loss_gamma(model_cfg.block_size, cfg.drafter.gamma),
             dpace_alpha=cfg.drafter.dpace_alpha if cfg.drafter.position_weights == "dpace" else None,
             labels_from_target=cfg.target.labels_from_target,
-            loss_chunk=cfg.drafter.loss_chunk,
-            grad_accum=max(1, cfg.drafter.grad_accum),
-            grad_clip=cfg.drafter.grad_clip,
+            loss_chunk=cfg.kernels.loss_chunk,
+            grad_accum=max(1, cfg.optimizer.grad_accum),
+            grad_clip=cfg.optimizer.grad_clip,
             seed=cfg.run.seed,
             pack_len=cfg.data.pack_len,
         )
@@ -98,7 +98,7 @@ class TrainState:
     settings: StepSettings
     device: torch.device
     chunk_fns: ChunkFns = field(default_factory=ChunkFns)
-    fp8_head: Fp8Head | None = None  # the lm_head's FP8 form, with drafter.precision = "fp8"
+    fp8_head: Fp8Head | None = None  # the lm_head's FP8 form, with kernels.precision = "fp8"
     step: int = 0  # optimizer steps done
     micro_step: int = 0  # batches trained
     samples_done: int = 0  # documents trained

@@ -1,7 +1,7 @@
 """Optional Weights & Biases logging (drafter rank 0): the figures TensorBoard gets, under the same
-names (train/…, eval/…, spec/…), when `run.wandb_project` is set.
+names (train/…, eval/…, spec/…), when `log.wandb_project` is set.
 
-wandb is an optional extra (`pip install 'dflash-service[wandb]'`). With run.wandb_project set and
+wandb is an optional extra (`pip install 'dflash-service[wandb]'`). With log.wandb_project set and
 wandb missing, the drafter stops while starting with one line that says so (exit 2), rather than
 training for hours without the logs that were asked for. Where the run goes is wandb's own
 business: WANDB_API_KEY / `wandb login`, WANDB_ENTITY, WANDB_MODE=offline (no network; `wandb
@@ -26,8 +26,8 @@ PREFIXES = ("train", "eval", "spec")
 
 def missing_message() -> str:
     return (
-        "run.wandb_project is set but the wandb package is not installed: pip install 'dflash-service[wandb]' "
-        "(or pip install wandb), or leave run.wandb_project empty"
+        "log.wandb_project is set but the wandb package is not installed: pip install 'dflash-service[wandb]' "
+        "(or pip install wandb), or leave log.wandb_project empty"
     )
 
 
@@ -52,7 +52,7 @@ class WandbLog:
             )
         except Exception as exc:  # not logged in, no network, bad entity: say it in one line
             raise ConfigError(
-                f"run.wandb_project={project!r}: W&B did not start ({type(exc).__name__}: {exc}); "
+                f"log.wandb_project={project!r}: W&B did not start ({type(exc).__name__}: {exc}); "
                 "`wandb login`, or WANDB_MODE=offline to log locally"
             ) from None
         self.run.define_metric("step")

@@ -81,7 +81,7 @@ class DrafterWorker:
         args, device, health, rank = self.args, self.device, self.health, self.rank
         health.set(state="loading")
         max_steps = args.max_steps if args.max_steps is not None else cfg.run.max_steps
-        self.log_every = max(1, cfg.run.log_every)
+        self.log_every = max(1, cfg.log.every)
         # a fair share of the cores: several workers oversubscribing them slows every one of them down
         torch.set_num_threads(cpu_share(self.workers_on_node))
         self.spec = runspec.for_worker(cfg, self.run_dir, synthetic=args.synthetic)  # runspec.json, or resolved here
@@ -157,7 +157,7 @@ class DrafterWorker:
             device=self.device,
             with_target_labels=cfg.target.labels_from_target,
         ).batch(0)
-        seconds = self.core.compile(dummy, with_eval=cfg.run.eval_every > 0)
+        seconds = self.core.compile(dummy, with_eval=cfg.eval.every > 0)
         self.recompiles = RecompileWatch()  # any graph compiled from here on is a recompile
         return seconds
 

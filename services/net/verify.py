@@ -82,7 +82,7 @@ class VerifyLimits:
     max_block: int  # tokens per step (drafter.block_size)
     max_length: int  # a session's committed tokens at most (prompt + new tokens + a block)
     vocab_size: int
-    max_rows: int = 1  # prompts of one session of rows (run.spec_eval_prompts)
+    max_rows: int = 1  # prompts of one session of rows (eval.num_prompts)
 
 
 def _head(kind: str, message) -> dict:
@@ -163,7 +163,7 @@ def _row_sizes(op: str, ids: torch.Tensor, tensors: dict, limits: VerifyLimits) 
     most, key = (limits.max_prompt, "data.pack_len") if op == "open-rows" else (limits.max_block, "drafter.block_size")
     if not 1 <= lengths.numel() <= limits.max_rows:
         raise wire.WireError(
-            f"verify {op} 'lengths': {lengths.numel()} rows; expected 1..{limits.max_rows} (run.spec_eval_prompts)"
+            f"verify {op} 'lengths': {lengths.numel()} rows; expected 1..{limits.max_rows} (eval.num_prompts)"
         )
     if int(lengths.min()) < 1 or int(lengths.max()) > most or int(lengths.sum()) != ids.numel():
         raise wire.WireError(f"verify {op} 'lengths': each 1..{most} ({key}), adding up to the {ids.numel()} ids sent")

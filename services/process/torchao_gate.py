@@ -1,4 +1,4 @@
-"""torchao only where drafter.precision = "fp8" needs it.
+"""torchao only where kernels.precision = "fp8" needs it.
 
 transformers imports torchao whenever it is installed (its quantizers, on the first model load),
 and torchao's import prints "Failed to load ...torchao/_C_mxfp8...so" and torch `_pytree`

@@ -89,7 +89,7 @@ def main(role: Role, argv=None) -> int:
         cfg = load_config(args.config, args.overrides)
     except ConfigError as exc:  # bad config: one clear line, no traceback
         return exits.exit_code(exc)
-    if not (role.name == "drafter" and cfg.drafter.precision == "fp8"):
+    if not (role.name == "drafter" and cfg.kernels.precision == "fp8"):
         torchao_gate.hide()  # FP8 drafter training is its only user (its import prints warnings)
     role.prepare(args, cfg)
     import torch  # after prepare: the compile environment is set
@@ -104,11 +104,11 @@ def main(role: Role, argv=None) -> int:
         role.name,
         args.rank,
         gpu,
-        stall_after_s=cfg.run.stall_after_s,
-        startup_stall_after_s=cfg.run.startup_stall_after_s,
+        stall_after_s=cfg.supervise.stall_after_s,
+        startup_stall_after_s=cfg.supervise.startup_stall_after_s,
         keys_dir=curve.keys_for(cfg.transport),
     )
-    stop = lifecycle.install(grace_s=cfg.run.stop_timeout_s)
+    stop = lifecycle.install(grace_s=cfg.supervise.stop_timeout_s)
     worker = None
     try:
         worker = role.make_worker(args, device, health)

@@ -6,6 +6,7 @@ No torch here: `launcher up --resume` checks the keys before it writes anything 
 from __future__ import annotations
 
 from services.run import runspec, shapes
+from services.run.config import upgrade
 from services.run.shapes import DrafterModelConfig
 
 # The drafter model fields a checkpoint does not depend on: initializer_range only draws the first
@@ -45,8 +46,8 @@ def model_errors(meta: dict, now_model: dict, skip: tuple[str, ...] = ()) -> lis
 
 def run_errors(config: dict, now_config: dict) -> list[str]:
     """'key: checkpoint X, now Y' for every key deciding batch g (RUN_FIELDS) whose value differs
-    (both configs as Config.to_dict() writes them)."""
-    errors = []
+    (both configs as Config.to_dict() writes them; an older run's, with keys since renamed, upgraded)."""
+    errors, config = [], upgrade(config)
     for dotted in RUN_FIELDS:
         then, now = _config_value(config, dotted), _config_value(now_config, dotted)
         if then != now:

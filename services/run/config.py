@@ -51,25 +51,31 @@ class RunConfig:
     seed: int = setting(0, batch="content")
     epochs: int = setting(1, batch="range")
     max_steps: int = setting(0, batch="")  # 0 = run all epochs
-    log_every: int = setting(1, batch="")
-    checkpoint_every: int = setting(500, batch="")
-    keep_checkpoints: int = setting(3, batch="")
-    eval_every: int = setting(0, batch="")  # 0 = no held-out evaluation
-    spec_eval_prompts: int = setting(
+    alloc_conf: str = setting("expandable_segments:True", batch="")  # PYTORCH_CUDA_ALLOC_CONF for GPU workers
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = setting(500, batch="")  # optimizer steps between checkpoints
+    keep: int = setting(3, batch="")
+    export_at_end: bool = setting(True, batch="")
+
+
+@dataclass
+class EvalConfig:
+    every: int = setting(0, batch="")  # optimizer steps between held-out evaluations; 0 = none
+    num_prompts: int = setting(
         16, batch=""
     )  # real speculative decoding on held-out prompts (rank 0, verified by the targets); 0 = off
-    eval_prompts: list[str] = setting(
-        factory=list, batch=""
-    )  # prompt-set files (JSONL) for real acceptance in training; [] = the held-out lines
-    spec_eval_max_new_tokens: int = setting(128, batch="")
-    spec_eval_budget_s: float = setting(60.0, batch="")  # per evaluation; prompts past it are left for the next one
-    spec_eval_target_share: float = setting(
-        0.25, batch=""
-    )  # verify work's share of a target's time while drafters ask for batches
-    spec_eval_sessions: int = setting(
-        4, batch=""
-    )  # decode sessions a target holds at once (LRU; each holds a prompt's KV/state)
-    export_at_end: bool = setting(True, batch="")
+    prompts: list[str] = setting(factory=list, batch="")  # prompt-set files (JSONL); [] = the held-out lines
+    max_new_tokens: int = setting(128, batch="")
+    budget_s: float = setting(60.0, batch="")  # per evaluation; prompts past it are left for the next one
+    target_share: float = setting(0.25, batch="")  # verify work's share of a target's time while drafters ask
+    sessions: int = setting(4, batch="")  # decode sessions a target holds at once (LRU; each holds a prompt's state)
+
+
+@dataclass
+class SuperviseConfig:
     stall_after_s: float = setting(300.0, batch="")  # health: main loop silent this long = stalled
     startup_stall_after_s: float = setting(1800.0, batch="")  # the same while loading the model and compiling
     unresponsive_after_s: float = setting(
@@ -80,8 +86,12 @@ class RunConfig:
     )  # SIGTERM: finish the step and checkpoint within this, else exit hard
     max_restarts: int = setting(3, batch="")  # per role, over the whole run
     rendezvous_timeout_s: float = setting(600.0, batch="")  # a drafter group across hosts: wait this for every host
+
+
+@dataclass
+class LogConfig:
+    every: int = setting(1, batch="")  # optimizer steps per metrics line
     wandb_project: str = setting("", batch="")  # Weights & Biases project (the `wandb` extra); "" = off
-    alloc_conf: str = setting("expandable_segments:True", batch="")  # PYTORCH_CUDA_ALLOC_CONF for GPU workers
 
 
 @dataclass
@@ -118,6 +128,8 @@ class DataConfig:
 
 @dataclass
 class DrafterConfig:
+    """The drafter's shape and what it is trained to predict."""
+
     num_layers: int = setting(5, batch="")
     block_size: int = setting(16, batch="")
     num_anchors: int = setting(512, batch="")
@@ -125,6 +137,15 @@ class DrafterConfig:
     position_weights: str = setting("decay", batch="")  # "decay" (gamma's) | "dpace" (from the drafter's confidence)
     dpace_alpha: float = setting(0.5, batch="")  # D-PACE's smoothing of the confidence: (1 - alpha) q + alpha
     mask_token_id: int = setting(-1, batch="")  # -1 = tokenizer's mask token, else added <|MASK|>
+    layer_types: list[str] = setting(
+        factory=list, batch=""
+    )  # per layer: full_attention | sliding_attention; [] = all full
+    sliding_window: int = setting(0, batch="")  # W of the sliding_attention layers (0 = none; docs/dflash.md)
+    overrides: dict = setting(factory=dict, batch="")  # drafter model config fields to override
+
+
+@dataclass
+class OptimizerConfig:
     lr: float = setting(6e-4, batch="")
     min_lr_ratio: float = setting(0.0, batch="")
     warmup_ratio: float = setting(0.04, batch="")
@@ -134,15 +155,16 @@ class DrafterConfig:
         8, batch=""
     )  # optimizer steps skipped in a row (non-finite data or gradient) before the run stops
     grad_accum: int = setting(1, batch="schedule")
-    layer_types: list[str] = setting(
-        factory=list, batch=""
-    )  # per layer: full_attention | sliding_attention; [] = all full
-    sliding_window: int = setting(0, batch="")  # W of the sliding_attention layers (0 = none; docs/dflash.md)
+
+
+@dataclass
+class KernelsConfig:
+    """How the drafter's step runs on the device (the numbers it trains to are the same)."""
+
     attention: str = setting("auto", batch="")  # "auto" | "flex" | "dense"; auto = flex on cuda, dense on cpu
     compile: bool = setting(True, batch="")
     loss_chunk: int = setting(2048, batch="")  # query rows per lm_head/CE chunk
     precision: str = setting("bf16", batch="")  # "bf16" | "fp8": the drafter linears' matmuls (docs/operations.md)
-    overrides: dict = setting(factory=dict, batch="")  # drafter model config fields to override
 
 
 @dataclass
@@ -171,10 +193,18 @@ class TransportConfig:
 
 @dataclass
 class Config:
+    """One section per component: each takes its own (with the run spec and a Placement), not the whole."""
+
     run: RunConfig = field(default_factory=RunConfig)
     target: TargetConfig = field(default_factory=TargetConfig)
     data: DataConfig = field(default_factory=DataConfig)
     drafter: DrafterConfig = field(default_factory=DrafterConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    kernels: KernelsConfig = field(default_factory=KernelsConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    supervise: SuperviseConfig = field(default_factory=SuperviseConfig)
+    log: LogConfig = field(default_factory=LogConfig)
     transport: TransportConfig = field(default_factory=TransportConfig)
 
     def to_dict(self) -> dict:
@@ -185,13 +215,60 @@ SECTIONS = [f.name for f in dataclasses.fields(Config)]
 
 
 def _section_class(name: str):
-    return {
-        "run": RunConfig,
-        "target": TargetConfig,
-        "data": DataConfig,
-        "drafter": DrafterConfig,
-        "transport": TransportConfig,
-    }[name]
+    return typing.get_type_hints(Config)[name]
+
+
+# Keys that moved when [run] and [drafter] were split into sections per component: an old config
+# file, override or a run's config.json still reads (from_dict, parse_override); docs/config.md lists them.
+RENAMED = {
+    "run.log_every": "log.every",
+    "run.wandb_project": "log.wandb_project",
+    "run.checkpoint_every": "checkpoint.every",
+    "run.keep_checkpoints": "checkpoint.keep",
+    "run.export_at_end": "checkpoint.export_at_end",
+    "run.eval_every": "eval.every",
+    "run.spec_eval_prompts": "eval.num_prompts",
+    "run.eval_prompts": "eval.prompts",
+    "run.spec_eval_max_new_tokens": "eval.max_new_tokens",
+    "run.spec_eval_budget_s": "eval.budget_s",
+    "run.spec_eval_target_share": "eval.target_share",
+    "run.spec_eval_sessions": "eval.sessions",
+    "run.stall_after_s": "supervise.stall_after_s",
+    "run.startup_stall_after_s": "supervise.startup_stall_after_s",
+    "run.unresponsive_after_s": "supervise.unresponsive_after_s",
+    "run.stop_timeout_s": "supervise.stop_timeout_s",
+    "run.max_restarts": "supervise.max_restarts",
+    "run.rendezvous_timeout_s": "supervise.rendezvous_timeout_s",
+    "drafter.lr": "optimizer.lr",
+    "drafter.min_lr_ratio": "optimizer.min_lr_ratio",
+    "drafter.warmup_ratio": "optimizer.warmup_ratio",
+    "drafter.weight_decay": "optimizer.weight_decay",
+    "drafter.grad_clip": "optimizer.grad_clip",
+    "drafter.max_nonfinite_steps": "optimizer.max_nonfinite_steps",
+    "drafter.grad_accum": "optimizer.grad_accum",
+    "drafter.attention": "kernels.attention",
+    "drafter.compile": "kernels.compile",
+    "drafter.loss_chunk": "kernels.loss_chunk",
+    "drafter.precision": "kernels.precision",
+}
+
+
+def upgrade(data: dict) -> dict:
+    """A config as nested dicts (a TOML file, a run's config.json) with every renamed key at its place
+    now. A key given under both names is an error, not a silent choice."""
+    out = {section: dict(values) if isinstance(values, dict) else values for section, values in data.items()}
+    for old, new in RENAMED.items():
+        (section, key), (new_section, new_key) = old.split("."), new.split(".")
+        values = out.get(section)
+        if not isinstance(values, dict) or key not in values:
+            continue
+        moved = out.setdefault(new_section, {})
+        if not isinstance(moved, dict):
+            continue  # from_dict says the section must be a table
+        if new_key in moved:
+            raise ConfigError(f"{old} and {new} are the same key (its old and new name): give it once")
+        moved[new_key] = values.pop(key)
+    return out
 
 
 def _check_type(value, hint, where: str):
@@ -222,7 +299,7 @@ def _hints(cls) -> dict:
 def from_dict(data: dict, source: str = "<dict>") -> Config:
     """Build a Config from nested dicts, rejecting unknown keys and wrong types."""
     cfg = Config()
-    for section, values in data.items():
+    for section, values in upgrade(data).items():
         if section not in SECTIONS:
             raise ConfigError(f"{source}: unknown section [{section}] (known: {', '.join(SECTIONS)})")
         if not isinstance(values, dict):
@@ -245,7 +322,7 @@ def parse_override(text: str) -> tuple[str, str, object]:
     if "=" not in text or "." not in text.split("=", 1)[0]:
         raise ConfigError(f"override {text!r}: expected section.key=value")
     dotted, raw = text.split("=", 1)
-    section, key = dotted.strip().split(".", 1)
+    section, key = RENAMED.get(dotted.strip(), dotted.strip()).split(".", 1)
     return section, key, parse_value(raw)
 
 
@@ -299,6 +376,12 @@ def load_config(path: str | Path | None = None, overrides: typing.Iterable[str] 
     return cfg
 
 
+def value_of(cfg: Config, dotted: str):
+    """cfg's value of "section.key"."""
+    section, key = dotted.split(".")
+    return getattr(getattr(cfg, section), key)
+
+
 def validate(cfg: Config) -> None:
     """Cross-field checks that a type check cannot see."""
 
@@ -328,40 +411,36 @@ def validate(cfg: Config) -> None:
     one_of("target.compile", cfg.target.compile, TARGET_COMPILE)
     one_of("target.quantize", cfg.target.quantize, TARGET_QUANTIZE)
     one_of("target.fp8_decode_gemm", cfg.target.fp8_decode_gemm, FP8_DECODE_GEMMS)
-    need(cfg.drafter.grad_accum >= 1, f"drafter.grad_accum must be >= 1, got {cfg.drafter.grad_accum}")
-    need(
-        cfg.drafter.attention in ("auto", "flex", "dense"),
-        f"drafter.attention must be auto|flex|dense, got {cfg.drafter.attention!r}",
-    )
-    one_of("drafter.precision", cfg.drafter.precision, DRAFTER_PRECISIONS)
+    o, k = cfg.optimizer, cfg.kernels
+    need(o.grad_accum >= 1, f"optimizer.grad_accum must be >= 1, got {o.grad_accum}")
+    need(k.attention in ("auto", "flex", "dense"), f"kernels.attention must be auto|flex|dense, got {k.attention!r}")
+    one_of("kernels.precision", k.precision, DRAFTER_PRECISIONS)
     need(cfg.drafter.block_size >= 2, f"drafter.block_size must be >= 2, got {cfg.drafter.block_size}")
     need(cfg.drafter.num_anchors >= 1, f"drafter.num_anchors must be >= 1, got {cfg.drafter.num_anchors}")
-    need(
-        cfg.drafter.max_nonfinite_steps >= 1,
-        f"drafter.max_nonfinite_steps must be >= 1, got {cfg.drafter.max_nonfinite_steps}",
-    )
+    need(o.max_nonfinite_steps >= 1, f"optimizer.max_nonfinite_steps must be >= 1, got {o.max_nonfinite_steps}")
     need(cfg.drafter.num_layers >= 1, f"drafter.num_layers must be >= 1, got {cfg.drafter.num_layers}")
     d = cfg.drafter
-    need(d.lr > 0 and math.isfinite(d.lr), f"drafter.lr must be > 0, got {d.lr}")
-    need(0 <= d.warmup_ratio < 1, f"drafter.warmup_ratio must be in [0, 1), got {d.warmup_ratio}")
-    need(0 <= d.min_lr_ratio <= 1, f"drafter.min_lr_ratio must be in [0, 1], got {d.min_lr_ratio}")
-    need(d.weight_decay >= 0, f"drafter.weight_decay must be >= 0, got {d.weight_decay}")
-    need(d.grad_clip >= 0, f"drafter.grad_clip must be >= 0 (0 = no clipping), got {d.grad_clip}")
+    need(o.lr > 0 and math.isfinite(o.lr), f"optimizer.lr must be > 0, got {o.lr}")
+    need(0 <= o.warmup_ratio < 1, f"optimizer.warmup_ratio must be in [0, 1), got {o.warmup_ratio}")
+    need(0 <= o.min_lr_ratio <= 1, f"optimizer.min_lr_ratio must be in [0, 1], got {o.min_lr_ratio}")
+    need(o.weight_decay >= 0, f"optimizer.weight_decay must be >= 0, got {o.weight_decay}")
+    need(o.grad_clip >= 0, f"optimizer.grad_clip must be >= 0 (0 = no clipping), got {o.grad_clip}")
     need(d.gamma >= 0, f"drafter.gamma must be >= 0 (0 = the default for the block size), got {d.gamma}")
     one_of("drafter.position_weights", d.position_weights, POSITION_WEIGHTS)
     need(0 < d.dpace_alpha <= 1, f"drafter.dpace_alpha must be in (0, 1], got {d.dpace_alpha}")
-    need(d.loss_chunk >= 1, f"drafter.loss_chunk must be >= 1, got {d.loss_chunk}")
+    need(k.loss_chunk >= 1, f"kernels.loss_chunk must be >= 1, got {k.loss_chunk}")
     need(cfg.run.max_steps >= 0, f"run.max_steps must be >= 0 (0 = every epoch), got {cfg.run.max_steps}")
-    for key in ("checkpoint_every", "keep_checkpoints", "eval_every", "max_restarts"):
-        need(getattr(cfg.run, key) >= 0, f"run.{key} must be >= 0, got {getattr(cfg.run, key)}")
-    for key in (
-        "stall_after_s",
-        "startup_stall_after_s",
-        "stop_timeout_s",
-        "spec_eval_budget_s",
-        "rendezvous_timeout_s",
+    for dotted in ("checkpoint.every", "checkpoint.keep", "eval.every", "supervise.max_restarts"):
+        need(value_of(cfg, dotted) >= 0, f"{dotted} must be >= 0, got {value_of(cfg, dotted)}")
+    for dotted in (
+        "supervise.stall_after_s",
+        "supervise.startup_stall_after_s",
+        "supervise.stop_timeout_s",
+        "supervise.unresponsive_after_s",
+        "supervise.rendezvous_timeout_s",
+        "eval.budget_s",
     ):
-        need(getattr(cfg.run, key) > 0, f"run.{key} must be > 0, got {getattr(cfg.run, key)}")
+        need(value_of(cfg, dotted) > 0, f"{dotted} must be > 0, got {value_of(cfg, dotted)}")
     need(
         cfg.transport.resend_after_s >= 0,
         f"transport.resend_after_s must be >= 0 (0: derived from answer times), got {cfg.transport.resend_after_s}",
@@ -384,17 +463,11 @@ def validate(cfg: Config) -> None:
         "batches. Make keys with `launcher keys DIR` and set transport.curve_keys_dir=DIR on every host, or set "
         "transport.allow_plaintext=true on a network you trust completely",
     )
-    need(cfg.run.unresponsive_after_s > 0, f"run.unresponsive_after_s must be > 0, got {cfg.run.unresponsive_after_s}")
-    need(cfg.run.spec_eval_prompts >= 0, f"run.spec_eval_prompts must be >= 0, got {cfg.run.spec_eval_prompts}")
-    need(
-        0 < cfg.run.spec_eval_target_share <= 1,
-        f"run.spec_eval_target_share must be in (0, 1], got {cfg.run.spec_eval_target_share}",
-    )
-    need(cfg.run.spec_eval_sessions >= 1, f"run.spec_eval_sessions must be >= 1, got {cfg.run.spec_eval_sessions}")
-    need(
-        cfg.run.spec_eval_max_new_tokens >= 1,
-        f"run.spec_eval_max_new_tokens must be >= 1, got {cfg.run.spec_eval_max_new_tokens}",
-    )
+    e = cfg.eval
+    need(e.num_prompts >= 0, f"eval.num_prompts must be >= 0, got {e.num_prompts}")
+    need(0 < e.target_share <= 1, f"eval.target_share must be in (0, 1], got {e.target_share}")
+    need(e.sessions >= 1, f"eval.sessions must be >= 1, got {e.sessions}")
+    need(e.max_new_tokens >= 1, f"eval.max_new_tokens must be >= 1, got {e.max_new_tokens}")
     need(cfg.run.epochs >= 1, f"run.epochs must be >= 1, got {cfg.run.epochs}")
     need(ascending(cfg.target.layer_ids), layer_ids_message("target.layer_ids", cfg.target.layer_ids))
     need(

@@ -44,6 +44,7 @@ from services.run.config import (
     _section_class,
     ascending,
     layer_ids_message,
+    value_of,
 )
 
 FILE = "runspec.json"
@@ -72,14 +73,9 @@ def keys_deciding(kinds: tuple[str, ...]) -> list[str]:
     ]
 
 
-def value(cfg: Config, dotted: str):
-    section, key = dotted.split(".", 1)
-    return getattr(getattr(cfg, section), key)
-
-
 def values(cfg: Config, kinds: tuple[str, ...]) -> dict:
     """{dotted key: value} of the keys marked with one of `kinds`."""
-    return {dotted: value(cfg, dotted) for dotted in keys_deciding(kinds)}
+    return {dotted: value_of(cfg, dotted) for dotted in keys_deciding(kinds)}
 
 
 def digest(picked: dict) -> str:

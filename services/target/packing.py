@@ -326,8 +326,8 @@ class ModelFilesError(DataError):
 
 
 def eval_prompt_count(packing: Packing, model_path: str, files: list[str], limit: int) -> int | None:
-    """How many prompts real acceptance will decode in training (files: run.eval_prompts, read and
-    checked now, else the held-out lines'; limit: run.spec_eval_prompts); None when it is off (limit 0)."""
+    """How many prompts real acceptance will decode in training (files: eval.prompts, read and
+    checked now, else the held-out lines'; limit: eval.num_prompts); None when it is off (limit 0)."""
     from transformers import AutoTokenizer
 
     from services.data.prompts import prompt_sets
@@ -388,11 +388,11 @@ def main(argv=None) -> int:
             flush=True,
         )
         return 2
-    try:  # real acceptance's prompts: None when it is off by config (run.spec_eval_prompts = 0)
+    try:  # real acceptance's prompts: None when it is off by config (eval.num_prompts = 0)
         packing = Packing.from_config(cfg)
-        prompts = eval_prompt_count(packing, cfg.target.model_path, cfg.run.eval_prompts, cfg.run.spec_eval_prompts)
+        prompts = eval_prompt_count(packing, cfg.target.model_path, cfg.eval.prompts, cfg.eval.num_prompts)
     except PromptFileError as exc:
-        print(f"run.eval_prompts: {exc}", file=sys.stderr, flush=True)
+        print(f"eval.prompts: {exc}", file=sys.stderr, flush=True)
         return 2
     print(
         json.dumps(

@@ -6,10 +6,10 @@ the prompts of an evaluation as rows of one KV cache, one forward a step for all
 own Target, keyed by (drafter connection, session id): another connection cannot touch it.
 
 Bounds:
-  - sessions: at most run.spec_eval_sessions at once; opening one more closes the least recently
+  - sessions: at most eval.sessions at once; opening one more closes the least recently
     used (its owner gets "unknown session" and opens it again); a session untouched for
     SESSION_IDLE_S is freed (its drafter died or gave up).
-  - time: verify work takes at most run.spec_eval_target_share of the target's wall time over the
+  - time: verify work takes at most eval.target_share of the target's wall time over the
     last SHARE_WINDOW_S while drafters ask for batches (a batch request in that window). Past the
     share, verify requests wait (in arrival order, at most MAX_WAITING) and batch requests go
     first; with no batch asked for in the window they run at once.
@@ -45,9 +45,9 @@ class VerifySettings:
     """What the verify service reads of the run, built once from the config and the run spec."""
 
     limits: verify.VerifyLimits  # what a request may ask (the batch server checks it on arrival)
-    max_sessions: int  # run.spec_eval_sessions
-    share: float  # run.spec_eval_target_share
-    warm_up: bool  # run.spec_eval_prompts > 0: warm the verify path up before `ready`
+    max_sessions: int  # eval.sessions
+    share: float  # eval.target_share
+    warm_up: bool  # eval.num_prompts > 0: warm the verify path up before `ready`
     block_size: int
     chunk_bytes: int  # transport.chunk_bytes: an answer's large tensors travel in parts this big
 
@@ -58,13 +58,13 @@ class VerifySettings:
             limits=verify.VerifyLimits(
                 max_prompt=cfg.data.pack_len,
                 max_block=spec.block_size,
-                max_length=cfg.data.pack_len + cfg.run.spec_eval_max_new_tokens + spec.block_size,
+                max_length=cfg.data.pack_len + cfg.eval.max_new_tokens + spec.block_size,
                 vocab_size=spec.target.vocab_size,
-                max_rows=max(1, cfg.run.spec_eval_prompts),
+                max_rows=max(1, cfg.eval.num_prompts),
             ),
-            max_sessions=cfg.run.spec_eval_sessions,
-            share=cfg.run.spec_eval_target_share,
-            warm_up=cfg.run.spec_eval_prompts > 0,
+            max_sessions=cfg.eval.sessions,
+            share=cfg.eval.target_share,
+            warm_up=cfg.eval.num_prompts > 0,
             block_size=spec.block_size,
             chunk_bytes=cfg.transport.chunk_bytes,
         )
@@ -250,7 +250,7 @@ class VerifyService:
         if session.length + len(r.ids) > self.limits.max_length:
             raise ValueError(
                 f"session {r.session} would hold {session.length + len(r.ids)} tokens; at most "
-                f"{self.limits.max_length} (data.pack_len + run.spec_eval_max_new_tokens + block)"
+                f"{self.limits.max_length} (data.pack_len + eval.max_new_tokens + block)"
             )
         step = session.verify(r.ids)
         greedy = step.greedy.cpu()

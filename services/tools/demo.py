@@ -240,15 +240,15 @@ def demo_overrides(model_path: str, data_path: str, device: str = "cpu") -> list
         "drafter.num_layers=1",
         "drafter.block_size=8",
         "drafter.num_anchors=32",
-        "drafter.lr=3e-3",
-        "drafter.warmup_ratio=0.02",
-        "drafter.compile=false",
+        "optimizer.lr=3e-3",
+        "optimizer.warmup_ratio=0.02",
+        "kernels.compile=false",
         "run.epochs=2",
-        "run.checkpoint_every=100",
-        "run.log_every=10",
-        "run.eval_every=100",  # held-out τ and real acceptance, plotted side by side by `launcher report`
-        "run.spec_eval_prompts=32",  # real acceptance on held-out prompts; at the end with its controls
-        "run.spec_eval_max_new_tokens=64",
+        "checkpoint.every=100",
+        "log.every=10",
+        "eval.every=100",  # held-out τ and real acceptance, plotted side by side by `launcher report`
+        "eval.num_prompts=32",  # real acceptance on held-out prompts; at the end with its controls
+        "eval.max_new_tokens=64",
     ]
 
 

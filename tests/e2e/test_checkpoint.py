@@ -20,10 +20,10 @@ SMALL = [
     "data.pack_len=256",
     "drafter.num_anchors=16",
     "drafter.num_layers=1",
-    "drafter.compile=false",
-    "drafter.lr=3e-3",
-    "drafter.warmup_ratio=0.1",
-    "run.log_every=1",
+    "kernels.compile=false",
+    "optimizer.lr=3e-3",
+    "optimizer.warmup_ratio=0.1",
+    "log.every=1",
 ]
 
 
@@ -58,7 +58,7 @@ def assert_same_training_state(a: Path, b: Path):
 )
 def test_resume_after_sigkill_equals_uninterrupted_training_bit_for_bit(tmp_path, world_size, grad_accum):
     N, K = 24, 4
-    args = ["--max-steps", str(N), *SMALL, f"run.checkpoint_every={K}", f"drafter.grad_accum={grad_accum}"]
+    args = ["--max-steps", str(N), *SMALL, f"checkpoint.every={K}", f"optimizer.grad_accum={grad_accum}"]
     straight = tmp_path / "straight"
     outs = run_ranks(straight, *args, world_size=world_size)
     final = [e for e in events(outs[0][0]) if e.get("event") == "stopped"][0]
@@ -107,7 +107,7 @@ def train_single(run_dir, steps, *extra, resume=False, preexec_fn=None):
         "--max-steps",
         str(steps),
         *SMALL,
-        "run.checkpoint_every=4",
+        "checkpoint.every=4",
         *extra,
         preexec_fn=preexec_fn,
     )
@@ -125,7 +125,7 @@ def test_resume_without_checkpoints_starts_fresh(tmp_path):
 
 @pytest.mark.processes  # one drafter rank at a time, synthetic data
 def test_sigterm_checkpoints_the_step_in_hand_and_resume_continues_from_it(tmp_path):
-    proc = spawn_drafter(tmp_path, "--max-steps", "100000", *SMALL, "run.checkpoint_every=1000")
+    proc = spawn_drafter(tmp_path, "--max-steps", "100000", *SMALL, "checkpoint.every=1000")
     for line in proc.stdout:
         e = parse_event(line) or {}
         if e.get("event") == "step" and e["step"] >= 3:

@@ -30,9 +30,9 @@ def test_hybrid_demo_trains_exports_and_evaluates(tmp_path):
         "--run-dir",
         str(run_dir),
         "run.epochs=1",
-        "run.eval_every=200",
-        "run.spec_eval_max_new_tokens=32",
-        "run.spec_eval_prompts=16",
+        "eval.every=200",
+        "eval.max_new_tokens=32",
+        "eval.num_prompts=16",
         timeout=900,
     )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
@@ -48,7 +48,7 @@ def test_hybrid_demo_trains_exports_and_evaluates(tmp_path):
 
     # the drafter learns: held-out tau far above an untrained drafter's (which is at most the
     # tau of the first ten steps: about 1.2; an untrained drafter is right 1 time in 704); the
-    # held-out evaluation at step 200 (run.eval_every)
+    # held-out evaluation at step 200 (eval.every)
     steps = metrics(run_dir)
     evals = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if '"eval"' in line]
     assert evals, "no held-out evaluation"

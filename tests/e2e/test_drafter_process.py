@@ -14,7 +14,7 @@ from services.process.log import events, parse_event
 from services.run.config import TransportConfig
 from tests.launching import free_port, spawn_drafter
 
-SMALL = ["data.pack_len=256", "drafter.num_anchors=16", "drafter.lr=3e-3", "drafter.warmup_ratio=0.1"]
+SMALL = ["data.pack_len=256", "drafter.num_anchors=16", "optimizer.lr=3e-3", "optimizer.warmup_ratio=0.1"]
 
 
 @pytest.mark.training
@@ -27,7 +27,7 @@ def test_three_ranks_cold_compile_train_in_lockstep(tmp_path):
             "25",
             *SMALL,
             "drafter.num_layers=1",
-            "drafter.compile=true",
+            "kernels.compile=true",
             rank=r,
             world_size=3,
             port=port,
@@ -66,7 +66,7 @@ def test_three_ranks_cold_compile_train_in_lockstep(tmp_path):
 
 @pytest.mark.processes
 def test_health_while_training_then_sigterm_drains_and_exits_stopped(tmp_path):
-    proc = spawn_drafter(tmp_path, "--max-steps", "100000", *SMALL, "drafter.compile=false", "run.log_every=1")
+    proc = spawn_drafter(tmp_path, "--max-steps", "100000", *SMALL, "kernels.compile=false", "log.every=1")
     try:
         for line in proc.stdout:  # wait for a trained step
             if (parse_event(line) or {}).get("event") == "step":

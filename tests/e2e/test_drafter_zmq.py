@@ -27,9 +27,9 @@ SMALL = [
     "data.eval_fraction=0.3",
     "run.epochs=1",
     "drafter.num_anchors=16",
-    "run.log_every=1",
-    "run.checkpoint_every=0",
-    "run.export_at_end=false",
+    "log.every=1",
+    "checkpoint.every=0",
+    "checkpoint.export_at_end=false",
 ]
 
 
@@ -77,7 +77,7 @@ def metrics(run_dir, evals: bool) -> list[dict]:
 @pytest.mark.training
 @pytest.mark.untimed  # steps, batches and the ledger
 def test_grad_accum_with_max_steps_trains_max_steps_optimizer_steps(tmp_path, demo):
-    stopped = train_over_zmq(tmp_path, demo["overrides"] + SMALL + ["drafter.grad_accum=2", "run.max_steps=3"])
+    stopped = train_over_zmq(tmp_path, demo["overrides"] + SMALL + ["optimizer.grad_accum=2", "run.max_steps=3"])
     assert [(m["step"], m["micro_step"], m["signal"]) for m in stopped] == [(3, 6, False)] * DRAFTERS
     schedule = json.loads((tmp_path / "schedule.json").read_text())
     assert schedule["batches_per_epoch"] == 15  # more than the 12 batches that 3 steps take
@@ -95,9 +95,7 @@ def test_grad_accum_with_max_steps_trains_max_steps_optimizer_steps(tmp_path, de
 def test_target_labels_with_a_split_the_drafters_do_not_divide(tmp_path, demo):
     """15 train and 7 eval batches on 2 drafters: rank 1 pads each split's end with an empty batch,
     which must carry target labels too."""
-    stopped = train_over_zmq(
-        tmp_path, demo["overrides"] + SMALL + ["target.labels_from_target=true", "run.eval_every=4"]
-    )
+    stopped = train_over_zmq(tmp_path, demo["overrides"] + SMALL + ["target.labels_from_target=true", "eval.every=4"])
     assert [(m["step"], m["signal"]) for m in stopped] == [(8, False)] * DRAFTERS
     schedule = json.loads((tmp_path / "schedule.json").read_text())
     assert (schedule["batches_per_epoch"], schedule["micro_batches"], schedule["total_batches"]) == (15, 8, 15)

@@ -53,9 +53,9 @@ def start(tmp_path, steps: int, rendezvous_s: int) -> dict:
             *PLUMBING,
             "run.epochs=1",
             f"run.max_steps={steps}",
-            "run.checkpoint_every=4",
-            f"run.rendezvous_timeout_s={rendezvous_s}",
-            "run.export_at_end=false",
+            "checkpoint.every=4",
+            f"supervise.rendezvous_timeout_s={rendezvous_s}",
+            "checkpoint.export_at_end=false",
         )
     return launchers
 
@@ -189,7 +189,7 @@ def test_rank_0s_whole_host_killed_is_named_in_one_line_and_the_others_stop(tmp_
     assert lines and f"drafter host {FIRST} is gone" in lines[0], text[-3000:]
     # the store went with it: said as such, at once, rather than as a rendezvous that timed out
     assert f"drafter rank 0's host {FIRST} stopped answering" in lines[0] and "rendezvous_timeout" not in lines[0]
-    assert time.monotonic() - t0 < 60, lines[0]  # not run.rendezvous_timeout_s=120
+    assert time.monotonic() - t0 < 60, lines[0]  # not supervise.rendezvous_timeout_s=120
     outcome = json.loads((second / "run.json").read_text())["outcome"]
     assert outcome["state"] == "failed" and FIRST in outcome["reason"]
     launchers[TARGET].send_signal(signal.SIGTERM)  # the target host would wait for the drafters a while longer

@@ -20,9 +20,9 @@ STEPS, LOG_EVERY = 30, 2
 SMALL = [
     *PLUMBING,
     f"run.max_steps={STEPS}",
-    f"run.log_every={LOG_EVERY}",
-    "run.checkpoint_every=1000",
-    "run.eval_every=0",
+    f"log.every={LOG_EVERY}",
+    "checkpoint.every=1000",
+    "eval.every=0",
 ]
 pytestmark = pytest.mark.training
 
@@ -92,12 +92,12 @@ def stop_after_some_steps(run_dir: Path, args: list[str]) -> int:
 )
 def test_resume_on_another_split_trains_every_batch_once(tmp_path, before, d_before, after, d_after, accum):
     run_dir = tmp_path / "run"
-    stopped = stop_after_some_steps(run_dir, up(run_dir, before, f"drafter.grad_accum={accum}"))
+    stopped = stop_after_some_steps(run_dir, up(run_dir, before, f"optimizer.grad_accum={accum}"))
     first_targets = target_pids(run_dir)
     done = stopped * accum * d_before  # every rank finished the steps before the stop
 
     again = subprocess.run(
-        up(run_dir, after, f"drafter.grad_accum={accum}", "--resume"),
+        up(run_dir, after, f"optimizer.grad_accum={accum}", "--resume"),
         cwd=REPO,
         capture_output=True,
         text=True,

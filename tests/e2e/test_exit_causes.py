@@ -26,7 +26,7 @@ def status(run_dir: Path) -> subprocess.CompletedProcess:
 
 def test_a_drafter_killed_by_sigsegv_is_named_in_the_last_lines_and_in_status(tmp_path):
     run_dir = tmp_path / "run"
-    proc = up(run_dir, "run.max_restarts=0")
+    proc = up(run_dir, "supervise.max_restarts=0")
     try:
         pids = wait_ready_then_metrics(run_dir, proc)
         os.kill(pids["drafter-0"], signal.SIGSEGV)
@@ -51,7 +51,7 @@ def test_an_error_no_restart_can_mend_ends_the_run_at_once_with_its_line(tmp_pat
     """The target restarts after a SIGKILL (a transient failure: budget 1/3) and then fails on a
     config error, as after an edit of the run's config.json: the run ends there, not after 3 tries."""
     run_dir = tmp_path / "run"
-    proc = up(run_dir, "run.max_restarts=3")
+    proc = up(run_dir, "supervise.max_restarts=3")
     try:
         pids = wait_ready_then_metrics(run_dir, proc)
         config = json.loads((run_dir / "config.json").read_text())

@@ -127,8 +127,8 @@ def train_drafter(tmp, *extra):
             "drafter.block_size=8",
             "data.pack_len=128",
             "drafter.num_anchors=8",
-            "drafter.compile=false",
-            "drafter.lr=3e-3",
+            "kernels.compile=false",
+            "optimizer.lr=3e-3",
             *extra,
         ],
         cwd=REPO,
@@ -381,5 +381,5 @@ def test_exporting_best_without_evaluation_names_what_to_export(trained, tmp_pat
     res = run_launcher(
         "export", "--checkpoint", str(run / "checkpoints" / "best"), "--out", str(tmp_path / "x"), cwd=REPO, timeout=120
     )
-    assert res.returncode == 2 and "run.eval_every > 0" in res.stderr
+    assert res.returncode == 2 and "eval.every > 0" in res.stderr
     assert f"export {run / 'checkpoints' / 'latest'} instead" in res.stderr

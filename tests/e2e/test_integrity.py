@@ -78,8 +78,8 @@ def test_a_same_uid_takeover_replaying_the_incarnation_trains_nothing_and_does_n
                     run_dir,
                     *PLUMBING,
                     "run.max_steps=100",
-                    "run.eval_every=8",
-                    "run.checkpoint_every=0",
+                    "eval.every=8",
+                    "checkpoint.every=0",
                     "transport.credits=4",
                     # re-ask unanswered requests soon: the derived wait (10 s at least) outlasts the
                     # launcher's restart of target-0, so the impostor could go unasked
@@ -186,7 +186,7 @@ def test_a_target_with_inf_weights_stops_the_run_naming_it_and_nothing_non_finit
     layer 2's are not. Every step is skipped, `launcher status` counts it, the run ends with an
     error naming the target and the layer, and every checkpoint on disk is finite. A restart would
     skip the same steps again: the drafters exit 4 (final), and the run fails at once with its
-    restart budget (run.max_restarts=3) untouched."""
+    restart budget (supervise.max_restarts=3) untouched."""
     from safetensors.torch import load_file
 
     with tempfile.TemporaryDirectory(prefix="i25p", dir="/tmp") as folder:
@@ -200,9 +200,9 @@ def test_a_target_with_inf_weights_stops_the_run_naming_it_and_nothing_non_finit
                     *PLUMBING,
                     f'target.model_path="{model}"',
                     "target.layer_ids=[0,2]",
-                    "run.max_restarts=3",
-                    "drafter.max_nonfinite_steps=12",
-                    "run.checkpoint_every=4",
+                    "supervise.max_restarts=3",
+                    "optimizer.max_nonfinite_steps=12",
+                    "checkpoint.every=4",
                     "run.epochs=1",
                 ),
                 stdout=out,

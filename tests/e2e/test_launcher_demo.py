@@ -159,7 +159,7 @@ def test_demo_trains_end_to_end(tmp_path):
 def test_killed_target_is_restarted_and_nothing_is_lost(tmp_path):
     run_dir = tmp_path / "run"
     proc = subprocess.Popen(
-        plumbing(run_dir, "run.max_steps=60", "run.log_every=1", "transport.credits=3"),
+        plumbing(run_dir, "run.max_steps=60", "log.every=1", "transport.credits=3"),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -213,7 +213,7 @@ def test_launcher_kill_9_leaves_no_orphans(tmp_path):
     assert_no_worker_left(run_dir)
 
 
-STATUS_RUN = ("run.max_steps=200", "run.log_every=5", "run.spec_eval_prompts=2", "run.spec_eval_max_new_tokens=16")
+STATUS_RUN = ("run.max_steps=200", "log.every=5", "eval.num_prompts=2", "eval.max_new_tokens=16")
 
 
 @pytest.mark.training
@@ -315,7 +315,7 @@ def readme_demo_then_export(tmp_path: Path) -> None:
     env = child_env()
     up = subprocess.run(
         # a few steps, no real-acceptance pass (the quality run checks that one)
-        readme_command("launcher up --demo") + ["run.max_steps=4", "run.spec_eval_prompts=0"],
+        readme_command("launcher up --demo") + ["run.max_steps=4", "eval.num_prompts=0"],
         cwd=tmp_path,
         env=env,
         capture_output=True,

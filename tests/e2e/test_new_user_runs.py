@@ -10,7 +10,7 @@ import pytest
 from tests.demo_cache import untrained_demo_cache
 from tests.launching import child_env, launcher_argv, spawn_drafter
 
-SHORT = ["run.epochs=1", "run.max_steps=6", "run.eval_every=0", "run.spec_eval_prompts=2", "run.export_at_end=false"]
+SHORT = ["run.epochs=1", "run.max_steps=6", "eval.every=0", "eval.num_prompts=2", "checkpoint.export_at_end=false"]
 
 pytestmark = pytest.mark.training  # each test runs launcher up with real workers
 
@@ -59,7 +59,7 @@ def test_the_live_line_says_what_the_drafters_wait_for_while_a_target_restarts(t
     argv = launcher_argv("up", "--demo", "--device", "cpu", "--gpus", "0:target,1:drafter", "--run-dir", run_dir)
     terminal, console = pty.openpty()
     proc = subprocess.Popen(
-        [*argv, "run.max_steps=30", "run.eval_every=0", "run.spec_eval_prompts=0"],
+        [*argv, "run.max_steps=30", "eval.every=0", "eval.num_prompts=0"],
         stdout=console,
         stderr=console,
         env=env,

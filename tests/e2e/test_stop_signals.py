@@ -35,7 +35,7 @@ def up_args(run_dir: Path, *extra: str) -> list[str]:
         str(run_dir),
         *PLUMBING,
         "run.epochs=50",
-        "run.checkpoint_every=100000",
+        "checkpoint.every=100000",
         *extra,
     ]
 

@@ -35,9 +35,9 @@ def test_sigkilled_drafter_resumes_and_every_batch_is_trained_once(tmp_path):
             str(run_dir),
             *PLUMBING,
             f"run.max_steps={STEPS}",
-            f"run.checkpoint_every={CHECKPOINT_EVERY}",
-            f"run.log_every={LOG_EVERY}",
-            f"run.eval_every={EVAL_EVERY}",
+            f"checkpoint.every={CHECKPOINT_EVERY}",
+            f"log.every={LOG_EVERY}",
+            f"eval.every={EVAL_EVERY}",
         ),
         cwd=REPO,
         stdout=subprocess.PIPE,
@@ -117,8 +117,8 @@ def test_stop_while_waiting_for_data_checkpoints_and_resume_finishes_the_run(tmp
         str(run_dir),
         *PLUMBING,
         f"run.max_steps={steps}",
-        "run.checkpoint_every=1000",
-        f"run.log_every={LOG_EVERY}",
+        "checkpoint.every=1000",
+        f"log.every={LOG_EVERY}",
     )
     up = subprocess.Popen(args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:

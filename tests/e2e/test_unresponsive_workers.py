@@ -62,7 +62,9 @@ def test_frozen_workers_are_restarted_alone_and_no_port_opens_off_loopback():
         log = Path(folder) / "out.txt"
         with open(log, "w") as out:
             proc = subprocess.Popen(
-                plumbing(run_dir, "run.max_steps=200", "run.unresponsive_after_s=4", "run.stall_after_s=15"),
+                plumbing(
+                    run_dir, "run.max_steps=200", "supervise.unresponsive_after_s=4", "supervise.stall_after_s=15"
+                ),
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 env=child_env(),

@@ -25,8 +25,8 @@ def write(tmp_path, text, name="run.toml"):
 
 def test_defaults_and_overrides(tmp_path):
     path = write(tmp_path, "[drafter]\nlr = 1e-3\nnum_layers = 2\n[target]\nlayer_ids = [1, 3]\n")
-    cfg = load_config(path, ["drafter.lr=3e-4", "data.pack_len=1024", "target.model_path=/models/x"])
-    assert cfg.drafter.lr == 3e-4  # override wins over the file
+    cfg = load_config(path, ["optimizer.lr=3e-4", "data.pack_len=1024", "target.model_path=/models/x"])
+    assert cfg.optimizer.lr == 3e-4  # override wins over the file
     assert cfg.drafter.num_layers == 2  # file wins over the default
     assert cfg.target.layer_ids == [1, 3]
     assert cfg.data.pack_len == 1024
@@ -36,7 +36,7 @@ def test_defaults_and_overrides(tmp_path):
 
 def test_int_is_accepted_for_float(tmp_path):
     cfg = load_config(write(tmp_path, "[drafter]\nlr = 1\n"))
-    assert cfg.drafter.lr == 1.0 and isinstance(cfg.drafter.lr, float)
+    assert cfg.optimizer.lr == 1.0 and isinstance(cfg.optimizer.lr, float)
 
 
 @pytest.mark.parametrize(
@@ -62,10 +62,10 @@ def test_bad_files_name_the_key_and_file(tmp_path, text, needle):
 @pytest.mark.parametrize(
     "override, needle",
     [
-        ("drafter.lr", "section.key=value"),
+        ("optimizer.lr", "section.key=value"),
         ("lr=1", "section.key=value"),
         ("bogus.lr=1", "[bogus]"),
-        ("drafter.compile=3", "drafter.compile"),
+        ("kernels.compile=3", "kernels.compile"),
         ("target.compile=sometimes", "target.compile must be one of auto, on, off, got 'sometimes'"),
         ("target.compile=true", "target.compile: expected str, got bool True"),
         ("target.quantize=int4", "target.quantize must be one of none, fp8, got 'int4'"),
@@ -143,3 +143,73 @@ def test_a_placement_names_a_rank_outside_its_role():
         Placement("run", "drafter", rank=2, world_size=2)
     at = Placement("run", "drafter", rank=1, world_size=2, num_targets=3)
     assert at.run_dir == Path("run") and (at.rank, at.world_size, at.num_targets) == (1, 2, 3)
+
+
+# a valid value, other than the default, for every key that was renamed
+RENAMED_SAMPLES = {
+    "log.every": 5,
+    "log.wandb_project": "proj",
+    "checkpoint.every": 7,
+    "checkpoint.keep": 2,
+    "checkpoint.export_at_end": False,
+    "eval.every": 3,
+    "eval.num_prompts": 4,
+    "eval.prompts": ["a.jsonl"],
+    "eval.max_new_tokens": 9,
+    "eval.budget_s": 12.5,
+    "eval.target_share": 0.5,
+    "eval.sessions": 2,
+    "supervise.stall_after_s": 30.0,
+    "supervise.startup_stall_after_s": 99.0,
+    "supervise.unresponsive_after_s": 11.0,
+    "supervise.stop_timeout_s": 20.0,
+    "supervise.max_restarts": 1,
+    "supervise.rendezvous_timeout_s": 50.0,
+    "optimizer.lr": 1e-3,
+    "optimizer.min_lr_ratio": 0.1,
+    "optimizer.warmup_ratio": 0.2,
+    "optimizer.weight_decay": 0.01,
+    "optimizer.grad_clip": 0.5,
+    "optimizer.max_nonfinite_steps": 3,
+    "optimizer.grad_accum": 2,
+    "kernels.attention": "dense",
+    "kernels.compile": False,
+    "kernels.loss_chunk": 512,
+    "kernels.precision": "fp8",
+}
+
+
+def test_every_renamed_key_reads_under_its_old_name_in_a_file_an_override_and_an_older_runs_config(tmp_path):
+    """RENAMED: [run] and [drafter] split into a section per component. Each old key, in a TOML table,
+    as a dotted override and in the config.json of a run from before the split, lands at its new key;
+    that old config.json resumes (no key deciding batch g differs); one key under both names is refused."""
+    from services.run.checkpoint_compat import run_errors
+    from services.run.config import RENAMED, value_of
+
+    assert set(RENAMED_SAMPLES) == set(RENAMED.values())
+    defaults = Config()
+    for old, new in RENAMED.items():
+        value = RENAMED_SAMPLES[new]
+        assert value != value_of(defaults, new), new
+        section, key = old.split(".")
+        toml = write(tmp_path, f"[{section}]\n{key} = {toml_literal(value)}\n")
+        assert value_of(load_config(toml), new) == value, old
+        assert value_of(load_config(None, [f"{old}={toml_literal(value)}"]), new) == value, old
+    # an older run's config.json: every renamed key under its old section, with the samples
+    now = load_config(None, [f"{new}={toml_literal(v)}" for new, v in RENAMED_SAMPLES.items()])
+    old_layout = now.to_dict()
+    for old, new in RENAMED.items():
+        (section, key), (new_section, new_key) = old.split("."), new.split(".")
+        old_layout.setdefault(section, {})[key] = old_layout[new_section].pop(new_key)
+    for moved in ("checkpoint", "eval", "supervise", "log", "optimizer", "kernels"):
+        assert not old_layout.pop(moved), moved
+    (tmp_path / "config.json").write_text(json.dumps(old_layout))
+    assert load_config(tmp_path / "config.json") == now
+    assert run_errors(old_layout, now.to_dict()) == []  # it resumes: grad_accum (a schedule key) read at its place
+    assert run_errors({**old_layout, "drafter": {**old_layout["drafter"], "grad_accum": 9}}, now.to_dict()) == [
+        "optimizer.grad_accum: checkpoint 9, now 2"
+    ]
+    dump_json(now, tmp_path / "new.json")
+    assert load_config(tmp_path / "new.json") == now
+    with pytest.raises(ConfigError, match="run.checkpoint_every and checkpoint.every are the same key"):
+        load_config(write(tmp_path, "[run]\ncheckpoint_every = 3\n[checkpoint]\nevery = 4\n"))

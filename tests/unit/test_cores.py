@@ -30,7 +30,7 @@ from tests.assets import random_demo
 from tests.inprocess import InProcessTarget
 from tests.verify_targets import verify_overrides
 
-SMALL = ["run.spec_eval_prompts=0", "drafter.num_anchors=16", "transport.credits=1"]
+SMALL = ["eval.num_prompts=0", "drafter.num_anchors=16", "transport.credits=1"]
 
 
 def packed(run_dir, cfg) -> PackedData:
@@ -115,7 +115,7 @@ def test_a_drafter_core_trains_on_batches_a_target_core_serves_in_one_interprete
         assert trained == [(g, g + 1) for g in range(6)]
         assert core.state.step == 6 and source.provenance_of(0)["incarnation"] == target.status()["incarnation"]
         assert parameter_fingerprint(core.state.drafter) != weights
-        assert lrs[0] == max(lrs) == cfg.drafter.lr and lrs == sorted(lrs, reverse=True) and lrs[-1] < lrs[0] / 2
+        assert lrs[0] == max(lrs) == cfg.optimizer.lr and lrs == sorted(lrs, reverse=True) and lrs[-1] < lrs[0] / 2
         assert core.state.scheduler.get_last_lr()[0] == pytest.approx(0.0, abs=1e-12)  # the plan's end
         assert target.status()["batches_served"] == 6
     finally:

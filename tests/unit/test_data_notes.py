@@ -51,7 +51,7 @@ def test_data_without_prompts_says_real_acceptance_is_off(capsys, tmp_path, mode
     assert info["prompts"] == 0
     text = describe_data(info)
     assert text.startswith("data: ") and "\nreal acceptance: off, the held-out data has no prompts" in text
-    assert "run.eval_prompts" in text
+    assert "eval.prompts" in text
     (run_dir / "data.json").write_text(json.dumps(info))  # what `launcher up` keeps
     (run_dir / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 5.0, "tau": 1.0}) + "\n")
     lines, _ = report(run_dir, out=tmp_path / "p.png")
@@ -63,7 +63,7 @@ def test_pre_tokenized_lines_yield_their_tokens_before_the_first_supervised_one(
 
     from services.data.prompts import heldout_prompts
 
-    info, run_dir = pack(capsys, tmp_path, model_dir, [TOKENS, NO_PROMPT, TOKENS], "run.spec_eval_prompts=8")
+    info, run_dir = pack(capsys, tmp_path, model_dir, [TOKENS, NO_PROMPT, TOKENS], "eval.num_prompts=8")
     assert info["prompts"] == 2 and "real acceptance" not in describe_data(info)
     cfg = load_config(run_dir / "config.json")
     assert (
@@ -78,7 +78,7 @@ def test_a_bad_prompt_file_is_one_line_naming_file_and_line(capsys, tmp_path, mo
     data = tmp_path / "data.jsonl"
     data.write_text(json.dumps(CHAT) + "\n")
     cfg = load_config(
-        None, [f"data.path={data}", f"target.model_path={model_dir}", "data.pack_len=64", f'run.eval_prompts=["{bad}"]']
+        None, [f"data.path={data}", f"target.model_path={model_dir}", "data.pack_len=64", f'eval.prompts=["{bad}"]']
     )
     run_dir = tmp_path / "run"
     run_dir.mkdir()
@@ -86,16 +86,15 @@ def test_a_bad_prompt_file_is_one_line_naming_file_and_line(capsys, tmp_path, mo
     assert packing.main(["--config", str(run_dir / "config.json"), "--run-dir", str(run_dir)]) == 2
     err = capsys.readouterr().err.strip()
     assert err == (
-        f"run.eval_prompts: {bad}:2: expected 'messages', 'conversations', 'prompt' or 'input_ids'; "
-        "got keys ['nothing']"
+        f"eval.prompts: {bad}:2: expected 'messages', 'conversations', 'prompt' or 'input_ids'; got keys ['nothing']"
     )
 
 
 def test_chat_data_counts_its_prompts_and_says_nothing_more(capsys, tmp_path, model_dir):
-    info, _ = pack(capsys, tmp_path, model_dir, [TOKENS, CHAT, TOKENS, CHAT, CHAT], "run.spec_eval_prompts=2")
+    info, _ = pack(capsys, tmp_path, model_dir, [TOKENS, CHAT, TOKENS, CHAT, CHAT], "eval.num_prompts=2")
     assert info["prompts"] == 2 and "real acceptance" not in describe_data(info)
 
 
 def test_real_acceptance_turned_off_by_config_is_not_a_warning(capsys, tmp_path, model_dir):
-    info, _ = pack(capsys, tmp_path, model_dir, [TOKENS] * 4, "run.spec_eval_prompts=0")
+    info, _ = pack(capsys, tmp_path, model_dir, [TOKENS] * 4, "eval.num_prompts=0")
     assert info["prompts"] is None and "real acceptance" not in describe_data(info)

@@ -1,4 +1,4 @@
-"""drafter.precision: FP8 linears (torchao float8 training) keep the parameters, the names and the math.
+"""kernels.precision: FP8 linears (torchao float8 training) keep the parameters, the names and the math.
 
 On the CPU torchao emulates the FP8 matmuls (same scaling and rounding, plain matmuls), which checks
 the conversion and the numerics; on CUDA the real FP8 GEMMs train side by side with bf16.
@@ -25,15 +25,15 @@ def model_config(*overrides):
 
 
 def test_an_unknown_precision_is_refused_by_name():
-    with pytest.raises(ConfigError, match=r"drafter.precision must be one of bf16, fp8, got 'fp16'"):
-        load_config(None, ['drafter.precision="fp16"'])
+    with pytest.raises(ConfigError, match=r"kernels.precision must be one of bf16, fp8, got 'fp16'"):
+        load_config(None, ['kernels.precision="fp16"'])
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
 def test_fp8_on_the_cpu_is_refused_with_the_reason():
-    cfg, model_cfg = model_config('drafter.precision="fp8"', "drafter.compile=false")
+    cfg, model_cfg = model_config('kernels.precision="fp8"', "kernels.compile=false")
     head = TargetHead.random(model_cfg.vocab_size, model_cfg.hidden_size, seed=0)
-    with pytest.raises(ValueError, match="drafter.precision='fp8' needs a CUDA GPU with FP8 matmuls; .* on cpu"):
+    with pytest.raises(ValueError, match="kernels.precision='fp8' needs a CUDA GPU with FP8 matmuls; .* on cpu"):
         DrafterCore.build(cfg, model_cfg, head, "cpu", total_steps=1)
 
 
@@ -77,7 +77,7 @@ def test_fp8_keeps_every_parameter_and_name_and_stays_close_to_full_precision():
 def test_fp8_trains_like_bf16_on_cuda():
     losses = {}
     for precision in ("bf16", "fp8"):
-        cfg, model_cfg = model_config(f'drafter.precision="{precision}"', "drafter.lr=3e-3")
+        cfg, model_cfg = model_config(f'kernels.precision="{precision}"', "optimizer.lr=3e-3")
         head = TargetHead.random(model_cfg.vocab_size, model_cfg.hidden_size, seed=0)
         state = DrafterCore.build(cfg, model_cfg, head, "cuda", total_steps=30).state
         assert (state.fp8_head is not None) == (precision == "fp8")  # the loss's lm_head GEMMs in FP8 too

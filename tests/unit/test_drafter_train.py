@@ -23,9 +23,9 @@ def make(*overrides, steps=40, device="cpu"):
             "data.pack_len=256",
             "drafter.num_anchors=16",
             "drafter.num_layers=2",
-            "drafter.compile=false",
-            "drafter.lr=3e-3",
-            "drafter.warmup_ratio=0.1",
+            "kernels.compile=false",
+            "optimizer.lr=3e-3",
+            "optimizer.warmup_ratio=0.1",
             *overrides,
         ],
     )
@@ -84,7 +84,7 @@ def test_warmup_leaves_parameters_and_optimizer_untouched():
 
 
 def test_gradient_accumulation_steps_every_n_batches():
-    state, source = make("drafter.grad_accum=2", steps=4)
+    state, source = make("optimizer.grad_accum=2", steps=4)
     before = parameter_fingerprint(state.drafter)
     train_step(state, source.batch(0))
     assert state.step == 0 and parameter_fingerprint(state.drafter) == before

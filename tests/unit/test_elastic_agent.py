@@ -106,7 +106,9 @@ def test_a_real_agent_gives_the_spec_ranks_and_stops_restarting_on_a_config_erro
     assert code == 1 and "no host runs drafter rank(s) [0, 1]" in status["reason"]
 
     code, status, err = run_agent(tmp_path, "raise SystemExit(1)")
-    assert code == 1 and status["restarts"] == 2 and "restarts exhausted (run.max_restarts=2)" in status["reason"], err
+    assert (
+        code == 1 and status["restarts"] == 2 and "restarts exhausted (supervise.max_restarts=2)" in status["reason"]
+    ), err
 
     code, status, err = run_agent(tmp_path, "raise SystemExit(2)")  # what a restart would meet again
     assert code == 1 and status["starts"] == 1 and "exited with code 2" in status["reason"], err

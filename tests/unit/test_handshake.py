@@ -69,5 +69,5 @@ def test_the_digest_follows_what_a_batch_holds_and_nothing_else():
     base = _digest(load_config(None, []))
     assert _digest(load_config(None, ["data.pack_len=4096"])) != base
     assert _digest(load_config(None, ["run.seed=1"])) != base
-    assert _digest(load_config(None, ["drafter.lr=1e-3", "run.log_every=5"])) == base
+    assert _digest(load_config(None, ["optimizer.lr=1e-3", "log.every=5"])) == base
     assert _digest(load_config(None, ['data.path="/mnt/b/chat.jsonl"'])) == base  # hosts mount apart

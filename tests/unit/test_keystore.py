@@ -248,7 +248,7 @@ def test_a_host_that_rejoins_restarts_the_group_and_membership_restarts_are_limi
     assert until(lambda: a.num_nodes_waiting() > 0, 4) and a.membership_restarts == 1  # one restart of a's workers
     assert meet([a])[0] is not None and until(lambda: b.round == 1) and a.round == 1
     background(b.next_rendezvous)  # and again: past the limit
-    with pytest.raises(MembershipLoop, match="limit run.max_restarts=1"):
+    with pytest.raises(MembershipLoop, match="limit supervise.max_restarts=1"):
         until(lambda: a.num_nodes_waiting() > 0, 4)
     a.shutdown()
 

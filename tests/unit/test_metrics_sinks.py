@@ -95,14 +95,14 @@ def test_wandb_missing_is_one_clear_error_before_any_file(tmp_path, monkeypatch)
     with pytest.raises(ConfigError) as err:
         MetricsLog(tmp_path, resume_step=0, enabled=True, wandb_project="drafters")
     message = str(err.value)
-    assert "\n" not in message and "run.wandb_project" in message and "dflash-service[wandb]" in message
+    assert "\n" not in message and "log.wandb_project" in message and "dflash-service[wandb]" in message
     assert not (tmp_path / "metrics.jsonl").exists()
     MetricsLog(tmp_path, resume_step=0, enabled=False, wandb_project="drafters")  # other ranks: nothing to do
 
 
 def test_wandb_project_is_a_checked_run_key():
-    assert load_config(None, ["run.wandb_project=drafters"]).run.wandb_project == "drafters"
-    assert load_config(None, []).run.wandb_project == ""
+    assert load_config(None, ["log.wandb_project=drafters"]).log.wandb_project == "drafters"
+    assert load_config(None, []).log.wandb_project == ""
     with pytest.raises(ConfigError, match="wandb_projekt"):
         load_config(None, ["run.wandb_projekt=drafters"])
 

@@ -104,8 +104,8 @@ def test_chat_data_needs_a_chat_template(tmp_path, model, data):
     assert f"the tokenizer in {model} has no chat template, needed for the chat lines of data.path {data}" in line
     pretokenized = tmp_path / "ids.jsonl"  # pre-tokenized lines need no template: not refused for it
     pretokenized.write_text(json.dumps({"input_ids": [1, 2, 3], "loss_mask": [0, 1, 1]}) + "\n")
-    line = refused(tmp_path, f"target.model_path={model}", f"data.path={pretokenized}", "drafter.attention=flex")
-    assert "chat template" not in line and "drafter.attention=flex needs --device cuda" in line
+    line = refused(tmp_path, f"target.model_path={model}", f"data.path={pretokenized}", "kernels.attention=flex")
+    assert "chat template" not in line and "kernels.attention=flex needs --device cuda" in line
 
 
 @pytest.mark.processes
@@ -132,20 +132,20 @@ def test_a_bad_data_line_leaves_no_run_folder(tmp_path, model):
             ["data.pack_len=64", "drafter.num_anchors=8", "drafter.block_size=128"],
             "drafter.block_size=128 is larger than data.pack_len=64",
         ),
-        (["drafter.attention=flex"], "drafter.attention=flex needs --device cuda"),
+        (["kernels.attention=flex"], "kernels.attention=flex needs --device cuda"),
         (
             ["transport.max_batch_bytes=1000000", "transport.chunk_bytes=1000000"],
             "transport.max_batch_bytes=1000000 is smaller than one batch's hidden states "
             "(5242880 bytes: data.pack_len=8192",
         ),
         (["data.max_doc_len=10000"], "data.max_doc_len=10000 is larger than data.pack_len=8192"),
-        (["drafter.grad_accum=0"], "drafter.grad_accum must be >= 1"),
-        (["drafter.lr=-1"], "drafter.lr must be > 0, got -1"),
-        (["drafter.lr=0"], "drafter.lr must be > 0, got 0"),
-        (["drafter.warmup_ratio=1"], "drafter.warmup_ratio must be in [0, 1), got 1"),
-        (["drafter.grad_clip=-0.5"], "drafter.grad_clip must be >= 0"),
-        (["drafter.weight_decay=-0.1"], "drafter.weight_decay must be >= 0"),
-        (["drafter.min_lr_ratio=2"], "drafter.min_lr_ratio must be in [0, 1]"),
+        (["optimizer.grad_accum=0"], "optimizer.grad_accum must be >= 1"),
+        (["optimizer.lr=-1"], "optimizer.lr must be > 0, got -1"),
+        (["optimizer.lr=0"], "optimizer.lr must be > 0, got 0"),
+        (["optimizer.warmup_ratio=1"], "optimizer.warmup_ratio must be in [0, 1), got 1"),
+        (["optimizer.grad_clip=-0.5"], "optimizer.grad_clip must be >= 0"),
+        (["optimizer.weight_decay=-0.1"], "optimizer.weight_decay must be >= 0"),
+        (["optimizer.min_lr_ratio=2"], "optimizer.min_lr_ratio must be in [0, 1]"),
         (["run.max_steps=-3"], "run.max_steps must be >= 0"),
         (["transport.base_port=70000"], "transport.base_port must be a port"),
         (["target.dtype=float64"], "target.dtype must be one of"),
@@ -382,14 +382,14 @@ def test_relative_paths_are_written_absolute_and_read_back_from_another_folder(t
         "target.model_path=./models/my-model",
         "data.path=data/chat.jsonl",
         "data.eval_path=data/../data/chat.jsonl",
-        'run.eval_prompts=["prompts.jsonl"]',
+        'eval.prompts=["prompts.jsonl"]',
         "transport.curve_keys_dir=keys",
     )
     assert code == 0
     written = json.loads((run / "config.json").read_text())
     assert written["target"]["model_path"] == str(a / "models" / "my-model")
     assert written["data"]["path"] == written["data"]["eval_path"] == str(a / "data" / "chat.jsonl")
-    assert written["run"]["eval_prompts"] == [str(a / "prompts.jsonl")]
+    assert written["eval"]["prompts"] == [str(a / "prompts.jsonl")]
     assert written["transport"]["curve_keys_dir"] == str(a / "keys")
     assert runspec.load(run / "runspec.json").model_path == str(a / "models" / "my-model")
     monkeypatch.chdir(b)  # `launcher eval --checkpoint RUN/export` from elsewhere
@@ -407,7 +407,7 @@ def test_a_repo_id_stays_a_repo_id_and_every_path_key_is_made_absolute(tmp_path,
     monkeypatch.chdir(tmp_path)
     cfg = absolute_paths(load_config(None, ["target.model_path=Qwen/Qwen3-8B", "data.path=~/d.jsonl"]))
     assert cfg.target.model_path == "Qwen/Qwen3-8B" and cfg.data.path == str(Path.home() / "d.jsonl")
-    assert cfg.data.eval_path == "" and cfg.run.eval_prompts == []  # unset stays unset
+    assert cfg.data.eval_path == "" and cfg.eval.prompts == []  # unset stays unset
     (tmp_path / "Qwen" / "Qwen3-8B").mkdir(parents=True)  # a local folder of that name: a path
     assert absolute_paths(load_config(None, ["target.model_path=Qwen/Qwen3-8B"])).target.model_path == str(
         tmp_path / "Qwen" / "Qwen3-8B"
@@ -416,7 +416,7 @@ def test_a_repo_id_stays_a_repo_id_and_every_path_key_is_made_absolute(tmp_path,
         f"{s.name}.{k.name}"
         for s in dataclasses.fields(Config)
         for k in dataclasses.fields(s.type if not isinstance(s.type, str) else type(getattr(Config(), s.name)))
-        if k.name.endswith(("path", "_dir", "_prompts")) and k.name != "spec_eval_prompts"
+        if k.name.endswith(("path", "_dir")) or k.name == "prompts"
     }
     assert named_like_paths == set(PATH_KEYS)
 
@@ -432,13 +432,13 @@ def test_units_write_absolute_paths(tmp_path, monkeypatch):
         "out",
         str(tmp_path / "run"),
         device="cpu",
-        overrides=['run.eval_prompts=["p.jsonl"]'],
+        overrides=['eval.prompts=["p.jsonl"]'],
         env_dir=str(tmp_path / "env"),
     )
     written = json.loads((tmp_path / "out" / "dflash-env" / "config.json").read_text())
     assert written["target"]["model_path"] == str(tmp_path / "models" / "m")
     assert written["data"]["path"] == str(tmp_path / "data" / "chat.jsonl")
-    assert written["run"]["eval_prompts"] == [str(tmp_path / "p.jsonl")]
+    assert written["eval"]["prompts"] == [str(tmp_path / "p.jsonl")]
 
 
 # --- resume: refused before the run folder is touched; the run's own config by default ----------------

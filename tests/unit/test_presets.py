@@ -20,8 +20,8 @@ def test_qwen36_27b_preset_is_the_published_hybrid_recipe():
     cfg = load_config(PRESETS / "qwen3.6-27b.toml", ["target.model_path=/models/Qwen3.6-27B", "data.path=chat.jsonl"])
     assert cfg.target.model_path == "/models/Qwen3.6-27B"
     assert (cfg.data.pack_len, cfg.run.epochs) == (4096, 6)
-    d = cfg.drafter
-    assert (d.lr, d.warmup_ratio, d.grad_clip, d.gamma, d.num_anchors) == (6e-4, 0.04, 1.0, 7.0, 512)
+    d, o = cfg.drafter, cfg.optimizer
+    assert (o.lr, o.warmup_ratio, o.grad_clip, d.gamma, d.num_anchors) == (6e-4, 0.04, 1.0, 7.0, 512)
     # against the Qwen3.6-27B text shape (bench/shapes.py), as the drafter worker builds it
     m = build_model_config(cfg, model_config_from_hf(text_config("27b-hybrid")), cfg.drafter.mask_token_id)
     assert m.layer_types == ["sliding_attention"] * 4 + ["full_attention"] and m.sliding_window == 2048
@@ -33,7 +33,7 @@ def test_qwen36_27b_preset_is_the_published_hybrid_recipe():
 
 def test_qwen3_8b_preset_is_the_published_recipe():
     cfg = load_config(PRESETS / "qwen3-8b.toml", ["target.model_path=/models/Qwen3-8B"])
-    assert (cfg.data.pack_len, cfg.run.epochs, cfg.drafter.grad_accum) == (3072, 6, 4)
+    assert (cfg.data.pack_len, cfg.run.epochs, cfg.optimizer.grad_accum) == (3072, 6, 4)
     m = build_model_config(cfg, model_config_from_hf(text_config("8b")), mask_token_id=151669)
     assert m.layer_types == ["full_attention"] * 5 and m.sliding_window is None
     assert (m.num_attention_heads, m.num_key_value_heads, m.head_dim, m.hidden_size) == (32, 8, 128, 4096)
@@ -64,10 +64,10 @@ def test_the_27b_preset_trains_on_the_demo_with_a_scaled_window(tmp_path):
         "drafter.mask_token_id=-1",
         "drafter.num_anchors=32",
         "drafter.overrides={num_attention_heads=4, num_key_value_heads=2, head_dim=32}",
-        "drafter.lr=1e-3",
+        "optimizer.lr=1e-3",
         "run.max_steps=80",
-        "run.log_every=1",
-        "run.spec_eval_prompts=8",  # the final real acceptance: lossless and above random on 8 prompts
+        "log.every=1",
+        "eval.num_prompts=8",  # the final real acceptance: lossless and above random on 8 prompts
     ]
     cmd = launcher_argv(
         "up",
@@ -87,7 +87,7 @@ def test_the_27b_preset_trains_on_the_demo_with_a_scaled_window(tmp_path):
     resolved = json.loads((run_dir / "config.json").read_text())
     assert resolved["drafter"]["layer_types"] == ["sliding_attention"] * 4 + ["full_attention"]
     # --demo's own overrides (pack 512, lr, warmup, epochs) come after the file; the rest is the preset's
-    assert (resolved["drafter"]["gamma"], resolved["drafter"]["grad_clip"], resolved["run"]["name"]) == (
+    assert (resolved["drafter"]["gamma"], resolved["optimizer"]["grad_clip"], resolved["run"]["name"]) == (
         7.0,
         1.0,
         "qwen3.6-27b-dflash",

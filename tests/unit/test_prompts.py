@@ -1,4 +1,4 @@
-"""Prompt-set files for real acceptance (`launcher eval --prompts FILE`, run.eval_prompts): every line
+"""Prompt-set files for real acceptance (`launcher eval --prompts FILE`, eval.prompts): every line
 shape a benchmark ships, rendered as training renders its chats, and a bad line named by file and line."""
 
 import gzip

@@ -141,6 +141,6 @@ def test_amounts_variants_and_overrides_parse():
     assert overrides == ['drafter.layer_types=["sliding_attention","full_attention"]', "drafter.sliding_window=512"]
     assert real_model.parse_variant("base:") == ("base", [])
     with pytest.raises(ValueError):
-        real_model.parse_variant("main:drafter.lr=1e-3")
+        real_model.parse_variant("main:optimizer.lr=1e-3")
     a = real_model.parse_args(["--work", "w", "--device", "cpu", "--tokens", "32K,16K", "--variant", "base:"])
     assert a.tokens == [16_000, 32_000] and a.gpus == "0:target,1:drafter" and a.variants == [("base", [])]

@@ -27,7 +27,7 @@ def test_every_config_key_says_what_it_decides_about_a_batch():
 
 def test_the_three_checks_come_from_the_marks():
     assert set(RUN_FIELDS) == set(runspec.keys_deciding(runspec.RESUME_KINDS))
-    assert {"data.path", "data.pack_len", "run.seed", "drafter.grad_accum", "target.labels_from_target"} <= set(
+    assert {"data.path", "data.pack_len", "run.seed", "optimizer.grad_accum", "target.labels_from_target"} <= set(
         RUN_FIELDS
     )
     assert "run.epochs" not in RUN_FIELDS  # more epochs later: batch g < N stays the same

@@ -97,7 +97,7 @@ def test_last_error_line_reads_the_latest_start_only_and_a_repeat_is_fatal(tmp_p
     [
         (-signal.SIGSEGV, "killed by SIGSEGV", False),
         (-signal.SIGKILL, "killed by SIGKILL (often the kernel's OOM killer: see `dmesg`)", False),
-        (143, "hard exit: a second stop signal, or run.stop_timeout_s passed", False),
+        (143, "hard exit: a second stop signal, or supervise.stop_timeout_s passed", False),
     ],
 )
 def test_signals_and_hard_exits_keep_the_restart_budget(code, text, fatal):

@@ -86,9 +86,9 @@ def test_service_settings(tmp_path):
         assert unit["Type"] == "notify"
         assert unit["KillMode"] == "control-group"
         assert unit["LimitMEMLOCK"] == "infinity"
-        assert unit["WatchdogSec"] == str(math.ceil(120.5))  # run.stall_after_s
+        assert unit["WatchdogSec"] == str(math.ceil(120.5))  # supervise.stall_after_s
         assert unit["TimeoutStopSec"] == "600" and unit["TimeoutStartSec"] == "1800"
-        assert unit["StartLimitBurst"] == "3"  # run.max_restarts + 1
+        assert unit["StartLimitBurst"] == "3"  # supervise.max_restarts + 1
         assert unit["EnvironmentFile"] == f"{tmp_path / 'etc-dflash'}/dflash-{role}@%i.env"  # where it is installed
         assert "User" not in unit and "Group" not in unit
         assert unit["ExecStart"].startswith(f"{sys.executable} -m services.{role} --config ${{DFLASH_CONFIG}}")
@@ -141,7 +141,7 @@ def test_environment_files(tmp_path):
     out, run = _render(tmp_path)
     run = run.resolve()
     cfg = load_config(out / "dflash-env" / "config.json")
-    assert cfg.run.name == "units-test" and cfg.run.stall_after_s == 120.5
+    assert cfg.run.name == "units-test" and cfg.supervise.stall_after_s == 120.5
 
     common = _env(out / "dflash-env" / "dflash.env")
     assert common["DFLASH_CONFIG"] == str(tmp_path / "etc-dflash" / "config.json")

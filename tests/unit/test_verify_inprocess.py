@@ -182,7 +182,7 @@ def test_controls_decode_exactly_the_prompts_the_drafter_decoded(worker):
 
 
 def test_prompt_sets_of_run_eval_prompts_are_decoded_per_set(worker, tmp_path):
-    """run.eval_prompts: two prompt files (chat lines, plain prompts) interleaved, figures per set;
+    """eval.prompts: two prompt files (chat lines, plain prompts) interleaved, figures per set;
     the worker decodes the very tokens the local eval renders, lossless on each set."""
     import dataclasses
     import json
@@ -193,7 +193,7 @@ def test_prompt_sets_of_run_eval_prompts_are_decoded_per_set(worker, tmp_path):
         "".join(json.dumps({"prompt": c["messages"][0]["content"]}) + "\n" for c in chats[2:])
     )
     files = [str(tmp_path / "chat.jsonl"), str(tmp_path / "plain.jsonl")]
-    cfg = dataclasses.replace(worker.cfg, run=dataclasses.replace(worker.cfg.run, eval_prompts=files))
+    cfg = dataclasses.replace(worker.cfg, eval=dataclasses.replace(worker.cfg.eval, prompts=files))
     model_cfg, head = from_target(runspec.resolve(cfg))
     spec = remote_spec_eval(cfg, worker.run_dir, 1, head, model_cfg, prompts=PROMPTS, max_new_tokens=NEW)
     try:
