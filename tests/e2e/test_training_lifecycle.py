@@ -9,6 +9,7 @@ import signal
 import subprocess
 import time
 from collections import Counter
+from pathlib import Path
 
 import pytest
 
@@ -100,9 +101,29 @@ def test_sigkilled_drafter_resumes_and_every_batch_is_trained_once(tmp_path):
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
 
 
+def as_written_before_the_split(checkpoint: Path) -> None:
+    """The checkpoint's config.json as a version before [run] and [drafter] were split into sections
+    wrote it (services/run/config.py RENAMED: every moved key under its old name), its manifest to match."""
+    from services.process.files import sha256_file
+    from services.run.config import RENAMED
+
+    config = json.loads((checkpoint / "config.json").read_text())
+    for old, new in RENAMED.items():
+        (section, key), (new_section, new_key) = old.split("."), new.split(".")
+        config[section][key] = config[new_section].pop(new_key)
+    for moved in {new.split(".")[0] for new in RENAMED.values()}:
+        assert config.pop(moved) == {}, moved
+    (checkpoint / "config.json").write_text(json.dumps(config))
+    manifest = json.loads((checkpoint / "manifest.json").read_text())
+    entry = manifest["files"]["config.json"]
+    entry.update(sha256=sha256_file(checkpoint / "config.json"), bytes=(checkpoint / "config.json").stat().st_size)
+    (checkpoint / "manifest.json").write_text(json.dumps(manifest))
+
+
 def test_stop_while_waiting_for_data_checkpoints_and_resume_finishes_the_run(tmp_path):
     """`launcher down` while the drafters wait for a frozen target: they leave the wait, checkpoint
-    and exit 0 (nothing killed hard); `launcher up --resume` then finishes, every batch once."""
+    and exit 0 (nothing killed hard); `launcher up --resume` then finishes, every batch once, from a
+    checkpoint whose config.json uses the key names from before the config's split into sections."""
     import psutil
 
     steps, run_dir = 60, tmp_path / "run"
@@ -158,7 +179,9 @@ def test_stop_while_waiting_for_data_checkpoints_and_resume_finishes_the_run(tmp
     assert stopped["signal"] is True and 0 < stopped["step"] < steps
     assert os.readlink(run_dir / "checkpoints" / "latest") == f"step-{stopped['step']:08d}"
 
+    as_written_before_the_split(run_dir / "checkpoints" / f"step-{stopped['step']:08d}")
     again = subprocess.run(args + ["--resume"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert f"resumed from step {stopped['step']}" in again.stdout, (again.stdout + again.stderr)[-3000:]
     assert again.returncode == 0, (again.stdout + again.stderr)[-3000:]
     assert Counter(e["g"] for e in read_all(run_dir)) == Counter(range(2 * steps))
     logged = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
