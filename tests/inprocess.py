@@ -52,7 +52,7 @@ class InProcessTarget:
         _, status, _ = probe(self.health_ep, timeout_s=5.0)
         return status
 
-    def stop(self, sig=None) -> None:
+    def stop(self) -> None:
         """The shell's stop (as on SIGTERM): the batches in hand go out, the sockets close."""
         if self.thread is not None:
             self.stopping.set()

@@ -20,7 +20,6 @@ once copied. The number of slots (transport.credits + 2) bounds the host memory 
 from __future__ import annotations
 
 import argparse
-import logging
 import threading
 from pathlib import Path
 
@@ -39,7 +38,6 @@ from services.run.config import Config
 from services.target.core import TargetCore
 from services.target.replies import BatchReply, Dropped, ErrorReply, InfoReply, Reply, VerifyReply
 
-log = logging.getLogger("target")
 POLL_MS = 100
 
 
