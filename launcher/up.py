@@ -29,7 +29,7 @@ from launcher.topology import host_overrides, hosts, parse_gpu_spec
 from services.net.endpoints import plaintext_problems
 from services.process.files import point
 from services.run import runspec
-from services.run.config import dump_json
+from services.run.config import dump_json, old_names_used
 
 
 def cmd_up(args) -> int:
@@ -59,6 +59,12 @@ def cmd_up(args) -> int:
             flush=True,
         )
     cfg = load_run_config(args.config, overrides)  # validate before touching the disk
+    if old := old_names_used(args.config, args.overrides):
+        print(
+            f"launcher: note: keys given by their old names, which still work: {', '.join(old)} (docs/config.md)",
+            file=sys.stderr,
+            flush=True,
+        )
     refusal, warning = plaintext_problems(
         cfg.transport, sum(w.role == "target" for w in workers), sum(w.role == "drafter" for w in workers)
     )  # every rank's real endpoint

@@ -350,22 +350,33 @@ def toml_literal(value) -> str:
     raise TypeError(f"no TOML literal for {value!r}")
 
 
+def _read(path: str | Path | None) -> tuple[dict, str]:
+    """(the file's tables, its name for messages): a TOML, or a resolved JSON written by the launcher."""
+    if not path:
+        return {}, "<defaults>"
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        if path.suffix == ".json":
+            return json.loads(path.read_text()), str(path)
+        return tomllib.loads(path.read_text()), str(path)
+    except (tomllib.TOMLDecodeError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"{path}: {exc}") from None
+
+
+def old_names_used(path: str | Path | None, overrides: typing.Iterable[str] = ()) -> list[str]:
+    """'old -> new' for each renamed key (RENAMED) that a config file or an override names by its old
+    name: they still work, and the launcher says where they are now."""
+    data, _ = _read(path)
+    given = {f"{section}.{key}" for section, values in data.items() if isinstance(values, dict) for key in values}
+    given |= {text.split("=", 1)[0].strip() for text in overrides}
+    return [f"{old} -> {new}" for old, new in RENAMED.items() if old in given]
+
+
 def load_config(path: str | Path | None = None, overrides: typing.Iterable[str] = ()) -> Config:
     """Load a TOML (or a resolved JSON written by the launcher) and apply dotted overrides."""
-    data: dict = {}
-    source = "<defaults>"
-    if path:
-        path = Path(path)
-        source = str(path)
-        if not path.is_file():
-            raise ConfigError(f"config file not found: {path}")
-        try:
-            if path.suffix == ".json":
-                data = json.loads(path.read_text())
-            else:
-                data = tomllib.loads(path.read_text())
-        except (tomllib.TOMLDecodeError, json.JSONDecodeError) as exc:
-            raise ConfigError(f"{path}: {exc}") from None
+    data, source = _read(path)
     cfg = from_dict(data, source)
     for text in overrides:
         section, key, value = parse_override(text)

@@ -250,6 +250,28 @@ def test_plaintext_tcp_off_loopback_is_refused_and_on_loopback_warned(tmp_path):
     assert "plaintext" not in keys.stderr and "target.model_path is not set" in keys.stderr, keys.stderr
 
 
+def test_keys_given_by_their_old_names_work_and_up_says_where_they_are_now(tmp_path):
+    """One note line naming each old key (the file's and the overrides'), and the run goes on to the
+    next check (here: the missing model, exit 2)."""
+    from services.run.config import old_names_used
+
+    config = tmp_path / "old.toml"
+    config.write_text("[run]\ncheckpoint_every = 5\n[drafter]\nlr = 1e-3\nnum_layers = 2\n")
+    assert old_names_used(config, ["drafter.compile=false", "data.pack_len=256"]) == [
+        "run.checkpoint_every -> checkpoint.every",
+        "drafter.lr -> optimizer.lr",
+        "drafter.compile -> kernels.compile",
+    ]
+    assert old_names_used(None, ["checkpoint.every=5"]) == []
+    out = run_launcher(
+        "up", "--device", "cpu", "--gpus", "0:target,1:drafter", "--config", config, "--run-dir", tmp_path / "r",
+        "drafter.compile=false",
+    )  # fmt: skip
+    assert out.returncode == 2 and "target.model_path is not set" in out.stderr, out.stderr
+    (note,) = [line for line in out.stderr.splitlines() if "old names" in line]
+    assert "run.checkpoint_every -> checkpoint.every" in note and "drafter.compile -> kernels.compile" in note
+
+
 @pytest.mark.processes
 def test_demo_takes_an_optional_variant_and_names_a_bad_one():
     from launcher.inputs import DEMOS
