@@ -48,11 +48,9 @@ class RowOrder:
 
 
 class _RowOrder:
-    """Which row of a split batch g is (packing.py's rules); needs num_batches(), seed, shuffle, epochs."""
+    """Which row of a split batch g is (packing.py's rules); needs num_batches() and its RowOrder."""
 
-    seed: int
-    shuffle: bool
-    epochs: int
+    order: RowOrder
     _perm: tuple[int, np.ndarray] | None = None
 
     def num_batches(self, split: str = "train") -> int:
@@ -60,14 +58,14 @@ class _RowOrder:
 
     def row_of(self, g: int, split: str = "train") -> int:
         n = self.num_batches(split)
-        limit = n * self.epochs if split == "train" else n
+        limit = n * self.order.epochs if split == "train" else n
         if split not in SPLITS or not 0 <= g < limit:
             raise IndexError(f"batch g={g} out of range for split {split!r}: 0 <= g < {limit}")
-        if split == "eval" or not self.shuffle:
+        if split == "eval" or not self.order.shuffle:
             return g % n
         epoch = g // n
         if self._perm is None or self._perm[0] != epoch:
-            self._perm = (epoch, np.random.default_rng([self.seed, epoch]).permutation(n))
+            self._perm = (epoch, np.random.default_rng([self.order.seed, epoch]).permutation(n))
         return int(self._perm[1][g % n])
 
 
@@ -80,7 +78,7 @@ class PublishedDigests(_RowOrder):
         self.path = Path(path)
         tensors = load_file(str(path))
         self.rows = {s: tensors[f"{s}_row_digests"] for s in SPLITS}
-        self.seed, self.shuffle, self.epochs = order.seed, order.shuffle, order.epochs
+        self.order = order
 
     def num_batches(self, split: str = "train") -> int:
         return len(self.rows[split])
@@ -102,7 +100,7 @@ class PackedData(_RowOrder):
             raise DataError(f"{path}: cache format {meta['format']}, expected {FORMAT_VERSION}")
         self.pack_len, self.pad_id = int(meta["pack_len"]), int(meta["pad_id"])
         self.bad_samples, self.bad_examples = int(meta["bad_samples"]), json.loads(meta["bad_examples"])
-        self.seed, self.shuffle, self.epochs = order.seed, order.shuffle, order.epochs
+        self.order = order
         self.splits = {s: _Split(self._file, s) for s in SPLITS}
         self._perm: tuple[int, np.ndarray] | None = None
 

@@ -85,9 +85,8 @@ class LocalSpecEval(SpecEval):
         self.device = torch.device(device)
         self.tokenizer = tokenizer or AutoTokenizer.from_pretrained(cfg.target.model_path)
         # the prompts before the target: a bad prompt file is named before a large model loads
-        self.prompts, self.names = interleave(
-            prompt_sets(runspec.HeldOut.of(cfg), cfg.data, self.tokenizer, list(files), prompts)
-        )
+        held_out = runspec.HeldOut.of(cfg)
+        self.prompts, self.names = interleave(prompt_sets(held_out, cfg.data, self.tokenizer, list(files), prompts))
         self.target = target if target is not None else load_eval_target(cfg, self.device)  # a Target
         self.verifier = LocalVerifier(self.target, rollback)
         # a row holds its prompt, the new tokens and a block of drafts past them
@@ -101,7 +100,7 @@ class LocalSpecEval(SpecEval):
         self.max_new_tokens = max_new_tokens
         self.stop_ids = stop_token_ids(self.tokenizer, self.target.model)
         # where the prompts come from: the files (None), held-out lines (True) or the last training lines
-        self.held_out = None if files else runspec.HeldOut.of(cfg).exists
+        self.held_out = None if files else held_out.exists
         self._references: list[Decoded] = []
         self._controls: dict[tuple, dict] = {}
 
