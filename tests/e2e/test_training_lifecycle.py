@@ -16,6 +16,7 @@ import pytest
 from services.drafter.ledger import read_all
 from services.process.log import events
 from tests.launching import PLUMBING, REPO, drafter_stuck, launcher_argv, run_launcher, wait_for
+from tests.old_configs import before_the_split
 
 # the plumbing settings; steps enough for three evaluations and a loss that falls
 STEPS, CHECKPOINT_EVERY, LOG_EVERY, EVAL_EVERY = 60, 10, 5, 20
@@ -105,15 +106,9 @@ def as_written_before_the_split(checkpoint: Path) -> None:
     """The checkpoint's config.json as a version before [run] and [drafter] were split into sections
     wrote it (services/run/config.py RENAMED: every moved key under its old name), its manifest to match."""
     from services.process.files import sha256_file
-    from services.run.config import RENAMED
 
     config = json.loads((checkpoint / "config.json").read_text())
-    for old, new in RENAMED.items():
-        (section, key), (new_section, new_key) = old.split("."), new.split(".")
-        config[section][key] = config[new_section].pop(new_key)
-    for moved in {new.split(".")[0] for new in RENAMED.values()}:
-        assert config.pop(moved) == {}, moved
-    (checkpoint / "config.json").write_text(json.dumps(config))
+    (checkpoint / "config.json").write_text(json.dumps(before_the_split(config)))
     manifest = json.loads((checkpoint / "manifest.json").read_text())
     entry = manifest["files"]["config.json"]
     entry.update(sha256=sha256_file(checkpoint / "config.json"), bytes=(checkpoint / "config.json").stat().st_size)

@@ -69,13 +69,18 @@ def imported(source: str, module: str) -> list[tuple[int, str]]:
     return found
 
 
+def names_any(name: str, modules) -> bool:
+    """An imported name is one of `modules` or inside one."""
+    return any(name == banned or name.startswith(banned + ".") for banned in modules)
+
+
 def violations(source: str, module: str) -> list[str]:
     layer = layer_of(module)
     if layer is None:
         return []
     bad = {}  # one line per import statement: its first forbidden name
     for line, name in imported(source, module):
-        if any(name == banned or name.startswith(banned + ".") for banned in FORBIDDEN[layer]):
+        if names_any(name, FORBIDDEN[layer]):
             bad.setdefault(line, name)
     return [f"{module}:{line}: imports {name}" for line, name in sorted(bad.items())]
 
@@ -215,9 +220,7 @@ SHELL_ONLY = (
 
 def shell_imports(source: str, module: str) -> list[str]:
     return [
-        f"{module}:{line}: imports {name}"
-        for line, name in imported(source, module)
-        if any(name == banned or name.startswith(banned + ".") for banned in SHELL_ONLY)
+        f"{module}:{line}: imports {name}" for line, name in imported(source, module) if names_any(name, SHELL_ONLY)
     ]
 
 
