@@ -154,7 +154,7 @@ def model_check(hybrid=False):
     batch = SyntheticSource(model_cfg, 2000, device="cuda", with_target_labels=cfg.target.labels_from_target).batch(5)
     losses, grads = {}, {}
     for kind, st in states.items():
-        loss, _, _ = forward_loss(st, batch)
+        loss = forward_loss(st, batch).loss
         loss.backward()
         losses[kind] = float(loss)
         grads[kind] = torch.cat([p.grad.flatten() for p in st.drafter.parameters()])

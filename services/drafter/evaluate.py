@@ -34,7 +34,7 @@ def evaluate(state: TrainState, batches) -> dict:
             stopped = 1
             break
         batch = check_batch(batch, state).to(state.device, non_blocking=True)
-        loss, inputs, preds = forward_loss(state, batch)
+        loss, inputs, preds = forward_loss(state, batch)[:3]
         ok = torch.isfinite(batch.hidden).all() & torch.isfinite(loss)
         weights = inputs.weights * ok
         loss = torch.where(ok, loss, 0.0)

@@ -6,6 +6,7 @@
                                layers.{i}.mlp.{gate,up,down}_proj.weight,
                                layers.{i}.{input,post_attention}_layernorm.weight,
                                fc.weight, hidden_norm.weight, norm.weight        (no embedding, no lm_head)
+                               and, for a Domino drafter, prefix_gru.weight_{ih,hh}_l0, embed_proj.{0,2}.weight
     <out>/export.json          which step it holds, whether that is the run's last and/or best
                                (held-out τ) step, block_size and vLLM's num_speculative_tokens
 Every file gets the mode of a new file (0644 under the usual umask), so an engine running under
@@ -159,6 +160,8 @@ def expected_tensor_names(m: DrafterModelConfig) -> list[str]:
     if m.attention_bias:
         per_layer += [f"self_attn.{p}_proj.bias" for p in "qkvo"]
     names = [f"layers.{i}.{n}" for i in range(m.num_hidden_layers) for n in per_layer]
+    if m.domino:  # Domino's correction head (services/drafter/domino.py), named as SpecForge's
+        names += ["prefix_gru.weight_ih_l0", "prefix_gru.weight_hh_l0", "embed_proj.0.weight", "embed_proj.2.weight"]
     return sorted(names + ["fc.weight", "hidden_norm.weight", "norm.weight"])
 
 

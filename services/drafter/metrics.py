@@ -6,7 +6,8 @@ One JSON object per line. Train lines, every log.every optimizer steps (loss, ac
 averaged over every batch since the previous line, weighted by trained blocks):
     step, loss, accuracy, accuracy_per_position, tau, coverage, sampled_coverage, lr, grad_norm,
     tokens_per_s, window_tokens, window_s, samples_done, tokens_done, data_wait_frac, time_data_s,
-    time_compute_s, time_other_s (per batch, mean of ranks), time (unix seconds)
+    time_compute_s, time_other_s (per batch, mean of ranks), time (unix seconds); a Domino drafter's
+    also base_tau (τ of its backbone's logits alone) and lambda_base (the base loss's share now)
 window_tokens: tokens all ranks trained since the line before; window_s: that window's wall time
 (mean of ranks); tokens_per_s = window_tokens / window_s, so a rate over several lines is
 sum(window_tokens) / sum(window_s) (what `launcher report` prints).
@@ -72,6 +73,9 @@ def reduce_train_metrics(m: dict, times: StepTimes, counters: dict, device: torc
         m["sampled"],
         *[a * w for a in m["accuracy_per_position"]],
     ]
+    positions = len(m["accuracy_per_position"])
+    if "base_tau" in m:  # a Domino drafter (services/drafter/domino.py)
+        local.append(m["base_tau"] * w)
     s = all_reduce_sum(local, device)
     blocks, per_step = max(s[3], 1e-9), world_size * max(times.steps, 1)
     data_s, compute_s, wall_s = s[5] / per_step, s[6] / per_step, s[7] / per_step
@@ -81,7 +85,7 @@ def reduce_train_metrics(m: dict, times: StepTimes, counters: dict, device: torc
         "loss": r(s[0] / blocks),
         "accuracy": r(s[1] / blocks),
         "tau": r(s[2] / blocks),
-        "accuracy_per_position": [round(a / blocks, 4) for a in s[13:]],
+        "accuracy_per_position": [round(a / blocks, 4) for a in s[13 : 13 + positions]],
         "coverage": round(s[11] / supervised, 4),
         "sampled_coverage": round(s[12] / supervised, 4),
         "tokens_per_s": round(s[4] / max(s[7] / world_size, 1e-9), 1),
@@ -93,6 +97,7 @@ def reduce_train_metrics(m: dict, times: StepTimes, counters: dict, device: torc
         "time_data_s": r(data_s),
         "time_compute_s": r(compute_s),
         "time_other_s": r(max(0.0, wall_s - data_s - compute_s)),
+        **({"base_tau": r(s[-1] / blocks), "lambda_base": m["lambda_base"]} if "base_tau" in m else {}),
     }
 
 

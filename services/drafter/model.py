@@ -12,7 +12,9 @@
     out     = norm(x)                                                     [Q, H]
 
 Parameter names follow the released z-lab drafters (layers.{i}.self_attn.q_proj.weight, fc.weight,
-hidden_norm.weight, norm.weight ...), so the export is a plain state_dict. The embedding and lm_head
+hidden_norm.weight, norm.weight ...), so the export is a plain state_dict. A Domino drafter
+(drafter.objective = "domino") also has prefix_gru and embed_proj, its causal correction head,
+which forward() does not run (domino.py does, after it). The embedding and lm_head
 belong to the target: they live in TargetHead (target_head.py), never in this module.
 """
 
@@ -22,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from services.drafter.domino import make_head
 from services.run.config import FULL, SLIDING
 from services.run.shapes import DrafterModelConfig  # the drafter's shape, resolved by services/run/runspec.py
 
@@ -128,13 +131,22 @@ class DFlashDrafter(nn.Module):
         self.fc = nn.Linear(cfg.hidden_width, cfg.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        if cfg.domino:
+            self.prefix_gru, self.embed_proj = make_head(
+                cfg.hidden_size, cfg.domino_emb_dim, cfg.domino_gru_dim, cfg.vocab_size
+            )
         self.attention = attention  # a backend from attention.py; not a parameter
         self.reset_parameters()
 
     @torch.no_grad()
     def reset_parameters(self, generator: torch.Generator | None = None):
-        """Qwen3 init: linear weights N(0, initializer_range), norms 1, biases 0."""
+        """Qwen3 init: linear weights N(0, initializer_range), norms 1, biases 0; a GRU as torch's
+        own, U(-1/sqrt(width), 1/sqrt(width))."""
         for module in self.modules():
+            if isinstance(module, nn.GRU):
+                for weight in module.parameters():
+                    bound = module.hidden_size**-0.5
+                    weight.uniform_(-bound, bound, generator=generator)
             if isinstance(module, nn.Linear):
                 module.weight.normal_(0.0, self.cfg.initializer_range, generator=generator)
                 if module.bias is not None:

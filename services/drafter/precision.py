@@ -61,6 +61,11 @@ def apply_precision(drafter: nn.Module, precision: str, device: torch.device, *,
     return convert_to_float8_training(drafter, config=config, module_filter_fn=fits_fp8)
 
 
-def fits_fp8(module: nn.Module, _name: str) -> bool:
-    """A linear whose weight dimensions FP8 GEMMs accept (multiples of 16); others stay bf16."""
-    return isinstance(module, nn.Linear) and fp8_dims(module.in_features, module.out_features)
+def fits_fp8(module: nn.Module, name: str) -> bool:
+    """A linear whose weight dimensions FP8 GEMMs accept (multiples of 16); others stay bf16, and so
+    does Domino's head (embed_proj: its vocabulary-wide W2 is used in the loss's own GEMMs)."""
+    return (
+        isinstance(module, nn.Linear)
+        and fp8_dims(module.in_features, module.out_features)
+        and not name.startswith("embed_proj")
+    )

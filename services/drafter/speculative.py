@@ -40,6 +40,7 @@ import torch.nn.functional as F
 
 from services.decoding.decode_step import Decoded
 from services.decoding.lossless import first_difference, lossless_figures
+from services.drafter import domino
 from services.drafter.attention import DenseAttention, padded_mask
 from services.drafter.model import DFlashDrafter, DrafterModelConfig
 from services.drafter.target_head import TargetHead
@@ -87,7 +88,7 @@ class DrafterProposer:
             (lengths[:, None] + torch.arange(B)).flatten().to(device),
             masks,
         )
-        return (out.view(len(contexts), B, -1)[:, 1:] @ head.lm_head.t()).argmax(-1).tolist()
+        return self.drafts(out.view(len(contexts), B, -1)[:, 1:], block[:, 0].to(device)).tolist()
 
     def padded(self, features, starts: torch.Tensor, last_tokens: torch.Tensor, context_len: int) -> torch.Tensor:
         """Every row's B-1 drafts in one call on padded rows (services/target/slots.py): row b's context
@@ -108,7 +109,14 @@ class DrafterProposer:
             anchors[:, None] + torch.arange(B, device=device),
             masks,
         )
-        return (out[:, 1:] @ head.lm_head.t()).argmax(-1)
+        return self.drafts(out[:, 1:], block[:, 0])
+
+    def drafts(self, z: torch.Tensor, first_tokens: torch.Tensor) -> torch.Tensor:
+        """Greedy tokens [N, B-1] of the drafter's outputs z [N, B-1, H]: the lm_head's argmax, or a
+        Domino drafter's corrected rollout (domino.py)."""
+        if self.cfg.domino:
+            return domino.rollout(self.drafter, self.head.embed_tokens, self.head.lm_head, z, first_tokens)
+        return (z @ self.head.lm_head.t()).argmax(-1)
 
 
 class RepeatLast:

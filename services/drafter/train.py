@@ -20,12 +20,14 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 from torch import nn
 
 from services.data.batch import Batch, BatchError, count_documents
-from services.drafter.anchors import anchor_generator, build_inputs, loss_gamma
+from services.drafter import domino
+from services.drafter.anchors import DrafterInputs, anchor_generator, build_inputs, loss_gamma
 from services.drafter.attention import check_documents_contiguous
 from services.drafter.loss import ChunkFns, Fp8Head, LossHead, acceptance_metrics, chunked_cross_entropy
 from services.drafter.model import DFlashDrafter, DrafterModelConfig
@@ -40,6 +42,7 @@ class StepSettings:
     num_anchors: int
     gamma: float
     dpace_alpha: float | None  # drafter.position_weights = "dpace": D-PACE's alpha; None: gamma's decay
+    domino_curriculum: tuple[float, float]  # drafter.domino_lambda_start, domino_decay_ratio (a Domino drafter)
     labels_from_target: bool
     loss_chunk: int
     grad_accum: int
@@ -53,6 +56,7 @@ class StepSettings:
             num_anchors=cfg.drafter.num_anchors,
             gamma=loss_gamma(model_cfg.block_size, cfg.drafter.gamma),
             dpace_alpha=cfg.drafter.dpace_alpha if cfg.drafter.position_weights == "dpace" else None,
+            domino_curriculum=(cfg.drafter.domino_lambda_start, cfg.drafter.domino_decay_ratio),
             labels_from_target=cfg.target.labels_from_target,
             loss_chunk=cfg.kernels.loss_chunk,
             grad_accum=max(1, cfg.optimizer.grad_accum),
@@ -80,6 +84,10 @@ class WarmupCosine:
             return min(1.0, (done + self.per_step) / self.warmup)
         progress = min(1.0, (done - self.warmup) / max(1, self.total - self.warmup))
         return self.min_ratio + (1 - self.min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    def progress(self, step: int) -> float:
+        """The fraction of the run done at optimizer step `step`, in [0, 1]."""
+        return min(1.0, max(0.0, (self.first + (step - self.first_step) * self.per_step) / self.total))
 
     def horizon(self) -> dict:
         """What a resume compares (the clock's origin moves with every resume; the curve does not)."""
@@ -162,8 +170,16 @@ def check_batch(batch: Batch, state: TrainState) -> Batch:
     return batch
 
 
-def forward_loss(state: TrainState, batch: Batch):
-    """Forward of one batch (on the device): (loss, inputs, predictions [N, B-1])."""
+class Forward(NamedTuple):
+    loss: torch.Tensor
+    inputs: DrafterInputs
+    preds: torch.Tensor  # [N, B-1] argmax of each trained position's logits
+    base_preds: torch.Tensor | None = None  # a Domino drafter's: the same before its correction
+    lambda_base: float = 0.0  # ... and the base loss's share (domino.py)
+
+
+def forward_loss(state: TrainState, batch: Batch) -> Forward:
+    """Forward of one batch (on the device): the loss, the drafter's inputs and its predictions."""
     s, m = state.settings, state.drafter.cfg
     inputs = build_inputs(
         batch,
@@ -184,6 +200,8 @@ def forward_loss(state: TrainState, batch: Batch):
         )
     n, b = inputs.block_ids.shape
     trained_rows = out.view(n, b, -1)[:, 1:].reshape(n * (b - 1), -1)  # position 0 is not trained
+    if m.domino:
+        return domino_forward(state, inputs, trained_rows, autocast)
     loss, preds = chunked_cross_entropy(
         trained_rows,
         state.loss_head,
@@ -193,7 +211,28 @@ def forward_loss(state: TrainState, batch: Batch):
         state.chunk_fns,
         s.dpace_alpha,
     )
-    return loss, inputs, preds.view(n, b - 1)
+    return Forward(loss, inputs, preds.view(n, b - 1))
+
+
+def domino_forward(state: TrainState, inputs: DrafterInputs, trained_rows: torch.Tensor, autocast) -> Forward:
+    """The loss of a Domino drafter (domino.py): its head on the trained rows, teacher-forced."""
+    drafter, s = state.drafter, state.settings
+    n, positions = inputs.labels.shape
+    lam = domino.lambda_base(state.scheduler.lr_lambdas[0].progress(state.step), *s.domino_curriculum)
+    states = domino.teacher_states(drafter, state.head.embed_tokens, inputs.block_ids[:, 0], inputs.labels)
+    with autocast:
+        u = domino.low_rank(drafter, trained_rows, states.reshape(n * positions, -1))
+    loss, preds, base_preds = domino.domino_cross_entropy(
+        trained_rows,
+        u,
+        drafter.embed_proj[2].weight,
+        state.head.lm_head,
+        inputs.labels.flatten(),
+        inputs.weights,
+        lam,
+        s.loss_chunk,
+    )
+    return Forward(loss, inputs, preds.view(n, positions), base_preds.view(n, positions), lam)
 
 
 def train_step(state: TrainState, batch: Batch, *, dry_run: bool = False) -> dict:
@@ -209,7 +248,7 @@ def train_step(state: TrainState, batch: Batch, *, dry_run: bool = False) -> dic
     accumulate = dry_run or (state.micro_step + 1) % s.grad_accum != 0
     no_sync = getattr(state.model, "no_sync", None)
     with no_sync() if (accumulate and not dry_run and no_sync) else contextlib.nullcontext():
-        loss, inputs, preds = forward_loss(state, batch)
+        loss, inputs, preds, base_preds, lam = forward_loss(state, batch)
         features_ok = torch.isfinite(inputs.hidden).all()
         batch_ok = features_ok & torch.isfinite(loss)
         # a bad batch makes its whole gradient NaN: the all-reduce tells every rank (NaN * 0 is NaN too)
@@ -254,6 +293,8 @@ def train_step(state: TrainState, batch: Batch, *, dry_run: bool = False) -> dic
             step_ok.float(),
         ]
     )
+    if base_preds is not None:  # a Domino drafter's: what its backbone alone would get accepted
+        scalars = torch.cat([scalars, acceptance_metrics(base_preds, inputs.labels, inputs.weights)["tau"][None]])
     values = torch.cat([scalars, m["accuracy_per_position"]]).tolist()  # the step's one host sync
     loss_v, accuracy, tau, grad_norm_v, blocks, documents_v, tokens_v, supervised, reachable, sampled_v = values[:10]
     features_fine, batch_fine, step_fine = (v == 1.0 for v in values[10:13])
@@ -272,9 +313,11 @@ def train_step(state: TrainState, batch: Batch, *, dry_run: bool = False) -> dic
         "reachable": int(reachable),
         "sampled": int(sampled_v),
         "coverage": reachable / max(supervised, 1.0),
-        "accuracy_per_position": [round(x, 4) for x in values[13:]],
+        "accuracy_per_position": [round(x, 4) for x in values[len(scalars) :]],
         "skipped_step": not step_fine,
     }
+    if base_preds is not None:
+        out.update(base_tau=values[13] if batch_fine else 1.0, lambda_base=round(lam, 6))
     if not batch_fine:  # not trained: nothing of it in the counters or the metrics, and why
         out.update(
             loss=0.0,

@@ -5,6 +5,8 @@ No torch here: `launcher up --resume` checks the keys before it writes anything 
 
 from __future__ import annotations
 
+import dataclasses
+
 from services.run import runspec, shapes
 from services.run.config import upgrade
 from services.run.shapes import DrafterModelConfig
@@ -18,6 +20,10 @@ NOT_FOR_RESUME = frozenset({"initializer_range", "max_position_embeddings", "tie
 MODEL_FIELDS = tuple(f for f in shapes.MODEL_FIELDS if f not in NOT_FOR_RESUME)
 # ... and what batch g contains and which rank trains it (exactly-once across the resume).
 RUN_FIELDS = tuple(runspec.keys_deciding(runspec.RESUME_KINDS))
+# what a field not in an older checkpoint's state.json was then (fields added since, e.g. the Domino head's)
+MODEL_DEFAULTS = {
+    f.name: f.default for f in dataclasses.fields(DrafterModelConfig) if f.default is not dataclasses.MISSING
+}
 
 
 def _config_value(cfg: dict, dotted: str):
@@ -38,7 +44,7 @@ def model_errors(meta: dict, now_model: dict, skip: tuple[str, ...] = ()) -> lis
     for key in MODEL_FIELDS:
         if key in skip:
             continue
-        then = then_model.get(key)
+        then = then_model.get(key, MODEL_DEFAULTS.get(key))
         if then != now_model[key]:
             errors.append(f"model {key}: checkpoint {then!r}, now {now_model[key]!r}")
     return errors

@@ -136,6 +136,11 @@ class DrafterConfig:
     gamma: float = setting(0.0, batch="")  # loss decay; 0 = 4 for B=16 (measured), scaled with block size
     position_weights: str = setting("decay", batch="")  # "decay" (gamma's) | "dpace" (from the drafter's confidence)
     dpace_alpha: float = setting(0.5, batch="")  # D-PACE's smoothing of the confidence: (1 - alpha) q + alpha
+    objective: str = setting("dflash", batch="")  # "dflash" | "domino": DFlash + Domino's causal logit correction
+    domino_emb_dim: int = setting(256, batch="")  # the correction's low rank (Domino's emb_dim)
+    domino_gru_dim: int = setting(1024, batch="")  # the GRU's state over the block's earlier tokens (gru_hidden_dim)
+    domino_lambda_start: float = setting(1.0, batch="")  # the base logits' share of the loss at step 0
+    domino_decay_ratio: float = setting(0.5, batch="")  # ... falling linearly to 0 over this fraction of the run
     mask_token_id: int = setting(-1, batch="")  # -1 = tokenizer's mask token, else added <|MASK|>
     layer_types: list[str] = setting(
         factory=list, batch=""
@@ -439,6 +444,20 @@ def validate(cfg: Config) -> None:
     need(d.gamma >= 0, f"drafter.gamma must be >= 0 (0 = the default for the block size), got {d.gamma}")
     one_of("drafter.position_weights", d.position_weights, POSITION_WEIGHTS)
     need(0 < d.dpace_alpha <= 1, f"drafter.dpace_alpha must be in (0, 1], got {d.dpace_alpha}")
+    one_of("drafter.objective", d.objective, OBJECTIVES)
+    if d.objective == "domino":
+        need(
+            d.position_weights == "decay",
+            'drafter.objective = "domino" trains with drafter.position_weights = "decay" only, got '
+            f"{d.position_weights!r}",
+        )
+        for key in ("domino_emb_dim", "domino_gru_dim"):
+            need(getattr(d, key) >= 1, f"drafter.{key} must be >= 1, got {getattr(d, key)}")
+        need(
+            0 <= d.domino_lambda_start <= 1,
+            f"drafter.domino_lambda_start must be in [0, 1], got {d.domino_lambda_start}",
+        )
+        need(0 < d.domino_decay_ratio <= 1, f"drafter.domino_decay_ratio must be in (0, 1], got {d.domino_decay_ratio}")
     need(k.loss_chunk >= 1, f"kernels.loss_chunk must be >= 1, got {k.loss_chunk}")
     need(cfg.run.max_steps >= 0, f"run.max_steps must be >= 0 (0 = every epoch), got {cfg.run.max_steps}")
     for dotted in ("checkpoint.every", "checkpoint.keep", "eval.every", "supervise.max_restarts"):
@@ -510,6 +529,7 @@ TARGET_QUANTIZE = ("none", "fp8")
 FP8_DECODE_GEMMS = ("scaled", "few-token")  # services/target/fp8_few_tokens.py, its quantized mode
 DRAFTER_PRECISIONS = ("bf16", "fp8")  # services/drafter/precision.py
 POSITION_WEIGHTS = ("decay", "dpace")  # the loss weight of each block position (services/drafter/loss.py)
+OBJECTIVES = ("dflash", "domino")  # what the drafter predicts with (services/drafter/domino.py)
 
 
 def check_layout(layer_types: list, sliding_window, num_layers: int, prefix: str = "") -> None:

@@ -182,6 +182,8 @@ def drafter_shape(
         layer_types=list(cfg.drafter.layer_types),
         sliding_window=cfg.drafter.sliding_window or None,
     )
+    if cfg.drafter.objective == "domino":
+        values.update(domino_emb_dim=cfg.drafter.domino_emb_dim, domino_gru_dim=cfg.drafter.domino_gru_dim)
     if cfg.target.layer_ids:
         values["target_layer_ids"] = list(cfg.target.layer_ids)
     for key, value in cfg.drafter.overrides.items():

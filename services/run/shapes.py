@@ -60,6 +60,8 @@ class DrafterModelConfig:
     tie_word_embeddings: bool = False
     layer_types: list[str] = field(default_factory=list)  # per draft layer; empty = all full_attention
     sliding_window: int | None = None  # W of the sliding_attention layers
+    domino_emb_dim: int = 0  # Domino's correction head (services/drafter/domino.py): its low rank; 0 = none
+    domino_gru_dim: int = 0  # ... and its GRU's width
 
     def __post_init__(self):
         if not self.layer_types:
@@ -68,6 +70,11 @@ class DrafterModelConfig:
 
     def window(self, layer_type: str) -> int | None:
         return self.sliding_window if layer_type == SLIDING else None
+
+    @property
+    def domino(self) -> bool:
+        """Whether the drafter has Domino's causal correction head."""
+        return self.domino_gru_dim > 0
 
     @property
     def num_captured(self) -> int:
@@ -84,13 +91,22 @@ class DrafterModelConfig:
     def to_hf(self, dtype: str = "bfloat16") -> dict:
         """config.json of an export: the released z-lab drafters' fields at this shape (services/drafter/export.py
         says what each engine reads of it)."""
+        dflash = {"mask_token_id": self.mask_token_id, "target_layer_ids": list(self.target_layer_ids)}
+        if self.domino:  # the fields SGLang's Domino drafter reads; our blocks predict a+k at position k
+            dflash.update(
+                projector_type="domino",
+                emb_dim=self.domino_emb_dim,
+                gru_hidden_dim=self.domino_gru_dim,
+                shift_label=False,
+                pure_draft_prefix_len=0,
+            )
         return {
             "architectures": [ARCHITECTURE],
             "model_type": "qwen3",
             "attention_bias": self.attention_bias,
             "attention_dropout": 0.0,
             "block_size": self.block_size,
-            "dflash_config": {"mask_token_id": self.mask_token_id, "target_layer_ids": list(self.target_layer_ids)},
+            "dflash_config": dflash,
             "dtype": dtype,
             "head_dim": self.head_dim,
             "hidden_act": "silu",
@@ -120,6 +136,16 @@ class DrafterModelConfig:
         """The shape of an export's (or a released drafter's) config.json: target_layer_ids and mask_token_id
         from dflash_config, else the top level; the layout fields when present."""
         dflash = conf.get("dflash_config") or {}
+        domino = {}
+        if dflash.get("projector_type") is not None:
+            if dflash["projector_type"] != "domino":
+                raise ValueError(f"dflash_config.projector_type {dflash['projector_type']!r}: only 'domino' is known")
+            if dflash.get("shift_label") or dflash.get("pure_draft_prefix_len", 0):
+                raise ValueError(
+                    "dflash_config: a Domino drafter with shift_label true or pure_draft_prefix_len > 0 predicts "
+                    "other block positions than this service's drafters (shift_label false, pure_draft_prefix_len 0)"
+                )
+            domino = {"domino_emb_dim": int(dflash["emb_dim"]), "domino_gru_dim": int(dflash["gru_hidden_dim"])}
         return cls(
             **{name: conf[name] for name in HF_REQUIRED},
             initializer_range=conf.get("initializer_range", 0.02),
@@ -127,6 +153,7 @@ class DrafterModelConfig:
             mask_token_id=dflash.get("mask_token_id", conf.get("mask_token_id", -1)),
             layer_types=list(conf.get("layer_types") or []),
             sliding_window=conf.get("sliding_window"),
+            **domino,
         )
 
 

@@ -64,6 +64,37 @@ def test_three_ranks_cold_compile_train_in_lockstep(tmp_path):
     assert len(digests) == 1  # identical parameters on all ranks
 
 
+@pytest.mark.training
+def test_two_domino_ranks_all_reduce_the_head_too(tmp_path):
+    """drafter.objective = "domino": the head (prefix_gru, embed_proj) runs outside the DDP-wrapped forward,
+    and its gradients are all-reduced all the same: both ranks end with identical parameters."""
+    port, domino = free_port(), ['drafter.objective="domino"', "drafter.domino_emb_dim=16", "drafter.domino_gru_dim=24"]
+    procs = [
+        spawn_drafter(
+            tmp_path,
+            "--max-steps",
+            "12",
+            *SMALL,
+            *domino,
+            "drafter.num_layers=1",
+            "kernels.compile=false",
+            rank=r,
+            world_size=2,
+            port=port,
+        )
+        for r in range(2)
+    ]
+    outs = [p.communicate(timeout=240) for p in procs]
+    for p, (_out, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-3000:]
+    stopped = [events(out, "stopped")[0] for out, _ in outs]
+    assert [s["step"] for s in stopped] == [12, 12]
+    assert stopped[0]["params_digest"] == stopped[1]["params_digest"]
+    steps = events(outs[0][0], "step")
+    assert all("base_tau" in m and 0.0 <= m["lambda_base"] <= 1.0 for m in steps)
+    assert steps[-1]["lambda_base"] < steps[0]["lambda_base"]
+
+
 @pytest.mark.processes
 def test_health_while_training_then_sigterm_drains_and_exits_stopped(tmp_path):
     proc = spawn_drafter(tmp_path, "--max-steps", "100000", *SMALL, "kernels.compile=false", "log.every=1")

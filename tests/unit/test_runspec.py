@@ -98,6 +98,13 @@ def test_the_resume_check_reads_every_model_field_but_the_named_ones():
     # a checkpoint that recorded no layer_types (written before sliding-window layers) is not resumed
     older = {k: v for k, v in now.items() if k != "layer_types"}
     assert model_errors({"model": older}, now) == [f"model layer_types: checkpoint None, now {now['layer_types']!r}"]
+    # one written before the Domino head existed had none: it resumes a plain run, not a Domino one
+    before_domino = {k: v for k, v in now.items() if not k.startswith("domino_")}
+    assert model_errors({"model": before_domino}, now) == []
+    assert model_errors({"model": before_domino}, dict(now, domino_emb_dim=8, domino_gru_dim=12)) == [
+        "model domino_emb_dim: checkpoint 0, now 8",
+        "model domino_gru_dim: checkpoint 0, now 12",
+    ]
 
 
 def test_keys_not_marked_as_deciding_tokens_leave_the_packed_data_alone(data_file, tokenizer):

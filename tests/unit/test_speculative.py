@@ -63,7 +63,8 @@ def reference(verifier, p, max_new=16, stops=()):
     return greedy_reference(verifier, p, max_new, stops)
 
 
-def random_drafter(target, layer_ids, block_size=B, seed=3):
+def random_drafter(target, layer_ids, block_size=B, seed=3, **shape):
+    """A drafter of random weights for a tiny target; shape: more DrafterModelConfig fields (a Domino head)."""
     cfg = DrafterModelConfig(
         hidden_size=64,
         intermediate_size=128,
@@ -76,6 +77,7 @@ def random_drafter(target, layer_ids, block_size=B, seed=3):
         target_layer_ids=layer_ids,
         block_size=block_size,
         mask_token_id=VOCAB - 1,
+        **shape,
     )
     model = target.model
     head = TargetHead(model.get_input_embeddings().weight.detach(), model.lm_head.weight.detach())

@@ -1,0 +1,139 @@
+"""Domino's causal correction of a DFlash block (drafter.objective = "domino"; arXiv 2605.29707).
+
+DFlash drafts the B-1 positions of a block in one parallel pass, each blind to the tokens drafted
+before it in the same block. Domino keeps that pass and adds a small causal head: a GRU reads the
+block's tokens one by one, and a low-rank MLP of [drafter output ; GRU state] adds a correction
+to each position's logits:
+
+    g_k      = GRU(embed(t_0), ..., embed(t_{k-1}))        t_0 the anchor, t_j the token at position j
+    u_k      = silu(W1 [z_k ; g_k])                        [E]   embed_proj.0, E = drafter.domino_emb_dim
+    logits_k = z_k @ lm_head^T  +  u_k @ W2^T              base + correction; embed_proj.2 = W2 [V, E]
+
+Training teacher-forces t_1 .. t_{B-2} with the labels (the target's greedy tokens: the only tokens
+an earlier draft can be and still be accepted) and weighs two cross-entropies by a curriculum:
+
+    loss = (1 - lambda) CE(final) + lambda CE(base),   lambda = start * max(0, 1 - progress / decay_ratio)
+
+so the parallel backbone learns first and the head takes over (Domino's base-anchored curriculum;
+progress is the lr schedule's, so a resume continues it). Decoding rolls the head out: position k's
+token is the argmax of its corrected logits and is fed to the GRU for position k+1, B-1 small steps
+after the one parallel pass.
+
+The parameter names (prefix_gru.weight_{ih,hh}_l0, embed_proj.{0,2}.weight) and the config fields
+(dflash_config.projector_type "domino", emb_dim, gru_hidden_dim, shift_label false,
+pure_draft_prefix_len 0) are those of SpecForge's Domino drafters, which SGLang's DFlash worker
+serves; shift_label false is the block layout of every DFlash drafter here (position k predicts a+k).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def make_head(hidden_size: int, emb_dim: int, gru_dim: int, vocab_size: int) -> tuple[nn.GRU, nn.Sequential]:
+    """(prefix_gru, embed_proj), shaped and named as SpecForge's: no biases."""
+    gru = nn.GRU(input_size=hidden_size, hidden_size=gru_dim, num_layers=1, batch_first=True, bias=False)
+    proj = nn.Sequential(
+        nn.Linear(hidden_size + gru_dim, emb_dim, bias=False), nn.SiLU(), nn.Linear(emb_dim, vocab_size, bias=False)
+    )
+    return gru, proj
+
+
+def lambda_base(progress: float, start: float, decay_ratio: float) -> float:
+    """The base logits' share of the loss at this fraction of the run."""
+    return start * max(0.0, 1.0 - progress / decay_ratio)
+
+
+def gru_states(gru: nn.GRU, embeds: torch.Tensor, state: torch.Tensor | None = None):
+    """(outputs [N, T, G], last state [1, N, G]) in fp32, outside autocast: the GRU is small, and fp32
+    keeps training's states and decoding's step-by-step ones the same."""
+    with torch.autocast(embeds.device.type, enabled=False):
+        weight = gru.weight_ih_l0
+        return gru(embeds.to(weight.dtype), None if state is None else state.to(weight.dtype))
+
+
+def teacher_states(drafter, embed_tokens, anchors_tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """GRU states [N, B-1, G] of training's blocks: position k reads t_0 (the block's first token) and
+    the labels of positions 1 .. k-1."""
+    tokens = torch.cat([anchors_tokens[:, None], labels[:, :-1]], dim=1)
+    return gru_states(drafter.prefix_gru, embed_tokens(tokens))[0]
+
+
+def low_rank(drafter, z: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """u = silu(W1 [z ; g]) [..., E], in z's dtype."""
+    return drafter.embed_proj[1](drafter.embed_proj[0](torch.cat([z, g.to(z.dtype)], dim=-1)))
+
+
+@torch.no_grad()
+def rollout(drafter, embed_tokens, lm_head: torch.Tensor, z: torch.Tensor, first_tokens: torch.Tensor) -> torch.Tensor:
+    """Greedy drafts [N, B-1] of blocks whose drafter outputs are z [N, B-1, H] (positions 1..B-1)
+    and whose first tokens are first_tokens [N]: one GEMM for the base logits, then B-1 GRU steps."""
+    base = z @ lm_head.t()  # [N, B-1, V]
+    w2 = drafter.embed_proj[2].weight
+    token, state, drafts = first_tokens, None, []
+    for k in range(z.shape[1]):
+        g, state = gru_states(drafter.prefix_gru, embed_tokens(token)[:, None], state)
+        token = (base[:, k] + low_rank(drafter, z[:, k], g[:, 0]) @ w2.t()).argmax(-1)
+        drafts.append(token)
+    return torch.stack(drafts, dim=1)
+
+
+class _DominoCE(torch.autograd.Function):
+    """The chunked loss of module docstring, its gradients computed in the forward pass while each
+    chunk's logits are at hand (as loss.py's _ChunkedCE): hidden [R, H], u [R, E], the trainable W2
+    [V, E], the frozen lm_head [V, H]. Returns (loss, final predictions, base predictions)."""
+
+    @staticmethod
+    def forward(ctx, hidden, u, w2, lm_head, labels, scale, lam: float, chunk: int):
+        rows, dtype = hidden.shape[0], hidden.dtype
+        want_grad = any(ctx.needs_input_grad[:3])
+        w2c = w2.to(dtype)
+        loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        preds = torch.empty(rows, dtype=torch.long, device=hidden.device)
+        base_preds = torch.empty_like(preds)
+        grad_h = torch.empty_like(hidden) if want_grad else None
+        grad_u = torch.empty_like(u) if want_grad else None
+        grad_w2 = torch.zeros(w2.shape, dtype=torch.float32, device=w2.device) if want_grad else None
+        for start in range(0, rows, chunk):
+            end = min(start + chunk, rows)
+            h, uc, y, s = hidden[start:end], u[start:end].to(dtype), labels[start:end, None], scale[start:end]
+            base = (h @ lm_head.t()).float()
+            final = base + (uc @ w2c.t()).float()
+            base_preds[start:end], preds[start:end] = base.argmax(-1), final.argmax(-1)
+            g_final = _ce_and_grad(final, y, s, 1.0 - lam, out=loss)
+            g_base = _ce_and_grad(base, y, s, lam, out=loss) if lam > 0 else None
+            if want_grad:
+                grad_u[start:end] = g_final.to(dtype) @ w2c  # (cast to u's dtype on assignment)
+                grad_w2 += (g_final.t().to(dtype) @ uc).float()
+                grad_h[start:end] = (g_final if g_base is None else g_final + g_base).to(dtype) @ lm_head
+        ctx.mark_non_differentiable(preds, base_preds)
+        if want_grad:
+            ctx.save_for_backward(grad_h, grad_u, grad_w2)
+        return loss, preds, base_preds
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_preds, _grad_base_preds):
+        grad_h, grad_u, grad_w2 = ctx.saved_tensors
+        g = grad_loss.float()
+        return grad_h * g.to(grad_h.dtype), grad_u * g.to(grad_u.dtype), grad_w2 * g, None, None, None, None, None
+
+
+def _ce_and_grad(logits: torch.Tensor, labels: torch.Tensor, scale: torch.Tensor, share: float, out: torch.Tensor):
+    """Adds share * sum(scale * CE) to out; returns d(that) / d logits (softmax - one-hot, weighted)."""
+    lse = torch.logsumexp(logits, dim=-1)
+    picked = logits.gather(1, labels)[:, 0]
+    out += share * (torch.where(scale > 0, lse - picked, 0.0) * scale).sum()
+    grad = torch.exp(logits - lse[:, None])
+    grad.scatter_add_(1, labels, torch.full_like(picked[:, None], -1.0))
+    return grad * (share * scale)[:, None]
+
+
+def domino_cross_entropy(hidden, u, w2, lm_head, labels, weights, lam: float, chunk: int = 2048):
+    """hidden [R, H] (positions 1..B-1, block by block), u [R, E], W2 [V, E], lm_head [V, H], labels [R],
+    weights [N, B-1] -> (loss, predictions [R], base predictions [R]); the weights are normalized to sum 1."""
+    if chunk < 1:
+        raise ValueError(f"kernels.loss_chunk must be >= 1, got {chunk}")
+    w = weights.float().flatten()
+    scale = w / w.sum().clamp(min=torch.finfo(torch.float32).tiny)
+    return _DominoCE.apply(hidden.to(lm_head.dtype), u, w2, lm_head, labels, scale, float(lam), chunk)

@@ -1,0 +1,161 @@
+"""drafter.objective = "domino" (services/drafter/domino.py): the chunked loss and its gradients equal
+autograd of the formula; decoding's rollout drafts what training's teacher-forced head predicts for
+the same tokens; a Domino drafter trains, decodes losslessly on a real HF target (one prompt, packed
+and padded alike), and exports in the layout SGLang's Domino drafters have, read back by `launcher eval`."""
+
+import json
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from services.drafter import domino
+from services.drafter.export import export_weights
+from services.drafter.speculative import greedy_reference, speculative_generate
+from services.drafter.train import WarmupCosine, train_step
+from services.eval.launcher_eval import load_weights
+from services.eval.verifier import LocalVerifier
+from services.run.shapes import DrafterModelConfig
+from tests.tiny_targets import DENSE_LAYER_IDS, prompt
+from tests.unit.test_drafter_train import make
+from tests.unit.test_speculative import random_drafter
+
+B = 4
+HEAD = dict(domino_emb_dim=8, domino_gru_dim=12)
+
+
+@pytest.mark.parametrize("lam", [0.0, 0.3, 1.0])
+@pytest.mark.parametrize("chunk", [5, 4096])
+def test_the_chunked_loss_and_its_gradients_are_autograd_of_the_formula(lam, chunk):
+    g = torch.Generator().manual_seed(0)
+    n, positions, hidden_size, emb, vocab = 6, 3, 16, 8, 40
+    rows = n * positions
+    h = torch.randn(rows, hidden_size, generator=g, requires_grad=True)
+    u = torch.randn(rows, emb, generator=g, requires_grad=True)
+    w2 = (0.1 * torch.randn(vocab, emb, generator=g)).requires_grad_()
+    lm_head = torch.randn(vocab, hidden_size, generator=g)
+    labels = torch.randint(0, vocab, (rows,), generator=g)
+    weights = torch.rand(n, positions, generator=g) * (torch.rand(n, positions, generator=g) > 0.3)
+
+    loss, preds, base_preds = domino.domino_cross_entropy(h, u, w2, lm_head, labels, weights, lam, chunk)
+    loss.backward()
+    got = [loss.detach(), h.grad, u.grad, w2.grad]
+    for t in (h, u, w2):
+        t.grad = None
+
+    base = h @ lm_head.t()
+    final = base + u @ w2.t()
+    w = weights.flatten() / weights.sum()
+    ce = lambda logits: F.cross_entropy(logits, labels, reduction="none")  # noqa: E731
+    want_loss = (w * ((1 - lam) * ce(final) + lam * ce(base))).sum()
+    want_loss.backward()
+    for a, b in zip(got, [want_loss.detach(), h.grad, u.grad, w2.grad]):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+    assert torch.equal(preds, final.argmax(-1)) and torch.equal(base_preds, base.argmax(-1))
+    if lam == 1.0:  # all on the base logits: the head learns nothing yet
+        assert got[2].abs().max() == 0 and got[3].abs().max() == 0
+
+
+def test_decoding_drafts_what_the_teacher_forced_head_predicts_for_those_tokens():
+    """The GRU's alignment: rolled out, position k reads the first token and the drafts of positions
+    1..k-1; teacher-forced with those drafts as the labels, training's logits pick the same tokens."""
+    shape = DrafterModelConfig(
+        hidden_size=16,
+        intermediate_size=32,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+        vocab_size=50,
+        num_target_layers=4,
+        num_hidden_layers=1,
+        target_layer_ids=[1],
+        block_size=6,
+        **HEAD,
+    )
+    from services.drafter.model import DFlashDrafter
+
+    torch.manual_seed(1)
+    drafter = DFlashDrafter(shape)
+    embed, lm_head = torch.randn(50, 16), 0.02 * torch.randn(50, 16)  # base logits the correction can move
+    z, first = torch.randn(7, 5, 16), torch.randint(0, 50, (7,))
+    embed_tokens = lambda ids: F.embedding(ids, embed)  # noqa: E731
+    drafts = domino.rollout(drafter, embed_tokens, lm_head, z, first)
+    states = domino.teacher_states(drafter, embed_tokens, first, drafts)
+    teacher = z @ lm_head.t() + domino.low_rank(drafter, z, states) @ drafter.embed_proj[2].weight.t()
+    assert torch.equal(teacher.argmax(-1), drafts)
+    plain = (z @ lm_head.t()).argmax(-1)
+    assert not torch.equal(plain, drafts)  # the correction changed some drafts: the test can tell
+
+
+def test_the_curriculum_moves_the_loss_from_the_base_to_the_corrected_logits():
+    assert [domino.lambda_base(p, 1.0, 0.5) for p in (0.0, 0.25, 0.5, 0.9)] == [1.0, 0.5, 0.0, 0.0]
+    assert domino.lambda_base(0.1, 0.8, 0.2) == pytest.approx(0.4)
+    schedule = WarmupCosine(warmup=2, total=10)
+    assert [schedule.progress(s) for s in (0, 5, 10, 20)] == [0.0, 0.5, 1.0, 1.0]
+
+
+@pytest.mark.slow
+def test_a_domino_drafter_learns_and_reports_its_backbone_alone():
+    state, source = make(
+        'drafter.objective="domino"', "drafter.domino_emb_dim=32", "drafter.domino_gru_dim=48", steps=32
+    )
+    assert state.drafter.cfg.domino and state.drafter.prefix_gru.hidden_size == 48
+    metrics = [train_step(state, batch) for batch in source]
+    assert all(math.isfinite(m["loss"]) for m in metrics)
+    lams = [m["lambda_base"] for m in metrics]
+    assert lams[0] == 1.0 and lams == sorted(lams, reverse=True) and lams[-1] == 0.0  # default decay_ratio 0.5
+    mean = lambda ms, k: sum(m[k] for m in ms) / len(ms)  # noqa: E731
+    assert mean(metrics[-4:], "loss") < mean(metrics[:4], "loss") - 0.5
+    assert mean(metrics[-4:], "tau") > mean(metrics[:4], "tau")
+    assert all(1.0 <= m["base_tau"] <= B * 4 for m in metrics)
+
+
+def test_domino_settings_are_checked_by_name():
+    with pytest.raises(Exception, match='drafter.objective = "domino" trains with drafter.position_weights = "decay"'):
+        make('drafter.objective="domino"', 'drafter.position_weights="dpace"', steps=1)
+    with pytest.raises(Exception, match="drafter.objective must be one of dflash, domino"):
+        make('drafter.objective="eagle"', steps=1)
+    with pytest.raises(Exception, match=r"drafter.domino_decay_ratio must be in \(0, 1\]"):
+        make('drafter.objective="domino"', "drafter.domino_decay_ratio=0", steps=1)
+
+
+def test_a_domino_drafter_decodes_losslessly_one_prompt_packed_and_padded_alike(dense):
+    drafter = random_drafter(dense, DENSE_LAYER_IDS, B, **HEAD)
+    plain = random_drafter(dense, DENSE_LAYER_IDS, B)
+    assert drafter.cfg.domino and not plain.cfg.domino
+    verifier = LocalVerifier(dense)
+    for seed in range(2):
+        p = prompt(70 + seed, n=6 + 4 * seed)
+        ref = greedy_reference(verifier, p, 20)
+        out = speculative_generate(verifier, drafter, p, max_new_tokens=20)
+        assert out.tokens == ref.tokens and all(1 <= s <= B for s in out.steps)
+    g = torch.Generator().manual_seed(2)
+    lengths, lasts = [3, 11, 7], [5, 17, 42]
+    features = torch.randn(len(lengths), 16, len(DENSE_LAYER_IDS) * 64, generator=g)
+    alone = [drafter(features[i, :n], t, n).tolist() for i, (n, t) in enumerate(zip(lengths, lasts))]
+    assert drafter.many([features[i, :n] for i, n in enumerate(lengths)], lasts) == alone
+    assert drafter.padded(features, torch.tensor(lengths), torch.tensor(lasts), max(lengths)).tolist() == alone
+
+
+def test_the_export_has_sglangs_domino_fields_and_launcher_eval_reads_it_back(tmp_path, dense):
+    drafter = random_drafter(dense, DENSE_LAYER_IDS, B, **HEAD).drafter
+    weights = {k: v.detach().clone() for k, v in drafter.state_dict().items()}
+    assert {"prefix_gru.weight_ih_l0", "prefix_gru.weight_hh_l0", "embed_proj.0.weight", "embed_proj.2.weight"} <= set(
+        weights
+    )
+    out = export_weights(weights, drafter.cfg, tmp_path / "export", dtype="float32")
+    conf = json.loads((out / "config.json").read_text())
+    assert conf["architectures"] == ["DFlashDraftModel"]
+    assert {k: conf["dflash_config"][k] for k in ("projector_type", "emb_dim", "gru_hidden_dim")} == {
+        "projector_type": "domino",
+        "emb_dim": 8,
+        "gru_hidden_dim": 12,
+    }
+    assert conf["dflash_config"]["shift_label"] is False and conf["dflash_config"]["pure_draft_prefix_len"] == 0
+    loaded, shape, _, _ = load_weights(out)
+    assert shape == drafter.cfg and all(torch.equal(loaded[k], weights[k]) for k in weights)
+    assert "projector_type" not in random_drafter(dense, DENSE_LAYER_IDS, B).cfg.to_hf()["dflash_config"]
+    shifted = {**conf, "dflash_config": {**conf["dflash_config"], "shift_label": True}}
+    with pytest.raises(ValueError, match="shift_label true or pure_draft_prefix_len > 0"):
+        DrafterModelConfig.from_hf(shifted)
