@@ -7,7 +7,8 @@ peak (bench/timing.py; 989.4 TFLOP/s on an H200), whatever the precision, so run
 matmul rate measured in the same run is printed beside it.
 
 --precision bf16,fp8 runs each shape once per kernels.precision, side by side in one process, and
-prints the ratio of each to the first.
+prints the ratio of each to the first; --objective dflash,domino does the same for drafter.objective
+(Domino's correction head at SpecForge's default size, rank 256 and GRU 1024: services/drafter/domino.py).
 
     python bench/drafter_step.py                                   # (a) recipe and (b) large
     python bench/drafter_step.py --shape recipe --steps 20 --out $OUT/drafter_step.json
@@ -121,6 +122,7 @@ def parse_args(argv=None):
         help="torchao float8 recipe for kernels.precision=fp8: tensorwise (the product's), rowwise, rowwise_with_gw_hp",
     )
     p.add_argument("--precision", default="bf16", help="kernels.precision, or a comma list run side by side: bf16,fp8")
+    p.add_argument("--objective", default="dflash", help="drafter.objective, or a comma list run side by side")
     p.add_argument("--attention", choices=["auto", "flex", "dense"], default="auto")
     p.add_argument("--no-compile", action="store_true", help="eager layers and loss (flex stays compiled)")
     p.add_argument("--no-breakdown", action="store_true")
@@ -192,7 +194,7 @@ def attended_pairs(inputs, block_size: int, window: int | None = None) -> int:
     return int(((seen + own[None, :]) * valid[:, None]).sum())
 
 
-def bench_shape(name, shape, args, peak_tflops, layout="full", precision="bf16"):
+def bench_shape(name, shape, args, peak_tflops, layout="full", precision="bf16", objective="dflash"):
     import torch
 
     from services.drafter import precision as drafter_precision
@@ -219,6 +221,7 @@ def bench_shape(name, shape, args, peak_tflops, layout="full", precision="bf16")
             f"kernels.loss_chunk={args.loss_chunk}",
             f'kernels.precision="{precision}"',
             f'kernels.attention="{args.attention}"',
+            f'drafter.objective="{objective}"',
             "optimizer.lr=1e-4",
             *layout_overrides(layout, shape["layers"], args.window),
         ],
@@ -249,6 +252,7 @@ def bench_shape(name, shape, args, peak_tflops, layout="full", precision="bf16")
         **shape,
         "layout": layout,
         "precision": precision,
+        "objective": objective,
         "fp8_recipe": drafter_precision.FP8_RECIPE if precision == "fp8" else None,
         "layer_types": model_cfg.layer_types,
         "sliding_window": model_cfg.sliding_window,
@@ -262,7 +266,8 @@ def bench_shape(name, shape, args, peak_tflops, layout="full", precision="bf16")
         "matmul_measured_tflops": round(peak_tflops["measured"], 1),
     }
     print(
-        f"[{name} {layout} {precision}] {result['trainable_params'] / 1e9:.3f} B trainable params; compiling ...",
+        f"[{name} {layout} {precision} {objective}] {result['trainable_params'] / 1e9:.3f} B trainable params; "
+        "compiling ...",
         flush=True,
     )
 
@@ -319,7 +324,7 @@ def bench_shape(name, shape, args, peak_tflops, layout="full", precision="bf16")
         last_loss=round(metrics["loss"], 4),
     )
 
-    if not args.no_breakdown:
+    if not args.no_breakdown and objective == "dflash":  # (its loss part times DFlash's loss)
         result["breakdown_s"] = breakdown(state, batches[0], inputs, step_s)
     if args.profile and device.type == "cuda":
         from torch.profiler import ProfilerActivity, profile
@@ -420,26 +425,29 @@ def main(argv=None):
     names = ["recipe", "large"] if args.shape == "all" else [args.shape]
     layouts = ["full", "hybrid"] if args.layout == "both" else [args.layout]
     precisions = args.precision.split(",")
+    objectives = args.objective.split(",")
     results = []
     for name in names:
         runs = {}
         for layout in layouts:
             for precision in precisions:
-                r = bench_shape(name, shape_from_args(args, name), args, peak, layout, precision)
-                results.append(r)
-                runs[layout, precision] = r
-                print(json.dumps(r, indent=1), flush=True)
-                print(
-                    f"[{name} {layout} {precision}] step {r['step_s'] * 1e3:.1f} ms | {r['tokens_per_s']:.0f} tok/s | "
-                    f"{r['trained_positions_per_s']:.0f} trained positions/s | peak {r['peak_memory_gib']} GiB | "
-                    f"{r['achieved_tflops']} TFLOP/s = MFU {r['mfu'] * 100:.1f}% "
-                    f"({r['mfu_of_measured'] * 100:.1f}% of the measured matmul rate) | compile {r['compile_s']} s | "
-                    f"recompiles {r['recompiles']}",
-                    flush=True,
-                )
+                for objective in objectives:
+                    r = bench_shape(name, shape_from_args(args, name), args, peak, layout, precision, objective)
+                    results.append(r)
+                    runs[layout, precision, objective] = r
+                    print(json.dumps(r, indent=1), flush=True)
+                    print(
+                        f"[{name} {layout} {precision} {objective}] step {r['step_s'] * 1e3:.1f} ms | "
+                        f"{r['tokens_per_s']:.0f} tok/s | "
+                        f"{r['trained_positions_per_s']:.0f} trained positions/s | peak {r['peak_memory_gib']} GiB | "
+                        f"{r['achieved_tflops']} TFLOP/s = MFU {r['mfu'] * 100:.1f}% "
+                        f"({r['mfu_of_measured'] * 100:.1f}% of the measured matmul rate) | compile {r['compile_s']} s"
+                        f" | recompiles {r['recompiles']}",
+                        flush=True,
+                    )
         for precision in precisions:
             if len(layouts) == 2:
-                full, hybrid = runs["full", precision], runs["hybrid", precision]
+                full, hybrid = runs["full", precision, objectives[0]], runs["hybrid", precision, objectives[0]]
                 print(
                     f"[{name} {precision}] hybrid (window {args.window}) vs full: step "
                     f"{hybrid['step_s'] / full['step_s']:.3f}x, i.e. {full['step_s'] / hybrid['step_s']:.2f}x faster; "
@@ -448,11 +456,11 @@ def main(argv=None):
                     flush=True,
                 )
         for layout in layouts:
-            base = runs[layout, precisions[0]]
-            for precision in precisions[1:]:
-                r = runs[layout, precision]
+            base = runs[layout, precisions[0], objectives[0]]
+            for precision, objective in [(p, o) for p in precisions for o in objectives][1:]:
+                r = runs[layout, precision, objective]
                 print(
-                    f"[{name} {layout}] {precision} vs {precisions[0]}: "
+                    f"[{name} {layout}] {precision} {objective} vs {precisions[0]} {objectives[0]}: "
                     f"{r['tokens_per_s'] / base['tokens_per_s']:.3f}x tok/s "
                     f"({base['step_s'] * 1e3:.1f} -> {r['step_s'] * 1e3:.1f} ms), "
                     f"loss {base['last_loss']} vs {r['last_loss']}",

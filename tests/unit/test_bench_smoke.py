@@ -92,3 +92,15 @@ def test_flex_check_windowed_masks_on_cpu():
     flex_check.RESULTS.clear()
     assert flex_check.main(["--device", "cpu"]) == 0
     assert len(flex_check.RESULTS) == 2 and all("window=" in r["check"] for r in flex_check.RESULTS)
+
+
+def test_drafter_step_compares_objectives_on_cpu(tmp_path, capsys):
+    """--objective dflash,domino: both run at the same shape and the ratio is printed."""
+    out = tmp_path / "step.json"
+    args = "--shape custom --hidden 64 --intermediate 128 --heads 4 --kv-heads 2 --head-dim 16 --layers 1"
+    args += " --seq-len 256 --anchors 8 --block-size 4 --vocab 256 --device cpu --steps 1 --warmup-steps 1"
+    assert drafter_step.main([*args.split(), "--no-compile", "--objective", "dflash,domino", "--out", str(out)]) == 0
+    plain, domino = json.loads(out.read_text())["results"]
+    assert (plain["objective"], domino["objective"]) == ("dflash", "domino")
+    assert domino["trainable_params"] > plain["trainable_params"] and "breakdown_s" not in domino
+    assert "bf16 domino vs bf16 dflash:" in capsys.readouterr().out
