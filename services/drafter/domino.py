@@ -45,19 +45,14 @@ def lambda_base(progress: float, start: float, decay_ratio: float) -> float:
     return start * max(0.0, 1.0 - progress / decay_ratio)
 
 
-def gru_states(gru: nn.GRU, embeds: torch.Tensor, state: torch.Tensor | None = None):
-    """(outputs [N, T, G], last state [1, N, G]) in fp32, outside autocast: the GRU is small, and fp32
-    keeps training's states and decoding's step-by-step ones the same."""
-    with torch.autocast(embeds.device.type, enabled=False):
-        weight = gru.weight_ih_l0
-        return gru(embeds.to(weight.dtype), None if state is None else state.to(weight.dtype))
-
-
-def teacher_states(drafter, embed_tokens, anchors_tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+def teacher_states(drafter, embed_tokens, first_tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """GRU states [N, B-1, G] of training's blocks: position k reads t_0 (the block's first token) and
-    the labels of positions 1 .. k-1."""
-    tokens = torch.cat([anchors_tokens[:, None], labels[:, :-1]], dim=1)
-    return gru_states(drafter.prefix_gru, embed_tokens(tokens))[0]
+    the labels of positions 1 .. k-1. torch's GRU (cuDNN's on a GPU) on the fp32 master weights,
+    outside autocast: it is small, and fp32 keeps these states and decoding's step-by-step ones alike."""
+    tokens = torch.cat([first_tokens[:, None], labels[:, :-1]], dim=1)
+    embeds = embed_tokens(tokens)
+    with torch.autocast(embeds.device.type, enabled=False):
+        return drafter.prefix_gru(embeds.to(drafter.prefix_gru.weight_ih_l0.dtype))[0]
 
 
 def low_rank(drafter, z: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
@@ -65,16 +60,27 @@ def low_rank(drafter, z: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     return drafter.embed_proj[1](drafter.embed_proj[0](torch.cat([z, g.to(z.dtype)], dim=-1)))
 
 
+def gru_step(w_ih: torch.Tensor, w_hh: torch.Tensor, x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    """One step of torch's GRU without biases (gates r, z, n in its weights' order), in the weights'
+    dtype: decoding runs it in fp32 whatever the drafter's dtype, as training's GRU runs."""
+    r_i, z_i, n_i = (x.to(w_ih.dtype) @ w_ih.t()).chunk(3, dim=-1)
+    r_h, z_h, n_h = (h @ w_hh.t()).chunk(3, dim=-1)
+    r, z = torch.sigmoid(r_i + r_h), torch.sigmoid(z_i + z_h)
+    return (1 - z) * torch.tanh(n_i + r * n_h) + z * h
+
+
 @torch.no_grad()
 def rollout(drafter, embed_tokens, lm_head: torch.Tensor, z: torch.Tensor, first_tokens: torch.Tensor) -> torch.Tensor:
     """Greedy drafts [N, B-1] of blocks whose drafter outputs are z [N, B-1, H] (positions 1..B-1)
     and whose first tokens are first_tokens [N]: one GEMM for the base logits, then B-1 GRU steps."""
     base = z @ lm_head.t()  # [N, B-1, V]
-    w2 = drafter.embed_proj[2].weight
-    token, state, drafts = first_tokens, None, []
+    gru, w2 = drafter.prefix_gru, drafter.embed_proj[2].weight
+    w_ih, w_hh = gru.weight_ih_l0.float(), gru.weight_hh_l0.float()
+    token, drafts = first_tokens, []
+    h = torch.zeros(z.shape[0], gru.hidden_size, dtype=torch.float32, device=z.device)
     for k in range(z.shape[1]):
-        g, state = gru_states(drafter.prefix_gru, embed_tokens(token)[:, None], state)
-        token = (base[:, k] + low_rank(drafter, z[:, k], g[:, 0]) @ w2.t()).argmax(-1)
+        h = gru_step(w_ih, w_hh, embed_tokens(token), h)
+        token = (base[:, k] + low_rank(drafter, z[:, k], h) @ w2.t()).argmax(-1)
         drafts.append(token)
     return torch.stack(drafts, dim=1)
 

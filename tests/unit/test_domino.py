@@ -86,6 +86,10 @@ def test_decoding_drafts_what_the_teacher_forced_head_predicts_for_those_tokens(
     assert torch.equal(teacher.argmax(-1), drafts)
     plain = (z @ lm_head.t()).argmax(-1)
     assert not torch.equal(plain, drafts)  # the correction changed some drafts: the test can tell
+    # a bf16 drafter (decoding on a GPU) rolls out with its GRU in fp32: mostly the same drafts (bf16 rounds)
+    half = drafter.to(torch.bfloat16)
+    bf16 = domino.rollout(half, lambda ids: F.embedding(ids, embed.bfloat16()), lm_head.bfloat16(), z.bfloat16(), first)
+    assert bf16.dtype == torch.long and (bf16 == drafts).float().mean() > 0.8
 
 
 def test_the_curriculum_moves_the_loss_from_the_base_to_the_corrected_logits():
