@@ -23,13 +23,15 @@ import time
 
 def describe_window(window: dict | None) -> str:
     """'@300 (all ranks, last 10 steps): loss 4.1700 τ 3.59 coverage 91% 11.7 Ktok/s', or '' before the
-    first line. Coverage: the supervised tokens the anchor rule can train at k = 1."""
+    first line. Coverage: the supervised tokens the anchor rule can train at k = 1. A Domino drafter's
+    τ is followed by its backbone's alone: 'τ 4.70 (backbone alone 3.71)'."""
     if not window:
         return ""
     coverage = f" coverage {100 * window['coverage']:.0f}%" if window.get("coverage") is not None else ""
+    base = f" (backbone alone {window['base_tau']:.2f})" if window.get("base_tau") is not None else ""
     return (
         f"@{window['step']} (all ranks, last {window.get('steps', '?')} steps): loss {window['loss']:.4f} "
-        f"τ {window['tau']:.2f}{coverage} {rate(window['tokens_per_s'])}"
+        f"τ {window['tau']:.2f}{base}{coverage} {rate(window['tokens_per_s'])}"
     )
 
 

@@ -130,6 +130,8 @@ def last_window(run_dir: Path) -> dict | None:
     try:
         window = {k: last.get(k) for k in ("step", "loss", "tau", "coverage", "tokens_per_s", "data_wait_frac")}
         window["steps"] = last["step"] - train[-2]["step"] if len(train) > 1 else last["step"]
+        if "base_tau" in last:  # a Domino drafter
+            window["base_tau"] = last["base_tau"]
         float(window["loss"]), float(window["tau"]), float(window["tokens_per_s"])
     except (KeyError, TypeError, ValueError):
         return None

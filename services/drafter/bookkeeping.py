@@ -213,6 +213,8 @@ class Bookkeeping:
         # tokens_per_s of the worker itself: this rank's tokens over the same window.
         window = {k: record[k] for k in ("step", "loss", "tau", "coverage", "tokens_per_s", "data_wait_frac")}
         window["steps"] = self.state.step - self.logged_step
+        if "base_tau" in record:  # a Domino drafter: τ of its backbone alone, beside the corrected τ
+            window["base_tau"] = record["base_tau"]
         self.health.progress(
             window=window,
             loss=record["loss"],

@@ -163,3 +163,11 @@ def test_the_export_has_sglangs_domino_fields_and_launcher_eval_reads_it_back(tm
     shifted = {**conf, "dflash_config": {**conf["dflash_config"], "shift_label": True}}
     with pytest.raises(ValueError, match="shift_label true or pure_draft_prefix_len > 0"):
         DrafterModelConfig.from_hf(shifted)
+
+
+def test_launcher_status_shows_the_backbone_alone_beside_the_corrected_tau():
+    from launcher.progress import describe_window
+
+    window = {"step": 20, "loss": 1.5, "tau": 4.7, "coverage": 0.9, "tokens_per_s": 17.3, "steps": 10}
+    assert "τ 4.70 coverage" in describe_window(window)
+    assert "τ 4.70 (backbone alone 3.71) coverage 90%" in describe_window({**window, "base_tau": 3.71})
