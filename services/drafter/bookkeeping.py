@@ -14,7 +14,6 @@ import json
 import logging
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Callable
 
 from services.drafter import checkpoint as ckpt
@@ -54,10 +53,7 @@ class NonFiniteError(exits.FinalError):
 class BookSettings:
     """What the bookkeeping reads of the run, built once from the config (as train.StepSettings is)."""
 
-    run_dir: Path
-    rank: int
-    world_size: int
-    num_targets: int  # the target workers that verify real acceptance (0: a local target, synthetic)
+    at: Placement  # num_targets: the target workers that verify real acceptance (0: a local target, synthetic)
     log_every: int
     eval_every: int
     checkpoint_every: int
@@ -77,10 +73,7 @@ class BookSettings:
     @classmethod
     def from_config(cls, cfg: Config, at: Placement) -> "BookSettings":
         return cls(
-            run_dir=at.run_dir,
-            rank=at.rank,
-            world_size=at.world_size,
-            num_targets=at.num_targets,
+            at=at,
             log_every=cfg.log.every,
             eval_every=cfg.eval.every,
             checkpoint_every=cfg.checkpoint.every,
@@ -110,10 +103,10 @@ class Bookkeeping:
     ):
         """plan: the run's (schedule.py), for the batches a checkpoint has done; None: one split from the start."""
         self.settings = books = settings
-        self.run_dir, self.rank, self.world_size = books.run_dir, books.rank, books.world_size
+        self.run_dir, self.rank, self.world_size = books.at.run_dir, books.at.rank, books.at.world_size
         self.plan = plan
         self.state, self.health, self.eval_batches = state, health, eval_batches
-        self.num_targets = books.num_targets  # the target workers that verify the real-acceptance eval
+        self.num_targets = books.at.num_targets  # the target workers that verify the real-acceptance eval
         self.root = ckpt.checkpoints_dir(self.run_dir)
         self.writer = BackgroundWriter(self.root, books.keep_checkpoints, state.device)
         self.first_step = state.step

@@ -23,7 +23,6 @@ import logging
 import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from types import SimpleNamespace
 
 import torch
@@ -153,8 +152,7 @@ class RemoteEvalSettings:
     """What the real-acceptance eval reads of the run, from the config once: where the targets listen, the
     target's tokenizer, and where its prompts come from."""
 
-    run_dir: Path
-    num_targets: int
+    at: Placement  # the run folder and the targets to ask
     transport: TransportConfig
     model_path: str  # target.model_path: its tokenizer and generation config
     data: DataConfig  # pack_len (the longest prompt a target takes), chat_template_kwargs
@@ -165,8 +163,7 @@ class RemoteEvalSettings:
     @classmethod
     def from_config(cls, cfg: Config, at: Placement) -> "RemoteEvalSettings":
         return cls(
-            run_dir=at.run_dir,
-            num_targets=at.num_targets,
+            at=at,
             transport=cfg.transport,
             model_path=cfg.target.model_path,
             data=cfg.data,
@@ -184,8 +181,8 @@ class RemoteSpecEval(SpecEval):
         self.device, self.head_on_device = head.embed.device, head
         self.dtype = head.embed.dtype
         self.client = VerifyClient(
-            [endpoint(s.run_dir, t, "target", i, "data") for i in range(s.num_targets)],
-            [endpoint(s.run_dir, t, "target", i, "health") for i in range(s.num_targets)],
+            [endpoint(s.at.run_dir, t, "target", i, "data") for i in range(s.at.num_targets)],
+            [endpoint(s.at.run_dir, t, "target", i, "health") for i in range(s.at.num_targets)],
             t,
             width=model_cfg.hidden_width,
             drops=Drops(health),

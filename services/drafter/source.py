@@ -119,10 +119,7 @@ class SourceSettings:
     """What the batch sources read of the run, built once from the config (as train.StepSettings is):
     where the targets listen, how many drafters share them, the plan's inputs, what a batch looks like."""
 
-    run_dir: Path
-    rank: int
-    world_size: int
-    num_targets: int
+    at: Placement  # this drafter's run folder, rank, world size and targets
     transport: TransportConfig
     epochs: int
     grad_accum: int
@@ -135,10 +132,7 @@ class SourceSettings:
     @classmethod
     def from_config(cls, cfg: Config, at: Placement) -> "SourceSettings":
         return cls(
-            run_dir=at.run_dir,
-            rank=at.rank,
-            world_size=at.world_size,
-            num_targets=at.num_targets,
+            at=at,
             transport=cfg.transport,
             epochs=cfg.run.epochs,
             grad_accum=max(1, cfg.optimizer.grad_accum),
@@ -168,17 +162,17 @@ class ZmqSource:
         gets the next batch copied to it on a side stream while the current step runs.
         Nothing is asked here: connect() waits for target 0's handshake and makes the plan."""
         self.settings, self.split, self.health = settings, split, health
-        self.rank, self.world = settings.rank, settings.world_size
+        self.rank, self.world = settings.at.rank, settings.at.world_size
         self.max_steps, self.start_step = max_steps, start_step
-        self.first_g = start_step * settings.world_size if first_g is None else first_g
+        self.first_g = start_step * settings.at.world_size if first_g is None else first_g
         self.copy_stream = torch.cuda.Stream(device) if device is not None and device.type == "cuda" else None
         self.check = check or (lambda batch: batch)
         self.staged: dict[int, tuple[Batch, torch.cuda.Event]] = {}  # g -> (batch on the device, copy done)
-        t = settings.transport
-        self.data_eps = [endpoint(settings.run_dir, t, "target", i, "data") for i in range(settings.num_targets)]
-        self.health_eps = [endpoint(settings.run_dir, t, "target", i, "health") for i in range(settings.num_targets)]
+        t, at = settings.transport, settings.at
+        self.data_eps = [endpoint(at.run_dir, t, "target", i, "data") for i in range(at.num_targets)]
+        self.health_eps = [endpoint(at.run_dir, t, "target", i, "health") for i in range(at.num_targets)]
         self.client: BatchClient | None = None
-        self.incarnations: list[str | None] = [None] * settings.num_targets  # learned from health
+        self.incarnations: list[str | None] = [None] * at.num_targets  # learned from health
         self.pending: dict[int, float] = {}  # g -> time requested
         self.deferred: set[int] = set()  # pending, not asked yet: its target's incarnation is unknown
         self.arrived: dict[int, Batch] = {}
@@ -200,25 +194,25 @@ class ZmqSource:
             log.warning(
                 "batch content is not checked: neither the packed data nor its digests (%s) are on this "
                 "host; only the provenance a target claims is",
-                digests_path(settings.run_dir / "data-cache" / f"{self.info.data_key or '<key>'}.safetensors"),
+                digests_path(settings.at.run_dir / "data-cache" / f"{self.info.data_key or '<key>'}.safetensors"),
             )
         if split == "eval":
-            self.plan = make_plan(self.info.num_eval_batches, epochs=1, drafters=settings.world_size)
+            self.plan = make_plan(self.info.num_eval_batches, epochs=1, drafters=settings.at.world_size)
         else:
             accum = settings.grad_accum
             self.plan = make_plan(
                 self.info.num_batches,
                 settings.epochs,
-                settings.world_size,
+                settings.at.world_size,
                 accum,
                 self.max_steps,
                 first_step=self.start_step // accum,
                 first_g=self.first_g,
             )
         self.total_batches = self.plan.total_batches
-        if settings.rank == 0 and split == "train":  # for `launcher status`, reports and the exactly-once check
+        if settings.at.rank == 0 and split == "train":  # for `launcher status`, reports and the exactly-once check
             write_json_atomic(
-                settings.run_dir / "schedule.json", {**self.plan.to_dict(), "targets": settings.num_targets}
+                settings.at.run_dir / "schedule.json", {**self.plan.to_dict(), "targets": settings.at.num_targets}
             )
         return self.plan
 
@@ -449,7 +443,7 @@ def train_batches(
     """(this rank's training batches from micro-step start_step on, the run's plan), the targets'
     handshake done. first_g: batches done before start_step (a resume: the checkpoint's, whatever split
     wrote it). check: validates a batch on the CPU."""
-    rank, world_size = settings.rank, settings.world_size
+    rank, world_size = settings.at.rank, settings.at.world_size
     first_g = start_step * world_size if first_g is None else first_g
     if synthetic:
         accum = settings.grad_accum
@@ -495,8 +489,8 @@ def eval_batches(
                 device=device,
                 with_target_labels=settings.labels_from_target,
             ),
-            settings.rank,
-            settings.world_size,
+            settings.at.rank,
+            settings.at.world_size,
         )
     source = ZmqSource(settings, health, split="eval", device=device, check=check)
     source.connect()
