@@ -302,21 +302,24 @@ def _link(source: Path, dest: Path) -> None:
 # --- `launcher up` builds the index before any worker starts ------------------------------------
 
 
-def prepare(cfg: Config, run_dir: str | Path, log=None, progress=None) -> "PackedData":
+def target_tokenizer(model_path: str):
+    """The target folder's tokenizer, or a ModelFilesError naming the folder (not transformers' traceback)."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(model_path)
+    except Exception as exc:
+        first = (str(exc).strip().splitlines() or [""])[0]
+        raise ModelFilesError(
+            f"target.model_path: cannot load the config and tokenizer of {model_path}: {type(exc).__name__}: {first}"
+        ) from None
+
+
+def prepare(cfg: Config, run_dir: str | Path, tokenizer, log=None, progress=None) -> "PackedData":
     """Tokenize and pack cfg.data into the run's cache, with the tokenizer and vocabulary of the
     target's config, not its weights: a bad line stops the run in seconds, before a 27B model
     loads, and the target workers then open the same cache file (same key)."""
-    from transformers import AutoTokenizer
-
     vocab_size = runspec.target_fields_of(cfg.target.model_path)["vocab_size"]  # as the run spec reads it
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(cfg.target.model_path)
-    except Exception as exc:  # one line naming the folder, not transformers' traceback
-        first = (str(exc).strip().splitlines() or [""])[0]
-        raise ModelFilesError(
-            f"target.model_path: cannot load the config and tokenizer of {cfg.target.model_path}: "
-            f"{type(exc).__name__}: {first}"
-        ) from None
     packing = Packing.from_config(cfg)
     return open_or_build(packing, run_dir, tokenizer, vocab_size, log=log or (lambda msg: None), progress=progress)
 
@@ -325,16 +328,13 @@ class ModelFilesError(DataError):
     """The target folder's config or tokenizer does not load (named by its key, not as data)."""
 
 
-def eval_prompt_count(packing: Packing, model_path: str, files: list[str], limit: int) -> int | None:
+def eval_prompt_count(packing: Packing, tokenizer, files: list[str], limit: int) -> int | None:
     """How many prompts real acceptance will decode in training (files: eval.prompts, read and
     checked now, else the held-out lines'; limit: eval.num_prompts); None when it is off (limit 0)."""
-    from transformers import AutoTokenizer
-
     from services.data.prompts import prompt_sets
 
     if limit <= 0:
         return None
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
     return sum(len(s.prompts) for s in prompt_sets(packing.held_out, packing.data, tokenizer, files, limit))
 
 
@@ -379,8 +379,8 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     try:
         cfg = load_config(args.config)
-        said = []
-        data = prepare(cfg, args.run_dir, log=said.append, progress=ProgressReport())
+        said, tokenizer = [], target_tokenizer(cfg.target.model_path)  # once: packing and the prompts use it
+        data = prepare(cfg, args.run_dir, tokenizer, log=said.append, progress=ProgressReport())
     except (DataError, runspec.SpecError) as exc:
         print(
             exc if isinstance(exc, (ModelFilesError, runspec.SpecError)) else f"data: {exc}",
@@ -390,7 +390,7 @@ def main(argv=None) -> int:
         return 2
     try:  # real acceptance's prompts: None when it is off by config (eval.num_prompts = 0)
         packing = Packing.from_config(cfg)
-        prompts = eval_prompt_count(packing, cfg.target.model_path, cfg.eval.prompts, cfg.eval.num_prompts)
+        prompts = eval_prompt_count(packing, tokenizer, cfg.eval.prompts, cfg.eval.num_prompts)
     except PromptFileError as exc:
         print(f"eval.prompts: {exc}", file=sys.stderr, flush=True)
         return 2
