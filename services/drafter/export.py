@@ -117,7 +117,14 @@ def serve_commands(out: Path, m: DrafterModelConfig, target: str | None) -> dict
     )
     if target and hybrid_target(target):
         sglang += " --mamba-scheduler-strategy extra_buffer"
-    return {"target": target or None, "vllm": vllm, "sglang": sglang}
+    serve = {"target": target or None, "vllm": vllm, "sglang": sglang}
+    if m.domino:
+        serve["note"] = (
+            "a Domino drafter: its correction head runs where the engine supports Domino (SGLang's DFlash "
+            "worker reads dflash_config.projector_type); an engine that does not drafts with the backbone alone, "
+            "at lower acceptance (docs/operations.md, Domino)"
+        )
+    return serve
 
 
 def serve_hints(serve: dict, block_size: int) -> str:
@@ -130,6 +137,8 @@ def serve_hints(serve: dict, block_size: int) -> str:
     ]
     if not serve.get("target"):
         lines.append("replace <target> with the folder of the target the drafter was trained on")
+    if serve.get("note"):
+        lines.append(serve["note"])
     return "\n".join(lines)
 
 

@@ -157,6 +157,8 @@ def test_the_export_has_sglangs_domino_fields_and_launcher_eval_reads_it_back(tm
         "gru_hidden_dim": 12,
     }
     assert conf["dflash_config"]["shift_label"] is False and conf["dflash_config"]["pure_draft_prefix_len"] == 0
+    kept = json.loads((out / "export.json").read_text())
+    assert "SGLang's DFlash worker" in kept["serve"]["note"]
     loaded, shape, _, _ = load_weights(out)
     assert shape == drafter.cfg and all(torch.equal(loaded[k], weights[k]) for k in weights)
     assert "projector_type" not in random_drafter(dense, DENSE_LAYER_IDS, B).cfg.to_hf()["dflash_config"]
