@@ -173,3 +173,26 @@ def test_launcher_status_shows_the_backbone_alone_beside_the_corrected_tau():
     window = {"step": 20, "loss": 1.5, "tau": 4.7, "coverage": 0.9, "tokens_per_s": 17.3, "steps": 10}
     assert "τ 4.70 coverage" in describe_window(window)
     assert "τ 4.70 (backbone alone 3.71) coverage 90%" in describe_window({**window, "base_tau": 3.71})
+
+
+def test_fp8_converts_the_layers_and_leaves_the_head_in_bf16():
+    pytest.importorskip("torchao")
+    from services.drafter.model import DFlashDrafter
+    from services.drafter.precision import apply_precision
+
+    shape = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    cfg = DrafterModelConfig(
+        **shape,
+        vocab_size=256,
+        num_target_layers=4,
+        num_hidden_layers=1,
+        target_layer_ids=[1],
+        block_size=4,
+        domino_emb_dim=16,
+        domino_gru_dim=32,  # multiples of 16: FP8 would take them, but for the name
+    )
+    drafter = apply_precision(DFlashDrafter(cfg), "fp8", torch.device("cpu"), emulate=True)
+    assert (
+        type(drafter.fc).__name__ == "Float8Linear" and type(drafter.layers[0].mlp.up_proj).__name__ == "Float8Linear"
+    )
+    assert type(drafter.embed_proj[0]) is torch.nn.Linear and type(drafter.embed_proj[2]) is torch.nn.Linear
