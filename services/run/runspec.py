@@ -212,6 +212,12 @@ def drafter_shape(
             f"not a multiple of num_key_value_heads={m.num_key_value_heads}",
         ),
         (m.head_dim % 2 == 0, f"head_dim={m.head_dim} must be even for RoPE"),
+        (
+            m.domino == (cfg.drafter.objective == "domino") and (m.domino_emb_dim > 0) == m.domino,
+            f"drafter.overrides: domino_emb_dim={m.domino_emb_dim}, domino_gru_dim={m.domino_gru_dim} do not fit "
+            f"drafter.objective={cfg.drafter.objective!r} (set the Domino head's size with drafter.domino_emb_dim "
+            "and drafter.domino_gru_dim)",
+        ),
     ):
         if not ok:
             raise SpecError(message)

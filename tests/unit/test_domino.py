@@ -122,6 +122,10 @@ def test_domino_settings_are_checked_by_name():
         make('drafter.objective="eagle"', steps=1)
     with pytest.raises(Exception, match=r"drafter.domino_decay_ratio must be in \(0, 1\]"):
         make('drafter.objective="domino"', "drafter.domino_decay_ratio=0", steps=1)
+    with pytest.raises(Exception, match="domino_gru_dim=0 do not fit drafter.objective='domino'"):
+        make('drafter.objective="domino"', "drafter.overrides={domino_gru_dim=0}", steps=1)
+    with pytest.raises(Exception, match="domino_emb_dim=8, domino_gru_dim=8 do not fit drafter.objective='dflash'"):
+        make("drafter.overrides={domino_emb_dim=8,domino_gru_dim=8}", steps=1)
 
 
 def test_a_domino_drafter_decodes_losslessly_one_prompt_packed_and_padded_alike(dense):
