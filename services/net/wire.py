@@ -60,8 +60,13 @@ def byte_view(name: str, tensor: torch.Tensor) -> torch.Tensor:
         raise WireError(f"tensor {name!r}: dtype {tensor.dtype} is not in the wire whitelist")
     tensor = tensor.detach()
     if not tensor.is_contiguous():
-        tensor = tensor.contiguous()  # the only copy encode ever makes
-    return tensor.reshape(-1).view(torch.uint8)
+        tensor = tensor.contiguous()  # the only copy encode ever makes (but the one below)
+    flat = tensor.reshape(-1)
+    if flat.stride(0) != 1:
+        # zero or one element sliced from a wider tensor (a single row's index) is "contiguous" yet
+        # keeps its parent's stride, which a byte view refuses: copy that element
+        flat = flat.clone(memory_format=torch.contiguous_format)
+    return flat.view(torch.uint8)
 
 
 def spec_of(name: str, tensor: torch.Tensor) -> TensorSpec:

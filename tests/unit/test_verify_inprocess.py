@@ -62,6 +62,7 @@ def test_speculative_decoding_through_the_worker_equals_greedy(worker):
         assert random["acceptance_per_step"] < 1.5
         right = spec.run(MostlyRight(spec, model_cfg.block_size))
         assert right["lossless"] == PROMPTS and right["differences"] == []
+        assert spec.rows  # still on rows: no reply failed (one row's one-token block once did, on the wire)
         assert right["acceptance_per_step"] > 2.0  # B-1 = 3 per step but at the end
         # the references really are the target's greedy output: the same loop on the target loaded here
         local = LocalSpecEval(cfg, "cpu", prompts=PROMPTS, max_new_tokens=NEW)
@@ -235,3 +236,19 @@ def test_launcher_eval_serves_a_checkpoint_reading_other_target_layers(worker):
     assert local.target.info.layer_ids == run_ids and again["steps"] == mine["steps"]
     with pytest.raises(ValueError, match=rf"reads target layers \[0, {layers}\].*{layers} layers"):
         local.evaluate(None, dataclasses.replace(other, target_layer_ids=[0, layers]))
+
+
+def test_one_row_stepped_alone_is_answered(worker):
+    """The last prompt still decoding steps alone: its reply's per-row tensors hold one element sliced
+    from wider ones, which must still travel (the hybrid demo once fell back to prompt by prompt here)."""
+    cfg = worker.cfg
+    client = VerifyClient([worker.data_ep], [worker.health_ep], cfg.transport, width=0, timeout_s=20)
+    try:
+        opened = client.open_rows(0, 7, [[5, 6, 7], [8, 9, 10, 11], [12, 13]], features=False)
+        assert len(opened.greedy) == 3
+        for block in ([int(opened.greedy[1])], [int(opened.greedy[1]), 3]):  # one row, blocks of 1 and 2
+            reply = client.step_rows(0, 7, [1], [block], features=False)
+            assert len(reply.greedy) == len(block) and 1 <= int(reply.counts[0]) <= len(block)
+    finally:
+        client.close_session(0, 7)
+    assert worker.status()["bad_messages"] == 0
