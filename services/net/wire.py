@@ -58,13 +58,11 @@ def byte_view(name: str, tensor: torch.Tensor) -> torch.Tensor:
         raise WireError(f"tensor {name!r}: only dense CPU tensors travel, got {tensor.device} {tensor.layout}")
     if tensor.dtype not in DTYPE_NAMES:
         raise WireError(f"tensor {name!r}: dtype {tensor.dtype} is not in the wire whitelist")
-    tensor = tensor.detach()
-    if not tensor.is_contiguous():
-        tensor = tensor.contiguous()  # the only copy encode ever makes (but the one below)
-    flat = tensor.reshape(-1)
+    # reshape copies what cannot be viewed flat; a flat view it keeps may still step over memory (a
+    # strided 1-D slice; zero or one element sliced from a wider tensor, which counts as contiguous yet
+    # keeps its parent's stride), and a byte view refuses that: copy it then. The only copy encode makes.
+    flat = tensor.detach().reshape(-1)
     if flat.stride(0) != 1:
-        # zero or one element sliced from a wider tensor (a single row's index) is "contiguous" yet
-        # keeps its parent's stride, which a byte view refuses: copy that element
         flat = flat.clone(memory_format=torch.contiguous_format)
     return flat.view(torch.uint8)
 
