@@ -30,6 +30,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from services.drafter.loss import normalized, row_ce, softmax_minus_onehot
+
 
 def make_head(hidden_size: int, emb_dim: int, gru_dim: int, vocab_size: int) -> tuple[nn.GRU, nn.Sequential]:
     """(prefix_gru, embed_proj), shaped and named as SpecForge's: no biases."""
@@ -103,12 +105,12 @@ class _DominoCE(torch.autograd.Function):
         grad_w2 = torch.zeros(w2.shape, dtype=torch.float32, device=w2.device) if want_grad else None
         for start in range(0, rows, chunk):
             end = min(start + chunk, rows)
-            h, uc, y, s = hidden[start:end], u[start:end].to(dtype), labels[start:end, None], scale[start:end]
+            h, uc, y, s = hidden[start:end], u[start:end].to(dtype), labels[start:end], scale[start:end]
             base = (h @ lm_head.t()).float()
             final = base + (uc @ w2c.t()).float()
             base_preds[start:end], preds[start:end] = base.argmax(-1), final.argmax(-1)
-            g_final = _ce_and_grad(final, y, s, 1.0 - lam, out=loss)
-            g_base = _ce_and_grad(base, y, s, lam, out=loss) if lam > 0 else None
+            g_final = _ce_and_grad(final, y, s, 1.0 - lam, loss)
+            g_base = _ce_and_grad(base, y, s, lam, loss) if lam > 0 else None
             if want_grad:
                 grad_u[start:end] = g_final.to(dtype) @ w2c  # (cast to u's dtype on assignment)
                 grad_w2 += (g_final.t().to(dtype) @ uc).float()
@@ -126,13 +128,10 @@ class _DominoCE(torch.autograd.Function):
 
 
 def _ce_and_grad(logits: torch.Tensor, labels: torch.Tensor, scale: torch.Tensor, share: float, out: torch.Tensor):
-    """Adds share * sum(scale * CE) to out; returns d(that) / d logits (softmax - one-hot, weighted)."""
-    lse = torch.logsumexp(logits, dim=-1)
-    picked = logits.gather(1, labels)[:, 0]
-    out += share * (torch.where(scale > 0, lse - picked, 0.0) * scale).sum()
-    grad = torch.exp(logits - lse[:, None])
-    grad.scatter_add_(1, labels, torch.full_like(picked[:, None], -1.0))
-    return grad * (share * scale)[:, None]
+    """Adds share * sum(scale * CE) to out; returns d(that) / d logits."""
+    ce, lse = row_ce(logits, labels, scale)
+    out += share * (ce * scale).sum()
+    return softmax_minus_onehot(logits, lse, labels) * (share * scale)[:, None]
 
 
 def domino_cross_entropy(hidden, u, w2, lm_head, labels, weights, lam: float, chunk: int = 2048):
@@ -140,6 +139,5 @@ def domino_cross_entropy(hidden, u, w2, lm_head, labels, weights, lam: float, ch
     weights [N, B-1] -> (loss, predictions [R], base predictions [R]); the weights are normalized to sum 1."""
     if chunk < 1:
         raise ValueError(f"kernels.loss_chunk must be >= 1, got {chunk}")
-    w = weights.float().flatten()
-    scale = w / w.sum().clamp(min=torch.finfo(torch.float32).tiny)
+    scale = normalized(weights.float().flatten())
     return _DominoCE.apply(hidden.to(lm_head.dtype), u, w2, lm_head, labels, scale, float(lam), chunk)

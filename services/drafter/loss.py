@@ -85,25 +85,32 @@ def head_input_grad(g: torch.Tensor, head: LossHead, dtype: torch.dtype) -> torc
     return g.to(dtype) @ head
 
 
+def row_ce(logits: torch.Tensor, labels: torch.Tensor, scale: torch.Tensor):
+    """(CE of each row of fp32 logits where scale > 0, else 0; each row's logsumexp)."""
+    lse = torch.logsumexp(logits, dim=-1)
+    picked = logits.gather(1, labels[:, None])[:, 0]
+    return torch.where(scale > 0, lse - picked, 0.0), lse
+
+
+def softmax_minus_onehot(logits: torch.Tensor, lse: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """d CE / d logits of each row (a new tensor)."""
+    grad = torch.exp(logits - lse[:, None])
+    grad.scatter_add_(1, labels[:, None], torch.full_like(lse[:, None], -1.0))
+    return grad
+
+
 def ce_chunk_loss(h: torch.Tensor, lm_head: LossHead, labels: torch.Tensor, scale: torch.Tensor):
     """One chunk, no grad: (CE of each row where scale > 0, else 0; argmax predictions)."""
     logits = head_logits(h, lm_head)
-    lse = torch.logsumexp(logits, dim=-1)
-    picked = logits.gather(1, labels[:, None])[:, 0]
-    return torch.where(scale > 0, lse - picked, 0.0), logits.argmax(-1)
+    return row_ce(logits, labels, scale)[0], logits.argmax(-1)
 
 
 def ce_chunk_loss_and_grad(h: torch.Tensor, lm_head: LossHead, labels: torch.Tensor, scale: torch.Tensor):
     """One chunk: (CE of each row where scale > 0, else 0; argmax predictions; d (sum scale * CE) / d h)."""
     logits = head_logits(h, lm_head)
-    lse = torch.logsumexp(logits, dim=-1)
-    picked = logits.gather(1, labels[:, None])[:, 0]
-    loss = torch.where(scale > 0, lse - picked, 0.0)
-    pred = logits.argmax(-1)
-    probs = torch.exp(logits - lse[:, None])
-    probs.scatter_add_(1, labels[:, None], torch.full_like(picked[:, None], -1.0))  # softmax - onehot
-    grad_h = head_input_grad(probs * scale[:, None], lm_head, h.dtype)
-    return loss, pred, grad_h
+    loss, lse = row_ce(logits, labels, scale)
+    grad_logits = softmax_minus_onehot(logits, lse, labels) * scale[:, None]
+    return loss, logits.argmax(-1), head_input_grad(grad_logits, lm_head, h.dtype)
 
 
 class ChunkFns:
