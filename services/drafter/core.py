@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from services.data.batch import Batch
+from services.drafter import domino
 from services.drafter.attention import make_attention
 from services.drafter.evaluate import evaluate
 from services.drafter.loss import ChunkFns, Fp8Head
@@ -61,6 +62,7 @@ class DrafterCore:
             settings=StepSettings.from_config(cfg, model_cfg),
             device=device,
             chunk_fns=ChunkFns(compile=k.compile and device.type == "cuda"),
+            domino_chunk=domino.chunk_function(compile=k.compile and device.type == "cuda"),
             fp8_head=Fp8Head.of(head.lm_head) if k.precision == "fp8" else None,
         )
         return cls(state, o.warmup_ratio, o.min_lr_ratio)

@@ -87,16 +87,41 @@ def rollout(drafter, embed_tokens, lm_head: torch.Tensor, z: torch.Tensor, first
     return torch.stack(drafts, dim=1)
 
 
+def domino_chunk(h, uc, w2, lm_head, labels, scale, lam: torch.Tensor, want_grad: bool):
+    """One chunk of rows: (its share of the loss, final predictions, base predictions, and with want_grad
+    the share's gradients for h, u and W2). lam is a 0-d fp32 tensor, so a compiled chunk is not
+    recompiled as the curriculum moves; the base CE is computed at lam = 0 too, for the same reason
+    (its passes fuse with the base argmax's)."""
+    base = (h @ lm_head.t()).float()
+    final = base + (uc @ w2.t()).float()
+    ce, lse = row_ce(final, labels, scale)
+    ce_base, lse_base = row_ce(base, labels, scale)
+    loss = ((1 - lam) * scale * ce).sum() + (lam * scale * ce_base).sum()
+    preds, base_preds = final.argmax(-1), base.argmax(-1)
+    if not want_grad:
+        return loss, preds, base_preds, None, None, None
+    g_final = softmax_minus_onehot(final, lse, labels) * ((1 - lam) * scale)[:, None]
+    g_base = softmax_minus_onehot(base, lse_base, labels) * (lam * scale)[:, None]
+    grad_h = (g_final + g_base).to(h.dtype) @ lm_head
+    g_final = g_final.to(h.dtype)
+    return loss, preds, base_preds, grad_h, g_final @ w2, g_final.t() @ uc
+
+
+def chunk_function(compile: bool):
+    """domino_chunk, or its torch.compile'd form (fuses the softmax and gradient passes on a GPU)."""
+    return torch.compile(domino_chunk, dynamic=False) if compile else domino_chunk
+
+
 class _DominoCE(torch.autograd.Function):
     """The chunked loss of module docstring, its gradients computed in the forward pass while each
     chunk's logits are at hand (as loss.py's _ChunkedCE): hidden [R, H], u [R, E], the trainable W2
     [V, E], the frozen lm_head [V, H]. Returns (loss, final predictions, base predictions)."""
 
     @staticmethod
-    def forward(ctx, hidden, u, w2, lm_head, labels, scale, lam: float, chunk: int):
+    def forward(ctx, hidden, u, w2, lm_head, labels, scale, lam: float, chunk: int, fn):
         rows, dtype = hidden.shape[0], hidden.dtype
         want_grad = any(ctx.needs_input_grad[:3])
-        w2c = w2.to(dtype)
+        w2c, lam_t = w2.to(dtype), torch.tensor(lam, dtype=torch.float32, device=hidden.device)
         loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
         preds = torch.empty(rows, dtype=torch.long, device=hidden.device)
         base_preds = torch.empty_like(preds)
@@ -105,16 +130,12 @@ class _DominoCE(torch.autograd.Function):
         grad_w2 = torch.zeros(w2.shape, dtype=torch.float32, device=w2.device) if want_grad else None
         for start in range(0, rows, chunk):
             end = min(start + chunk, rows)
-            h, uc, y, s = hidden[start:end], u[start:end].to(dtype), labels[start:end], scale[start:end]
-            base = (h @ lm_head.t()).float()
-            final = base + (uc @ w2c.t()).float()
-            base_preds[start:end], preds[start:end] = base.argmax(-1), final.argmax(-1)
-            g_final = _ce_and_grad(final, y, s, 1.0 - lam, loss)
-            g_base = _ce_and_grad(base, y, s, lam, loss) if lam > 0 else None
+            args = hidden[start:end], u[start:end].to(dtype), w2c, lm_head, labels[start:end], scale[start:end]
+            part, preds[start:end], base_preds[start:end], g_h, g_u, g_w2 = fn(*args, lam_t, want_grad)
+            loss += part
             if want_grad:
-                grad_u[start:end] = g_final.to(dtype) @ w2c  # (cast to u's dtype on assignment)
-                grad_w2 += (g_final.t().to(dtype) @ uc).float()
-                grad_h[start:end] = (g_final if g_base is None else g_final + g_base).to(dtype) @ lm_head
+                grad_h[start:end], grad_u[start:end] = g_h, g_u  # (g_u cast to u's dtype on assignment)
+                grad_w2 += g_w2.float()
         ctx.mark_non_differentiable(preds, base_preds)
         if want_grad:
             ctx.save_for_backward(grad_h, grad_u, grad_w2)
@@ -124,20 +145,14 @@ class _DominoCE(torch.autograd.Function):
     def backward(ctx, grad_loss, _grad_preds, _grad_base_preds):
         grad_h, grad_u, grad_w2 = ctx.saved_tensors
         g = grad_loss.float()
-        return grad_h * g.to(grad_h.dtype), grad_u * g.to(grad_u.dtype), grad_w2 * g, None, None, None, None, None
+        return grad_h * g.to(grad_h.dtype), grad_u * g.to(grad_u.dtype), grad_w2 * g, None, None, None, None, None, None
 
 
-def _ce_and_grad(logits: torch.Tensor, labels: torch.Tensor, scale: torch.Tensor, share: float, out: torch.Tensor):
-    """Adds share * sum(scale * CE) to out; returns d(that) / d logits."""
-    ce, lse = row_ce(logits, labels, scale)
-    out += share * (ce * scale).sum()
-    return softmax_minus_onehot(logits, lse, labels) * (share * scale)[:, None]
-
-
-def domino_cross_entropy(hidden, u, w2, lm_head, labels, weights, lam: float, chunk: int = 2048):
+def domino_cross_entropy(hidden, u, w2, lm_head, labels, weights, lam: float, chunk: int = 2048, fn=domino_chunk):
     """hidden [R, H] (positions 1..B-1, block by block), u [R, E], W2 [V, E], lm_head [V, H], labels [R],
-    weights [N, B-1] -> (loss, predictions [R], base predictions [R]); the weights are normalized to sum 1."""
+    weights [N, B-1] -> (loss, predictions [R], base predictions [R]); the weights are normalized to sum 1.
+    fn: domino_chunk or its compiled form (chunk_function)."""
     if chunk < 1:
         raise ValueError(f"kernels.loss_chunk must be >= 1, got {chunk}")
     scale = normalized(weights.float().flatten())
-    return _DominoCE.apply(hidden.to(lm_head.dtype), u, w2, lm_head, labels, scale, float(lam), chunk)
+    return _DominoCE.apply(hidden.to(lm_head.dtype), u, w2, lm_head, labels, scale, float(lam), chunk, fn)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -106,6 +107,7 @@ class TrainState:
     settings: StepSettings
     device: torch.device
     chunk_fns: ChunkFns = field(default_factory=ChunkFns)
+    domino_chunk: Callable = domino.domino_chunk  # or its compiled form (domino.chunk_function)
     fp8_head: Fp8Head | None = None  # the lm_head's FP8 form, with kernels.precision = "fp8"
     step: int = 0  # optimizer steps done
     micro_step: int = 0  # batches trained
@@ -231,6 +233,7 @@ def domino_forward(state: TrainState, inputs: DrafterInputs, trained_rows: torch
         inputs.weights,
         lam,
         s.loss_chunk,
+        state.domino_chunk,
     )
     return Forward(loss, inputs, preds.view(n, positions), base_preds.view(n, positions), lam)
 

@@ -57,6 +57,33 @@ def test_the_chunked_loss_and_its_gradients_are_autograd_of_the_formula(lam, chu
         assert got[2].abs().max() == 0 and got[3].abs().max() == 0
 
 
+def test_the_compiled_chunk_equals_the_eager_one_and_is_not_recompiled_as_lambda_moves():
+    """kernels.compile on a GPU compiles the chunk (domino.chunk_function); lambda changes every step
+    and must not recompile it. Checked here with inductor on the CPU."""
+    from torch._dynamo.testing import CompileCounter
+
+    g = torch.Generator().manual_seed(0)
+    rows, hidden_size, emb, vocab = 18, 16, 8, 40
+    args = (
+        torch.randn(rows, hidden_size, generator=g),
+        torch.randn(rows, emb, generator=g),
+        0.1 * torch.randn(vocab, emb, generator=g),
+        torch.randn(vocab, hidden_size, generator=g),
+        torch.randint(0, vocab, (rows,), generator=g),
+        torch.rand(rows, generator=g),
+    )
+    counter = CompileCounter()
+    counted = torch.compile(domino.domino_chunk, backend=counter, dynamic=False)
+    for lam in (1.0, 0.4, 0.0):
+        counted(*args, torch.tensor(lam), True)
+    assert counter.frame_count == 1
+    compiled = domino.chunk_function(compile=True)
+    for lam in (1.0, 0.3):
+        got, want = compiled(*args, torch.tensor(lam), True), domino.domino_chunk(*args, torch.tensor(lam), True)
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
 def test_decoding_drafts_what_the_teacher_forced_head_predicts_for_those_tokens():
     """The GRU's alignment: rolled out, position k reads the first token and the drafts of positions
     1..k-1; teacher-forced with those drafts as the labels, training's logits pick the same tokens."""
