@@ -121,7 +121,8 @@ class _DominoCE(torch.autograd.Function):
     def forward(ctx, hidden, u, w2, lm_head, labels, scale, lam: float, chunk: int, fn):
         rows, dtype = hidden.shape[0], hidden.dtype
         want_grad = any(ctx.needs_input_grad[:3])
-        w2c, lam_t = w2.to(dtype), torch.tensor(lam, dtype=torch.float32, device=hidden.device)
+        w2c = w2.to(dtype)
+        lam_t = torch.full((), lam, dtype=torch.float32, device=hidden.device)  # a fill: no host sync, as a copy has
         loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
         preds = torch.empty(rows, dtype=torch.long, device=hidden.device)
         base_preds = torch.empty_like(preds)
