@@ -53,6 +53,7 @@ class DrafterCore:
             drafter.parameters(), lr=o.lr, weight_decay=o.weight_decay, fused=device.type == "cuda"
         )
         head = head.to(device, torch.bfloat16 if device.type == "cuda" else torch.float32)
+        compile_loss = k.compile and device.type == "cuda"  # the loss chunks: inductor pays off on a GPU
         state = TrainState(
             drafter=drafter,
             model=model,
@@ -61,8 +62,8 @@ class DrafterCore:
             scheduler=make_scheduler(optimizer, total_steps, o.warmup_ratio, o.min_lr_ratio),
             settings=StepSettings.from_config(cfg, model_cfg),
             device=device,
-            chunk_fns=ChunkFns(compile=k.compile and device.type == "cuda"),
-            domino_chunk=domino.chunk_function(compile=k.compile and device.type == "cuda"),
+            chunk_fns=ChunkFns(compile=compile_loss),
+            domino_chunk=domino.chunk_function(compile=compile_loss),
             fp8_head=Fp8Head.of(head.lm_head) if k.precision == "fp8" else None,
         )
         return cls(state, o.warmup_ratio, o.min_lr_ratio)
