@@ -1,12 +1,14 @@
-"""How fast packing tokenizes a data file: one process against worker processes, side by side.
+"""How fast packing tokenizes a data file: one line at a time against batched chunks, side by side.
 
-    python bench/tokenize_speed.py --lines 20000 --workers 0            # 0: as packing picks (every CPU, <= 16)
+    python bench/tokenize_speed.py --lines 20000
     python bench/tokenize_speed.py --tokenizer DIR [--gguf FILE.gguf]   # a real model's tokenizer
 
 Writes --lines chat lines like the regenerated data of bench/real_model.py (a user turn asking
-about a function of Python's standard library, the function's own source as the reply), then runs
-services/target/data.py's read_documents on them with workers=1 and with --workers, checks both
-give the same documents, and prints one JSON line: lines per second of each and the ratio.
+about a function of Python's standard library, the function's own source as the reply), then
+tokenizes them one line per call (services/target/data.py's line_to_document, a tokenizer call per
+line, as packing did before) and as packing does (read_documents: chunks of CHUNK_LINES lines, one
+batched tokenizer call per chunk, which a fast tokenizer spreads over every core), checks both give
+the same documents, and prints one JSON line: lines per second of each and the ratio.
 """
 
 from __future__ import annotations
@@ -22,8 +24,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
-from services.target.data import BadSamples, read_documents  # noqa: E402
-from services.target.tokenizing import MAX_WORKERS  # noqa: E402
+from services.target.data import CHUNK_LINES, BadSamples, line_to_document, read_documents  # noqa: E402
 
 
 def functions(limit: int) -> list[tuple[str, str]]:
@@ -67,42 +68,49 @@ def load_tokenizer(args):
     return tok
 
 
-def timed(path: Path, tokenizer, workers: int) -> tuple[float, list]:
+def one_line_at_a_time(path: Path, tokenizer) -> list[tuple[int, list]]:
+    lines = path.read_text().splitlines()
+    return [(n, line_to_document(text, tokenizer, len(tokenizer))[0].tolist()) for n, text in enumerate(lines, 1)]
+
+
+def batched(path: Path, tokenizer) -> list[tuple[int, list]]:
+    docs = read_documents(path, tokenizer, len(tokenizer), "skip", BadSamples())
+    return [(d.line, d.input_ids.tolist()) for d in docs]
+
+
+def timed(fn, *args) -> tuple[float, list]:
     t0 = time.perf_counter()
-    docs = read_documents(path, tokenizer, len(tokenizer), "skip", BadSamples(), workers=workers)
-    return time.perf_counter() - t0, docs
+    out = fn(*args)
+    return time.perf_counter() - t0, out
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--lines", type=int, default=20000)
-    ap.add_argument("--workers", type=int, default=0, help="0: every CPU of this process's affinity, at most 16")
     ap.add_argument("--tokenizer", help="a model folder (default: a byte-level BPE trained here, the demo's template)")
     ap.add_argument("--gguf", help="with --tokenizer: the GGUF file in that folder")
     args = ap.parse_args(argv)
-    workers = args.workers or max(1, min(MAX_WORKERS, len(os.sched_getaffinity(0))))
     tokenizer = load_tokenizer(args)
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "data.jsonl"
         write_lines(path, args.lines)
-        one_s, one = timed(path, tokenizer, 1)
-        many_s, many = timed(path, tokenizer, workers)
-        same = [(d.line, d.input_ids.tolist()) for d in one] == [(d.line, d.input_ids.tolist()) for d in many]
+        one_s, one = timed(one_line_at_a_time, path, tokenizer)
+        many_s, many = timed(batched, path, tokenizer)
         result = {
             "lines": args.lines,
             "mib": round(path.stat().st_size / 2**20, 1),
-            "tokens": int(sum(len(d.input_ids) for d in one)),
+            "tokens": int(sum(len(ids) for _, ids in one)),
             "cpus": len(os.sched_getaffinity(0)),
-            "one_process_s": round(one_s, 2),
-            "one_process_lines_per_s": round(args.lines / one_s),
-            "workers": workers,
-            "workers_s": round(many_s, 2),
-            "workers_lines_per_s": round(args.lines / many_s),
+            "one_line_at_a_time_s": round(one_s, 2),
+            "one_line_at_a_time_lines_per_s": round(args.lines / one_s),
+            "chunk_lines": CHUNK_LINES,
+            "batched_s": round(many_s, 2),
+            "batched_lines_per_s": round(args.lines / many_s),
             "speedup": round(one_s / many_s, 2),
-            "same_documents": same,
+            "same_documents": one == many,
         }
     print(json.dumps(result))
-    return 0 if same else 1
+    return 0 if one == many else 1
 
 
 if __name__ == "__main__":

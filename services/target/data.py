@@ -37,7 +37,7 @@ the eval's prompts (services/data/prompts.py).
 
 from __future__ import annotations
 
-import re
+import itertools
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -49,11 +49,10 @@ from services.data.data_lines import (
     each_nonblank,
     normalize_messages,
     parse_json_line,
-    raw_tokens,
 )
+from services.target.tokenizing import many_chat_tokens, many_text_tokens
 
 MAX_BAD_EXAMPLES = 20
-_GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
 
 @dataclass
@@ -76,77 +75,6 @@ class BadSamples:
             self.examples.append(message)
 
 
-# --- messages -> tokens + assistant mask ---------------------------------------------------------
-
-
-def has_generation_markers(tokenizer) -> bool:
-    template = tokenizer.chat_template
-    return isinstance(template, str) and bool(_GENERATION_TAG.search(template))
-
-
-def chat_tokens(tokenizer, messages: list[dict], template_kwargs: dict | None = None) -> tuple[list[int], list[int]]:
-    """Token ids and assistant mask (0/1) of one conversation, with the tokenizer's chat template and
-    data.chat_template_kwargs (e.g. enable_thinking: serving must render the same way)."""
-    kwargs = template_kwargs or {}
-    try:
-        if has_generation_markers(tokenizer):
-            enc = tokenizer.apply_chat_template(
-                messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True, **kwargs
-            )
-            return list(enc["input_ids"]), list(enc["assistant_masks"])
-        text = tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)
-    except Exception as exc:  # the template itself rejected the conversation (e.g. role order)
-        raise SampleError(f"chat template failed: {exc}") from None
-    return _mask_by_content_search(tokenizer, messages, text)
-
-
-def _mask_by_content_search(tokenizer, messages: list[dict], text: str) -> tuple[list[int], list[int]]:
-    spans, pos = [], 0
-    eos = tokenizer.eos_token or ""
-    for turn, m in enumerate(messages):
-        content = m["content"].strip()
-        if not content:
-            continue
-        at = text.find(content, pos)
-        if at < 0:
-            if m["role"] == "assistant":
-                raise SampleError(
-                    f"assistant turn {turn}: reply not found verbatim in the chat template output; "
-                    "use a chat template with {% generation %} markers"
-                )
-            continue  # templates may rewrite system/tool text; only assistant spans matter
-        end = pos = at + len(content)
-        if m["role"] == "assistant":
-            rest = text[end:]
-            gap = len(rest) - len(rest.lstrip(" \t\r\n"))
-            if eos and rest[gap:].startswith(eos):
-                end = pos = end + gap + len(eos)
-            spans.append((at, end))
-    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    starts = np.array([a for a, _ in enc["offset_mapping"]], dtype=np.int64)
-    mask = np.zeros(len(starts), dtype=bool)
-    for a, b in spans:
-        mask |= (starts >= a) & (starts < b)
-    return list(enc["input_ids"]), mask.astype(np.int64).tolist()
-
-
-def text_tokens(tokenizer, record: dict) -> tuple[list[int], list[int]]:
-    """A plain-text line (the module docstring): its token ids and loss mask."""
-    if "text" in record:
-        if not isinstance(record["text"], str):
-            raise SampleError(f"'text' must be a string, got {type(record['text']).__name__}")
-        enc = tokenizer(record["text"], add_special_tokens=True, return_special_tokens_mask=True)
-        return list(enc["input_ids"]), [0 if special else 1 for special in enc["special_tokens_mask"]]
-    prompt, completion = record["prompt"], record.get("completion")
-    if completion is None:
-        raise SampleError("a 'prompt' line needs its 'completion' to train on (`launcher regenerate` writes one)")
-    if not isinstance(prompt, str) or not isinstance(completion, str):
-        raise SampleError("'prompt' and 'completion' must be strings")
-    head = raw_tokens(tokenizer, prompt)
-    tail = list(tokenizer(completion, add_special_tokens=False)["input_ids"])
-    return head + tail, [0] * len(head) + [1] * len(tail)
-
-
 def pretokenized(record: dict, vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
     ids, mask = record["input_ids"], record.get("loss_mask")
     if mask is None:
@@ -167,39 +95,73 @@ def pretokenized(record: dict, vocab_size: int) -> tuple[np.ndarray, np.ndarray]
     return arr.astype(np.int32), np.asarray(mask, dtype=bool)
 
 
+CHUNK_LINES = 1024  # lines tokenized in one batched call per kind (tokenizing.py)
+
+
+def lines_to_documents(
+    texts: list[str], tokenizer, vocab_size: int, max_doc_tokens: int = 0, template_kwargs: dict | None = None
+) -> list[tuple[np.ndarray, np.ndarray] | SampleError | DataError]:
+    """Each line's (input_ids int32, loss_mask bool), or the SampleError that makes it bad, or the
+    DataError that no line can fix (chat data and no chat template), in order. The lines' texts are
+    tokenized together: one batched call per kind of line (services/target/tokenizing.py)."""
+    out: list = [None] * len(texts)
+    chats, plain = [], []  # (index, messages), (index, record)
+    for i, text in enumerate(texts):
+        try:
+            record = parse_json_line(text)
+            if not isinstance(record, dict):
+                raise SampleError(f"expected a JSON object, got {type(record).__name__}")
+            if "input_ids" in record:
+                out[i] = pretokenized(record, vocab_size)
+            elif "messages" in record or "conversations" in record:
+                if not tokenizer.chat_template:
+                    raise DataError("the tokenizer has no chat template, needed for chat data")
+                chats.append((i, normalize_messages(record)))
+            elif "text" in record or "prompt" in record:
+                plain.append((i, record))
+            else:
+                raise SampleError(
+                    "expected 'messages', 'conversations', 'text', 'prompt' + 'completion', or 'input_ids' + "
+                    f"'loss_mask'; got keys {sorted(record)[:8]}"
+                )
+        except (SampleError, DataError) as exc:
+            out[i] = exc
+    if chats:
+        for (i, _), result in zip(chats, many_chat_tokens(tokenizer, [m for _, m in chats], template_kwargs)):
+            out[i] = result if isinstance(result, SampleError) else _in_vocabulary(*result, vocab_size)
+    if plain:
+        for (i, _), result in zip(plain, many_text_tokens(tokenizer, [r for _, r in plain])):
+            out[i] = result if isinstance(result, SampleError) else _in_vocabulary(*result, vocab_size)
+    for i, result in enumerate(out):
+        if isinstance(result, tuple):
+            out[i] = _usable(*result, max_doc_tokens)
+    return out
+
+
 def line_to_document(
     text: str, tokenizer, vocab_size: int, max_doc_tokens: int = 0, template_kwargs: dict | None = None
 ) -> tuple[np.ndarray, np.ndarray]:
-    record = parse_json_line(text)
-    if not isinstance(record, dict):
-        raise SampleError(f"expected a JSON object, got {type(record).__name__}")
-    if "input_ids" in record:
-        ids, mask = pretokenized(record, vocab_size)
-    elif "messages" in record or "conversations" in record:
-        if not tokenizer.chat_template:
-            raise DataError("the tokenizer has no chat template, needed for chat data")
-        ids, mask = chat_tokens(tokenizer, normalize_messages(record), template_kwargs)
-        ids, mask = np.asarray(ids, dtype=np.int64), np.asarray(mask, dtype=bool)
-        if ids.size and ids.max() >= vocab_size:
-            raise SampleError(f"the tokenizer produced ids >= the model's vocab_size {vocab_size}")
-        ids = ids.astype(np.int32)
-    elif "text" in record or "prompt" in record:
-        ids, mask = text_tokens(tokenizer, record)
-        ids, mask = np.asarray(ids, dtype=np.int64), np.asarray(mask, dtype=bool)
-        if ids.size and ids.max() >= vocab_size:
-            raise SampleError(f"the tokenizer produced ids >= the model's vocab_size {vocab_size}")
-        ids = ids.astype(np.int32)
-    else:
-        raise SampleError(
-            "expected 'messages', 'conversations', 'text', 'prompt' + 'completion', or 'input_ids' + "
-            f"'loss_mask'; got keys {sorted(record)[:8]}"
-        )
+    """One line's (input_ids, loss_mask); SampleError or DataError if it is bad."""
+    (result,) = lines_to_documents([text], tokenizer, vocab_size, max_doc_tokens, template_kwargs)
+    if isinstance(result, Exception):
+        raise result
+    return result
+
+
+def _in_vocabulary(ids: list[int], mask: list[int], vocab_size: int) -> tuple[np.ndarray, np.ndarray] | SampleError:
+    arr = np.asarray(ids, dtype=np.int64)
+    if arr.size and arr.max() >= vocab_size:
+        return SampleError(f"the tokenizer produced ids >= the model's vocab_size {vocab_size}")
+    return arr.astype(np.int32), np.asarray(mask, dtype=bool)
+
+
+def _usable(ids: np.ndarray, mask: np.ndarray, max_doc_tokens: int) -> tuple[np.ndarray, np.ndarray] | SampleError:
     if ids.size == 0:
-        raise SampleError("empty document after tokenization")
+        return SampleError("empty document after tokenization")
     if max_doc_tokens and ids.size > max_doc_tokens:
-        raise SampleError(f"document of {ids.size} tokens is longer than data.max_doc_tokens={max_doc_tokens}")
+        return SampleError(f"document of {ids.size} tokens is longer than data.max_doc_tokens={max_doc_tokens}")
     if not mask.any():
-        raise SampleError("no supervised tokens after tokenization")
+        return SampleError("no supervised tokens after tokenization")
     return ids, mask
 
 
@@ -212,31 +174,28 @@ def read_documents(
     max_line_bytes: int = 8 << 20,
     max_doc_tokens: int = 0,
     template_kwargs: dict | None = None,
-    workers: int = 1,
     progress=None,
 ) -> list[Document]:
-    """Every non-blank line of a JSONL file -> Document, in file order. Bad lines: raise (fail) or
-    count in `bad` (skip). workers > 1: lines tokenized in that many processes (tokenizing.py), the
-    same documents; 0: as many as suit the file (tokenizing_workers); progress(lines done, bytes
-    read, file bytes) after each chunk of lines."""
-    from services.target.tokenizing import LineConverter, converted_chunks, tokenizing_workers
-
+    """Every non-blank line of a JSONL file -> Document, in file order, CHUNK_LINES lines tokenized at
+    a time. Bad lines: raise (fail) or count in `bad` (skip). progress(lines done, bytes read, file
+    bytes) after each chunk."""
     path = Path(path)
     if not path.is_file():
         raise DataError(f"data file not found: {path}")
-    workers = workers or tokenizing_workers(path)
-    convert = LineConverter(tokenizer, vocab_size, max_doc_tokens, template_kwargs)
     docs, done, size = [], 0, path.stat().st_size
     with open(path, "rb") as f:  # bytes: a line that is not UTF-8 is one bad line, not a failed file
-        for chunk in converted_chunks(convert, each_nonblank(f, max_line_bytes), workers):
-            for lineno, ids, mask, problem in chunk:
-                if problem is None:
-                    docs.append(Document(lineno, ids, mask))
+        lines = each_nonblank(f, max_line_bytes)
+        for chunk in iter(lambda: list(itertools.islice(lines, CHUNK_LINES)), []):
+            texts = [text for _, text in chunk if not isinstance(text, SampleError)]
+            results = iter(lines_to_documents(texts, tokenizer, vocab_size, max_doc_tokens, template_kwargs))
+            for lineno, text in chunk:
+                result = text if isinstance(text, SampleError) else next(results)
+                if isinstance(result, tuple):
+                    docs.append(Document(lineno, *result))
                     continue
-                kind, message = problem
-                if kind == "data":  # not a per-line problem (no chat template): never skipped
-                    raise DataError(f"{path}:{lineno}: {message}")
-                message = f"{path}:{lineno}: {message}"
+                if isinstance(result, DataError):  # not a per-line problem (no chat template): never skipped
+                    raise DataError(f"{path}:{lineno}: {result}")
+                message = f"{path}:{lineno}: {result}"
                 if on_bad == "fail":
                     raise DataError(message + " (set data.on_bad_sample=skip to skip bad lines)")
                 bad.add(message, path, lineno)

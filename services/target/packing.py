@@ -181,7 +181,7 @@ def build_index(
 
     def read(path):
         said = (lambda *done: progress(path, *done)) if progress else None
-        return read_documents(path, tokenizer, vocab_size, d.on_bad_sample, bad, **limits, workers=0, progress=said)
+        return read_documents(path, tokenizer, vocab_size, d.on_bad_sample, bad, **limits, progress=said)
 
     train = read(d.path)
     held_out = packing.held_out

@@ -1,104 +1,157 @@
-"""Lines of a JSONL file to documents, in one process or several, in file order either way.
+"""Records to token ids and loss masks, many at a time (services/target/data.py says what each line
+shape supervises).
 
-Tokenizing is most of packing's time, one line after another on one core: 80 000 regenerated
-conversations took about two minutes before the first training step (docs/benchmarks.md). With
-workers > 1 the lines go in chunks to that many processes (spawned: no fork of a process that
-may hold threads), each with its own copy of the tokenizer; the results come back chunk by chunk
-in order, at most AHEAD chunks per worker in flight, so memory stays bounded on any file size.
+Packing tokenizes every line of the data before the first step. A fast tokenizer's batched call
+encodes a whole list in Rust on every core, where one call per line runs on one core and pays the
+trip into Rust each time (0.49 against 0.18 ms a chat line of code on 2 cores, SmolLM2's tokenizer;
+docs/benchmarks.md). So each chat is rendered by its template one by one (Python, and where a
+template rejects one conversation that line alone is bad), and the rendered texts of a chunk of
+lines are tokenized in one call. Worker processes did this before: each had to import transformers
+and unpickle the tokenizer first, and 16 of them on a GPU host took about 50 s to send back their
+first chunk.
 """
 
 from __future__ import annotations
 
-import itertools
-import multiprocessing
-import os
-import pickle
-import sys
-from collections import deque
-from concurrent.futures import ProcessPoolExecutor
-from pathlib import Path
+import re
 
-from services.data.data_lines import DataError, SampleError
+import numpy as np
 
-CHUNK_LINES = 256
-AHEAD = 4  # chunks in flight per worker
-PARALLEL_BYTES = 16 << 20  # a smaller file is tokenized in this process: starting workers costs more
-MAX_WORKERS = 16
+from services.data.data_lines import SampleError
+
+_GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
+
+Tokens = tuple[list[int], list[int]]  # token ids, loss mask (0/1)
 
 
-def tokenizing_workers(path: str | Path) -> int:
-    """Processes to tokenize `path` with: the CPUs this process may use (its affinity: a container's
-    or taskset's share), at most MAX_WORKERS, and 1 for a small file."""
-    if Path(path).stat().st_size < PARALLEL_BYTES:
-        return 1
-    return max(1, min(MAX_WORKERS, len(os.sched_getaffinity(0))))
+def has_generation_markers(tokenizer) -> bool:
+    template = tokenizer.chat_template
+    return isinstance(template, str) and bool(_GENERATION_TAG.search(template))
 
 
-class LineConverter:
-    """One chunk of (line number, text or SampleError) -> (line number, ids, mask, problem) each,
-    problem None or (kind, message): "sample" for a bad line, "data" for what no line can fix."""
-
-    def __init__(self, tokenizer, vocab_size: int, max_doc_tokens: int, template_kwargs: dict | None):
-        self.tokenizer, self.vocab_size = tokenizer, vocab_size
-        self.max_doc_tokens, self.template_kwargs = max_doc_tokens, template_kwargs
-
-    def __call__(self, chunk: list) -> list[tuple]:
-        from services.target.data import line_to_document
-
-        out = []
-        for lineno, text in chunk:
-            try:
-                if isinstance(text, SampleError):
-                    raise text
-                ids, mask = line_to_document(
-                    text, self.tokenizer, self.vocab_size, self.max_doc_tokens, self.template_kwargs
-                )
-                out.append((lineno, ids, mask, None))
-            except SampleError as exc:
-                out.append((lineno, None, None, ("sample", str(exc))))
-            except DataError as exc:
-                out.append((lineno, None, None, ("data", str(exc))))
-        return out
+def chat_tokens(tokenizer, messages: list[dict], template_kwargs: dict | None = None) -> Tokens:
+    """Token ids and assistant mask of one conversation; SampleError if the line is bad."""
+    (result,) = many_chat_tokens(tokenizer, [messages], template_kwargs)
+    if isinstance(result, SampleError):
+        raise result
+    return result
 
 
-_CONVERT: LineConverter | None = None  # a worker's converter, installed once (not sent with every chunk)
-
-
-def _install(convert: LineConverter) -> None:
-    global _CONVERT
-    _CONVERT = convert
-
-
-def _convert(chunk: list) -> list[tuple]:
-    return _CONVERT(chunk)
-
-
-def _sendable(convert: LineConverter) -> bool:
-    """Whether the converter (its tokenizer) pickles, as a spawned worker needs; one that does not
-    is tokenized in this process, and said."""
-    try:
-        pickle.dumps(convert)
-        return True
-    except Exception as exc:  # a tokenizer class of a model's own code may hold what does not pickle
-        print(f"data: tokenizing in one process: the tokenizer does not pickle ({exc})", file=sys.stderr, flush=True)
-        return False
-
-
-def converted_chunks(convert: LineConverter, lines, workers: int):
-    """convert's results for `lines` (an iterator), chunk by chunk, in order."""
-    chunks = iter(lambda: list(itertools.islice(lines, CHUNK_LINES)), [])
-    if workers <= 1 or not _sendable(convert):
-        yield from map(convert, chunks)
-        return
-    spawn = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(workers, mp_context=spawn, initializer=_install, initargs=(convert,)) as pool:
-        pending = deque()
+def many_chat_tokens(
+    tokenizer, conversations: list[list[dict]], template_kwargs: dict | None = None
+) -> list[Tokens | SampleError]:
+    """Token ids and assistant mask (0/1) of each conversation, or the SampleError that makes it bad,
+    in order, rendered with the tokenizer's chat template and data.chat_template_kwargs (e.g.
+    enable_thinking: serving must render the same way)."""
+    kwargs = template_kwargs or {}
+    if has_generation_markers(tokenizer):
+        return _marked_chats(tokenizer, conversations, kwargs)
+    rendered: list[tuple[str, list] | SampleError] = []
+    for messages in conversations:
         try:
-            for chunk in chunks:
-                pending.append(pool.submit(_convert, chunk))
-                if len(pending) >= AHEAD * workers:
-                    yield pending.popleft().result()
-            while pending:
-                yield pending.popleft().result()
-        finally:  # a bad line with on_bad_sample=fail stops reading: drop what is queued
-            pool.shutdown(cancel_futures=True)
+            text = _render(tokenizer, messages, kwargs)
+            rendered.append((text, _assistant_spans(tokenizer, messages, text)))
+        except SampleError as exc:
+            rendered.append(exc)
+    good = [r for r in rendered if not isinstance(r, SampleError)]
+    enc = tokenizer([text for text, _ in good], add_special_tokens=False, return_offsets_mapping=True) if good else None
+    encoded = iter(range(len(good)))
+    out: list[Tokens | SampleError] = []
+    for r in rendered:
+        if isinstance(r, SampleError):
+            out.append(r)
+            continue
+        k = next(encoded)
+        out.append((list(enc["input_ids"][k]), _span_mask(enc["offset_mapping"][k], r[1])))
+    return out
+
+
+def _render(tokenizer, messages: list[dict], kwargs: dict) -> str:
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)
+    except Exception as exc:  # the template itself rejected the conversation (e.g. role order)
+        raise SampleError(f"chat template failed: {exc}") from None
+
+
+def _marked_chats(tokenizer, conversations: list[list[dict]], kwargs: dict) -> list[Tokens | SampleError]:
+    """The template's {% generation %} markers give the assistant mask (transformers'
+    return_assistant_tokens_mask), the whole list in one call; a call the template rejects is
+    redone one conversation at a time, so only the rejected ones are bad."""
+    try:
+        enc = tokenizer.apply_chat_template(
+            conversations, tokenize=True, return_dict=True, return_assistant_tokens_mask=True, **kwargs
+        )
+    except Exception as exc:
+        if len(conversations) == 1:
+            return [SampleError(f"chat template failed: {exc}")]
+        return [result for messages in conversations for result in _marked_chats(tokenizer, [messages], kwargs)]
+    return [(list(ids), list(mask)) for ids, mask in zip(enc["input_ids"], enc["assistant_masks"])]
+
+
+def _assistant_spans(tokenizer, messages: list[dict], text: str) -> list[tuple[int, int]]:
+    """Content search (services/target/data.py): the character spans of the assistant replies in the
+    rendered text, each with the eos_token that follows it."""
+    spans, pos = [], 0
+    eos = tokenizer.eos_token or ""
+    for turn, m in enumerate(messages):
+        content = m["content"].strip()
+        if not content:
+            continue
+        at = text.find(content, pos)
+        if at < 0:
+            if m["role"] == "assistant":
+                raise SampleError(
+                    f"assistant turn {turn}: reply not found verbatim in the chat template output; "
+                    "use a chat template with {% generation %} markers"
+                )
+            continue  # templates may rewrite system/tool text; only assistant spans matter
+        end = pos = at + len(content)
+        if m["role"] == "assistant":
+            rest = text[end:]
+            gap = len(rest) - len(rest.lstrip(" \t\r\n"))
+            if eos and rest[gap:].startswith(eos):
+                end = pos = end + gap + len(eos)
+            spans.append((at, end))
+    return spans
+
+
+def _span_mask(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> list[int]:
+    """1 for each token whose first character lies in a span."""
+    starts = np.array([a for a, _ in offsets], dtype=np.int64)
+    mask = np.zeros(len(starts), dtype=bool)
+    for a, b in spans:
+        mask |= (starts >= a) & (starts < b)
+    return mask.astype(np.int64).tolist()
+
+
+def many_text_tokens(tokenizer, records: list[dict]) -> list[Tokens | SampleError]:
+    """Plain-text lines (a base model's data): a {"text"} line supervises every token but the
+    tokenizer's own special tokens (a BOS); a {"prompt", "completion"} line its completion only, the
+    two tokenized apart (as `launcher regenerate` generated the completion: tokens after the prompt's,
+    the prompt as raw text with the tokenizer's special tokens)."""
+    out: list[Tokens | SampleError | None] = [None] * len(records)
+    texts, prompts = [], []  # (index, text), (index, prompt, completion)
+    for i, record in enumerate(records):
+        if "text" in record:
+            if isinstance(record["text"], str):
+                texts.append((i, record["text"]))
+            else:
+                out[i] = SampleError(f"'text' must be a string, got {type(record['text']).__name__}")
+            continue
+        prompt, completion = record["prompt"], record.get("completion")
+        if completion is None:
+            out[i] = SampleError("a 'prompt' line needs its 'completion' to train on (`launcher regenerate` writes it)")
+        elif not isinstance(prompt, str) or not isinstance(completion, str):
+            out[i] = SampleError("'prompt' and 'completion' must be strings")
+        else:
+            prompts.append((i, prompt, completion))
+    if texts:
+        enc = tokenizer([t for _, t in texts], add_special_tokens=True, return_special_tokens_mask=True)
+        for (i, _), ids, special in zip(texts, enc["input_ids"], enc["special_tokens_mask"]):
+            out[i] = (list(ids), [0 if s else 1 for s in special])
+    if prompts:
+        heads = tokenizer([p for _, p, _ in prompts], add_special_tokens=True)["input_ids"]
+        tails = tokenizer([c for _, _, c in prompts], add_special_tokens=False)["input_ids"]
+        for (i, _, _), head, tail in zip(prompts, heads, tails):
+            out[i] = (list(head) + list(tail), [0] * len(head) + [1] * len(tail))
+    return out

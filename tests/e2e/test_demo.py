@@ -14,9 +14,9 @@ from safetensors.torch import load_file
 from transformers import AutoTokenizer
 
 from services.run.config import load_config
-from services.target.data import has_generation_markers
 from services.target.model import load_target
 from services.target.packing import Packing, open_or_build
+from services.target.tokenizing import has_generation_markers
 from services.tools.demo import make_demo
 from tests.launching import REPO
 

@@ -7,7 +7,8 @@ import json
 import numpy as np
 import pytest
 
-from services.target.data import BadSamples, DataError, chat_tokens, has_generation_markers, read_documents
+from services.target.data import BadSamples, DataError, read_documents
+from services.target.tokenizing import chat_tokens, has_generation_markers
 from services.tools.demo import CHAT_TEMPLATE, conversations
 from tests.launching import REPO
 
@@ -238,40 +239,47 @@ def test_a_line_over_the_limit_is_never_read_whole(tmp_path):
     assert int(grown_mb) < 30, f"peak memory grew by {grown_mb} MB reading past a 50 MB line"
 
 
-# --- tokenizing in worker processes (services/target/tokenizing.py) ----------------------------------------
+# --- tokenized in batches (services/target/tokenizing.py) -------------------------------------------------
+
+REJECTING = "{%- if messages[0]['content'] == 'reject me' -%}{{- raise_exception('no, not this one') -}}{%- endif -%}"
+NO_MARKERS = CHAT_TEMPLATE.replace("{% generation %}", "").replace("{% endgeneration %}", "")
 
 
-def test_worker_processes_give_the_same_documents_bad_lines_and_first_failure(tmp_path, tokenizer, monkeypatch):
-    """read_documents with workers=2 (spawned processes, chunks of 3 lines here): the documents in
-    file order, the bad lines and the first failure are those of one process; progress ends at
-    every line and the whole file."""
-    from services.target import tokenizing
+@pytest.mark.parametrize("template", [CHAT_TEMPLATE, NO_MARKERS], ids=["generation-markers", "content-search"])
+def test_lines_tokenized_in_batches_equal_each_line_alone(tmp_path, tokenizer, monkeypatch, template):
+    """read_documents (chunks of 5 lines here, each tokenized in one batched call per kind) gives the
+    documents, bad lines, progress and first failure that each line gives alone (line_to_document),
+    chat and plain-text lines mixed, and a conversation the template rejects spoils only its own line."""
+    from services.target import data
 
-    monkeypatch.setattr(tokenizing, "CHUNK_LINES", 3)
-    lines = [{"messages": MULTI_TURN}, *(c for c in conversations(7, seed=3))] + [line for line, _ in BAD_LINES]
+    monkeypatch.setattr(data, "CHUNK_LINES", 5)
+    tokenizer.chat_template = REJECTING + template
+    rejected = {"messages": [{"role": "user", "content": "reject me"}, {"role": "assistant", "content": "no"}]}
+    plain = [{"text": "spell river : r i"}, {"prompt": "count from 3 to", "completion": " 9"}]
+    lines = [{"messages": MULTI_TURN}, *conversations(7, seed=3), rejected, *plain] + [line for line, _ in BAD_LINES]
     path = _write(tmp_path / "data.jsonl", lines * 2)
     with open(path, "ab") as f:
         f.write(
             b'{"messages": [{"role": "user", "content": "caf\xe9"}]}\n' + json.dumps({"messages": MULTI_TURN}).encode()
         )
-    one_bad, two_bad, seen = BadSamples(), BadSamples(), []
-    one = read_documents(path, tokenizer, VOCAB, "skip", one_bad)
-    two = read_documents(path, tokenizer, VOCAB, "skip", two_bad, workers=2, progress=lambda *done: seen.append(done))
-    assert len(one) == 2 * 8 + 1 and [d.line for d in two] == [d.line for d in one]
-    for a, b in zip(one, two):
-        assert np.array_equal(a.input_ids, b.input_ids) and np.array_equal(a.loss_mask, b.loss_mask)
-    assert two_bad.count == one_bad.count == 2 * len(BAD_LINES) + 1 and two_bad.examples == one_bad.examples
-    assert seen[-1] == (2 * len(lines) + 2, path.stat().st_size, path.stat().st_size)
-    with pytest.raises(DataError, match=rf"^{path}:{len(lines) - len(BAD_LINES) + 1}: "):
-        read_documents(path, tokenizer, VOCAB, "fail", BadSamples(), workers=2)
-
-
-def test_a_tokenizer_that_does_not_pickle_is_tokenized_in_this_process(tmp_path, tokenizer, capfd):
-    import threading
-
-    path = _write(tmp_path / "data.jsonl", [{"messages": MULTI_TURN}] * 3)
-    want = read_documents(path, tokenizer, VOCAB, "fail", BadSamples())
-    tokenizer.held = threading.Lock()  # what a model's own tokenizer class may keep
-    got = read_documents(path, tokenizer, VOCAB, "fail", BadSamples(), workers=2)
-    assert [d.input_ids.tolist() for d in got] == [d.input_ids.tolist() for d in want]
-    assert "tokenizing in one process: the tokenizer does not pickle" in capfd.readouterr().err
+    bad, seen = BadSamples(), []
+    docs = read_documents(path, tokenizer, VOCAB, "skip", bad, progress=lambda *done: seen.append(done))
+    alone, alone_bad = [], []
+    for n, raw in enumerate(path.read_bytes().split(b"\n"), start=1):
+        try:
+            alone.append((n, *data.line_to_document(raw.decode(), tokenizer, VOCAB)))
+        except (ValueError, UnicodeDecodeError) as exc:
+            alone_bad.append((n, str(exc)))
+    assert [d.line for d in docs] == [n for n, *_ in alone] and len(docs) == 2 * (1 + 7 + 2) + 1
+    for d, (_, ids, mask) in zip(docs, alone):
+        assert np.array_equal(d.input_ids, ids) and np.array_equal(d.loss_mask, mask)
+    assert bad.lines == [(str(path), n) for n, _ in alone_bad]
+    assert bad.count == 2 * (len(BAD_LINES) + 1) + 1
+    assert [e.split(": ", 1)[1] for e in bad.examples[: len(BAD_LINES) + 1]] == [
+        reason for _, reason in alone_bad[: len(BAD_LINES) + 1]
+    ]
+    assert "chat template failed: no, not this one" in bad.examples[0]
+    assert seen[-1] == (2 * len(lines) + 2, path.stat().st_size, path.stat().st_size) and len(seen) > 2
+    first_bad = 1 + 7 + 1
+    with pytest.raises(DataError, match=rf"^{path}:{first_bad}: .*no, not this one"):
+        read_documents(path, tokenizer, VOCAB, "fail", BadSamples())
