@@ -11,6 +11,10 @@
 # e2eeval: the 27B hybrid shape through the service with the real-acceptance eval on (on vs off).
 # demo / demohybrid: the README demo (and the hybrid demo) with --device cuda end to end, from a fresh
 # demo cache and run dir under /tmp; fp32: the demo's target in float32 on CUDA (per-document SDPA), briefly.
+# ggufa / ggufb: the real-model GGUF's two parts (bench/gpu_wheels.sh --gguf), carried in two calls, joined
+#          as /tmp/m/g.gguf; domino32: the real-model benchmark's corpus, replies and four runs to 32 M tokens
+#          (DFlash and Domino, two seeds each), the runs left training in their own session;
+#          domino32wait: waits for them (call it again after a 10-minute limit), then evaluates and reports.
 # pyzmq is not on the GPU image: a wheel in .whl/ is installed into /tmp/site when present
 # (bench/gpu_wheels.sh fetches them, and the real-model benchmark's GGUF in two parts).
 set -u
@@ -26,6 +30,10 @@ demo() { local name=$1 limit=$2 kind=$3 work=/tmp/dflash-$1; shift 3; rm -rf "$w
   run "$name" "$limit" env DFLASH_CACHE_DIR="$work/cache" python3 -m launcher up --demo $kind --device cuda \
       --gpus 0:target,0:drafter --share-gpus --run-dir "$work/run" "$@"
   cp -r "$work/run/logs" "$OUT/$name-logs" 2>/dev/null; grep -h "packed attention\|capture path" "$work"/run/logs/target-*.log; }
+DOMINO32=(--work /tmp/real --gguf /tmp/m/g.gguf --site-packages --max-train 32000 --regen-max-new-tokens 256
+  --tokens 2M,8M,32M --pack-len 8192 --eval-max-new-tokens 128 --variant-tokens 32M --variant seed1:run.seed=1
+  '--variant=domino:drafter.objective="domino"' '--variant=dominoseed1:drafter.objective="domino",run.seed=1'
+  --out "$OUT/domino32.json")
 for part in "$@"; do case $part in
   checks)     run flex_check 300 python3 bench/flex_check.py --out "$OUT/flex_check.json"
               run gpu_tests 240 python3 -m pytest -q -x tests/unit/test_target_model.py tests/unit/test_drafter_attention.py ;;
@@ -76,5 +84,9 @@ for part in "$@"; do case $part in
               run verify_fp8 420 python3 bench/verify_step.py --quantize fp8-quantized,fp8,fp8-weight-only --methods '' \
                   --iters 8 --compile-steps ;;
   isolation)  run isolation 560 python3 bench/compile_isolation.py --workers 3 --trials 2 --timeout 120 --out "$OUT/isolation.json" ;;
+  ggufa)      mkdir -p /tmp/m && cp .gga/part.aa /tmp/m/part.aa && ls -la /tmp/m ;;
+  ggufb)      cat /tmp/m/part.aa .ggb/part.ab > /tmp/m/g.gguf && rm -f /tmp/m/part.aa && ls -la /tmp/m ;;
+  domino32)   run domino32_start 580 python3 bench/real_model.py "${DOMINO32[@]}" --phases corpus,model,regen,train --background ;;
+  domino32wait) run domino32_wait 580 python3 bench/real_model.py "${DOMINO32[@]}" --phases wait,eval,report ;;
   *) echo "unknown part $part" ;;
 esac; done
