@@ -35,14 +35,16 @@ from __future__ import annotations
 
 import argparse
 import ast
-import functools
 import gzip
 import importlib.util
 import json
+import multiprocessing
+import os
 import random
 import sys
 import sysconfig
 import textwrap
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -139,18 +141,36 @@ def function_prompts(node, qualname: str, lines: list[str]) -> list[tuple[str, s
 
 def module_prompts(path: Path) -> tuple[tuple[str, str, str], ...]:
     """(qualified name, kind, prompt) for every documented function and method of one file, in source
-    order (dunder methods left out); () for a file this interpreter cannot parse. A file is parsed once
-    a process while it is unchanged (the corpus's tests build it several times)."""
-    stat = path.stat()
-    return _module_prompts(path, stat.st_mtime_ns, stat.st_size)
+    order (dunder methods left out); () for a file this interpreter cannot parse."""
+    return all_module_prompts([path])[path]
 
 
-@functools.lru_cache(maxsize=None)
-def _module_prompts(path: Path, mtime_ns: int, size: int) -> tuple[tuple[str, str, str], ...]:
+_PARSED: dict[tuple, tuple] = {}  # (path, mtime, size) -> prompts: a file is parsed once a process while unchanged
+PARALLEL_FILES = 2000  # more files than this are parsed in worker processes
+
+
+def all_module_prompts(paths: list[Path]) -> dict[Path, tuple[tuple[str, str, str], ...]]:
+    """module_prompts of each file. Many files (a GPU host's site-packages: tens of thousands, 90 s on
+    one core while the GPU waited) are parsed in forked worker processes, one per CPU; the results
+    are the same, in the same order."""
+    keys = {path: (path, path.stat().st_mtime_ns, path.stat().st_size) for path in paths}
+    todo = [path for path in paths if keys[path] not in _PARSED]
+    cpus = len(os.sched_getaffinity(0))
+    if len(todo) > PARALLEL_FILES and cpus > 1:
+        # fork: nothing to import again, and this bench's process holds no threads while it builds the corpus
+        with ProcessPoolExecutor(cpus, mp_context=multiprocessing.get_context("fork")) as pool:
+            parsed = list(pool.map(_parse, todo, chunksize=64))
+    else:
+        parsed = [_parse(path) for path in todo]
+    _PARSED.update((keys[path], prompts) for path, prompts in zip(todo, parsed))
+    return {path: _PARSED[keys[path]] for path in paths}
+
+
+def _parse(path: Path) -> tuple[tuple[str, str, str], ...]:
     try:
         source = path.read_text(encoding="utf-8")
         tree = ast.parse(source)
-    except (SyntaxError, UnicodeDecodeError, ValueError):
+    except (SyntaxError, UnicodeDecodeError, ValueError, RecursionError):
         return ()
     lines, out = source.splitlines(keepends=True), []
 
@@ -196,8 +216,9 @@ def site_prompts(files: list[tuple[str, Path]], seen: set, seed: int, per_packag
     """Training lines from third-party packages (not yet `seen`), at most per_package of each
     (a seeded sample), and {package: prompts kept}."""
     by_package: dict[str, list[str]] = {}
+    prompts = all_module_prompts([path for _, path in files])
     for package, path in files:
-        for _, _, text in module_prompts(path):
+        for _, _, text in prompts[path]:
             if text not in seen and len(text) <= MAX_PROMPT_CHARS:
                 seen.add(text)
                 by_package.setdefault(package, []).append(text)
@@ -226,8 +247,9 @@ def build(
     held = set(heldout_modules([m for m, _ in files], seed))
     train, test, seen = [], [], set()
     functions = 0
+    parsed = all_module_prompts([path for _, path in files])
     for module, path in files:
-        prompts = module_prompts(path)
+        prompts = parsed[path]
         functions += len({q for q, _, _ in prompts})
         for qualname, kind, text in prompts:
             if text in seen:  # the same prompt twice (a copied function): once, first seen

@@ -76,6 +76,21 @@ def test_corpus_is_deterministic_and_the_cap_is_a_prefix(corpus, tmp_path):
     assert len((tmp_path / "humaneval.jsonl").read_text().splitlines()) == 164
 
 
+@pytest.mark.processes
+def test_files_parsed_in_worker_processes_give_the_same_prompts(corpus, monkeypatch, tmp_path):
+    """Many files are parsed in forked worker processes (one per CPU): the same prompts, file by file,
+    as parsing each in this process, and a file that does not parse gives none either way."""
+    monkeypatch.setattr(real_prompts, "PARALLEL_FILES", 10)
+    monkeypatch.setattr(real_prompts, "_PARSED", {})
+    files = [path for _, path in real_prompts.stdlib_files(real_prompts.Path(corpus["info"]["stdlib"]))][:200]
+    broken = tmp_path / "broken.py"
+    broken.write_text('def f(:\n    """Not Python at all, this."""\n')
+    files.insert(100, broken)
+    parsed = real_prompts.all_module_prompts(files)
+    assert list(parsed) == files and sum(map(len, parsed.values())) > 100 and parsed[broken] == ()
+    assert all(parsed[path] == real_prompts._parse(path) for path in files)
+
+
 def write_package(root, name: str, functions: int) -> None:
     (root / name).mkdir(parents=True)
     body = "".join(
