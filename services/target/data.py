@@ -37,7 +37,6 @@ the eval's prompts (services/data/prompts.py).
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -96,6 +95,7 @@ def pretokenized(record: dict, vocab_size: int) -> tuple[np.ndarray, np.ndarray]
 
 
 CHUNK_LINES = 1024  # lines tokenized in one batched call per kind (tokenizing.py)
+CHUNK_CHARS = 8 << 20  # and at most about this much text: a chunk's tokens as Python objects stay ~300 MB
 
 
 def lines_to_documents(
@@ -176,16 +176,15 @@ def read_documents(
     template_kwargs: dict | None = None,
     progress=None,
 ) -> list[Document]:
-    """Every non-blank line of a JSONL file -> Document, in file order, CHUNK_LINES lines tokenized at
-    a time. Bad lines: raise (fail) or count in `bad` (skip). progress(lines done, bytes read, file
+    """Every non-blank line of a JSONL file -> Document, in file order, a chunk of lines tokenized at a
+    time (_chunks). Bad lines: raise (fail) or count in `bad` (skip). progress(lines done, bytes read, file
     bytes) after each chunk."""
     path = Path(path)
     if not path.is_file():
         raise DataError(f"data file not found: {path}")
     docs, done, size = [], 0, path.stat().st_size
     with open(path, "rb") as f:  # bytes: a line that is not UTF-8 is one bad line, not a failed file
-        lines = each_nonblank(f, max_line_bytes)
-        for chunk in iter(lambda: list(itertools.islice(lines, CHUNK_LINES)), []):
+        for chunk in _chunks(each_nonblank(f, max_line_bytes)):
             texts = [text for _, text in chunk if not isinstance(text, SampleError)]
             results = iter(lines_to_documents(texts, tokenizer, vocab_size, max_doc_tokens, template_kwargs))
             for lineno, text in chunk:
@@ -203,3 +202,16 @@ def read_documents(
             if progress:
                 progress(done, f.tell(), size)
     return docs
+
+
+def _chunks(lines):
+    """The (line number, text) pairs in lists of CHUNK_LINES, or fewer once they hold CHUNK_CHARS of text."""
+    chunk, chars = [], 0
+    for lineno, text in lines:
+        chunk.append((lineno, text))
+        chars += len(text) if isinstance(text, str) else 0
+        if len(chunk) >= CHUNK_LINES or chars >= CHUNK_CHARS:
+            yield chunk
+            chunk, chars = [], 0
+    if chunk:
+        yield chunk

@@ -247,9 +247,10 @@ NO_MARKERS = CHAT_TEMPLATE.replace("{% generation %}", "").replace("{% endgenera
 
 @pytest.mark.parametrize("template", [CHAT_TEMPLATE, NO_MARKERS], ids=["generation-markers", "content-search"])
 def test_lines_tokenized_in_batches_equal_each_line_alone(tmp_path, tokenizer, monkeypatch, template):
-    """read_documents (chunks of 5 lines here, each tokenized in one batched call per kind) gives the
-    documents, bad lines, progress and first failure that each line gives alone (line_to_document),
-    chat and plain-text lines mixed, and a conversation the template rejects spoils only its own line."""
+    """read_documents (chunks of 5 lines here, then of 600 characters, each tokenized in one batched
+    call per kind) gives the documents, bad lines, progress and first failure that each line gives
+    alone (line_to_document), chat and plain-text lines mixed, and a conversation the template
+    rejects spoils only its own line."""
     from services.target import data
 
     monkeypatch.setattr(data, "CHUNK_LINES", 5)
@@ -280,6 +281,11 @@ def test_lines_tokenized_in_batches_equal_each_line_alone(tmp_path, tokenizer, m
     ]
     assert "chat template failed: no, not this one" in bad.examples[0]
     assert seen[-1] == (2 * len(lines) + 2, path.stat().st_size, path.stat().st_size) and len(seen) > 2
+    monkeypatch.setattr(data, "CHUNK_CHARS", 600)  # a chunk also ends once it holds 600 characters of text
+    fewer, seen_fewer = BadSamples(), []
+    again = read_documents(path, tokenizer, VOCAB, "skip", fewer, progress=lambda *done: seen_fewer.append(done))
+    assert [(d.line, d.input_ids.tolist()) for d in again] == [(d.line, d.input_ids.tolist()) for d in docs]
+    assert fewer.lines == bad.lines and len(seen_fewer) > len(seen) and seen_fewer[-1] == seen[-1]
     first_bad = 1 + 7 + 1
     with pytest.raises(DataError, match=rf"^{path}:{first_bad}: .*no, not this one"):
         read_documents(path, tokenizer, VOCAB, "fail", BadSamples())
