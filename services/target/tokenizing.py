@@ -3,12 +3,12 @@ shape supervises).
 
 Packing tokenizes every line of the data before the first step. A fast tokenizer's batched call
 encodes a whole list in Rust on every core, where one call per line runs on one core and pays the
-trip into Rust each time (0.49 against 0.18 ms a chat line of code on 2 cores, SmolLM2's tokenizer;
-docs/benchmarks.md). So each chat is rendered by its template one by one (Python, and where a
-template rejects one conversation that line alone is bad), and the rendered texts of a chunk of
-lines are tokenized in one call. Worker processes did this before: each had to import transformers
-and unpickle the tokenizer first, and 16 of them on a GPU host took about 50 s to send back their
-first chunk.
+trip into Rust each time (0.23 against 0.35 ms a chat line of code on 2 cores, the whole of
+packing's reading with SmolLM2's tokenizer; docs/benchmarks.md). So each chat is rendered by its
+template one by one (Python, and where a template rejects one conversation that line alone is
+bad), and the rendered texts of a chunk of lines are tokenized in one call. Worker processes did
+this before: each had to import transformers and unpickle the tokenizer first, and 16 of them on a
+GPU host took about 50 s to send back their first chunk.
 """
 
 from __future__ import annotations
