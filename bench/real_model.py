@@ -12,7 +12,8 @@ so a run can span several 10-minute device calls within one lease; wall seconds 
 
   corpus    bench/real_prompts.py: training prompts from the stdlib's own source, the held-out
             stdlib modules' prompts and HumanEval's 164 prompts (<work>/corpus/)
-  model     the GGUF file, and its tokenizer's id 16 checked (<work>/model.json)
+  model     the GGUF file converted as the service converts it (once; regen and the runs reuse it), and
+            its tokenizer's id 16 checked (<work>/model.json)
   regen     `launcher regenerate` with the target, greedy: the training replies (<work>/regen.jsonl)
   train     one `launcher up` per run, side by side on the same GPU: "main" to the largest --tokens with a
             checkpoint at each amount, each --variant to --variant-tokens (<work>/runs/NAME/); with
@@ -243,7 +244,11 @@ def phase_model(a, work: Path) -> dict:
     gguf = find_gguf(a.gguf)
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    from launcher.gguf import resolve
+
+    # the folder the service converts the GGUF to, once (regen and every run read it): its tokenizer is
+    # what they use, and loads in under a second where the GGUF's is rebuilt from the file (15-25 s)
+    tok = AutoTokenizer.from_pretrained(resolve(gguf))
     token = tok.convert_ids_to_tokens(MASK_TOKEN_ID)
     if token != MASK_TOKEN:
         raise SystemExit(
