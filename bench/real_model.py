@@ -429,6 +429,8 @@ def outcome(run_dir: Path) -> dict:
 
 
 def alive(pid: int) -> bool:
+    """Whether the launcher of pid still runs: not gone, not a zombie, and not the pid of another program
+    by now. A process just started reads an empty cmdline for a moment after its exec: alive."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -436,10 +438,9 @@ def alive(pid: int) -> bool:
     except PermissionError:
         return True
     try:
-        return (
-            "launcher" in Path(f"/proc/{pid}/cmdline").read_text()
-            and Path(f"/proc/{pid}/stat").read_text().split(") ")[-1][0] != "Z"
-        )
+        cmdline = Path(f"/proc/{pid}/cmdline").read_text()
+        zombie = Path(f"/proc/{pid}/stat").read_text().split(") ")[-1][0] == "Z"
+        return (not cmdline or "launcher" in cmdline) and not zombie
     except OSError:
         return True
 

@@ -159,3 +159,34 @@ def test_amounts_variants_and_overrides_parse():
         real_model.parse_variant("main:optimizer.lr=1e-3")
     a = real_model.parse_args(["--work", "w", "--device", "cpu", "--tokens", "32K,16K", "--variant", "base:"])
     assert a.tokens == [16_000, 32_000] and a.gpus == "0:target,1:drafter" and a.variants == [("base", [])]
+
+
+@pytest.mark.processes
+def test_a_run_just_started_is_alive_and_an_ended_one_or_another_program_is_not(tmp_path):
+    """The train phase's launchers, as the wait phase checks them: alive from the moment Popen returns
+    (a process reads an empty cmdline for a moment after its exec: that once ended a run's wait at
+    its start), not once it has ended (a zombie, not reaped), and not a pid another program holds."""
+    import subprocess
+    import sys
+    import time
+
+    started = []
+    for _ in range(40):  # as the train phase starts them; one in six read as ended before the fix
+        with open(tmp_path / "run.log", "a") as log:
+            cmd = [sys.executable, "-c", "import time; time.sleep(2)", "launcher"]
+            started.append(
+                subprocess.Popen(
+                    cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
+                )
+            )
+        assert real_model.alive(started[-1].pid)
+    deadline = time.monotonic() + 30
+    while any(real_model.alive(p.pid) for p in started) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(real_model.alive(p.pid) for p in started)  # ended, not yet reaped
+    other = subprocess.Popen(["sleep", "5"])
+    time.sleep(0.5)
+    assert not real_model.alive(other.pid)
+    for p in [*started, other]:
+        p.kill()
+        p.wait()
