@@ -38,7 +38,8 @@ demo() { local name=$1 limit=$2 kind=$3 work=/tmp/dflash-$1; shift 3; rm -rf "$w
   cp -r "$work/run/logs" "$OUT/$name-logs" 2>/dev/null; grep -h "packed attention\|capture path" "$work"/run/logs/target-*.log; }
 # bg NAME CMD...: CMD in its own session (it outlives this call, and the 10-minute limit of one), its output
 # in /tmp/bg/NAME.log, its exit status in /tmp/bg/NAME.rc; bgwait NAME LIMIT: waits for it up to LIMIT s,
-# then copies its log and /tmp/bg/NAME.json* to $OUT (again in a later call while it runs)
+# then copies its log and /tmp/bg/NAME.json* to $OUT (again in a later call while it runs); the parts wait
+# $BGWAIT s (default 560), less when other parts share the call
 bg() { local name=$1; shift; mkdir -p /tmp/bg; rm -f "/tmp/bg/$name.rc"
   setsid bash -c "\"\$@\" > /tmp/bg/$name.log 2>&1; echo \$? > /tmp/bg/$name.rc" _ "$@" < /dev/null > /dev/null 2>&1 &
   echo "== $name started in the background: /tmp/bg/$name.log"; }
@@ -106,11 +107,11 @@ for part in "$@"; do case $part in
   ggufa)      mkdir -p /tmp/m && cp .gga/part.aa /tmp/m/part.aa && ls -la /tmp/m ;;
   ggufb)      cat /tmp/m/part.aa .ggb/part.ab > /tmp/m/g.gguf && rm -f /tmp/m/part.aa && ls -la /tmp/m ;;
   domino32)   bg domino32 python3 bench/real_model.py "${DOMINO32[@]}" ;;
-  domino32wait) bgwait domino32 560 ;;
+  domino32wait) bgwait domino32 "${BGWAIT:-560}" ;;
   domino32seeds) bg domino32seeds python3 bench/real_model.py "${DOMINO32SEEDS[@]}" ;;
-  domino32seedswait) bgwait domino32seeds 560 ;;
+  domino32seedswait) bgwait domino32seeds "${BGWAIT:-560}" ;;
   real138k)   bg real138k python3 bench/real_model.py "${REAL138K[@]}" ;;
-  real138kwait) bgwait real138k 560 ;;
+  real138kwait) bgwait real138k "${BGWAIT:-560}" ;;
   tokenize)   run tokenize_speed 400 python3 bench/tokenize_speed.py --lines 80000 --tokenizer /tmp/m --gguf g.gguf ;;
   *) echo "unknown part $part" ;;
 esac; done
