@@ -153,7 +153,7 @@ def all_module_prompts(paths: list[Path]) -> dict[Path, tuple[tuple[str, str, st
     """module_prompts of each file. Many files (a GPU host's site-packages: tens of thousands, 90 s on
     one core while the GPU waited) are parsed in forked worker processes, one per CPU; the results
     are the same, in the same order."""
-    keys = {path: (path, path.stat().st_mtime_ns, path.stat().st_size) for path in paths}
+    keys = {path: (path, (st := path.stat()).st_mtime_ns, st.st_size) for path in paths}
     todo = [path for path in paths if keys[path] not in _PARSED]
     cpus = len(os.sched_getaffinity(0))
     if len(todo) > PARALLEL_FILES and cpus > 1:

@@ -17,7 +17,7 @@ import re
 
 import numpy as np
 
-from services.data.data_lines import SampleError
+from services.data.data_lines import SampleError, many_prompt_tokens
 
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
@@ -46,23 +46,18 @@ def many_chat_tokens(
     kwargs = template_kwargs or {}
     if has_generation_markers(tokenizer):
         return _marked_chats(tokenizer, conversations, kwargs)
-    rendered: list[tuple[str, list] | SampleError] = []
-    for messages in conversations:
+    out: list[Tokens | SampleError | None] = [None] * len(conversations)
+    rendered = []  # (index, text, assistant spans)
+    for i, messages in enumerate(conversations):
         try:
             text = _render(tokenizer, messages, kwargs)
-            rendered.append((text, _assistant_spans(tokenizer, messages, text)))
+            rendered.append((i, text, _assistant_spans(tokenizer, messages, text)))
         except SampleError as exc:
-            rendered.append(exc)
-    good = [r for r in rendered if not isinstance(r, SampleError)]
-    enc = tokenizer([text for text, _ in good], add_special_tokens=False, return_offsets_mapping=True) if good else None
-    encoded = iter(range(len(good)))
-    out: list[Tokens | SampleError] = []
-    for r in rendered:
-        if isinstance(r, SampleError):
-            out.append(r)
-            continue
-        k = next(encoded)
-        out.append((list(enc["input_ids"][k]), _span_mask(enc["offset_mapping"][k], r[1])))
+            out[i] = exc
+    if rendered:
+        enc = tokenizer([text for _, text, _ in rendered], add_special_tokens=False, return_offsets_mapping=True)
+        for (i, _, spans), ids, offsets in zip(rendered, enc["input_ids"], enc["offset_mapping"]):
+            out[i] = (list(ids), _span_mask(offsets, spans))
     return out
 
 
@@ -150,7 +145,7 @@ def many_text_tokens(tokenizer, records: list[dict]) -> list[Tokens | SampleErro
         for (i, _), ids, special in zip(texts, enc["input_ids"], enc["special_tokens_mask"]):
             out[i] = (list(ids), [0 if s else 1 for s in special])
     if prompts:
-        heads = tokenizer([p for _, p, _ in prompts], add_special_tokens=True)["input_ids"]
+        heads = many_prompt_tokens(tokenizer, [p for _, p, _ in prompts])  # raw text, as regenerate read it
         tails = tokenizer([c for _, _, c in prompts], add_special_tokens=False)["input_ids"]
         for (i, _, _), head, tail in zip(prompts, heads, tails):
             out[i] = (list(head) + list(tail), [0] * len(head) + [1] * len(tail))
