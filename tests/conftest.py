@@ -60,6 +60,21 @@ def hf_torch_hybrid(monkeypatch):
 
 
 @pytest.fixture
+def no_tf32():
+    """CUDA fp32 matmuls without TF32 for this test (the exact kernels a comparison needs), restored
+    after; only cuBLAS reads the flag, so on CPU it changes nothing. Not monkeypatch.setattr: torch's
+    cuBLASModule keeps allow_tf32 behind __getattr__/__setattr__, not in the instance dict, and
+    pytest 9.2's undo then delattr()s it (AttributeError at teardown)."""
+    import torch
+
+    matmul = torch.backends.cuda.matmul
+    before = matmul.allow_tf32
+    matmul.allow_tf32 = False
+    yield
+    matmul.allow_tf32 = before
+
+
+@pytest.fixture
 def small_disk(tmp_path):
     """small_disk(size) -> a fresh tmpfs of that size: a real file system that really fills up."""
     mounted = []

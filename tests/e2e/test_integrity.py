@@ -28,20 +28,31 @@ from tests.e2e.test_launcher_demo import assert_exactly_once, assert_no_worker_l
 from tests.launching import PLUMBING, REPO, child_env, wait_for
 
 
-def impostor(run_dir: str, report: str) -> None:
-    """Run as its own process: fetch batch 0 of both splits from target-0 as a drafter would, SIGKILL
-    target-0, bind its data socket at once and answer every batch request with batch 0's real
-    frames relabelled as the batch asked for, under the killed target's own incarnation."""
+def impostor(run_dir: str, report: str, go: str) -> None:
+    """Run as its own process, started with the launcher: fetch batch 0 of both splits from target-0 as
+    a drafter would and say so (`report`: armed), then wait for the test's go (the file `go`). At go,
+    SIGKILL target-0, bind its data socket at once and answer every batch request with batch 0's real
+    frames relabelled as the batch asked for, under the killed target's own incarnation.
+
+    Arming first keeps the slow part (interpreter, imports, two batches from a busy target) out of the
+    race with training: started only once the drafters trained, it took over after their last batch
+    on a slow machine, and no drafter ever asked it (the CPU run trains 100 steps in ~10 s)."""
     from services.net.batch_client import BatchClient
     from services.net.endpoints import endpoint
     from services.net.transport import BatchServer
+    from services.process.files import write_json_atomic
     from services.process.health import probe
     from services.run.config import load_config
 
     run = Path(run_dir)
+    while not (run / "config.json").exists():  # the run dir appears whole (launcher/preflight.py staged)
+        time.sleep(0.2)
     cfg = load_config(run / "config.json")
     data, health = (endpoint(run, cfg.transport, "target", 0, p) for p in ("data", "health"))
-    _, status, _ = probe(health)
+    status = None
+    while not (status and status.get("state") in ("ready", "training") and status.get("incarnation")):
+        time.sleep(0.2)  # still loading: its data socket is bound once it is ready
+        _, status, _ = probe(health, timeout_s=1.0)
     incarnation, pid = status["incarnation"], status["pid"]
     client = BatchClient([data], cfg.transport)
     real = {}
@@ -50,17 +61,22 @@ def impostor(run_dir: str, report: str) -> None:
     while len(real) < 2:
         real.update({event[2]: event[3] for event in client.poll(200) if event[0] == "batch"})
     client.close()
+    answered: dict[str, list[int]] = {"train": [], "eval": []}
+    said = {"armed": True, "killed": None, "incarnation": incarnation, "answered": answered}
+    write_json_atomic(Path(report), said)  # atomic: the test reads it while this runs
+    while not Path(go).exists():
+        time.sleep(0.05)
     os.kill(pid, signal.SIGKILL)
     server = BatchServer(data, cfg.transport)
     server.incarnation = incarnation  # the killed target's, as it announced it
-    answered: dict[str, list[int]] = {"train": [], "eval": []}
-    Path(report).write_text(json.dumps({"killed": pid, "incarnation": incarnation, "answered": answered}))
+    said["killed"] = pid
+    write_json_atomic(Path(report), said)
     while True:
         for request in server.poll(100):
             if request.kind == "batch":
                 server.send_batch(request.client, dataclasses.replace(real[request.split], g=request.g), request.split)
                 answered[request.split].append(request.g)
-                Path(report).write_text(json.dumps({"killed": pid, "incarnation": incarnation, "answered": answered}))
+                write_json_atomic(Path(report), said)
 
 
 @pytest.mark.training
@@ -72,6 +88,7 @@ def test_a_same_uid_takeover_replaying_the_incarnation_trains_nothing_and_does_n
 
     with tempfile.TemporaryDirectory(prefix="i25", dir="/tmp") as folder:  # short: ipc paths < 108 bytes
         run_dir, log, report = Path(folder) / "run", Path(folder) / "out.txt", Path(folder) / "impostor.json"
+        go = Path(folder) / "go"  # made by the test: the impostor takes over now
         with open(log, "w") as out:
             proc = subprocess.Popen(
                 launcher(  # its own packed data: the test reads the run's one cache file
@@ -91,17 +108,34 @@ def test_a_same_uid_takeover_replaying_the_incarnation_trains_nothing_and_does_n
             )
         fake = None
         try:
-            wait_for(lambda: (run_dir / "metrics.jsonl").exists() and len(metrics(run_dir)) >= 1, "training", proc)
             fake = subprocess.Popen(
                 [
                     sys.executable,
                     "-c",
-                    "import sys; from tests.e2e.test_integrity import impostor; impostor(sys.argv[1], sys.argv[2])",
+                    "import sys; from tests.e2e.test_integrity import impostor; impostor(*sys.argv[1:])",
                     str(run_dir),
                     str(report),
+                    str(go),
                 ],
                 cwd=REPO,
                 env=child_env(),
+            )
+
+            def said() -> dict:
+                assert fake.poll() is None, f"the impostor exited with code {fake.returncode}"
+                return json.loads(report.read_text()) if report.exists() else {}
+
+            # go once the drafters train (handshakes done), whatever the machine's speed: ~90 steps of
+            # batches are left, all target-0's, so they ask whoever holds its socket: at once, or at the
+            # 2 s resend if a request was lost, before the relaunched target-0 binds it (1 s + its loading)
+            wait_for(lambda: said().get("armed"), "the impostor to fetch batch 0 from target-0", proc)
+            wait_for(lambda: (run_dir / "metrics.jsonl").exists() and len(metrics(run_dir)) >= 1, "training", proc)
+            go.touch()
+            wait_for(
+                lambda: said()["answered"]["train"],
+                "a drafter to ask the impostor for a training batch (else the test proves nothing)",
+                proc,
+                timeout_s=120,
             )
             proc.wait(timeout=900)
         finally:

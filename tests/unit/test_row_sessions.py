@@ -24,9 +24,7 @@ def block_for(reference: list[int], at: int, last: int, right: int) -> list[int]
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("kind", ["dense", "hybrid"])
-def test_rows_make_each_prompts_own_session_decisions(kind, device, monkeypatch):
-    if device == "cuda":
-        monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+def test_rows_make_each_prompts_own_session_decisions(kind, device, no_tf32):
     target = (dense_target if kind == "dense" else hybrid_target)(device=device)
     check_rows(target)
     prompts = [prompt(80 + i, n=n) for i, n in enumerate((11, 5, 17))]
