@@ -328,14 +328,37 @@ class Slots:
             self.features[: len(keep)] = self.features[keep]
 
 
+class DraftCheck:
+    """A draft is the drafter's guess: an id outside the target's vocabulary would index past its
+    embedding inside a kernel (on CUDA a device-side assert that ends the process). Each step's drafts
+    are checked on the device, no host sync: an id out of range is replaced by 0 and counted, and
+    decode_slots reads the count back with the step's other figures and stops with an error."""
+
+    def __init__(self, vocab: int, device):
+        self.vocab = vocab
+        self.bad = torch.zeros(1, dtype=torch.long, device=device)
+
+    def __call__(self, drafts: torch.Tensor) -> torch.Tensor:
+        ok = (drafts >= 0) & (drafts < self.vocab)
+        self.bad += (~ok).sum()
+        return torch.where(ok, drafts, 0)
+
+    def raise_if_bad(self, bad: int) -> None:
+        if bad:
+            raise ValueError(
+                f"decoding: the drafter proposed {bad} token ids outside the target's vocabulary of {self.vocab}: "
+                "is this the drafter of this target?"
+            )
+
+
 class GraphedSteps:
     """decode_slots' step (the drafts, the verify forward, a hybrid's commit) as CUDA graphs: the
     inputs copied into fixed buffers (row b of a step is row b of each), the graphs of that shape
     replayed."""
 
-    def __init__(self, slots: Slots, propose, q: int):
+    def __init__(self, slots: Slots, propose, q: int, check: DraftCheck):
         rows, dev = slots.cache.rows, slots.device
-        self.slots, self.propose, self.graphs = slots, propose, StepGraphs()
+        self.slots, self.propose, self.graphs, self.check = slots, propose, StepGraphs(), check
         self.starts = torch.zeros(rows, dtype=torch.long, device=dev)
         self.ids = torch.zeros(rows, q, dtype=torch.long, device=dev)  # column 0: each row's last token
         self.kept = torch.zeros(rows, dtype=torch.long, device=dev)  # commit: tokens each row keeps
@@ -351,7 +374,8 @@ class GraphedSteps:
             def draft(starts, last):
                 return self.propose.padded(features, starts, last, context)
 
-            self.ids[:b, 1:] = self.graphs.run(("draft", b, context), draft, self.starts[:b], self.ids[:b, 0])
+            drafts = self.graphs.run(("draft", b, context), draft, self.starts[:b], self.ids[:b, 0])
+            self.ids[:b, 1:] = self.check(drafts)  # outside the graph: its warm-up would count twice
         ids = self.ids[:b].clone()
         return (ids, *self.verify(b, length))
 
@@ -408,7 +432,8 @@ class Record:
     def accept(self, index, drafts, greedy, margin, tolerance) -> torch.Tensor:
         """Decoded.accept for every row at once (row r is prompt index[r]): the longest prefix of the
         drafts [b, q-1] equal to the target's tokens greedy [b, q], plus the target's next token, cut
-        at a stop token or the length limit. Returns how far each row's next position moves."""
+        at a stop token or the length limit. Returns how far each row's next position moves: the
+        tokens it committed (0 once ended), so a row that ends stays inside its slot's capacity."""
         live, count = self.live[index], self.count[index]
         j = torch.arange(greedy.shape[1], device=greedy.device)
         accepted = (drafts == greedy[:, :-1]).long().cumprod(1).sum(1)
@@ -424,7 +449,9 @@ class Record:
         self.taken[index] = taken + live
         self.count[index] = count + new
         self.live[index] = live & ~ended
-        return (accepted + 1) * live
+        # not accepted + 1: a row cut at its limit with more drafts accepted would move past what it
+        # committed, and be fed, while it waits to leave the batch, at positions past its capacity
+        return new
 
     def decoded(self) -> list[Decoded]:
         tokens, margins, tolerances = self.tokens.tolist(), self.margins.tolist(), self.tolerances.tolist()
@@ -474,7 +501,8 @@ def decode_slots(
     record = Record(len(prompts), max_new_tokens, stop_ids, dev)
     live = record.begin(list(range(width)), slots.prefill(prompts[:width], **sample))
     waiting = list(range(width, len(prompts)))  # prompts not given a row yet, in order
-    graphed = GraphedSteps(slots, propose, q) if graphs and dev.type == "cuda" and temperature == 0 else None
+    check = DraftCheck(target.model.get_input_embeddings().num_embeddings, dev)
+    graphed = GraphedSteps(slots, propose, q, check) if graphs and dev.type == "cuda" and temperature == 0 else None
     if on_step:
         on_step(width)
     index = torch.arange(width, device=dev)  # row -> prompt
@@ -494,10 +522,17 @@ def decode_slots(
         # length would be new kernel shapes to plan (cuBLAS, attention): slow the first time each
         context = min(slots.capacity, -(-int(starts.max()) // LENGTH_STEP) * LENGTH_STEP)
         length = min(slots.capacity, -(-(int(starts.max()) + q) // LENGTH_STEP) * LENGTH_STEP)
+        if int(starts.max()) + q > slots.capacity:  # checked here, on the host: past it a kernel would index out
+            raise RuntimeError(
+                f"decoding: a row at position {int(starts.max())} with a block of {q} tokens passes its slot's "
+                f"capacity of {slots.capacity} (the longest prompt + max_new_tokens + the block)"
+            )
         if graphed is not None:
             ids, greedy, margin, tolerance = graphed(starts_dev, last, context, length)
         else:
-            drafts = propose.padded(slots.features[: len(last)], starts_dev, last, context) if draft_len else None
+            drafts = (
+                check(propose.padded(slots.features[: len(last)], starts_dev, last, context)) if draft_len else None
+            )
             ids = last[:, None] if drafts is None else torch.cat([last[:, None], drafts], 1)
             greedy, margin, tolerance = slots.step(ids, starts_dev, length, **sample)
         moved = record.accept(index, ids[:, 1:], greedy, margin, tolerance)
@@ -510,14 +545,15 @@ def decode_slots(
             if step % SYNC_EVERY and step <= deadline:
                 continue
         over = ((record.count > 0) & ~record.live).sum()[None]  # prompts that ended
-        host = torch.cat([record.live[index].long(), starts_dev, record.count.sum()[None], over]).cpu()  # the sync
-        live, total = host[: len(index)].bool().tolist(), int(host[-2])
+        host = torch.cat([record.live[index].long(), starts_dev, record.count.sum()[None], over, check.bad]).cpu()
+        check.raise_if_bad(int(host[-1]))
+        live, total = host[: len(index)].bool().tolist(), int(host[-3])
         starts = host[len(index) : 2 * len(index)]
         if on_step:
             on_step(total - committed)
-        if on_done and int(host[-1]) > ended:
-            on_done(int(host[-1]) - ended)
-        committed, ended = total, int(host[-1])
+        if on_done and int(host[-2]) > ended:
+            on_done(int(host[-2]) - ended)
+        committed, ended = total, int(host[-2])
         if waiting and not all(live):  # continuous batching: finished rows take the next prompts
             free = [r for r, alive in enumerate(live) if not alive][: len(waiting)]
             taken, waiting = waiting[: len(free)], waiting[len(free) :]

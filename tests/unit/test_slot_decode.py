@@ -6,6 +6,7 @@ and a Gemma-3-style target with sliding-window layers (a window shorter than the
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from services.drafter.attention import padded_mask, visibility
 from services.drafter.speculative import RepeatLast, greedy_reference, speculative_generate
@@ -63,9 +64,8 @@ CUDA = pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available
 
 @pytest.mark.parametrize("device", ["cpu", CUDA])
 @pytest.mark.parametrize("kind", ["dense", "sliding"])
-def test_slot_decoding_makes_the_cached_loops_decisions(kind, device, dense, sliding, monkeypatch):
+def test_slot_decoding_makes_the_cached_loops_decisions(kind, device, dense, sliding, no_tf32):
     if device == "cuda":  # fp32 on CUDA: the same kernels as bf16 serving (strided cache reads), no ties
-        monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
         target = dense_target(device="cuda") if kind == "dense" else sliding_target(device="cuda")
     else:
         target = dense if kind == "dense" else sliding
@@ -89,10 +89,9 @@ def test_slot_decoding_makes_the_cached_loops_decisions(kind, device, dense, sli
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need CUDA")
 @pytest.mark.parametrize("kind", ["dense", "sliding", "hybrid"])
-def test_cuda_graphed_steps_make_the_eager_steps_decisions(kind, monkeypatch, capfd):
+def test_cuda_graphed_steps_make_the_eager_steps_decisions(kind, no_tf32, capfd):
     """The graphed steps (a graph per shape, replayed; rows leave in place) against the same steps
     run eagerly, fp32: the same tokens, steps and margins; and the graphs were really used."""
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
     make = {"dense": dense_target, "sliding": sliding_target, "hybrid": hybrid_target}[kind]
     target = make(device="cuda")
     ids = HYBRID_LAYER_IDS if kind == "hybrid" else DENSE_LAYER_IDS
@@ -127,13 +126,12 @@ COMPILED = [
 
 
 @pytest.mark.parametrize("device,kind", COMPILED)
-def test_compiled_steps_make_the_eager_steps_decisions(device, kind, monkeypatch, capfd):
+def test_compiled_steps_make_the_eager_steps_decisions(device, kind, no_tf32, capfd):
     """Target.compile_steps (compiled.py: every layer compiled for the decoding steps, dynamic shapes)
     against the eager layers, fp32: the same tokens, steps and margins, plain and with drafts, rows
     leaving early; on CUDA inside the CUDA graphs, with inductor; and the compiled layers really ran."""
     import torch._dynamo
 
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
     make = {"dense": dense_target, "sliding": sliding_target, "hybrid": hybrid_target}[kind]
     target = make(device=device)
     ids = HYBRID_LAYER_IDS if kind == "hybrid" else DENSE_LAYER_IDS
@@ -276,8 +274,8 @@ class DeviceRowOracle(RowOracle):
     """RowOracle's drafts made from device tensors alone (no host read: a CUDA graph captures it).
     A row is found by table[next position, last token]."""
 
-    def __init__(self, sequences: list[list[int]], correct: list[int], block_size: int, device):
-        super().__init__(sequences, correct, block_size)
+    def __init__(self, sequences: list[list[int]], correct: list[int], block_size: int, device, firsts=None):
+        super().__init__(sequences, correct, block_size, firsts)
         width = max(map(len, sequences)) + block_size
         self.table = torch.zeros(width, VOCAB, dtype=torch.long)
         self.known = torch.zeros(len(sequences), width, dtype=torch.long)  # 0 past each sequence's end
@@ -450,3 +448,56 @@ def test_cuda_bf16_slot_decoding_with_the_gemm_attention_is_lossless(monkeypatch
     compiled_refs = decode_slots(target, None, ps, max_new_tokens=NEW)  # compiled layers round their own way
     compiled = decode_slots(target, RepeatLast(B), ps, max_new_tokens=NEW)
     assert [m.tokens for m in compiled] == [r.tokens for r in compiled_refs]
+
+
+class PaddedDeviceRowOracle(DeviceRowOracle):
+    """DeviceRowOracle asked about any position a row may sit at, past its sequence too: a row that
+    ended waits in the batch until rows leave in bulk, and is still drafted for meanwhile."""
+
+    def __init__(self, sequences, correct, block_size, device, firsts, extra: int):
+        super().__init__(sequences, correct, block_size, device, firsts)
+        self.table = F.pad(self.table, (0, 0, 0, extra))
+        self.known = F.pad(self.known, (0, extra))
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+def test_a_row_cut_at_its_limit_after_a_full_block_stays_inside_its_slot(dense, device, no_tf32):
+    """Regression (a Domino drafter's eval ended in a CUDA device-side assert, `index out of bounds`):
+    the longest prompt's row accepts whole blocks and reaches max_new_tokens first, with every draft of
+    its last block accepted; the other rows go on, so it waits in the batch (too few rows ended to
+    leave). Its position moved by the drafts accepted rather than by the one token it committed, and
+    its next block was written past the slot's capacity. Now it moves by what it committed: lossless,
+    and the one-prompt loop's decisions."""
+    if device == "cuda":
+        dense = dense_target(device="cuda")
+    block, new = 4, 14
+    ps = [prompt(80, n=17), prompt(81, n=6)]
+    cached = LocalVerifier(dense)
+    refs = [greedy_reference(cached, p, new) for p in ps]
+    # the drafter knows the target's continuation past the limit too, as a good one does
+    sequences = [p + greedy_reference(cached, p, new + block).tokens for p in ps]
+    correct = [block - 1, 1]  # the longest row takes whole blocks, the other 2 tokens a step
+    firsts = [len(p) - 1 for p in ps]  # a block starts at a prompt's last token or later
+    one = [
+        speculative_generate(cached, RowOracle(sequences, correct, block, firsts), p, max_new_tokens=new) for p in ps
+    ]
+    assert one[0].steps[-1] == 1 and max(one[0].steps) == block  # cut at its limit after full blocks
+    assert len(one[1].steps) > len(one[0].steps)  # the other goes on after it ended
+    drafts = PaddedDeviceRowOracle(sequences, correct, block, device, firsts, extra=4 * block)
+    rows = [0] + [1] * 8  # 9 rows, the second prompt 8 times: one row ended of 9 does not leave
+    got = decode_slots(dense, drafts, [ps[i] for i in rows], max_new_tokens=new)
+    assert [g.tokens for g in got] == [refs[i].tokens for i in rows]
+    assert [g.steps for g in got] == [one[i].steps for i in rows]
+
+
+def test_drafts_outside_the_vocabulary_stop_the_decoding_with_a_named_error(dense):
+    """A draft id the target's embedding has no row for never reaches a kernel: it is counted on the
+    device and the decoding stops with an error that says what is wrong (on CUDA it would otherwise
+    be a device-side assert)."""
+
+    class OutOfVocabulary(RepeatLast):
+        def padded(self, features, starts, last_tokens, context_len):
+            return torch.full((len(last_tokens), self.block_size - 1), VOCAB + 3, dtype=torch.long)
+
+    with pytest.raises(ValueError, match=f"outside the target's vocabulary of {VOCAB}"):
+        decode_slots(dense, OutOfVocabulary(B), prompts(), max_new_tokens=NEW)
