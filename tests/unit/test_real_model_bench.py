@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from bench import real_model, real_prompts
+from bench import code_corpus, real_model, real_prompts
 
 
 @pytest.fixture(scope="module")
@@ -159,6 +159,37 @@ def test_amounts_variants_and_overrides_parse():
         real_model.parse_variant("main:optimizer.lr=1e-3")
     a = real_model.parse_args(["--work", "w", "--device", "cpu", "--tokens", "32K,16K", "--variant", "base:"])
     assert a.tokens == [16_000, 32_000] and a.gpus == "0:target,1:drafter" and a.variants == [("base", [])]
+    a = real_model.parse_args(["--work", "w", "--variant-tokens", "8M,2M", "--variant", "d:drafter.objective=1"])
+    assert a.variant_tokens == [2_000_000, 8_000_000] and a.sets == real_model.SETS
+    with pytest.raises(SystemExit):  # a base model's corpus needs its GGUF
+        real_model.parse_args(["--work", "w", "--corpus", "code"])
+    a = real_model.parse_args(["--work", "w", "--corpus", "code", "--gguf", "g.gguf"])
+    assert a.sets == ("humaneval", "code-heldout")
+
+
+def test_variants_are_evaluated_at_each_of_their_token_amounts(tmp_path):
+    a = real_model.parse_args(
+        ["--work", str(tmp_path), "--tokens", "2M,8M", "--variant-tokens", "2M,8M", "--variant", "d:run.seed=1"]
+    )
+    model = {"gguf": "m.gguf", "mask_token_id": None}
+    (tmp_path / "bench.toml").write_text(real_model.bench_toml(model, tmp_path, 4096, "code"))
+    evals = {(e["run"], e["tokens"]) for e in real_model.evaluations(a, tmp_path)}
+    assert evals == {("main", 1_998_848), ("main", 7_995_392), ("d", 1_998_848), ("d", 7_995_392)}
+
+
+def test_the_code_corpus_cuts_sources_and_holds_modules_out():
+    text = "\n\n".join(f"def f{i}():\n    return {i}" for i in range(200))
+    parts = code_corpus.pieces(text, most=300)
+    assert "\n\n".join(parts) == text and all(len(p) <= 300 for p in parts)
+    header = "# Copyright someone\n# License text\n\n" + "\n".join(f"x{i} = {i}" for i in range(10)) + "\n"
+    assert code_corpus.opening(header).startswith("x0 = 0\n")  # the license header is not the prompt
+    assert code_corpus.opening("# only\nx = 1\n") is None  # too short to continue
+    sets = code_corpus.build(max_chars=2_000_000, heldout=20)
+    held = set(sets["info"]["heldout_modules"])
+    assert sets["info"]["train_chars"] <= 2_000_000 and len(sets["code-heldout"]) == 20
+    assert all(line["id"].split("/")[1] in held for line in sets["code-heldout"])
+    heldout_text = {line["prompt"] for line in sets["code-heldout"]}
+    assert not any(t in line["text"] for line in sets["train"] for t in heldout_text)
 
 
 @pytest.mark.processes
