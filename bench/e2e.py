@@ -168,7 +168,7 @@ def target_alone_in_child(overrides: list[str], work: Path, rows: int, warmup: i
 
 def eval_on_off(run_dir: Path, metrics: list[dict], every: int, skip: int) -> dict:
     """The eval on/off comparison of one run with eval.every = every (module docstring)."""
-    rows = [m for m in metrics if not m.get("eval") and m["step"] > skip]
+    rows = [m for m in metrics if not m.get("eval") and not m.get("spec") and m["step"] > skip]
     after_eval = [m for m in rows if (m["step"] - 1) % every == 0 and m["step"] > 1]  # window holds an eval
 
     def rate(ms):
@@ -213,7 +213,7 @@ def eval_on_off(run_dir: Path, metrics: list[dict], every: int, skip: int) -> di
 
 def steady_rate(metrics: list[dict], skip: int) -> dict:
     """Tokens/s over the steps after `skip`: total tokens / total wall time of those log windows."""
-    rows = [m for m in metrics if not m.get("eval") and m["step"] > skip]
+    rows = [m for m in metrics if not m.get("eval") and not m.get("spec") and m["step"] > skip]
     if len(rows) < 2:
         return {}
     tokens = [b["tokens_done"] - a["tokens_done"] for a, b in zip(rows, rows[1:])]

@@ -164,6 +164,34 @@ def cmd_eval(args) -> int:
     return subprocess.run(jobs.argv("eval", *eval_options.forward(args))).returncode
 
 
+DEMO_SPEEDUP_PROMPTS = 16  # held-out prompts of the demo, each timed at batch 1: seconds on a GPU
+
+
+def demo_speedup(run_dir: Path, device: str) -> list[str]:
+    """The end of `launcher up --demo`: the export's wall-clock speedup over its target alone
+    (`launcher eval` at batch 1, its progress on stderr), on CUDA; a CPU run says where it is measured."""
+    from services.decoding.acceptance_text import speedup_summary
+
+    if device != "cuda":
+        return ["speedup over the target alone: measured on CUDA only (`launcher eval --device cuda` on a GPU)"]
+    print("measuring the export's speedup over the target alone (launcher eval, batch 1) ...", flush=True)
+    argv = jobs.argv(
+        "eval",
+        f"--run-dir={run_dir}",
+        f"--checkpoint={run_dir / 'export'}",
+        f"--prompts={DEMO_SPEEDUP_PROMPTS}",
+        f"--speedup-prompts={DEMO_SPEEDUP_PROMPTS}",
+        "--no-controls",  # the end of training measured them
+        "--json",
+    )
+    done = subprocess.run(argv, stdout=subprocess.PIPE, text=True)
+    try:
+        record = json.loads(done.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):  # it said why on stderr
+        return [f"speedup over the target alone: not measured (launcher eval exited with code {done.returncode})"]
+    return speedup_summary(record)
+
+
 def _local_model(value: str, key: str) -> str:
     """value, or the converted folder of the GGUF it names (launcher/gguf.py)."""
     from launcher.gguf import GgufError, resolve_if_gguf

@@ -282,7 +282,8 @@ def build_parser() -> argparse.ArgumentParser:
         "prompts of its data: acceptance per prompt and per step, tokens per target "
         "forward, and whether the output equals plain greedy decoding; with the "
         "repeat-last-token and random-drafter controls on the same prompts; a table "
-        "per set. Appends to <run-dir>/spec_eval.jsonl.",
+        "per set; on CUDA, the wall-clock speedup over the target alone at batch 1 "
+        "(--speedup-prompts). Appends to <run-dir>/spec_eval.jsonl.",
     )
     eval_options.add(ev)
     ev.set_defaults(func=cmd_eval)

@@ -23,7 +23,8 @@ class ReportError(Exception):
 
 
 def read_metrics(run_dir: Path) -> tuple[list[dict], list[dict]]:
-    """(train records, eval records) by step; a line cut by a crash is skipped."""
+    """(train records, eval records) by step; a line cut by a crash is skipped, and so are real-acceptance
+    lines (read_spec reads them from acceptance.jsonl)."""
     path = run_dir / "metrics.jsonl"
     if not path.is_file():
         raise ReportError(f"no metrics in {run_dir} (missing {path}); is this a run dir?")
@@ -34,7 +35,8 @@ def read_metrics(run_dir: Path) -> tuple[list[dict], list[dict]]:
             int(record["step"])
         except (ValueError, KeyError, TypeError):
             continue
-        (evals if record.get("eval") else train).append(record)
+        if not record.get("spec"):
+            (evals if record.get("eval") else train).append(record)
     return sorted(train, key=lambda r: r["step"]), sorted(evals, key=lambda r: r["step"])
 
 
@@ -64,6 +66,17 @@ def describe_spec(record: dict, what: str) -> list[str]:
         record,
         f"{what}; greedy speculative decoding of "
         f"{describe_prompts(record['prompts'], record.get('held_out'), record.get('sets') or ())}",
+    )
+
+
+def describe_cost(record: dict) -> str | None:
+    """What real acceptance during training cost, as of a line of acceptance.jsonl (the final one: the
+    whole run's training), or None when none ran (or the line is from before this was recorded)."""
+    if not record.get("passes"):
+        return None
+    return (
+        f"real acceptance during training: {record['passes']} passes, {record['spent_s']:.1f} s of "
+        f"{record['wall_s']:.0f} s of training ({100 * record['cost_frac']:.1f}%)"
     )
 
 
@@ -161,6 +174,8 @@ def summary(run_dir: Path, train: list[dict], evals: list[dict], spec: list[dict
     if spec:
         last = spec[-1]
         lines += describe_spec(last, f"step {last['step']}{', end of training' if last.get('final') else ''}")
+        if cost := describe_cost(last):
+            lines.append(cost)
     if last_eval:
         lines += describe_spec(last_eval, f"`launcher eval` of {last_eval.get('drafter', '?')}")
     if spec or last_eval:

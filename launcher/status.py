@@ -8,8 +8,8 @@ from pathlib import Path
 
 from launcher import process
 from launcher.drops import describe_drops
-from launcher.progress import describe_window
-from launcher.report import describe_data
+from launcher.progress import describe_acceptance, describe_window
+from launcher.report import describe_data, read_spec
 from launcher.rundir import OUTCOME_EXIT, describe_live, describe_outcome, read_run
 from launcher.supervisor import probe_all
 from services.run.schedule import Plan
@@ -48,6 +48,7 @@ def cmd_status(args) -> int:
     outcome = describe_outcome(run, live)
     # no worker answers (an ended run, drafters down): the last line of metrics.jsonl, as they would report it
     window = next((r["window"] for r in rows if r.get("window")), None) or last_window(run_dir)
+    acceptance = next((r["acceptance"] for r in rows if r.get("acceptance")), None) or last_acceptance(run_dir)
     agents = elastic_agents(run_dir)  # a drafter group across hosts: this host's agent (docs/elastic.md)
     if args.json:
         print(
@@ -58,6 +59,7 @@ def cmd_status(args) -> int:
                     "launcher_alive": live,
                     "outcome": run.get("outcome"),
                     "window": window,
+                    "acceptance": acceptance,
                     "plan": plan.to_dict() if plan else None,
                     "elastic": agents,
                     "workers": rows,
@@ -77,6 +79,10 @@ def cmd_status(args) -> int:
                 f"metrics {describe_window(window)}, data wait {100 * window['data_wait_frac']:.0f}% "
                 f"(the metrics.jsonl line of that step)"
             )
+        if acceptance:
+            print(describe_acceptance(acceptance))
+        for off in dict.fromkeys(r["real_acceptance_off"] for r in rows if r.get("real_acceptance_off")):
+            print(f"warning: {off}")
         for r in rows:
             if r.get("warning"):
                 print(f"{r['name']}: warning: {r['warning']}")
@@ -139,6 +145,13 @@ def last_window(run_dir: Path) -> dict | None:
     return window
 
 
+def last_acceptance(run_dir: Path) -> dict | None:
+    """The last real-acceptance line of training (acceptance.jsonl, not the final one) where no drafter
+    answers: the figures its health carried."""
+    during = [r for r in read_spec(run_dir)[0] if not r.get("final")]
+    return during[-1] if during else None
+
+
 def _run_keys(run_dir: Path) -> str:
     """CURVE keys of a run (tcp with transport.curve_keys_dir), from its resolved config."""
     try:
@@ -183,6 +196,8 @@ def _row(w: dict, result: tuple[int, dict | None, str]) -> dict:
                     "bad_message_from",
                     "integrity",
                     "content_check",
+                    "acceptance",
+                    "real_acceptance_off",
                 )
             }
         )

@@ -49,7 +49,7 @@ from launcher.causes import exit_cause, read_log
 from launcher.drops import DropWatch
 from launcher.elastic import ElasticDrafters
 from launcher.errors import RunFailed, cannot_write
-from launcher.progress import ProgressLine
+from launcher.progress import ProgressLine, describe_acceptance
 from launcher.topology import Worker, count
 from services.net import curve
 from services.net.endpoints import endpoint, socket_dir
@@ -124,6 +124,7 @@ class Supervisor(ElasticDrafters):
         self.last_exit: dict[str, dict] = {}  # each worker's last exit: code, cause, time
         self.progress = ProgressLine()
         self.drops = DropWatch()  # messages each worker dropped (another process answering...)
+        self.said: set = set()  # real-acceptance lines and notes printed (one line each)
 
     # --- starting ----------------------------------------------------------
     def endpoints(self, w: Worker) -> dict[str, str]:
@@ -500,6 +501,7 @@ class Supervisor(ElasticDrafters):
         if not statuses:
             return "training finished" if final else "waiting for drafters…"
         lead = statuses[0]
+        self._say_acceptance(lead)
         # loss, τ and tok/s: the last metrics.jsonl line (all ranks, its window), as drafter 0 reports it
         return self.progress.format(
             step=lead.get("step", 0),
@@ -507,6 +509,16 @@ class Supervisor(ElasticDrafters):
             window=lead.get("window"),
             train_s=lead.get("train_s"),
         )
+
+    def _say_acceptance(self, lead: dict) -> None:
+        """A line that stays for each real-acceptance pass drafter 0 reports, and once why it is off."""
+        figures, off = lead.get("acceptance"), lead.get("real_acceptance_off")
+        if figures and ("pass", figures.get("time")) not in self.said:
+            self.said.add(("pass", figures.get("time")))
+            self.progress.done(describe_acceptance(figures))
+        if off and off not in self.said:
+            self.said.add(off)
+            self.progress.done(f"warning: {off}")
 
     # --- stopping ------------------------------------------------------------
     def request_stop(self, signum: int, sender: int = 0) -> None:

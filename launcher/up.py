@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from launcher import process, slurm
+from launcher.commands import demo_speedup
 from launcher.elastic import rendezvous_problems
 from launcher.errors import UsageError
 from launcher.inputs import check_inputs, load_run_config, make_demo, prepare_data, with_local_model
@@ -22,7 +23,7 @@ from launcher.preflight import (
     resumed_line,
     staged,
 )
-from launcher.report import describe_export, describe_spec, read_spec
+from launcher.report import describe_cost, describe_export, describe_spec, read_spec
 from launcher.rundir import LATEST, choose_run_dir, claim, lock, resume_command
 from launcher.supervisor import EXIT_FAILED, EXIT_STOPPED, RunFailed, Supervisor
 from launcher.topology import host_overrides, hosts, parse_gpu_spec
@@ -132,6 +133,10 @@ def cmd_up(args) -> int:
     final = [r for r in read_spec(run_dir)[0] if r.get("final")]
     if code == 0 and final:
         print("\n".join(describe_spec(final[-1], f"step {final[-1]['step']}, end of training")), flush=True)
+        if cost := describe_cost(final[-1]):
+            print(cost, flush=True)
+    if code == 0 and export and args.demo:  # what the drafter buys, in wall-clock time
+        print("\n".join(demo_speedup(run_dir, args.device)), flush=True)
     # the reason again at the very end: the stop messages came after the first "run failed" line
     why = f" (failed: {reason})" if code == EXIT_FAILED and reason else ""
     print(f"exit {code}{why}; logs in {run_dir / 'logs'}; metrics in {run_dir / 'metrics.jsonl'}", flush=True)

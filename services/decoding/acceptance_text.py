@@ -1,5 +1,6 @@
 """Real acceptance in words (no torch: the launcher's report uses it too): a table of the drafter's
-figures and its controls', for one evaluation and for each prompt set of it."""
+figures and its controls', for one evaluation and for each prompt set of it, with the wall-clock
+speedup over the target alone where `launcher eval` timed it (services/eval/speedup.py)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,10 @@ from services.decoding.lossless import describe_lossless
 
 CONTROLS = ("repeat_last", "random")
 HEADER = f"  {'':<12}{'per prompt':>11}{'per step':>10}{'tokens/forward':>16}  lossless"
+SPEEDUP_NOTE = (
+    "speedup: the target alone's wall-clock time over speculative decoding's on the same prompts, the "
+    "drafter's own cost in it (greedy, batch 1, timed after a warm-up pass)"
+)
 
 
 def rows(result: dict) -> list[str]:
@@ -27,6 +32,36 @@ def by_set(result: dict) -> dict[str, dict]:
     }
 
 
+def speedup_rows(figures: dict | None) -> list[str]:
+    """A table's speedup line: the figure, or why it is missing (none where nothing was timed)."""
+    if not figures:
+        return []
+    if "speedup" not in figures:
+        return [f"  speedup: not measured ({figures.get('error') or figures.get('off')})"]
+    differ = figures["prompts_timed"] - figures["identical_outputs"]
+    line = (
+        f"  speedup {figures['speedup']:.2f}x: {figures['speculative_tokens_per_s']:,.0f} tokens/s speculative vs "
+        f"{figures['target_alone_tokens_per_s']:,.0f} target alone, {figures['prompts_timed']} prompts timed at "
+        f"batch 1 on {figures['device']}"
+    )
+    return [line + (f"; {differ} decoded differently (near ties: see lossless)" if differ else "")]
+
+
+def speedup_footer(overall: dict | None) -> list[str]:
+    """What the speedup lines mean, or why there are none (off on a CPU, a failed timing)."""
+    if not overall:
+        return []
+    if "speedup" in overall:
+        return [SPEEDUP_NOTE]
+    return [f"speedup over the target alone: not measured ({overall.get('error') or overall.get('off')})"]
+
+
+def speedup_summary(record: dict) -> list[str]:
+    """An evaluation's speedup over all its sets without its tables (the end of `launcher up --demo`)."""
+    overall = record.get("speedup") or {"error": "not in the record"}
+    return [line.strip() for line in speedup_rows(overall)] + speedup_footer(overall)
+
+
 def tables(result: dict, title: str) -> list[str]:
     """One table per prompt set, then all sets together (when there are several): the lines a user reads.
     title: what the figures are of, e.g. "greedy speculative decoding, up to 128 new tokens"."""
@@ -35,6 +70,8 @@ def tables(result: dict, title: str) -> list[str]:
     if len(sets) != 1:
         parts.append((f"all sets ({result['prompts']} prompts)" if sets else f"{result['prompts']} prompts", result))
     lines = [f"real acceptance ({title}):"]
+    overall = result.get("speedup")  # `launcher eval`'s records only
     for head, figures in parts:
         lines += [f"{head}:", HEADER, *rows(figures)]
-    return lines
+        lines += speedup_rows(figures.get("speedup")) if overall and "speedup" in overall else []
+    return lines + speedup_footer(overall)

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from services.drafter import checkpoint as ckpt
+from services.drafter.cadence import Cadence, every_s_for
 from services.drafter.checkpoint_space import checkpoint_bytes, space_warning
 from services.drafter.checkpoint_writer import BackgroundWriter
 from services.drafter.collectives import gather_rng_states
@@ -33,11 +34,14 @@ from services.process.health import HealthServer
 from services.process.log import event
 from services.run.config import Config
 from services.run.placement import Placement
+from services.run.runspec import HeldOut
 
-# Real acceptance (speculative.py), rank 0, after each evaluation and at the end of a completed run
-# (that one with "final": true and the repeat_last and random controls): step, prompts, steps,
-# tokens, acceptance_per_step, acceptance_per_prompt, tokens_per_forward, lossless, seconds, indices (of
-# the prompts decoded; the controls decode exactly those).
+# Real acceptance (speculative.py), rank 0, after each evaluation, every eval.every_s seconds of training
+# ("periodic": true) and at the end of a completed run (that one with "final": true and the repeat_last
+# and random controls): step, prompts, steps, tokens, acceptance_per_step, acceptance_per_prompt,
+# tokens_per_forward, lossless, seconds, indices (of the prompts decoded; the controls decode exactly
+# those), time; and the cost (cadence.py): pass_s (not the final's), passes, spent_s, wall_s, cost_frac.
+# The lines of passes during training also go to metrics.jsonl.
 ACCEPTANCE_FILE = "acceptance.jsonl"
 
 
@@ -66,6 +70,8 @@ class BookSettings:
     spec_eval_prompts: int
     spec_eval_max_new_tokens: int
     spec_eval_budget_s: float
+    spec_every_s: float  # eval.every_s as set (-1: by device, cadence.every_s_for)
+    held_out_prompts: bool  # eval.prompts' files or a held-out split: what a periodic pass decodes
     config: dict = field(repr=False, compare=False)  # the run's whole config, as checkpoints and W&B record it
     # (head, model_cfg, health, prompts=, max_new_tokens=) -> RemoteSpecEval: the targets verify
     open_spec_eval: Callable = field(repr=False, compare=False)
@@ -86,6 +92,8 @@ class BookSettings:
             spec_eval_prompts=cfg.eval.num_prompts,
             spec_eval_max_new_tokens=cfg.eval.max_new_tokens,
             spec_eval_budget_s=cfg.eval.budget_s,
+            spec_every_s=cfg.eval.every_s,
+            held_out_prompts=bool(cfg.eval.prompts) or HeldOut.of(cfg).exists,
             config=cfg.to_dict(),
             open_spec_eval=functools.partial(RemoteSpecEval, RemoteEvalSettings.from_config(cfg, at)),
         )
@@ -129,8 +137,10 @@ class Bookkeeping:
         self.spec = None  # SpecEval once loaded; False when unavailable
         self.models_in_process = None  # HF models in this process, counted at the first real eval
         self.acceptance = self.run_dir / ACCEPTANCE_FILE
+        self.cadence = Cadence(every_s_for(books.spec_every_s, state.device.type), books.spec_eval_budget_s)
         if self.rank == 0:
             truncate_jsonl(self.acceptance, state.step)  # a resume continues the curve, as metrics.jsonl does
+            self.check_periodic()
         self.closed = False
         # non-finite batches (this rank's) and skipped optimizer steps (every rank's alike): health "integrity"
         self.integrity = {"nonfinite_batches": 0, "skipped_steps": 0, "last_nonfinite": ""}
@@ -141,6 +151,7 @@ class Bookkeeping:
         """Ledger for every batch; on an optimizer step also metrics, evaluation and checkpoint."""
         if m.get("nonfinite"):
             provenance = {**(provenance or {}), "skipped": m["nonfinite"]}
+        self.cadence.begin(time.perf_counter())
         self.ledger.record(self.state.micro_step - 1, g, m["tokens"], provenance)
         self.times.add(data_s, compute_s, m["tokens"])
         self.window.add(m)
@@ -160,6 +171,10 @@ class Bookkeeping:
             new_best = self.run_eval()
         if (run.checkpoint_every > 0 and step % run.checkpoint_every == 0) or new_best:
             self.checkpoint(set_best=new_best)
+        # rank 0 alone, by its own clock: the pass has no collective, so the other ranks need no say;
+        # they go on and wait at the next step's all-reduce (the pass's budget bounds that wait)
+        if self.rank == 0 and self.cadence.due(time.perf_counter()):
+            self.run_spec_eval(periodic=True)
 
     def check_finite(self, g: int, m: dict) -> None:
         """Count and name a non-finite batch; stop the run after optimizer.max_nonfinite_steps skipped
@@ -245,6 +260,25 @@ class Bookkeeping:
         return new_best
 
     # --- real speculative decoding ------------------------------------------------------------
+    def check_periodic(self) -> None:
+        """Rank 0, once: the periodic pass (eval.every_s) measures on held-out prompts or none. Without
+        a held-out split the prompts would be training lines, whose acceptance flatters the drafter."""
+        run = self.settings
+        if run.spec_eval_prompts <= 0 or self.num_targets <= 0 or not run.target_path:
+            self.cadence.every_s = 0  # no real acceptance at all (eval.num_prompts = 0, --synthetic): nothing to say
+        elif self.cadence.every_s > 0 and not run.held_out_prompts:
+            self.acceptance_off(
+                f"real acceptance every {self.cadence.every_s:g} s of training (eval.every_s) is off: the data "
+                "has no held-out split; set data.eval_fraction (e.g. 0.01) or data.eval_path, or eval.prompts "
+                "to a prompt file"
+            )
+            self.cadence.every_s = 0
+
+    def acceptance_off(self, message: str) -> None:
+        """Say once, in the log and to the launcher (health: it prints it), that real acceptance is off and why."""
+        log.warning("%s", message)
+        self.health.set(real_acceptance_off=message)
+
     def spec_eval(self):
         """Rank 0's RemoteSpecEval, made once: the target workers verify (remote_eval.py), this rank
         proposes with the head it trains with; no target model is loaded here. Only with
@@ -264,20 +298,22 @@ class Bookkeeping:
                     max_new_tokens=run.spec_eval_max_new_tokens,
                 )
                 if not self.spec.prompts:
-                    log.warning(
+                    self.acceptance_off(
                         "real speculative decoding is off: the held-out data has no prompts (set eval.prompts "
                         "to a prompt file)"
                     )
                     self.spec.close()
                     self.spec = False
             except Exception as exc:  # never fatal: the run trains without it
-                log.warning(f"real speculative decoding is off: {type(exc).__name__}: {exc}")
+                self.acceptance_off(f"real speculative decoding is off: {type(exc).__name__}: {exc}")
                 self.spec = False
         return self.spec or None
 
-    def run_spec_eval(self, final: bool = False) -> dict | None:
-        """Real acceptance of the current weights on held-out prompts (rank 0), into metrics.jsonl.
-        The final one also decodes the same prompts with the repeat-last and random controls."""
+    def run_spec_eval(self, final: bool = False, periodic: bool = False) -> dict | None:
+        """Real acceptance of the current weights on held-out prompts (rank 0), into acceptance.jsonl
+        and, during training, metrics.jsonl. The final one also decodes the same prompts with the
+        repeat-last and random controls; a periodic one (eval.every_s) has the cadence's budget."""
+        start = time.perf_counter()
         spec = self.spec_eval()
         if spec is None:
             return None
@@ -287,12 +323,12 @@ class Bookkeeping:
                 self.state.drafter.state_dict(),
                 self.state.drafter.cfg,
                 controls=final,
-                budget_s=self.settings.spec_eval_budget_s,
+                budget_s=self.cadence.budget_s if periodic else self.settings.spec_eval_budget_s,
                 seed=self.settings.seed,
                 tick=self.health.progress,
             )
         except Exception as exc:
-            log.warning(f"real speculative decoding failed and is off: {type(exc).__name__}: {exc}")
+            self.acceptance_off(f"real speculative decoding failed and is off: {type(exc).__name__}: {exc}")
             self.spec = False
             return None
         if self.models_in_process is None:  # once: the targets verify, this process holds no target model
@@ -301,10 +337,18 @@ class Bookkeeping:
         self.health.progress(
             spec_eval_seconds_per_prompt=result.get("seconds_per_prompt"), spec_eval_skipped=result.get("skipped", 0)
         )
-        record = {"step": self.state.step, "spec": True, **({"final": True} if final else {}), **result}
+        # the cost (cadence.py): a pass during training counts; the final one carries the run's total
+        now = time.perf_counter()
+        cost = self.cadence.figures(start) if final else self.cadence.record(start, now)
+        flags = {"final": True} if final else {"periodic": True} if periodic else {}
+        record = {"step": self.state.step, "spec": True, **flags, **result, **cost, "time": round(time.time(), 3)}
         with open(self.acceptance, "a") as f:
             f.write(json.dumps(record) + "\n")
-        self.metrics.plot("spec", record)  # TensorBoard / W&B: spec/acceptance_per_prompt, …
+        if final:
+            self.metrics.plot("spec", record)  # TensorBoard / W&B: spec/acceptance_per_prompt, …
+        else:  # metrics.jsonl too, beside the train and eval lines (and the same plots)
+            self.metrics.write(record)
+            self.health.progress(acceptance=acceptance_figures(record))
         event(
             "spec_eval",
             step=self.state.step,
@@ -319,6 +363,8 @@ class Bookkeeping:
             skipped=result.get("skipped", 0),
             seconds_per_prompt=result.get("seconds_per_prompt"),
             target_models_in_process=self.models_in_process,
+            periodic=periodic,
+            **cost,
             **{
                 f"{k}_acceptance_per_prompt": round(result[k]["acceptance_per_prompt"], 3)
                 for k in ("repeat_last", "random")
@@ -471,6 +517,14 @@ class Bookkeeping:
             self.spec.close()
         if self.eval_batches is not None:
             self.eval_batches.close()
+
+
+def acceptance_figures(record: dict) -> dict:
+    """What health carries of a real-acceptance line: the launcher's console line and `launcher status`
+    (launcher/progress.py describe_acceptance)."""
+    keys = ("step", "time", "prompts", "held_out", "acceptance_per_prompt", "acceptance_per_step")
+    keys += ("tokens_per_forward", "lossless", "differences", "skipped", "pass_s", "spent_s", "wall_s", "cost_frac")
+    return {k: record[k] for k in keys if k in record} | {"sets": list(record.get("sets") or ())}
 
 
 class MetricsWindow:

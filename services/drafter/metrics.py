@@ -16,6 +16,8 @@ prediction (what the anchor rule lets train at all); sampled_coverage: the share
 window's sampled blocks did train at k = 1 (bounded by drafter.num_anchors). Both over all ranks.
 Eval lines ("eval": true), every eval.every steps:
     step, loss, accuracy, accuracy_per_position, tau, batches, blocks
+Real-acceptance lines ("spec": true), after each evaluation and every eval.every_s seconds of training
+("periodic": true): the lines of acceptance.jsonl (bookkeeping.py), their cost among them (cost_frac).
 On resume from step s, lines with step > s are dropped first, so the curve continues without
 repeats (the ledger does the same for batch indices).
 """
@@ -120,9 +122,9 @@ def scalars(prefix: str, record: dict) -> dict[str, float]:
 
 class MetricsLog:
     """Rank 0's metrics.jsonl, plus TensorBoard (when installed) and W&B (when log.wandb_project is
-    set): the same figures, train/… and eval/… from metrics.jsonl, spec/… from acceptance.jsonl (real
-    acceptance), at the optimizer step, with the line's `time` as the wall time. Other ranks get an
-    instance that writes nothing."""
+    set): the same figures, train/… and eval/… from metrics.jsonl, spec/… from the real-acceptance lines
+    (acceptance.jsonl's; those of training in metrics.jsonl too), at the optimizer step, with the line's
+    `time` as the wall time. Other ranks get an instance that writes nothing."""
 
     def __init__(
         self, run_dir: str | Path, resume_step: int, enabled: bool, wandb_project: str = "", config: dict | None = None
@@ -147,12 +149,12 @@ class MetricsLog:
             self.tb = None
 
     def write(self, record: dict) -> None:
-        """A metrics.jsonl line (train, or eval with "eval": true)."""
+        """A metrics.jsonl line (train, eval with "eval": true, real acceptance with "spec": true)."""
         if not self.enabled:
             return
         self.file.write(json.dumps(record) + "\n")
         self.file.flush()
-        self.plot("eval" if record.get("eval") else "train", record)
+        self.plot("eval" if record.get("eval") else "spec" if record.get("spec") else "train", record)
 
     def plot(self, prefix: str, record: dict) -> None:
         """The line's figures to TensorBoard and W&B (the caller writes the line's file)."""

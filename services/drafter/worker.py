@@ -219,6 +219,8 @@ class DrafterWorker:
             **self.state.counters(),
             recompiles=self.recompiles.count,
             params_digest=parameter_fingerprint(self.state.drafter),
+            # what real acceptance during training cost this process (rank 0's passes), stopped or done
+            real_acceptance=self.books.cadence.figures(time.perf_counter()),
         )
         self.health.set(state="stopped")
 

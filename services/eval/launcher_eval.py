@@ -5,8 +5,10 @@
 
 The drafter comes from a checkpoint dir, a run dir (its checkpoints/latest) or an export; the
 target and the data from the run's config.json. Prompts are rendered with the run's
-data.chat_template_kwargs (services/data/prompts.py says what a prompt file holds). The record
-is appended to <run-dir>/spec_eval.jsonl.
+data.chat_template_kwargs (services/data/prompts.py says what a prompt file holds). On CUDA (or with
+--speedup-prompts N) the first prompts of each set are also timed at batch 1, the target alone and
+with the drafter: the wall-clock speedup (services/eval/speedup.py). The record is appended to
+<run-dir>/spec_eval.jsonl.
 """
 
 from __future__ import annotations
@@ -63,6 +65,43 @@ def load_weights(path: str | Path) -> tuple[dict, DrafterModelConfig, str, dict]
     return weights, model_cfg, f"{what} ({held}, weights sha256 {digest[:12]})", identity
 
 
+# --- the wall-clock speedup -----------------------------------------------------------------------
+
+
+def speedup_prompts(args) -> int:
+    """Prompts timed per set: the option's, else SPEEDUP_PROMPTS on CUDA and none elsewhere (a CPU
+    timing is not what users run)."""
+    if args.speedup_prompts is not None:
+        return args.speedup_prompts
+    return eval_options.SPEEDUP_PROMPTS if torch.device(args.device).type == "cuda" else 0
+
+
+def add_speedup(record: dict, timer, spec, weights, model_cfg) -> None:
+    """record["speedup"] (every set's together) and each set's "speedup"; off: {"off": why}; a failure
+    is recorded ({"error": why}) and said on stderr, never raised: the acceptance figures stand without it."""
+    from services.eval.speedup import one_line
+
+    if timer.per_set <= 0:
+        why = "--speedup-prompts 0" if spec.device.type == "cuda" else "on CUDA only; --speedup-prompts N forces it"
+        record["speedup"] = {"off": why}
+        return
+    print(
+        f"eval: timing the first {timer.per_set} prompts of each set at batch 1, the target alone and with the "
+        "drafter (each decoded twice: a warm-up pass, then the timed one)",
+        file=sys.stderr,
+        flush=True,
+    )
+    try:
+        measured = timer.measure(spec.proposer(weights, model_cfg))
+    except Exception as exc:  # the drafter cannot be built here: said, the acceptance figures kept
+        record["speedup"] = {"error": one_line(exc)}
+        print(f"eval: speedup not measured: {record['speedup']['error']}", file=sys.stderr, flush=True)
+        return
+    record["speedup"] = measured["all"]
+    for name, figures in measured["sets"].items():
+        record["sets"][name]["speedup"] = figures
+
+
 def main(argv=None) -> int:
     from services.process import torchao_gate
     from services.run.config import load_config
@@ -91,6 +130,9 @@ def main(argv=None) -> int:
     if args.batch < 0:
         print(f"eval: error: --batch must be >= 1 (or 0: automatic), got {args.batch}", file=sys.stderr)
         return 2
+    if (args.speedup_prompts or 0) < 0:
+        print(f"eval: error: --speedup-prompts must be >= 0 (0: off), got {args.speedup_prompts}", file=sys.stderr)
+        return 2
     limit = args.limit or (int(counts[-1]) if counts else 0 if files else 32)
     files = [str(Path(f).resolve()) for f in files]
     try:
@@ -116,6 +158,7 @@ def main(argv=None) -> int:
         print(f"eval: error: {exc}", file=sys.stderr)
         return 2
     from services.decoding.decode_progress import Progress
+    from services.eval.speedup import SpeedupTimer
 
     spec.progress = Progress("eval")  # a line on stderr every 10 s while it decodes
     how = "one at a time" if spec.batch == 1 else f"{spec.batch} at once" + (" (KV-cache rows)" if spec.slots else "")
@@ -127,8 +170,13 @@ def main(argv=None) -> int:
             file=sys.stderr,
         )
         return 2
+    timer = SpeedupTimer(spec, speedup_prompts(args))  # the target alone timed once, for every drafter
     for weights, model_cfg, what, identity in drafters:
-        result = spec.evaluate(weights, model_cfg, controls=not args.no_controls, seed=cfg.run.seed)
+        try:
+            result = spec.evaluate(weights, model_cfg, controls=not args.no_controls, seed=cfg.run.seed)
+        except (RuntimeError, ValueError) as exc:  # a decoding bound checked (slots.py): one line, what is wrong
+            print(f"eval: error: {what}: {exc}", file=sys.stderr, flush=True)
+            return 1
         record = {
             "event": "spec_eval",
             "drafter": what,
@@ -140,6 +188,7 @@ def main(argv=None) -> int:
             **({"prompt_files": files} if files else {}),
             **({"overrides": args.set} if args.set else {}),
         }
+        add_speedup(record, timer, spec, weights, model_cfg)
         with open(run_dir / "spec_eval.jsonl", "a") as f:  # `launcher report` shows the latest
             f.write(json.dumps({**record, "time": round(time.time(), 3)}) + "\n")
         if args.json:

@@ -64,6 +64,7 @@ class CheckpointConfig:
 @dataclass
 class EvalConfig:
     every: int = setting(0, batch="")  # optimizer steps between held-out evaluations; 0 = none
+    every_s: float = setting(-1.0, batch="")  # seconds of training between real-acceptance passes; -1: 300 on CUDA
     num_prompts: int = setting(
         16, batch=""
     )  # real speculative decoding on held-out prompts (rank 0, verified by the targets); 0 = off
@@ -495,6 +496,7 @@ def validate(cfg: Config) -> None:
     )
     e = cfg.eval
     need(e.num_prompts >= 0, f"eval.num_prompts must be >= 0, got {e.num_prompts}")
+    need(e.every_s >= 0 or e.every_s == -1, f"eval.every_s must be >= 0 (0 = off) or -1 (by device), got {e.every_s}")
     need(0 < e.target_share <= 1, f"eval.target_share must be in (0, 1], got {e.target_share}")
     need(e.sessions >= 1, f"eval.sessions must be >= 1, got {e.sessions}")
     need(e.max_new_tokens >= 1, f"eval.max_new_tokens must be >= 1, got {e.max_new_tokens}")

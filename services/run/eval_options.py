@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 
 ROLLBACKS = ("per-token", "refeed")  # a hybrid's state drops rejected drafts; the first is the default (measured)
+SPEEDUP_PROMPTS = 16  # prompts of each set timed at batch 1 by default on CUDA: each is decoded 4 times
 
 PROMPT_OPTIONS = [
     (
@@ -72,6 +73,16 @@ EVAL_OPTIONS = [
             metavar="SECTION.KEY=VALUE",
             help="override a key of the run's config for this evaluation, e.g. target.quantize=none "
             "(verify an FP8-trained drafter with the bf16 target); repeatable",
+        ),
+    ),
+    (
+        ("--speedup-prompts",),
+        dict(
+            type=int,
+            metavar="N",
+            help="time the first N prompts of each set at batch 1, the target alone and with the drafter: "
+            f"the wall-clock speedup (default {SPEEDUP_PROMPTS} on CUDA; 0, off, on a CPU: a CPU timing is not "
+            "what users run; N > 0 forces it there)",
         ),
     ),
     (("--json",), dict(action="store_true", help="print one JSON line")),

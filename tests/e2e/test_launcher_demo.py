@@ -38,7 +38,7 @@ def plumbing(run_dir: Path, *extra: str) -> list[str]:
 
 def metrics(run_dir: Path) -> list[dict]:
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    return [m for m in map(json.loads, lines) if not m.get("eval")]
+    return [m for m in map(json.loads, lines) if not m.get("eval") and not m.get("spec")]  # the train lines
 
 
 def assert_exactly_once(run_dir: Path) -> Counter:

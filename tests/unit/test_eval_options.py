@@ -23,6 +23,8 @@ def child_parser(options=eval_options.EVAL_OPTIONS) -> argparse.ArgumentParser:
         ["--limit", "8", "--max-new-tokens", "64", "--batch", "16", "--device", "cuda:1", "--no-controls"],
         ["--eval-device", "cpu", "--set", 'target.model_path="m"', "--set", "target.quantize=none", "--json"],
         ["--threads", "4", "--rollback", "refeed", "--run-dir", "runs/x", "--prompts", "12"],
+        ["--speedup-prompts", "4", "--device", "cpu"],
+        ["--speedup-prompts=0"],
     ],
 )
 def test_what_the_launcher_takes_reaches_the_evaluation_as_given(given):
