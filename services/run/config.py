@@ -137,9 +137,10 @@ class DrafterConfig:
     gamma: float = setting(0.0, batch="")  # loss decay; 0 = 4 for B=16 (measured), scaled with block size
     position_weights: str = setting("decay", batch="")  # "decay" (gamma's) | "dpace" (from the drafter's confidence)
     dpace_alpha: float = setting(0.5, batch="")  # D-PACE's smoothing of the confidence: (1 - alpha) q + alpha
-    objective: str = setting("dflash", batch="")  # "dflash" | "domino": DFlash + Domino's causal logit correction
-    domino_emb_dim: int = setting(256, batch="")  # the correction's low rank (Domino's emb_dim)
-    domino_gru_dim: int = setting(1024, batch="")  # the GRU's state over the block's earlier tokens (gru_hidden_dim)
+    # "domino" (DFlash + Domino's causal logit correction: more real acceptance, docs/benchmarks.md) | "dflash"
+    objective: str = setting("domino", batch="")
+    domino_emb_dim: int = setting(0, batch="")  # the correction's low rank (emb_dim); 0: min(256, width // 2)
+    domino_gru_dim: int = setting(0, batch="")  # the GRU's state over the block's tokens; 0: min(1024, 2 x width)
     domino_lambda_start: float = setting(1.0, batch="")  # the base logits' share of the loss at step 0
     domino_decay_ratio: float = setting(0.5, batch="")  # ... falling linearly to 0 over this fraction of the run
     mask_token_id: int = setting(-1, batch="")  # -1 = tokenizer's mask token, else added <|MASK|>
@@ -450,10 +451,13 @@ def validate(cfg: Config) -> None:
         need(
             d.position_weights == "decay",
             'drafter.objective = "domino" trains with drafter.position_weights = "decay" only, got '
-            f"{d.position_weights!r}",
+            f'{d.position_weights!r} (set drafter.objective = "dflash" for it)',
         )
         for key in ("domino_emb_dim", "domino_gru_dim"):
-            need(getattr(d, key) >= 1, f"drafter.{key} must be >= 1, got {getattr(d, key)}")
+            need(
+                getattr(d, key) >= 0,
+                f"drafter.{key} must be >= 0 (0: sized by the drafter's width), got {getattr(d, key)}",
+            )
         need(
             0 <= d.domino_lambda_start <= 1,
             f"drafter.domino_lambda_start must be in [0, 1], got {d.domino_lambda_start}",

@@ -168,6 +168,13 @@ def target_fields_of(model_path: str) -> dict:
         ) from None
 
 
+def domino_head(emb_dim: int, gru_dim: int, width: int) -> dict:
+    """The Domino head's size: as set, or (0) SpecForge's 256 and 1024, made smaller for a drafter narrower
+    than 512 (the CPU demo's width 128 gets 64 and 256): there the full-size head would be several times
+    the drafter it corrects."""
+    return {"domino_emb_dim": emb_dim or min(256, width // 2), "domino_gru_dim": gru_dim or min(1024, 2 * width)}
+
+
 def drafter_shape(
     cfg: Config, base: dict, mask_token_id: int | None = None, target: str = ""
 ) -> shapes.DrafterModelConfig:
@@ -183,7 +190,7 @@ def drafter_shape(
         sliding_window=cfg.drafter.sliding_window or None,
     )
     if cfg.drafter.objective == "domino":
-        values.update(domino_emb_dim=cfg.drafter.domino_emb_dim, domino_gru_dim=cfg.drafter.domino_gru_dim)
+        values.update(domino_head(cfg.drafter.domino_emb_dim, cfg.drafter.domino_gru_dim, values["hidden_size"]))
     if cfg.target.layer_ids:
         values["target_layer_ids"] = list(cfg.target.layer_ids)
     for key, value in cfg.drafter.overrides.items():

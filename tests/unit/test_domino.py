@@ -152,7 +152,7 @@ def test_domino_settings_are_checked_by_name():
     with pytest.raises(Exception, match="domino_gru_dim=0 do not fit drafter.objective='domino'"):
         make('drafter.objective="domino"', "drafter.overrides={domino_gru_dim=0}", steps=1)
     with pytest.raises(Exception, match="domino_emb_dim=8, domino_gru_dim=8 do not fit drafter.objective='dflash'"):
-        make("drafter.overrides={domino_emb_dim=8,domino_gru_dim=8}", steps=1)
+        make('drafter.objective="dflash"', "drafter.overrides={domino_emb_dim=8,domino_gru_dim=8}", steps=1)
 
 
 def test_a_domino_drafter_decodes_losslessly_one_prompt_packed_and_padded_alike(dense):
@@ -227,3 +227,15 @@ def test_fp8_converts_the_layers_and_leaves_the_head_in_bf16():
         type(drafter.fc).__name__ == "Float8Linear" and type(drafter.layers[0].mlp.up_proj).__name__ == "Float8Linear"
     )
     assert type(drafter.embed_proj[0]) is torch.nn.Linear and type(drafter.embed_proj[2]) is torch.nn.Linear
+
+
+def test_the_default_head_is_specforges_and_smaller_for_a_narrow_drafter():
+    from services.run.runspec import domino_head
+
+    assert domino_head(0, 0, 4096) == {"domino_emb_dim": 256, "domino_gru_dim": 1024}  # SpecForge's
+    assert domino_head(0, 0, 576) == {"domino_emb_dim": 256, "domino_gru_dim": 1024}  # SmolLM2's width
+    assert domino_head(0, 0, 128) == {"domino_emb_dim": 64, "domino_gru_dim": 256}  # the CPU demo's
+    assert domino_head(32, 48, 4096) == {"domino_emb_dim": 32, "domino_gru_dim": 48}  # as set
+    state, _ = make(steps=1)  # the default objective is Domino's, its head sized by the drafter's width
+    m = state.drafter.cfg
+    assert m.domino and (m.domino_emb_dim, m.domino_gru_dim) == tuple(domino_head(0, 0, m.hidden_size).values())

@@ -55,7 +55,9 @@ def test_loss_falls_and_tau_rises_on_synthetic_data():
 def test_dpace_position_weights_learn_too():
     """drafter.position_weights = "dpace": the same step with D-PACE's weights (services/drafter/loss.py)
     learns the synthetic data as the decay does; a bad value is named."""
-    state, source = make('drafter.position_weights="dpace"', "drafter.dpace_alpha=0.5", steps=24)
+    state, source = make(
+        'drafter.objective="dflash"', 'drafter.position_weights="dpace"', "drafter.dpace_alpha=0.5", steps=24
+    )
     assert state.settings.dpace_alpha == 0.5
     metrics = [train_step(state, batch) for batch in source]
     assert all(math.isfinite(m["loss"]) for m in metrics)
