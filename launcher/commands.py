@@ -158,6 +158,8 @@ def cmd_eval(args) -> int:
     for checkpoint in args.checkpoint:  # before anything loads: a typo costs no target load
         if not Path(checkpoint).exists():
             raise UsageError(f"--checkpoint {checkpoint} does not exist")
+    if problem := eval_options.check_prompt_files(args.prompts):
+        raise UsageError(problem)
     # a run's checkpoint names its run (the first's, of several)
     args.run_dir = args.run_dir or str((run_holding(args.checkpoint[0]) if args.checkpoint else None) or LATEST)
     args.set = [_with_local_model(item) for item in args.set]
@@ -257,6 +259,8 @@ def cmd_report(args) -> int:
     from launcher.report import ReportError, report
 
     if args.eval:
+        if problem := eval_options.check_prompt_files(args.prompts):  # before the target loads
+            raise UsageError(problem)
         argv = jobs.argv("eval", f"--run-dir={args.run_dir}", *eval_options.forward(args, eval_options.PROMPT_OPTIONS))
         code = subprocess.run(argv).returncode
         if code != 0:

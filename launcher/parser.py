@@ -21,28 +21,36 @@ class _Help(argparse.HelpFormatter):
 
     def _get_help_string(self, action):
         text = action.help or ""
-        if (
-            action.default not in (None, False, "", argparse.SUPPRESS)
-            and "default" not in text
-            and action.option_strings
-        ):
+        if _shown_default(action.default) and "default" not in text and action.option_strings:
             text += " (default: %(default)s)"
         return text
 
 
+def _shown_default(default) -> bool:
+    """Whether a default says something: 0 and 0.0 do (--temperature), unset, off and empty do not."""
+    # by identity, not `in`: 0 == False, so a membership test would hide every zero default
+    unset = default is None or default is False or default is argparse.SUPPRESS
+    return not unset and default != "" and default != []
+
+
+def _command(sub, name: str, help: str, description: str = "", **kwargs) -> argparse.ArgumentParser:
+    """A subcommand whose --help opens with what it does (its one-line help), then `description`."""
+    what = help[0].upper() + help[1:] + "."
+    return sub.add_parser(name, help=help, description=f"{what} {description}".strip(), formatter_class=_Help, **kwargs)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    fmt = _Help
     parser = argparse.ArgumentParser(
-        prog="launcher", description="DFlash drafter training service", formatter_class=fmt
+        prog="launcher", description="DFlash drafter training service", formatter_class=_Help
     )
     parser.add_argument("--version", action="version", version=f"launcher {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     latest_help = "run dir (runs/latest: the last run started here whose workers became ready)"
 
-    up = sub.add_parser(
+    up = _command(
+        sub,
         "up",
         help="start targets and drafters, supervise until training ends",
-        formatter_class=fmt,
         description="Exit codes: 0 training finished, 1 failed, 2 bad usage or config, "
         "3 stopped by a signal before the end (resume with --resume).",
     )
@@ -95,10 +103,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     up.set_defaults(func=cmd_up)
 
-    status = sub.add_parser(
+    status = _command(
+        sub,
         "status",
         help="probe every worker of a run and print a table",
-        formatter_class=fmt,
         description="Exit code: while the run is live, the worst probe (0 healthy, 1 unhealthy, "
         "2 unreachable); once it has ended, its own: 0 finished, 1 failed, 3 stopped. What the columns, "
         "τ and cov mean: docs/operations.md#glossary.",
@@ -110,7 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     status.set_defaults(func=cmd_status)
 
-    down = sub.add_parser("down", help="stop a run gracefully, then kill what is left", formatter_class=fmt)
+    down = _command(sub, "down", help="stop a run gracefully, then kill what is left")
     down.add_argument("--run-dir", default=str(LATEST), help=latest_help)
     down.add_argument(
         "--timeout",
@@ -120,10 +128,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     down.set_defaults(func=cmd_down)
 
-    pr = sub.add_parser(
+    pr = _command(
+        sub,
         "probe",
         help="probe one health endpoint: exit 0 healthy, 1 unhealthy/stalled, 2 unreachable",
-        formatter_class=fmt,
     )
     pr.add_argument("endpoint", help="health endpoint, e.g. ipc://<run_dir>/sock/drafter-0.health or tcp://HOST:PORT")
     pr.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for an answer")
@@ -135,7 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     pr.set_defaults(func=cmd_probe)
 
-    units = sub.add_parser("units", help="render systemd units for a topology (deploy/systemd)", formatter_class=fmt)
+    units = _command(sub, "units", help="render systemd units for a topology (deploy/systemd)")
     units.add_argument("--gpus", required=True, help="the whole run's GPUS:ROLE[@HOST] spec, as for `up`")
     units.add_argument("--config", required=True, help="run config (TOML)")
     units.add_argument("--out", required=True, help="staging folder for the rendered files (see --env-dir, --unit-dir)")
@@ -164,14 +172,12 @@ def build_parser() -> argparse.ArgumentParser:
     units.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides")
     units.set_defaults(func=cmd_units)
 
-    keys = sub.add_parser("keys", help="generate CURVE keys for authenticated tcp transport", formatter_class=fmt)
+    keys = _command(sub, "keys", help="generate CURVE keys for authenticated tcp transport")
     keys.add_argument("dir", help="folder for the keys (created mode 0700)")
     keys.add_argument("--force", action="store_true", help="replace existing keys")
     keys.set_defaults(func=cmd_keys)
 
-    export = sub.add_parser(
-        "export", help="write a checkpoint as an HF-style DFlash drafter (SGLang / vLLM)", formatter_class=fmt
-    )
+    export = _command(sub, "export", help="write a checkpoint as an HF-style DFlash drafter (SGLang / vLLM)")
     export.add_argument("--checkpoint", required=True, help="checkpoint dir, or a run dir (its checkpoints/latest)")
     export.add_argument("--out", required=True, help="output dir")
     export.add_argument(
@@ -179,10 +185,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     export.set_defaults(func=cmd_export)
 
-    pl = sub.add_parser(
+    pl = _command(
+        sub,
         "plan",
         help="measure one GPU in each role on your model and data; print the best split",
-        formatter_class=fmt,
         description="Runs the target's capture and the drafter's training step "
         "for about --seconds each on one device, then prints the expected trained tok/s of every "
         "split of --gpus GPUs and which role bounds it.",
@@ -208,9 +214,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     pl.set_defaults(func=cmd_plan)
 
-    rep = sub.add_parser(
-        "report", help="plot loss and tau over steps (PNG) and print a summary of a run", formatter_class=fmt
-    )
+    rep = _command(sub, "report", help="plot loss and tau over steps (PNG) and print a summary of a run")
     rep.add_argument("--run-dir", default=str(LATEST), help=latest_help)
     rep.add_argument("--out", help="PNG path (default: <run-dir>/report.png)")
     rep.add_argument(
@@ -221,10 +225,10 @@ def build_parser() -> argparse.ArgumentParser:
     eval_options.add(rep, eval_options.PROMPT_OPTIONS)
     rep.set_defaults(func=cmd_report)
 
-    rg = sub.add_parser(
+    rg = _command(
+        sub,
         "regenerate",
         help="rewrite a chat JSONL's assistant turns with the target (data step)",
-        formatter_class=fmt,
         description="Every assistant turn regenerated by the target, greedy by default, so the "
         "drafter trains on what the target writes (docs/operations.md#which-labels).",
     )
@@ -273,10 +277,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     rg.set_defaults(func=cmd_regenerate)
 
-    ev = sub.add_parser(
+    ev = _command(
+        sub,
         "eval",
         help="real speculative decoding of a drafter with its target on benchmark or held-out prompts",
-        formatter_class=fmt,
         description="Greedy DFlash decoding with the run's target (target.model_path) on prompt-set "
         "files (--prompts FILE, repeatable: e.g. a benchmark's prompts) or held-out "
         "prompts of its data: acceptance per prompt and per step, tokens per target "

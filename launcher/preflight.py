@@ -334,4 +334,7 @@ def resumed_line(drafter_log: Path) -> str:
     found = events(text[text.rfind("\n===== ") :], "resumed")
     if not found:
         return f"no checkpoint in {drafter_log.parent.parent / 'checkpoints'}: training starts at step 0"
-    return f"resumed from step {found[-1]['step']} ({found[-1]['checkpoint']})"
+    line = f"resumed from step {found[-1]['step']} ({found[-1]['checkpoint']})"
+    if skipped := found[-1].get("skipped"):  # newer checkpoints that failed verification, and why
+        line += f"; skipped {len(skipped)} newer corrupt checkpoint(s): {'; '.join(skipped)}"
+    return line

@@ -29,7 +29,7 @@ import json
 import os
 import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -67,6 +67,7 @@ class Found:
     path: Path
     meta: dict  # state.json
     config: dict  # config.json (the run config that wrote it)
+    skipped: list[str] = field(default_factory=list)  # "NAME: why" of each newer one that did not verify
 
     @property
     def micro_step(self) -> int:
@@ -283,7 +284,7 @@ def find_resume_point(
                 + "; ".join(errors)
                 + ". Start a new --run-dir, or move checkpoints/ aside to start fresh"
             )
-        return Found(path, meta, config)
+        return Found(path, meta, config, skipped=problems)
     if problems:
         raise ConfigError(
             f"no usable checkpoint in {root}: " + "; ".join(problems) + ". Move the folder aside to start fresh"

@@ -120,7 +120,8 @@ class DrafterWorker:
         if found:
             for note in ckpt.restore(state, found, rank):
                 log.warning("%s", note)
-            event("resumed", rank=rank, checkpoint=str(found.path), **state.counters())
+            # skipped: the launcher says why a newer checkpoint was passed over, not only this log
+            event("resumed", rank=rank, checkpoint=str(found.path), skipped=found.skipped, **state.counters())
         self.books = Bookkeeping(BookSettings.from_config(cfg, at), state, health, found, held_out, plan=plan)
         health.set(
             state="ready",

@@ -29,35 +29,78 @@ from services.run.config import describe_prompts
 # --- loading a drafter ----------------------------------------------------------------------------
 
 
+def read_json(file: Path) -> dict:
+    """A JSON object from `file`; ValueError naming the file and what is wrong (a corrupt export)."""
+    try:
+        data = json.loads(file.read_bytes())
+    except OSError as exc:
+        raise ValueError(f"{file}: unreadable ({exc.strerror or exc})") from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{file}: not valid JSON ({exc.msg}: line {exc.lineno} column {exc.colno})") from None
+    except UnicodeDecodeError as exc:  # binary garbage: json.loads decodes bytes before it parses
+        raise ValueError(
+            f"{file}: not valid JSON (not UTF-8 text: byte {exc.start} is {exc.object[exc.start]:#04x})"
+        ) from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{file}: not valid JSON for a config (a {type(data).__name__}, not an object)")
+    return data
+
+
 def read_weights(file: Path) -> tuple[dict, dict, str]:
     """(tensors, the file's safetensors metadata, sha256) from one read of the file: the step and the
-    digest recorded are those of the weights measured, even if a resume rewrites the export meanwhile."""
+    digest recorded are those of the weights measured, even if a resume rewrites the export meanwhile.
+    ValueError naming the file when it is missing, truncated or not safetensors."""
     import hashlib
 
+    from safetensors import SafetensorError
     from safetensors.torch import load
 
-    data = file.read_bytes()
-    size = int.from_bytes(data[:8], "little")
-    metadata = json.loads(data[8 : 8 + size]).get("__metadata__") or {}
-    return load(data), metadata, hashlib.sha256(data).hexdigest()
+    try:
+        data = file.read_bytes()
+    except OSError as exc:
+        raise ValueError(f"{file}: unreadable ({exc.strerror or exc})") from None
+    try:
+        tensors = load(data)  # first: it checks the header that the metadata is read from
+        size = int.from_bytes(data[:8], "little")
+        metadata = json.loads(data[8 : 8 + size]).get("__metadata__") or {}
+    except (SafetensorError, ValueError) as exc:
+        raise ValueError(f"{file}: not a readable safetensors file ({exc})") from None
+    return tensors, metadata, hashlib.sha256(data).hexdigest()
+
+
+def export_step(file: Path, metadata: dict) -> int | None:
+    """The step export.json records, kept in the weights' own metadata (None: an export without one)."""
+    try:
+        return json.loads(metadata["step"]) if "step" in metadata else None
+    except ValueError:
+        raise ValueError(f"{file}: metadata step {metadata['step']!r} is not a number") from None
 
 
 def load_weights(path: str | Path) -> tuple[dict, DrafterModelConfig, str, dict]:
     """(weights, model config, what, identity) from a checkpoint dir, a run dir (its checkpoints/latest)
     or an export. identity: {"drafter_step", "drafter_sha256"} (step None: an export without one);
-    `what` names the path, the step and the digest's first 12 digits, for the header."""
+    `what` names the path, the step and the digest's first 12 digits, for the header. A corrupt
+    file is a ValueError that names it."""
     path = Path(path)
-    conf = json.loads((path / "config.json").read_text()) if (path / "config.json").is_file() else {}
+    conf = read_json(path / "config.json") if (path / "config.json").is_file() else {}
     if "DFlashDraftModel" in conf.get("architectures", []):
         weights, metadata, digest = read_weights(path / "model.safetensors")
-        step = json.loads(metadata["step"]) if "step" in metadata else None  # export.json's, in the same file
-        what, model_cfg = f"export {path.resolve()}", DrafterModelConfig.from_hf(conf)
+        step = export_step(path / "model.safetensors", metadata)
+        try:
+            model_cfg = DrafterModelConfig.from_hf(conf)
+        except (KeyError, TypeError, ValueError) as exc:
+            why = f"missing key {exc}" if isinstance(exc, KeyError) else str(exc)
+            raise ValueError(f"{path / 'config.json'}: not a DFlash drafter config ({why})") from None
+        what = f"export {path.resolve()}"
     else:
-        from services.drafter.checkpoint import verify
+        from services.drafter.checkpoint import CorruptCheckpoint, verify
         from services.drafter.export import resolve_checkpoint
 
         ckpt = resolve_checkpoint(path)
-        meta = verify(ckpt)
+        try:
+            meta = verify(ckpt)
+        except CorruptCheckpoint as exc:  # its message names the file inside the checkpoint
+            raise ValueError(f"checkpoint {ckpt} is corrupt: {exc}") from None
         weights, _, digest = read_weights(ckpt / "model.safetensors")
         step, what, model_cfg = int(meta["step"]), f"checkpoint {ckpt}", DrafterModelConfig(**meta["model"])
     held = "step unknown" if step is None else f"step {step}"
@@ -123,7 +166,8 @@ def main(argv=None) -> int:
     hf_logging.disable_progress_bar()  # no "Loading weights" bars in the launcher's output
     if args.device == "cpu":
         torch.set_num_threads(args.threads)
-    counts, files = [p for p in args.prompts if p.isdigit()], [p for p in args.prompts if not p.isdigit()]
+    files = eval_options.prompt_files(args.prompts)
+    counts = [p for p in args.prompts if p.isdigit()]
     if counts and files:
         print("eval: error: --prompts takes prompt files or a number of held-out prompts, not both", file=sys.stderr)
         return 2
@@ -132,6 +176,9 @@ def main(argv=None) -> int:
         return 2
     if (args.speedup_prompts or 0) < 0:
         print(f"eval: error: --speedup-prompts must be >= 0 (0: off), got {args.speedup_prompts}", file=sys.stderr)
+        return 2
+    if problem := eval_options.check_prompt_files(files):  # before the target loads
+        print(f"eval: error: {problem}", file=sys.stderr)
         return 2
     limit = args.limit or (int(counts[-1]) if counts else 0 if files else 32)
     files = [str(Path(f).resolve()) for f in files]

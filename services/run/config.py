@@ -370,6 +370,8 @@ def _read(path: str | Path | None) -> tuple[dict, str]:
         return tomllib.loads(path.read_text()), str(path)
     except (tomllib.TOMLDecodeError, json.JSONDecodeError) as exc:
         raise ConfigError(f"{path}: {exc}") from None
+    except UnicodeDecodeError as exc:  # a binary or damaged file: named, not a traceback
+        raise ConfigError(f"{path}: not UTF-8 text (byte {exc.start} is {exc.object[exc.start]:#04x})") from None
 
 
 def old_names_used(path: str | Path | None, overrides: typing.Iterable[str] = ()) -> list[str]:

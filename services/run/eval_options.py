@@ -8,6 +8,7 @@ user gave with forward(). `launcher report --eval` takes the prompt options only
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 ROLLBACKS = ("per-token", "refeed")  # a hybrid's state drops rejected drafts; the first is the default (measured)
 SPEEDUP_PROMPTS = 16  # prompts of each set timed at batch 1 by default on CUDA: each is decoded 4 times
@@ -119,3 +120,29 @@ def forward(args: argparse.Namespace, options=EVAL_OPTIONS) -> list[str]:
         else:
             argv.append(f"{flags[0]}={value}")
     return argv
+
+
+def prompt_files(values: list[str]) -> list[str]:
+    """The files among --prompts values (a number is a count of held-out prompts)."""
+    return [value for value in values if not value.isdigit()]
+
+
+def prompt_file_problem(file: str) -> str | None:
+    """Why a --prompts FILE cannot be used, or None: checked before any model loads, so a typo
+    costs no target load."""
+    path = Path(file)
+    if not path.exists():
+        return f"--prompts {file}: no such file"
+    if path.is_dir():
+        return f"--prompts {file}: a folder, not a prompt file (JSONL or .jsonl.gz)"
+    try:
+        with open(path, "rb") as f:
+            empty = not f.read(1)
+    except OSError as exc:
+        return f"--prompts {file}: unreadable ({exc.strerror or exc})"
+    return f"--prompts {file}: empty file (a prompt file holds one JSON prompt a line)" if empty else None
+
+
+def check_prompt_files(values: list[str]) -> str | None:
+    """The first problem of the prompt files among --prompts values, or None."""
+    return next(filter(None, map(prompt_file_problem, prompt_files(values))), None)

@@ -210,3 +210,10 @@ def test_every_renamed_key_reads_under_its_old_name_in_a_file_an_override_and_an
     assert load_config(tmp_path / "new.json") == now
     with pytest.raises(ConfigError, match="run.checkpoint_every and checkpoint.every are the same key"):
         load_config(write(tmp_path, "[run]\ncheckpoint_every = 3\n[checkpoint]\nevery = 4\n"))
+
+
+def test_a_config_file_that_is_not_text_is_named(tmp_path):
+    bad = tmp_path / "config.json"
+    bad.write_bytes(b"\xf0\x9f\x00garbage")
+    with pytest.raises(ConfigError, match=r"config.json: not UTF-8 text \(byte 0 is 0xf0\)"):
+        load_config(bad)

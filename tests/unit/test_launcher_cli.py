@@ -333,3 +333,39 @@ def test_eval_of_a_runs_checkpoint_reads_that_runs_config(tmp_path):
         assert f"eval: error: {checkpoint}: not a checkpoint (no manifest.json)" in out.stderr  # past the config
     out = run_launcher("eval", "--device", "cpu", timeout=120, cwd=cwd)
     assert out.returncode == 2 and "config file not found: runs/latest/config.json" in out.stderr
+
+
+def _subcommands() -> dict:
+    from launcher.parser import build_parser
+
+    return build_parser()._subparsers._group_actions[0].choices
+
+
+@pytest.mark.parametrize("command", sorted(_subcommands()))
+def test_every_commands_help_opens_with_what_it_does_and_shows_defaults(command, capsys):
+    """`launcher CMD --help`: usage, then a paragraph saying what CMD does, then the options; every
+    option that has a default (0 included: regenerate --temperature) says it."""
+    from launcher.cli import main
+    from launcher.parser import _shown_default
+
+    with pytest.raises(SystemExit) as done:
+        main([command, "--help"])
+    assert done.value.code == 0
+    paragraphs = capsys.readouterr().out.split("\n\n")
+    assert paragraphs[0].startswith(f"usage: launcher {command}")
+    description = paragraphs[1].strip()
+    assert description.endswith("."), description
+    assert not description.startswith(("options:", "positional arguments:")), description
+    parser = _subcommands()[command]
+    formatter = parser._get_formatter()
+    for action in parser._actions:
+        if action.option_strings and action.help is not None and _shown_default(action.default):
+            assert "default" in formatter._get_help_string(action), (command, action.option_strings)
+
+
+def test_zero_defaults_are_shown(capsys):
+    from launcher.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["regenerate", "--help"])
+    assert "0 = greedy (default: 0.0)" in capsys.readouterr().out

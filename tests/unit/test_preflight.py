@@ -266,6 +266,36 @@ def test_the_launcher_says_what_a_drafter_resumed_from(tmp_path):
     assert resumed_line(log) == "resumed from step 60 (/r/checkpoints/step-00000040)"
 
 
+def test_a_resume_past_a_corrupt_checkpoint_says_which_and_why_on_the_console(tmp_path):
+    """The newest checkpoint fails verification: the drafter resumes from the one before, and the
+    launcher's line names the one skipped and why (not only logs/drafter-0.log)."""
+    import logging
+
+    from services.drafter.checkpoint import find_resume_point, make_meta, write_checkpoint
+    from services.drafter.model import DFlashDrafter, DrafterModelConfig
+    from services.process.log import EVENTS, LineFormat
+    from tests.unit.test_export_serving import TINY
+
+    cfg, run_config = DrafterModelConfig(**TINY), load_config(None, []).to_dict()
+    weights = DFlashDrafter(cfg).state_dict()
+    for step in (5, 6):
+        meta = make_meta({"step": step, "micro_step": step}, cfg, world_size=1)
+        newest = write_checkpoint(
+            tmp_path / "checkpoints", step, weights=weights, optimizer={}, rng={}, config=run_config, keep=3, meta=meta
+        )
+    (newest / "model.safetensors").write_bytes(b"garbage")
+    found = find_resume_point(tmp_path, cfg, run_config, 1, warn=lambda _: None)
+    assert found.path.name == "step-00000005"
+    (why,) = found.skipped
+    assert why.startswith("step-00000006: model.safetensors has 7 bytes, manifest says ") and "truncated" in why
+    resumed = {"event": "resumed", "checkpoint": str(found.path), "skipped": found.skipped, "step": 5}
+    record = logging.LogRecord(EVENTS.name, logging.INFO, "", 0, json.dumps(resumed), None, None)
+    log = tmp_path / "logs" / "drafter-0.log"
+    log.parent.mkdir()
+    log.write_text("\n===== 2026-01-01 00:00:00 start: drafter\n" + LineFormat("drafter-0").format(record) + "\n")
+    assert resumed_line(log) == f"resumed from step 5 ({found.path}); skipped 1 newer corrupt checkpoint(s): {why}"
+
+
 def test_real_acceptance_on_training_prompts_says_so():
     record = {
         "prompts": 16,
