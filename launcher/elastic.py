@@ -42,7 +42,8 @@ class ElasticDrafters:
     """Supervisor methods for the agent of this host's drafters (uses the Supervisor's state)."""
 
     def agent_argv(self, drafters: list[Worker]) -> list[str]:
-        """services/drafter/agent.py for this host's drafters, then the drafter worker's argv."""
+        """services/drafter/agent.py for this host's drafters, then the drafter worker's argv: the
+        Supervisor's (launcher/worker_argv.py), without rank and world size, which the agent gives."""
         run = self.cfg.run
         spec = ",".join(f"{w.name}@{w.host}" for w in self.workers)
         return [

@@ -51,9 +51,9 @@ from launcher.elastic import ElasticDrafters
 from launcher.errors import RunFailed, cannot_write
 from launcher.progress import ProgressLine, describe_acceptance
 from launcher.topology import Worker, count
+from launcher.worker_argv import worker_argv
 from services.net import curve
 from services.net.endpoints import endpoint, socket_dir
-from services.process import jobs
 from services.process.exits import STOPPED as DRAFTER_STOPPED
 from services.process.files import cpu_share, write_json_atomic
 from services.process.health import probe
@@ -137,26 +137,20 @@ class Supervisor(ElasticDrafters):
         return probe_all([self.endpoints(w)["health"] for w in workers], timeout_s, curve.keys_for(self.cfg.transport))
 
     def argv(self, w: Worker) -> list[str]:
-        argv = [
-            *jobs.argv(w.role),
-            "--config",
-            str(self.run_dir / "config.json"),
-            "--run-dir",
-            str(self.run_dir),
-            "--rank",
-            str(w.rank),
-            "--world-size",
-            str(count(self.workers, w.role)),
-            "--device",
-            self.device,
-        ]
-        if w.role == "drafter":
-            argv += ["--num-targets", str(count(self.workers, "target"))]
-            if self.resume or self.restarts["drafter"]:
-                argv.append("--resume")
-            if self.elastic:  # the agent gives each worker its rank and the world size (RANK, WORLD_SIZE)
-                del argv[argv.index("--rank") : argv.index("--rank") + 4]
-        return argv
+        """The worker's command line; a drafter under the elastic agent gets no rank nor world size
+        (the agent gives each worker RANK and WORLD_SIZE)."""
+        drafter = w.role == "drafter"
+        under_agent = drafter and self.elastic
+        return worker_argv(
+            w.role,
+            config=str(self.run_dir / "config.json"),
+            run_dir=str(self.run_dir),
+            rank=None if under_agent else w.rank,
+            world_size=None if under_agent else count(self.workers, w.role),
+            device=self.device,
+            num_targets=count(self.workers, "target") if drafter else None,
+            resume=drafter and bool(self.resume or self.restarts["drafter"]),
+        )
 
     def env(self, w: Worker) -> dict[str, str]:
         env = dict(os.environ)

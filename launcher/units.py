@@ -31,6 +31,7 @@ from typing import Iterable
 
 from launcher.inputs import load_run_config
 from launcher.topology import ROLES, Worker, count, parse_gpu_spec
+from launcher.worker_argv import worker_argv
 from services.net.endpoints import endpoint
 from services.process.files import cpu_share, write_text_atomic
 from services.run.config import dump_json
@@ -119,6 +120,8 @@ def render_units(
         "ENV_DIR": str(env_dir),
         "RUN_DIR": str(run_dir),
         "PYTHON": python,
+        "TARGET_COMMAND": _worker_command("target", python),
+        "DRAFTER_COMMAND": _worker_command("drafter", python),
         "RUN_NAME": cfg.run.name,
         "USER_LINES": "\n".join(f"{key}={value}" for key, value in (("User", user), ("Group", group)) if value),
         "START_LIMIT_INTERVAL_S": str(START_LIMIT_INTERVAL_S),
@@ -152,6 +155,25 @@ def install_command(
         f"install -d -m 0755 {env_dir} {unit_dir} && install -m 0644 {out_dir}/{ENV_SUBDIR}/* {env_dir}/ && "
         f"install -d -m 0700{owner} {run_dir} && install -m 0644 {out_dir}/*.service {out_dir}/*.target {unit_dir}/ && "
         f"systemctl daemon-reload && systemctl start dflash.target"
+    )
+
+
+def _worker_command(role: str, python: str) -> str:
+    """The ExecStart= of a role's unit: its worker's command line, each value a variable of the
+    instance's environment files (dflash.env, dflash-<role>@<gpu>.env), which systemd fills in."""
+    drafter = role == "drafter"
+    return " ".join(
+        worker_argv(
+            role,
+            config="${DFLASH_CONFIG}",
+            run_dir="${DFLASH_RUN_DIR}",
+            rank="${DFLASH_RANK}",
+            world_size="${DFLASH_WORLD_SIZE}",
+            device="${DFLASH_DEVICE}",
+            num_targets="${DFLASH_NUM_TARGETS}" if drafter else None,
+            resume=drafter,  # continue from the newest checkpoint when there is one (every restart must)
+            python=python,
+        )
     )
 
 
