@@ -8,6 +8,10 @@ from services.decoding.lossless import describe_lossless
 
 CONTROLS = ("repeat_last", "random")
 HEADER = f"  {'':<12}{'per prompt':>11}{'per step':>10}{'tokens/forward':>16}  lossless"
+COLUMNS = (
+    "per prompt: tokens a verify step commits, averaged per prompt, then over prompts (τ); per step: over all "
+    "steps; tokens/forward: new tokens per target forward; lossless: outputs equal to the target's own greedy decoding"
+)
 SPEEDUP_NOTE = (
     "speedup: the target alone's wall-clock time over speculative decoding's on the same prompts, the "
     "drafter's own cost in it (greedy, batch 1, timed after a warm-up pass)"
@@ -74,4 +78,4 @@ def tables(result: dict, title: str) -> list[str]:
     for head, figures in parts:
         lines += [f"{head}:", HEADER, *rows(figures)]
         lines += speedup_rows(figures.get("speedup")) if overall and "speedup" in overall else []
-    return lines + speedup_footer(overall)
+    return lines + [COLUMNS] + speedup_footer(overall)
