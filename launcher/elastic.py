@@ -21,7 +21,7 @@ from services.process import jobs
 
 def rendezvous_problems(transport, drafter_hosts: list[str]) -> tuple[str, str]:
     """(refusal, warning) for a drafter group across hosts without the run's keys: its store would
-    admit anyone who reaches rank 0's host (docs/operations.md, threat model)."""
+    admit anyone who reaches rank 0's host (docs/guide/security.md, threat model)."""
     if len(set(drafter_hosts)) < 2 or transport.curve_keys_dir:
         return "", ""
     said = (

@@ -181,7 +181,7 @@ def summary(run_dir: Path, train: list[dict], evals: list[dict], spec: list[dict
     if spec or last_eval:
         lines.append(
             "  (τ above is teacher-forced on the labels; real acceptance is what the target accepts: "
-            "docs/operations.md#tau-and-real-acceptance; every figure: docs/operations.md#glossary)"
+            "docs/guide/acceptance.md#tau-and-real-acceptance; every figure: docs/guide/monitoring.md#glossary)"
         )
     latest, best_ckpt = _pointer(run_dir, "latest"), _pointer(run_dir, "best")
     lines.append(f"checkpoints: latest {latest or '-'}, best {best_ckpt or '-'}")

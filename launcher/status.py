@@ -35,7 +35,7 @@ batches  targets: batches captured and sent since the worker started
 tok/s    drafters: tokens this rank trained per second over the last metrics window;
          targets: tokens captured per second of capture (moving average)
 idle_s   seconds since the worker's main loop last made progress
-(samples, rss, gpu_mem, bad_msgs, probe, τ, cov: docs/operations.md#glossary)"""
+(samples, rss, gpu_mem, bad_msgs, probe, τ, cov: docs/guide/monitoring.md#glossary)"""
 
 
 def cmd_status(args) -> int:

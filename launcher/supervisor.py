@@ -1,6 +1,6 @@
 """The supervisor: start one process per GPU, wait until all are ready, watch them until training ends.
 
-Policy (docs/operations.md):
+Policy (docs/guide/failures.md#restart-policy):
 - a worker is in trouble when it exits, stalls (its health says no progress for supervise.stall_after_s)
   or is unresponsive: its pid lives but its health, which answered before, has not answered for
   supervise.unresponsive_after_s (SIGSTOP, a hung interpreter: the health thread is frozen too);

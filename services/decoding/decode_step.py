@@ -91,7 +91,7 @@ NEAR_TIE_ULPS = 4
 
 def rounding_tolerance(top1: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """NEAR_TIE_ULPS units of rounding of `dtype` at the logits' magnitude (at least 1): a margin
-    below it can flip between two forwards that only round differently (docs/operations.md)."""
+    below it can flip between two forwards that only round differently (docs/guide/acceptance.md)."""
     return NEAR_TIE_ULPS * torch.finfo(dtype).eps * top1.float().abs().clamp(min=1.0)
 
 

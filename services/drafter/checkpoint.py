@@ -163,7 +163,7 @@ def write_checkpoint(
         torch.save(optimizer, tmp / "optimizer.pt")
         tick()
         save_file({k: v.contiguous() for k, v in rng.items()}, str(tmp / "rng.safetensors"))
-        for name in ("model.safetensors", "rng.safetensors"):  # like the other files here (docs/operations.md)
+        for name in ("model.safetensors", "rng.safetensors"):  # like the other files here (docs/guide/resume.md)
             default_file_mode(tmp / name)
         _write_json(tmp / "state.json", meta)
         _write_json(tmp / "config.json", config)

@@ -42,7 +42,7 @@ def _tcp_store(address: str, port: int, rank: int, world_size: int):
 
 
 def join(dist_port: int, rank: int, world_size: int, device: torch.device, backend: str, run_dir=None) -> None:
-    """Join the drafter group without opening a port beyond what the run needs (docs/operations.md,
+    """Join the drafter group without opening a port beyond what the run needs (docs/guide/security.md,
     "Threat model and guarantees"):
     - DFLASH_DIST_STORE (the launcher sets it when every drafter is on this host): a FileStore in
       the private run dir, and gloo's and NCCL's own sockets on loopback: no port off loopback;

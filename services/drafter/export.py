@@ -122,7 +122,7 @@ def serve_commands(out: Path, m: DrafterModelConfig, target: str | None) -> dict
         serve["note"] = (
             "a Domino drafter: its correction head runs where the engine supports Domino (SGLang's DFlash "
             "worker reads dflash_config.projector_type); an engine that does not drafts with the backbone alone, "
-            "at lower acceptance (docs/operations.md, Domino)"
+            "at lower acceptance (docs/guide/drafter.md, Domino)"
         )
     return serve
 

@@ -12,7 +12,7 @@ stay as they are. The frozen lm_head's two GEMMs in the loss run in FP8 too (ser
 `Fp8Head`), with the same tensorwise scales.
 
 FP8 matmuls need a GPU with FP8 tensor cores (compute capability 8.9: Ada, Hopper and newer)
-and the `fp8` extra (torchao). docs/operations.md ("Drafter precision") says when to use it.
+and the `fp8` extra (torchao). docs/guide/drafter.md ("Drafter precision") says when to use it.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Real acceptance during training, verified by the target workers (docs/operations.md, "Real
+"""Real acceptance during training, verified by the target workers (docs/guide/acceptance.md, "Real
 acceptance during training"): drafter rank 0 proposes, the targets verify; no drafter loads the target.
 
     settings = RemoteEvalSettings.from_config(cfg, at)  # at: a Placement (services/run/placement.py)

@@ -1,4 +1,4 @@
-"""How a worker process ends: the same exit codes in every role (docs/operations.md, "Logs and exit codes").
+"""How a worker process ends: the same exit codes in every role (docs/guide/failures.md, "Logs and exit codes").
 
     0  finished: a drafter's plan is done; a target stopped by a signal (it has no end of its own)
     1  crashed: anything unexpected; the traceback is in the log, its last line names the error

@@ -1,4 +1,4 @@
-"""One log format for every worker process, and its parser (docs/operations.md, "Logs and exit codes").
+"""One log format for every worker process, and its parser (docs/guide/failures.md, "Logs and exit codes").
 
 Every line starts with the time (UTC, milliseconds) and who wrote it (role-rank):
 

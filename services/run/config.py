@@ -102,13 +102,13 @@ class TargetConfig:
         factory=list, batch="capture"
     )  # empty = the default spread (docs/dflash.md); ascending, no repeats
     dtype: str = setting("bfloat16", batch="")
-    quantize: str = setting("none", batch="")  # "fp8": decoder linears in FP8 (docs/operations.md#fp8-targets)
+    quantize: str = setting("none", batch="")  # "fp8": decoder linears in FP8 (docs/guide/targets.md#fp8-targets)
     fp8_decode_gemm: str = setting("few-token", batch="")  # an FP8 target's decoding steps: "scaled" | "few-token"
     attn_implementation: str = setting("sdpa", batch="")
     compile: str = setting("auto", batch="")  # "auto" (on CUDA) | "on" | "off": regional torch.compile of the layers
     labels_from_target: bool = setting(
         True, batch="capture"
-    )  # labels = target argmax, not data tokens (docs/operations.md#which-labels)
+    )  # labels = target argmax, not data tokens (docs/guide/data.md#which-labels)
 
 
 @dataclass
@@ -171,7 +171,7 @@ class KernelsConfig:
     attention: str = setting("auto", batch="")  # "auto" | "flex" | "dense"; auto = flex on cuda, dense on cpu
     compile: bool = setting(True, batch="")
     loss_chunk: int = setting(2048, batch="")  # query rows per lm_head/CE chunk
-    precision: str = setting("bf16", batch="")  # "bf16" | "fp8": the drafter linears' matmuls (docs/operations.md)
+    precision: str = setting("bf16", batch="")  # "bf16" | "fp8": the drafter linears' matmuls (docs/guide/drafter.md)
 
 
 @dataclass

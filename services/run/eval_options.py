@@ -93,7 +93,7 @@ EVAL_OPTIONS = [
         dict(
             choices=ROLLBACKS,
             default=ROLLBACKS[0],
-            help="how a hybrid target's Gated DeltaNet state drops rejected drafts (docs/operations.md)",
+            help="how a hybrid target's Gated DeltaNet state drops rejected drafts (docs/guide/acceptance.md)",
         ),
     ),
     *PROMPT_OPTIONS,

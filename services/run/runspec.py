@@ -5,7 +5,7 @@ the launcher uses it).
     spec.save(run_dir)                        # `launcher up`, before any worker starts: <run_dir>/runspec.json
     spec = runspec.for_worker(cfg, run_dir)   # a worker: runspec.json when there is one, else resolve(cfg)
 
-A spec holds (docs/operations.md, "The run spec"):
+A spec holds (docs/guide/running.md, "The run spec"):
   - target: the layers the target captures (services/run/layers.py's rule), its width H, vocabulary,
     depth, and hidden_width = K·H (services/run/shapes.py CaptureShape);
   - drafter: the drafter model's shape (shapes.DrafterModelConfig): the target's widths, drafter.*

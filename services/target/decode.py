@@ -18,7 +18,7 @@ State after commit(n) equals the state after feeding exactly the committed token
     tail and the fp32 recurrent state live in this session (hybrid.DecodeState). `rollback` picks
     how a rejected suffix is undone: "per-token" (default) keeps the state after each block token,
     "refeed" re-runs the delta rule over the committed prefix from the state before the block.
-    docs/operations.md says which is faster where, measured by bench/verify_step.py.
+    docs/guide/acceptance.md says which is faster where, measured by bench/verify_step.py.
 Other layer kinds with recurrent state are refused with their name: no silent wrong rollback.
 """
 

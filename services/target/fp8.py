@@ -24,7 +24,7 @@ the tokens to 128 and is no faster than bf16 there), in one of two modes:
                computes differently from one of few, and the lossless rule compares a greedy
                reference and the verification of the same tokens at a few ulps.
 The quantized mode is the service's where the kernel runs: target.fp8_decode_gemm = "few-token", the
-default since a GPU run of `launcher eval` checked it both ways (docs/operations.md#fp8-targets).
+default since a GPU run of `launcher eval` checked it both ways (docs/guide/targets.md#fp8-targets).
 
 The checkpoint layout (Qwen3-*-FP8, Qwen3.6-27B-FP8, DeepSeek-V3): config.json has
 "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",

@@ -20,7 +20,7 @@ token count, and on Hopper multiplies the two FP8 tiles on the tensor cores as t
 exact in fp32 either way; no conversion of W in registers), which reads the weights faster: 8.0
 against 13.7 ms for the 27B's 496 GEMMs at 16 tokens (docs/benchmarks.md). FP8Linear takes the
 kernel only after fp8.few_token_steps(model, mode): benchmarks call it, and the target loader in the
-quantized mode when target.fp8_decode_gemm = "few-token", the default (docs/operations.md#fp8-targets).
+quantized mode when target.fp8_decode_gemm = "few-token", the default (docs/guide/targets.md#fp8-targets).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 A DFlash drafter is trained to predict the target. Its labels are the data's tokens by default;
 when the target would not have written those replies, the drafter learns text the target never
-produces. Three ways to line the labels up with the target (docs/operations.md#which-labels):
+produces. Three ways to line the labels up with the target (docs/guide/data.md#which-labels):
   - data labels (target.labels_from_target=false): right when the data *is* the target's output;
   - target labels (target.labels_from_target=true): the target's teacher-forced argmax on the data,
     computed during capture; no extra pass, but the context is still the data's text;
@@ -29,7 +29,7 @@ i, i+N, ...) and interleaves the shards back into the input order. Lines that ar
 (pre-tokenized) are copied unchanged. Output lines are OpenAI-style {"messages": [...]}.
 --samples K: after that pass, K more of the lines with text to regenerate, each reply sampled at
 --sample-temperature (pass k of shard i from seed SAMPLE_SEED * k + i), to OUT.sample1..K: more
-varied replies per prompt for the drafter to learn from (docs/operations.md).
+varied replies per prompt for the drafter to learn from (docs/guide/data.md).
 
 Stdout is JSON lines: {"event": "stage", "stage": WHAT} as the shard starts reading, loading and
 decoding, {"event": "progress", "done": D, "total": T, "tokens": N} (assistant turns done, tokens

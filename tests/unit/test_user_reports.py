@@ -101,8 +101,8 @@ def test_status_and_report_point_to_a_glossary_that_exists():
     from launcher.status import STATUS_LEGEND
     from tests.unit.test_docs import anchors
 
-    assert "glossary" in anchors(REPO / "docs" / "operations.md")
-    glossary = (REPO / "docs" / "operations.md").read_text().split("### Glossary", 1)[1].split("\n## ", 1)[0]
+    assert "glossary" in anchors(REPO / "docs" / "guide" / "monitoring.md")
+    glossary = (REPO / "docs" / "guide" / "monitoring.md").read_text().split("## Glossary", 1)[1].split("\n## ", 1)[0]
     for word in (
         "τ",
         "cov",
@@ -116,5 +116,5 @@ def test_status_and_report_point_to_a_glossary_that_exists():
     ):
         assert word in glossary, word
     status_help = build_parser()._subparsers._group_actions[0].choices["status"].format_help()
-    assert "docs/operations.md#glossary" in status_help and "docs/operations.md#glossary" in STATUS_LEGEND
-    assert "docs/operations.md#glossary" in (REPO / "launcher" / "report.py").read_text()
+    assert "docs/guide/monitoring.md#glossary" in status_help and "docs/guide/monitoring.md#glossary" in STATUS_LEGEND
+    assert "docs/guide/monitoring.md#glossary" in (REPO / "launcher" / "report.py").read_text()
