@@ -144,7 +144,9 @@ def train_drafter(tmp, *extra):
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    return train_drafter(tmp_path_factory.mktemp("export"))
+    """A plain DFlash drafter: the layout of z-lab's released drafters (a Domino export adds its head's
+    fields and tensors: tests/unit/test_domino.py, and the demos export one)."""
+    return train_drafter(tmp_path_factory.mktemp("export"), 'drafter.objective="dflash"')
 
 
 @pytest.fixture(scope="module")
