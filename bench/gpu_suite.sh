@@ -65,6 +65,12 @@ SMOLOBJ=(--work /tmp/smolobj --gguf /tmp/m/g.gguf --site-packages --max-train 32
   "${OBJ[@]}" --out /tmp/bg/smolobj.json)
 GEMMAOBJ=(--work /tmp/gemmaobj --corpus code --gguf /tmp/m/gemma.gguf --max-chars 160000000 "${OBJ[@]}"
   --out /tmp/bg/gemmaobj.json)
+# Gemma 3 270M base with the defaults (Domino) alone on the GPU to 32 M tokens, real acceptance by the clock on
+# (eval.every_s's default: every 300 s on CUDA) on the code-heldout prompts; gemma32corpus builds its corpus
+# first (CPU only, beside another part), gemma32 (+wait) trains, evaluates at 8 and 32 M tokens (with the speedup)
+GEMMA32=(--work /tmp/gemma32 --corpus code --gguf /tmp/m/gemma.gguf --max-chars 160000000 --tokens 8M,32M
+  --pack-len 8192 --eval-max-new-tokens 128 --out /tmp/bg/gemma32.json eval.num_prompts=16
+  'eval.prompts=["/tmp/gemma32/corpus/code-heldout.jsonl"]')
 REAL138K=(--work /tmp/real138k --gguf /tmp/m/g.gguf --site-packages --max-train 0 --regen-max-new-tokens 256
   --tokens 8M,32M,100M --pack-len 8192 --eval-max-new-tokens 128 --out /tmp/bg/real138k.json ${REAL_OVERRIDES:-})
 for part in "$@"; do case $part in
@@ -134,14 +140,19 @@ for part in "$@"; do case $part in
   smolobjwait) bgwait smolobj "${BGWAIT:-560}" ;;
   gemmaobj)   (cd /tmp/code && PYTHONPATH=/tmp/site:/tmp/code bg gemmaobj python3 bench/real_model.py "${GEMMAOBJ[@]}") ;;
   gemmaobjwait) bgwait gemmaobj "${BGWAIT:-560}" ;;
+  gemma32corpus) (cd /tmp/code && PYTHONPATH=/tmp/site:/tmp/code bg gemma32corpus python3 bench/real_model.py \
+                  "${GEMMA32[@]}" --phases corpus) ;;
+  gemma32)    (cd /tmp/code && PYTHONPATH=/tmp/site:/tmp/code bg gemma32 python3 bench/real_model.py "${GEMMA32[@]}") ;;
+  gemma32wait) bgwait gemma32 "${BGWAIT:-560}" ;;
   speedups)   for m in smolobj gemmaobj; do  # both objectives' 32 M-token drafters, the GPU to themselves
                 w=/tmp/$m; sets=$(ls $w/corpus/humaneval.jsonl $w/corpus/*-heldout.jsonl | sed 's/^/--prompts=/')
                 run "speedup_$m" 400 python3 -m launcher eval --run-dir $w/runs/main --json --no-controls \
                     --speedup-prompts 16 --max-new-tokens 128 $sets \
                     --checkpoint $w/runs/main/checkpoints/step-00003904 --checkpoint $w/runs/domino/checkpoints/step-00003904
               done ;;
-  results)    tar czf "$OUT/results.tgz" /tmp/bg/*.json* /tmp/*obj/eval/*.json /tmp/*obj/phases.json /tmp/*obj/corpus/corpus.json \
-                  /tmp/*obj/runs/*.log /tmp/*obj/runs/*/metrics.jsonl 2>/dev/null; ls -la "$OUT" ;;
+  results)    tar czf "$OUT/results.tgz" /tmp/bg/*.json* /tmp/bg/*.log /tmp/{*obj,gemma32}/eval/*.json /tmp/{*obj,gemma32}/phases.json \
+                  /tmp/{*obj,gemma32}/corpus/corpus.json /tmp/{*obj,gemma32}/runs/*.log /tmp/{*obj,gemma32}/runs/*/metrics.jsonl \
+                  /tmp/{*obj,gemma32}/runs/*/logs/drafter-0.log 2>/dev/null; ls -la "$OUT" ;;
   tokenize)   run tokenize_speed 400 python3 bench/tokenize_speed.py --lines 80000 --tokenizer /tmp/m --gguf g.gguf ;;
   *) echo "unknown part $part" ;;
 esac; done

@@ -686,17 +686,17 @@ def phase_eval(a, work: Path) -> None:
         outputs.append(records)
     done = min(len(records) for records in outputs)  # the checkpoints every shard finished: kept
     for k, job in enumerate(todo[:done]):
-        sets = {
-            name: pool(
-                [
-                    figures
-                    for records in outputs
-                    for shard, figures in records[k]["sets"].items()
-                    if shard.split(".")[0] == name
-                ]
-            )
-            for name in a.sets
-        }
+        sets = {}
+        for name in a.sets:
+            parts = [
+                figures
+                for records in outputs
+                for shard, figures in records[k]["sets"].items()
+                if shard.split(".")[0] == name
+            ]
+            sets[name] = pool(parts)
+            if len(parts) == 1 and "speedup" in parts[0]:  # batch-1 timings do not pool across shards
+                sets[name]["speedup"] = parts[0]["speedup"]
         write_json_atomic(
             job["out"], {"run": job["run"], "step": job["step"], "tokens": job["tokens"], "result": {"sets": sets}}
         )
@@ -704,7 +704,8 @@ def phase_eval(a, work: Path) -> None:
             f"eval: {job['run']} step {job['step']} ({human(job['tokens'])} tokens): "
             + ", ".join(
                 f"{s} {cell(sets[s], 'acceptance_per_prompt')} (repeat-last "
-                f"{cell(sets[s].get('repeat_last'), 'acceptance_per_prompt')})"
+                f"{cell(sets[s].get('repeat_last'), 'acceptance_per_prompt')}; speedup "
+                f"{cell(sets[s].get('speedup'), 'speedup')})"
                 for s in a.sets
             )
         )
