@@ -1,9 +1,10 @@
 """When drafter rank 0 measures real acceptance by the clock (eval.every_s), and what that costs.
 
 A pass is due every `every_s` seconds of training (start to start), and each is cut at
-budget_s = min(eval.budget_s, COST_SHARE * every_s): at 300 s, 15 s, so passes that keep to it cost
-at most 5 % of every interval. A pass can still run over (the budget is checked between sessions of
-rows, and the first pass also sets up: the tokenizer, the prompts, their plain greedy references), so
+budget_s = min(eval.budget_s, COST_SHARE * every_s): at 300 s, 15 s, so passes cost at most 5 % of
+every interval. Such a pass decodes no plain greedy references and its rows end where they are when
+the budget is spent (remote_eval.py, references=False), so it keeps to the budget within one step.
+As a guard (the first pass also sets up: the tokenizer, the prompts, the drafter's decoding path),
 a pass is also due only when the seconds spent in real acceptance, with one more pass as long as the
 last, stay within COST_SHARE of the training time: a slow pass delays the next one instead of adding
 up. The first pass's time is no guess for the next (its set-up is done once).

@@ -78,11 +78,13 @@ ROWS_TOKENS = 1 << 16  # prompt tokens of one open-rows request (8 bytes each: u
 
 
 @torch.no_grad()
-def decode_rows(client, target: int, session: int, prompts, propose, *, max_new_tokens, stop_ids, device, tick=None):
+def decode_rows(
+    client, target: int, session: int, prompts, propose, *, max_new_tokens, stop_ids, device, tick=None, end_early=None
+):
     """speculative_generate (propose None: greedy_reference) for all `prompts` at once on one session of
     rows on `target`: a round trip a step for all of them, each step one target forward. The target
     commits each row's accepted drafts + 1 itself; the same rule here (Decoded.accept) must agree.
-    tick(new tokens) after each step."""
+    tick(new tokens) after each step; end_early() true after a step ends every row where it is."""
     stop, began, features = set(stop_ids), time.perf_counter(), propose is not None
     reply = client.open_rows(target, session, prompts, features)
     outs, contexts, at = [], [], 0
@@ -111,6 +113,8 @@ def decode_rows(client, target: int, session: int, prompts, propose, *, max_new_
         active = still
         if tick:
             tick(new)
+        if end_early and end_early():
+            break
     seconds = (time.perf_counter() - began) / len(prompts)  # the batch's wall time, shared out
     for out in outs:
         out.seconds = seconds
@@ -253,11 +257,11 @@ class RemoteSpecEval(SpecEval):
             self._refs[index] = ref
         return self._refs[index]
 
-    def _rows(self, indices: list[int], propose, tick, past_budget) -> dict[int, Decoded]:
+    def _rows(self, indices: list[int], propose, tick, past_budget, end_early=None) -> dict[int, Decoded]:
         """Prompts `indices` decoded on sessions of rows, each target its own prompts (index mod T),
-        in batches (batches()) until past_budget(); what was decoded, by index. A batch whose session
-        is lost is decoded once more, then skipped; a target that refuses rows (it cannot run them)
-        turns this process to prompt-by-prompt sessions (self.rows False)."""
+        in batches (batches()) until past_budget(); what was decoded, by index (end_early: decode_rows').
+        A batch whose session is lost is decoded once more, then skipped; a target that refuses rows (it
+        cannot run them) turns this process to prompt-by-prompt sessions (self.rows False)."""
         done: dict[int, Decoded] = {}
 
         def stepped(tokens: int) -> None:
@@ -275,7 +279,9 @@ class RemoteSpecEval(SpecEval):
                     try:
                         prompts = [self.prompts[i] for i in batch]
                         limits = dict(max_new_tokens=self.max_new_tokens, stop_ids=self.stop_ids, device=self.device)
-                        outs = decode_rows(self.client, target, session, prompts, propose, **limits, tick=stepped)
+                        outs = decode_rows(
+                            self.client, target, session, prompts, propose, **limits, tick=stepped, end_early=end_early
+                        )
                         done.update(zip(batch, outs))
                         break
                     except TargetUnavailable as exc:
@@ -290,10 +296,14 @@ class RemoteSpecEval(SpecEval):
                         self.client.close_session(target, session)
         return done
 
-    def run(self, propose, budget_s: float = 0.0, tick=None, indices: list[int] | None = None) -> dict:
+    def run(
+        self, propose, budget_s: float = 0.0, tick=None, indices: list[int] | None = None, references: bool = True
+    ) -> dict:
         """Prompts in order (those of `indices`, else all) until done or past budget_s (0: no limit);
         the figures of those decoded, and their `indices` (a skipped prompt is not among them).
-        On rows (_rows): the references first, once per prompt, then `propose`, many prompts a step."""
+        On rows (_rows): the references first, once per prompt, then `propose`, many prompts a step.
+        references False (the clock's passes): no lossless check, and the rows end where they are
+        when the budget is spent, so a pass keeps to it within one step (cadence.py)."""
         start, results, refs, decoded = time.perf_counter(), [], [], []
         self.down, self.skipped = set(), 0
         todo = list(range(len(self.prompts)) if indices is None else indices)
@@ -301,17 +311,18 @@ class RemoteSpecEval(SpecEval):
         def past_budget() -> bool:
             return budget_s > 0 and time.perf_counter() - start > budget_s
 
-        if self.rows:
+        if self.rows and references:
             missing = [i for i in todo if i not in self._refs]
             self.progress.phase("greedy references", len(missing) * self.max_new_tokens)
             self._refs.update(self._rows(missing, None, tick, past_budget))
         self.progress.phase(getattr(propose, "label", "drafter"), len(todo) * self.max_new_tokens)
         if self.rows:
-            outs = self._rows([i for i in todo if i in self._refs], propose, tick, past_budget)
+            ready = [i for i in todo if i in self._refs or not references]
+            outs = self._rows(ready, propose, tick, past_budget, end_early=None if references else past_budget)
             for index in todo:
                 if index in outs:
                     results.append(outs[index])
-                    refs.append(self._refs[index])
+                    refs.append(self._refs.get(index))
                     decoded.append(index)
             if self.rows:  # else refused midway: the rest prompt by prompt, below
                 self.skipped, todo = len(todo) - len(decoded), []
@@ -323,17 +334,15 @@ class RemoteSpecEval(SpecEval):
             if tick:
                 tick()
             prompt = self.prompts[index]
-            ref = self._reference(index)
-            out = (
-                None
-                if ref is None
-                else self._attempt(
-                    index,
-                    lambda v, prompt=prompt: speculative_generate(
-                        v, propose, prompt, max_new_tokens=self.max_new_tokens, stop_ids=self.stop_ids
-                    ),
-                    features=True,
-                )
+            ref = self._reference(index) if references else None
+            if references and ref is None:
+                continue
+            out = self._attempt(
+                index,
+                lambda v, prompt=prompt: speculative_generate(
+                    v, propose, prompt, max_new_tokens=self.max_new_tokens, stop_ids=self.stop_ids
+                ),
+                features=True,
             )
             if out is not None:
                 self.progress.add(len(out.tokens))  # a log line every 10 s while it lasts
@@ -342,7 +351,7 @@ class RemoteSpecEval(SpecEval):
                 decoded.append(index)
         seconds = time.perf_counter() - start
         return {
-            **summarize_sets(results, refs, [self.names[i] for i in decoded], seconds),
+            **summarize_sets(results, refs if references else None, [self.names[i] for i in decoded], seconds),
             "skipped": self.skipped,
             "indices": decoded,
             "seconds_per_prompt": round(seconds / max(1, len(results)), 3),

@@ -26,9 +26,11 @@ class SpecEval:
     def head(self, model_cfg: DrafterModelConfig) -> TargetHead:
         raise NotImplementedError
 
-    def run(self, propose, budget_s: float = 0.0, tick=None, indices: list[int] | None = None) -> dict:
+    def run(
+        self, propose, budget_s: float = 0.0, tick=None, indices: list[int] | None = None, references: bool = True
+    ) -> dict:
         """Prompts in order (those of `indices`, else all) until done or past budget_s (0: no limit);
-        the figures of those decoded, and their `indices`."""
+        the figures of those decoded, and their `indices`; references False: no lossless check."""
         raise NotImplementedError
 
     def proposer(self, weights: dict | None, model_cfg: DrafterModelConfig) -> DrafterProposer:
@@ -49,10 +51,12 @@ class SpecEval:
         budget_s: float = 0.0,
         seed: int = 0,
         tick=None,
+        references: bool = True,
     ) -> dict:
         """The drafter's figures; with controls also those of repeat-last and a random drafter, on
-        exactly the prompts the drafter decoded (not the first n: a skipped prompt is no control's)."""
-        result = self.run(self.proposer(weights, model_cfg), budget_s, tick)
+        exactly the prompts the drafter decoded (not the first n: a skipped prompt is no control's).
+        references False: acceptance only, no lossless check against plain greedy decoding."""
+        result = self.run(self.proposer(weights, model_cfg), budget_s, tick, references=references)
         if controls:
             # the controls depend on the drafter's shape and the prompts only: several checkpoints
             # evaluated here (`launcher eval --checkpoint A --checkpoint B`) decode them once

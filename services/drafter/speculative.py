@@ -219,15 +219,15 @@ def summarize(results: list[Decoded], references: list[Decoded] | None = None, s
 
 
 def summarize_sets(
-    results: list[Decoded], references: list[Decoded], names: list[str], seconds: float | None = None
+    results: list[Decoded], references: list[Decoded] | None, names: list[str], seconds: float | None = None
 ) -> dict:
-    """summarize() over all the prompts, and under "sets" per prompt set (names[i]: the set of results[i])."""
+    """summarize() over all the prompts, and under "sets" per prompt set (names[i]: the set of results[i]);
+    references None: no lossless figures."""
+
+    def of(name: str, items: list | None) -> list | None:
+        return None if items is None else [x for x, n in zip(items, names) if n == name]
+
     return {
         **summarize(results, references, seconds),
-        "sets": {
-            name: summarize(
-                [r for r, n in zip(results, names) if n == name], [f for f, n in zip(references, names) if n == name]
-            )
-            for name in dict.fromkeys(names)
-        },
+        "sets": {name: summarize(of(name, results), of(name, references)) for name in dict.fromkeys(names)},
     }

@@ -156,9 +156,14 @@ class LocalSpecEval(SpecEval):
                 self.batch = max(1, auto_batch(self.target, self.device, self.capacity))
         return TargetHead(embed.detach(), lm_head.detach())
 
-    def run(self, propose, budget_s: float = 0.0, tick=None, indices: list[int] | None = None) -> dict:
+    def run(
+        self, propose, budget_s: float = 0.0, tick=None, indices: list[int] | None = None, references: bool = True
+    ) -> dict:
         """Prompts in order (those of `indices`, else all) until done or past budget_s (0: no limit);
-        the figures of those decoded, and their `indices`."""
+        the figures of those decoded, and their `indices`. `launcher eval` always checks lossless:
+        references False is for the training's passes (remote_eval.py) and is refused here."""
+        if not references:
+            raise ValueError("LocalSpecEval checks every decoding against plain greedy (references=True)")
         start = time.perf_counter()
         if indices is None:  # references inside the budget too: the first evaluation computes them
             count = 0
