@@ -325,16 +325,28 @@ def check_resume_config(run_dir: Path, cfg: Config, model: dict | None) -> None:
         )
 
 
-def resumed_line(drafter_log: Path) -> str:
-    """What drafter rank 0 resumed from, read from its log since its last start (the `resumed` event)."""
+def resumed_from(drafter_log: Path) -> dict | None:
+    """What drafter rank 0 resumed from, read from its log since its last start (the `resumed` event):
+    {"step", "checkpoint", "skipped": newer checkpoints that failed verification, each with why}
+    (run.json's `resumed`); {"step": 0, ...} when there was none to resume; None if the log is unread."""
     try:
         text = drafter_log.read_text(errors="replace")
     except OSError:
-        return ""
+        return None
     found = events(text[text.rfind("\n===== ") :], "resumed")
     if not found:
+        return {"step": 0, "checkpoint": None, "skipped": []}
+    return {"step": found[-1]["step"], "checkpoint": found[-1]["checkpoint"], "skipped": found[-1].get("skipped") or []}
+
+
+def resumed_line(drafter_log: Path) -> str:
+    """The console's line of resumed_from."""
+    found = resumed_from(drafter_log)
+    if found is None:
+        return ""
+    if found["checkpoint"] is None:
         return f"no checkpoint in {drafter_log.parent.parent / 'checkpoints'}: training starts at step 0"
-    line = f"resumed from step {found[-1]['step']} ({found[-1]['checkpoint']})"
-    if skipped := found[-1].get("skipped"):  # newer checkpoints that failed verification, and why
+    line = f"resumed from step {found['step']} ({found['checkpoint']})"
+    if skipped := found["skipped"]:  # newer checkpoints that failed verification, and why
         line += f"; skipped {len(skipped)} newer corrupt checkpoint(s): {'; '.join(skipped)}"
     return line

@@ -120,6 +120,7 @@ class Supervisor(ElasticDrafters):
         self.trained: set[str] = set()  # drafters seen in state "training" (they have steps to save)
         self.stopping = self.forced = False
         self.stop_reason = ""  # why the drafters stopped early (run.json's reason)
+        self.resumed: dict | None = None  # `up --resume`: what drafter 0 resumed from (run.json's `resumed`)
         self.stop_requests = StopRequests()
         self.last_exit: dict[str, dict] = {}  # each worker's last exit: code, cause, time
         self.progress = ProgressLine()
@@ -229,6 +230,7 @@ class Supervisor(ElasticDrafters):
             "dist_port": None if self.local_group else self.dist_port,
             "elastic": self.agent_status() if self.elastic else None,
             "restarts": self.restarts,
+            "resumed": self.resumed,
             "outcome": self.outcome or {"state": "running"},
             "workers": [
                 dict(

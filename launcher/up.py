@@ -20,6 +20,7 @@ from launcher.preflight import (
     max_steps_warning,
     preflight,
     resume_config_path,
+    resumed_from,
     resumed_line,
     staged,
 )
@@ -161,6 +162,8 @@ def when_ready(sup: Supervisor, run_dir: Path, named_here: bool, resume: bool):
         first = next((w for w in sup.local if w.role == "drafter" and w.rank == 0), None)
         if resume and first is not None and (line := resumed_line(sup.log(first))):
             print(line, flush=True)
+            sup.resumed = resumed_from(sup.log(first))  # run.json's `resumed`: the step, and what was skipped and why
+            sup.write_run_json()
 
     return ready
 

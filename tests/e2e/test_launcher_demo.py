@@ -271,6 +271,8 @@ def test_status_down_and_resume(tmp_path):
     again = subprocess.run(resume, capture_output=True, text=True, timeout=600)
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-2000:]
     assert f"resumed from step {int(saved.name.split('-')[1])} ({saved})" in again.stdout, again.stdout[-3000:]
+    resumed = json.loads((run_dir / "run.json").read_text())["resumed"]  # recorded beside the outcome too
+    assert resumed == {"step": int(saved.name.split("-")[1]), "checkpoint": str(saved), "skipped": []}, resumed
     steps = [m["step"] for m in metrics(run_dir)]
     assert steps == sorted(steps) and steps[-1] > stopped_at  # the curve continues, no step twice
     assert_exactly_once(run_dir)

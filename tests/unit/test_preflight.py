@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from launcher.gpu_split import describe, plan_gpus
-from launcher.preflight import PreflightError, preflight, resumed_line
+from launcher.preflight import PreflightError, preflight, resumed_from, resumed_line
 from launcher.regen_record import record_path, write_record
 from launcher.report import describe_spec
 from services.run.config import load_config
@@ -294,6 +294,7 @@ def test_a_resume_past_a_corrupt_checkpoint_says_which_and_why_on_the_console(tm
     log.parent.mkdir()
     log.write_text("\n===== 2026-01-01 00:00:00 start: drafter\n" + LineFormat("drafter-0").format(record) + "\n")
     assert resumed_line(log) == f"resumed from step 5 ({found.path}); skipped 1 newer corrupt checkpoint(s): {why}"
+    assert resumed_from(log) == {"step": 5, "checkpoint": str(found.path), "skipped": [why]}  # run.json's `resumed`
 
 
 def test_real_acceptance_on_training_prompts_says_so():
