@@ -24,7 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 from bench.shapes import QWEN3, text_config  # noqa: E402
 from bench.timing import sync  # noqa: E402
-from services.drafter.speculative import greedy_reference  # noqa: E402
+from services.drafter.acceptance.speculative import greedy_reference  # noqa: E402
 from services.eval.batched_decode import PackedVerifier, decode_many  # noqa: E402
 from services.eval.verifier import LocalVerifier  # noqa: E402
 from services.run import layers as layer_rule  # noqa: E402

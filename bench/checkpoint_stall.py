@@ -4,7 +4,7 @@
     python bench/checkpoint_stall.py --hidden 256 --intermediate 512 --heads 4 --kv-heads 2 --head-dim 64 \\
         --vocab 4096 --device cpu                                                # CPU smoke test
 
-Builds the real TrainState (services.drafter.train) at the drafter shape for a Qwen3.6-27B target
+Builds the real TrainState (services.drafter.training.train) at the drafter shape for a Qwen3.6-27B target
 (width 5120, intermediate 17408, 24/4 heads x 256, 5 layers, vocab 248320: 1.84 B trainable
 parameters, fp32 master weights + AdamW moments, about 22 GB), trains two steps so the optimizer
 has its state, then takes checkpoints with checkpoint_writer.BackgroundWriter as the worker does:
@@ -50,12 +50,12 @@ def main() -> None:
 
     import torch
 
-    from services.drafter import checkpoint as ckpt
-    from services.drafter.checkpoint_writer import BackgroundWriter
-    from services.drafter.core import DrafterCore
-    from services.drafter.synthetic import SyntheticSource
-    from services.drafter.target_head import TargetHead
-    from services.drafter.train import train_step
+    from services.drafter.checkpoints import checkpoint as ckpt
+    from services.drafter.checkpoints.checkpoint_writer import BackgroundWriter
+    from services.drafter.modeling.target_head import TargetHead
+    from services.drafter.training.core import DrafterCore
+    from services.drafter.training.synthetic import SyntheticSource
+    from services.drafter.training.train import train_step
     from services.run.config import load_config
     from services.run.runspec import drafter_shape
 

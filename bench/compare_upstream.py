@@ -1,6 +1,6 @@
 """The project's greedy DFlash loop against z-lab's reference loop, on the same export, target and prompts.
 
-`launcher eval` measures real acceptance with this project's own loop (services/drafter/speculative.py).
+`launcher eval` measures real acceptance with this project's own loop (services/drafter/acceptance/speculative.py).
 This script checks those figures against z-lab's `dflash_generate` (dflash/model.py of
 https://github.com/z-lab/dflash), which loads the export with its own `DFlashDraftModel` (config.json +
 model.safetensors) and drafts with a KV cache on the drafter side. Both loops run greedy on the
@@ -37,7 +37,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python bench/compare_upstream.py` from a checkout
 
-from services.drafter.speculative import Decoded, speculative_generate, summarize  # noqa: E402
+from services.drafter.acceptance.speculative import Decoded, speculative_generate, summarize  # noqa: E402
 from services.eval.launcher_eval import load_weights  # noqa: E402
 from services.eval.local_spec_eval import LocalSpecEval  # noqa: E402
 

@@ -1,6 +1,6 @@
 """Cold-cache compile of flex_attention by N workers: threads of one process vs OS processes.
 
-Each worker builds the DFlash block mask (services.drafter.attention), compiles flex_attention in
+Each worker builds the DFlash block mask (services.drafter.modeling.attention), compiles flex_attention in
 its own way (threads share one process's dynamo state; processes each have their own) and runs
 forward+backward a few times. Every trial runs in a fresh subprocess with a fresh, empty
 TORCHINDUCTOR_CACHE_DIR and TRITON_CACHE_DIR, under a timeout: a trial that does not finish in
@@ -34,7 +34,7 @@ def worker(idx: int, heads: int, head_dim: int, context: int, anchors: int, bloc
     """Compile flex_attention with the DFlash mask and run fwd+bwd `iters` times; returns seconds."""
     import torch
 
-    from services.drafter.attention import FlexAttention, anchor_context_starts
+    from services.drafter.modeling.attention import FlexAttention, anchor_context_starts
 
     start = time.perf_counter()
     device = "cuda"

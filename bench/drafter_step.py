@@ -1,6 +1,6 @@
 """Drafter train-step benchmark: step time, trained tokens/s, peak memory, MFU, time breakdown.
 
-Runs the real training step (services.drafter.train.train_step: anchors, block mask, compiled
+Runs the real training step (services.drafter.training.train.train_step: anchors, block mask, compiled
 layers with flex attention, chunked loss, AdamW) on synthetic batches at fixed shapes, one GPU,
 no DDP. MFU = useful model FLOPs per second (model.model_flops) / the GPU's datasheet dense bf16
 peak (bench/timing.py; 989.4 TFLOP/s on an H200), whatever the precision, so runs compare; the bf16
@@ -8,7 +8,7 @@ matmul rate measured in the same run is printed beside it.
 
 --precision bf16,fp8 runs each shape once per kernels.precision, side by side in one process, and
 prints the ratio of each to the first; --objective dflash,domino does the same for drafter.objective
-(Domino's correction head at SpecForge's default size, rank 256 and GRU 1024: services/drafter/domino.py).
+(Domino's correction head at SpecForge's default size, rank 256 and GRU 1024: services/drafter/modeling/domino.py).
 
     python bench/drafter_step.py                                   # (a) recipe and (b) large
     python bench/drafter_step.py --shape recipe --steps 20 --out $OUT/drafter_step.json
@@ -197,14 +197,14 @@ def attended_pairs(inputs, block_size: int, window: int | None = None) -> int:
 def bench_shape(name, shape, args, peak_tflops, layout="full", precision="bf16", objective="dflash"):
     import torch
 
-    from services.drafter import precision as drafter_precision
-    from services.drafter.anchors import anchor_generator, build_inputs
-    from services.drafter.core import DrafterCore
-    from services.drafter.model import model_flops
-    from services.drafter.synthetic import SyntheticSource
-    from services.drafter.target_head import TargetHead
-    from services.drafter.train import train_step
-    from services.drafter.warmup import warmup
+    from services.drafter.modeling import precision as drafter_precision
+    from services.drafter.modeling.anchors import anchor_generator, build_inputs
+    from services.drafter.modeling.model import model_flops
+    from services.drafter.modeling.target_head import TargetHead
+    from services.drafter.training.core import DrafterCore
+    from services.drafter.training.synthetic import SyntheticSource
+    from services.drafter.training.train import train_step
+    from services.drafter.training.warmup import warmup
     from services.process.compile_setup import RecompileWatch
     from services.run.config import load_config
     from services.run.runspec import drafter_shape
@@ -343,8 +343,8 @@ def breakdown(state, batch, inputs, step_s) -> dict:
     """Where a step's time goes, each part timed alone at the step's shapes (approximate)."""
     import torch
 
-    from services.drafter.anchors import anchor_generator, build_inputs
-    from services.drafter.loss import chunked_cross_entropy
+    from services.drafter.modeling.anchors import anchor_generator, build_inputs
+    from services.drafter.modeling.loss import chunked_cross_entropy
 
     s, cfg, device = state.settings, state.drafter.cfg, state.device
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -414,9 +414,9 @@ def main(argv=None):
 
     device = torch.device("cuda:0" if args.device == "cuda" else "cpu")
     if args.fp8_recipe:  # a benchmark knob: the product's recipe is precision.FP8_RECIPE
-        import services.drafter.precision
+        import services.drafter.modeling.precision
 
-        services.drafter.precision.FP8_RECIPE = args.fp8_recipe
+        services.drafter.modeling.precision.FP8_RECIPE = args.fp8_recipe
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("no CUDA device (use --device cpu for a smoke run)")
     peak = {"measured": matmul_peak_tflops(device), "datasheet": datasheet_tflops(device)}

@@ -30,9 +30,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 from bench.timing import sync  # noqa: E402
-from services.drafter.model import DrafterModelConfig  # noqa: E402
-from services.drafter.speculative import DrafterProposer, RepeatLast, eval_drafter, summarize  # noqa: E402
-from services.drafter.target_head import TargetHead  # noqa: E402
+from services.drafter.acceptance.speculative import DrafterProposer, RepeatLast, eval_drafter, summarize  # noqa: E402
+from services.drafter.modeling.model import DrafterModelConfig  # noqa: E402
+from services.drafter.modeling.target_head import TargetHead  # noqa: E402
 from services.eval.batched_decode import PackedVerifier, decode_many  # noqa: E402
 from services.run import layers as layer_rule  # noqa: E402
 from services.target.model import PACKED_SDPA, Target, _register_packed_sdpa  # noqa: E402

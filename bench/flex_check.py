@@ -38,7 +38,7 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
-from services.drafter.attention import DenseAttention, FlexAttention, anchor_context_starts  # noqa: E402
+from services.drafter.modeling.attention import DenseAttention, FlexAttention, anchor_context_starts  # noqa: E402
 from services.process.log import events  # noqa: E402
 
 RESULTS: list[dict] = []
@@ -127,10 +127,10 @@ def window_checks(device="cuda"):
 def model_check(hybrid=False):
     """Whole drafter: compiled layers + flex + autocast vs eager dense + autocast, same weights, same batch;
     hybrid: a sliding layer (window 300) before a full one."""
-    from services.drafter.core import DrafterCore
-    from services.drafter.synthetic import SYNTHETIC_MODEL, SyntheticSource
-    from services.drafter.target_head import TargetHead
-    from services.drafter.train import forward_loss
+    from services.drafter.modeling.target_head import TargetHead
+    from services.drafter.training.core import DrafterCore
+    from services.drafter.training.synthetic import SYNTHETIC_MODEL, SyntheticSource
+    from services.drafter.training.train import forward_loss
     from services.run.config import load_config
     from services.run.runspec import drafter_shape
 
@@ -170,7 +170,7 @@ def model_check(hybrid=False):
 
 
 def loss_check():
-    from services.drafter.loss import ChunkFns, chunked_cross_entropy
+    from services.drafter.modeling.loss import ChunkFns, chunked_cross_entropy
 
     torch.manual_seed(0)
     h = torch.randn(5000, 1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)

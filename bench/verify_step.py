@@ -282,15 +282,15 @@ class Oracle:
 
 def bench_lossless(args) -> dict:
     from services.decoding.lossless import describe_lossless
-    from services.drafter.model import DrafterModelConfig
-    from services.drafter.speculative import (
+    from services.drafter.acceptance.speculative import (
         DrafterProposer,
         eval_drafter,
         greedy_reference,
         speculative_generate,
         summarize,
     )
-    from services.drafter.target_head import TargetHead
+    from services.drafter.modeling.model import DrafterModelConfig
+    from services.drafter.modeling.target_head import TargetHead
     from services.eval.verifier import LocalVerifier
 
     device = args.device

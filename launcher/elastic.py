@@ -1,5 +1,5 @@
 """The launcher's side of a drafter group across hosts (docs/elastic.md): this host's drafters run
-under one torch elastic agent (services/drafter/agent.py), which starts them, gives them their
+under one torch elastic agent (services/drafter/group/agent.py), which starts them, gives them their
 ranks and restarts the whole group, on every host, when any rank fails. The Supervisor mixes this
 in; it keeps probing the drafters' health and ends the run when the agent ends.
 """
@@ -42,7 +42,7 @@ class ElasticDrafters:
     """Supervisor methods for the agent of this host's drafters (uses the Supervisor's state)."""
 
     def agent_argv(self, drafters: list[Worker]) -> list[str]:
-        """services/drafter/agent.py for this host's drafters, then the drafter worker's argv: the
+        """services/drafter/group/agent.py for this host's drafters, then the drafter worker's argv: the
         Supervisor's (launcher/worker_argv.py), without rank and world size, which the agent gives."""
         run = self.cfg.run
         spec = ",".join(f"{w.name}@{w.host}" for w in self.workers)
@@ -96,7 +96,7 @@ class ElasticDrafters:
         self.write_run_json()
 
     def agent_status(self) -> dict | None:
-        """What this host's agent last wrote (services/drafter/agent.py): state, restarts, reason."""
+        """What this host's agent last wrote (services/drafter/group/agent.py): state, restarts, reason."""
         try:
             return json.loads((self.run_dir / "elastic" / f"agent-{self.host}.json").read_text())
         except (OSError, ValueError):

@@ -142,7 +142,7 @@ def check_tokenizer(folder: Path, chat_data: str = "", key: str = "target.model_
 def check_weights(folder: Path) -> None:
     """The target folder has its weights, as the workers read them: model.safetensors, or
     model.safetensors.index.json naming files that are there (the drafter reads the target's head
-    from these, services/drafter/target_head.py). A folder of config and tokenizer files only (a
+    from these, services/drafter/modeling/target_head.py). A folder of config and tokenizer files only (a
     partial download) is named now, not by a traceback once the workers load it."""
     index = folder / "model.safetensors.index.json"
     if index.is_file():

@@ -1,6 +1,6 @@
 """`launcher report`: a PNG of loss and tau over steps, and a short summary, from <run_dir>/metrics.jsonl.
 
-Real acceptance (greedy speculative decoding with the target, services/drafter/speculative.py) is
+Real acceptance (greedy speculative decoding with the target, services/drafter/acceptance/speculative.py) is
 plotted on the τ axes, in the same unit (tokens per verify step): the lines training wrote
 (acceptance.jsonl) and the last `launcher eval` (spec_eval.jsonl). `launcher report --eval` runs
 `launcher eval` on the run's latest checkpoint first.

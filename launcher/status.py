@@ -112,7 +112,7 @@ def cmd_status(args) -> int:
 
 
 def elastic_agents(run_dir: Path) -> list[dict]:
-    """What each elastic agent of this run dir last wrote (services/drafter/agent.py): state, restarts."""
+    """What each elastic agent of this run dir last wrote (services/drafter/group/agent.py): state, restarts."""
     found = []
     for path in sorted((run_dir / "elastic").glob("agent-*.json")):
         try:

@@ -28,7 +28,7 @@ Across hosts every launcher supervises the workers of its own host. A host with 
 ends when every (remote) drafter has reported "stopped" or stayed unreachable for REMOTE_GONE_S:
 finished (0) when each drafter's last status had reached its last step, else stopped (3).
 A drafter group spread over several hosts runs under torch's elastic agent, one per drafter host
-(services/drafter/agent.py, docs/elastic.md): the agents restart the whole group, on every host,
+(services/drafter/group/agent.py, docs/elastic.md): the agents restart the whole group, on every host,
 when any rank fails; this launcher starts its host's agent, probes its drafters, kills a stalled or
 unresponsive one (the agents then restart the group) and ends the run when its agent ends.
 """

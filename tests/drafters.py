@@ -1,6 +1,6 @@
 """The drafter's model config in tests: from a config and a target's fields, as the run spec makes it."""
 
-from services.drafter.target_head import check_mask
+from services.drafter.modeling.target_head import check_mask
 from services.run import runspec, shapes
 
 

@@ -3,7 +3,12 @@ bench smoke tests compare against (the drafter's own dense backend is attention.
 
 import torch
 
-from services.drafter.attention import anchor_context_starts, check_documents_contiguous, check_window, visibility
+from services.drafter.modeling.attention import (
+    anchor_context_starts,
+    check_documents_contiguous,
+    check_window,
+    visibility,
+)
 
 
 def check_anchors(anchors: torch.Tensor, block_size: int, context_len: int, document_ids=None) -> None:

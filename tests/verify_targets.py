@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from services.drafter.remote_eval import RemoteEvalSettings, RemoteSpecEval
+from services.drafter.acceptance.remote_eval import RemoteEvalSettings, RemoteSpecEval
 from services.net.endpoints import endpoint
 from services.process.health import probe
 from services.run.config import load_config

@@ -4,7 +4,7 @@
     step = verifier.verify(block_ids)        # the block at the next positions, on the committed context
     verifier.commit(n)                       # keep the first n >= 1 tokens of the block; the rest rolled back
 
-served by the target workers (services/drafter/remote_eval.py RemoteVerifier) or by a target in this
+served by the target workers (services/drafter/acceptance/remote_eval.py RemoteVerifier) or by a target in this
 process (services/eval/verifier.py LocalVerifier, on services/target/decode.py's DecodeSession); the
 packed batched forward of services/eval/batched_decode.py returns Steps too.
 

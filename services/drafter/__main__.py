@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import sys
 
-from services.drafter import agent
+from services.drafter.group import agent
 from services.process import exits
 from services.process.compile_setup import setup_environment
 from services.process.worker_main import Role, workers_on_node
@@ -72,7 +72,7 @@ ROLE = Role(
 
 def main(argv=None) -> int:
     rank = defaults()["rank"]
-    if agent.worker_side(rank):  # started by services/drafter/agent.py: a restart of the group resumes
+    if agent.worker_side(rank):  # started by services/drafter/group/agent.py: a restart of the group resumes
         argv = [*(sys.argv[1:] if argv is None else argv), "--resume"]
     return agent.worker_exit(rank, worker_main(ROLE, argv))
 

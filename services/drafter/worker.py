@@ -25,14 +25,15 @@ from pathlib import Path
 
 import torch
 
-from services.drafter import checkpoint as ckpt
-from services.drafter import checkpoint_share, collectives
-from services.drafter.bookkeeping import Bookkeeping, BookSettings
-from services.drafter.core import DrafterCore
-from services.drafter.source import BatchSource, SourceSettings, eval_batches, train_batches
-from services.drafter.synthetic import SyntheticSource
-from services.drafter.target_head import model_and_head
-from services.drafter.train import parameter_fingerprint
+from services.drafter.books.bookkeeping import Bookkeeping, BookSettings
+from services.drafter.checkpoints import checkpoint as ckpt
+from services.drafter.checkpoints import checkpoint_share
+from services.drafter.group import collectives
+from services.drafter.modeling.target_head import model_and_head
+from services.drafter.training.core import DrafterCore
+from services.drafter.training.source import BatchSource, SourceSettings, eval_batches, train_batches
+from services.drafter.training.synthetic import SyntheticSource
+from services.drafter.training.train import parameter_fingerprint
 from services.process import lifecycle
 from services.process.compile_setup import RecompileWatch
 from services.process.files import cpu_share

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from services.decoding.acceptance_text import by_set, tables
-from services.drafter.model import DrafterModelConfig
+from services.drafter.modeling.model import DrafterModelConfig
 from services.run import eval_options
 from services.run.config import describe_prompts
 
@@ -93,8 +93,8 @@ def load_weights(path: str | Path) -> tuple[dict, DrafterModelConfig, str, dict]
             raise ValueError(f"{path / 'config.json'}: not a DFlash drafter config ({why})") from None
         what = f"export {path.resolve()}"
     else:
-        from services.drafter.checkpoint import CorruptCheckpoint, verify
-        from services.drafter.export import resolve_checkpoint
+        from services.drafter.checkpoints.checkpoint import CorruptCheckpoint, verify
+        from services.drafter.checkpoints.export import resolve_checkpoint
 
         ckpt = resolve_checkpoint(path)
         try:

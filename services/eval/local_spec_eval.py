@@ -1,11 +1,11 @@
-"""LocalSpecEval: the drafters' evaluation (services/drafter/spec_eval.py SpecEval) with the target in
+"""LocalSpecEval: the drafters' evaluation (services/drafter/acceptance/spec_eval.py SpecEval) with the target in
 this process: the target, its prompts (services/data/prompts.py) and their plain greedy outputs, made
 once; then any drafter is decoded on them.
 
 `batch` prompts decode together, one target forward per step: each on its own row of a KV cache
 (slots.py) for a target of attention layers, or packed without a cache (batched_decode.py) for one
 with recurrent layers; batch 1 decodes one prompt at a time on a KV cache
-(services/drafter/speculative.py), the references as the drafters. A Progress
+(services/drafter/acceptance/speculative.py), the references as the drafters. A Progress
 (services/decoding/decode_progress.py) prints a line every 10 s while it decodes.
 
 The target is loaded by services.target.model.load_target (the training capture's own loader,
@@ -22,10 +22,10 @@ import torch
 
 from services.data.prompts import interleave, prompt_sets, stop_token_ids
 from services.decoding.decode_step import ROLLBACKS, Decoded
-from services.drafter.model import DrafterModelConfig
-from services.drafter.spec_eval import SpecEval
-from services.drafter.speculative import greedy_reference, speculative_generate, summarize_sets
-from services.drafter.target_head import TargetHead
+from services.drafter.acceptance.spec_eval import SpecEval
+from services.drafter.acceptance.speculative import greedy_reference, speculative_generate, summarize_sets
+from services.drafter.modeling.model import DrafterModelConfig
+from services.drafter.modeling.target_head import TargetHead
 from services.eval.batched_decode import PackedVerifier, decode_many
 from services.eval.verifier import LocalVerifier
 from services.run import runspec

@@ -1,6 +1,6 @@
 """LocalVerifier: the Verifier of speculative decoding (services/decoding/decode_step.py) with the target in
 this process, through the training Target's own DecodeSession (services/target/decode.py); the
-verifier served by the target workers (services/drafter/remote_eval.py) has the same three calls.
+verifier served by the target workers (services/drafter/acceptance/remote_eval.py) has the same three calls.
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ so a key added to the config is covered by every check as soon as it is marked (
 tests/unit/test_runspec.py fails for a key with no mark):
   - the packed data's cache key (services/target/packing.py): "content" keys and "path" files;
   - the target/drafter handshake digest: "content", "capture", "range";
-  - the resume check of a checkpoint (services/drafter/checkpoint.py): "content", "path", "capture",
+  - the resume check of a checkpoint (services/drafter/checkpoints/checkpoint.py): "content", "path", "capture",
     "schedule".
 """
 

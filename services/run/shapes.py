@@ -39,7 +39,7 @@ class CaptureShape(CapturedWidth):
 
 @dataclass
 class DrafterModelConfig:
-    """The drafter's shape (services/drafter/model.py builds it): the target's widths, its own layers."""
+    """The drafter's shape (services/drafter/modeling/model.py builds it): the target's widths, its own layers."""
 
     hidden_size: int
     intermediate_size: int
@@ -60,7 +60,7 @@ class DrafterModelConfig:
     tie_word_embeddings: bool = False
     layer_types: list[str] = field(default_factory=list)  # per draft layer; empty = all full_attention
     sliding_window: int | None = None  # W of the sliding_attention layers
-    domino_emb_dim: int = 0  # Domino's correction head (services/drafter/domino.py): its low rank; 0 = none
+    domino_emb_dim: int = 0  # Domino's correction head (services/drafter/modeling/domino.py): its low rank; 0 = none
     domino_gru_dim: int = 0  # ... and its GRU's width
 
     def __post_init__(self):
@@ -89,8 +89,8 @@ class DrafterModelConfig:
         return dataclasses.asdict(self)
 
     def to_hf(self, dtype: str = "bfloat16") -> dict:
-        """config.json of an export: the released z-lab drafters' fields at this shape (services/drafter/export.py
-        says what each engine reads of it)."""
+        """config.json of an export: the released z-lab drafters' fields at this shape
+        (services/drafter/checkpoints/export.py says what each engine reads of it)."""
         dflash = {"mask_token_id": self.mask_token_id, "target_layer_ids": list(self.target_layer_ids)}
         if self.domino:  # the fields SGLang's Domino drafter reads; our blocks predict a+k at position k
             dflash.update(

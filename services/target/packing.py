@@ -29,7 +29,7 @@ Published digests: next to the cache, <key>.digests.safetensors holds the token 
 (services.data.batch.token_digest) of every row of both splits. A drafter checks each batch it is
 sent against the packed data where the cache is on its host, else against this file (copy it to
 a drafter host's <run_dir>/data-cache/): content that a process which took a target's socket
-over sent in its name is dropped (services/drafter/source.py).
+over sent in its name is dropped (services/drafter/training/source.py).
 
 Both files are read by services/data/packed_data.py (PackedData, PublishedDigests), shared with the drafter.
 """

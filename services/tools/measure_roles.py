@@ -87,11 +87,11 @@ def target_rate(cfg: Config, device: torch.device, seconds: float, work: Path) -
 def drafter_rate(cfg: Config, device: torch.device, seconds: float, mean_real_tokens: float) -> dict:
     import dataclasses
 
-    from services.drafter.core import DrafterCore
-    from services.drafter.synthetic import SyntheticSource
-    from services.drafter.target_head import from_target
-    from services.drafter.train import train_step
-    from services.drafter.warmup import warmup
+    from services.drafter.modeling.target_head import from_target
+    from services.drafter.training.core import DrafterCore
+    from services.drafter.training.synthetic import SyntheticSource
+    from services.drafter.training.train import train_step
+    from services.drafter.training.warmup import warmup
 
     model_cfg, head = from_target(runspec.resolve(cfg))
     state = DrafterCore.build(cfg, model_cfg, head, device, total_steps=1000).state

@@ -11,8 +11,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from services.drafter import checkpoint as ckpt
-from services.drafter.ledger import read_all
+from services.drafter.books.ledger import read_all
+from services.drafter.checkpoints import checkpoint as ckpt
 from services.process.log import events, parse_event
 from tests.launching import free_port, spawn_drafter
 

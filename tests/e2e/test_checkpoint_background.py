@@ -9,15 +9,15 @@ import sys
 import pytest
 import torch
 
-from services.drafter import checkpoint as ckpt
-from services.drafter.checkpoint_writer import BackgroundWriter
+from services.drafter.checkpoints import checkpoint as ckpt
+from services.drafter.checkpoints.checkpoint_writer import BackgroundWriter
 from tests.launching import REPO
 from tests.unit.test_checkpoint_files import _state, _write
 
 KILLED_WRITER = """
 import sys, time, torch
 from pathlib import Path
-from services.drafter.checkpoint_writer import BackgroundWriter
+from services.drafter.checkpoints.checkpoint_writer import BackgroundWriter
 from tests.unit.test_checkpoint_files import _state, _write
 root = Path(sys.argv[1])
 writer = BackgroundWriter(root, keep=3, device=torch.device("cpu"))

@@ -6,7 +6,7 @@ import resource
 
 import pytest
 
-from services.drafter import checkpoint as ckpt
+from services.drafter.checkpoints import checkpoint as ckpt
 from services.process.log import events
 from tests.e2e.test_checkpoint import latest, train_single
 

@@ -9,7 +9,7 @@ from collections import Counter
 
 import pytest
 
-from services.drafter.ledger import read_all
+from services.drafter.books.ledger import read_all
 from services.net.endpoints import endpoint
 from services.process.health import probe
 from services.process.log import events

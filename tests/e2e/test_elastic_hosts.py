@@ -17,7 +17,7 @@ import psutil
 import pytest
 import zmq
 
-from services.drafter.ledger import read_all
+from services.drafter.books.ledger import read_all
 from services.net.endpoints import endpoint
 from services.process.health import probe
 from services.run.config import load_config
@@ -208,7 +208,7 @@ def test_a_stop_on_one_drafter_host_stops_the_group_on_every_host_with_a_checkpo
     # (CURVE) and the drafter group's store (CURVE, on rank 0's host); no TCPStore (dist_port + 1);
     # gloo's own sockets, in the drafters
     ports = listeners(launchers)
-    store = [(a, p) for a, p, what in ports if "services.drafter.agent" in what]
+    store = [(a, p) for a, p, what in ports if "services.drafter.group.agent" in what]
     assert store == [(FIRST, dist_port(first))], ports
     assert not [x for x in ports if x[1] == dist_port(first) + 1], ports
     zmq_ports = [(a, p) for a, p, _ in ports if base_port(first) <= p < dist_port(first)]

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from services.drafter.ledger import read_all
+from services.drafter.books.ledger import read_all
 from services.process.log import events
 from tests.launching import PLUMBING, REPO, drafter_stuck, launcher_argv, wait_for
 

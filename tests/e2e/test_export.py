@@ -1,6 +1,6 @@
 """Export round trip: a drafter trained by a real process against a real (tiny, random) HF Qwen3
 target, exported with `launcher export`, loaded by a small loader written here from the format
-description only (config.json + model.safetensors, plain torch; services.drafter.model is not
+description only (config.json + model.safetensors, plain torch; services.drafter.modeling.model is not
 used by it), reproduces the drafter's logits through the target's embedding and lm_head."""
 
 import json
@@ -178,10 +178,10 @@ def mode(path):
 
 def drafter_and_inputs(run, target_dir, weights_dtype):
     """The drafter's own forward (services.drafter code) on a synthetic batch, and its inputs."""
-    from services.drafter.anchors import anchor_generator, build_inputs
-    from services.drafter.attention import DenseAttention
-    from services.drafter.model import DFlashDrafter, DrafterModelConfig
-    from services.drafter.synthetic import SyntheticSource
+    from services.drafter.modeling.anchors import anchor_generator, build_inputs
+    from services.drafter.modeling.attention import DenseAttention
+    from services.drafter.modeling.model import DFlashDrafter, DrafterModelConfig
+    from services.drafter.training.synthetic import SyntheticSource
 
     ckpt = run / "checkpoints" / "latest"
     model_cfg = DrafterModelConfig(**json.loads((ckpt / "state.json").read_text())["model"])
@@ -360,7 +360,7 @@ def test_a_checkpoint_listing_its_layers_out_of_order_is_not_exported(trained, t
     (written before that check) is refused by export rather than exported in an order it was not trained in."""
     import shutil
 
-    from services.drafter.export import ExportError, export_checkpoint
+    from services.drafter.checkpoints.export import ExportError, export_checkpoint
     from services.process.files import sha256_file
 
     ckpt = tmp_path / "checkpoints" / "step-00000001"

@@ -83,7 +83,7 @@ def impostor(run_dir: str, report: str, go: str) -> None:
 def test_a_same_uid_takeover_replaying_the_incarnation_trains_nothing_and_does_not_stall_the_eval():
     from services.data.batch import token_digest
     from services.data.packed_data import PackedData, RowOrder
-    from services.drafter.ledger import read_all
+    from services.drafter.books.ledger import read_all
     from services.run.config import load_config
 
     with tempfile.TemporaryDirectory(prefix="i25", dir="/tmp") as folder:  # short: ipc paths < 108 bytes

@@ -20,7 +20,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from services.drafter.ledger import read_all
+from services.drafter.books.ledger import read_all
 from services.process.files import sha256_file
 from tests.launching import PLUMBING, REPO, child_env, launcher_argv, run_launcher
 

@@ -11,7 +11,7 @@ from collections import Counter
 import pytest
 import zmq
 
-from services.drafter.ledger import read_all
+from services.drafter.books.ledger import read_all
 from services.net import wire
 from services.net.endpoints import endpoint
 from services.run.config import load_config

@@ -1,4 +1,4 @@
-"""Real acceptance by the clock (eval.every_s, services/drafter/cadence.py) in a real run: `launcher up
+"""Real acceptance by the clock (eval.every_s, services/drafter/books/cadence.py) in a real run: `launcher up
 --demo` on a small untrained demo, one target and two drafters on the CPU (rank 0 alone decodes; rank 1
 waits for it at the next step), a pass due every half second."""
 
@@ -7,7 +7,7 @@ import subprocess
 
 import pytest
 
-from services.drafter.cadence import COST_SHARE
+from services.drafter.books.cadence import COST_SHARE
 from services.process.log import events
 from tests.demo_cache import untrained_demo_cache
 from tests.launching import child_env, launcher_argv

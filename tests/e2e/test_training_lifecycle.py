@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from services.drafter.ledger import read_all
+from services.drafter.books.ledger import read_all
 from services.process.log import events
 from tests.launching import PLUMBING, REPO, drafter_stuck, launcher_argv, run_launcher, wait_for
 from tests.old_configs import before_the_split

@@ -116,7 +116,7 @@ def test_frozen_workers_are_restarted_alone_and_no_port_opens_off_loopback():
         assert_no_worker_left(run_dir)
 
         # provenance: every line names the target incarnation that served it and the ids' digest
-        from services.drafter.ledger import read_all
+        from services.drafter.books.ledger import read_all
 
         entries = [e for e in read_all(run_dir) if e["tokens"]]  # an empty batch past the end has none
         incarnations = {e["incarnation"].split("-")[0] for e in entries}

@@ -1,5 +1,5 @@
 """A real target worker process killed and restarted mid-eval (services/net/verify.py, target/verifying.py,
-drafter/remote_eval.py), on the demo's tiny dense Qwen3, random weights, fp32 on CPU: it costs a
+drafter/acceptance/remote_eval.py), on the demo's tiny dense Qwen3, random weights, fp32 on CPU: it costs a
 retried or skipped prompt, never a hang; the eval goes on with the new incarnation, losslessly.
 The verify scenarios that need no real process (lossless through the worker on dense and hybrid
 targets, hostile messages, controls, prompt sets): tests/unit/test_verify_inprocess.py.
@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from services.drafter.target_head import from_target
+from services.drafter.modeling.target_head import from_target
 from services.net.verify import SessionLost, TargetUnavailable, VerifyClient
 from services.run import runspec
 from tests.assets import random_demo

@@ -7,7 +7,7 @@ target forwards; the plain greedy outputs too; prompts that stop early leave the
 import pytest
 import torch
 
-from services.drafter.speculative import RepeatLast, greedy_reference, speculative_generate
+from services.drafter.acceptance.speculative import RepeatLast, greedy_reference, speculative_generate
 from services.eval.batched_decode import PackedVerifier, decode_many
 from services.eval.verifier import LocalVerifier
 from tests.tiny_targets import DENSE_LAYER_IDS, HYBRID_LAYER_IDS, VOCAB, prompt

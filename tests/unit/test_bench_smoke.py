@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from bench import drafter_step, flex_check
-from services.drafter.anchors import build_inputs
-from services.drafter.model import DrafterModelConfig
-from services.drafter.synthetic import SyntheticSource
+from services.drafter.modeling.anchors import build_inputs
+from services.drafter.modeling.model import DrafterModelConfig
+from services.drafter.training.synthetic import SyntheticSource
 from tests.masks import dense_block_mask
 
 

@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from services.drafter.bookkeeping import MetricsWindow
-from services.drafter.ledger import truncate_jsonl
+from services.drafter.books.bookkeeping import MetricsWindow
+from services.drafter.books.ledger import truncate_jsonl
 
 
 def _step(loss, tau, blocks, supervised=10, reachable=9, sampled=5, per_position=(1.0, 0.5)):
@@ -56,7 +56,7 @@ def test_truncate_keeps_the_lineage_up_to_a_step_and_drops_a_line_cut_by_a_crash
 
 
 def test_a_resume_on_fewer_drafters_cuts_the_ledger_of_the_ranks_it_no_longer_has(tmp_path):
-    from services.drafter.ledger import Ledger, read_all
+    from services.drafter.books.ledger import Ledger, read_all
 
     for rank in range(3):  # a launch on 3 drafters, 6 steps
         ledger = Ledger(tmp_path, rank)

@@ -1,4 +1,4 @@
-"""Real acceptance by the clock (services/drafter/cadence.py): when a pass is due, its budget, what it
+"""Real acceptance by the clock (services/drafter/books/cadence.py): when a pass is due, its budget, what it
 costs, and the words the launcher prints about it."""
 
 import random
@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from services.drafter.cadence import COST_SHARE, CUDA_EVERY_S, Cadence, every_s_for
+from services.drafter.books.cadence import COST_SHARE, CUDA_EVERY_S, Cadence, every_s_for
 
 
 def test_the_default_is_five_minutes_on_cuda_and_off_on_the_cpu():
@@ -90,7 +90,7 @@ def test_off_is_never_due_but_still_counts_the_passes_of_eval_every():
     ],
 )
 def test_without_held_out_prompts_the_clocks_passes_are_off_and_say_why(held_out, prompts, targets, every_s, off):
-    from services.drafter.bookkeeping import Bookkeeping
+    from services.drafter.books.bookkeeping import Bookkeeping
 
     said = []
     books = SimpleNamespace(

@@ -8,8 +8,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from services.drafter import checkpoint as ckpt
-from services.drafter.checkpoint_writer import BackgroundWriter
+from services.drafter.checkpoints import checkpoint as ckpt
+from services.drafter.checkpoints.checkpoint_writer import BackgroundWriter
 
 
 def write(root, step, keep=3, value=1.0):

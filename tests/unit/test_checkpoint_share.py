@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from services.drafter import checkpoint as ckpt
+from services.drafter.checkpoints import checkpoint as ckpt
 from tests.launching import free_port
 
 pytestmark = pytest.mark.slow  # two processes importing torch
@@ -30,7 +30,7 @@ def write(run_dir, step: int) -> None:
 def rank_main(rank: int, folders: list[str], port: int, out: str) -> None:
     import torch.distributed as dist
 
-    from services.drafter.checkpoint_share import share
+    from services.drafter.checkpoints.checkpoint_share import share
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=len(folders))
     run_dir = folders[rank]

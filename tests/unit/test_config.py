@@ -108,7 +108,7 @@ def test_docs_describe_every_key_with_its_default():
 
 
 def test_layer_ids_must_ascend_in_the_config_and_in_drafter_overrides():
-    from services.drafter.synthetic import SYNTHETIC_MODEL
+    from services.drafter.training.synthetic import SYNTHETIC_MODEL
     from tests.drafters import build_model_config
 
     assert load_config(None, ["target.layer_ids=[0, 2, 5]"]).target.layer_ids == [0, 2, 5]

@@ -1,5 +1,5 @@
 """The two cores in one interpreter: the target's (services/target/core.py) answers requests with no
-socket, and a drafter's (services/drafter/core.py) trains on what a target core serves over real ZMQ
+socket, and a drafter's (services/drafter/training/core.py) trains on what a target core serves over real ZMQ
 (tests/inprocess.py: the target's real shell and core on a thread). And a batch-protocol scenario of
 the integrity checks: an `error` claimed for a batch that exists is dropped and asked again.
 The same protocol between real processes: tests/e2e/test_target_worker.py, test_drafter_zmq.py and
@@ -15,10 +15,10 @@ import torch
 
 from services.data.batch import token_digest
 from services.data.packed_data import PackedData, RowOrder
-from services.drafter.core import DrafterCore
-from services.drafter.source import SourceError, SourceSettings, ZmqSource
-from services.drafter.target_head import model_and_head
-from services.drafter.train import parameter_fingerprint
+from services.drafter.modeling.target_head import model_and_head
+from services.drafter.training.core import DrafterCore
+from services.drafter.training.source import SourceError, SourceSettings, ZmqSource
+from services.drafter.training.train import parameter_fingerprint
 from services.net.transport import BatchServer, Request
 from services.net.verify import VerifyRequest
 from services.run import runspec

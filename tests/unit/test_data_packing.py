@@ -293,7 +293,7 @@ def test_published_digests_name_every_batch_as_the_packed_data_does(tmp_path, da
     the cache where it has it, else against those digests, else says it cannot."""
     from services.data.batch import token_digest
     from services.data.packed_data import PublishedDigests, digests_path
-    from services.drafter.source import batch_content
+    from services.drafter.training.source import batch_content
 
     cfg = _cfg(data_file, "data.eval_fraction=0.1")
     data = open_or_build(Packing.from_config(cfg), tmp_path / "run", tokenizer, VOCAB, log=_quiet)

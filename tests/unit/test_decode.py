@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from services.decoding.decode_step import ROLLBACKS, rounding_tolerance
-from services.drafter.speculative import greedy_reference
+from services.drafter.acceptance.speculative import greedy_reference
 from services.eval.verifier import LocalVerifier
 from services.target.decode import DecodeSession
 from services.target.model import _sdpa_packed

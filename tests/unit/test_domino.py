@@ -1,4 +1,4 @@
-"""drafter.objective = "domino" (services/drafter/domino.py): the chunked loss and its gradients equal
+"""drafter.objective = "domino" (services/drafter/modeling/domino.py): the chunked loss and its gradients equal
 autograd of the formula; decoding's rollout drafts what training's teacher-forced head predicts for
 the same tokens; a Domino drafter trains, decodes losslessly on a real HF target (one prompt, packed
 and padded alike), and exports in the layout SGLang's Domino drafters have, read back by `launcher eval`."""
@@ -10,10 +10,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from services.drafter import domino
-from services.drafter.export import export_weights
-from services.drafter.speculative import greedy_reference, speculative_generate
-from services.drafter.train import WarmupCosine, train_step
+from services.drafter.acceptance.speculative import greedy_reference, speculative_generate
+from services.drafter.checkpoints.export import export_weights
+from services.drafter.modeling import domino
+from services.drafter.training.train import WarmupCosine, train_step
 from services.eval.launcher_eval import load_weights
 from services.eval.verifier import LocalVerifier
 from services.run.shapes import DrafterModelConfig
@@ -100,7 +100,7 @@ def test_decoding_drafts_what_the_teacher_forced_head_predicts_for_those_tokens(
         block_size=6,
         **HEAD,
     )
-    from services.drafter.model import DFlashDrafter
+    from services.drafter.modeling.model import DFlashDrafter
 
     torch.manual_seed(1)
     drafter = DFlashDrafter(shape)
@@ -208,8 +208,8 @@ def test_launcher_status_shows_the_backbone_alone_beside_the_corrected_tau():
 
 def test_fp8_converts_the_layers_and_leaves_the_head_in_bf16():
     pytest.importorskip("torchao")
-    from services.drafter.model import DFlashDrafter
-    from services.drafter.precision import apply_precision
+    from services.drafter.modeling.model import DFlashDrafter
+    from services.drafter.modeling.precision import apply_precision
 
     shape = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
     cfg = DrafterModelConfig(

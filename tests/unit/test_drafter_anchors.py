@@ -7,7 +7,13 @@ import pytest
 import torch
 
 from services.data.batch import Batch
-from services.drafter.anchors import build_inputs, loss_gamma, padded_anchor_count, sample_anchors, valid_anchor_mask
+from services.drafter.modeling.anchors import (
+    build_inputs,
+    loss_gamma,
+    padded_anchor_count,
+    sample_anchors,
+    valid_anchor_mask,
+)
 
 MASK = 99
 
@@ -144,7 +150,7 @@ def test_bad_inputs_are_named():
 
 
 def test_same_seed_and_g_give_the_same_anchors():
-    from services.drafter.anchors import anchor_generator
+    from services.drafter.modeling.anchors import anchor_generator
 
     batch = packed_batch([0] * 300, [1] * 300)
     runs = [

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch.nn.attention.flex_attention import create_block_mask
 
-from services.drafter.attention import (
+from services.drafter.modeling.attention import (
     DenseAttention,
     FlexAttention,
     anchor_context_starts,
@@ -203,9 +203,9 @@ def test_compiled_flex_forward_equals_dense_forward_on_cpu(compile_layers, layou
     called eagerly (its own compiled wrapper) or from inside compiled layers (captured by dynamo);
     all-full, and a sliding layer (window 20 < the context) before a full one. Flex has no backward
     on CPU: its gradients are checked on the GPU (bench/flex_check.py)."""
-    from services.drafter.anchors import build_inputs
-    from services.drafter.model import DFlashDrafter, DrafterModelConfig
-    from services.drafter.synthetic import SyntheticSource
+    from services.drafter.modeling.anchors import build_inputs
+    from services.drafter.modeling.model import DFlashDrafter, DrafterModelConfig
+    from services.drafter.training.synthetic import SyntheticSource
     from services.process.compile_setup import RecompileWatch
 
     torch.manual_seed(0)
@@ -265,9 +265,9 @@ def test_a_block_past_its_documents_end_sees_nothing_of_the_next_document():
     """Anchor 3 tokens before the end of document 0 with B = 8, document 1 supervised from its start:
     the block trains a+1..a+3 only, and its output does not change when everything of document 1
     (features and tokens) changes."""
-    from services.drafter.anchors import build_inputs
-    from services.drafter.model import DFlashDrafter, DrafterModelConfig
-    from services.drafter.synthetic import SyntheticSource
+    from services.drafter.modeling.anchors import build_inputs
+    from services.drafter.modeling.model import DFlashDrafter, DrafterModelConfig
+    from services.drafter.training.synthetic import SyntheticSource
 
     torch.manual_seed(0)
     cfg = DrafterModelConfig(

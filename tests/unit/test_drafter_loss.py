@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from services.drafter.loss import Fp8Head, acceptance_metrics, chunked_cross_entropy, dpace_weights
+from services.drafter.modeling.loss import Fp8Head, acceptance_metrics, chunked_cross_entropy, dpace_weights
 
 
 def naive_loss(hidden, lm_head, labels, weights):

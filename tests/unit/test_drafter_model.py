@@ -7,11 +7,11 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from services.drafter.anchors import build_inputs
-from services.drafter.attention import DenseAttention
-from services.drafter.model import DFlashDrafter, DrafterModelConfig
-from services.drafter.synthetic import SyntheticSource
-from services.drafter.target_head import from_target, resolve_mask_token_id
+from services.drafter.modeling.anchors import build_inputs
+from services.drafter.modeling.attention import DenseAttention
+from services.drafter.modeling.model import DFlashDrafter, DrafterModelConfig
+from services.drafter.modeling.target_head import from_target, resolve_mask_token_id
+from services.drafter.training.synthetic import SyntheticSource
 from services.run import runspec
 from services.run.config import ConfigError, load_config
 from services.run.layers import default_layer_ids
@@ -291,7 +291,7 @@ def test_drafter_forward_matches_a_per_block_hf_reference(layer_types, window):
 
 
 def test_synthetic_model_config_and_overrides():
-    from services.drafter.synthetic import SYNTHETIC_MODEL
+    from services.drafter.training.synthetic import SYNTHETIC_MODEL
 
     cfg = load_config(None, ["drafter.overrides={hidden_size=48, num_hidden_layers=1}", "target.layer_ids=[2]"])
     m = build_model_config(cfg, SYNTHETIC_MODEL, mask_token_id=5)
@@ -302,7 +302,7 @@ def test_a_window_keeps_context_beyond_it_out():
     """One sliding layer, W = 5, B = 4: the block of anchor a sees context a-4 .. a-1 (its anchor row,
     at position a, counts itself in the window); changing the features of a-5 changes nothing,
     changing those of a-4 changes the block; with full attention a-5 is visible."""
-    from services.drafter.attention import anchor_context_starts
+    from services.drafter.modeling.attention import anchor_context_starts
 
     outputs = {}
     for kind, window in (("sliding_attention", 5), ("full_attention", None)):
@@ -371,7 +371,7 @@ def test_bad_attention_layouts_are_refused(layer_types, window, message):
 
 
 def test_layout_errors_name_the_config_key():
-    from services.drafter.synthetic import SYNTHETIC_MODEL
+    from services.drafter.training.synthetic import SYNTHETIC_MODEL
 
     with pytest.raises(ConfigError, match=r"drafter.layer_types\[0\] = 'swa': unknown layer type"):
         load_config(None, ["drafter.num_layers=2", 'drafter.layer_types=["swa", "full_attention"]'])

@@ -7,12 +7,12 @@ the conversion and the numerics; on CUDA the real FP8 GEMMs train side by side w
 import pytest
 import torch
 
-from services.drafter.core import DrafterCore
-from services.drafter.model import DFlashDrafter
-from services.drafter.precision import apply_precision
-from services.drafter.synthetic import SYNTHETIC_MODEL, SyntheticSource
-from services.drafter.target_head import TargetHead
-from services.drafter.train import train_step
+from services.drafter.modeling.model import DFlashDrafter
+from services.drafter.modeling.precision import apply_precision
+from services.drafter.modeling.target_head import TargetHead
+from services.drafter.training.core import DrafterCore
+from services.drafter.training.synthetic import SYNTHETIC_MODEL, SyntheticSource
+from services.drafter.training.train import train_step
 from services.run.config import ConfigError, load_config
 from tests.drafters import build_model_config
 
@@ -52,7 +52,7 @@ def test_fp8_keeps_every_parameter_and_name_and_stays_close_to_full_precision():
     assert swapped == backbone and len(backbone) == 1 + 7 * model_cfg.num_hidden_layers
     assert list(fp8.state_dict()) == list(plain.state_dict())  # checkpoints and the export are unchanged
 
-    from services.drafter.attention import make_attention
+    from services.drafter.modeling.attention import make_attention
 
     plain.attention = fp8.attention = make_attention("dense", torch.device("cpu"))
     source = SyntheticSource(model_cfg, 256, total_steps=1)

@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from services.data.batch import BatchError
-from services.drafter.core import DrafterCore
-from services.drafter.synthetic import SYNTHETIC_MODEL, SyntheticSource
-from services.drafter.target_head import TargetHead
-from services.drafter.train import WarmupCosine, parameter_fingerprint, train_step
-from services.drafter.warmup import warmup
+from services.drafter.modeling.target_head import TargetHead
+from services.drafter.training.core import DrafterCore
+from services.drafter.training.synthetic import SYNTHETIC_MODEL, SyntheticSource
+from services.drafter.training.train import WarmupCosine, parameter_fingerprint, train_step
+from services.drafter.training.warmup import warmup
 from services.run.config import load_config
 from tests.drafters import build_model_config
 
@@ -53,7 +53,7 @@ def test_loss_falls_and_tau_rises_on_synthetic_data():
 
 
 def test_dpace_position_weights_learn_too():
-    """drafter.position_weights = "dpace": the same step with D-PACE's weights (services/drafter/loss.py)
+    """drafter.position_weights = "dpace": the same step with D-PACE's weights (services/drafter/modeling/loss.py)
     learns the synthetic data as the decay does; a bad value is named."""
     state, source = make(
         'drafter.objective="dflash"', 'drafter.position_weights="dpace"', "drafter.dpace_alpha=0.5", steps=24
@@ -150,7 +150,7 @@ def test_warmup_cosine_schedule():
 
 
 def test_the_lr_follows_the_batches_trained_so_a_resume_on_another_split_continues_the_curve():
-    from services.drafter.train import make_scheduler
+    from services.drafter.training.train import make_scheduler
     from services.run.schedule import make_plan
 
     curve = lambda plan: make_scheduler(
@@ -204,8 +204,8 @@ def test_a_non_finite_batch_is_skipped_named_and_never_reaches_the_weights(devic
 
 
 def test_non_finite_weights_are_never_written(tmp_path):
-    from services.drafter import checkpoint as ckpt
-    from services.drafter.export import ExportError, export_weights
+    from services.drafter.checkpoints import checkpoint as ckpt
+    from services.drafter.checkpoints.export import ExportError, export_weights
 
     state, _ = make(steps=1)
     weights = state.drafter.state_dict()

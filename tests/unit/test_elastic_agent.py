@@ -10,7 +10,7 @@ import pytest
 from launcher.supervisor import Supervisor
 from launcher.topology import host_overrides, parse_gpu_spec
 from launcher.units import UnitsError, render_units
-from services.drafter.agent import check_ranks, parse
+from services.drafter.group.agent import check_ranks, parse
 from services.run.config import load_config
 
 SPEC = "0:target@10.0.0.1,0-1:drafter@10.0.0.10,0-1:drafter@10.0.0.2"
@@ -70,7 +70,7 @@ def run_agent(tmp_path, worker_code: str, ranks="0,1", world_size=2, max_restart
     from tests.launching import REPO, child_env, free_port
 
     argv = [
-        sys.executable, "-m", "services.drafter.agent", "--run-dir", str(tmp_path), "--host", "127.0.0.1",
+        sys.executable, "-m", "services.drafter.group.agent", "--run-dir", str(tmp_path), "--host", "127.0.0.1",
         "--hosts", "127.0.0.1", "--ranks", ranks, "--world-size", str(world_size), "--port", str(free_port()),
         "--run-id", "t", "--max-restarts", str(max_restarts), "--rendezvous-timeout", "60", "--stop-timeout", "10",
         "--", sys.executable, "-c", worker_code,
@@ -84,7 +84,7 @@ def run_agent(tmp_path, worker_code: str, ranks="0,1", world_size=2, max_restart
 @pytest.mark.processes  # a real agent starts its workers three times
 def test_a_real_agent_gives_the_spec_ranks_and_stops_restarting_on_a_config_error(tmp_path):
     record = (  # the drafter's side first: its output to logs/drafter-<RANK>.log
-        "import os, json; from services.drafter.agent import worker_side; worker_side(int(os.environ['RANK'])); "
+        "import os, json; from services.drafter.group.agent import worker_side; worker_side(int(os.environ['RANK'])); "
         "print(json.dumps({k: os.environ[k] for k in ('RANK', 'WORLD_SIZE', 'DFLASH_AGENT_STORE')}), flush=True)"
     )
     code, status, _ = run_agent(tmp_path, record)
@@ -118,7 +118,8 @@ def test_a_real_agent_gives_the_spec_ranks_and_stops_restarting_on_a_config_erro
 @pytest.mark.processes
 def test_a_stop_is_exit_0_to_torch_and_3_from_the_agent(tmp_path):
     stop = (
-        "import os, sys; from services.drafter.agent import worker_exit as e; sys.exit(e(int(os.environ['RANK']), 3))"
+        "import os, sys; from services.drafter.group.agent import worker_exit as e; "
+        "sys.exit(e(int(os.environ['RANK']), 3))"
     )
     code, status, err = run_agent(tmp_path, stop)
     assert code == 3 and status["state"] == "stopped" and status["restarts"] == 0, err
@@ -159,7 +160,7 @@ def test_a_host_that_comes_back_restarts_the_other_hosts_workers_without_a_stop(
     generate_keys(tmp_path / "keys")
     port, hosts = free_port("127.0.0.2"), ["127.0.0.2", "127.0.0.3"]
     worker = (  # records each start and any SIGTERM, then waits to be stopped
-        "import os, signal, sys, time; from pathlib import Path; from services.drafter.agent import worker_side; "
+        "import os, signal, sys, time; from pathlib import Path; from services.drafter.group.agent import worker_side; "
         "r = int(os.environ['RANK']); worker_side(r); d = Path(os.environ['DFLASH_AGENT_DIR']); "
         "signal.signal(signal.SIGTERM, lambda *a: ((d / f'sigterm-{r}').touch(), sys.exit(0))); "
         "(d / f'started-{os.environ[\"DFLASH_GROUP_START\"]}').touch(); time.sleep(120)"
@@ -169,7 +170,7 @@ def test_a_host_that_comes_back_restarts_the_other_hosts_workers_without_a_stop(
         run = tmp_path / hosts[i]
         (run / "logs").mkdir(parents=True, exist_ok=True)
         argv = [
-            sys.executable, "-m", "services.drafter.agent", "--run-dir", str(run), "--host", hosts[i],
+            sys.executable, "-m", "services.drafter.group.agent", "--run-dir", str(run), "--host", hosts[i],
             "--hosts", ",".join(hosts), "--ranks", str(i), "--world-size", "2", "--port", str(port), "--run-id", "t",
             "--keys-dir", str(tmp_path / "keys"), "--max-restarts", "1", "--rendezvous-timeout", "60",
             "--stop-timeout", "10", "--", sys.executable, "-c", worker,

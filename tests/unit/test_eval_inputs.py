@@ -7,8 +7,8 @@ import torch
 
 from launcher import commands
 from launcher.cli import main as launcher_main
-from services.drafter.export import export_weights
-from services.drafter.model import DFlashDrafter, DrafterModelConfig
+from services.drafter.checkpoints.export import export_weights
+from services.drafter.modeling.model import DFlashDrafter, DrafterModelConfig
 from services.eval import launcher_eval, local_spec_eval
 from services.process import torchao_gate
 from services.run.config import dump_json, load_config

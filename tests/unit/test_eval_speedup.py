@@ -14,9 +14,9 @@ import torch
 from launcher import commands
 from services.decoding import decode_progress
 from services.decoding.acceptance_text import SPEEDUP_NOTE, speedup_summary, tables
-from services.drafter.export import export_weights
-from services.drafter.speculative import eval_drafter
-from services.drafter.target_head import from_target
+from services.drafter.acceptance.speculative import eval_drafter
+from services.drafter.checkpoints.export import export_weights
+from services.drafter.modeling.target_head import from_target
 from services.eval import launcher_eval, speedup
 from services.process import torchao_gate
 from services.run import runspec

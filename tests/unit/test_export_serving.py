@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.drafter import export
-from services.drafter.checkpoint import make_meta, write_checkpoint
-from services.drafter.model import DFlashDrafter, DrafterModelConfig
+from services.drafter.checkpoints import export
+from services.drafter.checkpoints.checkpoint import make_meta, write_checkpoint
+from services.drafter.modeling.model import DFlashDrafter, DrafterModelConfig
 
 TINY = dict(
     hidden_size=32,
@@ -110,7 +110,7 @@ def test_export_prints_words_then_the_commands_export_json_keeps(tmp_path, capsy
 def test_checkpoints_this_version_does_not_read_are_refused_by_name(tmp_path, capsys):
     """A checkpoint whose model lists target_layer_ids out of order does not export (exit 2, the ids
     named); one whose state.json has no next_g does not resume (a config error naming next_g)."""
-    from services.drafter.checkpoint import find_resume_point
+    from services.drafter.checkpoints.checkpoint import find_resume_point
     from services.run.config import ConfigError, load_config
 
     cfg = DrafterModelConfig(**TINY)

@@ -73,7 +73,7 @@ def test_the_converted_folder_holds_the_gguf_weights_and_is_reused(tiny, tmp_pat
     tok = AutoTokenizer.from_pretrained(folder)
     assert tok.chat_template and tok.eos_token == "<|im_end|>"
 
-    from services.drafter.target_head import from_target
+    from services.drafter.modeling.target_head import from_target
     from services.run.config import ConfigError, load_config
 
     bad_mask = load_config(None, [f"target.model_path={folder}", "drafter.num_layers=1", "drafter.mask_token_id=448"])

@@ -1,4 +1,4 @@
-"""The drafter group's store (services/drafter/keystore.py) and the agents' rendezvous over it
+"""The drafter group's store (services/drafter/group/keystore.py) and the agents' rendezvous over it
 (rendezvous.py), attacked in process on loopback: real ZMQ sockets, real CURVE keys, a real gloo
 group. Each attack is a handful of messages with a timeout of about a second."""
 
@@ -14,8 +14,8 @@ import torch.distributed as dist
 import zmq
 from torch.distributed.elastic.rendezvous.api import RendezvousClosedError, RendezvousTimeoutError
 
-from services.drafter.keystore import MAX_VALUE, KeyStore, StoreGone, StoreServer
-from services.drafter.rendezvous import KeyedRendezvous, MembershipLoop
+from services.drafter.group.keystore import MAX_VALUE, KeyStore, StoreGone, StoreServer
+from services.drafter.group.rendezvous import KeyedRendezvous, MembershipLoop
 from services.net.curve import generate_keys
 
 

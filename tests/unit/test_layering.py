@@ -204,7 +204,7 @@ CORES = (
     "services/target/core.py",
     "services/target/replies.py",
     "services/target/verifying.py",
-    "services/drafter/core.py",
+    "services/drafter/training/core.py",
 )
 SHELL_ONLY = (
     "zmq",
@@ -214,7 +214,7 @@ SHELL_ONLY = (
     "services.process.worker_main",
     "services.net.transport.BatchServer",
     "services.net.batch_client",
-    "services.drafter.source",
+    "services.drafter.training.source",
 )
 
 

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from services.drafter.metrics import MetricsLog
+from services.drafter.books.metrics import MetricsLog
 from services.run.config import ConfigError, load_config
 
 TRAIN = {

@@ -91,8 +91,8 @@ def test_a_template_kwarg_the_chat_template_never_reads_is_warned_about(tmp_path
 def test_eval_names_the_step_and_digest_of_the_weights_it_read(tmp_path):
     """An export rewritten by a resume after eval read it: eval's header and record keep the step
     and the sha256 of the weights it measured, not just the path."""
-    from services.drafter.export import export_record, export_weights
-    from services.drafter.model import DFlashDrafter, DrafterModelConfig
+    from services.drafter.checkpoints.export import export_record, export_weights
+    from services.drafter.modeling.model import DFlashDrafter, DrafterModelConfig
     from services.eval.launcher_eval import load_weights
     from services.process.files import sha256_file
     from tests.unit.test_export_serving import TINY

@@ -271,8 +271,8 @@ def test_a_resume_past_a_corrupt_checkpoint_says_which_and_why_on_the_console(tm
     launcher's line names the one skipped and why (not only logs/drafter-0.log)."""
     import logging
 
-    from services.drafter.checkpoint import find_resume_point, make_meta, write_checkpoint
-    from services.drafter.model import DFlashDrafter, DrafterModelConfig
+    from services.drafter.checkpoints.checkpoint import find_resume_point, make_meta, write_checkpoint
+    from services.drafter.modeling.model import DFlashDrafter, DrafterModelConfig
     from services.process.log import EVENTS, LineFormat
     from tests.unit.test_export_serving import TINY
 
@@ -478,7 +478,7 @@ def test_units_write_absolute_paths(tmp_path, monkeypatch):
 @pytest.fixture
 def finished_run(tmp_path, model, data, monkeypatch):
     """A run as `up` leaves it once trained: config.json, runspec.json, data.json, run.json (finished)
-    and a checkpoint (its config.json and state.json, as services/drafter/checkpoint.py writes them)."""
+    and a checkpoint (its config.json and state.json, as services/drafter/checkpoints/checkpoint.py writes them)."""
     from launcher import runlock
     from services.run import runspec
 

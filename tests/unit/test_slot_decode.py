@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from services.drafter.attention import padded_mask, visibility
-from services.drafter.speculative import RepeatLast, greedy_reference, speculative_generate
+from services.drafter.acceptance.speculative import RepeatLast, greedy_reference, speculative_generate
+from services.drafter.modeling.attention import padded_mask, visibility
 from services.eval.verifier import LocalVerifier
 from services.target import slots as slots_module
 from services.target.model import PACKED_SDPA, Target, _register_packed_sdpa

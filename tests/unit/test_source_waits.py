@@ -1,7 +1,7 @@
-"""How long a drafter's request waits before it is asked again (services/drafter/source.py): the
+"""How long a drafter's request waits before it is asked again (services/drafter/training/source.py): the
 configured transport.resend_after_s, else derived from how long answers have taken."""
 
-from services.drafter.source import RESEND_MAX_S, RESEND_MIN_S, resend_wait
+from services.drafter.training.source import RESEND_MAX_S, RESEND_MIN_S, resend_wait
 
 
 def test_a_configured_wait_is_used_as_is():

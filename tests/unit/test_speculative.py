@@ -1,4 +1,4 @@
-"""The project's greedy DFlash decoding loop (services/drafter/speculative.py) through a LocalVerifier on
+"""The project's greedy DFlash decoding loop (services/drafter/acceptance/speculative.py) through a LocalVerifier on
 tiny real HF targets made on the spot, a dense Qwen3 and a Qwen3.5 Gated DeltaNet hybrid: lossless
 for any drafter (its output is the plain greedy output of the same target, one token per forward;
 on the dense one also HF generate's), mostly-rejected drafts included (the rollback case), and the
@@ -10,8 +10,7 @@ import torch
 
 from services.decoding.decode_step import ROLLBACKS
 from services.decoding.lossless import describe_lossless, first_difference
-from services.drafter.model import DrafterModelConfig
-from services.drafter.speculative import (
+from services.drafter.acceptance.speculative import (
     Decoded,
     DrafterProposer,
     RepeatLast,
@@ -20,7 +19,8 @@ from services.drafter.speculative import (
     speculative_generate,
     summarize,
 )
-from services.drafter.target_head import TargetHead
+from services.drafter.modeling.model import DrafterModelConfig
+from services.drafter.modeling.target_head import TargetHead
 from services.eval.verifier import LocalVerifier
 from tests.greedy import hf_greedy_generate
 from tests.tiny_targets import (
@@ -184,8 +184,8 @@ def test_a_sliding_window_drafter_drafts_as_it_was_trained(target, dense):
     full draft from other features. Decoding stays lossless."""
     import dataclasses
 
-    from services.drafter.attention import DenseAttention
-    from services.drafter.model import DFlashDrafter
+    from services.drafter.modeling.attention import DenseAttention
+    from services.drafter.modeling.model import DFlashDrafter
 
     cfg = DrafterModelConfig(
         hidden_size=64,
@@ -230,8 +230,8 @@ def test_a_sliding_window_drafter_drafts_as_it_was_trained(target, dense):
 
 def test_an_exported_sliding_window_drafter_loads_with_its_window(tmp_path):
     """`launcher eval --checkpoint EXPORT` reads the layout back: its windows, not all-full layers."""
-    from services.drafter.export import export_weights
-    from services.drafter.model import DFlashDrafter
+    from services.drafter.checkpoints.export import export_weights
+    from services.drafter.modeling.model import DFlashDrafter
     from services.eval.launcher_eval import load_weights
 
     cfg = DrafterModelConfig(

@@ -63,12 +63,12 @@ def test_a_cuda_out_of_memory_is_named_as_torch_names_it(tmp_path):
 
 @pytest.mark.processes
 def test_non_finite_data_exits_final_and_no_restart_is_tried(tmp_path):
-    """A NonFiniteError (services/drafter/bookkeeping.py) repeats on a restart: its own exit code,
+    """A NonFiniteError (services/drafter/books/bookkeeping.py) repeats on a restart: its own exit code,
     and the launcher's cause is fatal the first time, not after a second exit with the same line."""
     log = tmp_path / "drafter-0.log"
     code = crash(
         log,
-        "from services.drafter.bookkeeping import NonFiniteError; raise NonFiniteError("
+        "from services.drafter.books.bookkeeping import NonFiniteError; raise NonFiniteError("
         "'12 optimizer steps in a row skipped: non-finite hidden states of captured layer 2 from target-0')",
     )
     assert code == exits.FINAL == 4

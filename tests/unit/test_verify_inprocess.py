@@ -1,6 +1,6 @@
 """Real acceptance verified by a target worker served in this interpreter (tests/inprocess.py: its real
 shell and core on the endpoints its process would bind; services/net/verify.py, target/verifying.py,
-drafter/remote_eval.py), on a tiny dense Qwen3 and a tiny Qwen3.5 hybrid (Gated DeltaNet + full
+drafter/acceptance/remote_eval.py), on a tiny dense Qwen3 and a tiny Qwen3.5 hybrid (Gated DeltaNet + full
 attention), random weights, fp32 on CPU.
 
 Speculative decoding through the worker must equal plain greedy decoding (through the same worker)
@@ -20,7 +20,7 @@ import pytest
 import torch
 import zmq
 
-from services.drafter.target_head import from_target
+from services.drafter.modeling.target_head import from_target
 from services.eval.local_spec_eval import LocalSpecEval
 from services.net import wire
 from services.net.batch_client import BatchClient

@@ -109,7 +109,7 @@ def test_counting_models_in_the_process_survives_dead_weak_proxies():
     import gc
     import weakref
 
-    from services.drafter.remote_eval import models_in_process
+    from services.drafter.acceptance.remote_eval import models_in_process
 
     class Thing:
         pass
@@ -136,8 +136,8 @@ def test_the_drafters_evaluation_registers_no_pytree_class_after_its_worker_is_i
         "import sys, torch.utils._pytree as pytree\n"
         "import services.drafter.worker\n"
         "before = set(pytree.SUPPORTED_NODES)\n"
-        "from services.drafter.remote_eval import RemoteSpecEval, models_in_process\n"
-        "import services.drafter.spec_eval, services.drafter.speculative\n"
+        "from services.drafter.acceptance.remote_eval import RemoteSpecEval, models_in_process\n"
+        "import services.drafter.acceptance.spec_eval, services.drafter.acceptance.speculative\n"
         "print(models_in_process(), len(set(pytree.SUPPORTED_NODES) - before),\n"
         "      'transformers.modeling_utils' in sys.modules)\n"
     )

@@ -47,7 +47,7 @@ def as_bytes(frames) -> list[bytes]:
 
 def test_dtype_names_are_the_ones_docs_wire_md_lists():
     # one table (services/run/dtypes.py) gives the wire, target.dtype and export --dtype their names
-    from services.drafter import export
+    from services.drafter.checkpoints import export
     from services.run.config import TARGET_DTYPES
     from services.target import model
 

@@ -15,7 +15,7 @@ from launcher.supervisor import Supervisor
 from launcher.topology import host_overrides, parse_gpu_spec
 from launcher.units import ENV_SUBDIR, render_units
 from launcher.worker_argv import worker_argv
-from services.drafter.agent import parse
+from services.drafter.group.agent import parse
 from services.run.config import load_config
 
 LOCAL_SPEC = "0-1:target,2-5:drafter"  # 2 targets, 4 drafters on this host

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from services.drafter.model import DrafterModelConfig
+from services.drafter.modeling.model import DrafterModelConfig
 from services.run import runspec
 from services.run.config import ConfigError
 

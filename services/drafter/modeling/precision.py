@@ -8,7 +8,7 @@ nn.Linear of the drafter (fc and every projection of every layer) becomes a Floa
 parameters stay the same fp32 tensors under the same names, so AdamW, DDP, checkpoints and the
 export see nothing new, and a run may switch precision on resume. Only the three GEMMs of each
 linear (output, input grad, weight grad) run in FP8; norms, attention, the loss and the update
-stay as they are. The frozen lm_head's two GEMMs in the loss run in FP8 too (services/drafter/loss.py,
+stay as they are. The frozen lm_head's two GEMMs in the loss run in FP8 too (services/drafter/modeling/loss.py,
 `Fp8Head`), with the same tensorwise scales.
 
 FP8 matmuls need a GPU with FP8 tensor cores (compute capability 8.9: Ada, Hopper and newer)
@@ -22,7 +22,7 @@ import dataclasses
 import torch
 from torch import nn
 
-from services.drafter.loss import fp8_dims
+from services.drafter.modeling.loss import fp8_dims
 from services.process import torchao_gate
 
 FP8_RECIPE = "tensorwise"  # measured fastest (above); bench/drafter_step.py --fp8-recipe tries others

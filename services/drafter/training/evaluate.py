@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from services.drafter.collectives import all_reduce_sum
-from services.drafter.train import TrainState, check_batch, forward_loss
+from services.drafter.group.collectives import all_reduce_sum
+from services.drafter.training.train import TrainState, check_batch, forward_loss
 from services.process import lifecycle
 
 

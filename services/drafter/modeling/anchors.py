@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from services.data.batch import run_starts
-from services.drafter.attention import TILE, anchor_context_starts
+from services.drafter.modeling.attention import TILE, anchor_context_starts
 
 # γ for B = 16 when drafter.gamma = 0: 4 beat the released 7 by held-out real acceptance on a real
 # target (SmolLM2-135M-Instruct, 8M tokens: HumanEval 1.98 against 1.85 per prompt; docs/benchmarks.md)

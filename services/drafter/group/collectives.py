@@ -66,7 +66,7 @@ def join(dist_port: int, rank: int, world_size: int, device: torch.device, backe
     if store_path:
         store = dist.FileStore(store_path, world_size)
     elif agent_store := os.environ.get("DFLASH_AGENT_STORE"):
-        from services.drafter.keystore import KeyStore
+        from services.drafter.group.keystore import KeyStore
 
         client = KeyStore(agent_store, os.environ.get("DFLASH_AGENT_STORE_KEYS", ""), timeout_s=1800)
         store = dist.PrefixStore(os.environ["DFLASH_AGENT_STORE_PREFIX"], client)
@@ -85,7 +85,7 @@ def local_store(run_dir, rank: int):
     """The group's store when every rank is on this host: served by rank 0 on
     ipc://<run dir's socket folder>/drafter-store (a 0700 folder: the uid check), a client in every
     rank. A client sent before rank 0 binds is queued by ZeroMQ, hence the long first answer."""
-    from services.drafter.keystore import KeyStore, StoreServer
+    from services.drafter.group.keystore import KeyStore, StoreServer
     from services.net.endpoints import socket_dir
 
     folder = socket_dir(run_dir)

@@ -48,8 +48,8 @@ import torch
 
 from services.data.batch import FIELDS, Batch
 from services.data.packed_data import PackedData, PublishedDigests, RowOrder, digests_path
-from services.drafter.model import DrafterModelConfig
-from services.drafter.synthetic import SyntheticEval, SyntheticSource
+from services.drafter.modeling.model import DrafterModelConfig
+from services.drafter.training.synthetic import SyntheticEval, SyntheticSource
 from services.net import curve
 from services.net.batch_client import BatchClient
 from services.net.endpoints import endpoint

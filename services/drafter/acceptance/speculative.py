@@ -40,10 +40,10 @@ import torch.nn.functional as F
 
 from services.decoding.decode_step import Decoded
 from services.decoding.lossless import first_difference, lossless_figures
-from services.drafter import domino
-from services.drafter.attention import DenseAttention, padded_mask
-from services.drafter.model import DFlashDrafter, DrafterModelConfig
-from services.drafter.target_head import TargetHead
+from services.drafter.modeling import domino
+from services.drafter.modeling.attention import DenseAttention, padded_mask
+from services.drafter.modeling.model import DFlashDrafter, DrafterModelConfig
+from services.drafter.modeling.target_head import TargetHead
 
 
 def inference_attention(q, k, v, mask):

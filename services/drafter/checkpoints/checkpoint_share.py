@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from services.drafter import checkpoint as ckpt
+from services.drafter.checkpoints import checkpoint as ckpt
 from services.process.files import fsync_dir, point
 
 PIECE = 64 << 20  # bytes per broadcast: a checkpoint is never one tensor in memory

@@ -30,8 +30,8 @@ from pathlib import Path
 
 import torch
 
-from services.drafter.collectives import all_reduce_sum
-from services.drafter.ledger import truncate_jsonl
+from services.drafter.books.ledger import truncate_jsonl
+from services.drafter.group.collectives import all_reduce_sum
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -76,7 +76,7 @@ def reduce_train_metrics(m: dict, times: StepTimes, counters: dict, device: torc
         *[a * w for a in m["accuracy_per_position"]],
     ]
     positions = len(m["accuracy_per_position"])
-    if "base_tau" in m:  # a Domino drafter (services/drafter/domino.py)
+    if "base_tau" in m:  # a Domino drafter (services/drafter/modeling/domino.py)
         local.append(m["base_tau"] * w)
     s = all_reduce_sum(local, device)
     blocks, per_step = max(s[3], 1e-9), world_size * max(times.steps, 1)
@@ -135,7 +135,7 @@ class MetricsLog:
         if not enabled:
             return
         if wandb_project:  # first: a missing package stops the start before any file is touched
-            from services.drafter.wandb_log import WandbLog
+            from services.drafter.books.wandb_log import WandbLog
 
             self.wandb = WandbLog(run_dir, wandb_project, config or {})
         truncate_jsonl(self.path, resume_step)

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import torch
 
-from services.drafter.checkpoint import set_best_pointer, write_checkpoint
-from services.drafter.checkpoint_space import checkpoint_bytes, ensure_space
+from services.drafter.checkpoints.checkpoint import set_best_pointer, write_checkpoint
+from services.drafter.checkpoints.checkpoint_space import checkpoint_bytes, ensure_space
 
 
 class BackgroundWriter:

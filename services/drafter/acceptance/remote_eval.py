@@ -30,8 +30,8 @@ import torch
 from services.data.prompts import interleave, prompt_sets, stop_token_ids
 from services.decoding.decode_progress import Progress
 from services.decoding.decode_step import Decoded, Step
-from services.drafter.spec_eval import SpecEval
-from services.drafter.speculative import greedy_reference, speculative_generate, summarize_sets
+from services.drafter.acceptance.spec_eval import SpecEval
+from services.drafter.acceptance.speculative import greedy_reference, speculative_generate, summarize_sets
 from services.net.endpoints import endpoint
 from services.net.verify import SessionLost, TargetUnavailable, VerifyClient, VerifyError
 from services.process.health import Drops

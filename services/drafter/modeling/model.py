@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from services.drafter.domino import make_head
+from services.drafter.modeling.domino import make_head
 from services.run.config import FULL, SLIDING
 from services.run.shapes import DrafterModelConfig  # the drafter's shape, resolved by services/run/runspec.py
 

@@ -29,7 +29,7 @@ from torch.distributed.elastic.rendezvous.api import (
     RendezvousTimeoutError,
 )
 
-from services.drafter.keystore import KeyStore, StoreGone
+from services.drafter.group.keystore import KeyStore, StoreGone
 
 BEAT_S = 1.0  # each agent bumps its heartbeat counter this often
 EXPIRE_S = 10.0  # a waiting host whose counter has not moved for this long is not waiting

@@ -18,15 +18,15 @@ import torch
 from torch import nn
 
 from services.data.batch import Batch
-from services.drafter import domino
-from services.drafter.attention import make_attention
-from services.drafter.evaluate import evaluate
-from services.drafter.loss import ChunkFns, Fp8Head
-from services.drafter.model import DFlashDrafter
-from services.drafter.precision import apply_precision
-from services.drafter.target_head import TargetHead
-from services.drafter.train import StepSettings, TrainState, check_batch, make_scheduler, train_step
-from services.drafter.warmup import warmup
+from services.drafter.modeling import domino
+from services.drafter.modeling.attention import make_attention
+from services.drafter.modeling.loss import ChunkFns, Fp8Head
+from services.drafter.modeling.model import DFlashDrafter
+from services.drafter.modeling.precision import apply_precision
+from services.drafter.modeling.target_head import TargetHead
+from services.drafter.training.evaluate import evaluate
+from services.drafter.training.train import StepSettings, TrainState, check_batch, make_scheduler, train_step
+from services.drafter.training.warmup import warmup
 from services.run.config import Config
 
 

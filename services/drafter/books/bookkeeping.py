@@ -16,19 +16,18 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from services.drafter import checkpoint as ckpt
-from services.drafter.cadence import Cadence, every_s_for
-from services.drafter.checkpoint_space import checkpoint_bytes, space_warning
-from services.drafter.checkpoint_writer import BackgroundWriter
-from services.drafter.collectives import gather_rng_states
-from services.drafter.evaluate import evaluate
-from services.drafter.ledger import Ledger, truncate_jsonl
-from services.drafter.metrics import MetricsLog, StepTimes, reduce_train_metrics
-
 # imported with the worker, before it compiles: an import at the first evaluation registered a class
 # with torch's pytree, which fails a guard of every compiled graph (flex attention recompiled)
-from services.drafter.remote_eval import RemoteEvalSettings, RemoteSpecEval, models_in_process
-from services.drafter.train import TrainState
+from services.drafter.acceptance.remote_eval import RemoteEvalSettings, RemoteSpecEval, models_in_process
+from services.drafter.books.cadence import Cadence, every_s_for
+from services.drafter.books.ledger import Ledger, truncate_jsonl
+from services.drafter.books.metrics import MetricsLog, StepTimes, reduce_train_metrics
+from services.drafter.checkpoints import checkpoint as ckpt
+from services.drafter.checkpoints.checkpoint_space import checkpoint_bytes, space_warning
+from services.drafter.checkpoints.checkpoint_writer import BackgroundWriter
+from services.drafter.group.collectives import gather_rng_states
+from services.drafter.training.evaluate import evaluate
+from services.drafter.training.train import TrainState
 from services.process import exits
 from services.process.health import HealthServer
 from services.process.log import event
@@ -445,7 +444,7 @@ class Bookkeeping:
         if self.rank == 0:
             self.report_checkpoint(self.writer.wait())  # the run ends with its checkpoint on disk
         if completed and self.settings.export_at_end and self.rank == 0:
-            from services.drafter.export import export_weights, num_speculative_tokens
+            from services.drafter.checkpoints.export import export_weights, num_speculative_tokens
 
             try:
                 record = self.final_export_record()
@@ -492,7 +491,7 @@ class Bookkeeping:
     def final_export_record(self) -> dict:
         """export.json of the export at the end: the last step's weights, and whether that step is
         also the best one (its held-out τ is the best so far; never when the run did not evaluate)."""
-        from services.drafter.export import export_record
+        from services.drafter.checkpoints.export import export_record
 
         step = self.state.step
         best, latest = ckpt.pointer(self.root, ckpt.BEST), ckpt.pointer(self.root, ckpt.LATEST)

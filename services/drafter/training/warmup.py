@@ -16,7 +16,7 @@ def warmup(state, batch, repeats: int = 2) -> float:
     pass proves the graphs are reused), leaving parameters and optimizer untouched. Returns seconds."""
     import torch
 
-    from services.drafter.train import train_step
+    from services.drafter.training.train import train_step
 
     start = time.perf_counter()
     for _ in range(repeats):

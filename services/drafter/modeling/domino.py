@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from services.drafter.loss import normalized, row_ce, softmax_minus_onehot
+from services.drafter.modeling.loss import normalized, row_ce, softmax_minus_onehot
 
 
 def make_head(hidden_size: int, emb_dim: int, gru_dim: int, vocab_size: int) -> tuple[nn.GRU, nn.Sequential]:

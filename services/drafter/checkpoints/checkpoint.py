@@ -35,8 +35,8 @@ from typing import Callable
 
 import torch
 
-from services.drafter.checkpoint_space import checkpoint_bytes, no_space, out_of_space
-from services.drafter.model import DrafterModelConfig
+from services.drafter.checkpoints.checkpoint_space import checkpoint_bytes, no_space, out_of_space
+from services.drafter.modeling.model import DrafterModelConfig
 from services.process.files import default_file_mode, fsync_dir, point, sha256_file
 from services.run.checkpoint_compat import compatibility_errors
 from services.run.config import ConfigError

@@ -1,6 +1,6 @@
 """A drafter group across hosts, restarted as one by torch's elastic agent (docs/elastic.md).
 
-    python -m services.drafter.agent --run-dir DIR --host H --hosts H0,H1 --ranks 2,3 --world-size 4
+    python -m services.drafter.group.agent --run-dir DIR --host H --hosts H0,H1 --ranks 2,3 --world-size 4
         --port P --keys-dir KEYS --max-restarts N --rendezvous-timeout S --stop-timeout S -- WORKER ARGV...
 
 When the drafters of a run live on more than one host, each host's launcher starts this one process
@@ -123,7 +123,7 @@ def worker_exit(rank: int, code: int) -> int:
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m services.drafter.agent", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m services.drafter.group.agent", description=__doc__.splitlines()[0])
     p.add_argument("--run-dir", required=True)
     p.add_argument("--host", required=True, help="this host's address (as in the --gpus spec)")
     p.add_argument(
@@ -166,8 +166,8 @@ def make_agent(args: argparse.Namespace):
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
     from torch.distributed.elastic.multiprocessing import LogsDest, LogsSpecs
 
-    from services.drafter.keystore import KeyStore, StoreServer
-    from services.drafter.rendezvous import KeyedRendezvous
+    from services.drafter.group.keystore import KeyStore, StoreServer
+    from services.drafter.group.rendezvous import KeyedRendezvous
 
     marks = folder(args.run_dir)
 
@@ -307,8 +307,8 @@ def main(argv=None) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.rendezvous.api import RendezvousClosedError, RendezvousError
 
-    from services.drafter.keystore import StoreGone
-    from services.drafter.rendezvous import MembershipLoop
+    from services.drafter.group.keystore import StoreGone
+    from services.drafter.group.rendezvous import MembershipLoop
 
     agent = None
     try:

@@ -43,7 +43,7 @@ Weights are written in bf16 by default, as the released drafters are (`"dtype": 
 engines serve in bf16, and it halves the files. Training keeps fp32 master weights in the
 checkpoints; `--dtype float32` exports those unrounded.
 
-    python -m services.drafter.export --checkpoint runs/x/checkpoints/latest --out runs/x/export
+    python -m services.drafter.checkpoints.export --checkpoint runs/x/checkpoints/latest --out runs/x/export
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ from pathlib import Path
 
 import torch
 
-from services.drafter.model import DrafterModelConfig
+from services.drafter.modeling.model import DrafterModelConfig
 from services.run import dtypes
 from services.run.shapes import ARCHITECTURE
 
@@ -169,7 +169,7 @@ def expected_tensor_names(m: DrafterModelConfig) -> list[str]:
     if m.attention_bias:
         per_layer += [f"self_attn.{p}_proj.bias" for p in "qkvo"]
     names = [f"layers.{i}.{n}" for i in range(m.num_hidden_layers) for n in per_layer]
-    if m.domino:  # Domino's correction head (services/drafter/domino.py), named as SpecForge's
+    if m.domino:  # Domino's correction head (services/drafter/modeling/domino.py), named as SpecForge's
         names += ["prefix_gru.weight_ih_l0", "prefix_gru.weight_hh_l0", "embed_proj.0.weight", "embed_proj.2.weight"]
     return sorted(names + ["fc.weight", "hidden_norm.weight", "norm.weight"])
 
@@ -213,7 +213,7 @@ def export_weights(
     if sorted(weights) != names:
         extra, missing = sorted(set(weights) - set(names)), sorted(set(names) - set(weights))
         raise ExportError(f"drafter weights do not match the DFlash layout: unexpected {extra}, missing {missing}")
-    from services.drafter.checkpoint import nonfinite_tensors
+    from services.drafter.checkpoints.checkpoint import nonfinite_tensors
 
     if bad := nonfinite_tensors(weights):
         raise ExportError(
@@ -285,7 +285,7 @@ def export_record(
 def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype: str = "bfloat16") -> Path:
     from safetensors.torch import load_file
 
-    from services.drafter.checkpoint import BEST, LATEST, CorruptCheckpoint, pointer, step_of, verify
+    from services.drafter.checkpoints.checkpoint import BEST, LATEST, CorruptCheckpoint, pointer, step_of, verify
 
     path = resolve_checkpoint(checkpoint)
     try:
@@ -325,7 +325,7 @@ def main(argv=None) -> int:
 
     torchao_gate.hide()  # transformers would import it (and print its warnings) for nothing here
     p = argparse.ArgumentParser(
-        prog="python -m services.drafter.export",
+        prog="python -m services.drafter.checkpoints.export",
         description="Export a drafter checkpoint as an HF-style DFlash drafter dir.",
     )
     p.add_argument("--checkpoint", required=True, help="checkpoint dir, or a run dir (uses checkpoints/latest)")

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import torch
 
-from services.drafter.model import DrafterModelConfig
-from services.drafter.speculative import DrafterProposer, RepeatLast, eval_drafter
-from services.drafter.target_head import TargetHead
+from services.drafter.acceptance.speculative import DrafterProposer, RepeatLast, eval_drafter
+from services.drafter.modeling.model import DrafterModelConfig
+from services.drafter.modeling.target_head import TargetHead
 
 
 class SpecEval:

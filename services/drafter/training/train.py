@@ -27,12 +27,12 @@ import torch
 from torch import nn
 
 from services.data.batch import Batch, BatchError, count_documents
-from services.drafter import domino
-from services.drafter.anchors import DrafterInputs, anchor_generator, build_inputs, loss_gamma
-from services.drafter.attention import check_documents_contiguous
-from services.drafter.loss import ChunkFns, Fp8Head, LossHead, acceptance_metrics, chunked_cross_entropy
-from services.drafter.model import DFlashDrafter, DrafterModelConfig
-from services.drafter.target_head import TargetHead
+from services.drafter.modeling import domino
+from services.drafter.modeling.anchors import DrafterInputs, anchor_generator, build_inputs, loss_gamma
+from services.drafter.modeling.attention import check_documents_contiguous
+from services.drafter.modeling.loss import ChunkFns, Fp8Head, LossHead, acceptance_metrics, chunked_cross_entropy
+from services.drafter.modeling.model import DFlashDrafter, DrafterModelConfig
+from services.drafter.modeling.target_head import TargetHead
 from services.run.config import Config
 
 

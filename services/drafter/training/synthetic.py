@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from services.data.batch import FIELDS, Batch
-from services.drafter.model import DrafterModelConfig
+from services.drafter.modeling.model import DrafterModelConfig
 from services.run.shapes import SYNTHETIC_MODEL  # noqa: F401  (the made-up target's fields; runspec.resolve reads them)
 
 _FEATURE_RANK = 64
@@ -56,7 +56,7 @@ class SyntheticSource:
             # docs/design.md "Scheduling" (plan.Plan.g_of): g = g0 + (m - m0)·D + d
             yield self.batch(self.first_g + (step - self.start_step) * self.world_size + self.rank)
 
-    # services/drafter/source.py's BatchSource: no targets, so nothing to check, record or close
+    # services/drafter/training/source.py's BatchSource: no targets, so nothing to check, record or close
     def check_targets(self, spec) -> None:
         pass
 
