@@ -34,7 +34,6 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 from bench import real_prompts  # noqa: E402
-from services.process.files import write_json_atomic, write_text_atomic  # noqa: E402
 
 PIECE_CHARS = 24_000  # a document of a few thousand tokens: several to a pack of 8 192
 PROMPT_CHARS = 1_200
@@ -121,13 +120,8 @@ def build(seed: int = 0, max_chars: int = 160_000_000, heldout: int = 100, per_p
 
 def write(out: Path, sets: dict, humaneval: Path | None = None) -> dict:
     """The files of the module docstring in `out`; corpus.json last, so its presence means all are there."""
-    out.mkdir(parents=True, exist_ok=True)
     lines = {**sets, "humaneval": humaneval_lines(humaneval)}
-    for name in ("train", "code-heldout", "humaneval"):
-        write_text_atomic(out / f"{name}.jsonl", real_prompts.jsonl(lines[name]))
-    info = {**sets["info"], "humaneval": len(lines["humaneval"])}
-    write_json_atomic(out / "corpus.json", info)
-    return info
+    return real_prompts.write(out, lines, ("train", "code-heldout", "humaneval"))
 
 
 def main(argv=None) -> int:

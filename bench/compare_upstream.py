@@ -96,7 +96,8 @@ def compare(ours: list[Decoded], theirs: list[Decoded]) -> dict:
 
 
 def main(argv=None) -> int:
-    from services.run.config import describe_prompts, load_config
+    from services.decoding.acceptance_text import describe_prompts
+    from services.run.config import load_config
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--upstream", required=True, help="path to z-lab's dflash/model.py (fetched by you)")

@@ -148,7 +148,7 @@ for part in "$@"; do case $part in
                 w=/tmp/$m; sets=$(ls $w/corpus/humaneval.jsonl $w/corpus/*-heldout.jsonl | sed 's/^/--prompts=/')
                 run "speedup_$m" 400 python3 -m launcher eval --run-dir $w/runs/main --json --no-controls \
                     --speedup-prompts 16 --max-new-tokens 128 $sets \
-                    --checkpoint $w/runs/main/checkpoints/step-00003904 --checkpoint $w/runs/domino/checkpoints/step-00003904
+                    --checkpoint $w/runs/main/checkpoints/latest --checkpoint $w/runs/domino/checkpoints/latest
               done ;;
   results)    tar czf "$OUT/results.tgz" /tmp/bg/*.json* /tmp/bg/*.log /tmp/{*obj,gemma32}/eval/*.json /tmp/{*obj,gemma32}/phases.json \
                   /tmp/{*obj,gemma32}/corpus/corpus.json /tmp/{*obj,gemma32}/runs/*.log /tmp/{*obj,gemma32}/runs/*/metrics.jsonl \

@@ -299,10 +299,11 @@ def jsonl(lines: list[dict]) -> str:
     return "".join(json.dumps(line, ensure_ascii=False) + "\n" for line in lines)
 
 
-def write(out: Path, sets: dict) -> dict:
-    """The files of the module docstring in `out`; corpus.json last, so its presence means all are there."""
+def write(out: Path, sets: dict, names=("train", "stdlib-heldout", "humaneval")) -> dict:
+    """The files of the module docstring in `out` (sets[name] as name.jsonl, sets["info"] and the HumanEval
+    count as corpus.json); corpus.json last, so its presence means all are there."""
     out.mkdir(parents=True, exist_ok=True)
-    for name in ("train", "stdlib-heldout", "humaneval"):
+    for name in names:
         write_text_atomic(out / f"{name}.jsonl", jsonl(sets[name]))
     info = {**sets["info"], "humaneval": len(sets["humaneval"])}
     write_json_atomic(out / "corpus.json", info)

@@ -20,7 +20,7 @@ from services.process.files import write_json_atomic
 from services.run import runspec
 from services.run.config import Config, load_config
 
-DEMOS = ("dense", "hybrid")  # services.tools.demo.VARIANTS (the launcher never imports torch)
+DEMOS = jobs.DEMO_VARIANTS  # one list, beside the demo job (the launcher never imports torch)
 
 
 # Every config key that names a file or folder (a list: each item). tests/unit/test_preflight.py

@@ -23,8 +23,8 @@ import shutil
 import sys
 import time
 
+from services.decoding.acceptance_text import describe_prompts
 from services.decoding.lossless import describe_lossless
-from services.run.config import describe_prompts
 
 
 def describe_window(window: dict | None) -> str:

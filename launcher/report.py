@@ -15,7 +15,7 @@ import json
 import os
 from pathlib import Path
 
-from services.run.config import describe_prompts
+from services.decoding.acceptance_text import describe_prompts
 
 
 class ReportError(Exception):

@@ -6,6 +6,17 @@ from __future__ import annotations
 
 from services.decoding.lossless import describe_lossless
 
+
+def describe_prompts(count: int, held_out: bool | None, sets=()) -> str:
+    """The prompts real acceptance was measured on, in words that say where they came from (held_out
+    None: prompt files, named by their `sets`, or a record from before this was recorded)."""
+    if held_out is None:
+        return f"{count} prompts" + (f" of {', '.join(sets)}" if sets else "")
+    if held_out:
+        return f"{count} held-out prompts"
+    return f"{count} training prompts (no held-out split: set data.eval_fraction or data.eval_path)"
+
+
 CONTROLS = ("repeat_last", "random")
 HEADER = f"  {'':<12}{'per prompt':>11}{'per step':>10}{'tokens/forward':>16}  lossless"
 COLUMNS = (

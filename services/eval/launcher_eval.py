@@ -21,10 +21,9 @@ from pathlib import Path
 
 import torch
 
-from services.decoding.acceptance_text import by_set, tables
+from services.decoding.acceptance_text import by_set, describe_prompts, tables
 from services.drafter.modeling.model import DrafterModelConfig
 from services.run import eval_options
-from services.run.config import describe_prompts
 
 # --- loading a drafter ----------------------------------------------------------------------------
 

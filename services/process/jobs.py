@@ -24,6 +24,7 @@ JOBS = {
     "gguf-model": ("services.tools.gguf_model", "a GGUF file to a Hugging Face folder (target.model_path=*.gguf)"),
     "measure-roles": ("services.tools.measure_roles", "each role's rate on this machine (launcher plan)"),
 }
+DEMO_VARIANTS = ("dense", "hybrid")  # `launcher up --demo [VARIANT]`: the demo job builds each (services/tools/demo.py)
 
 
 def argv(job: str, *args) -> list[str]:

@@ -1,4 +1,4 @@
-"""Run configuration: one TOML file, five sections, dotted CLI overrides.
+"""Run configuration: one TOML file, eleven sections (the dataclasses of `Config`), dotted CLI overrides.
 
 Every default lives here, in the dataclasses below, and nowhere else. docs/config.md
 lists them. This module must not import torch: the launcher uses it and stays light.
@@ -593,16 +593,6 @@ def layer_ids_message(key: str, ids: list) -> str:
         f"{key} {ids} must be in ascending order without repeats (e.g. {sorted(set(ids))}): the captured "
         "layers are concatenated in ascending order, and the export declares this list as that order"
     )
-
-
-def describe_prompts(count: int, held_out: bool | None, sets=()) -> str:
-    """The prompts real acceptance was measured on, in words that say where they came from (held_out
-    None: prompt files, named by their `sets`, or a record from before this was recorded)."""
-    if held_out is None:
-        return f"{count} prompts" + (f" of {', '.join(sets)}" if sets else "")
-    if held_out:
-        return f"{count} held-out prompts"
-    return f"{count} training prompts (no held-out split: set data.eval_fraction or data.eval_path)"
 
 
 def dump_json(cfg: Config, path: str | Path) -> None:

@@ -31,9 +31,11 @@ import random
 import shutil
 from pathlib import Path
 
+from services.process.jobs import DEMO_VARIANTS
+
 DEMO_VERSION = 2
 TARGET_STEPS = 300  # teaching the target its data: about a minute on 2 cores, one thread
-VARIANTS = ("dense", "hybrid")
+VARIANTS = DEMO_VARIANTS  # the launcher's --demo choices (services/process/jobs.py)
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|MASK|>"]
 

@@ -278,7 +278,7 @@ def test_demo_takes_an_optional_variant_and_names_a_bad_one():
     from launcher.parser import build_parser
     from services.tools.demo import VARIANTS
 
-    assert DEMOS == VARIANTS  # the launcher's copy of the list (it never imports torch)
+    assert DEMOS is VARIANTS  # one list, in services/process/jobs.py (the launcher never imports torch)
     parser = build_parser()
     demo = lambda *argv: parser.parse_args(["up", "--gpus", "0:target", *argv]).demo  # noqa: E731
     assert demo("--demo") == demo("--demo", "dense") == "dense" and demo("--demo", "hybrid") == "hybrid"
