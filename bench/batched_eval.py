@@ -28,14 +28,15 @@ from services.drafter.acceptance.speculative import greedy_reference  # noqa: E4
 from services.eval.batched_decode import PackedVerifier, decode_many  # noqa: E402
 from services.eval.verifier import LocalVerifier  # noqa: E402
 from services.run import layers as layer_rule  # noqa: E402
-from services.target.model import PACKED_SDPA, Target, _register_packed_sdpa  # noqa: E402
+from services.target.model.attention import PACKED_SDPA, register_packed_sdpa  # noqa: E402
+from services.target.model.model import Target  # noqa: E402
 
 
 def build_target(shape: str, device: str, dtype: torch.dtype) -> Target:
     from transformers import AutoModelForCausalLM
 
     cfg = text_config(shape)
-    _register_packed_sdpa()
+    register_packed_sdpa()
     torch.manual_seed(0)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation="sdpa")

@@ -10,7 +10,7 @@ process one after another on the same weights:
   compiled        every decoder layer torch.compile'd on its own (regional compile, as torchtitan does)
   fp8             every nn.Linear inside the decoder layers as FP8 (e4m3) with rowwise scales:
                   weights quantized once, activations per row at run time, torch._scaled_mm
-                  (services/target/fp8.py, what target.quantize=fp8 does to a bf16 checkpoint)
+                  (services/target/model/fp8.py, what target.quantize=fp8 does to a bf16 checkpoint)
   fp8+compiled    both (the compiled layers fuse the activations' quantization)
 For FP8 it also prints, per layer output, the relative error and cosine against bf16 on the same row.
 This is a measurement of headroom, not the worker's path: the capture keeps eager bf16 unless a
@@ -30,7 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.shapes import text_config  # noqa: E402
 from bench.timing import timed  # noqa: E402
-from services.target import fp8  # noqa: E402
+from services.target.model import fp8  # noqa: E402
 
 
 def build(shape: str, layers: int):

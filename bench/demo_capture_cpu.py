@@ -23,9 +23,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 from services.run.config import load_config  # noqa: E402
-from services.target import hybrid  # noqa: E402
-from services.target.model import load_target  # noqa: E402
-from services.target.packing import Packing, open_or_build  # noqa: E402
+from services.target.batches.packing import Packing, open_or_build  # noqa: E402
+from services.target.model import hybrid  # noqa: E402
+from services.target.model.model import load_target  # noqa: E402
 from services.tools.demo import cache_dir, make_demo  # noqa: E402
 
 

@@ -121,12 +121,12 @@ def target_alone(overrides: list[str], work: Path, rows: int, warmup: int, confi
 
     from bench.timing import sync
     from services.run.config import load_config
-    from services.target.model import capture_to_host, load_target
-    from services.target.packing import Packing, open_or_build
+    from services.target.batches.packing import Packing, open_or_build
+    from services.target.model.model import capture_to_host, load_target
 
     cfg = load_config(config, overrides)
     device = "cuda:0" if torch.cuda.is_available() else "cpu"
-    from services.target.compiled import compile_and_warm_up
+    from services.target.model.compiled import compile_and_warm_up
 
     target = load_target(cfg.target, device, num_draft_layers=cfg.drafter.num_layers)
     tokenizer = AutoTokenizer.from_pretrained(cfg.target.model_path)

@@ -1,5 +1,5 @@
 """How fast evaluation and regeneration decode, on random-weight targets of several families: the
-KV-cache rows of services/target/slots.py against today's packed recomputation (batched_decode.py),
+KV-cache rows of services/target/verify/slots.py against today's packed recomputation (batched_decode.py),
 side by side in one run, with the GPU's busy share sampled from NVML while each phase runs.
 
     python bench/eval_speed.py                                  # every family, 264 prompts x 128 tokens
@@ -35,8 +35,9 @@ from services.drafter.modeling.model import DrafterModelConfig  # noqa: E402
 from services.drafter.modeling.target_head import TargetHead  # noqa: E402
 from services.eval.batched_decode import PackedVerifier, decode_many  # noqa: E402
 from services.run import layers as layer_rule  # noqa: E402
-from services.target.model import PACKED_SDPA, Target, _register_packed_sdpa  # noqa: E402
-from services.target.slots import decode_slots  # noqa: E402
+from services.target.model.attention import PACKED_SDPA, register_packed_sdpa  # noqa: E402
+from services.target.model.model import Target  # noqa: E402
+from services.target.verify.slots import decode_slots  # noqa: E402
 
 # published config.json values of each family (random weights here): SmolLM2-135M (Llama), a
 # Gemma-3 270M (sliding window 512 on 5 of every 6 layers, head_dim 256, vocabulary 262 144),
@@ -117,7 +118,7 @@ def build_target(shape: str, device: str, dtype: torch.dtype) -> Target:
         config = shapes.text_config(fields)
     else:
         config = (LlamaConfig if family == "llama" else Gemma3TextConfig)(max_position_embeddings=8192, **fields)
-    _register_packed_sdpa()
+    register_packed_sdpa()
     torch.manual_seed(0)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")

@@ -7,7 +7,7 @@ layers are 27 GB to write and to read instead of 54, which is what lets the benc
 preset at full depth within one device call (bench/e2e.py --fp8-checkpoint). The model is whatever
 transformers built (its own initialisation); the decoder linears are quantized here, the rest (the
 embeddings, lm_head, norms, the Gated DeltaNet conv and gates) stay in the model's dtype. A vision
-tower is left out: the service loads the text model of a composite checkpoint. services/target/fp8.py
+tower is left out: the service loads the text model of a composite checkpoint. services/target/model/fp8.py
 reads the result (BlockScaledCheckpoint); the layout is the one it documents.
 """
 
@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from services.target import fp8
+from services.target.model import fp8
 
 BLOCK = (128, 128)
 SPEC = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": list(BLOCK)}

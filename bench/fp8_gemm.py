@@ -6,7 +6,7 @@
 For each distinct decoder linear of the shape (bench/shapes.py) and each token count, the time of
   bf16        F.linear with the bf16 weight (cuBLAS)
   scaled_mm   FP8Linear rowwise through torch._scaled_mm, the activations quantized per row (cuBLASLt)
-  few_tokens  FP8Linear rowwise through services/target/fp8_few_tokens.py (weight-only, Triton)
+  few_tokens  FP8Linear rowwise through services/target/model/fp8_few_tokens.py (weight-only, Triton)
   few_block   the same kernel with 128 x 128 block scales (an FP8 checkpoint's layout)
   few_quantized  the kernel with the activations quantized as scaled_mm quantizes them (its numbers)
   few_fp8_dot    its GEMM alone: x quantized once beforehand, FP8 times FP8 on the tensor cores
@@ -29,8 +29,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 from bench.shapes import text_config  # noqa: E402
-from services.target import fp8  # noqa: E402
-from services.target import fp8_few_tokens as few  # noqa: E402
+from services.target.model import fp8  # noqa: E402
+from services.target.model import fp8_few_tokens as few  # noqa: E402
 
 L2_BYTES = 256 << 20  # cycle through copies of at least this many bytes: more than any L2
 

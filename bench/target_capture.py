@@ -7,12 +7,12 @@
 Random-weight models of real shapes (bench/shapes.py), built directly on the GPU in bf16 (no
 download). For each shape and sequence length it times:
   (a) bare     HF forward of the whole row as one causal sequence, logits_to_keep=1
-  (b) capture  the worker's path (services.target.model.capture_to_host) on a row of one
+  (b) capture  the worker's path (services.target.model.model.capture_to_host) on a row of one
                document ("single") or packed documents of a length mix: "short" 50-300 tokens
                (chat turns), "medium" 512-4096; the path the target chose is printed with it
   (c) labels   (b) on the first packed mix, plus target argmax labels, with --labels
   d2h          the pinned device-to-host copy of the [S, K*H] capture alone
-  (d) compiled (b) again with the decoder layers compiled (--compile; services/target/compiled.py):
+  (d) compiled (b) again with the decoder layers compiled (--compile; services/target/model/compiled.py):
                tok/s side by side with (b) in the same run, the compile seconds, the largest
                difference of the captured features from the eager ones on the same row, and the
                graphs compiled over --recompile-rows further rows of random document counts (0 = none)
@@ -58,9 +58,9 @@ def hide_fla() -> None:
 def build_model(shape: str, device: str):
     from transformers import AutoModelForCausalLM
 
-    from services.target.model import _register_packed_sdpa
+    from services.target.model.attention import register_packed_sdpa
 
-    _register_packed_sdpa()
+    register_packed_sdpa()
     cfg = text_config(shape)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16, attn_implementation="sdpa")
@@ -104,7 +104,7 @@ def row_of(doc_lens: list[int], vocab: int, gen: torch.Generator) -> dict[str, t
 
 def bench_shape(shape: str, seqs: list[int], args) -> list[dict]:
     from services.run.layers import default_layer_ids
-    from services.target.model import Target, capture_to_host
+    from services.target.model.model import Target, capture_to_host
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = build_model(shape, device)
@@ -194,8 +194,8 @@ def drift(got: torch.Tensor, ref: torch.Tensor, hidden: int) -> list[dict]:
 def compiled_records(target, rec: dict, seq: int, model, ids, out, gen, peak, args, rows: dict) -> None:
     """(d): the same rows through the compiled layers, then rows of random document counts."""
     from services.process.compile_setup import graphs_compiled
-    from services.target.compiled import compile_and_warm_up
-    from services.target.model import capture_to_host
+    from services.target.model.compiled import compile_and_warm_up
+    from services.target.model.model import capture_to_host
 
     rec["compile_s"] = compile_and_warm_up(target, "on", seq, with_labels=False)
     for mix, (lens, row) in rows.items():
@@ -227,7 +227,7 @@ def compiled_records(target, rec: dict, seq: int, model, ids, out, gen, peak, ar
 def profile(target, row, out, path: str, title: str) -> None:
     from torch.profiler import ProfilerActivity
 
-    from services.target.model import capture_to_host
+    from services.target.model.model import capture_to_host
 
     with torch.profiler.profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         capture_to_host(target, row, False, out)

@@ -5,12 +5,12 @@
     python bench/target_precision.py --shape tiny --seq 256 --iters 1 --warmup 0     # CPU smoke test
 
 Random-weight model of a real shape (bench/shapes.py; --keep-layers keeps the first L decoder
-layers), timed on the worker's capture path (services.target.model.Target, capture_to_host) on a row
+layers), timed on the worker's capture path (services.target.model.model.Target, capture_to_host) on a row
 of one document ("single") or of packed documents (bench/target_capture.py's mixes). Precisions,
 one after another on the same weights:
   bf16       the weights as they are
   fp8        target.quantize=fp8 on a bf16 checkpoint: the decoder linears quantized rowwise
-             (services/target/fp8.py)
+             (services/target/model/fp8.py)
   fp8-block  what target.quantize=fp8 does with an FP8 checkpoint: each weight quantized in the
              published 128x128 blocks, kept block-scaled where this GPU runs that GEMM, else
              requantized rowwise (the printed summary says which)
@@ -62,7 +62,7 @@ def decoder_linears(layers: nn.ModuleList) -> list[tuple[nn.Module, str, nn.Line
 
 def set_precision(model, layers, bf16_linears, precision: str) -> str:
     """Put the bf16 linears back, then quantize for `precision`; returns the summary line."""
-    from services.target import fp8
+    from services.target.model import fp8
 
     for parent, child, module in bf16_linears:
         setattr(parent, child, module)
@@ -78,7 +78,7 @@ def set_precision(model, layers, bf16_linears, precision: str) -> str:
 
 def run(args) -> dict:
     from services.run.layers import default_layer_ids
-    from services.target.model import Target, capture_to_host, decoder_layers
+    from services.target.model.model import Target, capture_to_host, decoder_layers
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(0)
@@ -106,7 +106,7 @@ def run(args) -> dict:
         start = time.perf_counter()
         summary = set_precision(model, layers, bf16_linears, precision)
         if args.compile:  # the layers hold other modules now: compile them again
-            from services.target.compiled import compile_and_warm_up
+            from services.target.model.compiled import compile_and_warm_up
 
             rec_compile = compile_and_warm_up(target, "on", args.seq, with_labels=False)
             summary += f", compiled in {rec_compile:.0f} s"

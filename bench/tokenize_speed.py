@@ -5,7 +5,7 @@
 
 Writes --lines chat lines like the regenerated data of bench/real_model.py (a user turn asking
 about a function of Python's standard library, the function's own source as the reply), then
-tokenizes them one line per call (services/target/data.py's line_to_document, a tokenizer call per
+tokenizes them one line per call (services/target/batches/data.py's line_to_document, a tokenizer call per
 line, as packing did before) and as packing does (read_documents: chunks of CHUNK_LINES lines, one
 batched tokenizer call per chunk, which a fast tokenizer spreads over every core), checks both give
 the same documents, and prints one JSON line: lines per second of each and the ratio.
@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
-from services.target.data import CHUNK_LINES, BadSamples, line_to_document, read_documents  # noqa: E402
+from services.target.batches.data import CHUNK_LINES, BadSamples, line_to_document, read_documents  # noqa: E402
 
 
 def functions(limit: int) -> list[tuple[str, str]]:

@@ -6,21 +6,21 @@
     python bench/verify_step.py --methods '' --compile-steps --profile   # slot row: eager, graphed, compiled
 
 A random-weight model of a real shape (bench/shapes.py), built on the GPU in bf16, wrapped in the
-training Target (services/target/model.py: packed Gated DeltaNet layers, flash-linear-attention's
-kernel when it imports) and decoded through services/target/decode.py's DecodeSession. After a
+training Target (services/target/model/model.py: packed Gated DeltaNet layers, flash-linear-attention's
+kernel when it imports) and decoded through services/target/verify/decode.py's DecodeSession. After a
 prefill of --context tokens, each step verifies a block of --block tokens and commits k of them
 (k cycles through 1, B/4, B/2, B: rejected drafts, partly and fully accepted), for each method:
   refeed      the block runs as one sequence; commit re-runs the delta rule over the kept prefix
   per-token   the rule runs token by token and keeps every state; commit picks one
 and, as the yardstick, a plain one-token forward (verify([t]) + commit(1), the greedy reference).
---rows N: a session of N rows (services/target/row_sessions.py, the in-training evaluation's target
+--rows N: a session of N rows (services/target/verify/row_sessions.py, the in-training evaluation's target
 side): N prompts of --context tokens, a step verifying all their blocks in one forward.
-Then the same steps on one row of services/target/slots.py's KV cache (what `launcher eval`'s
+Then the same steps on one row of services/target/verify/slots.py's KV cache (what `launcher eval`'s
 batched path runs: the Gated DeltaNet states in fixed buffers, the block's positions as tensors),
 eagerly and, on CUDA, as CUDA graphs (the verify forward one graph, the commit two).
 --quantize fp8 swaps the decoder linears for FP8 ones first (target.quantize = "fp8", rowwise: every
 token count through cuBLASLt's scaled GEMM, as the service runs them); fp8-quantized and
-fp8-weight-only the same with a step's few tokens through services/target/fp8_few_tokens.py's kernel
+fp8-weight-only the same with a step's few tokens through services/target/model/fp8_few_tokens.py's kernel
 in that mode (fp8.few_token_steps).
 Prints one JSON object: milliseconds per verify, per commit, per step, and peak memory.
 
@@ -46,11 +46,12 @@ from bench.shapes import HYBRID, text_config  # noqa: E402
 from bench.timing import sync  # noqa: E402
 from services.decoding.decode_step import ROLLBACKS  # noqa: E402
 from services.run import layers as layer_rule  # noqa: E402
-from services.target import hybrid  # noqa: E402
-from services.target.decode import DecodeSession  # noqa: E402
-from services.target.model import PACKED_SDPA, Target, _register_packed_sdpa  # noqa: E402
-from services.target.row_sessions import RowSession  # noqa: E402
-from services.target.slots import LENGTH_STEP, GraphedSteps, Slots  # noqa: E402
+from services.target.model import hybrid  # noqa: E402
+from services.target.model.attention import PACKED_SDPA, register_packed_sdpa  # noqa: E402
+from services.target.model.model import Target  # noqa: E402
+from services.target.verify.decode import DecodeSession  # noqa: E402
+from services.target.verify.row_sessions import RowSession  # noqa: E402
+from services.target.verify.slots import LENGTH_STEP, GraphedSteps, Slots  # noqa: E402
 
 
 def build_target(shape: str, num_layers: int | None, device: str, dtype: torch.dtype, logit_scale: float = 1.0):
@@ -60,7 +61,7 @@ def build_target(shape: str, num_layers: int | None, device: str, dtype: torch.d
     if num_layers:
         cfg.num_hidden_layers = num_layers
         cfg.layer_types = cfg.layer_types[:num_layers]
-    _register_packed_sdpa()
+    register_packed_sdpa()
     torch.manual_seed(0)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation="sdpa")
@@ -184,7 +185,7 @@ def profile_verify(target: Target, context: list[int], block: int, gen) -> dict:
 
 
 def time_row_session(target: Target, context_len: int, block: int, iters: int, gen, rows: int) -> dict:
-    """The in-training evaluation's target side (services/target/row_sessions.py): `rows` prompts of
+    """The in-training evaluation's target side (services/target/verify/row_sessions.py): `rows` prompts of
     context_len tokens verified together, a step = one forward for all rows + their commits + the
     read-back of tokens and features; random drafts, so each row keeps what the target accepts."""
     vocab = target.info.vocab_size
@@ -256,7 +257,7 @@ def bench_steps(args) -> dict:
     }
     for precision in args.quantize.split(","):  # "none" first: fp8 replaces the linears in place
         if precision.startswith("fp8"):
-            from services.target import fp8
+            from services.target.model import fp8
 
             if "fp8_summary" not in result:
                 result["fp8_summary"] = str(fp8.quantize_decoder(target.model, target.layers))

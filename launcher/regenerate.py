@@ -1,4 +1,4 @@
-"""`launcher regenerate`: one child per GPU (services/target/regenerate_shard.py, a shard of the lines
+"""`launcher regenerate`: one child per GPU (services/target/jobs/regenerate_shard.py, a shard of the lines
 each), a live line while they work, the shards interleaved back into input order, and a summary
 of what changed.
 

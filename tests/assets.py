@@ -7,7 +7,7 @@ asset is built under make_demo's lock, so two workers asking at once build it on
 - random_demo(): the demo's tokenizer and chat data with an untrained target, for plumbing tests.
 
 Runs of the same data and packing keys pack it once: the product's own store of packed data
-(services/target/packing.py, under $DFLASH_CACHE_DIR) serves every test's run folder.
+(services/target/batches/packing.py, under $DFLASH_CACHE_DIR) serves every test's run folder.
 """
 
 from __future__ import annotations

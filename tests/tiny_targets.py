@@ -8,7 +8,8 @@ from contextlib import contextmanager
 import pytest
 import torch
 
-from services.target.model import PACKED_SDPA, Target, _register_packed_sdpa
+from services.target.model.attention import PACKED_SDPA, register_packed_sdpa
+from services.target.model.model import Target
 
 VOCAB = 96
 DENSE_LAYER_IDS = [1, 2]
@@ -45,7 +46,7 @@ def tiny_hybrid_config(layer_types: list[str], vocab_size: int, **fields):
 def _wrap(model, layer_ids) -> Target:
     with torch.no_grad():  # a spread of logits, so greedy output is not one token repeated
         model.lm_head.weight.mul_(20)
-    _register_packed_sdpa()
+    register_packed_sdpa()
     model.config._attn_implementation = PACKED_SDPA
     return Target(model.eval().requires_grad_(False), layer_ids)
 
@@ -72,7 +73,7 @@ def dense_target(seed: int = 0, device: str = "cpu", dtype=torch.float32) -> Tar
 
 
 def cuda_with_kernels() -> bool:
-    from services.target.hybrid import fla_delta_rule
+    from services.target.model.hybrid import fla_delta_rule
 
     return torch.cuda.is_available() and fla_delta_rule() is not None
 

@@ -3,7 +3,7 @@ data.max_line_bytes, UTF-8), one line's JSON, a chat line's messages (OpenAI or 
 conversation's prompt tokens, the held-out split's lines (the prompts of real acceptance), and a chat
 file as `launcher regenerate` reads it. No torch, no tokenizer import: the launcher reads these too.
 
-services/target/data.py turns lines into training documents (its docstring: the line shapes and
+services/target/batches/data.py turns lines into training documents (its docstring: the line shapes and
 what makes a line bad); services/data/prompts.py turns them into the eval's prompts.
 """
 

@@ -1,5 +1,5 @@
 """The run's packed data as a reader sees it: rows of a built cache file (PackedData), or only their
-token digests (PublishedDigests), and which row batch g is. services/target/packing.py builds both
+token digests (PublishedDigests), and which row batch g is. services/target/batches/packing.py builds both
 files and says the rules (row layout, batch g's row, the cache key); a drafter reads them to check
 the content a target sends (services/drafter/training/source.py).
 """

@@ -5,7 +5,7 @@
     verifier.commit(n)                       # keep the first n >= 1 tokens of the block; the rest rolled back
 
 served by the target workers (services/drafter/acceptance/remote_eval.py RemoteVerifier) or by a target in this
-process (services/eval/verifier.py LocalVerifier, on services/target/decode.py's DecodeSession); the
+process (services/eval/verifier.py LocalVerifier, on services/target/verify/decode.py's DecodeSession); the
 packed batched forward of services/eval/batched_decode.py returns Steps too.
 
 A Step holds, per position, the target's greedy token (argmax of the logits), the top-1 minus
@@ -13,7 +13,7 @@ top-2 logit margin, the rounding tolerance of those logits (services/decoding/lo
 and the captured layers' outputs exactly as the target captures them for training.
 
 ROLLBACKS names how a hybrid target's Gated DeltaNet state drops a rejected suffix
-(services/target/hybrid.py implements them; `launcher eval --rollback` picks one).
+(services/target/model/hybrid.py implements them; `launcher eval --rollback` picks one).
 """
 
 from __future__ import annotations

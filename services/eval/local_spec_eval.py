@@ -8,7 +8,7 @@ with recurrent layers; batch 1 decodes one prompt at a time on a KV cache
 (services/drafter/acceptance/speculative.py), the references as the drafters. A Progress
 (services/decoding/decode_progress.py) prints a line every 10 s while it decodes.
 
-The target is loaded by services.target.model.load_target (the training capture's own loader,
+The target is loaded by services.target.model.model.load_target (the training capture's own loader,
 hooks and packed Gated DeltaNet layers) in fp32 on CPU and in target.dtype elsewhere, and runs
 through a LocalVerifier (verifier.py).
 """
@@ -30,8 +30,8 @@ from services.eval.batched_decode import PackedVerifier, decode_many
 from services.eval.verifier import LocalVerifier
 from services.run import runspec
 from services.run.config import Config
-from services.target.model import load_target
-from services.target.slots import decode_slots, rows_that_fit, slot_decodable
+from services.target.model.model import load_target
+from services.target.verify.slots import decode_slots, rows_that_fit, slot_decodable
 
 
 def load_eval_target(cfg: Config, device: torch.device):

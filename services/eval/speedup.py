@@ -4,7 +4,7 @@
     figures = timer.measure(proposer)           # {"sets": {set: figures}, "all": figures}
 
 Both paths decode the first `per_set` prompts of each set greedily on ONE KV-cache row of
-decode_slots (services/target/slots.py, rows=1: a prompt at a time, as one user's request runs), to
+decode_slots (services/target/verify/slots.py, rows=1: a prompt at a time, as one user's request runs), to
 the same max_new_tokens, their steps CUDA graphs on CUDA: the target alone (propose None, one token
 per forward) and speculative decoding, whose drafter (its layers, a Domino drafter's GRU head) runs
 inside the timed steps. Speedup: the target alone's seconds over speculative decoding's, on the same
@@ -31,7 +31,7 @@ import time
 import torch
 
 from services.decoding.decode_step import Decoded
-from services.target.slots import decode_slots
+from services.target.verify.slots import decode_slots
 
 
 def synchronize(device: torch.device) -> None:

@@ -1,17 +1,17 @@
 """LocalVerifier: the Verifier of speculative decoding (services/decoding/decode_step.py) with the target in
-this process, through the training Target's own DecodeSession (services/target/decode.py); the
+this process, through the training Target's own DecodeSession (services/target/verify/decode.py); the
 verifier served by the target workers (services/drafter/acceptance/remote_eval.py) has the same three calls.
 """
 
 from __future__ import annotations
 
 from services.decoding.decode_step import ROLLBACKS, Step
-from services.target.decode import DecodeSession
-from services.target.model import Target
+from services.target.model.model import Target
+from services.target.verify.decode import DecodeSession
 
 
 class LocalVerifier:
-    """A DecodeSession per prompt on a Target loaded by services.target.model.load_target."""
+    """A DecodeSession per prompt on a Target loaded by services.target.model.model.load_target."""
 
     def __init__(self, target: Target, rollback: str = ROLLBACKS[0]):
         self.target, self.rollback = target, rollback

@@ -16,11 +16,11 @@ JOBS = {
         "services.drafter.group.agent",
         "torch's elastic agent over one host's drafters (a group across hosts)",
     ),
-    "packing": ("services.target.packing", "tokenizes and packs the data before any worker starts"),
+    "packing": ("services.target.jobs.pack", "tokenizes and packs the data before any worker starts"),
     "demo": ("services.tools.demo", "builds (or reuses) the demo's target and data"),
     "export": ("services.drafter.checkpoints.export", "a checkpoint to a Hugging Face folder (launcher export)"),
     "eval": ("services.eval.launcher_eval", "acceptance of checkpoints on benchmark prompts (launcher eval)"),
-    "regenerate-shard": ("services.target.regenerate_shard", "one GPU's share of launcher regenerate"),
+    "regenerate-shard": ("services.target.jobs.regenerate_shard", "one GPU's share of launcher regenerate"),
     "gguf-model": ("services.tools.gguf_model", "a GGUF file to a Hugging Face folder (target.model_path=*.gguf)"),
     "measure-roles": ("services.tools.measure_roles", "each role's rate on this machine (launcher plan)"),
 }

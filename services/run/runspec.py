@@ -19,7 +19,7 @@ they loaded (the handshake, services/net/handshake.py) with its own.
 What decides batch g is read from the marks on the config keys (services/run/config.py `setting`),
 so a key added to the config is covered by every check as soon as it is marked (and
 tests/unit/test_runspec.py fails for a key with no mark):
-  - the packed data's cache key (services/target/packing.py): "content" keys and "path" files;
+  - the packed data's cache key (services/target/batches/packing.py): "content" keys and "path" files;
   - the target/drafter handshake digest: "content", "capture", "range";
   - the resume check of a checkpoint (services/drafter/checkpoints/checkpoint.py): "content", "path", "capture",
     "schedule".
@@ -104,7 +104,7 @@ class HeldOut:
     """Which data is held out: data.eval_path; else a data.eval_fraction of the non-blank lines of
     data.path, by line number (lines(); at least one, never all): a held-out line that is bad is
     missing from the packed eval split and from the eval's prompts alike, and no other line moves
-    in or out because of it; else none. The packed data (services/target/packing.py) and the eval's
+    in or out because of it; else none. The packed data (services/target/batches/packing.py) and the eval's
     prompts read it from here."""
 
     source: str  # "data.eval_path" | "data.eval_fraction" | "" (no held-out split)
@@ -274,7 +274,7 @@ class RunSpec:
         return shapes.DrafterModelConfig(**self.drafter)
 
     def target_config(self, cfg: Config) -> TargetConfig:
-        """cfg.target capturing the spec's layers: what services.target.model.load_target loads."""
+        """cfg.target capturing the spec's layers: what services.target.model.model.load_target loads."""
         return dataclasses.replace(cfg.target, layer_ids=list(self.target.layer_ids))
 
     def expected_of_target(self) -> dict:

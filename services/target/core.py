@@ -24,12 +24,12 @@ from services.net.handshake import TargetInfo
 from services.net.transport import Request
 from services.run import runspec
 from services.run.config import Config
-from services.target.compiled import compile_and_warm_up
-from services.target.model import load_target
-from services.target.packing import Packing, open_or_build
+from services.target.batches.packing import Packing, open_or_build
+from services.target.batches.ring import CaptureRing
+from services.target.model.compiled import compile_and_warm_up
+from services.target.model.model import load_target
 from services.target.replies import BatchReply, ErrorReply, InfoReply, Reply
-from services.target.ring import CaptureRing
-from services.target.verifying import VerifyService, VerifySettings, warm_up_verify
+from services.target.verify.verifying import VerifyService, VerifySettings, warm_up_verify
 
 log = logging.getLogger("target")
 

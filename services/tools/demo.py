@@ -194,7 +194,7 @@ def train_target(
 
     import torch
 
-    from services.target.tokenizing import chat_tokens
+    from services.target.batches.tokenizing import chat_tokens
 
     torch.manual_seed(seed)
     threads = torch.get_num_threads()

@@ -47,9 +47,9 @@ def target_rate(cfg: Config, device: torch.device, seconds: float, work: Path) -
     from transformers import AutoTokenizer
 
     from services.run import runspec
-    from services.target.compiled import compile_and_warm_up
-    from services.target.model import capture_to_host, load_target
-    from services.target.packing import Packing, open_or_build
+    from services.target.batches.packing import Packing, open_or_build
+    from services.target.model.compiled import compile_and_warm_up
+    from services.target.model.model import capture_to_host, load_target
 
     spec = runspec.resolve(cfg)
     target = load_target(spec.target_config(cfg), device)

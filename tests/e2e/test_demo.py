@@ -14,9 +14,9 @@ from safetensors.torch import load_file
 from transformers import AutoTokenizer
 
 from services.run.config import load_config
-from services.target.model import load_target
-from services.target.packing import Packing, open_or_build
-from services.target.tokenizing import has_generation_markers
+from services.target.batches.packing import Packing, open_or_build
+from services.target.batches.tokenizing import has_generation_markers
+from services.target.model.model import load_target
 from services.tools.demo import make_demo
 from tests.launching import REPO
 
@@ -112,7 +112,7 @@ def test_hybrid_demo_is_a_composite_checkpoint_whose_trained_weights_the_target_
     """The hybrid demo: Qwen3_5ForConditionalGeneration on disk (text_config + vision_config, keys
     under model.language_model. / model.visual.), and the target's loader returns the text model
     with the trained weights (not freshly initialized ones where a key prefix was missed)."""
-    from services.target.model import load_hf_model
+    from services.target.model.model import load_hf_model
     from services.tools.demo import build_model, conversations, torch_linear_attention, train_target
 
     demo = make_demo(tmp_path / "hybrid", num_conversations=N, target_steps=3, variant="hybrid")

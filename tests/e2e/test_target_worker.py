@@ -19,8 +19,8 @@ from services.net.endpoints import endpoint
 from services.process import log
 from services.process.health import probe
 from services.run.config import load_config
-from services.target.model import load_target
-from services.target.packing import Packing, open_or_build
+from services.target.batches.packing import Packing, open_or_build
+from services.target.model.model import load_target
 from tests.assets import random_demo
 from tests.launching import REPO, target_argv
 

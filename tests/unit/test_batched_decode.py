@@ -98,7 +98,7 @@ def test_drafts_of_a_packed_batch_equal_each_prompt_drafted_alone(dense):
 
 def test_the_default_batch_follows_the_target_kind_size_and_device(dense, hybrid, monkeypatch):
     from services.eval import local_spec_eval as spec_eval
-    from services.target import slots
+    from services.target.verify import slots
 
     free = {"bytes": 80 << 30}
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free["bytes"], 140 << 30))

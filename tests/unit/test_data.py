@@ -7,8 +7,8 @@ import json
 import numpy as np
 import pytest
 
-from services.target.data import BadSamples, DataError, read_documents
-from services.target.tokenizing import chat_tokens, has_generation_markers
+from services.target.batches.data import BadSamples, DataError, read_documents
+from services.target.batches.tokenizing import chat_tokens, has_generation_markers
 from services.tools.demo import CHAT_TEMPLATE, conversations
 from tests.launching import REPO
 
@@ -226,7 +226,7 @@ def test_a_line_over_the_limit_is_never_read_whole(tmp_path):
     path.write_bytes(good + b'{"input_ids": [' + b"1," * (25 << 20) + b"1]}\n" + good)
     # VmHWM: this process's peak (ru_maxrss would carry the pytest parent's peak over the exec)
     code = (
-        "import re, sys; from services.target.data import BadSamples, read_documents\n"
+        "import re, sys; from services.target.batches.data import BadSamples, read_documents\n"
         "peak = lambda: int(re.search(r'VmHWM:\\s+(\\d+)', open('/proc/self/status').read())[1])\n"
         "before = peak()\n"
         "bad = BadSamples(); docs = read_documents(sys.argv[1], None, 10, 'skip', bad)\n"
@@ -239,7 +239,7 @@ def test_a_line_over_the_limit_is_never_read_whole(tmp_path):
     assert int(grown_mb) < 30, f"peak memory grew by {grown_mb} MB reading past a 50 MB line"
 
 
-# --- tokenized in batches (services/target/tokenizing.py) -------------------------------------------------
+# --- tokenized in batches (services/target/batches/tokenizing.py) -------------------------------------------------
 
 REJECTING = "{%- if messages[0]['content'] == 'reject me' -%}{{- raise_exception('no, not this one') -}}{%- endif -%}"
 NO_MARKERS = CHAT_TEMPLATE.replace("{% generation %}", "").replace("{% endgeneration %}", "")
@@ -251,7 +251,7 @@ def test_lines_tokenized_in_batches_equal_each_line_alone(tmp_path, tokenizer, m
     call per kind) gives the documents, bad lines, progress and first failure that each line gives
     alone (line_to_document), chat and plain-text lines mixed, and a conversation the template
     rejects spoils only its own line."""
-    from services.target import data
+    from services.target.batches import data
 
     monkeypatch.setattr(data, "CHUNK_LINES", 5)
     tokenizer.chat_template = REJECTING + template

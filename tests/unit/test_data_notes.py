@@ -9,7 +9,7 @@ from transformers import AutoTokenizer, Qwen3Config
 from launcher.report import describe_data, report
 from services.run.config import dump_json, load_config
 from services.run.runspec import HeldOut
-from services.target import packing
+from services.target.jobs import pack as pack_job
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello there ."}]}
 TOKENS = {"input_ids": list(range(5, 45)), "loss_mask": [0] * 10 + [1] * 30}  # its prompt: the first 10
@@ -40,7 +40,7 @@ def pack(capsys, tmp_path, model_dir, lines, *extra):
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     dump_json(cfg, run_dir / "config.json")
-    code = packing.main(["--config", str(run_dir / "config.json"), "--run-dir", str(run_dir)])  # what `up` runs
+    code = pack_job.main(["--config", str(run_dir / "config.json"), "--run-dir", str(run_dir)])  # what `up` runs
     out = capsys.readouterr()
     assert code == 0, out.err[-2000:]
     return json.loads(out.out.strip().splitlines()[-1]), run_dir
@@ -83,7 +83,7 @@ def test_a_bad_prompt_file_is_one_line_naming_file_and_line(capsys, tmp_path, mo
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     dump_json(cfg, run_dir / "config.json")
-    assert packing.main(["--config", str(run_dir / "config.json"), "--run-dir", str(run_dir)]) == 2
+    assert pack_job.main(["--config", str(run_dir / "config.json"), "--run-dir", str(run_dir)]) == 2
     err = capsys.readouterr().err.strip()
     assert err == (
         f"eval.prompts: {bad}:2: expected 'messages', 'conversations', 'prompt' or 'input_ids'; got keys ['nothing']"

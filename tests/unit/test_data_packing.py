@@ -15,8 +15,8 @@ from transformers import AutoTokenizer
 
 from services.data.packed_data import RowOrder, digests_path
 from services.run.config import load_config
-from services.target.data import DataError, Document
-from services.target.packing import Packing, cache_key, open_or_build, pack_rows, split_document
+from services.target.batches.data import DataError, Document
+from services.target.batches.packing import Packing, cache_key, open_or_build, pack_rows, split_document
 from services.tools.demo import conversations
 from tests.launching import REPO
 
@@ -251,7 +251,7 @@ import sys
 from pathlib import Path
 from transformers import AutoTokenizer
 from services.run.config import load_config
-from services.target.packing import Packing, open_or_build
+from services.target.batches.packing import Packing, open_or_build
 cfg = load_config(None, [f"data.path={sys.argv[1]}", "data.pack_len=128"])
 tok = AutoTokenizer.from_pretrained(sys.argv[3])
 data = open_or_build(Packing.from_config(cfg), sys.argv[2], tok, 4096, log=print, store=Path(sys.argv[4]))
@@ -315,7 +315,7 @@ def test_published_digests_name_every_batch_as_the_packed_data_does(tmp_path, da
 
 def test_launcher_ups_data_line_reads_the_store_lines_by_their_start():
     """A skipped line quotes data lines, which may hold any words: only the store's own lines count."""
-    from services.target.packing import said_first
+    from services.target.jobs.pack import said_first
 
     skipped = 'data: skipped 1 bad lines; first: d.jsonl:3: invalid JSON ("built", "not usable")'
     said = [skipped, "data: packed data k.safetensors reused from /s"]

@@ -1,4 +1,4 @@
-"""services/target/decode.py on tiny random targets (fp32, CPU): after verify + commit(n) the KV cache
+"""services/target/verify/decode.py on tiny random targets (fp32, CPU): after verify + commit(n) the KV cache
 and the Gated DeltaNet conv / recurrent state are those of a session fed only the committed tokens,
 for every n and both rollback methods; the one-token-per-forward greedy reference equals a full
 no-cache forward (and HF generate on a dense target); attention on a KV cache is causal aligned
@@ -10,8 +10,8 @@ import torch
 from services.decoding.decode_step import ROLLBACKS, rounding_tolerance
 from services.drafter.acceptance.speculative import greedy_reference
 from services.eval.verifier import LocalVerifier
-from services.target.decode import DecodeSession
-from services.target.model import _sdpa_packed
+from services.target.model.attention import _sdpa_packed
+from services.target.verify.decode import DecodeSession
 from tests.greedy import hf_greedy_generate
 from tests.tiny_targets import dense_target, hybrid_target, plain_hf, prompt
 

@@ -152,7 +152,7 @@ def test_what_users_tried_from_the_docs_is_so():
     )
     # `eval --help` calls --eval-device the older name
     assert not [n for n, t in texts.items() if "--eval-device" in t]
-    # every capture path the target can log (services/target/model.py)
+    # every capture path the target can log (services/target/model/model.py)
     capture = paragraph_with(texts["README.md"], "capture path at start")
     assert all(f"`{name}`" in capture for name in ("packed", "packed-varlen", "packed-reference", "per-document"))
     # every target.dtype the config accepts

@@ -173,7 +173,7 @@ def demo_rows(tmp_path_factory):
     from transformers import AutoTokenizer
 
     from services.run.config import load_config
-    from services.target.packing import Packing, open_or_build
+    from services.target.batches.packing import Packing, open_or_build
     from services.tools.demo import make_demo
 
     tmp = tmp_path_factory.mktemp("demo")

@@ -203,7 +203,7 @@ def test_a_drafter_process_loads_no_transformers_model_code():
 CORES = (
     "services/target/core.py",
     "services/target/replies.py",
-    "services/target/verifying.py",
+    "services/target/verify/verifying.py",
     "services/drafter/training/core.py",
 )
 SHELL_ONLY = (

@@ -15,8 +15,8 @@ from launcher.regen_record import record_path
 from launcher.regenerate import interleave
 from launcher.topology import SpecError, parse_gpu_list
 from services.data.data_lines import prompt_tokens, read_conversations, sample_path
-from services.target import regenerate_shard
-from services.target.regenerate_shard import HFEngine, regenerate
+from services.target.jobs import regenerate_shard
+from services.target.jobs.regenerate_shard import HFEngine, regenerate
 from services.tools.demo import CHAT_TEMPLATE
 from tests.greedy import hf_greedy_generate as greedy_generate
 from tests.launching import REPO, run_launcher
@@ -237,7 +237,7 @@ def test_a_broken_line_is_named_and_nothing_is_written(tok_dir, tmp_path):
 
 
 def test_the_chat_template_options_reach_every_prompt(tok_dir, tmp_path, monkeypatch):
-    from services.target import slots
+    from services.target.verify import slots
 
     make_model(tok_dir, tmp_path / "model", THINKING_TEMPLATE)
     items = read_conversations_of([CHATS[0], CHATS[2]], tmp_path)
@@ -398,7 +398,7 @@ def test_launcher_regenerate_gpus_is_not_an_up_spec(tmp_path):
 
 @pytest.mark.parametrize("hybrid", [False, True])
 def test_slot_regeneration_is_transformers_generate_and_samples_reproducibly(tok_dir, tmp_path, hybrid, request):
-    """The hf engine decodes a target on rows of a KV cache (services/target/slots.py; a hybrid's
+    """The hf engine decodes a target on rows of a KV cache (services/target/verify/slots.py; a hybrid's
     Gated DeltaNet state per row): greedy replies equal transformers' own batched, left-padded
     `generate`; sampling is seeded."""
     from transformers import AutoModelForCausalLM
@@ -436,7 +436,7 @@ def test_a_base_model_continues_plain_text_lines_and_trains_on_them(tok_dir, tmp
     continued as plain text and written as {"prompt", "completion"}, the completion the target's
     greedy continuation of the prompt's tokens; training reads such lines (the completion
     supervised, the prompt not) and {"text"} lines (every token)."""
-    from services.target.data import line_to_document
+    from services.target.batches.data import line_to_document
 
     model, _ = make_model(tok_dir, tmp_path / "base")
     tokenizer = AutoTokenizer.from_pretrained(tmp_path / "base")

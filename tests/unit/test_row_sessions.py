@@ -1,6 +1,6 @@
-"""A session of rows (services/target/row_sessions.py: the prompts of a real-acceptance evaluation
+"""A session of rows (services/target/verify/row_sessions.py: the prompts of a real-acceptance evaluation
 verified together on the target worker) makes each prompt's one-prompt session's decisions
-(services/target/decode.py DecodeSession), on tiny real HF targets in fp32 (no rounding ties):
+(services/target/verify/decode.py DecodeSession), on tiny real HF targets in fp32 (no rounding ties):
 the first token of each prompt, the greedy tokens of every block, the tokens committed and their
 features; rows that leave midway free their place and the others go on. Dense Qwen3 and a Qwen3.5
 Gated DeltaNet hybrid (fla's kernels on CUDA), in process: no worker, no socket."""
@@ -8,8 +8,8 @@ Gated DeltaNet hybrid (fla's kernels on CUDA), in process: no worker, no socket.
 import pytest
 import torch
 
-from services.target.decode import DecodeSession
-from services.target.row_sessions import RowSession, check_rows
+from services.target.verify.decode import DecodeSession
+from services.target.verify.row_sessions import RowSession, check_rows
 from tests.tiny_targets import HYBRID_DEVICES, dense_target, hybrid_target, prompt
 
 B = 4  # block: the last committed token + 3 drafts

@@ -11,7 +11,7 @@ import pytest
 from services.run import runspec, shapes
 from services.run.checkpoint_compat import MODEL_FIELDS, NOT_FOR_RESUME, RUN_FIELDS, model_errors
 from services.run.config import BATCH_KINDS, SECTIONS, _section_class, load_config
-from services.target.packing import Packing, build_index, cache_key
+from services.target.batches.packing import Packing, build_index, cache_key
 from services.tools.demo import conversations
 from tests.launching import run_launcher, target_argv
 
@@ -252,7 +252,7 @@ def test_what_a_target_loaded_is_compared_with_the_spec(tmp_path, tok_dir):
     """The handshake is a comparison with the spec: in the target worker, of the model it loaded
     (a real HF model here); in the drafter, of what its target says it loaded."""
     from services.net.handshake import HandshakeError, TargetInfo
-    from services.target.model import load_target
+    from services.target.model.model import load_target
 
     model = _tiny_target(tmp_path / "model", tok_dir, weights=True)
     cfg = _config(model, "", 'target.dtype="float32"')
@@ -337,7 +337,7 @@ def test_a_synthetic_drafter_gets_the_made_up_target_and_the_same_shape_as_befor
 
 def test_the_block_size_is_the_drafters_everywhere(tmp_path, tok_dir):
     """drafter.overrides may set the model's block size: the target's verify limits take the spec's."""
-    from services.target.verifying import VerifySettings
+    from services.target.verify.verifying import VerifySettings
 
     model = _tiny_target(tmp_path / "model", tok_dir)
     cfg = _config(model, "", "drafter.overrides={block_size=4}")
@@ -349,7 +349,7 @@ def test_the_held_out_split_is_the_specs(data_file, tokenizer, tmp_path):
     """The packed eval split and the eval's prompts are the lines HeldOut.lines picks, by line
     number: a bad line (here the file's first, blank lines around it) moves no other line."""
     from services.data.data_lines import heldout_lines, nonblank_lines
-    from services.target.data import BadSamples, read_documents
+    from services.target.batches.data import BadSamples, read_documents
 
     good = data_file.read_text().splitlines()
     path = tmp_path / "with-bad.jsonl"

@@ -1,4 +1,4 @@
-"""Many prompts decoded at once on one KV cache, a row per prompt (services/target/slots.py), must make
+"""Many prompts decoded at once on one KV cache, a row per prompt (services/target/verify/slots.py), must make
 exactly the decisions of the cached one-prompt loop (speculative.py) on tiny real HF targets (fp32
 on CPU: no rounding ties): the same tokens, the same accepted lengths per step, the same target
 forwards; plain greedy too; rows that stop early leave the batch and the others go on. Dense Qwen3
@@ -11,9 +11,10 @@ import torch.nn.functional as F
 from services.drafter.acceptance.speculative import RepeatLast, greedy_reference, speculative_generate
 from services.drafter.modeling.attention import padded_mask, visibility
 from services.eval.verifier import LocalVerifier
-from services.target import slots as slots_module
-from services.target.model import PACKED_SDPA, Target, _register_packed_sdpa
-from services.target.slots import SlotMasks, Slots, decode_slots, gemm_attention, row_bytes, slot_decodable
+from services.target.model.attention import PACKED_SDPA, register_packed_sdpa
+from services.target.model.model import Target
+from services.target.verify import slots as slots_module
+from services.target.verify.slots import SlotMasks, Slots, decode_slots, gemm_attention, row_bytes, slot_decodable
 from tests.tiny_targets import DENSE_LAYER_IDS, HYBRID_LAYER_IDS, VOCAB, dense_target, hybrid_target, prompt
 from tests.unit.test_speculative import random_drafter
 
@@ -44,7 +45,7 @@ def sliding_target(seed: int = 0, device: str = "cpu") -> Target:
     model = Gemma3ForCausalLM(cfg).to(device)
     with torch.no_grad():
         model.lm_head.weight.mul_(20)  # a spread of logits, so greedy output varies
-    _register_packed_sdpa()
+    register_packed_sdpa()
     model.config._attn_implementation = PACKED_SDPA
     return Target(model.eval().requires_grad_(False), DENSE_LAYER_IDS)
 
@@ -343,7 +344,7 @@ def test_cuda_packed_row_of_a_sliding_window_target_equals_its_documents_alone()
     target = sliding_target()
     target.model.to("cuda", torch.bfloat16)
     target.device = torch.device("cuda")
-    from services.target.model import packed_attention
+    from services.target.model.model import packed_attention
 
     target.varlen, _ = packed_attention(target.model, target.device)
     assert target.varlen

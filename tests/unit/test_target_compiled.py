@@ -1,4 +1,4 @@
-"""services/target/compiled.py: the target's decoder layers compiled for captures.
+"""services/target/model/compiled.py: the target's decoder layers compiled for captures.
 
 On tiny random targets (dense Qwen3 and the Qwen3.5 hybrid; fp32): captures through the compiled
 layers equal the eager ones on rows of different document counts, and after the first row no graph
@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from services.process.compile_setup import graphs_compiled
-from services.target.compiled import compile_and_warm_up, warmup_row, why_not
-from services.target.decode import DecodeSession
-from services.target.row_sessions import RowSession
-from services.target.verifying import warm_up_verify
+from services.target.model.compiled import compile_and_warm_up, warmup_row, why_not
+from services.target.verify.decode import DecodeSession
+from services.target.verify.row_sessions import RowSession
+from services.target.verify.verifying import warm_up_verify
 from tests.tiny_targets import HYBRID_DEVICES, VOCAB, cuda_with_kernels, dense_target, hybrid_target, prompt
 
 S = 96
@@ -210,7 +210,8 @@ def test_compiled_bf16_capture_is_as_close_to_fp32_as_the_eager_one(device):
 
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from services.target.model import PACKED_SDPA, Target, _register_packed_sdpa
+    from services.target.model.attention import PACKED_SDPA, register_packed_sdpa
+    from services.target.model.model import Target
 
     torch.manual_seed(0)
     cfg = Qwen3Config(
@@ -224,7 +225,7 @@ def test_compiled_bf16_capture_is_as_close_to_fp32_as_the_eager_one(device):
         max_position_embeddings=1024,
         tie_word_embeddings=False,
     )
-    _register_packed_sdpa()
+    register_packed_sdpa()
     cfg._attn_implementation = PACKED_SDPA
     fp32 = Qwen3ForCausalLM(cfg).eval().requires_grad_(False).to(device)
     layer_ids = [1, 4, 7, 11]

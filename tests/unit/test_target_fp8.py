@@ -22,8 +22,8 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from services.run.config import ConfigError, TargetConfig
-from services.target import fp8
-from services.target.model import decoder_layers, load_target
+from services.target.model import fp8
+from services.target.model.model import decoder_layers, load_target
 
 E4M3 = torch.float8_e4m3fn
 BLOCK = 128
@@ -504,7 +504,7 @@ def test_cuda_few_token_fp8_gemm_is_the_weight_only_math_eager_compiled_and_grap
     """A decoding step's few tokens: the Triton kernel equals x (bf16) times the dequantized weight
     at 1, 13 and 64 rows (64 the most it takes), with partial tiles on both weight dimensions;
     torch.compile traces it and a CUDA graph replays it; 65 rows take the scaled GEMM."""
-    from services.target import fp8_few_tokens
+    from services.target.model import fp8_few_tokens
 
     if not fp8_few_tokens.available() or torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("needs triton and an FP8 GPU")
@@ -540,7 +540,7 @@ def test_cuda_few_token_fp8_gemm_quantized_gives_the_scaled_gemms_numbers(layout
     """The quantized mode quantizes x as the scaled GEMM does, so at 1-64 tokens it gives the plain
     math's numbers (and the scaled GEMM's where it runs) up to the order of the sums: a batch of few
     rows and one of many compute alike."""
-    from services.target import fp8_few_tokens
+    from services.target.model import fp8_few_tokens
 
     if not fp8_few_tokens.available() or torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("needs triton and an FP8 GPU")
@@ -566,7 +566,7 @@ def test_cuda_fp8_target_with_the_few_token_decode_gemm_computes_as_the_scaled_o
     """A decoding step of 16 tokens on an FP8 target with target.fp8_decode_gemm = "few-token": every
     FP8 linear takes the kernel (quantized mode) and the logits are the scaled GEMM's, up to the
     order of the sums; 65 tokens and more keep the scaled GEMM."""
-    from services.target import fp8_few_tokens
+    from services.target.model import fp8_few_tokens
 
     if not fp8_few_tokens.available() or torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("needs triton and an FP8 GPU")

@@ -11,9 +11,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from services.target import hybrid
-from services.target.model import Target, choose_path, decoder_layers, slow_path_warning
-from services.target.row import RowSlot
+from services.target.model import hybrid
+from services.target.model.model import Target, choose_path, decoder_layers, slow_path_warning
+from services.target.model.row import RowSlot
 from tests.tiny_targets import tiny_hybrid_config
 
 TYPES = ["linear_attention", "linear_attention", "full_attention", "linear_attention"]
@@ -28,9 +28,9 @@ def _hybrid(dtype=torch.float32, device="cpu"):
     torch.manual_seed(0)
     config = tiny_hybrid_config(TYPES, 160)
     model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
-    from services.target.model import PACKED_SDPA, _register_packed_sdpa
+    from services.target.model.attention import PACKED_SDPA, register_packed_sdpa
 
-    _register_packed_sdpa()
+    register_packed_sdpa()
     model.config._attn_implementation = PACKED_SDPA
     return model.to(device).eval().requires_grad_(False)
 

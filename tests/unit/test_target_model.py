@@ -12,8 +12,8 @@ from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
 
 from services.run.config import TargetConfig
 from services.run.layers import default_layer_ids
-from services.target.model import (
-    PACKED_SDPA,
+from services.target.model.attention import PACKED_SDPA, varlen_attention
+from services.target.model.model import (
     Target,
     TargetLoadError,
     document_spans,
@@ -21,7 +21,6 @@ from services.target.model import (
     load_target,
     packed_attention,
     resolve_layer_ids,
-    varlen_attention,
 )
 
 SHAPE = dict(
@@ -292,7 +291,7 @@ def test_sliding_window_layers_keep_their_window_inside_each_document(tmp_path):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_capture_to_host_gives_pinned_copies(model_dir):
-    from services.target.model import capture_to_host
+    from services.target.model.model import capture_to_host
 
     target = load_target(TargetConfig(model_path=str(model_dir), dtype="bfloat16", layer_ids=[1, 3]), "cuda:0")
     pos, doc = _packed([100, 156])

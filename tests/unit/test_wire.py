@@ -49,7 +49,7 @@ def test_dtype_names_are_the_ones_docs_wire_md_lists():
     # one table (services/run/dtypes.py) gives the wire, target.dtype and export --dtype their names
     from services.drafter.checkpoints import export
     from services.run.config import TARGET_DTYPES
-    from services.target import model
+    from services.target.model import model
 
     assert list(wire.DTYPES) == ["bf16", "fp16", "fp32", "fp64", "int8", "int16", "int32", "int64", "uint8", "bool"]
     assert wire.DTYPES["bf16"] is torch.bfloat16 and wire.DTYPE_NAMES[torch.float32] == "fp32"

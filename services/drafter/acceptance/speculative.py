@@ -91,7 +91,7 @@ class DrafterProposer:
         return self.drafts(out.view(len(contexts), B, -1)[:, 1:], block[:, 0].to(device)).tolist()
 
     def padded(self, features, starts: torch.Tensor, last_tokens: torch.Tensor, context_len: int) -> torch.Tensor:
-        """Every row's B-1 drafts in one call on padded rows (services/target/slots.py): row b's context
+        """Every row's B-1 drafts in one call on padded rows (services/target/verify/slots.py): row b's context
         is features[b, :starts[b]], its block an anchor at starts[b]; context_len = max(starts), known
         to the caller. Returns [rows, B-1] on the drafter's device, with no host sync."""
         B, head = self.block_size, self.head

@@ -76,7 +76,7 @@ class Attention(nn.Module):
 
     def forward(self, x, ctx, rope, attend, mask):
         """x [Q, H] block tokens (already layer-normed), ctx [C, H] context features; or a batch of
-        padded rows, x [B, Q, H] and ctx [B, C, H] (many prompts decoded at once: services/target/slots.py)."""
+        padded rows, x [B, Q, H] and ctx [B, C, H] (many prompts decoded at once: services/target/verify/slots.py)."""
         batched = x.dim() == 3
         x, ctx = (x, ctx) if batched else (x[None], ctx[None])
         q_cos, q_sin, k_cos, k_sin = rope

@@ -18,7 +18,7 @@ import threading
 import torch
 
 from services.data.batch import FIELDS
-from services.target.model import Target
+from services.target.model.model import Target
 
 SLOT_WAIT_S = 120.0  # longer than any send may take (transport SEND_TIMEOUT_S), so a stuck slot is a bug
 

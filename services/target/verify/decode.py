@@ -31,8 +31,9 @@ from torch.nn.attention import sdpa_kernel
 from transformers import DynamicCache
 
 from services.decoding.decode_step import Step, rounding_tolerance
-from services.target import hybrid
-from services.target.model import NO_CUDNN_SDPA, Target
+from services.target.model import hybrid
+from services.target.model.attention import NO_CUDNN_SDPA
+from services.target.model.model import Target
 
 ATTENTION_KINDS = {"full_attention", "sliding_attention"}
 # decoding grows the key length every step: no cuDNN SDPA plan would ever be reused (model.py)

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import torch
 
-from services.target.model import PACKED_SDPA
-from services.target.slots import LENGTH_STEP, Slots, slot_decodable
+from services.target.model.attention import PACKED_SDPA
+from services.target.verify.slots import LENGTH_STEP, Slots, slot_decodable
 
 
 def check_rows(target) -> None:

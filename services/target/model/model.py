@@ -14,7 +14,7 @@ labels the backbone runs to the end and argmax labels are computed in row chunks
 Packed rows (several documents in one sequence) must not attend across documents. Every row is
 passed with per-document position ids and the document spans:
   - target.attn_implementation = "sdpa" (default) runs SDPA once per document with is_causal=True
-    (registered below as "sdpa_packed"): exact, no S x S mask, keeps the fast causal kernels; on
+    (attention.py's "sdpa_packed"): exact, no S x S mask, keeps the fast causal kernels; on
     CUDA in float16/bfloat16 one varlen flash-attention call covers the whole row instead (chosen
     at load by packed_attention and logged; a float32 target keeps SDPA per document, since the
     varlen kernel takes half precision only);
@@ -38,32 +38,24 @@ recurrence must restart at every document too. The capture path is chosen once, 
 from __future__ import annotations
 
 import dataclasses
-import functools
-import inspect
 import logging
 from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 from torch import nn
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from services.data.batch import FIELDS, document_spans
 from services.net.handshake import CaptureShape
 from services.run import dtypes, layers
 from services.run.config import TARGET_QUANTIZE as QUANTIZE
 from services.run.config import ConfigError, TargetConfig
-from services.target import fp8, hybrid
-from services.target.row import RowLayout, RowSlot
+from services.target.model import fp8, hybrid
+from services.target.model.attention import PACKED_SDPA, register_packed_sdpa, varlen_attention
+from services.target.model.compiled import compile_layers, compile_steps
+from services.target.model.row import RowLayout, RowSlot
 
 log = logging.getLogger("target")
-PACKED_SDPA = "sdpa_packed"
-# Not cuDNN's SDPA where shapes change call by call (a document's length, a growing KV cache): it
-# builds a plan on the host for every new shape (about 14 ms a call on an H200, bench/verify_step.py
-# --profile), and a packed row of documents of other lengths than the last never reuses one: a
-# Gemma-3 target's sliding-window layers, attended document by document, left the GPU 1 % busy.
-# Flash and memory-efficient attention have no per-shape plan.
-NO_CUDNN_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 DTYPES = dtypes.TARGET
 
 
@@ -84,135 +76,6 @@ def resolve_layer_ids(requested: list[int], num_layers: int, num_draft_layers: i
         return layers.resolve_layer_ids(requested, num_layers, num_draft_layers)
     except ValueError as exc:
         raise TargetLoadError(str(exc)) from None
-
-
-# --- packed attention ----------------------------------------------------------------------------
-
-
-@torch.compiler.disable  # reads the row's document spans: not traced (compiled.py)
-def _sdpa_packed(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """HF attention function: causal attention inside each document span of the row, never across.
-
-    query [B, Hq, S, D], key/value [B, Hkv, S, D]; returns ([B, S, Hq, D], None) like HF's sdpa.
-    The spans come from the row slot the Target tagged the attention module with (a capture), or
-    from a doc_spans argument (decode.py, plain forwards). With layout.varlen (chosen at load by
-    packed_attention) one varlen flash-attention call covers every document; else causal SDPA per
-    document.
-    """
-
-    spans, layout = kwargs.pop("doc_spans", None), None
-    slot = getattr(module, "row_slot", None)
-    if spans is None and slot is not None and slot.slots is not None:  # many prompts, each on its KV cache
-        return slot.slots.attend(module, query, key, value, kwargs.get("sliding_window"), scaling)
-    if spans is None:
-        layout = slot.layout if slot is not None else None
-        if layout is None:
-            raise RuntimeError(
-                "sdpa_packed needs the row's document spans: run the model through Target.capture "
-                "or pass doc_spans (or set target.attn_implementation to 'eager' or 'flex_attention')"
-            )
-        spans = layout.spans
-    window = kwargs.pop("sliding_window", None)
-    if key.shape[2] != query.shape[2]:  # decoding on top of a KV cache (decode.py)
-        return _sdpa_cached(module, query, key, value, spans, window, scaling)
-    varlen = varlen_attention() if layout is not None and layout.varlen and len(spans) > 1 else None
-    if varlen is not None and (window is None or varlen.windows):
-        out = varlen(
-            query[0].transpose(0, 1),
-            key[0].transpose(0, 1),
-            value[0].transpose(0, 1),
-            layout.cu_seqlens,
-            layout.longest,
-            scaling,
-            window,
-        )
-        return out[None], None
-    b, hq, s, d = query.shape
-    out = query.new_empty(b, s, hq, value.shape[-1])
-    with sdpa_kernel(NO_CUDNN_SDPA):
-        _sdpa_per_document(module, query, key, value, spans, window, scaling, out)
-    return out, None
-
-
-def _sdpa_per_document(module, query, key, value, spans, window, scaling, out) -> None:
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    for start, end in spans:
-        mask = None
-        if window is not None and end - start > window:  # a sliding-window layer: band inside the document
-            i = torch.arange(end - start, device=query.device)
-            mask = (i[:, None] >= i[None, :]) & (i[:, None] - i[None, :] < window)
-        o, _ = sdpa_attention_forward(
-            module,
-            query[:, :, start:end],
-            key[:, :, start:end],
-            value[:, :, start:end],
-            mask,
-            dropout=0.0,
-            scaling=scaling,
-        )
-        out[:, start:end] = o
-
-
-def _sdpa_cached(module, query, key, value, spans, window, scaling):
-    """q_len new tokens after k_len - q_len cached ones, one document: causal aligned bottom-right
-    (query i is at position k_len - q_len + i), banded for a sliding-window layer."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    q_len, k_len = query.shape[2], key.shape[2]
-    if len(spans) != 1:
-        raise RuntimeError(f"sdpa_packed on a KV cache takes one document, got {len(spans)} spans")
-    mask = None  # one new token that sees every cached one needs none
-    if q_len > 1 or (window is not None and window < k_len):
-        i = torch.arange(k_len - q_len, k_len, device=query.device)[:, None]
-        j = torch.arange(k_len, device=query.device)[None, :]
-        mask = (j <= i) if window is None else (j <= i) & (i - j < window)
-    return sdpa_attention_forward(
-        module,
-        query,
-        key,
-        value,
-        None if mask is None else mask[None, None],
-        dropout=0.0,
-        scaling=scaling,
-        is_causal=False,
-    )
-
-
-@functools.cache
-def varlen_attention():
-    """torch's varlen flash attention (torch >= 2.10) as f(q, k, v, cu, max_len, scale), or None.
-
-    q [T, Hq, D], k/v [T, Hkv, D], causal inside each span of cu; with `window` W, each query sees
-    its last W keys (itself included: a sliding-window layer), where this torch takes a window
-    (attend.windows). The keyword for "causal" and for grouped KV heads changed between torch
-    releases, so both spellings are handled.
-    """
-    try:
-        from torch.nn.attention.varlen import varlen_attn
-    except ImportError:
-        return None
-    params = inspect.signature(varlen_attn).parameters
-    causal = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
-    gqa = "enable_gqa" in params
-
-    def attend(q, k, v, cu, longest, scale, window=None):
-        if k.shape[1] != q.shape[1] and not gqa:
-            k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
-        extra = {"enable_gqa": True} if gqa else {}
-        band = causal if window is None else {"window_size": (window - 1, 0)}
-        return varlen_attn(
-            q.contiguous(), k.contiguous(), v.contiguous(), cu, cu, longest, longest, scale=scale, **band, **extra
-        )
-
-    attend.windows = "window_size" in params
-    return attend
-
-
-def _register_packed_sdpa() -> None:
-    from transformers import AttentionInterface
-
-    AttentionInterface.register(PACKED_SDPA, _sdpa_packed)
 
 
 # --- loading -------------------------------------------------------------------------------------
@@ -254,7 +117,7 @@ def load_hf_model(model_path: str | Path, dtype: torch.dtype, attn_implementatio
     document)."""
     impl = attn_implementation
     if impl == "sdpa":
-        _register_packed_sdpa()
+        register_packed_sdpa()
         impl = PACKED_SDPA
     return load_causal_lm(model_path, dtype, device, impl)
 
@@ -384,16 +247,12 @@ class Target:
 
     def compile(self, backend: str = "inductor") -> None:
         """Compile every decoder layer for captures (compiled.py); decoding keeps the eager layers."""
-        from services.target.compiled import compile_layers
-
         compile_layers(self.layers, self.slot, backend)
         self._backend, self.slot.compiled = backend, True
 
     def compile_steps(self, backend: str = "inductor") -> None:
         """Compile every decoder layer for slots.py's decoding steps (compiled.compile_steps), once;
         steps_backend = "" turns them off again, this on."""
-        from services.target.compiled import compile_steps
-
         if "step_forward" not in self.layers[0].__dict__:
             compile_steps(self.layers, self.slot, backend)
         self.steps_backend = backend
@@ -509,7 +368,7 @@ def load_target(cfg: TargetConfig, device: str | torch.device = "cpu", num_draft
     if cfg.quantize not in QUANTIZE:
         raise TargetLoadError(f"target.quantize must be one of {', '.join(QUANTIZE)}, got {cfg.quantize!r}")
     model = load_hf_model(cfg.model_path, DTYPES[cfg.dtype], cfg.attn_implementation, device)
-    if cfg.quantize == "fp8":  # decoder linears in FP8 (services/target/fp8.py)
+    if cfg.quantize == "fp8":  # decoder linears in FP8 (services/target/model/fp8.py)
         log.info("%s", fp8.quantize_target(model, decoder_layers(model), cfg.model_path))
         if cfg.fp8_decode_gemm == "few-token":  # the scaled GEMM's numbers, faster at a step's few tokens
             count = fp8.few_token_steps(model, "quantized")

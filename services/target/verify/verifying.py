@@ -29,10 +29,10 @@ import torch
 from services.net import verify
 from services.net.transport import Request
 from services.run.config import Config
-from services.target.decode import DecodeSession, check_decodable
-from services.target.hybrid import RECURRENT_TOKENS
+from services.target.model.hybrid import RECURRENT_TOKENS
 from services.target.replies import Dropped, Reply, VerifyReply
-from services.target.row_sessions import RowSession
+from services.target.verify.decode import DecodeSession, check_decodable
+from services.target.verify.row_sessions import RowSession
 
 log = logging.getLogger("target")
 SESSION_IDLE_S = 120.0

@@ -50,7 +50,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from services.run.config import ConfigError
-from services.target import fp8_few_tokens as few
+from services.target.model import fp8_few_tokens as few
 
 log = logging.getLogger("target")
 FP8 = torch.float8_e4m3fn

@@ -17,7 +17,7 @@ Everything else in the layer (projections, gated norm, output projection) is per
 once over the whole row, which is where the speed comes from: a chat row of 8192 tokens holds
 about 160 documents, and one forward per document ran 18x slower than one forward per row.
 
-Decoding (services/target/decode.py) uses the same modules in a decode mode: when the slot holds
+Decoding (services/target/verify/decode.py) uses the same modules in a decode mode: when the slot holds
 a DecodeState, each layer continues from its conv tail and fp32 recurrent state instead of
 restarting, and a verified block can be cut back to its first n tokens (DecodeState says how).
 transformers' own cache layers for linear attention are not used: their past-state recording
@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from services.decoding.decode_step import ROLLBACKS
-from services.target.row import RowLayout, RowSlot
+from services.target.model.row import RowLayout, RowSlot
 
 # the layer attributes this forward reads (transformers' Qwen3.5 Gated DeltaNet, 5.x)
 _GDN_PARTS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "conv1d", "dt_bias", "A_log", "norm", "out_proj")

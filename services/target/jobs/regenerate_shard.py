@@ -10,7 +10,7 @@ produces. Three ways to line the labels up with the target (docs/guide/data.md#w
     turn seeing the earlier turns as the target wrote them; then train with data labels. Context
     and labels are then exactly what the target produces in real decoding.
 
-    python -m services.target.regenerate_shard --model PATH --data IN.jsonl --out OUT.jsonl
+    python -m services.target.jobs.regenerate_shard --model PATH --data IN.jsonl --out OUT.jsonl
         [--batch-size 0] [--max-new-tokens 1024] [--engine hf|vllm|sglang] [--device cuda|cpu]
         [--shard I/N] [--chat-template-kwargs '{"enable_thinking": false}']
         [--samples K --sample-temperature T]
@@ -20,7 +20,7 @@ as data.chat_template_kwargs gives them to training): the replies are what the t
 under the options it will be served with.
 
 Engines: "hf" (default) decodes many prompts at once on one KV cache, a row per prompt
-(services/target/slots.py: one forward per token for the whole batch, greedy output identical to
+(services/target/verify/slots.py: one forward per token for the whole batch, greedy output identical to
 transformers' `generate`; temperature > 0 samples over the whole vocabulary), for any target of
 attention and Gated DeltaNet layers (the hybrids' recurrent state kept per row); any other runs
 transformers' batched `generate` (left padding). vLLM or SGLang when installed (their own batching).
@@ -69,7 +69,7 @@ class HFEngine:
         import torch
         from transformers import AutoTokenizer
 
-        from services.target.model import load_causal_lm
+        from services.target.model.model import load_causal_lm
 
         self.torch = torch
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
@@ -113,7 +113,7 @@ class HFEngine:
         for start in range(0, len(order), step):
             chunk = order[start : start + step]
             if self.slots is not None:
-                from services.target.slots import decode_slots
+                from services.target.verify.slots import decode_slots
 
                 outs = decode_slots(
                     self.slots,
@@ -163,7 +163,7 @@ class HFEngine:
         and for HF generate."""
         if self.device == "cpu" or self.slots is None:
             return AUTO_ROWS_CPU
-        from services.target.slots import rows_that_fit
+        from services.target.verify.slots import rows_that_fit
 
         return rows_that_fit(self.model, self.device, capacity, AUTO_ROWS)
 
@@ -178,10 +178,11 @@ def slot_target(model):
     """The model as a Target decoded on rows of a KV cache (slots.py), or None when it has a layer
     slot decoding does not run (a recurrent layer other than the Gated DeltaNet, or one without
     flash-linear-attention's kernels on CUDA: the Target then runs one document at a time)."""
-    from services.target.model import PACKED_SDPA, Target, _register_packed_sdpa
-    from services.target.slots import slot_decodable
+    from services.target.model.attention import PACKED_SDPA, register_packed_sdpa
+    from services.target.model.model import Target
+    from services.target.verify.slots import slot_decodable
 
-    _register_packed_sdpa()
+    register_packed_sdpa()
     model.config._attn_implementation = PACKED_SDPA  # its slot branch reads the rows' masks
     target = Target(model, [])
     return target if slot_decodable(target) else None
@@ -295,7 +296,9 @@ def main(argv=None) -> int:
     from services.process import torchao_gate
 
     torchao_gate.hide()  # transformers would import it (and print its warnings) for nothing here
-    p = argparse.ArgumentParser(prog="python -m services.target.regenerate_shard", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m services.target.jobs.regenerate_shard", description=__doc__.split("\n")[0]
+    )
     p.add_argument("--model", required=True, help="the target (local HF folder)")
     p.add_argument("--data", required=True, help="chat JSONL to regenerate")
     p.add_argument("--out", required=True, help="JSONL to write")

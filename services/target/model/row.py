@@ -36,14 +36,14 @@ class RowLayout:
 class RowSlot:
     """What every layer of one model reads: layout, the packed row of a capture; decode, a
     hybrid.DecodeState while decode.py runs a decoding forward (it takes precedence); slots, the
-    per-row masks while services/target/slots.py decodes many prompts at once."""
+    per-row masks while services/target/verify/slots.py decodes many prompts at once."""
 
     def __init__(self):
         # Instance attributes from the start: the compiled graphs guard on this object's __dict__,
         # and a key that appeared later (the first decode setting `decode`) recompiled every layer.
         self.layout: RowLayout | None = None
         self.decode = None
-        self.slots = None  # services/target/slots.py: the masks of a forward of many prompts on their KV cache
+        self.slots = None  # services/target/verify/slots.py: the masks of a forward of many prompts on their KV cache
         self.rows = None  # slots.py with a hybrid target: the Gated DeltaNet states of its rows (hybrid.RowStates)
         self.compiled = False  # captures run the compiled layers (compiled.py)
         self.compiled_steps = False  # slots.py's decoding steps run the step-compiled layers (compiled.py)

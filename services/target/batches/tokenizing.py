@@ -1,4 +1,4 @@
-"""Records to token ids and loss masks, many at a time (services/target/data.py says what each line
+"""Records to token ids and loss masks, many at a time (services/target/batches/data.py says what each line
 shape supervises).
 
 Packing tokenizes every line of the data before the first step. A fast tokenizer's batched call
@@ -84,7 +84,7 @@ def _marked_chats(tokenizer, conversations: list[list[dict]], kwargs: dict) -> l
 
 
 def _assistant_spans(tokenizer, messages: list[dict], text: str) -> list[tuple[int, int]]:
-    """Content search (services/target/data.py): the character spans of the assistant replies in the
+    """Content search (services/target/batches/data.py): the character spans of the assistant replies in the
     rendered text, each with the eos_token that follows it."""
     spans, pos = [], 0
     eos = tokenizer.eos_token or ""

@@ -49,7 +49,7 @@ from services.data.data_lines import (
     normalize_messages,
     parse_json_line,
 )
-from services.target.tokenizing import many_chat_tokens, many_text_tokens
+from services.target.batches.tokenizing import many_chat_tokens, many_text_tokens
 
 MAX_BAD_EXAMPLES = 20
 
@@ -103,7 +103,7 @@ def lines_to_documents(
 ) -> list[tuple[np.ndarray, np.ndarray] | SampleError | DataError]:
     """Each line's (input_ids int32, loss_mask bool), or the SampleError that makes it bad, or the
     DataError that no line can fix (chat data and no chat template), in order. The lines' texts are
-    tokenized together: one batched call per kind of line (services/target/tokenizing.py)."""
+    tokenized together: one batched call per kind of line (services/target/batches/tokenizing.py)."""
     out: list = [None] * len(texts)
     chats, plain = [], []  # (index, messages), (index, record)
     for i, text in enumerate(texts):

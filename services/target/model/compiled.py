@@ -18,7 +18,8 @@ import time
 import torch
 from torch import nn
 
-from services.target.row import RowSlot
+from services.target.model.attention import PACKED_SDPA
+from services.target.model.row import RowSlot
 
 log = logging.getLogger("target")
 
@@ -66,8 +67,6 @@ def _dispatch(compiled: dict, slot: RowSlot, eager):
 
 def why_not(target, setting: str) -> str:
     """ "" if target.compile = `setting` compiles this target, else why it does not."""
-    from services.target.model import PACKED_SDPA
-
     if setting == "off":
         return "target.compile=off"
     if setting == "auto" and target.device.type != "cuda":

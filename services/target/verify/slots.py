@@ -33,10 +33,10 @@ from torch.nn.attention import sdpa_kernel
 from transformers import DynamicCache
 
 from services.decoding.decode_step import Decoded, exact_logits, logits_weight, mm_writes_fp32, rounding_tolerance
-from services.target.decode import ATTENTION_KINDS, DECODE_SDPA
-from services.target.hybrid import PackedGatedDeltaNet, RowStates
-from services.target.model import Target
-from services.target.step_graphs import StepGraphs
+from services.target.model.hybrid import PackedGatedDeltaNet, RowStates
+from services.target.model.model import Target
+from services.target.verify.decode import ATTENTION_KINDS, DECODE_SDPA
+from services.target.verify.step_graphs import StepGraphs
 
 PREFILL_TOKENS = 1 << 15  # prompt tokens per prefill forward: bounds the padded activations and masks
 SYNC_EVERY = 8  # plain decoding reads the device back every 8 steps (to drop finished rows, to stop)
