@@ -7,7 +7,7 @@ layers are 27 GB to write and to read instead of 54, which is what lets the benc
 preset at full depth within one device call (bench/e2e.py --fp8-checkpoint). The model is whatever
 transformers built (its own initialisation); the decoder linears are quantized here, the rest (the
 embeddings, lm_head, norms, the Gated DeltaNet conv and gates) stay in the model's dtype. A vision
-tower is left out: the service loads the text model of a composite checkpoint. services/target/model/fp8.py
+tower is left out: the service loads the text model of a composite checkpoint. services/target/model/fp8_checkpoint.py
 reads the result (BlockScaledCheckpoint); the layout is the one it documents.
 """
 

@@ -31,7 +31,8 @@ from services.eval.verifier import LocalVerifier
 from services.run import runspec
 from services.run.config import Config
 from services.target.model.model import load_target
-from services.target.verify.slots import decode_slots, rows_that_fit, slot_decodable
+from services.target.verify.slot_cache import rows_that_fit
+from services.target.verify.slots import decode_slots, slot_decodable
 
 
 def load_eval_target(cfg: Config, device: torch.device):

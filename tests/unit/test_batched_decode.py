@@ -98,7 +98,7 @@ def test_drafts_of_a_packed_batch_equal_each_prompt_drafted_alone(dense):
 
 def test_the_default_batch_follows_the_target_kind_size_and_device(dense, hybrid, monkeypatch):
     from services.eval import local_spec_eval as spec_eval
-    from services.target.verify import slots
+    from services.target.verify import slot_cache
 
     free = {"bytes": 80 << 30}
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free["bytes"], 140 << 30))
@@ -111,10 +111,10 @@ def test_the_default_batch_follows_the_target_kind_size_and_device(dense, hybrid
     assert 1 <= long_rows < short_rows < spec_eval.AUTO_SLOTS
     # a hybrid's Gated DeltaNet layer holds a state of fixed size, not 512 tokens of keys and values:
     # more rows fit than if all its layers were attention (test_slot_decode checks the bytes themselves)
-    with_states = slots.rows_that_fit(hybrid.model, cuda, 512, 1 << 30)
+    with_states = slot_cache.rows_that_fit(hybrid.model, cuda, 512, 1 << 30)
     cfg = hybrid.model.config.get_text_config()
     monkeypatch.setattr(cfg, "layer_types", ["full_attention"] * len(cfg.layer_types))
-    assert with_states > slots.rows_that_fit(hybrid.model, cuda, 512, 1 << 30)
+    assert with_states > slot_cache.rows_that_fit(hybrid.model, cuda, 512, 1 << 30)
     monkeypatch.setattr(spec_eval, "slot_decodable", lambda target: False)  # a target slots.py cannot run
     free["bytes"] = 80 << 30
     assert spec_eval.auto_batch(hybrid, cuda, 512) == spec_eval.AUTO_BATCH > 1  # packed, no cache

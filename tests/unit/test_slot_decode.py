@@ -13,8 +13,9 @@ from services.drafter.modeling.attention import padded_mask, visibility
 from services.eval.verifier import LocalVerifier
 from services.target.model.attention import PACKED_SDPA, register_packed_sdpa
 from services.target.model.model import Target
-from services.target.verify import slots as slots_module
-from services.target.verify.slots import SlotMasks, Slots, decode_slots, gemm_attention, row_bytes, slot_decodable
+from services.target.verify import slot_cache
+from services.target.verify.slot_cache import SlotMasks, gemm_attention, row_bytes
+from services.target.verify.slots import Slots, decode_slots, slot_decodable
 from tests.tiny_targets import DENSE_LAYER_IDS, HYBRID_LAYER_IDS, VOCAB, dense_target, hybrid_target, prompt
 from tests.unit.test_speculative import random_drafter
 
@@ -303,7 +304,7 @@ def test_a_device_oracle_drafts_as_the_host_one(hybrid):
 
 
 def test_a_hybrids_rows_keep_their_gated_deltanet_state_through_any_acceptance(hybrid):
-    """A Gated DeltaNet hybrid on KV-cache rows (its recurrent state per row: hybrid.RowStates) makes
+    """A Gated DeltaNet hybrid on KV-cache rows (its recurrent state per row: hybrid_states.RowStates) makes
     the one-prompt loop's decisions: plain greedy; a drafter right for 0, 2, 3 or 4 tokens of a block
     of 6, a different number per row in the same step (0: every draft rejected); and rows that stop
     early and leave the batch."""
@@ -362,7 +363,7 @@ def test_cuda_packed_row_of_a_sliding_window_target_equals_its_documents_alone()
 
 @pytest.mark.parametrize("kind", ["dense", "sliding", "hybrid"])
 def test_a_rows_memory_is_what_the_automatic_batch_counts(kind, dense, sliding, hybrid):
-    """slots.row_bytes, which sizes a batch when the user leaves it to us (rows_that_fit), against the
+    """slot_cache.row_bytes, which sizes a batch when the user leaves it to us (rows_that_fit), against the
     tensors a row holds once it decoded a block: keys and values of the attention layers only, the
     drafter's features, a Gated DeltaNet layer's conv window and state (counted twice: its copy while
     a block commits). A hybrid's recurrent layers keep no keys."""
@@ -410,7 +411,7 @@ def test_gemm_attention_is_sdpa_with_the_slot_masks(window):
     want = torch.nn.functional.scaled_dot_product_attention(rows, key, value, attn_mask=bias, scale=0.125)
     got = gemm_attention(rows, key, value, bias, 0.125)
     assert got.shape == want.shape and torch.allclose(got, want, atol=1e-5, rtol=1e-5)
-    assert not slots_module.gemm_attention_applies(rows)  # CPU decoding keeps SDPA
+    assert not slot_cache.gemm_attention_applies(rows)  # CPU decoding keeps SDPA
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -422,7 +423,7 @@ def test_cuda_bf16_decoding_steps_of_few_rows_take_the_gemm_attention(rows, appl
         masks, query, key, value = few_query_inputs("cuda", torch.bfloat16, rows=rows, q=q)
         b, heads, _, d = query.shape
         packed = query.reshape(b, key.shape[1], heads // key.shape[1] * q, d)
-        assert slots_module.gemm_attention_applies(packed) == applies
+        assert slot_cache.gemm_attention_applies(packed) == applies
         out, _ = masks.attend(None, query, key, value, None, 0.125)
         bias = masks.bias(None, heads // key.shape[1], query.dtype)
         want = torch.nn.functional.scaled_dot_product_attention(
@@ -437,8 +438,8 @@ def test_cuda_bf16_slot_decoding_with_the_gemm_attention_is_lossless(monkeypatch
     """bf16 decoding of a few rows through the two-GEMM attention (counted): the drafted decoding gives
     the plain greedy decoding's tokens, as with SDPA; and so do the compiled, graphed steps."""
     calls = []
-    real = slots_module.gemm_attention
-    monkeypatch.setattr(slots_module, "gemm_attention", lambda *a: calls.append(1) or real(*a))
+    real = slot_cache.gemm_attention
+    monkeypatch.setattr(slot_cache, "gemm_attention", lambda *a: calls.append(1) or real(*a))
     target = dense_target(device="cuda", dtype=torch.bfloat16)
     ps = prompts()
     refs = decode_slots(target, None, ps, max_new_tokens=NEW, graphs=False)

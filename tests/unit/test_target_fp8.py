@@ -22,7 +22,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from services.run.config import ConfigError, TargetConfig
-from services.target.model import fp8
+from services.target.model import fp8, fp8_checkpoint
 from services.target.model.model import decoder_layers, load_target
 
 E4M3 = torch.float8_e4m3fn
@@ -255,7 +255,7 @@ def test_the_benchmarks_fp8_checkpoint_of_a_composite_hybrid_loads_with_its_bloc
     # every decoder linear but the Gated DeltaNet's in_proj_a / in_proj_b (4 heads wide here, not a
     # multiple of 16: they stay bf16 as the service keeps them; the 27B's 48 heads are FP8)
     assert count == 2 * (5 + 3) + 2 * (4 + 3) - 2 * 2 and not any(".visual." in k for k in index)
-    checkpoint = fp8.BlockScaledCheckpoint.open(tmp_path / "fp8")
+    checkpoint = fp8_checkpoint.BlockScaledCheckpoint.open(tmp_path / "fp8")
     target = load_target(TargetConfig(model_path=str(tmp_path / "fp8"), dtype="float32", quantize="fp8"))
     layers = [m for m in target.model.modules() if isinstance(m, fp8.FP8Linear)]
     assert len(layers) == count and not any(m.rowwise for m in layers)
@@ -304,7 +304,7 @@ def test_fp8_checkpoint_requantized_rowwise_where_blocks_do_not_run(dense_fp8):
     path, _ = dense_fp8
     blocks = load_target(TargetConfig(model_path=str(path), dtype="bfloat16", quantize="fp8", layer_ids=[1, 2]))
     target = load_target(TargetConfig(model_path=str(path), dtype="bfloat16", layer_ids=[1, 2]))
-    checkpoint = fp8.BlockScaledCheckpoint.open(path)
+    checkpoint = fp8_checkpoint.BlockScaledCheckpoint.open(path)
     summary = fp8.quantize_decoder(target.model, target.layers, checkpoint.blocks_for(target.model), keep_blocks=False)
     assert summary["requantized"] == 21 and "requantized rowwise" in str(summary)
     assert all(m.rowwise for m in target.model.modules() if isinstance(m, fp8.FP8Linear))

@@ -159,11 +159,11 @@ class HFEngine:
 
     def rows_that_fit(self, capacity: int) -> int:
         """Prompts at once when --batch-size is 0: on a GPU, as many KV-cache rows of `capacity` tokens
-        as half the free memory holds, at most AUTO_ROWS (slots.rows_that_fit); AUTO_ROWS_CPU on CPU
+        as half the free memory holds, at most AUTO_ROWS (slot_cache.rows_that_fit); AUTO_ROWS_CPU on CPU
         and for HF generate."""
         if self.device == "cpu" or self.slots is None:
             return AUTO_ROWS_CPU
-        from services.target.verify.slots import rows_that_fit
+        from services.target.verify.slot_cache import rows_that_fit
 
         return rows_that_fit(self.model, self.device, capacity, AUTO_ROWS)
 

@@ -50,7 +50,7 @@ from services.net.handshake import CaptureShape
 from services.run import dtypes, layers
 from services.run.config import TARGET_QUANTIZE as QUANTIZE
 from services.run.config import ConfigError, TargetConfig
-from services.target.model import fp8, hybrid
+from services.target.model import fp8, fp8_checkpoint, hybrid
 from services.target.model.attention import PACKED_SDPA, register_packed_sdpa, varlen_attention
 from services.target.model.compiled import compile_layers, compile_steps
 from services.target.model.row import RowLayout, RowSlot
@@ -103,8 +103,8 @@ def load_causal_lm(
             f"{path}/config.json: model type {config.model_type!r} has no causal-LM class in transformers"
         )
     impl = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
-    checkpoint = fp8.BlockScaledCheckpoint.open(path)  # None unless config.json declares FP8 blocks
-    with fp8.loading(checkpoint, config):
+    checkpoint = fp8_checkpoint.BlockScaledCheckpoint.open(path)  # None unless config.json declares FP8 blocks
+    with fp8_checkpoint.loading(checkpoint, config):
         model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=dtype, **impl)
     model.to(device).eval().requires_grad_(False)
     if checkpoint is not None:  # the FP8 weights, exactly fp8 * scale_inv
@@ -368,8 +368,8 @@ def load_target(cfg: TargetConfig, device: str | torch.device = "cpu", num_draft
     if cfg.quantize not in QUANTIZE:
         raise TargetLoadError(f"target.quantize must be one of {', '.join(QUANTIZE)}, got {cfg.quantize!r}")
     model = load_hf_model(cfg.model_path, DTYPES[cfg.dtype], cfg.attn_implementation, device)
-    if cfg.quantize == "fp8":  # decoder linears in FP8 (services/target/model/fp8.py)
-        log.info("%s", fp8.quantize_target(model, decoder_layers(model), cfg.model_path))
+    if cfg.quantize == "fp8":  # decoder linears in FP8 (fp8.py, fp8_checkpoint.py)
+        log.info("%s", fp8_checkpoint.quantize_target(model, decoder_layers(model), cfg.model_path))
         if cfg.fp8_decode_gemm == "few-token":  # the scaled GEMM's numbers, faster at a step's few tokens
             count = fp8.few_token_steps(model, "quantized")
             log.info("target.fp8_decode_gemm=few-token: %d FP8 linears take decoding steps' few tokens", count)

@@ -15,7 +15,7 @@ State after commit(n) equals the state after feeding exactly the committed token
     attention layers ever write to it (the recurrent layers keep their own state, below), so a
     crop touches nothing else;
   - Gated DeltaNet layers (Qwen3.5 / Qwen3.6): hybrid.PackedGatedDeltaNet in decode mode; the conv
-    tail and the fp32 recurrent state live in this session (hybrid.DecodeState). `rollback` picks
+    tail and the fp32 recurrent state live in this session (hybrid_states.DecodeState). `rollback` picks
     how a rejected suffix is undone: "per-token" (default) keeps the state after each block token,
     "refeed" re-runs the delta rule over the committed prefix from the state before the block.
     docs/guide/acceptance.md says which is faster where, measured by bench/verify_step.py.
@@ -30,9 +30,10 @@ import torch
 from torch.nn.attention import sdpa_kernel
 from transformers import DynamicCache
 
-from services.decoding.decode_step import Step, rounding_tolerance
+from services.decoding.decode_step import ROLLBACKS, Step, rounding_tolerance
 from services.target.model import hybrid
 from services.target.model.attention import NO_CUDNN_SDPA
+from services.target.model.hybrid_states import DecodeState
 from services.target.model.model import Target
 
 ATTENTION_KINDS = {"full_attention", "sliding_attention"}
@@ -79,10 +80,10 @@ def check_decodable(target: Target) -> None:
 class DecodeSession:
     """One prompt's incremental decoding state on `target` (see the top of this file)."""
 
-    def __init__(self, target: Target, rollback: str = hybrid.ROLLBACKS[0]):
+    def __init__(self, target: Target, rollback: str = ROLLBACKS[0]):
         check_decodable(target)
         self.target = target
-        self.state = hybrid.DecodeState(rollback)
+        self.state = DecodeState(rollback)
         self.cache = AttentionCache()
         self.length = 0  # committed tokens
         self.pending = 0  # tokens of the last verified block, until commit
