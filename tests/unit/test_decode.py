@@ -10,7 +10,7 @@ import torch
 from services.decoding.decode_step import ROLLBACKS, rounding_tolerance
 from services.drafter.acceptance.speculative import greedy_reference
 from services.eval.verifier import LocalVerifier
-from services.target.model.attention import _sdpa_packed
+from services.target.model.attention import sdpa_packed
 from services.target.verify.decode import DecodeSession
 from tests.greedy import hf_greedy_generate
 from tests.tiny_targets import dense_target, hybrid_target, plain_hf, prompt
@@ -113,7 +113,7 @@ def test_cached_attention_is_causal_bottom_right():
     q = torch.randn(1, 4, 3, 8, generator=gen)
     k, v = torch.randn(1, 2, 7, 8, generator=gen), torch.randn(1, 2, 7, 8, generator=gen)
     for window in (None, 3):
-        got, _ = _sdpa_packed(Module(), q, k, v, None, scaling=8**-0.5, doc_spans=[(0, 3)], sliding_window=window)
+        got, _ = sdpa_packed(Module(), q, k, v, None, scaling=8**-0.5, doc_spans=[(0, 3)], sliding_window=window)
         kr, vr = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)
         scores = (q @ kr.transpose(-1, -2)) * 8**-0.5
         i, j = torch.arange(4, 7)[:, None], torch.arange(7)[None]

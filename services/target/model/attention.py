@@ -30,7 +30,7 @@ NO_CUDNN_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDP
 
 
 @torch.compiler.disable  # reads the row's document spans: not traced (compiled.py)
-def _sdpa_packed(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+def sdpa_packed(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """HF attention function: causal attention inside each document span of the row, never across.
 
     query [B, Hq, S, D], key/value [B, Hkv, S, D]; returns ([B, S, Hq, D], None) like HF's sdpa.
@@ -150,7 +150,7 @@ def varlen_attention():
 
 
 def register_packed_sdpa() -> None:
-    """Register _sdpa_packed with transformers as PACKED_SDPA (then attn_implementation=PACKED_SDPA runs it)."""
+    """Register sdpa_packed with transformers as PACKED_SDPA (then attn_implementation=PACKED_SDPA runs it)."""
     from transformers import AttentionInterface
 
-    AttentionInterface.register(PACKED_SDPA, _sdpa_packed)
+    AttentionInterface.register(PACKED_SDPA, sdpa_packed)

@@ -212,7 +212,7 @@ class Target:
         self._out: torch.Tensor | None = None
         self._stop_after = True
         self.slot = RowSlot()
-        for module in self.layers.modules():  # what _sdpa_packed reads the row's spans from
+        for module in self.layers.modules():  # what sdpa_packed reads the row's spans from
             if type(module).__name__.endswith("Attention"):
                 module.row_slot = self.slot
         self.path = choose_path(model, self.layers, self.device, self.slot, packed_recurrent)
