@@ -23,7 +23,7 @@ class BatchReply:
     client: bytes
     batch: Batch
     split: str
-    ready: object = None  # a CUDA event the send waits for (ring.py), None on the CPU
+    ready: object = None  # a CUDA event the send waits for (batches/ring.py), None on the CPU
     release: Callable[[], None] | None = None  # frees the capture's host slot once sent
 
 

@@ -6,12 +6,12 @@ States (health): starting -> loading (model + data index) -> ready -> training (
 draining (SIGTERM: finish the batch in hand) -> stopped; failed on an error (exit codes: services/process/exits.py).
 Requests are served in arrival order: "info" -> the dict below; "batch" g -> build row g,
 queue its capture on the GPU, hand it to the transport's I/O thread; "verify" -> a step of the
-drafters' real-acceptance eval on this process's own target (verifying.py, which bounds its share
+drafters' real-acceptance eval on this process's own target (verify/verifying.py, which bounds its share
 of the target's time). Any rank can build any batch; the rank only decides which requests arrive here.
 
 The work is the core's (core.py: TargetCore.answer(request) -> replies, no sockets); this file is its
 process shell: the batch server, health, the stop signal. Nothing in this loop waits for the GPU or
-the network (ring.py, transport.BatchServer): while the
+the network (batches/ring.py, transport.BatchServer): while the
 GPU runs one forward, this thread builds the next row and queues the next forward; a side stream
 copies finished captures into pinned host slots, and the I/O thread streams them to the drafters
 once copied. The number of slots (transport.credits + 2) bounds the host memory in flight.

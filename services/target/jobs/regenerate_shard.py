@@ -62,7 +62,7 @@ from services.process.files import write_text_atomic
 
 
 class HFEngine:
-    """Batched greedy (or sampled) decoding, prompts sorted by length: rows of a KV cache (slots.py)
+    """Batched greedy (or sampled) decoding, prompts sorted by length: rows of a KV cache (verify/slots.py)
     for an attention-only target, else HF generate, left-padded."""
 
     def __init__(self, model_path: str, device: str, temperature: float, template_kwargs: dict | None = None):
@@ -175,7 +175,7 @@ WINDOW_BATCHES = 16  # prompts one decode_slots call takes, in batches: its reco
 
 
 def slot_target(model):
-    """The model as a Target decoded on rows of a KV cache (slots.py), or None when it has a layer
+    """The model as a Target decoded on rows of a KV cache (verify/slots.py), or None when it has a layer
     slot decoding does not run (a recurrent layer other than the Gated DeltaNet, or one without
     flash-linear-attention's kernels on CUDA: the Target then runs one document at a time)."""
     from services.target.model.attention import PACKED_SDPA, register_packed_sdpa

@@ -35,7 +35,7 @@ def sdpa_packed(module, query, key, value, attention_mask, scaling=None, dropout
 
     query [B, Hq, S, D], key/value [B, Hkv, S, D]; returns ([B, S, Hq, D], None) like HF's sdpa.
     The spans come from the row slot the Target tagged the attention module with (a capture), or
-    from a doc_spans argument (decode.py, plain forwards). With layout.varlen (chosen at load by
+    from a doc_spans argument (verify/decode.py, plain forwards). With layout.varlen (chosen at load by
     packed_attention) one varlen flash-attention call covers every document; else causal SDPA per
     document.
     """
@@ -53,7 +53,7 @@ def sdpa_packed(module, query, key, value, attention_mask, scaling=None, dropout
             )
         spans = layout.spans
     window = kwargs.pop("sliding_window", None)
-    if key.shape[2] != query.shape[2]:  # decoding on top of a KV cache (decode.py)
+    if key.shape[2] != query.shape[2]:  # decoding on top of a KV cache (verify/decode.py)
         return _sdpa_cached(module, query, key, value, spans, window, scaling)
     varlen = varlen_attention() if layout is not None and layout.varlen and len(spans) > 1 else None
     if varlen is not None and (window is None or varlen.windows):

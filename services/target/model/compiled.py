@@ -6,7 +6,7 @@ varies from row to row (where the documents begin) stays outside the graphs: the
 and the Gated DeltaNet conv and kernel read it from the row slot (row.py) inside functions marked
 torch.compiler.disable. Every row has pack_len tokens, so the graphs compiled on the warmup row
 serve every later row (graphs_compiled() counts; the worker reports recompiles after warmup).
-decode.py's decoding forwards and plain forwards keep the eager layers; slots.py's decoding steps
+verify/decode.py's decoding forwards and plain forwards keep the eager layers; verify/slots.py's decoding steps
 can have compiled layers of their own (compile_steps: dynamic shapes, target.compile_steps()).
 """
 
@@ -30,10 +30,10 @@ def compile_layers(layers: nn.ModuleList, slot: RowSlot, backend: str = "inducto
 
 
 def compile_steps(layers: nn.ModuleList, slot: RowSlot, backend: str = "inductor") -> None:
-    """Compile each decoder layer's forward for slots.py's decoding steps: a few tokens on each of
+    """Compile each decoder layer's forward for verify/slots.py's decoding steps: a few tokens on each of
     many KV-cache rows. The rows and the cache length change from step to step, so the shapes are
     dynamic; the KV cache writes and the Gated DeltaNet states stay eager (torch.compiler.disable).
-    Inside a CUDA graph (step_graphs.py) this removes what the graph cannot: the many small kernels
+    Inside a CUDA graph (verify/step_graphs.py) this removes what the graph cannot: the many small kernels
     of the norms, rotary, gates and SwiGLU. Each layer still compiles on its own (transformers hands
     the cache its layer_idx, an int torch.compile keeps constant), so compiling costs 30-130 s:
     docs/benchmarks.md, "The verify step with compiled layers"."""

@@ -234,7 +234,7 @@ class PackedGatedDeltaNet(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         m = self.layer
-        if self.row.rows is not None:  # slots.py: a batch of rows, each from its own state
+        if self.row.rows is not None:  # verify/slots.py: a batch of rows, each from its own state
             return self._rows(hidden_states, self.row.rows)
         if hidden_states.shape[0] != 1:
             raise ValueError(f"packed Gated DeltaNet takes one row at a time, got a batch of {hidden_states.shape[0]}")

@@ -128,7 +128,7 @@ class StackedLayers:
 
 
 class RowStates:
-    """Every Gated DeltaNet layer's state for every row of slots.py's KV cache, and the block each
+    """Every Gated DeltaNet layer's state for every row of verify/slots.py's KV cache, and the block each
     layer saw last (its conv window and rule inputs, in buffers that stay put: CUDA graphs replay
     into them). A step that feeds blocks leaves the states as they were; commit(n) then moves
     row r past the first n[r] tokens of its block: the rule run again from the state before the

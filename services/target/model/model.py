@@ -219,7 +219,7 @@ class Target:
         self.per_document = self.path == "per-document"
         self.varlen, self.attention = packed_attention(model, self.device)
         self._backend = ""  # the torch.compile backend, once compile() ran
-        self.steps_backend = ""  # slots.py's decoding steps run compiled layers of this backend (compile_steps)
+        self.steps_backend = ""  # verify/slots.py's decoding steps run compiled layers of this backend (compile_steps)
         self.hf_varlen = str(getattr(model.config, "_attn_implementation", "")).startswith("flash_attention")
         self.warning = slow_path_warning(self.path, self.device)
         self._hooks: list = []
@@ -251,7 +251,7 @@ class Target:
         self._backend, self.slot.compiled = backend, True
 
     def compile_steps(self, backend: str = "inductor") -> None:
-        """Compile every decoder layer for slots.py's decoding steps (compiled.compile_steps), once;
+        """Compile every decoder layer for verify/slots.py's decoding steps (compiled.compile_steps), once;
         steps_backend = "" turns them off again, this on."""
         if "step_forward" not in self.layers[0].__dict__:
             compile_steps(self.layers, self.slot, backend)
@@ -260,7 +260,7 @@ class Target:
     @contextmanager
     def capturing_into(self, out: torch.Tensor):
         """For one full forward (to the final norm, nothing skipped), the hooks write the captured
-        layers into out [S, K*H]: decode.py's forwards, with the KV cache and logits."""
+        layers into out [S, K*H]: verify/decode.py's forwards, with the KV cache and logits."""
         self._out, self._stop_after = out, False
         try:
             yield out

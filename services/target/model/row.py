@@ -35,7 +35,7 @@ class RowLayout:
 
 class RowSlot:
     """What every layer of one model reads: layout, the packed row of a capture; decode, a
-    hybrid_states.DecodeState while decode.py runs a decoding forward (it takes precedence); slots, the
+    hybrid_states.DecodeState while verify/decode.py runs a decoding forward (it takes precedence); slots, the
     per-row masks while services/target/verify/slots.py decodes many prompts at once."""
 
     def __init__(self):
@@ -44,8 +44,6 @@ class RowSlot:
         self.layout: RowLayout | None = None
         self.decode = None
         self.slots = None  # services/target/verify/slots.py: the masks of a forward of many prompts on their KV cache
-        self.rows = (
-            None  # slots.py with a hybrid target: the Gated DeltaNet states of its rows (hybrid_states.RowStates)
-        )
+        self.rows = None  # verify/slots.py on a hybrid: its rows' Gated DeltaNet states (hybrid_states.RowStates)
         self.compiled = False  # captures run the compiled layers (compiled.py)
-        self.compiled_steps = False  # slots.py's decoding steps run the step-compiled layers (compiled.py)
+        self.compiled_steps = False  # verify/slots.py's decoding steps run the step-compiled layers (compiled.py)
