@@ -72,7 +72,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 from bench import code_corpus, real_prompts  # noqa: E402
-from services.process.files import write_json_atomic, write_text_atomic  # noqa: E402
+from services.run.files import write_json_atomic, write_text_atomic  # noqa: E402
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MASK_TOKEN_ID, MASK_TOKEN = 16, "<empty_output>"

@@ -50,7 +50,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
-from services.process.files import write_json_atomic, write_text_atomic  # noqa: E402
+from services.run.files import write_json_atomic, write_text_atomic  # noqa: E402
 
 SKIP_DIRS = {"test", "tests", "idlelib", "tkinter", "lib2to3", "turtledemo", "site-packages", "__pycache__"}
 HELDOUT_FRACTION = 0.05

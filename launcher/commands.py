@@ -18,8 +18,8 @@ from launcher.inputs import PATH_KEYS, check_inputs, load_run_config, make_demo,
 from launcher.preflight import check_tokenizer, preflight, unread_template_kwargs
 from launcher.rundir import LATEST, run_holding
 from launcher.topology import host_overrides, hosts, parse_gpu_list, parse_gpu_spec
+from services.net.health_probe import probe
 from services.process import jobs
-from services.process.health import probe
 from services.run import eval_options
 from services.run.config import parse_value, toml_literal, value_of
 

@@ -3,7 +3,7 @@ converted once to a plain Hugging Face folder in the cache, which the run's conf
 a repo id is resolved to its snapshot folder (launcher/models.py). Every worker, a resume, `eval`
 and `export` read that folder; nothing past the launcher knows about GGUF.
 
-The cache: <cache root>/gguf/<sha256 of the file>[-<dtype>]/ (services.process.files.cache_root:
+The cache: <cache root>/gguf/<sha256 of the file>[-<dtype>]/ (services.run.files.cache_root:
 $DFLASH_CACHE_DIR, else $XDG_CACHE_HOME/dflash, else ~/.cache/dflash). Hashing a 15 GB file takes
 a minute, so a record keyed by the file's path, size and mtime (gguf/seen/) remembers its sha256:
 a second `up` with the same file costs a stat. A file rewritten in place with the same size and
@@ -23,8 +23,8 @@ import subprocess
 from pathlib import Path
 
 from services.process import jobs
-from services.process.files import cache_root, sha256_file, write_json_atomic
 from services.process.gguf_support import DTYPES, missing_line, missing_packages
+from services.run.files import cache_root, sha256_file, write_json_atomic
 
 
 class GgufError(ValueError):

@@ -16,9 +16,9 @@ from launcher.models import REPO_ID, ModelNotFound, resolve_model_path
 from launcher.progress import ProgressLine
 from launcher.report import describe_data
 from services.process import jobs
-from services.process.files import write_json_atomic
 from services.run import runspec
 from services.run.config import Config, load_config
+from services.run.files import write_json_atomic
 
 DEMOS = jobs.DEMO_VARIANTS  # one list, beside the demo job (the launcher never imports torch)
 

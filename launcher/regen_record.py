@@ -12,8 +12,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from services.process.files import sha256_file, write_json_atomic
 from services.run.config import toml_literal
+from services.run.files import sha256_file, write_json_atomic
 
 SUFFIX = ".regenerate.json"
 

@@ -54,11 +54,11 @@ from launcher.topology import Worker, count
 from launcher.worker_argv import worker_argv
 from services.net import curve
 from services.net.endpoints import endpoint, socket_dir
+from services.net.health_probe import probe
 from services.process.exits import STOPPED as DRAFTER_STOPPED
-from services.process.files import cpu_share, write_json_atomic
-from services.process.health import probe
 from services.process.lifecycle import StopRequests, describe, watch_with_sender
 from services.run.config import Config
+from services.run.files import cpu_share, write_json_atomic
 
 EXIT_DONE, EXIT_FAILED, EXIT_USAGE, EXIT_STOPPED = 0, 1, 2, 3
 PROBE_EVERY_S = 5.0

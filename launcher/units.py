@@ -33,8 +33,8 @@ from launcher.inputs import load_run_config
 from launcher.topology import ROLES, Worker, count, parse_gpu_spec
 from launcher.worker_argv import worker_argv
 from services.net.endpoints import endpoint
-from services.process.files import cpu_share, write_text_atomic
 from services.run.config import dump_json
+from services.run.files import cpu_share, write_text_atomic
 
 SRC_DIR = Path(__file__).resolve().parents[1]
 TEMPLATE_DIR = SRC_DIR / "deploy" / "systemd"

@@ -29,9 +29,9 @@ from launcher.rundir import LATEST, choose_run_dir, claim, lock, resume_command
 from launcher.supervisor import EXIT_FAILED, EXIT_STOPPED, RunFailed, Supervisor
 from launcher.topology import host_overrides, hosts, parse_gpu_spec
 from services.net.endpoints import plaintext_problems
-from services.process.files import point
 from services.run import runspec
 from services.run.config import dump_json, old_names_used
+from services.run.files import point
 
 
 def cmd_up(args) -> int:

@@ -15,7 +15,8 @@ from pathlib import Path
 import torch
 
 from services.net.endpoints import endpoint
-from services.process.health import HealthServer, probe
+from services.net.health_probe import probe
+from services.process.health import HealthServer
 from services.run.config import load_config
 from services.target.worker import TargetWorker
 

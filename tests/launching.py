@@ -177,7 +177,7 @@ def wait_ready_then_metrics(run_dir: Path, proc: subprocess.Popen, timeout_s: fl
 def drafter_stuck(run_dir: Path) -> bool:
     """drafter-0 waits for a batch and makes no step for a second (its status, not a fixed sleep)."""
     from services.net.endpoints import endpoint
-    from services.process.health import probe
+    from services.net.health_probe import probe
     from services.run.config import load_config
 
     health = endpoint(run_dir, load_config(run_dir / "config.json").transport, "drafter", 0, "health")

@@ -14,7 +14,7 @@ import torch
 
 from services.drafter.acceptance.remote_eval import RemoteEvalSettings, RemoteSpecEval
 from services.net.endpoints import endpoint
-from services.process.health import probe
+from services.net.health_probe import probe
 from services.run.config import load_config
 from services.run.placement import Placement
 from tests.launching import REPO, target_argv

@@ -36,12 +36,12 @@ from services.drafter.training.synthetic import SyntheticSource
 from services.drafter.training.train import parameter_fingerprint
 from services.process import lifecycle
 from services.process.compile_setup import RecompileWatch
-from services.process.files import cpu_share
 from services.process.gpu_memory import gpu_memory
 from services.process.health import HealthServer
 from services.process.log import event
 from services.run import runspec
 from services.run.config import Config, ConfigError
+from services.run.files import cpu_share
 from services.run.placement import Placement
 
 log = logging.getLogger("drafter")

@@ -13,9 +13,9 @@ import zmq
 from services.data.batch import SPLITS, Batch, BatchError, token_digest
 from services.net import curve, wire
 from services.net.batch_stream import Announce, Ask, BufferPool, Chunk, Info, Partial, Refusal, queue_depth
+from services.net.health_probe import Drops, Reporter
 from services.net.io_thread import MAX_MESSAGES_PER_POLL, IoThread, get_all
 from services.net.sockets import secure_socket
-from services.process.health import Drops, HealthServer
 from services.run.config import TransportConfig
 
 
@@ -30,7 +30,7 @@ class BatchClient(IoThread):
         self,
         endpoints: list[str],
         transport: TransportConfig,
-        health: HealthServer | None = None,
+        health: Reporter | None = None,
         pin_memory: bool = False,
     ):
         self.transport = transport

@@ -47,9 +47,9 @@ import zmq
 from services.data.batch import Batch
 from services.net import curve, verify, wire
 from services.net.batch_stream import Ask, Info, Refusal, batch_messages, queue_depth
+from services.net.health_probe import Drops, Reporter
 from services.net.io_thread import MAX_MESSAGES_PER_POLL, IoThread, get_all
 from services.net.sockets import bind_private, secure_socket
-from services.process.health import Drops, HealthServer
 from services.run.config import TransportConfig
 
 log = logging.getLogger(__name__)
@@ -99,7 +99,7 @@ class BatchServer(IoThread):
         self,
         endpoint: str,
         transport: TransportConfig,
-        health: HealthServer | None = None,
+        health: Reporter | None = None,
         verify_limits: verify.VerifyLimits | None = None,
         incarnation: str = "",
     ):

@@ -44,9 +44,9 @@ import zmq
 
 from services.net import curve, wire
 from services.net.batch_stream import INCARNATION
+from services.net.health_probe import probe
 from services.net.message_fields import read_fields, rule
 from services.net.sockets import secure_socket
-from services.process.health import probe
 from services.run.config import TransportConfig
 
 OPS = ("open", "step", "close", "open-rows", "step-rows")

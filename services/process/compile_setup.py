@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from services.process.files import cpu_share
+from services.run.files import cpu_share
 
 
 def setup_environment(run_dir: str | Path, workers_on_node: int) -> dict:

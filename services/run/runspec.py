@@ -33,7 +33,6 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from services.process.files import write_json_atomic
 from services.run import layers, shapes
 from services.run.config import (
     BATCH_KINDS,
@@ -46,6 +45,7 @@ from services.run.config import (
     layer_ids_message,
     value_of,
 )
+from services.run.files import write_json_atomic
 
 FILE = "runspec.json"
 FORMAT = 1

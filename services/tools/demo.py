@@ -257,7 +257,7 @@ def demo_overrides(model_path: str, data_path: str, device: str = "cpu") -> list
 def cache_dir(variant: str = "dense") -> Path:
     """Where `launcher up --demo [hybrid]` keeps the demo: built once per machine, demo version and
     variant (teaching the target takes a minute or two on 2 cores), then reused by every demo run."""
-    from services.process.files import cache_root
+    from services.run.files import cache_root
 
     return cache_root() / (f"demo-v{DEMO_VERSION}" + ("" if variant == "dense" else f"-{variant}"))
 

@@ -88,7 +88,7 @@ def convert(path: Path, out: Path, dtype: str = "bfloat16", sha256: str = "") ->
     """Write the folder for the GGUF at path into out (aside, then renamed); its gguf_source.json."""
     import transformers
 
-    from services.process.files import default_file_mode, sha256_file
+    from services.run.files import default_file_mode, sha256_file
 
     start = time.monotonic()
     model, tokenizer, generation = load(path, dtype)

@@ -9,7 +9,7 @@ import psutil
 import pytest
 
 from services.net.endpoints import endpoint, socket_dir
-from services.process.health import probe
+from services.net.health_probe import probe
 from services.process.log import events, parse_event
 from services.run.config import TransportConfig
 from tests.launching import free_port, spawn_drafter

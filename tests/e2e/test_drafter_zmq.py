@@ -11,7 +11,7 @@ import pytest
 
 from services.drafter.books.ledger import read_all
 from services.net.endpoints import endpoint
-from services.process.health import probe
+from services.net.health_probe import probe
 from services.process.log import events
 from services.run.config import load_config
 from tests.assets import random_demo

@@ -19,7 +19,7 @@ import zmq
 
 from services.drafter.books.ledger import read_all
 from services.net.endpoints import endpoint
-from services.process.health import probe
+from services.net.health_probe import probe
 from services.run.config import load_config
 from tests.launching import PLUMBING, free_ports, run_launcher, start_launcher
 

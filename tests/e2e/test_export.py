@@ -361,7 +361,7 @@ def test_a_checkpoint_listing_its_layers_out_of_order_is_not_exported(trained, t
     import shutil
 
     from services.drafter.checkpoints.export import ExportError, export_checkpoint
-    from services.process.files import sha256_file
+    from services.run.files import sha256_file
 
     ckpt = tmp_path / "checkpoints" / "step-00000001"
     shutil.copytree((trained[1] / "checkpoints" / "latest").resolve(), ckpt)

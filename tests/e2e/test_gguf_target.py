@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from services.drafter.books.ledger import read_all
-from services.process.files import sha256_file
+from services.run.files import sha256_file
 from services.tools.demo import conversations
 from tests.gguf_files import write_llama_gguf
 from tests.launching import child_env, run_launcher

@@ -39,10 +39,10 @@ def impostor(run_dir: str, report: str, go: str) -> None:
     on a slow machine, and no drafter ever asked it (the CPU run trains 100 steps in ~10 s)."""
     from services.net.batch_client import BatchClient
     from services.net.endpoints import endpoint
+    from services.net.health_probe import probe
     from services.net.transport import BatchServer
-    from services.process.files import write_json_atomic
-    from services.process.health import probe
     from services.run.config import load_config
+    from services.run.files import write_json_atomic
 
     run = Path(run_dir)
     while not (run / "config.json").exists():  # the run dir appears whole (launcher/preflight.py staged)

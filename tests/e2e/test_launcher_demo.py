@@ -21,7 +21,7 @@ import psutil
 import pytest
 
 from services.drafter.books.ledger import read_all
-from services.process.files import sha256_file
+from services.run.files import sha256_file
 from tests.launching import PLUMBING, REPO, child_env, launcher_argv, run_launcher
 
 DEMO = ["--demo", "--device", "cpu", "--gpus", "0:target,1-2:drafter"]

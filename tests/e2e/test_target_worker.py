@@ -16,8 +16,8 @@ from transformers import AutoTokenizer
 
 from services.net.batch_client import BatchClient
 from services.net.endpoints import endpoint
+from services.net.health_probe import probe
 from services.process import log
-from services.process.health import probe
 from services.run.config import load_config
 from services.target.batches.packing import Packing, open_or_build
 from services.target.model.model import load_target

@@ -24,8 +24,9 @@ from services.data.batch import token_digest
 from services.net import wire
 from services.net.batch_client import BatchClient
 from services.net.batch_stream import batch_messages
+from services.net.health_probe import probe
 from services.net.transport import MAX_REQUEST_BYTES, BatchServer
-from services.process.health import HealthServer, probe
+from services.process.health import HealthServer
 from tests.batches import CHUNK, N_BATCHES, SEQ, collect, make_batch, same_batch, transport_cfg
 from tests.launching import REPO, child_env
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 import time
 
 from launcher.drops import DropWatch, describe_drops
-from services.process.health import Drops, HealthServer, probe
+from services.net.health_probe import Drops, probe
+from services.process.health import HealthServer
 
 
 def test_the_line_names_the_worker_the_kinds_the_counts_and_the_target():

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from launcher import gguf
-from services.process.files import sha256_file
 from services.run import runspec
+from services.run.files import sha256_file
 from tests.gguf_files import write_llama_gguf
 from tests.launching import child_env, run_launcher
 

@@ -15,7 +15,8 @@ import msgpack
 import pytest
 import zmq
 
-from services.process.health import EXIT_HEALTHY, EXIT_UNHEALTHY, EXIT_UNREACHABLE, HealthServer, probe
+from services.net.health_probe import EXIT_HEALTHY, EXIT_UNHEALTHY, EXIT_UNREACHABLE, probe
+from services.process.health import HealthServer
 from tests.launching import REPO, child_env
 
 # A worker main loop: stamps progress every 50 ms until the stall file appears.

@@ -3,12 +3,16 @@ both, and only services/eval (the in-process `launcher eval`) and services/tools
 may use a role's code.
 
     services/{run,data,net,process,decoding}
-                        shared: imports no role package, nor services.eval or services.tools
+                        shared: imports no role package, nor services.eval or services.tools; and
+                        inside it, no package imports one above it (SHARED_ORDER, bottom to top:
+                        run < data, decoding < net < process)
     services/target     imports no services.drafter, no services.eval
     services/drafter    imports no services.target, no services.eval
     launcher/           imports the shared layer only; it runs the roles, `launcher eval` and the
                         tools as child processes, each a job of services/process/jobs.py's table, and names
                         no services module itself
+
+No two modules of launcher/ and services/ import each other, directly or through others.
 
 Every import counts, also one inside a function: a lazy import loads the module all the same.
 """
@@ -34,6 +38,17 @@ FORBIDDEN = {  # the layer of a module -> the packages it must not import
 # the shared layer's packages, by what their modules are: what a run is, the data, the wire, the
 # process, speculative decoding's shared parts
 SHARED = ("services.run", "services.data", "services.net", "services.process", "services.decoding")
+# the shared layer's order, bottom to top: a package imports only packages of a lower rank (peers of one
+# rank import neither). run: what a run is, and the atomic file writes its runspec.json needs; data and
+# decoding: what passes between the roles; net: the wire, health's probe and Drops; process: a worker
+# as a process (its bootstrap wires the sockets, its health responder drives sd_notify)
+SHARED_ORDER = {
+    "services.run": 0,
+    "services.data": 1,
+    "services.decoding": 1,
+    "services.net": 2,
+    "services.process": 3,
+}
 
 
 def layer_of(module: str) -> str | None:
@@ -110,6 +125,166 @@ def test_the_check_sees_every_layer():
     for package in SHARED:
         modules = {module_name(p) for p in (REPO / Path(*package.split("."))).glob("*.py")}
         assert modules and {layer_of(n) for n in modules} == {"services"}, package
+
+
+def shared_package(module: str) -> str | None:
+    """The shared package ("services.net") a dotted name lies in, or None."""
+    package = ".".join(module.split(".")[:2])
+    return package if package in SHARED_ORDER else None
+
+
+def upward(source: str, module: str) -> list[str]:
+    """The imports by which a shared module reaches a shared package above its own, or beside it
+    (a peer of the same rank)."""
+    own = shared_package(module)
+    if own is None:
+        return []
+    bad = {}
+    for line, name in imported(source, module):
+        other = shared_package(name)
+        if other and other != own and SHARED_ORDER[other] >= SHARED_ORDER[own]:
+            bad.setdefault(line, name)
+    return [
+        f"{module}:{line}: imports {name} (rank {SHARED_ORDER[shared_package(name)]})"
+        for line, name in sorted(bad.items())
+    ]
+
+
+def test_no_shared_package_imports_one_above_it():
+    assert set(SHARED_ORDER) == set(SHARED)
+    found = [v for path in product_modules() for v in upward(path.read_text(), module_name(path))]
+    assert not found, (
+        "the shared layer's order is "
+        + " < ".join(sorted(SHARED_ORDER, key=SHARED_ORDER.get))
+        + (":\n" + "\n".join(found))
+    )
+
+
+@pytest.mark.parametrize(
+    "module, source, bad",
+    [
+        ("services.net.x", "from services.process.health import HealthServer\n", True),
+        ("services.run.x", "def f():\n    from services.process import files\n", True),
+        ("services.data.x", "from ..net import wire\n", True),
+        ("services.data.x", "import services.decoding.lossless\n", True),  # peers import neither
+        (
+            "services.process.x",
+            "from services.net.sockets import secure_socket\nfrom services.run import config\n",
+            False,
+        ),
+        ("services.net.x", "from .wire import pack\nfrom services.data.batch import Batch\n", False),
+        ("services.drafter.x", "from services.process.health import HealthServer\n", False),  # not shared: no rank
+    ],
+)
+def test_the_order_check_catches_an_upward_import(module, source, bad):
+    assert bool(upward(source, module)) == bad, upward(source, module)
+
+
+def is_module(name: str) -> bool:
+    path = REPO / Path(*name.split("."))
+    return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
+
+
+def module_imports(source: str, module: str) -> set[str]:
+    """The product modules a module imports, at any depth: `from a.b import c` is a.b.c when c is a
+    module, else a.b; relative imports resolved (a package's __init__ is its own package)."""
+    package = module.split(".") if module_name_is_package(module) else module.split(".")[:-1]
+    found = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package[: len(package) - node.level + 1] + ([base] if base else []))
+            for alias in node.names:
+                found.add(f"{base}.{alias.name}" if is_module(f"{base}.{alias.name}") else base)
+    return {name for name in found if name.split(".")[0] in FOLDERS and is_module(name) and name != module}
+
+
+FOLDERS = ("launcher", "services")
+
+
+def module_name_is_package(module: str) -> bool:
+    return (REPO / Path(*module.split(".")) / "__init__.py").is_file()
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The import cycles of a graph (module -> the modules it imports): each strongly connected set
+    of two or more modules, as one cycle through it, smallest name first (Tarjan, iterative)."""
+    index, low, on_stack, stack, groups, counter = {}, {}, set(), [], [], [0]
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph.get(root, ()))))]
+        index[root] = low[root] = counter[0]
+        counter[0] += 1
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = counter[0]
+                    counter[0] += 1
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph.get(child, ())))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                group = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    group.append(member)
+                    if member == node:
+                        break
+                if len(group) > 1:
+                    groups.append(sorted(group))
+    return sorted(path_through(graph, group) for group in groups)
+
+
+def path_through(graph: dict[str, set[str]], group: list[str]) -> list[str]:
+    """One cycle inside a strongly connected group, from its first module back to it (breadth first)."""
+    start, members = group[0], set(group)
+    came_from, frontier = {start: None}, [start]
+    while frontier:
+        following = []
+        for node in frontier:
+            for child in sorted(graph.get(node, ())):
+                if child == start:
+                    path = [node]
+                    while came_from[path[-1]] is not None:
+                        path.append(came_from[path[-1]])
+                    return [*reversed(path), start]
+                if child in members and child not in came_from:
+                    came_from[child] = node
+                    following.append(child)
+        frontier = following
+    return group
+
+
+def test_no_import_cycle_between_modules():
+    graph = {module_name(path): module_imports(path.read_text(), module_name(path)) for path in product_modules()}
+    assert sum(map(len, graph.values())) > 300, "the check sees no imports"
+    found = cycles(graph)
+    assert not found, "import cycles (each a -> b -> ... -> a):\n" + "\n".join(" -> ".join(c) for c in found)
+
+
+def test_the_cycle_check_finds_cycles_of_any_length():
+    assert cycles({"a": {"b"}, "b": {"a"}, "c": {"a"}}) == [["a", "b", "a"]]
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == [["a", "b", "c", "a"]]
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": set()}) == []
+    # a lazy import inside a function and a relative import both count
+    lazy = module_imports("def f():\n    from services.net import wire\n", "services.data.batch")
+    relative = module_imports("from .wire import pack\nfrom . import curve\n", "services.net.sockets")
+    assert lazy == {"services.net.wire"} and relative == {"services.net.wire", "services.net.curve"}
 
 
 def services_strings(source: str) -> list[tuple[int, str]]:

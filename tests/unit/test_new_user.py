@@ -22,7 +22,7 @@ def test_a_small_cpu_run_shows_its_rate_in_tok_s_not_zero_ktok_s():
 def test_the_converted_gguf_folder_is_readable_by_a_server_under_another_account(tmp_path):
     """The printed serving commands point at the converted folder: its files get the usual mode
     (0666 minus the umask), not safetensors' owner-only 0600."""
-    from services.process.files import current_umask
+    from services.run.files import current_umask
     from services.tools.gguf_model import convert
     from tests.gguf_files import write_llama_gguf
 
@@ -94,7 +94,7 @@ def test_eval_names_the_step_and_digest_of_the_weights_it_read(tmp_path):
     from services.drafter.checkpoints.export import export_record, export_weights
     from services.drafter.modeling.model import DFlashDrafter, DrafterModelConfig
     from services.eval.launcher_eval import load_weights
-    from services.process.files import sha256_file
+    from services.run.files import sha256_file
     from tests.unit.test_export_serving import TINY
 
     cfg = DrafterModelConfig(**{**TINY, "num_hidden_layers": 1, "mask_token_id": 63})

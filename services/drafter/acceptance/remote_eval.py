@@ -33,8 +33,8 @@ from services.decoding.decode_step import Decoded, Step
 from services.drafter.acceptance.spec_eval import SpecEval
 from services.drafter.acceptance.speculative import greedy_reference, speculative_generate, summarize_sets
 from services.net.endpoints import endpoint
+from services.net.health_probe import Drops
 from services.net.verify import SessionLost, TargetUnavailable, VerifyClient, VerifyError
-from services.process.health import Drops
 from services.run.config import Config, DataConfig, TransportConfig
 from services.run.placement import Placement
 from services.run.runspec import HeldOut

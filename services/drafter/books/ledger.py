@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from services.process.files import write_text_atomic
+from services.run.files import write_text_atomic
 
 
 class Ledger:

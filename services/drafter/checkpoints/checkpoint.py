@@ -37,9 +37,9 @@ import torch
 
 from services.drafter.checkpoints.checkpoint_space import checkpoint_bytes, no_space, out_of_space
 from services.drafter.modeling.model import DrafterModelConfig
-from services.process.files import default_file_mode, fsync_dir, point, sha256_file
 from services.run.checkpoint_compat import compatibility_errors
 from services.run.config import ConfigError
+from services.run.files import default_file_mode, fsync_dir, point, sha256_file
 
 FORMAT_VERSION = 1
 FILES = ("model.safetensors", "optimizer.pt", "rng.safetensors", "state.json", "config.json")

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from services.drafter.checkpoints import checkpoint as ckpt
-from services.process.files import fsync_dir, point
+from services.run.files import fsync_dir, point
 
 PIECE = 64 << 20  # bytes per broadcast: a checkpoint is never one tensor in memory
 

@@ -205,7 +205,7 @@ def export_weights(
     export.json keeps (`serve`: target, vllm, sglang)."""
     from safetensors.torch import save_file
 
-    from services.process.files import default_file_mode
+    from services.run.files import default_file_mode
 
     if dtype not in DTYPES:
         raise ExportError(f"--dtype {dtype!r}: choose one of {', '.join(DTYPES)}")

@@ -274,7 +274,7 @@ def describe(failures: dict, ranks: list[int]) -> str:
 
 
 def write_status(args: argparse.Namespace, **status) -> None:
-    from services.process.files import write_json_atomic
+    from services.run.files import write_json_atomic
 
     restarts = max(0, status.get("starts", 1) - 1)
     if SERVER is not None:  # rank 0's host: what its store answered, refused (handshakes) and dropped

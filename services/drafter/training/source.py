@@ -54,11 +54,12 @@ from services.net import curve
 from services.net.batch_client import BatchClient
 from services.net.endpoints import endpoint
 from services.net.handshake import TargetInfo
+from services.net.health_probe import probe
 from services.net.wire import WireError
 from services.process import lifecycle
-from services.process.files import write_json_atomic
-from services.process.health import HealthServer, probe
+from services.process.health import HealthServer
 from services.run.config import Config, TransportConfig
+from services.run.files import write_json_atomic
 from services.run.placement import Placement
 from services.run.runspec import RunSpec
 from services.run.schedule import Plan, make_plan

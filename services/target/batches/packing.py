@@ -52,9 +52,9 @@ import numpy as np
 
 from services.data.batch import SPLITS
 from services.data.packed_data import FORMAT_VERSION, PackedData, RowOrder, digests_path
-from services.process.files import cache_root, sha256_file
 from services.run import runspec
 from services.run.config import Config, DataConfig
+from services.run.files import cache_root, sha256_file
 from services.target.batches.data import BadSamples, DataError, Document, read_documents
 
 _PACK_SALT = 0x9AC4

@@ -58,7 +58,7 @@ from services.data.data_lines import (
     replies_to_write,
     sample_path,
 )
-from services.process.files import write_text_atomic
+from services.run.files import write_text_atomic
 
 
 class HFEngine:
