@@ -1,5 +1,5 @@
 """A run's config as versions from before [run] and [drafter] were split into a section per component
-wrote it (services/run/config.py RENAMED): for the tests that an older run's config.json still reads
+wrote it (services/run/config/loading.py RENAMED): for the tests that an older run's config.json still reads
 and resumes."""
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ A spec holds (docs/guide/running.md, "The run spec"):
 A target compares what it loaded with the spec, and a drafter compares what its targets say
 they loaded (the handshake, services/net/handshake.py) with its own.
 
-What decides batch g is read from the marks on the config keys (services/run/config.py `setting`),
+What decides batch g is read from the marks on the config keys (services/run/config/schema.py `setting`),
 so a key added to the config is covered by every check as soon as it is marked (and
 tests/unit/test_runspec.py fails for a key with no mark):
   - the packed data's cache key (services/target/batches/packing.py): "content" keys and "path" files;
@@ -40,9 +40,9 @@ from services.run.config import (
     Config,
     ConfigError,
     TargetConfig,
-    _section_class,
     ascending,
     layer_ids_message,
+    section_class,
     value_of,
 )
 from services.run.files import write_json_atomic
@@ -68,7 +68,7 @@ def keys_deciding(kinds: tuple[str, ...]) -> list[str]:
     return [
         f"{section}.{f.name}"
         for section in SECTIONS
-        for f in dataclasses.fields(_section_class(section))
+        for f in dataclasses.fields(section_class(section))
         if f.metadata.get("batch") in kinds
     ]
 
@@ -85,7 +85,7 @@ def digest(picked: dict) -> str:
 
 def batch_keys_of(cfg: Config) -> dict:
     """{dotted key: {"decides": mark, "value": value}} of every key that decides batch g (a run spec's batch_keys)."""
-    marks = {f"{s}.{f.name}": f.metadata["batch"] for s in SECTIONS for f in dataclasses.fields(_section_class(s))}
+    marks = {f"{s}.{f.name}": f.metadata["batch"] for s in SECTIONS for f in dataclasses.fields(section_class(s))}
     return {k: {"decides": marks[k], "value": v} for k, v in values(cfg, DECIDING).items()}
 
 

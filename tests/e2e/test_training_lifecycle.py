@@ -104,7 +104,7 @@ def test_sigkilled_drafter_resumes_and_every_batch_is_trained_once(tmp_path):
 
 def as_written_before_the_split(checkpoint: Path) -> None:
     """The checkpoint's config.json as a version before [run] and [drafter] were split into sections
-    wrote it (services/run/config.py RENAMED: every moved key under its old name), its manifest to match."""
+    wrote it (services/run/config/loading.py RENAMED: every moved key under its old name), its manifest to match."""
     from services.run.files import sha256_file
 
     config = json.loads((checkpoint / "config.json").read_text())

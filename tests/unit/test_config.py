@@ -4,7 +4,7 @@ import re
 
 import pytest
 
-from services.run.config import Config, ConfigError, _section_class, dump_json, load_config, parse_value, toml_literal
+from services.run.config import Config, ConfigError, dump_json, load_config, parse_value, section_class, toml_literal
 from tests.launching import REPO
 from tests.old_configs import before_the_split
 
@@ -14,7 +14,7 @@ def describe_defaults() -> dict[str, str]:
     return {
         f"{f.name}.{key}": json.dumps(value)
         for f in dataclasses.fields(Config)
-        for key, value in dataclasses.asdict(_section_class(f.name)()).items()
+        for key, value in dataclasses.asdict(section_class(f.name)()).items()
     }
 
 

@@ -412,7 +412,7 @@ def test_the_cores_import_no_socket_signal_or_health():
 # settings (from_config, build, load, prepare). Every other function takes its settings.
 SHELLS = ("services/target/worker.py", "services/drafter/worker.py")
 JOBS = ("services/eval/", "services/tools/")
-BOUNDARY_MODULES = ("services/run/config.py", "services/run/runspec.py", "launcher/", *SHELLS, *JOBS)
+BOUNDARY_MODULES = ("services/run/config/", "services/run/runspec.py", "launcher/", *SHELLS, *JOBS)
 BOUNDARY_FUNCTIONS = ("setup", "from_config", "build", "load", "prepare")
 
 

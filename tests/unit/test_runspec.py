@@ -1,4 +1,4 @@
-"""The marks on the config keys (services/run/config.py `setting`) and the checks derived from them."""
+"""The marks on the config keys (services/run/config/schema.py `setting`) and the checks derived from them."""
 
 from __future__ import annotations
 
@@ -10,13 +10,13 @@ import pytest
 
 from services.run import runspec, shapes
 from services.run.checkpoint_compat import MODEL_FIELDS, NOT_FOR_RESUME, RUN_FIELDS, model_errors
-from services.run.config import BATCH_KINDS, SECTIONS, _section_class, load_config
+from services.run.config import BATCH_KINDS, SECTIONS, load_config, section_class
 from services.target.batches.packing import Packing, build_index, cache_key
 from services.tools.demo import conversations
 from tests.launching import run_launcher, target_argv
 
 VOCAB = 4096
-ALL_KEYS = [(s, f) for s in SECTIONS for f in dataclasses.fields(_section_class(s))]
+ALL_KEYS = [(s, f) for s in SECTIONS for f in dataclasses.fields(section_class(s))]
 
 
 def test_every_config_key_says_what_it_decides_about_a_batch():
@@ -128,7 +128,7 @@ def test_keys_not_marked_as_deciding_tokens_leave_the_packed_data_alone(data_fil
         assert cache_key(Packing.from_config(cfg), tokenizer, VOCAB) == key, dotted
         other = _packed(cfg, tokenizer)
         assert other.keys() == base.keys() and all(np.array_equal(other[k], base[k]) for k in base), (
-            f'{dotted} changes the packed data: mark it batch="content" in services/run/config.py'
+            f'{dotted} changes the packed data: mark it batch="content" in services/run/config/schema.py'
         )
 
 
