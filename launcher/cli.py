@@ -18,7 +18,7 @@ import sys
 from launcher.errors import UsageError
 from launcher.parser import build_parser
 from launcher.supervisor import EXIT_USAGE
-from launcher.topology import SpecError
+from launcher.topology import GpuSpecError
 from services.run.config import ConfigError
 
 EXIT_PIPE = 141  # 128 + SIGPIPE: what a shell reports for a writer whose reader went away
@@ -45,7 +45,7 @@ def _main(argv: list[str] | None = None) -> int:
     args.argv = argv  # for the resume hint of `up`
     try:
         return args.func(args)
-    except (UsageError, SpecError, ConfigError) as exc:
+    except (UsageError, GpuSpecError, ConfigError) as exc:
         print(f"launcher: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
 

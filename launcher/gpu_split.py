@@ -57,7 +57,7 @@ def measure(config: str | None, device: str, seconds: float, overrides: list[str
 def plan_gpus(text: str) -> list[int]:
     """`plan --gpus`: a count (8: GPUs 0-7), GPU numbers (0-7, 0-3+6) or an `up` spec
     (0-4:target,5-7:drafter: its GPUs, whatever the roles). ValueError naming what is wrong."""
-    from launcher.topology import SpecError, _parse_gpus, parse_gpu_spec
+    from launcher.topology import GpuSpecError, _parse_gpus, parse_gpu_spec
 
     text = text.strip()
     if text.isdigit():
@@ -69,7 +69,7 @@ def plan_gpus(text: str) -> list[int]:
             gpus = sorted(
                 {w.gpu for w in parse_gpu_spec(text, share_gpus=True)} if ":" in text else set(_parse_gpus(text, text))
             )
-        except SpecError as exc:
+        except GpuSpecError as exc:
             raise ValueError(str(exc)) from None
     if len(gpus) < 2:
         raise ValueError(f"--gpus {text}: a split needs at least 2 GPUs")

@@ -24,7 +24,7 @@ class ReportError(Exception):
 
 def read_metrics(run_dir: Path) -> tuple[list[dict], list[dict]]:
     """(train records, eval records) by step; a line cut by a crash is skipped, and so are real-acceptance
-    lines (read_spec reads them from acceptance.jsonl)."""
+    lines (read_acceptance_lines reads them from acceptance.jsonl)."""
     path = run_dir / "metrics.jsonl"
     if not path.is_file():
         raise ReportError(f"no metrics in {run_dir} (missing {path}); is this a run dir?")
@@ -40,9 +40,9 @@ def read_metrics(run_dir: Path) -> tuple[list[dict], list[dict]]:
     return sorted(train, key=lambda r: r["step"]), sorted(evals, key=lambda r: r["step"])
 
 
-def read_spec(run_dir: Path) -> tuple[list[dict], dict | None]:
+def read_acceptance_lines(run_dir: Path) -> tuple[list[dict], dict | None]:
     """(real-acceptance lines of training by step, the last `launcher eval` result or None)."""
-    spec, last_eval = [], None
+    acceptance, last_eval = [], None
     for path in (run_dir / "acceptance.jsonl", run_dir / "spec_eval.jsonl"):
         if not path.is_file():
             continue
@@ -52,13 +52,13 @@ def read_spec(run_dir: Path) -> tuple[list[dict], dict | None]:
             except ValueError:
                 continue
             if record.get("spec") and "step" in record:
-                spec.append(record)
+                acceptance.append(record)
             elif record.get("event") == "spec_eval":
                 last_eval = record
-    return sorted(spec, key=lambda r: r["step"]), last_eval
+    return sorted(acceptance, key=lambda r: r["step"]), last_eval
 
 
-def describe_spec(record: dict, what: str) -> list[str]:
+def describe_real_acceptance(record: dict, what: str) -> list[str]:
     """Real acceptance in words: the drafter's and its controls' (when the record has them), per prompt set."""
     from services.decoding.acceptance_text import tables
 
@@ -142,7 +142,9 @@ def throughput(train: list[dict], last: int) -> tuple[float, float, int, float] 
     return (tokens / seconds, waited / seconds, windows, seconds) if seconds > 0 else None
 
 
-def summary(run_dir: Path, train: list[dict], evals: list[dict], spec: list[dict], last_eval: dict | None) -> list[str]:
+def summary(
+    run_dir: Path, train: list[dict], evals: list[dict], acceptance: list[dict], last_eval: dict | None
+) -> list[str]:
     lines = [f"run: {run_dir}"]
     if train:
         last = train[-1]
@@ -171,14 +173,16 @@ def summary(run_dir: Path, train: list[dict], evals: list[dict], spec: list[dict
         )
     if (run_dir / "data.json").is_file():
         lines += describe_data(json.loads((run_dir / "data.json").read_text())).splitlines()
-    if spec:
-        last = spec[-1]
-        lines += describe_spec(last, f"step {last['step']}{', end of training' if last.get('final') else ''}")
+    if acceptance:
+        last = acceptance[-1]
+        lines += describe_real_acceptance(
+            last, f"step {last['step']}{', end of training' if last.get('final') else ''}"
+        )
         if cost := describe_cost(last):
             lines.append(cost)
     if last_eval:
-        lines += describe_spec(last_eval, f"`launcher eval` of {last_eval.get('drafter', '?')}")
-    if spec or last_eval:
+        lines += describe_real_acceptance(last_eval, f"`launcher eval` of {last_eval.get('drafter', '?')}")
+    if acceptance or last_eval:
         lines.append(
             "  (τ above is teacher-forced on the labels; real acceptance is what the target accepts: "
             "docs/guide/acceptance.md#tau-and-real-acceptance; every figure: docs/guide/monitoring.md#glossary)"
@@ -193,7 +197,7 @@ def summary(run_dir: Path, train: list[dict], evals: list[dict], spec: list[dict
     return lines
 
 
-def figure(train: list[dict], evals: list[dict], title: str, spec: list[dict] = ()):
+def figure(train: list[dict], evals: list[dict], title: str, acceptance: list[dict] = ()):
     """The report's matplotlib figure: loss, and τ beside real acceptance, over steps. Each axes says
     what it shows in its title and its unit in a short y label (a long vertical label runs past the
     axes into the figure's title)."""
@@ -212,14 +216,14 @@ def figure(train: list[dict], evals: list[dict], title: str, spec: list[dict] = 
             ax.plot([r["step"] for r in train], [r[key] for r in train], label="train", linewidth=1)
         if evals:
             ax.plot([r["step"] for r in evals], [r[key] for r in evals], "o-", label="eval (held-out)")
-        if key == "tau" and spec:  # the same unit: tokens committed per verify step
+        if key == "tau" and acceptance:  # the same unit: tokens committed per verify step
             ax.plot(
-                [r["step"] for r in spec],
-                [r["acceptance_per_step"] for r in spec],
+                [r["step"] for r in acceptance],
+                [r["acceptance_per_step"] for r in acceptance],
                 "s-",
                 label="real acceptance (spec. decoding)",
             )
-            final = spec[-1]
+            final = acceptance[-1]
             for name, style in (("repeat_last", ":"), ("random", "--")):
                 if name in final:
                     ax.axhline(
@@ -238,10 +242,10 @@ def figure(train: list[dict], evals: list[dict], title: str, spec: list[dict] = 
     return fig
 
 
-def plot(train: list[dict], evals: list[dict], out: Path, title: str, spec: list[dict] = ()) -> None:
+def plot(train: list[dict], evals: list[dict], out: Path, title: str, acceptance: list[dict] = ()) -> None:
     import matplotlib.pyplot as plt
 
-    fig = figure(train, evals, title, spec)
+    fig = figure(train, evals, title, acceptance)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=110)
     plt.close(fig)
@@ -251,11 +255,11 @@ def report(run_dir: str | Path, out: str | Path | None = None) -> tuple[list[str
     """Summary lines, and the PNG written (None when matplotlib is missing: the last line says so)."""
     run_dir = Path(run_dir).resolve()
     train, evals = read_metrics(run_dir)
-    spec, last_eval = read_spec(run_dir)
-    lines = summary(run_dir, train, evals, spec, last_eval)
+    acceptance, last_eval = read_acceptance_lines(run_dir)
+    lines = summary(run_dir, train, evals, acceptance, last_eval)
     png = Path(out) if out else run_dir / "report.png"
     try:
-        plot(train, evals, png, title=run_dir.name, spec=spec)
+        plot(train, evals, png, title=run_dir.name, acceptance=acceptance)
     except ImportError:
         lines.append(
             "plot: matplotlib is not installed; pip install 'dflash-service[report]' "

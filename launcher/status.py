@@ -9,7 +9,7 @@ from pathlib import Path
 from launcher import process
 from launcher.drops import describe_drops
 from launcher.progress import describe_acceptance, describe_window
-from launcher.report import describe_data, read_spec
+from launcher.report import describe_data, read_acceptance_lines
 from launcher.rundir import OUTCOME_EXIT, describe_live, describe_outcome, read_run
 from launcher.supervisor import probe_all
 from services.run.schedule import Plan
@@ -86,10 +86,11 @@ def cmd_status(args) -> int:
         for r in rows:
             if r.get("warning"):
                 print(f"{r['name']}: warning: {r['warning']}")
-            if (books := r.get("integrity") or {}).get("nonfinite_batches") or books.get("skipped_steps"):
+            if (integrity := r.get("integrity") or {}).get("nonfinite_batches") or integrity.get("skipped_steps"):
                 print(
-                    f"{r['name']}: {books['nonfinite_batches']} non-finite batches skipped, {books['skipped_steps']} "
-                    f"optimizer steps skipped; last: {books['last_nonfinite'] or 'another rank'}"
+                    f"{r['name']}: {integrity['nonfinite_batches']} non-finite batches skipped, "
+                    f"{integrity['skipped_steps']} "
+                    f"optimizer steps skipped; last: {integrity['last_nonfinite'] or 'another rank'}"
                 )
         _print_drops(rows, run.get("outcome") or {}, live)
         for agent in agents:
@@ -148,7 +149,7 @@ def last_window(run_dir: Path) -> dict | None:
 def last_acceptance(run_dir: Path) -> dict | None:
     """The last real-acceptance line of training (acceptance.jsonl, not the final one) where no drafter
     answers: the figures its health carried."""
-    during = [r for r in read_spec(run_dir)[0] if not r.get("final")]
+    during = [r for r in read_acceptance_lines(run_dir)[0] if not r.get("final")]
     return during[-1] if during else None
 
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from services.net.endpoints import ROLES  # one list of roles: endpoints, units, the spec
 
 
-class SpecError(ValueError):
+class GpuSpecError(ValueError):
     """A bad --gpus spec; the message is one line meant for the user."""
 
 
@@ -40,9 +40,9 @@ def _parse_gpus(text: str, group: str, where: str = "") -> list[int]:
             first = int(lo)
             last = int(hi) if sep else first
         except ValueError:
-            raise SpecError(f"{where}: {part!r} is not a GPU number or range like 0-4") from None
+            raise GpuSpecError(f"{where}: {part!r} is not a GPU number or range like 0-4") from None
         if first < 0 or last < first:
-            raise SpecError(f"{where}: range {part!r} is empty or negative")
+            raise GpuSpecError(f"{where}: range {part!r} is empty or negative")
         gpus.extend(range(first, last + 1))
     return gpus
 
@@ -52,16 +52,16 @@ def parse_gpu_list(text: str, available: int | None = None) -> list[int]:
     of child per GPU (regenerate). `available`: GPUs on this host (None: don't check)."""
     where = f"--gpus {text!r}"
     if not text or not text.strip():
-        raise SpecError("--gpus is empty; expected GPU numbers like 0-3 or 0,2,5")
+        raise GpuSpecError("--gpus is empty; expected GPU numbers like 0-3 or 0,2,5")
     if ":" in text or "@" in text:
-        raise SpecError(f"{where}: expected GPU numbers like 0-3 or 0,2,5, without roles or hosts")
+        raise GpuSpecError(f"{where}: expected GPU numbers like 0-3 or 0,2,5, without roles or hosts")
     gpus = _parse_gpus(text.replace(",", "+"), text, where)
     twice = sorted({g for g in gpus if gpus.count(g) > 1})
     if twice:
-        raise SpecError(f"{where}: GPU {twice[0]} is given twice")
+        raise GpuSpecError(f"{where}: GPU {twice[0]} is given twice")
     for gpu in gpus:
         if available is not None and gpu >= available:
-            raise SpecError(
+            raise GpuSpecError(
                 f"--gpus: GPU {gpu} does not exist (this machine has {available}: 0-{available - 1})"
                 if available
                 else f"--gpus: GPU {gpu} does not exist (no GPU found; use --device cpu)"
@@ -75,34 +75,34 @@ def parse_gpu_spec(
     """Parse spec into workers. `available` = number of GPUs on this host (None: don't check);
     only workers on `local_host` are checked against it."""
     if not spec or not spec.strip():
-        raise SpecError("--gpus is empty; expected something like 0-4:target,5-7:drafter")
+        raise GpuSpecError("--gpus is empty; expected something like 0-4:target,5-7:drafter")
     workers: list[Worker] = []
     owner: dict[tuple[str, int], str] = {}
     groups = [g.strip() for g in spec.split(",")]
     hosted = [g for g in groups if "@" in g]
     if hosted and len(hosted) != len(groups):
-        raise SpecError(f"--gpus {spec!r}: name the host of every group (GPUS:ROLE@HOST) or of none")
+        raise GpuSpecError(f"--gpus {spec!r}: name the host of every group (GPUS:ROLE@HOST) or of none")
     for i, group in enumerate(groups):
         group, _, host = group.partition("@")
         host = host.strip()
         if hosted and not host:
-            raise SpecError(f"--gpus group {group!r}: empty host after '@'")
+            raise GpuSpecError(f"--gpus group {group!r}: empty host after '@'")
         gpus_text, sep, role = group.rpartition(":")
         if not sep or not gpus_text:
-            raise SpecError(f"--gpus group {group!r}: expected GPUS:ROLE, e.g. 0-4:target{_join_hint(groups, i)}")
+            raise GpuSpecError(f"--gpus group {group!r}: expected GPUS:ROLE, e.g. 0-4:target{_join_hint(groups, i)}")
         role = role.strip()
         if role not in ROLES:
-            raise SpecError(f"--gpus group {group!r}: unknown role {role!r} (roles: {', '.join(ROLES)})")
+            raise GpuSpecError(f"--gpus group {group!r}: unknown role {role!r} (roles: {', '.join(ROLES)})")
         for gpu in _parse_gpus(gpus_text, group):
             if available is not None and host == local_host and gpu >= available:
-                raise SpecError(
+                raise GpuSpecError(
                     f"--gpus: GPU {gpu} does not exist (this machine has {available}: 0-{available - 1})"
                     if available
                     else f"--gpus: GPU {gpu} does not exist (no GPU found; use --device cpu)"
                 )
             where = f"GPU {gpu}" + (f" of {host}" if host else "")
             if (host, gpu) in owner and not share_gpus:
-                raise SpecError(
+                raise GpuSpecError(
                     f"--gpus: {where} is given twice ({owner[host, gpu]} and {role}); pass --share-gpus to allow it"
                 )
             owner.setdefault((host, gpu), role)
@@ -110,7 +110,7 @@ def parse_gpu_spec(
             workers.append(Worker(role, rank, gpu, host))
     for role in ROLES:
         if not any(w.role == role for w in workers):
-            raise SpecError(f"--gpus {spec!r}: no {role} GPU; at least one target and one drafter are needed")
+            raise GpuSpecError(f"--gpus {spec!r}: no {role} GPU; at least one target and one drafter are needed")
     return workers
 
 

@@ -74,7 +74,7 @@ def render_units(
       TimeoutStopSec (finish the step, checkpoint). WatchdogSec is supervise.stall_after_s.
     env_dir: where the environment files and config.json will be installed (default
       /etc/dflash/<run.name>). user / group: User= / Group= of the workers (default: root).
-    Raises ConfigError (config), SpecError (gpu_spec) or UnitsError (everything else).
+    Raises ConfigError (config), GpuSpecError (gpu_spec) or UnitsError (everything else).
     """
     roles = tuple(roles)
     if not roles or any(r not in ROLES for r in roles):

@@ -24,7 +24,7 @@ from launcher.preflight import (
     resumed_line,
     staged,
 )
-from launcher.report import describe_cost, describe_export, describe_spec, read_spec
+from launcher.report import describe_cost, describe_export, describe_real_acceptance, read_acceptance_lines
 from launcher.rundir import LATEST, choose_run_dir, claim, lock, resume_command
 from launcher.supervisor import EXIT_FAILED, EXIT_STOPPED, RunFailed, Supervisor
 from launcher.topology import host_overrides, hosts, parse_gpu_spec
@@ -131,9 +131,9 @@ def cmd_up(args) -> int:
     export = describe_export(run_dir / "export")
     if code == 0 and export:
         print(export, flush=True)
-    final = [r for r in read_spec(run_dir)[0] if r.get("final")]
+    final = [r for r in read_acceptance_lines(run_dir)[0] if r.get("final")]
     if code == 0 and final:
-        print("\n".join(describe_spec(final[-1], f"step {final[-1]['step']}, end of training")), flush=True)
+        print("\n".join(describe_real_acceptance(final[-1], f"step {final[-1]['step']}, end of training")), flush=True)
         if cost := describe_cost(final[-1]):
             print(cost, flush=True)
     if code == 0 and export and args.demo:  # what the drafter buys, in wall-clock time

@@ -93,12 +93,12 @@ class MostlyRight:
     """A 'trained' drafter: drafts the target's greedy continuation (the reference) with one wrong
     token at the end of every block, so each step commits B-1 tokens."""
 
-    def __init__(self, spec: RemoteSpecEval, block_size: int):
-        self.spec, self.block_size, self.sequence = spec, block_size, None
+    def __init__(self, spec_eval: RemoteSpecEval, block_size: int):
+        self.spec_eval, self.block_size, self.sequence = spec_eval, block_size, None
 
     def __call__(self, features, last_token, start):
-        for i, prompt in enumerate(self.spec.prompts):  # a prompt's first step: find its sequence
-            ref = self.spec._refs.get(i)
+        for i, prompt in enumerate(self.spec_eval.prompts):  # a prompt's first step: find its sequence
+            ref = self.spec_eval._refs.get(i)
             if ref is not None and start == len(prompt) and last_token == ref.tokens[0]:
                 self.sequence = prompt + ref.tokens
         drafts = (self.sequence[start + 1 : start + self.block_size] + [0] * self.block_size)[: self.block_size - 1]
@@ -111,8 +111,8 @@ class MostlyRight:
         out = []
         for context, last in zip(contexts, last_tokens):
             start = context.shape[0]
-            for i, prompt in enumerate(self.spec.prompts):
-                sequence = prompt + self.spec._refs[i].tokens
+            for i, prompt in enumerate(self.spec_eval.prompts):
+                sequence = prompt + self.spec_eval._refs[i].tokens
                 if len(prompt) <= start < len(sequence) and sequence[start] == last:
                     self.sequence = sequence
                     break

@@ -47,8 +47,9 @@ class RowOrder:
         return cls(cfg.run.seed, cfg.data.shuffle, cfg.run.epochs)
 
 
-class _RowOrder:
-    """Which row of a split batch g is (packing.py's rules); needs num_batches() and its RowOrder."""
+class RowsByBatch:
+    """The base of the packed data's readers: which row of a split batch g reads (row_of: packing.py's rules,
+    decided by its RowOrder); a subclass says how many batches a split has (num_batches)."""
 
     order: RowOrder
     _perm: tuple[int, np.ndarray] | None = None
@@ -69,7 +70,7 @@ class _RowOrder:
         return int(self._perm[1][g % n])
 
 
-class PublishedDigests(_RowOrder):
+class PublishedDigests(RowsByBatch):
     """<key>.digests.safetensors: digest(g, split) without the packed data."""
 
     def __init__(self, path: str | Path, order: RowOrder):
@@ -87,7 +88,7 @@ class PublishedDigests(_RowOrder):
         return bytes(self.rows[split][self.row_of(g, split)]).hex()
 
 
-class PackedData(_RowOrder):
+class PackedData(RowsByBatch):
     """Rows of a built cache file; batch(g, split) -> the tensors of services.data.batch.Batch minus hidden."""
 
     def __init__(self, path: str | Path, order: RowOrder):

@@ -73,7 +73,7 @@ class DrafterWorker:
         self.run_dir, self.rank, self.world_size = Path(args.run_dir), args.rank, args.world_size
         self.workers_on_node = workers_on_node
         self.batches: BatchSource | None = None
-        self.books = None
+        self.bookkeeping = None
         self.compile_s, self.recompiles = 0.0, None
         self.train_s = 0.0  # seconds in batches (data wait + step), not in evals or checkpoints: the ETA's clock
 
@@ -123,7 +123,7 @@ class DrafterWorker:
                 log.warning("%s", note)
             # skipped: the launcher says why a newer checkpoint was passed over, not only this log
             event("resumed", rank=rank, checkpoint=str(found.path), skipped=found.skipped, **state.counters())
-        self.books = Bookkeeping(BookSettings.from_config(cfg, at), state, health, found, held_out, plan=plan)
+        self.bookkeeping = Bookkeeping(BookSettings.from_config(cfg, at), state, health, found, held_out, plan=plan)
         health.set(
             state="ready",
             compile_s=self.compile_s,
@@ -181,7 +181,7 @@ class DrafterWorker:
         return not interrupted
 
     def after_step(self, g: int, m: dict, waited_s: float, compute_s: float, elapsed_s: float) -> None:
-        # loss, τ and tokens/s reach health with each metrics line (books), not per step: one
+        # loss, τ and tokens/s reach health with each metrics line (bookkeeping), not per step: one
         # definition of each figure for metrics.jsonl, the launcher's line and `launcher status`
         state = self.state
         self.train_s += waited_s + compute_s
@@ -197,7 +197,7 @@ class DrafterWorker:
         provenance, target = self.batches.provenance_of(g), self.batches.target_of(g)
         if m.get("nonfinite") and target is not None:
             m["nonfinite"] += f" from target-{target}"
-        self.books.after_batch(g, m, waited_s, compute_s, provenance)  # ledger, metrics, eval, checkpoint
+        self.bookkeeping.after_batch(g, m, waited_s, compute_s, provenance)  # ledger, metrics, eval, checkpoint
         if state.micro_step % self.log_every == 0:  # this rank's own step, in its log
             event(
                 "step",
@@ -213,7 +213,7 @@ class DrafterWorker:
     def finish(self, completed: bool) -> None:
         if not completed:
             self.health.set(state="draining")
-        self.books.finish(completed=completed)  # final checkpoint; export when completed
+        self.bookkeeping.finish(completed=completed)  # final checkpoint; export when completed
         event(
             "stopped",
             rank=self.rank,
@@ -222,13 +222,13 @@ class DrafterWorker:
             recompiles=self.recompiles.count,
             params_digest=parameter_fingerprint(self.state.drafter),
             # what real acceptance during training cost this process (rank 0's passes), stopped or done
-            real_acceptance=self.books.cadence.figures(time.perf_counter()),
+            real_acceptance=self.bookkeeping.cadence.figures(time.perf_counter()),
         )
         self.health.set(state="stopped")
 
     def close(self) -> None:
-        if self.books is not None:
-            self.books.close()
+        if self.bookkeeping is not None:
+            self.bookkeeping.close()
         if self.batches is not None:
             self.batches.close()
         collectives.leave()

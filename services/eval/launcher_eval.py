@@ -118,13 +118,15 @@ def speedup_prompts(args) -> int:
     return eval_options.SPEEDUP_PROMPTS if torch.device(args.device).type == "cuda" else 0
 
 
-def add_speedup(record: dict, timer, spec, weights, model_cfg) -> None:
+def add_speedup(record: dict, timer, spec_eval, weights, model_cfg) -> None:
     """record["speedup"] (every set's together) and each set's "speedup"; off: {"off": why}; a failure
     is recorded ({"error": why}) and said on stderr, never raised: the acceptance figures stand without it."""
     from services.eval.speedup import one_line
 
     if timer.per_set <= 0:
-        why = "--speedup-prompts 0" if spec.device.type == "cuda" else "on CUDA only; --speedup-prompts N forces it"
+        why = (
+            "--speedup-prompts 0" if spec_eval.device.type == "cuda" else "on CUDA only; --speedup-prompts N forces it"
+        )
         record["speedup"] = {"off": why}
         return
     print(
@@ -134,7 +136,7 @@ def add_speedup(record: dict, timer, spec, weights, model_cfg) -> None:
         flush=True,
     )
     try:
-        measured = timer.measure(spec.proposer(weights, model_cfg))
+        measured = timer.measure(spec_eval.proposer(weights, model_cfg))
     except Exception as exc:  # the drafter cannot be built here: said, the acceptance figures kept
         record["speedup"] = {"error": one_line(exc)}
         print(f"eval: speedup not measured: {record['speedup']['error']}", file=sys.stderr, flush=True)
@@ -191,7 +193,7 @@ def main(argv=None) -> int:
 
     print(f"eval: loading the target {cfg.target.model_path} on {args.device}", file=sys.stderr, flush=True)
     try:
-        spec = LocalSpecEval(
+        spec_eval = LocalSpecEval(
             cfg,
             args.device,
             prompts=limit,
@@ -206,20 +208,24 @@ def main(argv=None) -> int:
     from services.decoding.decode_progress import Progress
     from services.eval.speedup import SpeedupTimer
 
-    spec.progress = Progress("eval")  # a line on stderr every 10 s while it decodes
-    how = "one at a time" if spec.batch == 1 else f"{spec.batch} at once" + (" (KV-cache rows)" if spec.slots else "")
-    print(f"eval: {len(spec.prompts)} prompts, decoded {how}", file=sys.stderr, flush=True)
-    if not spec.prompts:
+    spec_eval.progress = Progress("eval")  # a line on stderr every 10 s while it decodes
+    how = (
+        "one at a time"
+        if spec_eval.batch == 1
+        else f"{spec_eval.batch} at once" + (" (KV-cache rows)" if spec_eval.slots else "")
+    )
+    print(f"eval: {len(spec_eval.prompts)} prompts, decoded {how}", file=sys.stderr, flush=True)
+    if not spec_eval.prompts:
         print(
             f"eval: error: no prompts in the held-out data of {run_dir} (chat lines, or pre-tokenized lines with "
             "unsupervised tokens first); give a prompt file with --prompts FILE",
             file=sys.stderr,
         )
         return 2
-    timer = SpeedupTimer(spec, speedup_prompts(args))  # the target alone timed once, for every drafter
+    timer = SpeedupTimer(spec_eval, speedup_prompts(args))  # the target alone timed once, for every drafter
     for weights, model_cfg, what, identity in drafters:
         try:
-            result = spec.evaluate(weights, model_cfg, controls=not args.no_controls, seed=cfg.run.seed)
+            result = spec_eval.evaluate(weights, model_cfg, controls=not args.no_controls, seed=cfg.run.seed)
         except (RuntimeError, ValueError) as exc:  # a decoding bound checked (slots.py): one line, what is wrong
             print(f"eval: error: {what}: {exc}", file=sys.stderr, flush=True)
             return 1
@@ -234,7 +240,7 @@ def main(argv=None) -> int:
             **({"prompt_files": files} if files else {}),
             **({"overrides": args.set} if args.set else {}),
         }
-        add_speedup(record, timer, spec, weights, model_cfg)
+        add_speedup(record, timer, spec_eval, weights, model_cfg)
         with open(run_dir / "spec_eval.jsonl", "a") as f:  # `launcher report` shows the latest
             f.write(json.dumps({**record, "time": round(time.time(), 3)}) + "\n")
         if args.json:

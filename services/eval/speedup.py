@@ -1,6 +1,6 @@
 """What the drafter buys in wall-clock time: speculative decoding against the target alone, at batch 1.
 
-    timer = SpeedupTimer(spec, per_set=16)      # spec: a LocalSpecEval (its target, prompts, limits)
+    timer = SpeedupTimer(spec_eval, per_set=16)      # spec_eval: a LocalSpecEval (its target, prompts, limits)
     figures = timer.measure(proposer)           # {"sets": {set: figures}, "all": figures}
 
 Both paths decode the first `per_set` prompts of each set greedily on ONE KV-cache row of
@@ -54,19 +54,19 @@ def describe_device(device: torch.device) -> str:
 
 
 class SpeedupTimer:
-    def __init__(self, spec, per_set: int):
-        """spec: a LocalSpecEval; per_set: the first this many prompts of each set are timed."""
-        self.spec, self.per_set = spec, per_set
+    def __init__(self, spec_eval, per_set: int):
+        """spec_eval: a LocalSpecEval; per_set: the first this many prompts of each set are timed."""
+        self.spec_eval, self.per_set = spec_eval, per_set
         self.alone: dict[str, tuple[list[Decoded], float]] = {}  # set -> the target alone's outputs, seconds
 
     def indices(self, name: str) -> list[int]:
-        return [i for i, n in enumerate(self.spec.names) if n == name][: self.per_set]
+        return [i for i, n in enumerate(self.spec_eval.names) if n == name][: self.per_set]
 
     def timed(self, propose, prompts: list[list[int]], label: str) -> tuple[list[Decoded], float]:
         """The outputs of `prompts` (propose None: the target alone) and the seconds of their second,
         warm pass (module docstring)."""
-        spec, n = self.spec, len(prompts)
-        progress, began, ended = spec.progress, [], 0
+        spec_eval, n = self.spec_eval, len(prompts)
+        progress, began, ended = spec_eval.progress, [], 0
         self._phase(f"speedup, {label} (warm-up pass)", n)
 
         def on_done(count: int) -> None:
@@ -78,26 +78,26 @@ class SpeedupTimer:
                 began.append(time.perf_counter())  # the device is idle: decode_slots just read it back
                 self._phase(f"speedup, {label} (timed pass)", n)
 
-        synchronize(spec.device)
+        synchronize(spec_eval.device)
         outs = decode_slots(
-            spec.target,
+            spec_eval.target,
             propose,
             prompts + prompts,
-            max_new_tokens=spec.max_new_tokens,
-            stop_ids=spec.stop_ids,
+            max_new_tokens=spec_eval.max_new_tokens,
+            stop_ids=spec_eval.stop_ids,
             rows=1,
             on_step=progress.add if progress else None,
             on_done=on_done,
         )
-        synchronize(spec.device)
+        synchronize(spec_eval.device)
         return outs[n:], time.perf_counter() - began[0]
 
     def _phase(self, name: str, prompts: int) -> None:
-        if self.spec.progress:
-            self.spec.progress.phase(name, prompts * self.spec.max_new_tokens)
+        if self.spec_eval.progress:
+            self.spec_eval.progress.phase(name, prompts * self.spec_eval.max_new_tokens)
 
     def measure_set(self, propose, name: str) -> dict:
-        prompts = [self.spec.prompts[i] for i in self.indices(name)]
+        prompts = [self.spec_eval.prompts[i] for i in self.indices(name)]
         if name not in self.alone:
             self.alone[name] = self.timed(None, prompts, f"{name}, target alone")
         alone, alone_s = self.alone[name]
@@ -118,7 +118,7 @@ class SpeedupTimer:
         return {
             **counts,
             "batch": 1,
-            "device": describe_device(self.spec.device),
+            "device": describe_device(self.spec_eval.device),
             "target_alone_s": alone_s,
             "speculative_s": spec_s,
             "target_alone_tokens_per_s": round(counts["target_alone_tokens"] / alone_s, 1),
@@ -130,13 +130,13 @@ class SpeedupTimer:
         """{"sets": {set: its figures, or {"error": why}}, "all": every timed set's together}; a set
         whose timing fails is said (say) and recorded, the others still timed."""
         sets = {}
-        for name in dict.fromkeys(self.spec.names):
+        for name in dict.fromkeys(self.spec_eval.names):
             try:
                 sets[name] = self.measure_set(propose, name)
             except Exception as exc:  # a timing must never cost the acceptance figures
                 sets[name] = {"error": one_line(exc)}
                 say(f"eval: speedup on {name} not measured: {sets[name]['error']}")
-                if self.spec.device.type == "cuda":
+                if self.spec_eval.device.type == "cuda":
                     torch.cuda.empty_cache()  # an out-of-memory timing leaves no cache behind
         timed = [s for s in sets.values() if "error" not in s]
         if not timed:  # the first set's reason stands for all: they share the target and the device

@@ -93,14 +93,14 @@ def test_without_held_out_prompts_the_clocks_passes_are_off_and_say_why(held_out
     from services.drafter.books.bookkeeping import Bookkeeping
 
     said = []
-    books = SimpleNamespace(
+    bookkeeping = SimpleNamespace(
         settings=SimpleNamespace(held_out_prompts=held_out, spec_eval_prompts=prompts, target_path="/models/t"),
         cadence=Cadence(every_s, 60.0),
         num_targets=targets,
         acceptance_off=said.append,
     )
-    Bookkeeping.check_periodic(books)
-    assert books.cadence.every_s == (every_s if held_out and prompts and targets else 0.0)
+    Bookkeeping.check_periodic(bookkeeping)
+    assert bookkeeping.cadence.every_s == (every_s if held_out and prompts and targets else 0.0)
     assert len(said) == off
     if off:
         assert "no held-out split" in said[0] and "data.eval_fraction" in said[0] and "eval.every_s" in said[0]

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from launcher.topology import SpecError, parse_gpu_spec
+from launcher.topology import GpuSpecError, parse_gpu_spec
 from tests.launching import run_launcher
 
 
@@ -19,7 +19,7 @@ def test_spec_ranges_lists_and_ranks():
 
 
 def test_sharing_needs_the_flag():
-    with pytest.raises(SpecError, match="--share-gpus"):
+    with pytest.raises(GpuSpecError, match="--share-gpus"):
         parse_gpu_spec("0:target,0:drafter", available=1)
     workers = parse_gpu_spec("0:target,0:drafter", available=1, share_gpus=True)
     assert [w.gpu for w in workers] == [0, 0]
@@ -40,7 +40,7 @@ def test_sharing_needs_the_flag():
     ],
 )
 def test_bad_specs(spec, needle):
-    with pytest.raises(SpecError, match=None) as err:
+    with pytest.raises(GpuSpecError, match=None) as err:
         parse_gpu_spec(spec, available=8)
     assert needle in str(err.value)
 

@@ -13,7 +13,7 @@ import pytest
 from launcher.gpu_split import describe, plan_gpus
 from launcher.preflight import PreflightError, preflight, resumed_from, resumed_line
 from launcher.regen_record import record_path, write_record
-from launcher.report import describe_spec
+from launcher.report import describe_real_acceptance
 from services.run.config import load_config
 from services.tools.demo import demo_overrides
 from tests.launching import run_launcher
@@ -307,10 +307,10 @@ def test_real_acceptance_on_training_prompts_says_so():
     }
     assert (
         "16 training prompts (no held-out split: set data.eval_fraction or data.eval_path)"
-        in describe_spec(dict(record, held_out=False), "step 9")[0]
+        in describe_real_acceptance(dict(record, held_out=False), "step 9")[0]
     )
-    assert "16 held-out prompts" in describe_spec(dict(record, held_out=True), "step 9")[0]
-    assert "held-out" not in describe_spec(record, "step 9")[0]  # older records: not claimed either way
+    assert "16 held-out prompts" in describe_real_acceptance(dict(record, held_out=True), "step 9")[0]
+    assert "held-out" not in describe_real_acceptance(record, "step 9")[0]  # older records: not claimed either way
 
 
 def test_the_demo_target_is_bfloat16_on_cuda():

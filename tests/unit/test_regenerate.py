@@ -13,7 +13,7 @@ from launcher import process
 from launcher.preflight import PreflightError, check_regenerated
 from launcher.regen_record import record_path
 from launcher.regenerate import interleave
-from launcher.topology import SpecError, parse_gpu_list
+from launcher.topology import GpuSpecError, parse_gpu_list
 from services.data.data_lines import prompt_tokens, read_conversations, sample_path
 from services.target.jobs import regenerate_shard
 from services.target.jobs.regenerate_shard import HFEngine, regenerate
@@ -372,9 +372,9 @@ def test_gpus_is_a_plain_list():
         ("1,0-2", "GPU 1 is given twice"),
         ("", "--gpus is empty"),
     ):
-        with pytest.raises(SpecError, match=re.escape(needle)):
+        with pytest.raises(GpuSpecError, match=re.escape(needle)):
             parse_gpu_list(bad)
-    with pytest.raises(SpecError, match=re.escape("GPU 4 does not exist (this machine has 4: 0-3)")):
+    with pytest.raises(GpuSpecError, match=re.escape("GPU 4 does not exist (this machine has 4: 0-3)")):
         parse_gpu_list("2-4", available=4)
 
 

@@ -66,8 +66,8 @@ def test_no_label_of_the_png_overlaps_another_or_leaves_the_figure(tmp_path):
     from launcher.report import figure, read_metrics
 
     train, evals = read_metrics(write_metrics(tmp_path / "run"))
-    spec = [{"step": 30, "acceptance_per_step": 2.5, "final": True, "random": {"acceptance_per_step": 1.0}}]
-    fig = figure(train, evals, "a-run-name-of-some-length-2026-01-01", spec)
+    acceptance = [{"step": 30, "acceptance_per_step": 2.5, "final": True, "random": {"acceptance_per_step": 1.0}}]
+    fig = figure(train, evals, "a-run-name-of-some-length-2026-01-01", acceptance)
     fig.canvas.draw()
     renderer = fig.canvas.get_renderer()
     texts = [fig._suptitle] + [t for ax in fig.axes for t in (ax.title, ax.yaxis.label, ax.xaxis.label)]

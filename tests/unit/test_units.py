@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from launcher.topology import SpecError
+from launcher.topology import GpuSpecError
 from launcher.units import UnitsError, install_command, render_units
 from services.net.endpoints import endpoint
 from services.run.config import ConfigError, TransportConfig, load_config
@@ -249,7 +249,7 @@ def test_bad_arguments_are_named(tmp_path):
         render_units(SPEC, config, out, run, device="tpu")
     with pytest.raises(UnitsError, match="run_dir .* contains ' '"):
         render_units(SPEC, config, out, str(tmp_path / "my run"))
-    with pytest.raises(SpecError, match="no drafter GPU"):
+    with pytest.raises(GpuSpecError, match="no drafter GPU"):
         render_units("0-4:target", config, out, run)
     (tmp_path / "bad.toml").write_text("[run]\nstall_after = 3\n")
     with pytest.raises(ConfigError, match="unknown key run.stall_after"):

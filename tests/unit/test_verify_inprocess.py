@@ -51,23 +51,23 @@ def worker(request, demo, tmp_path_factory):
 def test_speculative_decoding_through_the_worker_equals_greedy(worker):
     cfg = worker.cfg
     model_cfg, head = from_target(runspec.resolve(cfg))
-    spec = remote_spec_eval(cfg, worker.run_dir, 1, head, model_cfg, prompts=PROMPTS, max_new_tokens=NEW)
+    spec_eval = remote_spec_eval(cfg, worker.run_dir, 1, head, model_cfg, prompts=PROMPTS, max_new_tokens=NEW)
     try:
-        assert len(spec.prompts) == PROMPTS
+        assert len(spec_eval.prompts) == PROMPTS
         torch.manual_seed(0)
-        random = spec.run(spec.proposer(None, model_cfg))  # random drafter: most drafts rejected
-        assert spec.rows  # every prompt on one session of rows: the target took them
+        random = spec_eval.run(spec_eval.proposer(None, model_cfg))  # random drafter: most drafts rejected
+        assert spec_eval.rows  # every prompt on one session of rows: the target took them
         assert random["prompts"] == PROMPTS and random["skipped"] == 0
         assert random["lossless"] == PROMPTS and random["differences"] == [], random["differences"]
         assert random["acceptance_per_step"] < 1.5
-        right = spec.run(MostlyRight(spec, model_cfg.block_size))
+        right = spec_eval.run(MostlyRight(spec_eval, model_cfg.block_size))
         assert right["lossless"] == PROMPTS and right["differences"] == []
-        assert spec.rows  # still on rows: no reply failed (one row's one-token block once did, on the wire)
+        assert spec_eval.rows  # still on rows: no reply failed (one row's one-token block once did, on the wire)
         assert right["acceptance_per_step"] > 2.0  # B-1 = 3 per step but at the end
         # the references really are the target's greedy output: the same loop on the target loaded here
         local = LocalSpecEval(cfg, "cpu", prompts=PROMPTS, max_new_tokens=NEW)
         local_refs = local.references(PROMPTS)
-        assert [r.tokens for r in local_refs] == [spec._refs[i].tokens for i in range(PROMPTS)]
+        assert [r.tokens for r in local_refs] == [spec_eval._refs[i].tokens for i in range(PROMPTS)]
         torch.manual_seed(0)
         local_random = local.run(local.proposer(None, model_cfg))
         assert local_random["acceptance_per_step"] == pytest.approx(random["acceptance_per_step"])
@@ -103,7 +103,7 @@ def test_speculative_decoding_through_the_worker_equals_greedy(worker):
         assert status["verify_requests"] > 0 and status["verify_sessions"] == 0  # every session closed
         assert status["bad_messages"] == 0
     finally:
-        spec.close()
+        spec_eval.close()
 
 
 def _send(sock, header: dict, tensors: dict | None = None) -> None:
@@ -169,17 +169,17 @@ def test_controls_decode_exactly_the_prompts_the_drafter_decoded(worker):
     prompts 0 and 2, the ones the drafter decoded, not on the first two (0 and a skipped 1)."""
     cfg = worker.cfg
     model_cfg, head = from_target(runspec.resolve(cfg))
-    spec = remote_spec_eval(cfg, worker.run_dir, 2, head, model_cfg, prompts=4, max_new_tokens=6)
+    spec_eval = remote_spec_eval(cfg, worker.run_dir, 2, head, model_cfg, prompts=4, max_new_tokens=6)
     try:
-        assert len(spec.prompts) == 4
-        result = spec.evaluate(None, model_cfg, controls=True)
+        assert len(spec_eval.prompts) == 4
+        result = spec_eval.evaluate(None, model_cfg, controls=True)
         assert result["prompts"] == 2 and result["skipped"] == 2 and result["indices"] == [0, 2]
         for name in ("repeat_last", "random"):
             control = result[name]
             assert control["skipped"] == 0 and control["indices"] == [0, 2], (name, control)
             assert control["prompts"] == 2 and control["lossless"] == 2
     finally:
-        spec.close()
+        spec_eval.close()
 
 
 def test_prompt_sets_of_run_eval_prompts_are_decoded_per_set(worker, tmp_path):
@@ -196,19 +196,19 @@ def test_prompt_sets_of_run_eval_prompts_are_decoded_per_set(worker, tmp_path):
     files = [str(tmp_path / "chat.jsonl"), str(tmp_path / "plain.jsonl")]
     cfg = dataclasses.replace(worker.cfg, eval=dataclasses.replace(worker.cfg.eval, prompts=files))
     model_cfg, head = from_target(runspec.resolve(cfg))
-    spec = remote_spec_eval(cfg, worker.run_dir, 1, head, model_cfg, prompts=PROMPTS, max_new_tokens=NEW)
+    spec_eval = remote_spec_eval(cfg, worker.run_dir, 1, head, model_cfg, prompts=PROMPTS, max_new_tokens=NEW)
     try:
-        assert spec.names == ["chat", "plain", "chat", "plain"]
+        assert spec_eval.names == ["chat", "plain", "chat", "plain"]
         local = LocalSpecEval(cfg, "cpu", prompts=PROMPTS, max_new_tokens=NEW, files=files)
-        assert local.prompts == spec.prompts and local.names == spec.names
-        assert spec.prompts[0] != spec.prompts[1]
-        result = spec.evaluate(None, model_cfg, controls=True)
+        assert local.prompts == spec_eval.prompts and local.names == spec_eval.names
+        assert spec_eval.prompts[0] != spec_eval.prompts[1]
+        result = spec_eval.evaluate(None, model_cfg, controls=True)
         assert result["prompts"] == 4 and result["skipped"] == 0 and result["lossless"] == 4
         assert {name: r["prompts"] for name, r in result["sets"].items()} == {"chat": 2, "plain": 2}
         assert all(r["lossless"] == 2 for r in result["sets"].values())
         assert set(result["repeat_last"]["sets"]) == {"chat", "plain"} and result["held_out"] is None
     finally:
-        spec.close()
+        spec_eval.close()
 
 
 def test_launcher_eval_serves_a_checkpoint_reading_other_target_layers(worker):

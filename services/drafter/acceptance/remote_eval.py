@@ -2,7 +2,7 @@
 acceptance during training"): drafter rank 0 proposes, the targets verify; no drafter loads the target.
 
     settings = RemoteEvalSettings.from_config(cfg, at)  # at: a Placement (services/run/placement.py)
-    spec = RemoteSpecEval(settings, head, model_cfg, health, prompts=16, max_new_tokens=128)
+    spec_eval = RemoteSpecEval(settings, head, model_cfg, health, prompts=16, max_new_tokens=128)
     result = spec.evaluate(weights, model_cfg, controls=False, budget_s=60)
 
 Prompt i (and its plain greedy reference) goes to target i mod T, so the eval's load is spread

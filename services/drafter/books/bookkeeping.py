@@ -109,21 +109,21 @@ class Bookkeeping:
         plan=None,
     ):
         """plan: the run's (schedule.py), for the batches a checkpoint has done; None: one split from the start."""
-        self.settings = books = settings
-        self.run_dir, self.rank, self.world_size = books.at.run_dir, books.at.rank, books.at.world_size
+        self.settings = settings
+        self.run_dir, self.rank, self.world_size = settings.at.run_dir, settings.at.rank, settings.at.world_size
         self.plan = plan
         self.state, self.health, self.eval_batches = state, health, eval_batches
-        self.num_targets = books.at.num_targets  # the target workers that verify the real-acceptance eval
+        self.num_targets = settings.at.num_targets  # the target workers that verify the real-acceptance eval
         self.root = ckpt.checkpoints_dir(self.run_dir)
-        self.writer = BackgroundWriter(self.root, books.keep_checkpoints, state.device)
+        self.writer = BackgroundWriter(self.root, settings.keep_checkpoints, state.device)
         self.first_step = state.step
         self.ledger = Ledger(self.run_dir, self.rank, start_step=state.micro_step, world_size=self.world_size)
         self.metrics = MetricsLog(
             self.run_dir,
             resume_step=state.step,
             enabled=self.rank == 0,
-            wandb_project=books.wandb_project,
-            config=books.config,
+            wandb_project=settings.wandb_project,
+            config=settings.config,
         )
         self.times = StepTimes()
         self.window = MetricsWindow()
@@ -133,10 +133,10 @@ class Bookkeeping:
         self.last_metrics: dict | None = None  # the last optimizer step's metrics (for the final line)
         self.boundary = state.counters()  # counters at the last optimizer step: what a checkpoint saves
         self.logged_step = state.step
-        self.spec = None  # SpecEval once loaded; False when unavailable
+        self.spec_eval = None  # SpecEval once loaded; False when unavailable
         self.models_in_process = None  # HF models in this process, counted at the first real eval
         self.acceptance = self.run_dir / ACCEPTANCE_FILE
-        self.cadence = Cadence(every_s_for(books.spec_every_s, state.device.type), books.spec_eval_budget_s)
+        self.cadence = Cadence(every_s_for(settings.spec_every_s, state.device.type), settings.spec_eval_budget_s)
         if self.rank == 0:
             truncate_jsonl(self.acceptance, state.step)  # a resume continues the curve, as metrics.jsonl does
             self.check_periodic()
@@ -283,30 +283,30 @@ class Bookkeeping:
         proposes with the head it trains with; no target model is loaded here. Only with
         eval.num_prompts > 0 and targets to ask (not --synthetic); the other ranks go on to the
         next step and wait there, so the budget bounds their wait."""
-        if self.spec is None:
-            self.spec = False
+        if self.spec_eval is None:
+            self.spec_eval = False
             path, run = self.settings.target_path, self.settings
             if self.rank != 0 or run.spec_eval_prompts <= 0 or self.num_targets <= 0 or not path:
                 return None
             try:
-                self.spec = run.open_spec_eval(
+                self.spec_eval = run.open_spec_eval(
                     self.state.head,
                     self.state.drafter.cfg,
                     self.health,
                     prompts=run.spec_eval_prompts,
                     max_new_tokens=run.spec_eval_max_new_tokens,
                 )
-                if not self.spec.prompts:
+                if not self.spec_eval.prompts:
                     self.acceptance_off(
                         "real speculative decoding is off: the held-out data has no prompts (set eval.prompts "
                         "to a prompt file)"
                     )
-                    self.spec.close()
-                    self.spec = False
+                    self.spec_eval.close()
+                    self.spec_eval = False
             except Exception as exc:  # never fatal: the run trains without it
                 self.acceptance_off(f"real speculative decoding is off: {type(exc).__name__}: {exc}")
-                self.spec = False
-        return self.spec or None
+                self.spec_eval = False
+        return self.spec_eval or None
 
     def run_spec_eval(self, final: bool = False, periodic: bool = False) -> dict | None:
         """Real acceptance of the current weights on held-out prompts (rank 0), into acceptance.jsonl
@@ -329,7 +329,7 @@ class Bookkeeping:
             )
         except Exception as exc:
             self.acceptance_off(f"real speculative decoding failed and is off: {type(exc).__name__}: {exc}")
-            self.spec = False
+            self.spec_eval = False
             return None
         if self.models_in_process is None:  # once: the targets verify, this process holds no target model
             self.models_in_process = models_in_process()
@@ -513,8 +513,8 @@ class Bookkeeping:
         self.closed = True
         self.ledger.close()
         self.metrics.close()
-        if self.spec:
-            self.spec.close()
+        if self.spec_eval:
+            self.spec_eval.close()
         if self.eval_batches is not None:
             self.eval_batches.close()
 
