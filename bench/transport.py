@@ -32,7 +32,7 @@ import torch  # noqa: E402
 import zmq  # noqa: E402
 
 from services.data.batch import Batch  # noqa: E402
-from services.net.batch_client import BatchClient  # noqa: E402
+from services.net.batch_client import BatchArrived, BatchClient  # noqa: E402
 from services.net.transport import BatchServer  # noqa: E402
 from services.run.config import TransportConfig  # noqa: E402
 
@@ -106,7 +106,10 @@ def run_wire(endpoint: str, tokens: int, chunk: int, count: int) -> float:
     client = BatchClient([endpoint], transport_cfg(chunk), pin_memory=torch.cuda.is_available())
     try:
         return _timed(
-            count, tokens, lambda g: client.request(0, g), lambda: sum(e[0] == "batch" for e in client.poll(1000))
+            count,
+            tokens,
+            lambda g: client.request(0, g),
+            lambda: sum(isinstance(e, BatchArrived) for e in client.poll(1000)),
         )
     finally:
         client.request_info(0)  # tells the sender we are done

@@ -6,6 +6,8 @@ from __future__ import annotations
 import queue
 import threading
 from collections import Counter
+from dataclasses import dataclass
+from typing import Union
 
 import torch
 import zmq
@@ -17,6 +19,49 @@ from services.net.health_probe import Drops, Reporter
 from services.net.io_thread import MAX_MESSAGES_PER_POLL, IoThread, get_all
 from services.net.sockets import secure_socket
 from services.run.config import TransportConfig
+
+
+# What poll() returns: one event per answer the I/O thread finished with, each a small named type.
+@dataclass(frozen=True)
+class InfoArrived:
+    """A target's answer to request_info: the dataset and the shapes it serves (handshake.TargetInfo's wire form)."""
+
+    target: int
+    info: dict
+
+
+@dataclass(frozen=True)
+class BatchArrived:
+    """Batch g of a split, whole and checked against its announced digest, with where it came from."""
+
+    target: int
+    split: str
+    batch: Batch
+    provenance: dict  # {incarnation, digest}
+
+
+@dataclass(frozen=True)
+class BatchRefused:
+    """A target's error answer for g (g < 0: not about one batch)."""
+
+    target: int
+    g: int
+    message: str
+    incarnation: str
+
+
+@dataclass(frozen=True)
+class AnswerRejected:
+    """An answer dropped (another incarnation, other content, a batch nobody asked for): what is wanted
+    stays wanted, and is best asked again on a fresh connection."""
+
+    target: int
+    split: str
+    g: int
+    why: str
+
+
+Event = Union[InfoArrived, BatchArrived, BatchRefused, AnswerRejected]
 
 
 class BatchClient(IoThread):
@@ -46,7 +91,7 @@ class BatchClient(IoThread):
         self._wanted: dict[tuple[int, str, int], tuple[str | None, str | None]] = {}
         self._info_wanted: Counter[int] = Counter()
         self._partials: dict[tuple[int, str, int], Partial] = {}
-        self._events: queue.Queue[tuple] = queue.Queue()
+        self._events: queue.Queue[Event] = queue.Queue()
         self._outbox: queue.Queue[tuple[int, list | None]] = queue.Queue()  # frames None: reconnect
         self._start_io("drafter-io")
 
@@ -92,15 +137,9 @@ class BatchClient(IoThread):
             for key in [k for k in self._partials if k[0] == target]:
                 del self._partials[key]
 
-    def poll(self, timeout_ms: int) -> list[tuple]:
-        """Wait up to timeout_ms for at least one event; return all events ready by then.
-
-        ("batch", target, split, Batch, {incarnation, digest}) | ("info", target, dict)
-        | ("error", target, g, message, incarnation) | ("rejected", target, split, g, why): an answer was
-        dropped (another incarnation, other
-        content, a batch nobody asked for); what is wanted stays wanted, and is best asked again on a
-        fresh connection
-        """
+    def poll(self, timeout_ms: int) -> list[Event]:
+        """Wait up to timeout_ms for at least one event; return all events ready by then: InfoArrived,
+        BatchArrived, BatchRefused or AnswerRejected (above)."""
         return get_all(self._events, timeout_ms / 1000)
 
     # --- I/O thread -----------------------------------------------------------------------------
@@ -164,7 +203,7 @@ class BatchClient(IoThread):
             for event in events:
                 self._events.put(event)
 
-    def _handle(self, target: int, frames, events: list) -> None:
+    def _handle(self, target: int, frames, events: list[Event]) -> None:
         header, tensors = wire.decode(frames, self.transport.max_message_bytes)
         kind = header["kind"]
         if kind == "info":
@@ -172,7 +211,7 @@ class BatchClient(IoThread):
             if not self._info_wanted[target]:
                 return self.drops("data-unrequested", f"target {target}: info nobody asked for")
             self._info_wanted[target] -= 1
-            events.append(("info", target, info.info))
+            events.append(InfoArrived(target, info.info))
             return
         if kind == "error":
             refusal = Refusal.from_wire(header, tensors)
@@ -183,7 +222,7 @@ class BatchClient(IoThread):
                 return
             self._wanted.pop(key, None)
             self._partials.pop(key, None)
-            events.append(("error", target, g, refusal.message, refusal.incarnation))
+            events.append(BatchRefused(target, g, refusal.message, refusal.incarnation))
             return
         if kind == "batch":
             message = Announce.from_wire(header, tensors, self.transport.max_batch_bytes)
@@ -196,7 +235,7 @@ class BatchClient(IoThread):
         if key not in self._wanted:  # never asked, or already delivered
             why = f"target {target}: {kind} for g={g} not requested"
             if kind == "batch":  # whoever answers there may not be the target: ask afresh (source.py)
-                events.append(("rejected", target, message.split, g, why))
+                events.append(AnswerRejected(target, message.split, g, why))
             return self.drops("data-unrequested", why)
         if kind == "batch":
             if not self._from_asked(key, message.incarnation, events) or not self._has_content(key, message, events):
@@ -212,7 +251,7 @@ class BatchClient(IoThread):
             if token_digest(batch.input_ids) != partial.provenance["digest"]:
                 raise wire.WireError(f"batch g={key[2]}: token ids do not match the announced digest")
             del self._wanted[key]
-            events.append(("batch", target, key[1], batch, partial.provenance))
+            events.append(BatchArrived(target, key[1], batch, partial.provenance))
 
     def _from_asked(self, key, incarnation: str, events: list) -> bool:
         """Is this answer from the incarnation the request named? Else it is dropped and counted."""
@@ -221,7 +260,7 @@ class BatchClient(IoThread):
             return True
         why = f"target {key[0]}: g={key[2]} from incarnation {incarnation!r}, asked {asked!r}"
         self.drops("data-incarnation", why)
-        events.append(("rejected", key[0], key[1], key[2], why))
+        events.append(AnswerRejected(key[0], key[1], key[2], why))
         return False
 
     def _has_content(self, key, announce: Announce, events: list) -> bool:
@@ -235,7 +274,7 @@ class BatchClient(IoThread):
             f"{expected!r} (sent as incarnation {announce.incarnation!r})"
         )
         self.drops("data-content", why)
-        events.append(("rejected", key[0], key[1], key[2], why))
+        events.append(AnswerRejected(key[0], key[1], key[2], why))
         return False
 
     def _start(self, key, announce: Announce) -> None:

@@ -37,7 +37,7 @@ def impostor(run_dir: str, report: str, go: str) -> None:
     Arming first keeps the slow part (interpreter, imports, two batches from a busy target) out of the
     race with training: started only once the drafters trained, it took over after their last batch
     on a slow machine, and no drafter ever asked it (the CPU run trains 100 steps in ~10 s)."""
-    from services.net.batch_client import BatchClient
+    from services.net.batch_client import BatchArrived, BatchClient
     from services.net.endpoints import endpoint
     from services.net.health_probe import probe
     from services.net.transport import BatchServer
@@ -59,7 +59,7 @@ def impostor(run_dir: str, report: str, go: str) -> None:
     for split in ("train", "eval"):
         client.request(0, 0, split, incarnation=incarnation)
     while len(real) < 2:
-        real.update({event[2]: event[3] for event in client.poll(200) if event[0] == "batch"})
+        real.update({e.split: e.batch for e in client.poll(200) if isinstance(e, BatchArrived)})
     client.close()
     answered: dict[str, list[int]] = {"train": [], "eval": []}
     said = {"armed": True, "killed": None, "incarnation": incarnation, "answered": answered}

@@ -14,7 +14,7 @@ import torch
 import zmq
 from transformers import AutoTokenizer
 
-from services.net.batch_client import BatchClient
+from services.net.batch_client import BatchArrived, BatchClient, BatchRefused, Event, InfoArrived
 from services.net.endpoints import endpoint
 from services.net.health_probe import probe
 from services.process import log
@@ -54,7 +54,7 @@ def _wait_state(proc, health_ep, states, timeout=START_TIMEOUT_S) -> dict:
     raise AssertionError(f"no state in {states} within {timeout}s; saw {seen[-5:]}")
 
 
-def _events(client: BatchClient, want: int, timeout=60.0) -> list[tuple]:
+def _events(client: BatchClient, want: int, timeout=60.0) -> list[Event]:
     out, deadline = [], time.monotonic() + timeout
     while len(out) < want and time.monotonic() < deadline:
         out += client.poll(200)
@@ -82,8 +82,9 @@ def test_worker_serves_info_batches_errors_and_stops_on_sigterm(tmp_path, demo):
 
         client = BatchClient([endpoint(run, cfg.transport, "target", 0, "data")], cfg.transport)
         client.request_info(0)
-        ((kind, target, info),) = _events(client, 1)
-        assert kind == "info" and target == 0
+        (answer,) = _events(client, 1)
+        assert isinstance(answer, InfoArrived) and answer.target == 0
+        info = answer.info
         tokenizer = AutoTokenizer.from_pretrained(demo["model_path"])
         assert info["layer_ids"] == [2] and info["hidden_size"] == 128 and info["hidden_width"] == 128
         assert info["seq_len"] == 256 and info["mask_token_id"] == tokenizer.mask_token_id != -1
@@ -103,10 +104,10 @@ def test_worker_serves_info_batches_errors_and_stops_on_sigterm(tmp_path, demo):
         client.request(0, 0, "eval")
         client.request(0, total)  # one past the end
         events = _events(client, 5)
-        batches = {(e[2], e[3].g): e[3] for e in events if e[0] == "batch"}
-        errors = [e for e in events if e[0] == "error"]
+        batches = {(e.split, e.batch.g): e.batch for e in events if isinstance(e, BatchArrived)}
+        errors = [e for e in events if isinstance(e, BatchRefused)]
         assert sorted(batches) == [("eval", 0), ("train", 0), ("train", 1), ("train", info["num_batches"] + 1)]
-        assert len(errors) == 1 and errors[0][2] == total and "out of range" in errors[0][3]
+        assert len(errors) == 1 and errors[0].g == total and "out of range" in errors[0].message
 
         # the batches are what this process computes for the same g from the same cache
         data_local = open_or_build(Packing.from_config(cfg), run, tokenizer, info["vocab_size"], log=lambda _m: None)

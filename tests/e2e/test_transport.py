@@ -22,7 +22,7 @@ import zmq
 
 from services.data.batch import token_digest
 from services.net import wire
-from services.net.batch_client import BatchClient
+from services.net.batch_client import AnswerRejected, BatchArrived, BatchClient, BatchRefused, InfoArrived
 from services.net.batch_stream import batch_messages
 from services.net.health_probe import probe
 from services.net.transport import MAX_REQUEST_BYTES, BatchServer
@@ -183,9 +183,9 @@ def test_batches_arrive_complete_and_bit_identical(tmp_path, targets, scheme, mo
         client.request(1 % T, 1, split="eval")
         client.request(0, 99)  # past the end: an error, not a hang
         events = collect(client, T + 6 + 1 + 1)
-        infos = {e[1]: e[2] for e in events if e[0] == "info"}
-        batches = {(e[2], e[3].g): (e[1], e[3]) for e in events if e[0] == "batch"}
-        errors = [e for e in events if e[0] == "error"]
+        infos = {e.target: e.info for e in events if isinstance(e, InfoArrived)}
+        batches = {(e.split, e.batch.g): (e.target, e.batch) for e in events if isinstance(e, BatchArrived)}
+        errors = [e for e in events if isinstance(e, BatchRefused)]
         assert sorted(infos) == list(range(T)) and all(i["batches"] == N_BATCHES for i in infos.values())
         assert sorted(batches) == sorted([("train", g) for g in range(6)] + [("eval", 1)])
         for (split, g), (target, batch) in batches.items():
@@ -193,7 +193,7 @@ def test_batches_arrive_complete_and_bit_identical(tmp_path, targets, scheme, mo
             assert same_batch(batch, make_batch(g, split)), (split, g)
             # views into one reassembly buffer: no copy after reassembly
             assert batch.hidden.untyped_storage().data_ptr() == batch.input_ids.untyped_storage().data_ptr()
-        assert [e[:4] for e in errors] == [("error", 0, 99, "g=99 is past the end")]
+        assert [(e.target, e.g, e.message) for e in errors] == [(0, 99, "g=99 is past the end")]
         assert not client.drops.counts
         assert sum(t.status()["bad_messages"] for t in targets) == 0
     finally:
@@ -229,7 +229,7 @@ def test_garbage_sent_to_a_target_is_counted_and_dropped(tmp_path, targets):
         try:
             client.request(0, 3)
             events = collect(client, 1)
-            assert len(events) == 1 and same_batch(events[0][3], make_batch(3))
+            assert len(events) == 1 and same_batch(events[0].batch, make_batch(3))
         finally:
             client.close()
         status = target.status()
@@ -252,11 +252,12 @@ def test_a_lying_target_is_counted_and_dropped_by_the_drafter(tmp_path, targets)
         events = collect(client, 4)  # two batches, and a "rejected" per unrequested batch
         time.sleep(0.3)
         events += client.poll(0)  # nothing more may come
-        batches = [e for e in events if e[0] == "batch"]
-        assert sorted((e[2], e[3].g) for e in batches) == [("eval", 5), ("train", 2)]
-        assert all(same_batch(e[3], make_batch(e[3].g, e[2])) for e in batches)
+        batches = [e for e in events if isinstance(e, BatchArrived)]
+        assert sorted((e.split, e.batch.g) for e in batches) == [("eval", 5), ("train", 2)]
+        assert all(same_batch(e.batch, make_batch(e.batch.g, e.split)) for e in batches)
         # a batch nobody asked for says whoever answers may not be the target: the source asks afresh
-        assert sorted((e[2], e[3]) for e in events if e[0] == "rejected") == [("eval", 105), ("train", 102)]
+        rejected = sorted((e.split, e.g) for e in events if isinstance(e, AnswerRejected))
+        assert rejected == [("eval", 105), ("train", 102)]
         assert len(events) == 4
         expected = {kind: 2 * n for kind, n in EXPECTED_LIES.items()}  # two batches, two rounds of lies
         assert dict(client.drops.counts) == expected
@@ -282,8 +283,9 @@ def test_target_killed_mid_stream_and_restarted(tmp_path, targets, scheme):
         assert half_received(client) == []
         client.request(0, 4)
         events = collect(client, 1)
-        assert len(events) == 1 and events[0][:3] == ("batch", 0, "train")
-        assert same_batch(events[0][3], make_batch(4))
+        (arrived,) = events
+        assert isinstance(arrived, BatchArrived) and (arrived.target, arrived.split) == (0, "train")
+        assert same_batch(arrived.batch, make_batch(4))
         assert not client.drops.counts
     finally:
         client.close()
@@ -304,8 +306,8 @@ def test_a_replaced_target_is_noticed_and_its_impostor_ignored(tmp_path, targets
         assert first.startswith(f"{real.proc.pid}-")
         client.request(0, 0, incarnation=first)
         (event,) = collect(client, 1)
-        assert same_batch(event[3], make_batch(0))
-        assert event[4] == {"incarnation": first, "digest": token_digest(make_batch(0).input_ids)}
+        assert same_batch(event.batch, make_batch(0))
+        assert event.provenance == {"incarnation": first, "digest": token_digest(make_batch(0).input_ids)}
 
         real.proc.kill()
         real.proc.wait(10)
@@ -315,11 +317,11 @@ def test_a_replaced_target_is_noticed_and_its_impostor_ignored(tmp_path, targets
         deadline, rejected = time.monotonic() + 20, []
         while not client.drops.counts["data-incarnation"] and time.monotonic() < deadline:
             events = client.poll(200)
-            assert all(e[0] == "rejected" for e in events), "a batch from the impostor was taken"
+            assert all(isinstance(e, AnswerRejected) for e in events), "a batch from the impostor was taken"
             rejected += events
         assert client.drops.counts["data-incarnation"] >= 1
         rejected += client.poll(200)  # the drop is handed on, so the drafter asks again at once
-        assert rejected and rejected[0][:4] == ("rejected", 0, "train", 3), rejected
+        assert rejected and rejected[0] == AnswerRejected(0, "train", 3, rejected[0].why), rejected
 
         back = Target(tmp_path, "ipc", "target-0", endpoint=real.endpoint)  # the supervisor's restart
         targets.append(back)
@@ -328,7 +330,7 @@ def test_a_replaced_target_is_noticed_and_its_impostor_ignored(tmp_path, targets
         client.reconnect(0)
         client.request(0, 3, incarnation=second)
         events = collect(client, 1)
-        assert len(events) == 1 and same_batch(events[0][3], make_batch(3)), events
-        assert events[0][4]["incarnation"] == second
+        assert len(events) == 1 and same_batch(events[0].batch, make_batch(3)), events
+        assert events[0].provenance["incarnation"] == second
     finally:
         client.close()

@@ -12,7 +12,7 @@ import zmq
 
 from services.data.batch import token_digest
 from services.net import curve, wire
-from services.net.batch_client import BatchClient
+from services.net.batch_client import AnswerRejected, BatchArrived, BatchClient
 from services.net.batch_stream import BufferPool, batch_messages, layout
 from services.net.transport import BatchServer
 from services.process.health import HealthServer
@@ -63,7 +63,7 @@ def test_a_drafter_that_does_not_read_holds_up_nobody_else():
         events = []
         while not events and time.monotonic() - start < 10:
             events = reader.poll(100)
-        assert events and same_batch(events[0][3], make_batch(7))
+        assert events and same_batch(events[0].batch, make_batch(7))
         assert time.monotonic() - start < 5, "the reader waited on the stuck drafter"
     finally:
         reader.close()
@@ -119,7 +119,7 @@ def test_tcp_with_curve_keys_serves_key_holders_only(tmp_path):
                 assert request.g == 2, "a request from a client without the key got through"
                 server.send_batch(request.client, make_batch(request.g))
             events = good.poll(50)
-        assert len(events) == 1 and same_batch(events[0][3], make_batch(2))
+        assert len(events) == 1 and same_batch(events[0].batch, make_batch(2))
         assert server.poll(500) == [] and stranger.poll(100) == []
     finally:
         good.close()
@@ -167,9 +167,10 @@ def test_a_batch_with_other_content_than_the_data_says_is_dropped_and_handed_on(
         server.send_batch(request.client, fake)
         server.send_batch(request.client, make_batch(1))
         events = collect(client, 2, timeout_s=5)
-        assert [e[0] for e in events] == ["rejected", "batch"], events
-        assert events[0][1:4] == (0, "train", 1) and server.incarnation in events[0][4]
-        assert same_batch(events[1][3], make_batch(1)) and client.drops.counts["data-content"] == 1
+        assert [type(e) for e in events] == [AnswerRejected, BatchArrived], events
+        rejected, arrived = events
+        assert (rejected.target, rejected.split, rejected.g) == (0, "train", 1) and server.incarnation in rejected.why
+        assert same_batch(arrived.batch, make_batch(1)) and client.drops.counts["data-content"] == 1
     finally:
         client.close()
         server.close()

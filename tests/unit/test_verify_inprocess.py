@@ -23,7 +23,7 @@ import zmq
 from services.drafter.modeling.target_head import from_target
 from services.eval.local_spec_eval import LocalSpecEval
 from services.net import wire
-from services.net.batch_client import BatchClient
+from services.net.batch_client import BatchArrived, BatchClient
 from services.net.verify import VerifyClient, VerifyError
 from services.run import runspec
 from tests.assets import random_demo
@@ -153,8 +153,8 @@ def test_hostile_verify_messages_are_counted_and_dropped(worker):
         batches.request(0, 0, incarnation=worker.status()["incarnation"])
         deadline, got = time.monotonic() + 60, []
         while not got and time.monotonic() < deadline:
-            got = [e for e in batches.poll(200) if e[0] == "batch"]
-        assert got and got[0][3].g == 0
+            got = [e for e in batches.poll(200) if isinstance(e, BatchArrived)]
+        assert got and got[0].batch.g == 0
     finally:
         batches.close()
     reply = client.open(0, 2, [5, 6, 7], features=False)

@@ -51,7 +51,7 @@ from services.data.packed_data import PackedData, PublishedDigests, RowOrder, di
 from services.drafter.modeling.model import DrafterModelConfig
 from services.drafter.training.synthetic import SyntheticEval, SyntheticSource
 from services.net import curve
-from services.net.batch_client import BatchClient
+from services.net.batch_client import AnswerRejected, BatchArrived, BatchClient, BatchRefused, Event, InfoArrived
 from services.net.endpoints import endpoint
 from services.net.handshake import TargetInfo
 from services.net.health_probe import probe
@@ -310,20 +310,18 @@ class ZmqSource:
         self.wait_s += time.monotonic() - start
         return self.arrived.pop(g)
 
-    def _handle(self, event) -> None:
-        kind = event[0]
-        if kind == "batch":
-            _, _, _, batch, provenance = event
+    def _handle(self, event: Event) -> None:
+        if isinstance(event, BatchArrived):
+            batch = event.batch
             if batch.g in self.pending:
                 self.slowest_answer_s = max(self.slowest_answer_s, time.monotonic() - self.pending.pop(batch.g))
                 self.arrived[batch.g] = batch
                 if self.split == "train":  # the ledger's; evaluation keeps none
-                    self.provenance[batch.g] = provenance
-        elif kind == "rejected":
-            target = event[1]
-            self.retry_at.setdefault(target, time.monotonic() + REASK_AFTER_S)
-        elif kind == "error":
-            _, target, g, message, incarnation = event
+                    self.provenance[batch.g] = event.provenance
+        elif isinstance(event, AnswerRejected):
+            self.retry_at.setdefault(event.target, time.monotonic() + REASK_AFTER_S)
+        elif isinstance(event, BatchRefused):
+            target, g, message, incarnation = event.target, event.g, event.message, event.incarnation
             if 0 <= g < self._num_batches():  # a real target has it: whoever said otherwise is not one
                 self.client.drops(
                     "data-error-claim",
@@ -397,9 +395,9 @@ class ZmqSource:
         while True:
             lifecycle.check()
             for event in self.client.poll(500):
-                if event[0] == "info":
+                if isinstance(event, InfoArrived):
                     try:
-                        return TargetInfo.from_wire(event[2])
+                        return TargetInfo.from_wire(event.info)
                     except WireError as exc:  # counted and dropped; asked again below
                         self.client.drops("data-reply", f"target 0: {exc}")
                         asked = 0.0
