@@ -12,6 +12,9 @@ mtime is not noticed; touch it (or remove the folder) to convert again.
 The weights are saved in bfloat16 (DFLASH_GGUF_DTYPE=float16|float32 to change it): bf16 rounding
 moves a dequantized weight by at most 0.2%, less than the quantization step of a 4- to 8-bit GGUF,
 the folder is half a float32 one, and targets run in bfloat16 by default.
+
+The launcher's part of GGUF: the conversion itself is services/tools/gguf_model.py's (a child
+process: torch), what both need (packages, dtypes, GgufError) services/process/gguf_support.py's.
 """
 
 from __future__ import annotations
@@ -23,12 +26,8 @@ import subprocess
 from pathlib import Path
 
 from services.process import jobs
-from services.process.gguf_support import DTYPES, missing_line, missing_packages
+from services.process.gguf_support import DTYPES, GgufError, missing_line, missing_packages
 from services.run.files import cache_root, sha256_file, write_json_atomic
-
-
-class GgufError(ValueError):
-    """One line for the user (exit 2)."""
 
 
 def gguf_file(value: str, key: str = "target.model_path") -> Path | None:

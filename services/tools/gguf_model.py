@@ -19,11 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-from services.process.gguf_support import DTYPES, missing_line, missing_packages
-
-
-class GgufError(Exception):
-    """One line for the user (exit 2)."""
+from services.process.gguf_support import DTYPES, GgufError, missing_line, missing_packages
 
 
 def architecture(path: Path) -> str:

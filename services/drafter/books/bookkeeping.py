@@ -394,7 +394,8 @@ class Bookkeeping:
             )
             self.report_checkpoint(self.writer.wait())
             blob = {"optimizer": state.optimizer.state_dict(), "scheduler": state.scheduler.state_dict()}
-            if low := space_warning(self.root, checkpoint_bytes(state.drafter.state_dict(), blob)):
+            need = checkpoint_bytes(state.drafter.state_dict(), blob)  # once: the writer checks the same size
+            if low := space_warning(self.root, need):
                 log.warning(low)
                 self.health.error(low)
             self.writer.snapshot_and_write(
@@ -405,6 +406,7 @@ class Bookkeeping:
                 meta=meta,
                 config=self.settings.config,
                 set_best=set_best,
+                need_bytes=need,
             )
         self.saved_step = step
 

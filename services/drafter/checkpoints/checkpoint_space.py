@@ -1,5 +1,17 @@
-"""Disk space for checkpoints: what one takes, a warning well ahead of a full disk, and a full disk
-named as such ("no space left on <folder>, need about N GB") instead of torch.save's "unexpected pos".
+"""Disk space for checkpoints, the one home of its rule: what one takes (checkpoint_bytes), the free
+space of its folder's file system (free_bytes), and the three moments that use them, each called once
+per checkpoint:
+
+    space_warning   before the snapshot, on rank 0's main loop (books/bookkeeping.py): a warning well
+                    ahead of a full disk (fewer than ROOM_FOR_WARNING checkpoints fit); it computes the
+                    checkpoint's size once and hands it on
+    ensure_space    on the writer's thread, right before writing (checkpoint_writer.py), with that size:
+                    a write that cannot fit is refused before anything is written
+    out_of_space    after a write failed (checkpoint.write_checkpoint): a full disk named as such
+                    ("no space left on <folder>, need about N GB") instead of torch.save's "unexpected pos"
+
+The launcher's own full-disk line (launcher/errors.py cannot_write) is about the files it writes
+itself (logs, run.json), not a checkpoint's room.
 """
 
 from __future__ import annotations

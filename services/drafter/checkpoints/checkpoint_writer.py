@@ -78,8 +78,11 @@ class BackgroundWriter:
         meta: dict,
         config: dict,
         set_best: bool,
+        need_bytes: int | None = None,
     ) -> float:
-        """Snapshot now, write in the background. Returns the seconds training was held up."""
+        """Snapshot now, write in the background. Returns the seconds training was held up.
+        need_bytes: the checkpoint's size as the caller measured it for its space warning; None:
+        measured here, from the snapshot."""
         start = time.perf_counter()
         self.wait()  # one write at a time (bounded host memory)
         if self._preparing is not None:
@@ -91,18 +94,23 @@ class BackgroundWriter:
         stall = time.perf_counter() - start
         args = dict(weights=host_weights, optimizer=host_optimizer, rng=rng, meta=meta, config=config)
         self._thread = threading.Thread(
-            target=self._write, args=(step, copied, set_best, stall, args), name="checkpoint-writer", daemon=True
+            target=self._write,
+            args=(step, copied, set_best, stall, args, need_bytes),
+            name="checkpoint-writer",
+            daemon=True,
         )
         self._thread.start()
         return stall
 
-    def _write(self, step: int, copied, set_best: bool, stall: float, args: dict) -> None:
+    def _write(self, step: int, copied, set_best: bool, stall: float, args: dict, need_bytes: int | None) -> None:
         start = time.perf_counter()
         outcome = {"step": step, "path": None, "best": set_best, "error": None, "stall_s": round(stall, 3)}
         try:
             if copied is not None:
                 copied.synchronize()
-            ensure_space(self.root, checkpoint_bytes(args["weights"], args["optimizer"]))
+            if need_bytes is None:
+                need_bytes = checkpoint_bytes(args["weights"], args["optimizer"])
+            ensure_space(self.root, need_bytes)
             outcome["path"] = write_checkpoint(self.root, step, keep=self.keep, **args)
             if set_best:
                 set_best_pointer(self.root, outcome["path"])
