@@ -31,6 +31,13 @@ A drafter group spread over several hosts runs under torch's elastic agent, one 
 (services/drafter/group/agent.py, docs/elastic.md): the agents restart the whole group, on every host,
 when any rank fails; this launcher starts its host's agent, probes its drafters, kills a stalled or
 unresponsive one (the agents then restart the group) and ends the run when its agent ends.
+
+One piece on purpose (about 580 lines, the policy above as code): every rule reads and changes the
+same state (the processes, their restart counts and backoffs, who is in trouble since when, the
+stop in progress), and each decision weighs the others (a drafter stalled by a target in trouble is
+left alone); what stands apart is its own module: the drafter group across hosts (elastic.py), the
+causes of an exit (causes.py), the dropped messages (drops.py), a worker's command line
+(worker_argv.py), signals and pids (process.py).
 """
 
 from __future__ import annotations

@@ -31,7 +31,8 @@ from services.drafter.checkpoints import checkpoint_share
 from services.drafter.group import collectives
 from services.drafter.modeling.target_head import model_and_head
 from services.drafter.training.core import DrafterCore
-from services.drafter.training.source import BatchSource, SourceSettings, eval_batches, train_batches
+from services.drafter.training.pick_source import BatchSource, eval_batches, train_batches
+from services.drafter.training.source import SourceSettings
 from services.drafter.training.synthetic import SyntheticSource
 from services.drafter.training.train import parameter_fingerprint
 from services.process import lifecycle

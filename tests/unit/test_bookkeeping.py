@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from services.drafter.books.bookkeeping import MetricsWindow
 from services.drafter.books.ledger import truncate_jsonl
+from services.drafter.books.metrics import MetricsWindow
 
 
 def _step(loss, tau, blocks, supervised=10, reachable=9, sampled=5, per_position=(1.0, 0.5)):

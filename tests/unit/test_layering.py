@@ -390,6 +390,7 @@ SHELL_ONLY = (
     "services.net.transport.BatchServer",
     "services.net.batch_client",
     "services.drafter.training.source",
+    "services.drafter.training.pick_source",
 )
 
 

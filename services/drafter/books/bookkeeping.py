@@ -5,6 +5,11 @@ Every decision that involves a collective (log, evaluate, checkpoint) depends on
 ranks share (step counters, all-reduced results), so the ranks always call the same collectives.
 Rank 0 alone writes shared files; a failed checkpoint write is all-reduced as a flag, so every rank
 agrees on what was saved.
+
+One piece on purpose (about 530 lines): the order of those decisions after each batch (after_batch:
+finite check, metrics line, evaluation, real acceptance, checkpoint) is the ranks' contract, and it
+reads in one place; the parts that stand alone are their own modules beside it (ledger.py,
+metrics.py with MetricsWindow, cadence.py, wandb_log.py, and checkpoints/ for the files).
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from typing import Callable
 from services.drafter.acceptance.remote_eval import RemoteEvalSettings, RemoteSpecEval, models_in_process
 from services.drafter.books.cadence import Cadence, every_s_for
 from services.drafter.books.ledger import Ledger, truncate_jsonl
-from services.drafter.books.metrics import MetricsLog, StepTimes, reduce_train_metrics
+from services.drafter.books.metrics import MetricsLog, MetricsWindow, StepTimes, reduce_train_metrics
 from services.drafter.checkpoints import checkpoint as ckpt
 from services.drafter.checkpoints.checkpoint_space import checkpoint_bytes, space_warning
 from services.drafter.checkpoints.checkpoint_writer import BackgroundWriter
@@ -133,7 +138,7 @@ class Bookkeeping:
         self.last_metrics: dict | None = None  # the last optimizer step's metrics (for the final line)
         self.boundary = state.counters()  # counters at the last optimizer step: what a checkpoint saves
         self.logged_step = state.step
-        self.spec_eval = None  # SpecEval once loaded; False when unavailable
+        self._spec_eval = None  # SpecEval once loaded; False when unavailable
         self.models_in_process = None  # HF models in this process, counted at the first real eval
         self.acceptance = self.run_dir / ACCEPTANCE_FILE
         self.cadence = Cadence(every_s_for(settings.spec_every_s, state.device.type), settings.spec_eval_budget_s)
@@ -283,42 +288,42 @@ class Bookkeeping:
         proposes with the head it trains with; no target model is loaded here. Only with
         eval.num_prompts > 0 and targets to ask (not --synthetic); the other ranks go on to the
         next step and wait there, so the budget bounds their wait."""
-        if self.spec_eval is None:
-            self.spec_eval = False
+        if self._spec_eval is None:
+            self._spec_eval = False
             path, run = self.settings.target_path, self.settings
             if self.rank != 0 or run.spec_eval_prompts <= 0 or self.num_targets <= 0 or not path:
                 return None
             try:
-                self.spec_eval = run.open_spec_eval(
+                self._spec_eval = run.open_spec_eval(
                     self.state.head,
                     self.state.drafter.cfg,
                     self.health,
                     prompts=run.spec_eval_prompts,
                     max_new_tokens=run.spec_eval_max_new_tokens,
                 )
-                if not self.spec_eval.prompts:
+                if not self._spec_eval.prompts:
                     self.acceptance_off(
                         "real speculative decoding is off: the held-out data has no prompts (set eval.prompts "
                         "to a prompt file)"
                     )
-                    self.spec_eval.close()
-                    self.spec_eval = False
+                    self._spec_eval.close()
+                    self._spec_eval = False
             except Exception as exc:  # never fatal: the run trains without it
                 self.acceptance_off(f"real speculative decoding is off: {type(exc).__name__}: {exc}")
-                self.spec_eval = False
-        return self.spec_eval or None
+                self._spec_eval = False
+        return self._spec_eval or None
 
     def run_spec_eval(self, final: bool = False, periodic: bool = False) -> dict | None:
         """Real acceptance of the current weights on held-out prompts (rank 0), into acceptance.jsonl
         and, during training, metrics.jsonl. The final one also decodes the same prompts with the
         repeat-last and random controls; a periodic one (eval.every_s) has the cadence's budget."""
         start = time.perf_counter()
-        spec = self.spec_eval()
-        if spec is None:
+        spec_eval = self.spec_eval()
+        if spec_eval is None:
             return None
         self.health.progress()
         try:
-            result = spec.evaluate(
+            result = spec_eval.evaluate(
                 self.state.drafter.state_dict(),
                 self.state.drafter.cfg,
                 controls=final,
@@ -329,7 +334,7 @@ class Bookkeeping:
             )
         except Exception as exc:
             self.acceptance_off(f"real speculative decoding failed and is off: {type(exc).__name__}: {exc}")
-            self.spec_eval = False
+            self._spec_eval = False
             return None
         if self.models_in_process is None:  # once: the targets verify, this process holds no target model
             self.models_in_process = models_in_process()
@@ -345,7 +350,7 @@ class Bookkeeping:
         with open(self.acceptance, "a") as f:
             f.write(json.dumps(record) + "\n")
         if final:
-            self.metrics.plot("spec", record)  # TensorBoard / W&B: spec/acceptance_per_prompt, …
+            self.metrics.plot("spec", record)  # TensorBoard / W&B: spec_eval/acceptance_per_prompt, …
         else:  # metrics.jsonl too, beside the train and eval lines (and the same plots)
             self.metrics.write(record)
             self.health.progress(acceptance=acceptance_figures(record))
@@ -515,8 +520,8 @@ class Bookkeeping:
         self.closed = True
         self.ledger.close()
         self.metrics.close()
-        if self.spec_eval:
-            self.spec_eval.close()
+        if self._spec_eval:
+            self._spec_eval.close()
         if self.eval_batches is not None:
             self.eval_batches.close()
 
@@ -527,38 +532,3 @@ def acceptance_figures(record: dict) -> dict:
     keys = ("step", "time", "prompts", "held_out", "acceptance_per_prompt", "acceptance_per_step")
     keys += ("tokens_per_forward", "lossless", "differences", "skipped", "pass_s", "spent_s", "wall_s", "cost_frac")
     return {k: record[k] for k in keys if k in record} | {"sets": list(record.get("sets") or ())}
-
-
-class MetricsWindow:
-    """Loss, accuracy and τ averaged over every batch since the last metrics line (weighted by
-    trained blocks), so a line every `log_every` steps describes all of them, not just the last;
-    the coverage counts (supervised, reachable, sampled tokens) summed over the same batches."""
-
-    KEYS = ("loss", "accuracy", "tau")
-    COUNTS = ("supervised", "reachable", "sampled")
-
-    def __init__(self):
-        self.blocks = 0.0
-        self.sums = dict.fromkeys(self.KEYS, 0.0)
-        self.counts = dict.fromkeys(self.COUNTS, 0)
-        self.per_position: list[float] = []
-
-    def add(self, m: dict) -> None:
-        w = float(m["trained_blocks"])
-        self.blocks += w
-        for key in self.KEYS:
-            self.sums[key] += m[key] * w
-        for key in self.COUNTS:
-            self.counts[key] += m[key]
-        pos = m["accuracy_per_position"]
-        self.per_position = [a + b * w for a, b in zip(self.per_position or [0.0] * len(pos), pos)]
-
-    def mean(self, last: dict) -> dict:
-        """`last` with its averaged fields replaced by the window's means, its counts by the window's sums."""
-        if self.blocks <= 0:
-            return dict(last, **self.counts) if self.counts["supervised"] else last
-        out = dict(
-            last, trained_blocks=self.blocks, **{k: v / self.blocks for k, v in self.sums.items()}, **self.counts
-        )
-        out["accuracy_per_position"] = [a / self.blocks for a in self.per_position]
-        return out

@@ -174,3 +174,38 @@ class MetricsLog:
                 self.tb.close()
             if self.wandb is not None:
                 self.wandb.close()
+
+
+class MetricsWindow:
+    """Loss, accuracy and τ averaged over every batch since the last metrics line (weighted by
+    trained blocks), so a line every `log_every` steps describes all of them, not just the last;
+    the coverage counts (supervised, reachable, sampled tokens) summed over the same batches."""
+
+    KEYS = ("loss", "accuracy", "tau")
+    COUNTS = ("supervised", "reachable", "sampled")
+
+    def __init__(self):
+        self.blocks = 0.0
+        self.sums = dict.fromkeys(self.KEYS, 0.0)
+        self.counts = dict.fromkeys(self.COUNTS, 0)
+        self.per_position: list[float] = []
+
+    def add(self, m: dict) -> None:
+        w = float(m["trained_blocks"])
+        self.blocks += w
+        for key in self.KEYS:
+            self.sums[key] += m[key] * w
+        for key in self.COUNTS:
+            self.counts[key] += m[key]
+        pos = m["accuracy_per_position"]
+        self.per_position = [a + b * w for a, b in zip(self.per_position or [0.0] * len(pos), pos)]
+
+    def mean(self, last: dict) -> dict:
+        """`last` with its averaged fields replaced by the window's means, its counts by the window's sums."""
+        if self.blocks <= 0:
+            return dict(last, **self.counts) if self.counts["supervised"] else last
+        out = dict(
+            last, trained_blocks=self.blocks, **{k: v / self.blocks for k, v in self.sums.items()}, **self.counts
+        )
+        out["accuracy_per_position"] = [a / self.blocks for a in self.per_position]
+        return out

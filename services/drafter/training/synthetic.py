@@ -56,7 +56,7 @@ class SyntheticSource:
             # docs/design.md "Scheduling" (plan.Plan.g_of): g = g0 + (m - m0)·D + d
             yield self.batch(self.first_g + (step - self.start_step) * self.world_size + self.rank)
 
-    # services/drafter/training/source.py's BatchSource: no targets, so nothing to check, record or close
+    # services/drafter/training/pick_source.py's BatchSource: no targets, so nothing to check, record or close
     def check_targets(self, spec) -> None:
         pass
 
