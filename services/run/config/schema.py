@@ -235,7 +235,7 @@ TARGET_DTYPES = (
     "fp32",
 )  # services/run/dtypes.py maps them to torch's
 TARGET_QUANTIZE = ("none", "fp8")
-FP8_DECODE_GEMMS = ("scaled", "few-token")  # services/target/fp8_few_tokens.py, its quantized mode
+FP8_DECODE_GEMMS = ("scaled", "few-token")  # services/target/model/fp8_few_tokens.py, its quantized mode
 DRAFTER_PRECISIONS = ("bf16", "fp8")  # services/drafter/modeling/precision.py
 POSITION_WEIGHTS = ("decay", "dpace")  # the loss weight of each block position (services/drafter/modeling/loss.py)
 OBJECTIVES = ("dflash", "domino")  # what the drafter predicts with (services/drafter/modeling/domino.py)
