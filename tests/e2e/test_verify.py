@@ -13,7 +13,8 @@ import time
 import pytest
 
 from services.drafter.modeling.target_head import from_target
-from services.net.verify import SessionLost, TargetUnavailable, VerifyClient
+from services.net.verify import SessionLost, TargetUnavailable
+from services.net.verify_client import VerifyClient
 from services.run import runspec
 from tests.assets import random_demo
 from tests.verify_targets import TargetProcess, remote_spec_eval, verify_overrides

@@ -24,7 +24,8 @@ from services.drafter.modeling.target_head import from_target
 from services.eval.local_spec_eval import LocalSpecEval
 from services.net import wire
 from services.net.batch_client import BatchArrived, BatchClient
-from services.net.verify import VerifyClient, VerifyError
+from services.net.verify import VerifyError
+from services.net.verify_client import VerifyClient
 from services.run import runspec
 from tests.assets import random_demo
 from tests.inprocess import InProcessTarget

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from services.net import wire
-from services.net.verify import Verified, VerifyLimits, VerifyRequest, _Assembly, reply_messages
+from services.net.verify import Verified, VerifyLimits, VerifyRequest, reply_messages
+from services.net.verify_client import _Assembly
 
 LIMITS = VerifyLimits(max_prompt=16, max_block=4, max_length=40, vocab_size=100, max_rows=3)
 

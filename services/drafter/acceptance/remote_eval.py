@@ -34,7 +34,8 @@ from services.drafter.acceptance.spec_eval import SpecEval
 from services.drafter.acceptance.speculative import greedy_reference, speculative_generate, summarize_sets
 from services.net.endpoints import endpoint
 from services.net.health_probe import Drops
-from services.net.verify import SessionLost, TargetUnavailable, VerifyClient, VerifyError
+from services.net.verify import SessionLost, TargetUnavailable, VerifyError
+from services.net.verify_client import VerifyClient
 from services.run.config import Config, DataConfig, TransportConfig
 from services.run.placement import Placement
 from services.run.runspec import HeldOut
