@@ -20,9 +20,6 @@ from services.run import runspec
 from services.run.config import Config, load_config
 from services.run.files import write_json_atomic
 
-DEMOS = jobs.DEMO_VARIANTS  # one list, beside the demo job (the launcher never imports torch)
-
-
 # Every config key that names a file or folder (a list: each item). tests/unit/test_preflight.py
 # checks that every key named like a path is here.
 PATH_KEYS = ("target.model_path", "data.path", "data.eval_path", "transport.curve_keys_dir", "eval.prompts")

@@ -8,11 +8,11 @@ import sys
 
 from launcher.commands import cmd_eval, cmd_export, cmd_keys, cmd_plan, cmd_probe, cmd_regenerate, cmd_report, cmd_units
 from launcher.down import cmd_down
-from launcher.inputs import DEMOS
 from launcher.rundir import LATEST
 from launcher.status import cmd_status
 from launcher.up import cmd_up
 from services import __version__
+from services.process.jobs import DEMO_VARIANTS
 from services.run import eval_options
 
 
@@ -70,7 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--demo",
         nargs="?",
         const="dense",
-        choices=DEMOS,
+        choices=DEMO_VARIANTS,
         metavar="{dense,hybrid}",
         help="train on the built-in tiny demo target and dataset: dense (default) a Qwen3, "
         "hybrid a Qwen3.5-family Gated DeltaNet hybrid",
@@ -203,7 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--demo",
         nargs="?",
         const="dense",
-        choices=DEMOS,
+        choices=DEMO_VARIANTS,
         metavar="{dense,hybrid}",
         help="the built-in tiny demo target and dataset (dense by default, or hybrid)",
     )

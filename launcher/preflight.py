@@ -339,13 +339,11 @@ def resumed_from(drafter_log: Path) -> dict | None:
     return {"step": found[-1]["step"], "checkpoint": found[-1]["checkpoint"], "skipped": found[-1].get("skipped") or []}
 
 
-def resumed_line(drafter_log: Path) -> str:
-    """The console's line of resumed_from."""
-    found = resumed_from(drafter_log)
-    if found is None:
-        return ""
+def resumed_line(found: dict, checkpoints: Path) -> str:
+    """The console's line of resumed_from's dict (checkpoints: the run's folder of them, named when
+    there was none)."""
     if found["checkpoint"] is None:
-        return f"no checkpoint in {drafter_log.parent.parent / 'checkpoints'}: training starts at step 0"
+        return f"no checkpoint in {checkpoints}: training starts at step 0"
     line = f"resumed from step {found['step']} ({found['checkpoint']})"
     if skipped := found["skipped"]:  # newer checkpoints that failed verification, and why
         line += f"; skipped {len(skipped)} newer corrupt checkpoint(s): {'; '.join(skipped)}"

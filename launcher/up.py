@@ -160,9 +160,9 @@ def when_ready(sup: Supervisor, run_dir: Path, named_here: bool, resume: bool):
         if named_here:
             point(LATEST, run_dir)
         first = next((w for w in sup.local if w.role == "drafter" and w.rank == 0), None)
-        if resume and first is not None and (line := resumed_line(sup.log(first))):
-            print(line, flush=True)
-            sup.resumed = resumed_from(sup.log(first))  # run.json's `resumed`: the step, and what was skipped and why
+        if resume and first is not None and (found := resumed_from(sup.log(first))) is not None:
+            print(resumed_line(found, run_dir / "checkpoints"), flush=True)
+            sup.resumed = found  # run.json's `resumed`: the step, and what was skipped and why
             sup.write_run_json()
 
     return ready

@@ -274,11 +274,11 @@ def test_keys_given_by_their_old_names_work_and_up_says_where_they_are_now(tmp_p
 
 @pytest.mark.processes
 def test_demo_takes_an_optional_variant_and_names_a_bad_one():
-    from launcher.inputs import DEMOS
     from launcher.parser import build_parser
+    from services.process.jobs import DEMO_VARIANTS
     from services.tools.demo import VARIANTS
 
-    assert DEMOS is VARIANTS  # one list, in services/process/jobs.py (the launcher never imports torch)
+    assert DEMO_VARIANTS is VARIANTS  # one list, in services/process/jobs.py (the launcher never imports torch)
     parser = build_parser()
     demo = lambda *argv: parser.parse_args(["up", "--gpus", "0:target", *argv]).demo  # noqa: E731
     assert demo("--demo") == demo("--demo", "dense") == "dense" and demo("--demo", "hybrid") == "hybrid"

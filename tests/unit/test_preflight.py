@@ -260,10 +260,11 @@ def test_the_launcher_says_what_a_drafter_resumed_from(tmp_path):
         + "\n===== 2026-01-01 00:10:00 start: drafter\n"
         + line("drafter", "loading")
     )
-    assert resumed_line(log) == f"no checkpoint in {tmp_path / 'checkpoints'}: training starts at step 0"
+    checkpoints = tmp_path / "checkpoints"
+    assert resumed_line(resumed_from(log), checkpoints) == f"no checkpoint in {checkpoints}: training starts at step 0"
     with open(log, "a") as f:  # only what this start of the worker logged counts
         f.write(line(EVENTS.name, json.dumps(dict(resumed, step=60))))
-    assert resumed_line(log) == "resumed from step 60 (/r/checkpoints/step-00000040)"
+    assert resumed_line(resumed_from(log), checkpoints) == "resumed from step 60 (/r/checkpoints/step-00000040)"
 
 
 def test_a_resume_past_a_corrupt_checkpoint_says_which_and_why_on_the_console(tmp_path):
@@ -293,8 +294,9 @@ def test_a_resume_past_a_corrupt_checkpoint_says_which_and_why_on_the_console(tm
     log = tmp_path / "logs" / "drafter-0.log"
     log.parent.mkdir()
     log.write_text("\n===== 2026-01-01 00:00:00 start: drafter\n" + LineFormat("drafter-0").format(record) + "\n")
-    assert resumed_line(log) == f"resumed from step 5 ({found.path}); skipped 1 newer corrupt checkpoint(s): {why}"
     assert resumed_from(log) == {"step": 5, "checkpoint": str(found.path), "skipped": [why]}  # run.json's `resumed`
+    line = resumed_line(resumed_from(log), tmp_path / "checkpoints")
+    assert line == f"resumed from step 5 ({found.path}); skipped 1 newer corrupt checkpoint(s): {why}"
 
 
 def test_real_acceptance_on_training_prompts_says_so():
