@@ -34,12 +34,15 @@ import sys
 from pathlib import Path
 
 import torch
+from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
+from bench.precision import decoder_linears, gemm_layout, set_precision  # noqa: E402
 from bench.shapes import SHAPES, text_config  # noqa: E402
-from bench.timing import matmul_peak_tflops, sync, timed  # noqa: E402
+from bench.timing import fp8_matmul_tflops, matmul_peak_tflops, sync, timed  # noqa: E402
 
 MIXES = {"single": None, "short": (50, 300), "medium": (512, 4096)}
+PRECISIONS = ("bf16", "fp8-rowwise", "fp8-block")
 
 
 def hide_fla() -> None:
@@ -71,13 +74,48 @@ def set_attention(model, name: str) -> None:
     model.config._attn_implementation = name  # read at call time by the attention modules and mask code
 
 
-def flops(model, doc_lens: list[int], layers_run: int, lm_rows: int) -> float:
+def layer_params(layer) -> int:
+    """Parameters of a decoder layer, an FP8Linear's weight (a buffer) counted as its [N, K]."""
+    from services.target.model.fp8 import FP8Linear
+
+    fp8 = sum(m.weight.numel() for m in layer.modules() if isinstance(m, FP8Linear))
+    return sum(p.numel() for p in layer.parameters()) + fp8
+
+
+def linear_params(layer) -> int:
+    """Weights of the layer's linears (nn.Linear or FP8Linear): the GEMMs of the roofline."""
+    from services.target.model.fp8 import FP8Linear
+
+    return sum(m.weight.numel() for m in layer.modules() if isinstance(m, (nn.Linear, FP8Linear)))
+
+
+def attention_flops(model, doc_lens: list[int], layers_run: int) -> float:
     c = model.config
-    layers = model.model.layers[:layers_run]
-    params = sum(p.numel() for layer in layers for p in layer.parameters())
-    full = sum(1 for layer in layers if hasattr(layer, "self_attn"))
-    attn = sum(4 * n * n / 2 * c.num_attention_heads * c.head_dim for n in doc_lens)
-    return 2 * params * sum(doc_lens) + full * attn + 2 * model.lm_head.weight.numel() * lm_rows
+    full = sum(1 for layer in model.model.layers[:layers_run] if hasattr(layer, "self_attn"))
+    return full * sum(4 * n * n / 2 * c.num_attention_heads * c.head_dim for n in doc_lens)
+
+
+def flops(model, doc_lens: list[int], layers_run: int, lm_rows: int) -> float:
+    params = sum(layer_params(layer) for layer in model.model.layers[:layers_run])
+    attn = attention_flops(model, doc_lens, layers_run)
+    return 2 * params * sum(doc_lens) + attn + 2 * model.lm_head.weight.numel() * lm_rows
+
+
+def roofline(model, doc_lens: list[int], layers_run: int, seconds: float, rates: dict, layout: str) -> dict:
+    """The time bound of a capture: linear FLOPs at the GEMM rate of `layout` ("bf16", "rowwise",
+    "block"; TFLOP/s in `rates`, None where not measured) + attention FLOPs at the bf16 rate."""
+    linear = 2 * sum(linear_params(layer) for layer in model.model.layers[:layers_run]) * sum(doc_lens)
+    attn = attention_flops(model, doc_lens, layers_run)
+    out = {"linear_flops": linear, "attention_flops": attn, "gemm": layout}
+    if not rates.get(layout) or not rates.get("bf16"):
+        return out | {
+            "roofline_s": None,
+            "roofline_tok_s": None,
+            "fraction": None,
+            "roofline_note": f"no {layout} GEMM rate measured on this device",
+        }
+    bound = linear / (rates[layout] * 1e12) + attn / (rates["bf16"] * 1e12)
+    return out | {"roofline_s": bound, "roofline_tok_s": sum(doc_lens) / bound, "fraction": bound / seconds}
 
 
 def doc_lengths(seq: int, mix: str, gen: torch.Generator) -> list[int]:
@@ -104,20 +142,31 @@ def row_of(doc_lens: list[int], vocab: int, gen: torch.Generator) -> dict[str, t
 
 def bench_shape(shape: str, seqs: list[int], args) -> list[dict]:
     from services.run.layers import default_layer_ids
-    from services.target.model.model import Target, capture_to_host
+    from services.target.model.model import Target, capture_to_host, decoder_layers
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = build_model(shape, device)
     L = model.config.num_hidden_layers
     ids = default_layer_ids(L, args.layers)
+    layers = decoder_layers(model)
+    bf16_linears = decoder_linears(layers)  # kept: set_precision puts them back between precisions
+    precisions = args.precision.split(",")
     target = None  # made after the first bare forward: that one is transformers' own, unmodified
     gen = torch.Generator().manual_seed(0)
-    peak = (args.peak_tflops or matmul_peak_tflops(device)) * 1e12
+    rates = {"bf16": args.peak_tflops or matmul_peak_tflops(device)}  # TFLOP/s, measured in this run
+    if any(p != "bf16" for p in precisions):
+        rates |= {layout: fp8_matmul_tflops(device, layout) for layout in ("rowwise", "block")}
+    peak = rates["bf16"] * 1e12
+    print("GEMM rates (8192^3, TFLOP/s): " + ", ".join(f"{k} {fmt_rate(v)}" for k, v in rates.items()), flush=True)
     results = []
     for seq in seqs:
         rec = {"shape": shape, "seq_len": seq, "layer_ids": ids, "hidden_width": len(ids) * model.config.hidden_size}
+        rec["gemm_tflops"] = rates
         single = row_of([seq], model.config.vocab_size, gen)
 
+        set_precision(model, layers, bf16_linears, "bf16")
+        if target is not None:
+            target.slot.compiled = False
         set_attention(model, "sdpa")
         bare_ids = single["input_ids"].to(device)[None]
         t = timed(lambda: model(input_ids=bare_ids, use_cache=False, logits_to_keep=1), args.iters, args.warmup)
@@ -128,55 +177,73 @@ def bench_shape(shape: str, seqs: list[int], args) -> list[dict]:
         set_attention(model, "sdpa_packed")
         out = torch.empty(seq, target.info.hidden_width, dtype=torch.bfloat16, device=device)
         rec["path"] = target.path
-        rows = {}  # mix -> (document lengths, row): (d) times the same rows
+        rows = {}  # mix -> (document lengths, row): every precision and (d) time the same rows
         for mix in args.mixes.split(","):
             lens = doc_lengths(seq, mix, gen)
-            row = row_of(lens, model.config.vocab_size, gen)
-            rows[mix] = lens, row
-            t = timed(lambda: capture_to_host(target, row, False, out), args.iters, args.warmup)
-            f = flops(model, lens, ids[-1] + 1, 0)
-            rec[f"capture_{mix}"] = {
-                "s": t,
-                "tok_s": seq / t,
-                "tflops": f / t / 1e12,
-                "mfu": f / t / peak,
-                "docs": len(lens),
-                "ratio_vs_bare": rec["bare"]["s"] / t,
-            }
-            if "capture_single" in rec:
-                rec[f"capture_{mix}"]["ratio_vs_single"] = rec["capture_single"]["s"] / t
-            if mix != "single" and args.labels and "labels_packed" not in rec:
-                t = timed(lambda: capture_to_host(target, row, True, out), args.iters, args.warmup)
-                f = flops(model, lens, L, seq)
-                rec["labels_packed"] = {
+            rows[mix] = lens, row_of(lens, model.config.vocab_size, gen)
+        for precision in precisions:
+            sfx = "" if precision == "bf16" else f"@{precision}"  # bf16's keys are the ones before --precision
+            summary = set_precision(model, layers, bf16_linears, precision)
+            rec.setdefault("precision_summary", {})[precision] = summary
+            if precision != "bf16":
+                print(f"  {precision}: {summary}", flush=True)
+            layout = gemm_layout(layers)
+            target.slot.compiled = False  # eager first; (d) compiles the layers as they now are
+            for mix, (lens, row) in rows.items():
+                t = timed(lambda: capture_to_host(target, row, False, out), args.iters, args.warmup)
+                f = flops(model, lens, ids[-1] + 1, 0)
+                m = rec[f"capture_{mix}{sfx}"] = {
                     "s": t,
                     "tok_s": seq / t,
                     "tflops": f / t / 1e12,
                     "mfu": f / t / peak,
+                    "docs": len(lens),
                     "ratio_vs_bare": rec["bare"]["s"] / t,
                 }
-
-        def d2h():
-            host = torch.empty(out.shape, dtype=out.dtype, pin_memory=device == "cuda")
-            host.copy_(out, non_blocking=True)
-            sync()
-
-        t = timed(d2h, args.iters, args.warmup)
-        nbytes = out.numel() * out.element_size()
-        last = rec[f"capture_{args.mixes.split(',')[-1]}"]
-        rec["d2h"] = {"s": t, "bytes": nbytes, "gb_s": nbytes / t / 1e9, "share_of_capture": t / last["s"]}
-        if args.profile:
-            profile(target, row, out, args.profile, f"{shape} S={seq} eager")
-        if args.compile:
-            compiled_records(target, rec, seq, model, ids, out, gen, peak, args, rows)
+                if f"capture_single{sfx}" in rec:
+                    m["ratio_vs_single"] = rec[f"capture_single{sfx}"]["s"] / t
+                m |= roofline(model, lens, ids[-1] + 1, t, rates, layout)
+                if mix != "single" and args.labels and precision == "bf16" and "labels_packed" not in rec:
+                    t = timed(lambda: capture_to_host(target, row, True, out), args.iters, args.warmup)
+                    f = flops(model, lens, L, seq)
+                    rec["labels_packed"] = {
+                        "s": t,
+                        "tok_s": seq / t,
+                        "tflops": f / t / 1e12,
+                        "mfu": f / t / peak,
+                        "ratio_vs_bare": rec["bare"]["s"] / t,
+                    }
+            if precision == precisions[0]:
+                d2h_record(rec, out, device, args, sfx)
+                if args.profile:
+                    profile(target, row, out, args.profile, f"{shape} S={seq} {precision} eager")
+            if args.compile:
+                compiled_records(target, rec, seq, model, ids, out, gen, peak, args, rows, sfx, rates, layout)
+        set_precision(model, layers, bf16_linears, "bf16")
         rec["peak_mem_gb"] = torch.cuda.max_memory_allocated() / 1e9 if device == "cuda" else 0.0
         results.append(rec)
         print(format_record(rec), flush=True)
         out = None  # free it (the closures above read the name)
-    target = model = None
+    target = model = bf16_linears = layers = None
     if device == "cuda":
         torch.cuda.empty_cache()
     return results
+
+
+def fmt_rate(v) -> str:
+    return "not measured" if v is None else f"{v:.1f}"
+
+
+def d2h_record(rec: dict, out: torch.Tensor, device: str, args, sfx: str) -> None:
+    def d2h():
+        host = torch.empty(out.shape, dtype=out.dtype, pin_memory=device == "cuda")
+        host.copy_(out, non_blocking=True)
+        sync()
+
+    t = timed(d2h, args.iters, args.warmup)
+    nbytes = out.numel() * out.element_size()
+    last = rec[f"capture_{args.mixes.split(',')[-1]}{sfx}"]
+    rec["d2h"] = {"s": t, "bytes": nbytes, "gb_s": nbytes / t / 1e9, "share_of_capture": t / last["s"]}
 
 
 def drift(got: torch.Tensor, ref: torch.Tensor, hidden: int) -> list[dict]:
@@ -191,13 +258,20 @@ def drift(got: torch.Tensor, ref: torch.Tensor, hidden: int) -> list[dict]:
     return out
 
 
-def compiled_records(target, rec: dict, seq: int, model, ids, out, gen, peak, args, rows: dict) -> None:
-    """(d): the same rows through the compiled layers, then rows of random document counts."""
+def compiled_records(
+    target, rec: dict, seq: int, model, ids, out, gen, peak, args, rows: dict, sfx: str = "", rates=None, layout="bf16"
+) -> None:
+    """(d): the same rows through the compiled layers, then rows of random document counts; the
+    graph breaks dynamo counted over the compile and these captures (torch._dynamo.utils.counters)."""
+    from torch._dynamo.utils import counters
+
     from services.process.compile_setup import graphs_compiled
     from services.target.model.compiled import compile_and_warm_up
     from services.target.model.model import capture_to_host
 
-    rec["compile_s"] = compile_and_warm_up(target, "on", seq, with_labels=False)
+    torch._dynamo.reset()  # the layers may hold other modules than at the last compile: start afresh
+    counters["graph_break"].clear()
+    rec[f"compile_s{sfx}"] = compile_and_warm_up(target, "on", seq, with_labels=False)
     for mix, (lens, row) in rows.items():
         target.slot.compiled = False
         want = capture_to_host(target, row, False, out)[0].clone()
@@ -205,8 +279,8 @@ def compiled_records(target, rec: dict, seq: int, model, ids, out, gen, peak, ar
         got = capture_to_host(target, row, False, out)[0].clone()
         t = timed(lambda: capture_to_host(target, row, False, out), args.iters, args.warmup)
         f = flops(model, lens, ids[-1] + 1, 0)
-        eager = rec[f"capture_{mix}"]
-        rec[f"compiled_{mix}"] = {
+        eager = rec[f"capture_{mix}{sfx}"]
+        rec[f"compiled_{mix}{sfx}"] = {
             "s": t,
             "tok_s": seq / t,
             "tflops": f / t / 1e12,
@@ -214,14 +288,16 @@ def compiled_records(target, rec: dict, seq: int, model, ids, out, gen, peak, ar
             "docs": len(lens),
             "ratio_vs_eager": eager["s"] / t,
             "drift_vs_eager": drift(got, want, model.config.hidden_size),
-        }
+        } | roofline(model, lens, ids[-1] + 1, t, rates or {}, layout)
+    breaks = counters["graph_break"]
+    rec[f"graph_breaks{sfx}"] = {"total": sum(breaks.values()), "reasons": {k[:300]: v for k, v in breaks.items()}}
     before = graphs_compiled()
     for _ in range(args.recompile_rows):
         mix = ["single", "short", "medium"][int(torch.randint(0, 3, (1,), generator=gen))]
         capture_to_host(target, row_of(doc_lengths(seq, mix, gen), model.config.vocab_size, gen), False, out)
-    rec["recompiles"] = {"rows": args.recompile_rows, "graphs_compiled": graphs_compiled() - before}
+    rec[f"recompiles{sfx}"] = {"rows": args.recompile_rows, "graphs_compiled": graphs_compiled() - before}
     if args.profile:
-        profile(target, row, out, args.profile, f"compiled {len(lens)} docs")
+        profile(target, row, out, args.profile, f"compiled {len(lens)} docs{sfx}")
 
 
 def profile(target, row, out, path: str, title: str) -> None:
@@ -247,7 +323,14 @@ def format_record(r: dict) -> str:
         extra += f"  vs single {m['ratio_vs_single']:.3f}" if "ratio_vs_single" in m else ""
         extra += f"  vs eager {m['ratio_vs_eager']:.3f}" if "ratio_vs_eager" in m else ""
         docs = f"  ({m['docs']} docs)" if "docs" in m else ""
-        return f"  {name:16s} {m['tok_s']:10.0f} tok/s  {m['tflops']:6.1f} TFLOP/s  MFU {m['mfu']:.1%}{extra}{docs}"
+        text = f"  {name:26s} {m['tok_s']:10.0f} tok/s  {m['tflops']:6.1f} TFLOP/s  MFU {m['mfu']:.1%}{extra}{docs}"
+        if "roofline_s" in m:
+            text += f"\n  {'':26s} roofline ({m['gemm']} GEMM) " + (
+                f"{m['roofline_tok_s']:10.0f} tok/s, fraction {m['fraction']:.1%}"
+                if m["fraction"] is not None
+                else m["roofline_note"]
+            )
+        return text
 
     rows = [
         f"{r['shape']} S={r['seq_len']} layers {r['layer_ids']} (width {r['hidden_width']}), "
@@ -261,21 +344,26 @@ def format_record(r: dict) -> str:
         rows.append(f"  {name}: per captured layer, relative error / mean cosine against the eager capture")
         for layer, d in zip(r["layer_ids"], m["drift_vs_eager"]):
             rows.append(f"    layer {layer:3d}  {d['rel_err']:.4f} / {d['cos_mean']:.5f}")
-    if "recompiles" in r:
+    for key in [k for k in r if k.startswith("recompiles")]:
+        sfx = key.removeprefix("recompiles")
+        breaks = r[f"graph_breaks{sfx}"]
         rows.append(
-            f"  compile          {r['compile_s']:.1f} s before the first row; "
-            f"{r['recompiles']['graphs_compiled']} graphs compiled over {r['recompiles']['rows']} later rows"
+            f"  compile{sfx:19s} {r[f'compile_s{sfx}']:.1f} s before the first row; "
+            f"{r[key]['graphs_compiled']} graphs compiled over {r[key]['rows']} later rows; "
+            f"graph breaks {breaks['total']}"
+            + (f" ({breaks['total'] - r['graph_breaks']['total']:+d} vs bf16)" if sfx and "graph_breaks" in r else "")
         )
+        rows += [f"    {n} x {reason.splitlines()[0][:160]}" for reason, n in breaks["reasons"].items()]
     d = r["d2h"]
     rows.append(
-        f"  d2h              {d['bytes'] / 1e6:8.0f} MB in {d['s'] * 1e3:.1f} ms = {d['gb_s']:.1f} GB/s, "
+        f"  d2h                        {d['bytes'] / 1e6:8.0f} MB in {d['s'] * 1e3:.1f} ms = {d['gb_s']:.1f} GB/s, "
         f"{d['share_of_capture']:.1%} of the packed capture"
     )
     return "\n".join(rows)
 
 
 @torch.no_grad()  # the whole benchmark; a decorator, so a test calling main() keeps its grad mode
-def main() -> None:
+def main(argv=None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--shapes", default="8b,32b", help=f"comma list of {SHAPES}")
     p.add_argument("--seq", default="8192,32768", help="comma list of packed row lengths")
@@ -291,8 +379,13 @@ def main() -> None:
     p.add_argument(
         "--peak-tflops", type=float, default=0.0, help="bf16 peak for MFU; 0 = measure an 8192^3 matmul in this run"
     )
+    p.add_argument(
+        "--precision", default="bf16", help=f"comma list of {PRECISIONS}, each timed on the same rows in this run"
+    )
     p.add_argument("--out", default="", help="write all records as JSON here")
-    args = p.parse_args()
+    args = p.parse_args(argv)
+    if unknown := set(args.precision.split(",")) - set(PRECISIONS):
+        sys.exit(f"--precision: unknown {sorted(unknown)} (known: {', '.join(PRECISIONS)})")
     if not torch.cuda.is_available() and not set(args.shapes.split(",")) <= {"tiny", "tiny-hybrid"}:
         sys.exit("this benchmark needs a CUDA GPU (only the tiny shapes run on CPU, as a smoke test)")
     if args.no_fla:
@@ -313,6 +406,7 @@ def main() -> None:
         }
         with open(args.out, "w") as f:
             json.dump({"meta": meta, "records": records}, f, indent=2)
+    return records
 
 
 if __name__ == "__main__":

@@ -29,15 +29,14 @@ import time
 from pathlib import Path
 
 import torch
-from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
+from bench.precision import decoder_linears, set_precision  # noqa: E402
 from bench.shapes import SHAPES  # noqa: E402
 from bench.target_capture import MIXES, build_model, doc_lengths, drift, row_of, set_attention  # noqa: E402
 from bench.timing import sync, timed  # noqa: E402
 
 PRECISIONS = ("bf16", "fp8", "fp8-block")
-BLOCK = (128, 128)
 
 
 def keep_layers(model, n: int) -> None:
@@ -47,33 +46,6 @@ def keep_layers(model, n: int) -> None:
         model.config.num_hidden_layers = n
         if getattr(model.config, "layer_types", None):
             model.config.layer_types = model.config.layer_types[:n]
-
-
-def decoder_linears(layers: nn.ModuleList) -> list[tuple[nn.Module, str, nn.Linear]]:
-    """(parent, attribute, module) of every nn.Linear in the decoder: what FP8 replaces and bf16 restores."""
-    return [
-        (parent, child, module)
-        for layer in layers
-        for parent in layer.modules()
-        for child, module in parent.named_children()
-        if isinstance(module, nn.Linear)
-    ]
-
-
-def set_precision(model, layers, bf16_linears, precision: str) -> str:
-    """Put the bf16 linears back, then quantize for `precision`; returns the summary line."""
-    from services.target.model import fp8
-
-    for parent, child, module in bf16_linears:
-        setattr(parent, child, module)
-    if precision == "bf16":
-        return "bf16"
-
-    def as_fp8_checkpoint(name: str):
-        weight = model.get_submodule(name.removesuffix(".weight")).weight
-        return (*fp8.quantize_blocks(weight, BLOCK), BLOCK)
-
-    return str(fp8.quantize_decoder(model, layers, as_fp8_checkpoint if precision == "fp8-block" else None))
 
 
 def run(args) -> dict:

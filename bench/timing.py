@@ -52,3 +52,37 @@ def matmul_peak_tflops(device, n: int = 8192, repeats: int = 20) -> float:
     n = n if device.type == "cuda" else 512
     a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
     return 2 * n**3 / timed(lambda: a @ b, repeats, warmup=3) / 1e12
+
+
+def fp8_matmul_tflops(device, layout: str, n: int = 8192, repeats: int = 20) -> float | None:
+    """The FP8 GEMM rate of an n x n x n product, timed as matmul_peak_tflops times bf16's: operands
+    quantized beforehand (no activation quantization in the time), bf16 output, through the GEMM
+    FP8Linear runs for `layout`: "rowwise" (torch._scaled_mm, one scale per row) or "block" (the
+    dflash::fp8_block_mm op: 1x128 groups by 128x128 blocks). None off CUDA, or where the GEMM fails."""
+    import torch
+
+    from services.target.model import fp8
+
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    gen = torch.Generator(device).manual_seed(0)
+    a = torch.randn(n, n, generator=gen, device=device, dtype=torch.bfloat16)
+    w = torch.randn(n, n, generator=gen, device=device, dtype=torch.bfloat16)
+    try:
+        if layout == "rowwise":
+            layer = fp8.FP8Linear.rowwise_of(w, None, kernel=True)
+            xq, sx = fp8.quantize_rows(a)
+            wt, sw = layer.weight.t(), layer.kernel_scale
+            call = lambda: torch._scaled_mm(xq, wt, scale_a=sx, scale_b=sw, out_dtype=torch.bfloat16)  # noqa: E731
+        elif layout == "block":
+            layer = fp8.FP8Linear(*fp8.quantize_blocks(w, (128, 128)), (128, 128), None, kernel=True)
+            xq, sx = fp8.quantize_blocks(a, (1, 128))
+            wq, sw = layer.weight, layer.kernel_scale
+            call = lambda: torch.ops.dflash.fp8_block_mm(xq, wq, sx, sw, torch.bfloat16)  # noqa: E731
+        else:
+            raise ValueError(f"layout {layout!r}: rowwise or block")
+        return 2 * n**3 / timed(call, repeats, warmup=3) / 1e12
+    except (RuntimeError, NotImplementedError) as exc:
+        print(f"no {layout} FP8 GEMM rate on {device}: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+        return None

@@ -628,3 +628,25 @@ def test_precision_benchmark_runs_on_cpu_at_the_tiny_shape(tmp_path, capsys):
         assert len(drift) == 1 and all(1e-3 < d["rel_err"] < 0.2 and d["cos_mean"] > 0.98 for d in drift)
     assert all(d["rel_err"] == 0 for d in runs["bf16"]["mixes"]["single"]["drift"])  # bf16 against itself
     assert "drift against bf16 on the same row" in capsys.readouterr().out
+
+
+def test_capture_benchmark_times_each_precision_with_a_roofline_on_cpu(capsys):
+    from bench import target_capture
+
+    argv = "--shapes tiny --seq 64 --layers 1 --mixes short --precision bf16,fp8-rowwise,fp8-block"
+    (rec,) = target_capture.main([*argv.split(), "--iters", "1", "--warmup", "0"])
+    assert rec["gemm_tflops"]["bf16"] > 0  # measured on the CPU too; the FP8 rates are CUDA's only
+    assert rec["gemm_tflops"]["rowwise"] is None and rec["gemm_tflops"]["block"] is None
+    for key, gemm in [
+        ("capture_short", "bf16"),
+        ("capture_short@fp8-rowwise", "rowwise"),
+        ("capture_short@fp8-block", "block"),
+    ]:
+        m = rec[key]
+        assert m["tok_s"] > 0 and m["gemm"] == gemm and m["linear_flops"] > 0
+        if gemm == "bf16":
+            assert 0 < m["fraction"] and m["roofline_tok_s"] > 0
+        else:
+            assert m["fraction"] is None and "no " + gemm + " GEMM rate" in m["roofline_note"]
+    assert "block scales" in rec["precision_summary"]["fp8-block"]
+    assert "roofline (block GEMM)" in capsys.readouterr().out

@@ -1,0 +1,60 @@
+"""A random-weight target put in each precision on the same weights (bench/target_precision.py,
+bench/target_capture.py --precision).
+
+    linears = decoder_linears(layers)                              # the bf16 nn.Linears, kept
+    print(set_precision(model, layers, linears, "fp8-block"))      # quantize_decoder's summary line
+
+  bf16         the weights as they are
+  fp8 / fp8-rowwise  target.quantize=fp8 on a bf16 checkpoint: the decoder linears quantized rowwise
+  fp8-block    what target.quantize=fp8 does with an FP8 checkpoint: each weight in the published
+               128x128 blocks with their scales, kept block-scaled where the GPU runs that GEMM
+The bf16 linears stay referenced while an FP8 precision is set (set_precision puts them back), so
+the bf16 weights and one FP8 copy are in memory together: the 27B hybrid at full depth is about
+54 + 27 GB, which needs an H200 (141 GB), not an 80 GB H100.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+BLOCK = (128, 128)
+
+
+def decoder_linears(layers: nn.ModuleList) -> list[tuple[nn.Module, str, nn.Linear]]:
+    """(parent, attribute, module) of every nn.Linear in the decoder: what FP8 replaces and bf16 restores."""
+    return [
+        (parent, child, module)
+        for layer in layers
+        for parent in layer.modules()
+        for child, module in parent.named_children()
+        if isinstance(module, nn.Linear)
+    ]
+
+
+def set_precision(model, layers, bf16_linears, precision: str) -> str:
+    """Put the bf16 linears back, then quantize for `precision` ("bf16", "fp8" or "fp8-rowwise",
+    "fp8-block"); returns the summary line."""
+    from services.target.model import fp8
+
+    for parent, child, module in bf16_linears:
+        setattr(parent, child, module)
+    if precision == "bf16":
+        return "bf16"
+    if precision not in ("fp8", "fp8-rowwise", "fp8-block"):
+        raise ValueError(f"unknown precision {precision!r}")
+
+    def as_fp8_checkpoint(name: str):
+        weight = model.get_submodule(name.removesuffix(".weight")).weight
+        return (*fp8.quantize_blocks(weight, BLOCK), BLOCK)
+
+    return str(fp8.quantize_decoder(model, layers, as_fp8_checkpoint if precision == "fp8-block" else None))
+
+
+def gemm_layout(layers) -> str:
+    """ "block" if any decoder linear runs block-scaled FP8, "rowwise" if any runs rowwise FP8, else "bf16"."""
+    from services.target.model.fp8 import FP8Linear
+
+    fp8 = [m for layer in layers for m in layer.modules() if isinstance(m, FP8Linear)]
+    if not fp8:
+        return "bf16"
+    return "rowwise" if all(m.rowwise for m in fp8) else "block"
