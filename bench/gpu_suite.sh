@@ -3,7 +3,10 @@
 #   bash bench/gpu_suite.sh PART...   (logs and JSON under $OUT, default ./bench-out)
 # Parts: checks drafter drafterfp8 target8b target8k target32b large transport transportq isolation e2e
 #        hybridtests hybrid hybridnofla ckptstall demo demohybrid fp32 compiletests compiled27 compiled8
-#        precision27 e2eeval fp8few demofp8 e2ex2 e2ehybrid (the last two need nvidia-h200-x2)
+#        precision27 e2eeval fp8few demofp8 fp8capture e2ex2 e2ehybrid (the last two need nvidia-h200-x2)
+# fp8capture (needs the H200: bf16 weights and an FP8 copy of the 27B hybrid at once): the capture
+#          at 4K and 8K packs in bf16, FP8 rowwise and FP8 block-scaled, eager and compiled, in one run, with
+#          the FP8 GEMM rates, each record's roofline fraction and the graph breaks of each compiled capture
 # fp8few: the FP8 few-token kernel's tests, its GEMMs side by side, and the 27B verify step in its modes
 # demofp8: the demo with an FP8 target decoding through the few-token kernel, then its export evaluated
 #          with the kernel and with the scaled GEMM (target.fp8_decode_gemm): lossless counts side by side
@@ -108,6 +111,8 @@ for part in "$@"; do case $part in
                   --recompile-rows 10 --iters 4 --out "$OUT/compiled_8b.json" ;;
   precision27) run precision_27b 400 python3 bench/target_precision.py --shape 27b-hybrid --seq 8192 --mixes short \
                   --compile --iters 4 --out "$OUT/precision_27b.json" ;;
+  fp8capture) run fp8capture 570 python3 bench/target_capture.py --shapes 27b-hybrid --seq 4096,8192 --mixes short \
+                  --precision bf16,fp8-rowwise,fp8-block --compile --recompile-rows 0 --iters 3 --out "$OUT/fp8capture.json" ;;
   e2eeval)    run e2e_eval 570 python3 bench/e2e.py --gpus 0:target,0:drafter --share-gpus --shape 27b-hybrid --work /tmp/e2e27b \
                   --layers 32 --steps 30 --skip 3 --eval-every 10 --spec-prompts 4 --no-alone --conversations 20000 \
                   --timeout 420 --out "$OUT/e2e_eval.json" ;;

@@ -3,6 +3,8 @@
     python bench/target_capture.py --shapes 8b,32b --seq 8192,32768 --out bench-target.json
     python bench/target_capture.py --shapes 27b-hybrid --seq 8192 --mixes single,short,medium
     python bench/target_capture.py --shapes 27b-hybrid --seq 8192 --mixes single,medium --no-fla
+    python bench/target_capture.py --shapes 27b-hybrid --seq 4096,8192 --mixes short \
+        --precision bf16,fp8-rowwise,fp8-block --compile --recompile-rows 0 --iters 3    # H200
 
 Random-weight models of real shapes (bench/shapes.py), built directly on the GPU in bf16 (no
 download). For each shape and sequence length it times:
@@ -24,6 +26,26 @@ models run on transformers' torch fallback (what a user without the kernels gets
 FLOPs count 2 x params of the layers run (plus lm_head for all rows in (c), for one row in (a))
 + causal attention (4 * n^2/2 * heads * head_dim per full-attention layer per document); the
 Gated DeltaNet recurrence is not counted, so a hybrid's MFU is a slight underestimate.
+
+--precision (comma list, default bf16) times (b) and (d) for each precision on the same rows, one
+after another on the same random weights (bench/precision.py, as bench/target_precision.py does):
+  bf16         the weights as built
+  fp8-rowwise  target.quantize=fp8 on a bf16 checkpoint: the decoder linears quantized rowwise at load
+  fp8-block    an FP8 checkpoint's layout: each weight in 128x128 blocks with its scales
+               (dflash::fp8_block_mm), requantized rowwise where this GPU has no block-scaled GEMM
+An FP8 precision's records are keyed capture_<mix>@<precision> (bf16's keep their old names). The
+bf16 weights stay in memory beside one FP8 copy: the 27B hybrid at full depth needs the H200.
+With --compile, dynamo's graph breaks over the compile and the compiled captures of each precision
+(torch._dynamo.utils.counters["graph_break"], reset before) are printed and recorded (graph_breaks,
+with their reasons), so an FP8 linear that splits the graph shows as more breaks than bf16's.
+Roofline, per capture record: linear FLOPs (2 x the weights of the linears of the layers run, per
+token) at the GEMM rate of the precision's layout, plus the attention FLOPs above at the bf16 rate;
+the rates are 8192^3 GEMMs measured in the same run (bench/timing.py: matmul_peak_tflops for bf16,
+fp8_matmul_tflops rowwise and block-scaled; not measured off CUDA, and then an FP8 record's roofline
+is None and says why). It records roofline_s, roofline_tok_s and fraction = roofline_s / measured s.
+The bound leaves out the Gated DeltaNet recurrence and short convolution, the norms, the activation
+quantization of the FP8 linears, the elementwise work, memory traffic and launch overhead, so a
+fraction well under 1 is expected; it says how much of the capture is GEMM-bound work.
 """
 
 from __future__ import annotations
