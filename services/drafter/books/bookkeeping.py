@@ -184,26 +184,26 @@ class Bookkeeping:
         """Count and name a non-finite batch; stop the run after optimizer.max_nonfinite_steps skipped
         optimizer steps in a row. m["skipped_step"] is the same on every rank (all-reduced
         gradients), so every rank stops at the same step, before any collective of it."""
-        books, changed = self.integrity, False
+        counts, changed = self.integrity, False
         if m.get("nonfinite"):
-            books["nonfinite_batches"] += 1
-            books["last_nonfinite"] = f"{m['nonfinite']} (batch g={g}, step {self.state.step})"
+            counts["nonfinite_batches"] += 1
+            counts["last_nonfinite"] = f"{m['nonfinite']} (batch g={g}, step {self.state.step})"
             changed = True
-            if books["nonfinite_batches"] <= 3 or books["nonfinite_batches"] % 100 == 0:
-                log.warning("skipped batch g=%d: %s (%d so far)", g, m["nonfinite"], books["nonfinite_batches"])
+            if counts["nonfinite_batches"] <= 3 or counts["nonfinite_batches"] % 100 == 0:
+                log.warning("skipped batch g=%d: %s (%d so far)", g, m["nonfinite"], counts["nonfinite_batches"])
         if self.state.micro_step % self.state.settings.grad_accum == 0:
             if m.get("skipped_step"):
-                books["skipped_steps"] += 1
+                counts["skipped_steps"] += 1
                 self.skipped_in_a_row += 1
                 changed = True
                 log.warning("optimizer step %d skipped: non-finite gradient norm", self.state.step)
             else:
                 self.skipped_in_a_row = 0
         if changed:
-            self.health.progress(integrity=dict(books))
+            self.health.progress(integrity=dict(counts))
         limit = self.settings.max_nonfinite_steps
         if self.skipped_in_a_row >= limit:
-            cause = books["last_nonfinite"] or "non-finite gradients from another drafter rank's batches (see its log)"
+            cause = counts["last_nonfinite"] or "non-finite gradients from another drafter rank's batches (see its log)"
             raise NonFiniteError(
                 f"{self.skipped_in_a_row} optimizer steps in a row skipped "
                 f"(optimizer.max_nonfinite_steps={limit}): {cause}; no weights were updated "
