@@ -192,7 +192,6 @@ def test_the_code_corpus_cuts_sources_and_holds_modules_out():
     assert not any(t in line["text"] for line in sets["train"] for t in heldout_text)
 
 
-
 def test_code_regen_prompts_are_training_text_cut_at_line_ends(tmp_path):
     docs = ["\n".join(f"line_{d}_{i} = {i}" for i in range(300)) + "\n" for d in range(3)] + ["x = 1\n"]
     prompts = [p["prompt"] for p in code_corpus.continuation_prompts(docs, 12, seed=1)]
