@@ -95,7 +95,7 @@ class ProgressLine:
             self._rate_start = (clock, step)  # first sight, or a restarted drafter
         t0, s0 = self._rate_start
         rate = (step - s0) / (clock - t0) if clock > t0 and step > s0 else 0.0
-        eta = _duration((total - step) / rate) if rate > 0 and total else "?"
+        eta = duration((total - step) / rate) if rate > 0 and total else "?"
         pct = f" {100 * step / total:.1f}%" if total else ""
         head = f"step {step}/{total or '?'}{pct} ETA {eta}"
         return " | ".join(p for p in (head, compact_window(window)) if p)
@@ -120,7 +120,7 @@ class ProgressLine:
         print(text, file=self.stream, flush=True)
 
 
-def _duration(seconds: float) -> str:
+def duration(seconds: float) -> str:
     seconds = int(seconds)
     h, rem = divmod(seconds, 3600)
     m, s = divmod(rem, 60)

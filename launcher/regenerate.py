@@ -20,7 +20,7 @@ import threading
 import time
 from pathlib import Path
 
-from launcher.progress import ProgressLine, _duration
+from launcher.progress import ProgressLine, duration
 from launcher.regen_record import write_record
 from services.data.data_lines import plain_lines, read_conversations, replies_to_write, sample_path
 from services.process import jobs
@@ -50,7 +50,7 @@ def _follow(child: subprocess.Popen, state: dict) -> None:
 
 
 def progress_text(done: int, total: int, rate: float, token_rate: float = 0.0) -> str:
-    eta = _duration((total - done) / rate) if rate > 0 else "?"
+    eta = duration((total - done) / rate) if rate > 0 else "?"
     pct = 100 * done / total if total else 100.0
     tokens = f", {token_rate:,.0f} generated tok/s" if token_rate > 0 else ""
     return f"regenerating: {done}/{total} replies ({pct:.1f}%), {rate:.1f} replies/s{tokens}, ETA {eta}"
@@ -231,7 +231,7 @@ def run(args) -> None:
     )
     lines = [
         f"regenerated {sum(f['turns'] for f in finals) - empty} replies ({_kinds(chat, plain)}) "
-        f"in {_duration(time.monotonic() - start)} ({args.engine}, {where})"
+        f"in {duration(time.monotonic() - start)} ({args.engine}, {where})"
     ]
     lines.append(breakdown(finals, sum(f["turns"] for f in finals), sum(s["tokens"] for s in states)))
     if empty:

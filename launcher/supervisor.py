@@ -56,7 +56,7 @@ from launcher.causes import exit_cause, read_log
 from launcher.drops import DropWatch
 from launcher.elastic import ElasticDrafters
 from launcher.errors import RunFailed, cannot_write
-from launcher.progress import ProgressLine, describe_acceptance
+from launcher.progress import ProgressLine, describe_acceptance, duration
 from launcher.topology import Worker, count
 from launcher.worker_argv import worker_argv
 from services.net import curve
@@ -273,7 +273,8 @@ class Supervisor(ElasticDrafters):
         run: it loads the last step, exports and exits), one that exits 3 (exits.STOPPED) before it
         was seen has stopped; neither is waited for, and once every local drafter has ended there is
         nothing left to wait for: supervise() ends the run, finished or stopped."""
-        deadline = time.monotonic() + self.ready_timeout_s
+        began = time.monotonic()
+        deadline = began + self.ready_timeout_s
         pending = {w.name: w for w in self.local}
         drafters = [w for w in self.local if w.role == "drafter"]
         while pending:
@@ -303,7 +304,9 @@ class Supervisor(ElasticDrafters):
                 break
             if time.monotonic() > deadline:
                 raise RunFailed(f"not ready after {self.ready_timeout_s:.0f}s: {', '.join(pending)}")
-            self.progress.show("starting… waiting for " + " ".join(f"{n}:{states[n]}" for n in sorted(pending)))
+            waiting_for = " ".join(f"{n}:{states[n]}" for n in sorted(pending))
+            waited = duration(time.monotonic() - began)  # it changes, so a log gets a line every 10 s too
+            self.progress.show(f"starting… waiting for {waiting_for} ({waited})")
             time.sleep(0.5)
         self.progress.done("all workers ready")
 

@@ -381,6 +381,43 @@ def test_wait_ready_never_shows_an_empty_waiting_list(capsys):
     assert all(line.strip() != "starting… waiting for" for line in out.splitlines()), out
 
 
+@pytest.mark.processes
+def test_a_long_start_prints_a_line_with_the_time_waited_while_it_lasts(capsys):
+    """In a log (systemd, a file) the start line comes again while one state lasts, with the time waited:
+    a 5-minute compile or model load is never 5 minutes of silence."""
+    import tempfile
+    import threading
+
+    from launcher.supervisor import Supervisor
+    from launcher.topology import parse_gpu_spec
+    from services.process.health import HealthServer
+    from services.run.config import load_config
+
+    run_dir = Path(tempfile.mkdtemp(prefix="dfl"))
+    workers = parse_gpu_spec("0:target,1:drafter")
+    sup = Supervisor(run_dir, load_config(None, []), workers, "cpu")
+    sup.progress.every_s = 1.0
+    servers = [HealthServer(sup.endpoints(w)["health"], w.role, w.rank, "cpu") for w in workers]
+    sup.procs = {w.name: subprocess.Popen(["sleep", "60"]) for w in workers}
+    try:
+        servers[0].set(state="ready")
+        servers[1].set(state="compiling")
+        timer = threading.Timer(3.5, lambda: servers[1].set(state="ready"))
+        timer.start()
+        sup.wait_ready()
+        timer.join()
+    finally:
+        for server in servers:
+            server.close()
+        for proc in sup.procs.values():
+            proc.kill()
+            proc.wait()
+        shutil.rmtree(run_dir)
+    lines = [line for line in capsys.readouterr().out.splitlines() if "drafter-0:compiling" in line]
+    assert len(lines) >= 2 and lines[0].startswith("starting… waiting for drafter-0:compiling (0m0"), lines
+    assert lines[-1] != lines[0] and lines[-1].endswith("s)"), lines
+
+
 # --- paths: written absolute, so the run's config reads the same from any folder ----------------------
 
 
