@@ -76,9 +76,11 @@ GEMMA32=(--work /tmp/gemma32 --corpus code --gguf /tmp/m/gemma.gguf --max-chars 
   --pack-len 8192 --eval-max-new-tokens 128 --out /tmp/bg/gemma32.json eval.num_prompts=16
   'eval.prompts=["/tmp/gemma32/corpus/code-heldout.jsonl"]')
 # Gemma 3 270M base trained on its own greedy continuations (--corpus code-regen): 24 000 prompts cut from the
-# same Python source, each continued by the target for 256 tokens, then the defaults to 24 M tokens (as GEMMA32)
+# same Python source, each continued by the target for 256 tokens, then the defaults to 24 M tokens (as GEMMA32;
+# $GEMMAREGEN_PROMPTS and $GEMMAREGEN_TOKENS change the two amounts)
 GEMMAREGEN=(--work /tmp/gemmaregen --corpus code-regen --gguf /tmp/m/gemma.gguf --max-chars 160000000
-  --max-train 24000 --regen-max-new-tokens 256 --tokens 8M,24M --pack-len 8192 --eval-max-new-tokens 128
+  --max-train "${GEMMAREGEN_PROMPTS:-24000}" --regen-max-new-tokens 256 --tokens "${GEMMAREGEN_TOKENS:-8M,24M}"
+  --pack-len 8192 --eval-max-new-tokens 128
   --out /tmp/bg/gemmaregen.json eval.num_prompts=16 'eval.prompts=["/tmp/gemmaregen/corpus/code-heldout.jsonl"]')
 REAL138K=(--work /tmp/real138k --gguf /tmp/m/g.gguf --site-packages --max-train 0 --regen-max-new-tokens 256
   --tokens 8M,32M,100M --pack-len 8192 --eval-max-new-tokens 128 --out /tmp/bg/real138k.json eval.num_prompts=16
