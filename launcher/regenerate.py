@@ -3,9 +3,11 @@ each), a live line while they work, the shards interleaved back into input order
 of what changed.
 
 The data is read here first (no torch): a broken line, or data without a chat line (nothing to
-regenerate), is one line and exit 2 before any model loads. The children's JSON progress lines
-feed one line: assistant turns done / total, turns per second, ETA (from the first batch on, so
-the model load does not count). Their shards are hidden files beside --out, removed at the end.
+regenerate), is one line and exit 2 before any model loads. --cut-prompts N: the shards continue N
+prompts cut from the {"text"} lines (services/data/text_prompts.py), kept as OUT.prompts.jsonl.
+The children's JSON progress lines feed one line: assistant turns done / total, turns per second,
+ETA (from the first batch on, so the model load does not count). Their shards are hidden files
+beside --out, removed at the end.
 What was done (model, engine, chat-template options, sampling, the output's sha256) is written
 beside --out (launcher/regen_record.py), for `up` to check the run renders the chats alike.
 """
@@ -23,8 +25,10 @@ from pathlib import Path
 from launcher.progress import ProgressLine, duration
 from launcher.regen_record import write_record
 from services.data.data_lines import plain_lines, read_conversations, replies_to_write, sample_path
+from services.data.text_prompts import MIN_PROMPT_LINES, cut_prompts
 from services.process import jobs
 from services.run.config import toml_literal
+from services.run.files import write_text_atomic
 
 
 class RegenerateError(Exception):
@@ -109,6 +113,23 @@ def interleave(shards: list[str]) -> list[str]:
     return [r[i] for i in range(max(map(len, rows), default=0)) for r in rows if i < len(r)]
 
 
+def cut_text_prompts(data: Path, items: list, count: int, out: Path) -> tuple[Path, list]:
+    """`count` prompts cut from the {"text"} lines of `data` (services/data/text_prompts.py) into a file
+    beside `out`, and its items; RegenerateError when there is no text line to cut."""
+    if count < 0:
+        raise RegenerateError(f"--cut-prompts {count}: a count of prompts, 0 (none: the lines themselves) or more")
+    texts = [r["text"] for r, m in items if m is None and isinstance(r, dict) and isinstance(r.get("text"), str)]
+    prompts = cut_prompts(texts, count)
+    if not prompts:
+        raise RegenerateError(
+            f'--cut-prompts {count}: {data} has no {{"text"}} line of {MIN_PROMPT_LINES} lines or more to cut '
+            "prompts from"
+        )
+    path = out.with_name(f"{out.name}.prompts.jsonl")
+    write_text_atomic(path, "".join(json.dumps(p) + "\n" for p in prompts))
+    return path, read_conversations(path)
+
+
 def run(args) -> None:
     """Regenerate args.data into args.out, then print what changed. Raises RegenerateError."""
     data, out = Path(args.data), Path(args.out).resolve()
@@ -116,6 +137,9 @@ def run(args) -> None:
         items = read_conversations(data)
     except ValueError as exc:  # names file:line
         raise RegenerateError(str(exc)) from None
+    source, cut = data, args.cut_prompts
+    if cut:  # the shards continue prompts cut from the text lines, written beside --out
+        data, items = cut_text_prompts(data, items, cut, out)
     chat = sum(m is not None for _, m in items)
     plain = plain_lines(items)
     if not chat + plain:
@@ -221,7 +245,8 @@ def run(args) -> None:
             "samples": args.samples,
             "sample_temperature": args.sample_temperature if args.samples else None,
             "max_new_tokens": args.max_new_tokens,
-            "data": str(data.resolve()),
+            "data": str(source.resolve()),
+            "cut_prompts": cut,
             "lines": len(items),
             "chat_lines": chat,
             "plain_lines": plain,

@@ -7,6 +7,7 @@ import json
 import pytest
 
 from bench import code_corpus, real_model, real_prompts
+from services.data.text_prompts import MIN_PROMPT_LINES, PROMPT_CHARS, cut_prompts
 
 
 @pytest.fixture(scope="module")
@@ -194,13 +195,13 @@ def test_the_code_corpus_cuts_sources_and_holds_modules_out():
 
 def test_code_regen_prompts_are_training_text_cut_at_line_ends(tmp_path):
     docs = ["\n".join(f"line_{d}_{i} = {i}" for i in range(300)) + "\n" for d in range(3)] + ["x = 1\n"]
-    prompts = [p["prompt"] for p in code_corpus.continuation_prompts(docs, 12, seed=1)]
-    assert len(prompts) == 12 and prompts == [p["prompt"] for p in code_corpus.continuation_prompts(docs, 12, 1)]
+    prompts = [p["prompt"] for p in cut_prompts(docs, 12, seed=1)]
+    assert len(prompts) == 12 and prompts == [p["prompt"] for p in cut_prompts(docs, 12, 1)]
     for k, prompt in enumerate(prompts):  # the documents in turn; the one too short for a prompt skipped
-        assert prompt in docs[k % 3] and prompt.endswith("\n") and len(prompt) <= code_corpus.PROMPT_CHARS
+        assert prompt in docs[k % 3] and prompt.endswith("\n") and len(prompt) <= PROMPT_CHARS
         start = docs[k % 3].index(prompt)
         assert start == 0 or docs[k % 3][start - 1] == "\n"  # whole lines
-        assert prompt.count("\n") >= code_corpus.MIN_PROMPT_LINES or start > 0
+        assert prompt.count("\n") >= MIN_PROMPT_LINES or start > 0
     assert len(set(prompts)) > 3  # seeded cuts, not one per document
     sets = {"train": [{"text": d} for d in docs], "code-heldout": [], "info": {"seed": 1}}
     info = code_corpus.write(tmp_path, sets, prompts=5)

@@ -469,6 +469,39 @@ def test_a_base_model_continues_plain_text_lines_and_trains_on_them(tok_dir, tmp
     assert list(doc_ids) == tokenizer(lines[0]["prompt"])["input_ids"] and mask.any()
 
 
+@pytest.mark.processes
+def test_cut_prompts_continues_prompts_cut_from_the_text_lines_and_says_so_in_the_record(tok_dir, tmp_path):
+    """`launcher regenerate --cut-prompts N` on a base model's {"text"} documents: N prompts cut at line
+    ends from the documents in turn (kept beside the output), each continued by the target into a
+    {"prompt", "completion"} line; a file with no text long enough to cut from is one line, exit 2."""
+    from services.data.text_prompts import cut_prompts
+
+    make_model(tok_dir, tmp_path / "base")
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "base")
+    tokenizer.chat_template = None
+    tokenizer.save_pretrained(tmp_path / "base")
+    docs = ["".join(f"count {i} to {i + 1}\n" for i in range(d, d + 20)) for d in range(2)]
+    data, out = tmp_path / "text.jsonl", tmp_path / "regen.jsonl"
+    data.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    done = regenerate_cli(
+        tmp_path / "base", data, out, "--device", "cpu", "--max-new-tokens", "3", "--cut-prompts", "5"
+    )
+    assert done.returncode == 0, done.stderr
+    lines = [json.loads(x) for x in out.read_text().splitlines()]
+    want = [p["prompt"] for p in cut_prompts(docs, 5)]
+    assert len(lines) == 5 and [x.get("prompt", x.get("text")) for x in lines] == want
+    assert all(x["prompt"] in docs[k % 2] and x["prompt"].endswith("\n") for k, x in enumerate(lines) if "prompt" in x)
+    assert any(x.get("completion") for x in lines)  # the target's continuations
+    assert [json.loads(x)["prompt"] for x in (tmp_path / "regen.jsonl.prompts.jsonl").read_text().splitlines()] == want
+    record = json.loads((tmp_path / "regen.jsonl.regenerate.json").read_text())
+    assert record["data"] == str(data.resolve()) and record["cut_prompts"] == 5
+    data.write_text(json.dumps({"text": "one line"}) + "\n")
+    refused = regenerate_cli(tmp_path / "base", data, out, "--device", "cpu", "--cut-prompts", "5")
+    assert refused.returncode == 2 and f'--cut-prompts 5: {data} has no {{"text"}} line of 8 lines' in refused.stderr
+    refused = regenerate_cli(tmp_path / "base", data, out, "--device", "cpu", "--cut-prompts", "-1")
+    assert refused.returncode == 2 and "--cut-prompts -1: a count of prompts" in refused.stderr
+
+
 def test_each_sampled_pass_of_a_shard_draws_from_its_own_seed(tok_dir, tmp_path, capsys):
     """regenerate_shard --samples: pass k of shard i from seed SAMPLE_SEED * k + i, so a rerun writes
     the same replies, and the passes (and the shards) differ from each other."""
