@@ -127,7 +127,7 @@ def cut_text_prompts(data: Path, items: list, count: int, out: Path) -> tuple[Pa
         )
     path = out.with_name(f"{out.name}.prompts.jsonl")
     write_text_atomic(path, "".join(json.dumps(p) + "\n" for p in prompts))
-    return path, read_conversations(path)
+    return path, [(p, None) for p in prompts]  # what read_conversations gives for them: plain lines
 
 
 def run(args) -> None:

@@ -1,6 +1,7 @@
 """What `launcher up` refuses before it makes a run folder (one line, exit 2, no folder left behind),
 and the small things it says: a resume, the prompts of real acceptance, `keys`, `plan --gpus`."""
 
+import contextlib
 import json
 import os
 import re
@@ -351,8 +352,10 @@ def test_eval_takes_device_like_every_other_command(tmp_path):
         assert args.eval_device == "cuda:1"
 
 
-@pytest.mark.processes
-def test_wait_ready_never_shows_an_empty_waiting_list(capsys):
+@contextlib.contextmanager
+def supervisor_with_health():
+    """A Supervisor of 0:target,1:drafter on CPU whose workers are `sleep` processes, each with a real
+    health server the test sets the state of: (sup, [target's server, drafter's server])."""
     import tempfile
 
     from launcher.supervisor import Supervisor
@@ -366,9 +369,7 @@ def test_wait_ready_never_shows_an_empty_waiting_list(capsys):
     servers = [HealthServer(sup.endpoints(w)["health"], w.role, w.rank, "cpu") for w in workers]
     sup.procs = {w.name: subprocess.Popen(["sleep", "60"]) for w in workers}
     try:
-        for server in servers:
-            server.set(state="ready")
-        sup.wait_ready()
+        yield sup, servers
     finally:
         for server in servers:
             server.close()
@@ -376,6 +377,14 @@ def test_wait_ready_never_shows_an_empty_waiting_list(capsys):
             proc.kill()
             proc.wait()
         shutil.rmtree(run_dir)
+
+
+@pytest.mark.processes
+def test_wait_ready_never_shows_an_empty_waiting_list(capsys):
+    with supervisor_with_health() as (sup, servers):
+        for server in servers:
+            server.set(state="ready")
+        sup.wait_ready()
     out = capsys.readouterr().out
     assert "all workers ready" in out
     assert all(line.strip() != "starting… waiting for" for line in out.splitlines()), out
@@ -385,34 +394,16 @@ def test_wait_ready_never_shows_an_empty_waiting_list(capsys):
 def test_a_long_start_prints_a_line_with_the_time_waited_while_it_lasts(capsys):
     """In a log (systemd, a file) the start line comes again while one state lasts, with the time waited:
     a 5-minute compile or model load is never 5 minutes of silence."""
-    import tempfile
     import threading
 
-    from launcher.supervisor import Supervisor
-    from launcher.topology import parse_gpu_spec
-    from services.process.health import HealthServer
-    from services.run.config import load_config
-
-    run_dir = Path(tempfile.mkdtemp(prefix="dfl"))
-    workers = parse_gpu_spec("0:target,1:drafter")
-    sup = Supervisor(run_dir, load_config(None, []), workers, "cpu")
-    sup.progress.every_s = 1.0
-    servers = [HealthServer(sup.endpoints(w)["health"], w.role, w.rank, "cpu") for w in workers]
-    sup.procs = {w.name: subprocess.Popen(["sleep", "60"]) for w in workers}
-    try:
+    with supervisor_with_health() as (sup, servers):
+        sup.progress.every_s = 1.0
         servers[0].set(state="ready")
         servers[1].set(state="compiling")
         timer = threading.Timer(3.5, lambda: servers[1].set(state="ready"))
         timer.start()
         sup.wait_ready()
         timer.join()
-    finally:
-        for server in servers:
-            server.close()
-        for proc in sup.procs.values():
-            proc.kill()
-            proc.wait()
-        shutil.rmtree(run_dir)
     lines = [line for line in capsys.readouterr().out.splitlines() if "drafter-0:compiling" in line]
     assert len(lines) >= 2 and lines[0].startswith("starting… waiting for drafter-0:compiling (0m0"), lines
     assert lines[-1] != lines[0] and lines[-1].endswith("s)"), lines
