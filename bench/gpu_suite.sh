@@ -3,10 +3,12 @@
 #   bash bench/gpu_suite.sh PART...   (logs and JSON under $OUT, default ./bench-out)
 # Parts: checks drafter drafterfp8 target8b target8k target32b large transport transportq isolation e2e
 #        hybridtests hybrid hybridnofla ckptstall demo demohybrid fp32 compiletests compiled27 compiled8
-#        precision27 e2eeval fp8few demofp8 fp8capture e2ex2 e2ehybrid (the last two need nvidia-h200-x2)
+#        precision27 e2eeval fp8few demofp8 fp8capture drafter27 e2e27fp8 e2ex2 e2ehybrid (the last two need nvidia-h200-x2)
 # fp8capture (needs the H200: bf16 weights and an FP8 copy of the 27B hybrid at once): the capture
 #          at 4K and 8K packs in bf16, FP8 rowwise and FP8 block-scaled, eager and compiled, in one run, with
 #          the FP8 GEMM rates, each record's roofline fraction and the graph breaks of each compiled capture
+# drafter27: the drafter step at the Qwen3.6-27B preset's shape with the default objective, bf16 and FP8 side by
+#          side, with a profile of each; e2e27fp8 (+wait): the preset through the service (E2E27 below), then plan
 # fp8few: the FP8 few-token kernel's tests, its GEMMs side by side, and the 27B verify step in its modes
 # demofp8: the demo with an FP8 target decoding through the few-token kernel, then its export evaluated
 #          with the kernel and with the scaled GEMM (target.fp8_decode_gemm): lossless counts side by side
@@ -82,6 +84,12 @@ GEMMAREGEN=(--work /tmp/gemmaregen --corpus code-regen --gguf /tmp/m/gemma.gguf 
   --max-train "${GEMMAREGEN_PROMPTS:-24000}" --regen-max-new-tokens 256 --tokens "${GEMMAREGEN_TOKENS:-8M,24M}"
   --pack-len 8192 --eval-max-new-tokens 128
   --out /tmp/bg/gemmaregen.json eval.num_prompts=16 'eval.prompts=["/tmp/gemmaregen/corpus/code-heldout.jsonl"]')
+# the Qwen3.6-27B preset through the service on one shared GPU from an FP8 block checkpoint (all 64 layers), B from
+# drafter27 of an earlier call (/tmp/bg/drafter_27b.json), then `launcher plan --gpus 8` on the same model and data;
+# the last three entries are the run's overrides, which plan takes too
+E2E27=(--gpus 0:target,0:drafter --share-gpus --shape 27b-hybrid --work /tmp/e2e27 --config presets/qwen3.6-27b.toml
+  --fp8-checkpoint --drafter-json /tmp/bg/drafter_27b.json --steps 80 --timeout 700 --out /tmp/bg/e2e27fp8.json
+  data.pack_len=4096 'target.quantize="fp8"' "kernels.precision=\"${E2E27_PRECISION:-fp8}\"")
 REAL138K=(--work /tmp/real138k --gguf /tmp/m/g.gguf --site-packages --max-train 0 --regen-max-new-tokens 256
   --tokens 8M,32M,100M --pack-len 8192 --eval-max-new-tokens 128 --out /tmp/bg/real138k.json eval.num_prompts=16
   'eval.prompts=["/tmp/real138k/corpus/stdlib-heldout.jsonl"]' ${REAL_OVERRIDES:-})
@@ -120,7 +128,17 @@ for part in "$@"; do case $part in
   precision27) run precision_27b 400 python3 bench/target_precision.py --shape 27b-hybrid --seq 8192 --mixes short \
                   --compile --iters 4 --out "$OUT/precision_27b.json" ;;
   fp8capture) run fp8capture 570 python3 bench/target_capture.py --shapes 27b-hybrid --seq 4096,8192 --mixes short \
-                  --precision bf16,fp8-rowwise,fp8-block --compile --recompile-rows 0 --iters 3 --out "$OUT/fp8capture.json" ;;
+                  --precision bf16,fp8-rowwise,fp8-block --compile --recompile-rows 0 --iters 3 --out "$OUT/fp8capture.json" \
+                  --profile "$OUT/fp8capture.prof" ;;
+  drafter27)  run drafter_27b 500 python3 bench/drafter_step.py --shape qwen36 --layout hybrid --seq-len 4096 \
+                  --anchors 512 --block-size 16 --precision bf16,fp8 --steps 10 --warmup-steps 2 --no-breakdown --profile \
+                  --out "$OUT/drafter_27b.json"
+              mkdir -p /tmp/bg && cp "$OUT/drafter_27b.json" /tmp/bg/ ;;
+  e2e27fp8)   (cd /tmp/code && PYTHONPATH=/tmp/site:/tmp/code bg e2e27fp8 bash -c 'python3 bench/e2e.py "$@";
+                  python3 -m launcher plan --gpus 8 --config presets/qwen3.6-27b.toml --seconds 30 "${@: -3}" \
+                  target.model_path=\"/tmp/e2e27/27b-hybrid-random-fp8\" data.path=\"/tmp/e2e27/demo/chat.jsonl\"' \
+                  _ "${E2E27[@]}") ;;
+  e2e27fp8wait) bgwait e2e27fp8 "${BGWAIT:-560}" ;;
   e2eeval)    run e2e_eval 570 python3 bench/e2e.py --gpus 0:target,0:drafter --share-gpus --shape 27b-hybrid --work /tmp/e2e27b \
                   --layers 32 --steps 30 --skip 3 --eval-every 10 --spec-prompts 4 --no-alone --conversations 20000 \
                   --timeout 420 --out "$OUT/e2e_eval.json" ;;
