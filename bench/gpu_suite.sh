@@ -4,7 +4,7 @@
 # Parts: checks drafter drafterfp8 target8b target8k target32b large transport transportq isolation e2e
 #        hybridtests hybrid hybridnofla ckptstall demo demohybrid fp32 compiletests compiled27 compiled8
 #        precision27 e2eeval fp8few demofp8 fp8capture drafter27 e2e27fp8 e2ex2 e2ehybrid (the last two need nvidia-h200-x2)
-# fp8capture (needs the H200: bf16 weights and an FP8 copy of the 27B hybrid at once): the capture
+# fp8capture (the bf16 weights wait in host memory during FP8 where both overfill the GPU, e.g. an H100): the capture
 #          at 4K and 8K packs in bf16, FP8 rowwise and FP8 block-scaled, eager and compiled, in one run, with
 #          the FP8 GEMM rates, each record's roofline fraction and the graph breaks of each compiled capture
 # drafter27: the drafter step at the Qwen3.6-27B preset's shape with the default objective, bf16 and FP8 side by

@@ -10,7 +10,9 @@ bench/target_capture.py --precision).
                128x128 blocks with their scales, kept block-scaled where the GPU runs that GEMM
 The bf16 linears stay referenced while an FP8 precision is set (set_precision puts them back), so
 the bf16 weights and one FP8 copy are in memory together: the 27B hybrid at full depth is about
-54 + 27 GB, which needs an H200 (141 GB), not an 80 GB H100.
+54 + 27 GB, more than an 80 GB H100 holds. With offload=True (`needs_offload` says when) each layer's
+bf16 linears go to host memory as soon as that layer is in FP8, and come back for bf16: the GPU
+holds one copy at a time, for a few seconds of copying per switch.
 """
 
 from __future__ import annotations
@@ -31,13 +33,24 @@ def decoder_linears(layers: nn.ModuleList) -> list[tuple[nn.Module, str, nn.Line
     ]
 
 
-def set_precision(model, layers, bf16_linears, precision: str) -> str:
+def needs_offload(bf16_linears) -> bool:
+    """Whether the bf16 decoder linears and an FP8 copy of them (half their bytes) overfill 90 % of the GPU."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return False
+    weights = sum(m.weight.numel() * m.weight.element_size() for _, _, m in bf16_linears)
+    return 1.5 * weights > 0.9 * torch.cuda.get_device_properties(0).total_memory
+
+
+def set_precision(model, layers, bf16_linears, precision: str, offload: bool = False) -> str:
     """Put the bf16 linears back, then quantize for `precision` ("bf16", "fp8" or "fp8-rowwise",
-    "fp8-block"); returns the summary line."""
+    "fp8-block"); returns the summary line. offload: the bf16 linears wait in host memory while FP8 runs."""
     from services.target.model import fp8
 
+    device = model.get_input_embeddings().weight.device
     for parent, child, module in bf16_linears:
-        setattr(parent, child, module)
+        setattr(parent, child, module.to(device))
     if precision == "bf16":
         return "bf16"
     if precision not in ("fp8", "fp8-rowwise", "fp8-block"):
@@ -47,7 +60,16 @@ def set_precision(model, layers, bf16_linears, precision: str) -> str:
         weight = model.get_submodule(name.removesuffix(".weight")).weight
         return (*fp8.quantize_blocks(weight, BLOCK), BLOCK)
 
-    return str(fp8.quantize_decoder(model, layers, as_fp8_checkpoint if precision == "fp8-block" else None))
+    blocks = as_fp8_checkpoint if precision == "fp8-block" else None
+    if not offload:
+        return str(fp8.quantize_decoder(model, layers, blocks))
+    summary = fp8.Summary()
+    for layer in layers:  # one layer at a time: its bf16 linears leave the GPU before the next is quantized
+        bf16 = [m for m in layer.modules() if isinstance(m, nn.Linear)]
+        summary.update(fp8.quantize_decoder(model, [layer], blocks))
+        for module in bf16:
+            module.to("cpu")
+    return str(summary)
 
 
 def gemm_layout(layers) -> str:

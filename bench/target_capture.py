@@ -4,7 +4,7 @@
     python bench/target_capture.py --shapes 27b-hybrid --seq 8192 --mixes single,short,medium
     python bench/target_capture.py --shapes 27b-hybrid --seq 8192 --mixes single,medium --no-fla
     python bench/target_capture.py --shapes 27b-hybrid --seq 4096,8192 --mixes short \
-        --precision bf16,fp8-rowwise,fp8-block --compile --recompile-rows 0 --iters 3    # H200
+        --precision bf16,fp8-rowwise,fp8-block --compile --recompile-rows 0 --iters 3
 
 Random-weight models of real shapes (bench/shapes.py), built directly on the GPU in bf16 (no
 download). For each shape and sequence length it times:
@@ -34,7 +34,8 @@ after another on the same random weights (bench/precision.py, as bench/target_pr
   fp8-block    an FP8 checkpoint's layout: each weight in 128x128 blocks with its scales
                (dflash::fp8_block_mm), requantized rowwise where this GPU has no block-scaled GEMM
 An FP8 precision's records are keyed capture_<mix>@<precision> (bf16's keep their old names). The
-bf16 weights stay in memory beside one FP8 copy: the 27B hybrid at full depth needs the H200.
+bf16 weights stay in memory beside one FP8 copy, or in host memory while FP8 runs where the two overfill
+the GPU (the 27B hybrid at full depth on an 80 GB H100: a few seconds of copying per switch).
 With --compile, dynamo's graph breaks over the compile and the compiled captures of each precision
 (torch._dynamo.utils.counters["graph_break"], reset before) are printed and recorded (graph_breaks,
 with their reasons), so an FP8 linear that splits the graph shows as more breaks than bf16's.
@@ -59,7 +60,7 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
-from bench.precision import decoder_linears, gemm_layout, set_precision  # noqa: E402
+from bench.precision import decoder_linears, gemm_layout, needs_offload, set_precision  # noqa: E402
 from bench.shapes import SHAPES, text_config  # noqa: E402
 from bench.timing import fp8_matmul_tflops, matmul_peak_tflops, sync, timed  # noqa: E402
 
@@ -173,6 +174,9 @@ def bench_shape(shape: str, seqs: list[int], args) -> list[dict]:
     layers = decoder_layers(model)
     bf16_linears = decoder_linears(layers)  # kept: set_precision puts them back between precisions
     precisions = args.precision.split(",")
+    offload = any(p != "bf16" for p in precisions) and needs_offload(bf16_linears)
+    if offload:
+        print("bf16 weights and an FP8 copy overfill this GPU: the bf16 linears wait in host memory during FP8", flush=True)
     target = None  # made after the first bare forward: that one is transformers' own, unmodified
     gen = torch.Generator().manual_seed(0)
     rates = {"bf16": args.peak_tflops or matmul_peak_tflops(device)}  # TFLOP/s, measured in this run
@@ -186,7 +190,7 @@ def bench_shape(shape: str, seqs: list[int], args) -> list[dict]:
         rec["gemm_tflops"] = rates
         single = row_of([seq], model.config.vocab_size, gen)
 
-        set_precision(model, layers, bf16_linears, "bf16")
+        set_precision(model, layers, bf16_linears, "bf16", offload)
         if target is not None:
             target.slot.compiled = False
         set_attention(model, "sdpa")
@@ -205,7 +209,7 @@ def bench_shape(shape: str, seqs: list[int], args) -> list[dict]:
             rows[mix] = lens, row_of(lens, model.config.vocab_size, gen)
         for precision in precisions:
             sfx = "" if precision == "bf16" else f"@{precision}"  # bf16's keys are the ones before --precision
-            summary = set_precision(model, layers, bf16_linears, precision)
+            summary = set_precision(model, layers, bf16_linears, precision, offload)
             rec.setdefault("precision_summary", {})[precision] = summary
             if precision != "bf16":
                 print(f"  {precision}: {summary}", flush=True)
@@ -241,7 +245,7 @@ def bench_shape(shape: str, seqs: list[int], args) -> list[dict]:
                     profile(target, row, out, args.profile, f"{shape} S={seq} {precision} eager")
             if args.compile:
                 compiled_records(target, rec, seq, model, ids, out, gen, peak, args, rows, sfx, rates, layout)
-        set_precision(model, layers, bf16_linears, "bf16")
+        set_precision(model, layers, bf16_linears, "bf16", offload)
         rec["peak_mem_gb"] = torch.cuda.max_memory_allocated() / 1e9 if device == "cuda" else 0.0
         results.append(rec)
         print(format_record(rec), flush=True)

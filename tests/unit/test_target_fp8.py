@@ -201,6 +201,26 @@ def test_quantize_decoder_swaps_the_decoder_linears_only():
     assert "21 decoder linears in FP8 (21 quantized rowwise)" in str(summary)
 
 
+@pytest.mark.parametrize("precision", ["fp8-rowwise", "fp8-block"])
+def test_the_benchmarks_precision_switch_offloading_layer_by_layer_computes_as_all_at_once(precision):
+    from bench.precision import decoder_linears, set_precision
+
+    ids = torch.randint(0, VOCAB, (1, 24), generator=torch.Generator().manual_seed(0))
+    outputs, summaries = [], []
+    for offload in (False, True):
+        model = dense_model().to(torch.bfloat16)
+        layers = decoder_layers(model)
+        linears = decoder_linears(layers)
+        bf16 = model(ids).logits
+        summaries.append(set_precision(model, layers, linears, precision, offload))
+        outputs.append(model(ids).logits)
+        assert set_precision(model, layers, linears, "bf16", offload) == "bf16"
+        assert torch.equal(model(ids).logits, bf16)  # the bf16 linears are back, untouched
+        assert not any(isinstance(m, fp8.FP8Linear) for m in model.modules())
+    assert summaries[0] == summaries[1] and "21 decoder linears in FP8" in summaries[1]
+    assert torch.equal(outputs[0], outputs[1]) and not torch.equal(outputs[0], bf16)
+
+
 # --- FP8 checkpoints ------------------------------------------------------------------------------
 
 
