@@ -8,7 +8,8 @@ matmul rate measured in the same run is printed beside it.
 
 --precision bf16,fp8 runs each shape once per kernels.precision, side by side in one process, and
 prints the ratio of each to the first; --objective dflash,domino does the same for drafter.objective
-(the product's default, Domino, when not given; its correction head at SpecForge's default size, rank 256 and GRU 1024: services/drafter/modeling/domino.py).
+(the product's default, Domino, when not given; its correction head at SpecForge's default size, rank 256
+and GRU 1024: services/drafter/modeling/domino.py).
 
     python bench/drafter_step.py                                   # (a) recipe and (b) large
     python bench/drafter_step.py --shape recipe --steps 20 --out $OUT/drafter_step.json
@@ -46,6 +47,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.timing import datasheet_tflops, matmul_peak_tflops, timed  # noqa: E402
 from services.run.config.schema import DrafterConfig  # noqa: E402
+
+DEFAULT_OBJECTIVE = DrafterConfig().objective  # the product's drafter.objective
 
 SHAPES = {
     "recipe": dict(
@@ -125,7 +128,7 @@ def parse_args(argv=None):
     p.add_argument("--precision", default="bf16", help="kernels.precision, or a comma list run side by side: bf16,fp8")
     p.add_argument(
         "--objective",
-        default=DrafterConfig().objective,
+        default=DEFAULT_OBJECTIVE,
         help="drafter.objective, or a comma list run side by side (default: the product's, %(default)s)",
     )
     p.add_argument("--attention", choices=["auto", "flex", "dense"], default="auto")
@@ -199,7 +202,7 @@ def attended_pairs(inputs, block_size: int, window: int | None = None) -> int:
     return int(((seen + own[None, :]) * valid[:, None]).sum())
 
 
-def bench_shape(name, shape, args, peak_tflops, layout="full", precision="bf16", objective=DrafterConfig().objective):
+def bench_shape(name, shape, args, peak_tflops, layout="full", precision="bf16", objective=DEFAULT_OBJECTIVE):
     import torch
 
     from services.drafter.modeling import precision as drafter_precision

@@ -176,7 +176,7 @@ def bench_shape(shape: str, seqs: list[int], args) -> list[dict]:
     precisions = args.precision.split(",")
     offload = any(p != "bf16" for p in precisions) and needs_offload(bf16_linears)
     if offload:
-        print("bf16 weights and an FP8 copy overfill this GPU: the bf16 linears wait in host memory during FP8", flush=True)
+        print("bf16 weights and an FP8 copy overfill this GPU: bf16 waits in host memory during FP8", flush=True)
     target = None  # made after the first bare forward: that one is transformers' own, unmodified
     gen = torch.Generator().manual_seed(0)
     rates = {"bf16": args.peak_tflops or matmul_peak_tflops(device)}  # TFLOP/s, measured in this run
