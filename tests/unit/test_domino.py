@@ -57,6 +57,34 @@ def test_the_chunked_loss_and_its_gradients_are_autograd_of_the_formula(lam, chu
         assert got[2].abs().max() == 0 and got[3].abs().max() == 0
 
 
+def test_the_loss_on_the_fp8_lm_head_stays_close_to_the_exact_loss_and_gradients():
+    # real FP8 GEMMs (torch._scaled_mm runs on the CPU too), as kernels.precision = "fp8" trains Domino
+    from services.drafter.modeling.loss import Fp8Head
+
+    g = torch.Generator().manual_seed(3)
+    n, positions, hidden_size, emb, vocab = 40, 7, 64, 16, 512
+    rows = n * positions
+    leaves = [
+        torch.randn(rows, hidden_size, generator=g),
+        torch.randn(rows, emb, generator=g),
+        0.1 * torch.randn(vocab, emb, generator=g),
+    ]
+    lm_head = torch.randn(vocab, hidden_size, generator=g) / hidden_size**0.5
+    labels = torch.randint(0, vocab, (rows,), generator=g)
+    weights = torch.rand(n, positions, generator=g)
+    runs = []
+    for head in (lm_head, Fp8Head.of(lm_head)):
+        h, u, w2 = (t.clone().requires_grad_() for t in leaves)
+        loss, preds, _ = domino.domino_cross_entropy(h, u, w2, head, labels, weights, 0.3, chunk=100)
+        loss.backward()
+        runs.append((loss.detach(), h.grad, u.grad, w2.grad, preds))
+    (exact, *grads, preds), (fp8, *fp8_grads, fp8_preds) = runs
+    assert 0 < abs(fp8.item() - exact.item()) / exact.item() < 0.01
+    for want, got in zip(grads, fp8_grads):
+        assert 0 < float((got - want).norm() / want.norm()) < 0.1  # rounded, not far off
+    assert (fp8_preds == preds).float().mean() > 0.9
+
+
 def test_the_compiled_chunk_equals_the_eager_one_and_is_not_recompiled_as_lambda_moves():
     """kernels.compile on a GPU compiles the chunk (domino.chunk_function); lambda changes every step
     and must not recompile it. Checked here with inductor on the CPU."""

@@ -30,7 +30,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from services.drafter.modeling.loss import normalized, row_ce, softmax_minus_onehot
+from services.drafter.modeling.loss import (
+    LossHead,
+    head_input_grad,
+    head_logits,
+    normalized,
+    row_ce,
+    softmax_minus_onehot,
+)
 
 
 def make_head(hidden_size: int, emb_dim: int, gru_dim: int, vocab_size: int) -> tuple[nn.GRU, nn.Sequential]:
@@ -87,12 +94,13 @@ def rollout(drafter, embed_tokens, lm_head: torch.Tensor, z: torch.Tensor, first
     return torch.stack(drafts, dim=1)
 
 
-def domino_chunk(h, uc, w2, lm_head, labels, scale, lam: torch.Tensor, want_grad: bool):
+def domino_chunk(h, uc, w2, lm_head: LossHead, labels, scale, lam: torch.Tensor, want_grad: bool):
     """One chunk of rows: (its share of the loss, final predictions, base predictions, and with want_grad
     the share's gradients for h, u and W2). lam is a 0-d fp32 tensor, so a compiled chunk is not
     recompiled as the curriculum moves; the base CE is computed at lam = 0 too, for the same reason
-    (its passes fuse with the base argmax's)."""
-    base = (h @ lm_head.t()).float()
+    (its passes fuse with the base argmax's). lm_head: the frozen bf16 one, or its Fp8Head with
+    kernels.precision = "fp8" (its two GEMMs in FP8, as DFlash's loss; the head's W2 stays bf16)."""
+    base = head_logits(h, lm_head)
     final = base + (uc @ w2.t()).float()
     ce, lse = row_ce(final, labels, scale)
     ce_base, lse_base = row_ce(base, labels, scale)
@@ -102,7 +110,7 @@ def domino_chunk(h, uc, w2, lm_head, labels, scale, lam: torch.Tensor, want_grad
         return loss, preds, base_preds, None, None, None
     g_final = softmax_minus_onehot(final, lse, labels) * ((1 - lam) * scale)[:, None]
     g_base = softmax_minus_onehot(base, lse_base, labels) * (lam * scale)[:, None]
-    grad_h = (g_final + g_base).to(h.dtype) @ lm_head
+    grad_h = head_input_grad(g_final + g_base, lm_head, h.dtype)
     g_final = g_final.to(h.dtype)
     return loss, preds, base_preds, grad_h, g_final @ w2, g_final.t() @ uc
 
@@ -115,7 +123,7 @@ def chunk_function(compile: bool):
 class _DominoCE(torch.autograd.Function):
     """The chunked loss of module docstring, its gradients computed in the forward pass while each
     chunk's logits are at hand (as loss.py's _ChunkedCE): hidden [R, H], u [R, E], the trainable W2
-    [V, E], the frozen lm_head [V, H]. Returns (loss, final predictions, base predictions)."""
+    [V, E], the frozen lm_head [V, H] or its Fp8Head. Returns (loss, final predictions, base predictions)."""
 
     @staticmethod
     def forward(ctx, hidden, u, w2, lm_head, labels, scale, lam: float, chunk: int, fn):
@@ -149,11 +157,16 @@ class _DominoCE(torch.autograd.Function):
         return grad_h * g.to(grad_h.dtype), grad_u * g.to(grad_u.dtype), grad_w2 * g, None, None, None, None, None, None
 
 
-def domino_cross_entropy(hidden, u, w2, lm_head, labels, weights, lam: float, chunk: int = 2048, fn=domino_chunk):
-    """hidden [R, H] (positions 1..B-1, block by block), u [R, E], W2 [V, E], lm_head [V, H], labels [R],
-    weights [N, B-1] -> (loss, predictions [R], base predictions [R]); the weights are normalized to sum 1.
+def domino_cross_entropy(
+    hidden, u, w2, lm_head: LossHead, labels, weights, lam: float, chunk: int = 2048, fn=domino_chunk
+):
+    """hidden [R, H] (positions 1..B-1, block by block), u [R, E], W2 [V, E], lm_head [V, H] (or its
+    Fp8Head), labels [R], weights [N, B-1] -> (loss, predictions [R], base predictions [R]); the
+    weights are normalized to sum 1.
     fn: domino_chunk or its compiled form (chunk_function)."""
     if chunk < 1:
         raise ValueError(f"kernels.loss_chunk must be >= 1, got {chunk}")
     scale = normalized(weights.float().flatten())
-    return _DominoCE.apply(hidden.to(lm_head.dtype), u, w2, lm_head, labels, scale, float(lam), chunk, fn)
+    if isinstance(lm_head, torch.Tensor):
+        hidden = hidden.to(lm_head.dtype)
+    return _DominoCE.apply(hidden, u, w2, lm_head, labels, scale, float(lam), chunk, fn)

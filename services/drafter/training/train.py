@@ -228,7 +228,7 @@ def domino_forward(state: TrainState, inputs: DrafterInputs, trained_rows: torch
         trained_rows,
         u,
         drafter.embed_proj[2].weight,
-        state.head.lm_head,
+        state.loss_head,
         inputs.labels.flatten(),
         inputs.weights,
         lam,
