@@ -85,11 +85,14 @@ GEMMAREGEN=(--work /tmp/gemmaregen --corpus code-regen --gguf /tmp/m/gemma.gguf 
   --pack-len 8192 --eval-max-new-tokens 128
   --out /tmp/bg/gemmaregen.json eval.num_prompts=16 'eval.prompts=["/tmp/gemmaregen/corpus/code-heldout.jsonl"]')
 # the Qwen3.6-27B preset through the service on one shared GPU from an FP8 block checkpoint (all 64 layers), B from
-# drafter27 of an earlier call (/tmp/bg/drafter_27b.json), then `launcher plan --gpus 8` on the same model and data;
-# the last three entries are the run's overrides, which plan takes too
+# drafter27 of an earlier call (/tmp/bg/drafter_27b.json), then `launcher plan --gpus 8` on the same model and data
+# with the run's overrides (E2E27_SET); the target (56 GB) and the drafter (22 GB) overfill an 80 GB H100: an H200
+E2E27_SET=(data.pack_len=4096 'target.quantize="fp8"' "kernels.precision=\"${E2E27_PRECISION:-fp8}\"")
 E2E27=(--gpus 0:target,0:drafter --share-gpus --shape 27b-hybrid --work /tmp/e2e27 --config presets/qwen3.6-27b.toml
   --fp8-checkpoint --drafter-json /tmp/bg/drafter_27b.json --steps 80 --timeout 700 --out /tmp/bg/e2e27fp8.json
-  data.pack_len=4096 'target.quantize="fp8"' "kernels.precision=\"${E2E27_PRECISION:-fp8}\"")
+  "${E2E27_SET[@]}")
+E2E27_PLAN=(--gpus 8 --config presets/qwen3.6-27b.toml --seconds 30 "${E2E27_SET[@]}"
+  'target.model_path="/tmp/e2e27/27b-hybrid-random-fp8"' 'data.path="/tmp/e2e27/demo/chat.jsonl"')
 # FP8 drafter linears against bf16 with the default objective (Domino), two seeds each, on SmolLM2's own replies
 # to 32 000 stdlib prompts, 8 M tokens each (all four share the GPU): FP8's default is decided by this acceptance
 SMOLFP8=(--work /tmp/smolfp8 --gguf /tmp/m/g.gguf --site-packages --max-train 32000 --regen-max-new-tokens 256
@@ -140,10 +143,8 @@ for part in "$@"; do case $part in
                   --anchors 512 --block-size 16 --precision bf16,fp8 --steps 10 --warmup-steps 2 --no-breakdown --profile \
                   --out "$OUT/drafter_27b.json"
               mkdir -p /tmp/bg && cp "$OUT/drafter_27b.json" /tmp/bg/ ;;
-  e2e27fp8)   (cd /tmp/code && PYTHONPATH=/tmp/site:/tmp/code bg e2e27fp8 bash -c 'python3 bench/e2e.py "$@";
-                  python3 -m launcher plan --gpus 8 --config presets/qwen3.6-27b.toml --seconds 30 "${@: -3}" \
-                  target.model_path=\"/tmp/e2e27/27b-hybrid-random-fp8\" data.path=\"/tmp/e2e27/demo/chat.jsonl\"' \
-                  _ "${E2E27[@]}") ;;
+  e2e27fp8)   (cd /tmp/code && PYTHONPATH=/tmp/site:/tmp/code bg e2e27fp8 bash -c "python3 bench/e2e.py \
+                  $(printf '%q ' "${E2E27[@]}"); python3 -m launcher plan $(printf '%q ' "${E2E27_PLAN[@]}")") ;;
   e2e27fp8wait) bgwait e2e27fp8 "${BGWAIT:-560}" ;;
   e2eeval)    run e2e_eval 570 python3 bench/e2e.py --gpus 0:target,0:drafter --share-gpus --shape 27b-hybrid --work /tmp/e2e27b \
                   --layers 32 --steps 30 --skip 3 --eval-every 10 --spec-prompts 4 --no-alone --conversations 20000 \

@@ -65,9 +65,9 @@ def set_precision(model, layers, bf16_linears, precision: str, offload: bool = F
         return str(fp8.quantize_decoder(model, layers, blocks))
     summary = fp8.Summary()
     for layer in layers:  # one layer at a time: its bf16 linears leave the GPU before the next is quantized
-        bf16 = [m for m in layer.modules() if isinstance(m, nn.Linear)]
+        bf16 = decoder_linears([layer])
         summary.update(fp8.quantize_decoder(model, [layer], blocks))
-        for module in bf16:
+        for _, _, module in bf16:
             module.to("cpu")
     return str(summary)
 

@@ -22,6 +22,7 @@ def test_qwen36_27b_preset_is_the_published_hybrid_recipe():
     assert (cfg.data.pack_len, cfg.run.epochs) == (4096, 6)
     d, o = cfg.drafter, cfg.optimizer
     assert (o.lr, o.warmup_ratio, o.grad_clip, d.gamma, d.num_anchors) == (6e-4, 0.04, 1.0, 7.0, 512)
+    assert (d.objective, cfg.kernels.precision) == ("domino", "fp8")  # the product's objective, FP8 linears
     # against the Qwen3.6-27B text shape (bench/shapes.py), as the drafter worker builds it
     m = build_model_config(cfg, model_config_from_hf(text_config("27b-hybrid")), cfg.drafter.mask_token_id)
     assert m.layer_types == ["sliding_attention"] * 4 + ["full_attention"] and m.sliding_window == 2048
@@ -68,6 +69,7 @@ def test_the_27b_preset_trains_on_the_demo_with_a_scaled_window(tmp_path):
         "run.max_steps=80",
         "log.every=1",
         "eval.num_prompts=8",  # the final real acceptance: lossless and above random on 8 prompts
+        'kernels.precision="bf16"',  # the preset's FP8 linears need a GPU (tests/unit/test_drafter_precision.py)
     ]
     cmd = launcher_argv(
         "up",

@@ -32,6 +32,7 @@ from torch import nn
 
 from services.drafter.modeling.loss import (
     LossHead,
+    head_input,
     head_input_grad,
     head_logits,
     normalized,
@@ -167,6 +168,4 @@ def domino_cross_entropy(
     if chunk < 1:
         raise ValueError(f"kernels.loss_chunk must be >= 1, got {chunk}")
     scale = normalized(weights.float().flatten())
-    if isinstance(lm_head, torch.Tensor):
-        hidden = hidden.to(lm_head.dtype)
-    return _DominoCE.apply(hidden, u, w2, lm_head, labels, scale, float(lam), chunk, fn)
+    return _DominoCE.apply(head_input(hidden, lm_head), u, w2, lm_head, labels, scale, float(lam), chunk, fn)

@@ -185,9 +185,13 @@ def chunked_cross_entropy(
         def reweigh(ce: torch.Tensor) -> torch.Tensor:
             return normalized(dpace_weights(ce.view(trained.shape), trained, dpace_alpha).flatten())
 
-    if isinstance(lm_head, torch.Tensor):
-        hidden = hidden.to(lm_head.dtype)
-    return _ChunkedCE.apply(hidden, lm_head, labels, scale, chunk, fns or _EAGER, reweigh)
+    return _ChunkedCE.apply(head_input(hidden, lm_head), lm_head, labels, scale, chunk, fns or _EAGER, reweigh)
+
+
+def head_input(hidden: torch.Tensor, lm_head: LossHead) -> torch.Tensor:
+    """The hidden states as the loss's head takes them: in a frozen lm_head's dtype (bf16 GEMMs);
+    an Fp8Head quantizes them itself."""
+    return hidden.to(lm_head.dtype) if isinstance(lm_head, torch.Tensor) else hidden
 
 
 def normalized(weights: torch.Tensor) -> torch.Tensor:
