@@ -83,6 +83,11 @@ def check_attention(cfg: Config, device: str) -> None:
             f"kernels.attention=flex needs --device cuda (flex attention has no backward on "
             f"{device}); use kernels.attention=auto or dense"
         )
+    if cfg.kernels.precision == "fp8" and device != "cuda":  # the 27B preset's; the GPU's own is the drafter's check
+        raise PreflightError(
+            f"kernels.precision=fp8 needs --device cuda (FP8 matmuls, compute capability 8.9+), not {device}; "
+            'set kernels.precision="bf16"'
+        )
     if cfg.target.attn_implementation.startswith("flash_attention") and cfg.target.dtype not in HALF_DTYPES:
         raise PreflightError(
             f"target.attn_implementation={cfg.target.attn_implementation} needs target.dtype "

@@ -134,6 +134,7 @@ def test_a_bad_data_line_leaves_no_run_folder(tmp_path, model):
             "drafter.block_size=128 is larger than data.pack_len=64",
         ),
         (["kernels.attention=flex"], "kernels.attention=flex needs --device cuda"),
+        (['kernels.precision="fp8"'], "kernels.precision=fp8 needs --device cuda (FP8 matmuls, compute capability"),
         (
             ["transport.max_batch_bytes=1000000", "transport.chunk_bytes=1000000"],
             "transport.max_batch_bytes=1000000 is smaller than one batch's hidden states "
