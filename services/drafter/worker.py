@@ -133,7 +133,15 @@ class DrafterWorker:
             samples_done=state.samples_done,
         )  # set(): under systemd this also sends READY=1
         health.progress()
-        event("ready", rank=rank, compile_s=self.compile_s, params=state.drafter.num_parameters(), plan=plan.describe())
+        what = {"objective": cfg.drafter.objective, "precision": cfg.kernels.precision}  # the log says what trains
+        event(
+            "ready",
+            rank=rank,
+            compile_s=self.compile_s,
+            params=state.drafter.num_parameters(),
+            plan=plan.describe(),
+            **what,
+        )
 
     def find_checkpoint(self, model_cfg, cfg: Config) -> ckpt.Found | None:
         """--resume: the newest good checkpoint (None: start fresh). Without --resume, refuse a run dir

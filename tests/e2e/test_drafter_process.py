@@ -58,6 +58,7 @@ def test_three_ranks_cold_compile_train_in_lockstep(tmp_path):
         (stopped,) = events(out, "stopped")
         steps = events(out, "step")
         assert ready["compile_s"] > 0 and stopped["recompiles"] == 0 and stopped["step"] == 25
+        assert (ready["objective"], ready["precision"]) == ("domino", "bf16")  # the defaults, said in the log
         assert [m["g"] for m in steps] == [s * 3 + rank for s in range(25)]  # g = s*D + d
         assert sum(m["loss"] for m in steps[-5:]) < sum(m["loss"] for m in steps[:5]) - 1.0
         digests.add(stopped["params_digest"])
