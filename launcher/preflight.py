@@ -54,6 +54,7 @@ def preflight(cfg: Config, device: str, runs_targets: bool) -> None:
     """Every check of `up` that needs no worker (after config.validate and the input checks)."""
     runspec.check_sizes(cfg)
     check_attention(cfg, device)
+    check_precision(cfg, device)
     if not runs_targets:  # another host's targets read the model and the data
         return
     files = [
@@ -83,15 +84,20 @@ def check_attention(cfg: Config, device: str) -> None:
             f"kernels.attention=flex needs --device cuda (flex attention has no backward on "
             f"{device}); use kernels.attention=auto or dense"
         )
-    if cfg.kernels.precision == "fp8" and device != "cuda":  # the 27B preset's; the GPU's own is the drafter's check
-        raise PreflightError(
-            f"kernels.precision=fp8 needs --device cuda (FP8 matmuls, compute capability 8.9+), not {device}; "
-            'set kernels.precision="bf16"'
-        )
     if cfg.target.attn_implementation.startswith("flash_attention") and cfg.target.dtype not in HALF_DTYPES:
         raise PreflightError(
             f"target.attn_implementation={cfg.target.attn_implementation} needs target.dtype "
             f"bfloat16 or float16, got {cfg.target.dtype} (or use target.attn_implementation=sdpa)"
+        )
+
+
+def check_precision(cfg: Config, device: str) -> None:
+    """FP8 drafter linears (the 27B preset's) on a device without them; the GPU's capability and
+    torchao are the drafter's own check (services/drafter/modeling/precision.py), which needs torch."""
+    if cfg.kernels.precision == "fp8" and device != "cuda":
+        raise PreflightError(
+            f"kernels.precision=fp8 needs --device cuda (FP8 matmuls, compute capability 8.9+), not {device}; "
+            'set kernels.precision="bf16"'
         )
 
 

@@ -133,14 +133,14 @@ class DrafterWorker:
             samples_done=state.samples_done,
         )  # set(): under systemd this also sends READY=1
         health.progress()
-        what = {"objective": cfg.drafter.objective, "precision": cfg.kernels.precision}  # the log says what trains
         event(
             "ready",
             rank=rank,
             compile_s=self.compile_s,
             params=state.drafter.num_parameters(),
             plan=plan.describe(),
-            **what,
+            objective=cfg.drafter.objective,  # the log says what trains
+            precision=cfg.kernels.precision,
         )
 
     def find_checkpoint(self, model_cfg, cfg: Config) -> ckpt.Found | None:
