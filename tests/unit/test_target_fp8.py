@@ -23,7 +23,7 @@ from torch import nn
 
 from services.run.config import ConfigError, TargetConfig
 from services.target.model import fp8, fp8_checkpoint
-from services.target.model.model import decoder_layers, load_target
+from services.target.model.model import decoder_layers, load_causal_lm, load_target
 
 E4M3 = torch.float8_e4m3fn
 BLOCK = 128
@@ -259,6 +259,37 @@ def test_composite_hybrid_fp8_checkpoint_loads_the_text_model(hybrid_fp8):
     ids = torch.randint(0, VOCAB, (40,), generator=torch.Generator().manual_seed(3))
     hidden, _ = target.capture(ids, *one_doc(40), out_dtype=torch.float32)
     assert torch.isfinite(hidden).all() and hidden.shape == (40, 2 * 160)
+
+
+def loaded_then_quantized(path, dtype: torch.dtype) -> nn.Module:
+    """The FP8 load done the plain way: the whole model loaded (an FP8 checkpoint dequantized), then its
+    decoder put in FP8, all at once."""
+    model = load_causal_lm(path, dtype, "cpu")
+    checkpoint = fp8_checkpoint.BlockScaledCheckpoint.open(path)
+    fp8.quantize_decoder(model, decoder_layers(model), checkpoint.blocks_for(model) if checkpoint else None)
+    return model
+
+
+@pytest.mark.parametrize("which", ["dense FP8", "hybrid FP8", "dense bf16"])
+def test_the_fp8_load_layer_by_layer_gives_the_model_quantized_after_loading(which, dense_fp8, hybrid_fp8, tmp_path):
+    """target.quantize = "fp8" puts each decoder layer in FP8 as it reaches the device, so the device
+    never holds the decoder whole in bf16; every weight, scale and buffer is the plain way's, bit for bit."""
+    if which == "dense bf16":
+        dense_model().save_pretrained(tmp_path / "bf16")
+        path = tmp_path / "bf16"
+    else:
+        path = (dense_fp8 if which.startswith("dense") else hybrid_fp8)[0]
+    for dtype in (torch.bfloat16, torch.float32):
+        got = load_causal_lm(path, dtype, "cpu", fp8=True).state_dict()
+        want = loaded_then_quantized(path, dtype).state_dict()
+        assert got.keys() == want.keys()
+        for key, tensor in want.items():
+            if tensor is None:
+                assert got[key] is None, key
+                continue
+            same = got[key].dtype == tensor.dtype and got[key].shape == tensor.shape
+            assert same and torch.equal(got[key].view(torch.uint8), tensor.view(torch.uint8)), key
+        assert any(t is not None and t.dtype == E4M3 for t in got.values()), "no FP8 weight loaded"
 
 
 def test_the_benchmarks_fp8_checkpoint_of_a_composite_hybrid_loads_with_its_blocks(tmp_path):
@@ -503,6 +534,22 @@ def test_cuda_block_scaled_linear_compiles_whole_and_computes_as_eager():
     x = torch.randn(4096, 5120, device="cuda", dtype=torch.bfloat16)
     compiled = torch.compile(layer, fullgraph=True)
     assert rel_err(compiled(x), layer(x)) < 1e-2
+
+
+@needs_cuda
+def test_cuda_the_fp8_load_peaks_below_the_bf16_model(hybrid_fp8):
+    """Layer by layer, the device holds the FP8 decoder and one layer in bf16 at most, never the bf16
+    model: its peak stays below the bf16 model's bytes (the plain load's peak is at least that)."""
+    path, _ = hybrid_fp8
+    bf16_bytes = sum(t.numel() * 2 for t in load_causal_lm(path, torch.bfloat16, "cpu").parameters())
+    torch.cuda.empty_cache()
+    start = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    target = load_target(TargetConfig(model_path=str(path), dtype="bfloat16", quantize="fp8"), "cuda:0")
+    peak = torch.cuda.max_memory_allocated() - start
+    assert peak < 0.9 * bf16_bytes, (peak, bf16_bytes)
+    ids = torch.randint(0, VOCAB, (40,), generator=torch.Generator().manual_seed(3))
+    assert torch.isfinite(target.capture(ids, *one_doc(40))[0]).all()
 
 
 @needs_cuda

@@ -1,6 +1,6 @@
 """FP8 (e4m3) decoder linears for the target, and FP8 checkpoints in the published block-scaled layout.
 
-    print(quantize_decoder(model, decoder_layers(model), blocks))   # fp8_checkpoint.quantize_target's
+    print(quantize_decoder(model, decoder_layers(model), blocks))   # to_device_in_fp8: layer by layer
 
 FP8Linear computes y = x W^T (+ b) with W stored as float8_e4m3fn and x quantized at every call
 (dynamic activations), in one of two layouts:
@@ -27,7 +27,7 @@ The quantized mode is the service's where the kernel runs: target.fp8_decode_gem
 default since a GPU run of `launcher eval` checked it both ways (docs/guide/targets.md#fp8-targets).
 
 The block-scaled checkpoints themselves (their layout, reading and checking them, loading a model
-from one) are fp8_checkpoint.py's, with quantize_target, the entry of target.quantize = "fp8".
+from one) are fp8_checkpoint.py's, with to_device_in_fp8, the entry of target.quantize = "fp8".
 """
 
 from __future__ import annotations

@@ -1,9 +1,10 @@
 """Block-scaled FP8 checkpoints (Qwen3-*-FP8, Qwen3.6-27B-FP8, DeepSeek-V3): their tensors read and
 checked, a model loaded from one, and the target's decoder put in FP8 (fp8.py's FP8Linear).
 
-    print(quantize_target(model, decoder_layers(model), model_path))     # target.quantize = "fp8"
     checkpoint = BlockScaledCheckpoint.open(path)                         # None: not an FP8 checkpoint
-    with loading(checkpoint, config): model = from_pretrained(...)        # then checkpoint.dequantize_into(model)
+    with loading(checkpoint, config): model = from_pretrained(...)        # on the CPU, then either
+    checkpoint.dequantize_into(model.to(device))                          # the model as loaded, or
+    print(to_device_in_fp8(model, decoder_layers(model), checkpoint, device))  # target.quantize = "fp8"
 
 The checkpoint layout (Qwen3-*-FP8, Qwen3.6-27B-FP8, DeepSeek-V3): config.json has
 "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
@@ -30,10 +31,25 @@ from services.target.model.fp8 import SCALE_SUFFIX, CheckpointError, Summary, de
 log = logging.getLogger("target")
 
 
-def quantize_target(model: nn.Module, layers: nn.ModuleList, model_path: str | Path) -> Summary:
-    """target.quantize = "fp8": an FP8 checkpoint's linears with their blocks, a bf16 one's rowwise."""
-    checkpoint = BlockScaledCheckpoint.open(model_path)
-    return quantize_decoder(model, layers, checkpoint.blocks_for(model) if checkpoint else None)
+def to_device_in_fp8(
+    model: nn.Module, layers: nn.ModuleList, checkpoint: BlockScaledCheckpoint | None, device
+) -> Summary:
+    """target.quantize = "fp8" while the model loads (on the CPU) goes to `device`: each decoder layer
+    moves there and its linears go to FP8 (an FP8 checkpoint's with their blocks, a bf16 checkpoint's
+    rowwise) before the next layer moves, then the rest of the model. The device never holds the
+    decoder whole in bf16: a 27B's load peaks near its FP8 size (~30 GB), not the bf16 54 GB. An FP8
+    checkpoint's FP8 weights left outside FP8Linears are dequantized into the model."""
+    names = checkpoint.parameters_of(model) if checkpoint else {}
+    blocks = checkpoint.blocks_of(names) if checkpoint else None
+    summary = Summary()
+    for layer in layers:
+        layer.to(device)
+        summary.update(quantize_decoder(model, [layer], blocks))
+    model.to(device)
+    if checkpoint:
+        params = dict(model.named_parameters())
+        checkpoint.dequantize_into(model, {name: key for name, key in names.items() if name in params})
+    return summary
 
 
 def quantization_config(model_path: str | Path) -> dict | None:
@@ -129,10 +145,10 @@ class BlockScaledCheckpoint:
         return out[0], out[1].float()
 
     @torch.no_grad()
-    def dequantize_into(self, model: nn.Module) -> int:
+    def dequantize_into(self, model: nn.Module, names: dict[str, str] | None = None) -> int:
         """Write fp8 * scale_inv (per block, rounded to the parameter's dtype) into the model's
-        parameters, on their device; returns how many."""
-        names = self.parameters_of(model)
+        parameters (names: parameters_of's, or some of them), on their device; returns how many."""
+        names = self.parameters_of(model) if names is None else names
         for name, key in names.items():
             param = model.get_parameter(name)
             q, scale = self.read(key)
@@ -147,7 +163,10 @@ class BlockScaledCheckpoint:
 
     def blocks_for(self, model: nn.Module):
         """The `blocks` argument of quantize_decoder for this checkpoint and model."""
-        names = self.parameters_of(model)
+        return self.blocks_of(self.parameters_of(model))
+
+    def blocks_of(self, names: dict[str, str]):
+        """blocks_for, from parameters_of's names."""
         return lambda name: (*self.read(names[name]), self.block) if name in names else None
 
 

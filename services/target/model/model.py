@@ -82,11 +82,12 @@ def resolve_layer_ids(requested: list[int], num_layers: int, num_draft_layers: i
 
 
 def load_causal_lm(
-    model_path: str | Path, dtype: torch.dtype, device, attn_implementation: str | None = None
+    model_path: str | Path, dtype: torch.dtype, device, attn_implementation: str | None = None, fp8: bool = False
 ) -> nn.Module:
     """The one loader of a target folder, frozen on `device`: AutoConfig -> the causal-LM class; composite
     configs with a text_config load the text model; block-scaled FP8 checkpoints are dequantized.
-    attn_implementation: transformers' name (None: its default)."""
+    attn_implementation: transformers' name (None: its default). fp8: target.quantize = "fp8", the
+    decoder's linears in FP8 as they reach the device (fp8_checkpoint.to_device_in_fp8)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     path = Path(model_path)
@@ -106,20 +107,26 @@ def load_causal_lm(
     checkpoint = fp8_checkpoint.BlockScaledCheckpoint.open(path)  # None unless config.json declares FP8 blocks
     with fp8_checkpoint.loading(checkpoint, config):
         model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=dtype, **impl)
-    model.to(device).eval().requires_grad_(False)
-    if checkpoint is not None:  # the FP8 weights, exactly fp8 * scale_inv
-        checkpoint.dequantize_into(model)
+    model.eval().requires_grad_(False)
+    if fp8:  # layer by layer: the device never holds the decoder whole in bf16
+        log.info("%s", fp8_checkpoint.to_device_in_fp8(model, decoder_layers(model), checkpoint, device))
+    else:
+        model.to(device)
+        if checkpoint is not None:  # the FP8 weights, exactly fp8 * scale_inv
+            checkpoint.dequantize_into(model)
     return model
 
 
-def load_hf_model(model_path: str | Path, dtype: torch.dtype, attn_implementation: str, device) -> nn.Module:
+def load_hf_model(
+    model_path: str | Path, dtype: torch.dtype, attn_implementation: str, device, fp8: bool = False
+) -> nn.Module:
     """load_causal_lm for packed rows: target.attn_implementation "sdpa" runs as sdpa_packed (document by
     document)."""
     impl = attn_implementation
     if impl == "sdpa":
         register_packed_sdpa()
         impl = PACKED_SDPA
-    return load_causal_lm(model_path, dtype, device, impl)
+    return load_causal_lm(model_path, dtype, device, impl, fp8)
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
@@ -367,12 +374,11 @@ def load_target(cfg: TargetConfig, device: str | torch.device = "cpu", num_draft
         )
     if cfg.quantize not in QUANTIZE:
         raise TargetLoadError(f"target.quantize must be one of {', '.join(QUANTIZE)}, got {cfg.quantize!r}")
-    model = load_hf_model(cfg.model_path, DTYPES[cfg.dtype], cfg.attn_implementation, device)
-    if cfg.quantize == "fp8":  # decoder linears in FP8 (fp8.py, fp8_checkpoint.py)
-        log.info("%s", fp8_checkpoint.quantize_target(model, decoder_layers(model), cfg.model_path))
-        if cfg.fp8_decode_gemm == "few-token":  # the scaled GEMM's numbers, faster at a step's few tokens
-            count = fp8.few_token_steps(model, "quantized")
-            log.info("target.fp8_decode_gemm=few-token: %d FP8 linears take decoding steps' few tokens", count)
+    quantize = cfg.quantize == "fp8"  # decoder linears in FP8 (fp8.py, fp8_checkpoint.py)
+    model = load_hf_model(cfg.model_path, DTYPES[cfg.dtype], cfg.attn_implementation, device, fp8=quantize)
+    if quantize and cfg.fp8_decode_gemm == "few-token":  # the scaled GEMM's numbers, faster at a step's few tokens
+        count = fp8.few_token_steps(model, "quantized")
+        log.info("target.fp8_decode_gemm=few-token: %d FP8 linears take decoding steps' few tokens", count)
     num_layers = len(decoder_layers(model))
     ids = resolve_layer_ids(cfg.layer_ids, num_layers, num_draft_layers)
     target = Target(model, ids)
