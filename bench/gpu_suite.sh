@@ -145,7 +145,7 @@ for part in "$@"; do case $part in
               mkdir -p /tmp/bg && cp "$OUT/drafter_27b.json" /tmp/bg/ ;;
   e2e27fp8)   (cd /tmp/code && PYTHONPATH=/tmp/site:/tmp/code bg e2e27fp8 bash -c "python3 bench/e2e.py \
                   $(printf '%q ' "${E2E27[@]}"); python3 -m launcher plan $(printf '%q ' "${E2E27_PLAN[@]}")") ;;
-  e2e27fp8wait) bgwait e2e27fp8 "${BGWAIT:-560}" ;;
+  e2e27fp8wait) bgwait e2e27fp8 "${BGWAIT:-560}"; grep -h "model loaded" /tmp/e2e27/run/logs/target-*.log ;;
   e2eeval)    run e2e_eval 570 python3 bench/e2e.py --gpus 0:target,0:drafter --share-gpus --shape 27b-hybrid --work /tmp/e2e27b \
                   --layers 32 --steps 30 --skip 3 --eval-every 10 --spec-prompts 4 --no-alone --conversations 20000 \
                   --timeout 420 --out "$OUT/e2e_eval.json" ;;

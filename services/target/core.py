@@ -71,6 +71,9 @@ class TargetCore:
 
         settings = TargetSettings.from_config(cfg, spec)
         target = load_target(spec.target_config(cfg), device)
+        if device.type == "cuda":  # what sharing a GPU must leave room for (docs/guide/sizing.md)
+            held, peak = torch.cuda.memory_allocated(device), torch.cuda.max_memory_allocated(device)
+            log.info("model loaded on %s: %.1f GiB held, %.1f GiB at its peak", device, held / 2**30, peak / 2**30)
         spec.check_loaded(target.info)  # what this process loaded is what the spec says
         tokenizer = AutoTokenizer.from_pretrained(cfg.target.model_path)
         data = open_or_build(Packing.from_config(cfg), run_dir, tokenizer, spec.target.vocab_size)
