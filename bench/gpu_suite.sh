@@ -86,7 +86,7 @@ GEMMAREGEN=(--work /tmp/gemmaregen --corpus code-regen --gguf /tmp/m/gemma.gguf 
   --out /tmp/bg/gemmaregen.json eval.num_prompts=16 'eval.prompts=["/tmp/gemmaregen/corpus/code-heldout.jsonl"]')
 # the Qwen3.6-27B preset through the service on one shared GPU from an FP8 block checkpoint (all 64 layers), B from
 # drafter27 of an earlier call (/tmp/bg/drafter_27b.json), then `launcher plan --gpus 8` on the same model and data
-# with the run's overrides (E2E27_SET); the target (56 GB) and the drafter (22 GB) overfill an 80 GB H100: an H200
+# with the run's overrides (E2E27_SET); fits one 80 GB H100 (the target loads layer by layer: 28.9 GiB peak)
 E2E27_SET=(data.pack_len=4096 'target.quantize="fp8"' "kernels.precision=\"${E2E27_PRECISION:-fp8}\"")
 E2E27=(--gpus 0:target,0:drafter --share-gpus --shape 27b-hybrid --work /tmp/e2e27 --config presets/qwen3.6-27b.toml
   --fp8-checkpoint --drafter-json /tmp/bg/drafter_27b.json --steps 80 --timeout 700 --out /tmp/bg/e2e27fp8.json
