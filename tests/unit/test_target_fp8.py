@@ -63,18 +63,19 @@ def block_dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def dense_model():
+def dense_model(layers: int = 3, width: int = 160, intermediate: int = 288, head_dim: int = 32):
+    """A random Qwen3; many wide layers make the decoder's linears outweigh the rest, as in a 27B."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(0)
     cfg = Qwen3Config(
         vocab_size=VOCAB,
-        hidden_size=160,
-        intermediate_size=288,
-        num_hidden_layers=3,
+        hidden_size=width,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,
-        head_dim=32,
+        head_dim=head_dim,
         max_position_embeddings=512,
         tie_word_embeddings=False,
     )
@@ -536,25 +537,6 @@ def test_cuda_block_scaled_linear_compiles_whole_and_computes_as_eager():
     assert rel_err(compiled(x), layer(x)) < 1e-2
 
 
-def deep_model(layers: int, width: int):
-    """dense_model with many wide layers: the decoder's linears outweigh everything else, as in a 27B."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    torch.manual_seed(0)
-    cfg = Qwen3Config(
-        vocab_size=VOCAB,
-        hidden_size=width,
-        intermediate_size=3 * width,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=width // 4,
-        max_position_embeddings=512,
-        tie_word_embeddings=False,
-    )
-    return Qwen3ForCausalLM(cfg).eval()
-
-
 def cuda_peak(load) -> int:
     """The device memory `load()` peaks at above what was allocated before it (what it returns dropped)."""
     torch.cuda.empty_cache()
@@ -573,7 +555,7 @@ def test_cuda_the_fp8_load_peaks_at_about_half_the_plain_loads(tmp_path):
     model: from an FP8 checkpoint of 24 wide layers, target.quantize = "fp8" peaks at under 0.7 of the
     plain load's peak (which holds the whole model in bf16), side by side in one process."""
     path = tmp_path / "deep-fp8"
-    write_fp8_checkpoint(deep_model(24, 512), path)
+    write_fp8_checkpoint(dense_model(layers=24, width=512, intermediate=1536, head_dim=128), path)
     plain = cuda_peak(lambda: load_causal_lm(path, torch.bfloat16, "cuda:0"))
     layerwise = cuda_peak(lambda: load_target(TargetConfig(model_path=str(path), quantize="fp8"), "cuda:0"))
     assert layerwise < 0.7 * plain, (layerwise, plain)
