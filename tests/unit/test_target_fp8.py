@@ -267,7 +267,9 @@ def loaded_then_quantized(path, dtype: torch.dtype) -> nn.Module:
     decoder put in FP8, all at once."""
     model = load_causal_lm(path, dtype, "cpu")
     checkpoint = fp8_checkpoint.BlockScaledCheckpoint.open(path)
-    fp8.quantize_decoder(model, decoder_layers(model), checkpoint.blocks_for(model) if checkpoint else None)
+    fp8.quantize_decoder(
+        model, decoder_layers(model), checkpoint.blocks_of(checkpoint.parameters_of(model)) if checkpoint else None
+    )
     return model
 
 
@@ -357,7 +359,9 @@ def test_fp8_checkpoint_requantized_rowwise_where_blocks_do_not_run(dense_fp8):
     blocks = load_target(TargetConfig(model_path=str(path), dtype="bfloat16", quantize="fp8", layer_ids=[1, 2]))
     target = load_target(TargetConfig(model_path=str(path), dtype="bfloat16", layer_ids=[1, 2]))
     checkpoint = fp8_checkpoint.BlockScaledCheckpoint.open(path)
-    summary = fp8.quantize_decoder(target.model, target.layers, checkpoint.blocks_for(target.model), keep_blocks=False)
+    summary = fp8.quantize_decoder(
+        target.model, target.layers, checkpoint.blocks_of(checkpoint.parameters_of(target.model)), keep_blocks=False
+    )
     assert summary["requantized"] == 21 and "requantized rowwise" in str(summary)
     assert all(m.rowwise for m in target.model.modules() if isinstance(m, fp8.FP8Linear))
     ids = torch.randint(0, VOCAB, (30,), generator=torch.Generator().manual_seed(5))

@@ -161,12 +161,8 @@ class BlockScaledCheckpoint:
         )
         return len(names)
 
-    def blocks_for(self, model: nn.Module):
-        """The `blocks` argument of quantize_decoder for this checkpoint and model."""
-        return self.blocks_of(self.parameters_of(model))
-
     def blocks_of(self, names: dict[str, str]):
-        """blocks_for, from parameters_of's names."""
+        """The `blocks` argument of quantize_decoder, from parameters_of's names for the model."""
         return lambda name: (*self.read(names[name]), self.block) if name in names else None
 
 
