@@ -3,13 +3,14 @@
 #   bash bench/gpu_suite.sh PART...   (logs and JSON under $OUT, default ./bench-out)
 # Parts: checks drafter drafterfp8 target8b target8k target32b large transport transportq isolation e2e
 #        hybridtests hybrid hybridnofla ckptstall demo demohybrid fp32 compiletests compiled27 compiled8
-#        precision27 e2eeval fp8few demofp8 fp8capture fp8capture4k drafter27 e2e27fp8 smolfp8 e2ex2 e2ehybrid (the last two need nvidia-h200-x2)
+#        precision27 e2eeval fp8few demofp8 fp8capture fp8capture4k drafter27 dominoloss e2e27fp8 smolfp8 e2ex2 e2ehybrid (the last two need nvidia-h200-x2)
 # fp8capture (the bf16 weights wait in host memory during FP8 where both overfill the GPU, e.g. an H100): the capture
 #          at 4K and 8K packs in bf16, FP8 rowwise and FP8 block-scaled, eager and compiled, in one run, with
 #          the FP8 GEMM rates, each record's roofline fraction and the graph breaks of each compiled capture
 # fp8capture4k: its two FP8 rows at 4K packs only (the figure, on an H200 in about 4 device minutes)
 # drafter27: the drafter step at the Qwen3.6-27B preset's shape with the default objective, bf16 and FP8 side by
-#          side, with a profile of each; e2e27fp8 (+wait): the preset through the service (E2E27 below), then plan
+#          side, with a profile of each; dominoloss: Domino's loss alone at that shape (bench/domino_loss.py:
+#          lambda > 0 and lambda 0, DFlash's CE and the GEMMs alone beside it, bf16 and FP8); e2e27fp8 (+wait): the preset through the service (E2E27 below), then plan
 # fp8few: the FP8 few-token kernel's tests, its GEMMs side by side, and the 27B verify step in its modes
 # demofp8: the demo with an FP8 target decoding through the few-token kernel, then its export evaluated
 #          with the kernel and with the scaled GEMM (target.fp8_decode_gemm): lossless counts side by side
@@ -142,6 +143,7 @@ for part in "$@"; do case $part in
                   --profile "$OUT/fp8capture.prof" ;;
   fp8capture4k) run fp8capture4k 400 python3 bench/target_capture.py --shapes 27b-hybrid --seq 4096 --mixes short \
                   --precision fp8-rowwise,fp8-block --compile --recompile-rows 0 --iters 3 --out "$OUT/fp8capture4k.json" ;;
+  dominoloss) run domino_loss 300 python3 bench/domino_loss.py --profile --out "$OUT/domino_loss.json" ;;
   drafter27)  run drafter_27b 500 python3 bench/drafter_step.py --shape qwen36 --layout hybrid --seq-len 4096 \
                   --anchors 512 --block-size 16 --precision bf16,fp8 --steps 10 --warmup-steps 2 --no-breakdown --profile \
                   --out "$OUT/drafter_27b.json"
@@ -160,7 +162,7 @@ for part in "$@"; do case $part in
                 run "eval_fp8_$gemm" 240 python3 -m launcher eval --run-dir /tmp/dflash-demo_fp8/run --device cuda \
                     --set "target.fp8_decode_gemm=\"$gemm\"" --json; done ;;
   transportq) run transport 120 python3 bench/transport.py --quick --out "$OUT/transport.json" ;;
-  fp8few)     run fp8_tests 90 python3 -m pytest -q -p no:cacheprovider -k cuda tests/unit/test_target_fp8.py
+  fp8few)     run fp8_tests 240 python3 -m pytest -q -p no:cacheprovider -k cuda tests/unit/test_target_fp8.py
               run fp8_gemm 240 python3 bench/fp8_gemm.py --iters 40
               run verify_fp8 420 python3 bench/verify_step.py --quantize fp8-quantized,fp8,fp8-weight-only --methods '' \
                   --iters 8 --compile-steps ;;

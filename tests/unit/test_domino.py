@@ -87,12 +87,31 @@ def test_the_loss_on_the_fp8_lm_head_stays_close_to_the_exact_loss_and_gradients
 
 def test_the_compiled_chunk_equals_the_eager_one_and_is_not_recompiled_as_lambda_moves():
     """kernels.compile on a GPU compiles the chunk (domino.chunk_function); lambda changes every step
-    and must not recompile it. Checked here with inductor on the CPU."""
+    and must not recompile it while it stays above 0 (at 0 the chunk without the base CE is compiled
+    once more). Checked here with inductor on the CPU."""
     from torch._dynamo.testing import CompileCounter
 
-    g = torch.Generator().manual_seed(0)
-    rows, hidden_size, emb, vocab = 18, 16, 8, 40
-    args = (
+    args = chunk_args(rows=18, hidden_size=16, emb=8, vocab=40)
+    counter = CompileCounter()
+    counted = torch.compile(domino.domino_chunk, backend=counter, dynamic=False)
+    for lam in (1.0, 0.4, 0.01):
+        counted(*args, torch.tensor(lam), True, True)
+    assert counter.frame_count == 1
+    for _ in range(2):
+        counted(*args, torch.tensor(0.0), True, False)
+    assert counter.frame_count == 2
+    compiled = domino.chunk_function(compile=True)
+    for lam, with_base in ((1.0, True), (0.3, True), (0.0, False)):
+        got = compiled(*args, torch.tensor(lam), True, with_base)
+        want = domino.domino_chunk(*args, torch.tensor(lam), True, with_base)
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def chunk_args(rows: int, hidden_size: int, emb: int, vocab: int, seed: int = 0) -> tuple:
+    """(h, u, W2, lm_head, labels, scale) of one chunk, random."""
+    g = torch.Generator().manual_seed(seed)
+    return (
         torch.randn(rows, hidden_size, generator=g),
         torch.randn(rows, emb, generator=g),
         0.1 * torch.randn(vocab, emb, generator=g),
@@ -100,16 +119,19 @@ def test_the_compiled_chunk_equals_the_eager_one_and_is_not_recompiled_as_lambda
         torch.randint(0, vocab, (rows,), generator=g),
         torch.rand(rows, generator=g),
     )
-    counter = CompileCounter()
-    counted = torch.compile(domino.domino_chunk, backend=counter, dynamic=False)
-    for lam in (1.0, 0.4, 0.0):
-        counted(*args, torch.tensor(lam), True)
-    assert counter.frame_count == 1
-    compiled = domino.chunk_function(compile=True)
-    for lam in (1.0, 0.3):
-        got, want = compiled(*args, torch.tensor(lam), True), domino.domino_chunk(*args, torch.tensor(lam), True)
-        for a, b in zip(got, want):
-            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_at_lambda_zero_the_chunk_without_the_base_ce_gives_what_the_full_chunk_gives():
+    """The second half of a run (lambda 0) skips the base CE and its softmax pass: the loss, both
+    predictions and every gradient are the ones the chunk with the base term gives, bit for bit."""
+    args = chunk_args(rows=30, hidden_size=16, emb=8, vocab=64, seed=5)
+    lam = torch.tensor(0.0)
+    full, skipped = domino.domino_chunk(*args, lam, True, True), domino.domino_chunk(*args, lam, True, False)
+    assert full[0] > 0 and full[3].abs().sum() > 0
+    for a, b in zip(full, skipped):
+        assert torch.equal(a, b)
+    with_lam = domino.domino_chunk(*args, torch.tensor(0.2), True, True)
+    assert not torch.equal(with_lam[3], full[3])  # the base term does move the gradient when lambda > 0
 
 
 def test_decoding_drafts_what_the_teacher_forced_head_predicts_for_those_tokens():

@@ -95,23 +95,27 @@ def rollout(drafter, embed_tokens, lm_head: torch.Tensor, z: torch.Tensor, first
     return torch.stack(drafts, dim=1)
 
 
-def domino_chunk(h, uc, w2, lm_head: LossHead, labels, scale, lam: torch.Tensor, want_grad: bool):
+def domino_chunk(h, uc, w2, lm_head: LossHead, labels, scale, lam: torch.Tensor, want_grad: bool, with_base: bool):
     """One chunk of rows: (its share of the loss, final predictions, base predictions, and with want_grad
     the share's gradients for h, u and W2). lam is a 0-d fp32 tensor, so a compiled chunk is not
-    recompiled as the curriculum moves; the base CE is computed at lam = 0 too, for the same reason
-    (its passes fuse with the base argmax's). lm_head: the frozen bf16 one, or its Fp8Head with
-    kernels.precision = "fp8" (its two GEMMs in FP8, as DFlash's loss; the head's W2 stays bf16)."""
+    recompiled as the curriculum moves. with_base (lam > 0) adds the base CE and its gradient; at
+    lam = 0 (the second half of a run by default) they are skipped, which leaves the same loss and
+    gradients with one softmax pass over the vocabulary fewer (only the base argmax remains).
+    lm_head: the frozen bf16 one, or its Fp8Head with kernels.precision = "fp8" (its two GEMMs in FP8,
+    as DFlash's loss; the head's W2 stays bf16)."""
     base = head_logits(h, lm_head)
     final = base + (uc @ w2.t()).float()
     ce, lse = row_ce(final, labels, scale)
-    ce_base, lse_base = row_ce(base, labels, scale)
-    loss = ((1 - lam) * scale * ce).sum() + (lam * scale * ce_base).sum()
+    loss = ((1 - lam) * scale * ce).sum()
+    if with_base:
+        ce_base, lse_base = row_ce(base, labels, scale)
+        loss = loss + (lam * scale * ce_base).sum()
     preds, base_preds = final.argmax(-1), base.argmax(-1)
     if not want_grad:
         return loss, preds, base_preds, None, None, None
     g_final = softmax_minus_onehot(final, lse, labels) * ((1 - lam) * scale)[:, None]
-    g_base = softmax_minus_onehot(base, lse_base, labels) * (lam * scale)[:, None]
-    grad_h = head_input_grad(g_final + g_base, lm_head, h.dtype)
+    g_logits = g_final + softmax_minus_onehot(base, lse_base, labels) * (lam * scale)[:, None] if with_base else g_final
+    grad_h = head_input_grad(g_logits, lm_head, h.dtype)
     g_final = g_final.to(h.dtype)
     return loss, preds, base_preds, grad_h, g_final @ w2, g_final.t() @ uc
 
@@ -128,7 +132,7 @@ class _DominoCE(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, u, w2, lm_head, labels, scale, lam: float, chunk: int, fn):
-        rows, dtype = hidden.shape[0], hidden.dtype
+        rows, dtype, with_base = hidden.shape[0], hidden.dtype, lam > 0
         want_grad = any(ctx.needs_input_grad[:3])
         w2c = w2.to(dtype)
         lam_t = torch.full((), lam, dtype=torch.float32, device=hidden.device)  # a fill: no host sync, as a copy has
@@ -141,7 +145,7 @@ class _DominoCE(torch.autograd.Function):
         for start in range(0, rows, chunk):
             end = min(start + chunk, rows)
             args = hidden[start:end], u[start:end].to(dtype), w2c, lm_head, labels[start:end], scale[start:end]
-            part, preds[start:end], base_preds[start:end], g_h, g_u, g_w2 = fn(*args, lam_t, want_grad)
+            part, preds[start:end], base_preds[start:end], g_h, g_u, g_w2 = fn(*args, lam_t, want_grad, with_base)
             loss += part
             if want_grad:
                 grad_h[start:end], grad_u[start:end] = g_h, g_u  # (g_u cast to u's dtype on assignment)

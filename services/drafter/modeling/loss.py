@@ -93,10 +93,12 @@ def row_ce(logits: torch.Tensor, labels: torch.Tensor, scale: torch.Tensor):
 
 
 def softmax_minus_onehot(logits: torch.Tensor, lse: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """d CE / d logits of each row (a new tensor)."""
-    grad = torch.exp(logits - lse[:, None])
-    grad.scatter_add_(1, labels[:, None], torch.full_like(lse[:, None], -1.0))
-    return grad
+    """d CE / d logits of each row (a new tensor). One elementwise expression, not a scatter into the
+    softmax: a compiled chunk then fuses it with what uses it (the row weights, the FP8 cast) instead
+    of writing the vocabulary-wide softmax out and reading it back."""
+    probs = torch.exp(logits - lse[:, None])
+    is_label = torch.arange(logits.shape[1], device=logits.device) == labels[:, None]
+    return torch.where(is_label, probs - 1, probs)
 
 
 def ce_chunk_loss(h: torch.Tensor, lm_head: LossHead, labels: torch.Tensor, scale: torch.Tensor):
