@@ -295,6 +295,17 @@ def test_the_fp8_load_layer_by_layer_gives_the_model_quantized_after_loading(whi
         assert any(t is not None and t.dtype == E4M3 for t in got.values()), "no FP8 weight loaded"
 
 
+def test_the_fp8_load_says_how_far_it_is(dense_fp8, caplog, monkeypatch):
+    """A 27B's layer-by-layer FP8 load takes minutes: it logs its progress (every PROGRESS_S; 0 here,
+    so every layer) and its end."""
+    monkeypatch.setattr(fp8_checkpoint, "PROGRESS_S", 0.0)
+    with caplog.at_level(logging.INFO, logger="target"):
+        load_causal_lm(dense_fp8[0], torch.float32, "cpu", fp8=True)
+    progress = [r.getMessage() for r in caplog.records if r.getMessage().startswith("FP8 load: ")]
+    assert progress[0].startswith("FP8 load: 1 of 3 decoder layers on cpu, ")
+    assert progress[-1].startswith("FP8 load: 3 decoder layers on cpu in ") and len(progress) == 4
+
+
 def test_the_benchmarks_fp8_checkpoint_of_a_composite_hybrid_loads_with_its_blocks(tmp_path):
     """bench/fp8_checkpoint.save_fp8 (how bench/e2e.py --fp8-checkpoint writes the 27B at half the
     bytes): shards, an index, every decoder linear in FP8 blocks and nothing of the vision tower; the

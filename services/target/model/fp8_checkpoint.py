@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import time
 from pathlib import Path
 
 import torch
@@ -41,15 +42,23 @@ def to_device_in_fp8(
     checkpoint's FP8 weights left outside FP8Linears are dequantized into the model."""
     names = checkpoint.parameters_of(model) if checkpoint else {}
     blocks = checkpoint.blocks_of(names) if checkpoint else None
-    summary = Summary()
-    for layer in layers:
+    summary, started = Summary(), time.monotonic()
+    said = started  # a progress line at most every PROGRESS_S: a 27B's 64 layers take minutes
+    for done, layer in enumerate(layers, 1):
         layer.to(device)
         summary.update(quantize_decoder(model, [layer], blocks))
+        if time.monotonic() - said >= PROGRESS_S:
+            said = time.monotonic()
+            log.info("FP8 load: %d of %d decoder layers on %s, %.0f s", done, len(layers), device, said - started)
     model.to(device)
     if checkpoint:
         params = dict(model.named_parameters())
         checkpoint.dequantize_into(model, {name: key for name, key in names.items() if name in params})
+    log.info("FP8 load: %d decoder layers on %s in %.1f s", len(layers), device, time.monotonic() - started)
     return summary
+
+
+PROGRESS_S = 10.0
 
 
 def quantization_config(model_path: str | Path) -> dict | None:
