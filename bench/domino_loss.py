@@ -88,13 +88,14 @@ def main(argv=None) -> int:
             loss.backward()
 
         g = torch.zeros(args.chunk, args.vocab, device=device)  # a logits gradient's shape, for the GEMMs alone
+        bound = torch.ones((), device=device)
 
         @torch.no_grad()
         def gemms():
             h, u, w2 = leaves[0], leaves[1], leaves[2].to(dtype)
             for a, b in chunks:
                 head_logits(h[a:b], head)
-                head_input_grad(g[: b - a], head, dtype)
+                head_input_grad(g[: b - a], head, dtype, bound)
                 gc = (u[a:b] @ w2.t()).to(dtype)  # the correction's logits, then its two gradient GEMMs
                 gc @ w2, gc.t() @ u[a:b]
 

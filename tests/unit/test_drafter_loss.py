@@ -4,7 +4,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from services.drafter.modeling.loss import ChunkFns, Fp8Head, acceptance_metrics, chunked_cross_entropy, dpace_weights
+from services.drafter.modeling.loss import (
+    ChunkFns,
+    Fp8Head,
+    acceptance_metrics,
+    chunked_cross_entropy,
+    dpace_weights,
+    softmax_minus_onehot,
+)
 
 
 def naive_loss(hidden, lm_head, labels, weights):
@@ -88,6 +95,27 @@ def test_fp8_lm_head_stays_close_to_the_exact_loss_and_grad():
     ref.backward()
     assert abs(loss.item() - ref.item()) / ref.item() < 0.01
     assert 0 < float((grad - hidden.grad).norm() / hidden.grad.norm()) < 0.1  # rounded, not far off
+
+
+@pytest.mark.parametrize("lam", [0.0, 0.35, 1.0])
+def test_the_fp8_gradients_bound_holds_for_both_objectives(lam):
+    """The FP8 head scales the logits' gradient by the largest row weight instead of its amax
+    (head_input_grad): every entry of DFlash's (lam 0: one softmax) and Domino's ((1 - lam) of the
+    corrected softmax plus lam of the base one) gradient lies within it, from easy rows to hard ones."""
+    g = torch.Generator().manual_seed(4)
+    rows, vocab = 64, 300
+    labels = torch.randint(0, vocab, (rows,), generator=g)
+    sharp = torch.linspace(0.1, 30, rows)[:, None]  # near-uniform rows to near-one-hot ones
+    final, base = (torch.randn(rows, vocab, generator=g) * sharp for _ in range(2))
+    half = torch.arange(rows // 2)
+    final[half, labels[half]] += 40  # half the rows predict their label with p ~ 1
+    scale = torch.rand(rows, generator=g)
+    parts = [
+        softmax_minus_onehot(x, torch.logsumexp(x, -1), labels) * (w * scale)[:, None]
+        for x, w in ((final, 1 - lam), (base, lam))
+    ]
+    grad = parts[0] + parts[1]
+    assert grad.abs().amax() <= scale.max() and grad.abs().amax() > 0.5 * scale.max()
 
 
 def test_fp8_lm_head_needs_dimensions_in_multiples_of_16():
