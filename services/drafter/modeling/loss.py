@@ -25,8 +25,9 @@ runs twice, not three times.
 
 With kernels.precision = "fp8" both lm_head GEMMs run in FP8 (`Fp8Head`): the frozen lm_head is
 cast to e4m3 once, the chunk's hidden rows to e4m3 and its logit gradients to e5m2 with one scale
-per chunk, as torchao's tensorwise recipe does for the drafter's linears. The softmax, the loss and
-the argmax stay in fp32 on the fp32 logits the GEMM writes.
+per chunk, as torchao's tensorwise recipe does for the drafter's linears (the gradients' scale from
+their bound, head_input_grad). The softmax, the loss and the argmax stay in fp32 on the fp32 logits
+the GEMM writes.
 """
 
 from __future__ import annotations
