@@ -99,12 +99,15 @@ def row_ce(logits: torch.Tensor, labels: torch.Tensor, scale: torch.Tensor):
 
 
 def softmax_minus_onehot(logits: torch.Tensor, lse: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """d CE / d logits of each row (a new tensor). One elementwise expression, not a scatter into the
-    softmax: a compiled chunk then fuses it with what uses it (the row weights, the FP8 cast) instead
-    of writing the vocabulary-wide softmax out and reading it back."""
+    """d CE / d logits of each row (a new tensor), the same values either way: compiled, one elementwise
+    expression, which inductor fuses with what uses it (the row weights, the FP8 cast) instead of
+    writing the vocabulary-wide softmax out for a scatter and reading it back; eager, the softmax with
+    1 taken off in place at each label, which makes no other vocabulary-wide tensor."""
     probs = torch.exp(logits - lse[:, None])
-    is_label = torch.arange(logits.shape[1], device=logits.device) == labels[:, None]
-    return torch.where(is_label, probs - 1, probs)
+    if torch.compiler.is_compiling():
+        is_label = torch.arange(logits.shape[1], device=logits.device) == labels[:, None]
+        return torch.where(is_label, probs - 1, probs)
+    return probs.scatter_add_(1, labels[:, None], torch.full_like(lse[:, None], -1.0))
 
 
 def ce_chunk_loss(h: torch.Tensor, lm_head: LossHead, labels: torch.Tensor, scale: torch.Tensor):
