@@ -10,7 +10,8 @@
 # fp8capture4k: its two FP8 rows at 4K packs only (the figure, on an H200 in about 4 device minutes)
 # drafter27: the drafter step at the Qwen3.6-27B preset's shape with the default objective, bf16 and FP8 side by
 #          side, with a profile of each; dominoloss: Domino's loss alone at that shape (bench/domino_loss.py:
-#          lambda > 0 and lambda 0, DFlash's CE and the GEMMs alone beside it, bf16 and FP8); e2e27fp8 (+wait): the preset through the service (E2E27 below), then plan
+#          lambda > 0 and lambda 0, DFlash's CE and the GEMMs alone beside it, bf16 and FP8)
+# e2e27fp8 (+wait): the preset through the service (E2E27 below), then plan
 # fp8few: the FP8 few-token kernel's tests, its GEMMs side by side, and the 27B verify step in its modes
 # demofp8: the demo with an FP8 target decoding through the few-token kernel, then its export evaluated
 #          with the kernel and with the scaled GEMM (target.fp8_decode_gemm): lossless counts side by side

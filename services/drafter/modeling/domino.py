@@ -114,7 +114,9 @@ def domino_chunk(h, uc, w2, lm_head: LossHead, labels, scale, lam: torch.Tensor,
     if not want_grad:
         return loss, preds, base_preds, None, None, None
     g_final = softmax_minus_onehot(final, lse, labels) * ((1 - lam) * scale)[:, None]
-    g_logits = g_final + softmax_minus_onehot(base, lse_base, labels) * (lam * scale)[:, None] if with_base else g_final
+    g_logits = g_final
+    if with_base:  # at lam = 0 the base CE's gradient is 0: skip its softmax pass
+        g_logits = g_final + softmax_minus_onehot(base, lse_base, labels) * (lam * scale)[:, None]
     grad_h = head_input_grad(g_logits, lm_head, h.dtype, scale.max())  # |g| <= (1 - lam) s + lam s
     g_final = g_final.to(h.dtype)
     return loss, preds, base_preds, grad_h, g_final @ w2, g_final.t() @ uc

@@ -30,6 +30,7 @@ from torch import nn
 from services.target.model.fp8 import SCALE_SUFFIX, CheckpointError, Summary, dequantize, quantize_decoder
 
 log = logging.getLogger("target")
+PROGRESS_S = 10.0  # seconds between the layer-by-layer load's progress lines
 
 
 def to_device_in_fp8(
@@ -57,8 +58,6 @@ def to_device_in_fp8(
     log.info("FP8 load: %d decoder layers on %s in %.1f s", len(layers), device, time.monotonic() - started)
     return summary
 
-
-PROGRESS_S = 10.0
 
 
 def quantization_config(model_path: str | Path) -> dict | None:
