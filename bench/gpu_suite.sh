@@ -142,7 +142,7 @@ for part in "$@"; do case $part in
   fp8capture) run fp8capture 570 python3 bench/target_capture.py --shapes 27b-hybrid --seq 4096,8192 --mixes short \
                   --precision bf16,fp8-rowwise,fp8-block --compile --recompile-rows 0 --iters 3 --out "$OUT/fp8capture.json" \
                   --profile "$OUT/fp8capture.prof" ;;
-  fp8capture4k) run fp8capture4k 400 python3 bench/target_capture.py --shapes 27b-hybrid --seq 4096 --mixes short \
+  fp8capture4k) run fp8capture4k 450 python3 bench/target_capture.py --shapes 27b-hybrid --seq 4096 --mixes short --attention-ab \
                   --precision fp8-rowwise,fp8-block --compile --recompile-rows 0 --iters 3 --out "$OUT/fp8capture4k.json" ;;
   dominoloss) run domino_loss 300 python3 bench/domino_loss.py --profile --out "$OUT/domino_loss.json" ;;
   drafter27)  run drafter_27b 500 python3 bench/drafter_step.py --shape qwen36 --layout hybrid --seq-len 4096 \

@@ -18,6 +18,10 @@ download). For each shape and sequence length it times:
                tok/s side by side with (b) in the same run, the compile seconds, the largest
                difference of the captured features from the eager ones on the same row, and the
                graphs compiled over --recompile-rows further rows of random document counts (0 = none)
+The packed rows' full-attention layers run as the service runs them (attention= in the first line:
+one varlen flash-attention call per row on CUDA in bf16); --attention-ab times (d) again with causal
+SDPA per document, the path this bench measured by mistake before 2026-12-07 (its Target was made
+before the model was switched to the packed attention, so it chose SDPA per document).
 --profile FILE writes torch.profiler's kernel table of one capture of the last mix (eager, and
 compiled with --compile) there.
 and prints tokens/s, TFLOP/s, MFU (against the bf16 matmul rate measured in the same run) and the
@@ -198,11 +202,10 @@ def bench_shape(shape: str, seqs: list[int], args) -> list[dict]:
         t = timed(lambda: model(input_ids=bare_ids, use_cache=False, logits_to_keep=1), args.iters, args.warmup)
         f = flops(model, [seq], L, 1)
         rec["bare"] = {"s": t, "tok_s": seq / t, "tflops": f / t / 1e12, "mfu": f / t / peak}
+        set_attention(model, "sdpa_packed")  # before Target: it picks the row's attention (varlen or not) from it
         target = target or Target(model, ids)  # hybrid models: installs the packed Gated DeltaNet
-
-        set_attention(model, "sdpa_packed")
         out = torch.empty(seq, target.info.hidden_width, dtype=torch.bfloat16, device=device)
-        rec["path"] = target.path
+        rec["path"], rec["attention"] = target.path, target.attention
         rows = {}  # mix -> (document lengths, row): every precision and (d) time the same rows
         for mix in args.mixes.split(","):
             lens = doc_lengths(seq, mix, gen)
@@ -315,6 +318,12 @@ def compiled_records(
             "ratio_vs_eager": eager["s"] / t,
             "drift_vs_eager": drift(got, want, model.config.hidden_size),
         } | roofline(model, lens, ids[-1] + 1, t, rates or {}, layout)
+        if args.attention_ab and target.varlen:  # the same compiled layers with SDPA per document beside it
+            target.varlen = False
+            per_doc = timed(lambda: capture_to_host(target, row, False, out), args.iters, args.warmup)
+            target.varlen = True
+            ab = {"per_document_attention_tok_s": seq / per_doc, "varlen_vs_per_document": per_doc / t}
+            rec[f"compiled_{mix}{sfx}"] |= ab
     breaks = counters["graph_break"]
     rec[f"graph_breaks{sfx}"] = {"total": sum(breaks.values()), "reasons": {k[:300]: v for k, v in breaks.items()}}
     before = graphs_compiled()
@@ -350,6 +359,9 @@ def format_record(r: dict) -> str:
         extra += f"  vs eager {m['ratio_vs_eager']:.3f}" if "ratio_vs_eager" in m else ""
         docs = f"  ({m['docs']} docs)" if "docs" in m else ""
         text = f"  {name:26s} {m['tok_s']:10.0f} tok/s  {m['tflops']:6.1f} TFLOP/s  MFU {m['mfu']:.1%}{extra}{docs}"
+        if "per_document_attention_tok_s" in m:
+            text += f"\n  {'':26s} SDPA per document instead: {m['per_document_attention_tok_s']:10.0f} tok/s"
+            text += f" (varlen {m['varlen_vs_per_document']:.3f}x)"
         if "roofline_s" in m:
             text += f"\n  {'':26s} roofline ({m['gemm']} GEMM) " + (
                 f"{m['roofline_tok_s']:10.0f} tok/s, fraction {m['fraction']:.1%}"
@@ -360,7 +372,7 @@ def format_record(r: dict) -> str:
 
     rows = [
         f"{r['shape']} S={r['seq_len']} layers {r['layer_ids']} (width {r['hidden_width']}), "
-        f"capture path {r['path']}, peak mem {r['peak_mem_gb']:.1f} GB"
+        f"capture path {r['path']}, attention {r.get('attention', '?')}, peak mem {r['peak_mem_gb']:.1f} GB"
     ]
     for name in ["bare"] + [k for k in r if k.startswith(("capture_", "compiled_"))] + ["labels_packed"]:
         if name in r:
@@ -399,6 +411,11 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--labels", action="store_true", help="also time capture + target argmax labels")
     p.add_argument("--compile", action="store_true", help="also time the capture with compiled layers (d)")
     p.add_argument("--recompile-rows", type=int, default=20, help="rows of random document counts after (d)")
+    p.add_argument(
+        "--attention-ab",
+        action="store_true",
+        help="(d) again with SDPA per document in place of varlen attention (this bench's path before 2026-12-07)",
+    )
     p.add_argument("--profile", default="", help="append torch.profiler kernel tables here")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--iters", type=int, default=5)

@@ -59,8 +59,8 @@ def run(args) -> dict:
     layers = decoder_layers(model)
     ids = default_layer_ids(len(layers), args.layers)
     bf16_linears = decoder_linears(layers)
+    set_attention(model, "sdpa_packed")  # before Target: it picks the row's attention (varlen or not) from it
     target = Target(model, ids)
-    set_attention(model, "sdpa_packed")
     hidden = model.config.hidden_size
     gen = torch.Generator().manual_seed(0)
     rows = {mix: row_of(doc_lengths(args.seq, mix, gen), model.config.vocab_size, gen) for mix in args.mixes.split(",")}

@@ -747,3 +747,18 @@ def test_capture_benchmark_times_each_precision_with_a_roofline_on_cpu(capsys):
             assert m["fraction"] is None and "no " + gemm + " GEMM rate" in m["roofline_note"]
     assert "block scales" in rec["precision_summary"]["fp8-block"]
     assert "roofline (block GEMM)" in capsys.readouterr().out
+    assert rec["attention"] == "SDPA per document"  # the service's packed attention here, not the bare sdpa
+
+
+@needs_cuda
+def test_cuda_capture_benchmark_times_the_services_varlen_attention_beside_sdpa_per_document(capsys):
+    """The bench's compiled capture runs the row's full-attention layers as the service does (one
+    varlen call per row) and, with --attention-ab, times SDPA per document on the same row beside it."""
+    from bench import target_capture
+
+    argv = "--shapes tiny-hybrid --seq 512 --layers 2 --mixes short --compile --recompile-rows 0 --attention-ab"
+    (rec,) = target_capture.main([*argv.split(), "--iters", "2", "--warmup", "1"])
+    assert rec["attention"].startswith("varlen flash attention")
+    m = rec["compiled_short"]
+    assert m["per_document_attention_tok_s"] > 0 and m["varlen_vs_per_document"] > 0
+    assert "SDPA per document instead" in capsys.readouterr().out

@@ -59,7 +59,6 @@ def to_device_in_fp8(
     return summary
 
 
-
 def quantization_config(model_path: str | Path) -> dict | None:
     """config.json's quantization_config (top level, or a composite checkpoint's text_config)."""
     try:
