@@ -221,18 +221,30 @@ def test_a_wire_error_is_a_value_error_for_callers_that_catch_broadly():
 # --- property tests: nothing but WireError, and nothing big allocated -----------------
 
 
-def decode_bounded(frames) -> None:
-    """decode must raise WireError (or succeed consistently) and allocate ~nothing on the way."""
-    size = sum(len(f) for f in frames)
+def traced_decode(frames) -> tuple[int, dict | None, dict | None]:
+    """(peak bytes traced while decode ran, header, tensors); header None where it raised WireError."""
     tracemalloc.start()
     try:
         header, tensors = decode(frames)
     except WireError:
-        header = None
+        header, tensors = None, None
     finally:
         peak = tracemalloc.get_traced_memory()[1]
         tracemalloc.stop()
-    assert peak < (1 << 20) + 4 * size, f"decode allocated {peak} bytes for a {size}-byte message"
+    return peak, header, tensors
+
+
+def decode_bounded(frames) -> None:
+    """decode must raise WireError (or succeed consistently) and allocate ~nothing on the way."""
+    size = sum(len(f) for f in frames)
+    bound = (1 << 20) + 4 * size
+    # tracemalloc counts every thread's allocations, and another test's daemon thread may still run:
+    # a peak over the bound is measured again (decode's own allocations are the same every time)
+    for _ in range(3):
+        peak, header, tensors = traced_decode(frames)
+        if peak < bound:
+            break
+    assert peak < bound, f"decode allocated {peak} bytes for a {size}-byte message (3 tries)"
     if header is not None:  # a mutation may happen to be valid; then it must be self-consistent
         assert sum(t.numel() * t.element_size() for t in tensors.values()) == size - len(frames[0])
 
