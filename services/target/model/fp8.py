@@ -150,7 +150,9 @@ class FP8Linear(nn.Module):
             return self._plain(*quantize_blocks(rows, group), group, dtype)
         rows = F.pad(rows, (0, 0, 0, -m % 4)) if m % 4 else rows  # cuBLAS: token count a multiple of 4
         xq, sx = quantize_blocks(rows, group)
-        return torch.ops.dflash.fp8_block_mm(xq, self.weight, sx, self.kernel_scale, dtype)[:m]
+        # cuBLAS reads these scales token-major: laid out so here, a compiled layer's quantization
+        # kernel writes them so, instead of a transposing copy per GEMM inside the op
+        return torch.ops.dflash.fp8_block_mm(xq, self.weight, sx.t().contiguous().t(), self.kernel_scale, dtype)[:m]
 
     def _plain(self, xq, sx, group, dtype) -> torch.Tensor:
         w = dequantize(self.weight, self.weight_scale, self.block)
@@ -161,15 +163,16 @@ class FP8Linear(nn.Module):
 def fp8_block_mm(
     xq: torch.Tensor, w: torch.Tensor, sx: torch.Tensor, sw: torch.Tensor, dtype: torch.dtype
 ) -> torch.Tensor:
-    """cuBLAS's 128 x 128 block-scaled GEMM, xq [M, K] (scales [M, K/128]) by w [N, K] (sw as
-    _kernel_scale lays it out), as one op: dynamo does not trace torch._scaled_mm_v2, which
-    F.scaled_mm calls, so without it every FP8 linear of a compiled capture was a graph break."""
+    """cuBLAS's 128 x 128 block-scaled GEMM, xq [M, K] (scales [M, K/128], token-major: no copy
+    when FP8Linear._block lays them out so) by w [N, K] (sw as _kernel_scale lays it out), as one op:
+    dynamo does not trace torch._scaled_mm_v2, which F.scaled_mm calls, so without it every FP8
+    linear of a compiled capture was a graph break."""
     recipe = F.ScalingType
     return F.scaled_mm(
         xq,
         w.t(),
         sx.t().contiguous().t(),
-        recipe.BlockWise1x128,  # scales token-major
+        recipe.BlockWise1x128,
         sw,
         recipe.BlockWise128x128,
         output_dtype=dtype,

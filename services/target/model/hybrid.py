@@ -242,17 +242,22 @@ class PackedGatedDeltaNet(nn.Module):
         if self.row.decode is not None:
             return self._decode(x, self.row.decode)[None]
         qkv = conv_in_documents(self.row, m.in_proj_qkv(x), m.conv1d.weight[:, 0])
-        q, k, v, g, beta = self._rule_inputs(x, qkv)
-        o = rule_in_documents(self.row, self.kernel, q, k, v, g, beta)
+        q, k, v, g, beta = self._rule_inputs(x, qkv, grouped=self.kernel is not None)
+        # contiguous here, where a compiled layer writes them so, not in the kernel's input guard (an eager copy)
+        o = rule_in_documents(self.row, self.kernel, q.contiguous(), k.contiguous(), v.contiguous(), g, beta)
         return self._output(x, o)[None]
 
-    def _rule_inputs(self, x, qkv):
-        """The conv output [S, C] and the layer input [S, hidden] -> the delta rule's q, k, v, g, beta."""
+    def _rule_inputs(self, x, qkv, grouped: bool = False):
+        """The conv output [S, C] and the layer input [S, hidden] -> the delta rule's q, k, v, g, beta.
+
+        q and k come with one head per value head, or with grouped=True with their key heads only:
+        flash-linear-attention's chunked kernel shares each key head across its group of value
+        heads itself (GVA), which spares writing and reading them num_v_heads / num_k_heads times."""
         m, s = self.layer, x.shape[0]
         q, k, v = torch.split(qkv, [m.key_dim, m.key_dim, m.value_dim], dim=-1)
         q, k = q.reshape(s, m.num_k_heads, m.head_k_dim), k.reshape(s, m.num_k_heads, m.head_k_dim)
         v = v.reshape(s, m.num_v_heads, m.head_v_dim)
-        if m.num_v_heads != m.num_k_heads:  # each key head serves a group of consecutive value heads
+        if m.num_v_heads != m.num_k_heads and not grouped:  # each key head serves consecutive value heads
             q = q.repeat_interleave(m.num_v_heads // m.num_k_heads, dim=1)
             k = k.repeat_interleave(m.num_v_heads // m.num_k_heads, dim=1)
         beta = m.in_proj_b(x).sigmoid()
