@@ -159,7 +159,11 @@ class FP8Linear(nn.Module):
         return (dequantize(xq, sx, group) @ w.t()).to(dtype)
 
 
-@torch.library.custom_op("dflash::fp8_block_mm", mutates_args=())
+# flexible_layout: inductor hands the op its inputs as it wrote them, and the op lays them out (a
+# no-op for what FP8Linear._block traces). With the default exact strides inductor split the
+# quantization in front of it into two kernels: 217 against 128 us for the 27B's down_proj input
+# on an H100 (docs/benchmarks.md, "The block-FP8 capture")
+@torch.library.custom_op("dflash::fp8_block_mm", mutates_args=(), tags=(torch.Tag.flexible_layout,))
 def fp8_block_mm(
     xq: torch.Tensor, w: torch.Tensor, sx: torch.Tensor, sw: torch.Tensor, dtype: torch.dtype
 ) -> torch.Tensor:
@@ -169,7 +173,7 @@ def fp8_block_mm(
     linear of a compiled capture was a graph break."""
     recipe = F.ScalingType
     return F.scaled_mm(
-        xq,
+        xq.contiguous(),
         w.t(),
         sx.t().contiguous().t(),
         recipe.BlockWise1x128,

@@ -188,14 +188,17 @@ def _layout(row: RowSlot, x: torch.Tensor) -> RowLayout:
     return row.layout if row.layout is not None else RowLayout.one_document(x.shape[0], x.device)
 
 
-def conv_in_documents(row: RowSlot, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """The document-restarted conv on the row in flight. Eager: document_causal_conv (one conv
-    kernel, then the few tokens at document starts again). Compiled: the same sum of K shifted taps
-    in one fused kernel, each tap masked where it would reach into the previous document; only the
-    positions tensor [S] enters the graph, so no shape depends on the row's documents."""
+def conv_in_documents(row: RowSlot, x: torch.Tensor, weight: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
+    """The document-restarted conv on the row in flight, its output split in parts of `sizes` channels
+    (q, k, v). Eager: document_causal_conv (one conv kernel, then the few tokens at document starts
+    again). Compiled: the same sum of K shifted taps, each tap masked where it would reach into the
+    previous document, part by part, so that each part is written once, contiguous (one conv, then
+    the split, wrote them twice: 291 against 193 us for the 27B's [4096, 10240] on an H100); only
+    the positions tensor [S] enters the graph, so no shape depends on the row's documents."""
     if torch.compiler.is_compiling():
-        return masked_tap_conv(x, weight, row.layout.positions)
-    return _eager_conv(row, x, weight)
+        parts = zip(x.split(sizes, -1), weight.split(sizes, 0))
+        return [masked_tap_conv(part, w, row.layout.positions) for part, w in parts]
+    return list(_eager_conv(row, x, weight).split(sizes, -1))
 
 
 @torch.compiler.disable
@@ -215,13 +218,12 @@ def masked_tap_conv(x: torch.Tensor, weight: torch.Tensor, positions: torch.Tens
 
 @torch.compiler.disable
 def rule_in_documents(row: RowSlot, kernel, q, k, v, g, beta) -> torch.Tensor:
-    """The gated delta rule restarted at each document of the row in flight: [S, H, Dv]."""
+    """The gated delta rule restarted at each document of the row in flight: [S, H, Dv]. The kernel
+    takes q and k l2-normalized (PackedGatedDeltaNet.forward), the torch reference normalizes them."""
     cu = _layout(row, q).cu_seqlens
     if kernel is None:
         return reference_delta_rule(q, k, v, g, beta, cu)
-    return kernel(q[None], k[None], v[None], g=g[None], beta=beta[None], use_qk_l2norm_in_kernel=True, cu_seqlens=cu)[
-        0
-    ][0]
+    return kernel(q[None], k[None], v[None], g=g[None], beta=beta[None], cu_seqlens=cu)[0][0]
 
 
 class PackedGatedDeltaNet(nn.Module):
@@ -241,20 +243,30 @@ class PackedGatedDeltaNet(nn.Module):
         x = hidden_states[0]  # [S, hidden]
         if self.row.decode is not None:
             return self._decode(x, self.row.decode)[None]
-        qkv = conv_in_documents(self.row, m.in_proj_qkv(x), m.conv1d.weight[:, 0])
-        q, k, v, g, beta = self._rule_inputs(x, qkv, grouped=self.kernel is not None)
-        # contiguous here, where a compiled layer writes them so, not in the kernel's input guard (an eager copy)
-        o = rule_in_documents(self.row, self.kernel, q.contiguous(), k.contiguous(), v.contiguous(), g, beta)
+        parts = conv_in_documents(self.row, m.in_proj_qkv(x), m.conv1d.weight[:, 0], self.sizes)
+        q, k, v, g, beta = self._rule_inputs(x, parts, grouped=self.kernel is not None)
+        if self.kernel is not None:
+            # fla's kernel gets its key heads once (GVA), q and k l2-normalized in the compiled layer
+            # (fused with the conv: fla's own l2norm was two more launches, ~0.45 ms of host time a
+            # layer) and contiguous tensors (no eager copy in its input guard)
+            q, k, v = _l2norm(q.float()).to(q.dtype), _l2norm(k.float()).to(k.dtype), v.contiguous()
+        o = rule_in_documents(self.row, self.kernel, q, k, v, g, beta)
         return self._output(x, o)[None]
 
-    def _rule_inputs(self, x, qkv, grouped: bool = False):
-        """The conv output [S, C] and the layer input [S, hidden] -> the delta rule's q, k, v, g, beta.
+    @property
+    def sizes(self) -> list[int]:
+        """The conv output's parts: q, k, v channels."""
+        return [self.layer.key_dim, self.layer.key_dim, self.layer.value_dim]
+
+    def _rule_inputs(self, x, parts, grouped: bool = False):
+        """The conv output's q, k, v parts [S, C_i] and the layer input [S, hidden] -> the delta
+        rule's q, k, v, g, beta.
 
         q and k come with one head per value head, or with grouped=True with their key heads only:
         flash-linear-attention's chunked kernel shares each key head across its group of value
         heads itself (GVA), which spares writing and reading them num_v_heads / num_k_heads times."""
         m, s = self.layer, x.shape[0]
-        q, k, v = torch.split(qkv, [m.key_dim, m.key_dim, m.value_dim], dim=-1)
+        q, k, v = parts
         q, k = q.reshape(s, m.num_k_heads, m.head_k_dim), k.reshape(s, m.num_k_heads, m.head_k_dim)
         v = v.reshape(s, m.num_v_heads, m.head_v_dim)
         if m.num_v_heads != m.num_k_heads and not grouped:  # each key head serves consecutive value heads
@@ -329,7 +341,9 @@ class PackedGatedDeltaNet(nn.Module):
         window = self._row_window(states, mixed)  # the K-1 inputs before, then T
         w = m.conv1d.weight[:, 0]
         qkv = F.silu(F.conv1d(window.transpose(1, 2), w[:, None, :].to(x.dtype), groups=w.shape[0]).transpose(1, 2))
-        inputs = [y.unflatten(0, (b, t)) for y in self._rule_inputs(x.flatten(0, 1), qkv.flatten(0, 1))]
+        inputs = [
+            y.unflatten(0, (b, t)) for y in self._rule_inputs(x.flatten(0, 1), qkv.flatten(0, 1).split(self.sizes, -1))
+        ]
         o = self._row_rule(states, window, inputs)
         return self._output(x.flatten(0, 1), o.flatten(0, 1)).unflatten(0, (b, t))
 
@@ -360,7 +374,7 @@ class PackedGatedDeltaNet(nn.Module):
         window = torch.cat([state.conv, mixed])  # the K-1 inputs before, then T
         w = m.conv1d.weight[:, 0]
         qkv = F.silu(F.conv1d(window.T[None], w[:, None, :].to(x.dtype), groups=w.shape[0])[0].T)
-        q, k, v, g, beta = self._rule_inputs(x, qkv)
+        q, k, v, g, beta = self._rule_inputs(x, qkv.split(self.sizes, -1))
         if not decode.verifying:  # prefill: committed at once
             o, state.recurrent = self.run_rule(q, k, v, g, beta, state.recurrent)
             state.conv = window[mixed.shape[0] :]
