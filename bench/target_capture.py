@@ -320,8 +320,10 @@ def compiled_records(
         } | roofline(model, lens, ids[-1] + 1, t, rates or {}, layout)
         if args.attention_ab and target.varlen:  # the same compiled layers with SDPA per document beside it
             target.varlen = False
-            per_doc = timed(lambda: capture_to_host(target, row, False, out), args.iters, args.warmup)
-            target.varlen = True
+            try:
+                per_doc = timed(lambda: capture_to_host(target, row, False, out), args.iters, args.warmup)
+            finally:  # the later rows and precisions run the service's attention again
+                target.varlen = True
             ab = {"per_document_attention_tok_s": seq / per_doc, "varlen_vs_per_document": per_doc / t}
             rec[f"compiled_{mix}{sfx}"] |= ab
     breaks = counters["graph_break"]
@@ -372,7 +374,7 @@ def format_record(r: dict) -> str:
 
     rows = [
         f"{r['shape']} S={r['seq_len']} layers {r['layer_ids']} (width {r['hidden_width']}), "
-        f"capture path {r['path']}, attention {r.get('attention', '?')}, peak mem {r['peak_mem_gb']:.1f} GB"
+        f"capture path {r['path']}, attention {r['attention']}, peak mem {r['peak_mem_gb']:.1f} GB"
     ]
     for name in ["bare"] + [k for k in r if k.startswith(("capture_", "compiled_"))] + ["labels_packed"]:
         if name in r:
