@@ -96,24 +96,31 @@ def spawn_drafter(run_dir, *args, rank=0, world_size=1, port=None, preexec_fn=No
     )
 
 
+# the loopback addresses the multi-host tests run their "hosts" on (Linux routes all of 127/8 to lo)
+TEST_HOSTS = ("127.0.0.1", "127.0.0.2", "127.0.0.3")
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A tcp port nobody listens on right now (the rendezvous of a lone drafter rank)."""
     return free_ports(1, host)
 
 
-def free_ports(count: int, host: str = "127.0.0.1", align: int = 1) -> int:
-    """The first of `count` consecutive tcp ports (the first a multiple of align) that bind right now,
-    all below the kernel's ephemeral range: a port found free inside that range can be taken by any
-    outgoing connection (gloo and the stores open many) before the worker binds it."""
+def free_ports(count: int, host: str | None = None, align: int = 1) -> int:
+    """The first of `count` consecutive tcp ports (the first a multiple of align) that bind right now
+    on `host`, or on every one of TEST_HOSTS, all below the kernel's ephemeral range: a port found
+    free inside that range can be taken by any outgoing connection (gloo and the stores open many)
+    before the worker binds it. Every test host: a port free on 127.0.0.1 was held on 127.0.0.2 by
+    another test's workers (a clean-clone CI run failed on "Address already in use")."""
+    hosts = (host,) if host else TEST_HOSTS
     try:
         ephemeral = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     except (OSError, ValueError, IndexError):
         ephemeral = 32768  # Linux's default
     for _ in range(100):
         first = random.randrange(-(-10000 // align) * align, ephemeral - count, align)
-        if all(_binds(host, port) for port in range(first, first + count)):
+        if all(_binds(h, port) for port in range(first, first + count) for h in hosts):
             return first
-    raise RuntimeError(f"no {count} free tcp ports in a row below {ephemeral} on {host}")
+    raise RuntimeError(f"no {count} free tcp ports in a row below {ephemeral} on {', '.join(hosts)}")
 
 
 def _binds(host: str, port: int) -> bool:
