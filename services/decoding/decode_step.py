@@ -19,6 +19,7 @@ ROLLBACKS names how a hybrid target's Gated DeltaNet state drops a rejected suff
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -87,12 +88,19 @@ class Decoded:
 
 
 NEAR_TIE_ULPS = 4
+E4M3_EPS = 2.0**-3  # float8_e4m3fn keeps 3 mantissa bits
 
 
-def rounding_tolerance(top1: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def rounding_tolerance(top1: torch.Tensor, dtype: torch.dtype, fp8: bool = False) -> torch.Tensor:
     """NEAR_TIE_ULPS units of rounding of `dtype` at the logits' magnitude (at least 1): a margin
-    below it can flip between two forwards that only round differently (docs/guide/acceptance.md)."""
-    return NEAR_TIE_ULPS * torch.finfo(dtype).eps * top1.float().abs().clamp(min=1.0)
+    below it can flip between two forwards that only round differently (docs/guide/acceptance.md).
+
+    fp8: the target's decoder linears quantize their inputs to e4m3 at every call, so a difference
+    of one unit of `dtype` in an input flips an e4m3 rounding with odds eps / E4M3_EPS, and each flip
+    moves it by E4M3_EPS: the unit becomes sqrt(eps * E4M3_EPS), 4x bf16's (4-6x measured)."""
+    eps = torch.finfo(dtype).eps
+    unit = math.sqrt(eps * E4M3_EPS) if fp8 else eps
+    return NEAR_TIE_ULPS * unit * top1.float().abs().clamp(min=1.0)
 
 
 def logits_weight(lm_head: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

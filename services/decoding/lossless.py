@@ -6,7 +6,7 @@ prompt differs, the first differing position says why. The target's top-1 minus 
 there, from the reference's forward or the verify forward (the smaller one), is compared with the
 rounding of the target's dtype at that logit's magnitude (services/decoding/decode_step.py,
 rounding_tolerance: 4 ulps, 4 * eps(dtype) * max(1, |top-1 logit|); eps is 2^-7 for bf16, 2^-10
-for fp16, 2^-23 for fp32):
+for fp16, 2^-23 for fp32, and sqrt(eps * 2^-3) for a target whose decoder linears run in FP8):
   - margin <= tolerance: a near-tie. A block forward and a one-token forward round differently,
     and a tie within rounding may go either way: not a bug of the decoding;
   - margin > tolerance: the two forwards disagree by more than rounding: a bug.

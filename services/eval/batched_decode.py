@@ -25,8 +25,8 @@ are speculative.py's; the numbers differ only by rounding (another packing round
 services/decoding/lossless.py's near-tie rule).
 
 Logits are computed in fp32 from the final hidden state: SmolLM2's bf16 logits tie exactly often
-enough to split greedy decoding at a tie (measured); the near-tie tolerance stays the model dtype's,
-the rounding of the hidden state the logits come from.
+enough to split greedy decoding at a tie (measured); the near-tie tolerance stays the model dtype's
+(widened for FP8 decoder linears: rounding_tolerance), the rounding of the hidden state the logits come from.
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ class PackedVerifier:
     def __init__(self, target):
         self.target = target
         self.dtype = target.model.dtype
+        self.fp8 = target.fp8_linears  # the near-tie rounding (rounding_tolerance)
         self.lm_head = logits_weight(target.model.get_output_embeddings().weight, self.dtype)
 
     @torch.no_grad()
@@ -64,7 +65,7 @@ class PackedVerifier:
         rows = torch.cat([torch.arange(end - tail, end) for end, tail in zip(ends, tails)]).to(device)
         top = exact_logits(final[rows], self.lm_head, self.dtype).topk(2, dim=-1)
         greedy, margin = top.indices[:, 0].cpu(), (top.values[:, 0] - top.values[:, 1]).cpu()
-        tolerance = rounding_tolerance(top.values[:, 0], self.dtype).cpu()
+        tolerance = rounding_tolerance(top.values[:, 0], self.dtype, self.fp8).cpu()
         out, first = [], 0
         for end, n, tail in zip(ends, lengths.tolist(), tails):
             cut = slice(first, first + tail)

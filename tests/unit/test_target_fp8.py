@@ -452,6 +452,35 @@ def test_eval_takes_the_target_precision_to_verify_with(tmp_path, capsys):
     assert "target.quantize" not in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("quantized", [False, True])
+def test_the_near_tie_rounding_covers_an_fp8_targets_amplified_rounding(quantized):
+    """Two forwards that round differently (a block against one token, two GEMMs' sum orders) differ
+    by a unit of bf16 here and there. In bf16 the logits then move by a few units of bf16 rounding; an
+    FP8 target requantizes every linear's input to e4m3, where such a difference flips roundings 16x
+    coarser, so its logits move about 4x more (rounding_tolerance's sqrt(eps * E4M3_EPS)). Measured on
+    a random model: one unit of bf16 on a tenth of the embeddings' elements, the largest logit change
+    in units of bf16 at the top-1 logit's magnitude: within the target's near-tie tolerance, and for
+    FP8 beyond bf16's (so without the wider rounding a rounding difference would read as a bug)."""
+    from services.decoding.decode_step import rounding_tolerance
+    from services.target.model.model import Target
+
+    torch.manual_seed(1)
+    model = dense_model(layers=3, width=256, intermediate=512).to(torch.bfloat16)
+    if quantized:
+        fp8.quantize_decoder(model, decoder_layers(model))
+    assert Target(model, [1]).fp8_linears == quantized
+    embeddings = model.get_input_embeddings()(torch.randint(0, VOCAB, (1, 64)))
+    up = torch.nextafter(embeddings, torch.full_like(embeddings, math.inf))  # one unit of bf16 up
+    bumped = torch.where(torch.rand(embeddings.shape) < 0.1, up, embeddings)
+    with torch.no_grad():
+        logits, moved = (model(inputs_embeds=e).logits[0].float() for e in (embeddings, bumped))
+    change = (moved - logits).abs().amax(-1)
+    top1 = logits.amax(-1)
+    bf16_rounding = rounding_tolerance(top1, torch.bfloat16)
+    assert torch.all(change <= rounding_tolerance(top1, torch.bfloat16, fp8=quantized))
+    assert bool(torch.any(change > bf16_rounding)) == quantized
+
+
 def test_few_token_steps_are_off_unless_asked_and_never_where_the_kernel_cannot_run():
     """The few-token kernel is off in the service; asked for on the CPU (no triton kernel there) it
     stays off and the layer computes as before; a mode that does not exist is refused by name."""

@@ -232,6 +232,12 @@ class Target:
         self._hooks: list = []
         self.capture_layers(self.info.layer_ids)
 
+    @property
+    def fp8_linears(self) -> bool:
+        """Whether decoder linears run in FP8: their inputs rounded to e4m3 at every call, which widens
+        the near-tie rule's rounding (services/decoding/decode_step.py rounding_tolerance)."""
+        return any(isinstance(m, fp8.FP8Linear) for m in self.layers.modules())
+
     def capture_layers(self, layer_ids: list[int]) -> None:
         """Capture these layers (in range, each once; sorted here) from now on, in place of those before: how
         `launcher eval` serves checkpoints that read other layers than the run's config names."""

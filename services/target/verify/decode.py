@@ -83,6 +83,7 @@ class DecodeSession:
     def __init__(self, target: Target, rollback: str = ROLLBACKS[0]):
         check_decodable(target)
         self.target = target
+        self.fp8 = target.fp8_linears  # the near-tie rounding (rounding_tolerance)
         self.state = DecodeState(rollback)
         self.cache = AttentionCache()
         self.length = 0  # committed tokens
@@ -146,6 +147,6 @@ class DecodeSession:
         return Step(
             greedy=logits.argmax(-1),
             margin=top[:, 0] - top[:, 1],
-            tolerance=rounding_tolerance(top[:, 0], logits.dtype),
+            tolerance=rounding_tolerance(top[:, 0], logits.dtype, self.fp8),
             features=features,
         )

@@ -19,7 +19,7 @@ keeps each row's accepted prefix (the rule run again with the rejected tokens ma
 
 The decisions (acceptance, stop tokens, limits) are speculative.py's Decoded.accept, so the records
 and figures are the same as the one-prompt loop's; logits are computed in fp32 from the final hidden
-state, as batched_decode.py does (the near-tie tolerance stays the model dtype's).
+state, as batched_decode.py does (the near-tie tolerance stays the model dtype's, or FP8's).
 """
 
 from __future__ import annotations
@@ -65,6 +65,7 @@ class Slots:
         if not prompts or not all(prompts):
             raise ValueError("slot decoding needs at least one prompt, each of at least one token")
         self.target, self.device, self.dtype = target, target.device, target.model.dtype
+        self.fp8 = target.fp8_linears  # the near-tie rounding (rounding_tolerance)
         self.capacity = max(len(p) for p in prompts) + room
         rows = rows or len(prompts)
         self.cache = SlotCache(rows, self.capacity)
@@ -138,7 +139,7 @@ class Slots:
             probs = torch.softmax(logits.flatten(0, 1) / temperature, -1)
             tokens = torch.multinomial(probs, 1, generator=generator).view(tokens.shape)
         margin = top.values[..., 0] - top.values[..., 1]
-        return tokens, margin, rounding_tolerance(top.values[..., 0], self.dtype)
+        return tokens, margin, rounding_tolerance(top.values[..., 0], self.dtype, self.fp8)
 
     def prefill(self, prompts: list[list[int]], rows: list[int] | None = None, **sample) -> list[Decoded]:
         """Every prompt through the target, prompt i into row rows[i] (default: row i), a row's
