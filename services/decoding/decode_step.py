@@ -88,7 +88,7 @@ class Decoded:
 
 
 NEAR_TIE_ULPS = 4
-E4M3_EPS = 2.0**-3  # float8_e4m3fn keeps 3 mantissa bits
+E4M3_EPS = torch.finfo(torch.float8_e4m3fn).eps  # 2^-3: e4m3 keeps 3 mantissa bits
 
 
 def rounding_tolerance(top1: torch.Tensor, dtype: torch.dtype, fp8: bool = False) -> torch.Tensor:
