@@ -5,8 +5,9 @@ is the environment every child gets (this checkout first on PYTHONPATH, so the c
 runs, not an installed copy). run_launcher() runs `python -m
 launcher ...` to its end, start_launcher() in the background; spawn_drafter() starts one drafter
 rank on its own (drafter_env() is its environment). The waits: wait_for (any condition while a
-process lives), wait_metrics (N lines of metrics.jsonl), wait_ready_then_metrics (the launcher's
-"all workers ready", then a metrics line), drafter_stuck (drafter-0 waits for a batch, makes no step).
+process lives), running (a pid alive and not a zombie), wait_metrics (N lines of metrics.jsonl),
+wait_ready_then_metrics (the launcher's "all workers ready", then a metrics line), drafter_stuck
+(drafter-0 waits for a batch, makes no step).
 """
 
 import json
@@ -17,6 +18,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+import psutil
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -133,6 +136,14 @@ def _binds(host: str, port: int) -> bool:
 
 
 # --- waiting on a real run ---------------------------------------------------------------------
+
+
+def running(pid: int) -> bool:
+    """Whether pid is a live process (not gone, not a zombie); a process that exits while it is asked is gone."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 def wait_for(condition, what: str, proc: subprocess.Popen, timeout_s: float = 300, every_s: float = 0.2) -> None:

@@ -14,7 +14,7 @@ import pytest
 
 from services.drafter.books.ledger import read_all
 from services.process.log import events
-from tests.launching import PLUMBING, REPO, drafter_stuck, launcher_argv, wait_for
+from tests.launching import PLUMBING, REPO, drafter_stuck, launcher_argv, running, wait_for
 
 STEPS, LOG_EVERY = 30, 2
 SMALL = [
@@ -45,7 +45,6 @@ def target_pids(run_dir: Path) -> dict[int, int]:
 def stop_after_some_steps(run_dir: Path, args: list[str]) -> int:
     """Start the run; once it has trained a few steps, freeze its targets (so that no machine is fast
     enough to finish first), `launcher down`, thaw them. The step the drafters stopped at."""
-    import psutil
 
     proc = subprocess.Popen(args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
@@ -65,9 +64,7 @@ def stop_after_some_steps(run_dir: Path, args: list[str]) -> int:
             text=True,
         )
         deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and any(
-            psutil.pid_exists(p) and psutil.Process(p).status() != "zombie" for p in drafters
-        ):
+        while time.monotonic() < deadline and any(running(p) for p in drafters):
             time.sleep(0.2)
         for pid in targets:
             os.kill(pid, signal.SIGCONT)  # let them see their SIGTERM

@@ -22,7 +22,7 @@ import pytest
 
 from services.drafter.books.ledger import read_all
 from services.run.files import sha256_file
-from tests.launching import PLUMBING, REPO, child_env, launcher_argv, run_launcher
+from tests.launching import PLUMBING, REPO, child_env, launcher_argv, run_launcher, running
 
 DEMO = ["--demo", "--device", "cpu", "--gpus", "0:target,1-2:drafter"]
 
@@ -56,11 +56,9 @@ def all_pids(run_dir: Path) -> list[int]:
 
 def assert_no_worker_left(run_dir: Path) -> None:
     deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and any(
-        psutil.pid_exists(p) and psutil.Process(p).status() != "zombie" for p in all_pids(run_dir)
-    ):
+    while time.monotonic() < deadline and any(running(p) for p in all_pids(run_dir)):
         time.sleep(0.2)
-    left = [p for p in all_pids(run_dir) if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]
+    left = [p for p in all_pids(run_dir) if running(p)]
     assert not left, f"workers still running after the launcher exited: {left}"
 
 
@@ -206,9 +204,7 @@ def test_launcher_kill_9_leaves_no_orphans(tmp_path):
     proc.kill()
     proc.wait()
     gone_by = time.monotonic() + 60  # workers finish their step (or their load) and exit
-    while time.monotonic() < gone_by and any(
-        psutil.pid_exists(p) and psutil.Process(p).status() != "zombie" for p in pids
-    ):
+    while time.monotonic() < gone_by and any(running(p) for p in pids):
         time.sleep(0.5)
     assert_no_worker_left(run_dir)
 

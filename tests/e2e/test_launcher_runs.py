@@ -16,11 +16,10 @@ import textwrap
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 
 from launcher import process
-from tests.launching import child_env, free_ports, run_launcher, start_launcher
+from tests.launching import child_env, free_ports, run_launcher, running, start_launcher
 
 
 @pytest.fixture
@@ -235,7 +234,7 @@ def test_second_ctrl_c_kills_a_stuck_stop(tmp_path):
     assert f"SIGINT from pid {os.getpid()} again: the same stop request" in err
     assert "second signal: killing every worker now" in err
     assert out.split()[:2] == ["exit", "3"] and float(out.split()[2]) < 20, out
-    assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids)
+    assert not any(running(p) for p in pids)
 
 
 @pytest.mark.processes

@@ -15,7 +15,7 @@ import pytest
 
 from services.drafter.books.ledger import read_all
 from services.process.log import events
-from tests.launching import PLUMBING, REPO, drafter_stuck, launcher_argv, run_launcher, wait_for
+from tests.launching import PLUMBING, REPO, drafter_stuck, launcher_argv, run_launcher, running, wait_for
 from tests.old_configs import before_the_split
 
 # the plumbing settings; steps enough for three evaluations and a loss that falls
@@ -119,7 +119,6 @@ def test_stop_while_waiting_for_data_checkpoints_and_resume_finishes_the_run(tmp
     """`launcher down` while the drafters wait for a frozen target: they leave the wait, checkpoint
     and exit 0 (nothing killed hard); `launcher up --resume` then finishes, every batch once, from a
     checkpoint whose config.json uses the key names from before the config's split into sections."""
-    import psutil
 
     steps, run_dir = 60, tmp_path / "run"
     args = launcher_argv(
@@ -152,13 +151,7 @@ def test_stop_while_waiting_for_data_checkpoints_and_resume_finishes_the_run(tmp
             text=True,
         )
         deadline = time.monotonic() + 60
-        while (
-            any(
-                psutil.pid_exists(pids[d]) and psutil.Process(pids[d]).status() != "zombie"
-                for d in ("drafter-0", "drafter-1")
-            )
-            and time.monotonic() < deadline
-        ):
+        while any(running(pids[d]) for d in ("drafter-0", "drafter-1")) and time.monotonic() < deadline:
             time.sleep(0.2)
         os.kill(pids["target-0"], signal.SIGCONT)  # let it see its SIGTERM
         down_out, _ = down.communicate(timeout=150)

@@ -16,7 +16,7 @@ import psutil
 import pytest
 
 from tests.e2e.test_launcher_demo import all_pids, assert_exactly_once, assert_no_worker_left, metrics, plumbing
-from tests.launching import child_env, wait_for
+from tests.launching import child_env, running, wait_for
 
 pytestmark = pytest.mark.training
 
@@ -82,7 +82,7 @@ def test_frozen_workers_are_restarted_alone_and_no_port_opens_off_loopback():
                 r"restarting",
                 output(),
             ), output()[-3000:]
-            assert not psutil.pid_exists(target) or psutil.Process(target).status() == psutil.STATUS_ZOMBIE
+            assert not running(target)
             steps = len(metrics(run_dir))
             wait_for(lambda: len(metrics(run_dir)) > steps + 2, "training after the target's restart", proc)
 

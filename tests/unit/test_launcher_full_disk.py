@@ -10,10 +10,9 @@ import sys
 import textwrap
 from pathlib import Path
 
-import psutil
 import pytest
 
-from tests.launching import child_env
+from tests.launching import child_env, running
 
 
 def fill(folder: Path) -> None:
@@ -78,4 +77,4 @@ def test_a_launcher_that_cannot_write_fails_the_run_in_one_line_and_stops_the_wo
     failed = [line for line in out.splitlines() if line.startswith("run failed:")]
     assert len(failed) == 1 and f"no space left on {run_dir}" in failed[0], out
     assert "outcome not recorded: no space left on" in out
-    assert not psutil.pid_exists(drafter) or psutil.Process(drafter).status() == psutil.STATUS_ZOMBIE
+    assert not running(drafter)
