@@ -194,21 +194,26 @@ def test_a_domino_drafter_learns_and_reports_its_backbone_alone():
 
 def test_the_warmup_compiles_the_loss_of_both_halves_of_the_curriculum():
     """Once lambda reaches 0 the loss chunk drops its base CE: a second graph. The warmup compiles it, so
-    training through the curriculum's end compiles nothing (on the 27B preset's GPU run it had been one
-    step of 3.5 s mid-run). The chunk is compiled here with a counting backend on the CPU."""
+    training and evaluating through the curriculum's end compile nothing (on the 27B preset's GPU run it
+    had been one step of 3.5 s mid-run). The chunk is compiled here with a counting backend on the CPU."""
     from torch._dynamo.testing import CompileCounter
 
+    from services.drafter.training.evaluate import evaluate
     from services.drafter.training.warmup import warmup
 
     state, source = make('drafter.objective="domino"', steps=8)
     counter = CompileCounter()
     state.domino_chunk = torch.compile(domino.domino_chunk, backend=counter, dynamic=False)
     batches = list(source)
-    warmup(state, batches[0])
-    assert state.step == 0 and counter.frame_count == 2  # lambda > 0 and lambda = 0, nothing trained
-    lams = [train_step(state, batch)["lambda_base"] for batch in batches]
+    warmup(state, batches[0], with_eval=True)
+    # with and without gradients (training, the held-out evaluation), lambda > 0 and lambda = 0; nothing trained
+    assert state.step == 0 and counter.frame_count == 4
+    lams = []
+    for batch in batches:
+        lams.append(train_step(state, batch)["lambda_base"])
+        evaluate(state, [batch])
     assert lams[0] > 0 and lams[-1] == 0.0
-    assert counter.frame_count == 2
+    assert counter.frame_count == 4
 
 
 def test_domino_settings_are_checked_by_name():

@@ -12,8 +12,6 @@ its own interpreter on batches from a target core (tests/inprocess.py).
 
 from __future__ import annotations
 
-import time
-
 import torch
 from torch import nn
 
@@ -24,7 +22,6 @@ from services.drafter.modeling.loss import ChunkFns, Fp8Head
 from services.drafter.modeling.model import DFlashDrafter
 from services.drafter.modeling.precision import apply_precision
 from services.drafter.modeling.target_head import TargetHead
-from services.drafter.training.evaluate import evaluate
 from services.drafter.training.train import StepSettings, TrainState, check_batch, make_scheduler, train_step
 from services.drafter.training.warmup import warmup
 from services.run.config import Config
@@ -74,12 +71,7 @@ class DrafterCore:
 
     def compile(self, dummy: Batch, with_eval: bool) -> float:
         """Compile the train step (and the eval forward, when the run evaluates) on a made-up batch; seconds."""
-        seconds = warmup(self.state, dummy)
-        if with_eval:  # the forward-only graph, compiled now rather than mid-run
-            start = time.perf_counter()
-            evaluate(self.state, [dummy])
-            seconds += time.perf_counter() - start
-        return round(seconds, 3)
+        return round(warmup(self.state, dummy, with_eval=with_eval), 3)
 
     def plan(self, plan) -> None:
         """The lr schedule over the run's plan (schedule.py), known once the targets have said how many

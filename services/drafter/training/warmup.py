@@ -12,23 +12,29 @@ import contextlib
 import time
 
 
-def warmup(state, batch, repeats: int = 2) -> float:
+def warmup(state, batch, repeats: int = 2, with_eval: bool = False) -> float:
     """Compile at the exact shapes: full forward + backward on `batch`, `repeats` times (the second
-    pass proves the graphs are reused), leaving parameters and optimizer untouched. Returns seconds.
+    pass proves the graphs are reused), and with_eval the held-out evaluation's forward, leaving
+    parameters and optimizer untouched. Returns seconds.
 
     A Domino drafter's loss leaves out its base CE once the curriculum's lambda reaches 0
     (modeling/domino.py), a second graph of the compiled loss: one more pass as at the run's end
     compiles it here, not as one step of seconds mid-run (3.5 s on the 27B preset's GPU run)."""
     import torch
 
+    from services.drafter.training.evaluate import evaluate
     from services.drafter.training.train import train_step
 
     start = time.perf_counter()
     for _ in range(repeats):
         train_step(state, batch, dry_run=True)
+    if with_eval:
+        evaluate(state, [batch])
     if state.drafter.cfg.domino:
         with at_run_end(state):
             train_step(state, batch, dry_run=True)
+            if with_eval:
+                evaluate(state, [batch])
     if state.device.type == "cuda":
         torch.cuda.synchronize()
     return time.perf_counter() - start
